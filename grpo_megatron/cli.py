@@ -1,0 +1,122 @@
+"""Command line: `grpo-megatron <command> CONFIG [section.key=value ...]`.
+
+Importing this module and `--help` import neither torch nor megatron-core (each handler imports what
+it needs), so the CLI answers instantly. A new subcommand is one `Command` entry in COMMANDS.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from grpo_megatron import __version__
+
+if TYPE_CHECKING:
+    from grpo_megatron.config import JobConfig
+
+# Exit code for a bad config or command line (argparse uses the same).
+EXIT_USAGE = 2
+
+
+@dataclass(frozen=True)
+class Command:
+    """One subcommand that runs on a job config."""
+
+    name: str
+    """Subcommand name, e.g. "check"."""
+    help: str
+    """One line for `grpo-megatron --help`."""
+    run: Callable[[JobConfig, argparse.Namespace], int]
+    """Handler: receives the loaded and validated config and the parsed arguments; returns the exit code.
+    Heavy imports go inside it."""
+    add_arguments: Callable[[argparse.ArgumentParser], None] | None = None
+    """Extra arguments beyond CONFIG and the overrides."""
+
+
+def _world_size_from_env() -> int:
+    # torchrun and our srun launcher export WORLD_SIZE; a plain `python -m` run is one process.
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def _add_world_size(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--world-size",
+        type=int,
+        default=None,
+        help="number of ranks to validate the layout for (default: $WORLD_SIZE, else 1)",
+    )
+
+
+def _run_check(cfg: JobConfig, args: argparse.Namespace) -> int:
+    print(f"# resolved config for world size {args.world_size}")
+    print(cfg.resolve(args.world_size).to_yaml(), end="")
+    return 0
+
+
+def _run_sanity(cfg: JobConfig, args: argparse.Namespace) -> int:
+    try:
+        from grpo_megatron.training.sanity import main as sanity_main
+    except ModuleNotFoundError as e:
+        if e.name != "grpo_megatron.training.sanity":
+            raise
+        print("grpo-megatron: error: the sanity command is not built yet", file=sys.stderr)
+        return EXIT_USAGE
+    return sanity_main(cfg)
+
+
+COMMANDS: tuple[Command, ...] = (
+    Command("check", "load and validate a config, print it resolved for the world size", _run_check, _add_world_size),
+    Command("sanity", "build the policy at the configured layout and run a few training steps", _run_sanity),
+)
+
+
+def build_parser(commands: Sequence[Command] = COMMANDS) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="grpo-megatron",
+        description="GRPO for Mixture-of-Experts language models on megatron-core.",
+        epilog=(
+            "examples:\n"
+            "  grpo-megatron check examples/tiny_moe.yaml parallel.ep=2 --world-size 2\n"
+            "  torchrun --nproc-per-node 2 -m grpo_megatron sanity examples/tiny_moe.yaml parallel.tp=2"
+        ),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for command in commands:
+        p = sub.add_parser(command.name, help=command.help, description=command.help)
+        p.add_argument("config", metavar="CONFIG", help="job config YAML file")
+        p.add_argument(
+            "overrides",
+            nargs="*",
+            metavar="section.key=value",
+            help="override config values, e.g. train.lr=1e-5 model.hf_overrides.num_experts=8",
+        )
+        if command.add_arguments is not None:
+            command.add_arguments(p)
+        p.set_defaults(handler=command.run)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if getattr(args, "world_size", None) is None:
+        args.world_size = _world_size_from_env()
+
+    from grpo_megatron.config import ConfigError, load_config, validate
+
+    try:
+        cfg = load_config(args.config, args.overrides)
+        validate(cfg, args.world_size)
+    except ConfigError as e:
+        print(f"grpo-megatron: error: {args.config}: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    return args.handler(cfg, args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,102 @@
+"""Model section of the job config: which Hugging Face model to build and how.
+
+Only the standard library here: the config must load (and the CLI answer `--help`) without torch.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+# Hugging Face `model_type` values the model builder accepts. One place, so the model registry can
+# replace it later without touching the validation code.
+SUPPORTED_MODEL_TYPES: tuple[str, ...] = ("qwen2", "qwen3", "qwen3_moe", "deepseek_v3", "mixtral")
+
+# config.json keys that hold the number of routed experts, by model family:
+# qwen3_moe / qwen2_moe: num_experts, deepseek_v3: n_routed_experts, mixtral: num_local_experts.
+EXPERT_COUNT_KEYS: tuple[str, ...] = ("num_experts", "n_routed_experts", "num_local_experts")
+
+
+@dataclass
+class ModelConfig:
+    """The policy model: a Hugging Face model directory plus how megatron-core should build it."""
+
+    hf_path: str
+    """Directory holding config.json (and possibly weights and tokenizer). A relative path in a YAML
+    file resolves against that file's directory; one given as a command-line override, against the
+    current directory."""
+    hf_overrides: dict[str, Any] = field(default_factory=dict)
+    """Values that replace top-level config.json keys, e.g. {num_hidden_layers: 2} to shrink a model."""
+    dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"
+    """Parameter and compute dtype of the trained model (optimizer state stays float32)."""
+    make_vocab_size_divisible_by: int = 128
+    """Pad the embedding/output vocabulary to a multiple of this (times TP), as megatron does."""
+    transformer_impl: Literal["auto", "local", "transformer_engine"] = "auto"
+    """Layer implementation: auto = TransformerEngine when importable, else megatron's local spec."""
+    moe_token_dispatcher: Literal["alltoall", "allgather"] = "alltoall"
+    """How tokens travel to their experts across the expert-parallel group."""
+    moe_aux_loss_coeff: float = 0.0
+    """Load-balancing auxiliary loss weight; 0 keeps the RL loss pure."""
+    recompute: Literal["none", "selective", "full"] = "none"
+    """Activation recomputation: trades compute for memory in the backward pass."""
+
+    def config_json_path(self) -> Path:
+        return Path(self.hf_path) / "config.json"
+
+    def load_hf_config(self) -> dict[str, Any]:
+        """Read config.json from `hf_path` and apply `hf_overrides` on top (top-level keys)."""
+        path = self.config_json_path()
+        if not path.is_file():
+            raise ValueError(
+                f"model.hf_path={self.hf_path!r}: no config.json at {display_path(path)}; "
+                "set model.hf_path to a Hugging Face model directory that contains config.json"
+            )
+        try:
+            hf_config = json.loads(path.read_text())
+        except json.JSONDecodeError as e:
+            raise ValueError(
+                f"model.hf_path={self.hf_path!r}: {display_path(path)} is not valid JSON ({e}); "
+                "fix the file or point model.hf_path elsewhere"
+            ) from e
+        if not isinstance(hf_config, dict):
+            raise ValueError(
+                f"model.hf_path={self.hf_path!r}: {display_path(path)} holds a "
+                f"{type(hf_config).__name__}, not a JSON object; point model.hf_path at a model directory"
+            )
+        return {**hf_config, **self.hf_overrides}
+
+    def validate(self) -> None:
+        """Checks that need only this section; checks against config.json live in grpo_megatron.config."""
+        errors = []
+        if not self.hf_path:
+            errors.append("model.hf_path is empty: set it to a directory holding config.json")
+        if self.make_vocab_size_divisible_by < 1:
+            errors.append(
+                f"model.make_vocab_size_divisible_by={self.make_vocab_size_divisible_by} must be >= 1 "
+                "(128 is megatron's default)"
+            )
+        if self.moe_aux_loss_coeff < 0:
+            errors.append(f"model.moe_aux_loss_coeff={self.moe_aux_loss_coeff} must be >= 0 (0 disables it)")
+        if errors:
+            raise ValueError("\n".join(errors))
+
+
+def num_routed_experts(hf_config: dict[str, Any]) -> int:
+    """Number of routed experts in a Hugging Face config; 0 for a dense model."""
+    for key in EXPERT_COUNT_KEYS:
+        value = hf_config.get(key)
+        if value:
+            return int(value)
+    return 0
+
+
+def display_path(path: str | os.PathLike[str]) -> str:
+    """`path` relative to the current directory when it lies below it (shorter messages), else as is."""
+    path = Path(path)
+    try:
+        return str(path.resolve().relative_to(Path.cwd().resolve()))
+    except ValueError:
+        return str(path)

@@ -1,0 +1,52 @@
+"""Rollout section of the job config: how responses are sampled from the policy."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+
+@dataclass
+class RolloutConfig:
+    """Generation settings for the rollout engine."""
+
+    engine: Literal["embedded", "sglang"] = "embedded"
+    """embedded = generate with the megatron policy itself (CPU and small runs);
+    sglang = a colocated SGLang engine fed with the trainer's weights (GPU only)."""
+    n_samples_per_prompt: int = 8
+    """Group size G of GRPO: responses sampled per prompt, compared with each other."""
+    temperature: float = 1.0
+    """Sampling temperature; 1.0 samples from the policy itself, as the GRPO objective assumes."""
+    top_p: float = 1.0
+    """Nucleus sampling mass in (0, 1]; 1.0 disables it."""
+    top_k: int = -1
+    """Sample from the k most likely tokens; -1 disables it."""
+    max_new_tokens: int = 1024
+    """Longest response generated per sample."""
+    placement: Literal["per_dp_rank", "per_node"] = "per_dp_rank"
+    """Where sglang engines live: one per data-parallel rank (each serves its own prompts) or one per node."""
+    gpu_memory_utilization: float = 0.5
+    """Fraction of GPU memory an sglang engine may use for weights and KV cache (its mem_fraction_static)."""
+
+    def validate(self) -> None:
+        errors = []
+        if self.n_samples_per_prompt < 2:
+            errors.append(
+                f"rollout.n_samples_per_prompt={self.n_samples_per_prompt} must be >= 2: GRPO's advantage "
+                "compares samples of the same prompt (8 or 16 is usual)"
+            )
+        if self.temperature <= 0:
+            errors.append(f"rollout.temperature={self.temperature} must be > 0 (1.0 samples from the policy)")
+        if not 0 < self.top_p <= 1:
+            errors.append(f"rollout.top_p={self.top_p} must be in (0, 1]; 1.0 disables nucleus sampling")
+        if self.top_k == 0 or self.top_k < -1:
+            errors.append(f"rollout.top_k={self.top_k} must be -1 (disabled) or >= 1")
+        if self.max_new_tokens < 1:
+            errors.append(f"rollout.max_new_tokens={self.max_new_tokens} must be >= 1")
+        if not 0 < self.gpu_memory_utilization < 1:
+            errors.append(
+                f"rollout.gpu_memory_utilization={self.gpu_memory_utilization} must be in (0, 1); "
+                "leave room for the trainer when colocated (0.5 is a safe start)"
+            )
+        if errors:
+            raise ValueError("\n".join(errors))
