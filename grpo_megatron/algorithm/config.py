@@ -29,8 +29,9 @@ class KLConfig:
     k2 = (log r)^2 / 2, k3 = r - 1 - log r (unbiased, non-negative, low variance),
     with r = pi_ref / pi."""
     clamp: float = 10.0
-    """|log(pi_ref / pi)| is clamped to this before the estimator, so that one token the
-    reference finds very unlikely cannot blow up k3 = exp(x) - 1 - x."""
+    """log(pi_ref / pi) is clamped to [-clamp, clamp] before the estimator and the per-token
+    estimate after it, so that one token the reference finds very unlikely cannot blow up
+    k3 = exp(x) - 1 - x."""
     schedule: BetaSchedule = "constant"
     """`constant`: beta throughout. `cosine`: linear warm-up 0 -> beta over
     `warmup_fraction` of the run, then cosine decay beta -> beta_end."""

@@ -1,0 +1,44 @@
+"""Truncated importance sampling and mismatch metrics."""
+
+import math
+
+import pytest
+import torch
+
+from grpo_megatron.algorithm.mismatch import mismatch_metrics, tis_weights
+
+
+def test_tis_weights_truncated_and_masked():
+    old_bt = torch.log(torch.tensor([[0.5, 0.9, 0.2], [0.3, 0.3, 0.3]]))
+    rollout_bt = torch.log(torch.tensor([[0.5, 0.3, 0.4], [0.1, 0.6, 0.3]]))
+    mask_bt = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
+    w_bt, metrics = tis_weights(old_bt, rollout_bt, mask_bt, cap=2.0)
+    # ratios 1, 3 -> 2 (capped), 0.5 | 3 -> 2 (capped), 0.5 | padding 0
+    torch.testing.assert_close(w_bt, torch.tensor([[1.0, 2.0, 0.5], [2.0, 0.5, 0.0]]))
+    assert metrics["tis/clip_frac"].item() == pytest.approx(2 / 5)
+    assert metrics["tis/weight_mean"].item() == pytest.approx(6 / 5)
+
+
+def test_tis_weights_are_constants_and_finite():
+    old_bt = torch.zeros(1, 2, requires_grad=True)
+    rollout_bt = torch.tensor([[-float("inf"), 0.0]])
+    w_bt, _ = tis_weights(old_bt, rollout_bt, torch.ones(1, 2), cap=2.0)
+    assert not w_bt.requires_grad
+    assert torch.isfinite(w_bt).all() and w_bt[0, 0] == 2.0
+
+
+def test_mismatch_metrics_values():
+    trainer_bt = torch.tensor([[-1.0, -2.0, -3.0]])
+    rollout_bt = torch.tensor([[-1.0, -2.5, -100.0]])
+    mask_bt = torch.tensor([[1.0, 1.0, 0.0]])
+    m = mismatch_metrics(trainer_bt, rollout_bt, mask_bt)
+    assert m["mismatch/logprob_abs_diff"].item() == pytest.approx(0.25)
+    assert m["mismatch/logprob_abs_diff_max"].item() == pytest.approx(0.5)
+    assert m["mismatch/kl_k3"].item() == pytest.approx((math.exp(0.5) - 1 - 0.5) / 2)
+    assert m["mismatch/prob_diff"].item() == pytest.approx((math.exp(-2) - math.exp(-2.5)) / 2)
+
+
+def test_identical_logprobs_give_zero_mismatch():
+    lp = torch.randn(4, 6)
+    m = mismatch_metrics(lp, lp.clone(), torch.ones(4, 6))
+    assert all(v.item() == 0.0 for v in m.values())
