@@ -600,8 +600,8 @@ def model_layout_errors(model: ModelConfig, hf_config: dict[str, Any], parallel:
     if experts == 0:
         if ep > 1:
             errors.append(
-                f"parallel.ep={ep} but the model is dense (no {' / '.join(EXPERT_COUNT_KEYS)} in "
-                f"{source('model_type')}): set parallel.ep=1"
+                f"parallel.ep={ep} but the model is dense (none of {', '.join(EXPERT_COUNT_KEYS)} is set "
+                f"in {display_path(model.config_json_path())} or model.hf_overrides): set parallel.ep=1"
             )
         if parallel.etp not in (None, tp):
             errors.append(f"parallel.etp={parallel.etp} but the model is dense: remove parallel.etp")

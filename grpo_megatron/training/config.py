@@ -55,7 +55,7 @@ class TrainConfig:
             )
         if self.lr <= 0:
             errors.append(f"train.lr={self.lr} must be > 0 (1e-6 is usual for RL on pretrained models)")
-        if not 0 <= self.min_lr <= self.lr:
+        elif not 0 <= self.min_lr <= self.lr:
             errors.append(f"train.min_lr={self.min_lr} must be in [0, train.lr={self.lr}]")
         if not 0 <= self.lr_warmup_iterations <= self.iterations:
             errors.append(
