@@ -213,7 +213,7 @@ def _resolve_file_paths(raw: dict[str, Any], base_dir: Path) -> None:
     for section, key in FILE_RELATIVE_PATHS:
         values = raw.get(section)
         if isinstance(values, dict) and isinstance(values.get(key), str) and values[key]:
-            values[key] = str((base_dir / values[key]).resolve())
+            values[key] = str((base_dir / Path(values[key]).expanduser()).resolve())
 
 
 def _apply_override(raw: dict[str, Any], override: str, origins: _Origins, errors: list[str]) -> None:
@@ -253,7 +253,7 @@ def _apply_override(raw: dict[str, Any], override: str, origins: _Origins, error
 
     value = _parse_override_value(text, tp)
     if path in FILE_RELATIVE_PATHS and isinstance(value, str) and value:
-        value = str(Path(value).resolve())  # a path typed on the command line: relative to the current dir
+        value = str(Path(value).expanduser().resolve())  # typed on the command line: relative to the cwd
 
     container: Any = raw
     for depth, key in enumerate(path):
@@ -393,6 +393,8 @@ def _convert(value: Any, tp: Any, path: KeyPath, origins: _Origins, errors: list
 
 
 def _convert_dataclass(value: Any, cls: type, path: KeyPath, origins: _Origins, errors: list[str]) -> Any:
+    if value is None:
+        value = {}  # a section written with all its keys commented out: the defaults
     if not isinstance(value, dict):
         return _type_error(value, f"a mapping of {cls.__name__} fields", path, origins, errors)
     hints = _type_hints(cls)
@@ -533,11 +535,12 @@ def validate(cfg: JobConfig, world_size: int) -> None:
     layout_errors = [] if "parallel" in failed else parallel.layout_errors(world_size)
     errors.extend(layout_errors)
 
-    try:
-        hf_config = cfg.model.load_hf_config()
-    except ValueError as e:
-        errors.append(str(e))
-        hf_config = None
+    hf_config = None
+    if cfg.model.hf_path:  # an empty one was reported by ModelConfig.validate()
+        try:
+            hf_config = cfg.model.load_hf_config()
+        except ValueError as e:
+            errors.append(str(e))
     if hf_config is not None and "parallel" not in failed:
         errors.extend(model_layout_errors(cfg.model, hf_config, parallel))
 
@@ -563,7 +566,9 @@ def model_layout_errors(model: ModelConfig, hf_config: dict[str, Any], parallel:
         )
 
     def int_key(key: str, default: int | None = None) -> int | None:
-        value = hf_config.get(key, default)
+        value = hf_config.get(key)
+        if value is None:
+            value = default
         if isinstance(value, int) and not isinstance(value, bool) and value > 0:
             return value
         errors.append(

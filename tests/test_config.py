@@ -13,7 +13,7 @@ import pytest
 from grpo_megatron.cli import COMMANDS, main
 from grpo_megatron.config import ConfigError, JobConfig, load_config, parse_override, validate
 from grpo_megatron.distributed.config import ParallelConfig
-from grpo_megatron.models.config import SUPPORTED_MODEL_TYPES, num_routed_experts
+from grpo_megatron.models.config import SUPPORTED_MODEL_TYPES, merge_overrides, num_routed_experts
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO / "examples" / "tiny_moe.yaml"
@@ -87,6 +87,17 @@ def test_overrides_scalars_nested_dicts_lists_and_strings():
     assert cfg.algorithm.kl.beta == 0.01
     assert cfg.data.template == "Q: {prompt} A:"
     assert cfg.logging.wandb_project == "2024"
+
+
+def test_hf_overrides_merge_nested_mappings(tmp_path):
+    base = {"rope_scaling": {"type": "yarn", "factor": 4.0}, "num_experts": 4}
+    assert merge_overrides(base, {"rope_scaling": {"factor": 8.0}, "num_experts": 8}) == {
+        "rope_scaling": {"type": "yarn", "factor": 8.0},
+        "num_experts": 8,
+    }
+    assert base["rope_scaling"]["factor"] == 4.0  # the input is not modified
+    cfg = load_config(EXAMPLE, ["model.hf_overrides.rope_scaling.factor=2"])
+    assert cfg.model.load_hf_config()["rope_scaling"] == {"factor": 2}  # config.json has rope_scaling: null
 
 
 def test_parse_override_forms():
@@ -167,6 +178,8 @@ def test_missing_model_duplicate_keys_and_bad_files(tmp_path):
         load_config(write_yaml(tmp_path, "model:\n  dtype: float32\n"))
     with pytest.raises(ConfigError, match=r"job\.yaml:3: model\.dtype is given twice \(first at line 2\)"):
         load_config(write_yaml(tmp_path, f"model:\n  dtype: float32\n  dtype: float16\n  hf_path: {TINY_MODEL}\n"))
+    empty_section = load_config(write_yaml(tmp_path, f"model:\n  hf_path: {TINY_MODEL}\ntrain:\n  # seed: 1\n"))
+    assert empty_section.train == JobConfig(model=empty_section.model).train
     with pytest.raises(ConfigError, match="top level must be a mapping"):
         load_config(write_yaml(tmp_path, "- 1\n- 2\n"))
     with pytest.raises(ConfigError, match="not valid YAML"):

@@ -29,7 +29,8 @@ class ModelConfig:
     file resolves against that file's directory; one given as a command-line override, against the
     current directory."""
     hf_overrides: dict[str, Any] = field(default_factory=dict)
-    """Values that replace top-level config.json keys, e.g. {num_hidden_layers: 2} to shrink a model."""
+    """Values that replace config.json keys, e.g. {num_hidden_layers: 2} to shrink a model; nested
+    mappings merge key by key ({rope_scaling: {factor: 2}} keeps the other rope_scaling keys)."""
     dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"
     """Parameter and compute dtype of the trained model (optimizer state stays float32)."""
     make_vocab_size_divisible_by: int = 128
@@ -47,7 +48,7 @@ class ModelConfig:
         return Path(self.hf_path) / "config.json"
 
     def load_hf_config(self) -> dict[str, Any]:
-        """Read config.json from `hf_path` and apply `hf_overrides` on top (top-level keys)."""
+        """Read config.json from `hf_path` and apply `hf_overrides` on top."""
         path = self.config_json_path()
         if not path.is_file():
             raise ValueError(
@@ -66,7 +67,7 @@ class ModelConfig:
                 f"model.hf_path={self.hf_path!r}: {display_path(path)} holds a "
                 f"{type(hf_config).__name__}, not a JSON object; point model.hf_path at a model directory"
             )
-        return {**hf_config, **self.hf_overrides}
+        return merge_overrides(hf_config, self.hf_overrides)
 
     def validate(self) -> None:
         """Checks that need only this section; checks against config.json live in grpo_megatron.config."""
@@ -82,6 +83,17 @@ class ModelConfig:
             errors.append(f"model.moe_aux_loss_coeff={self.moe_aux_loss_coeff} must be >= 0 (0 disables it)")
         if errors:
             raise ValueError("\n".join(errors))
+
+
+def merge_overrides(base: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
+    """`base` with `overrides` applied: mappings merge recursively, anything else replaces."""
+    merged = dict(base)
+    for key, value in overrides.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = merge_overrides(merged[key], value)
+        else:
+            merged[key] = value
+    return merged
 
 
 def num_routed_experts(hf_config: dict[str, Any]) -> int:
