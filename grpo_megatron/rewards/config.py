@@ -61,12 +61,21 @@ class RewardConfig:
     timeout_s: float = 5.0
     """Per-sample time limit; a sample that exceeds it gets `fallback` and its worker is
     killed and replaced."""
+    batch_timeout_s: float | None = None
+    """Hard limit for one whole scoring call: samples not scored by then get `fallback`.
+    None = no limit beyond the per-sample one (worst case ceil(N / num_workers) * timeout_s)."""
+    replace_worker_on_error: bool = True
+    """Also replace a worker after its reward code RAISED (its module state may be broken).
+    Timed-out and dead workers are always replaced. False keeps it: cheaper when a reward
+    raises often and its module is slow to import."""
     fallback: float = 0.0
     """Reward given to a sample whose reward code raised, timed out or returned a
     non-finite or non-number value (counted in metrics)."""
-    max_response_chars: int = 20000
-    """Responses are cut to their LAST this-many characters before any reward sees them
-    (answers come at the end), which bounds regex and parser time on runaway outputs."""
+    max_response_chars: int = 200_000
+    """Responses are cut to their LAST this-many characters (answers come at the end) before
+    they are sent to a worker: a runaway output never crosses the pipe whole. The built-in
+    rewards bound their own work further (they search for answers in a bounded tail and cap
+    the length of an extracted answer before math-verify parses it)."""
     mp_context: Literal["forkserver", "spawn"] = "forkserver"
     """How workers are started. Both are safe after torch and threads exist (fork is not)."""
 
@@ -75,6 +84,12 @@ class RewardConfig:
         if not self.components:
             raise ValueError(f"{p}.components is empty: name at least one reward (e.g. function: math_accuracy)")
         names = [c.name for c in self.components]
+        reserved = {"mean", "std"} & set(names)
+        if reserved:
+            raise ValueError(
+                f"{p}.components has reserved name(s) {sorted(reserved)}: they would collide with reward/mean "
+                "and reward/std; rename the component"
+            )
         dup = sorted({n for n in names if names.count(n) > 1})
         if dup:
             raise ValueError(f"{p}.components has duplicate names {dup}: each name must be unique")
@@ -84,6 +99,8 @@ class RewardConfig:
             raise ValueError(f"{p}.num_workers={self.num_workers} must be >= 0 (0 = in-process, no sandbox)")
         if self.timeout_s <= 0:
             raise ValueError(f"{p}.timeout_s={self.timeout_s} must be > 0 seconds")
+        if self.batch_timeout_s is not None and self.batch_timeout_s <= 0:
+            raise ValueError(f"{p}.batch_timeout_s={self.batch_timeout_s} must be > 0 seconds or null (no limit)")
         if self.fallback != self.fallback or self.fallback in (float("inf"), float("-inf")):
             raise ValueError(f"{p}.fallback={self.fallback} must be a finite number (e.g. 0.0)")
         if self.max_response_chars < 1:

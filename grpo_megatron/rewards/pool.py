@@ -1,0 +1,389 @@
+"""The sandboxed reward pool: reward code runs in worker processes with a per-sample timeout.
+
+Contract with the trainer: `RewardPool.score(samples)` always returns one finite float per
+sample. A sample whose reward code raises, exceeds `timeout_s`, kills its worker, or returns a
+non-number / NaN / inf gets `cfg.fallback` instead; each case is counted in the metrics. A
+worker that timed out or died is killed (SIGKILL) and replaced by a fresh process.
+
+Scheduling. Each worker holds one sample at a time, so a sample's clock starts when it is
+handed to a worker and covers only its own computation. The whole call is therefore bounded
+by ceil(N / num_workers) * timeout_s (+ about 1 s of process overhead) however the reward
+code misbehaves; in particular a batch of at most num_workers samples returns within
+timeout_s + 1 s even if every sample hangs. `cfg.batch_timeout_s` (or the argument of
+`score`) is a hard bound on the whole call: samples not finished by then get the fallback and
+count as timeouts.
+
+Processes are started with the `forkserver` (default) or `spawn` method, never a bare `fork`,
+which is unsafe once torch has started threads. With `forkserver` the server preloads the
+built-in reward modules (math-verify, sympy) once, so replacing a worker takes milliseconds
+instead of a fresh interpreter's import time; this sets multiprocessing's forkserver preload
+list, which only has an effect if the forkserver has not started yet.
+
+Responses are cut to their last `cfg.max_response_chars` characters in the trainer process,
+before pickling (`reward_pool/truncated` counts them).
+"""
+
+import math
+import multiprocessing as mp
+import multiprocessing.connection as mp_conn
+import signal
+import time
+import traceback
+import weakref
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any, Literal
+
+from grpo_megatron.rewards.base import RewardSample
+from grpo_megatron.rewards.composite import CompositeReward, RewardComponentError
+from grpo_megatron.rewards.config import RewardComponentConfig, RewardConfig
+from grpo_megatron.rewards.loader import build_composite
+
+__all__ = ["RewardPool", "RewardBatch", "SampleStatus"]
+
+SampleStatus = Literal["ok", "error", "timeout", "invalid"]
+
+# Modules the forkserver imports once so that forked workers start warm.
+_PRELOAD = ["grpo_megatron.rewards.loader", "grpo_megatron.rewards.math_accuracy", "math_verify"]
+# A worker must say "ready" within this many seconds of being started (imports of user code).
+_STARTUP_TIMEOUT_S = 120.0
+# Error messages kept per call (for logs); the counts are always complete.
+_MAX_ERROR_MESSAGES = 8
+# Workers that fail to start within one call before the call gives up on its remaining samples.
+_MAX_INIT_FAILURES_PER_WORKER = 3
+
+
+@dataclass
+class RewardBatch:
+    """Everything `score_detailed` learned about a batch."""
+
+    rewards: list[float]
+    """Total reward per sample (fallback where status != "ok")."""
+    components: list[dict[str, float]]
+    """Unweighted component scores per sample (empty where status != "ok")."""
+    status: list[SampleStatus]
+    metrics: dict[str, float] = field(default_factory=dict)
+    errors: list[str] = field(default_factory=list)
+    """The first few error messages of this call, for logging."""
+
+
+def _worker_main(conn: mp_conn.Connection, components: list[RewardComponentConfig]) -> None:
+    """Worker loop: build the composite, say ready, then score one sample per message."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's to handle
+    try:
+        composite = build_composite(components)
+    except BaseException as err:  # noqa: BLE001 - any failure must reach the parent as a message
+        conn.send(("init_error", f"{type(err).__name__}: {err}"))
+        return
+    conn.send(("ready", None))
+    while True:
+        try:
+            msg = conn.recv()
+        except (EOFError, OSError):
+            return
+        if msg is None:
+            return
+        task_id, sample = msg
+        try:
+            total, comps = composite(sample)
+            reply: tuple[Any, ...] = (task_id, "ok", total, comps)
+        except RewardComponentError as err:
+            reply = (task_id, "invalid" if err.invalid else "error", str(err)[:2000], None)
+        except BaseException as err:  # noqa: BLE001 - e.g. SystemExit or KeyboardInterrupt from user code
+            tb = traceback.format_exc(limit=3)
+            reply = (task_id, "error", f"{type(err).__name__}: {err}\n{tb}"[:2000], None)
+        try:
+            conn.send(reply)
+        except (OSError, ValueError):
+            return
+
+
+@dataclass(eq=False)
+class _Worker:
+    process: Any  # multiprocessing.process.BaseProcess
+    conn: mp_conn.Connection
+    started_at: float
+    ready: bool = False
+    task: int | None = None  # index of the sample it is scoring
+    deadline: float = math.inf
+
+
+def _kill(worker: _Worker) -> None:
+    try:
+        worker.process.kill()
+    except (OSError, ValueError, AttributeError):
+        pass
+    worker.conn.close()
+
+
+def _shutdown(workers: list[_Worker]) -> None:
+    """Kill every worker and reap it (also run by weakref.finalize if close() was never called)."""
+    for w in workers:
+        _kill(w)
+    for w in workers:
+        try:
+            w.process.join(timeout=1.0)
+        except (OSError, ValueError, AssertionError):
+            pass
+    workers.clear()
+
+
+class RewardPool:
+    """Scores RewardSamples with the configured composite reward in sandboxed workers.
+
+    Use as a context manager (or call close()). `num_workers=0` scores in the calling
+    process: failures still become the fallback, but there is no timeout or isolation.
+    """
+
+    def __init__(self, cfg: RewardConfig):
+        cfg.validate()
+        self.cfg = cfg
+        # Resolve the functions here too: a bad `module:function` fails at start-up, in the
+        # trainer, with the field named, not later inside a worker.
+        self._composite: CompositeReward = build_composite(cfg.components)
+        self._components = list(cfg.components)
+        self._ctx = mp.get_context(cfg.mp_context)
+        if cfg.mp_context == "forkserver":
+            self._ctx.set_forkserver_preload(_PRELOAD)
+        self._workers: list[_Worker] = []
+        self._graveyard: list[Any] = []  # killed processes not yet reaped
+        self._restarts = 0
+        self._init_failures = 0
+        self._closed = False
+        self._finalizer = weakref.finalize(self, _shutdown, self._workers)
+        for _ in range(cfg.num_workers):
+            self._workers.append(self._spawn())
+        self._wait_ready()
+
+    # ---- process management -------------------------------------------------------------
+
+    def _spawn(self) -> _Worker:
+        parent_conn, child_conn = self._ctx.Pipe(duplex=True)
+        proc = self._ctx.Process(
+            target=_worker_main, args=(child_conn, self._components), daemon=True, name="grpo-reward-worker"
+        )
+        proc.start()
+        child_conn.close()
+        return _Worker(process=proc, conn=parent_conn, started_at=time.monotonic())
+
+    def _replace(self, worker: _Worker) -> None:
+        _kill(worker)
+        self._graveyard.append(worker.process)
+        idx = next(i for i, w in enumerate(self._workers) if w is worker)
+        self._workers[idx] = self._spawn()
+        self._restarts += 1
+
+    def _reap(self) -> None:
+        """Collect the exit status of killed workers without blocking (no zombies pile up)."""
+        alive = []
+        for proc in self._graveyard:
+            try:
+                proc.join(timeout=0)
+            except (OSError, ValueError, AssertionError):
+                continue
+            if proc.exitcode is None:
+                alive.append(proc)
+        self._graveyard[:] = alive
+
+    def _wait_ready(self) -> None:
+        deadline = time.monotonic() + _STARTUP_TIMEOUT_S
+        while not all(w.ready for w in self._workers):
+            waiting = {w.conn: w for w in self._workers if not w.ready}
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                self.close()
+                raise RuntimeError(f"reward workers did not start within {_STARTUP_TIMEOUT_S:.0f} s")
+            for conn in mp_conn.wait(list(waiting), timeout=remaining):
+                w = waiting[conn]
+                try:
+                    kind, payload = conn.recv()
+                except (EOFError, OSError):
+                    kind, payload = "init_error", f"worker exited with code {w.process.exitcode}"
+                if kind != "ready":
+                    self.close()
+                    raise RuntimeError(f"reward worker failed to start: {payload}")
+                w.ready = True
+
+    def close(self) -> None:
+        """Kill the workers. Idempotent."""
+        self._closed = True
+        _shutdown(self._workers)
+        self._reap()
+        self._finalizer.detach()
+
+    def __enter__(self) -> "RewardPool":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ---- scoring ----------------------------------------------------------------------------
+
+    def score(
+        self, samples: Sequence[RewardSample], batch_timeout_s: float | None = None
+    ) -> tuple[list[float], dict[str, float]]:
+        """One finite reward per sample, and metrics (see `score_detailed`)."""
+        batch = self.score_detailed(samples, batch_timeout_s)
+        return batch.rewards, batch.metrics
+
+    def score_detailed(self, samples: Sequence[RewardSample], batch_timeout_s: float | None = None) -> RewardBatch:
+        """Score `samples`; never raises because of reward code, never hangs.
+
+        Metrics: reward/mean, reward/std, reward/<component> (mean over samples scored "ok"),
+        reward_pool/{errors,timeouts,invalid,fallback} (counts), reward_pool/fallback_frac,
+        reward_pool/worker_restarts (this call), reward_pool/truncated (responses cut).
+        """
+        if self._closed:
+            raise RuntimeError("RewardPool.score called after close()")
+        start = time.monotonic()
+        limit = self.cfg.max_response_chars
+        truncated = sum(len(s.response) > limit for s in samples)
+        prepared = [replace(s, response=s.response[-limit:]) if len(s.response) > limit else s for s in samples]
+        n = len(prepared)
+        outcomes: list[tuple[SampleStatus, float | None, dict[str, float] | None, str | None] | None] = [None] * n
+        restarts_before = self._restarts
+        if self.cfg.num_workers == 0:
+            for i, sample in enumerate(prepared):
+                outcomes[i] = self._score_in_process(sample)
+        else:
+            if batch_timeout_s is None:
+                batch_timeout_s = self.cfg.batch_timeout_s
+            batch_deadline = start + batch_timeout_s if batch_timeout_s is not None else math.inf
+            self._init_failures = 0
+            self._run_in_workers(prepared, outcomes, batch_deadline)
+            self._reap()
+        return self._collect(outcomes, truncated, self._restarts - restarts_before)
+
+    def _score_in_process(self, sample: RewardSample):
+        try:
+            total, comps = self._composite(sample)
+            return ("ok", total, comps, None)
+        except RewardComponentError as err:
+            return ("invalid" if err.invalid else "error", None, None, str(err))
+        except Exception as err:  # noqa: BLE001 - reward code must not stop training
+            return ("error", None, None, f"{type(err).__name__}: {err}")
+
+    def _run_in_workers(self, samples: list[RewardSample], outcomes: list, batch_deadline: float) -> None:
+        pending = deque(range(len(samples)))
+        timeout_s = self.cfg.timeout_s
+        while pending or any(w.task is not None for w in self._workers):
+            now = time.monotonic()
+            if now >= batch_deadline:
+                for w in list(self._workers):
+                    if w.task is not None:
+                        outcomes[w.task] = ("timeout", None, None, f"batch timeout while scoring sample {w.task}")
+                        self._replace(w)
+                while pending:
+                    i = pending.popleft()
+                    outcomes[i] = ("timeout", None, None, f"batch timeout before sample {i} was scored")
+                break
+            if self._init_failures > _MAX_INIT_FAILURES_PER_WORKER * len(self._workers):
+                while pending:  # workers keep failing to import the reward code: give up on this call
+                    i = pending.popleft()
+                    outcomes[i] = ("error", None, None, "reward workers keep failing to start")
+                if not any(w.task is not None for w in self._workers):
+                    break
+            # Kill workers past their sample's deadline, and workers that never got ready.
+            for w in list(self._workers):
+                if w.task is not None and now >= w.deadline:
+                    outcomes[w.task] = ("timeout", None, None, f"sample {w.task} exceeded {timeout_s} s")
+                    self._replace(w)
+                elif not w.ready and now - w.started_at > _STARTUP_TIMEOUT_S:
+                    self._init_failures += 1
+                    self._replace(w)
+            # Hand out work to idle, ready workers.
+            for w in self._workers:
+                if pending and w.ready and w.task is None:
+                    i = pending.popleft()
+                    try:
+                        w.conn.send((i, samples[i]))
+                    except (OSError, ValueError) as err:  # the worker died while idle, or unpicklable
+                        outcomes[i] = ("error", None, None, f"could not send sample {i}: {err}")
+                        self._replace(w)
+                        continue
+                    w.task, w.deadline = i, time.monotonic() + timeout_s
+            # Sleep until a message, a death (EOF), or the next deadline.
+            next_deadline = min([w.deadline for w in self._workers if w.task is not None] + [batch_deadline])
+            wait_s = max(0.0, min(next_deadline, now + 1.0) - time.monotonic())
+            by_conn = {w.conn: w for w in self._workers if w.task is not None or not w.ready}
+            for conn in mp_conn.wait(list(by_conn), timeout=wait_s):
+                self._handle_message(by_conn[conn], outcomes)
+
+    def _handle_message(self, w: _Worker, outcomes: list) -> None:
+        try:
+            msg = w.conn.recv()
+        except (EOFError, OSError):  # the worker died (os._exit, segfault, OOM kill ...)
+            if not w.ready:
+                self._init_failures += 1
+            if w.task is not None:
+                code = w.process.exitcode
+                outcomes[w.task] = ("error", None, None, f"reward worker died (exit code {code}) on sample {w.task}")
+            self._replace(w)
+            return
+        except Exception as err:  # noqa: BLE001 - an unpicklable reply
+            if w.task is not None:
+                outcomes[w.task] = ("error", None, None, f"unreadable reply: {err}")
+            self._replace(w)
+            return
+        if msg[0] == "ready":
+            w.ready = True
+            return
+        if msg[0] == "init_error":  # user code imported at start-up but not now: retry, within limits
+            self._init_failures += 1
+            self._replace(w)
+            return
+        task_id, kind, payload, comps = msg
+        if task_id != w.task:  # cannot happen (one task per worker), but never misattribute
+            return
+        if kind == "ok":
+            outcomes[task_id] = ("ok", payload, comps, None)
+        else:
+            outcomes[task_id] = (kind, None, None, payload)
+        w.task, w.deadline = None, math.inf
+        if kind == "error" and self.cfg.replace_worker_on_error:
+            self._replace(w)
+
+    def _collect(self, outcomes: list, truncated: int, restarts: int) -> RewardBatch:
+        fallback = float(self.cfg.fallback)
+        rewards: list[float] = []
+        components: list[dict[str, float]] = []
+        status: list[SampleStatus] = []
+        errors: list[str] = []
+        for out in outcomes:
+            kind, total, comps, err = out if out is not None else ("error", None, None, "not scored")
+            if kind == "ok" and (not isinstance(total, float) or not math.isfinite(total)):
+                kind, err = "invalid", f"non-finite total reward {total!r}"  # e.g. weight * huge = inf
+            status.append(kind)
+            if kind == "ok":
+                rewards.append(total)
+                components.append(dict(comps or {}))
+            else:
+                rewards.append(fallback)
+                components.append({})
+                if err and len(errors) < _MAX_ERROR_MESSAGES:
+                    errors.append(err)
+        n = len(rewards)
+        metrics: dict[str, float] = {
+            "reward/mean": sum(rewards) / n if n else 0.0,
+            "reward/std": _std(rewards),
+            "reward_pool/errors": float(status.count("error")),
+            "reward_pool/timeouts": float(status.count("timeout")),
+            "reward_pool/invalid": float(status.count("invalid")),
+            "reward_pool/fallback": float(n - status.count("ok")),
+            "reward_pool/fallback_frac": (n - status.count("ok")) / n if n else 0.0,
+            "reward_pool/worker_restarts": float(restarts),
+            "reward_pool/truncated": float(truncated),
+        }
+        keys = sorted({k for c in components for k in c})
+        for key in keys:
+            values = [c[key] for c in components if key in c]
+            metrics[f"reward/{key}"] = sum(values) / len(values)
+        return RewardBatch(rewards=rewards, components=components, status=status, metrics=metrics, errors=errors)
+
+
+def _std(values: list[float]) -> float:
+    if len(values) < 2:
+        return 0.0
+    mean = sum(values) / len(values)
+    return math.sqrt(sum((v - mean) ** 2 for v in values) / (len(values) - 1))
