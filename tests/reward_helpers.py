@@ -66,3 +66,8 @@ def by_prompt(sample: RewardSample) -> float:
     behaviour = {"raise": raises, "nan": returns_nan, "hang": sleep_forever, "exit": hard_exit,
                  "str": returns_string}
     return behaviour.get(sample.prompt, lambda s: float(len(s.response)))(sample)
+
+
+def allocate_too_much(sample: RewardSample) -> float:
+    blob = bytearray(4 * 1024**3)  # 4 GiB: past the worker's memory limit in the test
+    return float(len(blob))

@@ -5,7 +5,8 @@ import math
 import pytest
 import torch
 
-from grpo_megatron.algorithm.advantages import group_advantages, token_advantages
+from grpo_megatron.algorithm.advantages import advantages_from_config, group_advantages, token_advantages
+from grpo_megatron.algorithm.config import AlgorithmConfig
 
 
 def test_worked_grpo_example():
@@ -56,3 +57,11 @@ def test_token_advantages_masked():
     mask_bt = torch.tensor([[1, 1, 0], [1, 0, 0]])
     out = token_advantages(torch.tensor([2.0, -1.0]), mask_bt)
     torch.testing.assert_close(out, torch.tensor([[2.0, 2.0, 0.0], [-1.0, 0.0, 0.0]]))
+
+
+def test_advantages_from_config():
+    rewards_b = torch.tensor([2.0, 0.0, 1.0, 1.0])
+    dr_grpo = AlgorithmConfig(norm_adv_by_std=False)
+    torch.testing.assert_close(advantages_from_config(rewards_b, 4, dr_grpo), torch.tensor([1.0, -1.0, 0.0, 0.0]))
+    rloo = AlgorithmConfig(advantage_estimator="rloo", norm_adv_by_std=False)
+    torch.testing.assert_close(advantages_from_config(rewards_b, 4, rloo), torch.tensor([4 / 3, -4 / 3, 0.0, 0.0]))

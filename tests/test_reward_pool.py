@@ -103,6 +103,12 @@ def test_one_megabyte_output_and_countdown_injection():
     assert batch.metrics["reward_pool/truncated"] == 1
 
 
+def test_memory_limit_turns_a_memory_bomb_into_fallback():
+    with RewardPool(_cfg(H + "allocate_too_much", num_workers=1, worker_memory_mb=1024)) as pool:
+        batch = pool.score_detailed([RewardSample("q", "r")])
+    assert batch.status == ["error"] and "MemoryError" in batch.errors[0]
+
+
 def test_in_process_mode_still_falls_back():
     with RewardPool(_cfg(H + "by_prompt", num_workers=0, fallback=0.5)) as pool:
         rewards, metrics = pool.score([RewardSample(p, "ab") for p in ("ok", "raise", "nan", "str")])

@@ -9,7 +9,9 @@ from typing import Literal
 
 import torch
 
-__all__ = ["group_advantages", "token_advantages"]
+from grpo_megatron.algorithm.config import AlgorithmConfig
+
+__all__ = ["group_advantages", "advantages_from_config", "token_advantages"]
 
 
 def group_advantages(
@@ -62,6 +64,13 @@ def group_advantages(
     all_equal_p1 = (rewards_pg.amax(dim=1, keepdim=True) == rewards_pg.amin(dim=1, keepdim=True))
     adv_pg = torch.where(all_equal_p1, torch.zeros_like(adv_pg), adv_pg)
     return adv_pg.reshape(-1)
+
+
+def advantages_from_config(rewards_b: torch.Tensor, group_size: int, cfg: AlgorithmConfig) -> torch.Tensor:
+    """`group_advantages` with cfg.advantage_estimator, cfg.norm_adv_by_std and cfg.adv_eps."""
+    return group_advantages(
+        rewards_b, group_size, estimator=cfg.advantage_estimator, norm_by_std=cfg.norm_adv_by_std, eps=cfg.adv_eps
+    )
 
 
 def token_advantages(advantages_b: torch.Tensor, response_mask_bt: torch.Tensor) -> torch.Tensor:

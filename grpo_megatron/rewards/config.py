@@ -76,6 +76,11 @@ class RewardConfig:
     they are sent to a worker: a runaway output never crosses the pipe whole. The built-in
     rewards bound their own work further (they search for answers in a bounded tail and cap
     the length of an extracted answer before math-verify parses it)."""
+    worker_memory_mb: int | None = None
+    """Address-space limit (RLIMIT_AS) of each worker in MiB: a reward that allocates past it
+    gets a MemoryError (-> fallback) instead of pushing the node into the OOM killer. None =
+    no limit (keep it None if a reward imports CUDA libraries, which reserve huge address
+    space). Workers always volunteer as the OOM killer's first victim (oom_score_adj)."""
     mp_context: Literal["forkserver", "spawn"] = "forkserver"
     """How workers are started. Both are safe after torch and threads exist (fork is not)."""
 
@@ -103,5 +108,10 @@ class RewardConfig:
             raise ValueError(f"{p}.batch_timeout_s={self.batch_timeout_s} must be > 0 seconds or null (no limit)")
         if self.fallback != self.fallback or self.fallback in (float("inf"), float("-inf")):
             raise ValueError(f"{p}.fallback={self.fallback} must be a finite number (e.g. 0.0)")
+        if self.worker_memory_mb is not None and self.worker_memory_mb < 256:
+            raise ValueError(
+                f"{p}.worker_memory_mb={self.worker_memory_mb} must be >= 256 or null: a Python worker with "
+                "math-verify needs a few hundred MiB of address space"
+            )
         if self.max_response_chars < 1:
             raise ValueError(f"{p}.max_response_chars={self.max_response_chars} must be >= 1")

@@ -68,10 +68,27 @@ class RewardBatch:
     """The first few error messages of this call, for logging."""
 
 
-def _worker_main(conn: mp_conn.Connection, components: list[RewardComponentConfig]) -> None:
+def _limit_self(memory_mb: int | None) -> None:
+    """Make this worker the OOM killer's preferred victim and optionally cap its memory."""
+    try:
+        with open("/proc/self/oom_score_adj", "w") as f:  # raising one's own score needs no privilege
+            f.write("1000")
+    except OSError:
+        pass  # not Linux, or a read-only /proc: nothing to volunteer
+    if memory_mb is not None:
+        import resource
+
+        limit = memory_mb * 1024 * 1024
+        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+
+
+def _worker_main(
+    conn: mp_conn.Connection, components: list[RewardComponentConfig], memory_mb: int | None = None
+) -> None:
     """Worker loop: build the composite, say ready, then score one sample per message."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's to handle
     try:
+        _limit_self(memory_mb)
         composite = build_composite(components)
     except BaseException as err:  # noqa: BLE001 - any failure must reach the parent as a message
         conn.send(("init_error", f"{type(err).__name__}: {err}"))
@@ -134,6 +151,7 @@ class RewardPool:
 
     Use as a context manager (or call close()). `num_workers=0` scores in the calling
     process: failures still become the fallback, but there is no timeout or isolation.
+    One thread at a time may call `score` (the trainer's driver loop); it is not re-entrant.
     """
 
     def __init__(self, cfg: RewardConfig):
@@ -161,7 +179,10 @@ class RewardPool:
     def _spawn(self) -> _Worker:
         parent_conn, child_conn = self._ctx.Pipe(duplex=True)
         proc = self._ctx.Process(
-            target=_worker_main, args=(child_conn, self._components), daemon=True, name="grpo-reward-worker"
+            target=_worker_main,
+            args=(child_conn, self._components, self.cfg.worker_memory_mb),
+            daemon=True,
+            name="grpo-reward-worker",
         )
         proc.start()
         child_conn.close()
