@@ -1,0 +1,535 @@
+"""Make real megatron-core run on CPU (gloo, fp32): each place where it assumes CUDA, adjusted.
+
+Opt-in: importing this module changes nothing. ``apply_cpu_compat()`` applies every fix in
+``FIXES``, only when CUDA is absent and only for the megatron-core versions they were checked
+against (``CHECKED_MEGATRON_VERSIONS``; others are refused with a RuntimeError); on a GPU machine
+it does nothing. Call it once per process, before building models, optimizers or the RNG tracker
+(before or after ``initialize_model_parallel``), then seed with ``cpu_model_parallel_seed(seed)``
+where a GPU job calls megatron's ``model_parallel_cuda_manual_seed``.
+
+Every fix replaces one attribute (function, method, class or class attribute) of one megatron
+module, except the two torch-level ones (``cuda_current_device``, ``cuda_synchronize``; their
+comments in ``FIXES`` say why). Several fixes run a megatron function unchanged under
+``_CudaToCpuMode``, a torch function mode active only during that call: ``device="cuda"``
+factories give CPU tensors, ``Tensor.cuda()`` returns the tensor, and ``Tensor.type()`` names a
+CPU tensor by its CUDA twin (``torch.FloatTensor`` -> ``torch.cuda.FloatTensor``) so megatron's
+dtype checks see what they see on a GPU. Each replacement keeps the object it replaced (for the
+tests, which check that megatron still needs every fix).
+
+| name                         | what breaks in megatron-core 0.16.1 on CPU                  | where (megatron.core.*)                                  | how we adjust                                          |
+|------------------------------|-------------------------------------------------------------|----------------------------------------------------------|--------------------------------------------------------|
+| cuda_current_device          | ``torch.cuda.current_device()`` asserts (no CUDA); megatron | dozens of sites: layers, MoE router/experts, DDP buffers | ``torch.cuda.current_device`` returns                   |
+|                              | uses it as the device of the tensors it creates             |                                                          | ``torch.device("cpu")``                                 |
+| cuda_synchronize             | ``torch.cuda.synchronize()`` asserts                        | pipeline_parallel.p2p_communication (after each batched  | ``torch.cuda.synchronize`` is a no-op (CPU kernels     |
+|                              |                                                             | send/recv), DDP                                          | are synchronous)                                       |
+| rng_tracker_cpu_states       | the model-parallel RNG tracker saves/restores CUDA generator| tensor_parallel.random.CudaRNGStatesTracker              | replaced by a subclass keeping CPU generator states    |
+|                              | states: seeding, dropout, ``get_cuda_rng_tracker().fork()`` | (``add``, ``fork``)                                      | (``initialize_rng_tracker`` then builds ours)          |
+| moe_router_gemm_name         | without TransformerEngine ``te_general_gemm`` is never      | transformer.moe.moe_utils (RouterGatingLinearFunction)   | bind ``moe_utils.te_general_gemm = None`` (torch path) |
+|                              | bound: NameError in the router's gating linear              |                                                          |                                                        |
+| moe_alltoall_dtoh            | the alltoall dispatcher creates a CUDA stream, copies split | transformer.moe.token_dispatcher.MoEAlltoAllTokenDispatcher | a stand-in for the cached stream; the method only   |
+|                              | sizes to the host on it and makes them numpy only for CUDA  | (``cuda_dtoh_stream``, ``_maybe_dtoh_and_synchronize``)  | turns the split sizes into numpy arrays                |
+|                              | tensors: ``all_to_all_single`` gets tensors (TypeError)     |                                                          |                                                        |
+| gloo_uneven_all_gather       | ETP > 1: the dispatcher all-gathers unequal splits into a   | tensor_parallel.mappings._gather_along_first_dim         | gather rows padded to the largest split, keep the real |
+|                              | tensor list; gloo: "invalid tensor size"                    |                                                          | rows (equal splits: megatron's own code)               |
+| torch_norm_sequence_parallel | the torch norm (no TE/apex) refuses ``sequence_parallel``,  | transformer.torch_norm.WrappedTorchNorm.__new__          | build it without the flag, mark its parameters         |
+|                              | which MoE with TP > 1 requires                              |                                                          | ``sequence_parallel`` (grads summed over TP)           |
+| causal_mask_on_cuda          | default causal / sliding-window masks use ``device="cuda"`` | fusions.fused_softmax (the names it imported)            | run them under ``_CudaToCpuMode``                       |
+| tied_embeddings_on_cuda      | tied embeddings with PP > 1: the shared weight is moved     | models.common.language_module.LanguageModule             | run it under ``_CudaToCpuMode``                         |
+|                              | with ``.cuda()`` before the embedding-group all-reduce      | .setup_embeddings_and_output_layer                       |                                                        |
+| schedules_on_cuda            | forward-backward schedules count tokens in a                | pipeline_parallel.schedules.forward_backward_*           | run them under ``_CudaToCpuMode``                       |
+|                              | ``device="cuda"`` tensor                                    |                                                          |                                                        |
+| optimizer_on_cuda            | scale/overflow tensors with ``device="cuda"``; the          | optimizer.optimizer.{FP32,MixedPrecision}Optimizer       | run them under ``_CudaToCpuMode``                       |
+|                              | distributed optimizer and clipping accept only              | .__init__, distrib_optimizer.DistributedOptimizer        |                                                        |
+|                              | ``torch.cuda.*Tensor`` type names; grad norms reduced in    | ._build_model_and_main_param_groups, clip_grads norm     |                                                        |
+|                              | ``device="cuda"`` tensors                                   | functions (where defined and where imported)             |                                                        |
+
+Seen working with these on gloo (tests/test_cpu_compat.py): TP2 + sequence parallel, EP2 with the
+alltoall and allgather dispatchers, PP2 (tied embeddings), TP2xEP2, TP2 ETP1 EP2, TP2 ETP2, DP2
+with the distributed optimizer; forward/backward through megatron's schedules and outside them.
+Not covered (not needed here on CPU): activation recomputation's RNG save/restore, several
+distributed-optimizer instances (DDP CUDA streams), shared-expert overlap streams, CUDA graphs,
+fine-grained activation offloading, megatron's inference engines, fp16/bf16 optimizers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import functools
+import importlib
+import importlib.metadata
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+CHECKED_MEGATRON_VERSIONS = ("0.16.1",)
+
+# Attribute set on every replacement we install, holding the object it replaced: it tells our
+# objects from megatron's own (the applied state lives in the patched modules themselves, not in
+# a registry here) and lets tests reach megatron's original to check it still needs the fix.
+_ORIGINAL = "_grpo_cpu_compat_original"
+
+
+@dataclass(frozen=True)
+class Fix:
+    """One CPU incompatibility of megatron-core and how it is adjusted."""
+
+    name: str  # short identifier, returned by apply_cpu_compat()
+    what_breaks: str  # megatron-core's CUDA assumption and the error it gives on CPU
+    where: str  # the megatron module attribute(s) we replace ("module:Qualified.attr")
+    fix: str  # what the replacement does
+    apply: Callable[[], None]  # installs the fix; idempotent
+    is_applied: Callable[[], bool]  # True when every replacement of this fix is in place
+
+
+# ----------------------------------------------------------------------------------------------
+# Replacing attributes
+
+
+def _resolve(target: str) -> tuple[Any, str]:
+    """``"pkg.module:Class.attr"`` -> (owner object, attribute name)."""
+    module_name, _, attr_path = target.partition(":")
+    owner: Any = importlib.import_module(module_name)
+    *parents, attr = attr_path.split(".")
+    for parent in parents:
+        owner = getattr(owner, parent)
+    return owner, attr
+
+
+def _get_raw(target: str) -> Any:
+    """The attribute as stored: for a class, the raw descriptor (staticmethod/classmethod kept)."""
+    owner, attr = _resolve(target)
+    if isinstance(owner, type):
+        return owner.__dict__[attr]
+    return getattr(owner, attr)
+
+
+def _unwrap(obj: Any) -> Any:
+    return obj.__func__ if isinstance(obj, (staticmethod, classmethod)) else obj
+
+
+def _is_ours(obj: Any) -> bool:
+    return hasattr(_unwrap(obj), _ORIGINAL)
+
+
+def _original(target: str) -> Any:
+    """megatron's (or torch's) own object at ``target``, whether or not our fix replaced it."""
+    current = _get_raw(target)
+    return getattr(_unwrap(current), _ORIGINAL) if _is_ours(current) else current
+
+
+def _replace(target: str, make: Callable[[Any], Any]) -> None:
+    """Replace ``target`` with ``make(original)`` unless our replacement is already there."""
+    original = _get_raw(target)
+    if _is_ours(original):
+        return
+    new = make(original)
+    setattr(_unwrap(new), _ORIGINAL, original)
+    owner, attr = _resolve(target)
+    setattr(owner, attr, new)
+
+
+def _keep_descriptor(make_fn: Callable[[Callable], Callable]) -> Callable[[Any], Any]:
+    """Lift a function transformer to class descriptors: staticmethod/classmethod stay what they are."""
+
+    def make(original: Any) -> Any:
+        if isinstance(original, (staticmethod, classmethod)):
+            return type(original)(make_fn(original.__func__))
+        return make_fn(original)
+
+    return make
+
+
+def _replacing_fix(
+    name: str, what_breaks: str, fix: str, replacements: dict[str, Callable[[Any], Any]]
+) -> Fix:
+    """A fix that replaces each target attribute with ``make(original)``."""
+
+    def apply() -> None:
+        for target, make in replacements.items():
+            _replace(target, make)
+
+    return Fix(
+        name=name,
+        what_breaks=what_breaks,
+        where=", ".join(replacements),
+        fix=fix,
+        apply=apply,
+        is_applied=lambda: all(_is_ours(_get_raw(target)) for target in replacements),
+    )
+
+
+def _same(targets: tuple[str, ...], make: Callable[[Any], Any]) -> dict[str, Callable[[Any], Any]]:
+    return dict.fromkeys(targets, make)
+
+
+# ----------------------------------------------------------------------------------------------
+# Running a megatron function as if the CPU were the GPU
+
+
+def _is_cuda_device(device: Any) -> bool:
+    if isinstance(device, int):  # an int device means a CUDA ordinal to torch factories
+        return True
+    try:
+        return torch.device(device).type == "cuda"
+    except (TypeError, RuntimeError):
+        return False
+
+
+class _CudaToCpuMode(TorchFunctionMode):
+    """While active: ``device="cuda"`` factories give CPU tensors, ``Tensor.cuda()`` returns the
+    tensor itself, and ``Tensor.type()`` names a CPU tensor by its CUDA twin."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.Tensor.cuda:
+            return args[0]
+        if "device" in kwargs and _is_cuda_device(kwargs["device"]):
+            kwargs = {**kwargs, "device": "cpu"}
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            type_name = func(*args)
+            return type_name if ".cuda." in type_name else type_name.replace("torch.", "torch.cuda.", 1)
+        return func(*args, **kwargs)
+
+
+def _run_under_cuda_to_cpu(fn: Callable) -> Callable:
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        with _CudaToCpuMode():
+            return fn(*args, **kwargs)
+
+    return wrapper
+
+
+# ----------------------------------------------------------------------------------------------
+# The RNG tracker on CPU generator states
+
+
+def _cpu_rng_tracker_class(base: type) -> type:
+    """A subclass of megatron's ``CudaRNGStatesTracker`` whose named states are CPU generator
+    states. On CPU the default generator is what dropout draws from, so ``fork(name)`` swaps the
+    named state into it and back, as the CUDA tracker does with the CUDA generator."""
+
+    class CpuRNGStatesTracker(base):  # type: ignore[valid-type, misc]
+        def add(self, name: str, seed: int) -> None:
+            self._is_initialized = True
+            if seed in self.seeds_:
+                raise Exception(f"RNG seed {seed} already exists")
+            self.seeds_.add(seed)
+            if name in self.states_:
+                raise Exception(f"RNG state {name} already exists")
+            self.states_[name] = torch.Generator().manual_seed(seed).get_state()
+
+        @contextlib.contextmanager
+        def fork(self, name: str = "model-parallel-rng") -> Iterator[None]:
+            if name not in self.states_:
+                raise Exception(f"RNG state {name} is not added")
+            outer_state = torch.get_rng_state()
+            outer_name = self._current_state_name
+            torch.set_rng_state(self.states_[name])
+            self._current_state_name = name
+            try:
+                yield
+            finally:
+                self.states_[name] = torch.get_rng_state()
+                torch.set_rng_state(outer_state)
+                self._current_state_name = outer_name
+
+    CpuRNGStatesTracker.__qualname__ = "CpuRNGStatesTracker"
+    return CpuRNGStatesTracker
+
+
+# ----------------------------------------------------------------------------------------------
+# The fixes
+
+
+def _current_device_cpu() -> torch.device:
+    return torch.device("cpu")
+
+
+def _synchronize_noop(device: Any = None) -> None:
+    return None
+
+
+def _make_norm_new(original_new: Callable) -> Callable:
+    def __new__(cls, config, hidden_size, *args, **kwargs):
+        if not config.sequence_parallel:
+            return original_new(cls, config, hidden_size, *args, **kwargs)
+        # A shallow copy with the flag off: the norm itself is the same function of its input
+        # rows; what sequence parallelism changes is that each TP rank sees other rows, so the
+        # weight gradients must be summed over TP, which finalize_model_grads does for every
+        # parameter marked `sequence_parallel` (as TE's norms are).
+        config_without_sp = copy.copy(config)
+        config_without_sp.sequence_parallel = False
+        norm = original_new(cls, config_without_sp, hidden_size, *args, **kwargs)
+        for param in norm.parameters():
+            param.sequence_parallel = True
+        return norm
+
+    return __new__
+
+
+def _make_dtoh_method(_original: Callable) -> Callable:
+    def _maybe_dtoh_and_synchronize(self, point: str, tokens_per_expert: torch.Tensor | None = None):
+        # On CPU there is nothing to copy or wait for; what remains of the original is that the
+        # split sizes become host numbers, which all_to_all_single needs (numpy arrays, as
+        # megatron makes from CUDA tensors).
+        if not self.drop_and_pad and point == self.cuda_dtoh_point:
+            for attr in ("input_splits", "output_splits", "output_splits_tp"):
+                value = getattr(self, attr, None)
+                if torch.is_tensor(value):
+                    setattr(self, attr, value.numpy())
+        return tokens_per_expert
+
+    return _maybe_dtoh_and_synchronize
+
+
+def _make_uneven_all_gather(original: Callable) -> Callable:
+    def _gather_along_first_dim(input_, group, output_split_sizes=None, use_global_buffer=False):
+        if output_split_sizes is None or group.size() == 1:
+            return original(input_, group, output_split_sizes, use_global_buffer)
+        # gloo's list all_gather needs equal sizes: gather rows padded to the largest split,
+        # then keep each rank's real rows.
+        width = max(output_split_sizes)
+        padded = input_.new_zeros((width, *input_.shape[1:]))
+        padded[: input_.shape[0]] = input_
+        gathered = input_.new_empty((width * group.size(), *input_.shape[1:]))
+        torch.distributed.all_gather_into_tensor(gathered, padded, group=group)
+        chunks = gathered.split(width)
+        return torch.cat([chunk[:n] for chunk, n in zip(chunks, output_split_sizes, strict=True)])
+
+    return _gather_along_first_dim
+
+
+class _NoStream:
+    """Stands in for the CUDA stream megatron caches on the alltoall dispatcher class, so that
+    its ``__init__`` (which creates one when the cached value is None) does not try."""
+
+
+def _set_te_general_gemm() -> None:
+    import megatron.core.transformer.moe.moe_utils as moe_utils
+
+    if "te_general_gemm" not in vars(moe_utils):
+        moe_utils.te_general_gemm = None
+
+
+def _te_general_gemm_bound() -> bool:
+    import megatron.core.transformer.moe.moe_utils as moe_utils
+
+    return "te_general_gemm" in vars(moe_utils)
+
+
+_DISPATCHER = "megatron.core.transformer.moe.token_dispatcher:MoEAlltoAllTokenDispatcher"
+_SCHEDULES = "megatron.core.pipeline_parallel.schedules"
+_OPTIM = "megatron.core.optimizer"
+
+FIXES: tuple[Fix, ...] = (
+    # torch-level, unavoidably: megatron calls torch.cuda.current_device() at dozens of sites in
+    # many modules (each holding `torch`, not the function), at build and at run time; there is
+    # no narrower place. The answer is only ever used as a device for new tensors.
+    _replacing_fix(
+        "cuda_current_device",
+        "torch.cuda.current_device() asserts 'Torch not compiled with CUDA enabled'; megatron uses "
+        "it as the device of tensors it creates (layers, MoE router and experts, DDP buffers)",
+        "returns torch.device('cpu')",
+        {"torch.cuda:current_device": lambda _original: _current_device_cpu},
+    ),
+    # torch-level as well: called directly in p2p_communication (after every batched send/recv
+    # of pipeline parallelism) and DDP; CPU kernels are synchronous, so a no-op is exact.
+    _replacing_fix(
+        "cuda_synchronize",
+        "torch.cuda.synchronize() asserts; pipeline p2p calls it after each batched send/recv",
+        "a no-op",
+        {"torch.cuda:synchronize": lambda _original: _synchronize_noop},
+    ),
+    _replacing_fix(
+        "rng_tracker_cpu_states",
+        "CudaRNGStatesTracker.add/fork read and write CUDA generator states (asserts on CPU), so "
+        "model_parallel_cuda_manual_seed, dropout and get_cuda_rng_tracker().fork() fail",
+        "megatron's tracker class is replaced by a subclass keeping CPU generator states, so "
+        "initialize_rng_tracker / get_cuda_rng_tracker build ours; seed with cpu_model_parallel_seed",
+        {"megatron.core.tensor_parallel.random:CudaRNGStatesTracker": _cpu_rng_tracker_class},
+    ),
+    Fix(
+        name="moe_router_gemm_name",
+        what_breaks="moe_utils binds te_general_gemm only when TransformerEngine imports; the router's "
+        "RouterGatingLinearFunction.forward then raises NameError",
+        where="megatron.core.transformer.moe.moe_utils:te_general_gemm",
+        fix="bind it to None, which selects the router's torch matmul path",
+        apply=_set_te_general_gemm,
+        is_applied=_te_general_gemm_bound,
+    ),
+    _replacing_fix(
+        "moe_alltoall_dtoh",
+        "MoEAlltoAllTokenDispatcher.__init__ creates a torch.cuda.Stream; "
+        "_maybe_dtoh_and_synchronize uses streams/events and converts split sizes to numpy only for "
+        "CUDA tensors, so all_to_all_single gets tensors as split sizes (TypeError)",
+        "a stand-in for the cached stream; the method only converts the split sizes to numpy",
+        {
+            f"{_DISPATCHER}.cuda_dtoh_stream": lambda _original: _NoStream(),
+            f"{_DISPATCHER}._maybe_dtoh_and_synchronize": _make_dtoh_method,
+        },
+    ),
+    _replacing_fix(
+        "gloo_uneven_all_gather",
+        "with expert tensor parallelism > 1 the alltoall dispatcher all-gathers tokens with unequal "
+        "split sizes into a list of tensors, which gloo rejects ('invalid tensor size'); the "
+        "matching uneven reduce-scatter works on gloo and is left alone",
+        "for split sizes given, all-gather rows padded to the largest split and keep each rank's "
+        "real rows; other calls go to megatron's function",
+        {"megatron.core.tensor_parallel.mappings:_gather_along_first_dim": _make_uneven_all_gather},
+    ),
+    _replacing_fix(
+        "torch_norm_sequence_parallel",
+        "WrappedTorchNorm asserts 'sequence parallel not supported by torch LayerNorm'; MoE with "
+        "TP>1 requires sequence parallelism",
+        "build the norm with sequence_parallel off and mark its parameters sequence_parallel=True "
+        "so finalize_model_grads sums their gradients over TP",
+        {"megatron.core.transformer.torch_norm:WrappedTorchNorm.__new__": _keep_descriptor(_make_norm_new)},
+    ),
+    _replacing_fix(
+        "causal_mask_on_cuda",
+        "get_default_causal_mask / get_sliding_window_causal_mask create the mask with device='cuda' "
+        "(the unfused softmax path, whenever no mask is passed)",
+        "run them under _CudaToCpuMode",
+        _same(
+            (
+                "megatron.core.fusions.fused_softmax:get_default_causal_mask",
+                "megatron.core.fusions.fused_softmax:get_sliding_window_causal_mask",
+            ),
+            _run_under_cuda_to_cpu,
+        ),
+    ),
+    _replacing_fix(
+        "tied_embeddings_on_cuda",
+        "with tied embeddings and PP > 1, LanguageModule.setup_embeddings_and_output_layer moves the "
+        "shared weight with .cuda() before all-reducing it over the embedding group",
+        "run it under _CudaToCpuMode (.cuda() returns the tensor itself)",
+        {
+            "megatron.core.models.common.language_module.language_module:"
+            "LanguageModule.setup_embeddings_and_output_layer": _run_under_cuda_to_cpu
+        },
+    ),
+    _replacing_fix(
+        "schedules_on_cuda",
+        "the forward-backward schedules create total_num_tokens with device='cuda'",
+        "run them under _CudaToCpuMode (get_forward_backward_func returns the replaced functions)",
+        _same(
+            tuple(
+                f"{_SCHEDULES}:{fn}"
+                for fn in (
+                    "forward_backward_no_pipelining",
+                    "forward_backward_pipelining_without_interleaving",
+                    "forward_backward_pipelining_with_interleaving",
+                )
+            ),
+            _run_under_cuda_to_cpu,
+        ),
+    ),
+    _replacing_fix(
+        "optimizer_on_cuda",
+        "FP32Optimizer/MixedPrecisionOptimizer create scale and overflow tensors with device='cuda'; "
+        "DistributedOptimizer accepts only 'torch.cuda.*Tensor' parameters (TypeError); the grad-norm "
+        "and clipping functions reduce in device='cuda' tensors and assert CUDA type names",
+        "run them under _CudaToCpuMode",
+        _same(
+            (
+                f"{_OPTIM}.optimizer:FP32Optimizer.__init__",
+                f"{_OPTIM}.optimizer:MixedPrecisionOptimizer.__init__",
+                f"{_OPTIM}.distrib_optimizer:DistributedOptimizer._build_model_and_main_param_groups",
+                *(
+                    f"{_OPTIM}.{module}:{fn}"
+                    for module in ("clip_grads", "optimizer")
+                    for fn in ("get_grad_norm_fp32", "clip_grad_by_total_norm_fp32", "count_zeros_fp32")
+                ),
+                *(f"{_OPTIM}.layer_wise_optimizer:{fn}" for fn in ("get_grad_norm_fp32", "count_zeros_fp32")),
+            ),
+            _keep_descriptor(_run_under_cuda_to_cpu),
+        ),
+    ),
+)
+
+
+# ----------------------------------------------------------------------------------------------
+# Public API
+
+
+def _installed_megatron_version() -> str:
+    return importlib.metadata.version("megatron-core")
+
+
+def applied_fixes() -> tuple[str, ...]:
+    """Names of the fixes currently in place in this process."""
+    return tuple(fix.name for fix in FIXES if fix.is_applied())
+
+
+def is_applied() -> bool:
+    """True when every fix is in place."""
+    return len(applied_fixes()) == len(FIXES)
+
+
+def apply_cpu_compat() -> list[str]:
+    """Apply every fix in ``FIXES``; return their names. Idempotent.
+
+    Does nothing (returns ``[]``) when CUDA is available: nothing here is ever applied on a GPU.
+    Raises ``RuntimeError`` on CPU when the installed megatron-core was not checked.
+    """
+    if torch.cuda.is_available():
+        return []
+    version = _installed_megatron_version()
+    if version not in CHECKED_MEGATRON_VERSIONS:
+        raise RuntimeError(
+            f"grpo_megatron's CPU compatibility fixes were checked against megatron-core "
+            f"{', '.join(CHECKED_MEGATRON_VERSIONS)}, but {version} is installed. Running on CPU needs "
+            f"one of those (pip install megatron-core=={CHECKED_MEGATRON_VERSIONS[-1]}), or re-check every "
+            f"fix in grpo_megatron/distributed/cpu_compat.py against {version} (tests/test_cpu_compat.py) "
+            f"and add it to CHECKED_MEGATRON_VERSIONS."
+        )
+    for fix in FIXES:
+        fix.apply()
+    return [fix.name for fix in FIXES]
+
+
+def cpu_model_parallel_seed(
+    seed: int,
+    *,
+    tp_rank: int | None = None,
+    ep_rank: int | None = None,
+    etp_rank: int | None = None,
+    pp_rank: int | None = None,
+) -> None:
+    """CPU counterpart of megatron's ``model_parallel_cuda_manual_seed``; call after
+    ``initialize_model_parallel`` (ranks default to megatron's parallel_state) and after
+    ``apply_cpu_compat()``.
+
+    As Megatron-LM's training setup does, pipeline stages get ``seed + 100 * pp_rank``; from that
+    ``s``, seeded the way megatron seeds its three streams: the default generator (here the CPU
+    one) and the data-parallel state with ``s``; the tensor-model-parallel state with
+    ``s + 2718 + tp_rank``; the expert-parallel state with ``s + 1024 + 100 * ep_rank + etp_rank``.
+    """
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import random as megatron_random
+
+    if not _is_ours(megatron_random.CudaRNGStatesTracker):
+        raise RuntimeError(
+            "cpu_model_parallel_seed needs the CPU RNG tracker: call apply_cpu_compat() first "
+            "(on a GPU use megatron's model_parallel_cuda_manual_seed instead)"
+        )
+    tp_rank = parallel_state.get_tensor_model_parallel_rank() if tp_rank is None else tp_rank
+    ep_rank = parallel_state.get_expert_model_parallel_rank() if ep_rank is None else ep_rank
+    etp_rank = parallel_state.get_expert_tensor_parallel_rank() if etp_rank is None else etp_rank
+    pp_rank = parallel_state.get_pipeline_model_parallel_rank() if pp_rank is None else pp_rank
+    stage_seed = seed + 100 * pp_rank
+
+    torch.manual_seed(stage_seed)
+    megatron_random.initialize_rng_tracker(force_reset=True)
+    tracker = megatron_random.get_cuda_rng_tracker()
+    tracker.reset()
+    tracker.add(megatron_random.get_data_parallel_rng_tracker_name(), stage_seed)
+    tracker.add(megatron_random._MODEL_PARALLEL_RNG_TRACKER_NAME, stage_seed + 2718 + tp_rank)
+    tracker.add(
+        megatron_random.get_expert_parallel_rng_tracker_name(), stage_seed + 1024 + 100 * ep_rank + etp_rank
+    )

@@ -1,0 +1,1 @@
+"""Shared test helpers (multi-process launcher in :mod:`tests.helpers.dist`)."""

@@ -1,0 +1,128 @@
+"""Run a test function on several processes through ``torch.distributed.run``.
+
+``run_distributed("tests.workers.compat_workers:tp2_moe", world_size=2, hidden=64)`` starts
+``python -m torch.distributed.run --standalone --nproc-per-node 2`` (the same env:// rendezvous
+that torchrun and srun jobs use), each rank imports the target, calls it with the keyword
+arguments and saves what it returns; the parent loads the per-rank results and returns them in
+rank order.
+
+Rules for targets:
+- they initialise the process group themselves (``init_gloo()`` below, or the package's own
+  bootstrap), so the bootstrap under test is the real one;
+- they return ``None`` or nested dicts / lists / tuples of tensors, floats, ints, bools and
+  strings: results are loaded with ``torch.load(weights_only=True)``, nothing is unpickled.
+
+A hang fails: after ``timeout_s`` the whole process group is killed and the test gets an
+``AssertionError`` with the tail of the combined log. A failing rank is named in the error.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+LOG_TAIL_LINES = 60
+_ENTRY_MODULE = "tests.helpers.dist_entry"
+
+
+def free_port() -> int:
+    """A TCP port that was free a moment ago (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_gloo(timeout_s: float = 120.0) -> tuple[int, int]:
+    """Initialise the default gloo process group from the env:// variables torchrun sets.
+
+    Returns ``(rank, world_size)``. The timeout bounds every collective, so a rank that never
+    arrives makes the others fail instead of waiting forever.
+    """
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        dist.init_process_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+    return dist.get_rank(), dist.get_world_size()
+
+
+def _tail(text: str, n: int = LOG_TAIL_LINES) -> str:
+    return "\n".join(text.splitlines()[-n:])
+
+
+def _failed_ranks(out_dir: Path) -> dict[int, str]:
+    """Tracebacks the entry wrote for ranks whose target raised, keyed by rank."""
+    failed = {}
+    for path in sorted(out_dir.glob("rank*.error")):
+        failed[int(path.stem.removeprefix("rank"))] = path.read_text()
+    return failed
+
+
+def run_distributed(target: str, world_size: int, *, timeout_s: float = 240, **kwargs: Any) -> list[Any]:
+    """Run ``target`` ("package.module:function") on ``world_size`` processes; return per-rank results.
+
+    ``kwargs`` are pickled by this process and handed to ``function(**kwargs)`` on every rank.
+    """
+    if ":" not in target:
+        raise ValueError(f"target must look like 'package.module:function', got {target!r}")
+    with tempfile.TemporaryDirectory(prefix="grpo_dist_") as tmp:
+        out_dir = Path(tmp)
+        kwargs_path = out_dir / "kwargs.pkl"
+        kwargs_path.write_bytes(pickle.dumps(kwargs))
+        log_path = out_dir / "log.txt"
+
+        env = dict(os.environ)
+        env.update(
+            OMP_NUM_THREADS="1",
+            TORCH_COMPILE_DISABLE="1",
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(free_port()),
+            PYTHONPATH=os.pathsep.join([str(REPO_ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep),
+            PYTHONUNBUFFERED="1",
+        )
+        cmd = [
+            sys.executable, "-m", "torch.distributed.run",
+            "--standalone", "--nproc-per-node", str(world_size),
+            "-m", _ENTRY_MODULE, target, str(out_dir),
+        ]  # fmt: skip
+        with open(log_path, "wb") as log:
+            # A new session makes torchrun the leader of a process group holding every rank, so
+            # one killpg ends them all on timeout.
+            proc = subprocess.Popen(
+                cmd, cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            )
+            try:
+                rc = proc.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+                raise AssertionError(
+                    f"{target} on {world_size} ranks timed out after {timeout_s:.0f} s; "
+                    f"log tail:\n{_tail(log_path.read_text(errors='replace'))}"
+                ) from None
+        log_text = log_path.read_text(errors="replace")
+        failed = _failed_ranks(out_dir)
+        if rc != 0 or failed:
+            where = f"rank(s) {sorted(failed)}" if failed else "a rank (no traceback written)"
+            first_tb = _tail(next(iter(failed.values())), LOG_TAIL_LINES) if failed else ""
+            raise AssertionError(
+                f"{target} on {world_size} ranks failed (exit code {rc}) in {where}.\n"
+                f"First traceback:\n{first_tb}\nLog tail:\n{_tail(log_text)}"
+            )
+        results = []
+        for rank in range(world_size):
+            path = out_dir / f"rank{rank}.pt"
+            if not path.exists():
+                raise AssertionError(f"{target}: rank {rank} wrote no result; log tail:\n{_tail(log_text)}")
+            results.append(torch.load(path, weights_only=True))
+        return results
