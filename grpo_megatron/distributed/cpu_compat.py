@@ -33,7 +33,7 @@ tests, which check that megatron still needs every fix).
 |                              | tensor list; gloo: "invalid tensor size"                    |                                                          | rows (equal splits: megatron's own code)               |
 | torch_norm_sequence_parallel | the torch norm (no TE/apex) refuses ``sequence_parallel``,  | transformer.torch_norm.WrappedTorchNorm.__new__          | build it without the flag, mark its parameters         |
 |                              | which MoE with TP > 1 requires                              |                                                          | ``sequence_parallel`` (grads summed over TP)           |
-| causal_mask_on_cuda          | default causal / sliding-window masks use ``device="cuda"`` | fusions.fused_softmax (the names it imported)            | run them under ``_CudaToCpuMode``                       |
+| causal_mask_on_cuda          | default causal / sliding-window masks use ``device="cuda"`` | transformer.utils, fusions.fused_softmax (imports them)  | run them under ``_CudaToCpuMode``                       |
 | tied_embeddings_on_cuda      | tied embeddings with PP > 1: the shared weight is moved     | models.common.language_module.LanguageModule             | run it under ``_CudaToCpuMode``                         |
 |                              | with ``.cuda()`` before the embedding-group all-reduce      | .setup_embeddings_and_output_layer                       |                                                        |
 | schedules_on_cuda            | forward-backward schedules count tokens in a                | pipeline_parallel.schedules.forward_backward_*           | run them under ``_CudaToCpuMode``                       |
@@ -396,9 +396,10 @@ FIXES: tuple[Fix, ...] = (
         "(the unfused softmax path, whenever no mask is passed)",
         "run them under _CudaToCpuMode",
         _same(
-            (
-                "megatron.core.fusions.fused_softmax:get_default_causal_mask",
-                "megatron.core.fusions.fused_softmax:get_sliding_window_causal_mask",
+            tuple(
+                f"megatron.core.{module}:{fn}"
+                for module in ("transformer.utils", "fusions.fused_softmax")
+                for fn in ("get_default_causal_mask", "get_sliding_window_causal_mask")
             ),
             _run_under_cuda_to_cpu,
         ),

@@ -18,6 +18,7 @@ A hang fails: after ``timeout_s`` the whole process group is killed and the test
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
 import signal
@@ -68,6 +69,22 @@ def _failed_ranks(out_dir: Path) -> dict[int, str]:
     return failed
 
 
+def _kill_all(proc: subprocess.Popen, out_dir: Path) -> None:
+    """End torchrun and every rank. torchrun stops its ranks on SIGTERM; if it does not within a
+    few seconds, SIGKILL them: each rank runs in a session of its own (so killing torchrun's
+    process group does not reach it) and wrote its pid for this."""
+    with contextlib.suppress(ProcessLookupError):
+        proc.terminate()
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(timeout=10)
+    for pid_file in out_dir.glob("rank*.pid"):
+        with contextlib.suppress(ProcessLookupError, ValueError):
+            os.killpg(int(pid_file.read_text()), signal.SIGKILL)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+
+
 def run_distributed(target: str, world_size: int, *, timeout_s: float = 240, **kwargs: Any) -> list[Any]:
     """Run ``target`` ("package.module:function") on ``world_size`` processes; return per-rank results.
 
@@ -96,16 +113,15 @@ def run_distributed(target: str, world_size: int, *, timeout_s: float = 240, **k
             "-m", _ENTRY_MODULE, target, str(out_dir),
         ]  # fmt: skip
         with open(log_path, "wb") as log:
-            # A new session makes torchrun the leader of a process group holding every rank, so
-            # one killpg ends them all on timeout.
+            # torchrun in a session of its own: on a timeout its whole process group can be killed
+            # without touching pytest's.
             proc = subprocess.Popen(
                 cmd, cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
             )
             try:
                 rc = proc.wait(timeout=timeout_s)
             except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+                _kill_all(proc, out_dir)
                 raise AssertionError(
                     f"{target} on {world_size} ranks timed out after {timeout_s:.0f} s; "
                     f"log tail:\n{_tail(log_path.read_text(errors='replace'))}"

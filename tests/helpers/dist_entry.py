@@ -37,6 +37,8 @@ def check_result(value: Any, where: str = "result") -> None:
 def main(argv: list[str]) -> int:
     target, out_dir = argv[1], Path(argv[2])
     rank = int(os.environ["RANK"])
+    # For the harness to kill this rank on a timeout (torchrun puts it in a session of its own).
+    (out_dir / f"rank{rank}.pid").write_text(str(os.getpid()))
     try:
         module_name, func_name = target.split(":")
         func = getattr(importlib.import_module(module_name), func_name)

@@ -127,7 +127,7 @@ def _rng_draws() -> dict[str, torch.Tensor]:
     return draws
 
 
-def train_one_layout(layout: Layout, apply_compat: bool = True) -> dict[str, Any]:
+def train_one_layout(layout: Layout) -> dict[str, Any]:
     from megatron.core import parallel_state as ps
     from megatron.core.distributed import (
         DistributedDataParallel,
@@ -216,15 +216,17 @@ def train_one_layout(layout: Layout, apply_compat: bool = True) -> dict[str, Any
         ps.destroy_model_parallel()
 
 
-def train_layouts(names: list[str], apply_compat: bool = True) -> dict[str, Any]:
-    """Train one step at each named layout in turn (one launch, several layouts)."""
+def train_layouts(names: list[str], check_collectives: bool = False) -> dict[str, Any]:
+    """Train one step at each named layout in turn (one launch, several layouts); optionally also
+    run :func:`uneven_collectives` in the same launch."""
     from grpo_megatron.distributed import cpu_compat
 
     init_gloo()
-    applied = cpu_compat.apply_cpu_compat() if apply_compat else []
-    out: dict[str, Any] = {"applied": applied}
+    out: dict[str, Any] = {"applied": cpu_compat.apply_cpu_compat()}
     for name in names:
         out[name] = train_one_layout(LAYOUTS[name])
+    if check_collectives:
+        out["collectives"] = uneven_collectives()
     return out
 
 
@@ -254,3 +256,28 @@ def uneven_collectives() -> dict[str, Any]:
         torch.distributed.barrier()
         out[key] = getattr(mappings, name)(*args)
     return out
+
+
+# ----------------------------------------------------------------------------------------------
+# Workers that test the harness itself (no process group, no megatron: they start fast)
+
+
+def echo(value: Any) -> dict[str, Any]:
+    """Returns the kwargs it got and its rank (checks kwargs passing and rank order)."""
+    import os
+
+    return {"rank": int(os.environ["RANK"]), "value": value}
+
+
+def fail_on_rank(rank_to_fail: int) -> dict[str, Any]:
+    import os
+
+    if int(os.environ["RANK"]) == rank_to_fail:
+        raise ValueError(f"deliberate failure on rank {rank_to_fail}")
+    return {}
+
+
+def hang() -> None:
+    import time
+
+    time.sleep(600)
