@@ -622,6 +622,12 @@ def model_layout_errors(model: ModelConfig, hf_config: dict[str, Any], parallel:
                 f"parallel.sequence_parallel=false with parallel.tp={tp} on an MoE model: megatron-core "
                 "needs sequence parallelism for MoE with TP > 1; set parallel.sequence_parallel=true or null"
             )
+        if pp > 1 and model.moe_token_dispatcher == "allgather":
+            errors.append(
+                f"model.moe_token_dispatcher=allgather with parallel.pp={pp}: megatron-core's allgather "
+                "dispatcher needs fixed sequence lengths, but pipelined micro-batches vary in length; "
+                "set model.moe_token_dispatcher=alltoall"
+            )
     return errors
 
 

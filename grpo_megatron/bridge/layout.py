@@ -1,0 +1,147 @@
+"""Where each megatron parameter shard sits in the full (unsharded) megatron tensor.
+
+A rank's parameter ``decoder.layers.3.mlp.experts.local_experts.1.linear_fc1.weight`` is a slice
+of a layout-independent *canonical* tensor: global layer index (PP offset applied), global expert
+index (EP offset applied), and the TP/ETP slice along ``partition_dim``. ``ShardLayout`` records
+that; ``gather``/``scatter`` move between the shard and the canonical tensor. The streaming
+exporter and the sharded loader of the weight bridge build on the same rules, and the
+layout-equivalence tests use ``full_state`` to compare any layout with a single process.
+
+Rules (megatron-core's own tensor attributes decide, not name patterns, except for GLU):
+- ``param.tensor_model_parallel`` / ``partition_dim``: split over TP, or over ETP for experts
+  (parameters of modules with ``is_expert=True``; ``allreduce=False`` marks them only when EP > 1);
+- GLU ``linear_fc1`` weights hold ``[gate; up]`` per shard, so the canonical tensor is
+  ``[gate_full; up_full]``, not the concatenation of shards;
+- ``local_experts.{j}`` on EP rank r is global expert ``r * num_local + j``;
+- ``decoder.layers.{i}`` is global layer ``layer.layer_number - 1``.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from grpo_megatron.distributed.bootstrap import ParallelState
+
+_LAYER = re.compile(r"^(decoder\.layers\.)(\d+)(\.)")
+_EXPERT = re.compile(r"(\.local_experts\.)(\d+)(\.)")
+
+
+@dataclass(frozen=True)
+class ShardLayout:
+    canonical_name: str
+    partition_dim: int | None  # None: replicated over its tensor-parallel group
+    is_expert: bool
+    glu: bool  # fc1 of a gated MLP: [gate; up] halves are sharded separately
+
+
+def unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    """The GPTModel inside megatron's DDP (or any ``.module`` wrapper)."""
+    while hasattr(model, "module"):
+        model = model.module
+    return model
+
+
+def shard_layouts(
+    model: torch.nn.Module, ps: ParallelState
+) -> Iterator[tuple[str, torch.nn.Parameter, ShardLayout]]:
+    """(local name, parameter, layout) for every parameter of this rank's model chunk."""
+    gpt = unwrap(model)
+    global_layer = {str(i): str(layer.layer_number - 1) for i, layer in enumerate(gpt.decoder.layers)}
+    config = gpt.config
+    num_local_experts = (config.num_moe_experts or 0) // ps.ep
+    expert_params = {id(p) for m in gpt.modules() if getattr(m, "is_expert", False) for p in m.parameters()}
+    for name, param in gpt.named_parameters():
+        canonical = _LAYER.sub(lambda m: m.group(1) + global_layer[m.group(2)] + m.group(3), name)
+        is_expert = id(param) in expert_params
+        if is_expert:
+            canonical = _EXPERT.sub(
+                lambda m: m.group(1) + str(ps.ep_rank * num_local_experts + int(m.group(2))) + m.group(3),
+                canonical,
+            )
+        sharded = getattr(param, "tensor_model_parallel", False)
+        yield (
+            name,
+            param,
+            ShardLayout(
+                canonical_name=canonical,
+                partition_dim=param.partition_dim if sharded else None,
+                is_expert=is_expert,
+                glu=bool(config.gated_linear_unit) and name.endswith("linear_fc1.weight"),
+            ),
+        )
+
+
+def _tp_group(layout: ShardLayout, ps: ParallelState) -> tuple[dist.ProcessGroup, int, int]:
+    if layout.is_expert:
+        return ps.etp_group, ps.etp, ps.etp_rank
+    return ps.tp_group, ps.tp, ps.tp_rank
+
+
+def gather(shard: torch.Tensor, layout: ShardLayout, ps: ParallelState) -> torch.Tensor:
+    """The canonical tensor from this TP/ETP group's shards (a collective over that group)."""
+    group, size, _ = _tp_group(layout, ps)
+    if layout.partition_dim is None or size == 1:
+        return shard.detach().clone()
+    dim = layout.partition_dim
+    pieces = shard.detach().chunk(2, dim=dim) if layout.glu else (shard.detach(),)
+    gathered = []
+    for piece in pieces:
+        parts = [torch.empty_like(piece) for _ in range(size)]
+        dist.all_gather(parts, piece.contiguous(), group=group)
+        gathered.append(torch.cat(parts, dim=dim))
+    return torch.cat(gathered, dim=dim)
+
+
+def scatter(full: torch.Tensor, layout: ShardLayout, ps: ParallelState) -> torch.Tensor:
+    """This rank's shard of a canonical tensor (no communication)."""
+    _, size, rank = _tp_group(layout, ps)
+    if layout.partition_dim is None or size == 1:
+        return full
+    dim = layout.partition_dim
+    halves = full.chunk(2, dim=dim) if layout.glu else (full,)
+    return torch.cat([h.chunk(size, dim=dim)[rank] for h in halves], dim=dim)
+
+
+def full_state(model: torch.nn.Module, ps: ParallelState, *, grads: bool = False) -> dict[str, torch.Tensor]:
+    """Every canonical tensor of the whole model (or its gradients), on every rank.
+
+    For tests and tiny models only: it materialises the entire model on each rank. Gradients
+    are read from ``main_grad`` (megatron DDP) when present; with the distributed optimizer they
+    are only valid before the reduce-scatter, so compare gradients with it off.
+    """
+    local: dict[str, torch.Tensor] = {}
+    for _, param, layout in shard_layouts(model, ps):
+        tensor = getattr(param, "main_grad", None) if grads else param
+        if grads and tensor is None:
+            tensor = param.grad if param.grad is not None else torch.zeros_like(param)
+        full = gather(tensor, layout, ps)
+        # Only one member of each TP/ETP group (and of the data-parallel replicas) needs to report.
+        _, _, tp_rank = _tp_group(layout, ps)
+        replica = ps.dp_rank if not layout.is_expert else 0
+        if tp_rank == 0 and replica == 0 and ps.cp_rank == 0:
+            local[layout.canonical_name] = full.cpu()
+    merged: dict[str, torch.Tensor] = {}
+    parts: list[dict[str, torch.Tensor]] = [{} for _ in range(ps.world_size)]
+    dist.all_gather_object(parts, local)
+    for part in parts:
+        merged.update(part)
+    return merged
+
+
+@torch.no_grad()
+def load_full_state(model: torch.nn.Module, ps: ParallelState, state: dict[str, torch.Tensor]) -> None:
+    """Copy each rank's slice of canonical tensors into its parameters (all must be present)."""
+    for name, param, layout in shard_layouts(model, ps):
+        if layout.canonical_name not in state:
+            raise KeyError(f"{layout.canonical_name} (local {name}) missing from the state to load")
+        shard = scatter(state[layout.canonical_name], layout, ps)
+        if shard.shape != param.shape:
+            raise ValueError(
+                f"{layout.canonical_name}: shard {tuple(shard.shape)} != param {tuple(param.shape)}"
+            )
+        param.copy_(shard)

@@ -1,0 +1,223 @@
+"""Distributed bootstrap: torchrun/srun-compatible init and the explicit ``ParallelState``.
+
+``init_distributed`` reads the standard env:// variables (torchrun sets them; under srun we derive
+them from SLURM_* when torchrun is not used), creates the default process group (gloo on CPU,
+nccl on GPU), builds megatron's ``parallel_state`` for TP/PP/EP/ETP/CP/DP, and returns a
+``ParallelState`` holding every group and rank our code needs. Our code takes that object as an
+argument; only megatron-core's internals read megatron's module-level ``parallel_state``.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+    import torch.distributed as dist
+
+    from grpo_megatron.distributed.config import ParallelConfig
+
+
+@dataclass(frozen=True)
+class ParallelState:
+    """Process groups and ranks of this process, passed explicitly into our code.
+
+    Sizes: ``tp`` tensor, ``pp`` pipeline, ``cp`` context, ``dp`` data (dense parameters),
+    ``ep`` expert, ``etp`` expert-tensor, ``edp`` expert-data (world = pp * etp * ep * edp).
+    """
+
+    world_size: int
+    rank: int
+    local_rank: int
+    device: torch.device
+    tp: int
+    pp: int
+    cp: int
+    dp: int
+    ep: int
+    etp: int
+    edp: int
+    tp_rank: int
+    pp_rank: int
+    cp_rank: int
+    dp_rank: int
+    ep_rank: int
+    etp_rank: int
+    sequence_parallel: bool
+    tp_group: dist.ProcessGroup
+    pp_group: dist.ProcessGroup
+    cp_group: dist.ProcessGroup
+    dp_group: dist.ProcessGroup  # data-parallel group of dense parameters (without CP)
+    dp_cp_group: dist.ProcessGroup  # data x context: where dense gradients are reduced
+    ep_group: dist.ProcessGroup
+    etp_group: dist.ProcessGroup
+    edp_group: dist.ProcessGroup  # expert data-parallel: where expert gradients are reduced
+    pg_collection: Any  # megatron.core.process_groups_config.ProcessGroupCollection
+
+    @property
+    def is_first_pp_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_pp_stage(self) -> bool:
+        return self.pp_rank == self.pp - 1
+
+    @property
+    def last_pp_stage_global_rank(self) -> int:
+        """Global rank of the last pipeline stage in this rank's pipeline."""
+        import torch.distributed as dist
+
+        return dist.get_global_rank(self.pp_group, self.pp - 1)
+
+    def describe(self) -> str:
+        return (
+            f"rank {self.rank}/{self.world_size} on {socket.gethostname()}: tp {self.tp_rank}/{self.tp} "
+            f"pp {self.pp_rank}/{self.pp} cp {self.cp_rank}/{self.cp} dp {self.dp_rank}/{self.dp} "
+            f"ep {self.ep_rank}/{self.ep} etp {self.etp_rank}/{self.etp}"
+        )
+
+
+def _env_from_slurm() -> None:
+    """Under plain ``srun`` (one task per GPU, no torchrun) derive env:// variables from SLURM_*."""
+    if "RANK" in os.environ or "SLURM_PROCID" not in os.environ:
+        return
+    os.environ["RANK"] = os.environ["SLURM_PROCID"]
+    os.environ["WORLD_SIZE"] = os.environ["SLURM_NTASKS"]
+    os.environ["LOCAL_RANK"] = os.environ.get("SLURM_LOCALID", "0")
+    if "MASTER_ADDR" not in os.environ:
+        raise RuntimeError(
+            "running under srun without torchrun: export MASTER_ADDR (the first node's hostname, e.g. "
+            "$(scontrol show hostnames $SLURM_JOB_NODELIST | head -n1)) and MASTER_PORT before srun"
+        )
+
+
+def world_size_from_env() -> int:
+    """The world size the launcher announced (1 when not launched by torchrun/srun)."""
+    _env_from_slurm()
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def init_distributed(parallel: ParallelConfig, *, seed: int = 1234) -> ParallelState:
+    """Create the process groups for ``parallel`` (already validated) and seed megatron's RNGs.
+
+    On CPU this applies our megatron-core compatibility module first (see ``cpu_compat``);
+    on GPU nothing is patched.
+    """
+    import torch
+    import torch.distributed as dist
+
+    world_size = world_size_from_env()
+    rank = int(os.environ.get("RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if world_size == 1:
+        # A single process needs no launcher: rendezvous with itself on a free local port.
+        os.environ.setdefault("RANK", "0")
+        os.environ.setdefault("WORLD_SIZE", "1")
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    parallel = parallel.resolve(world_size)
+
+    use_cuda = torch.cuda.is_available() and parallel.backend != "gloo"
+    backend = parallel.backend if parallel.backend != "auto" else ("nccl" if use_cuda else "gloo")
+    if use_cuda:
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+    else:
+        from grpo_megatron.distributed.cpu_compat import apply_cpu_compat
+
+        apply_cpu_compat()
+        device = torch.device("cpu")
+
+    if not dist.is_initialized():
+        try:
+            dist.init_process_group(
+                backend=backend,
+                init_method="env://",
+                world_size=world_size,
+                rank=rank,
+                timeout=datetime.timedelta(minutes=parallel.timeout_minutes),
+            )
+        except Exception as exc:  # name the rank and host: the first thing a cluster user needs
+            raise RuntimeError(
+                f"rank {rank}/{world_size} on {socket.gethostname()}: process-group rendezvous at "
+                f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')} failed ({exc}). "
+                "Check MASTER_ADDR/MASTER_PORT, the network interface (GLOO_SOCKET_IFNAME / "
+                "NCCL_SOCKET_IFNAME) and parallel.timeout_minutes"
+            ) from exc
+
+    from megatron.core import parallel_state as mpu
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    mpu.initialize_model_parallel(
+        tensor_model_parallel_size=parallel.tp,
+        pipeline_model_parallel_size=parallel.pp,
+        context_parallel_size=parallel.cp,
+        expert_model_parallel_size=parallel.ep,
+        expert_tensor_parallel_size=parallel.etp,
+    )
+    _seed_megatron(seed, use_cuda)
+
+    return ParallelState(
+        world_size=world_size,
+        rank=rank,
+        local_rank=local_rank,
+        device=device,
+        tp=parallel.tp,
+        pp=parallel.pp,
+        cp=parallel.cp,
+        dp=mpu.get_data_parallel_world_size(),
+        ep=parallel.ep,
+        etp=mpu.get_expert_tensor_parallel_world_size(),
+        edp=mpu.get_expert_data_parallel_world_size(),
+        tp_rank=mpu.get_tensor_model_parallel_rank(),
+        pp_rank=mpu.get_pipeline_model_parallel_rank(),
+        cp_rank=mpu.get_context_parallel_rank(),
+        dp_rank=mpu.get_data_parallel_rank(),
+        ep_rank=mpu.get_expert_model_parallel_rank(),
+        etp_rank=mpu.get_expert_tensor_parallel_rank(),
+        sequence_parallel=bool(parallel.sequence_parallel),
+        tp_group=mpu.get_tensor_model_parallel_group(),
+        pp_group=mpu.get_pipeline_model_parallel_group(),
+        cp_group=mpu.get_context_parallel_group(),
+        dp_group=mpu.get_data_parallel_group(),
+        dp_cp_group=mpu.get_data_parallel_group(with_context_parallel=True),
+        ep_group=mpu.get_expert_model_parallel_group(),
+        etp_group=mpu.get_expert_tensor_parallel_group(),
+        edp_group=mpu.get_expert_data_parallel_group(),
+        pg_collection=ProcessGroupCollection.use_mpu_process_groups(),
+    )
+
+
+def _seed_megatron(seed: int, use_cuda: bool) -> None:
+    """Seed torch and megatron's model-parallel RNG tracker (CUDA or the CPU equivalent)."""
+    import torch
+
+    torch.manual_seed(seed)
+    if use_cuda:
+        from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+        model_parallel_cuda_manual_seed(seed)
+    else:
+        from grpo_megatron.distributed.cpu_compat import cpu_model_parallel_seed
+
+        cpu_model_parallel_seed(seed)
+
+
+def destroy_distributed(*, keep_process_group: bool = False) -> None:
+    """Tear down megatron's parallel state (and the default process group unless kept)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as mpu
+
+    mpu.destroy_model_parallel()
+    if not keep_process_group and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])

@@ -1,0 +1,32 @@
+"""Mixtral: GQA without biases, softmax top-k routing (renormalised over the top-k), SwiGLU experts."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from grpo_megatron.models.adapter import HFConfigError, ModelAdapter
+
+
+class MixtralAdapter(ModelAdapter):
+    model_type = "mixtral"
+
+    def num_experts(self, hf: Mapping[str, Any]) -> int | None:
+        return int(self.get(hf, "num_local_experts"))
+
+    def transformer_config_kwargs(self, hf: Mapping[str, Any]) -> dict[str, Any]:
+        self.reject_rope_scaling(hf)
+        window = hf.get("sliding_window")
+        if window is not None and window < int(self.get(hf, "max_position_embeddings")):
+            raise HFConfigError(
+                f"mixtral: sliding_window={window} is not supported (megatron's local attention has "
+                "no window): set sliding_window=null in config.json or model.hf_overrides"
+            )
+        return {
+            **self.dense_attention_kwargs(hf),
+            "ffn_hidden_size": int(self.get(hf, "intermediate_size")),
+            "num_moe_experts": self.num_experts(hf),
+            "moe_router_topk": int(self.get(hf, "num_experts_per_tok")),
+            "moe_router_pre_softmax": False,  # softmax over all experts, then renormalised top-k
+            "moe_router_score_function": "softmax",
+        }

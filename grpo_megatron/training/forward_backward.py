@@ -1,0 +1,248 @@
+"""Sharded forward (and backward) over many micro-batches, producing per-token logprobs.
+
+Shape legend: B micro-batch size, S sequence length (padded up to a multiple of TP for sequence
+parallelism, and cut back before anything leaves this module).
+
+One function serves the three trainer passes of a GRPO iteration:
+- reference logprobs and old-policy logprobs: ``forward_logprobs`` (forward only);
+- the policy update: ``forward_backward`` with a loss function of (logprobs, entropy, batch).
+
+Both run megatron's pipeline schedule (``get_forward_backward_func``), so PP stages exchange
+activations the usual way; logits exist only on the last stage, and what they produce (logprobs
+or loss metrics) is broadcast over the pipeline group so every rank returns the same list.
+
+Loss normalisation: megatron is configured with ``calculate_per_token_loss=True`` and our
+``finalize_model_grads`` wrapper passes no token count, so megatron neither divides by the number
+of micro-batches nor averages over data-parallel ranks: gradients are plain sums. ``loss_fn``
+must therefore return each micro-batch's contribution to the *global* loss (e.g. token sums
+divided by the global token count), which makes results independent of how the global batch is
+split over micro-batches and DP ranks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from functools import partial
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from grpo_megatron.distributed.bootstrap import ParallelState
+from grpo_megatron.models.logprobs import vocab_parallel_logprobs
+
+
+@dataclass
+class MicroBatch:
+    """One micro-batch. ``labels_bs[:, i]`` is the token whose log-prob position ``i`` predicts."""
+
+    tokens_bs: torch.Tensor
+    labels_bs: torch.Tensor
+    position_ids_bs: torch.Tensor | None = None
+    """None: 0..S-1 per row. Packed sequences restart positions at each sequence start."""
+    attention_mask_b1ss: torch.Tensor | None = None
+    """None: causal (right-padded rows need no mask). Else bool, True = masked out (megatron's
+    convention), e.g. ``packed_causal_mask`` for several sequences packed into one row."""
+    extras: dict[str, torch.Tensor] = field(default_factory=dict)
+    """Per-token or per-sequence inputs of ``loss_fn`` (advantages, old logprobs, masks...)."""
+
+
+@dataclass
+class LogprobOutput:
+    logprobs_bs: torch.Tensor
+    entropy_bs: torch.Tensor | None
+
+
+LossFn = Callable[
+    [torch.Tensor, torch.Tensor | None, MicroBatch], tuple[torch.Tensor, dict[str, torch.Tensor]]
+]
+
+
+def packed_causal_mask(seq_lens: Sequence[int], total_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Block-diagonal causal mask ``[1, 1, S, S]`` (True = masked) and restarting position ids ``[1, S]``
+    for sequences of ``seq_lens`` packed into one row of length ``total_len`` (tail is padding)."""
+    seq_id_s = torch.full((total_len,), -1, dtype=torch.long)
+    position_ids_s = torch.zeros(total_len, dtype=torch.long)
+    start = 0
+    for i, n in enumerate(seq_lens):
+        seq_id_s[start : start + n] = i
+        position_ids_s[start : start + n] = torch.arange(n)
+        start += n
+    same_ss = seq_id_s[:, None] == seq_id_s[None, :]
+    causal_ss = torch.ones(total_len, total_len, dtype=torch.bool).tril()
+    allowed_ss = same_ss & causal_ss
+    allowed_ss |= torch.eye(total_len, dtype=torch.bool)  # padding rows attend to themselves
+    return ~allowed_ss[None, None], position_ids_s[None]
+
+
+def _pad(mb: MicroBatch, rows: int, length: int, device: torch.device) -> MicroBatch:
+    """Pad a micro-batch to ``[rows, length]``. Padding rows/columns are cut from every output."""
+    b, s = mb.tokens_bs.shape
+    pad_s, pad_b = length - s, rows - b
+    position_ids_bs = mb.position_ids_bs
+    if position_ids_bs is None:
+        position_ids_bs = torch.arange(s).expand(b, s)
+    mask = mb.attention_mask_b1ss
+    if mask is not None and (pad_s or pad_b):
+        mask = F.pad(mask.expand(b, -1, -1, -1), (0, pad_s, 0, pad_s, 0, 0, 0, pad_b), value=True)
+        idx = torch.arange(length)
+        mask[:, :, idx, idx] = False  # padding rows attend to themselves only: no empty softmax
+    return MicroBatch(
+        tokens_bs=F.pad(mb.tokens_bs, (0, pad_s, 0, pad_b)).to(device),
+        labels_bs=F.pad(mb.labels_bs, (0, pad_s, 0, pad_b)).to(device),
+        position_ids_bs=F.pad(position_ids_bs, (0, pad_s, 0, pad_b)).to(device),
+        attention_mask_b1ss=None if mask is None else mask.to(device),
+        extras={k: v.to(device) for k, v in mb.extras.items()},
+    )
+
+
+def _padded_shapes(
+    microbatches: Sequence[MicroBatch], ps: ParallelState, uniform: bool
+) -> list[tuple[int, int]]:
+    """Target ``(rows, length)`` per micro-batch: lengths a multiple of TP under sequence
+    parallelism; with ``uniform``, the largest shape over all ranks (see ``_Runner.run``)."""
+    shapes_n2 = torch.tensor([list(mb.tokens_bs.shape) for mb in microbatches], dtype=torch.long)
+    if uniform:
+        dist.all_reduce(shapes_n2, op=dist.ReduceOp.MAX)
+    multiple = ps.tp if ps.sequence_parallel else 1
+    shapes_n2[:, 1] = (shapes_n2[:, 1] + multiple - 1) // multiple * multiple
+    return [(int(b), int(s)) for b, s in shapes_n2]
+
+
+class _Runner:
+    """Shared plumbing of the forward-only and the forward-backward passes."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module | list[torch.nn.Module],
+        ps: ParallelState,
+        *,
+        vocab_size: int,
+        temperature: float,
+        with_entropy: bool,
+    ) -> None:
+        self.chunks = model if isinstance(model, list) else [model]
+        self.ps = ps
+        self.vocab_size = vocab_size
+        self.temperature = temperature
+        self.with_entropy = with_entropy
+
+    def logprobs(
+        self, logits_bsvt: torch.Tensor, mb: MicroBatch, b: int, s: int
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        vocab_start = self.ps.tp_rank * logits_bsvt.shape[-1]
+        logprobs_bs, entropy_bs = vocab_parallel_logprobs(
+            logits_bsvt,
+            mb.labels_bs,
+            tp_group=self.ps.tp_group,
+            vocab_start=vocab_start,
+            temperature=self.temperature,
+            with_entropy=self.with_entropy,
+            vocab_size=self.vocab_size,
+        )
+        return logprobs_bs[:b, :s], None if entropy_bs is None else entropy_bs[:b, :s]
+
+    def run(self, microbatches: Sequence[MicroBatch], loss_func_for: Callable, *, forward_only: bool) -> list:
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        # megatron's allgather MoE dispatcher all-gathers tokens over the expert-parallel group,
+        # whose ranks hold different data-parallel micro-batches: their shapes must agree.
+        config = self.chunks[0].config
+        uniform = (
+            bool(config.num_moe_experts)
+            and config.moe_token_dispatcher_type == "allgather"
+            and self.ps.ep > 1
+        )
+        shapes = _padded_shapes(microbatches, self.ps, uniform)
+        padded = [
+            (_pad(mb, b, s, self.ps.device), mb.tokens_bs.shape)
+            for mb, (b, s) in zip(microbatches, shapes, strict=True)
+        ]
+
+        def step(data_iterator, model):
+            mb, (b, s) = next(data_iterator)
+            output = model(mb.tokens_bs, mb.position_ids_bs, mb.attention_mask_b1ss)
+            return output, partial(loss_func_for, mb, b, s)
+
+        results = get_forward_backward_func()(
+            forward_step_func=step,
+            data_iterator=iter(padded),
+            model=self.chunks,
+            num_microbatches=len(padded),
+            seq_length=max(mb.tokens_bs.shape[1] for mb, _ in padded),
+            micro_batch_size=max(mb.tokens_bs.shape[0] for mb, _ in padded),
+            forward_only=forward_only,
+            collect_non_loss_data=forward_only,
+        )
+        return self.broadcast_from_last_stage(list(results) if self.ps.is_last_pp_stage else None)
+
+    def broadcast_from_last_stage(self, results: list | None) -> list:
+        """Every pipeline stage gets the last stage's per-micro-batch results."""
+        if self.ps.pp == 1:
+            assert results is not None
+            return results
+        box = [results]
+        dist.broadcast_object_list(box, src=self.ps.last_pp_stage_global_rank, group=self.ps.pp_group)
+        return [_to_device(r, self.ps.device) for r in box[0]]
+
+
+def _to_device(obj, device: torch.device):
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device)
+    if isinstance(obj, dict):
+        return {k: _to_device(v, device) for k, v in obj.items()}
+    return obj
+
+
+@torch.no_grad()
+def forward_logprobs(
+    model: torch.nn.Module | list[torch.nn.Module],
+    microbatches: Sequence[MicroBatch],
+    ps: ParallelState,
+    *,
+    vocab_size: int,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+) -> list[LogprobOutput]:
+    """Forward-only logprobs (and entropy) of each micro-batch's labels, on every rank."""
+    runner = _Runner(model, ps, vocab_size=vocab_size, temperature=temperature, with_entropy=with_entropy)
+
+    def loss_func(mb: MicroBatch, b: int, s: int, logits_bsvt: torch.Tensor, non_loss_data: bool = True):
+        logprobs_bs, entropy_bs = runner.logprobs(logits_bsvt, mb, b, s)
+        out = {"logprobs": logprobs_bs}
+        if entropy_bs is not None:
+            out["entropy"] = entropy_bs
+        return out
+
+    for chunk in runner.chunks:
+        chunk.eval()
+    results = runner.run(microbatches, loss_func, forward_only=True)
+    return [LogprobOutput(r["logprobs"], r.get("entropy")) for r in results]
+
+
+def forward_backward(
+    model: torch.nn.Module | list[torch.nn.Module],
+    microbatches: Sequence[MicroBatch],
+    ps: ParallelState,
+    loss_fn: LossFn,
+    *,
+    vocab_size: int,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+) -> list[dict[str, float]]:
+    """Forward and backward of ``loss_fn`` over all micro-batches; gradients accumulate in the model
+    (``param.main_grad`` under megatron's DDP). Returns each micro-batch's metrics on every rank."""
+    runner = _Runner(model, ps, vocab_size=vocab_size, temperature=temperature, with_entropy=with_entropy)
+
+    def loss_func(mb: MicroBatch, b: int, s: int, logits_bsvt: torch.Tensor):
+        logprobs_bs, entropy_bs = runner.logprobs(logits_bsvt, mb, b, s)
+        unpadded = MicroBatch(mb.tokens_bs[:b, :s], mb.labels_bs[:b, :s], extras=mb.extras)
+        loss, metrics = loss_fn(logprobs_bs, entropy_bs, unpadded)
+        reported = {k: float(v.detach()) for k, v in metrics.items()} | {"loss": float(loss.detach())}
+        # The middle value is megatron's token count; ours is folded into the loss (see module doc).
+        return loss, torch.ones((), dtype=torch.int, device=loss.device), reported
+
+    for chunk in runner.chunks:
+        chunk.train()
+    return runner.run(microbatches, loss_func, forward_only=False)
