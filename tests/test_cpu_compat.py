@@ -219,6 +219,24 @@ def test_moe_router_gemm_name(monkeypatch: pytest.MonkeyPatch) -> None:
     )
 
 
+def test_mla_te_flag() -> None:
+    """Without TransformerEngine megatron still believes MLA has TE; the fix clears the flag
+    (tests/test_models.py builds and trains DeepSeek-V3's MLA with it)."""
+    import importlib.util
+    import subprocess
+    import sys
+
+    if importlib.util.find_spec("transformer_engine") is not None:
+        pytest.skip("TransformerEngine installed: the flag is right")
+    code = (
+        "import megatron.core.transformer.multi_latent_attention as mla; before = mla.HAVE_TE\n"
+        "from grpo_megatron.distributed.cpu_compat import apply_cpu_compat; apply_cpu_compat()\n"
+        "print(before, mla.HAVE_TE)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["True", "False"]
+
+
 def _bare_alltoall_dispatcher(cls: type) -> object:
     """The attributes _maybe_dtoh_and_synchronize reads, as __init__ sets them for a CPU run."""
     dispatcher = object.__new__(cls)

@@ -26,6 +26,8 @@ tests, which check that megatron still needs every fix).
 |                              | states: seeding, dropout, ``get_cuda_rng_tracker().fork()`` | (``add``, ``fork``)                                      | (``initialize_rng_tracker`` then builds ours)          |
 | moe_router_gemm_name         | without TransformerEngine ``te_general_gemm`` is never      | transformer.moe.moe_utils (RouterGatingLinearFunction)   | bind ``moe_utils.te_general_gemm = None`` (torch path) |
 |                              | bound: NameError in the router's gating linear              |                                                          |                                                        |
+| mla_te_flag                  | without TE, ``HAVE_TE`` is still True in MLA (the TE        | transformer.multi_latent_attention                       | ``HAVE_TE = False`` when transformer_engine is absent  |
+|                              | extension imports with stand-ins): TypeError building MLA   |                                                          |                                                        |
 | moe_alltoall_dtoh            | the alltoall dispatcher creates a CUDA stream, copies split | transformer.moe.token_dispatcher.MoEAlltoAllTokenDispatcher | a stand-in for the cached stream; the method only   |
 |                              | sizes to the host on it and makes them numpy only for CUDA  | (``cuda_dtoh_stream``, ``_maybe_dtoh_and_synchronize``)  | turns the split sizes into numpy arrays                |
 |                              | tensors: ``all_to_all_single`` gets tensors (TypeError)     |                                                          |                                                        |
@@ -322,6 +324,25 @@ def _te_general_gemm_bound() -> bool:
     return "te_general_gemm" in vars(moe_utils)
 
 
+def _transformer_engine_importable() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("transformer_engine") is not None
+
+
+def _clear_mla_te_flag() -> None:
+    import megatron.core.transformer.multi_latent_attention as mla
+
+    if not _transformer_engine_importable():
+        mla.HAVE_TE = False
+
+
+def _mla_te_flag_cleared() -> bool:
+    import megatron.core.transformer.multi_latent_attention as mla
+
+    return _transformer_engine_importable() or mla.HAVE_TE is False
+
+
 _DISPATCHER = "megatron.core.transformer.moe.token_dispatcher:MoEAlltoAllTokenDispatcher"
 _SCHEDULES = "megatron.core.pipeline_parallel.schedules"
 _OPTIM = "megatron.core.optimizer"
@@ -361,6 +382,16 @@ FIXES: tuple[Fix, ...] = (
         fix="bind it to None, which selects the router's torch matmul path",
         apply=_set_te_general_gemm,
         is_applied=_te_general_gemm_bound,
+    ),
+    Fix(
+        name="mla_te_flag",
+        what_breaks="megatron.core.extensions.transformer_engine imports without TransformerEngine (its "
+        "names become stand-ins), so multi_latent_attention sets HAVE_TE=True and MLASelfAttention's "
+        "isinstance(linear_proj, TELinear) raises TypeError: MLA (DeepSeek-V3) cannot be built",
+        where="megatron.core.transformer.multi_latent_attention:HAVE_TE",
+        fix="set HAVE_TE=False when transformer_engine is not installed (what the flag means)",
+        apply=_clear_mla_te_flag,
+        is_applied=_mla_te_flag_cleared,
     ),
     _replacing_fix(
         "moe_alltoall_dtoh",

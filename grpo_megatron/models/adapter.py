@@ -13,6 +13,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
+from grpo_megatron.bridge.transforms import QKVGroups, WeightRule, copy, glu, qkv, vocab
+
 
 class HFConfigError(ValueError):
     """A Hugging Face config.json value that megatron cannot represent faithfully."""
@@ -63,6 +65,66 @@ class ModelAdapter:
     def num_experts(self, hf: Mapping[str, Any]) -> int | None:
         """Routed experts per MoE layer, or None for a dense model."""
         return None
+
+    # ---- weight mapping (names are megatron-core's local layer spec, canonical indices) ----------
+    def weight_rules(self, hf: Mapping[str, Any]) -> list[WeightRule]:
+        """Every canonical megatron tensor of the whole model and its HF tensors, in HF order."""
+        real_vocab = self.vocab_size(hf)
+        tied = bool(self.get(hf, "tie_word_embeddings", False))
+        rules = [vocab("embedding.word_embeddings.weight", "model.embed_tokens.weight", real_vocab)]
+        for i in range(self.num_layers(hf)):
+            m, h = f"decoder.layers.{i}.", f"model.layers.{i}."
+            rules.append(copy(m + "input_layernorm.weight", h + "input_layernorm.weight"))
+            rules += self.attention_rules(hf, m + "self_attention.", h + "self_attn.")
+            rules.append(copy(m + "pre_mlp_layernorm.weight", h + "post_attention_layernorm.weight"))
+            rules += self.mlp_rules(hf, i, m + "mlp.", h)
+        rules.append(copy("decoder.final_layernorm.weight", "model.norm.weight"))
+        # Tied: HF saves no lm_head; a last pipeline stage still holds its own copy of the
+        # embedding as output_layer.weight, loaded from the embedding and never exported twice.
+        head = "model.embed_tokens.weight" if tied else "lm_head.weight"
+        rules.append(vocab("output_layer.weight", head, real_vocab, export=not tied))
+        return rules
+
+    def attention_rules(self, hf: Mapping[str, Any], m: str, h: str) -> list[WeightRule]:
+        """Grouped-query attention: HF q/k/v fused into megatron's linear_qkv (and its bias)."""
+        hidden = int(self.get(hf, "hidden_size"))
+        heads = int(self.get(hf, "num_attention_heads"))
+        geometry = QKVGroups(
+            heads=heads,
+            groups=int(self.get(hf, "num_key_value_heads", heads)),
+            head_dim=int(hf.get("head_dim") or hidden // heads),
+        )
+        rules = [qkv(m + "linear_qkv.weight", *(f"{h}{x}_proj.weight" for x in "qkv"), geometry)]
+        if self.transformer_config_kwargs(hf).get("add_qkv_bias"):
+            rules.append(qkv(m + "linear_qkv.bias", *(f"{h}{x}_proj.bias" for x in "qkv"), geometry))
+        if self.transformer_config_kwargs(hf).get("qk_layernorm"):
+            rules += [copy(m + "q_layernorm.weight", h + "q_norm.weight"), copy(m + "k_layernorm.weight", h + "k_norm.weight")]
+        rules.append(copy(m + "linear_proj.weight", h + "o_proj.weight"))
+        return rules
+
+    def mlp_rules(self, hf: Mapping[str, Any], layer: int, m: str, h: str) -> list[WeightRule]:
+        """Layer ``layer``'s MLP (``m``: megatron "decoder.layers.i.mlp.", ``h``: HF "model.layers.i.")."""
+        return self.swiglu_rules(m, h + "mlp.")
+
+    @staticmethod
+    def swiglu_rules(
+        m: str, h: str, gate: str = "gate_proj", up: str = "up_proj", down: str = "down_proj"
+    ) -> list[WeightRule]:
+        """A SwiGLU MLP: HF gate/up fused into megatron's linear_fc1 as [gate; up]."""
+        return [
+            glu(m + "linear_fc1.weight", f"{h}{gate}.weight", f"{h}{up}.weight"),
+            copy(m + "linear_fc2.weight", f"{h}{down}.weight"),
+        ]
+
+    def expert_rules(
+        self, hf: Mapping[str, Any], m: str, h: str, gate: str = "gate_proj", up: str = "up_proj", down: str = "down_proj"
+    ) -> list[WeightRule]:
+        """Routed experts (``h``: the HF experts prefix, e.g. "model.layers.i.mlp.experts."): one HF
+        key per expert and projection <-> megatron's per-expert ``local_experts.E`` (global E)."""
+        rules = []
+        for e in range(self.num_experts(hf) or 0):
+            rules += self.swiglu_rules(f"{m}experts.local_experts.{e}.", f"{h}{e}.", gate, up, down)
+        return rules
 
     # ---- shared pieces ----------------------------------------------------------------------
     def rope_theta(self, hf: Mapping[str, Any]) -> float:

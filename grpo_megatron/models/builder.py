@@ -137,6 +137,12 @@ def build_gpt_model(
     block_spec = get_gpt_decoder_block_spec(
         config, use_transformer_engine=use_te, normalization=config.normalization, vp_stage=vp_stage
     )
+    if config.multi_latent_attention and not use_te:
+        from grpo_megatron.models.local_attention import LocalMLACoreAttention
+
+        # megatron's local DotProductAttention cannot take MLA's distinct key/value head widths.
+        for layer_spec in block_spec.layer_specs:
+            layer_spec.submodules.self_attention.submodules.core_attention = LocalMLACoreAttention
     vocab = adapter.vocab_size(hf)
     padded = padded_vocab_size(vocab, model_cfg.make_vocab_size_divisible_by, ps.tp)
     model = GPTModel(

@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from grpo_megatron.bridge.transforms import WeightRule, copy
 from grpo_megatron.models.adapter import HFConfigError, ModelAdapter
 
 
@@ -94,3 +95,34 @@ class DeepseekV3Adapter(ModelAdapter):
             "moe_router_topk_scaling_factor": float(hf.get("routed_scaling_factor", 1.0) or 1.0),
             "moe_router_dtype": "fp32",  # transformers computes DeepSeek-V3 router logits in fp32
         }
+
+    def attention_rules(self, hf: Mapping[str, Any], m: str, h: str) -> list[WeightRule]:
+        """Multi-latent attention: every projection keeps its HF layout (per-head [nope; rope] rows in
+        q_b_proj, [k_nope; v] in kv_b_proj, [latent; rope key] in kv_a_proj_with_mqa), so all copy."""
+        if hf.get("q_lora_rank"):
+            q = [
+                copy(m + "linear_q_down_proj.weight", h + "q_a_proj.weight"),
+                copy(m + "q_layernorm.weight", h + "q_a_layernorm.weight"),
+                copy(m + "linear_q_up_proj.weight", h + "q_b_proj.weight"),
+            ]
+        else:
+            q = [copy(m + "linear_q_proj.weight", h + "q_proj.weight")]
+        return [
+            *q,
+            copy(m + "linear_kv_down_proj.weight", h + "kv_a_proj_with_mqa.weight"),
+            copy(m + "kv_layernorm.weight", h + "kv_a_layernorm.weight"),
+            copy(m + "linear_kv_up_proj.weight", h + "kv_b_proj.weight"),
+            copy(m + "linear_proj.weight", h + "o_proj.weight"),
+        ]
+
+    def mlp_rules(self, hf: Mapping[str, Any], layer: int, m: str, h: str) -> list[WeightRule]:
+        if layer < int(hf.get("first_k_dense_replace") or 0):
+            return self.swiglu_rules(m, h + "mlp.")
+        rules = [copy(m + "router.weight", h + "mlp.gate.weight")]
+        if self.transformer_config_kwargs(hf)["moe_router_enable_expert_bias"]:
+            # megatron keeps the selection bias as a buffer of the router, not a parameter.
+            rules.append(copy(m + "router.expert_bias", h + "mlp.gate.e_score_correction_bias", buffer=True))
+        rules += self.expert_rules(hf, m, h + "mlp.experts.")
+        if int(hf.get("n_shared_experts") or 0):
+            rules += self.swiglu_rules(m + "shared_experts.", h + "mlp.shared_experts.")
+        return rules

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from grpo_megatron.bridge.transforms import WeightRule, copy
 from grpo_megatron.models.adapter import HFConfigError, ModelAdapter
 
 
@@ -30,3 +31,8 @@ class MixtralAdapter(ModelAdapter):
             "moe_router_pre_softmax": False,  # softmax over all experts, then renormalised top-k
             "moe_router_score_function": "softmax",
         }
+
+    def mlp_rules(self, hf: Mapping[str, Any], layer: int, m: str, h: str) -> list[WeightRule]:
+        moe = h + "block_sparse_moe."
+        # Mixtral's w1 is the gate, w3 the up projection, w2 the down projection.
+        return [copy(m + "router.weight", moe + "gate.weight"), *self.expert_rules(hf, m, moe + "experts.", "w1", "w3", "w2")]

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from grpo_megatron.bridge.transforms import WeightRule, copy
 from grpo_megatron.models.qwen3 import Qwen3Adapter
 
 
@@ -12,7 +13,8 @@ class Qwen3MoeAdapter(Qwen3Adapter):
     model_type = "qwen3_moe"
 
     def num_experts(self, hf: Mapping[str, Any]) -> int | None:
-        return int(self.get(hf, "num_experts"))
+        # Hub checkpoints say num_experts; transformers 5 writes the same value as num_local_experts.
+        return int(hf.get("num_experts") or self.get(hf, "num_local_experts"))
 
     def dense_layers(self, hf: Mapping[str, Any]) -> set[int]:
         # transformers: layer i is sparse iff i not in mlp_only_layers and (i+1) % decoder_sparse_step == 0
@@ -34,3 +36,8 @@ class Qwen3MoeAdapter(Qwen3Adapter):
             "moe_router_score_function": "softmax",
             "moe_layer_freq": self.moe_layer_pattern(self.num_layers(hf), self.dense_layers(hf)),
         }
+
+    def mlp_rules(self, hf: Mapping[str, Any], layer: int, m: str, h: str) -> list[WeightRule]:
+        if layer in self.dense_layers(hf):
+            return self.swiglu_rules(m, h + "mlp.")
+        return [copy(m + "router.weight", h + "mlp.gate.weight"), *self.expert_rules(hf, m, h + "mlp.experts.")]
