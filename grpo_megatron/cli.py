@@ -58,13 +58,8 @@ def _run_check(cfg: JobConfig, args: argparse.Namespace) -> int:
 
 
 def _run_sanity(cfg: JobConfig, args: argparse.Namespace) -> int:
-    try:
-        from grpo_megatron.training.sanity import main as sanity_main
-    except ModuleNotFoundError as e:
-        if e.name != "grpo_megatron.training.sanity":
-            raise
-        print("grpo-megatron: error: the sanity command is not built yet", file=sys.stderr)
-        return EXIT_USAGE
+    from grpo_megatron.training.sanity import main as sanity_main
+
     return sanity_main(cfg)
 
 

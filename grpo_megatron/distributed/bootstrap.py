@@ -101,12 +101,35 @@ def world_size_from_env() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
+# megatron-core warns about these on every rank of every run without TE/apex (the CPU path);
+# they say nothing the user can act on, and they bury the run's own output.
+_EXPECTED_WARNINGS = (
+    r"Transformer Engine and Apex are not installed",
+    r"Apex is not installed",
+    r"full scope is deprecated",
+    r"When using sequence parallelism it is recommended to set the environment variable CUDA_DEVICE_MAX_CONNECTIONS",
+    r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated",
+    r"The 'megatron\.core\.transformer\.custom_layers\.transformer_engine'",
+    # megatron's optimizer probes `.grad` of non-leaf fp32 views it keeps of our parameters
+    r"The \.grad attribute of a Tensor that is not a leaf Tensor is being accessed",
+)
+
+
+def quiet_expected_warnings() -> None:
+    """Silence the warnings megatron-core always prints on a CPU / no-TE run (and only those)."""
+    import warnings
+
+    for pattern in _EXPECTED_WARNINGS:
+        warnings.filterwarnings("ignore", message=pattern)
+
+
 def init_distributed(parallel: ParallelConfig, *, seed: int = 1234) -> ParallelState:
     """Create the process groups for ``parallel`` (already validated) and seed megatron's RNGs.
 
     On CPU this applies our megatron-core compatibility module first (see ``cpu_compat``);
     on GPU nothing is patched.
     """
+    quiet_expected_warnings()
     import torch
     import torch.distributed as dist
 
