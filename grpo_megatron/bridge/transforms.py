@@ -125,6 +125,8 @@ def read_shard(
 ) -> torch.Tensor:
     """Rank ``rank``'s shard (of ``size`` along ``partition_dim``) of the canonical tensor,
     reading only the HF slices it is made of. ``size=1`` gives the whole canonical tensor."""
+    import torch
+
     split = partition_dim is not None and size > 1
     if rule.kind == "copy":
         if not split:

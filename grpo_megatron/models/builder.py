@@ -77,6 +77,10 @@ def build_transformer_config(
             "moe_aux_loss_coeff": model_cfg.moe_aux_loss_coeff,
             "moe_grouped_gemm": False,  # per-expert GEMMs: portable (no grouped_gemm kernels on CPU)
         }
+    else:
+        # Fix (weight bridge, PP2 of a dense model): megatron checks the dispatcher even without
+        # experts, and its default (allgather) refuses the variable sequence lengths PP needs.
+        arch["moe_token_dispatcher_type"] = "alltoall"
     dtype = getattr(torch, _DTYPES[model_cfg.dtype])
     use_te = use_transformer_engine(model_cfg.transformer_impl)
     on_cpu = ps.device.type == "cpu"

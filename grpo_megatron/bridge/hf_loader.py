@@ -1,0 +1,166 @@
+"""Hugging Face safetensors directory -> megatron model at any TP/PP/EP/ETP layout.
+
+Each rank reads only the slices of the HF tensors its own shards are made of (safetensors' lazy
+``get_slice``), so per-rank memory is its shard, never the whole model. The names and layout
+transforms come from the architecture's adapter (``weight_rules``); where a shard sits in its
+canonical tensor comes from ``bridge/layout.py``.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from grpo_megatron.bridge.layout import ShardLayout, shard_layouts, unwrap
+from grpo_megatron.bridge.transforms import WeightRule, hf_shapes, read_shard
+from grpo_megatron.distributed.bootstrap import ParallelState
+from grpo_megatron.models.registry import get_adapter
+
+INDEX_NAME = "model.safetensors.index.json"
+SINGLE_NAME = "model.safetensors"
+
+
+class CheckpointError(ValueError):
+    """A Hugging Face checkpoint that does not match the model: names the key and the file."""
+
+
+class HFCheckpoint:
+    """Lazy reader of a safetensors checkpoint directory (single file or sharded with an index).
+
+    Files are opened on first use and kept open until ``close()`` (or the ``with`` block ends).
+    """
+
+    def __init__(self, directory: str | Path) -> None:
+        self.directory = Path(directory)
+        index = self.directory / INDEX_NAME
+        single = self.directory / SINGLE_NAME
+        if index.is_file():
+            self.weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
+        elif single.is_file():
+            from safetensors import safe_open
+
+            with safe_open(str(single), framework="pt") as f:
+                self.weight_map = dict.fromkeys(f.keys(), SINGLE_NAME)
+        else:
+            raise CheckpointError(
+                f"{self.directory}: neither {INDEX_NAME} nor {SINGLE_NAME} found: point at a Hugging Face "
+                "model directory saved with safetensors (save_pretrained(..., safe_serialization=True))"
+            )
+        self._open: dict[str, Any] = {}
+
+    def __enter__(self) -> HFCheckpoint:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        for handle in self._open.values():
+            handle.__exit__(None, None, None)
+        self._open.clear()
+
+    def _slice(self, name: str) -> Any:
+        if name not in self.weight_map:
+            raise CheckpointError(f"{self.directory}: tensor {name!r} is missing from the checkpoint")
+        file = self.weight_map[name]
+        if file not in self._open:
+            path = self.directory / file
+            if not path.is_file():
+                raise CheckpointError(f"{self.directory}: shard file {file!r} (holding {name!r}) does not exist")
+            from safetensors import safe_open
+
+            handle = safe_open(str(path), framework="pt")
+            self._open[file] = handle.__enter__()
+        return self._open[file].get_slice(name)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._slice(name).get_shape())
+
+    def file_of(self, name: str) -> str:
+        return self.weight_map.get(name, "?")
+
+    def read(self, name: str, dim: int | None, start: int, stop: int) -> torch.Tensor:
+        """Rows/columns ``start:stop`` of ``name`` along ``dim`` (``None``: all of it); only those
+        bytes are read."""
+        sl = self._slice(name)
+        if dim is None:
+            return sl[:]
+        index = tuple([slice(None)] * dim + [slice(start, stop)])
+        return sl[index]
+
+
+def rules_by_name(hf: Mapping[str, Any]) -> dict[str, WeightRule]:
+    return {rule.mcore: rule for rule in get_adapter(hf).weight_rules(hf)}
+
+
+def buffer_layouts(model: torch.nn.Module, rules: Mapping[str, WeightRule]) -> Iterator[tuple[str, torch.Tensor, ShardLayout]]:
+    """(local name, buffer, layout) for every buffer the adapter maps (e.g. the router's
+    ``expert_bias``): replicated over TP, never expert-sharded, one per global layer."""
+    gpt = unwrap(model)
+    for i, layer in enumerate(gpt.decoder.layers):
+        for sub, buf in layer.named_buffers():
+            canonical = f"decoder.layers.{layer.layer_number - 1}.{sub}"
+            rule = rules.get(canonical)
+            if rule is not None and rule.buffer and buf is not None:
+                yield f"decoder.layers.{i}.{sub}", buf, ShardLayout(canonical, None, False, False)
+
+
+def local_tensors(
+    model: torch.nn.Module, ps: ParallelState, rules: Mapping[str, WeightRule]
+) -> Iterator[tuple[str, torch.Tensor, ShardLayout]]:
+    """This rank's parameters and mapped buffers, each with its canonical layout."""
+    yield from shard_layouts(model, ps)
+    yield from buffer_layouts(model, rules)
+
+
+def group_of(layout: ShardLayout, ps: ParallelState) -> tuple[int, int]:
+    """(size, rank) of the tensor-parallel group that splits this tensor (TP, or ETP for experts)."""
+    return (ps.etp, ps.etp_rank) if layout.is_expert else (ps.tp, ps.tp_rank)
+
+
+def canonical_shape(shard: torch.Tensor, layout: ShardLayout, ps: ParallelState) -> tuple[int, ...]:
+    shape = list(shard.shape)
+    if layout.partition_dim is not None:
+        shape[layout.partition_dim] *= group_of(layout, ps)[0]
+    return tuple(shape)
+
+
+@torch.no_grad()
+def load_hf_weights(model: torch.nn.Module, ps: ParallelState, hf_dir: str | Path, hf: Mapping[str, Any]) -> None:
+    """Fill this rank's shards of ``model`` (built from ``hf`` at layout ``ps``) from ``hf_dir``.
+
+    Every parameter must have a rule and every HF tensor it needs must exist with the expected
+    shape; errors name the tensor, the file and the fix.
+    """
+    rules = rules_by_name(hf)
+    with HFCheckpoint(hf_dir) as ckpt:
+        # First check every name and shape (metadata only), so a bad checkpoint fails before any
+        # parameter changes; then read and copy one shard at a time (peak memory: one shard).
+        plan = []
+        for name, target, layout in local_tensors(model, ps, rules):
+            rule = rules.get(layout.canonical_name)
+            if rule is None:
+                raise CheckpointError(
+                    f"megatron tensor {layout.canonical_name} (local {name}) has no HF mapping in the "
+                    f"{get_adapter(hf).model_type} adapter: add a rule to its weight_rules"
+                )
+            full_shape = canonical_shape(target, layout, ps)
+            for hf_name, expected in zip(rule.hf, hf_shapes(rule, full_shape), strict=True):
+                got = ckpt.shape(hf_name)
+                if got != expected:
+                    raise CheckpointError(
+                        f"{hf_dir}: tensor {hf_name!r} in {ckpt.file_of(hf_name)} has shape {list(got)}, but "
+                        f"the model built from config.json expects {list(expected)} (for {layout.canonical_name}): "
+                        "the config.json and the weights disagree"
+                    )
+            plan.append((rule, target, layout, full_shape))
+        for rule, target, layout, full_shape in plan:
+            size, rank = group_of(layout, ps)
+            shard = read_shard(rule, ckpt.read, full_shape, layout.partition_dim, size, rank)
+            if tuple(shard.shape) != tuple(target.shape):  # a bug of ours, not of the checkpoint
+                raise RuntimeError(f"{layout.canonical_name}: read {tuple(shard.shape)}, shard is {tuple(target.shape)}")
+            target.copy_(shard.to(dtype=target.dtype, device=target.device))

@@ -1,0 +1,179 @@
+"""Tiny Hugging Face configs of every supported architecture and the workers of test_bridge.py."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+_COMMON: dict[str, Any] = {
+    "vocab_size": 61,  # not a multiple of 8 (or 16 at TP2): padding is exercised
+    "hidden_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "max_position_embeddings": 128,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 10000.0,
+    "initializer_range": 0.1,  # larger than usual so routing and logits are far from uniform
+    "tie_word_embeddings": False,
+    "attention_dropout": 0.0,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "pad_token_id": 0,
+}
+
+TINY_CONFIGS: dict[str, dict[str, Any]] = {
+    "qwen2": _COMMON | {
+        "model_type": "qwen2",
+        "num_key_value_heads": 2,
+        "intermediate_size": 96,
+        "use_sliding_window": False,
+    },
+    "qwen3": _COMMON | {
+        "model_type": "qwen3",
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "intermediate_size": 96,
+        "tie_word_embeddings": True,
+    },
+    "qwen3_moe": _COMMON | {
+        "model_type": "qwen3_moe",
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "intermediate_size": 96,
+        "moe_intermediate_size": 32,
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "norm_topk_prob": True,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+    },
+    "mixtral": _COMMON | {
+        "model_type": "mixtral",
+        "num_key_value_heads": 2,
+        "intermediate_size": 32,
+        "num_local_experts": 4,
+        "num_experts_per_tok": 2,
+        "sliding_window": None,
+    },
+    "deepseek_v3": _COMMON | {
+        "model_type": "deepseek_v3",
+        "num_key_value_heads": 4,  # transformers' DeepSeek-V3 needs equal counts (see GUIDE)
+        "intermediate_size": 96,
+        "moe_intermediate_size": 32,
+        "n_routed_experts": 4,
+        "num_experts_per_tok": 2,
+        "n_group": 2,
+        "topk_group": 1,
+        "n_shared_experts": 1,
+        "first_k_dense_replace": 1,
+        "routed_scaling_factor": 2.5,
+        "q_lora_rank": 32,
+        "kv_lora_rank": 16,
+        "qk_nope_head_dim": 16,
+        "qk_rope_head_dim": 8,
+        "v_head_dim": 16,
+        "rope_interleave": True,
+        "rope_scaling": None,
+    },
+}
+
+SEQ_ROWS, SEQ_LEN = 2, 12
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "tiny_moe.yaml"
+
+
+def batch_tokens() -> torch.Tensor:
+    return torch.randint(0, TINY_CONFIGS["qwen2"]["vocab_size"], (SEQ_ROWS, SEQ_LEN), generator=torch.Generator().manual_seed(3))
+
+
+def save_tiny_model(model_type: str, out_dir: Path, seed: int = 0) -> dict[str, torch.Tensor]:
+    """A random transformers model of ``model_type`` saved as fp32 safetensors in ``out_dir``;
+    returns its logits on ``batch_tokens()`` (the parity reference)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    config = AutoConfig.for_model(**TINY_CONFIGS[model_type])
+    model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32).eval()
+    with torch.no_grad():
+        # Norm weights start at one and biases at zero: randomise them so a swapped mapping shows.
+        for name, t in model.state_dict().items():
+            if "norm" in name or name.endswith("bias"):
+                t.copy_(torch.rand_like(t) * 0.5 + 0.75 if "norm" in name else torch.randn_like(t) * 0.1)
+        tokens = batch_tokens()
+        logits = model(tokens).logits.float()
+    model.save_pretrained(out_dir, safe_serialization=True)
+    logprobs = torch.log_softmax(logits[:, :-1], dim=-1).gather(-1, tokens[:, 1:, None])[..., 0]
+    return {"logits": logits, "logprobs": logprobs}
+
+
+def _build(hf_dir: str, overrides: list[str]):
+    from grpo_megatron.config import load_config
+    from grpo_megatron.distributed.bootstrap import init_distributed, world_size_from_env
+    from grpo_megatron.models.builder import build_gpt_model
+
+    cfg = load_config(EXAMPLE, [f"model.hf_path={hf_dir}", "parallel.use_distributed_optimizer=false", *overrides])
+    cfg.validate(world_size_from_env())
+    ps = init_distributed(cfg.parallel, seed=cfg.train.seed)
+    hf = cfg.model.load_hf_config()
+    model, spec = build_gpt_model(hf, cfg.model, ps)
+    return model, spec, ps, hf
+
+
+def roundtrip(cases: dict[str, tuple[str, list[str]]], refs: dict[str, dict[str, torch.Tensor]], bucket_bytes: int) -> dict:
+    """For each case (HF dir, layout overrides): load HF -> megatron, export megatron -> HF on
+    rank 0 and compare with the saved files bit for bit; logprobs of the batch against HF's."""
+    from safetensors.torch import load_file
+
+    from grpo_megatron.bridge.export import export_hf
+    from grpo_megatron.bridge.hf_loader import load_hf_weights
+    from grpo_megatron.distributed.bootstrap import destroy_distributed
+    from grpo_megatron.training.forward_backward import MicroBatch, forward_logprobs
+
+    out = {}
+    for case, (hf_dir, overrides) in cases.items():
+        model, spec, ps, hf = _build(hf_dir, overrides)
+        load_hf_weights(model, ps, hf_dir, hf)
+        buckets: list[list[tuple[str, torch.Tensor]]] = []
+        export_hf(model, ps, hf, buckets.append, bucket_bytes=bucket_bytes)
+        tokens = batch_tokens()
+        (lp,) = forward_logprobs(model, [MicroBatch(tokens[:, :-1], tokens[:, 1:])], ps, vocab_size=spec.vocab_size)
+        result = {"logprob_diff": (lp.logprobs_bs - refs[case]["logprobs"]).abs().max().item()}
+        if ps.world_size == 1:
+            with torch.no_grad():
+                logits = model(tokens, torch.arange(SEQ_LEN)[None].expand(SEQ_ROWS, -1), None)
+            result["logit_diff"] = (logits[..., : spec.vocab_size] - refs[case]["logits"]).abs().max().item()
+        if ps.rank == 0:
+            saved = load_file(f"{hf_dir}/model.safetensors")
+            exported = dict(kv for b in buckets for kv in b)
+            result |= {
+                "buckets": len(buckets),
+                "missing": sorted(set(saved) - set(exported)),
+                "extra": sorted(set(exported) - set(saved)),
+                "order_dupes": sum(len(b) for b in buckets) - len(exported),
+                "shape_diff": sorted(k for k in saved.keys() & exported.keys() if saved[k].shape != exported[k].shape),
+                "not_exact": sorted(
+                    k for k in saved.keys() & exported.keys()
+                    if saved[k].shape == exported[k].shape and not torch.equal(saved[k], exported[k])
+                ),
+            }
+        out[case] = result
+        destroy_distributed(keep_process_group=True)
+    return out
+
+
+def load_errors(cases: dict[str, tuple[str, str]]) -> dict[str, str]:
+    """Load each broken checkpoint (HF dir, config dir) at world 1; return the error messages."""
+    from grpo_megatron.bridge.hf_loader import load_hf_weights
+    from grpo_megatron.distributed.bootstrap import destroy_distributed
+
+    out = {}
+    for case, (hf_dir, config_dir) in cases.items():
+        model, _, ps, hf = _build(config_dir, [])
+        try:
+            load_hf_weights(model, ps, hf_dir, hf)
+            out[case] = "no error"
+        except Exception as e:  # the test checks type and message
+            out[case] = f"{type(e).__name__}: {e}"
+        destroy_distributed(keep_process_group=True)
+    return out
