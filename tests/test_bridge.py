@@ -20,7 +20,7 @@ from grpo_megatron.bridge.export import SafetensorsWriter
 from grpo_megatron.bridge.transforms import QKVGroups, dict_reader, qkv, read_shard, to_hf
 from grpo_megatron.models.registry import UnsupportedModelError, get_adapter
 from tests.helpers.dist import run_distributed
-from tests.workers.bridge_workers import TINY_CONFIGS, save_tiny_model
+from tests.workers.bridge_workers import TINY_CONFIGS, batch_tokens, save_tiny_model
 
 LOGIT_TOL = 1e-4  # fp32
 BUCKET_BYTES = 20_000  # small, so every export spans several buckets
@@ -86,15 +86,25 @@ def test_two_rank_layouts_round_trip_exactly(tiny) -> None:
     assert not failures
 
 
-def test_tp2_ep2_round_trips_exactly(tiny) -> None:
+def test_tp2_ep2_round_trips_exactly_and_writes_a_loadable_model(tiny, tmp_path: Path) -> None:
     root, refs = tiny
     cases, case_refs = _cases(root, refs, {"TP2xEP2": (MOE, ["parallel.tp=2", "parallel.ep=2"])})
+    written = tmp_path / "exported"
     per_rank = run_distributed(
         "tests.workers.bridge_workers:roundtrip", 4, timeout_s=420, cases=cases, refs=case_refs,
-        bucket_bytes=BUCKET_BYTES,
+        bucket_bytes=BUCKET_BYTES, write_dirs={"deepseek_v3 TP2xEP2": str(written)},
     )  # fmt: skip
     _check(per_rank[0], logits=False)
     assert all(r["logprob_diff"] <= LOGIT_TOL for rank in per_rank for r in rank.values())
+
+    # The writer's output (sharded files, index, config.json) is a model transformers loads as is.
+    from transformers import AutoModelForCausalLM
+
+    assert len(list(written.glob("model-*-of-*.safetensors"))) == per_rank[0]["deepseek_v3 TP2xEP2"]["buckets"]
+    model = AutoModelForCausalLM.from_pretrained(written, torch_dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = model(batch_tokens()).logits
+    assert torch.equal(logits, refs["deepseek_v3"]["logits"])
 
 
 def _broken_copy(src: Path, dst: Path, edit) -> str:

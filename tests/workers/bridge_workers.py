@@ -120,12 +120,18 @@ def _build(hf_dir: str, overrides: list[str]):
     return model, spec, ps, hf
 
 
-def roundtrip(cases: dict[str, tuple[str, list[str]]], refs: dict[str, dict[str, torch.Tensor]], bucket_bytes: int) -> dict:
+def roundtrip(
+    cases: dict[str, tuple[str, list[str]]],
+    refs: dict[str, dict[str, torch.Tensor]],
+    bucket_bytes: int,
+    write_dirs: dict[str, str] | None = None,
+) -> dict:
     """For each case (HF dir, layout overrides): load HF -> megatron, export megatron -> HF on
-    rank 0 and compare with the saved files bit for bit; logprobs of the batch against HF's."""
+    rank 0 and compare with the saved files bit for bit; logprobs of the batch against HF's.
+    Cases named in ``write_dirs`` also stream into a ``SafetensorsWriter`` there."""
     from safetensors.torch import load_file
 
-    from grpo_megatron.bridge.export import export_hf
+    from grpo_megatron.bridge.export import SafetensorsWriter, export_hf, export_hf_stream
     from grpo_megatron.bridge.hf_loader import load_hf_weights
     from grpo_megatron.distributed.bootstrap import destroy_distributed
     from grpo_megatron.training.forward_backward import MicroBatch, forward_logprobs
@@ -135,7 +141,15 @@ def roundtrip(cases: dict[str, tuple[str, list[str]]], refs: dict[str, dict[str,
         model, spec, ps, hf = _build(hf_dir, overrides)
         load_hf_weights(model, ps, hf_dir, hf)
         buckets: list[list[tuple[str, torch.Tensor]]] = []
-        export_hf(model, ps, hf, buckets.append, bucket_bytes=bucket_bytes)
+        out_dir = (write_dirs or {}).get(case)
+        if out_dir is not None and ps.rank == 0:
+            with SafetensorsWriter(out_dir, hf) as writer:
+                # One stream, two consumers: the comparison below and the writer.
+                for bucket in export_hf_stream(model, ps, hf, bucket_bytes=bucket_bytes):
+                    buckets.append(bucket)
+                    writer(bucket)
+        else:
+            export_hf(model, ps, hf, buckets.append, bucket_bytes=bucket_bytes)
         tokens = batch_tokens()
         (lp,) = forward_logprobs(model, [MicroBatch(tokens[:, :-1], tokens[:, 1:])], ps, vocab_size=spec.vocab_size)
         result = {"logprob_diff": (lp.logprobs_bs - refs[case]["logprobs"]).abs().max().item()}
