@@ -6,13 +6,15 @@ With tensor parallelism the output layer leaves logits split over the vocabulary
 columns [r*Vt, (r+1)*Vt). Gathering ``[B, S, V]`` would cost TP times the memory; instead each
 quantity needs only scalars per token reduced over the TP group:
 
-    m      = max_v z_v                          (all-reduce MAX, no gradient needed)
-    Z      = sum_v exp(z_v - m)                 (all-reduce SUM)
-    lse    = m + log Z
+    l_r    = logsumexp of rank r's slice         (one fused local pass)
+    m      = max_r l_r                          (all-reduce MAX)
+    lse    = m + log sum_r exp(l_r - m)         (all-reduce SUM)
     logp_y = z_y - lse                          (z_y lives on one rank: masked local pick, SUM)
     H      = lse - sum_v p_v z_v,  p_v = exp(z_v - lse)
 
-The sums go through megatron's ``reduce_from_tensor_model_parallel_region`` (all-reduce forward,
+logp_y has a hand-written backward (``_VocabParallelLogprob``: onehot - softmax, built in place).
+
+The entropy's sums go through megatron's ``reduce_from_tensor_model_parallel_region`` (all-reduce forward,
 identity backward): the loss is replicated over TP, so each rank's gradient is exactly the
 gradient with respect to its own slice.
 """
@@ -29,6 +31,50 @@ def _tp_sum(x: torch.Tensor, tp_group: dist.ProcessGroup | None) -> torch.Tensor
     from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
 
     return reduce_from_tensor_model_parallel_region(x, group=tp_group)
+
+
+def _tp_max_(x: torch.Tensor, tp_group: dist.ProcessGroup | None) -> torch.Tensor:
+    if tp_group is not None and dist.get_world_size(tp_group) > 1:
+        dist.all_reduce(x, op=dist.ReduceOp.MAX, group=tp_group)
+    return x
+
+
+def _tp_sum_(x: torch.Tensor, tp_group: dist.ProcessGroup | None) -> torch.Tensor:
+    if tp_group is not None and dist.get_world_size(tp_group) > 1:
+        dist.all_reduce(x, group=tp_group)
+    return x
+
+
+class _VocabParallelLogprob(torch.autograd.Function):
+    """log p(label) = z_label - lse with a hand-written backward: d logp / dz = onehot - softmax(z).
+
+    Autograd through logsumexp + gather would materialise three [B, S, Vt] tensors in backward
+    (softmax, the scattered one-hot, their sum); this builds one, in place. No communication in
+    backward: each rank's slice needs only the global lse saved from forward.
+    """
+
+    @staticmethod
+    def forward(ctx, logits_bsvt, labels_bs, vocab_start, tp_group):
+        vt = logits_bsvt.shape[-1]
+        # One fused logsumexp per rank; ranks combine as lse = m + log sum_r exp(l_r - m).
+        local_lse_bs = torch.logsumexp(logits_bsvt, dim=-1)
+        max_bs = _tp_max_(local_lse_bs.clone(), tp_group)
+        lse_bs = max_bs + _tp_sum_((local_lse_bs - max_bs).exp(), tp_group).log()
+        local_labels_bs = labels_bs - vocab_start
+        owned_bs = (local_labels_bs >= 0) & (local_labels_bs < vt)
+        local_labels_bs = local_labels_bs.clamp(0, vt - 1)
+        picked_bs = torch.gather(logits_bsvt, -1, local_labels_bs.unsqueeze(-1)).squeeze(-1)
+        logprobs_bs = _tp_sum_(picked_bs * owned_bs, tp_group) - lse_bs
+        ctx.save_for_backward(logits_bsvt, lse_bs, local_labels_bs, owned_bs)
+        ctx.mark_non_differentiable(lse_bs)
+        return logprobs_bs, lse_bs
+
+    @staticmethod
+    def backward(ctx, grad_logprobs_bs, _grad_lse_bs):
+        logits_bsvt, lse_bs, local_labels_bs, owned_bs = ctx.saved_tensors
+        grad_bsvt = (logits_bsvt - lse_bs.unsqueeze(-1)).exp_().mul_(-grad_logprobs_bs.unsqueeze(-1))
+        grad_bsvt.scatter_add_(-1, local_labels_bs.unsqueeze(-1), (grad_logprobs_bs * owned_bs).unsqueeze(-1))
+        return grad_bsvt, None, None, None
 
 
 def vocab_parallel_logprobs(
@@ -56,24 +102,15 @@ def vocab_parallel_logprobs(
         pad_v = torch.arange(vocab_start, vocab_start + vt, device=logits_bsvt.device) >= vocab_size
         logits_bsvt = logits_bsvt.masked_fill(pad_v, float("-inf"))
 
-    max_bs = logits_bsvt.detach().amax(dim=-1)
-    if tp_group is not None and dist.get_world_size(tp_group) > 1:
-        dist.all_reduce(max_bs, op=dist.ReduceOp.MAX, group=tp_group)
-    shifted_bsvt = logits_bsvt - max_bs.unsqueeze(-1)
-    exp_bsvt = shifted_bsvt.exp()
-    sum_exp_bs = _tp_sum(exp_bsvt.sum(dim=-1), tp_group)
-    log_z_bs = sum_exp_bs.log()
-
-    local_labels_bs = labels_bs - vocab_start
-    owned_bs = (local_labels_bs >= 0) & (local_labels_bs < vt)
-    picked_bs = torch.gather(shifted_bsvt, -1, local_labels_bs.clamp(0, vt - 1).unsqueeze(-1)).squeeze(-1)
-    picked_bs = _tp_sum(picked_bs * owned_bs, tp_group)
-    logprobs_bs = picked_bs - log_z_bs
+    logprobs_bs, lse_bs = _VocabParallelLogprob.apply(logits_bsvt, labels_bs, vocab_start, tp_group)
 
     entropy_bs = None
     if with_entropy:
+        # With c = lse held constant, e = exp(z - c) and Z = sum e (= 1 up to rounding, but it
+        # carries the gradient): H = c + log Z - sum(e * z) / Z.
+        exp_bsvt = (logits_bsvt - lse_bs.unsqueeze(-1)).exp()
         # -inf * 0 would be NaN at padded columns: their probability is exactly zero.
-        finite_bsvt = torch.where(exp_bsvt > 0, shifted_bsvt, torch.zeros_like(shifted_bsvt))
-        weighted_bs = _tp_sum((exp_bsvt * finite_bsvt).sum(dim=-1), tp_group)
-        entropy_bs = log_z_bs - weighted_bs / sum_exp_bs
+        finite_bsvt = logits_bsvt.masked_fill(exp_bsvt == 0, 0.0)
+        z_bs = _tp_sum(exp_bsvt.sum(dim=-1), tp_group)
+        entropy_bs = lse_bs + z_bs.log() - _tp_sum((exp_bsvt * finite_bsvt).sum(dim=-1), tp_group) / z_bs
     return logprobs_bs, entropy_bs
