@@ -63,9 +63,27 @@ def _run_sanity(cfg: JobConfig, args: argparse.Namespace) -> int:
     return sanity_main(cfg)
 
 
+def _add_verify_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--tol", type=float, default=1e-4, help="largest allowed logit/logprob difference (default 1e-4, for fp32)"
+    )
+
+
+def _run_verify(cfg: JobConfig, args: argparse.Namespace) -> int:
+    from grpo_megatron.bridge.verify import main as verify_main
+
+    return verify_main(cfg, args.tol)
+
+
 COMMANDS: tuple[Command, ...] = (
     Command("check", "load and validate a config, print it resolved for the world size", _run_check, _add_world_size),
     Command("sanity", "build the policy at the configured layout and run a few training steps", _run_sanity),
+    Command(
+        "verify",
+        "load model.hf_path's safetensors at the configured layout; compare logits with transformers",
+        _run_verify,
+        _add_verify_args,
+    ),
 )
 
 

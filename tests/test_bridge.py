@@ -9,7 +9,10 @@ megatron-core on gloo through torch.distributed.run; several cases share one lau
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -19,8 +22,8 @@ from safetensors.torch import load_file, save_file
 from grpo_megatron.bridge.export import SafetensorsWriter
 from grpo_megatron.bridge.transforms import QKVGroups, dict_reader, qkv, read_shard, to_hf
 from grpo_megatron.models.registry import UnsupportedModelError, get_adapter
-from tests.helpers.dist import run_distributed
-from tests.workers.bridge_workers import TINY_CONFIGS, batch_tokens, save_tiny_model
+from tests.helpers.dist import REPO_ROOT, free_port, run_distributed
+from tests.workers.bridge_workers import EXAMPLE, TINY_CONFIGS, batch_tokens, save_tiny_model
 
 LOGIT_TOL = 1e-4  # fp32
 BUCKET_BYTES = 20_000  # small, so every export spans several buckets
@@ -101,7 +104,7 @@ def test_tp2_ep2_round_trips_exactly_and_writes_a_loadable_model(tiny, tmp_path:
     from transformers import AutoModelForCausalLM
 
     assert len(list(written.glob("model-*-of-*.safetensors"))) == per_rank[0]["deepseek_v3 TP2xEP2"]["buckets"]
-    model = AutoModelForCausalLM.from_pretrained(written, torch_dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(written, dtype=torch.float32).eval()
     with torch.no_grad():
         logits = model(batch_tokens()).logits
     assert torch.equal(logits, refs["deepseek_v3"]["logits"])
@@ -166,3 +169,22 @@ def test_writer_leaves_nothing_at_the_output_when_the_export_fails(tmp_path: Pat
     assert index["weight_map"] == {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}
     assert torch.equal(load_file(out / "model-00002-of-00002.safetensors")["b"], torch.ones(3))
     assert json.loads((out / "config.json").read_text()) == {"model_type": "qwen3"}
+
+
+def _cli(args: list[str], world_size: int) -> subprocess.CompletedProcess:
+    env = dict(os.environ, OMP_NUM_THREADS="1", TORCH_COMPILE_DISABLE="1", MASTER_PORT=str(free_port()))
+    launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world_size)] if world_size > 1 else []
+    return subprocess.run(
+        [sys.executable, *launcher, "-m", "grpo_megatron", *args],
+        cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=240,
+    )  # fmt: skip
+
+
+def test_verify_command_passes_at_tp2_and_fails_over_tolerance(tiny) -> None:
+    root, _ = tiny
+    hf_path = f"model.hf_path={root / 'qwen3_moe'}"
+    ok = _cli(["verify", str(EXAMPLE), hf_path, "parallel.tp=2"], world_size=2)
+    assert ok.returncode == 0, ok.stdout[-2000:] + ok.stderr[-3000:]
+    assert "tp=2" in ok.stdout and "OK" in ok.stdout, ok.stdout
+    strict = _cli(["verify", str(EXAMPLE), hf_path, "--tol", "1e-12"], world_size=1)
+    assert strict.returncode == 1 and "FAILED" in strict.stdout, strict.stdout + strict.stderr[-3000:]

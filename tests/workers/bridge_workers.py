@@ -94,7 +94,7 @@ def save_tiny_model(model_type: str, out_dir: Path, seed: int = 0) -> dict[str, 
 
     torch.manual_seed(seed)
     config = AutoConfig.for_model(**TINY_CONFIGS[model_type])
-    model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     with torch.no_grad():
         # Norm weights start at one and biases at zero: randomise them so a swapped mapping shows.
         for name, t in model.state_dict().items():
