@@ -23,7 +23,8 @@ from grpo_megatron.bridge.export import SafetensorsWriter
 from grpo_megatron.bridge.transforms import QKVGroups, dict_reader, qkv, read_shard, to_hf
 from grpo_megatron.models.registry import UnsupportedModelError, get_adapter
 from tests.helpers.dist import REPO_ROOT, free_port, run_distributed
-from tests.workers.bridge_workers import EXAMPLE, TINY_CONFIGS, batch_tokens, save_tiny_model
+from tests.helpers.tiny_configs import TINY_CONFIGS
+from tests.workers.bridge_workers import EXAMPLE, batch_tokens, save_tiny_model
 
 LOGIT_TOL = 1e-4  # fp32
 BUCKET_BYTES = 20_000  # small, so every export spans several buckets

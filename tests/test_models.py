@@ -10,11 +10,11 @@ from grpo_megatron.models.builder import padded_vocab_size
 from grpo_megatron.models.config import SUPPORTED_MODEL_TYPES
 from grpo_megatron.models.registry import ADAPTERS, UnsupportedModelError, get_adapter
 from tests.helpers.dist import run_distributed
-from tests.helpers.tiny_configs import TINY, tiny_hf_config
+from tests.helpers.tiny_configs import TINY_CONFIGS, tiny_hf_config
 
 
 def test_registry_covers_exactly_the_supported_types() -> None:
-    assert set(ADAPTERS) == set(SUPPORTED_MODEL_TYPES) == set(TINY)
+    assert set(ADAPTERS) == set(SUPPORTED_MODEL_TYPES) == set(TINY_CONFIGS)
 
 
 def test_unknown_model_type_lists_supported_ones() -> None:

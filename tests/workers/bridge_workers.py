@@ -1,90 +1,24 @@
-"""Tiny Hugging Face configs of every supported architecture and the workers of test_bridge.py."""
+"""Workers of test_bridge.py (tiny configs: tests/helpers/tiny_configs.py)."""
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import torch
 
-_COMMON: dict[str, Any] = {
-    "vocab_size": 61,  # not a multiple of 8 (or 16 at TP2): padding is exercised
-    "hidden_size": 64,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "max_position_embeddings": 128,
-    "rms_norm_eps": 1e-6,
-    "rope_theta": 10000.0,
-    "initializer_range": 0.1,  # larger than usual so routing and logits are far from uniform
-    "tie_word_embeddings": False,
-    "attention_dropout": 0.0,
-    "bos_token_id": 1,
-    "eos_token_id": 2,
-    "pad_token_id": 0,
-}
-
-TINY_CONFIGS: dict[str, dict[str, Any]] = {
-    "qwen2": _COMMON | {
-        "model_type": "qwen2",
-        "num_key_value_heads": 2,
-        "intermediate_size": 96,
-        "use_sliding_window": False,
-    },
-    "qwen3": _COMMON | {
-        "model_type": "qwen3",
-        "num_key_value_heads": 2,
-        "head_dim": 16,
-        "intermediate_size": 96,
-        "tie_word_embeddings": True,
-    },
-    "qwen3_moe": _COMMON | {
-        "model_type": "qwen3_moe",
-        "num_key_value_heads": 2,
-        "head_dim": 16,
-        "intermediate_size": 96,
-        "moe_intermediate_size": 32,
-        "num_experts": 4,
-        "num_experts_per_tok": 2,
-        "norm_topk_prob": True,
-        "decoder_sparse_step": 1,
-        "mlp_only_layers": [],
-    },
-    "mixtral": _COMMON | {
-        "model_type": "mixtral",
-        "num_key_value_heads": 2,
-        "intermediate_size": 32,
-        "num_local_experts": 4,
-        "num_experts_per_tok": 2,
-        "sliding_window": None,
-    },
-    "deepseek_v3": _COMMON | {
-        "model_type": "deepseek_v3",
-        "num_key_value_heads": 4,  # transformers' DeepSeek-V3 needs equal counts (see GUIDE)
-        "intermediate_size": 96,
-        "moe_intermediate_size": 32,
-        "n_routed_experts": 4,
-        "num_experts_per_tok": 2,
-        "n_group": 2,
-        "topk_group": 1,
-        "n_shared_experts": 1,
-        "first_k_dense_replace": 1,
-        "routed_scaling_factor": 2.5,
-        "q_lora_rank": 32,
-        "kv_lora_rank": 16,
-        "qk_nope_head_dim": 16,
-        "qk_rope_head_dim": 8,
-        "v_head_dim": 16,
-        "rope_interleave": True,
-        "rope_scaling": None,
-    },
-}
+from tests.helpers.tiny_configs import TINY_CONFIGS
 
 SEQ_ROWS, SEQ_LEN = 2, 12
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "tiny_moe.yaml"
 
 
 def batch_tokens() -> torch.Tensor:
-    return torch.randint(0, TINY_CONFIGS["qwen2"]["vocab_size"], (SEQ_ROWS, SEQ_LEN), generator=torch.Generator().manual_seed(3))
+    return torch.randint(
+        0,
+        TINY_CONFIGS["qwen2"]["vocab_size"],
+        (SEQ_ROWS, SEQ_LEN),
+        generator=torch.Generator().manual_seed(3),
+    )
 
 
 def save_tiny_model(model_type: str, out_dir: Path, seed: int = 0) -> dict[str, torch.Tensor]:
@@ -112,7 +46,9 @@ def _build(hf_dir: str, overrides: list[str]):
     from grpo_megatron.distributed.bootstrap import init_distributed, world_size_from_env
     from grpo_megatron.models.builder import build_gpt_model
 
-    cfg = load_config(EXAMPLE, [f"model.hf_path={hf_dir}", "parallel.use_distributed_optimizer=false", *overrides])
+    cfg = load_config(
+        EXAMPLE, [f"model.hf_path={hf_dir}", "parallel.use_distributed_optimizer=false", *overrides]
+    )
     cfg.validate(world_size_from_env())
     ps = init_distributed(cfg.parallel, seed=cfg.train.seed)
     hf = cfg.model.load_hf_config()
@@ -151,7 +87,9 @@ def roundtrip(
         else:
             export_hf(model, ps, hf, buckets.append, bucket_bytes=bucket_bytes)
         tokens = batch_tokens()
-        (lp,) = forward_logprobs(model, [MicroBatch(tokens[:, :-1], tokens[:, 1:])], ps, vocab_size=spec.vocab_size)
+        (lp,) = forward_logprobs(
+            model, [MicroBatch(tokens[:, :-1], tokens[:, 1:])], ps, vocab_size=spec.vocab_size
+        )
         result = {"logprob_diff": (lp.logprobs_bs - refs[case]["logprobs"]).abs().max().item()}
         if ps.world_size == 1:
             with torch.no_grad():
@@ -165,9 +103,12 @@ def roundtrip(
                 "missing": sorted(set(saved) - set(exported)),
                 "extra": sorted(set(exported) - set(saved)),
                 "order_dupes": sum(len(b) for b in buckets) - len(exported),
-                "shape_diff": sorted(k for k in saved.keys() & exported.keys() if saved[k].shape != exported[k].shape),
+                "shape_diff": sorted(
+                    k for k in saved.keys() & exported.keys() if saved[k].shape != exported[k].shape
+                ),
                 "not_exact": sorted(
-                    k for k in saved.keys() & exported.keys()
+                    k
+                    for k in saved.keys() & exported.keys()
                     if saved[k].shape == exported[k].shape and not torch.equal(saved[k], exported[k])
                 ),
             }
