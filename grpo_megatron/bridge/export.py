@@ -29,19 +29,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from grpo_megatron.bridge.hf_loader import canonical_shape, group_of, local_tensors, rules_by_name
-from grpo_megatron.bridge.layout import gather
+from grpo_megatron.bridge.hf_loader import canonical_shape, local_tensors, rules_by_name
+from grpo_megatron.bridge.layout import gather, is_first_replica, tp_group_of
 from grpo_megatron.bridge.transforms import to_hf
 from grpo_megatron.distributed.bootstrap import ParallelState
 
 Bucket = list[tuple[str, torch.Tensor]]
 Consumer = Callable[[Bucket], None]
-
-
-def _is_reporter(layout_is_expert: bool, ps: ParallelState) -> bool:
-    """Ranks of the first replica gather; replicas and CP ranks hold copies and stay out."""
-    replica = 0 if layout_is_expert else ps.dp_rank
-    return replica == 0 and ps.cp_rank == 0
 
 
 @torch.no_grad()
@@ -66,10 +60,10 @@ def export_hf_stream(
     mine: dict[str, tuple[torch.Tensor, Any]] = {}
     announced: list[tuple[str, tuple[int, ...], str]] = []
     for _, tensor, layout in local_tensors(model, ps, rules):
-        if not _is_reporter(layout.is_expert, ps):
+        if not is_first_replica(layout, ps):
             continue
         mine[layout.canonical_name] = (tensor, layout)
-        if group_of(layout, ps)[1] == 0:
+        if tp_group_of(layout, ps)[2] == 0:
             announced.append((layout.canonical_name, canonical_shape(tensor, layout, ps), str(tensor.dtype)))
     # Metadata only (names, shapes, dtypes): who sources which tensor.
     everyone: list[list[tuple[str, tuple[int, ...], str]] | None] = [None] * ps.world_size

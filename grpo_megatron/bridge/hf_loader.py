@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from grpo_megatron.bridge.layout import ShardLayout, shard_layouts, unwrap
+from grpo_megatron.bridge.layout import ShardLayout, shard_layouts, tp_group_of, unwrap
 from grpo_megatron.bridge.transforms import WeightRule, hf_shapes, read_shard
 from grpo_megatron.distributed.bootstrap import ParallelState
 from grpo_megatron.models.registry import get_adapter
@@ -117,15 +117,10 @@ def local_tensors(
     yield from buffer_layouts(model, rules)
 
 
-def group_of(layout: ShardLayout, ps: ParallelState) -> tuple[int, int]:
-    """(size, rank) of the tensor-parallel group that splits this tensor (TP, or ETP for experts)."""
-    return (ps.etp, ps.etp_rank) if layout.is_expert else (ps.tp, ps.tp_rank)
-
-
 def canonical_shape(shard: torch.Tensor, layout: ShardLayout, ps: ParallelState) -> tuple[int, ...]:
     shape = list(shard.shape)
     if layout.partition_dim is not None:
-        shape[layout.partition_dim] *= group_of(layout, ps)[0]
+        shape[layout.partition_dim] *= tp_group_of(layout, ps)[1]
     return tuple(shape)
 
 
@@ -159,7 +154,7 @@ def load_hf_weights(model: torch.nn.Module, ps: ParallelState, hf_dir: str | Pat
                     )
             plan.append((rule, target, layout, full_shape))
         for rule, target, layout, full_shape in plan:
-            size, rank = group_of(layout, ps)
+            _, size, rank = tp_group_of(layout, ps)
             shard = read_shard(rule, ckpt.read, full_shape, layout.partition_dim, size, rank)
             if tuple(shard.shape) != tuple(target.shape):  # a bug of ours, not of the checkpoint
                 raise RuntimeError(f"{layout.canonical_name}: read {tuple(shard.shape)}, shard is {tuple(target.shape)}")

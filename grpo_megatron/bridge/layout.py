@@ -76,15 +76,23 @@ def shard_layouts(
         )
 
 
-def _tp_group(layout: ShardLayout, ps: ParallelState) -> tuple[dist.ProcessGroup, int, int]:
+def tp_group_of(layout: ShardLayout, ps: ParallelState) -> tuple[dist.ProcessGroup, int, int]:
+    """(group, size, rank) of the tensor-parallel group that splits this tensor: TP, or ETP for experts."""
     if layout.is_expert:
         return ps.etp_group, ps.etp, ps.etp_rank
     return ps.tp_group, ps.tp, ps.tp_rank
 
 
+def is_first_replica(layout: ShardLayout, ps: ParallelState) -> bool:
+    """True on the ranks of the first data-parallel (and context-parallel) copy of this tensor;
+    the other copies hold the same values. Expert tensors are compared on every EDP copy."""
+    replica = 0 if layout.is_expert else ps.dp_rank
+    return replica == 0 and ps.cp_rank == 0
+
+
 def gather(shard: torch.Tensor, layout: ShardLayout, ps: ParallelState) -> torch.Tensor:
     """The canonical tensor from this TP/ETP group's shards (a collective over that group)."""
-    group, size, _ = _tp_group(layout, ps)
+    group, size, _ = tp_group_of(layout, ps)
     if layout.partition_dim is None or size == 1:
         return shard.detach().clone()
     dim = layout.partition_dim
@@ -99,7 +107,7 @@ def gather(shard: torch.Tensor, layout: ShardLayout, ps: ParallelState) -> torch
 
 def scatter(full: torch.Tensor, layout: ShardLayout, ps: ParallelState) -> torch.Tensor:
     """This rank's shard of a canonical tensor (no communication)."""
-    _, size, rank = _tp_group(layout, ps)
+    _, size, rank = tp_group_of(layout, ps)
     if layout.partition_dim is None or size == 1:
         return full
     dim = layout.partition_dim
@@ -121,9 +129,7 @@ def full_state(model: torch.nn.Module, ps: ParallelState, *, grads: bool = False
             tensor = param.grad if param.grad is not None else torch.zeros_like(param)
         full = gather(tensor, layout, ps)
         # Only one member of each TP/ETP group (and of the data-parallel replicas) needs to report.
-        _, _, tp_rank = _tp_group(layout, ps)
-        replica = ps.dp_rank if not layout.is_expert else 0
-        if tp_rank == 0 and replica == 0 and ps.cp_rank == 0:
+        if tp_group_of(layout, ps)[2] == 0 and is_first_replica(layout, ps):
             local[layout.canonical_name] = full.cpu()
     merged: dict[str, torch.Tensor] = {}
     parts: list[dict[str, torch.Tensor]] = [{} for _ in range(ps.world_size)]
