@@ -1,0 +1,98 @@
+"""The rollout engine interface (modelled on SGLang's ``Engine``), shared by every engine module.
+
+One module per engine implements ``RolloutEngine``: ``rollout/embedded.py`` (a transformers model,
+the default on CPU) and ``rollout/sglang_engine.py`` (GPU). The trainer never talks to an engine
+directly; it goes through the fleet (``rollout/fleet.py``), which places engines on ranks, scatters
+prompts, gathers results in order and streams weights into them.
+
+Logprob convention (shared with the trainer, ``models/logprobs.py``): the logprob of a sampled token
+is ``log_softmax(logits / temperature)`` at that token, before top-k / top-p filtering, i.e. the
+distribution the trainer's forward computes with the same temperature.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+# One bucket of the weight stream: (Hugging Face checkpoint name, full tensor) pairs.
+Bucket = Sequence[tuple[str, torch.Tensor]]
+
+MemoryTag = Literal["weights", "kv_cache", "cuda_graph"]
+ALL_MEMORY_TAGS: tuple[MemoryTag, ...] = ("weights", "kv_cache", "cuda_graph")
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to sample the responses of one ``generate`` call (the same for every prompt in it)."""
+
+    n: int = 1
+    """Responses per prompt (GRPO's group size G)."""
+    temperature: float = 1.0
+    top_p: float = 1.0
+    """Nucleus mass in (0, 1]; 1.0 disables it."""
+    top_k: int = -1
+    """-1 disables it."""
+    max_new_tokens: int = 128
+    stop_token_ids: tuple[int, ...] = ()
+    """Generation of a response ends after any of these tokens (it is kept in the response)."""
+    stop_strings: tuple[str, ...] = ()
+    """Generation ends once the decoded response contains one of these (kept in the response)."""
+    seed: int | None = None
+    """Seeds the sampler: the same seed, prompts and weights give the same responses."""
+    greedy: bool = False
+    """Take the argmax token (evaluation); logprobs still follow the temperature convention."""
+
+
+@dataclass
+class Completion:
+    """One sampled response."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    """Logprob of each sampled token, ``len(logprobs) == len(token_ids)``."""
+    finish_reason: Literal["stop", "length"]
+    """stop = a stop token or string ended it; length = it reached max_new_tokens."""
+    routed_experts: list[list[int]] | None = None
+    """For MoE engines that report routing (SGLang): expert ids per token, for routing replay."""
+
+
+class RolloutEngine(abc.ABC):
+    """A generator of responses that takes Hugging Face-named weights from the trainer."""
+
+    weight_version: int = -1
+    """Version of the weights last committed by ``update_weights``; -1 = never updated."""
+
+    @abc.abstractmethod
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[list[Completion]]:
+        """``params.n`` completions for each prompt (token ids), as ``[prompt][sample]``."""
+
+    @abc.abstractmethod
+    def update_weights(self, bucket: Bucket, *, version: int, last: bool) -> None:
+        """Stage one bucket of the weight stream. ``last=True`` marks the final bucket of ``version``:
+        only then are the staged weights checked (every expected name present, shapes and dtypes
+        right) and committed. A bad name or shape raises before anything is applied."""
+
+    @abc.abstractmethod
+    def score(self, sequences: Sequence[Sequence[int]], prompt_lens: Sequence[int], temperature: float) -> list[list[float]]:
+        """Teacher-forced logprobs of each sequence's tokens after its prompt (the mismatch probe)."""
+
+    def release_memory(self, tags: Sequence[MemoryTag] | None = None) -> None:
+        """Free device memory of ``tags`` (None = all). A no-op where there is nothing to free."""
+        return None
+
+    def resume_memory(self, tags: Sequence[MemoryTag] | None = None) -> None:
+        """Re-allocate what ``release_memory`` freed (weights come back with the next update)."""
+        return None
+
+    def flush_cache(self) -> None:
+        """Drop cached prefixes / KV state (after a weight update)."""
+        return None
+
+    def shutdown(self) -> None:
+        """Stop the engine and free everything it holds."""
+        return None
