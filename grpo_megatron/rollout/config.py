@@ -27,6 +27,16 @@ class RolloutConfig:
     """Where sglang engines live: one per data-parallel rank (each serves its own prompts) or one per node."""
     gpu_memory_utilization: float = 0.5
     """Fraction of GPU memory an sglang engine may use for weights and KV cache (its mem_fraction_static)."""
+    sync_bucket_mb: int = 512
+    """Weight sync streams the trainer's weights to the engines in buckets of about this many MiB
+    (bigger = fewer transfers; the first engine rank holds at most one full model of buckets)."""
+    engine_device: Literal["auto", "cpu"] = "auto"
+    """Where an embedded engine runs: auto = this rank's device (its GPU, else CPU); cpu = always CPU."""
+    embedded_max_batch_rows: int = 0
+    """Rows (prompts x samples) an embedded engine decodes at once; 0 = all of a generate call together."""
+    probe_batch: int = 4
+    """Sequences of the fixed batch on which the trainer and the engines are compared after each weight
+    sync (the mismatch probe); 0 disables the probe."""
 
     def validate(self) -> None:
         errors = []
@@ -48,5 +58,17 @@ class RolloutConfig:
                 f"rollout.gpu_memory_utilization={self.gpu_memory_utilization} must be in (0, 1); "
                 "leave room for the trainer when colocated (0.5 is a safe start)"
             )
+        if self.sync_bucket_mb < 1:
+            errors.append(
+                f"rollout.sync_bucket_mb={self.sync_bucket_mb} must be >= 1 (MiB per weight-sync bucket; "
+                "512 is a good start)"
+            )
+        if self.embedded_max_batch_rows < 0:
+            errors.append(
+                f"rollout.embedded_max_batch_rows={self.embedded_max_batch_rows} must be >= 0 "
+                "(0 = decode all rows of a generate call at once)"
+            )
+        if self.probe_batch < 0:
+            errors.append(f"rollout.probe_batch={self.probe_batch} must be >= 0 (0 disables the mismatch probe)")
         if errors:
             raise ValueError("\n".join(errors))
