@@ -41,7 +41,7 @@ from grpo_megatron.models.config import (
 )
 from grpo_megatron.rewards.config import RewardConfig
 from grpo_megatron.rollout.config import RolloutConfig
-from grpo_megatron.training.config import TrainConfig
+from grpo_megatron.training.config import SFTConfig, TrainConfig
 
 
 class ConfigError(ValueError):
@@ -73,6 +73,8 @@ class JobConfig:
     """Prompt source."""
     train: TrainConfig = field(default_factory=TrainConfig)
     """Iterations, batch sizes, optimizer."""
+    sft: SFTConfig = field(default_factory=SFTConfig)
+    """Supervised cold start (`grpo-megatron sft`)."""
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     """Saving and resuming."""
     logging: LoggingConfig = field(default_factory=LoggingConfig)

@@ -41,6 +41,22 @@ class TrainConfig:
     """AdamW denominator epsilon."""
     grad_clip: float = 1.0
     """Clip the global gradient norm to this; 0 disables clipping."""
+    old_logprobs: Literal["trainer", "engine"] = "trainer"
+    """Where pi_old comes from. trainer = the policy before this iteration's updates (recomputed by a
+    forward pass when updates_per_iteration > 1; with one update it equals the detached current
+    logprobs, so no pass is needed). engine = the rollout engine's logprobs (only with one on-policy
+    update; the ratio then also corrects the engine/trainer mismatch, as in slime's default)."""
+    reference_on_cpu: bool = False
+    """Keep the frozen reference model's weights in CPU memory and move them to the GPU only for the
+    reference pass (saves a model's worth of GPU memory at the cost of two copies per iteration)."""
+    eval_interval: int = 0
+    """Evaluate on the held-out prompts every this many iterations (and before the first and after the
+    last); 0 = only before the first and after the last. Needs held-out prompts (data.eval_path or a
+    generator)."""
+    eval_samples: int = 0
+    """k of mean@k: responses sampled per held-out prompt at rollout.temperature (0 = greedy pass@1 only)."""
+    rollout_samples_logged: int = 4
+    """Sample rollouts shown in the console table and samples.jsonl per logged iteration."""
 
     def validate(self) -> None:
         errors = []
@@ -72,5 +88,49 @@ class TrainConfig:
             errors.append(f"train.adam_eps={self.adam_eps} must be > 0 (1e-8 is usual)")
         if self.grad_clip < 0:
             errors.append(f"train.grad_clip={self.grad_clip} must be >= 0 (0 disables clipping)")
+        if self.old_logprobs == "engine" and self.updates_per_iteration != 1:
+            errors.append(
+                f"train.old_logprobs=engine needs train.updates_per_iteration=1 (it is "
+                f"{self.updates_per_iteration}): after the first update the engine no longer holds pi_old; "
+                "use train.old_logprobs=trainer"
+            )
+        for name in ("eval_interval", "eval_samples", "rollout_samples_logged"):
+            if getattr(self, name) < 0:
+                errors.append(f"train.{name}={getattr(self, name)} must be >= 0")
+        if errors:
+            raise ValueError("\n".join(errors))
+
+
+@dataclass
+class SFTConfig:
+    """Supervised cold start (`grpo-megatron sft`): next-token loss on the response tokens of
+    prompt/response pairs, stopped at a dev-accuracy threshold (DeepSeek-R1's cold start)."""
+
+    max_steps: int = 1000
+    """Upper bound on optimizer steps."""
+    batch_size: int = 64
+    """Prompt/response pairs per optimizer step (over all data-parallel ranks)."""
+    lr: float = 1e-3
+    """Constant learning rate (AdamW with the train section's betas, eps and weight decay)."""
+    eval_interval: int = 50
+    """Measure greedy accuracy on the dev prompts every this many steps."""
+    stop_accuracy: float | None = None
+    """Stop as soon as dev accuracy reaches this (in [0, 1]); None = run max_steps. A cold start for
+    GRPO should stop well below saturation, so that RL has something to improve."""
+    dev_prompts: int = 200
+    """Held-out prompts used for the dev accuracy (taken from the evaluation set)."""
+    output_dir: str | None = None
+    """Where the final Hugging Face checkpoint (safetensors, config.json, tokenizer) is written;
+    None = <logging.run_dir>/hf. Point model.hf_path of the GRPO job at it."""
+
+    def validate(self) -> None:
+        errors = []
+        for name in ("max_steps", "batch_size", "eval_interval", "dev_prompts"):
+            if getattr(self, name) < 1:
+                errors.append(f"sft.{name}={getattr(self, name)} must be >= 1")
+        if self.lr <= 0:
+            errors.append(f"sft.lr={self.lr} must be > 0")
+        if self.stop_accuracy is not None and not 0 < self.stop_accuracy <= 1:
+            errors.append(f"sft.stop_accuracy={self.stop_accuracy} must be in (0, 1], or null to run max_steps")
         if errors:
             raise ValueError("\n".join(errors))

@@ -1,0 +1,150 @@
+"""From scored rollouts to training micro-batches: pure functions, no process groups.
+
+Shape legend: B rows of a micro-batch, S = prompt + response - 1 positions (the last token is
+never an input). Position ``j`` of a row predicts token ``j + 1`` of its sequence, so the response
+tokens of a sequence with a P-token prompt are predicted at positions ``P - 1 ... L - 2``: that is
+where ``mask_s`` is 1 and where rollout / reference / old logprobs are stored.
+
+How a global batch is split (every rank computes the same split from the same data, so no
+communication is needed to agree on it):
+1. mini-batches: ``updates_per_iteration`` contiguous slices of the batch (groups stay whole);
+2. data-parallel shares: within a mini-batch, samples go to the DP rank with the fewest tokens
+   so far, longest first (balanced work, deterministic);
+3. micro-batches: a rank's share, longest first, cut into runs of ``micro_batch_size`` rows or
+   of at most ``max_tokens`` padded tokens; ranks with fewer micro-batches than the busiest one
+   add empty ones (expert-parallel collectives need every rank in every micro-batch).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from grpo_megatron.training.forward_backward import MicroBatch
+
+
+@dataclass
+class Sample:
+    """One response with everything the update needs, as 1-D tensors over label positions."""
+
+    tokens_s: torch.Tensor
+    """Input token ids: prompt + response without its last token."""
+    labels_s: torch.Tensor
+    """Next-token targets: prompt + response shifted by one."""
+    mask_s: torch.Tensor
+    """1.0 where the label is a response token (the loss is taken there), else 0."""
+    advantage: float
+    rollout_logprobs_s: torch.Tensor
+    """Engine logprobs of the sampled tokens at their label positions (0 elsewhere)."""
+    logprobs: dict[str, torch.Tensor] = field(default_factory=dict)
+    """Trainer-side logprobs filled in by the forward passes: "ref", "old"."""
+
+    @property
+    def length(self) -> int:
+        return int(self.tokens_s.numel())
+
+
+def make_sample(
+    prompt_ids: Sequence[int], response_ids: Sequence[int], rollout_logprobs: Sequence[float], advantage: float
+) -> Sample:
+    """Lay out one (prompt, response) pair for the trainer (see the module docstring)."""
+    if not prompt_ids or not response_ids:
+        raise ValueError("a training sample needs a non-empty prompt and response")
+    if len(rollout_logprobs) != len(response_ids):
+        raise ValueError(f"{len(rollout_logprobs)} rollout logprobs for {len(response_ids)} response tokens")
+    seq_l = torch.tensor(list(prompt_ids) + list(response_ids), dtype=torch.long)
+    n_prompt = len(prompt_ids)
+    mask_s = torch.zeros(seq_l.numel() - 1)
+    mask_s[n_prompt - 1 :] = 1.0
+    rollout_s = torch.zeros(seq_l.numel() - 1)
+    rollout_s[n_prompt - 1 :] = torch.tensor(list(rollout_logprobs), dtype=torch.float32)
+    return Sample(seq_l[:-1], seq_l[1:], mask_s, float(advantage), rollout_s)
+
+
+def minibatch_slices(num_samples: int, num_minibatches: int) -> list[range]:
+    """Contiguous, near-equal slices of ``range(num_samples)`` (groups stay together when the batch
+    is group-ordered and num_minibatches divides the number of groups)."""
+    if not 1 <= num_minibatches <= num_samples:
+        raise ValueError(
+            f"train.updates_per_iteration={num_minibatches} must be in [1, {num_samples}] "
+            "(the number of responses in the batch)"
+        )
+    bounds = [round(i * num_samples / num_minibatches) for i in range(num_minibatches + 1)]
+    return [range(a, b) for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
+
+
+def dp_shares(lengths: Sequence[int], indices: Sequence[int], dp_size: int) -> list[list[int]]:
+    """Assign ``indices`` (into ``lengths``) to ``dp_size`` ranks, longest first to the least-loaded."""
+    load = [0] * dp_size
+    shares: list[list[int]] = [[] for _ in range(dp_size)]
+    for i in sorted(indices, key=lambda i: (-lengths[i], i)):
+        rank = min(range(dp_size), key=lambda r: (load[r], r))
+        shares[rank].append(i)
+        load[rank] += lengths[i]
+    return [sorted(s) for s in shares]
+
+
+def microbatch_rows(
+    lengths: Sequence[int], indices: Sequence[int], *, micro_batch_size: int, max_tokens: int | None
+) -> list[list[int]]:
+    """Group ``indices`` into micro-batches: longest first, ``micro_batch_size`` rows each, or (when
+    ``max_tokens`` is set) as many rows as fit ``rows * longest_row <= max_tokens`` (at least one)."""
+    ordered = sorted(indices, key=lambda i: (-lengths[i], i))
+    if max_tokens is None:
+        return [ordered[k : k + micro_batch_size] for k in range(0, len(ordered), micro_batch_size)]
+    groups: list[list[int]] = []
+    for i in ordered:
+        # Rows are sorted longest first, so the first row of a group sets its padded length.
+        if groups and (len(groups[-1]) + 1) * lengths[groups[-1][0]] <= max_tokens:
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    return groups
+
+
+EXTRA_KEYS = ("mask_bs", "rollout_logprobs_bs", "old_logprobs_bs", "ref_logprobs_bs")
+
+
+def collate(samples: Sequence[Sample], rows: Sequence[int], pad_id: int) -> MicroBatch:
+    """Right-padded micro-batch of ``samples[rows]``; an empty ``rows`` gives one all-masked row
+    (a placeholder micro-batch that contributes nothing but joins the collectives)."""
+    if not rows:
+        one_11 = torch.full((1, 1), pad_id, dtype=torch.long)
+        zeros_11 = torch.zeros(1, 1)
+        extras = {k: zeros_11 for k in EXTRA_KEYS} | {"advantages_b": torch.zeros(1)}
+        return MicroBatch(tokens_bs=one_11, labels_bs=one_11.clone(), extras=extras)
+    s = max(samples[i].length for i in rows)
+
+    def stack(get, fill) -> torch.Tensor:
+        out = torch.full((len(rows), s), fill, dtype=get(samples[rows[0]]).dtype)
+        for b, i in enumerate(rows):
+            t = get(samples[i])
+            out[b, : t.numel()] = t
+        return out
+
+    extras = {
+        "mask_bs": stack(lambda x: x.mask_s, 0.0),
+        "rollout_logprobs_bs": stack(lambda x: x.rollout_logprobs_s, 0.0),
+        "advantages_b": torch.tensor([samples[i].advantage for i in rows], dtype=torch.float32),
+    }
+    for name in ("old", "ref"):
+        if all(name in samples[i].logprobs for i in rows):
+            extras[f"{name}_logprobs_bs"] = stack(lambda x, n=name: x.logprobs[n], 0.0)
+    return MicroBatch(
+        tokens_bs=stack(lambda x: x.tokens_s, pad_id),
+        labels_bs=stack(lambda x: x.labels_s, pad_id),
+        extras=extras,
+    )
+
+
+def scatter_logprobs(
+    samples: Sequence[Sample], plan: Sequence[Sequence[int]], outputs_bs: Sequence[torch.Tensor], name: str
+) -> None:
+    """Store each row of the forward pass's ``[B, S]`` outputs on its sample as ``logprobs[name]``
+    (masked to the response positions; padding rows of placeholder micro-batches are skipped)."""
+    for rows, out_bs in zip(plan, outputs_bs, strict=True):
+        for b, i in enumerate(rows):
+            sample = samples[i]
+            sample.logprobs[name] = out_bs[b, : sample.length].detach().float().cpu() * sample.mask_s

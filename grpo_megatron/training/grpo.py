@@ -1,0 +1,117 @@
+"""``grpo-megatron train CONFIG [section.key=value ...]``: DeepSeek-R1-Zero-style GRPO, one loop.
+
+Every rank runs this loop (SPMD). One iteration, with the module that owns each phase:
+
+  rollout       sample prompts; the engines generate G responses each       data/, rollout/fleet.py
+  reward        rank 0 scores them in sandboxed workers, broadcasts         rewards/pool.py
+                (DAPO dynamic sampling repeats rollout+reward for groups with no reward variance)
+  advantages    group-relative, on every rank                               algorithm/advantages.py
+  ref_logprob   frozen reference model, forward only (skipped when KL is off)  training/phases.py
+  old_logprob   the policy before the update (only with several updates)
+  train         one Adam step per mini-batch of the clipped surrogate       algorithm/policy_loss.py
+  sync          export stream -> engines, then a mismatch probe             bridge/export.py, rollout/
+  bookkeeping   metrics.jsonl, checkpoint, evaluation                       logging_utils/, checkpoint/
+
+Departures from the GRPO paper, all configurable: the fixes named in algorithm/config.py (Dr.GRPO,
+DAPO, TIS) are off by default; with one update per iteration pi_old is the detached current policy
+(ratio 1), as in DeepSeekMath's on-policy setting.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+from grpo_megatron.algorithm.kl import kl_beta
+from grpo_megatron.training import phases
+from grpo_megatron.training.job import Job, PhaseTimer, build_job
+
+if TYPE_CHECKING:
+    from grpo_megatron.config import JobConfig
+
+
+def train(job: Job) -> dict[str, float]:
+    cfg = job.cfg
+    resumed = job.checkpoints.resume(job.policy)
+    state = resumed or {"iteration": 0, "sampler": None, "eval": {}}
+    sampler = job.make_sampler()
+    if state["sampler"] is not None:
+        sampler.load_state_dict(state["sampler"])
+    start = state["iteration"]
+    job.logger.truncate_from(start + 1)
+    job.fleet.sync_weights(job.policy.model, version=start, bucket_bytes=cfg.rollout.sync_bucket_mb << 20)
+    last_eval = dict(state["eval"]) or phases.evaluate(job, start)
+    first_eval = dict(last_eval)
+
+    for it in range(start + 1, cfg.train.iterations + 1):
+        timer = PhaseTimer()
+        with timer("iteration"):
+            groups, reward_metrics = phases.collect_groups(job, sampler, timer, it)
+            with timer("advantages"):
+                samples, adv_metrics = phases.build_samples(job, groups)
+                plan = phases.plan_update(job, samples)
+            beta = kl_beta(cfg.algorithm.kl, it - 1, cfg.train.iterations)
+            with timer("ref_logprob"):
+                if job.reference is not None:
+                    phases.logprob_pass(job, job.reference, samples, plan, "ref")
+            with timer("old_logprob"):
+                if cfg.train.updates_per_iteration > 1 and cfg.train.old_logprobs == "trainer":
+                    phases.logprob_pass(job, job.policy.model, samples, plan, "old")
+            with timer("train"):
+                train_metrics = phases.update_policy(job, samples, plan, beta)
+            with timer("sync"):
+                sync_metrics = job.fleet.sync_weights(
+                    job.policy.model, version=it, bucket_bytes=cfg.rollout.sync_bucket_mb << 20
+                )
+            with timer("eval"):
+                if it == cfg.train.iterations or (cfg.train.eval_interval and it % cfg.train.eval_interval == 0):
+                    last_eval = phases.evaluate(job, it)
+
+        n_tokens = sum(s.length + 1 for s in samples)
+        metrics = {
+            **reward_metrics,
+            **last_eval,
+            **train_metrics,
+            "kl_beta": beta,
+            "response_len/mean": sum(len(c.token_ids) for g in groups for c in g.completions) / len(samples),
+            **adv_metrics,
+            **{f"sync/{k}": v for k, v in sync_metrics.items()},
+            **timer.seconds,
+            "throughput/tokens_per_s": n_tokens / timer.seconds["time/iteration"],
+        }
+        metrics.setdefault("kl", 0.0)
+        for name in ("ref_logprob", "old_logprob"):
+            metrics.setdefault(f"time/{name}", 0.0)
+        job.logger.log(it, metrics)
+        if it % cfg.logging.log_interval == 0:
+            job.logger.log_samples(it, sample_rows(groups, cfg.train.rollout_samples_logged))
+        if cfg.checkpoint.save_interval and (it % cfg.checkpoint.save_interval == 0 or it == cfg.train.iterations):
+            job.checkpoints.save(it, job.policy, {"iteration": it, "sampler": sampler.state_dict(), "eval": last_eval})
+    return {"before": first_eval.get("eval/accuracy", float("nan")), "after": last_eval.get("eval/accuracy", float("nan"))}
+
+
+def sample_rows(groups: list[phases.Group], count: int) -> list[dict[str, object]]:
+    """The first response of the first ``count`` prompts, for the console table and samples.jsonl."""
+    return [
+        {"prompt": g.record.prompt, "response": g.texts[0], "answer": g.record.answer, "reward": g.rewards[0]}
+        for g in groups[:count]
+    ]
+
+
+def main(cfg: JobConfig) -> int:
+    from grpo_megatron.distributed.bootstrap import destroy_distributed
+
+    start = time.perf_counter()
+    job = build_job(cfg, with_reference=cfg.algorithm.kl.enabled)
+    try:
+        result = train(job)
+    finally:
+        job.close()
+    if job.ps.rank == 0:
+        print(
+            f"[train] held-out accuracy {result['before']:.1%} -> {result['after']:.1%} "
+            f"in {time.perf_counter() - start:.0f} s; run directory {job.run_dir}",
+            flush=True,
+        )
+    destroy_distributed()
+    return 0

@@ -1,0 +1,179 @@
+"""Everything a training job holds, built once at start-up: `build_job(cfg)` -> `Job`.
+
+Shared by `grpo-megatron train` (training/grpo.py) and `grpo-megatron sft` (training/sft.py), so both
+load models, data, engines and checkpoints the same way.
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+from grpo_megatron.distributed.bootstrap import ParallelState
+
+if TYPE_CHECKING:
+    from collections.abc import Iterator
+
+    from grpo_megatron.checkpoint.manager import CheckpointManager
+    from grpo_megatron.config import JobConfig
+    from grpo_megatron.data import PromptRecord, PromptSampler, SFTRecord
+    from grpo_megatron.logging_utils.metrics import MetricsLogger
+    from grpo_megatron.rewards.pool import RewardPool
+    from grpo_megatron.rollout.fleet import RolloutFleet
+    from grpo_megatron.training.policy import Policy
+
+
+@dataclass
+class Job:
+    cfg: JobConfig
+    ps: ParallelState
+    hf: dict[str, Any]
+    """The model's config.json."""
+    run_dir: Path
+    tokenizer: Any
+    policy: Policy
+    fleet: RolloutFleet
+    logger: MetricsLogger
+    checkpoints: CheckpointManager
+    train_records: list[PromptRecord]
+    eval_records: list[PromptRecord]
+    rewards: RewardPool | None
+    """Only on global rank 0 (it scores for everyone and broadcasts); None elsewhere."""
+    reference: torch.nn.Module | None = None
+    """Frozen reference model (same layout as the policy); None when the KL penalty is off."""
+    sft_records: list[SFTRecord] = field(default_factory=list)
+    """Prompt/response pairs of `grpo-megatron sft` (empty for GRPO)."""
+
+    @property
+    def eos_id(self) -> int:
+        eos = self.tokenizer.eos_token_id
+        return int(eos if eos is not None else self.hf["eos_token_id"])
+
+    @property
+    def pad_id(self) -> int:
+        pad = self.tokenizer.pad_token_id
+        return int(pad if pad is not None else self.eos_id)
+
+    def make_sampler(self, num_items: int | None = None) -> PromptSampler:
+        """The seeded, resumable order in which training prompts (or SFT pairs) are drawn."""
+        from grpo_megatron.data import PromptSampler
+
+        n = len(self.train_records) if num_items is None else num_items
+        return PromptSampler(n, seed=self.cfg.train.seed, shuffle=self.cfg.data.shuffle)
+
+    def close(self) -> None:
+        self.fleet.shutdown()
+        if self.rewards is not None:
+            self.rewards.close()
+        self.logger.close()
+
+
+@dataclass
+class PhaseTimer:
+    """Wall time per named phase, accumulated over an iteration (``time/<name>`` metrics)."""
+
+    seconds: dict[str, float] = field(default_factory=dict)
+
+    @contextmanager
+    def __call__(self, name: str) -> Iterator[None]:
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            key = f"time/{name}"
+            self.seconds[key] = self.seconds.get(key, 0.0) + time.perf_counter() - start
+
+
+def has_safetensors(hf_path: str | Path) -> bool:
+    return any(Path(hf_path).glob("*.safetensors"))
+
+
+def load_initial_weights(model: torch.nn.Module, job_cfg: JobConfig, ps: ParallelState, hf: dict) -> bool:
+    """Load model.hf_path's safetensors into ``model`` when it has any; False = keep the random init."""
+    from grpo_megatron.bridge.hf_loader import load_hf_weights
+
+    if not has_safetensors(job_cfg.model.hf_path):
+        return False
+    load_hf_weights(model, ps, job_cfg.model.hf_path, hf)
+    return True
+
+
+def build_reference(job_cfg: JobConfig, hf: dict, ps: ParallelState, policy: Policy) -> torch.nn.Module:
+    """The frozen reference: built like the policy, with the policy's initial weights copied shard by
+    shard (same layout, so local state dicts line up), no gradients."""
+    from grpo_megatron.bridge.layout import unwrap
+    from grpo_megatron.models.builder import build_gpt_model
+
+    reference, _ = build_gpt_model(hf, job_cfg.model, ps)
+    reference.load_state_dict(unwrap(policy.model).state_dict())
+    reference.requires_grad_(False)
+    reference.eval()
+    return reference
+
+
+def broadcast_from_rank0(obj: Any, ps: ParallelState) -> Any:
+    """Rank 0's ``obj`` on every rank (rewards, eval scores: computed once, used everywhere)."""
+    box = [obj if ps.rank == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def build_job(cfg: JobConfig, *, with_reference: bool, sft: bool = False) -> Job:
+    """Bootstrap the process groups and build policy, engines, data, rewards, logger and checkpoints."""
+    from grpo_megatron.checkpoint.manager import CheckpointManager
+    from grpo_megatron.data import build_prompt_datasets, build_sft_dataset, load_tokenizer
+    from grpo_megatron.distributed.bootstrap import init_distributed
+    from grpo_megatron.logging_utils.metrics import MetricsLogger
+    from grpo_megatron.rewards.pool import RewardPool
+    from grpo_megatron.rollout.fleet import RolloutFleet
+    from grpo_megatron.training.policy import build_policy
+
+    ps = init_distributed(cfg.parallel, seed=cfg.train.seed)
+    hf = cfg.model.load_hf_config()
+    run_dir = Path(cfg.logging.run_dir)
+    if ps.rank == 0:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        cfg.save(run_dir / "config.yaml")
+    tokenizer = load_tokenizer(cfg.data.tokenizer_path or cfg.model.hf_path)
+    sft_records: list = []
+    if sft:
+        sft_records, eval_records = build_sft_dataset(cfg.data, tokenizer, cfg.train.seed)
+        train_records, eval_records = [], eval_records[: cfg.sft.dev_prompts]
+    else:
+        train_records, eval_records = build_prompt_datasets(cfg.data, tokenizer, cfg.train.seed)
+
+    policy = build_policy(hf, cfg, ps)
+    loaded = load_initial_weights(policy.model, cfg, ps, hf)
+    if ps.rank == 0:
+        source = cfg.model.hf_path if loaded else "random initialisation (no *.safetensors in model.hf_path)"
+        print(f"[job] {policy.spec.model_type} from {source} | {ps.describe()}", flush=True)
+    reference = build_reference(cfg, hf, ps, policy) if with_reference else None
+    fleet = RolloutFleet.build(cfg, hf, ps, tokenizer=tokenizer)
+    return Job(
+        cfg=cfg,
+        ps=ps,
+        hf=hf,
+        run_dir=run_dir,
+        tokenizer=tokenizer,
+        policy=policy,
+        fleet=fleet,
+        logger=MetricsLogger(
+            cfg.logging,
+            run_dir=run_dir,
+            job_config=cfg.to_dict(),
+            is_writer=ps.rank == 0,
+            total_iterations=cfg.train.iterations,
+        ),
+        checkpoints=CheckpointManager(cfg.checkpoint, run_dir, ps),
+        train_records=train_records,
+        eval_records=eval_records,
+        rewards=RewardPool(cfg.reward) if ps.rank == 0 else None,
+        reference=reference,
+        sft_records=sft_records,
+    )
