@@ -63,6 +63,18 @@ def _run_sanity(cfg: JobConfig, args: argparse.Namespace) -> int:
     return sanity_main(cfg)
 
 
+def _run_train(cfg: JobConfig, args: argparse.Namespace) -> int:
+    from grpo_megatron.training.grpo import main as train_main
+
+    return train_main(cfg)
+
+
+def _run_sft(cfg: JobConfig, args: argparse.Namespace) -> int:
+    from grpo_megatron.training.sft import main as sft_main
+
+    return sft_main(cfg)
+
+
 def _add_verify_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--tol", type=float, default=1e-4, help="largest allowed logit/logprob difference (default 1e-4, for fp32)"
@@ -78,6 +90,8 @@ def _run_verify(cfg: JobConfig, args: argparse.Namespace) -> int:
 COMMANDS: tuple[Command, ...] = (
     Command("check", "load and validate a config, print it resolved for the world size", _run_check, _add_world_size),
     Command("sanity", "build the policy at the configured layout and run a few training steps", _run_sanity),
+    Command("train", "GRPO: rollout, rewards, advantages, policy updates, weight sync, checkpoints", _run_train),
+    Command("sft", "supervised cold start on prompt/response pairs; writes a Hugging Face checkpoint", _run_sft),
     Command(
         "verify",
         "load model.hf_path's safetensors at the configured layout; compare logits with transformers",
