@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Literal
+from dataclasses import dataclass, field
+from typing import Any, Literal
 
 
 @dataclass
@@ -37,6 +37,27 @@ class RolloutConfig:
     probe_batch: int = 4
     """Sequences of the fixed batch on which the trainer and the engines are compared after each weight
     sync (the mismatch probe); 0 disables the probe."""
+    sglang_mode: Literal["colocated", "disaggregated"] = "colocated"
+    """engine=sglang only. colocated = an sglang.Engine on the trainer's GPUs (memory swapped with the
+    trainer, weights by CUDA IPC); disaggregated = running SGLang servers (sglang_server_urls) on their
+    own GPUs, weights by NCCL broadcast from the trainer's first rank."""
+    sglang_tp: int = 1
+    """Tensor-parallel size of each colocated SGLang engine: one engine per this many consecutive
+    trainer ranks (on one node), started by the first of them."""
+    sglang_server_urls: list[str] = field(default_factory=list)
+    """disaggregated: base URLs of the SGLang servers (http://host:port); prompts are split over them."""
+    sglang_sync_master_addr: str = ""
+    """disaggregated: address the servers use to reach the trainer's first rank for the NCCL weight
+    group; empty = this host's name."""
+    sglang_sync_master_port: int = 29650
+    """disaggregated: TCP port of that NCCL weight group's rendezvous on the trainer's first rank."""
+    sglang_request_timeout_s: float = 600.0
+    """disaggregated: seconds an HTTP request to a server (and a wait for it to be healthy) may take."""
+    sglang_routed_experts: bool = True
+    """Ask SGLang for each token's routed experts (MoE models only), kept for routing replay."""
+    sglang_server_args: dict[str, Any] = field(default_factory=dict)
+    """Extra sglang ServerArgs of colocated engines, over ours (e.g. {attention_backend: fa3,
+    enable_deterministic_inference: true} for seeded, reproducible sampling)."""
 
     def validate(self) -> None:
         errors = []
@@ -70,5 +91,21 @@ class RolloutConfig:
             )
         if self.probe_batch < 0:
             errors.append(f"rollout.probe_batch={self.probe_batch} must be >= 0 (0 disables the mismatch probe)")
+        if self.sglang_tp < 1:
+            errors.append(f"rollout.sglang_tp={self.sglang_tp} must be >= 1")
+        bad_urls = [u for u in self.sglang_server_urls if not u.startswith(("http://", "https://"))]
+        if bad_urls:
+            errors.append(
+                f"rollout.sglang_server_urls has {bad_urls[:3]}: each must be a base URL like http://host:30000"
+            )
+        if self.engine == "sglang" and self.sglang_mode == "disaggregated" and not self.sglang_server_urls:
+            errors.append(
+                "rollout.sglang_mode=disaggregated needs rollout.sglang_server_urls: the base URLs of running "
+                "SGLang servers (python -m sglang.launch_server ...), e.g. [http://node1:30000]"
+            )
+        if not 0 < self.sglang_sync_master_port < 65536:
+            errors.append(f"rollout.sglang_sync_master_port={self.sglang_sync_master_port} must be in 1..65535")
+        if self.sglang_request_timeout_s <= 0:
+            errors.append(f"rollout.sglang_request_timeout_s={self.sglang_request_timeout_s} must be > 0")
         if errors:
             raise ValueError("\n".join(errors))
