@@ -1,0 +1,424 @@
+"""The embedded rollout engine: a transformers model of the policy's architecture, in this process.
+
+The default engine on CPU (and usable on one GPU for small runs). It samples every prompt x n row of
+a ``generate`` call together (left-padded, with an attention mask and a KV cache; rows that finish
+leave the batch), with a ``torch.Generator`` of its own so the trainer's global RNG stream is never
+touched. Logprobs follow the trainer's convention (``rollout/engine.py``): ``log_softmax(logits / T)``
+at the sampled token, before top-k / top-p filtering.
+
+Weights arrive under Hugging Face *checkpoint* names (``mlp.experts.3.gate_proj.weight``), while
+transformers 5 keeps MoE experts fused in memory (``mlp.experts.gate_up_proj [E, 2I, H]``). Rather
+than a hand-written table per architecture, ``checkpoint_views`` traces transformers' own save-time
+conversion (``revert_weight_conversion``, what ``save_pretrained`` runs) on tensors of element
+indices: each checkpoint tensor turns out to be a strided view of one live tensor, and that view is
+where an incoming tensor is copied. The plan is checked to cover every live element exactly once.
+
+Shape legend: R rows (prompts x samples), L padded length, V vocabulary.
+"""
+
+from __future__ import annotations
+
+import inspect
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from grpo_megatron.rollout.engine import Bucket, Completion, MemoryTag, RolloutEngine, SamplingParams
+
+# A live tensor's id lives in the high bits of a traced index, its element offset in the low ones.
+_ID_SHIFT = 40
+
+
+@dataclass(frozen=True)
+class CheckpointView:
+    """Where one checkpoint-named tensor lives in the model: a strided view of a live tensor."""
+
+    live_name: str
+    """state_dict key of the live parameter or buffer."""
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    offset: int
+
+    def of(self, live: torch.Tensor) -> torch.Tensor:
+        return live.as_strided(self.shape, self.stride, live.storage_offset() + self.offset)
+
+
+def _trace_group(model: torch.nn.Module, live: Mapping[str, torch.Tensor], ids: Mapping[str, int]) -> dict:
+    index_sd = {
+        name: (ids[name] << _ID_SHIFT) + torch.arange(t.numel(), dtype=torch.int64).view(t.shape)
+        for name, t in live.items()
+    }
+    try:
+        from transformers.core_model_loading import revert_weight_conversion
+    except ImportError:  # transformers 4.x: in-memory names are the checkpoint names
+        return index_sd
+    return revert_weight_conversion(model, index_sd)
+
+
+def checkpoint_views(model: torch.nn.Module) -> dict[str, CheckpointView]:
+    """Map every Hugging Face checkpoint name of ``model`` (as ``save_pretrained`` writes it, plus
+    tied aliases such as ``lm_head.weight``) to the view of the live tensor it is stored in.
+
+    Traced layer by layer (the conversions never mix layers), so the int64 index tensors cost at most
+    8 bytes per element of one layer. Raises if the conversion is not a plain rearrangement of
+    elements (then the engine cannot load checkpoint names in place).
+    """
+    state = model.state_dict()
+    # Tied tensors share a storage: one id, so their checkpoint names become aliases of one view.
+    by_storage: dict[int, str] = {}
+    canonical: dict[str, str] = {}
+    for name, t in state.items():
+        canonical[name] = by_storage.setdefault(t.untyped_storage().data_ptr(), name)
+    id_of_live = {live: i for i, live in enumerate(by_storage.values())}
+    ids = {name: id_of_live[canonical[name]] for name in state}
+    groups: dict[str, dict[str, torch.Tensor]] = {}
+    for name, t in state.items():
+        match = re.search(r"\.layers\.(\d+)\.", name)
+        groups.setdefault(match.group(1) if match else "", {})[name] = t
+    live_of_id = {i: live for live, i in id_of_live.items()}
+
+    views: dict[str, CheckpointView] = {}
+    for group in groups.values():
+        for ckpt_name, idx in _trace_group(model, group, ids).items():
+            views[ckpt_name] = _view_from_indices(ckpt_name, idx, live_of_id, state)
+    _check_coverage(views, state, canonical)
+    return views
+
+
+def _view_from_indices(
+    ckpt_name: str, idx: torch.Tensor, live_of_id: Mapping[int, str], state: Mapping[str, torch.Tensor]
+) -> CheckpointView:
+    flat = idx.reshape(-1)
+    tensor_ids = torch.unique(flat >> _ID_SHIFT)
+    if tensor_ids.numel() != 1:
+        raise NotImplementedError(
+            f"{ckpt_name}: transformers builds it from {tensor_ids.numel()} live tensors; the embedded "
+            "engine only loads checkpoint tensors that are views of one live tensor"
+        )
+    live_name = live_of_id[int(tensor_ids[0])]
+    local = idx - (int(tensor_ids[0]) << _ID_SHIFT)
+    offset = int(local.reshape(-1)[0]) if local.numel() else 0
+    stride = []
+    for dim, size in enumerate(local.shape):
+        step = local.narrow(dim, 1, 1) - local.narrow(dim, 0, 1) if size > 1 else None
+        stride.append(int(step.reshape(-1)[0]) if step is not None else 1)
+    # The indices a strided view with these parameters would hold: must be exactly the traced ones.
+    expected = torch.full(local.shape, offset, dtype=torch.int64)
+    for dim, (size, step) in enumerate(zip(local.shape, stride, strict=True)):
+        shape = [1] * local.dim()
+        shape[dim] = size
+        expected = expected + torch.arange(size, dtype=torch.int64).view(shape) * step
+    if local.numel() and (
+        not torch.equal(expected, local) or int(local.min()) < 0 or int(local.max()) >= state[live_name].numel()
+    ):
+        raise NotImplementedError(f"{ckpt_name}: not a strided view of {live_name}; cannot load it in place")
+    return CheckpointView(live_name, tuple(local.shape), tuple(stride), offset)
+
+
+def _check_coverage(
+    views: Mapping[str, CheckpointView], state: Mapping[str, torch.Tensor], canonical: Mapping[str, str]
+) -> None:
+    """Every live element must be written by exactly one view (aliases count once)."""
+    hits = {name: torch.zeros(t.numel(), dtype=torch.int32) for name, t in state.items() if canonical[name] == name}
+    for view in set(views.values()):
+        view.of(hits[view.live_name]).add_(1)
+    bad = sorted(name for name, h in hits.items() if not bool((h == 1).all()))
+    if bad:
+        raise NotImplementedError(
+            f"checkpoint names do not cover these live tensors exactly once: {bad[:5]}; the embedded engine "
+            "cannot load this architecture by name"
+        )
+
+
+def alias_groups(views: Mapping[str, CheckpointView]) -> list[list[str]]:
+    """Checkpoint names grouped by the view they write (a group of two = tied weights)."""
+    groups: dict[CheckpointView, list[str]] = {}
+    for name, view in views.items():
+        groups.setdefault(view, []).append(name)
+    return list(groups.values())
+
+
+def _supports_experts_implementation(model_cls: type) -> bool:
+    probe = getattr(model_cls, "_can_set_experts_implementation", None)
+    return bool(probe()) if callable(probe) else False
+
+
+def sample_next(
+    logits_rv: torch.Tensor, params: SamplingParams, generator: torch.Generator | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sample one token per row; return ``(token_r, logprob_r)``.
+
+    The logprob is ``log_softmax(logits / T)`` at the token (the trainer's convention), whatever
+    filtering chose it; top-k then top-p filter the tempered distribution that is sampled.
+    """
+    scaled_rv = logits_rv.float() / params.temperature
+    logprobs_rv = torch.log_softmax(scaled_rv, dim=-1)
+    if params.greedy:
+        token_r = logits_rv.argmax(dim=-1)
+    else:
+        filtered_rv = scaled_rv
+        if params.top_k > 0 and params.top_k < filtered_rv.shape[-1]:
+            kth_r1 = torch.topk(filtered_rv, params.top_k, dim=-1).values[:, -1:]
+            filtered_rv = filtered_rv.masked_fill(filtered_rv < kth_r1, float("-inf"))
+        if params.top_p < 1.0:
+            sorted_rv, order_rv = torch.sort(filtered_rv, dim=-1, descending=True)
+            probs_rv = torch.softmax(sorted_rv, dim=-1)
+            # Drop a token once the mass before it already reaches top_p (the first token always stays).
+            drop_rv = (probs_rv.cumsum(dim=-1) - probs_rv) >= params.top_p
+            drop_rv = drop_rv.scatter(-1, order_rv, drop_rv)
+            filtered_rv = filtered_rv.masked_fill(drop_rv, float("-inf"))
+        probs_rv = torch.softmax(filtered_rv, dim=-1)
+        token_r = torch.multinomial(probs_rv, 1, generator=generator)[:, 0]
+    return token_r, logprobs_rv.gather(-1, token_r[:, None])[:, 0]
+
+
+class EmbeddedEngine(RolloutEngine):
+    """A transformers ``AutoModelForCausalLM`` of the HF config ``hf``, fed by ``update_weights``.
+
+    ``device``: where the model runs ("cpu" or a CUDA device). ``dtype``: its parameter dtype; the
+    weight stream must arrive in it (the fleet exports in this dtype). ``tokenizer``: needed only for
+    stop strings. ``max_batch_rows``: rows decoded together (0 = all rows of a call at once).
+    Weights start randomly initialised (without touching the global RNG) until the first update.
+    """
+
+    def __init__(
+        self,
+        hf: Mapping[str, Any],
+        *,
+        device: str | torch.device = "cpu",
+        dtype: torch.dtype = torch.float32,
+        tokenizer: Any = None,
+        max_batch_rows: int = 0,
+    ) -> None:
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.tokenizer = tokenizer
+        self.max_batch_rows = max_batch_rows
+        config = AutoConfig.for_model(**dict(hf))
+        model_cls = AutoModelForCausalLM._model_mapping[type(config)]
+        kwargs: dict[str, Any] = {"dtype": dtype}
+        if _supports_experts_implementation(model_cls):
+            # transformers' default grouped/batched expert kernels were ~30x slower than the plain
+            # per-expert loop on CPU (GUIDE); on GPU its default is the fast one.
+            kwargs["experts_implementation"] = "eager" if self.device.type == "cpu" else "grouped_mm"
+        with torch.random.fork_rng(devices=[]):  # random init must not advance the trainer's RNG
+            model = AutoModelForCausalLM.from_config(config, **kwargs)
+        self.model = model.to(self.device).eval().requires_grad_(False)
+        self.pad_token_id = int(hf.get("pad_token_id") or 0)
+        # transformers renamed forward's `past_key_values` to `cache` (the old name warns since 5.2x).
+        forward_args = inspect.signature(self.model.forward).parameters
+        self._cache_kwarg = "cache" if "cache" in forward_args else "past_key_values"
+        self.views = checkpoint_views(self.model)
+        self._aliases = alias_groups(self.views)
+        self._staged: dict[str, torch.Tensor] = {}
+        self._staged_version: int | None = None
+        self._weights_on_host = False
+        self.weight_version = -1
+
+    # ----------------------------------------------------------------------------------- weights
+
+    def expected_tensors(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """Checkpoint name -> (shape, dtype) of every tensor ``update_weights`` accepts."""
+        live = self.model.state_dict()
+        return {name: (view.shape, live[view.live_name].dtype) for name, view in self.views.items()}
+
+    def update_weights(self, bucket: Bucket, *, version: int, last: bool) -> None:
+        """Stage ``bucket`` (kept by reference, wherever it lives); on ``last`` validate everything
+        staged for ``version`` and only then copy it into the model."""
+        if self._staged_version != version:
+            self._staged, self._staged_version = {}, version  # a new version drops a stale partial one
+        repeated = [name for name, _ in bucket if name in self._staged]
+        self._staged.update(bucket)
+        if repeated:
+            self._discard_staged()
+            raise ValueError(f"weight update v{version}: tensors sent twice: {sorted(repeated)[:10]}")
+        if not last:
+            return
+        staged, self._staged = self._staged, {}
+        self._staged_version = None
+        problems = self._validate(staged)
+        if problems:
+            raise ValueError(
+                f"weight update v{version} rejected, the engine keeps v{self.weight_version}: "
+                + "; ".join(problems)
+            )
+        live = self.model.state_dict()
+        with torch.no_grad():
+            for name, tensor in staged.items():
+                self.views[name].of(live[self.views[name].live_name]).copy_(tensor, non_blocking=True)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.weight_version = version
+        self.flush_cache()
+
+    def _discard_staged(self) -> None:
+        self._staged, self._staged_version = {}, None
+
+    def _validate(self, staged: Mapping[str, torch.Tensor]) -> list[str]:
+        """Every problem of a complete update, each naming its tensors (empty = good)."""
+        expected = self.expected_tensors()
+        problems = []
+        unexpected = sorted(set(staged) - set(expected))
+        if unexpected:
+            problems.append(f"unexpected names {unexpected[:10]} ({len(unexpected)} in all)")
+        # Tied weights (lm_head.weight with embed_tokens.weight) need only one name of their group.
+        missing = sorted(g[0] if len(g) == 1 else " or ".join(g) for g in self._aliases if not set(g) & set(staged))
+        if missing:
+            problems.append(f"missing {missing[:10]} ({len(missing)} in all)")
+        wrong_shape = [
+            f"{n} {tuple(t.shape)} != {expected[n][0]}"
+            for n, t in sorted(staged.items())
+            if n in expected and tuple(t.shape) != expected[n][0]
+        ]
+        if wrong_shape:
+            problems.append(f"wrong shapes {wrong_shape[:10]} ({len(wrong_shape)} in all)")
+        wrong_dtype = [
+            f"{n} {t.dtype} != {expected[n][1]}"
+            for n, t in sorted(staged.items())
+            if n in expected and t.dtype != expected[n][1]
+        ]
+        if wrong_dtype:
+            problems.append(
+                f"wrong dtypes {wrong_dtype[:10]} ({len(wrong_dtype)} in all): export in the engine's dtype"
+            )
+        return problems
+
+    # -------------------------------------------------------------------------------- generation
+
+    @torch.no_grad()
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[list[Completion]]:
+        if params.stop_strings and self.tokenizer is None:
+            raise ValueError(
+                "SamplingParams.stop_strings needs a tokenizer: pass tokenizer= to the engine (the fleet "
+                "passes the one given to RolloutFleet.build)"
+            )
+        if any(len(p) == 0 for p in prompts):
+            raise ValueError("generate: every prompt needs at least one token")
+        self._require_weights_on_device()
+        generator = torch.Generator(device=self.device)
+        if params.seed is not None:
+            generator.manual_seed(params.seed)
+        else:
+            generator.seed()  # fresh entropy, still not the global RNG
+        rows = [list(p) for p in prompts for _ in range(params.n)]
+        chunk = self.max_batch_rows or len(rows)
+        done: list[Completion] = []
+        for start in range(0, len(rows), chunk):
+            done.extend(self._generate_rows(rows[start : start + chunk], params, generator))
+        return [done[i * params.n : (i + 1) * params.n] for i in range(len(prompts))]
+
+    def _generate_rows(
+        self, rows: list[list[int]], params: SamplingParams, generator: torch.Generator
+    ) -> list[Completion]:
+        from transformers import DynamicCache
+
+        n_rows = len(rows)
+        length = max(len(r) for r in rows)
+        # Left padding: every row's last prompt token sits in the last column.
+        tokens_rl = torch.full((n_rows, length), self.pad_token_id, dtype=torch.long)
+        mask_rl = torch.zeros((n_rows, length), dtype=torch.long)
+        for i, r in enumerate(rows):
+            tokens_rl[i, length - len(r) :] = torch.tensor(r)
+            mask_rl[i, length - len(r) :] = 1
+        tokens_rl, mask_rl = tokens_rl.to(self.device), mask_rl.to(self.device)
+        position_rl = (mask_rl.cumsum(-1) - 1).clamp(min=0)
+        cache = DynamicCache(config=self.model.config)
+        stop_ids = torch.tensor(sorted(set(params.stop_token_ids)), dtype=torch.long, device=self.device)
+
+        out_tokens: list[list[int]] = [[] for _ in range(n_rows)]
+        out_logprobs: list[list[float]] = [[] for _ in range(n_rows)]
+        finish: list[str] = ["length"] * n_rows
+        active = torch.arange(n_rows, device=self.device)  # original row of each batch row
+        inputs_rl, positions_rl = tokens_rl, position_rl
+        for step in range(params.max_new_tokens):
+            logits = self.model(
+                input_ids=inputs_rl,
+                attention_mask=mask_rl,
+                position_ids=positions_rl,
+                use_cache=True,
+                **{self._cache_kwarg: cache},
+                logits_to_keep=1,
+            ).logits[:, -1]
+            token_r, logprob_r = sample_next(logits, params, generator)
+            tokens, logprobs, rows_now = token_r.tolist(), logprob_r.tolist(), active.tolist()
+            stopped = torch.isin(token_r, stop_ids).tolist() if stop_ids.numel() else [False] * len(tokens)
+            for j, row in enumerate(rows_now):
+                out_tokens[row].append(tokens[j])
+                out_logprobs[row].append(logprobs[j])
+                if not stopped[j] and params.stop_strings:
+                    text = self.tokenizer.decode(out_tokens[row])
+                    stopped[j] = any(s in text for s in params.stop_strings)
+                if stopped[j]:
+                    finish[row] = "stop"
+            if step == params.max_new_tokens - 1:
+                break
+            keep_r = ~torch.tensor(stopped, dtype=torch.bool, device=self.device)
+            if not bool(keep_r.any()):
+                break
+            positions_rl = positions_rl[:, -1:] + 1
+            mask_rl = torch.cat([mask_rl, torch.ones_like(mask_rl[:, :1])], dim=1)
+            inputs_rl = token_r[:, None]
+            if not bool(keep_r.all()):  # finished rows leave the batch (and the KV cache)
+                keep_idx = keep_r.nonzero()[:, 0]
+                cache.batch_select_indices(keep_idx)
+                active, mask_rl = active[keep_idx], mask_rl[keep_idx]
+                positions_rl, inputs_rl = positions_rl[keep_idx], inputs_rl[keep_idx]
+        return [Completion(out_tokens[i], out_logprobs[i], finish[i]) for i in range(n_rows)]  # type: ignore[arg-type]
+
+    @torch.no_grad()
+    def score(
+        self, sequences: Sequence[Sequence[int]], prompt_lens: Sequence[int], temperature: float
+    ) -> list[list[float]]:
+        """Teacher-forced ``log_softmax(logits / T)`` of each token after its prompt (right padding)."""
+        if len(sequences) != len(prompt_lens):
+            raise ValueError(f"score: {len(sequences)} sequences but {len(prompt_lens)} prompt lengths")
+        for i, (seq, p) in enumerate(zip(sequences, prompt_lens, strict=True)):
+            if not 1 <= p <= len(seq):
+                raise ValueError(f"score: sequence {i} has prompt_len={p} outside [1, {len(seq)}]")
+        self._require_weights_on_device()
+        length = max(len(s) for s in sequences)
+        tokens_rl = torch.full((len(sequences), length), self.pad_token_id, dtype=torch.long)
+        mask_rl = torch.zeros_like(tokens_rl)
+        for i, s in enumerate(sequences):
+            tokens_rl[i, : len(s)] = torch.tensor(list(s))
+            mask_rl[i, : len(s)] = 1
+        tokens_rl, mask_rl = tokens_rl.to(self.device), mask_rl.to(self.device)
+        logits_rlv = self.model(input_ids=tokens_rl, attention_mask=mask_rl, use_cache=False).logits
+        logprobs_rl = torch.log_softmax(logits_rlv[:, :-1].float() / temperature, dim=-1)
+        logprobs_rl = logprobs_rl.gather(-1, tokens_rl[:, 1:, None])[..., 0].cpu()
+        pairs = enumerate(zip(sequences, prompt_lens, strict=True))
+        return [logprobs_rl[i, p - 1 : len(s) - 1].tolist() for i, (s, p) in pairs]
+
+    # ----------------------------------------------------------------------------------- memory
+
+    def _require_weights_on_device(self) -> None:
+        if self._weights_on_host:
+            raise RuntimeError("the embedded engine's weights are released: call resume_memory(['weights']) first")
+
+    def release_memory(self, tags: Sequence[MemoryTag] | None = None) -> None:
+        """On a GPU, "weights" moves the model to host memory; the KV cache lives only inside a
+        ``generate`` call, so "kv_cache" just returns cached blocks to the driver. On CPU: nothing."""
+        if self.device.type != "cuda":
+            return
+        if tags is None or "weights" in tags:
+            self.model.to("cpu")
+            self._weights_on_host = True
+        torch.cuda.empty_cache()
+
+    def resume_memory(self, tags: Sequence[MemoryTag] | None = None) -> None:
+        if self.device.type != "cuda":
+            return
+        if (tags is None or "weights" in tags) and self._weights_on_host:
+            self.model.to(self.device)
+            self._weights_on_host = False
+
+    def shutdown(self) -> None:
+        self._discard_staged()
+        self.model = None  # type: ignore[assignment]
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
