@@ -17,6 +17,7 @@ BUILTIN_REWARDS: tuple[str, ...] = (
     "countdown",  # numbers used exactly once, + - * / and parentheses, safe AST evaluation
     "gsm8k",  # last number (or "#### n") compared numerically with the gold answer
     "majority",  # self-consistency: agrees with the majority answer of its group
+    "exact_match",  # the response up to its first end marker equals the label (procedural tasks)
 )
 
 

@@ -17,6 +17,7 @@ BUILTIN_PATHS: dict[str, str] = {
     "countdown": "grpo_megatron.rewards.countdown:countdown_reward",
     "gsm8k": "grpo_megatron.rewards.gsm8k:gsm8k_reward",
     "majority": "grpo_megatron.rewards.majority:majority_reward",
+    "exact_match": "grpo_megatron.rewards.exact_match:exact_match",
 }
 assert set(BUILTIN_PATHS) == set(BUILTIN_REWARDS), "config.BUILTIN_REWARDS and BUILTIN_PATHS must agree"
 
