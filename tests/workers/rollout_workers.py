@@ -1,0 +1,174 @@
+"""Workers of test_rollout.py: a real megatron policy and real embedded engines on several processes.
+
+Each case builds the policy at a layout, a ``RolloutFleet`` of embedded engines, syncs the weights
+and compares engine and trainer logprobs; the first case also trains one step and re-syncs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import torch
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "tiny_moe.yaml"
+PROMPTS = [[3, 4, 5], [6, 7, 8, 9, 10, 11], [12, 13], [14, 15, 16, 17]]  # uneven: left padding matters
+
+
+def _setup(hf_dir: str, overrides: list[str]):
+    from grpo_megatron.config import load_config
+    from grpo_megatron.distributed.bootstrap import init_distributed, world_size_from_env
+    from grpo_megatron.training.policy import build_policy
+
+    cfg = load_config(EXAMPLE, [f"model.hf_path={hf_dir}", "train.lr=1e-2", *overrides])
+    cfg.validate(world_size_from_env())
+    ps = init_distributed(cfg.parallel, seed=cfg.train.seed)
+    hf = cfg.model.load_hf_config()
+    policy = build_policy(hf, cfg, ps)
+    return cfg, ps, hf, policy
+
+
+def _trainer_logprobs(policy, ps, hf, sequences: list[list[int]], prompt_lens: list[int]) -> list[torch.Tensor]:
+    """The trainer's logprobs of each sequence's tokens after its prompt."""
+    from grpo_megatron.training.forward_backward import MicroBatch, forward_logprobs
+
+    length = max(len(s) for s in sequences)
+    tokens_bl = torch.zeros((len(sequences), length), dtype=torch.long)
+    for i, s in enumerate(sequences):
+        tokens_bl[i, : len(s)] = torch.tensor(s)
+    (out,) = forward_logprobs(
+        policy.model, [MicroBatch(tokens_bl[:, :-1], tokens_bl[:, 1:])], ps, vocab_size=hf["vocab_size"]
+    )
+    pairs = enumerate(zip(sequences, prompt_lens, strict=True))
+    return [out.logprobs_bs[i, p - 1 : len(s) - 1] for i, (s, p) in pairs]
+
+
+def _rollout_vs_trainer(fleet, policy, ps, hf, params) -> tuple[list, float]:
+    """Generate, then the largest |engine logprob - trainer logprob| over all sampled tokens."""
+    from grpo_megatron.rollout.fleet import probe_batch
+
+    completions = fleet.generate(PROMPTS, params)
+    sequences, prompt_lens = probe_batch(PROMPTS, completions, size=10**6)
+    trainer = _trainer_logprobs(policy, ps, hf, sequences, prompt_lens)
+    engine = [torch.tensor(c.logprobs) for group in completions for c in group if c.token_ids]
+    diff = max(float((e - t).abs().max()) for e, t in zip(engine, trainer, strict=True))
+    return completions, diff
+
+
+def _tokens(completions) -> list[list[list[int]]]:
+    return [[c.token_ids for c in group] for group in completions]
+
+
+def _train_step(policy, ps, hf, sequences: list[list[int]]) -> dict[str, float]:
+    """One optimizer step raising the logprob of ``sequences`` (SFT-shaped, enough to move weights)."""
+    from grpo_megatron.training.forward_backward import MicroBatch, forward_backward
+
+    length = max(len(s) for s in sequences)
+    tokens_bl = torch.zeros((len(sequences), length), dtype=torch.long)
+    mask_bl = torch.zeros((len(sequences), length - 1))
+    for i, s in enumerate(sequences):
+        tokens_bl[i, : len(s)] = torch.tensor(s)
+        mask_bl[i, : len(s) - 1] = 1
+    count = float(mask_bl.sum()) * ps.dp  # every DP rank runs the same batch
+
+    def loss_fn(logprobs_bs, entropy_bs, mb):
+        loss = -(logprobs_bs * mb.extras["mask"]).sum() / count
+        return loss, {}
+
+    policy.zero_grad()
+    forward_backward(
+        policy.model,
+        [MicroBatch(tokens_bl[:, :-1], tokens_bl[:, 1:], extras={"mask": mask_bl})],
+        ps,
+        loss_fn,
+        vocab_size=hf["vocab_size"],
+    )
+    return policy.step()
+
+
+def sync_cases(cases: dict[str, tuple[str, list[str]]], bad_hf_dir: str, sglang_hf_dir: str | None = None) -> dict:
+    """Per case (HF config dir, layout overrides): sync, logprobs vs trainer, probe, reproducibility.
+    Case "train" also trains one step and syncs again; case "bad" (if present) syncs into engines
+    built from another config and records the error."""
+    from grpo_megatron.distributed.bootstrap import destroy_distributed
+    from grpo_megatron.rollout.engine import SamplingParams
+    from grpo_megatron.rollout.fleet import RolloutFleet, probe_batch
+
+    out: dict = {}
+    for case, (hf_dir, overrides) in cases.items():
+        cfg, ps, hf, policy = _setup(hf_dir, overrides)
+        fleet = RolloutFleet.build(cfg, hf, ps)
+        res: dict = {"engine_ranks": list(fleet.engine_ranks), "has_engine": fleet.engine is not None}
+        metrics = fleet.sync_weights(policy.model, version=1, bucket_bytes=16 << 10)
+        res["sync_buckets"] = metrics["sync/buckets"]
+        res["sync_bytes"] = metrics["sync/bytes"]
+        res["version"] = fleet.engine.weight_version if fleet.engine is not None else None
+
+        params = SamplingParams(n=3, temperature=1.0, max_new_tokens=6, seed=7)
+        completions, res["gen_vs_trainer"] = _rollout_vs_trainer(fleet, policy, ps, hf, params)
+        res["tokens"] = _tokens(completions)
+        res["same_seed_same"] = _tokens(fleet.generate(PROMPTS, params)) == res["tokens"]
+        other = SamplingParams(n=3, temperature=1.0, max_new_tokens=6, seed=8)
+        res["other_seed_differs"] = _tokens(fleet.generate(PROMPTS, other)) != res["tokens"]
+        sequences, prompt_lens = probe_batch(PROMPTS, completions, size=4)
+        probe = fleet.mismatch_probe(policy.model, ps, sequences, prompt_lens, temperature=1.0)
+        res["probe_max"] = probe["mismatch/probe_abs_diff_max"]
+        res["probe_tokens"] = probe["mismatch/probe_tokens"]
+        hot = fleet.mismatch_probe(policy.model, ps, sequences, prompt_lens, temperature=0.7)
+        res["probe_max_t07"] = hot["mismatch/probe_abs_diff_max"]
+
+        if case == "train":
+            step = _train_step(policy, ps, hf, [s for s in sequences])
+            res["grad_norm"] = step["grad_norm"]
+            fleet.sync_weights(policy.model, version=2, bucket_bytes=64 << 10)
+            res["version_after_train"] = fleet.engine.weight_version if fleet.engine is not None else None
+            after, res["gen_vs_trainer_after"] = _rollout_vs_trainer(fleet, policy, ps, hf, params)
+            before_lp = torch.tensor([lp for g in completions for c in g for lp in c.logprobs[:1]])
+            after_lp = torch.tensor([lp for g in after for c in g for lp in c.logprobs[:1]])
+            res["first_logprob_change"] = float((before_lp - after_lp).abs().max())
+            probe = fleet.mismatch_probe(policy.model, ps, sequences, prompt_lens, temperature=1.0)
+            res["probe_max_after"] = probe["mismatch/probe_abs_diff_max"]
+
+            # Engines built from a different config: the sync must fail on every rank, and these
+            # engines keep what they had.
+            bad_hf = dataclasses.replace(cfg.model, hf_path=bad_hf_dir).load_hf_config()
+            bad = RolloutFleet.build(cfg, bad_hf, ps)
+            before = None
+            if bad.engine is not None:
+                before = {k: v.clone() for k, v in bad.engine.model.state_dict().items()}
+            try:
+                bad.sync_weights(policy.model, version=3)
+                res["bad_error"] = "no error"
+            except RuntimeError as exc:
+                res["bad_error"] = str(exc)
+            if bad.engine is not None:
+                res["bad_version"] = bad.engine.weight_version
+                res["bad_unchanged"] = all(
+                    torch.equal(before[k], v) for k, v in bad.engine.model.state_dict().items()
+                )
+            bad.shutdown()
+            # The good fleet is untouched by the failed one.
+            res["version_end"] = fleet.engine.weight_version if fleet.engine is not None else None
+        fleet.shutdown()
+        out[case] = res
+        destroy_distributed(keep_process_group=True)
+    if sglang_hf_dir is not None:
+        out["sglang_error"] = sglang_missing(sglang_hf_dir)
+    return out
+
+
+def sglang_missing(hf_dir: str) -> str:
+    """Build a fleet with rollout.engine=sglang where SGLang is not installed: the error text."""
+    from grpo_megatron.config import load_config
+    from grpo_megatron.distributed.bootstrap import destroy_distributed, init_distributed
+    from grpo_megatron.rollout.fleet import RolloutFleet
+
+    cfg = load_config(EXAMPLE, [f"model.hf_path={hf_dir}", "rollout.engine=sglang"])
+    ps = init_distributed(cfg.parallel, seed=1)
+    try:
+        RolloutFleet.build(cfg, cfg.model.load_hf_config(), ps)
+        return "no error"
+    except RuntimeError as exc:
+        return str(exc)
+    finally:
+        destroy_distributed(keep_process_group=True)
