@@ -77,6 +77,12 @@ def test_jsonl_happy_path(tmp_path, tok):
     )  # a number answer, metadata merged
     assert [r.prompt for r in ds.eval] == ["4+4="]
     assert (ds.train_stats.rows, ds.train_stats.kept, ds.eval_stats.rows) == (2, 2, 1)
+    bom = tmp_path / "bom.jsonl"
+    bom.write_bytes(b"\xef\xbb\xbf" + train.read_bytes())  # a byte-order mark before line 1
+    assert [r.prompt for r in build_prompt_datasets(cfg_of(train_path=str(bom)), tok, 0)[0]] == [
+        "1+2=",
+        "10+20=",
+    ]
     # num_train_prompts keeps the first rows; no eval_path means no eval set
     train_only, eval_none = build_prompt_datasets(cfg_of(train_path=str(train), num_train_prompts=1), tok, 0)
     assert [r.prompt for r in train_only] == ["1+2="] and eval_none == []

@@ -62,7 +62,8 @@ def _jsonl_rows(path: Path) -> Iterator[tuple[str, dict[str, Any] | RowProblem]]
         for line_no, raw in enumerate(f, start=1):
             where = f"{path}:{line_no}"
             try:
-                text = raw.decode("utf-8")
+                # utf-8-sig on the first line: files saved by some editors start with a byte-order mark
+                text = raw.decode("utf-8-sig" if line_no == 1 else "utf-8")
             except UnicodeDecodeError as err:
                 yield where, RowProblem(f"not UTF-8 ({err.reason} at byte {err.start})")
                 continue
