@@ -105,6 +105,7 @@ FILE_RELATIVE_PATHS: tuple[tuple[str, str], ...] = (
     ("model", "hf_path"),
     ("data", "train_path"),
     ("data", "eval_path"),
+    ("data", "tokenizer_path"),
 )
 
 # ----------------------------------------------------------------------------------------------------
