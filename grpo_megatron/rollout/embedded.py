@@ -22,7 +22,7 @@ import inspect
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -112,7 +112,9 @@ def _view_from_indices(
         shape[dim] = size
         expected = expected + torch.arange(size, dtype=torch.int64).view(shape) * step
     if local.numel() and (
-        not torch.equal(expected, local) or int(local.min()) < 0 or int(local.max()) >= state[live_name].numel()
+        not torch.equal(expected, local)
+        or int(local.min()) < 0
+        or int(local.max()) >= state[live_name].numel()
     ):
         raise NotImplementedError(f"{ckpt_name}: not a strided view of {live_name}; cannot load it in place")
     return CheckpointView(live_name, tuple(local.shape), tuple(stride), offset)
@@ -122,7 +124,11 @@ def _check_coverage(
     views: Mapping[str, CheckpointView], state: Mapping[str, torch.Tensor], canonical: Mapping[str, str]
 ) -> None:
     """Every live element must be written by exactly one view (aliases count once)."""
-    hits = {name: torch.zeros(t.numel(), dtype=torch.int32) for name, t in state.items() if canonical[name] == name}
+    hits = {
+        name: torch.zeros(t.numel(), dtype=torch.int32)
+        for name, t in state.items()
+        if canonical[name] == name
+    }
     for view in set(views.values()):
         view.of(hits[view.live_name]).add_(1)
     bad = sorted(name for name, h in hits.items() if not bool((h == 1).all()))
@@ -267,7 +273,9 @@ class EmbeddedEngine(RolloutEngine):
         if unexpected:
             problems.append(f"unexpected names {unexpected[:10]} ({len(unexpected)} in all)")
         # Tied weights (lm_head.weight with embed_tokens.weight) need only one name of their group.
-        missing = sorted(g[0] if len(g) == 1 else " or ".join(g) for g in self._aliases if not set(g) & set(staged))
+        missing = sorted(
+            g[0] if len(g) == 1 else " or ".join(g) for g in self._aliases if not set(g) & set(staged)
+        )
         if missing:
             problems.append(f"missing {missing[:10]} ({len(missing)} in all)")
         wrong_shape = [
@@ -332,7 +340,7 @@ class EmbeddedEngine(RolloutEngine):
 
         out_tokens: list[list[int]] = [[] for _ in range(n_rows)]
         out_logprobs: list[list[float]] = [[] for _ in range(n_rows)]
-        finish: list[str] = ["length"] * n_rows
+        finish: list[Literal["stop", "length"]] = ["length"] * n_rows
         active = torch.arange(n_rows, device=self.device)  # original row of each batch row
         inputs_rl, positions_rl = tokens_rl, position_rl
         for step in range(params.max_new_tokens):
@@ -368,7 +376,7 @@ class EmbeddedEngine(RolloutEngine):
                 cache.batch_select_indices(keep_idx)
                 active, mask_rl = active[keep_idx], mask_rl[keep_idx]
                 positions_rl, inputs_rl = positions_rl[keep_idx], inputs_rl[keep_idx]
-        return [Completion(out_tokens[i], out_logprobs[i], finish[i]) for i in range(n_rows)]  # type: ignore[arg-type]
+        return [Completion(out_tokens[i], out_logprobs[i], finish[i]) for i in range(n_rows)]
 
     @torch.no_grad()
     def score(
@@ -398,7 +406,9 @@ class EmbeddedEngine(RolloutEngine):
 
     def _require_weights_on_device(self) -> None:
         if self._weights_on_host:
-            raise RuntimeError("the embedded engine's weights are released: call resume_memory(['weights']) first")
+            raise RuntimeError(
+                "the embedded engine's weights are released: call resume_memory(['weights']) first"
+            )
 
     def release_memory(self, tags: Sequence[MemoryTag] | None = None) -> None:
         """On a GPU, "weights" moves the model to host memory; the KV cache lives only inside a

@@ -28,7 +28,9 @@ def _setup(hf_dir: str, overrides: list[str]):
     return cfg, ps, hf, policy
 
 
-def _trainer_logprobs(policy, ps, hf, sequences: list[list[int]], prompt_lens: list[int]) -> list[torch.Tensor]:
+def _trainer_logprobs(
+    policy, ps, hf, sequences: list[list[int]], prompt_lens: list[int]
+) -> list[torch.Tensor]:
     """The trainer's logprobs of each sequence's tokens after its prompt."""
     from grpo_megatron.training.forward_backward import MicroBatch, forward_logprobs
 
@@ -86,7 +88,9 @@ def _train_step(policy, ps, hf, sequences: list[list[int]]) -> dict[str, float]:
     return policy.step()
 
 
-def sync_cases(cases: dict[str, tuple[str, list[str]]], bad_hf_dir: str, sglang_hf_dir: str | None = None) -> dict:
+def sync_cases(
+    cases: dict[str, tuple[str, list[str]]], bad_hf_dir: str, sglang_hf_dir: str | None = None
+) -> dict:
     """Per case (HF config dir, layout overrides): sync, logprobs vs trainer, probe, reproducibility.
     Case "train" also trains one step and syncs again; case "bad" (if present) syncs into engines
     built from another config and records the error."""

@@ -1,0 +1,291 @@
+"""Rollout engines and the fleet: the embedded transformers engine in this process, and the fleet with
+a real megatron policy on two processes (TP2, EP2, a dense model, a training step, a rejected sync)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from grpo_megatron.rollout.engine import SamplingParams
+from grpo_megatron.rollout.fleet import probe_batch, prompt_slices
+from tests.helpers.dist import run_distributed
+from tests.helpers.tiny_configs import TINY_CONFIGS, tiny_hf_config
+from tests.workers.bridge_workers import batch_tokens, save_tiny_model
+
+PROMPTS = [[3, 4, 5], [6, 7, 8, 9, 10, 11], [12, 13]]
+
+
+def _saved(model_type: str, tmp_path: Path) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """A random transformers model saved with save_pretrained: (its tensors on disk, its logits)."""
+    from safetensors.torch import load_file
+
+    ref = save_tiny_model(model_type, tmp_path / model_type, seed=0)
+    return load_file(str(tmp_path / model_type / "model.safetensors")), ref
+
+
+def _engine(model_type: str, **kwargs):
+    from grpo_megatron.rollout.embedded import EmbeddedEngine
+
+    return EmbeddedEngine(tiny_hf_config(model_type), **kwargs)
+
+
+def _load(engine, saved: dict[str, torch.Tensor], version: int = 1) -> None:
+    names = sorted(saved)
+    engine.update_weights([(n, saved[n]) for n in names[:7]], version=version, last=False)
+    engine.update_weights([(n, saved[n]) for n in names[7:]], version=version, last=True)
+
+
+@pytest.fixture(scope="module")
+def moe_engine(tmp_path_factory):
+    """A qwen3_moe engine holding save_pretrained weights (version 1), and those weights."""
+    saved, _ = _saved("qwen3_moe", tmp_path_factory.mktemp("moe"))
+    engine = _engine("qwen3_moe")
+    _load(engine, saved)
+    return engine, saved
+
+
+@pytest.mark.parametrize("model_type", sorted(TINY_CONFIGS))
+def test_checkpoint_names_load_into_fused_model(model_type, tmp_path):
+    """save_pretrained's per-expert checkpoint tensors, loaded by name into transformers' fused
+    in-memory experts, give the saved model's logits exactly (all five architectures)."""
+    saved, ref = _saved(model_type, tmp_path)
+    engine = _engine(model_type)
+    expected = set(engine.expected_tensors())
+    tied = {"lm_head.weight"} if TINY_CONFIGS[model_type]["tie_word_embeddings"] else set()
+    assert expected == set(saved) | tied
+    _load(engine, saved)
+    assert engine.weight_version == 1
+    with torch.no_grad():
+        logits = engine.model(batch_tokens()).logits
+    assert torch.equal(logits, ref["logits"])
+
+
+def test_engine_leaves_global_rng_alone(moe_engine):
+    engine, _ = moe_engine
+    state = torch.get_rng_state()
+    _engine("qwen3")
+    engine.generate(PROMPTS, SamplingParams(n=2, max_new_tokens=3, seed=None))
+    engine.generate(PROMPTS, SamplingParams(n=2, max_new_tokens=3, seed=1))
+    assert torch.equal(state, torch.get_rng_state())
+
+
+def test_seeded_generation(moe_engine):
+    engine, _ = moe_engine
+    params = SamplingParams(n=4, temperature=1.0, max_new_tokens=8, seed=11)
+    first = engine.generate(PROMPTS, params)
+    assert [len(group) for group in first] == [4] * len(PROMPTS)
+    assert all(
+        len(c.token_ids) == len(c.logprobs) == 8 and c.finish_reason == "length" for g in first for c in g
+    )
+    tokens = [[c.token_ids for c in g] for g in first]
+    assert [[c.token_ids for c in g] for g in engine.generate(PROMPTS, params)] == tokens
+    other = SamplingParams(n=4, temperature=1.0, max_new_tokens=8, seed=12)
+    assert [[c.token_ids for c in g] for g in engine.generate(PROMPTS, other)] != tokens
+    # Decoding a few rows at a time is seeded and deterministic too.
+    chunked_engine_rows = engine.max_batch_rows
+    engine.max_batch_rows = 5
+    try:
+        chunked = [[c.token_ids for c in g] for g in engine.generate(PROMPTS, params)]
+        assert chunked == [[c.token_ids for c in g] for g in engine.generate(PROMPTS, params)]
+    finally:
+        engine.max_batch_rows = chunked_engine_rows
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.6])
+def test_sampled_logprobs_equal_teacher_forced_scores(moe_engine, temperature):
+    """Left-padded, KV-cached sampling reports the logprobs an unpadded forward computes."""
+    engine, _ = moe_engine
+    params = SamplingParams(n=3, temperature=temperature, top_p=0.9, top_k=20, max_new_tokens=7, seed=3)
+    completions = engine.generate(PROMPTS, params)
+    sequences, prompt_lens = probe_batch(PROMPTS, completions, size=100)
+    scored = engine.score(sequences, prompt_lens, temperature)
+    sampled = [c.logprobs for g in completions for c in g]
+    for got, want in zip(sampled, scored, strict=True):
+        assert torch.allclose(torch.tensor(got), torch.tensor(want), atol=1e-5)
+
+
+def test_greedy_ignores_seed_and_stops_at_stop_token(moe_engine):
+    engine, _ = moe_engine
+    greedy = SamplingParams(n=2, max_new_tokens=10, greedy=True, seed=1)
+    base = engine.generate(PROMPTS, greedy)
+    again = engine.generate(PROMPTS, SamplingParams(n=2, max_new_tokens=10, greedy=True, seed=2))
+    assert [[c.token_ids for c in g] for g in base] == [[c.token_ids for c in g] for g in again]
+    assert base[0][0].token_ids == base[0][1].token_ids
+    row = base[1][0].token_ids
+    stop = row[2]
+    cut = row.index(stop) + 1
+    stopped = engine.generate(
+        PROMPTS, SamplingParams(n=1, max_new_tokens=10, greedy=True, stop_token_ids=(stop,))
+    )
+    assert stopped[1][0].token_ids == row[:cut]  # the stop token is kept
+    assert stopped[1][0].finish_reason == "stop"
+    for prompt_out, full in zip(stopped, base, strict=True):  # other rows: cut at their own first stop
+        ids = full[0].token_ids
+        want = ids[: ids.index(stop) + 1] if stop in ids else ids
+        assert prompt_out[0].token_ids == want
+
+
+def _char_tokenizer(vocab_size: int):
+    """A real fast tokenizer (tokenizers WordLevel) with one character per token id."""
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    chars = [chr(ord("A") + i) for i in range(vocab_size)]
+    tok = Tokenizer(models.WordLevel({c: i for i, c in enumerate(chars)}, unk_token="A"))
+    tok.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(tokenizer_object=tok)
+
+
+def test_stop_strings(moe_engine):
+    engine, _ = moe_engine
+    greedy = SamplingParams(n=1, max_new_tokens=10, greedy=True)
+    row = engine.generate(PROMPTS[:1], greedy)[0][0].token_ids
+    tokenizer = _char_tokenizer(TINY_CONFIGS["qwen3_moe"]["vocab_size"])
+    stop_text = tokenizer.decode(row[2:4])
+    with pytest.raises(ValueError, match="stop_strings needs a tokenizer"):
+        engine.generate(
+            PROMPTS[:1], SamplingParams(max_new_tokens=10, greedy=True, stop_strings=(stop_text,))
+        )
+    engine.tokenizer = tokenizer
+    try:
+        out = engine.generate(
+            PROMPTS[:1], SamplingParams(max_new_tokens=10, greedy=True, stop_strings=(stop_text,))
+        )
+    finally:
+        engine.tokenizer = None
+    text = tokenizer.decode(row)
+    end = text.index(stop_text) + len(stop_text)  # one character per token
+    assert out[0][0].token_ids == row[:end]
+    assert out[0][0].finish_reason == "stop"
+
+
+def test_sample_next_filters_and_logprob_convention():
+    from grpo_megatron.rollout.embedded import sample_next
+
+    logits_rv = torch.randn(6, 50, generator=torch.Generator().manual_seed(0)) * 3
+    want_lp = torch.log_softmax(logits_rv / 0.7, dim=-1)
+    for params in (
+        SamplingParams(temperature=0.7, top_k=1),
+        SamplingParams(temperature=0.7, top_p=1e-6),
+        SamplingParams(temperature=0.7, greedy=True),
+    ):
+        token_r, lp_r = sample_next(logits_rv, params, torch.Generator().manual_seed(1))
+        assert torch.equal(token_r, logits_rv.argmax(-1))
+        assert torch.allclose(lp_r, want_lp.gather(-1, token_r[:, None])[:, 0])
+    # top_k=3: only the three most likely tokens are ever drawn.
+    top3 = torch.topk(logits_rv, 3, dim=-1).indices
+    gen = torch.Generator().manual_seed(2)
+    for _ in range(20):
+        token_r, _ = sample_next(logits_rv, SamplingParams(temperature=0.7, top_k=3), gen)
+        assert bool((top3 == token_r[:, None]).any(-1).all())
+
+
+def test_rejected_updates_keep_the_old_weights(moe_engine):
+    engine, saved = moe_engine
+    before = {k: v.clone() for k, v in engine.model.state_dict().items()}
+    names = sorted(saved)
+    gate = "model.layers.1.mlp.experts.2.gate_proj.weight"
+    cases = {
+        "missing": ([(n, saved[n]) for n in names if n != gate], f"missing ['{gate}']"),
+        "misshapen": ([(n, saved[n][:-1] if n == gate else saved[n]) for n in names], "wrong shapes"),
+        "dtype": ([(n, saved[n].double() if n == gate else saved[n]) for n in names], "wrong dtypes"),
+        "unexpected": ([*((n, saved[n]) for n in names), ("model.extra.weight", saved[gate])], "unexpected"),
+    }
+    for case, (bucket, message) in cases.items():
+        engine.update_weights(bucket[:5], version=7, last=False)
+        with pytest.raises(ValueError, match="rejected, the engine keeps v1") as err:
+            engine.update_weights(bucket[5:], version=7, last=True)
+        assert message in str(err.value), case
+        assert gate in str(err.value) or case == "unexpected"
+        assert engine.weight_version == 1
+        assert all(torch.equal(before[k], v) for k, v in engine.model.state_dict().items()), case
+    with pytest.raises(ValueError, match="sent twice"):
+        engine.update_weights([(gate, saved[gate])], version=8, last=False)
+        engine.update_weights([(gate, saved[gate])], version=8, last=True)
+    # A new version after a failed one starts clean, and a good update still commits.
+    changed = {n: t + 0.5 if n == gate else t for n, t in saved.items()}
+    _load(engine, changed, version=9)
+    assert engine.weight_version == 9
+    assert torch.equal(engine.model.model.layers[1].mlp.experts.gate_up_proj[2, :32], changed[gate])
+    _load(engine, saved, version=10)
+
+
+def test_tied_lm_head_may_be_absent(tmp_path):
+    saved, ref = _saved("qwen3", tmp_path)
+    assert "lm_head.weight" not in saved
+    engine = _engine("qwen3")
+    _load(engine, saved)
+    with torch.no_grad():
+        assert torch.equal(engine.model(batch_tokens()).logits, ref["logits"])
+
+
+def test_prompt_slices_and_probe_batch():
+    assert prompt_slices(10, 3) == [(0, 4), (4, 7), (7, 10)]
+    assert prompt_slices(2, 4) == [(0, 1), (1, 2), (2, 2), (2, 2)]
+    from grpo_megatron.rollout.engine import Completion
+
+    groups = [
+        [Completion([5], [-1.0], "length"), Completion([], [], "stop")],
+        [Completion([6, 7], [0, 0], "stop")],
+    ]
+    assert probe_batch([[1], [2, 3]], groups, size=5) == ([[1, 5], [2, 3, 6, 7]], [1, 2])
+    assert probe_batch([[1], [2, 3]], groups, size=1) == ([[1, 5]], [1])
+
+
+def _write_config(path: Path, config: dict) -> str:
+    path.mkdir(parents=True)
+    (path / "config.json").write_text(json.dumps(config))
+    return str(path)
+
+
+@pytest.mark.timeout(400)
+def test_fleet_sync_generate_probe_train_on_two_ranks(tmp_path):
+    """At TP2 (MoE, then dense with tied embeddings) and EP2 (two engines: the second gets the
+    weights by broadcast): after a sync the engines' sampled and scored logprobs equal the trainer's
+    within 1e-4; after a training step and another sync they change and still match; engines built
+    from another config reject the sync on every rank and keep their weights; sglang without SGLang
+    fails with the install hint."""
+    moe = _write_config(tmp_path / "moe", tiny_hf_config("qwen3_moe"))
+    dense = _write_config(tmp_path / "dense", tiny_hf_config("qwen3"))
+    bad = _write_config(tmp_path / "bad", tiny_hf_config("qwen3_moe", moe_intermediate_size=16))
+    cases = {
+        "train": (moe, ["parallel.tp=2"]),
+        "ep2": (moe, ["parallel.ep=2"]),
+        "dense_tp2": (dense, ["parallel.tp=2"]),
+    }
+    results = run_distributed(
+        "tests.workers.rollout_workers:sync_cases",
+        world_size=2,
+        timeout_s=380,
+        cases=cases,
+        bad_hf_dir=bad,
+        sglang_hf_dir=moe,
+    )
+    for case in cases:
+        per_rank = [r[case] for r in results]
+        for res in per_rank:
+            assert res["gen_vs_trainer"] < 1e-4, (case, res["gen_vs_trainer"])
+            assert res["probe_max"] < 1e-4 and res["probe_max_t07"] < 1e-4, case
+            assert res["same_seed_same"] and res["other_seed_differs"], case
+            assert res["sync_bytes"] > 0 and res["sync_buckets"] > 1, case  # 16 KiB buckets: several
+        assert per_rank[0]["tokens"] == per_rank[1]["tokens"], case  # every rank gets every result
+        engines = [res["version"] for res in per_rank if res["has_engine"]]
+        assert engines == [1] * len(per_rank[0]["engine_ranks"]), case
+    assert results[0]["ep2"]["engine_ranks"] == [0, 1]  # DP2 through EP: one engine per replica
+    assert results[0]["train"]["engine_ranks"] == [0] and results[0]["dense_tp2"]["engine_ranks"] == [0]
+    assert results[0]["ep2"]["probe_tokens"] == 2 * results[0]["train"]["probe_tokens"]  # both engines probed
+
+    train = results[0]["train"]
+    assert train["version_after_train"] == 2 and train["version_end"] == 2
+    assert train["first_logprob_change"] > 1e-3
+    assert train["gen_vs_trainer_after"] < 1e-4 and train["probe_max_after"] < 1e-4
+    for res in results:
+        assert "weight sync of version 3 failed" in res["train"]["bad_error"]
+        assert (
+            "wrong shapes" in res["train"]["bad_error"] and "experts.0.gate_proj" in res["train"]["bad_error"]
+        )
+        assert "pip install" in res["sglang_error"]
+    assert train["bad_version"] == -1 and train["bad_unchanged"]
