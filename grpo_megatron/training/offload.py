@@ -1,0 +1,204 @@
+"""Trainer offload / onload: move the policy's device memory to host memory around rollout and back.
+
+What moves: every storage behind the policy's training state, found by walking it (no list of
+megatron internals to keep in sync):
+- parameters, and megatron DDP's contiguous param/grad buffers (``buffers`` and
+  ``expert_parallel_buffers``, whose views are the parameters and their ``main_grad``);
+- optimizer state (Adam moments, step) and the optimizer's own parameters: fp32 main copies under
+  mixed precision, the distributed optimizer's shards, whatever ``param_groups`` hold, and their
+  ``.grad``.
+
+How: each storage is copied into one host buffer (pinned on GPU, so the copies run at full PCIe
+speed) and then shrunk to zero bytes with ``untyped_storage().resize_(0)``; ``onload`` grows it back
+and copies the bytes in. Every tensor keeps its storage object, so views (parameters inside DDP's
+buffer, the distributed optimizer's shard views, ``main_grad``) stay valid without re-pointing
+anything, and the round trip is bit-exact. On CPU the storages are freed the same way (which is
+what the tests check); there is no device memory to report.
+
+torch_memory_saver (GPU, optional) pauses allocations made inside its ``region()``; our policy is
+built outside one, so it does not apply here: the trainer may use it for what it builds inside a
+region, and this module is the path for the policy.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from grpo_megatron.training.policy import Policy
+
+
+@dataclass
+class OffloadReport:
+    """What ``offload`` moved; ``onload`` needs it to bring everything back."""
+
+    bytes_moved: int
+    """Bytes copied to host memory (gradients discarded with ``discard_grads`` are not counted)."""
+    bytes_freed: int
+    """Device (or CPU) bytes released, copied or discarded."""
+    seconds: float
+    device_memory_left: int | None
+    """``torch.cuda.memory_allocated()`` after the offload; None on CPU."""
+    storages: int
+    """Number of distinct storages freed."""
+    _saved: list[tuple[torch.UntypedStorage, torch.Tensor | None, int]] = field(
+        default_factory=list, repr=False
+    )
+    """(storage, host copy of its bytes or None for a discarded gradient that comes back zeroed,
+    its size in bytes)."""
+    onloaded: bool = False
+
+    def metrics(self, prefix: str = "offload/") -> dict[str, float]:
+        out = {
+            f"{prefix}bytes_moved": float(self.bytes_moved),
+            f"{prefix}bytes_freed": float(self.bytes_freed),
+            f"{prefix}seconds": self.seconds,
+        }
+        if self.device_memory_left is not None:
+            out[f"{prefix}device_memory_left"] = float(self.device_memory_left)
+        return out
+
+
+def _chunks(model: torch.nn.Module | list[torch.nn.Module]) -> list[torch.nn.Module]:
+    return model if isinstance(model, list) else [model]
+
+
+def _inner_optimizers(optimizer: Any) -> list[torch.optim.Optimizer]:
+    """The torch optimizers inside a megatron optimizer (chained or not), or a torch optimizer itself."""
+    if isinstance(optimizer, torch.optim.Optimizer):
+        return [optimizer]
+    megatron_opts = getattr(optimizer, "chained_optimizers", None) or [optimizer]
+    return [opt.optimizer for opt in megatron_opts if getattr(opt, "optimizer", None) is not None]
+
+
+def _ddp_buffers(chunk: torch.nn.Module) -> list[Any]:
+    """megatron DDP's param/grad buffers (its ``buffers`` list shadows ``nn.Module.buffers()``)."""
+    out = []
+    for attr in ("buffers", "expert_parallel_buffers"):
+        value = getattr(chunk, attr, None)
+        if isinstance(value, list):
+            out.extend(value)
+    return out
+
+
+def _tensors_in(obj: Any) -> Iterator[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            yield from _tensors_in(v)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            yield from _tensors_in(v)
+
+
+def policy_tensors(policy: Policy) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """``(state, grads)``: every tensor of the policy's training state, and the gradient ones."""
+    state: list[torch.Tensor] = []
+    grads: list[torch.Tensor] = []
+    for chunk in _chunks(policy.model):
+        for buffer in _ddp_buffers(chunk):
+            if getattr(buffer, "param_data", None) is not None:
+                state.append(buffer.param_data)
+            if getattr(buffer, "grad_data", None) is not None:
+                grads.append(buffer.grad_data)
+        for param in chunk.parameters():
+            state.append(param.data)
+            if getattr(param, "main_grad", None) is not None:
+                grads.append(param.main_grad)
+            if param.grad is not None:
+                grads.append(param.grad)
+    for inner in _inner_optimizers(policy.optimizer):
+        state.extend(_tensors_in(list(inner.state.values())))
+        for group in inner.param_groups:
+            for param in group["params"]:
+                state.append(param.data)
+                if param.grad is not None:
+                    grads.append(param.grad)
+    return state, grads
+
+
+def _unique_storages(tensors: Iterable[torch.Tensor]) -> dict[int, torch.UntypedStorage]:
+    out: dict[int, torch.UntypedStorage] = {}
+    for t in tensors:
+        storage = t.untyped_storage()
+        if storage.nbytes() > 0:
+            out.setdefault(storage.data_ptr(), storage)
+    return out
+
+
+def offload(policy: Policy, *, discard_grads: bool = False) -> OffloadReport:
+    """Copy the policy's parameters, gradients and optimizer state to host memory and free them.
+
+    ``discard_grads``: free gradient storages without copying them (they come back zeroed), for a
+    trainer that zeroes gradients before its next step anyway. Call ``onload`` before using the
+    policy again.
+    """
+    start = time.perf_counter()
+    state, grads = policy_tensors(policy)
+    state_storages = _unique_storages(state)
+    storages = dict(state_storages)
+    for ptr, storage in _unique_storages(grads).items():
+        storages.setdefault(ptr, storage)
+    on_gpu = any(s.device.type == "cuda" for s in storages.values())
+
+    saved: list[tuple[torch.UntypedStorage, torch.Tensor | None, int]] = []
+    moved = freed = 0
+    for ptr, storage in storages.items():
+        nbytes = storage.nbytes()
+        host = None
+        if not (discard_grads and ptr not in state_storages):
+            host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=on_gpu)
+            host.copy_(_bytes_of(storage), non_blocking=on_gpu)
+            moved += nbytes
+        saved.append((storage, host, nbytes))
+        freed += nbytes
+    if on_gpu:
+        torch.cuda.synchronize()  # the copies must land before the storages go
+    for storage, _, _ in saved:
+        storage.resize_(0)
+    memory_left = None
+    if on_gpu:
+        torch.cuda.empty_cache()
+        memory_left = torch.cuda.memory_allocated()
+    return OffloadReport(
+        bytes_moved=moved,
+        bytes_freed=freed,
+        seconds=time.perf_counter() - start,
+        device_memory_left=memory_left,
+        storages=len(saved),
+        _saved=saved,
+    )
+
+
+def onload(policy: Policy, report: OffloadReport) -> float:
+    """Bring back what ``offload`` freed, bit for bit, in the same storages; returns seconds.
+
+    Discarded gradients come back as zeros."""
+    if report.onloaded:
+        raise RuntimeError("onload: this OffloadReport was already onloaded; offload again first")
+    start = time.perf_counter()
+    on_gpu = False
+    for storage, host, nbytes in report._saved:
+        storage.resize_(nbytes)
+        device_bytes = _bytes_of(storage)
+        on_gpu = on_gpu or storage.device.type == "cuda"
+        if host is None:
+            device_bytes.zero_()
+        else:
+            device_bytes.copy_(host, non_blocking=on_gpu)
+    if on_gpu:
+        torch.cuda.synchronize()
+    report.onloaded = True
+    report._saved = []
+    return time.perf_counter() - start
+
+
+def _bytes_of(storage: torch.UntypedStorage) -> torch.Tensor:
+    """A uint8 tensor over all of ``storage`` (shares its memory)."""
+    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
