@@ -1,0 +1,364 @@
+"""The SGLang adapter without SGLang: it imports only when used, says how to install it, and its pure
+parts (requests, outputs, bucket checks, weight-group layout, memory order, HTTP client) are right.
+The data path through SGLang's own classes is tests/test_sglang_contract.py."""
+
+from __future__ import annotations
+
+import base64
+import json
+import subprocess
+import sys
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+import torch
+
+from grpo_megatron.config import load_config
+from grpo_megatron.rollout.config import RolloutConfig
+from grpo_megatron.rollout.engine import RolloutEngine, SamplingParams
+from grpo_megatron.rollout.sglang_engine import (
+    INSTALL_HINT,
+    SGLangEngine,
+    SGLangHttpClient,
+    SGLangServerError,
+    SGLangUnavailableError,
+    aligned_order,
+    bucket_errors,
+    checkpoint_shapes,
+    colocated_group,
+    colocated_server_args,
+    completion_from_output,
+    decode_routed_experts,
+    distributed_update_body,
+    release_for_training,
+    sample_seeds,
+    sampling_params_dict,
+    teacher_forced_logprobs,
+    wake_for_rollout,
+    weight_group_layout,
+)
+from tests.helpers.dist import REPO_ROOT
+from tests.workers.bridge_workers import EXAMPLE, save_tiny_model
+
+# ----------------------------------------------------------------------------------------------------
+# Lazy import and the install message
+
+
+def test_importing_the_module_does_not_import_sglang() -> None:
+    code = "import sys, grpo_megatron.rollout.sglang_engine; print('sglang' in sys.modules)"
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, check=True
+    )
+    assert out.stdout.strip() == "False"
+
+
+def test_constructing_without_sglang_says_how_to_install_it(monkeypatch, tmp_path: Path) -> None:
+    monkeypatch.setitem(sys.modules, "sglang", None)  # unimportable here even where it is installed
+    cfg = load_config(EXAMPLE, ["rollout.engine=sglang"])
+    with pytest.raises(SGLangUnavailableError) as info:
+        SGLangEngine(cfg.rollout, str(tmp_path))
+    assert INSTALL_HINT in str(info.value)
+    assert "pip install 'grpo-megatron[gpu]'" in str(info.value) and "CUDA machine" in str(info.value)
+    with pytest.raises(SGLangUnavailableError, match="rollout.engine=sglang needs SGLang"):
+        SGLangEngine.from_config(cfg, ps=None)
+
+
+def test_sglang_config_fields_are_validated() -> None:
+    cfg = load_config(EXAMPLE, ["rollout.engine=sglang", "rollout.sglang_mode=disaggregated"])
+    with pytest.raises(ValueError, match="sglang_mode=disaggregated needs rollout.sglang_server_urls"):
+        cfg.rollout.validate()
+    bad = RolloutConfig(sglang_tp=0, sglang_server_urls=["node1:30000"], sglang_sync_master_port=0)
+    with pytest.raises(ValueError) as info:
+        bad.validate()
+    for field in ("sglang_tp=0", "sglang_server_urls", "sglang_sync_master_port=0"):
+        assert field in str(info.value)
+    good = load_config(
+        EXAMPLE,
+        ["rollout.engine=sglang", "rollout.sglang_mode=disaggregated",
+         "rollout.sglang_server_urls=[http://a:30000,http://b:30000]", "rollout.sglang_tp=2"],
+    )  # fmt: skip
+    good.rollout.validate()
+    assert good.rollout.sglang_server_urls == ["http://a:30000", "http://b:30000"]
+
+
+# ----------------------------------------------------------------------------------------------------
+# Requests and outputs
+
+
+def test_samples_of_a_prompt_get_distinct_seeds_and_a_seed_reproduces_them() -> None:
+    import random
+
+    rng = random.Random(0)
+    seeded = sample_seeds(7, num_prompts=3, n=4, rng=rng)
+    assert len(seeded) == 12 and len(set(seeded)) == 12
+    assert seeded == sample_seeds(7, 3, 4, random.Random(99))  # the engine's rng plays no part
+    assert sample_seeds(None, 3, 4, rng) != sample_seeds(None, 3, 4, rng)
+    assert all(0 <= s < 2**63 for s in sample_seeds(2**70, 2, 2, rng))
+
+
+def test_sampling_params_follow_the_interface() -> None:
+    params = SamplingParams(n=4, temperature=0.7, top_p=0.9, top_k=20, max_new_tokens=16,
+                            stop_token_ids=(2, 7), stop_strings=("</answer>",))  # fmt: skip
+    sp = sampling_params_dict(params, seed=11)
+    assert sp == {
+        "max_new_tokens": 16, "temperature": 0.7, "top_p": 0.9, "top_k": 20, "stop_token_ids": [2, 7],
+        "stop": ["</answer>"], "no_stop_trim": True, "sampling_seed": 11,
+    }  # fmt: skip
+    assert "n" not in sp  # samples are separate requests (each with its own seed)
+    assert sampling_params_dict(SamplingParams(greedy=True), seed=0)["top_k"] == 1
+
+
+def _routed(rows: int, layers: int, top_k: int) -> tuple[str, list[list[int]]]:
+    ids_rlk = torch.arange(rows * layers * top_k, dtype=torch.int32).reshape(rows, layers, top_k) % 8
+    encoded = base64.b64encode(ids_rlk.numpy().tobytes()).decode()
+    return encoded, ids_rlk.reshape(rows, -1).tolist()
+
+
+def test_an_sglang_output_becomes_a_completion() -> None:
+    prompt_len = 3
+    encoded, expected = _routed(rows=prompt_len + 2 - 1, layers=2, top_k=2)
+    output = {
+        "text": "ab",
+        "output_ids": [11, 2],
+        "meta_info": {
+            "output_token_logprobs": [[-0.25, 11, None], [-1.5, 2, None]],  # JSON turns tuples into lists
+            "finish_reason": {"type": "stop", "matched": 2},
+            "routed_experts": encoded,
+            "weight_version": "3",
+        },
+    }
+    c = completion_from_output(output, prompt_len)
+    assert (c.token_ids, c.logprobs, c.finish_reason, c.routed_experts) == (
+        [11, 2],
+        [-0.25, -1.5],
+        "stop",
+        expected,
+    )
+    output["meta_info"] |= {"finish_reason": {"type": "length", "length": 2}, "routed_experts": None}
+    assert completion_from_output(output, prompt_len).finish_reason == "length"
+    with pytest.raises(RuntimeError, match="finish_reason"):
+        completion_from_output(
+            output | {"meta_info": output["meta_info"] | {"finish_reason": {"type": "abort"}}}, 3
+        )
+    with pytest.raises(RuntimeError, match="return_logprob"):
+        completion_from_output({"output_ids": [11, 2], "meta_info": {"finish_reason": {"type": "length"}}}, 3)
+
+
+def test_routed_experts_that_do_not_fit_the_tokens_are_refused() -> None:
+    encoded, _ = _routed(rows=4, layers=1, top_k=3)
+    assert decode_routed_experts(None, 4) is None
+    with pytest.raises(ValueError, match="routed expert ids"):
+        decode_routed_experts(encoded, 5)
+
+
+def test_teacher_forced_logprobs_take_the_response_part() -> None:
+    output = {
+        "meta_info": {
+            "input_token_logprobs": [[None, 1, None], [-0.1, 4, None], [-0.2, 5, None], [-0.3, 6, None]]
+        }
+    }
+    assert teacher_forced_logprobs(output, [1, 4, 5, 6], prompt_len=2) == [-0.2, -0.3]
+    with pytest.raises(RuntimeError, match="logprob_start_len=0"):
+        teacher_forced_logprobs(output, [1, 4, 5], prompt_len=2)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Weight buckets and the weight group
+
+
+def test_aligned_order_puts_wider_elements_first_and_keeps_order_within_a_width() -> None:
+    bucket = [
+        ("h", torch.zeros(3, dtype=torch.bfloat16)),
+        ("f1", torch.zeros(1)),
+        ("d", torch.zeros(1).double()),
+        ("f2", torch.zeros(2)),
+        ("b", torch.zeros(1, dtype=torch.uint8)),
+    ]
+    assert [n for n, _ in aligned_order(bucket)] == ["d", "f1", "f2", "h", "b"]
+    offset = 0
+    for _, t in aligned_order(bucket):
+        assert offset % t.element_size() == 0
+        offset += t.numel() * t.element_size()
+
+
+def test_bucket_checks_against_the_checkpoint_name_every_problem(tmp_path: Path) -> None:
+    save_tiny_model("qwen3_moe", tmp_path, seed=0)
+    shapes = checkpoint_shapes(tmp_path)
+    name = "model.layers.0.mlp.experts.1.gate_proj.weight"
+    assert shapes[name] == (32, 64) and "model.embed_tokens.weight" in shapes
+    good = [(name, torch.zeros(32, 64)), ("model.norm.weight", torch.zeros(64, dtype=torch.bfloat16))]
+    assert bucket_errors(good, shapes, "ckpt") == []
+    bad = [
+        (name, torch.zeros(64, 32)),
+        ("model.nope.weight", torch.zeros(1)),
+        ("model.norm.weight", torch.zeros(64, dtype=torch.int64)),
+    ]
+    errors = bucket_errors(bad, shapes, "ckpt")
+    assert len(errors) == 3
+    assert f"{name}: shape (64, 32), ckpt has (32, 64)" in errors[0]
+    assert "no such tensor in ckpt" in errors[1] and "not a floating-point" in errors[2]
+    assert checkpoint_shapes(tmp_path / "missing") == {}
+
+
+def test_weight_group_layout_and_update_request_body() -> None:
+    assert weight_group_layout([2, 4, 1]) == (8, [1, 3, 7])
+    bucket = aligned_order([("a", torch.zeros(2, 3, dtype=torch.bfloat16)), ("b", torch.zeros(5))])
+    body = distributed_update_body(bucket, group_name="g", flush_cache=False, weight_version=None)
+    assert body == {"names": ["b", "a"], "dtypes": ["float32", "bfloat16"], "shapes": [[5], [2, 3]],
+                    "group_name": "g", "flush_cache": False, "load_format": "flattened_bucket"}  # fmt: skip
+    assert (
+        distributed_update_body(bucket, group_name="g", flush_cache=True, weight_version="4")[
+            "weight_version"
+        ]
+        == "4"
+    )
+    json.dumps(body)
+
+
+def test_colocated_groups_and_engine_arguments() -> None:
+    assert colocated_group(5, 4) == (4, [4, 5, 6, 7]) and colocated_group(0, 1) == (0, [0])
+    rollout = RolloutConfig(
+        sglang_tp=2,
+        gpu_memory_utilization=0.4,
+        sglang_server_args={"attention_backend": "fa3", "log_level": "info"},
+    )
+    args = colocated_server_args(rollout, "/m", base_gpu_id=2, dtype="bfloat16", seed=5, moe=True)
+    assert args["tp_size"] == 2 and args["base_gpu_id"] == 2 and args["mem_fraction_static"] == 0.4
+    assert args["enable_memory_saver"] is True and args["enable_return_routed_experts"] is True
+    assert args["attention_backend"] == "fa3" and args["log_level"] == "info"  # the user's args win
+    assert (
+        colocated_server_args(rollout, "/m", base_gpu_id=0, dtype="float32", seed=0, moe=False)[
+            "enable_return_routed_experts"
+        ]
+        is False
+    )
+
+
+# ----------------------------------------------------------------------------------------------------
+# Memory order
+
+
+class RecordingEngine(RolloutEngine):
+    """A ``RolloutEngine`` that records the calls the memory-order functions make."""
+
+    def __init__(self, log: list):
+        self.log = log
+
+    def generate(self, prompts, params):
+        raise NotImplementedError
+
+    def update_weights(self, bucket, *, version, last):
+        raise NotImplementedError
+
+    def score(self, sequences, prompt_lens, temperature):
+        raise NotImplementedError
+
+    def release_memory(self, tags=None):
+        self.log.append(("release", tags))
+
+    def resume_memory(self, tags=None):
+        self.log.append(("resume", tags))
+
+
+def test_memory_swap_releases_all_then_resumes_weights_syncs_offloads_and_resumes_the_rest() -> None:
+    log: list = []
+    engine = RecordingEngine(log)
+    release_for_training(engine)
+    wake_for_rollout(engine, lambda: log.append("sync"), lambda: log.append("offload trainer"))
+    assert log == [
+        ("release", None),
+        ("resume", ["weights"]),
+        "sync",
+        "offload trainer",
+        ("resume", ["kv_cache", "cuda_graph"]),
+    ]
+
+
+# ----------------------------------------------------------------------------------------------------
+# HTTP client against a loopback server that answers like SGLang's
+
+
+class _FakeServer(BaseHTTPRequestHandler):
+    requests: list = []
+    healthy = True
+
+    def _answer(self, status: int, body) -> None:
+        data = json.dumps(body).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
+        self.requests.append(("GET", self.path, None))
+        if self.path == "/health_generate":
+            self._answer(200 if self.healthy else 503, {})
+        elif self.path == "/get_server_info":
+            self._answer(200, {"tp_size": 2})
+        else:
+            self._answer(404, {"detail": "Not Found"})
+
+    def do_POST(self) -> None:  # noqa: N802
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        self.requests.append(("POST", self.path, body))
+        if self.path == "/generate":
+            self._answer(200, [{"output_ids": [3], "meta_info": {}} for _ in body["input_ids"]])
+        elif self.path == "/init_weights_update_group":
+            self._answer(
+                400, {"success": False, "message": "Failed to initialize custom process group: timeout."}
+            )
+        else:
+            self._answer(200, {"success": True, "message": "ok"})
+
+    def log_message(self, *args) -> None:
+        return None
+
+
+@pytest.fixture
+def fake_server():
+    _FakeServer.requests, _FakeServer.healthy = [], True
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _FakeServer)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}", _FakeServer
+    server.shutdown()
+    server.server_close()
+
+
+def test_http_client_calls_sglangs_endpoints_and_reports_failures(fake_server) -> None:
+    url, handler = fake_server
+    client = SGLangHttpClient(url + "/", timeout_s=10)
+    assert client.healthy() and client.tp_size() == 2
+    out = client.generate(
+        input_ids=[[1, 2], [3]], sampling_params=[{"max_new_tokens": 1}] * 2, return_logprob=True
+    )
+    assert len(out) == 2
+    client.release_memory_occupation(["weights"])
+    client.resume_memory_occupation(None)
+    client.update_weights_from_distributed(names=["a"], dtypes=["float32"], shapes=[[1]], group_name="g")
+    with pytest.raises(SGLangServerError, match="init_weights_update_group answered 400.*timeout"):
+        client.init_weights_update_group(
+            master_address="h", master_port=1, rank_offset=1, world_size=2, group_name="g"
+        )
+    posted = [(path, body) for method, path, body in handler.requests if method == "POST"]
+    generate_body = {
+        "input_ids": [[1, 2], [3]],
+        "sampling_params": [{"max_new_tokens": 1}] * 2,
+        "return_logprob": True,
+    }
+    assert posted[0] == ("/generate", generate_body)
+    assert posted[1:4] == [
+        ("/release_memory_occupation", {"tags": ["weights"]}),
+        ("/resume_memory_occupation", {"tags": None}),
+        (
+            "/update_weights_from_distributed",
+            {"names": ["a"], "dtypes": ["float32"], "shapes": [[1]], "group_name": "g"},
+        ),
+    ]
+    handler.healthy = False
+    assert not client.healthy()
+    with pytest.raises(SGLangServerError, match="unreachable"):
+        SGLangHttpClient("http://127.0.0.1:9", timeout_s=2).tp_size()
