@@ -39,6 +39,17 @@ def test_torch_module_and_adam_round_trip():
     with pytest.raises(RuntimeError, match="already onloaded"):
         onload(policy, report)
 
+    first = offload(policy, parts=("grads", "optimizer"))
+    assert all(p.untyped_storage().nbytes() > 0 for p in model.parameters())  # still there for a sync
+    assert all(p.grad.untyped_storage().nbytes() == 0 for p in model.parameters())
+    second = offload(policy, parts=("params",))
+    assert all(t.untyped_storage().nbytes() == 0 for t in tensors)
+    onload(policy, second)
+    onload(policy, first)
+    assert all(torch.equal(a, b) for a, b in zip(before, tensors, strict=True))
+    with pytest.raises(ValueError, match="offload parts"):
+        offload(policy, parts=("weights",))
+
     report = offload(policy, discard_grads=True)
     assert report.bytes_moved < report.bytes_freed
     onload(policy, report)
@@ -48,17 +59,22 @@ def test_torch_module_and_adam_round_trip():
 
 @pytest.mark.timeout(300)
 def test_megatron_policy_round_trip_on_two_ranks(tmp_path: Path):
-    """After two optimizer steps: DP2 with the distributed optimizer, EP2 with it (gradients discarded),
-    TP2 with plain Adam. Offload frees every parameter, main_grad and optimizer tensor; onload restores
+    """After two optimizer steps: DP2 with the distributed optimizer (grads and optimizer offloaded first,
+    then parameters), EP2 with it (gradients discarded), TP2 with plain Adam. Offload frees every parameter, main_grad and optimizer tensor; onload restores
     them bit for bit; a further step still moves the model."""
     hf_dir = tmp_path / "moe"
     hf_dir.mkdir()
     (hf_dir / "config.json").write_text(json.dumps(tiny_hf_config("qwen3_moe")))
     moe = str(hf_dir)
     cases = {
-        "dp2_distopt": (moe, ["parallel.use_distributed_optimizer=true"], False),
-        "ep2_distopt_discard": (moe, ["parallel.ep=2", "parallel.use_distributed_optimizer=true"], True),
-        "tp2_adam": (moe, ["parallel.tp=2", "parallel.use_distributed_optimizer=false"], False),
+        "dp2_distopt_two_phase": (moe, ["parallel.use_distributed_optimizer=true"], False, True),
+        "ep2_distopt_discard": (
+            moe,
+            ["parallel.ep=2", "parallel.use_distributed_optimizer=true"],
+            True,
+            False,
+        ),
+        "tp2_adam": (moe, ["parallel.tp=2", "parallel.use_distributed_optimizer=false"], False, False),
     }
     results = run_distributed(
         "tests.workers.offload_workers:roundtrips", world_size=2, timeout_s=280, cases=cases
@@ -72,12 +88,14 @@ def test_megatron_policy_round_trip_on_two_ranks(tmp_path: Path):
             assert res["memory_left"] is None, where
             assert res["bytes_moved"] > 0 and res["storages"] > 0, where
             assert res["logprob_change_after"] > 1e-3, where
+            if case.endswith("two_phase"):  # shards are views of parameters: phase 1 must keep them
+                assert res["params_kept_in_phase1"], where
             if case.endswith("discard"):
                 assert res["grads_zero"] and res["bytes_moved"] < res["bytes_freed"], where
             else:
                 assert res["grads_identical"] and res["bytes_moved"] == res["bytes_freed"], where
-    assert results[0]["dp2_distopt"]["dist_opt"] and not results[0]["tp2_adam"]["dist_opt"]
+    assert results[0]["dp2_distopt_two_phase"]["dist_opt"] and not results[0]["tp2_adam"]["dist_opt"]
     # Same data, same init: DP2 and TP2 take the same step after the round trip.
-    assert results[0]["dp2_distopt"]["grad_norm_after"] == pytest.approx(
+    assert results[0]["dp2_distopt_two_phase"]["grad_norm_after"] == pytest.approx(
         results[0]["tp2_adam"]["grad_norm_after"]
     )

@@ -15,6 +15,9 @@ buffer, the distributed optimizer's shard views, ``main_grad``) stay valid witho
 anything, and the round trip is bit-exact. On CPU the storages are freed the same way (which is
 what the tests check); there is no device memory to report.
 
+Parts can go separately: a colocated iteration offloads gradients and optimizer state after the
+update, keeps the parameters for the weight sync (the export reads them), then offloads those.
+
 torch_memory_saver (GPU, optional) pauses allocations made inside its ``region()``; our policy is
 built outside one, so it does not apply here: the trainer may use it for what it builds inside a
 region, and this module is the path for the policy.
@@ -23,7 +26,7 @@ region, and this module is the path for the policy.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Collection, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -97,30 +100,34 @@ def _tensors_in(obj: Any) -> Iterator[torch.Tensor]:
             yield from _tensors_in(v)
 
 
-def policy_tensors(policy: Policy) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """``(state, grads)``: every tensor of the policy's training state, and the gradient ones."""
-    state: list[torch.Tensor] = []
-    grads: list[torch.Tensor] = []
+def policy_tensors(policy: Policy) -> dict[str, list[torch.Tensor]]:
+    """Every tensor of the policy's training state by part: "params" (parameters and DDP's param
+    buffers), "grads" (DDP's grad buffers, ``main_grad``, ``.grad``), "optimizer" (optimizer state
+    and the optimizer's own parameters: fp32 main copies, distributed-optimizer shards)."""
+    parts: dict[str, list[torch.Tensor]] = {"params": [], "grads": [], "optimizer": []}
     for chunk in _chunks(policy.model):
         for buffer in _ddp_buffers(chunk):
             if getattr(buffer, "param_data", None) is not None:
-                state.append(buffer.param_data)
+                parts["params"].append(buffer.param_data)
             if getattr(buffer, "grad_data", None) is not None:
-                grads.append(buffer.grad_data)
+                parts["grads"].append(buffer.grad_data)
         for param in chunk.parameters():
-            state.append(param.data)
+            parts["params"].append(param.data)
             if getattr(param, "main_grad", None) is not None:
-                grads.append(param.main_grad)
+                parts["grads"].append(param.main_grad)
             if param.grad is not None:
-                grads.append(param.grad)
+                parts["grads"].append(param.grad)
     for inner in _inner_optimizers(policy.optimizer):
-        state.extend(_tensors_in(list(inner.state.values())))
+        parts["optimizer"].extend(_tensors_in(list(inner.state.values())))
         for group in inner.param_groups:
             for param in group["params"]:
-                state.append(param.data)
+                parts["optimizer"].append(param.data)
                 if param.grad is not None:
-                    grads.append(param.grad)
-    return state, grads
+                    parts["grads"].append(param.grad)
+    return parts
+
+
+ALL_PARTS: tuple[str, ...] = ("params", "grads", "optimizer")
 
 
 def _unique_storages(tensors: Iterable[torch.Tensor]) -> dict[int, torch.UntypedStorage]:
@@ -132,19 +139,30 @@ def _unique_storages(tensors: Iterable[torch.Tensor]) -> dict[int, torch.Untyped
     return out
 
 
-def offload(policy: Policy, *, discard_grads: bool = False) -> OffloadReport:
-    """Copy the policy's parameters, gradients and optimizer state to host memory and free them.
+def offload(
+    policy: Policy, *, parts: Collection[str] = ALL_PARTS, discard_grads: bool = False
+) -> OffloadReport:
+    """Copy the policy's ``parts`` (parameters, gradients, optimizer state) to host memory and free them.
 
-    ``discard_grads``: free gradient storages without copying them (they come back zeroed), for a
-    trainer that zeroes gradients before its next step anyway. Call ``onload`` before using the
-    policy again.
+    A storage shared by several parts (a distributed-optimizer shard is a view of its parameter)
+    belongs to the first of params, grads, optimizer: offloading "optimizer" alone never frees a
+    parameter. Storages already offloaded are skipped, so ``offload(parts=("grads", "optimizer"))``
+    before a weight sync and ``offload(parts=("params",))`` after it free everything in two steps
+    (onload both reports). ``discard_grads``: free gradients without copying them (they come back
+    zeroed), for a trainer that zeroes gradients before its next step anyway.
     """
+    unknown = sorted(set(parts) - set(ALL_PARTS))
+    if unknown:
+        raise ValueError(f"offload parts {unknown}: choose from {list(ALL_PARTS)}")
     start = time.perf_counter()
-    state, grads = policy_tensors(policy)
-    state_storages = _unique_storages(state)
-    storages = dict(state_storages)
-    for ptr, storage in _unique_storages(grads).items():
-        storages.setdefault(ptr, storage)
+    owner: dict[int, str] = {}
+    storages: dict[int, torch.UntypedStorage] = {}
+    for part, tensors in policy_tensors(policy).items():
+        for ptr, storage in _unique_storages(tensors).items():
+            if ptr not in owner:
+                owner[ptr] = part
+                if part in parts:
+                    storages[ptr] = storage
     on_gpu = any(s.device.type == "cuda" for s in storages.values())
 
     saved: list[tuple[torch.UntypedStorage, torch.Tensor | None, int]] = []
@@ -152,7 +170,7 @@ def offload(policy: Policy, *, discard_grads: bool = False) -> OffloadReport:
     for ptr, storage in storages.items():
         nbytes = storage.nbytes()
         host = None
-        if not (discard_grads and ptr not in state_storages):
+        if not (discard_grads and owner[ptr] == "grads"):
             host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=on_gpu)
             host.copy_(_bytes_of(storage), non_blocking=on_gpu)
             moved += nbytes

@@ -46,31 +46,41 @@ def _live(policy) -> dict[str, torch.Tensor]:
     return out
 
 
-def roundtrips(cases: dict[str, tuple[str, list[str], bool]]) -> dict:
-    """Per case (HF dir, overrides, discard_grads): two steps, offload, onload, compare, one more step."""
+def roundtrips(cases: dict[str, tuple[str, list[str], bool, bool]]) -> dict:
+    """Per case (HF dir, overrides, discard_grads, two_phase): two steps, offload (two_phase: grads and
+    optimizer first, as before a weight sync, then the parameters), onload, compare, one more step."""
     from grpo_megatron.distributed.bootstrap import destroy_distributed
     from grpo_megatron.training.offload import offload, onload
     from tests.workers.rollout_workers import _trainer_logprobs
 
     out = {}
-    for case, (hf_dir, overrides, discard_grads) in cases.items():
+    for case, (hf_dir, overrides, discard_grads, two_phase) in cases.items():
         cfg, ps, hf, policy = _setup(hf_dir, overrides)
         for _ in range(2):
             _train_step(policy, ps, hf, SEQUENCES)
         before = _snapshot(policy)
-        report = offload(policy, discard_grads=discard_grads)
+        reports = []
+        res: dict = {}
+        if two_phase:
+            reports.append(offload(policy, parts=("grads", "optimizer"), discard_grads=discard_grads))
+            params = [t for k, t in _live(policy).items() if k.startswith("param/")]
+            res["params_kept_in_phase1"] = all(t.untyped_storage().nbytes() > 0 for t in params)
+            reports.append(offload(policy, parts=("params",)))
+        else:
+            reports.append(offload(policy, discard_grads=discard_grads))
         live = _live(policy)
-        res = {
-            "bytes_moved": report.bytes_moved,
-            "bytes_freed": report.bytes_freed,
-            "storages": report.storages,
-            "memory_left": report.device_memory_left,
+        res |= {
+            "bytes_moved": sum(r.bytes_moved for r in reports),
+            "bytes_freed": sum(r.bytes_freed for r in reports),
+            "storages": sum(r.storages for r in reports),
+            "memory_left": reports[-1].device_memory_left,
             "still_allocated": sorted(k for k, t in live.items() if t.untyped_storage().nbytes() > 0),
             "state_keys": sorted(before),
             "has_exp_avg": any(k.endswith("/exp_avg") for k in before),
             "dist_opt": cfg.parallel.use_distributed_optimizer,
         }
-        onload(policy, report)
+        for report in reversed(reports):
+            onload(policy, report)
         after = _snapshot(policy)
         grads = {k for k in before if k.startswith("main_grad/")}
         res["not_identical"] = sorted(
