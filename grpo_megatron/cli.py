@@ -87,6 +87,18 @@ def _run_verify(cfg: JobConfig, args: argparse.Namespace) -> int:
     return verify_main(cfg, args.tol)
 
 
+def _add_plan_args(parser: argparse.ArgumentParser) -> None:
+    from grpo_megatron.planner.command import add_arguments
+
+    add_arguments(parser)
+
+
+def _run_plan(cfg: JobConfig, args: argparse.Namespace) -> int:
+    from grpo_megatron.planner.command import run
+
+    return run(cfg, args)
+
+
 COMMANDS: tuple[Command, ...] = (
     Command("check", "load and validate a config, print it resolved for the world size", _run_check, _add_world_size),
     Command("sanity", "build the policy at the configured layout and run a few training steps", _run_sanity),
@@ -97,6 +109,12 @@ COMMANDS: tuple[Command, ...] = (
         "load model.hf_path's safetensors at the configured layout; compare logits with transformers",
         _run_verify,
         _add_verify_args,
+    ),
+    Command(
+        "plan",
+        "per-GPU memory of the job on --nodes x --gpus-per-node GPUs; --dry-run checks the layout at full scale",
+        _run_plan,
+        _add_plan_args,
     ),
 )
 
