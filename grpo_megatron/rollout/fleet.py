@@ -258,9 +258,12 @@ class RolloutFleet:
         temperature: float,
     ) -> dict[str, float]:
         """Collective: trainer ``forward_logprobs`` vs every engine's ``score`` on one fixed batch, over
-        the tokens after each prompt; max and mean absolute difference over all engines."""
+        the tokens after each prompt; max and mean absolute difference over all engines (an empty
+        batch gives no metrics)."""
         from grpo_megatron.training.forward_backward import MicroBatch, forward_logprobs
 
+        if not sequences:  # e.g. rollout.probe_batch=0, or every response was empty
+            return {}
         length = max(len(s) for s in sequences)
         tokens_bl = torch.zeros((len(sequences), length), dtype=torch.long)  # right padding is harmless
         for i, seq in enumerate(sequences):
