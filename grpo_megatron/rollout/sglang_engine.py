@@ -523,6 +523,8 @@ class SGLangEngine(RolloutEngine):
                 self._send_tensor_payloads(bucket, last=last)
             else:
                 self._broadcast(bucket, last=last, version=version)
+        elif last:
+            self.flush_cache()  # an empty closing bucket: the flush it would have carried
         self._names_this_version |= {name for name, _ in bucket}
         if not last:
             return
