@@ -1,0 +1,91 @@
+"""`grpo-megatron plan CONFIG [overrides] --nodes N --gpus-per-node G [--gpu ...] [--dry-run]`.
+
+The CLI validates the config at world size N x G before the handler runs (the two flags keep
+``args.world_size`` equal to their product).
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from grpo_megatron.config import JobConfig
+
+EXIT_DOES_NOT_FIT = 1
+
+
+class _WorldSize(argparse.Action):
+    """Store --nodes / --gpus-per-node and keep world_size = nodes * gpus_per_node."""
+
+    def __call__(self, parser, namespace, values, option_string=None):  # type: ignore[no-untyped-def]
+        if values < 1:
+            parser.error(f"{option_string}={values} must be >= 1")
+        setattr(namespace, self.dest, values)
+        namespace.world_size = namespace.nodes * namespace.gpus_per_node
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--nodes", type=int, action=_WorldSize, help="number of nodes (default 1)")
+    parser.add_argument("--gpus-per-node", type=int, action=_WorldSize, help="GPUs per node (default 8)")
+    parser.add_argument("--gpu", choices=("h100", "h200", "custom"), default="h100", help="GPU model (default h100)")
+    parser.add_argument("--gpu-memory-gb", type=float, default=None, help="memory of a --gpu custom, in GiB")
+    parser.add_argument(
+        "--rollout-gpus-per-engine",
+        type=int,
+        default=None,
+        help="GPUs one SGLang engine spans (default: a node for rollout.placement=per_node, else tp*pp*cp)",
+    )
+    parser.add_argument(
+        "--rollout-weight-bytes", type=int, choices=(1, 2), default=2, help="engine weight bytes: 2 bf16, 1 fp8"
+    )
+    parser.add_argument(
+        "--offload-trainer",
+        action="store_true",
+        help="the trainer's parameters, gradients and optimizer state leave the GPU while the engine generates",
+    )
+    parser.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="also build megatron's parallel state and the model's shapes on the meta device with a fake "
+        "process group of the full world size, and check every shard and rank mapping",
+    )
+    parser.add_argument("--every-rank", action="store_true", help="dry run: initialise and build every rank")
+    parser.set_defaults(nodes=1, gpus_per_node=8, world_size=8)
+
+
+def run(cfg: JobConfig, args: argparse.Namespace) -> int:
+    """Print the memory plan (and the dry run); exit 1 if it does not fit or the dry run fails."""
+    from rich.console import Console
+
+    from grpo_megatron.planner import memory
+
+    if args.gpu == "custom":
+        if args.gpu_memory_gb is None:
+            print("grpo-megatron plan: error: --gpu custom needs --gpu-memory-gb X")
+            return 2
+        gpu = memory.custom_gpu(args.gpu_memory_gb)
+    else:
+        gpu = memory.GPUS[args.gpu]
+    opts = memory.PlanOptions(
+        gpus_per_node=args.gpus_per_node,
+        gpu=gpu,
+        rollout_gpus_per_engine=args.rollout_gpus_per_engine,
+        rollout_weight_bytes=args.rollout_weight_bytes,
+        offload_trainer=args.offload_trainer,
+    )
+    hf = cfg.model.load_hf_config()
+    plan = memory.plan_memory(cfg, hf, args.world_size, opts)
+    if not plan.fits:
+        plan.suggestions = memory.suggest(cfg, hf, args.world_size, opts, plan)
+    console = Console(width=160)
+    console.print(memory.render(plan, cfg))
+    rc = 0 if plan.fits else EXIT_DOES_NOT_FIT
+    if args.dry_run:
+        from grpo_megatron.planner.dry_run import dry_run
+        from grpo_megatron.planner.dry_run import render as render_dry_run
+
+        report = dry_run(cfg, hf, args.world_size, every_rank=args.every_rank)
+        console.print(render_dry_run(report))
+        rc = rc or (0 if report.ok else EXIT_DOES_NOT_FIT)
+    return rc

@@ -1,0 +1,691 @@
+"""Per-GPU memory of a GRPO job, from the HF config.json and the job config alone (pure arithmetic).
+
+Nothing here imports torch: ``grpo-megatron plan`` answers in a second for any model size.
+
+Sources of the formulas (docs/planner.md derives each line):
+- Model states: megatron-core's distributed-optimizer accounting (docs "Distributed Optimizer":
+  bf16 parameters with fp32 main gradients cost 18 bytes/parameter, or 6 + 12/d with the optimizer
+  sharded over d data-parallel ranks), i.e. ZeRO stage 1 (Rajbhandari et al. 2020, "ZeRO: Memory
+  Optimizations Toward Training Trillion Parameter Models", section 3.1). Expert parameters are
+  sharded over the expert-data-parallel group, dense ones over data x context parallel.
+- Activations: Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer
+  Models" (section 4: 34*s*b*h + 5*a*s^2*b bytes per layer, divided by t with sequence
+  parallelism), re-derived per stored tensor for GQA/MLA attention, SwiGLU MLPs and routed experts
+  (no dropout in RL, flash attention with TransformerEngine, the 1F1B schedule keeping ``pp``
+  micro-batches in flight on the first stage).
+- Colocated rollout: SGLang's ``mem_fraction_static`` (= ``rollout.gpu_memory_utilization``) is the
+  share of the GPU its weights and KV-cache pool take; the KV cache is what remains after weights.
+
+Conventions: sizes in bytes internally, GiB (2**30) when printed; ``h`` hidden size, ``t`` tensor
+parallel size, ``T`` tokens of one micro-batch on one rank.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from grpo_megatron.distributed.config import ParallelConfig
+from grpo_megatron.models.builder import padded_vocab_size
+from grpo_megatron.models.registry import get_adapter
+
+if TYPE_CHECKING:
+    from grpo_megatron.config import JobConfig
+
+GIB = 2**30
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+@dataclass(frozen=True)
+class GPU:
+    """A GPU model of the catalogue."""
+
+    name: str
+    """Printed name."""
+    memory_gib: float
+    """Total device memory in GiB, as nvidia-smi reports it (MiB / 1024)."""
+
+
+GPUS: dict[str, GPU] = {
+    "h100": GPU("H100 80GB", 81559 / 1024),  # nvidia-smi: 81559 MiB (H100 SXM5 80GB)
+    "h200": GPU("H200 141GB", 143771 / 1024),  # nvidia-smi: 143771 MiB
+}
+
+
+def human_count(n: float) -> str:
+    """1234567 -> "1.23M", 7.6e9 -> "7.62B"."""
+    for unit, scale in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if abs(n) >= scale:
+            return f"{n / scale:.2f}{unit}"
+    return str(int(n))
+
+
+def custom_gpu(memory_gib: float) -> GPU:
+    """A GPU given only by its memory (``--gpu custom --gpu-memory-gb X``)."""
+    if memory_gib <= 0:
+        raise ValueError(f"--gpu-memory-gb={memory_gib} must be > 0")
+    return GPU(f"custom {memory_gib:g} GiB", memory_gib)
+
+
+# ----------------------------------------------------------------------------------------------------
+# The model's tensors (canonical = unsharded, global layer and expert indices; names of megatron's
+# local layer spec, as bridge/layout.py writes them).
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """One canonical megatron parameter and how the layout shards it."""
+
+    name: str
+    shape: tuple[int, ...]
+    partition_dim: int | None  # split over TP (ETP for experts) along this dim; None = replicated
+    is_expert: bool = False
+    layer: int | None = None  # global layer index; None: embedding, final norm, output layer
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+
+@dataclass(frozen=True)
+class ModelDims:
+    """Architecture numbers the planner needs, read through the model's adapter."""
+
+    model_type: str
+    num_layers: int
+    hidden: int
+    heads: int
+    kv_groups: int
+    head_dim: int
+    ffn: int
+    vocab: int
+    tied: bool
+    qkv_bias: bool
+    qk_norm: bool
+    num_experts: int
+    topk: int
+    moe_ffn: int
+    shared_ffn: int
+    moe_layers: tuple[bool, ...]
+    mla: bool
+    q_lora: int | None = None
+    kv_lora: int = 0
+    qk_nope: int = 0
+    qk_rope: int = 0
+    v_head: int = 0
+
+    @classmethod
+    def from_hf(cls, hf: Mapping[str, Any]) -> ModelDims:
+        adapter = get_adapter(hf)
+        kw = adapter.transformer_config_kwargs(hf)
+        layers = int(kw["num_layers"])
+        experts = int(kw.get("num_moe_experts") or 0)
+        freq = kw.get("moe_layer_freq", 1)
+        moe_layers = tuple(bool(x) for x in freq) if isinstance(freq, list) else (experts > 0,) * layers
+        return cls(
+            model_type=adapter.model_type,
+            num_layers=layers,
+            hidden=int(kw["hidden_size"]),
+            heads=int(kw["num_attention_heads"]),
+            kv_groups=int(kw.get("num_query_groups") or kw["num_attention_heads"]),
+            head_dim=int(kw.get("kv_channels") or kw["hidden_size"] // kw["num_attention_heads"]),
+            ffn=int(kw["ffn_hidden_size"]),
+            vocab=adapter.vocab_size(hf),
+            tied=bool(adapter.gpt_model_kwargs(hf)["share_embeddings_and_output_weights"]),
+            qkv_bias=bool(kw.get("add_qkv_bias")),
+            qk_norm=bool(kw.get("qk_layernorm")),
+            num_experts=experts,
+            topk=int(kw.get("moe_router_topk") or 0),
+            moe_ffn=int(kw.get("moe_ffn_hidden_size") or kw["ffn_hidden_size"]),
+            shared_ffn=int(kw.get("moe_shared_expert_intermediate_size") or 0),
+            moe_layers=moe_layers,
+            mla=adapter.config_class == "MLATransformerConfig",
+            q_lora=kw.get("q_lora_rank"),
+            kv_lora=int(kw.get("kv_lora_rank") or 0),
+            qk_nope=int(kw.get("qk_head_dim") or 0),
+            qk_rope=int(kw.get("qk_pos_emb_head_dim") or 0),
+            v_head=int(kw.get("v_head_dim") or 0),
+        )
+
+
+def canonical_tensors(
+    hf: Mapping[str, Any], *, padded_vocab: int, pp: int = 1, te: bool = False
+) -> list[TensorSpec]:
+    """Every parameter of the whole model, unsharded, with its TP/ETP partition dim.
+
+    ``te``: TransformerEngine layer spec, where MLA's down-projections are duplicated over TP
+    (megatron's local spec splits them column-wise). ``pp`` matters only for a tied output layer:
+    the last stage holds its own copy when it is not also the first.
+    """
+    d = ModelDims.from_hf(hf)
+    h = d.hidden
+    out = [TensorSpec("embedding.word_embeddings.weight", (padded_vocab, h), 0)]
+    for i in range(d.num_layers):
+        p = f"decoder.layers.{i}."
+        a = p + "self_attention."
+        out.append(TensorSpec(p + "input_layernorm.weight", (h,), None, layer=i))
+        if d.mla:
+            q_width = d.heads * (d.qk_nope + d.qk_rope)
+            down_dim = None if te else 0
+            if d.q_lora:
+                out += [
+                    TensorSpec(a + "linear_q_down_proj.weight", (d.q_lora, h), down_dim, layer=i),
+                    TensorSpec(a + "linear_q_up_proj.weight", (q_width, d.q_lora), 0, layer=i),
+                    TensorSpec(a + "q_layernorm.weight", (d.q_lora,), None, layer=i),
+                ]
+            else:
+                out.append(TensorSpec(a + "linear_q_proj.weight", (q_width, h), 0, layer=i))
+            out += [
+                TensorSpec(a + "linear_kv_down_proj.weight", (d.kv_lora + d.qk_rope, h), down_dim, layer=i),
+                TensorSpec(a + "linear_kv_up_proj.weight", (d.heads * (d.qk_nope + d.v_head), d.kv_lora), 0, layer=i),
+                TensorSpec(a + "kv_layernorm.weight", (d.kv_lora,), None, layer=i),
+                TensorSpec(a + "linear_proj.weight", (h, d.heads * d.v_head), 1, layer=i),
+            ]
+        else:
+            qkv_rows = (d.heads + 2 * d.kv_groups) * d.head_dim
+            out.append(TensorSpec(a + "linear_qkv.weight", (qkv_rows, h), 0, layer=i))
+            if d.qkv_bias:
+                out.append(TensorSpec(a + "linear_qkv.bias", (qkv_rows,), 0, layer=i))
+            if d.qk_norm:
+                out += [
+                    TensorSpec(a + "q_layernorm.weight", (d.head_dim,), None, layer=i),
+                    TensorSpec(a + "k_layernorm.weight", (d.head_dim,), None, layer=i),
+                ]
+            out.append(TensorSpec(a + "linear_proj.weight", (h, d.heads * d.head_dim), 1, layer=i))
+        out.append(TensorSpec(p + "pre_mlp_layernorm.weight", (h,), None, layer=i))
+        m = p + "mlp."
+        if d.moe_layers[i]:
+            out.append(TensorSpec(m + "router.weight", (d.num_experts, h), None, layer=i))
+            for e in range(d.num_experts):
+                x = f"{m}experts.local_experts.{e}."
+                out += [
+                    TensorSpec(x + "linear_fc1.weight", (2 * d.moe_ffn, h), 0, is_expert=True, layer=i),
+                    TensorSpec(x + "linear_fc2.weight", (h, d.moe_ffn), 1, is_expert=True, layer=i),
+                ]
+            if d.shared_ffn:
+                out += [
+                    TensorSpec(m + "shared_experts.linear_fc1.weight", (2 * d.shared_ffn, h), 0, layer=i),
+                    TensorSpec(m + "shared_experts.linear_fc2.weight", (h, d.shared_ffn), 1, layer=i),
+                ]
+        else:
+            out += [
+                TensorSpec(m + "linear_fc1.weight", (2 * d.ffn, h), 0, layer=i),
+                TensorSpec(m + "linear_fc2.weight", (h, d.ffn), 1, layer=i),
+            ]
+    out.append(TensorSpec("decoder.final_layernorm.weight", (h,), None))
+    if not d.tied or pp > 1:
+        out.append(TensorSpec("output_layer.weight", (padded_vocab, h), 0))
+    return out
+
+
+@dataclass(frozen=True)
+class Layout:
+    """A resolved parallel layout (every degree known)."""
+
+    world_size: int
+    tp: int
+    pp: int
+    cp: int
+    dp: int
+    ep: int
+    etp: int
+    edp: int
+    sequence_parallel: bool
+
+    @classmethod
+    def from_config(cls, parallel: ParallelConfig, world_size: int) -> Layout:
+        r = parallel.resolve(world_size)
+        assert r.dp is not None and r.etp is not None
+        return cls(world_size, r.tp, r.pp, r.cp, r.dp, r.ep, r.etp, r.expert_dp, bool(r.sequence_parallel))
+
+
+def stage_layers(num_layers: int, pp: int, pp_rank: int) -> range:
+    """Global layers of pipeline stage ``pp_rank`` (megatron's even split)."""
+    per = num_layers // pp
+    return range(pp_rank * per, (pp_rank + 1) * per)
+
+
+def stage_owns(spec: TensorSpec, num_layers: int, pp: int, pp_rank: int) -> bool:
+    """Whether stage ``pp_rank`` holds (a shard of) ``spec``."""
+    if spec.layer is not None:
+        return spec.layer in stage_layers(num_layers, pp, pp_rank)
+    if spec.name.startswith("embedding."):
+        return pp_rank == 0
+    return pp_rank == pp - 1  # final norm, output layer
+
+
+def expert_index(name: str) -> int | None:
+    """Global expert index of a canonical expert tensor name, else None."""
+    marker = ".local_experts."
+    if marker not in name:
+        return None
+    return int(name.split(marker, 1)[1].split(".", 1)[0])
+
+
+def shard_shape(spec: TensorSpec, layout: Layout) -> tuple[int, ...]:
+    """The shape one rank holds: the partition dim divided by TP (ETP for experts)."""
+    if spec.partition_dim is None:
+        return spec.shape
+    size = layout.etp if spec.is_expert else layout.tp
+    shape = list(spec.shape)
+    if shape[spec.partition_dim] % size:
+        raise ValueError(f"{spec.name}: dim {spec.partition_dim} of {spec.shape} does not split over {size} ranks")
+    shape[spec.partition_dim] //= size
+    return tuple(shape)
+
+
+def rank_tensors(
+    tensors: Sequence[TensorSpec], layout: Layout, dims: ModelDims, pp_rank: int, ep_rank: int
+) -> list[tuple[TensorSpec, tuple[int, ...]]]:
+    """(canonical spec, shard shape) of every parameter the rank at (pp_rank, ep_rank) holds;
+    EP rank r owns global experts [r * E / ep, (r + 1) * E / ep)."""
+    num_layers = dims.num_layers
+    local = dims.num_experts // layout.ep
+    owned = range(ep_rank * local, (ep_rank + 1) * local)
+    return [
+        (s, shard_shape(s, layout))
+        for s in tensors
+        if stage_owns(s, num_layers, layout.pp, pp_rank) and (not s.is_expert or expert_index(s.name) in owned)
+    ]
+
+
+@dataclass(frozen=True)
+class ParamCounts:
+    """Parameters one rank holds (elements, not bytes)."""
+
+    dense: int
+    expert: int
+
+    @property
+    def total(self) -> int:
+        return self.dense + self.expert
+
+
+def rank_param_counts(tensors: Sequence[TensorSpec], layout: Layout, dims: ModelDims, pp_rank: int) -> ParamCounts:
+    """Parameters of a rank of stage ``pp_rank`` (every EP rank holds as many experts)."""
+    dense = expert = 0
+    for spec, shape in rank_tensors(tensors, layout, dims, pp_rank, 0):
+        n = 1
+        for x in shape:
+            n *= x
+        if spec.is_expert:
+            expert += n
+        else:
+            dense += n
+    return ParamCounts(dense, expert)
+
+
+def total_params(hf: Mapping[str, Any], *, padded_vocab: int | None = None) -> int:
+    """Parameters of the whole model (vocabulary unpadded unless ``padded_vocab`` is given)."""
+    d = ModelDims.from_hf(hf)
+    return sum(s.numel for s in canonical_tensors(hf, padded_vocab=padded_vocab or d.vocab))
+
+
+# ----------------------------------------------------------------------------------------------------
+# Activations (Korthikanti et al. 2022, re-derived per stored tensor; bytes per token of a micro-batch)
+
+
+def layer_activation_bytes(
+    d: ModelDims, layer: int, layout: Layout, act_bytes: int, *, seq_len: int, flash: bool, moe_imbalance: float
+) -> float:
+    """Bytes one rank stores for backward, per token of the micro-batch, in one layer (no recompute).
+
+    With sequence parallelism the tensors outside attention/MLP are split over TP (Korthikanti's
+    34/t); inside, every projection's input and output is split over TP by heads or columns. No
+    dropout masks (RL runs without dropout). Without flash attention the softmax probabilities
+    (heads x seq_len per token) are kept too.
+    """
+    t = layout.tp
+    sp = t if layout.sequence_parallel else 1
+    h = d.hidden
+    b = act_bytes
+    total = 2 * h * b / sp  # inputs of the two RMSNorms
+    if d.mla:
+        q_rows = d.heads * (d.qk_nope + d.qk_rope)
+        total += h * b / sp  # input of the down projections (re-gathered in backward under SP)
+        total += ((d.q_lora or 0) * 2 + (d.kv_lora + d.qk_rope) + d.kv_lora) * b  # latents, normed latents
+        total += (2 * q_rows + 2 * d.heads * d.v_head) * b / t  # Q, K, V, attention output
+        heads_kv = d.heads
+    else:
+        qkv = (d.heads + 2 * d.kv_groups) * d.head_dim
+        total += h * b / sp + (qkv + d.heads * d.head_dim) * b / t  # QKV input, Q/K/V, attention output
+        heads_kv = d.heads
+    if not flash:
+        total += 2 * heads_kv * seq_len * b / t  # attention scores and softmax probabilities
+    if d.moe_layers[layer]:
+        total += h * b / sp + 8 * d.num_experts / sp  # router input; fp32 logits and probabilities
+        routed = d.topk * moe_imbalance / sp  # token copies reaching this rank's experts, per token
+        # each copy: fc1 input (all-gathered over ETP) and gate/up/GLU outputs of an expert shard
+        total += routed * (h * layout.etp + 3 * d.moe_ffn) * b
+        if d.shared_ffn:
+            total += h * b / sp + 3 * d.shared_ffn * b / t
+    else:
+        total += h * b / sp + 3 * d.ffn * b / t  # fc1 input; gate/up output; GLU output (fc2 input)
+    return total
+
+
+def dispatch_buffer_bytes(d: ModelDims, layout: Layout, act_bytes: int, tokens: float, moe_imbalance: float) -> float:
+    """All-to-all send and receive buffers of one MoE layer (transient, one layer at a time)."""
+    if not any(d.moe_layers):
+        return 0.0
+    sp = layout.tp if layout.sequence_parallel else 1
+    return 2 * tokens * d.topk * moe_imbalance * d.hidden * act_bytes * layout.etp / sp
+
+
+def output_activation_bytes(padded_vocab: int, layout: Layout, act_bytes: int) -> float:
+    """Last stage, per token: logits (model dtype), their fp32 copy kept by the logprob function, and
+    the fp32 gradient made in backward (vocabulary split over TP)."""
+    return (act_bytes + 4 + 4) * padded_vocab / layout.tp
+
+
+# ----------------------------------------------------------------------------------------------------
+# The plan
+
+
+@dataclass(frozen=True)
+class PlanOptions:
+    """Knobs of the estimate that the job config does not hold."""
+
+    gpus_per_node: int = 8
+    """GPUs per node (the world size is nodes x gpus_per_node)."""
+    gpu: GPU = GPUS["h100"]
+    """The GPU the job runs on."""
+    rollout_gpus_per_engine: int | None = None
+    """GPUs one SGLang engine spans; None = from rollout.placement (per_node: a node,
+    per_dp_rank: one model replica, tp*pp*cp GPUs)."""
+    rollout_weight_bytes: int = 2
+    """Bytes per weight in the rollout engine (2 = bf16; 1 for fp8 engines)."""
+    offload_trainer: bool = False
+    """Trainer parameters, gradients and optimizer state leave the GPU while the engine generates
+    (otherwise they stay resident beside the engine)."""
+    grad_bytes: int = 4
+    """Bytes per main gradient: 4, because training/policy.py reduces gradients in fp32."""
+    moe_imbalance: float = 1.25
+    """Routed tokens on the busiest expert rank relative to a perfect balance (dropless MoE)."""
+    reserve_gib: float = 4.0
+    """CUDA context, NCCL buffers and allocator fragmentation, per GPU."""
+
+
+@dataclass(frozen=True)
+class Line:
+    """One row of the memory table."""
+
+    name: str
+    gib: float
+    note: str = ""
+
+
+@dataclass
+class MemoryPlan:
+    """Per-GPU memory of the busiest rank in each phase, and whether it fits."""
+
+    world_size: int
+    layout: Layout
+    gpu: GPU
+    total_params: int
+    params_rank: ParamCounts
+    peak_stage: int
+    tokens_per_micro_batch: int
+    train: list[Line]
+    rollout: list[Line]
+    kv_tokens: int | None
+    seq_len: int
+    notes: list[str] = field(default_factory=list)
+    suggestions: list[str] = field(default_factory=list)
+
+    @property
+    def train_gib(self) -> float:
+        return sum(x.gib for x in self.train)
+
+    @property
+    def rollout_gib(self) -> float:
+        return sum(x.gib for x in self.rollout)
+
+    @property
+    def fits(self) -> bool:
+        kv_ok = self.kv_tokens is None or self.kv_tokens >= self.seq_len
+        return self.train_gib <= self.gpu.memory_gib and self.rollout_gib <= self.gpu.memory_gib and kv_ok
+
+
+def tokens_per_micro_batch(cfg: JobConfig) -> int:
+    """Tokens of one training micro-batch (before context parallelism splits it)."""
+    if cfg.train.max_tokens_per_micro_batch is not None:
+        return cfg.train.max_tokens_per_micro_batch
+    return cfg.train.micro_batch_size * (cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens)
+
+
+def kv_bytes_per_token(d: ModelDims, engine_gpus: int) -> float:
+    """KV-cache bytes per token on one GPU of an engine (bf16 cache, TP over the engine's GPUs):
+    GQA keeps 2 x layers x kv heads x head_dim (kv heads split, or replicated when fewer than the
+    GPUs); MLA keeps one compressed latent plus the rope key per layer, on every GPU."""
+    if d.mla:
+        return d.num_layers * (d.kv_lora + d.qk_rope) * 2
+    heads_per_gpu = max(1, -(-d.kv_groups // engine_gpus))
+    return 2 * d.num_layers * heads_per_gpu * d.head_dim * 2
+
+
+def plan_memory(cfg: JobConfig, hf: Mapping[str, Any], world_size: int, opts: PlanOptions) -> MemoryPlan:
+    """Per-GPU memory of ``cfg`` on ``world_size`` GPUs (the config must validate at that size)."""
+    layout = Layout.from_config(cfg.parallel, world_size)
+    d = ModelDims.from_hf(hf)
+    te = cfg.model.transformer_impl != "local"  # GPUs use TransformerEngine unless told otherwise
+    flash = te
+    vp = padded_vocab_size(d.vocab, cfg.model.make_vocab_size_divisible_by, layout.tp)
+    tensors = canonical_tensors(hf, padded_vocab=vp, pp=layout.pp, te=te)
+    pbytes = DTYPE_BYTES[cfg.model.dtype]
+    act_bytes = pbytes
+    tokens_mb = tokens_per_micro_batch(cfg)
+    seq_len = cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens
+    tokens = tokens_mb / layout.cp  # on one rank
+    # 1F1B: the first stage holds the activations of pp micro-batches, the last one of one.
+    opt_bytes = 8 if pbytes == 4 else 12  # Adam moments (+ fp32 master copy of 16-bit params)
+    dense_shards = layout.dp * layout.cp if cfg.parallel.use_distributed_optimizer else 1
+    expert_shards = layout.edp if cfg.parallel.use_distributed_optimizer else 1
+    gib = GIB
+
+    best: tuple[float, int, list[Line], ParamCounts] | None = None
+    for stage in range(layout.pp):
+        counts = rank_param_counts(tensors, layout, d, stage)
+        layers = stage_layers(d.num_layers, layout.pp, stage)
+        in_flight = layout.pp - stage
+        per_layer = [
+            layer_activation_bytes(d, i, layout, act_bytes, seq_len=seq_len, flash=flash, moe_imbalance=opts.moe_imbalance)
+            * tokens
+            for i in layers
+        ]
+        sp = layout.tp if layout.sequence_parallel else 1
+        if cfg.model.recompute == "full":
+            # Only each layer's input is kept; one layer is recomputed (whole) at a time.
+            act = (len(layers) * d.hidden * act_bytes / sp * tokens) * in_flight + max(per_layer, default=0)
+            act_note = "full recompute: layer inputs x micro-batches in flight + one layer"
+        else:
+            act = sum(per_layer) * in_flight
+            act_note = f"{len(layers)} layers x {in_flight} micro-batch(es) in flight, {cfg.model.recompute} recompute"
+        if stage == layout.pp - 1:
+            act += output_activation_bytes(vp, layout, act_bytes) * tokens
+        dispatch = dispatch_buffer_bytes(d, layout, act_bytes, tokens, opts.moe_imbalance)
+        lines = [
+            Line("parameters", counts.total * pbytes / gib, f"{human_count(counts.total)} on this rank ({cfg.model.dtype})"),
+            Line("gradients", counts.total * opts.grad_bytes / gib, f"fp{8 * opts.grad_bytes} main grads"),
+            Line(
+                "optimizer state",
+                (counts.dense * opt_bytes / dense_shards + counts.expert * opt_bytes / expert_shards) / gib,
+                f"{opt_bytes} B/param, dense / {dense_shards}, experts / {expert_shards}",
+            ),
+            Line("activations", act / gib, act_note),
+            Line("MoE dispatch buffers", dispatch / gib, "all-to-all send + receive of one layer"),
+        ]
+        if cfg.algorithm.kl.enabled:
+            lines.append(Line("reference model", counts.total * pbytes / gib, "frozen copy, same sharding"))
+        lines.append(Line("runtime reserve", opts.reserve_gib, "CUDA context, NCCL, fragmentation"))
+        total = sum(x.gib for x in lines)
+        if best is None or total > best[0]:
+            best = (total, stage, lines, counts)
+    assert best is not None
+    _, peak_stage, train_lines, counts = best
+
+    notes: list[str] = []
+    rollout_lines: list[Line] = []
+    kv_tokens: int | None = None
+    all_params = total_params(hf)
+    if cfg.rollout.engine == "sglang":
+        engine_gpus = opts.rollout_gpus_per_engine or (
+            opts.gpus_per_node if cfg.rollout.placement == "per_node" else layout.tp * layout.pp * layout.cp
+        )
+        pool = cfg.rollout.gpu_memory_utilization * opts.gpu.memory_gib * gib
+        weights = all_params * opts.rollout_weight_bytes / engine_gpus
+        kv = pool - weights
+        kv_tokens = max(0, int(kv // kv_bytes_per_token(d, engine_gpus)))
+        resident = 0.0
+        if not opts.offload_trainer:
+            resident = sum(x.gib for x in train_lines if x.name in ("parameters", "gradients", "optimizer state", "reference model"))
+        rollout_lines = [
+            Line("engine weights", weights / gib, f"{human_count(all_params)} / {engine_gpus} GPUs per engine"),
+            Line("engine KV cache", max(kv, 0) / gib, f"{kv_tokens:,} tokens ({kv_tokens // max(seq_len, 1):,} full sequences)"),
+            Line("trainer, resident", resident, "offloaded" if opts.offload_trainer else "params + grads + optimizer (+ ref)"),
+            Line("runtime reserve", opts.reserve_gib, "CUDA context, NCCL, fragmentation"),
+        ]
+        if kv <= 0:
+            notes.append(
+                f"the engine's weights ({weights / gib:.1f} GiB per GPU) exceed its pool "
+                f"(rollout.gpu_memory_utilization={cfg.rollout.gpu_memory_utilization} x {opts.gpu.memory_gib:.0f} GiB)"
+            )
+        notes.append("training phase assumes the engine released its memory (SGLang memory saver)")
+    else:
+        notes.append("rollout.engine=embedded: generation reuses the policy's weights; its KV cache is not planned")
+
+    return MemoryPlan(
+        world_size=world_size,
+        layout=layout,
+        gpu=opts.gpu,
+        total_params=all_params,
+        params_rank=counts,
+        peak_stage=peak_stage,
+        tokens_per_micro_batch=tokens_mb,
+        train=train_lines,
+        rollout=rollout_lines,
+        kv_tokens=kv_tokens,
+        seq_len=seq_len,
+        notes=notes,
+    )
+
+
+# ----------------------------------------------------------------------------------------------------
+# What to change when it does not fit
+
+
+def _variant(cfg: JobConfig, section: str, **changes: Any) -> JobConfig:
+    return dataclasses.replace(cfg, **{section: dataclasses.replace(getattr(cfg, section), **changes)})
+
+
+def _next_multiple(current: int, limit: int, ok: Any) -> int | None:
+    x = current * 2
+    while x <= limit:
+        if ok(x):
+            return x
+        x *= 2
+    return None
+
+
+def suggest(cfg: JobConfig, hf: Mapping[str, Any], world_size: int, opts: PlanOptions, plan: MemoryPlan) -> list[str]:
+    """Single changes that shrink the peak, each with its new peak (and whether it then fits)."""
+    from grpo_megatron.config import ConfigError, validate
+
+    out: list[str] = []
+    gpu = opts.gpu.memory_gib
+
+    def try_variant(label: str, variant: JobConfig, variant_opts: PlanOptions = opts, world: int = world_size) -> None:
+        try:
+            validate(variant, world)
+        except ConfigError:
+            return
+        p = plan_memory(variant, hf, world, variant_opts)
+        verdict = "fits" if p.fits else "still over"
+        out.append(f"{label}: train {p.train_gib:.1f} GiB, rollout {p.rollout_gib:.1f} GiB of {gpu:.0f} ({verdict})")
+
+    train_over = plan.train_gib > gpu
+    rollout_over = plan.rollout_gib > gpu or (plan.kv_tokens is not None and plan.kv_tokens < plan.seq_len)
+    par = cfg.parallel
+    if train_over:
+        if cfg.model.recompute != "full":
+            try_variant("model.recompute=full", _variant(cfg, "model", recompute="full"))
+        mb = tokens_per_micro_batch(cfg)
+        if mb >= 2 * plan.seq_len or cfg.train.max_tokens_per_micro_batch is None and cfg.train.micro_batch_size > 1:
+            try_variant(
+                f"train.max_tokens_per_micro_batch={max(mb // 2, plan.seq_len)}",
+                _variant(cfg, "train", max_tokens_per_micro_batch=max(mb // 2, plan.seq_len)),
+            )
+        if plan.params_rank.expert:
+            ep = _next_multiple(par.ep, world_size, lambda x: True)
+            if ep:
+                try_variant(f"parallel.ep={ep}", _variant(cfg, "parallel", ep=ep))
+        for name in ("tp", "pp"):
+            value = _next_multiple(getattr(par, name), world_size, lambda x: True)
+            if value:
+                try_variant(f"parallel.{name}={value}", _variant(cfg, "parallel", **{name: value}))
+        if not par.use_distributed_optimizer:
+            try_variant("parallel.use_distributed_optimizer=true", _variant(cfg, "parallel", use_distributed_optimizer=True))
+    if rollout_over and cfg.rollout.engine == "sglang":
+        if not opts.offload_trainer:
+            try_variant("--offload-trainer (trainer state off the GPU during rollout)", cfg,
+                        dataclasses.replace(opts, offload_trainer=True))
+        engine = opts.rollout_gpus_per_engine or 0
+        more = max(engine * 2, opts.gpus_per_node * 2)
+        if more <= world_size:
+            try_variant(f"--rollout-gpus-per-engine {more}", cfg, dataclasses.replace(opts, rollout_gpus_per_engine=more))
+        resident = sum(x.gib for x in plan.rollout if x.name in ("trainer, resident", "runtime reserve"))
+        room = (gpu - resident) / gpu
+        if 0 < room < cfg.rollout.gpu_memory_utilization:
+            frac = round(room - 0.005, 2)
+            try_variant(f"rollout.gpu_memory_utilization={frac}", _variant(cfg, "rollout", gpu_memory_utilization=frac))
+    if train_over or rollout_over:
+        nodes = world_size // opts.gpus_per_node
+        try_variant(f"--nodes {2 * nodes}", cfg, opts, 2 * world_size)
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------
+# Printing
+
+
+def render(plan: MemoryPlan, cfg: JobConfig) -> Any:
+    """A rich renderable: the layout, one table per phase, the verdict and the suggestions."""
+    from rich.console import Group
+    from rich.table import Table
+    from rich.text import Text
+
+    lo = plan.layout
+    head = Text(
+        f"{cfg.model.hf_path}: {human_count(plan.total_params)} parameters | world {plan.world_size} = "
+        f"tp {lo.tp} x pp {lo.pp} x cp {lo.cp} x dp {lo.dp}; experts: ep {lo.ep} x etp {lo.etp} x edp {lo.edp} "
+        f"| {plan.gpu.name} ({plan.gpu.memory_gib:.1f} GiB) | micro-batch {plan.tokens_per_micro_batch:,} tokens"
+    )
+    parts: list[Any] = [head]
+    for title, lines, total in (
+        (f"training (busiest rank: pipeline stage {plan.peak_stage})", plan.train, plan.train_gib),
+        ("rollout (colocated engine)", plan.rollout, plan.rollout_gib),
+    ):
+        if not lines:
+            continue
+        table = Table(title=title, title_justify="left")
+        table.add_column("per GPU")
+        table.add_column("GiB", justify="right")
+        table.add_column("how")
+        for line in lines:
+            table.add_row(line.name, f"{line.gib:.2f}", line.note)
+        over = total > plan.gpu.memory_gib
+        table.add_row("total", f"[{'red' if over else 'green'}]{total:.2f}[/]", f"of {plan.gpu.memory_gib:.1f} GiB")
+        parts.append(table)
+    for note in plan.notes:
+        parts.append(Text(f"note: {note}"))
+    verdict = "FITS" if plan.fits else "DOES NOT FIT"
+    parts.append(Text(f"{verdict} on {plan.gpu.name}", style="bold green" if plan.fits else "bold red"))
+    if plan.suggestions:
+        parts.append(Text("what to change (one change at a time):"))
+        parts += [Text(f"  - {s}") for s in plan.suggestions]
+    return Group(*parts)
