@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# One node of a multi-node job: torchrun with a c10d rendezvous on the first node.
+# Started once per node by launch/slurm/train.sbatch (srun, one task per node); usable by hand too:
+#   NNODES=2 NODE_RANK=0 MASTER_ADDR=node001 launch/slurm/node.sh CONFIG [section.key=value ...]
+#
+# Environment (all overridable):
+#   COMMAND          grpo-megatron subcommand run under torchrun (default: train; sanity works today)
+#   NNODES           number of nodes (default: $SLURM_JOB_NUM_NODES, else 1)
+#   NODE_RANK        this node's index, for the log line (default: $SLURM_NODEID, else 0); c10d
+#                    assigns the ranks itself
+#   GPUS_PER_NODE    processes per node (default: $SLURM_GPUS_ON_NODE, else 8)
+#   MASTER_ADDR      rendezvous host (default: first host of $SLURM_JOB_NODELIST)
+#   MASTER_PORT      rendezvous port (default 29500)
+#   RDZV_ID          rendezvous id shared by all nodes (default: $SLURM_JOB_ID, else "grpo")
+#   RDZV_TIMEOUT     seconds a node waits for the others to join (default 900)
+#   MAX_RESTARTS     torchrun restarts of the whole worker group after a failure (default 0)
+#   PYTHON           interpreter (default: .venv/bin/python if present, else python3)
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+
+if [ $# -lt 1 ]; then
+    echo "usage: $0 CONFIG [section.key=value ...]" >&2
+    exit 2
+fi
+
+NNODES=${NNODES:-${SLURM_JOB_NUM_NODES:-1}}
+NODE_RANK=${NODE_RANK:-${SLURM_NODEID:-0}}
+GPUS_PER_NODE=${GPUS_PER_NODE:-${SLURM_GPUS_ON_NODE:-8}}
+if [ -z "${MASTER_ADDR:-}" ]; then
+    if [ -n "${SLURM_JOB_NODELIST:-}" ]; then
+        MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1)
+    else
+        MASTER_ADDR=127.0.0.1
+    fi
+fi
+MASTER_PORT=${MASTER_PORT:-29500}
+RDZV_ID=${RDZV_ID:-${SLURM_JOB_ID:-grpo}}
+RDZV_TIMEOUT=${RDZV_TIMEOUT:-900}
+PYTHON=${PYTHON:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python3 )}
+export TORCH_COMPILE_DISABLE=${TORCH_COMPILE_DISABLE:-1}
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+
+echo "[node $NODE_RANK/$NNODES on $(hostname)] ${COMMAND:-train} $* | $GPUS_PER_NODE procs, rendezvous $MASTER_ADDR:$MASTER_PORT id $RDZV_ID"
+# exec: torchrun's exit code (non-zero when any local rank failed) is this task's exit code.
+exec "$PYTHON" -m torch.distributed.run \
+    --nnodes "$NNODES" \
+    --nproc-per-node "$GPUS_PER_NODE" \
+    --rdzv-backend c10d \
+    --rdzv-endpoint "$MASTER_ADDR:$MASTER_PORT" \
+    --rdzv-id "$RDZV_ID" \
+    --rdzv-conf "join_timeout=$RDZV_TIMEOUT" \
+    --max-restarts "${MAX_RESTARTS:-0}" \
+    -m grpo_megatron "${COMMAND:-train}" "$@"
