@@ -42,6 +42,7 @@ def train(job: Job) -> dict[str, float]:
     job.fleet.sync_weights(job.policy.model, version=start, bucket_bytes=cfg.rollout.sync_bucket_mb << 20)
     last_eval = dict(state["eval"]) or phases.evaluate(job, start)
     first_eval = dict(last_eval)
+    probe = phases.probe_sequences(job)
 
     for it in range(start + 1, cfg.train.iterations + 1):
         timer = PhaseTimer()
@@ -63,6 +64,9 @@ def train(job: Job) -> dict[str, float]:
                 sync_metrics = job.fleet.sync_weights(
                     job.policy.model, version=it, bucket_bytes=cfg.rollout.sync_bucket_mb << 20
                 )
+                probe_metrics = job.fleet.mismatch_probe(
+                    job.policy.model, job.ps, *probe, temperature=cfg.rollout.temperature
+                )
             with timer("eval"):
                 if it == cfg.train.iterations or (cfg.train.eval_interval and it % cfg.train.eval_interval == 0):
                     last_eval = phases.evaluate(job, it)
@@ -75,7 +79,8 @@ def train(job: Job) -> dict[str, float]:
             "kl_beta": beta,
             "response_len/mean": sum(len(c.token_ids) for g in groups for c in g.completions) / len(samples),
             **adv_metrics,
-            **{f"sync/{k}": v for k, v in sync_metrics.items()},
+            **sync_metrics,
+            **probe_metrics,
             **timer.seconds,
             "throughput/tokens_per_s": n_tokens / timer.seconds["time/iteration"],
         }

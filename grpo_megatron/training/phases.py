@@ -283,6 +283,18 @@ def update_policy(job: Job, samples: list[Sample], plan: UpdatePlan, kl_beta: fl
     return metrics
 
 
+def probe_sequences(job: Job) -> tuple[list[list[int]], list[int]]:
+    """A fixed batch for the mismatch probe: the first held-out (else training) prompts followed by
+    their reference answers, so every run and every resume probes the same tokens."""
+    records = (job.eval_records or job.train_records)[: job.cfg.rollout.probe_batch]
+    sequences, prompt_lens = [], []
+    for r in records:
+        answer_ids = job.tokenizer(str(r.answer), add_special_tokens=False)["input_ids"]
+        sequences.append([*r.prompt_ids, *answer_ids, job.eos_id])
+        prompt_lens.append(len(r.prompt_ids))
+    return sequences, prompt_lens
+
+
 def evaluate(job: Job, iteration: int) -> dict[str, float]:
     """Held-out accuracy: greedy pass@1 (``eval/accuracy``) and, with train.eval_samples = k > 0,
     mean@k of sampled responses (``eval/mean@k``)."""
