@@ -28,6 +28,9 @@ class LoggingConfig:
     progress_bar: bool = True
     """Show a rich progress bar with the live reward when stdout is a terminal; when it is not (CI logs)
     or this is false, print one concise line per logged iteration instead."""
+    samples_interval: int = 10
+    """Show a table of sample rollouts (and append them to run_dir/samples.jsonl) every this many
+    iterations; 0 = never."""
     samples_max_chars: int = 300
     """Characters of each prompt/response shown in the console's sample table (longer text is cut in the
     middle); run_dir/samples.jsonl and the wandb table keep the full text."""
@@ -48,6 +51,8 @@ class LoggingConfig:
             )
         if self.log_interval < 1:
             errors.append(f"logging.log_interval={self.log_interval} must be >= 1")
+        if self.samples_interval < 0:
+            errors.append(f"logging.samples_interval={self.samples_interval} must be >= 0 (0 = never)")
         if self.samples_max_chars < 20:
             errors.append(
                 f"logging.samples_max_chars={self.samples_max_chars} must be >= 20 "

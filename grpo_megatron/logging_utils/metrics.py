@@ -87,13 +87,16 @@ def scalar(key: str, value: Any) -> int | float | None:
     raise TypeError(f"metric {key!r} has type {type(value).__name__}; log an int or float")
 
 
-def metrics_record(iteration: int, metrics: Mapping[str, Any]) -> dict[str, int | float | None]:
-    """One metrics.jsonl line: iteration, REQUIRED_KEYS in order (None where absent), then the rest sorted."""
+def metrics_record(
+    iteration: int, metrics: Mapping[str, Any], required_keys: Sequence[str] = REQUIRED_KEYS
+) -> dict[str, int | float | None]:
+    """One metrics.jsonl line: iteration, ``required_keys`` in order (None where absent), then the rest sorted."""
     if "iteration" in metrics and metrics["iteration"] != iteration:
         raise ValueError(f"metrics['iteration']={metrics['iteration']} differs from iteration={iteration}")
     record: dict[str, int | float | None] = {"iteration": int(iteration)}
-    for key in REQUIRED_KEYS[1:]:
-        record[key] = scalar(key, metrics.get(key))
+    for key in required_keys:
+        if key != "iteration":
+            record[key] = scalar(key, metrics.get(key))
     bad_names = [k for k in metrics if not isinstance(k, str)]
     if bad_names:
         raise TypeError(f"metric names must be strings, got {bad_names!r}")
@@ -188,12 +191,15 @@ class MetricsLogger:
         total_iterations: int,
         start_iteration: int | None = None,
         console: Any = None,
+        required_keys: Sequence[str] = REQUIRED_KEYS,
     ):
         """start_iteration: the first iteration this process will log (0 for a fresh run, the resumed
         iteration otherwise); later lines in the run directory's files are dropped before anything
         starts, and wandb continues the same run when earlier lines remain. None = keep the files as
         they are (call truncate_from before logging when resuming).
-        console: a rich Console to print to (tests); default stdout."""
+        console: a rich Console to print to (tests); default stdout.
+        required_keys: keys every line carries (null where absent); GRPO's stable keys by default,
+        fewer for runs that are not GRPO (the SFT cold start)."""
         cfg.validate()
         if total_iterations < 1:
             raise ValueError(f"total_iterations={total_iterations} must be >= 1 (train.iterations)")
@@ -201,6 +207,7 @@ class MetricsLogger:
         self.run_dir = Path(run_dir)
         self.is_writer = is_writer
         self.total_iterations = total_iterations
+        self.required_keys = tuple(required_keys)
         self._closed = False
         self._plot_path: Path | None = None
         self._metrics_file: IO[str] | None = None
@@ -291,7 +298,7 @@ class MetricsLogger:
         if not self.is_writer:
             return
         self._check_open()
-        record = metrics_record(iteration, metrics)
+        record = metrics_record(iteration, metrics, self.required_keys)
         if self._last_iteration is not None and iteration <= self._last_iteration:
             raise ValueError(
                 f"iteration {iteration} logged after iteration {self._last_iteration} in {self.metrics_path}; "

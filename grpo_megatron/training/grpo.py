@@ -88,7 +88,7 @@ def train(job: Job) -> dict[str, float]:
         for name in ("ref_logprob", "old_logprob"):
             metrics.setdefault(f"time/{name}", 0.0)
         job.logger.log(it, metrics)
-        if it % cfg.logging.log_interval == 0:
+        if cfg.logging.samples_interval and it % cfg.logging.samples_interval == 0:
             job.logger.log_samples(it, sample_rows(groups, cfg.train.rollout_samples_logged))
         if cfg.checkpoint.save_interval and (it % cfg.checkpoint.save_interval == 0 or it == cfg.train.iterations):
             job.checkpoints.save(it, job.policy, {"iteration": it, "sampler": sampler.state_dict(), "eval": last_eval})

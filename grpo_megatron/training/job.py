@@ -129,7 +129,7 @@ def build_job(cfg: JobConfig, *, with_reference: bool, sft: bool = False) -> Job
     from grpo_megatron.checkpoint.manager import CheckpointManager
     from grpo_megatron.data import build_prompt_datasets, build_sft_dataset, load_tokenizer
     from grpo_megatron.distributed.bootstrap import init_distributed
-    from grpo_megatron.logging_utils.metrics import MetricsLogger
+    from grpo_megatron.logging_utils.metrics import REQUIRED_KEYS, MetricsLogger
     from grpo_megatron.rewards.pool import RewardPool
     from grpo_megatron.rollout.fleet import RolloutFleet
     from grpo_megatron.training.policy import build_policy
@@ -168,7 +168,8 @@ def build_job(cfg: JobConfig, *, with_reference: bool, sft: bool = False) -> Job
             run_dir=run_dir,
             job_config=cfg.to_dict(),
             is_writer=ps.rank == 0,
-            total_iterations=cfg.train.iterations,
+            total_iterations=cfg.sft.max_steps if sft else cfg.train.iterations,
+            required_keys=("iteration", "sft/loss", "eval/accuracy") if sft else REQUIRED_KEYS,
         ),
         checkpoints=CheckpointManager(cfg.checkpoint, run_dir, ps),
         train_records=train_records,
