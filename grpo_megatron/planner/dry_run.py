@@ -308,8 +308,10 @@ def rule_name_errors(hf: Mapping[str, Any], tensors: list[TensorSpec]) -> list[s
     """The planner's tensor names must be exactly the adapter's canonical weight-rule names."""
     from grpo_megatron.models.registry import get_adapter
 
-    rules = {r.mcore for r in get_adapter(hf).weight_rules(hf) if not r.buffer}
     ours = {t.name for t in tensors}
+    # Buffers are not parameters; a load-only rule (the tied output layer) exists only where a
+    # last pipeline stage holds its own copy.
+    rules = {r.mcore for r in get_adapter(hf).weight_rules(hf) if not r.buffer and (r.export or r.mcore in ours)}
     if rules == ours:
         return []
     return [
