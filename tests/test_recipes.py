@@ -1,0 +1,111 @@
+"""Recipes: each validates at its intended world size and plans (fits) with the command line its
+header documents; the copied HF configs have the published parameter counts; the data tools
+convert local files into the JSONL the data module reads."""
+
+from __future__ import annotations
+
+import json
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from grpo_megatron.cli import main as cli_main
+from grpo_megatron.planner.memory import total_params
+from tests.helpers.dist import REPO_ROOT
+
+RECIPES = sorted((REPO_ROOT / "examples" / "recipes").glob("*.yaml"))
+
+# Published total parameter counts (model cards / papers; DeepSeek-V3 without its MTP module).
+PUBLISHED_PARAMS = {
+    "deepseek_v3_671b": 671e9,
+    "qwen3_30b_a3b": 30.5e9,
+    "r1_zero_qwen25_math_7b": 7.61e9,
+    "countdown_qwen25_3b": 3.09e9,
+}
+
+
+def plan_line(recipe: Path) -> list[str]:
+    """Arguments of the recipe's '# plan: grpo-megatron plan ...' header line."""
+    for line in recipe.read_text().splitlines():
+        if line.startswith("# plan: grpo-megatron plan "):
+            return shlex.split(line.removeprefix("# plan: grpo-megatron plan "))
+    raise AssertionError(f"{recipe.name} has no '# plan:' header line")
+
+
+def test_every_recipe_is_listed() -> None:
+    assert {r.stem for r in RECIPES} == set(PUBLISHED_PARAMS)
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.stem)
+def test_recipe_validates_and_plans(recipe: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    args = plan_line(recipe)
+    assert args[0] == str(recipe.relative_to(REPO_ROOT))
+    args[0] = str(recipe)
+    nodes = int(args[args.index("--nodes") + 1])
+    gpus = int(args[args.index("--gpus-per-node") + 1])
+    assert cli_main(["check", str(recipe), "--world-size", str(nodes * gpus)]) == 0
+    rc = cli_main(["plan", *args])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert "FITS" in out
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED_PARAMS))
+def test_recipe_model_config_has_published_size(name: str) -> None:
+    hf = json.loads((REPO_ROOT / "examples" / "recipes" / name / "config.json").read_text())
+    assert total_params(hf) == pytest.approx(PUBLISHED_PARAMS[name], rel=0.01)
+
+
+def _tool(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, *args], cwd=REPO_ROOT, capture_output=True, text=True, timeout=60)
+
+
+def test_prepare_math(tmp_path: Path) -> None:
+    # MATH's layout: one JSON file per problem, level as "Level N", answer inside \boxed{} of the solution
+    src = tmp_path / "MATH" / "train" / "algebra"
+    src.mkdir(parents=True)
+    for i, (level, solution) in enumerate(
+        [("Level 2", r"so \boxed{4}."), ("Level 3", r"thus $\boxed{\frac{1}{2}}$"), ("Level 5", r"\boxed{x^{2}+1}")]
+    ):
+        (src / f"{i}.json").write_text(json.dumps({"problem": f"p{i}", "level": level, "type": "Algebra", "solution": solution}))
+    out = tmp_path / "math.jsonl"
+    result = _tool("tools/prepare_math.py", "--input", str(tmp_path / "MATH"), "--levels", "3", "4", "5", "--out", str(out))
+    assert result.returncode == 0, result.stderr
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [(r["prompt"], r["answer"], r["level"]) for r in rows] == [("p1", r"\frac{1}{2}", 3), ("p2", "x^{2}+1", 5)]
+    assert rows[0]["subject"] == "Algebra"
+
+    # DAPO-Math-17k style: chat-message prompt and reward_model.ground_truth, as JSONL
+    dapo = tmp_path / "dapo.jsonl"
+    dapo.write_text(json.dumps({"prompt": [{"role": "user", "content": "q?"}], "reward_model": {"ground_truth": "34"}}) + "\n")
+    out2 = tmp_path / "dapo_out.jsonl"
+    assert _tool("tools/prepare_math.py", "--input", str(dapo), "--out", str(out2)).returncode == 0
+    assert json.loads(out2.read_text()) == {"prompt": "q?", "answer": "34", "source": str(dapo)}
+
+
+def test_prepare_countdown(tmp_path: Path) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    src = tmp_path / "countdown.parquet"
+    pq.write_table(pa.table({"target": [24, 10, 7], "nums": [[3, 8, 1], [5, 2], [1, 6]]}), src)
+    train, test = tmp_path / "train.jsonl", tmp_path / "test.jsonl"
+    result = _tool("tools/prepare_countdown.py", "--input", str(src), "--out", str(train),
+                   "--eval-out", str(test), "--num-eval", "1")  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    rows = [json.loads(line) for p in (train, test) for line in p.read_text().splitlines()]
+    assert len(rows) == 3 and len(test.read_text().splitlines()) == 1
+    row = next(r for r in rows if r["metadata"]["target"] == 24)
+    assert row["answer"] == "24" and row["metadata"]["numbers"] == [3, 8, 1]
+    assert "Using the numbers [3, 8, 1], create an equation that equals 24" in row["prompt"]
+    assert row["prompt"].endswith("<think>")
+
+    from grpo_megatron.rewards.base import RewardSample
+    from grpo_megatron.rewards.countdown import countdown_reward
+
+    sample = RewardSample(prompt=row["prompt"], response="</think> <answer>3 * 8 * 1</answer>",
+                          label=row["answer"], metadata=row["metadata"])  # fmt: skip
+    assert countdown_reward(sample) == 1.0
