@@ -6,7 +6,7 @@ Sources of the formulas (docs/planner.md derives each line):
 - Model states: megatron-core's distributed-optimizer accounting (docs "Distributed Optimizer":
   bf16 parameters with fp32 main gradients cost 18 bytes/parameter, or 6 + 12/d with the optimizer
   sharded over d data-parallel ranks), i.e. ZeRO stage 1 (Rajbhandari et al. 2020, "ZeRO: Memory
-  Optimizations Toward Training Trillion Parameter Models", section 3.1). Expert parameters are
+  Optimizations Toward Training Trillion Parameter Models", sections 3.1 and 5.1). Expert parameters are
   sharded over the expert-data-parallel group, dense ones over data x context parallel.
 - Activations: Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer
   Models" (section 4: 34*s*b*h + 5*a*s^2*b bytes per layer, divided by t with sequence
