@@ -270,7 +270,11 @@ def build_meta_model(hf: Mapping[str, Any], cfg: JobConfig, ps: ParallelState, s
         from grpo_megatron.distributed.cpu_compat import cpu_model_parallel_seed
 
         cpu_model_parallel_seed(seed)
-    with _meta_device_for_megatron():
+    import warnings
+
+    with _meta_device_for_megatron(), warnings.catch_warnings():
+        # megatron warns for every expert layer with etp=1 under sequence parallelism: expected here
+        warnings.filterwarnings("ignore", message=r"`sequence_parallel` is set to `True`, but tensor model")
         model, _ = build_gpt_model(hf, cfg.model, ps)
     return model
 
