@@ -518,8 +518,9 @@ def plan_memory(cfg: JobConfig, hf: Mapping[str, Any], world_size: int, opts: Pl
                 f"{opt_bytes} B/param, dense / {dense_shards}, experts / {expert_shards}",
             ),
             Line("activations", act / gib, act_note),
-            Line("MoE dispatch buffers", dispatch / gib, "all-to-all send + receive of one layer"),
         ]
+        if d.num_experts:
+            lines.append(Line("MoE dispatch buffers", dispatch / gib, "all-to-all send + receive of one layer"))
         if cfg.algorithm.kl.enabled:
             lines.append(Line("reference model", counts.total * pbytes / gib, "frozen copy, same sharding"))
         lines.append(Line("runtime reserve", opts.reserve_gib, "CUDA context, NCCL, fragmentation"))
@@ -662,8 +663,9 @@ def render(plan: MemoryPlan, cfg: JobConfig) -> Any:
     lo = plan.layout
     head = Text(
         f"{cfg.model.hf_path}: {human_count(plan.total_params)} parameters | world {plan.world_size} = "
-        f"tp {lo.tp} x pp {lo.pp} x cp {lo.cp} x dp {lo.dp}; experts: ep {lo.ep} x etp {lo.etp} x edp {lo.edp} "
-        f"| {plan.gpu.name} ({plan.gpu.memory_gib:.1f} GiB) | micro-batch {plan.tokens_per_micro_batch:,} tokens"
+        f"tp {lo.tp} x pp {lo.pp} x cp {lo.cp} x dp {lo.dp}"
+        + (f"; experts: ep {lo.ep} x etp {lo.etp} x edp {lo.edp}" if plan.params_rank.expert else "")
+        + f" | {plan.gpu.name} ({plan.gpu.memory_gib:.1f} GiB) | micro-batch {plan.tokens_per_micro_batch:,} tokens"
     )
     parts: list[Any] = [head]
     for title, lines, total in (
