@@ -7,17 +7,19 @@ rank 0 with ``export_hf_stream``, as the per-iteration weight sync and the mcore
 - world size 1: the floor is a plain memcpy of the same bytes: every exported tensor cloned once
   (fresh memory, bucket by bucket, as the stream hands them out);
 - world size 4 (TP2 x EP2, so dense weights are TP-split and experts live on two EP ranks, each
-  split over its ETP pair): the floor is the raw transport of the same bytes over the same group:
-  every rank sends the bytes of the shards it owns to the destination, in pre-packed messages of
-  the bucket size, which the destination receives from all ranks at once (gloo on CPU). A second,
-  informational line times the other classic pattern on the same bytes: an all-gather of each
-  rank's shards over its TP/ETP group, then a send of the gathered bytes from each group's first
-  rank to the destination.
+  split over its ETP pair): the floor is the raw transport of the same bytes the way the stream
+  moves them: every rank sends the bytes of the shards it owns to the destination with
+  ``batch_isend_irecv``, as pre-packed messages of the bucket size, and the destination receives
+  from all ranks at once (gloo on CPU). What the floor leaves out is the stream's own work: packing
+  the shards at the senders and writing the HF tensors at the destination (about the world-1
+  memcpy). An informational line times the other classic pattern on the same bytes: an all-gather
+  of each rank's shards over its TP/ETP group, then a send of the gathered bytes from each group's
+  first rank to the destination (what the stream did before it sent each byte only once).
 
 Each measurement runs ``--repeats`` times, interleaved with its floor; the median is reported. The
 last two lines print the ratios (export time / floor time: 1.00 means the stream adds nothing).
 
-    .venv/bin/python bench/export_throughput.py [--worlds 1 4] [--repeats 3] [--bucket-mb 32]
+    .venv/bin/python bench/export_throughput.py [--worlds 1 4] [--repeats 5] [--bucket-mb 32]
 
 Both worlds are launched through ``torch.distributed.run`` from this script (``--worker`` is the
 per-rank entry).
@@ -115,15 +117,20 @@ def _p2p_floor(ps: Any, nbytes_per_rank: list[int], message_bytes: int, dst: int
         return [min(message_bytes, n - off) for off in range(0, n, message_bytes)]
 
     if ps.rank == dst:
-        inbox = {r: [torch.empty(m, dtype=torch.uint8) for m in messages(n)] for r, n in enumerate(nbytes_per_rank) if r != dst}
+        inbox = {
+            r: [torch.empty(m, dtype=torch.uint8) for m in messages(n)]
+            for r, n in enumerate(nbytes_per_rank)
+            if r != dst
+        }
     else:
         outbox = [torch.ones(m, dtype=torch.uint8) for m in messages(nbytes_per_rank[ps.rank])]
 
     def run() -> None:
         if ps.rank == dst:
-            works = [dist.irecv(buf, src=r) for r, bufs in inbox.items() for buf in bufs]
+            ops = [dist.P2POp(dist.irecv, buf, r) for r, bufs in inbox.items() for buf in bufs]
         else:
-            works = [dist.isend(buf, dst=dst) for buf in outbox]
+            ops = [dist.P2POp(dist.isend, buf, dst) for buf in outbox]
+        works = dist.batch_isend_irecv(ops) if ops else []
         for w in works:
             w.wait()
 
@@ -266,14 +273,19 @@ def launch(world: int, hf_dir: Path, out: Path, args: argparse.Namespace) -> dic
     ]  # fmt: skip
     proc = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=args.timeout_s)
     if proc.returncode != 0 or not out.is_file():
-        sys.exit(f"world {world} failed (exit code {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
+        sys.exit(
+            f"world {world} failed (exit code {proc.returncode}):\n"
+            f"{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+        )
     return json.loads(out.read_text())
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--worlds", type=int, nargs="+", default=[1, 4], choices=sorted(LAYOUTS))
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--bucket-mb", type=float, default=32.0)
     parser.add_argument("--timeout-s", type=float, default=300.0)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)

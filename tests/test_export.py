@@ -1,0 +1,109 @@
+"""Export stream internals (bridge/export.py): HF tensors assembled straight from TP/ETP slices equal
+``to_hf`` of the gathered tensor for every transform kind; bucket flattening; a destination other
+than rank 0, a cast on export and ``broadcast_bucket`` on two real megatron-core ranks.
+
+The bit-exact round trips of every architecture and layout are in test_bridge.py.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from grpo_megatron.bridge.export import assemble_hf, flatten_bucket, unflatten_bucket
+from grpo_megatron.bridge.transforms import QKVGroups, copy, glu, qkv, to_hf, vocab
+from tests.helpers.dist import run_distributed
+from tests.helpers.tiny_configs import tiny_hf_config
+
+QKV = qkv("qkv", "q", "k", "v", QKVGroups(heads=4, groups=2, head_dim=3))
+# (rule, canonical shape, split dim or None, GLU slices): every kind, split along 0, along 1 (the
+# fallback that gathers first for kinds other than copy), unsplit, and QKV slices that cut a group.
+CASES = [
+    (copy("w", "W"), (8, 6), 0, False),
+    (copy("w", "W"), (8, 6), 1, False),
+    (copy("w", "W"), (8, 6), None, False),
+    (copy("w", "W"), (8,), 0, False),
+    (copy("w", "W"), (), None, False),
+    (copy("w", "W"), (8, 6), 0, True),  # a GLU tensor exported as one HF tensor
+    (glu("fc1", "gate", "up"), (8, 6), 0, True),
+    (glu("fc1", "gate", "up"), (8, 6), None, True),
+    (glu("fc1", "gate", "up"), (8, 8), 1, True),
+    (glu("fc1", "gate", "up"), (12, 6), 0, False),  # slices straddling the gate/up boundary
+    (vocab("emb", "E", 5), (8, 6), 0, False),  # the second slice is all padding
+    (vocab("emb", "E", 2), (8, 6), 0, False),
+    (vocab("emb", "E", 7), (8, 6), None, False),
+    (vocab("emb", "E", 3), (8, 6), 1, False),
+    (QKV, (24, 5), 0, False),
+    (QKV, (24,), 0, False),  # a QKV bias
+    (QKV, (24, 5), None, False),
+    (QKV, (24, 4), 1, False),
+    (qkv("qkv", "q", "k", "v", QKVGroups(heads=4, groups=1, head_dim=3)), (18, 4), 0, False),
+]
+
+
+def _slices(full: torch.Tensor, dim: int | None, glu_halves: bool, n: int) -> list[torch.Tensor]:
+    """Rank r's slice as megatron holds it (GLU: the r-th slice of each half, stacked)."""
+    if dim is None:
+        return [full]
+    halves = full.chunk(2, dim=dim) if glu_halves else (full,)
+    return [torch.cat([h.chunk(n, dim=dim)[r] for h in halves], dim=dim) for r in range(n)]
+
+
+@pytest.mark.parametrize(("rule", "shape", "dim", "glu_halves"), CASES)
+def test_assemble_hf_equals_to_hf_of_the_gathered_tensor(rule, shape, dim, glu_halves) -> None:
+    full = torch.randn(shape, generator=torch.Generator().manual_seed(len(shape)))
+    for dtype in (torch.float32, torch.bfloat16):
+        got = assemble_hf(rule, shape, dim, glu_halves, _slices(full, dim, glu_halves, 2), dtype)
+        want = [(name, t.to(dtype)) for name, t in to_hf(rule, full)]
+        assert [n for n, _ in got] == [n for n, _ in want]
+        for (name, a), (_, b) in zip(got, want, strict=True):
+            assert a.dtype == dtype and a.is_contiguous() and torch.equal(a, b), name
+            assert a.untyped_storage().nbytes() == a.numel() * a.element_size(), f"{name} shares memory"
+
+
+def test_flattened_bucket_round_trips_and_saves(tmp_path: Path) -> None:
+    bucket = [
+        ("a", torch.randn(3, 5)),
+        ("b", torch.randn(7).to(torch.bfloat16)),  # 14 bytes: the next offset needs alignment
+        ("c", torch.arange(6, dtype=torch.int64).reshape(2, 3)),
+        ("d", torch.tensor(1.5, dtype=torch.float16)),
+        ("e", torch.empty(0, 4)),
+    ]
+    flat_u8, meta = flatten_bucket(bucket)
+    assert flat_u8.dtype == torch.uint8 and all(offset % 16 == 0 for *_, offset in meta)
+    back = unflatten_bucket(flat_u8, meta)
+    assert [n for n, _ in back] == [n for n, _ in bucket]
+    for (_, a), (_, b) in zip(back, bucket, strict=True):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+    # Views of one buffer that do not overlap: safetensors writes them as they are.
+    save_file(dict(back), str(tmp_path / "b.safetensors"))
+    assert all(torch.equal(load_file(tmp_path / "b.safetensors")[n], t) for n, t in bucket)
+
+
+def test_stream_to_rank_1_with_a_cast_and_broadcast_bucket(tmp_path: Path) -> None:
+    hf_dir = tmp_path / "qwen3_moe"
+    hf_dir.mkdir()
+    (hf_dir / "config.json").write_text(json.dumps(tiny_hf_config("qwen3_moe")))
+    # DP2: both ranks hold every expert (expert-data-parallel copies): each is sent once, or not at all.
+    layouts = {"TP2": ["parallel.tp=2"], "EP2": ["parallel.ep=2"], "PP2": ["parallel.pp=2"], "DP2": []}
+    rank0, rank1 = run_distributed(
+        "tests.workers.export_workers:stream_and_broadcast", 2, timeout_s=300,
+        hf_dir=str(hf_dir), layouts=layouts, bucket_bytes=20_000,
+    )  # fmt: skip
+    for layout in layouts:
+        r0, r1 = rank0[layout], rank1[layout]
+        assert r0["buckets"] >= 2 and r1["dst1_buckets"] == r0["buckets"], layout
+        ref = r0["dst0"]
+        # The same tensors whichever rank receives them; bf16 is the fp32 export cast.
+        assert list(r1["dst1"]) == list(ref) and all(torch.equal(r1["dst1"][k], v) for k, v in ref.items())
+        assert all(torch.equal(r1["dst1_bf16"][k], v.to(torch.bfloat16)) for k, v in ref.items())
+        assert r1["owns_memory"], layout
+        # broadcast_bucket hands rank 1 exactly what rank 0 had, bucket by bucket.
+        got = {k: v for b in r1["broadcast"] for k, v in b.items()}
+        assert list(got) == list(ref) and all(torch.equal(got[k], v) for k, v in ref.items()), layout
+        assert [len(b) for b in r1["broadcast"]] == [len(b) for b in r0["broadcast"]]
+        assert r0["empty"] == r1["empty"] == 0
