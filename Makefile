@@ -30,8 +30,10 @@ lint: setup
 test: lint
 	TORCH_COMPILE_DISABLE=1 $(BIN)/python -m pytest -q
 
+# R1-Zero in miniature (examples/demo.yaml): cold-start SFT then GRPO on 2 processes; SEED=N for another seed.
+SEED ?= 1234
 demo: setup
-	OMP_NUM_THREADS=2 TORCH_COMPILE_DISABLE=1 $(BIN)/grpo-megatron sanity examples/tiny_moe.yaml
+	PYTHON=$(BIN)/python SEED=$(SEED) bash examples/demo.sh
 
 clean:
 	rm -rf build dist *.egg-info .pytest_cache .ruff_cache
