@@ -52,7 +52,7 @@ def train(job: Job) -> dict[str, float]:
                 samples, adv_metrics = phases.build_samples(job, groups)
                 plan = phases.plan_update(job, samples)
             beta = kl_beta(cfg.algorithm.kl, it - 1, cfg.train.iterations)
-            with timer("ref_logprob"):
+            with timer("ref_logprob"), job.reference_on_device():
                 if job.reference is not None:
                     phases.logprob_pass(job, job.reference, samples, plan, "ref")
             with timer("old_logprob"):

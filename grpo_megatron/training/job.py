@@ -67,6 +67,19 @@ class Job:
         n = len(self.train_records) if num_items is None else num_items
         return PromptSampler(n, seed=self.cfg.train.seed, shuffle=self.cfg.data.shuffle)
 
+    @contextmanager
+    def reference_on_device(self) -> Iterator[None]:
+        """With train.reference_on_cpu on a GPU, the reference's weights live in host memory and
+        visit the device only for the reference pass; otherwise nothing moves."""
+        swap = self.reference is not None and self.cfg.train.reference_on_cpu and self.ps.device.type == "cuda"
+        if swap:
+            self.reference.to(self.ps.device)
+        try:
+            yield
+        finally:
+            if swap:
+                self.reference.to("cpu")
+
     def close(self) -> None:
         self.fleet.shutdown()
         if self.rewards is not None:
@@ -154,6 +167,8 @@ def build_job(cfg: JobConfig, *, with_reference: bool, sft: bool = False) -> Job
         source = cfg.model.hf_path if loaded else "random initialisation (no *.safetensors in model.hf_path)"
         print(f"[job] {policy.spec.model_type} from {source} | {ps.describe()}", flush=True)
     reference = build_reference(cfg, hf, ps, policy) if with_reference else None
+    if reference is not None and cfg.train.reference_on_cpu:
+        reference.to("cpu")
     fleet = RolloutFleet.build(cfg, hf, ps, tokenizer=tokenizer)
     return Job(
         cfg=cfg,
