@@ -177,7 +177,7 @@ def test_console_without_terminal_prints_plain_lines(tmp_path: Path) -> None:
     lines = [line for line in out.splitlines() if line.startswith("it ")]
     # every 2nd iteration, plus iteration 3 (an evaluation) and 5 (the last)
     assert [line.split()[1] for line in lines] == ["0", "2", "3", "4", "5"]
-    assert lines[1].startswith("it 2 [3/6] reward=0.3000 loss=")
+    assert lines[1].startswith("it 2/6 reward=0.3000 loss=")
     assert "eval_acc=0.3500" in lines[2]
     assert "END" in out and "x" * 41 not in out  # the response was cut in the middle
     assert "plot.png" in out
@@ -197,7 +197,7 @@ def test_console_on_terminal_shows_progress_bar(tmp_path: Path) -> None:
 
 
 def test_line_and_cut_helpers() -> None:
-    assert format_line(0, 10, {"reward/mean": 0.5, "eval/accuracy": None}) == "it 0 [1/10] reward=0.5000"
+    assert format_line(0, 10, {"reward/mean": 0.5, "eval/accuracy": None}) == "it 0/10 reward=0.5000"
     assert cut_middle("abcdefghijklmnopqrstuvwxyz", 9) == "abc … xyz"
     assert cut_middle("short", 9) == "short"
 

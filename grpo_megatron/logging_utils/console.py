@@ -51,7 +51,7 @@ def make_console() -> Console:
 
 def format_line(iteration: int, total_iterations: int, record: Mapping[str, Any]) -> str:
     """One concise line for an iteration, e.g. `it 7 [8/100] reward=0.4125 loss=-0.0123 time=3.21s`."""
-    parts = [f"it {iteration} [{min(iteration + 1, total_iterations)}/{total_iterations}]"]
+    parts = [f"it {iteration}/{total_iterations}"]
     for key, label, fmt in LINE_FIELDS:
         value = record.get(key)
         if value is not None:
@@ -133,12 +133,12 @@ class ConsoleReporter:
             self._progress.update(self._task, completed=self._completed)
 
     def update(self, iteration: int, record: Mapping[str, Any], print_line: bool) -> None:
-        """Advance the bar to iteration + 1 done, refresh the live reward/accuracy, maybe print a line."""
+        """Advance the bar to iteration done (iterations count from 1), refresh the live reward/accuracy, maybe print a line."""
         if record.get("reward/mean") is not None:
             self._reward = float(record["reward/mean"])
         if record.get("eval/accuracy") is not None:
             self._accuracy = float(record["eval/accuracy"])
-        self._completed = min(iteration + 1, self.total_iterations)
+        self._completed = min(max(iteration, 0), self.total_iterations)
         if print_line:
             self.console.print(
                 format_line(iteration, self.total_iterations, record),

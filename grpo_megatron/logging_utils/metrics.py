@@ -10,7 +10,7 @@
             logger.log_samples(it, rows)              # prompt, response, reward, answer (+ extra keys)
     # leaving the block (or logger.close()) writes run_dir/plot.png
 
-Iterations count from 0. Every line of metrics.jsonl has `iteration`, then every key of REQUIRED_KEYS
+Iterations count from 1 (0 = before training: an initial evaluation). Every line of metrics.jsonl has `iteration`, then every key of REQUIRED_KEYS
 in that order (null where the trainer gave none this iteration, e.g. eval/accuracy between
 evaluations), then the other keys sorted (reward/<component>, ...). Non-finite floats are written as
 null so the file is strict JSON (jq, pandas). On resume, lines with iteration >= the resumed one are
@@ -228,7 +228,7 @@ class MetricsLogger:
         first = start_iteration if start_iteration is not None else sys.maxsize
         self._last_iteration = truncate_jsonl(self.metrics_path, first)
         truncate_jsonl(self.samples_path, first)
-        self._reporter.start_at(0 if self._last_iteration is None else self._last_iteration + 1)
+        self._reporter.start_at(0 if self._last_iteration is None else self._last_iteration)
         self._metrics_file = open(self.metrics_path, "a", encoding="utf-8", buffering=1)
         if cfg.wandb_mode != "disabled":
             self._wandb_run = self._start_wandb()
