@@ -176,7 +176,7 @@ def test_console_without_terminal_prints_plain_lines(tmp_path: Path) -> None:
     assert "\x1b" not in out and "\r" not in out  # no cursor movement or colour in a log file
     lines = [line for line in out.splitlines() if line.startswith("it ")]
     # every 2nd iteration, plus iteration 3 (an evaluation) and 5 (the last)
-    assert [line.split()[1] for line in lines] == ["0", "2", "3", "4", "5"]
+    assert [line.split()[1] for line in lines] == ["0/6", "2/6", "3/6", "4/6", "5/6"]
     assert lines[1].startswith("it 2/6 reward=0.3000 loss=")
     assert "eval_acc=0.3500" in lines[2]
     assert "END" in out and "x" * 41 not in out  # the response was cut in the middle
