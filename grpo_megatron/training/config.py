@@ -46,6 +46,10 @@ class TrainConfig:
     forward pass when updates_per_iteration > 1; with one update it equals the detached current
     logprobs, so no pass is needed). engine = the rollout engine's logprobs (only with one on-policy
     update; the ratio then also corrects the engine/trainer mismatch, as in slime's default)."""
+    offload_trainer: bool = False
+    """Colocated rollout on GPUs: while the engines generate, the trainer's parameters, gradients and
+    optimizer state live in pinned host memory (training/offload.py), and the engines release their
+    memory while the trainer works. Off on CPU, where there is nothing to gain."""
     reference_on_cpu: bool = False
     """Keep the frozen reference model's weights in CPU memory and move them to the GPU only for the
     reference pass (saves a model's worth of GPU memory at the cost of two copies per iteration)."""

@@ -39,15 +39,17 @@ def train(job: Job) -> dict[str, float]:
         sampler.load_state_dict(state["sampler"])
     start = state["iteration"]
     job.logger.truncate_from(start + 1)
-    job.fleet.sync_weights(job.policy.model, version=start, bucket_bytes=cfg.rollout.sync_bucket_mb << 20)
+    probe = phases.probe_sequences(job)
+    phases.sync_weights(job, start, probe)  # the engines start from the trainer's weights
     last_eval = dict(state["eval"]) or phases.evaluate(job, start)
     first_eval = dict(last_eval)
-    probe = phases.probe_sequences(job)
 
     for it in range(start + 1, cfg.train.iterations + 1):
         timer = PhaseTimer()
         with timer("iteration"):
             groups, reward_metrics = phases.collect_groups(job, sampler, timer, it)
+            with timer("onload"):
+                onload_metrics = phases.trainer_to_device(job)
             with timer("advantages"):
                 samples, adv_metrics = phases.build_samples(job, groups)
                 plan = phases.plan_update(job, samples)
@@ -61,12 +63,7 @@ def train(job: Job) -> dict[str, float]:
             with timer("train"):
                 train_metrics = phases.update_policy(job, samples, plan, beta)
             with timer("sync"):
-                sync_metrics = job.fleet.sync_weights(
-                    job.policy.model, version=it, bucket_bytes=cfg.rollout.sync_bucket_mb << 20
-                )
-                probe_metrics = job.fleet.mismatch_probe(
-                    job.policy.model, job.ps, *probe, temperature=cfg.rollout.temperature
-                )
+                sync_metrics = phases.sync_weights(job, it, probe)
             with timer("eval"):
                 if it == cfg.train.iterations or (cfg.train.eval_interval and it % cfg.train.eval_interval == 0):
                     last_eval = phases.evaluate(job, it)
@@ -80,7 +77,7 @@ def train(job: Job) -> dict[str, float]:
             "response_len/mean": sum(len(c.token_ids) for g in groups for c in g.completions) / len(samples),
             **adv_metrics,
             **sync_metrics,
-            **probe_metrics,
+            **onload_metrics,
             **timer.seconds,
             "throughput/tokens_per_s": n_tokens / timer.seconds["time/iteration"],
         }
@@ -91,7 +88,7 @@ def train(job: Job) -> dict[str, float]:
         if cfg.logging.samples_interval and it % cfg.logging.samples_interval == 0:
             job.logger.log_samples(it, sample_rows(groups, cfg.train.rollout_samples_logged))
         if cfg.checkpoint.save_interval and (it % cfg.checkpoint.save_interval == 0 or it == cfg.train.iterations):
-            job.checkpoints.save(it, job.policy, {"iteration": it, "sampler": sampler.state_dict(), "eval": last_eval})
+            phases.save_checkpoint(job, it, {"iteration": it, "sampler": sampler.state_dict(), "eval": last_eval})
     return {"before": first_eval.get("eval/accuracy", float("nan")), "after": last_eval.get("eval/accuracy", float("nan"))}
 
 

@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     from grpo_megatron.logging_utils.metrics import MetricsLogger
     from grpo_megatron.rewards.pool import RewardPool
     from grpo_megatron.rollout.fleet import RolloutFleet
+    from grpo_megatron.training.offload import OffloadReport
     from grpo_megatron.training.policy import Policy
 
 
@@ -47,6 +48,8 @@ class Job:
     """Only on global rank 0 (it scores for everyone and broadcasts); None elsewhere."""
     reference: torch.nn.Module | None = None
     """Frozen reference model (same layout as the policy); None when the KL penalty is off."""
+    offloaded: list[OffloadReport] = field(default_factory=list)
+    """Trainer state now in host memory (train.offload_trainer), in the order it left."""
     sft_records: list[SFTRecord] = field(default_factory=list)
     """Prompt/response pairs of `grpo-megatron sft` (empty for GRPO)."""
 

@@ -295,6 +295,56 @@ def probe_sequences(job: Job) -> tuple[list[list[int]], list[int]]:
     return sequences, prompt_lens
 
 
+def trainer_to_device(job: Job) -> dict[str, float]:
+    """Colocated memory swap, engines -> trainer (train.offload_trainer): the engines release their
+    device memory, then the trainer's state comes back from the host. A no-op when off."""
+    from grpo_megatron.training.offload import onload
+
+    if not job.cfg.train.offload_trainer or not job.offloaded:
+        return {}
+    job.fleet.release_memory(None)
+    seconds = sum(onload(job.policy, report) for report in reversed(job.offloaded))
+    job.offloaded.clear()
+    return {"offload/onload_seconds": seconds}
+
+
+def sync_weights(job: Job, version: int, probe: tuple[list[list[int]], list[int]]) -> dict[str, float]:
+    """Weight sync as ``version`` and the mismatch probe. With train.offload_trainer, in the order that
+    keeps peak device memory low: gradients and optimizer state leave first, the engines take their
+    weights back and receive the new ones, then the parameters leave and the engines get their caches."""
+    from grpo_megatron.training.offload import offload
+
+    swap = job.cfg.train.offload_trainer
+    if swap:
+        job.offloaded.append(offload(job.policy, parts=("grads", "optimizer")))
+        job.fleet.resume_memory(["weights"])
+    metrics = job.fleet.sync_weights(
+        job.policy.model, version=version, bucket_bytes=job.cfg.rollout.sync_bucket_mb << 20
+    )
+    metrics |= job.fleet.mismatch_probe(job.policy.model, job.ps, *probe, temperature=job.cfg.rollout.temperature)
+    if swap:
+        report = offload(job.policy, parts=("params",))
+        job.offloaded.append(report)
+        job.fleet.resume_memory(["kv_cache", "cuda_graph"])
+        metrics |= report.metrics()
+    return metrics
+
+
+def save_checkpoint(job: Job, iteration: int, trainer_state: dict) -> None:
+    """Checkpoint the policy; trainer state that is offloaded (train.offload_trainer) visits the device
+    for the save and leaves again, so the engines keep their memory."""
+    from grpo_megatron.training.offload import offload, onload
+
+    was_offloaded = bool(job.offloaded)
+    for report in reversed(job.offloaded):
+        onload(job.policy, report)
+    job.offloaded.clear()
+    job.checkpoints.save(iteration, job.policy, trainer_state)
+    if was_offloaded:
+        job.offloaded.append(offload(job.policy, parts=("grads", "optimizer")))
+        job.offloaded.append(offload(job.policy, parts=("params",)))
+
+
 def evaluate(job: Job, iteration: int) -> dict[str, float]:
     """Held-out accuracy: greedy pass@1 (``eval/accuracy``) and, with train.eval_samples = k > 0,
     mean@k of sampled responses (``eval/mean@k``)."""
