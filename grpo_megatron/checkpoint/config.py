@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 
 @dataclass
@@ -15,9 +16,18 @@ class CheckpointConfig:
     """Save every this many iterations; 0 = never save periodically."""
     resume: str = "auto"
     """auto = resume from the latest checkpoint in `dir` if there is one; none = start fresh;
-    anything else = path of the checkpoint to resume from."""
+    anything else = path of the checkpoint to resume from (an iter_XXXXXXX directory, or a
+    checkpoint directory whose `latest` names one)."""
     keep_last: int | None = None
     """Keep only the newest this many checkpoints; None = keep all."""
+    optimizer_format: Literal["fully_reshardable", "dp_reshardable"] = "fully_reshardable"
+    """On-disk layout of the distributed optimizer's state (parallel.use_distributed_optimizer):
+    fully_reshardable gathers each data-parallel group's state into per-parameter tensors, which
+    load at any TP/PP/EP/DP layout; dp_reshardable writes each rank's shard as it is (no gather,
+    faster for large models) and loads only at the same TP/PP/EP layout (DP may change)."""
+    load_optimizer: bool = True
+    """Restore the optimizer state on resume; false = model weights, LR schedule, RNG and trainer
+    state only, with a fresh optimizer (for a layout change the optimizer state cannot follow)."""
 
     def validate(self) -> None:
         errors = []
@@ -27,5 +37,10 @@ class CheckpointConfig:
             errors.append(f"checkpoint.keep_last={self.keep_last} must be >= 1, or null to keep all")
         if not self.resume:
             errors.append("checkpoint.resume is empty: use auto, none or a checkpoint path")
+        if self.optimizer_format not in ("fully_reshardable", "dp_reshardable"):
+            errors.append(
+                f"checkpoint.optimizer_format={self.optimizer_format!r} must be fully_reshardable or "
+                "dp_reshardable"
+            )
         if errors:
             raise ValueError("\n".join(errors))

@@ -45,6 +45,26 @@ tests, which check that megatron still needs every fix).
 |                              | ``torch.cuda.*Tensor`` type names; grad norms reduced in    | ._build_model_and_main_param_groups, clip_grads norm     |                                                        |
 |                              | ``device="cuda"`` tensors                                   | functions (where defined and where imported)             |                                                        |
 
+Distributed-optimizer checkpoints (megatron's dist_checkpointing of ``DistributedOptimizer``
+without apex/TransformerEngine, where torch's Adam keeps a per-parameter ``step`` tensor):
+
+| name                         | what breaks in megatron-core 0.16.1 on CPU                  | where (megatron.core.*)                                  | how we adjust                                          |
+|------------------------------|-------------------------------------------------------------|----------------------------------------------------------|--------------------------------------------------------|
+| distopt_fresh_state_dict     | a fresh optimizer (no step taken yet: no Adam state) fails  | optimizer.distrib_optimizer.DistributedOptimizer         | no Adam state yet: the param groups with step 0        |
+|                              | ``assert len(steps) == 1``: resuming builds one             | .state_dict                                              |                                                        |
+| distopt_dp_zero_on_cuda      | gathering the optimizer state over DP (fully_reshardable    | ...DistributedOptimizer.get_parameter_state_dp_zero      | run it under ``_CudaToCpuMode``                         |
+|                              | save) moves each shard with ``.cuda()``                     |                                                          |                                                        |
+| distopt_keep_restored_step   | loading the per-parameter state copies every Adam key:      | ...DistributedOptimizer._set_main_param_and_optimizer_   | keep the step restored from the param groups (copy it  |
+|                              | ``KeyError: 'step'`` (fully_reshardable), or the fresh      | states                                                   | onto itself)                                           |
+|                              | optimizer's step 0 over the restored one (dp_reshardable)   |                                                          |                                                        |
+| distopt_dp_reshardable_no_grad | dp_reshardable load copies in place into fp32 main params | ...DistributedOptimizer.load_parameter_state_from_dp_    | run it under ``torch.no_grad()`` (as its               |
+|                              | that are views of leaf parameters, with autograd on:        | reshardable                                              | fully_reshardable twin is)                             |
+|                              | RuntimeError                                                |                                                          |                                                        |
+| distopt_unshared_step        | SILENT: load gives every parameter's state the same ``step``| ...DistributedOptimizer.load_state_dict                  | after loading, each parameter gets its own copy        |
+|                              | tensor; Adam increments it once per parameter per update,   |                                                          |                                                        |
+|                              | so after a resume bias correction is wrong and weights drift|                                                          |                                                        |
+
+
 Seen working with these on gloo (tests/test_cpu_compat.py): TP2 + sequence parallel, EP2 with the
 alltoall and allgather dispatchers, PP2 (tied embeddings), TP2xEP2, TP2 ETP1 EP2, TP2 ETP2, DP2
 with the distributed optimizer; forward/backward through megatron's schedules and outside them.
@@ -343,9 +363,69 @@ def _mla_te_flag_cleared() -> bool:
     return _transformer_engine_importable() or mla.HAVE_TE is False
 
 
+# ----------------------------------------------------------------------------------------------
+# Distributed-optimizer checkpoints (torch Adam: a per-parameter `step` tensor)
+
+
+def _make_fresh_state_dict(original: Callable) -> Callable:
+    def state_dict(self):
+        if len(self.optimizer.state) > 0:
+            return original(self)
+        # No step taken yet, so no Adam state to read the step from (megatron asserts exactly
+        # one). Resuming asks a fresh optimizer for this; its step is 0.
+        inner = self.optimizer.state_dict()
+        state = {"optimizer": {k: v for k, v in inner.items() if k != "state"}}
+        for group in state["optimizer"]["param_groups"]:
+            del group["params"]
+            group["step"] = 0
+        if self.grad_scaler:
+            state["grad_scaler"] = self.grad_scaler.state_dict()
+        return state
+
+    return state_dict
+
+
+def _make_keep_restored_step(original: Callable) -> Callable:
+    def _set_main_param_and_optimizer_states(self, model_param, tensors):
+        # megatron restores Adam's step from the param groups (load_state_dict); the per-parameter
+        # tensors of its checkpoint formats either lack it (fully_reshardable: KeyError) or hold
+        # the fresh optimizer's 0 (dp_reshardable). The restored step is copied onto itself.
+        if not self.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8:
+            group_index, group_order = self.model_param_group_index_map[model_param]
+            main_param = self.optimizer.param_groups[group_index]["params"][group_order]
+            state = self.optimizer.state[main_param]
+            if "step" in state:
+                tensors = {**tensors, "step": state["step"]}
+        return original(self, model_param, tensors)
+
+    return _set_main_param_and_optimizer_states
+
+
+def _make_unshared_step(original: Callable) -> Callable:
+    def load_state_dict(self, state_dict):
+        original(self, state_dict)
+        # megatron hands every parameter's state the same `step` tensor; torch's Adam increments
+        # each parameter's step in place, so a shared one would advance once per parameter.
+        for state in self.optimizer.state.values():
+            if torch.is_tensor(state.get("step")):
+                state["step"] = state["step"].clone()
+
+    return load_state_dict
+
+
+def _make_no_grad(original: Callable) -> Callable:
+    @functools.wraps(original)
+    def wrapper(*args, **kwargs):
+        with torch.no_grad():
+            return original(*args, **kwargs)
+
+    return wrapper
+
+
 _DISPATCHER = "megatron.core.transformer.moe.token_dispatcher:MoEAlltoAllTokenDispatcher"
 _SCHEDULES = "megatron.core.pipeline_parallel.schedules"
 _OPTIM = "megatron.core.optimizer"
+_DISTOPT = f"{_OPTIM}.distrib_optimizer:DistributedOptimizer"
 
 FIXES: tuple[Fix, ...] = (
     # torch-level, unavoidably: megatron calls torch.cuda.current_device() at dozens of sites in
@@ -481,6 +561,45 @@ FIXES: tuple[Fix, ...] = (
             ),
             _keep_descriptor(_run_under_cuda_to_cpu),
         ),
+    ),
+    # Distributed-optimizer checkpoints (see the second table of the module docstring).
+    _replacing_fix(
+        "distopt_fresh_state_dict",
+        "DistributedOptimizer.state_dict reads Adam's step from the per-parameter state and asserts "
+        "exactly one value; a fresh optimizer (which resuming builds the load state dict from) has none",
+        "with no Adam state yet, return the param groups with step 0",
+        {f"{_DISTOPT}.state_dict": _make_fresh_state_dict},
+    ),
+    _replacing_fix(
+        "distopt_dp_zero_on_cuda",
+        "DistributedOptimizer.get_parameter_state_dp_zero (the fully_reshardable save gathers each "
+        "DP group's optimizer state with it) moves every shard with .cuda()",
+        "run it under _CudaToCpuMode",
+        {f"{_DISTOPT}.get_parameter_state_dp_zero": _run_under_cuda_to_cpu},
+    ),
+    _replacing_fix(
+        "distopt_keep_restored_step",
+        "DistributedOptimizer._set_main_param_and_optimizer_states copies every key of torch Adam's "
+        "state: KeyError 'step' loading fully_reshardable (the checkpoint keeps step in the param "
+        "groups), and with dp_reshardable the fresh optimizer's step 0 overwrites the restored one",
+        "the step restored from the param groups is kept (copied onto itself)",
+        {f"{_DISTOPT}._set_main_param_and_optimizer_states": _make_keep_restored_step},
+    ),
+    _replacing_fix(
+        "distopt_dp_reshardable_no_grad",
+        "DistributedOptimizer.load_parameter_state_from_dp_reshardable copies in place into fp32 "
+        "main params that are views of leaf parameters, with autograd on: 'a view of a leaf Variable "
+        "that requires grad is being used in an in-place operation'",
+        "run it under torch.no_grad() (as its fully_reshardable twin is)",
+        {f"{_DISTOPT}.load_parameter_state_from_dp_reshardable": _make_no_grad},
+    ),
+    _replacing_fix(
+        "distopt_unshared_step",
+        "SILENT: DistributedOptimizer.load_state_dict gives every parameter's Adam state one shared "
+        "step tensor; torch's Adam increments it in place once per parameter, so after a resume the "
+        "step (and bias correction) is wrong and the weights drift from an uninterrupted run",
+        "after loading, give each parameter's state its own copy of the step",
+        {f"{_DISTOPT}.load_state_dict": _make_unshared_step},
     ),
 )
 

@@ -1,6 +1,13 @@
-"""The trainable policy: the megatron model wrapped in megatron's DDP, and its optimizer.
+"""The trainable policy: the megatron model wrapped in megatron's DDP, its optimizer and LR schedule.
 
 The reference model is built by the same ``build_gpt_model`` without DDP or optimizer (frozen).
+
+Learning-rate schedule: megatron's ``OptimizerParamScheduler``, one scheduler step per optimizer
+step. ``train.lr_warmup_iterations`` and ``train.iterations`` count GRPO iterations, each of
+``train.updates_per_iteration`` optimizer steps, so the scheduler counts in those steps. The
+scheduler advances *before* each optimizer step, so step n uses ``lr(n)`` (n = 1, 2, ...): with
+warm-up the first step already learns (megatron's own loop steps after, wasting step 0 at lr 0),
+and the last step of the decay uses ``min_lr``.
 """
 
 from __future__ import annotations
@@ -16,8 +23,10 @@ from grpo_megatron.models.builder import PolicySpec, build_gpt_model
 
 if TYPE_CHECKING:
     from megatron.core.optimizer import MegatronOptimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
     from grpo_megatron.config import JobConfig
+    from grpo_megatron.training.config import TrainConfig
 
 
 @dataclass
@@ -25,15 +34,27 @@ class Policy:
     model: torch.nn.Module  # megatron DistributedDataParallel around GPTModel
     optimizer: MegatronOptimizer
     spec: PolicySpec
+    scheduler: OptimizerParamScheduler | None = None
+    """LR / weight-decay schedule (``build_policy`` always sets one); None = the optimizer's own lr."""
 
     def zero_grad(self) -> None:
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
 
+    @property
+    def lr(self) -> float:
+        """Learning rate the next (or current) optimizer step uses."""
+        return float(self.optimizer.param_groups[0]["lr"])
+
     def step(self) -> dict[str, float]:
-        """One optimizer step over the accumulated gradients; returns grad norm and success."""
+        """One scheduler step, then one optimizer step over the accumulated gradients; returns the
+        learning rate used, the grad norm and success."""
+        if self.scheduler is not None:
+            self.scheduler.step(1)
+        lr = self.lr
         ok, grad_norm, _ = self.optimizer.step()
         return {
+            "lr": lr,
             "grad_norm": float(grad_norm if grad_norm is not None else float("nan")),
             "update_ok": float(ok),
         }
@@ -89,4 +110,39 @@ def build_policy(hf: Mapping[str, Any], cfg: JobConfig, ps: ParallelState) -> Po
         use_gloo_process_groups=False,
         pg_collection=ps.pg_collection,
     )
-    return Policy(model=ddp, optimizer=optimizer, spec=spec)
+    return Policy(model=ddp, optimizer=optimizer, spec=spec, scheduler=build_scheduler(optimizer, cfg.train))
+
+
+def scheduler_steps(train: TrainConfig) -> tuple[int, int]:
+    """(warm-up steps, decay-end step) in optimizer steps for ``train``'s iteration counts."""
+    per_iteration = train.updates_per_iteration
+    warmup = train.lr_warmup_iterations * per_iteration
+    # megatron requires warm-up < decay end; warm-up over the whole run decays over nothing.
+    return warmup, max(train.iterations * per_iteration, warmup + 1)
+
+
+def build_scheduler(optimizer: MegatronOptimizer, train: TrainConfig) -> OptimizerParamScheduler:
+    """megatron's LR / weight-decay scheduler for ``train`` (constant weight decay).
+
+    On resume the config's values win over the checkpoint's (``override_opt_param_scheduler``):
+    only the step count is restored, so a resumed run may extend ``train.iterations`` or change
+    ``train.lr``.
+    """
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    warmup, decay_end = scheduler_steps(train)
+    return OptimizerParamScheduler(
+        optimizer,
+        init_lr=0.0 if warmup else train.lr,
+        max_lr=train.lr,
+        min_lr=train.min_lr,
+        lr_warmup_steps=warmup,
+        lr_decay_steps=decay_end,
+        lr_decay_style=train.lr_decay,
+        start_wd=train.weight_decay,
+        end_wd=train.weight_decay,
+        wd_incr_steps=decay_end,
+        wd_incr_style="constant",
+        use_checkpoint_opt_param_scheduler=False,
+        override_opt_param_scheduler=True,
+    )

@@ -281,3 +281,84 @@ def hang() -> None:
     import time
 
     time.sleep(600)
+
+
+# ----------------------------------------------------------------------------------------------
+# Distributed-optimizer checkpoint fixes (tests/test_cpu_compat.py::test_distopt_*)
+
+
+def _error_of(fn) -> str:
+    try:
+        fn()
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return ""
+
+
+def distopt_checkpoint_fixes() -> dict[str, Any]:
+    """For each distopt_* fix: megatron's original still fails (or misbehaves) on a real
+    DistributedOptimizer over DP2, and ours works. The full save / resume equality is in
+    tests/test_checkpoint.py."""
+    import copy
+
+    from grpo_megatron.distributed import cpu_compat
+    from tests.workers.checkpoint_workers import _setup, _teardown, _train_step
+
+    init_gloo()
+    _, ps, policy = _setup(["parallel.use_distributed_optimizer=true"])
+    (dopt,) = policy.optimizer.chained_optimizers
+
+    def original(attr: str):
+        return cpu_compat._original(f"{cpu_compat._DISTOPT}.{attr}")
+
+    out: dict[str, Any] = {}
+    # distopt_fresh_state_dict: no step taken yet.
+    out["fresh_original"] = _error_of(lambda: original("state_dict")(dopt))
+    out["fresh_steps"] = [g["step"] for g in dopt.state_dict()["optimizer"]["param_groups"]]
+    for iteration in (1, 2):
+        _train_step(policy, ps, iteration)
+
+    # distopt_dp_zero_on_cuda: the gather of the fully_reshardable save.
+    gather = {"use_gloo_comm": False, "return_on_all_ranks": True}
+    out["dp_zero_original"] = _error_of(lambda: original("get_parameter_state_dp_zero")(dopt, **gather))
+    out["dp_zero_fixed"] = _error_of(lambda: dopt.get_parameter_state_dp_zero(**gather))
+
+    # distopt_unshared_step: load the optimizer's own common state back.
+    common = dopt.state_dict()
+    original("load_state_dict")(dopt, copy.deepcopy(common))
+    steps = [s["step"] for s in dopt.optimizer.state.values()]
+    out["states"] = len(steps)
+    out["step_objects_original"] = len({id(t) for t in steps})
+    dopt.load_state_dict(copy.deepcopy(common))
+    steps = [s["step"] for s in dopt.optimizer.state.values()]
+    out["step_objects_fixed"] = len({id(t) for t in steps})
+    out["step_values_fixed"] = sorted({float(t) for t in steps})
+
+    # distopt_keep_restored_step: per-parameter tensors without a step (fully_reshardable), and
+    # with the fresh optimizer's 0 (dp_reshardable).
+    model_param = next(iter(dopt.model_param_group_index_map))
+    tensors = {
+        k: v.detach().clone() for k, v in dopt._get_main_param_and_optimizer_states(model_param).items() if k != "step"
+    }
+    set_state = original("_set_main_param_and_optimizer_states")
+    with torch.no_grad():
+        out["set_original"] = _error_of(lambda: set_state(dopt, model_param, tensors))
+        out["set_fixed"] = _error_of(lambda: dopt._set_main_param_and_optimizer_states(model_param, tensors))
+        dopt._set_main_param_and_optimizer_states(model_param, {**tensors, "step": torch.tensor(0.0)})
+    out["step_after_set"] = float(dopt._get_main_param_and_optimizer_states(model_param)["step"])
+
+    # distopt_dp_reshardable_no_grad: the dp_reshardable load of this rank's own state.
+    def own_state() -> dict:
+        state = dopt.get_parameter_state_dp_reshardable()
+        for gbuf_idx in range(len(dopt.gbuf_ranges)):
+            for buckets in state[gbuf_idx].values():
+                for bucket in buckets:
+                    for elem in bucket:
+                        elem["padding"] = False
+        return state
+
+    load = original("load_parameter_state_from_dp_reshardable")
+    out["dp_reshardable_original"] = _error_of(lambda: load(dopt, own_state()))
+    out["dp_reshardable_fixed"] = _error_of(lambda: dopt.load_parameter_state_from_dp_reshardable(own_state()))
+    _teardown()
+    return out

@@ -1,0 +1,232 @@
+"""megatron distributed checkpoints on disk: directory conventions, atomic writes, model-only checkpoints.
+
+A checkpoint directory holds megatron's ``dist_checkpointing`` files (``metadata.json``,
+``common.pt``, ``*.distcp``) plus ours; it is complete only when it holds ``grpo_checkpoint.json``
+(the completion marker), written after everything else and just before the directory is renamed
+from its temporary name (``<name>.tmp-<nonce>``) to its final one. Readers never take a
+temporary directory or one without the marker.
+
+Model-only checkpoints (``save_model_checkpoint``) are what ``grpo-megatron convert hf-to-mcore``
+writes; ``load_model_checkpoint`` reads the model of those and of full training checkpoints,
+at any parallel layout (megatron reshards on load).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+import torch
+import torch.distributed as dist
+
+from grpo_megatron.bridge.layout import unwrap
+from grpo_megatron.distributed.bootstrap import ParallelState
+
+MARKER = "grpo_checkpoint.json"
+"""Completion marker: its presence makes a checkpoint directory complete."""
+LATEST = "latest"
+"""Text file in a checkpoint directory naming the newest complete checkpoint (written last)."""
+TMP_INFIX = ".tmp-"
+FORMAT_VERSION = 1
+
+# megatron's sharded state dict options, recorded in the checkpoint (content metadata) and used
+# again on load. chained_optim_avoid_prefix: optimizer tensors are keyed by parameter, not by
+# position in the chain of optimizers, so they load at another expert-parallel layout.
+BASE_CONTENT_METADATA: dict[str, Any] = {"singleton_local_shards": False, "chained_optim_avoid_prefix": True}
+
+T = TypeVar("T")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that is missing, incomplete or cannot be loaded here; names the path and the fix."""
+
+
+def layout_of(ps: ParallelState) -> dict[str, int]:
+    """The parallel layout a checkpoint was written at (recorded in its marker)."""
+    return {
+        "world_size": ps.world_size,
+        "tp": ps.tp,
+        "pp": ps.pp,
+        "cp": ps.cp,
+        "dp": ps.dp,
+        "ep": ps.ep,
+        "etp": ps.etp,
+    }
+
+
+def is_temporary(path: Path) -> bool:
+    return TMP_INFIX in path.name
+
+
+def is_complete(path: Path) -> bool:
+    """A checkpoint directory whose save finished: final name and completion marker present."""
+    return path.is_dir() and not is_temporary(path) and (path / MARKER).is_file()
+
+
+def read_marker(path: Path) -> dict[str, Any]:
+    """The completion marker of checkpoint ``path``; CheckpointError when it is not complete."""
+    path = Path(path)
+    if not path.exists():
+        raise CheckpointError(f"checkpoint {path} does not exist: check the path")
+    if is_temporary(path):
+        raise CheckpointError(
+            f"{path} is the temporary directory of a save that did not finish: resume from a "
+            "complete checkpoint (its name has no '.tmp-')"
+        )
+    if not (path / MARKER).is_file():
+        raise CheckpointError(
+            f"{path} has no {MARKER}: it is not a complete grpo-megatron checkpoint (an interrupted "
+            "save, or another tool's directory). Point at an iter_XXXXXXX directory, or at a "
+            f"checkpoint directory holding a '{LATEST}' file"
+        )
+    return json.loads((path / MARKER).read_text())
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` through a temporary sibling and a rename (fsynced)."""
+    tmp = path.with_name(f"{path.name}{TMP_INFIX}{secrets.token_hex(4)}")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def broadcast_object(obj: T, src: int = 0) -> T:
+    """``obj`` from rank ``src`` on every rank."""
+    box = [obj]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]
+
+
+def on_rank0(fn: Callable[[], T]) -> T:
+    """Run ``fn`` on rank 0 only; every rank returns its result or raises its error.
+
+    The other ranks would otherwise wait in the next collective until the timeout when rank 0's
+    file work fails.
+    """
+    if not dist.is_initialized():
+        return fn()
+    outcome: tuple[bool, Any] = (True, None)
+    if dist.get_rank() == 0:
+        try:
+            outcome = (True, fn())
+        except Exception as exc:  # re-raised below, on every rank
+            outcome = (False, f"{type(exc).__name__}: {exc}")
+            if dist.get_world_size() == 1:
+                raise
+    ok, value = broadcast_object(outcome)
+    if not ok:
+        if dist.get_rank() == 0:
+            raise RuntimeError(value)
+        raise RuntimeError(f"rank 0 failed: {value}")
+    return value
+
+
+def new_temporary_dir(final: Path) -> Path:
+    """Create (on rank 0) and return a fresh temporary sibling ``<final>.tmp-<nonce>``, same on all ranks."""
+
+    def make() -> str:
+        final.parent.mkdir(parents=True, exist_ok=True)
+        tmp = final.with_name(f"{final.name}{TMP_INFIX}{secrets.token_hex(4)}")
+        tmp.mkdir()
+        return str(tmp)
+
+    return Path(on_rank0(make))
+
+
+def finish(tmp: Path, final: Path, marker: dict[str, Any]) -> None:
+    """Rank 0: write the completion marker into ``tmp``, then rename it to ``final``.
+
+    An existing ``final`` (an earlier run's save of the same name) is moved aside first and
+    removed after the rename.
+    """
+    write_text_atomic(tmp / MARKER, json.dumps(marker, indent=2, sort_keys=True) + "\n")
+    old = None
+    if final.exists():
+        old = final.with_name(f"{final.name}{TMP_INFIX}replaced-{secrets.token_hex(4)}")
+        os.replace(final, old)
+    os.replace(tmp, final)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def model_dtype(model: torch.nn.Module) -> str:
+    """Parameter dtype name ("float32", "bfloat16", ...) of ``model``."""
+    return str(next(unwrap(model).parameters()).dtype).removeprefix("torch.")
+
+
+def model_sharded_state_dict(model: torch.nn.Module, metadata: dict[str, Any]) -> dict[str, Any]:
+    """megatron's sharded state dict of the GPTModel (inside DDP, if wrapped)."""
+    return unwrap(model).sharded_state_dict(metadata=metadata)
+
+
+def save_model_checkpoint(
+    model: torch.nn.Module,
+    ps: ParallelState,
+    out_dir: str | Path,
+    extra_metadata: dict[str, Any] | None = None,
+) -> Path:
+    """Collective: write the model's weights as a megatron distributed checkpoint at ``out_dir``.
+
+    Loads at any parallel layout (``load_model_checkpoint``). Written to a temporary sibling and
+    renamed, so ``out_dir`` holds either nothing or a complete checkpoint. ``extra_metadata``
+    (JSON-serialisable) goes into the completion marker.
+    """
+    from megatron.core import dist_checkpointing
+
+    out_dir = Path(out_dir)
+
+    def check_target() -> None:
+        if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
+            raise FileExistsError(f"{out_dir} exists and is not empty: choose a new output directory")
+
+    on_rank0(check_target)
+    tmp = new_temporary_dir(out_dir)
+    metadata = dict(BASE_CONTENT_METADATA)
+    dist_checkpointing.save(
+        {"model": model_sharded_state_dict(model, metadata)}, str(tmp), content_metadata=metadata
+    )
+    marker = {
+        "kind": "model",
+        "format_version": FORMAT_VERSION,
+        "dtype": model_dtype(model),
+        "layout": layout_of(ps),
+        **(extra_metadata or {}),
+    }
+
+    def rename() -> None:
+        if out_dir.exists():
+            out_dir.rmdir()  # empty: checked above
+        finish(tmp, out_dir, marker)
+
+    on_rank0(rename)
+    dist.barrier()
+    return out_dir
+
+
+def resolve_checkpoint(path: str | Path) -> Path:
+    """``path`` itself when it is a checkpoint, or the one named by its ``latest`` file."""
+    path = Path(path)
+    if (path / LATEST).is_file() and not (path / MARKER).is_file():
+        name = (path / LATEST).read_text().strip()
+        return path / name
+    return path
+
+
+def load_model_checkpoint(model: torch.nn.Module, ps: ParallelState, ckpt_dir: str | Path) -> dict[str, Any]:
+    """Collective: load the model weights of checkpoint ``ckpt_dir`` (model-only or training) into
+    ``model``, which may be built at another layout. Returns the checkpoint's marker."""
+    from megatron.core import dist_checkpointing
+
+    path = resolve_checkpoint(ckpt_dir)
+    marker = read_marker(path)
+    metadata = dist_checkpointing.load_content_metadata(str(path)) or dict(BASE_CONTENT_METADATA)
+    loaded = dist_checkpointing.load({"model": model_sharded_state_dict(model, metadata)}, str(path))
+    unwrap(model).load_state_dict(loaded["model"])
+    return marker

@@ -1,0 +1,331 @@
+"""Training checkpoints: save every N iterations, resume exactly, prune old ones.
+
+One checkpoint = one directory ``<dir>/iter_XXXXXXX`` holding
+- megatron's distributed checkpoint of the model, the optimizer (``checkpoint.optimizer_format``
+  for the distributed optimizer) and the LR scheduler (in megatron's common state);
+- ``rng/rank_NNNNN.pt``: every RNG state of each rank (``checkpoint/rng.py``);
+- ``trainer_state.pt``: the trainer's own state (iteration, consumed prompts, sampler position:
+  plain data, loaded with ``weights_only=True``);
+- ``grpo_checkpoint.json``: the completion marker (iteration, layout, formats), written last.
+The directory is written as ``iter_XXXXXXX.tmp-<nonce>`` and renamed when complete; then the
+``latest`` file is replaced atomically; then ``keep_last`` prunes older checkpoints. A crash at any
+point leaves ``latest`` naming a complete checkpoint.
+
+Resume at another layout: megatron reshards the model at any TP/PP/EP/ETP/DP change. The
+optimizer follows where megatron can: the non-distributed optimizer and the distributed one in the
+fully_reshardable format load at any layout with the same number of chained optimizers (megatron
+builds a second, expert-parallel optimizer exactly when EP > 1 for MoE models); dp_reshardable
+loads only at the same TP/PP/EP. Elsewhere resume stops with an error naming
+``checkpoint.load_optimizer=false`` (model, scheduler, RNG and trainer state with a fresh optimizer).
+RNG states are restored only at the same layout (a rank's streams have no counterpart elsewhere).
+"""
+
+from __future__ import annotations
+
+import io
+import re
+import shutil
+import time
+import warnings
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+from grpo_megatron.checkpoint.config import CheckpointConfig
+from grpo_megatron.checkpoint.dist import (
+    BASE_CONTENT_METADATA,
+    FORMAT_VERSION,
+    LATEST,
+    MARKER,
+    TMP_INFIX,
+    CheckpointError,
+    broadcast_object,
+    finish,
+    is_complete,
+    layout_of,
+    model_dtype,
+    model_sharded_state_dict,
+    new_temporary_dir,
+    on_rank0,
+    read_marker,
+    resolve_checkpoint,
+    write_text_atomic,
+)
+from grpo_megatron.checkpoint.rng import capture_rng_state, restore_rng_state
+from grpo_megatron.distributed.bootstrap import ParallelState
+
+if TYPE_CHECKING:
+    from grpo_megatron.training.policy import Policy
+
+TRAINER_STATE = "trainer_state.pt"
+RNG_DIR = "rng"
+_ITER_RE = re.compile(r"^iter_(\d{7,})$")
+
+
+def checkpoint_name(iteration: int) -> str:
+    return f"iter_{iteration:07d}"
+
+
+def iteration_of(path: Path) -> int | None:
+    """The iteration of a final checkpoint directory name, None for anything else."""
+    match = _ITER_RE.match(path.name)
+    return int(match.group(1)) if match else None
+
+
+def complete_checkpoints(ckpt_dir: str | Path) -> list[tuple[int, Path]]:
+    """Complete checkpoints in ``ckpt_dir``, oldest first (temporary and unmarked ones left out)."""
+    ckpt_dir = Path(ckpt_dir)
+    if not ckpt_dir.is_dir():
+        return []
+    found = []
+    for path in ckpt_dir.iterdir():
+        iteration = iteration_of(path)
+        if iteration is not None and is_complete(path):
+            found.append((iteration, path))
+    return sorted(found)
+
+
+def find_latest(ckpt_dir: str | Path) -> Path | None:
+    """The checkpoint to resume from in ``ckpt_dir``: the one ``latest`` names when it is complete,
+    else the complete one with the highest iteration; None when there is none.
+
+    Never a temporary (``*.tmp-*``) directory or one without the completion marker.
+    """
+    ckpt_dir = Path(ckpt_dir)
+    latest = ckpt_dir / LATEST
+    if latest.is_file():
+        named = ckpt_dir / latest.read_text().strip()
+        if iteration_of(named) is not None and is_complete(named):
+            return named
+    found = complete_checkpoints(ckpt_dir)
+    return found[-1][1] if found else None
+
+
+def _check_trainer_state(trainer_state: dict[str, Any]) -> bytes:
+    """``trainer_state`` serialised; raises when it would not load with ``weights_only=True``."""
+    buffer = io.BytesIO()
+    torch.save(trainer_state, buffer)
+    try:
+        torch.load(io.BytesIO(buffer.getvalue()), weights_only=True)
+    except Exception as exc:
+        raise TypeError(
+            "trainer_state must hold only plain data (dict, list, tuple, str, int, float, bool, None, "
+            f"tensors) so it loads with weights_only=True: {exc}"
+        ) from exc
+    return buffer.getvalue()
+
+
+def _optimizer_count(optimizer: Any) -> int:
+    """Number of optimizers megatron chained (dense, plus expert-parallel when EP > 1)."""
+    return len(getattr(optimizer, "chained_optimizers", [optimizer]))
+
+
+class CheckpointManager:
+    """Saves and resumes training state under ``cfg.dir`` (default ``<run_dir>/checkpoints``)."""
+
+    def __init__(self, cfg: CheckpointConfig, run_dir: str | Path, ps: ParallelState) -> None:
+        self.cfg = cfg
+        self.dir = Path(cfg.dir) if cfg.dir is not None else Path(run_dir) / "checkpoints"
+        self.ps = ps
+
+    # ------------------------------------------------------------------------------------------
+    # Saving
+
+    def should_save(self, iteration: int) -> bool:
+        """True when ``checkpoint.save_interval`` asks for a save after ``iteration``."""
+        return self.cfg.save_interval > 0 and iteration % self.cfg.save_interval == 0
+
+    def content_metadata(self, policy: Policy) -> dict[str, Any]:
+        metadata = dict(BASE_CONTENT_METADATA)
+        if policy.optimizer.config.use_distributed_optimizer:
+            metadata["distrib_optim_sharding_type"] = self.cfg.optimizer_format
+        return metadata
+
+    def save(self, iteration: int, policy: Policy, trainer_state: dict[str, Any]) -> Path:
+        """Collective: write checkpoint ``iter_XXXXXXX`` for ``iteration``; returns its path."""
+        from megatron.core import dist_checkpointing
+
+        start = time.perf_counter()
+        trainer_bytes = on_rank0(lambda: _check_trainer_state(trainer_state))
+        final = self.dir / checkpoint_name(iteration)
+        tmp = new_temporary_dir(final)
+        metadata = self.content_metadata(policy)
+        model_sd = model_sharded_state_dict(policy.model, metadata)
+        state = {
+            "model": model_sd,
+            "optimizer": policy.optimizer.sharded_state_dict(model_sd, is_loading=False, metadata=metadata),
+        }
+        if policy.scheduler is not None:
+            state["scheduler"] = policy.scheduler.state_dict()
+        dist_checkpointing.save(state, str(tmp), content_metadata=metadata)
+
+        rng_path = tmp / RNG_DIR / f"rank_{self.ps.rank:05d}.pt"
+        rng_path.parent.mkdir(exist_ok=True)
+        torch.save(capture_rng_state(), rng_path)
+        dist.barrier()  # every rank's files are in place before rank 0 marks the checkpoint complete
+
+        marker = {
+            "kind": "train",
+            "format_version": FORMAT_VERSION,
+            "iteration": iteration,
+            "layout": layout_of(self.ps),
+            "dtype": model_dtype(policy.model),
+            "use_distributed_optimizer": bool(policy.optimizer.config.use_distributed_optimizer),
+            "optimizer_format": metadata.get("distrib_optim_sharding_type"),
+            "optimizers": _optimizer_count(policy.optimizer),
+            "megatron_core": _megatron_version(),
+            "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        }
+
+        def publish() -> None:
+            (tmp / TRAINER_STATE).write_bytes(trainer_bytes)
+            finish(tmp, final, marker)
+            write_text_atomic(self.dir / LATEST, final.name + "\n")
+            self._prune(iteration)
+
+        on_rank0(publish)
+        dist.barrier()
+        if self.ps.rank == 0:
+            print(f"[checkpoint] saved {final} in {time.perf_counter() - start:.1f}s", flush=True)
+        return final
+
+    def _prune(self, current: int) -> None:
+        """Rank 0: keep the newest ``keep_last`` checkpoints up to ``current``; drop leftovers of
+        interrupted saves of earlier iterations. Later iterations (another run's) are left alone."""
+        if self.cfg.keep_last is not None:
+            older = [path for iteration, path in complete_checkpoints(self.dir) if iteration < current]
+            for path in older[: max(0, len(older) - (self.cfg.keep_last - 1))]:
+                shutil.rmtree(path, ignore_errors=True)
+        for path in self.dir.glob(f"iter_*{TMP_INFIX}*"):
+            iteration = iteration_of(path.with_name(path.name.split(TMP_INFIX)[0]))
+            if iteration is not None and iteration < current:
+                shutil.rmtree(path, ignore_errors=True)
+
+    # ------------------------------------------------------------------------------------------
+    # Resuming
+
+    def resume_path(self) -> Path | None:
+        """The checkpoint ``checkpoint.resume`` selects (same on every rank), or None to start fresh."""
+        resume = self.cfg.resume
+
+        def choose() -> str | None:
+            if resume == "none":
+                return None
+            if resume == "auto":
+                found = find_latest(self.dir)
+                return None if found is None else str(found)
+            path = resolve_checkpoint(resume)
+            read_marker(path)  # raises CheckpointError naming the path when it is not complete
+            return str(path)
+
+        chosen = on_rank0(choose)
+        return None if chosen is None else Path(chosen)
+
+    def resume(self, policy: Policy) -> dict[str, Any] | None:
+        """Collective: restore model, optimizer, scheduler and RNG from the checkpoint selected by
+        ``checkpoint.resume``; return its trainer state (None when starting fresh)."""
+        path = self.resume_path()
+        if path is None:
+            return None
+        return self.load(path, policy)
+
+    def load(self, path: str | Path, policy: Policy) -> dict[str, Any]:
+        """Collective: restore ``policy`` and the RNG states from training checkpoint ``path``."""
+        from megatron.core import dist_checkpointing
+
+        start = time.perf_counter()
+        path = Path(path)
+        marker = read_marker(path)
+        if marker.get("kind") != "train":
+            raise CheckpointError(
+                f"{path} is a {marker.get('kind')!r} checkpoint (model weights only, e.g. from "
+                "`grpo-megatron convert`), not a training checkpoint: it has no optimizer or trainer "
+                "state to resume"
+            )
+        load_optimizer = self.cfg.load_optimizer
+        if load_optimizer:
+            self._check_optimizer_compatible(path, marker, policy)
+        metadata = dist_checkpointing.load_content_metadata(str(path)) or self.content_metadata(policy)
+        model_sd = model_sharded_state_dict(policy.model, metadata)
+        request: dict[str, Any] = {"model": model_sd}
+        if load_optimizer:
+            request["optimizer"] = policy.optimizer.sharded_state_dict(model_sd, is_loading=True, metadata=metadata)
+        loaded = dist_checkpointing.load(request, str(path))
+
+        from grpo_megatron.bridge.layout import unwrap
+
+        unwrap(policy.model).load_state_dict(loaded["model"])
+        if load_optimizer:
+            policy.optimizer.load_state_dict(loaded["optimizer"])
+        else:
+            # The fresh optimizer's fp32 main copies were taken from the weights it was built with.
+            policy.optimizer.reload_model_params()
+        if policy.scheduler is not None and "scheduler" in loaded:
+            policy.scheduler.load_state_dict(loaded["scheduler"])
+
+        if marker["layout"] == layout_of(self.ps):
+            rng_path = path / RNG_DIR / f"rank_{self.ps.rank:05d}.pt"
+            restore_rng_state(torch.load(rng_path, weights_only=True))
+        elif self.ps.rank == 0:
+            warnings.warn(
+                f"{path} was saved at layout {marker['layout']}, resumed at {layout_of(self.ps)}: RNG "
+                "states are not restored (the run continues from its own seeding)",
+                stacklevel=2,
+            )
+        trainer_state = torch.load(path / TRAINER_STATE, weights_only=True)
+        dist.barrier()
+        if self.ps.rank == 0:
+            print(
+                f"[checkpoint] resumed from {path} (iteration {marker['iteration']}) in "
+                f"{time.perf_counter() - start:.1f}s",
+                flush=True,
+            )
+        return trainer_state
+
+    def _check_optimizer_compatible(self, path: Path, marker: dict[str, Any], policy: Policy) -> None:
+        """Refuse, with the reason and the fix, what megatron cannot load into this optimizer."""
+        fix = "set checkpoint.load_optimizer=false to resume the model, LR schedule and trainer state with a fresh optimizer"
+        saved_dist = marker["use_distributed_optimizer"]
+        here_dist = bool(policy.optimizer.config.use_distributed_optimizer)
+        if saved_dist != here_dist:
+            raise CheckpointError(
+                f"{path} holds {'distributed' if saved_dist else 'non-distributed'} optimizer state, "
+                f"but parallel.use_distributed_optimizer={str(here_dist).lower()}: megatron-core cannot "
+                f"convert between the two. Set parallel.use_distributed_optimizer={str(saved_dist).lower()}, or {fix}"
+            )
+        here_count = _optimizer_count(policy.optimizer)
+        if marker["optimizers"] != here_count:
+            raise CheckpointError(
+                f"{path} holds {marker['optimizers']} chained optimizer(s) (saved at EP={marker['layout']['ep']}), "
+                f"this layout builds {here_count} (EP={self.ps.ep}; megatron adds an expert-parallel optimizer "
+                f"when EP > 1): megatron-core {_megatron_version()} cannot load one into the other. Resume "
+                f"at EP {'> 1' if marker['optimizers'] > 1 else '= 1'}, or {fix}"
+            )
+        if marker["optimizer_format"] == "dp_reshardable":
+            saved = {k: v for k, v in marker["layout"].items() if k not in ("dp", "world_size")}
+            here = {k: v for k, v in layout_of(self.ps).items() if k not in ("dp", "world_size")}
+            if saved != here:
+                raise CheckpointError(
+                    f"{path} holds dp_reshardable optimizer state saved at {saved}, which loads only at "
+                    f"the same TP/PP/EP/ETP/CP (here {here}); save with checkpoint.optimizer_format="
+                    f"fully_reshardable to change those, or {fix}"
+                )
+
+
+def _megatron_version() -> str:
+    import importlib.metadata
+
+    return importlib.metadata.version("megatron-core")
+
+
+__all__ = [
+    "MARKER",
+    "CheckpointError",
+    "CheckpointManager",
+    "broadcast_object",
+    "checkpoint_name",
+    "complete_checkpoints",
+    "find_latest",
+]
