@@ -1,4 +1,4 @@
-"""Command line: `grpo-megatron <command> CONFIG [section.key=value ...]`.
+"""Command line: `grpo-megatron <command> CONFIG [section.key=value ...]`, and `grpo-megatron convert ...`.
 
 Importing this module and `--help` import neither torch nor megatron-core (each handler imports what
 it needs), so the CLI answers instantly. A new subcommand is one `Command` entry in COMMANDS.
@@ -24,17 +24,19 @@ EXIT_USAGE = 2
 
 @dataclass(frozen=True)
 class Command:
-    """One subcommand that runs on a job config."""
+    """One subcommand: most run on a job config; a few (convert) take only their own arguments."""
 
     name: str
     """Subcommand name, e.g. "check"."""
     help: str
     """One line for `grpo-megatron --help`."""
-    run: Callable[[JobConfig, argparse.Namespace], int]
-    """Handler: receives the loaded and validated config and the parsed arguments; returns the exit code.
-    Heavy imports go inside it."""
+    run: Callable[..., int]
+    """Handler: receives the loaded and validated config and the parsed arguments (only the arguments
+    when `takes_config` is false); returns the exit code. Heavy imports go inside it."""
     add_arguments: Callable[[argparse.ArgumentParser], None] | None = None
     """Extra arguments beyond CONFIG and the overrides."""
+    takes_config: bool = True
+    """False: no CONFIG and no overrides (e.g. convert, which works on model directories)."""
 
 
 def _world_size_from_env() -> int:
@@ -99,6 +101,18 @@ def _run_plan(cfg: JobConfig, args: argparse.Namespace) -> int:
     return run(cfg, args)
 
 
+def _add_convert_args(parser: argparse.ArgumentParser) -> None:
+    from grpo_megatron.bridge.convert import add_arguments  # standard library only at import
+
+    add_arguments(parser)
+
+
+def _run_convert(args: argparse.Namespace) -> int:
+    from grpo_megatron.bridge.convert import main as convert_main
+
+    return convert_main(args)
+
+
 COMMANDS: tuple[Command, ...] = (
     Command("check", "load and validate a config, print it resolved for the world size", _run_check, _add_world_size),
     Command("sanity", "build the policy at the configured layout and run a few training steps", _run_sanity),
@@ -115,6 +129,13 @@ COMMANDS: tuple[Command, ...] = (
         "per-GPU memory of the job on --nodes x --gpus-per-node GPUs; --dry-run checks the layout at full scale",
         _run_plan,
         _add_plan_args,
+    ),
+    Command(
+        "convert",
+        "hf-to-mcore / mcore-to-hf: convert between HF safetensors and megatron distributed checkpoints",
+        _run_convert,
+        _add_convert_args,
+        takes_config=False,
     ),
 )
 
@@ -134,21 +155,24 @@ def build_parser(commands: Sequence[Command] = COMMANDS) -> argparse.ArgumentPar
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for command in commands:
         p = sub.add_parser(command.name, help=command.help, description=command.help)
-        p.add_argument("config", metavar="CONFIG", help="job config YAML file")
-        p.add_argument(
-            "overrides",
-            nargs="*",
-            metavar="section.key=value",
-            help="override config values, e.g. train.lr=1e-5 model.hf_overrides.num_experts=8",
-        )
+        if command.takes_config:
+            p.add_argument("config", metavar="CONFIG", help="job config YAML file")
+            p.add_argument(
+                "overrides",
+                nargs="*",
+                metavar="section.key=value",
+                help="override config values, e.g. train.lr=1e-5 model.hf_overrides.num_experts=8",
+            )
         if command.add_arguments is not None:
             command.add_arguments(p)
-        p.set_defaults(handler=command.run)
+        p.set_defaults(handler=command.run, takes_config=command.takes_config)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if not args.takes_config:
+        return args.handler(args)
     if getattr(args, "world_size", None) is None:
         args.world_size = _world_size_from_env()
 

@@ -1,0 +1,232 @@
+"""``grpo-megatron convert``: Hugging Face safetensors <-> megatron distributed checkpoints.
+
+- ``hf-to-mcore --hf DIR --out DIR [--tp N --pp N --ep N --etp N]``: builds the model from
+  ``DIR/config.json`` at that layout (the launch's world size; torchrun for several ranks), loads
+  the safetensors (each rank reads only its slices) and writes a model-only distributed
+  checkpoint, which loads at any other layout. config.json and the tokenizer files are copied
+  beside it, so ``mcore-to-hf`` needs no ``--hf-config`` for it.
+- ``mcore-to-hf --ckpt DIR [--hf-config DIR] --out DIR [--tp ...]``: builds the model at the launch
+  layout, loads the checkpoint's model (a converted one or a training checkpoint's
+  ``iter_XXXXXXX``), streams it through ``bridge/export.export_hf_stream`` into safetensors shards
+  with their index, config.json and the tokenizer files. ``--hf-config`` (default: the checkpoint
+  directory) supplies config.json and the tokenizer.
+
+Outputs appear atomically: a temporary sibling directory is renamed when complete.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+    "chat_template.jinja",
+    "generation_config.json",
+)
+"""Files copied along with config.json when they exist (the tokenizer and generation defaults)."""
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+class ConvertError(ValueError):
+    """Bad input to a conversion: names the path or option and the fix."""
+
+
+def tokenizer_files(directory: Path) -> tuple[Path, ...]:
+    return tuple(directory / name for name in TOKENIZER_FILES if (directory / name).is_file())
+
+
+def read_hf_config(directory: str | Path, option: str) -> dict[str, Any]:
+    """config.json of a Hugging Face model directory given as ``option``; ConvertError naming it."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise ConvertError(f"{option} {directory}: no such directory")
+    path = directory / "config.json"
+    if not path.is_file():
+        raise ConvertError(
+            f"{option} {directory}: no config.json in it: point {option} at a Hugging Face model directory"
+        )
+    try:
+        hf = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ConvertError(f"{path} is not valid JSON ({exc})") from exc
+    if not isinstance(hf, dict):
+        raise ConvertError(f"{path} holds a {type(hf).__name__}, not a JSON object")
+    return hf
+
+
+def config_dtype(hf: dict[str, Any]) -> str:
+    """The dtype config.json declares (transformers 5 writes ``dtype``, 4.x ``torch_dtype``); float32 if none."""
+    declared = hf.get("dtype") or hf.get("torch_dtype") or "float32"
+    return declared if declared in DTYPES[1:] else "float32"
+
+
+def _start(hf_dir: Path, hf: dict[str, Any], args: argparse.Namespace, dtype: str):
+    """Process groups at the requested layout and this rank's model shard."""
+    from grpo_megatron.config import model_layout_errors
+    from grpo_megatron.distributed.bootstrap import init_distributed, world_size_from_env
+    from grpo_megatron.distributed.config import ParallelConfig
+    from grpo_megatron.models.builder import build_gpt_model
+    from grpo_megatron.models.config import ModelConfig
+
+    model_cfg = ModelConfig(hf_path=str(hf_dir), dtype=dtype)  # type: ignore[arg-type]
+    parallel = ParallelConfig(tp=args.tp, pp=args.pp, ep=args.ep, etp=args.etp, use_distributed_optimizer=False)
+    world_size = world_size_from_env()
+    errors = parallel.layout_errors(world_size) or model_layout_errors(model_cfg, hf, parallel)
+    if errors:
+        raise ConvertError("; ".join(errors).replace("parallel.", "--"))
+    ps = init_distributed(parallel)
+    model, _ = build_gpt_model(hf, model_cfg, ps)
+    model.eval()
+    return ps, model
+
+
+def hf_to_mcore(args: argparse.Namespace) -> Path:
+    """Collective: HF safetensors at ``args.hf`` -> model-only distributed checkpoint at ``args.out``."""
+    import torch.distributed as dist
+
+    from grpo_megatron.bridge.hf_loader import load_hf_weights
+    from grpo_megatron.checkpoint.dist import on_rank0, save_model_checkpoint
+
+    hf_dir = Path(args.hf)
+    hf = read_hf_config(hf_dir, "--hf")
+    out = Path(args.out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ConvertError(f"--out {out} exists and is not empty: choose a new output directory")
+    dtype = config_dtype(hf) if args.dtype == "auto" else args.dtype
+    ps, model = _start(hf_dir, hf, args, dtype)
+    load_hf_weights(model, ps, hf_dir, hf)
+    save_model_checkpoint(
+        model,
+        ps,
+        out,
+        {"source": str(hf_dir.resolve()), "model_type": hf.get("model_type"), "hf_config": "config.json"},
+    )
+
+    def copy_hf_files() -> None:
+        # Beside the checkpoint files (no name clashes): what mcore-to-hf needs to write HF again.
+        for path in (hf_dir / "config.json", *tokenizer_files(hf_dir)):
+            shutil.copy2(path, out / path.name)
+
+    on_rank0(copy_hf_files)
+    dist.barrier()
+    return out
+
+
+def mcore_to_hf(args: argparse.Namespace) -> Path:
+    """Collective: the model of checkpoint ``args.ckpt`` -> HF safetensors directory ``args.out``."""
+    import torch.distributed as dist
+
+    from grpo_megatron.bridge.export import SafetensorsWriter, export_hf_stream
+    from grpo_megatron.checkpoint.dist import (
+        CheckpointError,
+        load_model_checkpoint,
+        read_marker,
+        resolve_checkpoint,
+    )
+
+    if not Path(args.ckpt).is_dir():
+        raise ConvertError(f"--ckpt {args.ckpt}: no such directory")
+    ckpt = resolve_checkpoint(args.ckpt)
+    try:
+        marker = read_marker(ckpt)
+    except CheckpointError as exc:
+        raise ConvertError(f"--ckpt: {exc}") from exc
+    hf_dir = Path(args.hf_config) if args.hf_config else ckpt
+    hf = read_hf_config(hf_dir, "--hf-config" if args.hf_config else "--hf-config (default: --ckpt)")
+    out = Path(args.out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ConvertError(f"--out {out} exists and is not empty: choose a new output directory")
+    dtype = marker.get("dtype", "float32") if args.dtype == "auto" else args.dtype
+    ps, model = _start(hf_dir, hf, args, dtype)
+    load_model_checkpoint(model, ps, ckpt)
+    hf_out = {**hf, "dtype": dtype}
+    writer = SafetensorsWriter(out, hf_out, extra_files=tokenizer_files(hf_dir)) if ps.rank == 0 else None
+    try:
+        for bucket in export_hf_stream(model, ps, hf, bucket_bytes=args.bucket_mb << 20, dst_rank=0):
+            assert writer is not None  # buckets arrive on dst_rank only
+            writer(bucket)
+    except BaseException:
+        if writer is not None:
+            writer.abort()
+        raise
+    if writer is not None:
+        writer.close()
+    dist.barrier()
+    return out
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The ``convert`` subcommand's two directions and their options."""
+    sub = parser.add_subparsers(dest="direction", metavar="DIRECTION", required=True)
+    to_mcore = sub.add_parser(
+        "hf-to-mcore",
+        help="HF safetensors -> megatron distributed checkpoint (loads at any layout)",
+        description="HF safetensors -> megatron distributed checkpoint (loads at any layout)",
+    )
+    to_mcore.add_argument("--hf", required=True, metavar="DIR", help="Hugging Face model directory")
+    to_mcore.add_argument("--out", required=True, metavar="DIR", help="new checkpoint directory")
+    to_hf = sub.add_parser(
+        "mcore-to-hf",
+        help="megatron checkpoint (converted or training iter_XXXXXXX) -> HF safetensors",
+        description="megatron checkpoint (converted or training iter_XXXXXXX) -> HF safetensors",
+    )
+    to_hf.add_argument("--ckpt", required=True, metavar="DIR", help="checkpoint directory (or one with `latest`)")
+    to_hf.add_argument(
+        "--hf-config",
+        metavar="DIR",
+        default=None,
+        help="directory with config.json and tokenizer files (default: --ckpt, where hf-to-mcore put them)",
+    )
+    to_hf.add_argument("--out", required=True, metavar="DIR", help="new HF model directory")
+    to_hf.add_argument(
+        "--bucket-mb", type=int, default=512, help="safetensors shard size in MiB (default 512)"
+    )
+    for p in (to_mcore, to_hf):
+        p.add_argument("--tp", type=int, default=1, help="tensor parallel size of this launch (default 1)")
+        p.add_argument("--pp", type=int, default=1, help="pipeline parallel size (default 1)")
+        p.add_argument("--ep", type=int, default=1, help="expert parallel size (default 1)")
+        p.add_argument("--etp", type=int, default=None, help="expert tensor parallel size (default: --tp)")
+        p.add_argument(
+            "--dtype",
+            choices=DTYPES,
+            default="auto",
+            help="model dtype; auto = config.json's (hf-to-mcore) or the checkpoint's (mcore-to-hf)",
+        )
+
+
+def main(args: argparse.Namespace) -> int:
+    """Run one conversion; errors in the input give exit code 2 and a message naming it."""
+    import sys
+
+    from grpo_megatron.distributed.bootstrap import destroy_distributed
+
+    run = hf_to_mcore if args.direction == "hf-to-mcore" else mcore_to_hf
+    try:
+        out = run(args)
+    except ConvertError as exc:
+        print(f"grpo-megatron convert {args.direction}: error: {exc}", file=sys.stderr)
+        return 2
+    import torch.distributed as dist
+
+    if dist.get_rank() == 0:
+        print(f"[convert] {args.direction}: wrote {out}", flush=True)
+    destroy_distributed()
+    return 0
+
+
+def parse(argv: Sequence[str]) -> argparse.Namespace:
+    """Parse ``convert`` arguments alone (for tools/ wrappers and tests)."""
+    parser = argparse.ArgumentParser(prog="grpo-megatron convert")
+    add_arguments(parser)
+    return parser.parse_args(argv)
