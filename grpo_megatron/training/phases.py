@@ -89,10 +89,11 @@ def score(job: Job, records: Sequence, completions: list[list[Completion]]) -> t
 
 def collect_groups(job: Job, sampler, timer, iteration: int) -> tuple[list[Group], dict[str, float]]:
     """Rollout + reward of train.prompts_per_iteration prompts; with DAPO dynamic sampling, repeated
-    rounds keep only groups whose rewards differ. Reward metrics are those of the first round (the
+    rounds keep only groups whose rewards differ (the batch may come out smaller). Reward metrics are those of the first round (the
     policy's own reward, before any filtering)."""
     cfg = job.cfg
     rounds: list[dict[str, float]] = []
+    last_round: list[Group] = []
 
     def sample_round(n: int) -> list[Group]:
         records = [job.train_records[i] for i in sampler.next_indices(n)]
@@ -103,6 +104,7 @@ def collect_groups(job: Job, sampler, timer, iteration: int) -> tuple[list[Group
         with timer("reward"):
             groups, metrics = score(job, records, completions)
         rounds.append(metrics)
+        last_round[:] = groups
         return groups
 
     ds = cfg.algorithm.dynamic_sampling
@@ -116,6 +118,11 @@ def collect_groups(job: Job, sampler, timer, iteration: int) -> tuple[list[Group
         max_tries=ds.max_tries,
         std_threshold=ds.std_threshold,
     )
+    if not groups:
+        # No group with reward variance in any round: train on the last round as it is (zero
+        # advantages: only the KL term moves the policy) rather than skip the iteration's phases.
+        groups = list(last_round)
+        ds_metrics["dynamic_sampling/fallback"] = 1.0
     return groups, rounds[0] | ds_metrics
 
 
