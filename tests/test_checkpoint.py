@@ -25,7 +25,12 @@ from tests.helpers.dist import run_distributed
 
 _WORKERS = "tests.workers.checkpoint_workers:cases"
 TOTAL, SAVED_AT = 3, 2
-_SCHEDULE = ["train.iterations=3", "train.lr_warmup_iterations=1", "train.lr_decay=cosine", "train.min_lr=1e-4"]
+_SCHEDULE = [
+    "train.iterations=3",
+    "train.lr_warmup_iterations=1",
+    "train.lr_decay=cosine",
+    "train.min_lr=1e-4",
+]
 CASES = {
     "ep2_distopt": ["parallel.ep=2", "parallel.use_distributed_optimizer=true"],
     "ep2_distopt_dp_reshardable": [
@@ -51,7 +56,10 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict:
         2,
         timeout_s=400,
         calls=[
-            ("run_case", dict(overrides=_overrides(c), ckpt_dir=dirs[c], total=TOTAL, record_weights_at=(SAVED_AT,)))
+            (
+                "run_case",
+                dict(overrides=_overrides(c), ckpt_dir=dirs[c], total=TOTAL, record_weights_at=(SAVED_AT,)),
+            )
             for c in CASES
         ],
     )[0]
@@ -66,12 +74,16 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict:
         (unmarked / MARKER).unlink()
     ep2_ckpt = str(Path(dirs["ep2_distopt"]) / "iter_0000002")
     tp2_ckpt = str(Path(dirs["tp2_distopt"]) / "iter_0000002")
-    calls = [
-        ("run_case", dict(overrides=_overrides(c), ckpt_dir=dirs[c], total=TOTAL)) for c in CASES
-    ] + [
-        ("interrupted_save", dict(overrides=_overrides("ep2_plain"), ckpt_dir=dirs["ep2_plain"], iteration=3)),
+    calls = [("run_case", dict(overrides=_overrides(c), ckpt_dir=dirs[c], total=TOTAL)) for c in CASES] + [
+        (
+            "interrupted_save",
+            dict(overrides=_overrides("ep2_plain"), ckpt_dir=dirs["ep2_plain"], iteration=3),
+        ),
         # EP2 (two chained optimizers) -> TP2 (one): the model loads; the optimizer cannot.
-        ("load_elsewhere", dict(overrides=["parallel.tp=2", "checkpoint.load_optimizer=false", *_SCHEDULE], ckpt=ep2_ckpt)),
+        (
+            "load_elsewhere",
+            dict(overrides=["parallel.tp=2", "checkpoint.load_optimizer=false", *_SCHEDULE], ckpt=ep2_ckpt),
+        ),
         ("load_elsewhere", dict(overrides=["parallel.tp=2"], ckpt=ep2_ckpt, expect_error=True)),
         # TP2 -> DP2 with the fully_reshardable distributed optimizer: model and optimizer reshard.
         ("load_elsewhere", dict(overrides=[*_SCHEDULE], ckpt=tp2_ckpt, step_iteration=3)),
@@ -131,7 +143,9 @@ def test_resume_auto_skips_temporary_and_unmarked_directories(runs: dict) -> Non
 def test_interrupted_save_leaves_latest_at_the_previous_checkpoint(runs: dict) -> None:
     assert "simulated crash" in runs["interrupted"]["error"]
     directory = Path(runs["dirs"]["ep2_plain"])
-    leftovers = [p.name for p in directory.glob("iter_0000003.tmp-*") if p.name != "iter_0000003.tmp-deadbeef"]
+    leftovers = [
+        p.name for p in directory.glob("iter_0000003.tmp-*") if p.name != "iter_0000003.tmp-deadbeef"
+    ]
     assert leftovers, "the crashed save should have left its temporary directory"
     assert not (directory / "iter_0000003").exists()
 
@@ -156,7 +170,9 @@ def test_distributed_optimizer_reshards_tp2_to_dp2(runs: dict) -> None:
     # One more step at the new layout matches the TP2 run up to summation order; a lost Adam
     # state would move the weights by about lr per element instead.
     assert math.isclose(at_dp2["loss"], full["losses"][TOTAL], rel_tol=1e-5)
-    worst = max((at_dp2["weights_after_step"][k] - v).abs().max().item() for k, v in full["final_weights"].items())
+    worst = max(
+        (at_dp2["weights_after_step"][k] - v).abs().max().item() for k, v in full["final_weights"].items()
+    )
     assert worst < 1e-6, worst
 
 
@@ -188,7 +204,10 @@ def test_find_latest_and_explicit_paths(tmp_path: Path) -> None:
     assert manager("auto").resume_path() == good
     assert manager("none").resume_path() is None
     assert manager(str(good)).resume_path() == good
-    assert CheckpointManager(CheckpointConfig(), tmp_path / "run", ps=None).dir == tmp_path / "run" / "checkpoints"
+    assert (
+        CheckpointManager(CheckpointConfig(), tmp_path / "run", ps=None).dir
+        == tmp_path / "run" / "checkpoints"
+    )
     for bad, message in (
         (tmp_path / "iter_0000008", f"has no {MARKER}"),
         (tmp_path / "iter_0000009.tmp-1234", "did not finish"),

@@ -65,7 +65,9 @@ def test_hf_to_mcore_at_ep2_then_back_at_tp2_is_exact(tmp_path: Path) -> None:
 
     expected, got = _tensors(src), _tensors(hf_out)
     assert sorted(got) == sorted(expected)
-    different = [k for k in expected if got[k].dtype != expected[k].dtype or not torch.equal(got[k], expected[k])]
+    different = [
+        k for k in expected if got[k].dtype != expected[k].dtype or not torch.equal(got[k], expected[k])
+    ]
     assert not different, different[:5]
     assert (hf_out / "tokenizer.json").read_bytes() == (src / "tokenizer.json").read_bytes()
     model = AutoModelForCausalLM.from_pretrained(hf_out, dtype=torch.float32)
@@ -99,7 +101,9 @@ def test_cli_help_lists_convert_and_stays_light() -> None:
         "import sys; from grpo_megatron.cli import build_parser; build_parser(); "
         "assert 'torch' not in sys.modules and 'megatron' not in sys.modules, 'heavy import'"
     )
-    proc = subprocess.run([sys.executable, "-c", script], cwd=REPO_ROOT, capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [sys.executable, "-c", script], cwd=REPO_ROOT, capture_output=True, text=True, timeout=60
+    )
     assert proc.returncode == 0, proc.stderr
     from grpo_megatron.cli import build_parser
 

@@ -66,7 +66,7 @@ def read_hf_config(directory: str | Path, option: str) -> dict[str, Any]:
 
 
 def config_dtype(hf: dict[str, Any]) -> str:
-    """The dtype config.json declares (transformers 5 writes ``dtype``, 4.x ``torch_dtype``); float32 if none."""
+    """The dtype config.json declares (transformers 5 writes ``dtype``, 4.x ``torch_dtype``); else float32."""
     declared = hf.get("dtype") or hf.get("torch_dtype") or "float32"
     return declared if declared in DTYPES[1:] else "float32"
 
@@ -80,7 +80,9 @@ def _start(hf_dir: Path, hf: dict[str, Any], args: argparse.Namespace, dtype: st
     from grpo_megatron.models.config import ModelConfig
 
     model_cfg = ModelConfig(hf_path=str(hf_dir), dtype=dtype)  # type: ignore[arg-type]
-    parallel = ParallelConfig(tp=args.tp, pp=args.pp, ep=args.ep, etp=args.etp, use_distributed_optimizer=False)
+    parallel = ParallelConfig(
+        tp=args.tp, pp=args.pp, ep=args.ep, etp=args.etp, use_distributed_optimizer=False
+    )
     world_size = world_size_from_env()
     errors = parallel.layout_errors(world_size) or model_layout_errors(model_cfg, hf, parallel)
     if errors:
@@ -181,7 +183,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="megatron checkpoint (converted or training iter_XXXXXXX) -> HF safetensors",
         description="megatron checkpoint (converted or training iter_XXXXXXX) -> HF safetensors",
     )
-    to_hf.add_argument("--ckpt", required=True, metavar="DIR", help="checkpoint directory (or one with `latest`)")
+    to_hf.add_argument(
+        "--ckpt", required=True, metavar="DIR", help="checkpoint directory (or one with `latest`)"
+    )
     to_hf.add_argument(
         "--hf-config",
         metavar="DIR",

@@ -251,7 +251,9 @@ class CheckpointManager:
         model_sd = model_sharded_state_dict(policy.model, metadata)
         request: dict[str, Any] = {"model": model_sd}
         if load_optimizer:
-            request["optimizer"] = policy.optimizer.sharded_state_dict(model_sd, is_loading=True, metadata=metadata)
+            request["optimizer"] = policy.optimizer.sharded_state_dict(
+                model_sd, is_loading=True, metadata=metadata
+            )
         loaded = dist_checkpointing.load(request, str(path))
 
         from grpo_megatron.bridge.layout import unwrap
@@ -286,20 +288,25 @@ class CheckpointManager:
 
     def _check_optimizer_compatible(self, path: Path, marker: dict[str, Any], policy: Policy) -> None:
         """Refuse, with the reason and the fix, what megatron cannot load into this optimizer."""
-        fix = "set checkpoint.load_optimizer=false to resume the model, LR schedule and trainer state with a fresh optimizer"
+        fix = (
+            "set checkpoint.load_optimizer=false to resume the model, LR schedule and trainer state "
+            "with a fresh optimizer"
+        )
         saved_dist = marker["use_distributed_optimizer"]
         here_dist = bool(policy.optimizer.config.use_distributed_optimizer)
         if saved_dist != here_dist:
             raise CheckpointError(
                 f"{path} holds {'distributed' if saved_dist else 'non-distributed'} optimizer state, "
                 f"but parallel.use_distributed_optimizer={str(here_dist).lower()}: megatron-core cannot "
-                f"convert between the two. Set parallel.use_distributed_optimizer={str(saved_dist).lower()}, or {fix}"
+                f"convert between the two. Set parallel.use_distributed_optimizer={str(saved_dist).lower()}, "
+                f"or {fix}"
             )
         here_count = _optimizer_count(policy.optimizer)
         if marker["optimizers"] != here_count:
             raise CheckpointError(
-                f"{path} holds {marker['optimizers']} chained optimizer(s) (saved at EP={marker['layout']['ep']}), "
-                f"this layout builds {here_count} (EP={self.ps.ep}; megatron adds an expert-parallel optimizer "
+                f"{path} holds {marker['optimizers']} chained optimizer(s) (saved at "
+                f"EP={marker['layout']['ep']}), this layout builds {here_count} (EP={self.ps.ep}; "
+                "megatron adds an expert-parallel optimizer "
                 f"when EP > 1): megatron-core {_megatron_version()} cannot load one into the other. Resume "
                 f"at EP {'> 1' if marker['optimizers'] > 1 else '= 1'}, or {fix}"
             )
