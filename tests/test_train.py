@@ -1,0 +1,119 @@
+"""`grpo-megatron train` and `sft` end to end: real megatron-core at EP2 on 2 processes, the embedded
+transformers engine, the reward pool, checkpoints on disk, metrics.jsonl.
+
+The runs use the demo's model and task (examples/demo.yaml) shrunk to a few prompts per iteration.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from grpo_megatron.logging_utils.metrics import missing_required_keys, read_jsonl
+from tests.helpers.dist import REPO_ROOT, free_port
+
+DEMO = REPO_ROOT / "examples" / "demo.yaml"
+SMALL = [
+    "train.prompts_per_iteration=4",
+    "rollout.n_samples_per_prompt=4",
+    "data.num_train_prompts=256",
+    "data.num_eval_prompts=8",
+    "train.micro_batch_size=8",
+    "logging.wandb_mode=disabled",
+    "logging.progress_bar=false",
+]
+# Keys that measure wall time differ between any two runs; everything else must match bitwise.
+TIMING_PREFIXES = ("time/", "throughput/", "sync/")
+
+
+def launch(command: str, overrides: list[str], *, world_size: int = 2) -> subprocess.Popen:
+    env = dict(os.environ, OMP_NUM_THREADS="1", TORCH_COMPILE_DISABLE="1", WANDB_SILENT="true")
+    args = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(world_size),
+        "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
+        "-m", "grpo_megatron", command, str(DEMO), *overrides,
+    ]
+    return subprocess.Popen(
+        args, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        start_new_session=True,
+    )
+
+
+def finish(proc: subprocess.Popen, timeout_s: float = 300) -> str:
+    try:
+        out, _ = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        pytest.fail(f"timed out after {timeout_s} s:\n{out[-4000:]}")
+    assert proc.returncode == 0, out[-6000:]
+    return out
+
+
+def comparable(record: dict) -> dict:
+    return {k: v for k, v in record.items() if not k.startswith(TIMING_PREFIXES)}
+
+
+def test_two_grpo_iterations_at_ep2_write_every_required_metric(tmp_path):
+    # Every phase on: reference model (KL), old-logprob pass (two updates), TIS, DAPO dynamic sampling.
+    run = tmp_path / "run"
+    extra = [
+        "algorithm.kl.beta=0.02",
+        "train.updates_per_iteration=2",
+        "algorithm.tis.enabled=true",
+        "algorithm.dynamic_sampling.enabled=true",
+        "algorithm.dynamic_sampling.max_tries=2",
+        "train.eval_samples=2",
+    ]
+    out = finish(launch("train", [*SMALL, *extra, "train.iterations=2", f"logging.run_dir={run}"]))
+    records = read_jsonl(run / "metrics.jsonl")
+    assert [r["iteration"] for r in records] == [1, 2]
+    assert missing_required_keys(records) == []
+    last = records[-1]
+    assert last["time/ref_logprob"] > 0 and last["time/old_logprob"] > 0
+    assert last["kl"] is not None and "dynamic_sampling/rounds" in last and "eval/mean@2" in last
+    assert last["mismatch/probe_abs_diff_max"] < 1e-4  # engine and trainer agree after the sync
+    assert "held-out accuracy" in out
+    assert (run / "plot.png").is_file()
+    assert (run / "config.yaml").is_file()
+
+
+def test_killed_and_resumed_run_equals_an_uninterrupted_one(tmp_path):
+    common = [*SMALL, "train.iterations=5", "checkpoint.save_interval=2"]
+    full = tmp_path / "full"
+    finish(launch("train", [*common, f"logging.run_dir={full}"]))
+
+    cut = tmp_path / "cut"
+    proc = launch("train", [*common, f"logging.run_dir={cut}"])
+    latest = cut / "checkpoints" / "latest"
+    deadline = time.monotonic() + 300
+    while not (latest.is_file() and latest.read_text().strip().endswith("2")):
+        assert proc.poll() is None or latest.is_file(), proc.stdout.read()[-4000:]
+        assert time.monotonic() < deadline, "no checkpoint at iteration 2"
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGKILL)  # as a scheduler's preemption would
+    proc.communicate()
+    finish(launch("train", [*common, f"logging.run_dir={cut}", "checkpoint.resume=auto"]))
+
+    want = [comparable(r) for r in read_jsonl(full / "metrics.jsonl")]
+    got = [comparable(r) for r in read_jsonl(cut / "metrics.jsonl")]
+    assert [r["iteration"] for r in got] == [1, 2, 3, 4, 5]
+    assert got == want, json.dumps([got[-1], want[-1]], indent=1)
+
+
+def test_sft_writes_a_hugging_face_checkpoint_that_train_starts_from(tmp_path):
+    sft_dir, hf_dir = tmp_path / "sft", tmp_path / "sft" / "hf"
+    finish(launch("sft", [*SMALL, "sft.max_steps=4", "sft.eval_interval=2", "sft.batch_size=8",
+                          f"logging.run_dir={sft_dir}", f"sft.output_dir={hf_dir}"]))
+    assert (hf_dir / "config.json").is_file() and (hf_dir / "tokenizer.json").is_file()
+    assert list(Path(hf_dir).glob("*.safetensors"))
+    out = finish(launch("train", [*SMALL, "train.iterations=1", f"model.hf_path={hf_dir}",
+                                  f"logging.run_dir={tmp_path / 'grpo'}"]))
+    assert str(hf_dir) in out  # loaded the SFT weights, not a random initialisation
