@@ -71,6 +71,7 @@ def test_two_grpo_iterations_at_ep2_write_every_required_metric(tmp_path):
         "algorithm.dynamic_sampling.enabled=true",
         "algorithm.dynamic_sampling.max_tries=2",
         "train.eval_samples=2",
+        "checkpoint.export_hf_dir=hf",
     ]
     out = finish(launch("train", [*SMALL, *extra, "train.iterations=2", f"logging.run_dir={run}"]))
     records = read_jsonl(run / "metrics.jsonl")
@@ -80,6 +81,7 @@ def test_two_grpo_iterations_at_ep2_write_every_required_metric(tmp_path):
     assert last["time/ref_logprob"] > 0 and last["time/old_logprob"] > 0
     assert last["kl"] is not None and "dynamic_sampling/rounds" in last and "eval/mean@2" in last
     assert last["mismatch/probe_abs_diff_max"] < 1e-4  # engine and trainer agree after the sync
+    assert (run / "hf" / "config.json").is_file() and (run / "hf" / "tokenizer.json").is_file()
     assert "held-out accuracy" in out
     assert (run / "plot.png").is_file()
     assert (run / "config.yaml").is_file()

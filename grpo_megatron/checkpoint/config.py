@@ -29,6 +29,11 @@ class CheckpointConfig:
     """Restore the optimizer state on resume; false = model weights, LR schedule, RNG and trainer
     state only, with a fresh optimizer (for a layout change the optimizer state cannot follow)."""
 
+    export_hf_dir: str | None = None
+    """At the end of `grpo-megatron train`, also write the policy as a Hugging Face checkpoint
+    (safetensors, config.json, tokenizer files) to this directory through the weight bridge's export
+    stream; None = no export. A relative path is relative to logging.run_dir."""
+
     def validate(self) -> None:
         errors = []
         if self.save_interval < 0:

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 
 from grpo_megatron.algorithm.kl import kl_beta
 from grpo_megatron.training import phases
-from grpo_megatron.training.job import Job, PhaseTimer, build_job
+from grpo_megatron.training.job import Job, PhaseTimer, build_job, export_hf_checkpoint
 
 if TYPE_CHECKING:
     from grpo_megatron.config import JobConfig
@@ -107,6 +107,8 @@ def main(cfg: JobConfig) -> int:
     job = build_job(cfg, with_reference=cfg.algorithm.kl.enabled)
     try:
         result = train(job)
+        if cfg.checkpoint.export_hf_dir:
+            export_hf_checkpoint(job, job.run_dir / cfg.checkpoint.export_hf_dir)
     finally:
         job.close()
     if job.ps.rank == 0:

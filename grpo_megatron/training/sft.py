@@ -21,21 +21,10 @@ import torch
 from grpo_megatron.training import phases
 from grpo_megatron.training.batching import Sample, collate, dp_shares, make_sample, microbatch_rows
 from grpo_megatron.training.forward_backward import MicroBatch, forward_backward
-from grpo_megatron.training.job import Job, build_job
+from grpo_megatron.training.job import Job, build_job, export_hf_checkpoint
 
 if TYPE_CHECKING:
     from grpo_megatron.config import JobConfig
-
-TOKENIZER_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "chat_template.jinja",
-    "vocab.json",
-    "merges.txt",
-    "tokenizer.model",
-)
-
 
 def sft_job_config(cfg: JobConfig) -> JobConfig:
     """The job config the SFT policy is built with: the optimizer runs at sft.lr, constant."""
@@ -73,22 +62,6 @@ def sft_step(job: Job, samples: list[Sample]) -> dict[str, float]:
     if ps.dp > 1:
         torch.distributed.all_reduce(loss_t, group=ps.dp_group)
     return {"sft/loss": float(loss_t), **job.policy.step()}
-
-
-def export_hf_checkpoint(job: Job, out_dir: Path) -> None:
-    """Stream the policy's weights into a Hugging Face directory (written atomically by rank 0)."""
-    from grpo_megatron.bridge.export import SafetensorsWriter, export_hf_stream
-
-    tokenizer_dir = Path(job.cfg.data.tokenizer_path or job.cfg.model.hf_path)
-    extra = tuple(p for p in (tokenizer_dir / n for n in TOKENIZER_FILES) if p.is_file())
-    stream = export_hf_stream(job.policy.model, job.ps, job.hf)
-    if job.ps.rank != 0:
-        for _ in stream:
-            pass
-        return
-    with SafetensorsWriter(out_dir, job.hf, extra_files=extra) as writer:
-        for bucket in stream:
-            writer(bucket)
 
 
 def run_sft(job: Job) -> dict[str, float]:
