@@ -146,11 +146,19 @@ def _plan(
         if dim is not None:
             shape[dim] *= size
         out_dtype = dtype or _dtype(dt)
-        hf_bytes = sum(math.prod(s) for s in hf_shapes(rule, shape)) * out_dtype.itemsize
-        items.append(
-            _Item(rule, tuple(shape), dim, glu, out_dtype, tuple(by_slot[r] for r in range(size)), hf_bytes)
-        )
+        slices_in_order = tuple(by_slot[r] for r in range(size))
+        hf_bytes = _hf_numel(rule, shape) * out_dtype.itemsize
+        items.append(_Item(rule, tuple(shape), dim, glu, out_dtype, slices_in_order, hf_bytes))
     return items
+
+
+def _hf_numel(rule: WeightRule, shape: Sequence[int]) -> int:
+    """Elements of the HF tensors of a canonical tensor: all of it (QKV and GLU only regroup rows)
+    but the vocabulary padding. Arithmetic, not ``hf_shapes``: it runs once per tensor per export."""
+    if rule.kind == "vocab":
+        assert rule.vocab_size is not None
+        return rule.vocab_size * math.prod(shape[1:])
+    return math.prod(shape)
 
 
 def _schedule(items: list[_Item], bucket_bytes: int) -> list[list[list[_Item]]]:
@@ -361,6 +369,13 @@ def assemble_hf(
     """The HF tensors of one canonical megatron tensor of ``shape``, written from its TP/ETP slices
     (``shards[r]`` is slice r along ``dim``; one shard and ``dim=None`` when unsplit; ``glu``: each
     slice holds ``[gate_r; up_r]``) into new CPU tensors of ``dtype``: each byte is copied once."""
+    if dim is None and rule.kind != "qkv":
+        # Fast path (most tensors at world 1, experts at ETP 1): the HF tensors are views of the
+        # shard (whole, GLU halves along dim 0, the real vocabulary rows): one copying op each.
+        return [
+            (name, view.to(device="cpu", dtype=dtype, copy=True, memory_format=torch.contiguous_format))
+            for name, view in to_hf(rule, shards[0])
+        ]
     outs = [torch.empty(s, dtype=dtype) for s in hf_shapes(rule, shape)]
     if len(shape) == 0:  # a scalar: nothing to place
         outs[0].copy_(shards[0])
