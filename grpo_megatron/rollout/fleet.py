@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -34,7 +34,6 @@ if TYPE_CHECKING:
     from grpo_megatron.distributed.bootstrap import ParallelState
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-_ALIGN = 16  # bytes: every tensor of a broadcast bucket starts aligned, so it can be viewed as its dtype
 
 
 def hosts_embedded_engine(placement: str, ps: ParallelState) -> bool:
@@ -193,7 +192,7 @@ class RolloutFleet:
         An engine that rejects the update keeps its previous weights and version; then every rank
         raises with the engines' messages.
         """
-        from grpo_megatron.bridge.export import export_hf_stream
+        from grpo_megatron.bridge.export import broadcast_bucket, export_hf_stream
 
         bucket_bytes = bucket_bytes or self.bucket_bytes
         dst = self.engine_ranks[0]
@@ -223,14 +222,13 @@ class RolloutFleet:
             num_kept = header[0][0]
             if not is_dst and num_kept >= 0:  # -1: the first engine failed; the rest keep their weights
                 receiver = _Feeder(self.engine, version)
-                for bucket in _broadcast_buckets(None, num_kept, dst, self.group, self.ps.device):
-                    receiver.push(bucket)
+                for _ in range(num_kept):
+                    receiver.push(broadcast_bucket(None, dst, self.group, device=self.ps.device))
                 receiver.finish()
                 feeder = receiver
             elif is_dst and num_kept >= 0:
                 for bucket in kept:
-                    for _ in _broadcast_buckets(bucket, 1, dst, self.group, self.ps.device):
-                        pass
+                    broadcast_bucket(bucket, dst, self.group, device=self.ps.device)
         broadcast_s = time.perf_counter() - start
         _agree(feeder.error if feeder is not None else None, f"weight sync of version {version}")
 
@@ -362,43 +360,3 @@ class _Feeder:
             self.engine.update_weights(bucket, version=self.version, last=last)
         except Exception as exc:
             self.error = _describe(exc)
-
-
-def _broadcast_buckets(
-    bucket: Bucket | None, count: int, src: int, group: Any, device: torch.device
-) -> Iterable[Bucket]:
-    """Broadcast ``count`` buckets from ``src`` (which passes them, one at a time) over ``group``:
-    names, shapes and dtypes as an object, the bytes as one flat tensor (on ``device`` for NCCL).
-    Receivers yield CPU buckets whose tensors are views of one received buffer."""
-    for _ in range(count):
-        meta: list[Any] = [None]
-        if bucket is not None:
-            meta = [[(name, tuple(t.shape), str(t.dtype).removeprefix("torch.")) for name, t in bucket]]
-        dist.broadcast_object_list(meta, src=src, group=group)
-        entries = meta[0]
-        sizes = [_nbytes(shape, getattr(torch, dt)) for _, shape, dt in entries]
-        offsets, total = [], 0
-        for size in sizes:
-            offsets.append(total)
-            total += (size + _ALIGN - 1) // _ALIGN * _ALIGN
-        flat = torch.zeros(total, dtype=torch.uint8)
-        if bucket is not None:
-            for (_, t), off, size in zip(bucket, offsets, sizes, strict=True):
-                flat[off : off + size] = t.detach().contiguous().view(-1).view(torch.uint8).cpu()
-        on_device = flat.to(device)
-        dist.broadcast(on_device, src=src, group=group)
-        if bucket is not None:
-            yield bucket
-            continue
-        flat = on_device.cpu()
-        yield [
-            (name, flat[off : off + size].view(getattr(torch, dt)).view(shape))
-            for (name, shape, dt), off, size in zip(entries, offsets, sizes, strict=True)
-        ]
-
-
-def _nbytes(shape: Sequence[int], dtype: torch.dtype) -> int:
-    numel = 1
-    for d in shape:
-        numel *= d
-    return numel * torch.empty((), dtype=dtype).element_size()
