@@ -173,7 +173,6 @@ def init_distributed(parallel: ParallelConfig, *, seed: int = 1234) -> ParallelS
             ) from exc
 
     from megatron.core import parallel_state as mpu
-    from megatron.core.process_groups_config import ProcessGroupCollection
 
     mpu.initialize_model_parallel(
         tensor_model_parallel_size=parallel.tp,
@@ -183,6 +182,24 @@ def init_distributed(parallel: ParallelConfig, *, seed: int = 1234) -> ParallelS
         expert_tensor_parallel_size=parallel.etp,
     )
     _seed_megatron(seed, use_cuda)
+
+    return parallel_state_from_megatron(
+        world_size=world_size,
+        rank=rank,
+        local_rank=local_rank,
+        device=device,
+        parallel=parallel,
+    )
+
+
+def parallel_state_from_megatron(
+    *, world_size: int, rank: int, local_rank: int, device: Any, parallel: Any
+) -> ParallelState:
+    """Our ``ParallelState``, read from megatron's ``parallel_state`` after ``initialize_model_parallel``
+    (the bootstrap above, and the planner's fake-process-group dry run). ``parallel``: anything with
+    resolved ``tp, pp, cp, ep, sequence_parallel`` (a ParallelConfig, the planner's Layout)."""
+    from megatron.core import parallel_state as mpu
+    from megatron.core.process_groups_config import ProcessGroupCollection
 
     return ParallelState(
         world_size=world_size,

@@ -180,40 +180,11 @@ def fake_world(rank: int, world_size: int, layout: Layout) -> Iterator[None]:
 
 
 def parallel_state_here(rank: int, layout: Layout, device: Any) -> ParallelState:
-    """Our ParallelState read from megatron's parallel_state (as bootstrap.init_distributed does)."""
-    from megatron.core import parallel_state as mpu
-    from megatron.core.process_groups_config import ProcessGroupCollection
+    """Our ParallelState read from megatron's parallel_state, exactly as bootstrap.init_distributed does."""
+    from grpo_megatron.distributed.bootstrap import parallel_state_from_megatron
 
-    from grpo_megatron.distributed.bootstrap import ParallelState
-
-    return ParallelState(
-        world_size=layout.world_size,
-        rank=rank,
-        local_rank=0,
-        device=device,
-        tp=layout.tp,
-        pp=layout.pp,
-        cp=layout.cp,
-        dp=mpu.get_data_parallel_world_size(),
-        ep=layout.ep,
-        etp=mpu.get_expert_tensor_parallel_world_size(),
-        edp=mpu.get_expert_data_parallel_world_size(),
-        tp_rank=mpu.get_tensor_model_parallel_rank(),
-        pp_rank=mpu.get_pipeline_model_parallel_rank(),
-        cp_rank=mpu.get_context_parallel_rank(),
-        dp_rank=mpu.get_data_parallel_rank(),
-        ep_rank=mpu.get_expert_model_parallel_rank(),
-        etp_rank=mpu.get_expert_tensor_parallel_rank(),
-        sequence_parallel=layout.sequence_parallel,
-        tp_group=mpu.get_tensor_model_parallel_group(),
-        pp_group=mpu.get_pipeline_model_parallel_group(),
-        cp_group=mpu.get_context_parallel_group(),
-        dp_group=mpu.get_data_parallel_group(),
-        dp_cp_group=mpu.get_data_parallel_group(with_context_parallel=True),
-        ep_group=mpu.get_expert_model_parallel_group(),
-        etp_group=mpu.get_expert_tensor_parallel_group(),
-        edp_group=mpu.get_expert_data_parallel_group(),
-        pg_collection=ProcessGroupCollection.use_mpu_process_groups(),
+    return parallel_state_from_megatron(
+        world_size=layout.world_size, rank=rank, local_rank=0, device=device, parallel=layout
     )
 
 
