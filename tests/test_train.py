@@ -75,7 +75,7 @@ def test_two_grpo_iterations_at_ep2_write_every_required_metric(tmp_path):
     ]
     out = finish(launch("train", [*SMALL, *extra, "train.iterations=2", f"logging.run_dir={run}"]))
     records = read_jsonl(run / "metrics.jsonl")
-    assert [r["iteration"] for r in records] == [1, 2]
+    assert [r["iteration"] for r in records] == [0, 1, 2]  # 0: the evaluation before training
     assert missing_required_keys(records) == []
     last = records[-1]
     assert last["time/ref_logprob"] > 0 and last["time/old_logprob"] > 0
@@ -106,7 +106,7 @@ def test_killed_and_resumed_run_equals_an_uninterrupted_one(tmp_path):
 
     want = [comparable(r) for r in read_jsonl(full / "metrics.jsonl")]
     got = [comparable(r) for r in read_jsonl(cut / "metrics.jsonl")]
-    assert [r["iteration"] for r in got] == [1, 2, 3, 4, 5]
+    assert [r["iteration"] for r in got] == [0, 1, 2, 3, 4, 5]
     assert got == want, json.dumps([got[-1], want[-1]], indent=1)
 
 

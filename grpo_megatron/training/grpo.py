@@ -41,7 +41,10 @@ def train(job: Job) -> dict[str, float]:
     job.logger.truncate_from(start + 1)
     probe = phases.probe_sequences(job)
     phases.sync_weights(job, start, probe)  # the engines start from the trainer's weights
-    last_eval = dict(state["eval"]) or phases.evaluate(job, start)
+    last_eval = dict(state["eval"])
+    if not last_eval:  # a fresh run: held-out accuracy before any update, logged as iteration 0
+        last_eval = phases.evaluate(job, start)
+        job.logger.log(start, last_eval)
     first_eval = dict(last_eval)
 
     for it in range(start + 1, cfg.train.iterations + 1):
@@ -64,14 +67,15 @@ def train(job: Job) -> dict[str, float]:
                 train_metrics = phases.update_policy(job, samples, plan, beta)
             with timer("sync"):
                 sync_metrics = phases.sync_weights(job, it, probe)
+            eval_metrics: dict[str, float] = {}
             with timer("eval"):
                 if it == cfg.train.iterations or (cfg.train.eval_interval and it % cfg.train.eval_interval == 0):
-                    last_eval = phases.evaluate(job, it)
+                    eval_metrics = last_eval = phases.evaluate(job, it)
 
         n_tokens = sum(s.length + 1 for s in samples)
         metrics = {
             **reward_metrics,
-            **last_eval,
+            **eval_metrics,
             **train_metrics,
             "kl_beta": beta,
             "response_len/mean": sum(len(c.token_ids) for g in groups for c in g.completions) / len(samples),

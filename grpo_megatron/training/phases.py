@@ -362,7 +362,7 @@ def evaluate(job: Job, iteration: int) -> dict[str, float]:
     greedy = rollout(job, records, sampling_params(job, n=1, seed=seed, greedy=True))
     groups, _ = score(job, records, greedy)
     accuracy = sum(g.rewards[0] for g in groups) / len(groups)
-    metrics = {"eval/accuracy": accuracy, "eval/at_iteration": float(iteration)}
+    metrics = {"eval/accuracy": accuracy}
     k = job.cfg.train.eval_samples
     if k > 0:
         sampled = rollout(job, records, sampling_params(job, n=k, seed=seed + 1))
