@@ -16,8 +16,10 @@ the order of ``training/grpo.py``: ``phases.collect_groups`` (rollout + reward),
 ``phases.build_samples`` + ``phases.plan_update`` (advantages), ``phases.logprob_pass`` (reference;
 old-policy too with ``--updates`` > 1), ``phases.update_policy`` (train), ``fleet.sync_weights``
 (sync) and ``fleet.mismatch_probe`` (probe). Evaluation and bookkeeping are not timed. The first
-``--warmup`` iterations are excluded; the table shows the median over ``--iters`` iterations (rank
-0's clock; the phases end in collectives, so ranks agree to a few ms).
+``--warmup`` iterations are excluded; the table shows, per phase, the median over ``--iters``
+iterations of rank 0's wall time (the phases end in collectives, so ranks agree to a few ms) and of
+rank 0's CPU time. On a machine shared with other work the wall times swing by 2x between
+iterations; CPU time hardly moves, so it is printed beside every wall figure.
 
 After every iteration the same micro-batches (``plan.rows`` collated once, outside the clock) go
 through a bare loop on the same GPTModel + DDP + optimizer: per mini-batch ``zero_grad``, one plain
@@ -27,9 +29,12 @@ then ``optimizer.step()``. What it leaves out is the GRPO bookkeeping of the tra
 our vocab-parallel logprobs with entropy, the clipped-surrogate + KL loss and its metrics, the
 metric reduction, and the LR scheduler. Both are measured as tokens per second over the same
 tokens (every sample's input positions, whole batch, both ranks); the last lines print the ratio
-ours / bare (1.00 = the bookkeeping costs nothing; below 1 = ours is slower).
+ours / bare per size (1.00 = the bookkeeping costs nothing; below 1 = ours is slower): the median of
+the per-iteration wall-clock ratios, and the same from both ranks' CPU seconds.
 
-    .venv/bin/python bench/grpo_iteration.py [--sizes demo 20m] [--warmup 1] [--iters 3] [--updates 1]
+    .venv/bin/python bench/grpo_iteration.py [--sizes demo 20m] [--warmup 1] [--iters 5] [--updates 1]
+
+About 70 s on 2 cores (two launches of ~35 s: start-up, build, 6 iterations each).
 
 Not a test: the numbers depend on the machine and on what else runs on it.
 """
@@ -323,10 +328,11 @@ def print_report(results: dict[str, dict[str, Any]], args: argparse.Namespace, w
     print(f"{'launch (s)':<14}" + "".join(f"{r['launch_s']:>{width}.1f}" for r in results.values()))
     print(f"total wall time {wall_s:.0f} s")
     print("train phase vs a bare megatron-core forward/backward + optimizer step on the same micro-batches")
-    print("(tokens/s over the whole batch, both ranks, wall clock; CPU = both ranks' CPU seconds, bare / ours):")
+    print("(tokens/s over the whole batch, both ranks, wall clock; CPU: both ranks' CPU seconds bare / ours)")
     for size, s in summaries.items():
         print(
-            f"  {size:<5} ours {s['ours_tps']:7.0f} tok/s  bare {s['bare_tps']:7.0f} tok/s  CPU {s['cpu_ratio']:.2f}"
+            f"  {size:<5} ours {s['ours_tps']:7.0f} tok/s  bare {s['bare_tps']:7.0f} tok/s"
+            f"  CPU {s['cpu_ratio']:.2f}"
             f"  ({s['microbatches']} micro-batch(es) per rank; bare cross entropy {s['bare_loss']:.2f})"
         )
     for size, s in summaries.items():
