@@ -549,6 +549,8 @@ def validate(cfg: JobConfig, world_size: int) -> None:
 
     if not layout_errors and not failed & {"parallel", "train", "rollout"}:
         errors.extend(batch_layout_errors(cfg, parallel.resolve(world_size)))
+    if not failed & {"algorithm", "rollout"}:
+        errors.extend(overlong_errors(cfg))
 
     if errors:
         raise ConfigError(errors)
@@ -644,6 +646,20 @@ def batch_layout_errors(cfg: JobConfig, parallel: ParallelConfig) -> list[str]:
             f"{cfg.rollout.n_samples_per_prompt}={samples} samples per iteration cannot be split into "
             f"train.updates_per_iteration={cfg.train.updates_per_iteration} mini-batches over "
             f"dp={parallel.dp} data-parallel ranks: make it a multiple of {per_update}"
+        ]
+    return []
+
+
+def overlong_errors(cfg: JobConfig) -> list[str]:
+    """DAPO's overlong ramp must fit inside the longest response the rollout can produce."""
+    overlong = cfg.algorithm.overlong
+    if not overlong.enabled or overlong.max_len is not None:
+        return []  # an explicit max_len is checked against buffer_len by OverlongConfig itself
+    if overlong.buffer_len >= cfg.rollout.max_new_tokens:
+        return [
+            f"algorithm.overlong.buffer_len={overlong.buffer_len} must be < rollout.max_new_tokens="
+            f"{cfg.rollout.max_new_tokens} (the ramp ends at the longest response): shrink the buffer "
+            "(DAPO: 4096 of 20480) or raise max_new_tokens"
         ]
     return []
 

@@ -345,3 +345,12 @@ def test_cli_help_lists_commands_and_imports_no_torch():
 def test_job_config_defaults_are_valid_sections():
     cfg = JobConfig(model=load_config(EXAMPLE).model)
     validate(cfg, world_size=1)
+
+
+def test_overlong_buffer_must_fit_inside_max_new_tokens():
+    cfg = load_config(
+        EXAMPLE, ["algorithm.overlong.enabled=true", "algorithm.overlong.buffer_len=64", "rollout.max_new_tokens=16"]
+    )
+    with pytest.raises(ConfigError, match=r"algorithm.overlong.buffer_len=64 must be < rollout.max_new_tokens=16"):
+        cfg.validate(1)
+    load_config(EXAMPLE, ["algorithm.overlong.enabled=true", "algorithm.overlong.buffer_len=8"]).validate(1)
