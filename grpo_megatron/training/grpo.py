@@ -5,12 +5,17 @@ Every rank runs this loop (SPMD). One iteration, with the module that owns each 
   rollout       sample prompts; the engines generate G responses each       data/, rollout/fleet.py
   reward        rank 0 scores them in sandboxed workers, broadcasts         rewards/pool.py
                 (DAPO dynamic sampling repeats rollout+reward for groups with no reward variance)
-  advantages    group-relative, on every rank                               algorithm/advantages.py
+  onload        (train.offload_trainer) engines release memory, trainer state returns  training/offload.py
+  advantages    group-relative, on every rank; mini-/micro-batch plan       algorithm/advantages.py, training/batching.py
   ref_logprob   frozen reference model, forward only (skipped when KL is off)  training/phases.py
   old_logprob   the policy before the update (only with several updates)
   train         one Adam step per mini-batch of the clipped surrogate       algorithm/policy_loss.py
   sync          export stream -> engines, then a mismatch probe             bridge/export.py, rollout/
-  bookkeeping   metrics.jsonl, checkpoint, evaluation                       logging_utils/, checkpoint/
+  eval          held-out greedy pass@1 (and mean@k) every train.eval_interval  training/phases.py
+  bookkeeping   metrics.jsonl, samples, checkpoint                          logging_utils/, checkpoint/
+
+``throughput/tokens_per_s`` counts the prompt and response tokens of the batch per second of the whole
+iteration.
 
 Departures from the GRPO paper, all configurable: the fixes named in algorithm/config.py (Dr.GRPO,
 DAPO, TIS) are off by default; with one update per iteration pi_old is the detached current policy
