@@ -13,9 +13,11 @@ Qwen3-MoE policy, both from random initialisation (``model.hf_overrides``):
 Each size is one ``torch.distributed.run`` launch of 2 ranks (this script with ``--worker``) that
 builds the real job (``training/job.py:build_job``) and runs the trainer's own phase functions in
 the order of ``training/grpo.py``: ``phases.collect_groups`` (rollout + reward),
-``phases.build_samples`` + ``phases.plan_update`` (advantages), ``phases.logprob_pass`` (reference;
-old-policy too with ``--updates`` > 1), ``phases.update_policy`` (train), ``fleet.sync_weights``
-(sync) and ``fleet.mismatch_probe`` (probe). Evaluation and bookkeeping are not timed. The first
+``phases.trainer_to_device`` (onload, a no-op unless train.offload_trainer), ``phases.build_samples``
++ ``phases.plan_update`` (advantages), ``phases.logprob_pass`` (reference; old-policy too with
+``--updates`` > 1), ``phases.update_policy`` (train), ``phases.sync_weights`` (sync: the export
+stream into the engines, row sync_stream, then the mismatch probe). Evaluation, metrics and
+checkpoints are not timed. The first
 ``--warmup`` iterations are excluded; the table shows, per phase, the median over ``--iters``
 iterations of rank 0's wall time (the phases end in collectives, so ranks agree to a few ms) and of
 rank 0's CPU time. On a machine shared with other work the wall times swing by 2x between
@@ -75,7 +77,8 @@ SIZES: dict[str, dict[str, Any]] = {
 
 # Rows of the table, in loop order; "iteration" is the wall time of the whole timed body.
 PHASES = (
-    "rollout", "reward", "advantages", "ref_logprob", "old_logprob", "train", "sync", "probe", "iteration",
+    "rollout", "reward", "onload", "advantages", "ref_logprob", "old_logprob", "train", "sync", "sync_stream",
+    "iteration",
 )  # fmt: skip
 
 
@@ -169,15 +172,17 @@ class WallCpuTimer:
 
 
 def one_iteration(job: Any, sampler: Any, probe: Any, it: int, timer: WallCpuTimer) -> tuple[Any, Any]:
-    """The body of training/grpo.py's loop with the same phase functions, timed by ``timer``;
-    returns (samples, plan)."""
+    """The body of training/grpo.py's loop (evaluation and bookkeeping left out) with the same phase
+    functions, timed by ``timer``; returns (samples, plan). ``timer.wall["sync_stream"]`` is the
+    export stream's share of the sync phase (the fleet's own ``sync/seconds``; the rest is the probe)."""
     from grpo_megatron.algorithm.kl import kl_beta
     from grpo_megatron.training import phases
 
     cfg = job.cfg
-    bucket_bytes = cfg.rollout.sync_bucket_mb << 20
     with timer("iteration"):
         groups, _ = phases.collect_groups(job, sampler, timer, it)
+        with timer("onload"):
+            phases.trainer_to_device(job)
         with timer("advantages"):
             samples, _ = phases.build_samples(job, groups)
             plan = phases.plan_update(job, samples)
@@ -191,9 +196,8 @@ def one_iteration(job: Any, sampler: Any, probe: Any, it: int, timer: WallCpuTim
         with timer("train"):
             phases.update_policy(job, samples, plan, beta)
         with timer("sync"):
-            job.fleet.sync_weights(job.policy.model, version=it, bucket_bytes=bucket_bytes)
-        with timer("probe"):
-            job.fleet.mismatch_probe(job.policy.model, job.ps, *probe, temperature=cfg.rollout.temperature)
+            sync_metrics = phases.sync_weights(job, it, probe)
+    timer.wall["sync_stream"] = sync_metrics["sync/seconds"]
     return samples, plan
 
 
@@ -212,9 +216,11 @@ def worker(args: argparse.Namespace) -> None:
     job = build_job(cfg, with_reference=cfg.algorithm.kl.enabled)
     try:
         sampler = job.make_sampler()
-        job.fleet.sync_weights(job.policy.model, version=0, bucket_bytes=cfg.rollout.sync_bucket_mb << 20)
         probe = phases.probe_sequences(job)
+        phases.sync_weights(job, 0, probe)  # the engines start from the trainer's weights
         skipped = [] if job.reference is not None else ["ref_logprob"]
+        if not cfg.train.offload_trainer:
+            skipped.append("onload")
         if not (cfg.train.updates_per_iteration > 1 and cfg.train.old_logprobs == "trainer"):
             skipped.append("old_logprob")
         records: list[dict[str, Any]] = []
@@ -290,7 +296,9 @@ def summarize(result: dict[str, Any]) -> dict[str, Any]:
     wall_ratios = [r["wall_s"]["bare_train"] / r["wall_s"]["train"] for r in measured]
     return {
         "wall_ms": {k: median(lambda r, k=k: r["wall_s"].get(k, 0.0)) * 1e3 for k in names},
-        "cpu_ms": {k: median(lambda r, k=k: r["cpu_s"].get(k, 0.0)) * 1e3 for k in names},
+        "cpu_ms": {
+            k: median(lambda r, k=k: r["cpu_s"].get(k, 0.0)) * 1e3 for k in names if k in measured[0]["cpu_s"]
+        },
         "tokens": median(lambda r: r["tokens"]),
         "samples": measured[0]["samples"],
         "microbatches": measured[0]["local_microbatches"],
@@ -322,7 +330,8 @@ def print_report(results: dict[str, dict[str, Any]], args: argparse.Namespace, w
             if phase in s["skipped"] or phase not in s["wall_ms"]:
                 cells.append(f"{'-':>{width}}")
             else:
-                cells.append(f"{s['wall_ms'][phase]:>{width - 9}.1f} /{s['cpu_ms'][phase]:>7.1f}")
+                cpu = f"{s['cpu_ms'][phase]:>7.1f}" if phase in s["cpu_ms"] else f"{'-':>7}"
+                cells.append(f"{s['wall_ms'][phase]:>{width - 9}.1f} /{cpu}")
         print(f"{phase:<14}" + "".join(cells))
     print(f"{'tokens/iter':<14}" + "".join(f"{s['tokens']:>{width}.0f}" for s in summaries.values()))
     print(f"{'launch (s)':<14}" + "".join(f"{r['launch_s']:>{width}.1f}" for r in results.values()))
