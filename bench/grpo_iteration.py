@@ -172,33 +172,15 @@ class WallCpuTimer:
 
 
 def one_iteration(job: Any, sampler: Any, probe: Any, it: int, timer: WallCpuTimer) -> tuple[Any, Any]:
-    """The body of training/grpo.py's loop (evaluation and bookkeeping left out) with the same phase
-    functions, timed by ``timer``; returns (samples, plan). ``timer.wall["sync_stream"]`` is the
-    export stream's share of the sync phase (the fleet's own ``sync/seconds``; the rest is the probe)."""
-    from grpo_megatron.algorithm.kl import kl_beta
-    from grpo_megatron.training import phases
+    """The trainer's own iteration (``training/grpo.py:run_iteration``: evaluation and bookkeeping left
+    out), timed by ``timer``; returns (samples, plan). ``timer.wall["sync_stream"]`` is the export
+    stream's share of the sync phase (the fleet's own ``sync/seconds``; the rest is the probe)."""
+    from grpo_megatron.training.grpo import run_iteration
 
-    cfg = job.cfg
     with timer("iteration"):
-        groups, _ = phases.collect_groups(job, sampler, timer, it)
-        with timer("onload"):
-            phases.trainer_to_device(job)
-        with timer("advantages"):
-            samples, _ = phases.build_samples(job, groups)
-            plan = phases.plan_update(job, samples)
-        beta = kl_beta(cfg.algorithm.kl, it - 1, cfg.train.iterations)
-        with timer("ref_logprob"), job.reference_on_device():
-            if job.reference is not None:
-                phases.logprob_pass(job, job.reference, samples, plan, "ref")
-        with timer("old_logprob"):
-            if cfg.train.updates_per_iteration > 1 and cfg.train.old_logprobs == "trainer":
-                phases.logprob_pass(job, job.policy.model, samples, plan, "old")
-        with timer("train"):
-            phases.update_policy(job, samples, plan, beta)
-        with timer("sync"):
-            sync_metrics = phases.sync_weights(job, it, probe)
-    timer.wall["sync_stream"] = sync_metrics["sync/seconds"]
-    return samples, plan
+        result = run_iteration(job, sampler, probe, it, timer)
+    timer.wall["sync_stream"] = result.metrics["sync/seconds"]
+    return result.samples, result.plan
 
 
 def worker(args: argparse.Namespace) -> None:

@@ -25,14 +25,62 @@ DAPO, TIS) are off by default; with one update per iteration pi_old is the detac
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from grpo_megatron.algorithm.kl import kl_beta
 from grpo_megatron.training import phases
+from grpo_megatron.training.batching import Sample
 from grpo_megatron.training.job import Job, PhaseTimer, build_job, export_hf_checkpoint
 
 if TYPE_CHECKING:
     from grpo_megatron.config import JobConfig
+    from grpo_megatron.data import PromptSampler
+
+Probe = tuple[list[list[int]], list[int]]  # the mismatch probe's sequences and prompt lengths
+
+
+@dataclass
+class Iteration:
+    """What one iteration produced: its rollouts, the trainer samples and the metrics of its phases."""
+
+    groups: list[phases.Group]
+    samples: list[Sample]
+    plan: phases.UpdatePlan
+    metrics: dict[str, float]
+
+
+def run_iteration(job: Job, sampler: PromptSampler, probe: Probe, it: int, timer: PhaseTimer) -> Iteration:
+    """One GRPO iteration, rollout to weight sync, each phase timed as ``time/<phase>``."""
+    cfg = job.cfg
+    groups, reward_metrics = phases.collect_groups(job, sampler, timer, it)  # rollout, reward
+    with timer("onload"):
+        onload_metrics = phases.trainer_to_device(job)
+    with timer("advantages"):
+        samples, adv_metrics = phases.build_samples(job, groups)
+        plan = phases.plan_update(job, samples)
+    beta = kl_beta(cfg.algorithm.kl, it - 1, cfg.train.iterations)
+    with timer("ref_logprob"), job.reference_on_device():
+        if job.reference is not None:
+            phases.logprob_pass(job, job.reference, samples, plan, "ref")
+    with timer("old_logprob"):
+        if cfg.train.updates_per_iteration > 1 and cfg.train.old_logprobs == "trainer":
+            phases.logprob_pass(job, job.policy.model, samples, plan, "old")
+    with timer("train"):
+        train_metrics = phases.update_policy(job, samples, plan, beta)
+    with timer("sync"):
+        sync_metrics = phases.sync_weights(job, it, probe)
+    metrics = {
+        **reward_metrics,
+        **train_metrics,
+        "kl_beta": beta,
+        "response_len/mean": sum(len(c.token_ids) for g in groups for c in g.completions) / len(samples),
+        **adv_metrics,
+        **sync_metrics,
+        **onload_metrics,
+    }
+    metrics.setdefault("kl", 0.0)
+    return Iteration(groups, samples, plan, metrics)
 
 
 def train(job: Job) -> dict[str, float]:
@@ -54,48 +102,24 @@ def train(job: Job) -> dict[str, float]:
 
     for it in range(start + 1, cfg.train.iterations + 1):
         timer = PhaseTimer()
+        eval_metrics: dict[str, float] = {}
         with timer("iteration"):
-            groups, reward_metrics = phases.collect_groups(job, sampler, timer, it)
-            with timer("onload"):
-                onload_metrics = phases.trainer_to_device(job)
-            with timer("advantages"):
-                samples, adv_metrics = phases.build_samples(job, groups)
-                plan = phases.plan_update(job, samples)
-            beta = kl_beta(cfg.algorithm.kl, it - 1, cfg.train.iterations)
-            with timer("ref_logprob"), job.reference_on_device():
-                if job.reference is not None:
-                    phases.logprob_pass(job, job.reference, samples, plan, "ref")
-            with timer("old_logprob"):
-                if cfg.train.updates_per_iteration > 1 and cfg.train.old_logprobs == "trainer":
-                    phases.logprob_pass(job, job.policy.model, samples, plan, "old")
-            with timer("train"):
-                train_metrics = phases.update_policy(job, samples, plan, beta)
-            with timer("sync"):
-                sync_metrics = phases.sync_weights(job, it, probe)
-            eval_metrics: dict[str, float] = {}
+            result = run_iteration(job, sampler, probe, it, timer)
             with timer("eval"):
                 if it == cfg.train.iterations or (cfg.train.eval_interval and it % cfg.train.eval_interval == 0):
                     eval_metrics = last_eval = phases.evaluate(job, it)
-
-        n_tokens = sum(s.length + 1 for s in samples)
+        n_tokens = sum(s.length + 1 for s in result.samples)
         metrics = {
-            **reward_metrics,
+            **result.metrics,
             **eval_metrics,
-            **train_metrics,
-            "kl_beta": beta,
-            "response_len/mean": sum(len(c.token_ids) for g in groups for c in g.completions) / len(samples),
-            **adv_metrics,
-            **sync_metrics,
-            **onload_metrics,
             **timer.seconds,
             "throughput/tokens_per_s": n_tokens / timer.seconds["time/iteration"],
         }
-        metrics.setdefault("kl", 0.0)
         for name in ("ref_logprob", "old_logprob"):
             metrics.setdefault(f"time/{name}", 0.0)
         job.logger.log(it, metrics)
         if cfg.logging.samples_interval and it % cfg.logging.samples_interval == 0:
-            job.logger.log_samples(it, sample_rows(groups, cfg.train.rollout_samples_logged))
+            job.logger.log_samples(it, sample_rows(result.groups, cfg.train.rollout_samples_logged))
         if cfg.checkpoint.save_interval and (it % cfg.checkpoint.save_interval == 0 or it == cfg.train.iterations):
             phases.save_checkpoint(job, it, {"iteration": it, "sampler": sampler.state_dict(), "eval": last_eval})
     return {"before": first_eval.get("eval/accuracy", float("nan")), "after": last_eval.get("eval/accuracy", float("nan"))}
