@@ -80,17 +80,20 @@ class _Item:
 # Public entry points
 
 
+def _train_items(cfg: DataConfig, problems: list, *, sft: bool) -> tuple[list, DataStats]:
+    """Training rows from data.train_path, else the generator's training problems (gold solutions
+    included for SFT), with their counts."""
+    if cfg.train_path is not None:
+        stats = DataStats(source=str(cfg.train_path))
+        return _file_items(cfg, cfg.train_path, "data.train_path", cfg.num_train_prompts, stats, sft=sft), stats
+    stats = DataStats(source=f"generator {cfg.generator} ({'train, gold solutions' if sft else 'train'})")
+    return _problem_items(problems, cfg.generator, "train", stats), stats
+
+
 def load_prompt_datasets(cfg: DataConfig, tokenizer: PreTrainedTokenizerFast, seed: int) -> PromptDatasets:
     """(train, eval) prompt records with the counts of skipped and dropped rows."""
     train_problems, eval_problems = _generated(cfg, seed)
-    if cfg.train_path is not None:
-        train_stats = DataStats(source=str(cfg.train_path))
-        items = _file_items(
-            cfg, cfg.train_path, "data.train_path", cfg.num_train_prompts, train_stats, sft=False
-        )
-    else:
-        train_stats = DataStats(source=f"generator {cfg.generator} (train)")
-        items = _problem_items(train_problems, cfg.generator, "train", train_stats)
+    items, train_stats = _train_items(cfg, train_problems, sft=False)
     train = _prompt_records(items, cfg, tokenizer, train_stats)
     _require_some(train, train_stats, _source_field(cfg), cfg.max_prompt_tokens)
     eval_records, eval_stats = _eval_records(cfg, tokenizer, eval_problems)
@@ -115,14 +118,7 @@ def load_sft_datasets(cfg: DataConfig, tokenizer: PreTrainedTokenizerFast, seed:
             "tokenizer_config.json (data.tokenizer_path)"
         )
     train_problems, eval_problems = _generated(cfg, seed)
-    if cfg.train_path is not None:
-        train_stats = DataStats(source=str(cfg.train_path))
-        items = _file_items(
-            cfg, cfg.train_path, "data.train_path", cfg.num_train_prompts, train_stats, sft=True
-        )
-    else:
-        train_stats = DataStats(source=f"generator {cfg.generator} (train, gold solutions)")
-        items = _problem_items(train_problems, cfg.generator, "train", train_stats)
+    items, train_stats = _train_items(cfg, train_problems, sft=True)
     train = _sft_records(items, cfg, tokenizer, int(eos), train_stats)
     _require_some(train, train_stats, _source_field(cfg), cfg.max_prompt_tokens)
     dev, dev_stats = _eval_records(cfg, tokenizer, eval_problems)
