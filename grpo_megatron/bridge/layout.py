@@ -13,7 +13,8 @@ Rules (megatron-core's own tensor attributes decide, not name patterns, except f
 - GLU ``linear_fc1`` weights hold ``[gate; up]`` per shard, so the canonical tensor is
   ``[gate_full; up_full]``, not the concatenation of shards;
 - ``local_experts.{j}`` on EP rank r is global expert ``r * num_local + j``;
-- ``decoder.layers.{i}`` is global layer ``layer.layer_number - 1``.
+- ``decoder.layers.{i}`` is global layer ``layer.layer_number - 1``;
+- names are the local layer spec's: TransformerEngine's fused-norm names map back (``TE_FUSED_NORMS``).
 """
 
 from __future__ import annotations
@@ -28,6 +29,27 @@ import torch.distributed as dist
 from grpo_megatron.distributed.bootstrap import ParallelState
 
 _LAYER = re.compile(r"^(decoder\.layers\.)(\d+)(\.)")
+
+# TransformerEngine's layer spec fuses a norm into the linear layer that follows it; its weight is
+# then named after that linear. Canonical names are the local spec's, so the adapters' rules (and
+# every checkpoint written on CPU) serve both specs. Suffix on TE -> suffix on the local spec.
+TE_FUSED_NORMS: tuple[tuple[str, str], ...] = (
+    (".self_attention.linear_qkv.layer_norm_weight", ".input_layernorm.weight"),
+    (".self_attention.linear_qkv.layer_norm_bias", ".input_layernorm.bias"),
+    (".mlp.linear_fc1.layer_norm_weight", ".pre_mlp_layernorm.weight"),
+    (".mlp.linear_fc1.layer_norm_bias", ".pre_mlp_layernorm.bias"),
+    # Multi-latent attention: the q / kv latent norms sit before the up-projections.
+    (".self_attention.linear_q_up_proj.layer_norm_weight", ".self_attention.q_layernorm.weight"),
+    (".self_attention.linear_kv_up_proj.layer_norm_weight", ".self_attention.kv_layernorm.weight"),
+)
+
+
+def local_spec_name(name: str) -> str:
+    """``name`` as megatron's local layer spec calls it (TE's fused-norm names mapped back)."""
+    for te_suffix, local_suffix in TE_FUSED_NORMS:
+        if name.endswith(te_suffix):
+            return name[: -len(te_suffix)] + local_suffix
+    return name
 _EXPERT = re.compile(r"(\.local_experts\.)(\d+)(\.)")
 
 
@@ -56,7 +78,7 @@ def shard_layouts(
     num_local_experts = (config.num_moe_experts or 0) // ps.ep
     expert_params = {id(p) for m in gpt.modules() if getattr(m, "is_expert", False) for p in m.parameters()}
     for name, param in gpt.named_parameters():
-        canonical = _LAYER.sub(lambda m: m.group(1) + global_layer[m.group(2)] + m.group(3), name)
+        canonical = _LAYER.sub(lambda m: m.group(1) + global_layer[m.group(2)] + m.group(3), local_spec_name(name))
         is_expert = id(param) in expert_params
         if is_expert:
             canonical = _EXPERT.sub(
