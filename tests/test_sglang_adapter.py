@@ -17,7 +17,7 @@ import torch
 
 from grpo_megatron.config import load_config
 from grpo_megatron.rollout.config import RolloutConfig
-from grpo_megatron.rollout.engine import RolloutEngine, SamplingParams
+from grpo_megatron.rollout.engine import SamplingParams
 from grpo_megatron.rollout.sglang_engine import (
     INSTALL_HINT,
     SGLangEngine,
@@ -32,11 +32,9 @@ from grpo_megatron.rollout.sglang_engine import (
     completion_from_output,
     decode_routed_experts,
     distributed_update_body,
-    release_for_training,
     sample_seeds,
     sampling_params_dict,
     teacher_forced_logprobs,
-    wake_for_rollout,
     weight_group_layout,
 )
 from tests.helpers.dist import REPO_ROOT
@@ -234,46 +232,6 @@ def test_colocated_groups_and_engine_arguments() -> None:
         ]
         is False
     )
-
-
-# ----------------------------------------------------------------------------------------------------
-# Memory order
-
-
-class RecordingEngine(RolloutEngine):
-    """A ``RolloutEngine`` that records the calls the memory-order functions make."""
-
-    def __init__(self, log: list):
-        self.log = log
-
-    def generate(self, prompts, params):
-        raise NotImplementedError
-
-    def update_weights(self, bucket, *, version, last):
-        raise NotImplementedError
-
-    def score(self, sequences, prompt_lens, temperature):
-        raise NotImplementedError
-
-    def release_memory(self, tags=None):
-        self.log.append(("release", tags))
-
-    def resume_memory(self, tags=None):
-        self.log.append(("resume", tags))
-
-
-def test_memory_swap_releases_all_then_resumes_weights_syncs_offloads_and_resumes_the_rest() -> None:
-    log: list = []
-    engine = RecordingEngine(log)
-    release_for_training(engine)
-    wake_for_rollout(engine, lambda: log.append("sync"), lambda: log.append("offload trainer"))
-    assert log == [
-        ("release", None),
-        ("resume", ["weights"]),
-        "sync",
-        "offload trainer",
-        ("resume", ["kv_cache", "cuda_graph"]),
-    ]
 
 
 # ----------------------------------------------------------------------------------------------------

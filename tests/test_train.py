@@ -28,6 +28,7 @@ SMALL = [
     "train.micro_batch_size=8",
     "logging.wandb_mode=disabled",
     "logging.progress_bar=false",
+    "parallel.timeout_minutes=3",  # a rank stuck in a collective fails the test instead of hanging it
 ]
 # Keys that measure wall time differ between any two runs; everything else must match bitwise.
 TIMING_PREFIXES = ("time/", "throughput/", "sync/")
@@ -62,7 +63,8 @@ def comparable(record: dict) -> dict:
 
 
 def test_two_grpo_iterations_at_ep2_write_every_required_metric(tmp_path):
-    # Every phase on: reference model (KL), old-logprob pass (two updates), TIS, DAPO dynamic sampling.
+    # Every phase on: reference model (KL), old-logprob pass (two updates), TIS, DAPO dynamic sampling,
+    # trainer offload around the engines, a checkpoint and the final HF export.
     run = tmp_path / "run"
     extra = [
         "algorithm.kl.beta=0.02",
@@ -72,6 +74,8 @@ def test_two_grpo_iterations_at_ep2_write_every_required_metric(tmp_path):
         "algorithm.dynamic_sampling.max_tries=2",
         "train.eval_samples=2",
         "checkpoint.export_hf_dir=hf",
+        "train.offload_trainer=true",  # the colocated memory swap (a round trip on CPU)
+        "checkpoint.save_interval=2",  # a save while the trainer's state is offloaded
     ]
     out = finish(launch("train", [*SMALL, *extra, "train.iterations=2", f"logging.run_dir={run}"]))
     records = read_jsonl(run / "metrics.jsonl")
@@ -82,6 +86,8 @@ def test_two_grpo_iterations_at_ep2_write_every_required_metric(tmp_path):
     assert last["kl"] is not None and "dynamic_sampling/rounds" in last and "eval/mean@2" in last
     assert last["mismatch/probe_abs_diff_max"] < 1e-4  # engine and trainer agree after the sync
     assert (run / "hf" / "config.json").is_file() and (run / "hf" / "tokenizer.json").is_file()
+    assert (run / "checkpoints" / "latest").read_text().strip().endswith("2")
+    assert last["offload/bytes_moved"] > 0
     assert "held-out accuracy" in out
     assert (run / "plot.png").is_file()
     assert (run / "config.yaml").is_file()

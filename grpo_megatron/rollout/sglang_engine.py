@@ -15,8 +15,10 @@ Two modes (``rollout.sglang_mode``):
   ``load_format="flattened_bucket"``). Health checks before use; a failed server goes through a
   restart hook and must be re-synced before it generates again.
 
-The memory order that keeps the colocated peak low is ``release_for_training`` /
-``wake_for_rollout`` at the bottom of this module; the trainer calls them.
+The memory order that keeps the colocated peak low is the trainer's (``training/phases.py``:
+``trainer_to_device`` releases every engine tag before the trainer onloads; ``sync_weights`` resumes
+the engine's weights, streams the new ones, offloads the trainer's parameters, then resumes the KV
+cache and CUDA graphs), the same for every engine.
 
 SGLang is imported only inside functions (``import_sglang``): the package and the CPU tests never
 need it. What SGLang does differently from the interface's conventions is written where it happens
@@ -677,33 +679,6 @@ def _wait_healthy(server: SGLangHttpClient, timeout_s: float) -> bool:
         time.sleep(min(2.0, max(0.0, deadline - time.monotonic())))
 
 
-# ----------------------------------------------------------------------------------------------------
-# Colocated memory order: what the trainer calls around each iteration
-
-
-def release_for_training(engine: RolloutEngine) -> None:
-    """Before training: the engine gives back everything (weights, KV cache, CUDA graphs) at once,
-    so the trainer onloads into a device holding only its own state."""
-    engine.release_memory(None)
-
-
-def wake_for_rollout(
-    engine: RolloutEngine, sync_weights: Callable[[], None], offload_trainer: Callable[[], None] | None = None
-) -> None:
-    """After training, in the order that keeps the peak low:
-
-    1. resume the engine's weight memory only (no KV cache yet: the trainer is still resident);
-    2. ``sync_weights()``: stream the trainer's weights into it;
-    3. ``offload_trainer()``: the trainer moves what is left of it off the device;
-    4. resume the KV cache and CUDA graphs into the memory the trainer freed.
-    """
-    engine.resume_memory(["weights"])
-    sync_weights()
-    if offload_trainer is not None:
-        offload_trainer()
-    engine.resume_memory(["kv_cache", "cuda_graph"])
-
-
 __all__ = [
     "INSTALL_HINT",
     "SGLangEngine",
@@ -722,9 +697,7 @@ __all__ = [
     "flattened_bucket_payloads",
     "import_sglang",
     "init_trainer_weight_group",
-    "release_for_training",
     "sample_seeds",
     "sampling_params_dict",
     "teacher_forced_logprobs",
-    "wake_for_rollout",
 ]

@@ -141,6 +141,7 @@ def main(cfg: JobConfig) -> int:
     try:
         result = train(job)
         if cfg.checkpoint.export_hf_dir:
+            phases.trainer_to_device(job)  # the export reads the parameters (offload_trainer)
             export_hf_checkpoint(job, job.run_dir / cfg.checkpoint.export_hf_dir)
     finally:
         job.close()
