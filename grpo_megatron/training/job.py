@@ -18,7 +18,7 @@ import torch.distributed as dist
 from grpo_megatron.distributed.bootstrap import ParallelState
 
 if TYPE_CHECKING:
-    from collections.abc import Iterator
+    from collections.abc import Callable, Iterator
 
     from grpo_megatron.checkpoint.manager import CheckpointManager
     from grpo_megatron.config import JobConfig
@@ -150,11 +150,21 @@ def export_hf_checkpoint(job: Job, out_dir: Path) -> None:
             writer(bucket)
 
 
-def broadcast_from_rank0(obj: Any, ps: ParallelState) -> Any:
-    """Rank 0's ``obj`` on every rank (rewards, eval scores: computed once, used everywhere)."""
-    box = [obj if ps.rank == 0 else None]
+def on_rank0(fn: Callable[[], Any], ps: ParallelState, what: str) -> Any:
+    """Run ``fn`` on global rank 0 only (rewards, evaluation scores: computed once, used everywhere)
+    and return its result on every rank. If it raises, every rank raises, instead of the others
+    waiting in the next collective until the process-group timeout."""
+    box: list[Any] = [None]
+    if ps.rank == 0:
+        try:
+            box = [("ok", fn())]
+        except Exception as exc:  # reported on every rank below
+            box = [("error", f"{type(exc).__name__}: {exc}")]
     dist.broadcast_object_list(box, src=0)
-    return box[0]
+    status, value = box[0]
+    if status != "ok":
+        raise RuntimeError(f"{what} failed on rank 0: {value}")
+    return value
 
 
 def build_job(cfg: JobConfig, *, with_reference: bool, sft: bool = False) -> Job:

@@ -29,7 +29,7 @@ from grpo_megatron.training.batching import (
     scatter_logprobs,
 )
 from grpo_megatron.training.forward_backward import MicroBatch, forward_backward, forward_logprobs
-from grpo_megatron.training.job import Job, broadcast_from_rank0
+from grpo_megatron.training.job import Job, on_rank0
 
 
 @dataclass
@@ -64,8 +64,9 @@ def rollout(job: Job, records: Sequence, params: SamplingParams) -> list[list[Co
 def score(job: Job, records: Sequence, completions: list[list[Completion]]) -> tuple[list[Group], dict[str, float]]:
     """Rewards of every completion (rank 0's reward pool, broadcast), grouped per prompt."""
     texts = [[job.tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in cs] for cs in completions]
-    result = None
-    if job.rewards is not None:
+
+    def score_all() -> tuple[list[float], dict[str, float]]:
+        assert job.rewards is not None  # rank 0 holds the pool
         samples = [
             RewardSample(
                 prompt=r.prompt,
@@ -78,8 +79,9 @@ def score(job: Job, records: Sequence, completions: list[list[Completion]]) -> t
             for c, t in zip(cs, ts, strict=True)
         ]
         group_size = len(completions[0]) if completions else 1
-        result = job.rewards.score(attach_groups(samples, group_size))
-    rewards, metrics = broadcast_from_rank0(result, job.ps)
+        return job.rewards.score(attach_groups(samples, group_size))
+
+    rewards, metrics = on_rank0(score_all, job.ps, "reward scoring")
     groups, k = [], 0
     for r, cs, ts in zip(records, completions, texts, strict=True):
         groups.append(Group(r, cs, list(rewards[k : k + len(cs)]), ts))
