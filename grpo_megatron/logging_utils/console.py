@@ -28,6 +28,7 @@ LINE_FIELDS: tuple[tuple[str, str, str], ...] = (
     ("reward/mean", "reward", "{:.4f}"),
     ("eval/accuracy", "eval_acc", "{:.4f}"),
     ("loss/policy", "loss", "{:.4g}"),
+    ("sft/loss", "sft_loss", "{:.4g}"),
     ("kl", "kl", "{:.3g}"),
     ("clip_frac", "clip", "{:.3g}"),
     ("entropy", "entropy", "{:.3g}"),
@@ -50,7 +51,7 @@ def make_console() -> Console:
 
 
 def format_line(iteration: int, total_iterations: int, record: Mapping[str, Any]) -> str:
-    """One concise line for an iteration, e.g. `it 7 [8/100] reward=0.4125 loss=-0.0123 time=3.21s`."""
+    """One concise line for an iteration, e.g. `it 7/100 reward=0.4125 loss=-0.0123 time=3.21s`."""
     parts = [f"it {iteration}/{total_iterations}"]
     for key, label, fmt in LINE_FIELDS:
         value = record.get(key)

@@ -27,12 +27,14 @@ if TYPE_CHECKING:
     from grpo_megatron.config import JobConfig
 
 def sft_job_config(cfg: JobConfig) -> JobConfig:
-    """The job config the SFT policy is built with: the optimizer runs at sft.lr, constant."""
+    """The job config the SFT job is built with: the optimizer runs at sft.lr, constant."""
     train = dataclasses.replace(
         cfg.train, lr=cfg.sft.lr, min_lr=cfg.sft.lr, lr_decay="constant", lr_warmup_iterations=0,
         iterations=cfg.sft.max_steps,
     )
-    return dataclasses.replace(cfg, train=train)
+    # The console reports at each dev evaluation (metrics.jsonl still gets every step).
+    logging = dataclasses.replace(cfg.logging, log_interval=cfg.sft.eval_interval)
+    return dataclasses.replace(cfg, train=train, logging=logging)
 
 
 def sft_step(job: Job, samples: list[Sample]) -> dict[str, float]:
