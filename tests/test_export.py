@@ -102,6 +102,8 @@ def test_stream_to_rank_1_with_a_cast_and_broadcast_bucket(tmp_path: Path) -> No
         assert list(r1["dst1"]) == list(ref) and all(torch.equal(r1["dst1"][k], v) for k, v in ref.items())
         assert all(torch.equal(r1["dst1_bf16"][k], v.to(torch.bfloat16)) for k, v in ref.items())
         assert r1["owns_memory"], layout
+        for planned in r1["dst1_planned"]:  # a reused plan streams the same tensors
+            assert list(planned) == list(ref) and all(torch.equal(planned[k], v) for k, v in ref.items())
         # broadcast_bucket hands rank 1 exactly what rank 0 had, bucket by bucket.
         got = {k: v for b in r1["broadcast"] for k, v in b.items()}
         assert list(got) == list(ref) and all(torch.equal(got[k], v) for k, v in ref.items()), layout

@@ -229,6 +229,43 @@ def _post_receives(rnd: list[_Item], ps: ParallelState) -> tuple[list, dict[int,
 
 
 @torch.no_grad()
+@dataclass(frozen=True)
+class ExportPlan:
+    """The outcome of the metadata exchange: every tensor of the stream, who sends which slice of it,
+    cut into buckets and rounds. It depends only on the model's layout (not on the weights), so one
+    plan serves every export of the same model at the same layout, destination, bucket size and dtype
+    (the per-iteration weight sync computes it once instead of gathering every rank's metadata each
+    time)."""
+
+    buckets: list[list[list[_Item]]]
+    bucket_bytes: int
+    dst_rank: int
+    dtype: torch.dtype | None
+    world_size: int
+
+
+def plan_export(
+    model: torch.nn.Module,
+    ps: ParallelState,
+    hf: Mapping[str, Any],
+    *,
+    bucket_bytes: int = 512 << 20,
+    dst_rank: int = 0,
+    dtype: torch.dtype | None = None,
+) -> ExportPlan:
+    """Collective: exchange shard metadata (names, shapes, dtypes, slices; no weights) and plan the stream."""
+    if bucket_bytes <= 0:
+        raise ValueError(f"bucket_bytes={bucket_bytes} must be > 0")
+    if not 0 <= dst_rank < ps.world_size:
+        raise ValueError(f"dst_rank={dst_rank} is not a rank of this world of {ps.world_size}")
+    rules = rules_by_name(hf)
+    entries, _ = _announce(model, ps, rules)
+    everyone: list[list | None] = [None] * ps.world_size
+    dist.all_gather_object(everyone, entries)
+    buckets = _schedule(_plan(rules, everyone, dtype, hf.get("model_type"), dst_rank), bucket_bytes)
+    return ExportPlan(buckets, bucket_bytes, dst_rank, dtype, ps.world_size)
+
+
 def export_hf_stream(
     model: torch.nn.Module,
     ps: ParallelState,
@@ -237,23 +274,28 @@ def export_hf_stream(
     bucket_bytes: int = 512 << 20,
     dst_rank: int = 0,
     dtype: torch.dtype | None = None,
+    plan: ExportPlan | None = None,
 ) -> Iterator[Bucket]:
     """Yield buckets of (HF name, full CPU tensor) on ``dst_rank``; other ranks yield nothing but
     must iterate the generator to the end (they send their slices from inside it).
 
     ``bucket_bytes``: a bucket is yielded once it holds at least this many bytes (a tensor is
     never split). ``dtype``: cast on export, on the sending rank (None keeps the training dtype).
-    Every yielded tensor owns its memory: a consumer may keep any of them.
+    ``plan``: a ``plan_export`` result made with these same settings, to skip the metadata exchange;
+    None = plan now. Every yielded tensor owns its memory: a consumer may keep any of them.
     """
-    if bucket_bytes <= 0:
-        raise ValueError(f"bucket_bytes={bucket_bytes} must be > 0")
-    if not 0 <= dst_rank < ps.world_size:
-        raise ValueError(f"dst_rank={dst_rank} is not a rank of this world of {ps.world_size}")
-    rules = rules_by_name(hf)
-    entries, mine = _announce(model, ps, rules)
-    everyone: list[list | None] = [None] * ps.world_size
-    dist.all_gather_object(everyone, entries)  # metadata only: names, shapes, dtypes, slices
-    buckets = _schedule(_plan(rules, everyone, dtype, hf.get("model_type"), dst_rank), bucket_bytes)
+    if plan is None:
+        plan = plan_export(model, ps, hf, bucket_bytes=bucket_bytes, dst_rank=dst_rank, dtype=dtype)
+    elif (plan.bucket_bytes, plan.dst_rank, plan.dtype, plan.world_size) != (
+        bucket_bytes, dst_rank, dtype, ps.world_size
+    ):
+        raise ValueError(
+            f"export plan made for bucket_bytes={plan.bucket_bytes}, dst_rank={plan.dst_rank}, "
+            f"dtype={plan.dtype}, world {plan.world_size}; asked for {bucket_bytes}, {dst_rank}, {dtype}, "
+            f"{ps.world_size}: make a new plan with plan_export"
+        )
+    _, mine = _announce(model, ps, rules_by_name(hf))  # this rank's tensors as they are now
+    buckets = plan.buckets
     rounds = [rnd for bucket in buckets for rnd in bucket]
 
     if ps.rank != dst_rank:

@@ -30,6 +30,7 @@ import torch.distributed as dist
 from grpo_megatron.rollout.engine import Bucket, Completion, MemoryTag, RolloutEngine, SamplingParams
 
 if TYPE_CHECKING:
+    from grpo_megatron.bridge.export import ExportPlan
     from grpo_megatron.config import JobConfig
     from grpo_megatron.distributed.bootstrap import ParallelState
 
@@ -117,6 +118,11 @@ class RolloutFleet:
     """dtype the weights are exported in (the engines' dtype)."""
     bucket_bytes: int
     """Default weight-sync bucket size (``rollout.sync_bucket_mb``)."""
+    export_plan: ExportPlan | None = None
+    """The export stream's plan, made at the first sync and reused while the model and bucket size
+    stay the same (the metadata exchange it saves grows with the world size)."""
+    planned_for: tuple[int, int] | None = None
+    """(id of the model, bucket bytes) ``export_plan`` was made for."""
 
     @classmethod
     def build(
@@ -192,7 +198,7 @@ class RolloutFleet:
         An engine that rejects the update keeps its previous weights and version; then every rank
         raises with the engines' messages.
         """
-        from grpo_megatron.bridge.export import broadcast_bucket, export_hf_stream
+        from grpo_megatron.bridge.export import broadcast_bucket, export_hf_stream, plan_export
 
         bucket_bytes = bucket_bytes or self.bucket_bytes
         dst = self.engine_ranks[0]
@@ -201,8 +207,14 @@ class RolloutFleet:
         kept: list[Bucket] = []
         feeder = _Feeder(self.engine, version) if is_dst else None
         start = time.perf_counter()
+        if self.planned_for != (id(model), bucket_bytes):
+            self.export_plan = plan_export(
+                model, self.ps, self.hf, bucket_bytes=bucket_bytes, dst_rank=dst, dtype=self.export_dtype
+            )
+            self.planned_for = (id(model), bucket_bytes)
         stream = export_hf_stream(
-            model, self.ps, self.hf, bucket_bytes=bucket_bytes, dst_rank=dst, dtype=self.export_dtype
+            model, self.ps, self.hf, bucket_bytes=bucket_bytes, dst_rank=dst, dtype=self.export_dtype,
+            plan=self.export_plan,
         )
         for bucket in stream:
             if feeder is not None:

@@ -16,7 +16,7 @@ def stream_and_broadcast(hf_dir: str, layouts: dict[str, list[str]], bucket_byte
     received: ``{"dst0": ..., "dst1": ..., "dst1_bf16": ..., "broadcast": ..., "buckets": n}``."""
     import torch.distributed as dist
 
-    from grpo_megatron.bridge.export import broadcast_bucket, export_hf_stream
+    from grpo_megatron.bridge.export import broadcast_bucket, export_hf_stream, plan_export
     from grpo_megatron.config import load_config
     from grpo_megatron.distributed.bootstrap import destroy_distributed, init_distributed, world_size_from_env
     from grpo_megatron.models.builder import build_gpt_model
@@ -35,6 +35,10 @@ def stream_and_broadcast(hf_dir: str, layouts: dict[str, list[str]], bucket_byte
             list(export_hf_stream(model, ps, hf, bucket_bytes=bucket_bytes, dst_rank=dst, dtype=dtype))
             for dst, dtype in ((0, None), (1, None), (1, torch.bfloat16))
         )
+        # A plan made once serves later exports (the weight sync reuses it every iteration).
+        plan = plan_export(model, ps, hf, bucket_bytes=bucket_bytes, dst_rank=1)
+        replanned = [list(export_hf_stream(model, ps, hf, bucket_bytes=bucket_bytes, dst_rank=1, plan=plan))
+                     for _ in range(2)]
         count = torch.tensor([len(dst0)])
         dist.broadcast(count, src=0)  # rank 1 learns how many buckets to receive
         received = [broadcast_bucket(dst0[i] if ps.rank == 0 else None, 0) for i in range(int(count))]
@@ -47,6 +51,7 @@ def stream_and_broadcast(hf_dir: str, layouts: dict[str, list[str]], bucket_byte
                 "dst1": dict(kv for b in dst1 for kv in b),
                 "dst1_bf16": dict(kv for b in dst1_bf16 for kv in b),
                 "dst1_buckets": len(dst1),
+                "dst1_planned": [dict(kv for b in r for kv in b) for r in replanned],
                 # A yielded tensor owns its memory (a consumer may keep one alone).
                 "owns_memory": all(
                     t.untyped_storage().nbytes() == t.numel() * t.element_size() for b in dst1 for _, t in b
