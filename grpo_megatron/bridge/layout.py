@@ -68,6 +68,18 @@ def unwrap(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
+def _expert_param_ids(module: torch.nn.Module) -> set[int]:
+    """ids of the parameters under modules marked ``is_expert``: one walk that stops at the first
+    expert module of each branch (visiting every expert module's whole subtree again would cost
+    a pass over its parameters per nested module, on every export)."""
+    if getattr(module, "is_expert", False):
+        return {id(p) for p in module.parameters()}
+    ids: set[int] = set()
+    for child in module.children():
+        ids |= _expert_param_ids(child)
+    return ids
+
+
 def shard_layouts(
     model: torch.nn.Module, ps: ParallelState
 ) -> Iterator[tuple[str, torch.nn.Parameter, ShardLayout]]:
@@ -76,7 +88,7 @@ def shard_layouts(
     global_layer = {str(i): str(layer.layer_number - 1) for i, layer in enumerate(gpt.decoder.layers)}
     config = gpt.config
     num_local_experts = (config.num_moe_experts or 0) // ps.ep
-    expert_params = {id(p) for m in gpt.modules() if getattr(m, "is_expert", False) for p in m.parameters()}
+    expert_params = _expert_param_ids(gpt)
     for name, param in gpt.named_parameters():
         canonical = _LAYER.sub(lambda m: m.group(1) + global_layer[m.group(2)] + m.group(3), local_spec_name(name))
         is_expert = id(param) in expert_params
