@@ -11,6 +11,7 @@ from grpo_megatron.training.batching import (
     make_sample,
     microbatch_rows,
     minibatch_slices,
+    rank_microbatches,
     scatter_logprobs,
 )
 
@@ -48,6 +49,17 @@ def test_microbatch_rows_by_count_and_by_token_budget():
     groups = microbatch_rows(lengths, range(4), micro_batch_size=1, max_tokens=12)
     assert groups == [[1], [2, 0], [3]]
     assert all(len(g) * lengths[g[0]] <= 12 or len(g) == 1 for g in groups)
+
+
+def test_every_dp_rank_gets_the_same_number_of_micro_batches():
+    lengths = [10, 9, 1, 1, 1]  # balanced by tokens: rank 0 gets rows 0 and 3, rank 1 rows 1, 2 and 4
+    plans = [
+        rank_microbatches(lengths, range(5), dp_size=2, dp_rank=r, micro_batch_size=1, max_tokens=None)
+        for r in range(2)
+    ]
+    assert len(plans[0]) == len(plans[1]) == 3
+    assert sorted(i for p in plans for rows in p for i in rows) == list(range(5))
+    assert plans[0][-1] == []  # the padding micro-batch of the less busy rank
 
 
 def test_collate_pads_right_and_placeholder_contributes_nothing():

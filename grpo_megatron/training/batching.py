@@ -104,6 +104,26 @@ def microbatch_rows(
     return groups
 
 
+def rank_microbatches(
+    lengths: Sequence[int],
+    indices: Sequence[int],
+    *,
+    dp_size: int,
+    dp_rank: int,
+    micro_batch_size: int,
+    max_tokens: int | None,
+) -> list[list[int]]:
+    """This DP rank's micro-batches of ``indices``: its token-balanced share (``dp_shares``) cut by
+    ``microbatch_rows``, padded with empty micro-batches to the busiest rank's count (expert-parallel
+    collectives span DP ranks, so every rank must run the same number)."""
+    per_rank = [
+        microbatch_rows(lengths, share, micro_batch_size=micro_batch_size, max_tokens=max_tokens)
+        for share in dp_shares(lengths, indices, dp_size)
+    ]
+    mine = per_rank[dp_rank]
+    return mine + [[] for _ in range(max(len(r) for r in per_rank) - len(mine))]
+
+
 EXTRA_KEYS = ("mask_bs", "rollout_logprobs_bs", "old_logprobs_bs", "ref_logprobs_bs")
 
 

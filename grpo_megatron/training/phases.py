@@ -22,10 +22,9 @@ from grpo_megatron.rollout.engine import Completion, SamplingParams
 from grpo_megatron.training.batching import (
     Sample,
     collate,
-    dp_shares,
     make_sample,
-    microbatch_rows,
     minibatch_slices,
+    rank_microbatches,
     scatter_logprobs,
 )
 from grpo_megatron.training.forward_backward import MicroBatch, forward_backward, forward_logprobs
@@ -168,18 +167,16 @@ def plan_update(job: Job, samples: Sequence[Sample]) -> UpdatePlan:
     lengths = [s.length for s in samples]
     rows, normalizers = [], []
     for minibatch in minibatch_slices(len(samples), cfg.train.updates_per_iteration):
-        per_rank = [
-            microbatch_rows(
+        rows.append(
+            rank_microbatches(
                 lengths,
-                share,
+                minibatch,
+                dp_size=ps.dp,
+                dp_rank=ps.dp_rank,
                 micro_batch_size=cfg.train.micro_batch_size,
                 max_tokens=cfg.train.max_tokens_per_micro_batch,
             )
-            for share in dp_shares(lengths, minibatch, ps.dp)
-        ]
-        # Every DP rank runs the same number of micro-batches (EP collectives span DP ranks).
-        most = max(len(r) for r in per_rank)
-        rows.append(per_rank[ps.dp_rank] + [[]] * (most - len(per_rank[ps.dp_rank])))
+        )
         normalizers.append(
             sum(loss_normalizer(cfg.algorithm.loss_agg_mode, samples[i].mask_s[None]) for i in minibatch)
         )
@@ -327,9 +324,7 @@ def sync_weights(job: Job, version: int, probe: tuple[list[list[int]], list[int]
     if swap:
         job.offloaded.append(offload(job.policy, parts=("grads", "optimizer")))
         job.fleet.resume_memory(["weights"])
-    metrics = job.fleet.sync_weights(
-        job.policy.model, version=version, bucket_bytes=job.cfg.rollout.sync_bucket_mb << 20
-    )
+    metrics = job.fleet.sync_weights(job.policy.model, version=version)
     metrics |= job.fleet.mismatch_probe(job.policy.model, job.ps, *probe, temperature=job.cfg.rollout.temperature)
     if swap:
         report = offload(job.policy, parts=("params",))

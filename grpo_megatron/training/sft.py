@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from grpo_megatron.training import phases
-from grpo_megatron.training.batching import Sample, collate, dp_shares, make_sample, microbatch_rows
+from grpo_megatron.training.batching import Sample, collate, make_sample, rank_microbatches
 from grpo_megatron.training.forward_backward import MicroBatch, forward_backward
 from grpo_megatron.training.job import Job, build_job, export_hf_checkpoint
 
@@ -40,15 +40,14 @@ def sft_job_config(cfg: JobConfig) -> JobConfig:
 def sft_step(job: Job, samples: list[Sample]) -> dict[str, float]:
     """One optimizer step of the mean response-token negative log-likelihood over ``samples``."""
     cfg, ps = job.cfg, job.ps
-    lengths = [s.length for s in samples]
-    shares = dp_shares(lengths, range(len(samples)), ps.dp)
-    per_rank = [
-        microbatch_rows(
-            lengths, share, micro_batch_size=cfg.train.micro_batch_size, max_tokens=cfg.train.max_tokens_per_micro_batch
-        )
-        for share in shares
-    ]
-    rows = per_rank[ps.dp_rank] + [[]] * (max(len(r) for r in per_rank) - len(per_rank[ps.dp_rank]))
+    rows = rank_microbatches(
+        [s.length for s in samples],
+        range(len(samples)),
+        dp_size=ps.dp,
+        dp_rank=ps.dp_rank,
+        micro_batch_size=cfg.train.micro_batch_size,
+        max_tokens=cfg.train.max_tokens_per_micro_batch,
+    )
     total_tokens = float(sum(s.mask_s.sum() for s in samples))
 
     def nll(logprobs_bs: torch.Tensor, entropy_bs: torch.Tensor | None, mb: MicroBatch):
@@ -67,10 +66,10 @@ def sft_step(job: Job, samples: list[Sample]) -> dict[str, float]:
 
 
 def run_sft(job: Job) -> dict[str, float]:
-    cfg, sft = job.cfg, job.cfg.sft
+    sft = job.cfg.sft
     pairs = job.sft_records
     sampler = job.make_sampler(len(pairs))
-    job.fleet.sync_weights(job.policy.model, version=0, bucket_bytes=cfg.rollout.sync_bucket_mb << 20)
+    job.fleet.sync_weights(job.policy.model, version=0)
     accuracy = phases.evaluate(job, 0).get("eval/accuracy", 0.0)
     job.logger.log(0, {"eval/accuracy": accuracy})
     step = 0
@@ -81,7 +80,7 @@ def run_sft(job: Job) -> dict[str, float]:
         samples = [make_sample(p.prompt_ids, p.response_ids, [0.0] * len(p.response_ids), 0.0) for p in batch]
         metrics = sft_step(job, samples)
         if step % sft.eval_interval == 0 or step == sft.max_steps:
-            job.fleet.sync_weights(job.policy.model, version=step, bucket_bytes=cfg.rollout.sync_bucket_mb << 20)
+            job.fleet.sync_weights(job.policy.model, version=step)
             accuracy = phases.evaluate(job, step)["eval/accuracy"]
             metrics["eval/accuracy"] = accuracy
         metrics["time/step"] = time.perf_counter() - start
