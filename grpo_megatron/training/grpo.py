@@ -95,7 +95,7 @@ def train(job: Job) -> dict[str, float]:
     probe = phases.probe_sequences(job)
     phases.sync_weights(job, start, probe)  # the engines start from the trainer's weights
     last_eval = dict(state["eval"])
-    if not last_eval:  # a fresh run: held-out accuracy before any update, logged as iteration 0
+    if resumed is None:  # a fresh run: held-out accuracy before any update, logged as iteration 0
         last_eval = phases.evaluate(job, start)
         job.logger.log(start, last_eval)
     first_eval = dict(last_eval)
