@@ -17,29 +17,27 @@ import json
 import os
 import secrets
 import shutil
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from grpo_megatron.bridge.layout import unwrap
 from grpo_megatron.distributed.bootstrap import ParallelState
+from grpo_megatron.distributed.collectives import on_rank0
+from grpo_megatron.fileio import TMP_INFIX, write_text_atomic
 
 MARKER = "grpo_checkpoint.json"
 """Completion marker: its presence makes a checkpoint directory complete."""
 LATEST = "latest"
 """Text file in a checkpoint directory naming the newest complete checkpoint (written last)."""
-TMP_INFIX = ".tmp-"
 FORMAT_VERSION = 1
 
 # megatron's sharded state dict options, recorded in the checkpoint (content metadata) and used
 # again on load. chained_optim_avoid_prefix: optimizer tensors are keyed by parameter, not by
 # position in the chain of optimizers, so they load at another expert-parallel layout.
 BASE_CONTENT_METADATA: dict[str, Any] = {"singleton_local_shards": False, "chained_optim_avoid_prefix": True}
-
-T = TypeVar("T")
 
 
 class CheckpointError(ValueError):
@@ -85,47 +83,6 @@ def read_marker(path: Path) -> dict[str, Any]:
             f"checkpoint directory holding a '{LATEST}' file"
         )
     return json.loads((path / MARKER).read_text())
-
-
-def write_text_atomic(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` through a temporary sibling and a rename (fsynced)."""
-    tmp = path.with_name(f"{path.name}{TMP_INFIX}{secrets.token_hex(4)}")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def broadcast_object(obj: T, src: int = 0) -> T:
-    """``obj`` from rank ``src`` on every rank."""
-    box = [obj]
-    dist.broadcast_object_list(box, src=src)
-    return box[0]
-
-
-def on_rank0(fn: Callable[[], T]) -> T:
-    """Run ``fn`` on rank 0 only; every rank returns its result or raises its error.
-
-    The other ranks would otherwise wait in the next collective until the timeout when rank 0's
-    file work fails.
-    """
-    if not dist.is_initialized():
-        return fn()
-    outcome: tuple[bool, Any] = (True, None)
-    if dist.get_rank() == 0:
-        try:
-            outcome = (True, fn())
-        except Exception as exc:  # re-raised below, on every rank
-            outcome = (False, f"{type(exc).__name__}: {exc}")
-            if dist.get_world_size() == 1:
-                raise
-    ok, value = broadcast_object(outcome)
-    if not ok:
-        if dist.get_rank() == 0:
-            raise RuntimeError(value)
-        raise RuntimeError(f"rank 0 failed: {value}")
-    return value
 
 
 def new_temporary_dir(final: Path) -> Path:

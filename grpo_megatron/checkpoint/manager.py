@@ -39,22 +39,20 @@ from grpo_megatron.checkpoint.dist import (
     FORMAT_VERSION,
     LATEST,
     MARKER,
-    TMP_INFIX,
     CheckpointError,
-    broadcast_object,
     finish,
     is_complete,
     layout_of,
     model_dtype,
     model_sharded_state_dict,
     new_temporary_dir,
-    on_rank0,
     read_marker,
     resolve_checkpoint,
-    write_text_atomic,
 )
 from grpo_megatron.checkpoint.rng import capture_rng_state, restore_rng_state
 from grpo_megatron.distributed.bootstrap import ParallelState
+from grpo_megatron.distributed.collectives import on_rank0
+from grpo_megatron.fileio import TMP_INFIX, write_text_atomic
 
 if TYPE_CHECKING:
     from grpo_megatron.training.policy import Policy
@@ -331,7 +329,6 @@ __all__ = [
     "MARKER",
     "CheckpointError",
     "CheckpointManager",
-    "broadcast_object",
     "checkpoint_name",
     "complete_checkpoints",
     "find_latest",

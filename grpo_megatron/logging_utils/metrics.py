@@ -29,6 +29,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import IO, Any
 
+from grpo_megatron.fileio import write_text_atomic
 from grpo_megatron.logging_utils.config import LoggingConfig
 from grpo_megatron.logging_utils.console import ConsoleReporter, make_console
 from grpo_megatron.logging_utils.plot import write_plot
@@ -149,12 +150,7 @@ def truncate_jsonl(path: Path, iteration: int) -> int | None:
     if not path.exists():
         return None
     kept = [record for _, record in iter_jsonl(path) if record["iteration"] < iteration]
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.writelines(json_line(record) for record in kept)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    write_text_atomic(path, "".join(json_line(record) for record in kept))
     return max((record["iteration"] for record in kept), default=None)
 
 
@@ -165,12 +161,6 @@ def missing_required_keys(records: Sequence[Mapping[str, Any]]) -> list[str]:
         if not records or any(key not in r for r in records) or all(r[key] is None for r in records):
             missing.append(key)
     return missing
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -254,7 +244,7 @@ class MetricsLogger:
             run_id = id_path.read_text(encoding="utf-8").strip()
         else:
             run_id = secrets.token_hex(4)
-            _write_atomic(id_path, run_id + "\n")
+            write_text_atomic(id_path, run_id + "\n")
         try:
             return wandb.init(
                 mode=mode,

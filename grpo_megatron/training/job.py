@@ -13,12 +13,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.distributed as dist
 
 from grpo_megatron.distributed.bootstrap import ParallelState
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Iterator
+    from collections.abc import Iterator
 
     from grpo_megatron.checkpoint.manager import CheckpointManager
     from grpo_megatron.config import JobConfig
@@ -148,23 +147,6 @@ def export_hf_checkpoint(job: Job, out_dir: Path) -> None:
     with SafetensorsWriter(out_dir, job.hf, extra_files=tokenizer_files(tokenizer_dir)) as writer:
         for bucket in stream:
             writer(bucket)
-
-
-def on_rank0(fn: Callable[[], Any], ps: ParallelState, what: str) -> Any:
-    """Run ``fn`` on global rank 0 only (rewards, evaluation scores: computed once, used everywhere)
-    and return its result on every rank. If it raises, every rank raises, instead of the others
-    waiting in the next collective until the process-group timeout."""
-    box: list[Any] = [None]
-    if ps.rank == 0:
-        try:
-            box = [("ok", fn())]
-        except Exception as exc:  # reported on every rank below
-            box = [("error", f"{type(exc).__name__}: {exc}")]
-    dist.broadcast_object_list(box, src=0)
-    status, value = box[0]
-    if status != "ok":
-        raise RuntimeError(f"{what} failed on rank 0: {value}")
-    return value
 
 
 def build_job(cfg: JobConfig, *, with_reference: bool, sft: bool = False) -> Job:

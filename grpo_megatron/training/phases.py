@@ -17,6 +17,7 @@ from grpo_megatron.algorithm.advantages import advantages_from_config
 from grpo_megatron.algorithm.batch_shaping import dynamic_sampling, overlong_penalty
 from grpo_megatron.algorithm.mismatch import tis_weights
 from grpo_megatron.algorithm.policy_loss import grpo_policy_loss, loss_normalizer
+from grpo_megatron.distributed.collectives import on_rank0
 from grpo_megatron.rewards.base import RewardSample, attach_groups
 from grpo_megatron.rollout.engine import Completion, SamplingParams
 from grpo_megatron.training.batching import (
@@ -28,7 +29,7 @@ from grpo_megatron.training.batching import (
     scatter_logprobs,
 )
 from grpo_megatron.training.forward_backward import MicroBatch, forward_backward, forward_logprobs
-from grpo_megatron.training.job import Job, on_rank0
+from grpo_megatron.training.job import Job
 
 
 @dataclass
@@ -80,7 +81,7 @@ def score(job: Job, records: Sequence, completions: list[list[Completion]]) -> t
         group_size = len(completions[0]) if completions else 1
         return job.rewards.score(attach_groups(samples, group_size))
 
-    rewards, metrics = on_rank0(score_all, job.ps, "reward scoring")
+    rewards, metrics = on_rank0(score_all, "reward scoring")
     groups, k = [], 0
     for r, cs, ts in zip(records, completions, texts, strict=True):
         groups.append(Group(r, cs, list(rewards[k : k + len(cs)]), ts))
