@@ -210,12 +210,11 @@ def main() -> int:
         )
         print(f"[sglang] skipped: {why}")
     else:
-        from grpo_megatron.bridge.export import SafetensorsWriter, export_hf
+        from grpo_megatron.bridge.export import write_hf_checkpoint
 
         with tempfile.TemporaryDirectory(prefix="gpu_smoke_") as tmp:
             out_dir = Path(tmp) / "policy"
-            with SafetensorsWriter(out_dir, hf) as writer:
-                export_hf(policy.model, ps, hf, writer)
+            write_hf_checkpoint(policy.model, ps, hf, out_dir)
             sg_cfg = dataclasses.replace(
                 cfg,
                 model=dataclasses.replace(cfg.model, hf_path=str(out_dir)),

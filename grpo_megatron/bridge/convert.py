@@ -98,7 +98,8 @@ def hf_to_mcore(args: argparse.Namespace) -> Path:
     import torch.distributed as dist
 
     from grpo_megatron.bridge.hf_loader import load_hf_weights
-    from grpo_megatron.checkpoint.dist import on_rank0, save_model_checkpoint
+    from grpo_megatron.checkpoint.dist import save_model_checkpoint
+    from grpo_megatron.distributed.collectives import on_rank0
 
     hf_dir = Path(args.hf)
     hf = read_hf_config(hf_dir, "--hf")
@@ -129,7 +130,7 @@ def mcore_to_hf(args: argparse.Namespace) -> Path:
     """Collective: the model of checkpoint ``args.ckpt`` -> HF safetensors directory ``args.out``."""
     import torch.distributed as dist
 
-    from grpo_megatron.bridge.export import SafetensorsWriter, export_hf_stream
+    from grpo_megatron.bridge.export import write_hf_checkpoint
     from grpo_megatron.checkpoint.dist import (
         CheckpointError,
         load_model_checkpoint,
@@ -153,17 +154,9 @@ def mcore_to_hf(args: argparse.Namespace) -> Path:
     ps, model = _start(hf_dir, hf, args, dtype)
     load_model_checkpoint(model, ps, ckpt)
     hf_out = {**hf, "dtype": dtype}
-    writer = SafetensorsWriter(out, hf_out, extra_files=tokenizer_files(hf_dir)) if ps.rank == 0 else None
-    try:
-        for bucket in export_hf_stream(model, ps, hf, bucket_bytes=args.bucket_mb << 20, dst_rank=0):
-            assert writer is not None  # buckets arrive on dst_rank only
-            writer(bucket)
-    except BaseException:
-        if writer is not None:
-            writer.abort()
-        raise
-    if writer is not None:
-        writer.close()
+    write_hf_checkpoint(
+        model, ps, hf, out, hf_config=hf_out, extra_files=tokenizer_files(hf_dir), bucket_bytes=args.bucket_mb << 20
+    )
     dist.barrier()
     return out
 

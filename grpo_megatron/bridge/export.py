@@ -516,6 +516,32 @@ def export_hf(
         consumer(bucket)
 
 
+def write_hf_checkpoint(
+    model: torch.nn.Module,
+    ps: ParallelState,
+    hf: Mapping[str, Any],
+    out_dir: str | Path,
+    *,
+    hf_config: Mapping[str, Any] | None = None,
+    extra_files: tuple[Path, ...] = (),
+    bucket_bytes: int = 512 << 20,
+    dst_rank: int = 0,
+) -> None:
+    """Collective: stream ``model`` into a Hugging Face directory that ``dst_rank`` writes atomically
+    (safetensors shards, index, ``hf_config`` or ``hf`` as config.json, ``extra_files`` such as the
+    tokenizer); nothing is left at ``out_dir`` if the export fails. Used by ``convert mcore-to-hf``,
+    the SFT output and the trainer's final export."""
+    writer = SafetensorsWriter(out_dir, hf_config or hf, extra_files=extra_files) if ps.rank == dst_rank else None
+    stream = export_hf_stream(model, ps, hf, bucket_bytes=bucket_bytes, dst_rank=dst_rank)
+    if writer is None:
+        for _ in stream:  # this rank only sends its slices
+            pass
+        return
+    with writer:
+        for bucket in stream:
+            writer(bucket)
+
+
 class SafetensorsWriter:
     """Consumer that writes each bucket as one safetensors shard, then the index and config.json.
 

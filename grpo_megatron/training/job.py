@@ -136,17 +136,10 @@ def export_hf_checkpoint(job: Job, out_dir: Path) -> None:
     """Stream the policy's weights into a Hugging Face directory (safetensors, index, config.json and
     the tokenizer files), written atomically by rank 0; every rank takes part in the stream."""
     from grpo_megatron.bridge.convert import tokenizer_files
-    from grpo_megatron.bridge.export import SafetensorsWriter, export_hf_stream
+    from grpo_megatron.bridge.export import write_hf_checkpoint
 
-    stream = export_hf_stream(job.policy.model, job.ps, job.hf)
-    if job.ps.rank != 0:
-        for _ in stream:
-            pass
-        return
     tokenizer_dir = Path(job.cfg.data.tokenizer_path or job.cfg.model.hf_path)
-    with SafetensorsWriter(out_dir, job.hf, extra_files=tokenizer_files(tokenizer_dir)) as writer:
-        for bucket in stream:
-            writer(bucket)
+    write_hf_checkpoint(job.policy.model, job.ps, job.hf, out_dir, extra_files=tokenizer_files(tokenizer_dir))
 
 
 def build_job(cfg: JobConfig, *, with_reference: bool, sft: bool = False) -> Job:
