@@ -228,7 +228,6 @@ def _post_receives(rnd: list[_Item], ps: ParallelState) -> tuple[list, dict[int,
     return (dist.batch_isend_irecv(ops) if ops else []), inbox
 
 
-@torch.no_grad()
 @dataclass(frozen=True)
 class ExportPlan:
     """The outcome of the metadata exchange: every tensor of the stream, who sends which slice of it,

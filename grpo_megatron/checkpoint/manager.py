@@ -26,7 +26,6 @@ import io
 import re
 import shutil
 import time
-import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -269,10 +268,10 @@ class CheckpointManager:
             rng_path = path / RNG_DIR / f"rank_{self.ps.rank:05d}.pt"
             restore_rng_state(torch.load(rng_path, weights_only=True))
         elif self.ps.rank == 0:
-            warnings.warn(
-                f"{path} was saved at layout {marker['layout']}, resumed at {layout_of(self.ps)}: RNG "
-                "states are not restored (the run continues from its own seeding)",
-                stacklevel=2,
+            print(
+                f"[checkpoint] {path} was saved at layout {marker['layout']}, resumed at "
+                f"{layout_of(self.ps)}: RNG states are not restored (the run continues from its own seeding)",
+                flush=True,
             )
         trainer_state = torch.load(path / TRAINER_STATE, weights_only=True)
         dist.barrier()

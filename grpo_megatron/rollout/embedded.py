@@ -212,8 +212,11 @@ class EmbeddedEngine(RolloutEngine):
             # transformers' default grouped/batched expert kernels were ~30x slower than the plain
             # per-expert loop on CPU (GUIDE); on GPU its default is the fast one.
             kwargs["experts_implementation"] = "eager" if self.device.type == "cpu" else "grouped_mm"
+        # What the model was built with (kernel choices included): a transformers model built with the
+        # same arguments runs the same kernels, so its outputs on the same weights are bit-identical.
+        self.model_kwargs: dict[str, Any] = dict(kwargs)
         with torch.random.fork_rng(devices=[]):  # random init must not advance the trainer's RNG
-            model = AutoModelForCausalLM.from_config(config, **kwargs)
+            model = AutoModelForCausalLM.from_config(config, **self.model_kwargs)
         self.model = model.to(self.device).eval().requires_grad_(False)
         self.pad_token_id = int(hf.get("pad_token_id") or 0)
         # transformers renamed forward's `past_key_values` to `cache` (the old name warns since 5.2x).

@@ -412,6 +412,12 @@ class SGLangEngine(RolloutEngine):
         if servers is not None:
             self.servers = list(servers)
         elif self.mode == "colocated":
+            if torch.device(self._device).type != "cuda":
+                # SGLang's Engine runs CUDA kernels only; on CPU it would fail deep in its start-up.
+                raise SGLangUnavailableError(
+                    f"rollout.engine=sglang (colocated) needs a CUDA device, this job runs on "
+                    f"{self._device}: use rollout.engine=embedded on CPU"
+                )
             args = colocated_server_args(
                 rollout, self.model_path, base_gpu_id=base_gpu_id, dtype=dtype, seed=seed, moe=moe
             )

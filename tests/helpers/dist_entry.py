@@ -12,6 +12,7 @@ import os
 import pickle
 import sys
 import traceback
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +36,8 @@ def check_result(value: Any, where: str = "result") -> None:
 
 
 def main(argv: list[str]) -> int:
+    # As in pytest (pyproject.toml's filterwarnings): a warning attributed to our own code is a bug.
+    warnings.filterwarnings("error", module=r"grpo_megatron(\..*)?$")
     target, out_dir = argv[1], Path(argv[2])
     rank = int(os.environ["RANK"])
     # For the harness to kill this rank on a timeout (torchrun puts it in a session of its own).

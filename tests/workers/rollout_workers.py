@@ -162,7 +162,8 @@ def sync_cases(
 
 
 def sglang_missing(hf_dir: str) -> str:
-    """Build a fleet with rollout.engine=sglang where SGLang is not installed: the error text."""
+    """Build a fleet with rollout.engine=sglang on this CPU job (SGLang absent, or present but unable
+    to run without CUDA): the error text."""
     from grpo_megatron.config import load_config
     from grpo_megatron.distributed.bootstrap import destroy_distributed, init_distributed
     from grpo_megatron.rollout.fleet import RolloutFleet
