@@ -27,6 +27,7 @@ of the same uid (the trainer included).
 """
 
 import ctypes
+import math
 import os
 import resource
 import signal
@@ -152,9 +153,8 @@ def set_cpu_backstop(seconds: float) -> None:
     """Soft RLIMIT_CPU = CPU used so far + `seconds`: SIGXCPU ends a worker that spins past it even
     if the pool's wall-clock kill never comes (e.g. the trainer is stopped)."""
     usage = resource.getrusage(resource.RUSAGE_SELF)
-    used = int(usage.ru_utime + usage.ru_stime)
     _, hard = resource.getrlimit(resource.RLIMIT_CPU)
-    soft = used + int(seconds) + 1
+    soft = math.ceil(usage.ru_utime + usage.ru_stime + seconds) + 1  # whole seconds, never less than asked
     if hard != resource.RLIM_INFINITY:
         soft = min(soft, hard)
     resource.setrlimit(resource.RLIMIT_CPU, (soft, hard))

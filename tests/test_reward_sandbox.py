@@ -1,0 +1,166 @@
+"""Reward containment (issue 17): real worker processes run hostile reward functions
+(tests/reward_attacks.py) and each test checks one protection of rewards/sandbox.py. A test
+skips, naming the reason, only where this OS does not provide the protection (the pool's start-up
+report says which are active); on Linux as root (CI, containers) all of them are."""
+
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from grpo_megatron.rewards.base import RewardSample
+from grpo_megatron.rewards.config import RewardComponentConfig as C
+from grpo_megatron.rewards.config import RewardConfig
+from grpo_megatron.rewards.pool import (
+    RewardFailureError,
+    RewardPool,
+    RewardStartupError,
+    check_reward_imports,
+    report_failures,
+)
+
+ATTACK = "tests.reward_attacks:by_prompt"
+SECRET = "sk-test-9f3a1c-not-a-real-key"
+
+
+@pytest.fixture(scope="module")
+def pool():
+    # spawn: the workers start from this process's environment, which holds the secret, so a
+    # leak through /proc/self/environ would be visible (a forkserver started earlier might not).
+    os.environ["GRPO_TEST_API_KEY"] = SECRET
+    try:
+        cfg = RewardConfig(components=[C(name="attack", function=ATTACK)], num_workers=2, mp_context="spawn",
+                           timeout_s=10.0)
+        with RewardPool(cfg, log=None) as p:
+            yield p
+    finally:
+        del os.environ["GRPO_TEST_API_KEY"]
+
+
+def _require(pool: RewardPool, protection: str) -> None:
+    assert pool.sandbox is not None
+    if not any(protection in line for line in pool.sandbox.active):
+        pytest.skip(f"this OS does not provide '{protection}': {pool.sandbox.line()}")
+
+
+def _attack(pool: RewardPool, prompt: str, **metadata) -> float:
+    batch = pool.score_detailed([RewardSample(prompt, "r", metadata=metadata)])
+    assert batch.status == ["ok"], batch.errors  # the attack ran to its end: the sandbox refused, not a crash
+    return batch.rewards[0]
+
+
+def test_startup_report_names_the_protections(pool):
+    line = pool.sandbox.line()
+    assert line.startswith("reward sandbox: own session, scrubbed environment, limits: memory 4096 MiB")
+
+
+def test_module_level_code_runs_only_in_workers(pool):
+    # protection: user modules are imported by the workers, never by the trainer
+    pid = _attack(pool, "imported_in")
+    assert int(pid) in pool.worker_pids() and int(pid) != os.getpid()
+    assert "tests.reward_attacks" not in sys.modules
+
+
+def test_environment_is_scrubbed(pool):
+    # protection: scrubbed environment and zeroed environ block (the workers were started with the
+    # secret); another process's /proc/<pid>/environ is closed to the worker's uid. A process
+    # launched with the secret stands in for the trainer: this process set it at run time, which
+    # its own /proc/<pid>/environ (the block it was started with) does not show.
+    stand_in = subprocess.Popen(["sleep", "60"], env={"GRPO_TEST_API_KEY": SECRET})
+    try:
+        assert _attack(pool, "secrets", secret=SECRET, trainer_pid=stand_in.pid) == 0.0
+    finally:
+        stand_in.kill()
+        stand_in.wait()
+
+
+def test_files_closed_to_others_are_denied(pool, tmp_path):
+    # protection: a uid of its own (files like /etc/shadow or a 0700 home stay closed)
+    _require(pool, "of its own")
+    closed = tmp_path / "home"
+    closed.mkdir(mode=0o700)
+    (closed / "credentials").write_text(SECRET)
+    assert _attack(pool, "closed_file", path=str(closed / "credentials")) == 0.0
+
+
+def test_commands_do_not_run(pool):
+    # protection: process limit (no fork, so neither os.system nor subprocess starts anything)
+    _require(pool, "process(es)")
+    assert _attack(pool, "commands") == 0.0
+
+
+def test_no_network(pool):
+    # protection: empty network namespace; the trainer listens, nothing may connect
+    _require(pool, "no network")
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        assert _attack(pool, "connect", port=server.getsockname()[1]) == 0.0
+
+
+def test_writes_outside_scratch_fail(pool, tmp_path):
+    # protection: read-only file system except the scratch directory (the target is world-writable,
+    # so file permissions alone would not stop it)
+    _require(pool, "read-only file system")
+    target = tmp_path / "run_dir"
+    target.mkdir()
+    target.chmod(0o777)
+    assert _attack(pool, "write", dir=str(target)) == 0.0
+    assert not (target / "pwned.txt").exists()
+
+
+def test_cannot_signal_the_trainer_or_other_workers(pool):
+    # protection: a uid of its own per worker (signal 0 is the permission check of SIGKILL)
+    _require(pool, "cannot signal")
+    assert _attack(pool, "signal", pids=[os.getpid(), *pool.worker_pids()]) == 0.0
+
+
+def test_an_import_that_hangs_fails_at_startup_naming_the_field():
+    cfg = RewardConfig(
+        components=[C(name="ok", function="format"), C(name="slow", function="tests.reward_hang_import:reward")],
+        num_workers=1,
+        startup_timeout_s=3.0,
+    )
+    with pytest.raises(RewardStartupError, match=r"reward\.components\[1\]\.function='tests\.reward_hang_import"
+                       r":reward': importing it did not finish within reward\.startup_timeout_s=3 s"):
+        check_reward_imports(cfg, log=None)
+    assert "tests.reward_hang_import" not in sys.modules
+
+
+def test_check_reward_imports_gives_one_line_naming_field_module_and_cause():
+    cfg = RewardConfig(components=[C(name="a", function="format"), C(name="b", function="tests.no_such_mod:f")])
+    with pytest.raises(RewardStartupError) as err:
+        check_reward_imports(cfg, log=None)
+    message = str(err.value)
+    assert "\n" not in message
+    assert "reward.components[1].function='tests.no_such_mod:f'" in message
+    assert "cannot import module 'tests.no_such_mod'" in message and "No module named" in message
+
+
+# ---- finding 7: failures are counted, printed and stop the run past reward.max_error_frac ----
+
+
+def test_a_reward_that_always_raises_stops_the_run_with_its_message(capsys):
+    cfg = RewardConfig(components=[C(name="broken", function="tests.reward_helpers:raises")], num_workers=1)
+    with RewardPool(cfg, log=None) as p:
+        batch = p.score_detailed([RewardSample("q", "r")] * 4)
+    assert batch.metrics["reward/broken/error_frac"] == 1.0
+    with pytest.raises(RewardFailureError, match=r"4/4 samples .* reward code is broken .* reward\.max_error_frac=0\.5"):
+        report_failures(batch, cfg)
+    assert capsys.readouterr().out.count("reward code is broken") == 1  # printed once
+
+
+def test_occasional_failures_are_printed_and_counted_per_component(capsys):
+    cfg = RewardConfig(
+        components=[C(name="len", function="tests.reward_helpers:by_prompt"), C(name="one", function="format")],
+        num_workers=0,
+    )
+    with RewardPool(cfg, log=None) as p:
+        batch = p.score_detailed([RewardSample("ok", "abc")] * 3 + [RewardSample("raise", "abc")])
+    assert batch.status == ["ok", "ok", "ok", "error"]
+    assert batch.metrics["reward/len/error_frac"] == 0.25 and batch.metrics["reward/one/error_frac"] == 0.0
+    report_failures(batch, cfg)  # 25% <= 50%: goes on
+    out = capsys.readouterr().out
+    assert out.startswith("[reward] 1/4 samples got the fallback reward 0 (1 error); first: reward component 'len'")
