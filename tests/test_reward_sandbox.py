@@ -164,3 +164,29 @@ def test_occasional_failures_are_printed_and_counted_per_component(capsys):
     report_failures(batch, cfg)  # 25% <= 50%: goes on
     out = capsys.readouterr().out
     assert out.startswith("[reward] 1/4 samples got the fallback reward 0 (1 error); first: reward component 'len'")
+
+
+def test_cli_check_imports_the_rewards_in_a_worker(capsys):
+    from grpo_megatron.cli import main
+    from tests.helpers.dist import REPO_ROOT
+
+    example = str(REPO_ROOT / "examples" / "tiny_moe.yaml")
+    assert main(["check", example, "reward.components[0].function=tests.no_such_mod:f"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "Traceback" not in err
+    assert "reward.components[0].function='tests.no_such_mod:f': cannot import module 'tests.no_such_mod'" in err
+    assert main(["check", example, "reward.components[0].function=tests.reward_attacks:imported_in"]) == 0
+    assert "tests.reward_attacks" not in sys.modules
+
+
+def test_train_with_a_reward_that_always_raises_stops_naming_it(tmp_path):
+    # Issue 17 finding 7: this run used to finish with exit 0 and reward 0.0000.
+    from tests.test_train import SMALL, launch
+
+    overrides = [*SMALL, "train.iterations=1", f"logging.run_dir={tmp_path / 'run'}",
+                 "reward.components[0].function=tests.reward_helpers:raises"]
+    proc = launch("train", overrides)
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode != 0
+    assert "reward code is broken" in out and "reward.max_error_frac=0.5" in out
+    assert "[reward] reward sandbox: own session" in out  # the one start-up line
