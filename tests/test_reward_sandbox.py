@@ -4,9 +4,12 @@ skips, naming the reason, only where this OS does not provide the protection (th
 report says which are active); on Linux as root (CI, containers) all of them are."""
 
 import os
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
+from pathlib import Path
 
 import pytest
 
@@ -190,3 +193,57 @@ def test_train_with_a_reward_that_always_raises_stops_naming_it(tmp_path):
     assert proc.returncode != 0
     assert "reward code is broken" in out and "reward.max_error_frac=0.5" in out
     assert "[reward] reward sandbox: own session" in out  # the one start-up line
+
+
+def test_without_root_a_user_namespace_still_gives_no_network_and_a_read_only_view():
+    # protection: the non-root path of sandbox.py (user + network + mount namespaces). Simulated
+    # by a forked child that drops to uid 65534 before entering the sandbox.
+    import json
+
+    from grpo_megatron.rewards.sandbox import SandboxPlan, enter_sandbox
+
+    if os.geteuid() != 0:
+        pytest.skip("needs root to simulate a non-root trainer (setuid in a child)")
+    tmp_path = Path(tempfile.mkdtemp())  # pytest's tmp_path sits under a 0700 directory
+    tmp_path.chmod(0o777)
+    outside = tmp_path / "outside"
+    outside.mkdir(mode=0o777)
+    outside.chmod(0o777)
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        read_fd, write_fd = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # child: never returns into pytest
+            result: dict = {}
+            try:
+                os.setgroups([])
+                os.setresgid(65534, 65534, 65534)
+                os.setresuid(65534, 65534, 65534)
+                report = enter_sandbox(SandboxPlan(scratch_root=str(tmp_path)))
+                result["active"] = report.active
+                for name, attempt in (
+                    ("write", lambda: open(outside / "pwned", "w").close()),  # noqa: SIM115
+                    ("connect", lambda: socket.socket().connect(server.getsockname())),  # no idna lookup
+                    ("scratch", lambda: open("scratch_ok", "w").close()),  # noqa: SIM115
+                ):
+                    try:
+                        attempt()
+                        result[name] = "ok"
+                    except OSError as err:
+                        result[name] = err.strerror
+            except BaseException as err:  # noqa: BLE001
+                result["error"] = repr(err)
+            os.write(write_fd, json.dumps(result).encode())
+            os._exit(0)
+        os.close(write_fd)
+        with os.fdopen(read_fd) as f:
+            result = json.loads(f.read() or "{}")
+        os.waitpid(pid, 0)
+    shutil.rmtree(tmp_path, ignore_errors=True)
+    assert "error" not in result, result
+    if not any("read-only" in a for a in result["active"]):
+        pytest.skip(f"this OS refuses unprivileged user namespaces: {result['active']}")
+    assert result["write"] == "Read-only file system" and not (outside / "pwned").exists()
+    assert result["connect"] == "Network is unreachable"
+    assert result["scratch"] == "ok"

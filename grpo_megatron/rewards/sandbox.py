@@ -29,6 +29,7 @@ of the same uid (the trainer included).
 import ctypes
 import math
 import os
+import re
 import resource
 import signal
 import sys
@@ -166,7 +167,7 @@ def _mount_points() -> list[tuple[str, int]]:
     with open("/proc/self/mountinfo") as f:
         for line in f:
             parts = line.split()
-            point = parts[4].encode().decode("unicode_escape")  # \040 for a space, etc.
+            point = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), parts[4])  # \040 is a space
             flags = sum(_MOUNT_FLAGS.get(opt, 0) for opt in parts[5].split(","))
             out.append((point, flags))
     return out
@@ -237,6 +238,7 @@ def _enter_namespaces(libc: ctypes.CDLL, plan: SandboxPlan, as_root: bool, repor
     try:
         _check(libc.unshare(flags), "unshare")
         if not as_root:  # map ourselves to ourselves; the namespace's capabilities only reach its own mounts
+            libc.prctl(_PR_SET_DUMPABLE, 1, 0, 0, 0)  # /proc/self/*_map belong to root after a uid change
             with open("/proc/self/setgroups", "w") as f:
                 f.write("deny")
             with open("/proc/self/uid_map", "w") as f:
