@@ -182,9 +182,16 @@ def test_cli_check_imports_the_rewards_in_a_worker(capsys):
     assert "tests.reward_attacks" not in sys.modules
 
 
-def test_train_with_a_reward_that_always_raises_stops_naming_it(tmp_path):
-    # Issue 17 finding 7: this run used to finish with exit 0 and reward 0.0000.
+def test_train_stops_on_a_reward_that_cannot_import_or_always_raises(tmp_path):
+    # Issue 17 findings 2 and 10: the import ran in the trainer, after the model was built, and only
+    # on rank 0. Finding 7: a reward raising on every sample finished with exit 0 and reward 0.0000.
     from tests.test_train import SMALL, launch
+
+    proc = launch("train", [*SMALL, f"logging.run_dir={tmp_path / 'bad'}", "reward.components[0].function=no_such:f"])
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode != 0
+    assert "reward.components[0].function='no_such:f': cannot import module 'no_such'" in out
+    assert "[job]" not in out  # stopped before the model was built
 
     overrides = [*SMALL, "train.iterations=1", f"logging.run_dir={tmp_path / 'run'}",
                  "reward.components[0].function=tests.reward_helpers:raises"]
