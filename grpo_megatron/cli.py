@@ -54,8 +54,15 @@ def _add_world_size(parser: argparse.ArgumentParser) -> None:
 
 
 def _run_check(cfg: JobConfig, args: argparse.Namespace) -> int:
+    from grpo_megatron.rewards.pool import RewardStartupError, check_reward_imports
+
     print(f"# resolved config for world size {args.world_size}")
     print(cfg.resolve(args.world_size).to_yaml(), end="")
+    try:  # in a throwaway sandboxed worker, as training will: never imports user code here
+        check_reward_imports(cfg.reward, log=None)
+    except RewardStartupError as e:
+        print(f"grpo-megatron: error: {args.config}: {e}", file=sys.stderr)
+        return EXIT_USAGE
     return 0
 
 
@@ -114,7 +121,12 @@ def _run_convert(args: argparse.Namespace) -> int:
 
 
 COMMANDS: tuple[Command, ...] = (
-    Command("check", "load and validate a config, print it resolved for the world size", _run_check, _add_world_size),
+    Command(
+        "check",
+        "load and validate a config, print it resolved for the world size, import the rewards in a sandboxed worker",
+        _run_check,
+        _add_world_size,
+    ),
     Command("sanity", "build the policy at the configured layout and run a few training steps", _run_sanity),
     Command("train", "GRPO: rollout, rewards, advantages, policy updates, weight sync, checkpoints", _run_train),
     Command("sft", "supervised cold start on prompt/response pairs; writes a Hugging Face checkpoint", _run_sft),

@@ -131,3 +131,23 @@ def test_bad_function_fails_at_startup_and_close_is_final():
     pool.close()
     with pytest.raises(RuntimeError, match="after close"):
         pool.score([RewardSample("q", "r")])
+
+
+def test_math_bombs_cost_no_timeout_and_no_restart():
+    # Issue 17 finding 8: each bomb used to cost the full timeout_s and a worker restart.
+    bombs = ["9^{9^{9}}", "10^{10^{10}}", "(10^{10})!", "9^{999999999}"] * 16
+    samples = [RewardSample("q", f"so \\boxed{{{b}}}", "5") for b in bombs]
+    with RewardPool(_cfg("math_accuracy", timeout_s=5.0)) as pool:
+        batch = pool.score_detailed(samples)
+    assert batch.status == ["ok"] * 64 and batch.rewards == [0.0] * 64
+    assert batch.metrics["reward_pool/worker_restarts"] < 2
+
+
+def test_default_batch_bound_from_timeout_and_workers():
+    # 8 hanging samples on 2 workers: 4 waves of timeouts (2 s) without a bound; the default bound
+    # timeout_s * (2 + ceil(8 / 2) / 8) = 1.25 s ends the call during the third wave.
+    with RewardPool(_cfg(H + "sleep_forever")) as pool:
+        batch = pool.score_detailed([RewardSample("q", "r")] * 8)
+    assert batch.status == ["timeout"] * 8
+    assert any("batch timeout" in e for e in batch.errors)
+    assert batch.metrics["reward_pool/worker_restarts"] < 8

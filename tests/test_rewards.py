@@ -13,6 +13,7 @@ from grpo_megatron.rewards.base import (
     extract_boxed,
     extract_final_answer,
     extract_tag,
+    is_math_bomb,
     normalize_reward,
 )
 from grpo_megatron.rewards.composite import RewardComponentError
@@ -23,6 +24,7 @@ from grpo_megatron.rewards.gsm8k import gsm8k_reward
 from grpo_megatron.rewards.length import length_reward
 from grpo_megatron.rewards.loader import build_composite, load_reward_fn
 from grpo_megatron.rewards.majority import majority_reward
+from grpo_megatron.rewards.math_accuracy import answers_match
 
 
 def S(response, label=None, prompt="q", **meta):  # noqa: N802 - short sample factory
@@ -234,3 +236,23 @@ def math_accuracy_value(sample):
     from grpo_megatron.rewards.math_accuracy import math_accuracy
 
     return math_accuracy(sample)
+
+
+@pytest.mark.parametrize(
+    "answer",
+    ["9^{9^{9}}", "10^{10^{10}}", "2^{2^{100}}", "9^{999999999}", "99999999999999999999^{999999}", "100000000!",
+     "(10^{10})!", "10^{10}!", "{9^{9}}^{9^{9}}", "\\frac{1}{9^{9^9}}", "\\sqrt{9^{9^{9}}}", "9^{9\\cdot 10^{8}}",
+     "\\binom{10^{9}}{10^{8}}", "e^{10^{10}}", "2^{1000000}"],
+)
+def test_math_bombs_are_refused_before_parsing(answer):
+    assert is_math_bomb(answer)
+    assert not answers_match("5", answer)
+
+
+@pytest.mark.parametrize(
+    "answer",
+    ["2^{100}", "10^{1000}", "2^{10000}", "10^{100000}", "x^2+1", "(x+1)^{2}", "2^{-3}", "5!", "\\binom{10}{3}",
+     "e^{i\\pi}", "\\frac{1}{2}", "1,000,000", "123456789012345678901234567890"],
+)
+def test_ordinary_answers_are_not_bombs(answer):
+    assert not is_math_bomb(answer)

@@ -32,6 +32,7 @@ __all__ = [
     "extract_final_answer",
     "ANSWER_TAIL_CHARS",
     "MAX_ANSWER_CHARS",
+    "is_math_bomb",
 ]
 
 # The final answer is searched for in the last ANSWER_TAIL_CHARS characters only.
@@ -41,6 +42,10 @@ ANSWER_TAIL_CHARS = 8192
 MAX_ANSWER_CHARS = 512
 
 RewardValue = float | Mapping[str, float]
+
+# Bounds of `is_math_bomb`: what sympy evaluates in milliseconds, far above any real final answer.
+MAX_RESULT_DIGITS = 200_000  # estimated digits of base^exponent
+MAX_FACTORIAL_ARG = 10_000  # n! and binomials of larger literals are refused
 
 
 @dataclass(frozen=True)
@@ -165,3 +170,56 @@ def extract_final_answer(text: str) -> str | None:
         inner = extract_boxed(tagged)
         return inner if inner is not None else tagged
     return extract_boxed(text)
+
+
+_INT_RE = re.compile(r"\d+")
+
+
+def _group_after(text: str, i: int) -> tuple[str, int]:
+    """The TeX argument starting at text[i] (after spaces): a balanced {...} group's content, a
+    digit run, a \\command or one character; and the index after it."""
+    while i < len(text) and text[i] == " ":
+        i += 1
+    if i >= len(text):
+        return "", i
+    if text[i] == "{":
+        depth = 0
+        for j in range(i, len(text)):
+            depth += {"{": 1, "}": -1}.get(text[j], 0)
+            if depth == 0:
+                return text[i + 1 : j], j + 1
+        return text[i + 1 :], len(text)
+    match = re.match(r"\d+|\\[A-Za-z]+|.", text[i:])
+    assert match is not None
+    return match.group(), i + match.end()
+
+
+def is_math_bomb(answer: str) -> bool:
+    """True if parsing `answer` with math-verify would make sympy build an astronomically large
+    number: a power tower (an exponent that itself holds ^ or !, e.g. 9^{9^{9}}), a power whose
+    estimated size passes MAX_RESULT_DIGITS digits (9^{999999999}), or a factorial or binomial of
+    a huge argument ((10^{10})!, 100000000!, \\binom{10^9}{5}). Such answers cannot be a real
+    final answer; refusing them up front costs microseconds, where evaluating them costs the
+    pool's whole per-sample timeout and a worker restart (sympy's big-integer arithmetic cannot
+    be interrupted)."""
+    numbers = _INT_RE.findall(answer)
+    longest = max((len(x) for x in numbers), default=1)
+    literals = [int(x) for x in numbers if len(x) <= 12] or [0]
+    if longest > 12 and ("!" in answer or "\\binom" in answer or "\\choose" in answer):
+        return True
+    for pos in (m.start() for m in re.finditer(r"\^", answer)):
+        exponent, _ = _group_after(answer, pos + 1)
+        if "^" in exponent or "!" in exponent or "\\binom" in exponent or "\\uparrow" in exponent:
+            return True
+        exp_numbers = _INT_RE.findall(exponent)
+        if any(len(x) > 12 for x in exp_numbers):
+            return True
+        exp_value = max((int(x) for x in exp_numbers), default=0)
+        base = re.search(r"(\d+)\s*$", answer[:pos])  # a literal base: its own size; else the largest literal
+        base_digits = math.log10(max(int(base.group(1)), 2)) if base and len(base.group(1)) <= 12 else longest
+        if exp_value * base_digits > MAX_RESULT_DIGITS:
+            return True
+    if "!" in answer or "\\binom" in answer or "\\choose" in answer:
+        if "^" in answer or max(literals) > MAX_FACTORIAL_ARG:
+            return True
+    return False

@@ -14,6 +14,7 @@ class RewardComponentError(RuntimeError):
 
     def __init__(self, name: str, err: BaseException):
         super().__init__(f"reward component {name!r}: {type(err).__name__}: {err}")
+        self.component = name
         self.invalid = isinstance(err, InvalidReward)
 
 

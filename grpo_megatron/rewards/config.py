@@ -1,8 +1,9 @@
 """Typed config of the rewards (the `reward:` section of a job YAML).
 
 A reward is a weighted sum of named components, each a built-in (by name) or a user
-function (by `module:function` path). Every component runs in the sandboxed worker pool
-(see pool.py). This module imports nothing heavy: the CLI loads configs without torch.
+function (by `module:function` path). Every component is imported and run only in the worker
+pool's sandboxed processes (pool.py, sandbox.py). This module imports nothing heavy: the CLI
+loads configs without torch.
 """
 
 from dataclasses import dataclass, field
@@ -51,6 +52,39 @@ class RewardComponentConfig:
 
 
 @dataclass
+class RewardSandboxConfig:
+    """What reward workers may do (sandbox.py applies it; start-up logs what is active)."""
+
+    isolate: bool = True
+    """Network and mount namespaces (no network, read-only file system except a scratch
+    directory) and, when started as root, a uid of its own per worker. False keeps only the
+    session, the scrubbed environment and the limits (e.g. a reward that calls a judge server)."""
+    allow_network: bool = False
+    """Keep the network (skip the network namespace) while isolating the rest."""
+    max_processes: int | None = 1
+    """RLIMIT_NPROC of a worker with a uid of its own, threads included: 1 = no subprocess and
+    no thread. None = no limit."""
+    max_file_mb: int | None = 64
+    """Largest file a worker may write (RLIMIT_FSIZE), in MiB; a bigger write raises. None = no limit."""
+    max_open_files: int | None = 256
+    """RLIMIT_NOFILE of a worker. None = inherit the trainer's."""
+    keep_env: list[str] = field(default_factory=list)
+    """Environment variables passed to the workers beyond PATH, PYTHONPATH, LANG, LC_ALL and TZ
+    (everything else, API keys included, is removed)."""
+    scratch_dir: str | None = None
+    """Where the per-worker writable scratch directories are made (removed at exit); None = the
+    system's temporary directory."""
+
+    def validate(self, p: str) -> None:
+        for name in ("max_processes", "max_file_mb", "max_open_files"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ValueError(f"{p}.{name}={value!r} must be an integer >= 1 or null (no limit)")
+        if self.max_open_files is not None and self.max_open_files < 32:
+            raise ValueError(f"{p}.max_open_files={self.max_open_files} must be >= 32: Python itself needs a few")
+
+
+@dataclass
 class RewardConfig:
     """Reward components and the sandbox they run in."""
 
@@ -63,8 +97,18 @@ class RewardConfig:
     """Per-sample time limit; a sample that exceeds it gets `fallback` and its worker is
     killed and replaced."""
     batch_timeout_s: float | None = None
-    """Hard limit for one whole scoring call: samples not scored by then get `fallback`.
-    None = no limit beyond the per-sample one (worst case ceil(N / num_workers) * timeout_s)."""
+    """Hard limit for one whole scoring call of N samples: samples not scored by then get
+    `fallback`. None = derived: timeout_s * (2 + ceil(N / num_workers) / 8), i.e. every worker
+    may spend an eighth of timeout_s per sample on average, plus two full timeouts of slack
+    (real rewards take milliseconds; without a bound, N hanging samples cost
+    ceil(N / num_workers) * timeout_s)."""
+    startup_timeout_s: float = 60.0
+    """A worker must have set up its sandbox and imported every component within this many
+    seconds; an import that hangs fails the start with the component's config field named."""
+    max_error_frac: float = 0.5
+    """The run stops with an error when more than this fraction of a scoring call's samples
+    fall back (reward code raised, returned a non-number, timed out or killed its worker): a
+    broken reward must not train silently on the fallback. 1.0 = never stop."""
     replace_worker_on_error: bool = True
     """Also replace a worker after its reward code RAISED (its module state may be broken).
     Timed-out and dead workers are always replaced. False keeps it: cheaper when a reward
@@ -77,11 +121,13 @@ class RewardConfig:
     they are sent to a worker: a runaway output never crosses the pipe whole. The built-in
     rewards bound their own work further (they search for answers in a bounded tail and cap
     the length of an extracted answer before math-verify parses it)."""
-    worker_memory_mb: int | None = None
+    worker_memory_mb: int | None = 4096
     """Address-space limit (RLIMIT_AS) of each worker in MiB: a reward that allocates past it
     gets a MemoryError (-> fallback) instead of pushing the node into the OOM killer. None =
-    no limit (keep it None if a reward imports CUDA libraries, which reserve huge address
-    space). Workers always volunteer as the OOM killer's first victim (oom_score_adj)."""
+    no limit (needed if a reward imports CUDA libraries, which reserve huge address space).
+    Workers always volunteer as the OOM killer's first victim (oom_score_adj)."""
+    sandbox: RewardSandboxConfig = field(default_factory=RewardSandboxConfig)
+    """Containment of reward code (namespaces, uid, limits, environment)."""
     mp_context: Literal["forkserver", "spawn"] = "forkserver"
     """How workers are started. Both are safe after torch and threads exist (fork is not)."""
 
@@ -116,3 +162,10 @@ class RewardConfig:
             )
         if self.max_response_chars < 1:
             raise ValueError(f"{p}.max_response_chars={self.max_response_chars} must be >= 1")
+        if not 0 < self.startup_timeout_s < float("inf"):  # also refuses NaN
+            raise ValueError(f"{p}.startup_timeout_s={self.startup_timeout_s} must be a finite number of seconds > 0")
+        if not 0.0 <= self.max_error_frac <= 1.0:
+            raise ValueError(
+                f"{p}.max_error_frac={self.max_error_frac} must be in [0, 1] (1.0 = never stop on reward failures)"
+            )
+        self.sandbox.validate(f"{p}.sandbox")

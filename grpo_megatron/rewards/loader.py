@@ -35,6 +35,10 @@ def load_reward_fn(spec: str, field_name: str = "reward.components[].function") 
         obj: Any = importlib.import_module(module_name)
     except ImportError as err:
         raise ValueError(f"{field_name}={spec!r}: cannot import module {module_name!r}: {err}") from err
+    except (Exception, SystemExit) as err:  # module-level code of user modules may raise anything
+        raise ValueError(
+            f"{field_name}={spec!r}: importing module {module_name!r} raised {type(err).__name__}: {err}"
+        ) from err
     for part in attr_path.split("."):
         if not hasattr(obj, part):
             raise ValueError(f"{field_name}={spec!r}: module {module_name!r} has no attribute {attr_path!r}")
@@ -44,15 +48,16 @@ def load_reward_fn(spec: str, field_name: str = "reward.components[].function") 
     return obj
 
 
-def build_composite(components: Sequence[RewardComponentConfig]) -> CompositeReward:
-    """The CompositeReward of configured components (imports user modules)."""
-    terms = tuple(
-        RewardTerm(
-            name=c.name,
-            fn=load_reward_fn(c.function, f"reward.components[{i}].function"),
-            weight=float(c.weight),
-            kwargs=dict(c.kwargs),
-        )
-        for i, c in enumerate(components)
-    )
-    return CompositeReward(terms)
+def build_composite(
+    components: Sequence[RewardComponentConfig], on_import: Callable[[int], None] | None = None
+) -> CompositeReward:
+    """The CompositeReward of configured components (imports user modules: the reward pool calls
+    this only in its sandboxed workers). `on_import(i)` is called before component i is resolved,
+    so that a parent watching an import that hangs can name the component."""
+    terms = []
+    for i, c in enumerate(components):
+        if on_import is not None:
+            on_import(i)
+        fn = load_reward_fn(c.function, f"reward.components[{i}].function")
+        terms.append(RewardTerm(name=c.name, fn=fn, weight=float(c.weight), kwargs=dict(c.kwargs)))
+    return CompositeReward(tuple(terms))

@@ -9,7 +9,7 @@ reads e.g. "(1, 2)" as 2 and "(x+1)^2" as nothing (../shared/GUIDE.md section 1)
 import re
 import threading
 
-from grpo_megatron.rewards.base import MAX_ANSWER_CHARS, RewardSample, extract_final_answer
+from grpo_megatron.rewards.base import MAX_ANSWER_CHARS, RewardSample, extract_final_answer, is_math_bomb
 
 __all__ = ["math_accuracy", "wrap_latex", "answers_match"]
 
@@ -33,10 +33,13 @@ def wrap_latex(answer: str) -> str:
 
 
 def answers_match(gold: str, pred: str) -> bool:
-    """math-verify's verdict on whether `pred` is equivalent to `gold` (both bare answers)."""
+    """math-verify's verdict on whether `pred` is equivalent to `gold` (both bare answers). A
+    `pred` that would make sympy build an astronomically large number (base.is_math_bomb, e.g.
+    9^{9^{9}}) is refused before parsing: it cannot be right, and evaluating it would cost the
+    pool's whole timeout and a worker restart."""
     from math_verify import parse, verify  # lazy: sympy import costs ~0.3 s
 
-    if not gold.strip() or not pred.strip() or len(pred) > MAX_ANSWER_CHARS:
+    if not gold.strip() or not pred.strip() or len(pred) > MAX_ANSWER_CHARS or is_math_bomb(pred):
         return False
     # math-verify enforces its own time limits with SIGALRM, which only works in the main
     # thread; elsewhere the pool's per-sample timeout is the only limit.

@@ -1,4 +1,5 @@
-"""The sandboxed reward pool: reward code runs in worker processes with a per-sample timeout.
+"""The sandboxed reward pool: reward code is imported and run only in worker processes, with a
+per-sample timeout.
 
 Contract with the trainer: `RewardPool.score(samples)` always returns one finite float per
 sample. A sample whose reward code raises, exceeds `timeout_s`, kills its worker, or returns a
@@ -11,7 +12,17 @@ by ceil(N / num_workers) * timeout_s (+ about 1 s of process overhead) however t
 code misbehaves; in particular a batch of at most num_workers samples returns within
 timeout_s + 1 s even if every sample hangs. `cfg.batch_timeout_s` (or the argument of
 `score`) is a hard bound on the whole call: samples not finished by then get the fallback and
-count as timeouts.
+count as timeouts; by default it is derived from timeout_s and the worker count (config.py).
+
+Containment. The trainer never imports user reward modules (with num_workers >= 1): each worker
+first enters its sandbox (sandbox.py: own session, scrubbed environment, limits, no network,
+read-only file system except a scratch directory, a uid of its own when root), then imports the
+components within `cfg.startup_timeout_s`, reporting which component it is importing so that a
+hang or a failure names its config field. The pool logs the active protections once.
+
+Failures are counted per component (`reward/<component>/error_frac`); `report_failures` (called
+by the trainer on each scoring call) prints the first failure and stops the run when more than
+`cfg.max_error_frac` of the samples fell back.
 
 Processes are started with the `forkserver` (default) or `spawn` method, never a bare `fork`,
 which is unsafe once torch has started threads. With `forkserver` the server preloads the
@@ -26,12 +37,15 @@ before pickling (`reward_pool/truncated` counts them).
 import math
 import multiprocessing as mp
 import multiprocessing.connection as mp_conn
+import os
+import shutil
 import signal
+import tempfile
 import time
 import traceback
 import weakref
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
@@ -39,15 +53,23 @@ from grpo_megatron.rewards.base import RewardSample
 from grpo_megatron.rewards.composite import CompositeReward, RewardComponentError
 from grpo_megatron.rewards.config import RewardComponentConfig, RewardConfig
 from grpo_megatron.rewards.loader import build_composite
+from grpo_megatron.rewards.sandbox import SandboxPlan, SandboxReport, enter_sandbox, set_cpu_backstop
 
-__all__ = ["RewardPool", "RewardBatch", "SampleStatus"]
+__all__ = [
+    "RewardPool",
+    "RewardBatch",
+    "SampleStatus",
+    "RewardStartupError",
+    "RewardFailureError",
+    "check_reward_imports",
+    "report_failures",
+    "default_batch_timeout_s",
+]
 
 SampleStatus = Literal["ok", "error", "timeout", "invalid"]
 
 # Modules the forkserver imports once so that forked workers start warm.
 _PRELOAD = ["grpo_megatron.rewards.loader", "grpo_megatron.rewards.math_accuracy", "math_verify"]
-# A worker must say "ready" within this many seconds of being started (imports of user code).
-_STARTUP_TIMEOUT_S = 120.0
 # Error messages kept per call (for logs); the counts are always complete.
 _MAX_ERROR_MESSAGES = 8
 # Workers that fail to start within one call before the call gives up on its remaining samples.
@@ -68,32 +90,43 @@ class RewardBatch:
     """The first few error messages of this call, for logging."""
 
 
-def _limit_self(memory_mb: int | None) -> None:
-    """Make this worker the OOM killer's preferred victim and optionally cap its memory."""
-    try:
-        with open("/proc/self/oom_score_adj", "w") as f:  # raising one's own score needs no privilege
-            f.write("1000")
-    except OSError:
-        pass  # not Linux, or a read-only /proc: nothing to volunteer
-    if memory_mb is not None:
-        import resource
+class RewardStartupError(ValueError):
+    """Reward workers could not start: a component failed to import (its config field named),
+    an import hung past reward.startup_timeout_s, or the sandbox could not be set up."""
 
-        limit = memory_mb * 1024 * 1024
-        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+
+class RewardFailureError(RuntimeError):
+    """More than reward.max_error_frac of a scoring call's samples fell back."""
+
+
+def _one_line(text: str) -> str:
+    return " ".join(str(text).split())
+
+
+def default_batch_timeout_s(cfg: RewardConfig, n_samples: int) -> float:
+    """The bound on one scoring call of `n_samples` when reward.batch_timeout_s is null:
+    timeout_s * (2 + ceil(n / num_workers) / 8) (see RewardConfig.batch_timeout_s)."""
+    waves = math.ceil(n_samples / max(cfg.num_workers, 1))
+    return cfg.timeout_s * (2.0 + waves / 8.0)
 
 
 def _worker_main(
-    conn: mp_conn.Connection, components: list[RewardComponentConfig], memory_mb: int | None = None
+    conn: mp_conn.Connection, components: list[RewardComponentConfig], plan: SandboxPlan, timeout_s: float
 ) -> None:
-    """Worker loop: build the composite, say ready, then score one sample per message."""
+    """Worker loop: enter the sandbox, import the components (saying which), say ready with the
+    active protections, then score one sample per message."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's to handle
     try:
-        _limit_self(memory_mb)
-        composite = build_composite(components)
+        report = enter_sandbox(plan)
     except BaseException as err:  # noqa: BLE001 - any failure must reach the parent as a message
-        conn.send(("init_error", f"{type(err).__name__}: {err}"))
+        conn.send(("init_error", f"reward sandbox set-up failed: {type(err).__name__}: {err}"))
         return
-    conn.send(("ready", None))
+    try:
+        composite = build_composite(components, on_import=lambda i: conn.send(("importing", i)))
+    except BaseException as err:  # noqa: BLE001
+        conn.send(("init_error", str(err) if isinstance(err, ValueError) else f"{type(err).__name__}: {err}"))
+        return
+    conn.send(("ready", report))
     while True:
         try:
             msg = conn.recv()
@@ -102,14 +135,15 @@ def _worker_main(
         if msg is None:
             return
         task_id, sample = msg
+        set_cpu_backstop(timeout_s)
         try:
             total, comps = composite(sample)
-            reply: tuple[Any, ...] = (task_id, "ok", total, comps)
+            reply: tuple[Any, ...] = (task_id, "ok", total, comps, None)
         except RewardComponentError as err:
-            reply = (task_id, "invalid" if err.invalid else "error", str(err)[:2000], None)
+            reply = (task_id, "invalid" if err.invalid else "error", str(err)[:2000], None, err.component)
         except BaseException as err:  # noqa: BLE001 - e.g. SystemExit or KeyboardInterrupt from user code
             tb = traceback.format_exc(limit=3)
-            reply = (task_id, "error", f"{type(err).__name__}: {err}\n{tb}"[:2000], None)
+            reply = (task_id, "error", f"{type(err).__name__}: {err}\n{tb}"[:2000], None, None)
         try:
             conn.send(reply)
         except (OSError, ValueError):
@@ -121,12 +155,20 @@ class _Worker:
     process: Any  # multiprocessing.process.BaseProcess
     conn: mp_conn.Connection
     started_at: float
+    slot: int
     ready: bool = False
+    importing: int | None = None  # component index being imported at start-up
     task: int | None = None  # index of the sample it is scoring
     deadline: float = math.inf
 
 
 def _kill(worker: _Worker) -> None:
+    pid = worker.process.pid
+    try:  # the worker leads its own session: this also ends anything it started
+        if pid is not None and os.getpgid(pid) == pid:
+            os.killpg(pid, signal.SIGKILL)
+    except OSError:
+        pass
     try:
         worker.process.kill()
     except (OSError, ValueError, AttributeError):
@@ -146,54 +188,99 @@ def _shutdown(workers: list[_Worker]) -> None:
     workers.clear()
 
 
+def _shutdown_all(workers: list[_Worker], scratch_root: str | None) -> None:
+    _shutdown(workers)
+    if scratch_root is not None:
+        shutil.rmtree(scratch_root, ignore_errors=True)
+
+
 class RewardPool:
     """Scores RewardSamples with the configured composite reward in sandboxed workers.
 
-    Use as a context manager (or call close()). `num_workers=0` scores in the calling
-    process: failures still become the fallback, but there is no timeout or isolation.
-    One thread at a time may call `score` (the trainer's driver loop); it is not re-entrant.
+    Use as a context manager (or call close()). `num_workers=0` imports and scores in the
+    calling process: failures still become the fallback, but there is no timeout and no
+    isolation (debugging only). One thread at a time may call `score` (the trainer's driver
+    loop); it is not re-entrant. `log` receives the one start-up line naming the active
+    protections.
     """
 
-    def __init__(self, cfg: RewardConfig):
+    def __init__(self, cfg: RewardConfig, log: Callable[[str], None] | None = print):
         cfg.validate()
         self.cfg = cfg
-        # Resolve the functions here too: a bad `module:function` fails at start-up, in the
-        # trainer, with the field named, not later inside a worker.
-        self._composite: CompositeReward = build_composite(cfg.components)
         self._components = list(cfg.components)
-        self._ctx = mp.get_context(cfg.mp_context)
-        if cfg.mp_context == "forkserver":
-            self._ctx.set_forkserver_preload(_PRELOAD)
+        self._composite: CompositeReward | None = None
+        self._scratch_root: str | None = None
+        self.sandbox: SandboxReport | None = None
+        """What the first worker reported as active (None with num_workers=0)."""
+        self._log = log
         self._workers: list[_Worker] = []
         self._graveyard: list[Any] = []  # killed processes not yet reaped
         self._restarts = 0
         self._init_failures = 0
         self._closed = False
-        self._finalizer = weakref.finalize(self, _shutdown, self._workers)
-        for _ in range(cfg.num_workers):
-            self._workers.append(self._spawn())
+        if cfg.num_workers == 0:
+            self._composite = build_composite(cfg.components)  # in this process, by request
+            self._finalizer = weakref.finalize(self, _shutdown_all, self._workers, None)
+            return
+        self._ctx = mp.get_context(cfg.mp_context)
+        if cfg.mp_context == "forkserver":
+            self._ctx.set_forkserver_preload(_PRELOAD)
+        self._scratch_root = tempfile.mkdtemp(prefix="grpo-reward-", dir=cfg.sandbox.scratch_dir)
+        os.chmod(self._scratch_root, 0o711)  # workers with a uid of their own reach their sub-directory
+        self._finalizer = weakref.finalize(self, _shutdown_all, self._workers, self._scratch_root)
+        for slot in range(cfg.num_workers):
+            self._workers.append(self._spawn(slot))
         self._wait_ready()
 
     # ---- process management -------------------------------------------------------------
 
-    def _spawn(self) -> _Worker:
+    def _spawn(self, slot: int) -> _Worker:
+        assert self._scratch_root is not None
+        sb = self.cfg.sandbox
+        plan = SandboxPlan(
+            scratch_root=self._scratch_root,
+            slot=slot,
+            trainer_pid=os.getpid(),
+            isolate=sb.isolate,
+            allow_network=sb.allow_network,
+            memory_mb=self.cfg.worker_memory_mb,
+            file_mb=sb.max_file_mb,
+            max_processes=sb.max_processes,
+            max_open_files=sb.max_open_files,
+            keep_env=tuple(sb.keep_env),
+        )
         parent_conn, child_conn = self._ctx.Pipe(duplex=True)
         proc = self._ctx.Process(
             target=_worker_main,
-            args=(child_conn, self._components, self.cfg.worker_memory_mb),
+            args=(child_conn, self._components, plan, self.cfg.timeout_s),
             daemon=True,
             name="grpo-reward-worker",
         )
         proc.start()
         child_conn.close()
-        return _Worker(process=proc, conn=parent_conn, started_at=time.monotonic())
+        return _Worker(process=proc, conn=parent_conn, started_at=time.monotonic(), slot=slot)
 
     def _replace(self, worker: _Worker) -> None:
         _kill(worker)
         self._graveyard.append(worker.process)
         idx = next(i for i, w in enumerate(self._workers) if w is worker)
-        self._workers[idx] = self._spawn()
+        self._workers[idx] = self._spawn(worker.slot)
         self._restarts += 1
+
+    def worker_pids(self) -> list[int]:
+        """Process ids of the current workers (for tests and diagnostics)."""
+        return [w.process.pid for w in self._workers]
+
+    def _startup_failure(self, w: _Worker, cause: str) -> str:
+        timeout = self.cfg.startup_timeout_s
+        if w.importing is None:
+            return f"reward worker did not set up its sandbox within reward.startup_timeout_s={timeout:g} s ({cause})"
+        i = w.importing
+        spec = self._components[i].function
+        return (
+            f"reward.components[{i}].function={spec!r}: importing it did not finish within "
+            f"reward.startup_timeout_s={timeout:g} s ({cause}); fix the module or raise the timeout"
+        )
 
     def _reap(self) -> None:
         """Collect the exit status of killed workers without blocking (no zombies pile up)."""
@@ -208,30 +295,43 @@ class RewardPool:
         self._graveyard[:] = alive
 
     def _wait_ready(self) -> None:
-        deadline = time.monotonic() + _STARTUP_TIMEOUT_S
+        deadline = time.monotonic() + self.cfg.startup_timeout_s
         while not all(w.ready for w in self._workers):
             waiting = {w.conn: w for w in self._workers if not w.ready}
             remaining = deadline - time.monotonic()
             if remaining <= 0:
+                message = self._startup_failure(next(iter(waiting.values())), "it hangs")
                 self.close()
-                raise RuntimeError(f"reward workers did not start within {_STARTUP_TIMEOUT_S:.0f} s")
+                raise RewardStartupError(message)
             for conn in mp_conn.wait(list(waiting), timeout=remaining):
                 w = waiting[conn]
                 try:
                     kind, payload = conn.recv()
                 except (EOFError, OSError):
-                    kind, payload = "init_error", f"worker exited with code {w.process.exitcode}"
+                    kind, payload = "init_error", self._startup_failure(w, f"worker exited with code {w.process.exitcode}")
+                if kind == "importing":
+                    w.importing = payload
+                    continue
                 if kind != "ready":
                     self.close()
-                    raise RuntimeError(f"reward worker failed to start: {payload}")
+                    raise RewardStartupError(_one_line(payload))
                 w.ready = True
+                self._note_sandbox(payload)
+
+    def _note_sandbox(self, report: SandboxReport) -> None:
+        if self.sandbox is None:  # log once per pool: every worker applies the same plan
+            self.sandbox = report
+            if self._log is not None:
+                self._log(f"[reward] {report.line()}")
 
     def close(self) -> None:
-        """Kill the workers. Idempotent."""
+        """Kill the workers and remove their scratch directories. Idempotent."""
         self._closed = True
         _shutdown(self._workers)
         self._reap()
         self._finalizer.detach()
+        if self._scratch_root is not None:
+            shutil.rmtree(self._scratch_root, ignore_errors=True)
 
     def __enter__(self) -> "RewardPool":
         return self
@@ -270,20 +370,23 @@ class RewardPool:
         else:
             if batch_timeout_s is None:
                 batch_timeout_s = self.cfg.batch_timeout_s
-            batch_deadline = start + batch_timeout_s if batch_timeout_s is not None else math.inf
+            if batch_timeout_s is None:
+                batch_timeout_s = default_batch_timeout_s(self.cfg, n)
+            batch_deadline = start + batch_timeout_s
             self._init_failures = 0
             self._run_in_workers(prepared, outcomes, batch_deadline)
             self._reap()
         return self._collect(outcomes, truncated, self._restarts - restarts_before)
 
     def _score_in_process(self, sample: RewardSample):
+        assert self._composite is not None
         try:
             total, comps = self._composite(sample)
-            return ("ok", total, comps, None)
+            return ("ok", total, comps, None, None)
         except RewardComponentError as err:
-            return ("invalid" if err.invalid else "error", None, None, str(err))
+            return ("invalid" if err.invalid else "error", None, None, str(err), err.component)
         except Exception as err:  # noqa: BLE001 - reward code must not stop training
-            return ("error", None, None, f"{type(err).__name__}: {err}")
+            return ("error", None, None, f"{type(err).__name__}: {err}", None)
 
     def _run_in_workers(self, samples: list[RewardSample], outcomes: list, batch_deadline: float) -> None:
         pending = deque(range(len(samples)))
@@ -293,24 +396,24 @@ class RewardPool:
             if now >= batch_deadline:
                 for w in list(self._workers):
                     if w.task is not None:
-                        outcomes[w.task] = ("timeout", None, None, f"batch timeout while scoring sample {w.task}")
+                        outcomes[w.task] = ("timeout", None, None, f"batch timeout while scoring sample {w.task}", None)
                         self._replace(w)
                 while pending:
                     i = pending.popleft()
-                    outcomes[i] = ("timeout", None, None, f"batch timeout before sample {i} was scored")
+                    outcomes[i] = ("timeout", None, None, f"batch timeout before sample {i} was scored", None)
                 break
             if self._init_failures > _MAX_INIT_FAILURES_PER_WORKER * len(self._workers):
                 while pending:  # workers keep failing to import the reward code: give up on this call
                     i = pending.popleft()
-                    outcomes[i] = ("error", None, None, "reward workers keep failing to start")
+                    outcomes[i] = ("error", None, None, "reward workers keep failing to start", None)
                 if not any(w.task is not None for w in self._workers):
                     break
             # Kill workers past their sample's deadline, and workers that never got ready.
             for w in list(self._workers):
                 if w.task is not None and now >= w.deadline:
-                    outcomes[w.task] = ("timeout", None, None, f"sample {w.task} exceeded {timeout_s} s")
+                    outcomes[w.task] = ("timeout", None, None, f"sample {w.task} exceeded {timeout_s} s", None)
                     self._replace(w)
-                elif not w.ready and now - w.started_at > _STARTUP_TIMEOUT_S:
+                elif not w.ready and now - w.started_at > self.cfg.startup_timeout_s:
                     self._init_failures += 1
                     self._replace(w)
             # Hand out work to idle, ready workers.
@@ -320,7 +423,7 @@ class RewardPool:
                     try:
                         w.conn.send((i, samples[i]))
                     except (OSError, ValueError) as err:  # the worker died while idle, or unpicklable
-                        outcomes[i] = ("error", None, None, f"could not send sample {i}: {err}")
+                        outcomes[i] = ("error", None, None, f"could not send sample {i}: {err}", None)
                         self._replace(w)
                         continue
                     w.task, w.deadline = i, time.monotonic() + timeout_s
@@ -339,28 +442,33 @@ class RewardPool:
                 self._init_failures += 1
             if w.task is not None:
                 code = w.process.exitcode
-                outcomes[w.task] = ("error", None, None, f"reward worker died (exit code {code}) on sample {w.task}")
+                died = f"reward worker died (exit code {code}) on sample {w.task}"
+                outcomes[w.task] = ("error", None, None, died, None)
             self._replace(w)
             return
         except Exception as err:  # noqa: BLE001 - an unpicklable reply
             if w.task is not None:
-                outcomes[w.task] = ("error", None, None, f"unreadable reply: {err}")
+                outcomes[w.task] = ("error", None, None, f"unreadable reply: {err}", None)
             self._replace(w)
+            return
+        if msg[0] == "importing":
+            w.importing = msg[1]
             return
         if msg[0] == "ready":
             w.ready = True
+            self._note_sandbox(msg[1])
             return
         if msg[0] == "init_error":  # user code imported at start-up but not now: retry, within limits
             self._init_failures += 1
             self._replace(w)
             return
-        task_id, kind, payload, comps = msg
+        task_id, kind, payload, comps, component = msg
         if task_id != w.task:  # cannot happen (one task per worker), but never misattribute
             return
         if kind == "ok":
-            outcomes[task_id] = ("ok", payload, comps, None)
+            outcomes[task_id] = ("ok", payload, comps, None, None)
         else:
-            outcomes[task_id] = (kind, None, None, payload)
+            outcomes[task_id] = (kind, None, None, payload, component)
         w.task, w.deadline = None, math.inf
         if kind == "error" and self.cfg.replace_worker_on_error:
             self._replace(w)
@@ -371,8 +479,11 @@ class RewardPool:
         components: list[dict[str, float]] = []
         status: list[SampleStatus] = []
         errors: list[str] = []
+        failed_by_component = dict.fromkeys((c.name for c in self._components), 0)
         for out in outcomes:
-            kind, total, comps, err = out if out is not None else ("error", None, None, "not scored")
+            kind, total, comps, err, component = out if out is not None else ("error", None, None, "not scored", None)
+            if component in failed_by_component:
+                failed_by_component[component] += 1
             if kind == "ok" and (not isinstance(total, float) or not math.isfinite(total)):
                 kind, err = "invalid", f"non-finite total reward {total!r}"  # e.g. weight * huge = inf
             status.append(kind)
@@ -400,6 +511,8 @@ class RewardPool:
         for key in keys:
             values = [c[key] for c in components if key in c]
             metrics[f"reward/{key}"] = sum(values) / len(values)
+        for name, failed in failed_by_component.items():  # raised or returned a non-number
+            metrics[f"reward/{name}/error_frac"] = failed / n if n else 0.0
         return RewardBatch(rewards=rewards, components=components, status=status, metrics=metrics, errors=errors)
 
 
@@ -408,3 +521,31 @@ def _std(values: list[float]) -> float:
         return 0.0
     mean = sum(values) / len(values)
     return math.sqrt(sum((v - mean) ** 2 for v in values) / (len(values) - 1))
+
+
+def report_failures(batch: RewardBatch, cfg: RewardConfig, log: Callable[[str], None] = print) -> None:
+    """Make reward failures visible: print a summary and the first failure's text (one line)
+    when any sample fell back, and raise RewardFailureError when more than
+    `cfg.max_error_frac` of the samples did (a reward that raises on everything must not train
+    silently on the fallback)."""
+    n = len(batch.status)
+    failed = n - batch.status.count("ok")
+    if not failed:
+        return
+    counts = ", ".join(f"{batch.status.count(k)} {k}" for k in ("error", "invalid", "timeout") if k in batch.status)
+    first = _one_line(batch.errors[0])[:500] if batch.errors else "no message"
+    summary = f"{failed}/{n} samples got the fallback reward {cfg.fallback:g} ({counts}); first: {first}"
+    log(f"[reward] {summary}")
+    if failed / n > cfg.max_error_frac:
+        raise RewardFailureError(
+            f"{summary} -- more than reward.max_error_frac={cfg.max_error_frac:g} of the batch: fix the reward "
+            "function (run it on a few samples with reward.num_workers=0 to debug) or raise reward.max_error_frac"
+        )
+
+
+def check_reward_imports(cfg: RewardConfig, log: Callable[[str], None] | None = print) -> None:
+    """Import every configured component in a throwaway sandboxed worker, as the trainer's pool
+    will (never in this process); raise RewardStartupError, one line naming
+    reward.components[i].function, the module and the cause, if one fails or hangs."""
+    with RewardPool(replace(cfg, num_workers=1), log=log):
+        pass

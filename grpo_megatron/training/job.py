@@ -147,6 +147,7 @@ def build_job(cfg: JobConfig, *, with_reference: bool, sft: bool = False) -> Job
     from grpo_megatron.checkpoint.manager import CheckpointManager
     from grpo_megatron.data import build_prompt_datasets, build_sft_dataset, load_tokenizer
     from grpo_megatron.distributed.bootstrap import init_distributed
+    from grpo_megatron.distributed.collectives import on_rank0
     from grpo_megatron.logging_utils.metrics import REQUIRED_KEYS, MetricsLogger
     from grpo_megatron.rewards.pool import RewardPool
     from grpo_megatron.rollout.fleet import RolloutFleet
@@ -158,6 +159,11 @@ def build_job(cfg: JobConfig, *, with_reference: bool, sft: bool = False) -> Job
     if ps.rank == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
         cfg.save(run_dir / "config.yaml")
+    # Rank 0 holds the reward pool. It starts before the model is built, so that a reward that fails to
+    # import costs seconds, and through on_rank0, so that the failure stops every rank at once instead
+    # of leaving the others in the next collective until the process-group timeout.
+    pools: list[RewardPool] = []
+    on_rank0(lambda: pools.append(RewardPool(cfg.reward)), "starting the reward workers")
     tokenizer = load_tokenizer(cfg.data.tokenizer_path or cfg.model.hf_path)
     sft_records: list = []
     if sft:
@@ -194,7 +200,7 @@ def build_job(cfg: JobConfig, *, with_reference: bool, sft: bool = False) -> Job
         checkpoints=CheckpointManager(cfg.checkpoint, run_dir, ps),
         train_records=train_records,
         eval_records=eval_records,
-        rewards=RewardPool(cfg.reward) if ps.rank == 0 else None,
+        rewards=pools[0] if pools else None,
         reference=reference,
         sft_records=sft_records,
     )

@@ -19,6 +19,7 @@ from grpo_megatron.algorithm.mismatch import tis_weights
 from grpo_megatron.algorithm.policy_loss import grpo_policy_loss, loss_normalizer
 from grpo_megatron.distributed.collectives import on_rank0
 from grpo_megatron.rewards.base import RewardSample, attach_groups
+from grpo_megatron.rewards.pool import report_failures
 from grpo_megatron.rollout.engine import Completion, SamplingParams
 from grpo_megatron.training.batching import (
     Sample,
@@ -79,7 +80,9 @@ def score(job: Job, records: Sequence, completions: list[list[Completion]]) -> t
             for c, t in zip(cs, ts, strict=True)
         ]
         group_size = len(completions[0]) if completions else 1
-        return job.rewards.score(attach_groups(samples, group_size))
+        batch = job.rewards.score_detailed(attach_groups(samples, group_size))
+        report_failures(batch, job.cfg.reward)  # prints the first failure; stops past reward.max_error_frac
+        return batch.rewards, batch.metrics
 
     rewards, metrics = on_rank0(score_all, "reward scoring")
     groups, k = [], 0
