@@ -15,8 +15,10 @@ Standard library + PyYAML only: the CLI loads and checks configs without importi
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import difflib
+import math
 import re
 import types
 import typing
@@ -379,15 +381,24 @@ def _convert(value: Any, tp: Any, path: KeyPath, origins: _Origins, errors: list
             return value
         return _type_error(value, expected, path, origins, errors)
     if tp is float:
+        number: float | None = None
         if isinstance(value, int | float) and not isinstance(value, bool):
-            return float(value)
-        # PyYAML (YAML 1.1) reads 1e-6 as a string: it wants 1.0e-6. Accept what users mean.
-        if isinstance(value, str):
-            try:
-                return float(value)
-            except ValueError:
-                pass
-        return _type_error(value, expected, path, origins, errors)
+            number = float(value)
+        elif isinstance(value, str):
+            # PyYAML (YAML 1.1) reads 1e-6 as a string: it wants 1.0e-6. Accept what users mean.
+            with contextlib.suppress(ValueError):
+                number = float(value)
+        if number is None:
+            return _type_error(value, expected, path, origins, errors)
+        if not math.isfinite(number):
+            # inf/nan pass every `< 0` / `> 1` range rule and then poison training (NaN weights,
+            # disabled clipping, a pool that spins): no field of the job config means either.
+            errors.append(
+                f"{origins.of(path)}: {_dotted(path)}={_show(value)} is not a finite number; "
+                f"set {_dotted(path)} to a finite value"
+            )
+            return _INVALID
+        return number
     if tp is str:
         if isinstance(value, str):
             return value

@@ -97,6 +97,7 @@ def hf_to_mcore(args: argparse.Namespace) -> Path:
     """Collective: HF safetensors at ``args.hf`` -> model-only distributed checkpoint at ``args.out``."""
     import torch.distributed as dist
 
+    from grpo_megatron.bridge.hf_loader import CheckpointError as HFCheckpointError
     from grpo_megatron.bridge.hf_loader import load_hf_weights
     from grpo_megatron.checkpoint.dist import save_model_checkpoint
     from grpo_megatron.distributed.collectives import on_rank0
@@ -108,7 +109,10 @@ def hf_to_mcore(args: argparse.Namespace) -> Path:
         raise ConvertError(f"--out {out} exists and is not empty: choose a new output directory")
     dtype = config_dtype(hf) if args.dtype == "auto" else args.dtype
     ps, model = _start(hf_dir, hf, args, dtype)
-    load_hf_weights(model, ps, hf_dir, hf)
+    try:
+        load_hf_weights(model, ps, hf_dir, hf)
+    except HFCheckpointError as exc:
+        raise ConvertError(f"--hf: {exc}") from exc
     save_model_checkpoint(
         model,
         ps,
@@ -152,7 +156,10 @@ def mcore_to_hf(args: argparse.Namespace) -> Path:
         raise ConvertError(f"--out {out} exists and is not empty: choose a new output directory")
     dtype = marker.get("dtype", "float32") if args.dtype == "auto" else args.dtype
     ps, model = _start(hf_dir, hf, args, dtype)
-    load_model_checkpoint(model, ps, ckpt)
+    try:
+        load_model_checkpoint(model, ps, ckpt, model_source=f"--hf-config {hf_dir / 'config.json'}")
+    except (CheckpointError, RuntimeError) as exc:  # RuntimeError: rank 0's CheckpointError, on the others
+        raise ConvertError(str(exc)) from exc
     hf_out = {**hf, "dtype": dtype}
     write_hf_checkpoint(
         model, ps, hf, out, hf_config=hf_out, extra_files=tokenizer_files(hf_dir), bucket_bytes=args.bucket_mb << 20

@@ -28,6 +28,27 @@ class CheckpointError(ValueError):
     """A Hugging Face checkpoint that does not match the model: names the key and the file."""
 
 
+def check_safetensors(path: Path) -> list[str]:
+    """The tensor names of safetensors file ``path``; CheckpointError naming it when its header is
+    damaged or its data is shorter than the header says (a truncated copy or download)."""
+    try:
+        with open(path, "rb") as f:
+            header_len = int.from_bytes(f.read(8), "little")
+            size = path.stat().st_size
+            if header_len <= 0 or 8 + header_len > size:
+                raise ValueError(f"header of {header_len} bytes in a file of {size}")
+            header = json.loads(f.read(header_len))
+        end = max((int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"), default=0)
+    except (OSError, ValueError, KeyError, TypeError, IndexError) as exc:
+        raise CheckpointError(f"{path} is not a readable safetensors file ({exc}); copy or download it again") from exc
+    if 8 + header_len + end > size:
+        raise CheckpointError(
+            f"{path} is truncated: {size} bytes, its header describes {8 + header_len + end}; copy or "
+            "download it again"
+        )
+    return [k for k in header if k != "__metadata__"]
+
+
 class HFCheckpoint:
     """Lazy reader of a safetensors checkpoint directory (single file or sharded with an index).
 
@@ -41,10 +62,7 @@ class HFCheckpoint:
         if index.is_file():
             self.weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
         elif single.is_file():
-            from safetensors import safe_open
-
-            with safe_open(str(single), framework="pt") as f:
-                self.weight_map = dict.fromkeys(f.keys(), SINGLE_NAME)
+            self.weight_map = dict.fromkeys(check_safetensors(single), SINGLE_NAME)
         else:
             raise CheckpointError(
                 f"{self.directory}: neither {INDEX_NAME} nor {SINGLE_NAME} found: point at a Hugging Face "
@@ -73,6 +91,7 @@ class HFCheckpoint:
                 raise CheckpointError(f"{self.directory}: shard file {file!r} (holding {name!r}) does not exist")
             from safetensors import safe_open
 
+            check_safetensors(path)
             handle = safe_open(str(path), framework="pt")
             self._open[file] = handle.__enter__()
         return self._open[file].get_slice(name)

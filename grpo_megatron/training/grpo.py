@@ -91,7 +91,10 @@ def train(job: Job) -> dict[str, float]:
     if state["sampler"] is not None:
         sampler.load_state_dict(state["sampler"])
     start = state["iteration"]
-    job.logger.truncate_from(start + 1)
+    # Lines after the resumed checkpoint belong to iterations about to be redone; a fresh start
+    # (no checkpoint yet: a crash before the first save, or save_interval=0) redoes everything,
+    # its iteration-0 evaluation included.
+    job.logger.truncate_from(start + 1 if resumed is not None else 0)
     probe = phases.probe_sequences(job)
     phases.sync_weights(job, start, probe)  # the engines start from the trainer's weights
     last_eval = dict(state["eval"])
@@ -118,6 +121,7 @@ def train(job: Job) -> dict[str, float]:
         for name in ("ref_logprob", "old_logprob"):
             metrics.setdefault(f"time/{name}", 0.0)
         job.logger.log(it, metrics)
+        phases.stop_if_not_finite(metrics, it, f"the checkpoints in {job.checkpoints.dir} are untouched")
         if cfg.logging.samples_interval and it % cfg.logging.samples_interval == 0:
             job.logger.log_samples(it, sample_rows(result.groups, cfg.train.rollout_samples_logged))
         if cfg.checkpoint.save_interval and (it % cfg.checkpoint.save_interval == 0 or it == cfg.train.iterations):

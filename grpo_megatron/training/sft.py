@@ -69,6 +69,7 @@ def run_sft(job: Job) -> dict[str, float]:
     sft = job.cfg.sft
     pairs = job.sft_records
     sampler = job.make_sampler(len(pairs))
+    job.logger.truncate_from(0)  # SFT writes no checkpoints: a rerun starts over, its log too
     job.fleet.sync_weights(job.policy.model, version=0)
     accuracy = phases.evaluate(job, 0).get("eval/accuracy", 0.0)
     job.logger.log(0, {"eval/accuracy": accuracy})
@@ -85,6 +86,7 @@ def run_sft(job: Job) -> dict[str, float]:
             metrics["eval/accuracy"] = accuracy
         metrics["time/step"] = time.perf_counter() - start
         job.logger.log(step, metrics)
+        phases.stop_if_not_finite(metrics, step, "SFT writes its checkpoint only at the end")
     return {"steps": float(step), "eval/accuracy": accuracy}
 
 
