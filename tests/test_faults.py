@@ -13,6 +13,7 @@ import pickle
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -181,3 +182,140 @@ def test_convert_names_a_truncated_safetensors_file(converted: dict, tmp_path: P
     run = _convert("hf-to-mcore", "--hf", str(damaged), "--out", str(tmp_path / "mcore"))
     assert run.returncode == 2, run.stderr[-3000:]
     assert f"{damaged / 'model.safetensors'} is truncated" in run.stderr, run.stderr[-3000:]
+
+
+# ------------------------------------------------------------------------------------------------
+# A stuck (not dead) rank
+
+
+def test_a_stuck_rank_ends_every_rank_naming_it():
+    start = time.monotonic()
+    with pytest.raises(AssertionError) as failure:
+        run_distributed("tests.workers.fault_workers:stuck_rank", 2, timeout_s=120, bound_s=3.0, stuck=1)
+    elapsed = time.monotonic() - start
+    log = str(failure.value)
+    for rank in (0, 1):
+        assert f"[watchdog] rank {rank}: rank 1 on" in log, log[-3000:]
+    assert "last phase 'step 3'" in log and "progress_timeout_s=3" in log
+    assert elapsed < 60, elapsed  # the bound (3 s) plus start-up, not the 120 s hang timeout
+
+
+# ------------------------------------------------------------------------------------------------
+# The trainer end to end (examples/demo.yaml shrunk, 2 ranks): reruns, outputs, NaN, short errors
+
+
+def _demo(command: str, overrides: list[str], timeout_s: float = 300) -> subprocess.CompletedProcess:
+    from tests.test_train import SMALL, launch
+
+    proc = launch(command, [*SMALL, *overrides])
+    try:
+        out, _ = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, 9)
+        out, _ = proc.communicate()
+        pytest.fail(f"timed out:\n{out[-4000:]}")
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, "")
+
+
+def _our_traceback(out: str) -> list[str]:
+    """Traceback frames in our package (torchrun prints its own launcher's traceback on failure)."""
+    return [line for line in out.splitlines() if line.strip().startswith("File ") and "grpo_megatron" in line]
+
+
+def test_rerun_before_the_first_checkpoint_starts_over(tmp_path: Path):
+    from grpo_megatron.logging_utils.metrics import read_jsonl
+
+    run = [f"logging.run_dir={tmp_path / 'run'}", "train.iterations=1", "checkpoint.save_interval=0"]
+    first = _demo("train", run)
+    assert first.returncode == 0, first.stdout[-4000:]
+    again = _demo("train", run)  # no checkpoint: the same command starts fresh, not "logged after"
+    assert again.returncode == 0, again.stdout[-4000:]
+    assert [r["iteration"] for r in read_jsonl(tmp_path / "run" / "metrics.jsonl")] == [0, 1]
+
+
+def test_full_output_directories_fail_before_any_training(tmp_path: Path):
+    full = tmp_path / "hf"
+    full.mkdir()
+    (full / "keep.txt").write_text("earlier work")
+    for command, field in (("sft", f"sft.output_dir={full}"), ("train", f"checkpoint.export_hf_dir={full}")):
+        run = _demo(command, [field, f"logging.run_dir={tmp_path / command}", "sft.max_steps=2"], timeout_s=60)
+        assert run.returncode != 0, run.stdout[-3000:]  # torchrun exits 1 for any failed rank
+        assert f"{full} exists and is not empty" in run.stdout and not _our_traceback(run.stdout)
+        assert not (tmp_path / command / "metrics.jsonl").exists()  # nothing started
+    assert (full / "keep.txt").read_text() == "earlier work"
+
+
+def test_non_finite_loss_stops_the_loop_before_its_save():
+    from grpo_megatron.training.phases import stop_if_not_finite
+
+    stop_if_not_finite({"loss/policy": 0.5, "grad_norm": 1.0}, 3, "kept")
+    with pytest.raises(FloatingPointError, match=r"iteration 4: loss/policy=nan, grad_norm=inf; the run stops"):
+        stop_if_not_finite({"loss/policy": float("nan"), "grad_norm": float("inf")}, 4, "kept")
+    with pytest.raises(FloatingPointError, match="sft/loss=nan"):
+        stop_if_not_finite({"sft/loss": float("nan")}, 2, "kept")
+
+
+# ------------------------------------------------------------------------------------------------
+# Bad config and inputs: found by `check` (and start-up) in a second, one message naming the field
+
+
+def _float_fields(cls: type, prefix: str = "") -> list[str]:
+    import dataclasses
+    import typing
+
+    from grpo_megatron.config import _strip_optional
+
+    out = []
+    for f in dataclasses.fields(cls):
+        tp = _strip_optional(typing.get_type_hints(cls)[f.name])
+        if tp is float:
+            out.append(f"{prefix}{f.name}")
+        elif dataclasses.is_dataclass(tp):
+            out += _float_fields(tp, f"{prefix}{f.name}.")
+    return out
+
+
+def test_every_float_field_rejects_inf_and_nan():
+    from grpo_megatron.config import ConfigError, JobConfig, load_config
+
+    fields = _float_fields(JobConfig)
+    for named in ("train.lr", "train.grad_clip", "reward.timeout_s", "rollout.temperature"):
+        assert named in fields
+    for name in fields:
+        for value in (".nan", ".inf", "-.inf", "nan"):
+            with pytest.raises(ConfigError) as err:
+                load_config(TINY, [f"{name}={value}"])
+            assert f"{name}=" in str(err.value) and "not a finite number" in str(err.value), (name, value)
+
+
+def _check(*overrides: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "grpo_megatron", "check", str(TINY), *overrides],
+                          cwd=REPO_ROOT, capture_output=True, text=True, timeout=60)
+
+
+def test_check_finds_missing_data_damaged_weights_and_resume_paths(tmp_path: Path):
+    from tests.workers.bridge_workers import save_tiny_model
+
+    model = tmp_path / "model"
+    save_tiny_model("qwen3_moe", model)
+    _truncate(model / "model.safetensors", 0.6)
+    run = _check(f"data.train_path={tmp_path / 'missing.jsonl'}", f"model.hf_path={model}",
+                 f"checkpoint.resume={tmp_path / 'nope'}")
+    assert run.returncode == 2
+    assert f"data.train_path={tmp_path / 'missing.jsonl'}: no such file" in run.stderr, run.stderr
+    assert f"model.hf_path: {model / 'model.safetensors'} is truncated" in run.stderr
+    assert f"checkpoint.resume={tmp_path / 'nope'}: no such checkpoint" in run.stderr
+
+
+def test_failures_after_start_up_print_one_line_unless_debug():
+    short = subprocess.run([sys.executable, "-m", "grpo_megatron", "verify", str(TINY)], cwd=REPO_ROOT,
+                           capture_output=True, text=True, timeout=300,
+                           env=dict(os.environ, TORCH_COMPILE_DISABLE="1", OMP_NUM_THREADS="1"))
+    assert short.returncode == 1
+    errors = [line for line in short.stderr.splitlines() if line.startswith("grpo-megatron: error")]
+    assert len(errors) == 1 and "neither model.safetensors.index.json nor model.safetensors" in errors[0]
+    assert "Traceback" not in short.stderr, short.stderr[-3000:]
+    debug = subprocess.run([sys.executable, "-m", "grpo_megatron", "--debug", "verify", str(TINY)],
+                           cwd=REPO_ROOT, capture_output=True, text=True, timeout=300,
+                           env=dict(os.environ, TORCH_COMPILE_DISABLE="1", OMP_NUM_THREADS="1"))
+    assert debug.returncode == 1 and "Traceback" in debug.stderr

@@ -29,24 +29,17 @@ class CheckpointError(ValueError):
 
 
 def check_safetensors(path: Path) -> list[str]:
-    """The tensor names of safetensors file ``path``; CheckpointError naming it when its header is
-    damaged or its data is shorter than the header says (a truncated copy or download)."""
-    try:
-        with open(path, "rb") as f:
-            header_len = int.from_bytes(f.read(8), "little")
-            size = path.stat().st_size
-            if header_len <= 0 or 8 + header_len > size:
-                raise ValueError(f"header of {header_len} bytes in a file of {size}")
-            header = json.loads(f.read(header_len))
-        end = max((int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"), default=0)
-    except (OSError, ValueError, KeyError, TypeError, IndexError) as exc:
-        raise CheckpointError(f"{path} is not a readable safetensors file ({exc}); copy or download it again") from exc
-    if 8 + header_len + end > size:
-        raise CheckpointError(
-            f"{path} is truncated: {size} bytes, its header describes {8 + header_len + end}; copy or "
-            "download it again"
-        )
-    return [k for k in header if k != "__metadata__"]
+    """The tensor names of safetensors file ``path``; CheckpointError naming it when it is damaged
+    or truncated (``fileio.safetensors_problem``)."""
+    from safetensors import safe_open
+
+    from grpo_megatron.fileio import safetensors_problem
+
+    problem = safetensors_problem(path)
+    if problem is not None:
+        raise CheckpointError(problem)
+    with safe_open(str(path), framework="pt") as f:
+        return list(f.keys())
 
 
 class HFCheckpoint:

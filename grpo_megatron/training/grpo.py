@@ -86,6 +86,7 @@ def run_iteration(job: Job, sampler: PromptSampler, probe: Probe, it: int, timer
 def train(job: Job) -> dict[str, float]:
     cfg = job.cfg
     resumed = job.checkpoints.resume(job.policy)
+    job.beat("resume")
     state = resumed or {"iteration": 0, "sampler": None, "eval": {}}
     sampler = job.make_sampler()
     if state["sampler"] is not None:
@@ -102,9 +103,10 @@ def train(job: Job) -> dict[str, float]:
         last_eval = phases.evaluate(job, start)
         job.logger.log(start, last_eval)
     first_eval = dict(last_eval)
+    job.beat("first evaluation")
 
     for it in range(start + 1, cfg.train.iterations + 1):
-        timer = PhaseTimer()
+        timer = PhaseTimer(beat=job.beat)
         eval_metrics: dict[str, float] = {}
         with timer("iteration"):
             result = run_iteration(job, sampler, probe, it, timer)
@@ -138,8 +140,12 @@ def sample_rows(groups: list[phases.Group], count: int) -> list[dict[str, object
 
 
 def main(cfg: JobConfig) -> int:
+    from grpo_megatron.config import ConfigError, preflight_errors
     from grpo_megatron.distributed.bootstrap import destroy_distributed
 
+    problems = preflight_errors(cfg, "train")  # output directories: before any step, not after the last
+    if problems:
+        raise ConfigError(problems)
     start = time.perf_counter()
     job = build_job(cfg, with_reference=cfg.algorithm.kl.enabled)
     try:

@@ -76,6 +76,7 @@ def run_sft(job: Job) -> dict[str, float]:
     step = 0
     while step < sft.max_steps and (sft.stop_accuracy is None or accuracy < sft.stop_accuracy):
         step += 1
+        job.beat(f"sft step {step}")
         start = time.perf_counter()
         batch = [pairs[i] for i in sampler.next_indices(sft.batch_size)]
         samples = [make_sample(p.prompt_ids, p.response_ids, [0.0] * len(p.response_ids), 0.0) for p in batch]
@@ -91,8 +92,12 @@ def run_sft(job: Job) -> dict[str, float]:
 
 
 def main(cfg: JobConfig) -> int:
+    from grpo_megatron.config import ConfigError, preflight_errors
     from grpo_megatron.distributed.bootstrap import destroy_distributed
 
+    problems = preflight_errors(cfg, "sft")  # output directories: before any step, not after the last
+    if problems:
+        raise ConfigError(problems)
     start = time.perf_counter()
     job = build_job(sft_job_config(cfg), with_reference=False, sft=True)
     out_dir = Path(cfg.sft.output_dir or job.run_dir / "hf")

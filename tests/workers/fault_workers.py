@@ -77,3 +77,26 @@ def cases(calls: list[tuple[str, dict[str, Any]]]) -> list[Any]:
     init_gloo()
     known = {"run_case": run_case, "resume": resume, "failing_save": failing_save}
     return [known[name](**kwargs) for name, kwargs in calls]
+
+
+def stuck_rank(bound_s: float, stuck: int, steps: int = 50) -> dict[str, Any]:
+    """Timed phases with a collective each, as the trainer's; rank ``stuck`` sleeps in step 3
+    (outside any collective, as a hung file system or engine would). The watchdog must end every
+    rank, naming it; returning means it did not."""
+    import torch
+    import torch.distributed as dist
+
+    from grpo_megatron.distributed.watchdog import start_watchdog
+    from grpo_megatron.training.job import PhaseTimer
+    from tests.helpers.dist import init_gloo
+
+    rank, world = init_gloo()
+    watchdog = start_watchdog(bound_s, rank, world)
+    timer = PhaseTimer(beat=watchdog.beat)
+    for step in range(steps):
+        with timer(f"step {step}"):
+            if rank == stuck and step == 3:
+                time.sleep(600)
+            dist.all_reduce(torch.ones(1))
+    watchdog.stop()
+    return {"finished": True}
