@@ -136,12 +136,15 @@ def save_model_checkpoint(
     ps: ParallelState,
     out_dir: str | Path,
     extra_metadata: dict[str, Any] | None = None,
+    *,
+    vocab_size: int,
 ) -> Path:
     """Collective: write the model's weights as a megatron distributed checkpoint at ``out_dir``.
 
     Loads at any parallel layout (``load_model_checkpoint``). Written to a temporary sibling and
     renamed, so ``out_dir`` holds either nothing or a complete checkpoint. ``extra_metadata``
-    (JSON-serialisable) goes into the completion marker.
+    (JSON-serialisable) goes into the completion marker, with the model's shape (``vocab_size``:
+    the tokenizer's, unpadded).
     """
     from megatron.core import dist_checkpointing
 
@@ -163,7 +166,7 @@ def save_model_checkpoint(
         "kind": "model",
         "format_version": FORMAT_VERSION,
         "dtype": model_dtype(model),
-        "model": model_shape(model),
+        "model": model_shape(model, vocab_size),
         "layout": layout_of(ps),
         **(extra_metadata or {}),
     }
@@ -188,7 +191,7 @@ def resolve_checkpoint(path: str | Path) -> Path:
 
 
 def load_model_checkpoint(
-    model: torch.nn.Module, ps: ParallelState, ckpt_dir: str | Path, *, model_source: str = ""
+    model: torch.nn.Module, ps: ParallelState, ckpt_dir: str | Path, *, vocab_size: int, model_source: str = ""
 ) -> dict[str, Any]:
     """Collective: load the model weights of checkpoint ``ckpt_dir`` (model-only or training) into
     ``model``, which may be built at another layout. Returns the checkpoint's marker.
@@ -201,7 +204,7 @@ def load_model_checkpoint(
     from grpo_megatron.checkpoint.integrity import model_shape, verify_checkpoint
 
     path = resolve_checkpoint(ckpt_dir)
-    shape = model_shape(model)
+    shape = model_shape(model, vocab_size)
     marker = on_rank0(lambda: verify_checkpoint(path, shape=shape, source=model_source), f"checking {path}")
     metadata = dist_checkpointing.load_content_metadata(str(path)) or dict(BASE_CONTENT_METADATA)
     try:

@@ -176,8 +176,10 @@ def verify_checkpoint(ckpt: str | Path, *, shape: dict[str, Any] | None = None, 
     return marker
 
 
-def model_shape(model: torch.nn.Module) -> dict[str, Any]:
-    """What a checkpoint must agree on to load into ``model``: recorded in the marker at save."""
+def model_shape(model: torch.nn.Module, vocab_size: int) -> dict[str, Any]:
+    """What a checkpoint must agree on to load into ``model``: recorded in the marker at save.
+    ``vocab_size``: the tokenizer's vocabulary (ModelSpec.vocab_size), not the padded one, which
+    changes with TP and megatron reshards."""
     from grpo_megatron.bridge.layout import unwrap
 
     gpt = unwrap(model)
@@ -186,6 +188,6 @@ def model_shape(model: torch.nn.Module) -> dict[str, Any]:
         "hidden_size": int(config.hidden_size),
         "num_layers": int(config.num_layers),
         "num_experts": int(config.num_moe_experts or 0),
-        "vocab_size": int(gpt.vocab_size),
+        "vocab_size": int(vocab_size),
         "dtype": str(next(gpt.parameters()).dtype).removeprefix("torch."),
     }

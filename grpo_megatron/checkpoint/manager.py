@@ -206,7 +206,7 @@ class CheckpointManager:
             "iteration": iteration,
             "layout": layout_of(self.ps),
             "dtype": model_dtype(policy.model),
-            "model": model_shape(policy.model),
+            "model": model_shape(policy.model, policy.spec.vocab_size),
             "use_distributed_optimizer": bool(policy.optimizer.config.use_distributed_optimizer),
             "optimizer_format": metadata.get("distrib_optim_sharding_type"),
             "optimizers": _optimizer_count(policy.optimizer),
@@ -258,7 +258,7 @@ class CheckpointManager:
         checkpoint of another model stops the run (a config mistake, which an older checkpoint
         of the same directory would not fix)."""
         resume = self.cfg.resume
-        shape = None if policy is None else model_shape(policy.model)
+        shape = None if policy is None else model_shape(policy.model, policy.spec.vocab_size)
 
         def choose() -> str | None:
             if resume == "none":
