@@ -24,6 +24,7 @@ EXIT_USAGE = 2
 # Exit code for a job that failed after it started (one line on stderr; --debug for the traceback).
 EXIT_FAILURE = 1
 RANK0_GRACE_S = 5.0
+PREFLIGHT_COMMANDS = ("check", "train", "sft")
 
 
 @dataclass(frozen=True)
@@ -224,7 +225,8 @@ def _dispatch(args: argparse.Namespace) -> int:
     try:
         cfg = load_config(args.config, args.overrides)
         validate(cfg, args.world_size)
-        problems = preflight_errors(cfg, args.command)
+        # Jobs that read data and write outputs (plan, sanity and verify need neither).
+        problems = preflight_errors(cfg, args.command) if args.command in PREFLIGHT_COMMANDS else []
         if problems:
             raise ConfigError(problems)
     except ConfigError as e:
