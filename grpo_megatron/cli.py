@@ -119,7 +119,12 @@ def _run_convert(args: argparse.Namespace) -> int:
 
 
 COMMANDS: tuple[Command, ...] = (
-    Command("check", "load and validate a config, print it resolved for the world size", _run_check, _add_world_size),
+    Command(
+        "check",
+        "validate a config, its data/model paths and output directories; print it resolved for the world size",
+        _run_check,
+        _add_world_size,
+    ),
     Command("sanity", "build the policy at the configured layout and run a few training steps", _run_sanity),
     Command("train", "GRPO: rollout, rewards, advantages, policy updates, weight sync, checkpoints", _run_train),
     Command("sft", "supervised cold start on prompt/response pairs; writes a Hugging Face checkpoint", _run_sft),
