@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -20,6 +21,10 @@ if TYPE_CHECKING:
 
 # Exit code for a bad config or command line (argparse uses the same).
 EXIT_USAGE = 2
+# Exit code for a job that failed after it started (one line on stderr; --debug for the traceback).
+EXIT_FAILURE = 1
+RANK0_GRACE_S = 5.0
+PREFLIGHT_COMMANDS = ("check", "train", "sft")
 
 
 @dataclass(frozen=True)
@@ -123,7 +128,8 @@ def _run_convert(args: argparse.Namespace) -> int:
 COMMANDS: tuple[Command, ...] = (
     Command(
         "check",
-        "load and validate a config, print it resolved for the world size, import the rewards in a sandboxed worker",
+        "validate a config, its data/model paths and output directories, import the rewards in a sandboxed "
+        "worker; print it resolved for the world size",
         _run_check,
         _add_world_size,
     ),
@@ -164,9 +170,12 @@ def build_parser(commands: Sequence[Command] = COMMANDS) -> argparse.ArgumentPar
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    debug_help = "on failure, show the full traceback instead of one line per failing rank"
+    parser.add_argument("--debug", action="store_true", help=debug_help)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for command in commands:
         p = sub.add_parser(command.name, help=command.help, description=command.help)
+        p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=debug_help)
         if command.takes_config:
             p.add_argument("config", metavar="CONFIG", help="job config YAML file")
             p.add_argument(
@@ -181,20 +190,62 @@ def build_parser(commands: Sequence[Command] = COMMANDS) -> argparse.ArgumentPar
     return parser
 
 
+def _rank() -> int:
+    return int(os.environ.get("RANK", "0"))
+
+
+def _let_rank0_speak() -> None:
+    """A rank that stays quiet because rank 0 reports the same failure waits a moment before
+    exiting: its exit makes the launcher kill rank 0, which must print first. (The launcher
+    ends this wait as soon as rank 0 exits.)"""
+    if _rank() != 0:
+        time.sleep(RANK0_GRACE_S)
+
+
+def report_failure(exc: BaseException) -> None:
+    """One line on stderr for a failed job: rank 0's error, and another rank's only when it is its
+    own (not rank 0's failure seen through a collective, which rank 0 already printed)."""
+    rank = _rank()
+    text = f"{type(exc).__name__}: {exc}".strip()
+    if rank != 0 and "failed on rank 0:" in text:
+        _let_rank0_speak()
+        return
+    where = "" if rank == 0 else f" (rank {rank})"
+    print(f"grpo-megatron: error{where}: {text}  [--debug shows the traceback]", file=sys.stderr, flush=True)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    try:
+        return _dispatch(args)
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as exc:  # torch's CheckpointException derives from BaseException
+        if args.debug:
+            raise
+        report_failure(exc)
+        return EXIT_FAILURE
+
+
+def _dispatch(args: argparse.Namespace) -> int:
     if not args.takes_config:
         return args.handler(args)
     if getattr(args, "world_size", None) is None:
         args.world_size = _world_size_from_env()
 
-    from grpo_megatron.config import ConfigError, load_config, validate
+    from grpo_megatron.config import ConfigError, load_config, preflight_errors, validate
 
     try:
         cfg = load_config(args.config, args.overrides)
         validate(cfg, args.world_size)
+        # Jobs that read data and write outputs (plan, sanity and verify need neither).
+        problems = preflight_errors(cfg, args.command) if args.command in PREFLIGHT_COMMANDS else []
+        if problems:
+            raise ConfigError(problems)
     except ConfigError as e:
-        print(f"grpo-megatron: error: {args.config}: {e}", file=sys.stderr)
+        if _rank() == 0:  # every rank found the same problems: one report
+            print(f"grpo-megatron: error: {args.config}: {e}", file=sys.stderr, flush=True)
+        _let_rank0_speak()
         return EXIT_USAGE
     return args.handler(cfg, args)
 

@@ -15,8 +15,10 @@ Standard library + PyYAML only: the CLI loads and checks configs without importi
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import difflib
+import math
 import re
 import types
 import typing
@@ -379,15 +381,24 @@ def _convert(value: Any, tp: Any, path: KeyPath, origins: _Origins, errors: list
             return value
         return _type_error(value, expected, path, origins, errors)
     if tp is float:
+        number: float | None = None
         if isinstance(value, int | float) and not isinstance(value, bool):
-            return float(value)
-        # PyYAML (YAML 1.1) reads 1e-6 as a string: it wants 1.0e-6. Accept what users mean.
-        if isinstance(value, str):
-            try:
-                return float(value)
-            except ValueError:
-                pass
-        return _type_error(value, expected, path, origins, errors)
+            number = float(value)
+        elif isinstance(value, str):
+            # PyYAML (YAML 1.1) reads 1e-6 as a string: it wants 1.0e-6. Accept what users mean.
+            with contextlib.suppress(ValueError):
+                number = float(value)
+        if number is None:
+            return _type_error(value, expected, path, origins, errors)
+        if not math.isfinite(number):
+            # inf/nan pass every `< 0` / `> 1` range rule and then poison training (NaN weights,
+            # disabled clipping, a pool that spins): no field of the job config means either.
+            errors.append(
+                f"{origins.of(path)}: {_dotted(path)}={_show(value)} is not a finite number; "
+                f"set {_dotted(path)} to a finite value"
+            )
+            return _INVALID
+        return number
     if tp is str:
         if isinstance(value, str):
             return value
@@ -666,3 +677,50 @@ def overlong_errors(cfg: JobConfig) -> list[str]:
 
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
+
+
+# ----------------------------------------------------------------------------------------------------
+# Start-up checks of the files a job reads and writes: before any process group or model exists, so
+# a typo fails in a second with one line instead of a rank's traceback minutes later.
+
+
+def output_dirs(cfg: JobConfig, command: str) -> list[tuple[str, Path]]:
+    """(config field, directory) of what ``command`` writes at its very end and never overwrites."""
+    if command == "sft":
+        return [("sft.output_dir", Path(cfg.sft.output_dir or Path(cfg.logging.run_dir) / "hf"))]
+    if command in ("train", "check") and cfg.checkpoint.export_hf_dir:
+        return [("checkpoint.export_hf_dir", Path(cfg.logging.run_dir) / cfg.checkpoint.export_hf_dir)]
+    return []
+
+
+def preflight_errors(cfg: JobConfig, command: str) -> list[str]:
+    """Problems with the job's input and output paths: data files, the tokenizer and model
+    directories (safetensors whole), an explicit resume checkpoint, and output directories that
+    already hold files (found now, not after the last iteration)."""
+    from grpo_megatron.fileio import safetensors_problem
+
+    errors: list[str] = []
+    data = cfg.data
+    for name in ("train_path", "eval_path"):
+        value = getattr(data, name)
+        if value and not Path(value).is_file():
+            errors.append(f"data.{name}={value}: no such file; check the path (relative to the config file)")
+    tokenizer_dir = Path(data.tokenizer_path or cfg.model.hf_path)
+    if data.tokenizer_path and not tokenizer_dir.is_dir():
+        errors.append(f"data.tokenizer_path={data.tokenizer_path}: no such directory")
+    model_dir = Path(cfg.model.hf_path)
+    if model_dir.is_dir():
+        for path in sorted(model_dir.glob("*.safetensors")):
+            problem = safetensors_problem(path)
+            if problem:
+                errors.append(f"model.hf_path: {problem}")
+    resume = cfg.checkpoint.resume
+    if resume not in ("auto", "none") and not Path(resume).exists():
+        errors.append(f"checkpoint.resume={resume}: no such checkpoint; use auto, none or an existing path")
+    for field_name, directory in output_dirs(cfg, command):
+        if directory.exists() and (not directory.is_dir() or any(directory.iterdir())):
+            errors.append(
+                f"{field_name}: {directory} exists and is not empty, and is never overwritten: "
+                f"choose a new {field_name} or move it aside (found before training, so nothing is lost)"
+            )
+    return errors

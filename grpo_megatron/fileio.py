@@ -1,4 +1,5 @@
-"""Atomic file writes shared by checkpoints and run logs (standard library only).
+"""Atomic file writes shared by checkpoints and run logs, and a safetensors integrity check
+(standard library only: the CLI checks model files before importing torch).
 
 A reader (a resuming job, ``tail -f``, a crashed process's successor) sees either the old file or the
 new one, never a half-written one: the text goes to a uniquely named temporary sibling, is fsynced,
@@ -7,6 +8,7 @@ and is renamed over the target.
 
 from __future__ import annotations
 
+import json
 import os
 import secrets
 from pathlib import Path
@@ -27,3 +29,21 @@ def write_text_atomic(path: Path, text: str) -> None:
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+
+
+def safetensors_problem(path: Path) -> str | None:
+    """Why safetensors file ``path`` cannot load (damaged header, data shorter than the header
+    says: a truncated copy or download), naming it; None when it is whole. Reads only the header."""
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            header_len = int.from_bytes(f.read(8), "little")
+            if header_len <= 0 or 8 + header_len > size:
+                raise ValueError(f"a header of {header_len} bytes in a file of {size}")
+            header = json.loads(f.read(header_len))
+        end = max((int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"), default=0)
+    except (OSError, ValueError, KeyError, TypeError, IndexError, AttributeError) as exc:
+        return f"{path} is not a readable safetensors file ({exc}); copy or download it again"
+    if 8 + header_len + end > size:
+        return f"{path} is truncated: {size} bytes, its header describes {8 + header_len + end}; copy or download it again"
+    return None

@@ -143,10 +143,8 @@ def test_resume_auto_skips_temporary_and_unmarked_directories(runs: dict) -> Non
 def test_interrupted_save_leaves_latest_at_the_previous_checkpoint(runs: dict) -> None:
     assert "simulated crash" in runs["interrupted"]["error"]
     directory = Path(runs["dirs"]["ep2_plain"])
-    leftovers = [
-        p.name for p in directory.glob("iter_0000003.tmp-*") if p.name != "iter_0000003.tmp-deadbeef"
-    ]
-    assert leftovers, "the crashed save should have left its temporary directory"
+    # The failed save removed its temporary; the resume before it pruned the decoy one.
+    assert not list(directory.glob("iter_0000003.tmp-*"))
     assert not (directory / "iter_0000003").exists()
 
 
@@ -201,9 +199,9 @@ def test_find_latest_and_explicit_paths(tmp_path: Path) -> None:
     def manager(resume: str) -> CheckpointManager:
         return CheckpointManager(CheckpointConfig(dir=str(tmp_path), resume=resume), tmp_path, ps=None)
 
-    assert manager("auto").resume_path() == good
+    # resume_path verifies candidates (tests/test_faults.py does it on real checkpoints): these
+    # fakes hold no shards, so only the choices that need no verification are checked here.
     assert manager("none").resume_path() is None
-    assert manager(str(good)).resume_path() == good
     assert (
         CheckpointManager(CheckpointConfig(), tmp_path / "run", ps=None).dir
         == tmp_path / "run" / "checkpoints"

@@ -88,15 +88,16 @@ def _start(hf_dir: Path, hf: dict[str, Any], args: argparse.Namespace, dtype: st
     if errors:
         raise ConvertError("; ".join(errors).replace("parallel.", "--"))
     ps = init_distributed(parallel)
-    model, _ = build_gpt_model(hf, model_cfg, ps)
+    model, spec = build_gpt_model(hf, model_cfg, ps)
     model.eval()
-    return ps, model
+    return ps, model, spec.vocab_size
 
 
 def hf_to_mcore(args: argparse.Namespace) -> Path:
     """Collective: HF safetensors at ``args.hf`` -> model-only distributed checkpoint at ``args.out``."""
     import torch.distributed as dist
 
+    from grpo_megatron.bridge.hf_loader import CheckpointError as HFCheckpointError
     from grpo_megatron.bridge.hf_loader import load_hf_weights
     from grpo_megatron.checkpoint.dist import save_model_checkpoint
     from grpo_megatron.distributed.collectives import on_rank0
@@ -107,13 +108,17 @@ def hf_to_mcore(args: argparse.Namespace) -> Path:
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ConvertError(f"--out {out} exists and is not empty: choose a new output directory")
     dtype = config_dtype(hf) if args.dtype == "auto" else args.dtype
-    ps, model = _start(hf_dir, hf, args, dtype)
-    load_hf_weights(model, ps, hf_dir, hf)
+    ps, model, vocab_size = _start(hf_dir, hf, args, dtype)
+    try:
+        load_hf_weights(model, ps, hf_dir, hf)
+    except HFCheckpointError as exc:
+        raise ConvertError(f"--hf: {exc}") from exc
     save_model_checkpoint(
         model,
         ps,
         out,
         {"source": str(hf_dir.resolve()), "model_type": hf.get("model_type"), "hf_config": "config.json"},
+        vocab_size=vocab_size,
     )
 
     def copy_hf_files() -> None:
@@ -151,8 +156,11 @@ def mcore_to_hf(args: argparse.Namespace) -> Path:
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ConvertError(f"--out {out} exists and is not empty: choose a new output directory")
     dtype = marker.get("dtype", "float32") if args.dtype == "auto" else args.dtype
-    ps, model = _start(hf_dir, hf, args, dtype)
-    load_model_checkpoint(model, ps, ckpt)
+    ps, model, vocab_size = _start(hf_dir, hf, args, dtype)
+    try:
+        load_model_checkpoint(model, ps, ckpt, vocab_size=vocab_size, model_source=f"--hf-config {hf_dir / 'config.json'}")
+    except (CheckpointError, RuntimeError) as exc:  # RuntimeError: rank 0's CheckpointError, on the others
+        raise ConvertError(str(exc)) from exc
     hf_out = {**hf, "dtype": dtype}
     write_hf_checkpoint(
         model, ps, hf, out, hf_config=hf_out, extra_files=tokenizer_files(hf_dir), bucket_bytes=args.bucket_mb << 20

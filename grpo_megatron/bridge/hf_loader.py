@@ -28,6 +28,20 @@ class CheckpointError(ValueError):
     """A Hugging Face checkpoint that does not match the model: names the key and the file."""
 
 
+def check_safetensors(path: Path) -> list[str]:
+    """The tensor names of safetensors file ``path``; CheckpointError naming it when it is damaged
+    or truncated (``fileio.safetensors_problem``)."""
+    from safetensors import safe_open
+
+    from grpo_megatron.fileio import safetensors_problem
+
+    problem = safetensors_problem(path)
+    if problem is not None:
+        raise CheckpointError(problem)
+    with safe_open(str(path), framework="pt") as f:
+        return list(f.keys())
+
+
 class HFCheckpoint:
     """Lazy reader of a safetensors checkpoint directory (single file or sharded with an index).
 
@@ -41,10 +55,7 @@ class HFCheckpoint:
         if index.is_file():
             self.weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
         elif single.is_file():
-            from safetensors import safe_open
-
-            with safe_open(str(single), framework="pt") as f:
-                self.weight_map = dict.fromkeys(f.keys(), SINGLE_NAME)
+            self.weight_map = dict.fromkeys(check_safetensors(single), SINGLE_NAME)
         else:
             raise CheckpointError(
                 f"{self.directory}: neither {INDEX_NAME} nor {SINGLE_NAME} found: point at a Hugging Face "
@@ -73,6 +84,7 @@ class HFCheckpoint:
                 raise CheckpointError(f"{self.directory}: shard file {file!r} (holding {name!r}) does not exist")
             from safetensors import safe_open
 
+            check_safetensors(path)
             handle = safe_open(str(path), framework="pt")
             self._open[file] = handle.__enter__()
         return self._open[file].get_slice(name)

@@ -44,6 +44,14 @@ class CheckpointError(ValueError):
     """A checkpoint that is missing, incomplete or cannot be loaded here; names the path and the fix."""
 
 
+def load_failures() -> tuple[type[BaseException], ...]:
+    """What a failed megatron/torch checkpoint load raises: torch's ``CheckpointException`` derives
+    from BaseException, so ``except Exception`` alone lets it through unnamed."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    return (Exception, CheckpointException)
+
+
 def layout_of(ps: ParallelState) -> dict[str, int]:
     """The parallel layout a checkpoint was written at (recorded in its marker)."""
     return {
@@ -128,12 +136,15 @@ def save_model_checkpoint(
     ps: ParallelState,
     out_dir: str | Path,
     extra_metadata: dict[str, Any] | None = None,
+    *,
+    vocab_size: int,
 ) -> Path:
     """Collective: write the model's weights as a megatron distributed checkpoint at ``out_dir``.
 
     Loads at any parallel layout (``load_model_checkpoint``). Written to a temporary sibling and
     renamed, so ``out_dir`` holds either nothing or a complete checkpoint. ``extra_metadata``
-    (JSON-serialisable) goes into the completion marker.
+    (JSON-serialisable) goes into the completion marker, with the model's shape (``vocab_size``:
+    the tokenizer's, unpadded).
     """
     from megatron.core import dist_checkpointing
 
@@ -149,10 +160,13 @@ def save_model_checkpoint(
     dist_checkpointing.save(
         {"model": model_sharded_state_dict(model, metadata)}, str(tmp), content_metadata=metadata
     )
+    from grpo_megatron.checkpoint.integrity import model_shape
+
     marker = {
         "kind": "model",
         "format_version": FORMAT_VERSION,
         "dtype": model_dtype(model),
+        "model": model_shape(model, vocab_size),
         "layout": layout_of(ps),
         **(extra_metadata or {}),
     }
@@ -176,14 +190,26 @@ def resolve_checkpoint(path: str | Path) -> Path:
     return path
 
 
-def load_model_checkpoint(model: torch.nn.Module, ps: ParallelState, ckpt_dir: str | Path) -> dict[str, Any]:
+def load_model_checkpoint(
+    model: torch.nn.Module, ps: ParallelState, ckpt_dir: str | Path, *, vocab_size: int, model_source: str = ""
+) -> dict[str, Any]:
     """Collective: load the model weights of checkpoint ``ckpt_dir`` (model-only or training) into
-    ``model``, which may be built at another layout. Returns the checkpoint's marker."""
+    ``model``, which may be built at another layout. Returns the checkpoint's marker.
+
+    The checkpoint is verified first (``integrity.verify_checkpoint``): damaged files, unsafe
+    metadata and another model's shape (``model_source`` says where this model's config came
+    from) stop with a CheckpointError naming the files."""
     from megatron.core import dist_checkpointing
 
+    from grpo_megatron.checkpoint.integrity import model_shape, verify_checkpoint
+
     path = resolve_checkpoint(ckpt_dir)
-    marker = read_marker(path)
+    shape = model_shape(model, vocab_size)
+    marker = on_rank0(lambda: verify_checkpoint(path, shape=shape, source=model_source), f"checking {path}")
     metadata = dist_checkpointing.load_content_metadata(str(path)) or dict(BASE_CONTENT_METADATA)
-    loaded = dist_checkpointing.load({"model": model_sharded_state_dict(model, metadata)}, str(path))
+    try:
+        loaded = dist_checkpointing.load({"model": model_sharded_state_dict(model, metadata)}, str(path))
+    except load_failures() as exc:
+        raise CheckpointError(f"loading {path} failed: {type(exc).__name__}: {exc}") from exc
     unwrap(model).load_state_dict(loaded["model"])
     return marker

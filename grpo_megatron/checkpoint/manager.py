@@ -42,11 +42,19 @@ from grpo_megatron.checkpoint.dist import (
     finish,
     is_complete,
     layout_of,
+    load_failures,
     model_dtype,
     model_sharded_state_dict,
     new_temporary_dir,
     read_marker,
     resolve_checkpoint,
+)
+from grpo_megatron.checkpoint.integrity import (
+    RNG_DIR,
+    TRAINER_STATE,
+    CheckpointMismatch,
+    model_shape,
+    verify_checkpoint,
 )
 from grpo_megatron.checkpoint.rng import capture_rng_state, restore_rng_state
 from grpo_megatron.distributed.bootstrap import ParallelState
@@ -56,8 +64,6 @@ from grpo_megatron.fileio import TMP_INFIX, write_text_atomic
 if TYPE_CHECKING:
     from grpo_megatron.training.policy import Policy
 
-TRAINER_STATE = "trainer_state.pt"
-RNG_DIR = "rng"
 _ITER_RE = re.compile(r"^iter_(\d{7,})$")
 
 
@@ -114,6 +120,22 @@ def _check_trainer_state(trainer_state: dict[str, Any]) -> bytes:
     return buffer.getvalue()
 
 
+def _require_finite(policy: Policy, iteration: int, ckpt_dir: Path) -> None:
+    """Collective: refuse to save non-finite parameters (a NaN checkpoint marked ``latest`` would be
+    what every restart resumes), naming the iteration and what stays intact."""
+    from grpo_megatron.bridge.layout import unwrap
+
+    bad = [name for name, p in unwrap(policy.model).named_parameters() if not bool(torch.isfinite(p).all())]
+    flag = torch.tensor([len(bad)], dtype=torch.int64)
+    dist.all_reduce(flag)
+    if int(flag):
+        mine = f" (rank {dist.get_rank()}: {', '.join(bad[:3])})" if bad else ""
+        raise CheckpointError(
+            f"iteration {iteration}: {int(flag)} parameter tensor(s) hold inf/NaN{mine}; not saved, so the "
+            f"checkpoints in {ckpt_dir} stay as they were. Lower train.lr or set train.grad_clip"
+        )
+
+
 def _optimizer_count(optimizer: Any) -> int:
     """Number of optimizers megatron chained (dense, plus expert-parallel when EP > 1)."""
     return len(getattr(optimizer, "chained_optimizers", [optimizer]))
@@ -142,12 +164,26 @@ class CheckpointManager:
 
     def save(self, iteration: int, policy: Policy, trainer_state: dict[str, Any]) -> Path:
         """Collective: write checkpoint ``iter_XXXXXXX`` for ``iteration``; returns its path."""
-        from megatron.core import dist_checkpointing
 
         start = time.perf_counter()
+        _require_finite(policy, iteration, self.dir)
         trainer_bytes = on_rank0(lambda: _check_trainer_state(trainer_state))
         final = self.dir / checkpoint_name(iteration)
         tmp = new_temporary_dir(final)
+        try:
+            self._write(tmp, final, iteration, policy, trainer_bytes)
+        except BaseException:
+            # A full disk (or any failure) must not leave a half-written copy of the model behind:
+            # it would keep the disk full and block every restart. Each failing rank removes it.
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        if self.ps.rank == 0:
+            print(f"[checkpoint] saved {final} in {time.perf_counter() - start:.1f}s", flush=True)
+        return final
+
+    def _write(self, tmp: Path, final: Path, iteration: int, policy: Policy, trainer_bytes: bytes) -> None:
+        from megatron.core import dist_checkpointing
+
         metadata = self.content_metadata(policy)
         model_sd = model_sharded_state_dict(policy.model, metadata)
         state = {
@@ -169,6 +205,7 @@ class CheckpointManager:
             "iteration": iteration,
             "layout": layout_of(self.ps),
             "dtype": model_dtype(policy.model),
+            "model": model_shape(policy.model, policy.spec.vocab_size),
             "use_distributed_optimizer": bool(policy.optimizer.config.use_distributed_optimizer),
             "optimizer_format": metadata.get("distrib_optim_sharding_type"),
             "optimizers": _optimizer_count(policy.optimizer),
@@ -182,48 +219,88 @@ class CheckpointManager:
             write_text_atomic(self.dir / LATEST, final.name + "\n")
             self._prune(iteration)
 
-        on_rank0(publish)
+        on_rank0(publish, f"publishing {final}")
         dist.barrier()
-        if self.ps.rank == 0:
-            print(f"[checkpoint] saved {final} in {time.perf_counter() - start:.1f}s", flush=True)
-        return final
 
     def _prune(self, current: int) -> None:
         """Rank 0: keep the newest ``keep_last`` checkpoints up to ``current``; drop leftovers of
-        interrupted saves of earlier iterations. Later iterations (another run's) are left alone."""
+        interrupted saves up to this one (its own was renamed already). Later iterations (another
+        run's) are left alone."""
         if self.cfg.keep_last is not None:
             older = [path for iteration, path in complete_checkpoints(self.dir) if iteration < current]
             for path in older[: max(0, len(older) - (self.cfg.keep_last - 1))]:
                 shutil.rmtree(path, ignore_errors=True)
         for path in self.dir.glob(f"iter_*{TMP_INFIX}*"):
             iteration = iteration_of(path.with_name(path.name.split(TMP_INFIX)[0]))
-            if iteration is not None and iteration < current:
+            if iteration is not None and iteration <= current:
                 shutil.rmtree(path, ignore_errors=True)
+
+    def prune_temporaries(self) -> list[Path]:
+        """Rank 0, at start-up (no save of this job is under way): remove every ``*.tmp-*`` directory
+        that crashed or failed saves left; returns them."""
+        stale = sorted(self.dir.glob(f"iter_*{TMP_INFIX}*")) if self.dir.is_dir() else []
+        for path in stale:
+            shutil.rmtree(path, ignore_errors=True)
+        if stale:
+            print(f"[checkpoint] removed {len(stale)} unfinished save(s): {', '.join(p.name for p in stale)}", flush=True)
+        return stale
 
     # ------------------------------------------------------------------------------------------
     # Resuming
 
-    def resume_path(self) -> Path | None:
-        """The checkpoint ``checkpoint.resume`` selects (same on every rank), or None to start fresh."""
+    def resume_path(self, policy: Policy | None = None) -> Path | None:
+        """The checkpoint ``checkpoint.resume`` selects (same on every rank), or None to start fresh.
+
+        Every candidate is verified first (``integrity.verify_checkpoint``: intact files, safe
+        metadata, and, given ``policy``, this model's shape). With ``auto``, a damaged newest
+        checkpoint is skipped, with a message naming it, for the next older complete one; a
+        checkpoint of another model stops the run (a config mistake, which an older checkpoint
+        of the same directory would not fix)."""
         resume = self.cfg.resume
+        shape = None if policy is None else model_shape(policy.model, policy.spec.vocab_size)
 
         def choose() -> str | None:
             if resume == "none":
                 return None
             if resume == "auto":
-                found = find_latest(self.dir)
-                return None if found is None else str(found)
+                self.prune_temporaries()
+                return self._newest_loadable(shape)
             path = resolve_checkpoint(resume)
-            read_marker(path)  # raises CheckpointError naming the path when it is not complete
+            verify_checkpoint(path, shape=shape, source="the configured model")
             return str(path)
 
-        chosen = on_rank0(choose)
+        chosen = on_rank0(choose, "choosing the checkpoint to resume")
         return None if chosen is None else Path(chosen)
+
+    def _newest_loadable(self, shape: dict[str, Any] | None) -> str | None:
+        first = find_latest(self.dir)
+        candidates = [path for _, path in reversed(complete_checkpoints(self.dir))]
+        if first is not None:
+            candidates = [first, *(p for p in candidates if p != first)]
+        skipped = []
+        for path in candidates:
+            try:
+                verify_checkpoint(path, shape=shape, source="the configured model")
+            except CheckpointMismatch:
+                raise
+            except CheckpointError as exc:
+                print(f"[checkpoint] skipping {path}: {exc}", flush=True)
+                skipped.append(path.name)
+                continue
+            if skipped:
+                print(f"[checkpoint] resuming from {path.name}, the newest intact checkpoint", flush=True)
+            return str(path)
+        if skipped:
+            raise CheckpointError(
+                f"every checkpoint in {self.dir} is damaged ({', '.join(skipped)}): move them aside to start "
+                "fresh, or set checkpoint.resume=none"
+            )
+        return None
 
     def resume(self, policy: Policy) -> dict[str, Any] | None:
         """Collective: restore model, optimizer, scheduler and RNG from the checkpoint selected by
         ``checkpoint.resume``; return its trainer state (None when starting fresh)."""
-        path = self.resume_path()
+        path = self.resume_path(policy)
         if path is None:
             return None
         return self.load(path, policy)
@@ -251,7 +328,10 @@ class CheckpointManager:
             request["optimizer"] = policy.optimizer.sharded_state_dict(
                 model_sd, is_loading=True, metadata=metadata
             )
-        loaded = dist_checkpointing.load(request, str(path))
+        try:
+            loaded = dist_checkpointing.load(request, str(path))
+        except load_failures() as exc:
+            raise CheckpointError(f"loading {path} failed: {type(exc).__name__}: {exc}") from exc
 
         from grpo_megatron.bridge.layout import unwrap
 

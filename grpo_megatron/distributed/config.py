@@ -35,7 +35,13 @@ class ParallelConfig:
     backend: Literal["auto", "gloo", "nccl"] = "auto"
     """torch.distributed backend; auto = nccl when CUDA is available, else gloo."""
     timeout_minutes: int = 30
-    """Collective timeout: a hung rank fails after this long instead of stalling forever."""
+    """Collective timeout: when every rank is blocked in collectives (mismatched calls, a network
+    fault), the job fails after this long instead of stalling forever."""
+    progress_timeout_s: float = 300.0
+    """A rank that passes no progress point (a phase of an iteration, an SFT step) for this long
+    while another rank waits for it in a collective is stuck: every rank exits, naming it
+    (distributed/watchdog.py). Must exceed the longest work one rank does while the others wait
+    (rank 0's reward scoring, an uneven rollout); 0 = off."""
 
     def validate(self) -> None:
         """Checks that need neither the world size nor the model."""
@@ -49,6 +55,8 @@ class ParallelConfig:
                 errors.append(f"parallel.{name}={value} must be >= 1, or null to derive it")
         if self.timeout_minutes < 1:
             errors.append(f"parallel.timeout_minutes={self.timeout_minutes} must be >= 1")
+        if self.progress_timeout_s < 0:
+            errors.append(f"parallel.progress_timeout_s={self.progress_timeout_s} must be >= 0 (0 = off)")
         if errors:
             raise ValueError("\n".join(errors))
 

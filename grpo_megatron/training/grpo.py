@@ -86,12 +86,16 @@ def run_iteration(job: Job, sampler: PromptSampler, probe: Probe, it: int, timer
 def train(job: Job) -> dict[str, float]:
     cfg = job.cfg
     resumed = job.checkpoints.resume(job.policy)
+    job.beat("resume")
     state = resumed or {"iteration": 0, "sampler": None, "eval": {}}
     sampler = job.make_sampler()
     if state["sampler"] is not None:
         sampler.load_state_dict(state["sampler"])
     start = state["iteration"]
-    job.logger.truncate_from(start + 1)
+    # Lines after the resumed checkpoint belong to iterations about to be redone; a fresh start
+    # (no checkpoint yet: a crash before the first save, or save_interval=0) redoes everything,
+    # its iteration-0 evaluation included.
+    job.logger.truncate_from(start + 1 if resumed is not None else 0)
     probe = phases.probe_sequences(job)
     phases.sync_weights(job, start, probe)  # the engines start from the trainer's weights
     last_eval = dict(state["eval"])
@@ -99,9 +103,10 @@ def train(job: Job) -> dict[str, float]:
         last_eval = phases.evaluate(job, start)
         job.logger.log(start, last_eval)
     first_eval = dict(last_eval)
+    job.beat("first evaluation")
 
     for it in range(start + 1, cfg.train.iterations + 1):
-        timer = PhaseTimer()
+        timer = PhaseTimer(beat=job.beat)
         eval_metrics: dict[str, float] = {}
         with timer("iteration"):
             result = run_iteration(job, sampler, probe, it, timer)
@@ -118,6 +123,7 @@ def train(job: Job) -> dict[str, float]:
         for name in ("ref_logprob", "old_logprob"):
             metrics.setdefault(f"time/{name}", 0.0)
         job.logger.log(it, metrics)
+        phases.stop_if_not_finite(metrics, it, f"the checkpoints in {job.checkpoints.dir} are untouched")
         if cfg.logging.samples_interval and it % cfg.logging.samples_interval == 0:
             job.logger.log_samples(it, sample_rows(result.groups, cfg.train.rollout_samples_logged))
         if cfg.checkpoint.save_interval and (it % cfg.checkpoint.save_interval == 0 or it == cfg.train.iterations):
@@ -134,8 +140,12 @@ def sample_rows(groups: list[phases.Group], count: int) -> list[dict[str, object
 
 
 def main(cfg: JobConfig) -> int:
+    from grpo_megatron.config import ConfigError, preflight_errors
     from grpo_megatron.distributed.bootstrap import destroy_distributed
 
+    problems = preflight_errors(cfg, "train")  # output directories: before any step, not after the last
+    if problems:
+        raise ConfigError(problems)
     start = time.perf_counter()
     job = build_job(cfg, with_reference=cfg.algorithm.kl.enabled)
     try:

@@ -17,11 +17,12 @@ import torch
 from grpo_megatron.distributed.bootstrap import ParallelState
 
 if TYPE_CHECKING:
-    from collections.abc import Iterator
+    from collections.abc import Callable, Iterator
 
     from grpo_megatron.checkpoint.manager import CheckpointManager
     from grpo_megatron.config import JobConfig
     from grpo_megatron.data import PromptRecord, PromptSampler, SFTRecord
+    from grpo_megatron.distributed.watchdog import ProgressWatchdog
     from grpo_megatron.logging_utils.metrics import MetricsLogger
     from grpo_megatron.rewards.pool import RewardPool
     from grpo_megatron.rollout.fleet import RolloutFleet
@@ -51,6 +52,13 @@ class Job:
     """Trainer state now in host memory (train.offload_trainer), in the order it left."""
     sft_records: list[SFTRecord] = field(default_factory=list)
     """Prompt/response pairs of `grpo-megatron sft` (empty for GRPO)."""
+    watchdog: ProgressWatchdog | None = None
+    """This rank's progress watchdog (parallel.progress_timeout_s); None when off or on one rank."""
+
+    def beat(self, phase: str) -> None:
+        """A progress point of the main loop (see distributed/watchdog.py)."""
+        if self.watchdog is not None:
+            self.watchdog.beat(phase)
 
     @property
     def eos_id(self) -> int:
@@ -83,6 +91,8 @@ class Job:
                 self.reference.to("cpu")
 
     def close(self) -> None:
+        if self.watchdog is not None:
+            self.watchdog.stop()
         self.fleet.shutdown()
         if self.rewards is not None:
             self.rewards.close()
@@ -94,15 +104,21 @@ class PhaseTimer:
     """Wall time per named phase, accumulated over an iteration (``time/<name>`` metrics)."""
 
     seconds: dict[str, float] = field(default_factory=dict)
+    beat: Callable[[str], None] | None = None
+    """Called with the phase's name as it starts and ends (Job.beat: the progress watchdog)."""
 
     @contextmanager
     def __call__(self, name: str) -> Iterator[None]:
+        if self.beat is not None:
+            self.beat(name)
         start = time.perf_counter()
         try:
             yield
         finally:
             key = f"time/{name}"
             self.seconds[key] = self.seconds.get(key, 0.0) + time.perf_counter() - start
+            if self.beat is not None:
+                self.beat(f"{name} (done)")
 
 
 def has_safetensors(hf_path: str | Path) -> bool:
@@ -148,12 +164,15 @@ def build_job(cfg: JobConfig, *, with_reference: bool, sft: bool = False) -> Job
     from grpo_megatron.data import build_prompt_datasets, build_sft_dataset, load_tokenizer
     from grpo_megatron.distributed.bootstrap import init_distributed
     from grpo_megatron.distributed.collectives import on_rank0
+    from grpo_megatron.distributed.watchdog import start_watchdog
     from grpo_megatron.logging_utils.metrics import REQUIRED_KEYS, MetricsLogger
     from grpo_megatron.rewards.pool import RewardPool
     from grpo_megatron.rollout.fleet import RolloutFleet
     from grpo_megatron.training.policy import build_policy
 
     ps = init_distributed(cfg.parallel, seed=cfg.train.seed)
+    watchdog = start_watchdog(cfg.parallel.progress_timeout_s, ps.rank, ps.world_size)
+    beat = watchdog.beat if watchdog is not None else (lambda phase: None)
     hf = cfg.model.load_hf_config()
     run_dir = Path(cfg.logging.run_dir)
     if ps.rank == 0:
@@ -172,15 +191,20 @@ def build_job(cfg: JobConfig, *, with_reference: bool, sft: bool = False) -> Job
     else:
         train_records, eval_records = build_prompt_datasets(cfg.data, tokenizer, cfg.train.seed)
 
+    beat("data")
     policy = build_policy(hf, cfg, ps)
+    beat("policy")
     loaded = load_initial_weights(policy.model, cfg, ps, hf)
+    beat("initial weights")
     if ps.rank == 0:
         source = cfg.model.hf_path if loaded else "random initialisation (no *.safetensors in model.hf_path)"
         print(f"[job] {policy.spec.model_type} from {source} | {ps.describe()}", flush=True)
     reference = build_reference(cfg, hf, ps, policy) if with_reference else None
     if reference is not None and cfg.train.reference_on_cpu:
         reference.to("cpu")
+    beat("reference")
     fleet = RolloutFleet.build(cfg, hf, ps, tokenizer=tokenizer)
+    beat("engines")
     return Job(
         cfg=cfg,
         ps=ps,
@@ -203,4 +227,5 @@ def build_job(cfg: JobConfig, *, with_reference: bool, sft: bool = False) -> Job
         rewards=pools[0] if pools else None,
         reference=reference,
         sft_records=sft_records,
+        watchdog=watchdog,
     )

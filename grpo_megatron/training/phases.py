@@ -7,6 +7,7 @@ and the update, which work on this rank's data-parallel share.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -370,3 +371,21 @@ def evaluate(job: Job, iteration: int) -> dict[str, float]:
         groups, _ = score(job, records, sampled)
         metrics[f"eval/mean@{k}"] = sum(sum(g.rewards) / k for g in groups) / len(groups)
     return metrics
+
+
+# Not grad_norm: megatron reports none (NaN here) when clipping is off. NaN gradients make NaN
+# weights, which the next loss and the save's parameter check catch.
+LOSS_KEYS = ("loss/policy", "sft/loss")
+
+
+def stop_if_not_finite(metrics: dict[str, float], iteration: int, kept: str) -> None:
+    """Raise before anything is saved when the iteration's loss is not finite:
+    the weights it wrote are NaN, and a checkpoint of them must never become ``latest``. ``kept``
+    says what stays intact, for the message."""
+    bad = {k: metrics[k] for k in LOSS_KEYS if k in metrics and not math.isfinite(metrics[k])}
+    if bad:
+        shown = ", ".join(f"{k}={v}" for k, v in bad.items())
+        raise FloatingPointError(
+            f"iteration {iteration}: {shown}; the run stops before saving these weights ({kept}). "
+            "Lower the learning rate or set train.grad_clip"
+        )

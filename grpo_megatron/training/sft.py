@@ -69,12 +69,14 @@ def run_sft(job: Job) -> dict[str, float]:
     sft = job.cfg.sft
     pairs = job.sft_records
     sampler = job.make_sampler(len(pairs))
+    job.logger.truncate_from(0)  # SFT writes no checkpoints: a rerun starts over, its log too
     job.fleet.sync_weights(job.policy.model, version=0)
     accuracy = phases.evaluate(job, 0).get("eval/accuracy", 0.0)
     job.logger.log(0, {"eval/accuracy": accuracy})
     step = 0
     while step < sft.max_steps and (sft.stop_accuracy is None or accuracy < sft.stop_accuracy):
         step += 1
+        job.beat(f"sft step {step}")
         start = time.perf_counter()
         batch = [pairs[i] for i in sampler.next_indices(sft.batch_size)]
         samples = [make_sample(p.prompt_ids, p.response_ids, [0.0] * len(p.response_ids), 0.0) for p in batch]
@@ -85,12 +87,17 @@ def run_sft(job: Job) -> dict[str, float]:
             metrics["eval/accuracy"] = accuracy
         metrics["time/step"] = time.perf_counter() - start
         job.logger.log(step, metrics)
+        phases.stop_if_not_finite(metrics, step, "SFT writes its checkpoint only at the end")
     return {"steps": float(step), "eval/accuracy": accuracy}
 
 
 def main(cfg: JobConfig) -> int:
+    from grpo_megatron.config import ConfigError, preflight_errors
     from grpo_megatron.distributed.bootstrap import destroy_distributed
 
+    problems = preflight_errors(cfg, "sft")  # output directories: before any step, not after the last
+    if problems:
+        raise ConfigError(problems)
     start = time.perf_counter()
     job = build_job(sft_job_config(cfg), with_reference=False, sft=True)
     out_dir = Path(cfg.sft.output_dir or job.run_dir / "hf")

@@ -1,0 +1,102 @@
+"""Workers of tests/test_faults.py: checkpoints of a real 2-rank policy, resumed from damaged,
+foreign or mismatched directories, and saves that must fail cleanly (gloo, fp32)."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import resource
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+from tests.workers.checkpoint_workers import _setup, _teardown, _train_step, run_case
+
+
+def resume(overrides: list[str], ckpt_dir: str) -> dict[str, Any]:
+    """``checkpoint.resume`` (auto unless overridden) from ``ckpt_dir``: the iteration resumed, or
+    the error; rank 0's console output."""
+    from grpo_megatron.checkpoint.manager import CheckpointManager
+
+    cfg, ps, policy = _setup([f"checkpoint.dir={ckpt_dir}", "parallel.ep=2", *overrides])
+    manager = CheckpointManager(cfg.checkpoint, cfg.logging.run_dir, ps)
+    out: dict[str, Any] = {"error": "", "iteration": -1}
+    console = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(console):
+            state = manager.resume(policy)
+        out["iteration"] = 0 if state is None else int(state["iteration"])
+    except Exception as exc:
+        out["error"] = f"{type(exc).__name__}: {exc}"
+    out["console"] = console.getvalue()
+    _teardown()
+    return out
+
+
+def failing_save(ckpt_dir: str, fault: str) -> dict[str, Any]:
+    """Resume from ``ckpt_dir``, train one step, then save with ``fault``: ``nan`` (rank 1 holds a
+    NaN weight) or ``disk_full`` (every rank may write at most 64 KiB per file: EFBIG, as ENOSPC
+    would)."""
+    import torch
+
+    from grpo_megatron.bridge.layout import unwrap
+    from grpo_megatron.checkpoint.manager import CheckpointManager
+
+    cfg, ps, policy = _setup([f"checkpoint.dir={ckpt_dir}", "parallel.ep=2"])
+    manager = CheckpointManager(cfg.checkpoint, cfg.logging.run_dir, ps)
+    start = manager.resume(policy)["iteration"]
+    _train_step(policy, ps, start + 1)
+    if fault == "nan" and ps.rank == 1:
+        with torch.no_grad():
+            next(unwrap(policy.model).parameters())[0] = float("nan")
+    limits = resource.getrlimit(resource.RLIMIT_FSIZE)
+    if fault == "disk_full":
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG instead
+        resource.setrlimit(resource.RLIMIT_FSIZE, (64 << 10, limits[1]))
+    try:
+        manager.save(start + 1, policy, {"iteration": start + 1})
+        error = ""
+    except BaseException as exc:
+        error = f"{type(exc).__name__}: {exc}"
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, limits)
+    import torch.distributed as dist
+
+    dist.barrier()
+    time.sleep(0.5)  # let the other rank finish its own clean-up before listing
+    listing = sorted(p.name for p in Path(ckpt_dir).iterdir())
+    _teardown()
+    return {"error": error, "listing": listing}
+
+
+def cases(calls: list[tuple[str, dict[str, Any]]]) -> list[Any]:
+    """Several of the functions above (and checkpoint_workers.run_case) in one launch."""
+    from tests.helpers.dist import init_gloo
+
+    init_gloo()
+    known = {"run_case": run_case, "resume": resume, "failing_save": failing_save}
+    return [known[name](**kwargs) for name, kwargs in calls]
+
+
+def stuck_rank(bound_s: float, stuck: int, steps: int = 50) -> dict[str, Any]:
+    """Timed phases with a collective each, as the trainer's; rank ``stuck`` sleeps in step 3
+    (outside any collective, as a hung file system or engine would). The watchdog must end every
+    rank, naming it; returning means it did not."""
+    import torch
+    import torch.distributed as dist
+
+    from grpo_megatron.distributed.watchdog import start_watchdog
+    from grpo_megatron.training.job import PhaseTimer
+    from tests.helpers.dist import init_gloo
+
+    rank, world = init_gloo()
+    watchdog = start_watchdog(bound_s, rank, world)
+    timer = PhaseTimer(beat=watchdog.beat)
+    for step in range(steps):
+        with timer(f"step {step}"):
+            if rank == stuck and step == 3:
+                time.sleep(600)
+            dist.all_reduce(torch.ones(1))
+    watchdog.stop()
+    return {"finished": True}
