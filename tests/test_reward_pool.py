@@ -86,7 +86,9 @@ def test_each_failure_gives_fallback(function, status):
 
 
 def test_one_megabyte_output_and_countdown_injection():
-    cfg = _cfg("math_accuracy", "countdown", max_response_chars=100_000)
+    # What is checked here is truncation and injection, not the time bound: a worker's first math-verify
+    # call alone takes ~0.7 s, so a loaded machine needs more than the suite's 0.5 s per sample.
+    cfg = _cfg("math_accuracy", "countdown", max_response_chars=100_000, timeout_s=10.0)
     big = "x" * 1_000_000 + "<answer>\\boxed{24}</answer>"
     evil = "<answer>__import__('os').system('touch /tmp/pwned_by_reward')</answer>"
     samples = [
@@ -96,7 +98,7 @@ def test_one_megabyte_output_and_countdown_injection():
     ]
     with RewardPool(cfg) as pool:
         batch, elapsed = _timed(pool, samples)
-    assert elapsed < TIMEOUT + 1.0
+    assert elapsed < cfg.timeout_s + 1.0
     assert batch.status == ["ok", "ok", "ok"]
     assert batch.rewards == [2.0, 0.0, 2.0]  # accuracy + countdown (math-verify evaluates 24 too)
     assert batch.components[1] == {"c0": 0.0, "c1": 0.0}
