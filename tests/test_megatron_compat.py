@@ -54,11 +54,13 @@ def _put_back_original(monkeypatch: pytest.MonkeyPatch, target: str) -> object:
 def test_apply_returns_every_fix_and_is_idempotent() -> None:
     names = [fix.name for fix in compat.FIXES]
     assert len(set(names)) == len(names)
-    # This machine: CPU job, no TransformerEngine, torch's Adam: every cause, every fix.
-    assert Capabilities.detect("cpu").causes() == {"cpu", "no_te", "torch_adam"}
-    assert compat.apply_megatron_compat("cpu") == names
-    assert compat.apply_megatron_compat("cpu") == names
-    assert compat.applied_fixes() == tuple(names)
+    # A CPU job without TransformerEngine, with torch's Adam (this project's CPU machines): every fix.
+    applied = [fix.name for fix in compat.fixes_for(Capabilities.detect("cpu"))]
+    if not compat._transformer_engine_installed() and compat._megatron_uses_torch_adam():
+        assert Capabilities.detect("cpu").causes() == {"cpu", "no_te", "torch_adam"} and applied == names
+    assert compat.apply_megatron_compat("cpu") == applied
+    assert compat.apply_megatron_compat("cpu") == applied
+    assert set(applied) <= set(compat.applied_fixes())
     # Applying twice must not wrap a wrapper: each replacement still holds megatron's own object.
     for fix in compat.FIXES:
         for target in fix.where.split(", "):
@@ -87,7 +89,9 @@ def test_causes_are_what_the_issue_saw_on_a_gpu() -> None:
     assert not any(fix.cause == "cpu" for fix in compat.fixes_for(gpu_no_te))
     assert compat.fixes_for(Capabilities(cpu=False, transformer_engine=True, fused_adam=True)) == ()
     # What this process detects: the device is the job's, TE and Adam are the installation's.
-    assert Capabilities.detect("cuda:0") == Capabilities(cpu=False, transformer_engine=False, fused_adam=False)
+    installed = (compat._transformer_engine_installed(), not compat._megatron_uses_torch_adam())
+    for device, cpu in (("cuda:0", False), ("cuda", False), ("cpu", True)):
+        assert Capabilities.detect(device) == Capabilities(cpu, *installed)
 
 
 def _fresh_interpreter(script: str) -> None:
@@ -106,6 +110,8 @@ def test_opt_in_and_applied_by_cause_not_by_device() -> None:
     """In fresh interpreters: importing patches nothing; "TE absent" alone (a CUDA job) applies the
     router fix and no CUDA-absent fix, and the router then runs (on CPU tensors, with torch's own
     CUDA functions untouched); the CPU path with TE reported present leaves the router alone."""
+    if compat._transformer_engine_installed():
+        pytest.skip("shows megatron's NameError without TransformerEngine; TE is installed here")
     _fresh_interpreter(
         """
         import torch
@@ -149,7 +155,9 @@ def test_torch_adam_fixes_are_applied_by_that_condition() -> None:
     one of the checkpoint path, the .cuda() gather, stays)."""
     from megatron.core import optimizer as megatron_optimizer
 
-    assert megatron_optimizer.Adam is torch.optim.AdamW and compat._megatron_uses_torch_adam()
+    if not compat._megatron_uses_torch_adam():
+        pytest.skip("megatron's Adam is a fused one here (TE or apex)")
+    assert megatron_optimizer.Adam is torch.optim.AdamW
     _fresh_interpreter(
         """
         import torch
