@@ -140,6 +140,12 @@ def build_gpt_model(
     block_spec = get_gpt_decoder_block_spec(
         config, use_transformer_engine=use_te, normalization=config.normalization, vp_stage=vp_stage
     )
+    if not use_te and config.normalization == "RMSNorm":
+        from grpo_megatron.models.local_norm import use_local_rms_norm
+
+        # megatron's torch norm keeps an fp32 weight in a bf16 model and computes otherwise than
+        # the HF models the rollout engines run (models/local_norm.py).
+        use_local_rms_norm(block_spec)
     if config.multi_latent_attention and not use_te:
         from grpo_megatron.models.local_attention import LocalMLACoreAttention
 
