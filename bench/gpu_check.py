@@ -330,7 +330,11 @@ def _gib(n: float | None) -> str:
 
 def table_rows(details: dict[str, Any], device: str) -> list[tuple[str, str]]:
     d = details
-    mfu = f"MFU {d['mfu'] * 100:.1f}%" if d.get("mfu") is not None else "MFU n/a (no bf16 peak known for this device)"
+    mfu = (
+        f"MFU {d['mfu'] * 100:.1f}%"
+        if d.get("mfu") is not None
+        else "MFU n/a (CPU)" if device == "cpu" else "MFU n/a (no bf16 peak known for this device)"
+    )
     rows = [
         ("model", d["model"]),
         ("rollout, embedded engine", f"{d['rollout_tokens']:.0f} tokens: {d['rollout_tokens_per_s']:.0f} tokens/s"),
