@@ -38,7 +38,7 @@ $(STAMP): $(LOCK) pyproject.toml | $(BIN)/python
 # Resolve pyproject.toml's ranges (+ the dev extra and SGLang's CPU-importable set) in a throwaway venv
 # with pip's resolver, then freeze it. Platform of the lock: Linux x86-64, CPython 3.11, CPU torch.
 lock:
-	rm -rf $(LOCK_VENV)
+	rm -rf $(LOCK_VENV) build
 	$(PYTHON) -m venv $(LOCK_VENV)
 	$(LOCK_VENV)/bin/python -m pip install "$(TORCH_SPEC)"
 	$(LOCK_VENV)/bin/python -m pip install '.[dev]'
@@ -48,7 +48,7 @@ lock:
 	  echo "# Installed with 'pip install --no-deps -r requirements.lock' by 'make setup'. Do not edit by hand."; \
 	  $(LOCK_VENV)/bin/python -m pip freeze --exclude grpo-megatron | LC_ALL=C sort -f; } > $(LOCK).new
 	mv $(LOCK).new $(LOCK)
-	rm -rf $(LOCK_VENV)
+	rm -rf $(LOCK_VENV) build
 	@echo "wrote $(LOCK); now run 'make test' before committing it"
 
 lint: setup

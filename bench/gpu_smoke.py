@@ -22,6 +22,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib.util
+import json
+import resource
 import sys
 import tempfile
 import time
@@ -34,21 +36,71 @@ REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO / "examples" / "tiny_moe.yaml"
 
 
-def memory() -> str:
-    if not torch.cuda.is_available() or not torch.cuda.is_initialized():
+def sglang_unavailable(device: torch.device) -> str | None:
+    """Why SGLang's Engine cannot run here, or None when it can (a GPU job and ``sglang.Engine`` imports)."""
+    if device.type != "cuda":
+        return "not on a GPU"
+    if importlib.util.find_spec("sglang") is None:
+        return "sglang is not installed"
+    try:
+        from sglang import Engine  # noqa: F401
+    except Exception as exc:  # a broken install (kernels built for another torch, ...) is a skip with its reason
+        return f"sglang.Engine does not import: {type(exc).__name__}: {exc}"
+    return None
+
+
+def device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+
+
+def on_cuda(device: torch.device) -> bool:
+    return device.type == "cuda"
+
+
+def memory(device: torch.device) -> str:
+    if not on_cuda(device):
         return "n/a (CPU)"
     return f"{torch.cuda.memory_allocated() / 2**20:.1f} MiB allocated"
 
 
 @contextmanager
-def phase(times: dict[str, float], name: str):
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
+def phase(times: dict[str, float], name: str, device: torch.device):
+    if on_cuda(device):
         torch.cuda.synchronize()
     start = time.perf_counter()
     yield
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
+    if on_cuda(device):
         torch.cuda.synchronize()
     times[name] = times.get(name, 0.0) + time.perf_counter() - start
+
+
+def copy_seconds(nbytes: int, device: torch.device) -> float:
+    """Seconds of one device-to-device copy of ``nbytes`` (the bound a same-device sync could reach)."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)  # warm-up: allocation and the copy kernel's first launch
+    if on_cuda(device):
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    dst.copy_(src)
+    if on_cuda(device):
+        torch.cuda.synchronize()
+    seconds = time.perf_counter() - start
+    del src, dst
+    return seconds
+
+
+def active_parameters(model: torch.nn.Module, hf) -> float:
+    """Parameters one token passes through: every non-expert one, and top-k of the experts' share."""
+    total = expert = 0
+    for name, param in model.named_parameters():
+        total += param.numel()
+        if ".experts." in name:
+            expert += param.numel()
+    num_experts = hf.get("num_experts") or hf.get("n_routed_experts") or 0
+    if not num_experts:
+        return float(total)
+    return float(total - expert) + expert * hf["num_experts_per_tok"] / num_experts
 
 
 def grpo_step(policy, ps, hf, cfg, prompts, completions) -> dict[str, float]:
@@ -87,26 +139,36 @@ def grpo_step(policy, ps, hf, cfg, prompts, completions) -> dict[str, float]:
         vocab_size=hf["vocab_size"],
         temperature=cfg.rollout.temperature,
     )
-    return policy.step() | {"reward": sum(rewards) / len(rewards)}
+    return policy.step() | {"reward": sum(rewards) / len(rewards), "train_tokens": float(tokens_bl.numel())}
 
 
-def run_loop(label: str, cfg, hf, ps, policy, args) -> None:
+def run_loop(label: str, cfg, hf, ps, policy, args) -> list[dict[str, float]]:
+    """The colocated loop above, ``args.iterations`` times; one record of measurements per iteration."""
     from grpo_megatron.rollout.engine import SamplingParams
     from grpo_megatron.rollout.fleet import RolloutFleet, probe_batch
     from grpo_megatron.training.offload import offload, onload
 
+    device = ps.device
     print(f"[{label}] building the rollout fleet ({cfg.rollout.engine} engine) ...", flush=True)
     start = time.perf_counter()
     fleet = RolloutFleet.build(cfg, hf, ps)
     first_sync = fleet.sync_weights(policy.model, version=0)
     print(
         f"[{label}] fleet ready in {time.perf_counter() - start:.2f}s; first sync "
-        f"{first_sync['sync/seconds']:.3f}s for {first_sync['sync/bytes'] / 2**20:.2f} MiB; memory {memory()}"
+        f"{first_sync['sync/seconds']:.3f}s for {first_sync['sync/bytes'] / 2**20:.2f} MiB; memory {memory(device)}"
     )
+    engine_model = getattr(fleet.engine, "model", None)  # the embedded engine's, in this process
+    engine_bytes = (
+        sum(p.numel() * p.element_size() for p in engine_model.parameters()) if engine_model is not None else 0
+    )
+    active = active_parameters(policy.model, hf)
     gen = torch.Generator().manual_seed(0)
     prompts = torch.randint(3, hf["vocab_size"], (args.prompts, args.prompt_len), generator=gen).tolist()
     reports: list = []
+    records: list[dict[str, float]] = []
     probe: tuple[list[list[int]], list[int]] | None = None
+    if on_cuda(device):
+        torch.cuda.reset_peak_memory_stats()
     for it in range(args.iterations):
         times: dict[str, float] = {}
         params = SamplingParams(
@@ -116,47 +178,79 @@ def run_loop(label: str, cfg, hf, ps, policy, args) -> None:
             stop_token_ids=(int(hf["eos_token_id"]),),
             seed=it,
         )
-        with phase(times, "generate"):
+        with phase(times, "generate", device):
             completions = fleet.generate(prompts, params)
         if probe is None:
             probe = probe_batch(prompts, completions, size=cfg.rollout.probe_batch)
-        with phase(times, "engine_release"):
+        with phase(times, "engine_release", device):
             fleet.release_memory()
-        with phase(times, "onload"):
+        with phase(times, "onload", device):
             for report in reversed(reports):
                 onload(policy, report)
             reports = []
-        with phase(times, "train"):
+        with phase(times, "train", device):
             step = grpo_step(policy, ps, hf, cfg, prompts, completions)
-        with phase(times, "offload_opt"):
+        with phase(times, "offload", device):
             reports.append(offload(policy, parts=("grads", "optimizer"), discard_grads=True))
-        left_opt = memory()
-        with phase(times, "engine_resume"):
+        left_opt = memory(device)
+        with phase(times, "engine_resume", device):
             fleet.resume_memory(["weights"])
-        with phase(times, "sync"):
+        with phase(times, "sync", device):
             sync = fleet.sync_weights(policy.model, version=it + 1)
-        with phase(times, "probe"):
+        copy_s = copy_seconds(int(sync["sync/bytes"]), device)
+        with phase(times, "probe", device):
             mismatch = fleet.mismatch_probe(policy.model, ps, *probe, temperature=cfg.rollout.temperature)
-        with phase(times, "offload_params"):
+        with phase(times, "offload", device):
             reports.append(offload(policy, parts=("params",)))
-        left_all = memory()
-        with phase(times, "engine_resume"):
+        left_all = torch.cuda.memory_allocated() if on_cuda(device) else None
+        with phase(times, "engine_resume", device):
             fleet.resume_memory(["kv_cache", "cuda_graph"])
-        moved = sum(r.bytes_moved for r in reports) / 2**20
+        moved = sum(r.bytes_moved for r in reports)
         tokens = sum(len(c.token_ids) for g in completions for c in g)
+        record = {
+            "iteration": float(it),
+            "rollout_tokens": float(tokens),
+            "rollout_tokens_per_s": tokens / times["generate"],
+            "train_tokens": step["train_tokens"],
+            "train_seconds": times["train"],
+            "train_tokens_per_s": step["train_tokens"] / times["train"],
+            # 6 flops per active parameter per token (forward + backward); attention's share,
+            # small at these lengths, is left out.
+            "train_tflops": 6 * active * step["train_tokens"] / times["train"] / 1e12,
+            "sync_bytes": sync["sync/bytes"],
+            "sync_seconds": times["sync"],
+            "sync_gb_per_s": sync["sync/bytes"] / times["sync"] / 1e9,
+            "copy_gb_per_s": sync["sync/bytes"] / copy_s / 1e9,
+            "offload_bytes": float(moved),
+            "offload_seconds": times["offload"],
+            "offload_gb_per_s": moved / times["offload"] / 1e9,
+            "probe_abs_diff_mean": mismatch["mismatch/probe_abs_diff_mean"],
+            "probe_abs_diff_max": mismatch["mismatch/probe_abs_diff_max"],
+            "reward": step["reward"],
+            "grad_norm": step["grad_norm"],
+        }
+        if left_all is not None:
+            record["left_after_offload_bytes"] = float(left_all)
+            record["engine_weights_bytes"] = float(engine_bytes)
+            record["trainer_left_bytes"] = float(left_all - engine_bytes)
+            record["peak_bytes"] = float(torch.cuda.max_memory_allocated())
+        else:  # the process's peak resident host memory (Linux reports KiB)
+            record["peak_host_rss_bytes"] = float(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+        records.append(record)
         print(
             f"[{label}] iter {it}: reward {step['reward']:.3f} grad_norm {step['grad_norm']:.3f} "
             f"tokens {tokens} | " + " ".join(f"{k} {v:.3f}s" for k, v in times.items())
         )
         print(
-            f"[{label}]   offload moved {moved:.2f} MiB; memory left after grads+optimizer offload: {left_opt}; "
-            f"after params offload: {left_all} | sync {sync['sync/bytes'] / 2**20:.2f} MiB in "
+            f"[{label}]   offload moved {moved / 2**20:.2f} MiB; memory left after grads+optimizer offload: "
+            f"{left_opt}; after params offload: {memory(device)} | sync {sync['sync/bytes'] / 2**20:.2f} MiB in "
             f"{sync['sync/buckets']:.0f} buckets | mismatch max {mismatch['mismatch/probe_abs_diff_max']:.2e} "
             f"mean {mismatch['mismatch/probe_abs_diff_mean']:.2e}"
         )
     for report in reversed(reports):
         onload(policy, report)
     fleet.shutdown()
+    return records
 
 
 def main() -> int:
@@ -164,7 +258,7 @@ def main() -> int:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument(
-        "--device", choices=["cuda", "cpu"], default="cuda" if torch.cuda.is_available() else "cpu"
+        "--device", choices=["cuda", "cpu"], default="cuda", help="cpu: the same loop on CPU (gloo)"
     )
     parser.add_argument("--iterations", type=int, default=3)
     parser.add_argument("--prompts", type=int, default=8)
@@ -174,7 +268,13 @@ def main() -> int:
     parser.add_argument(
         "--no-sglang", action="store_true", help="skip the SGLang loop even if sglang imports"
     )
+    parser.add_argument(
+        "--sglang-only", action="store_true", help="run only the SGLang loop (the embedded one is skipped)"
+    )
     parser.add_argument("--override", action="append", default=[], help="config override section.key=value")
+    parser.add_argument(
+        "--json", type=Path, default=None, help="write every loop's per-iteration measurements here"
+    )
     args = parser.parse_args()
 
     from grpo_megatron.config import load_config
@@ -194,21 +294,26 @@ def main() -> int:
     ps = init_distributed(cfg.parallel, seed=cfg.train.seed)
     hf = cfg.model.load_hf_config()
     print(
-        f"device {ps.device} ({torch.cuda.get_device_name() if ps.device.type == 'cuda' else 'CPU'}); {ps.describe()}"
+        f"device {ps.device} ({device_name(ps.device)}); {ps.describe()}"
     )
     total = time.perf_counter()
     policy = build_policy(hf, cfg, ps)
     params = sum(p.numel() for p in policy.model.parameters())
-    print(f"policy: {hf['model_type']} {params / 1e6:.2f}M parameters, {cfg.model.dtype}; memory {memory()}")
+    print(f"policy: {hf['model_type']} {params / 1e6:.2f}M parameters, {cfg.model.dtype}; memory {memory(ps.device)}")
     failed = False
-    run_loop("embedded", cfg, hf, ps, policy, args)
+    results: dict = {
+        "device": device_name(ps.device),
+        "dtype": cfg.model.dtype,
+        "parameters": float(params),
+        "active_parameters": active_parameters(policy.model, hf),
+    }
+    if not args.sglang_only:
+        results["embedded"] = run_loop("embedded", cfg, hf, ps, policy, args)
 
-    sglang_ok = importlib.util.find_spec("sglang") is not None
-    if args.no_sglang or not sglang_ok or ps.device.type != "cuda":
-        why = (
-            "--no-sglang" if args.no_sglang else "sglang not importable" if not sglang_ok else "not on a GPU"
-        )
+    why = sglang_unavailable(ps.device) if not args.no_sglang else "--no-sglang"
+    if why is not None:
         print(f"[sglang] skipped: {why}")
+        results["sglang_skipped"] = why
     else:
         from grpo_megatron.bridge.export import write_hf_checkpoint
 
@@ -221,11 +326,15 @@ def main() -> int:
                 rollout=dataclasses.replace(cfg.rollout, engine="sglang"),
             )
             try:
-                run_loop("sglang", sg_cfg, hf, ps, policy, args)
+                results["sglang"] = run_loop("sglang", sg_cfg, hf, ps, policy, args)
             except Exception as exc:  # report and fail the run, after the embedded results are printed
                 print(f"[sglang] FAILED: {type(exc).__name__}: {exc}")
                 failed = True
     print(f"total {time.perf_counter() - total:.1f}s; {'FAILED' if failed else 'OK'}")
+    results["failed"] = failed
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(results, indent=1))
     destroy_distributed()
     return 1 if failed else 0
 

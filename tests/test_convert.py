@@ -19,7 +19,7 @@ def _cli(args: list[str], world_size: int) -> subprocess.CompletedProcess:
     env = dict(os.environ, OMP_NUM_THREADS="1", TORCH_COMPILE_DISABLE="1", MASTER_PORT=str(free_port()))
     launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world_size)]
     return subprocess.run(
-        [sys.executable, *launcher, "-m", "grpo_megatron", *args],
+        [sys.executable, *launcher, "-m", "grpo_megatron", *args, "--backend", "gloo"],  # CPU on any machine
         cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=240,
     )  # fmt: skip
 

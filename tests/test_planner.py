@@ -44,9 +44,9 @@ def test_param_count_equals_real_model(tmp_path: Path, model_type: str) -> None:
     dims = memory.ModelDims.from_hf(hf)
     with fake_world(0, 1, layout):
         ps = parallel_state_here(0, layout, torch.device("cpu"))
-        from grpo_megatron.distributed.cpu_compat import apply_cpu_compat, cpu_model_parallel_seed
+        from grpo_megatron.distributed.megatron_compat import apply_megatron_compat, cpu_model_parallel_seed
 
-        apply_cpu_compat()
+        apply_megatron_compat("cpu")
         cpu_model_parallel_seed(0)
         model, _ = build_gpt_model(hf, cfg.model, ps)
         real = sum(p.numel() for p in model.parameters())

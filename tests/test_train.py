@@ -28,6 +28,7 @@ SMALL = [
     "train.micro_batch_size=8",
     "logging.wandb_mode=disabled",
     "logging.progress_bar=false",
+    "parallel.backend=gloo",  # CPU on any machine
     "parallel.timeout_minutes=3",  # a rank stuck in a collective fails the test instead of hanging it
 ]
 # Keys that measure wall time differ between any two runs; everything else must match bitwise.

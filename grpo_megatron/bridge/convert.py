@@ -1,6 +1,6 @@
 """``grpo-megatron convert``: Hugging Face safetensors <-> megatron distributed checkpoints.
 
-- ``hf-to-mcore --hf DIR --out DIR [--tp N --pp N --ep N --etp N]``: builds the model from
+- ``hf-to-mcore --hf DIR --out DIR [--tp N --pp N --ep N --etp N --backend gloo|nccl]``: builds the model from
   ``DIR/config.json`` at that layout (the launch's world size; torchrun for several ranks), loads
   the safetensors (each rank reads only its slices) and writes a model-only distributed
   checkpoint, which loads at any other layout. config.json and the tokenizer files are copied
@@ -81,7 +81,7 @@ def _start(hf_dir: Path, hf: dict[str, Any], args: argparse.Namespace, dtype: st
 
     model_cfg = ModelConfig(hf_path=str(hf_dir), dtype=dtype)  # type: ignore[arg-type]
     parallel = ParallelConfig(
-        tp=args.tp, pp=args.pp, ep=args.ep, etp=args.etp, use_distributed_optimizer=False
+        tp=args.tp, pp=args.pp, ep=args.ep, etp=args.etp, use_distributed_optimizer=False, backend=args.backend
     )
     world_size = world_size_from_env()
     errors = parallel.layout_errors(world_size) or model_layout_errors(model_cfg, hf, parallel)
@@ -202,6 +202,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         p.add_argument("--pp", type=int, default=1, help="pipeline parallel size (default 1)")
         p.add_argument("--ep", type=int, default=1, help="expert parallel size (default 1)")
         p.add_argument("--etp", type=int, default=None, help="expert tensor parallel size (default: --tp)")
+        p.add_argument(
+            "--backend",
+            choices=("auto", "gloo", "nccl"),
+            default="auto",
+            help="torch.distributed backend and device: gloo = CPU, nccl = CUDA; auto = nccl when CUDA "
+            "is available (default auto)",
+        )
         p.add_argument(
             "--dtype",
             choices=DTYPES,

@@ -123,11 +123,24 @@ def quiet_expected_warnings() -> None:
         warnings.filterwarnings("ignore", message=pattern)
 
 
+def job_backend(backend: str) -> str:
+    """``parallel.backend`` resolved: auto = nccl when this process sees CUDA, else gloo. The job's
+    device follows from it (nccl: CUDA, gloo: CPU); code that picks a device asks the job, not
+    ``torch.cuda.is_available()`` (a gloo test on a GPU machine runs on CPU)."""
+    import torch
+
+    if backend != "auto":
+        return backend
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
 def init_distributed(parallel: ParallelConfig, *, seed: int = 1234) -> ParallelState:
     """Create the process groups for ``parallel`` (already validated) and seed megatron's RNGs.
 
-    On CPU this applies our megatron-core compatibility module first (see ``cpu_compat``);
-    on GPU nothing is patched.
+    The job's device follows ``parallel.backend`` (``job_backend``): nccl runs on
+    ``cuda:<local rank>``, gloo on CPU. Before anything is built, the megatron-core adjustments
+    this process needs are applied (``megatron_compat``: TransformerEngine absent, torch's Adam,
+    and the CUDA-absent ones for a CPU job only).
     """
     quiet_expected_warnings()
     import torch
@@ -144,16 +157,22 @@ def init_distributed(parallel: ParallelConfig, *, seed: int = 1234) -> ParallelS
         os.environ.setdefault("MASTER_PORT", str(_free_port()))
     parallel = parallel.resolve(world_size)
 
-    use_cuda = torch.cuda.is_available() and parallel.backend != "gloo"
-    backend = parallel.backend if parallel.backend != "auto" else ("nccl" if use_cuda else "gloo")
+    backend = job_backend(parallel.backend)
+    use_cuda = backend == "nccl"
     if use_cuda:
+        if not torch.cuda.is_available():
+            raise RuntimeError(
+                "parallel.backend=nccl needs CUDA, which this process does not have: set "
+                "parallel.backend=gloo (CPU) or auto"
+            )
         torch.cuda.set_device(local_rank)
         device = torch.device("cuda", local_rank)
     else:
-        from grpo_megatron.distributed.cpu_compat import apply_cpu_compat
-
-        apply_cpu_compat()
         device = torch.device("cpu")
+    from grpo_megatron.distributed.megatron_compat import apply_megatron_compat
+
+    # By cause, not by device: TE absent and torch's Adam need fixes on a GPU too.
+    apply_megatron_compat(device)
 
     if not dist.is_initialized():
         try:
@@ -242,7 +261,7 @@ def _seed_megatron(seed: int, use_cuda: bool) -> None:
 
         model_parallel_cuda_manual_seed(seed)
     else:
-        from grpo_megatron.distributed.cpu_compat import cpu_model_parallel_seed
+        from grpo_megatron.distributed.megatron_compat import cpu_model_parallel_seed
 
         cpu_model_parallel_seed(seed)
 

@@ -33,7 +33,8 @@ class ParallelConfig:
     use_distributed_optimizer: bool = True
     """Shard optimizer state over data-parallel ranks (ZeRO-1)."""
     backend: Literal["auto", "gloo", "nccl"] = "auto"
-    """torch.distributed backend; auto = nccl when CUDA is available, else gloo."""
+    """torch.distributed backend, and with it the job's device: gloo runs on CPU, nccl on
+    cuda:<local rank>; auto = nccl when this process sees CUDA, else gloo."""
     timeout_minutes: int = 30
     """Collective timeout: when every rank is blocked in collectives (mismatched calls, a network
     fault), the job fails after this long instead of stalling forever."""

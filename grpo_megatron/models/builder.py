@@ -31,16 +31,15 @@ def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
     return -(-vocab_size // multiple) * multiple
 
 
-def use_transformer_engine(impl: str) -> bool:
-    """Resolve ``model.transformer_impl``: TE only when asked for or (auto) installed with CUDA."""
-    import torch
-
-    have_te = importlib.util.find_spec("transformer_engine") is not None and torch.cuda.is_available()
+def use_transformer_engine(impl: str, device: torch.device) -> bool:
+    """Resolve ``model.transformer_impl`` for a job on ``device``: TE only when asked for or (auto)
+    installed and the job runs on CUDA (a CPU job on a GPU machine uses the local spec)."""
+    have_te = importlib.util.find_spec("transformer_engine") is not None and device.type == "cuda"
     if impl == "transformer_engine" and not have_te:
         raise RuntimeError(
-            "model.transformer_impl=transformer_engine but TransformerEngine (with CUDA) is not "
-            "available: install the gpu extra in an NVIDIA PyTorch container, or set "
-            "model.transformer_impl=local"
+            f"model.transformer_impl=transformer_engine but TransformerEngine is not usable for this "
+            f"job (device {device}): install the gpu extra in an NVIDIA PyTorch container and run on "
+            "CUDA (parallel.backend=nccl), or set model.transformer_impl=local"
         )
     return impl == "transformer_engine" or (impl == "auto" and have_te)
 
@@ -82,7 +81,7 @@ def build_transformer_config(
         # experts, and its default (allgather) refuses the variable sequence lengths PP needs.
         arch["moe_token_dispatcher_type"] = "alltoall"
     dtype = getattr(torch, _DTYPES[model_cfg.dtype])
-    use_te = use_transformer_engine(model_cfg.transformer_impl)
+    use_te = use_transformer_engine(model_cfg.transformer_impl, ps.device)
     on_cpu = ps.device.type == "cpu"
     recompute: dict[str, Any] = {}
     if model_cfg.recompute == "full":
@@ -141,6 +140,12 @@ def build_gpt_model(
     block_spec = get_gpt_decoder_block_spec(
         config, use_transformer_engine=use_te, normalization=config.normalization, vp_stage=vp_stage
     )
+    if not use_te and config.normalization == "RMSNorm":
+        from grpo_megatron.models.local_norm import use_local_rms_norm
+
+        # megatron's torch norm keeps an fp32 weight in a bf16 model and computes otherwise than
+        # the HF models the rollout engines run (models/local_norm.py).
+        use_local_rms_norm(block_spec)
     if config.multi_latent_attention and not use_te:
         from grpo_megatron.models.local_attention import LocalMLACoreAttention
 

@@ -229,18 +229,13 @@ def _meta_device_for_megatron() -> Iterator[None]:
 
 def build_meta_model(hf: Mapping[str, Any], cfg: JobConfig, ps: ParallelState, seed: int) -> Any:
     """This rank's GPTModel with every parameter on the meta device (no memory)."""
-    import torch
 
+    from grpo_megatron.distributed.megatron_compat import cpu_model_parallel_seed
     from grpo_megatron.models.builder import build_gpt_model
 
-    if torch.cuda.is_available():
-        from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
-
-        model_parallel_cuda_manual_seed(seed)
-    else:
-        from grpo_megatron.distributed.cpu_compat import cpu_model_parallel_seed
-
-        cpu_model_parallel_seed(seed)
+    # The dry run builds on the meta device in a process of its own (dry_run applied the CPU
+    # fixes there, whatever the machine has): it seeds the CPU tracker.
+    cpu_model_parallel_seed(seed)
     import warnings
 
     with _meta_device_for_megatron(), warnings.catch_warnings():
@@ -325,10 +320,11 @@ def dry_run(
         raise RuntimeError("dry_run needs a process without a process group: run it from `grpo-megatron plan`")
     start = time.perf_counter()
     quiet_expected_warnings()
-    if not torch.cuda.is_available():
-        from grpo_megatron.distributed.cpu_compat import apply_cpu_compat
+    from grpo_megatron.distributed.megatron_compat import apply_megatron_compat
 
-        apply_cpu_compat()  # the same CPU path as a real CPU job builds models with
+    # No device here (meta tensors, fake process groups): megatron's CUDA assumptions are worked
+    # around as for a CPU job, so the planner runs the same on a laptop and a GPU node.
+    apply_megatron_compat("cpu")
     layout = Layout.from_config(cfg.parallel, world_size)
     dims = ModelDims.from_hf(hf)
     vp = padded_vocab_size(dims.vocab, cfg.model.make_vocab_size_divisible_by, layout.tp)

@@ -33,6 +33,9 @@ from typing import Any
 import torch
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
+# Config overrides of every test job meant for CPU: the device follows parallel.backend, so these
+# run on CPU (gloo) on a GPU machine too, instead of picking cuda:<local rank> there.
+CPU_JOB = ["parallel.backend=gloo"]
 LOG_TAIL_LINES = 60
 _ENTRY_MODULE = "tests.helpers.dist_entry"
 

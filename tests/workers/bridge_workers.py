@@ -6,6 +6,7 @@ from pathlib import Path
 
 import torch
 
+from tests.helpers.dist import CPU_JOB
 from tests.helpers.tiny_configs import TINY_CONFIGS
 
 SEQ_ROWS, SEQ_LEN = 2, 12
@@ -47,7 +48,7 @@ def _build(hf_dir: str, overrides: list[str]):
     from grpo_megatron.models.builder import build_gpt_model
 
     cfg = load_config(
-        EXAMPLE, [f"model.hf_path={hf_dir}", "parallel.use_distributed_optimizer=false", *overrides]
+        EXAMPLE, [*CPU_JOB, f"model.hf_path={hf_dir}", "parallel.use_distributed_optimizer=false", *overrides]
     )
     cfg.validate(world_size_from_env())
     ps = init_distributed(cfg.parallel, seed=cfg.train.seed)
@@ -70,6 +71,7 @@ def roundtrip(
     from grpo_megatron.bridge.export import SafetensorsWriter, export_hf, export_hf_stream
     from grpo_megatron.bridge.hf_loader import load_hf_weights
     from grpo_megatron.distributed.bootstrap import destroy_distributed
+    from grpo_megatron.distributed.megatron_compat import applied_fixes
     from grpo_megatron.training.forward_backward import MicroBatch, forward_logprobs
 
     out = {}
@@ -90,14 +92,19 @@ def roundtrip(
         (lp,) = forward_logprobs(
             model, [MicroBatch(tokens[:, :-1], tokens[:, 1:])], ps, vocab_size=spec.vocab_size
         )
-        result = {"logprob_diff": (lp.logprobs_bs - refs[case]["logprobs"]).abs().max().item()}
+        # .cpu(): the references are transformers' on CPU; the job may run on CUDA (tests/test_gpu.py).
+        result = {"logprob_diff": (lp.logprobs_bs.cpu() - refs[case]["logprobs"]).abs().max().item()}
         if ps.world_size == 1:
+            positions = torch.arange(SEQ_LEN)[None].expand(SEQ_ROWS, -1)
             with torch.no_grad():
-                logits = model(tokens, torch.arange(SEQ_LEN)[None].expand(SEQ_ROWS, -1), None)
+                logits = model(tokens.to(ps.device), positions.to(ps.device), None).cpu()
             result["logit_diff"] = (logits[..., : spec.vocab_size] - refs[case]["logits"]).abs().max().item()
+        result["device"] = str(ps.device)
+        result["use_te"] = spec.use_te
+        result["applied_fixes"] = list(applied_fixes())
         if ps.rank == 0:
             saved = load_file(f"{hf_dir}/model.safetensors")
-            exported = dict(kv for b in buckets for kv in b)
+            exported = {name: t.cpu() for b in buckets for name, t in b}
             result |= {
                 "buckets": len(buckets),
                 "missing": sorted(set(saved) - set(exported)),

@@ -12,6 +12,8 @@ from typing import Any
 
 import torch
 
+from tests.helpers.dist import CPU_JOB
+
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "tiny_moe.yaml"
 GLOBAL_ROWS, SEQ_LEN = 4, 16  # one global batch, split over data-parallel ranks
 
@@ -21,7 +23,7 @@ def _setup(overrides: list[str]):
     from grpo_megatron.distributed.bootstrap import init_distributed, world_size_from_env
     from grpo_megatron.training.policy import build_policy
 
-    cfg = load_config(EXAMPLE, overrides)
+    cfg = load_config(EXAMPLE, [*CPU_JOB, *overrides])
     cfg.validate(world_size_from_env())
     ps = init_distributed(cfg.parallel, seed=cfg.train.seed)
     policy = build_policy(cfg.model.load_hf_config(), cfg, ps)

@@ -1,4 +1,4 @@
-"""Multi-process workers for tests/test_cpu_compat.py: a tiny megatron-core MoE GPTModel trained
+"""Multi-process workers for tests/test_megatron_compat.py: a tiny megatron-core MoE GPTModel trained
 one optimizer step at several parallel layouts on CPU (gloo, fp32).
 
 Shapes: b = micro-batch size, s = sequence length.
@@ -139,7 +139,7 @@ def train_one_layout(layout: Layout) -> dict[str, Any]:
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    from grpo_megatron.distributed import cpu_compat
+    from grpo_megatron.distributed import megatron_compat
 
     config = _config(layout)
     ps.initialize_model_parallel(
@@ -149,7 +149,7 @@ def train_one_layout(layout: Layout) -> dict[str, Any]:
         expert_tensor_parallel_size=config.expert_tensor_parallel_size,
     )
     try:
-        cpu_compat.cpu_model_parallel_seed(SEED)
+        megatron_compat.cpu_model_parallel_seed(SEED)
         rng_draws = _rng_draws()
         model = GPTModel(
             config=config,
@@ -219,10 +219,10 @@ def train_one_layout(layout: Layout) -> dict[str, Any]:
 def train_layouts(names: list[str], check_collectives: bool = False) -> dict[str, Any]:
     """Train one step at each named layout in turn (one launch, several layouts); optionally also
     run :func:`uneven_collectives` in the same launch."""
-    from grpo_megatron.distributed import cpu_compat
+    from grpo_megatron.distributed import megatron_compat
 
     init_gloo()
-    out: dict[str, Any] = {"applied": cpu_compat.apply_cpu_compat()}
+    out: dict[str, Any] = {"applied": megatron_compat.apply_megatron_compat("cpu")}
     for name in names:
         out[name] = train_one_layout(LAYOUTS[name])
     if check_collectives:
@@ -235,10 +235,10 @@ def uneven_collectives() -> dict[str, Any]:
     megatron's own functions do, and what ours give (rank r holds r + 1 rows of value r + 1)."""
     from megatron.core.tensor_parallel import mappings
 
-    from grpo_megatron.distributed import cpu_compat
+    from grpo_megatron.distributed import megatron_compat
 
     rank, world = init_gloo()
-    cpu_compat.apply_cpu_compat()
+    megatron_compat.apply_megatron_compat("cpu")
     group = torch.distributed.group.WORLD
     sizes = [r + 1 for r in range(world)]
     rows_rh = torch.full((rank + 1, 3), float(rank + 1))
@@ -249,7 +249,7 @@ def uneven_collectives() -> dict[str, Any]:
         ("scatter", "_reduce_scatter_along_first_dim", (full_rh, group, sizes)),
     ):
         try:
-            cpu_compat._original(f"megatron.core.tensor_parallel.mappings:{name}")(*args)
+            megatron_compat._original(f"megatron.core.tensor_parallel.mappings:{name}")(*args)
             out[f"megatron_{key}_error"] = ""
         except Exception as e:  # what gloo says is the point of the check
             out[f"megatron_{key}_error"] = f"{type(e).__name__}: {e}"
@@ -284,7 +284,7 @@ def hang() -> None:
 
 
 # ----------------------------------------------------------------------------------------------
-# Distributed-optimizer checkpoint fixes (tests/test_cpu_compat.py::test_distopt_*)
+# Distributed-optimizer checkpoint fixes (tests/test_megatron_compat.py::test_distopt_*)
 
 
 def _error_of(fn) -> str:
@@ -301,7 +301,7 @@ def distopt_checkpoint_fixes() -> dict[str, Any]:
     tests/test_checkpoint.py."""
     import copy
 
-    from grpo_megatron.distributed import cpu_compat
+    from grpo_megatron.distributed import megatron_compat
     from tests.workers.checkpoint_workers import _setup, _teardown, _train_step
 
     init_gloo()
@@ -309,7 +309,7 @@ def distopt_checkpoint_fixes() -> dict[str, Any]:
     (dopt,) = policy.optimizer.chained_optimizers
 
     def original(attr: str):
-        return cpu_compat._original(f"{cpu_compat._DISTOPT}.{attr}")
+        return megatron_compat._original(f"{megatron_compat._DISTOPT}.{attr}")
 
     out: dict[str, Any] = {}
     # distopt_fresh_state_dict: no step taken yet.

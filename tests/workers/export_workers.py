@@ -7,6 +7,8 @@ from pathlib import Path
 
 import torch
 
+from tests.helpers.dist import CPU_JOB
+
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "tiny_moe.yaml"
 
 
@@ -24,7 +26,7 @@ def stream_and_broadcast(hf_dir: str, layouts: dict[str, list[str]], bucket_byte
     out: dict = {}
     for name, overrides in layouts.items():
         cfg = load_config(
-            EXAMPLE, [f"model.hf_path={hf_dir}", "parallel.use_distributed_optimizer=false", *overrides]
+            EXAMPLE, [*CPU_JOB, f"model.hf_path={hf_dir}", "parallel.use_distributed_optimizer=false", *overrides]
         )
         cfg.validate(world_size_from_env())
         ps = init_distributed(cfg.parallel, seed=cfg.train.seed)

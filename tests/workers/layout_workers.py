@@ -23,6 +23,7 @@ from grpo_megatron.training.forward_backward import (
     packed_causal_mask,
 )
 from grpo_megatron.training.policy import build_policy
+from tests.helpers.dist import CPU_JOB
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "tiny_moe.yaml"
 ROWS = 4  # global batch rows, split over data-parallel ranks
@@ -73,7 +74,7 @@ def loss_fn_for(global_tokens: int):
 
 def run_layout(overrides: list[str], reference: dict | None) -> dict:
     """One layout: logprobs + gradients; with a reference, return the max abs differences."""
-    cfg = load_config(EXAMPLE, ["parallel.use_distributed_optimizer=false", *overrides])
+    cfg = load_config(EXAMPLE, [*CPU_JOB, "parallel.use_distributed_optimizer=false", *overrides])
     cfg.validate(world_size_from_env())
     ps = init_distributed(cfg.parallel, seed=cfg.train.seed)
     hf = cfg.model.load_hf_config()
@@ -135,7 +136,7 @@ def build_all_types(configs: dict[str, dict]) -> dict:
     """Each model_type builds from a tiny HF config and runs forward + backward (one process)."""
     results = {}
     for model_type, hf in configs.items():
-        cfg = load_config(EXAMPLE, [])
+        cfg = load_config(EXAMPLE, CPU_JOB)
         ps = init_distributed(cfg.parallel, seed=1)
         model, spec = build_gpt_model(hf, cfg.model, ps)
         batches = global_batch(spec.vocab_size)[:1]

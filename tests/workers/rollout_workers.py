@@ -11,6 +11,8 @@ from pathlib import Path
 
 import torch
 
+from tests.helpers.dist import CPU_JOB
+
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "tiny_moe.yaml"
 PROMPTS = [[3, 4, 5], [6, 7, 8, 9, 10, 11], [12, 13], [14, 15, 16, 17]]  # uneven: left padding matters
 
@@ -20,7 +22,7 @@ def _setup(hf_dir: str, overrides: list[str]):
     from grpo_megatron.distributed.bootstrap import init_distributed, world_size_from_env
     from grpo_megatron.training.policy import build_policy
 
-    cfg = load_config(EXAMPLE, [f"model.hf_path={hf_dir}", "train.lr=1e-2", *overrides])
+    cfg = load_config(EXAMPLE, [*CPU_JOB, f"model.hf_path={hf_dir}", "train.lr=1e-2", *overrides])
     cfg.validate(world_size_from_env())
     ps = init_distributed(cfg.parallel, seed=cfg.train.seed)
     hf = cfg.model.load_hf_config()
@@ -168,7 +170,7 @@ def sglang_missing(hf_dir: str) -> str:
     from grpo_megatron.distributed.bootstrap import destroy_distributed, init_distributed
     from grpo_megatron.rollout.fleet import RolloutFleet
 
-    cfg = load_config(EXAMPLE, [f"model.hf_path={hf_dir}", "rollout.engine=sglang"])
+    cfg = load_config(EXAMPLE, [*CPU_JOB, f"model.hf_path={hf_dir}", "rollout.engine=sglang"])
     ps = init_distributed(cfg.parallel, seed=1)
     try:
         RolloutFleet.build(cfg, cfg.model.load_hf_config(), ps)

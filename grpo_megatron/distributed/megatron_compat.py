@@ -1,59 +1,48 @@
-"""Make real megatron-core run on CPU (gloo, fp32): each place where it assumes CUDA, adjusted.
+"""Make real megatron-core run where it assumes what is not there: each adjustment named, applied
+where its cause is.
 
-Opt-in: importing this module changes nothing. ``apply_cpu_compat()`` applies every fix in
-``FIXES``, only when CUDA is absent and only for the megatron-core versions they were checked
-against (``CHECKED_MEGATRON_VERSIONS``; others are refused with a RuntimeError); on a GPU machine
-it does nothing. Call it once per process, before building models, optimizers or the RNG tracker
-(before or after ``initialize_model_parallel``), then seed with ``cpu_model_parallel_seed(seed)``
-where a GPU job calls megatron's ``model_parallel_cuda_manual_seed``.
+Opt-in: importing this module changes nothing. ``apply_megatron_compat(device)`` applies the fixes
+in ``FIXES`` whose cause this process has (``Capabilities.detect(device)``), and only for the
+megatron-core versions they were checked against (``CHECKED_MEGATRON_VERSIONS``; others are
+refused with a RuntimeError whenever a fix would apply). Each fix has one cause:
+
+- ``no_te``: TransformerEngine is not installed, on any device (a GPU without TE included);
+- ``torch_adam``: megatron's optimizer is torch's Adam (neither TE's nor apex's fused Adam was
+  importable), on any device: its per-parameter ``step`` is what the distributed optimizer's
+  checkpoint code does not expect;
+- ``cpu``: the job runs on CPU (``parallel.backend=gloo``, or no CUDA): megatron assumes CUDA.
+
+Call it once per process with the job's device, before building models, optimizers or the RNG
+tracker (before or after ``initialize_model_parallel``); on CPU, seed with
+``cpu_model_parallel_seed(seed)`` where a GPU job calls megatron's ``model_parallel_cuda_manual_seed``.
 
 Every fix replaces one attribute (function, method, class or class attribute) of one megatron
 module, except the two torch-level ones (``cuda_current_device``, ``cuda_synchronize``; their
-comments in ``FIXES`` say why). Several fixes run a megatron function unchanged under
+comments in ``FIXES`` say why). Several CPU fixes run a megatron function unchanged under
 ``_CudaToCpuMode``, a torch function mode active only during that call: ``device="cuda"``
 factories give CPU tensors, ``Tensor.cuda()`` returns the tensor, and ``Tensor.type()`` names a
 CPU tensor by its CUDA twin (``torch.FloatTensor`` -> ``torch.cuda.FloatTensor``) so megatron's
 dtype checks see what they see on a GPU. Each replacement keeps the object it replaced (for the
 tests, which check that megatron still needs every fix).
 
-| name                         | what breaks in megatron-core 0.16.1 on CPU                  | where (megatron.core.*)                                  | how we adjust                                          |
+Cause ``no_te`` (TransformerEngine absent, any device):
+
+| name                         | what breaks in megatron-core 0.16.1                         | where (megatron.core.*)                                  | how we adjust                                          |
 |------------------------------|-------------------------------------------------------------|----------------------------------------------------------|--------------------------------------------------------|
-| cuda_current_device          | ``torch.cuda.current_device()`` asserts (no CUDA); megatron | dozens of sites: layers, MoE router/experts, DDP buffers | ``torch.cuda.current_device`` returns                   |
-|                              | uses it as the device of the tensors it creates             |                                                          | ``torch.device("cpu")``                                 |
-| cuda_synchronize             | ``torch.cuda.synchronize()`` asserts                        | pipeline_parallel.p2p_communication (after each batched  | ``torch.cuda.synchronize`` is a no-op (CPU kernels     |
-|                              |                                                             | send/recv), DDP                                          | are synchronous)                                       |
-| rng_tracker_cpu_states       | the model-parallel RNG tracker saves/restores CUDA generator| tensor_parallel.random.CudaRNGStatesTracker              | replaced by a subclass keeping CPU generator states    |
-|                              | states: seeding, dropout, ``get_cuda_rng_tracker().fork()`` | (``add``, ``fork``)                                      | (``initialize_rng_tracker`` then builds ours)          |
 | moe_router_gemm_name         | without TransformerEngine ``te_general_gemm`` is never      | transformer.moe.moe_utils (RouterGatingLinearFunction)   | bind ``moe_utils.te_general_gemm = None`` (torch path) |
 |                              | bound: NameError in the router's gating linear              |                                                          |                                                        |
 | mla_te_flag                  | without TE, ``HAVE_TE`` is still True in MLA (the TE        | transformer.multi_latent_attention                       | ``HAVE_TE = False`` when transformer_engine is absent  |
 |                              | extension imports with stand-ins): TypeError building MLA   |                                                          |                                                        |
-| moe_alltoall_dtoh            | the alltoall dispatcher creates a CUDA stream, copies split | transformer.moe.token_dispatcher.MoEAlltoAllTokenDispatcher | a stand-in for the cached stream; the method only   |
-|                              | sizes to the host on it and makes them numpy only for CUDA  | (``cuda_dtoh_stream``, ``_maybe_dtoh_and_synchronize``)  | turns the split sizes into numpy arrays                |
-|                              | tensors: ``all_to_all_single`` gets tensors (TypeError)     |                                                          |                                                        |
-| gloo_uneven_all_gather       | ETP > 1: the dispatcher all-gathers unequal splits into a   | tensor_parallel.mappings._gather_along_first_dim         | gather rows padded to the largest split, keep the real |
-|                              | tensor list; gloo: "invalid tensor size"                    |                                                          | rows (equal splits: megatron's own code)               |
 | torch_norm_sequence_parallel | the torch norm (no TE/apex) refuses ``sequence_parallel``,  | transformer.torch_norm.WrappedTorchNorm.__new__          | build it without the flag, mark its parameters         |
 |                              | which MoE with TP > 1 requires                              |                                                          | ``sequence_parallel`` (grads summed over TP)           |
-| causal_mask_on_cuda          | default causal / sliding-window masks use ``device="cuda"`` | transformer.utils, fusions.fused_softmax (imports them)  | run them under ``_CudaToCpuMode``                       |
-| tied_embeddings_on_cuda      | tied embeddings with PP > 1: the shared weight is moved     | models.common.language_module.LanguageModule             | run it under ``_CudaToCpuMode``                         |
-|                              | with ``.cuda()`` before the embedding-group all-reduce      | .setup_embeddings_and_output_layer                       |                                                        |
-| schedules_on_cuda            | forward-backward schedules count tokens in a                | pipeline_parallel.schedules.forward_backward_*           | run them under ``_CudaToCpuMode``                       |
-|                              | ``device="cuda"`` tensor                                    |                                                          |                                                        |
-| optimizer_on_cuda            | scale/overflow tensors with ``device="cuda"``; the          | optimizer.optimizer.{FP32,MixedPrecision}Optimizer       | run them under ``_CudaToCpuMode``                       |
-|                              | distributed optimizer and clipping accept only              | .__init__, distrib_optimizer.DistributedOptimizer        |                                                        |
-|                              | ``torch.cuda.*Tensor`` type names; grad norms reduced in    | ._build_model_and_main_param_groups, clip_grads norm     |                                                        |
-|                              | ``device="cuda"`` tensors                                   | functions (where defined and where imported)             |                                                        |
 
-Distributed-optimizer checkpoints (megatron's dist_checkpointing of ``DistributedOptimizer``
-without apex/TransformerEngine, where torch's Adam keeps a per-parameter ``step`` tensor):
+Cause ``torch_adam`` (megatron's distributed optimizer over torch's Adam, which keeps a
+per-parameter ``step`` tensor; any device):
 
-| name                         | what breaks in megatron-core 0.16.1 on CPU                  | where (megatron.core.*)                                  | how we adjust                                          |
+| name                         | what breaks in megatron-core 0.16.1                         | where (megatron.core.*)                                  | how we adjust                                          |
 |------------------------------|-------------------------------------------------------------|----------------------------------------------------------|--------------------------------------------------------|
 | distopt_fresh_state_dict     | a fresh optimizer (no step taken yet: no Adam state) fails  | optimizer.distrib_optimizer.DistributedOptimizer         | no Adam state yet: the param groups with step 0        |
 |                              | ``assert len(steps) == 1``: resuming builds one             | .state_dict                                              |                                                        |
-| distopt_dp_zero_on_cuda      | gathering the optimizer state over DP (fully_reshardable    | ...DistributedOptimizer.get_parameter_state_dp_zero      | run it under ``_CudaToCpuMode``                         |
-|                              | save) moves each shard with ``.cuda()``                     |                                                          |                                                        |
 | distopt_keep_restored_step   | loading the per-parameter state copies every Adam key:      | ...DistributedOptimizer._set_main_param_and_optimizer_   | keep the step restored from the param groups (copy it  |
 |                              | ``KeyError: 'step'`` (fully_reshardable), or the fresh      | states                                                   | onto itself)                                           |
 |                              | optimizer's step 0 over the restored one (dp_reshardable)   |                                                          |                                                        |
@@ -64,8 +53,34 @@ without apex/TransformerEngine, where torch's Adam keeps a per-parameter ``step`
 |                              | tensor; Adam increments it once per parameter per update,   |                                                          |                                                        |
 |                              | so after a resume bias correction is wrong and weights drift|                                                          |                                                        |
 
+Cause ``cpu`` (the job runs on CPU: every place where megatron assumes CUDA):
 
-Seen working with these on gloo (tests/test_cpu_compat.py): TP2 + sequence parallel, EP2 with the
+| name                         | what breaks in megatron-core 0.16.1                         | where (megatron.core.*)                                  | how we adjust                                          |
+|------------------------------|-------------------------------------------------------------|----------------------------------------------------------|--------------------------------------------------------|
+| cuda_current_device          | ``torch.cuda.current_device()`` asserts (no CUDA); megatron | dozens of sites: layers, MoE router/experts, DDP buffers | ``torch.cuda.current_device`` returns                   |
+|                              | uses it as the device of the tensors it creates             |                                                          | ``torch.device("cpu")``                                 |
+| cuda_synchronize             | ``torch.cuda.synchronize()`` asserts                        | pipeline_parallel.p2p_communication (after each batched  | ``torch.cuda.synchronize`` is a no-op (CPU kernels     |
+|                              |                                                             | send/recv), DDP                                          | are synchronous)                                       |
+| rng_tracker_cpu_states       | the model-parallel RNG tracker saves/restores CUDA generator| tensor_parallel.random.CudaRNGStatesTracker              | replaced by a subclass keeping CPU generator states    |
+|                              | states: seeding, dropout, ``get_cuda_rng_tracker().fork()`` | (``add``, ``fork``)                                      | (``initialize_rng_tracker`` then builds ours)          |
+| moe_alltoall_dtoh            | the alltoall dispatcher creates a CUDA stream, copies split | transformer.moe.token_dispatcher.MoEAlltoAllTokenDispatcher | a stand-in for the cached stream; the method only   |
+|                              | sizes to the host on it and makes them numpy only for CUDA  | (``cuda_dtoh_stream``, ``_maybe_dtoh_and_synchronize``)  | turns the split sizes into numpy arrays                |
+|                              | tensors: ``all_to_all_single`` gets tensors (TypeError)     |                                                          |                                                        |
+| gloo_uneven_all_gather       | ETP > 1: the dispatcher all-gathers unequal splits into a   | tensor_parallel.mappings._gather_along_first_dim         | gather rows padded to the largest split, keep the real |
+|                              | tensor list; gloo: "invalid tensor size"                    |                                                          | rows (equal splits: megatron's own code)               |
+| causal_mask_on_cuda          | default causal / sliding-window masks use ``device="cuda"`` | transformer.utils, fusions.fused_softmax (imports them)  | run them under ``_CudaToCpuMode``                       |
+| tied_embeddings_on_cuda      | tied embeddings with PP > 1: the shared weight is moved     | models.common.language_module.LanguageModule             | run it under ``_CudaToCpuMode``                         |
+|                              | with ``.cuda()`` before the embedding-group all-reduce      | .setup_embeddings_and_output_layer                       |                                                        |
+| schedules_on_cuda            | forward-backward schedules count tokens in a                | pipeline_parallel.schedules.forward_backward_*           | run them under ``_CudaToCpuMode``                       |
+|                              | ``device="cuda"`` tensor                                    |                                                          |                                                        |
+| optimizer_on_cuda            | scale/overflow tensors with ``device="cuda"``; the          | optimizer.optimizer.{FP32,MixedPrecision}Optimizer       | run them under ``_CudaToCpuMode``                       |
+|                              | distributed optimizer and clipping accept only              | .__init__, distrib_optimizer.DistributedOptimizer        |                                                        |
+|                              | ``torch.cuda.*Tensor`` type names; grad norms reduced in    | ._build_model_and_main_param_groups, clip_grads norm     |                                                        |
+|                              | ``device="cuda"`` tensors                                   | functions (where defined and where imported)             |                                                        |
+| distopt_dp_zero_on_cuda      | gathering the optimizer state over DP (fully_reshardable    | ...DistributedOptimizer.get_parameter_state_dp_zero      | run it under ``_CudaToCpuMode``                         |
+|                              | save) moves each shard with ``.cuda()``                     |                                                          |                                                        |
+
+Seen working with these on gloo (tests/test_megatron_compat.py): TP2 + sequence parallel, EP2 with the
 alltoall and allgather dispatchers, PP2 (tied embeddings), TP2xEP2, TP2 ETP1 EP2, TP2 ETP2, DP2
 with the distributed optimizer; forward/backward through megatron's schedules and outside them.
 Not covered (not needed here on CPU): activation recomputation's RNG save/restore, several
@@ -82,25 +97,28 @@ import importlib
 import importlib.metadata
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch.overrides import TorchFunctionMode
 
 CHECKED_MEGATRON_VERSIONS = ("0.16.1",)
 
+Cause = Literal["no_te", "torch_adam", "cpu"]
+
 # Attribute set on every replacement we install, holding the object it replaced: it tells our
 # objects from megatron's own (the applied state lives in the patched modules themselves, not in
 # a registry here) and lets tests reach megatron's original to check it still needs the fix.
-_ORIGINAL = "_grpo_cpu_compat_original"
+_ORIGINAL = "_grpo_megatron_compat_original"
 
 
 @dataclass(frozen=True)
 class Fix:
-    """One CPU incompatibility of megatron-core and how it is adjusted."""
+    """One incompatibility of megatron-core, its cause, and how it is adjusted."""
 
-    name: str  # short identifier, returned by apply_cpu_compat()
-    what_breaks: str  # megatron-core's CUDA assumption and the error it gives on CPU
+    name: str  # short identifier, returned by apply_megatron_compat()
+    cause: Cause  # what this process must lack for the fix to apply (see ``Capabilities``)
+    what_breaks: str  # megatron-core's assumption and the error it gives without the fix
     where: str  # the megatron module attribute(s) we replace ("module:Qualified.attr")
     fix: str  # what the replacement does
     apply: Callable[[], None]  # installs the fix; idempotent
@@ -166,7 +184,7 @@ def _keep_descriptor(make_fn: Callable[[Callable], Callable]) -> Callable[[Any],
 
 
 def _replacing_fix(
-    name: str, what_breaks: str, fix: str, replacements: dict[str, Callable[[Any], Any]]
+    name: str, cause: Cause, what_breaks: str, fix: str, replacements: dict[str, Callable[[Any], Any]]
 ) -> Fix:
     """A fix that replaces each target attribute with ``make(original)``."""
 
@@ -176,6 +194,7 @@ def _replacing_fix(
 
     return Fix(
         name=name,
+        cause=cause,
         what_breaks=what_breaks,
         where=", ".join(replacements),
         fix=fix,
@@ -344,23 +363,17 @@ def _te_general_gemm_bound() -> bool:
     return "te_general_gemm" in vars(moe_utils)
 
 
-def _transformer_engine_importable() -> bool:
-    import importlib.util
-
-    return importlib.util.find_spec("transformer_engine") is not None
-
-
 def _clear_mla_te_flag() -> None:
     import megatron.core.transformer.multi_latent_attention as mla
 
-    if not _transformer_engine_importable():
+    if not _transformer_engine_installed():
         mla.HAVE_TE = False
 
 
 def _mla_te_flag_cleared() -> bool:
     import megatron.core.transformer.multi_latent_attention as mla
 
-    return _transformer_engine_importable() or mla.HAVE_TE is False
+    return _transformer_engine_installed() or mla.HAVE_TE is False
 
 
 # ----------------------------------------------------------------------------------------------
@@ -433,6 +446,7 @@ FIXES: tuple[Fix, ...] = (
     # no narrower place. The answer is only ever used as a device for new tensors.
     _replacing_fix(
         "cuda_current_device",
+        "cpu",
         "torch.cuda.current_device() asserts 'Torch not compiled with CUDA enabled'; megatron uses "
         "it as the device of tensors it creates (layers, MoE router and experts, DDP buffers)",
         "returns torch.device('cpu')",
@@ -442,12 +456,14 @@ FIXES: tuple[Fix, ...] = (
     # of pipeline parallelism) and DDP; CPU kernels are synchronous, so a no-op is exact.
     _replacing_fix(
         "cuda_synchronize",
+        "cpu",
         "torch.cuda.synchronize() asserts; pipeline p2p calls it after each batched send/recv",
         "a no-op",
         {"torch.cuda:synchronize": lambda _original: _synchronize_noop},
     ),
     _replacing_fix(
         "rng_tracker_cpu_states",
+        "cpu",
         "CudaRNGStatesTracker.add/fork read and write CUDA generator states (asserts on CPU), so "
         "model_parallel_cuda_manual_seed, dropout and get_cuda_rng_tracker().fork() fail",
         "megatron's tracker class is replaced by a subclass keeping CPU generator states, so "
@@ -456,6 +472,7 @@ FIXES: tuple[Fix, ...] = (
     ),
     Fix(
         name="moe_router_gemm_name",
+        cause="no_te",
         what_breaks="moe_utils binds te_general_gemm only when TransformerEngine imports; the router's "
         "RouterGatingLinearFunction.forward then raises NameError",
         where="megatron.core.transformer.moe.moe_utils:te_general_gemm",
@@ -465,6 +482,7 @@ FIXES: tuple[Fix, ...] = (
     ),
     Fix(
         name="mla_te_flag",
+        cause="no_te",
         what_breaks="megatron.core.extensions.transformer_engine imports without TransformerEngine (its "
         "names become stand-ins), so multi_latent_attention sets HAVE_TE=True and MLASelfAttention's "
         "isinstance(linear_proj, TELinear) raises TypeError: MLA (DeepSeek-V3) cannot be built",
@@ -475,6 +493,7 @@ FIXES: tuple[Fix, ...] = (
     ),
     _replacing_fix(
         "moe_alltoall_dtoh",
+        "cpu",
         "MoEAlltoAllTokenDispatcher.__init__ creates a torch.cuda.Stream; "
         "_maybe_dtoh_and_synchronize uses streams/events and converts split sizes to numpy only for "
         "CUDA tensors, so all_to_all_single gets tensors as split sizes (TypeError)",
@@ -486,6 +505,7 @@ FIXES: tuple[Fix, ...] = (
     ),
     _replacing_fix(
         "gloo_uneven_all_gather",
+        "cpu",
         "with expert tensor parallelism > 1 the alltoall dispatcher all-gathers tokens with unequal "
         "split sizes into a list of tensors, which gloo rejects ('invalid tensor size'); the "
         "matching uneven reduce-scatter works on gloo and is left alone",
@@ -495,6 +515,7 @@ FIXES: tuple[Fix, ...] = (
     ),
     _replacing_fix(
         "torch_norm_sequence_parallel",
+        "no_te",
         "WrappedTorchNorm asserts 'sequence parallel not supported by torch LayerNorm'; MoE with "
         "TP>1 requires sequence parallelism",
         "build the norm with sequence_parallel off and mark its parameters sequence_parallel=True "
@@ -503,6 +524,7 @@ FIXES: tuple[Fix, ...] = (
     ),
     _replacing_fix(
         "causal_mask_on_cuda",
+        "cpu",
         "get_default_causal_mask / get_sliding_window_causal_mask create the mask with device='cuda' "
         "(the unfused softmax path, whenever no mask is passed)",
         "run them under _CudaToCpuMode",
@@ -517,6 +539,7 @@ FIXES: tuple[Fix, ...] = (
     ),
     _replacing_fix(
         "tied_embeddings_on_cuda",
+        "cpu",
         "with tied embeddings and PP > 1, LanguageModule.setup_embeddings_and_output_layer moves the "
         "shared weight with .cuda() before all-reducing it over the embedding group",
         "run it under _CudaToCpuMode (.cuda() returns the tensor itself)",
@@ -527,6 +550,7 @@ FIXES: tuple[Fix, ...] = (
     ),
     _replacing_fix(
         "schedules_on_cuda",
+        "cpu",
         "the forward-backward schedules create total_num_tokens with device='cuda'",
         "run them under _CudaToCpuMode (get_forward_backward_func returns the replaced functions)",
         _same(
@@ -543,6 +567,7 @@ FIXES: tuple[Fix, ...] = (
     ),
     _replacing_fix(
         "optimizer_on_cuda",
+        "cpu",
         "FP32Optimizer/MixedPrecisionOptimizer create scale and overflow tensors with device='cuda'; "
         "DistributedOptimizer accepts only 'torch.cuda.*Tensor' parameters (TypeError); the grad-norm "
         "and clipping functions reduce in device='cuda' tensors and assert CUDA type names",
@@ -562,9 +587,10 @@ FIXES: tuple[Fix, ...] = (
             _keep_descriptor(_run_under_cuda_to_cpu),
         ),
     ),
-    # Distributed-optimizer checkpoints (see the second table of the module docstring).
+    # Distributed-optimizer checkpoints (cause torch_adam, except the CPU-only .cuda() gather).
     _replacing_fix(
         "distopt_fresh_state_dict",
+        "torch_adam",
         "DistributedOptimizer.state_dict reads Adam's step from the per-parameter state and asserts "
         "exactly one value; a fresh optimizer (which resuming builds the load state dict from) has none",
         "with no Adam state yet, return the param groups with step 0",
@@ -572,6 +598,7 @@ FIXES: tuple[Fix, ...] = (
     ),
     _replacing_fix(
         "distopt_dp_zero_on_cuda",
+        "cpu",
         "DistributedOptimizer.get_parameter_state_dp_zero (the fully_reshardable save gathers each "
         "DP group's optimizer state with it) moves every shard with .cuda()",
         "run it under _CudaToCpuMode",
@@ -579,6 +606,7 @@ FIXES: tuple[Fix, ...] = (
     ),
     _replacing_fix(
         "distopt_keep_restored_step",
+        "torch_adam",
         "DistributedOptimizer._set_main_param_and_optimizer_states copies every key of torch Adam's "
         "state: KeyError 'step' loading fully_reshardable (the checkpoint keeps step in the param "
         "groups), and with dp_reshardable the fresh optimizer's step 0 overwrites the restored one",
@@ -587,6 +615,7 @@ FIXES: tuple[Fix, ...] = (
     ),
     _replacing_fix(
         "distopt_dp_reshardable_no_grad",
+        "torch_adam",
         "DistributedOptimizer.load_parameter_state_from_dp_reshardable copies in place into fp32 "
         "main params that are views of leaf parameters, with autograd on: 'a view of a leaf Variable "
         "that requires grad is being used in an in-place operation'",
@@ -595,6 +624,7 @@ FIXES: tuple[Fix, ...] = (
     ),
     _replacing_fix(
         "distopt_unshared_step",
+        "torch_adam",
         "SILENT: DistributedOptimizer.load_state_dict gives every parameter's Adam state one shared "
         "step tensor; torch's Adam increments it in place once per parameter, so after a resume the "
         "step (and bias correction) is wrong and the weights drift from an uninterrupted run",
@@ -612,36 +642,84 @@ def _installed_megatron_version() -> str:
     return importlib.metadata.version("megatron-core")
 
 
+def _transformer_engine_installed() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("transformer_engine") is not None
+
+
+def _megatron_uses_torch_adam() -> bool:
+    """megatron.core.optimizer binds ``Adam`` to TE's fused Adam, else apex's, else torch's AdamW."""
+    from megatron.core import optimizer as megatron_optimizer
+
+    return megatron_optimizer.Adam.__module__.startswith("torch.")
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What this process has that megatron-core may assume; each fix applies where its cause is."""
+
+    cpu: bool  # the job's device is CPU (megatron assumes CUDA)
+    transformer_engine: bool  # TransformerEngine is installed
+    fused_adam: bool  # megatron's Adam is TE's or apex's fused Adam, not torch's
+
+    @classmethod
+    def detect(cls, device: str | torch.device) -> Capabilities:
+        """The capabilities of this process for a job on ``device`` (the job's, not the machine's:
+        a CPU job on a GPU machine gets the CPU fixes)."""
+        return cls(
+            cpu=torch.device(device).type == "cpu",
+            transformer_engine=_transformer_engine_installed(),
+            fused_adam=not _megatron_uses_torch_adam(),
+        )
+
+    def causes(self) -> frozenset[Cause]:
+        present: set[Cause] = set()
+        if self.cpu:
+            present.add("cpu")
+        if not self.transformer_engine:
+            present.add("no_te")
+        if not self.fused_adam:
+            present.add("torch_adam")
+        return frozenset(present)
+
+
+def fixes_for(capabilities: Capabilities) -> tuple[Fix, ...]:
+    """The fixes whose cause ``capabilities`` has, in ``FIXES`` order."""
+    causes = capabilities.causes()
+    return tuple(fix for fix in FIXES if fix.cause in causes)
+
+
 def applied_fixes() -> tuple[str, ...]:
     """Names of the fixes currently in place in this process."""
     return tuple(fix.name for fix in FIXES if fix.is_applied())
 
 
-def is_applied() -> bool:
-    """True when every fix is in place."""
-    return len(applied_fixes()) == len(FIXES)
+def apply_megatron_compat(
+    device: str | torch.device, *, capabilities: Capabilities | None = None
+) -> list[str]:
+    """Apply the fixes whose cause this process has for a job on ``device``; return their names.
+    Idempotent. ``capabilities`` defaults to ``Capabilities.detect(device)``.
 
-
-def apply_cpu_compat() -> list[str]:
-    """Apply every fix in ``FIXES``; return their names. Idempotent.
-
-    Does nothing (returns ``[]``) when CUDA is available: nothing here is ever applied on a GPU.
-    Raises ``RuntimeError`` on CPU when the installed megatron-core was not checked.
+    Raises ``RuntimeError`` when a fix would apply and the installed megatron-core was not checked.
     """
-    if torch.cuda.is_available():
+    capabilities = capabilities if capabilities is not None else Capabilities.detect(device)
+    fixes = fixes_for(capabilities)
+    if not fixes:
         return []
     version = _installed_megatron_version()
     if version not in CHECKED_MEGATRON_VERSIONS:
+        causes = ", ".join(sorted({fix.cause for fix in fixes}))
         raise RuntimeError(
-            f"grpo_megatron's CPU compatibility fixes were checked against megatron-core "
-            f"{', '.join(CHECKED_MEGATRON_VERSIONS)}, but {version} is installed. Running on CPU needs "
-            f"one of those (pip install megatron-core=={CHECKED_MEGATRON_VERSIONS[-1]}), or re-check every "
-            f"fix in grpo_megatron/distributed/cpu_compat.py against {version} (tests/test_cpu_compat.py) "
-            f"and add it to CHECKED_MEGATRON_VERSIONS."
+            f"grpo_megatron's megatron-core compatibility fixes were checked against megatron-core "
+            f"{', '.join(CHECKED_MEGATRON_VERSIONS)}, but {version} is installed and this job needs the "
+            f"fixes for: {causes}. Install megatron-core=={CHECKED_MEGATRON_VERSIONS[-1]}, or re-check every "
+            f"fix in grpo_megatron/distributed/megatron_compat.py against {version} "
+            f"(tests/test_megatron_compat.py) and add it to CHECKED_MEGATRON_VERSIONS."
         )
-    for fix in FIXES:
+    for fix in fixes:
         fix.apply()
-    return [fix.name for fix in FIXES]
+    return [fix.name for fix in fixes]
 
 
 def cpu_model_parallel_seed(
@@ -654,7 +732,7 @@ def cpu_model_parallel_seed(
 ) -> None:
     """CPU counterpart of megatron's ``model_parallel_cuda_manual_seed``; call after
     ``initialize_model_parallel`` (ranks default to megatron's parallel_state) and after
-    ``apply_cpu_compat()``.
+    ``apply_megatron_compat("cpu")``.
 
     As Megatron-LM's training setup does, pipeline stages get ``seed + 100 * pp_rank``; from that
     ``s``, seeded the way megatron seeds its three streams: the default generator (here the CPU
@@ -666,7 +744,7 @@ def cpu_model_parallel_seed(
 
     if not _is_ours(megatron_random.CudaRNGStatesTracker):
         raise RuntimeError(
-            "cpu_model_parallel_seed needs the CPU RNG tracker: call apply_cpu_compat() first "
+            "cpu_model_parallel_seed needs the CPU RNG tracker: call apply_megatron_compat('cpu') first "
             "(on a GPU use megatron's model_parallel_cuda_manual_seed instead)"
         )
     tp_rank = parallel_state.get_tensor_model_parallel_rank() if tp_rank is None else tp_rank

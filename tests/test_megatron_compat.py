@@ -1,5 +1,6 @@
-"""grpo_megatron.distributed.cpu_compat: each fix still needed by megatron-core, and real
-megatron-core MoE training on CPU at every parallel layout (through tests/helpers/dist.py).
+"""grpo_megatron.distributed.megatron_compat: each fix applied by its cause (not by the machine),
+still needed by megatron-core, and real megatron-core MoE training on CPU at every parallel layout
+(through tests/helpers/dist.py).
 
 The unit tests apply the fixes in this process (as every CPU test of the package does); where a
 test needs megatron's behaviour without a fix it puts the original back with monkeypatch, which
@@ -19,10 +20,15 @@ import types
 import pytest
 import torch
 
-from grpo_megatron.distributed import cpu_compat
+from grpo_megatron.distributed import megatron_compat as compat
+from grpo_megatron.distributed.megatron_compat import Capabilities
 from tests.helpers.dist import REPO_ROOT, run_distributed
 
-pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU fixes are never applied on a GPU")
+# Tests that show megatron (or torch) failing where CUDA is absent need a torch without CUDA; on a
+# GPU machine the CPU fixes still apply to CPU jobs (and the tests of them that need no failure run).
+needs_cuda_absent = pytest.mark.skipif(
+    torch.cuda.is_available(), reason="shows the failure of a torch without CUDA; this torch has CUDA"
+)
 
 _DISPATCHER = "megatron.core.transformer.moe.token_dispatcher:MoEAlltoAllTokenDispatcher"
 _WORKERS = "tests.workers.compat_workers"
@@ -30,13 +36,13 @@ _WORKERS = "tests.workers.compat_workers"
 
 @pytest.fixture(scope="module", autouse=True)
 def _applied() -> None:
-    cpu_compat.apply_cpu_compat()
+    compat.apply_megatron_compat("cpu")
 
 
 def _put_back_original(monkeypatch: pytest.MonkeyPatch, target: str) -> object:
     """Reinstate megatron's (or torch's) object at ``target`` for this test; returns it."""
-    owner, attr = cpu_compat._resolve(target)
-    original = cpu_compat._original(target)
+    owner, attr = compat._resolve(target)
+    original = compat._original(target)
     monkeypatch.setattr(owner, attr, original)
     return original
 
@@ -46,45 +52,51 @@ def _put_back_original(monkeypatch: pytest.MonkeyPatch, target: str) -> object:
 
 
 def test_apply_returns_every_fix_and_is_idempotent() -> None:
-    names = [fix.name for fix in cpu_compat.FIXES]
+    names = [fix.name for fix in compat.FIXES]
     assert len(set(names)) == len(names)
-    assert cpu_compat.apply_cpu_compat() == names
-    assert cpu_compat.apply_cpu_compat() == names
-    assert cpu_compat.applied_fixes() == tuple(names)
-    assert cpu_compat.is_applied()
+    # A CPU job without TransformerEngine, with torch's Adam (this project's CPU machines): every fix.
+    applied = [fix.name for fix in compat.fixes_for(Capabilities.detect("cpu"))]
+    if not compat._transformer_engine_installed() and compat._megatron_uses_torch_adam():
+        assert Capabilities.detect("cpu").causes() == {"cpu", "no_te", "torch_adam"} and applied == names
+    assert compat.apply_megatron_compat("cpu") == applied
+    assert compat.apply_megatron_compat("cpu") == applied
+    assert set(applied) <= set(compat.applied_fixes())
     # Applying twice must not wrap a wrapper: each replacement still holds megatron's own object.
-    for fix in cpu_compat.FIXES:
+    for fix in compat.FIXES:
         for target in fix.where.split(", "):
-            if cpu_compat._is_ours(cpu_compat._get_raw(target)):
-                assert not cpu_compat._is_ours(cpu_compat._original(target)), target
+            if compat._is_ours(compat._get_raw(target)):
+                assert not compat._is_ours(compat._original(target)), target
 
 
-def test_every_fix_is_documented() -> None:
-    doc = cpu_compat.__doc__
-    for fix in cpu_compat.FIXES:
+def test_every_fix_is_documented_under_its_cause() -> None:
+    doc = compat.__doc__
+    headings = {cause: doc.index(f"Cause ``{cause}``") for cause in ("no_te", "torch_adam", "cpu")}
+    sections = sorted(headings.values()) + [len(doc)]
+    for fix in compat.FIXES:
         assert fix.what_breaks and fix.where and fix.fix, fix.name
-        assert f"| {fix.name} " in doc, f"{fix.name} missing from the module docstring's table"
+        row = doc.find(f"| {fix.name} ")
+        assert row >= 0, f"{fix.name} missing from the module docstring's tables"
+        start = headings[fix.cause]
+        assert start < row < sections[sections.index(start) + 1], f"{fix.name} not under {fix.cause}"
 
 
-def test_opt_in_and_never_applied_on_gpu() -> None:
-    """In a fresh interpreter: importing patches nothing; with CUDA reported available,
-    apply_cpu_compat() does nothing; without, it applies everything."""
-    script = textwrap.dedent(
-        """
-        import torch
-        from grpo_megatron.distributed import cpu_compat
-        real_current_device = torch.cuda.current_device
-        assert cpu_compat.applied_fixes() == (), cpu_compat.applied_fixes()
-        torch.cuda.is_available = lambda: True
-        assert cpu_compat.apply_cpu_compat() == []
-        assert cpu_compat.applied_fixes() == () and torch.cuda.current_device is real_current_device
-        torch.cuda.is_available = lambda: False
-        assert len(cpu_compat.apply_cpu_compat()) == len(cpu_compat.FIXES)
-        assert cpu_compat.is_applied()
-        """
-    )
+def test_causes_are_what_the_issue_saw_on_a_gpu() -> None:
+    """A GPU job without TE and with torch's Adam (the H200 of GUIDE section 8) gets the router
+    and distributed-optimizer fixes, and none of the CUDA-absent ones."""
+    gpu_no_te = Capabilities(cpu=False, transformer_engine=False, fused_adam=False)
+    names = {fix.name for fix in compat.fixes_for(gpu_no_te)}
+    assert {"moe_router_gemm_name", "mla_te_flag", "distopt_fresh_state_dict", "distopt_unshared_step"} <= names
+    assert not any(fix.cause == "cpu" for fix in compat.fixes_for(gpu_no_te))
+    assert compat.fixes_for(Capabilities(cpu=False, transformer_engine=True, fused_adam=True)) == ()
+    # What this process detects: the device is the job's, TE and Adam are the installation's.
+    installed = (compat._transformer_engine_installed(), not compat._megatron_uses_torch_adam())
+    for device, cpu in (("cuda:0", False), ("cuda", False), ("cpu", True)):
+        assert Capabilities.detect(device) == Capabilities(cpu, *installed)
+
+
+def _fresh_interpreter(script: str) -> None:
     proc = subprocess.run(
-        [sys.executable, "-c", script],
+        [sys.executable, "-c", textwrap.dedent(script)],
         cwd=REPO_ROOT,
         capture_output=True,
         text=True,
@@ -94,16 +106,90 @@ def test_opt_in_and_never_applied_on_gpu() -> None:
     assert proc.returncode == 0, proc.stderr[-3000:]
 
 
+def test_opt_in_and_applied_by_cause_not_by_device() -> None:
+    """In fresh interpreters: importing patches nothing; "TE absent" alone (a CUDA job) applies the
+    router fix and no CUDA-absent fix, and the router then runs (on CPU tensors, with torch's own
+    CUDA functions untouched); the CPU path with TE reported present leaves the router alone."""
+    if compat._transformer_engine_installed():
+        pytest.skip("shows megatron's NameError without TransformerEngine; TE is installed here")
+    _fresh_interpreter(
+        """
+        import torch
+        from grpo_megatron.distributed import megatron_compat as compat
+        from grpo_megatron.distributed.megatron_compat import Capabilities
+        from megatron.core.transformer.moe import moe_utils
+        real_current_device = torch.cuda.current_device
+        assert compat.applied_fixes() == (), compat.applied_fixes()
+        inp, weight = torch.randn(3, 8), torch.randn(4, 8)
+        try:
+            moe_utils.router_gating_linear(inp, weight, None, torch.float32)
+            raise SystemExit("megatron no longer needs moe_router_gemm_name")
+        except NameError:
+            pass
+        applied = compat.apply_megatron_compat(
+            "cuda", capabilities=Capabilities(cpu=False, transformer_engine=False, fused_adam=True)
+        )
+        assert applied == [f.name for f in compat.FIXES if f.cause == "no_te"], applied
+        assert "moe_router_gemm_name" in compat.applied_fixes()
+        assert torch.cuda.current_device is real_current_device
+        assert not any(f.is_applied() for f in compat.FIXES if f.cause != "no_te")
+        torch.testing.assert_close(moe_utils.router_gating_linear(inp, weight, None, torch.float32), inp @ weight.T)
+        """
+    )
+    _fresh_interpreter(
+        """
+        from grpo_megatron.distributed import megatron_compat as compat
+        from grpo_megatron.distributed.megatron_compat import Capabilities
+        applied = compat.apply_megatron_compat(
+            "cpu", capabilities=Capabilities(cpu=True, transformer_engine=True, fused_adam=True)
+        )
+        assert applied == [f.name for f in compat.FIXES if f.cause == "cpu"], applied
+        assert "moe_router_gemm_name" not in compat.applied_fixes()
+        """
+    )
+
+
+def test_torch_adam_fixes_are_applied_by_that_condition() -> None:
+    """megatron's Adam here is torch's (no TE, no apex), on any device: a CUDA job gets the
+    distributed-optimizer fixes; with a fused Adam reported, a CPU job gets none of them (the CPU
+    one of the checkpoint path, the .cuda() gather, stays)."""
+    from megatron.core import optimizer as megatron_optimizer
+
+    if not compat._megatron_uses_torch_adam():
+        pytest.skip("megatron's Adam is a fused one here (TE or apex)")
+    assert megatron_optimizer.Adam is torch.optim.AdamW
+    _fresh_interpreter(
+        """
+        import torch
+        from grpo_megatron.distributed import megatron_compat as compat
+        from grpo_megatron.distributed.megatron_compat import Capabilities
+        applied = compat.apply_megatron_compat(
+            "cuda", capabilities=Capabilities(cpu=False, transformer_engine=True, fused_adam=False)
+        )
+        assert applied == [f.name for f in compat.FIXES if f.cause == "torch_adam"], applied
+        assert all(name.startswith("distopt_") for name in applied) and len(applied) == 4
+        assert compat.applied_fixes() == tuple(applied)
+        """
+    )
+    cpu_fused = Capabilities(cpu=True, transformer_engine=False, fused_adam=True)
+    names = [fix.name for fix in compat.fixes_for(cpu_fused)]
+    assert "distopt_dp_zero_on_cuda" in names
+    assert not any(fix.cause == "torch_adam" for fix in compat.fixes_for(cpu_fused))
+
+
 def test_unchecked_megatron_version_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(cpu_compat, "_installed_megatron_version", lambda: "0.15.0")
+    monkeypatch.setattr(compat, "_installed_megatron_version", lambda: "0.15.0")
     with pytest.raises(
         RuntimeError, match=r"checked against megatron-core 0\.16\.1, but 0\.15\.0 is installed"
     ):
-        cpu_compat.apply_cpu_compat()
+        compat.apply_megatron_compat("cpu")
+    # A GPU job on a complete installation (TE, fused Adam) needs no fix, so any version runs.
+    full = Capabilities(cpu=False, transformer_engine=True, fused_adam=True)
+    assert compat.apply_megatron_compat("cuda", capabilities=full) == []
 
 
 def test_checked_version_is_the_installed_one() -> None:
-    assert cpu_compat._installed_megatron_version() in cpu_compat.CHECKED_MEGATRON_VERSIONS
+    assert compat._installed_megatron_version() in compat.CHECKED_MEGATRON_VERSIONS
 
 
 def test_replaced_functions_are_not_still_held_elsewhere() -> None:
@@ -114,14 +200,14 @@ def test_replaced_functions_are_not_still_held_elsewhere() -> None:
     import megatron.core.pipeline_parallel  # noqa: F401
 
     originals = {}
-    for fix in cpu_compat.FIXES:
+    for fix in compat.FIXES:
         for target in fix.where.split(", "):
             if not target.startswith("megatron") or "." in target.partition(":")[2]:
                 continue
-            original = cpu_compat._original(target)
+            original = compat._original(target)
             # Our RNG tracker subclasses megatron's: modules holding the base for isinstance
             # checks (transformer.cuda_graphs) still see our tracker as one.
-            if isinstance(original, type) and issubclass(cpu_compat._get_raw(target), original):
+            if isinstance(original, type) and issubclass(compat._get_raw(target), original):
                 continue
             originals[id(original)] = target
     stale = [
@@ -135,7 +221,7 @@ def test_replaced_functions_are_not_still_held_elsewhere() -> None:
 
 
 def test_cuda_to_cpu_mode() -> None:
-    with cpu_compat._CudaToCpuMode():
+    with compat._CudaToCpuMode():
         made = torch.zeros(2, device="cuda")
         assert made.device.type == "cpu"
         assert torch.tensor([1.0], device=torch.device("cuda", 0)).device.type == "cpu"
@@ -149,34 +235,37 @@ def test_cuda_to_cpu_mode() -> None:
 # One test per fix: megatron (or torch) still breaks without it, and works with it
 
 
+@needs_cuda_absent
 def test_cuda_current_device() -> None:
     import megatron.core.tensor_parallel.layers as layers
 
     with pytest.raises(AssertionError, match="not compiled with CUDA"):
-        cpu_compat._original("torch.cuda:current_device")()
+        compat._original("torch.cuda:current_device")()
     assert "torch.cuda.current_device()" in inspect.getsource(layers)
     assert torch.cuda.current_device() == torch.device("cpu")
 
 
+@needs_cuda_absent
 def test_cuda_synchronize() -> None:
     import megatron.core.pipeline_parallel.p2p_communication as p2p
 
     with pytest.raises(AssertionError, match="not compiled with CUDA"):
-        cpu_compat._original("torch.cuda:synchronize")()
+        compat._original("torch.cuda:synchronize")()
     assert "torch.cuda.synchronize()" in inspect.getsource(p2p)
     assert torch.cuda.synchronize() is None
 
 
+@needs_cuda_absent
 def test_rng_tracker_cpu_states(monkeypatch: pytest.MonkeyPatch) -> None:
     from megatron.core.tensor_parallel import random as megatron_random
 
-    megatron_tracker = cpu_compat._original("megatron.core.tensor_parallel.random:CudaRNGStatesTracker")
+    megatron_tracker = compat._original("megatron.core.tensor_parallel.random:CudaRNGStatesTracker")
     with pytest.raises(AssertionError, match="not compiled with CUDA"):
         megatron_tracker().add("model-parallel-rng", 1)
 
     # Seeds as megatron's own model_parallel_cuda_manual_seed sets them (run with our tracker).
     ranks = {"tp_rank": 1, "ep_rank": 1, "etp_rank": 0}
-    cpu_compat.cpu_model_parallel_seed(7, pp_rank=0, **ranks)
+    compat.cpu_model_parallel_seed(7, pp_rank=0, **ranks)
     ours = {k: v.clone() for k, v in megatron_random.get_cuda_rng_tracker().get_states().items()}
     megatron_random.model_parallel_cuda_manual_seed(7, force_reset_rng=True, **ranks)
     theirs = megatron_random.get_cuda_rng_tracker().get_states()
@@ -184,7 +273,7 @@ def test_rng_tracker_cpu_states(monkeypatch: pytest.MonkeyPatch) -> None:
     assert all(torch.equal(ours[k], theirs[k]) for k in ours)
 
     # fork: draws continue the named stream and leave the default one untouched.
-    cpu_compat.cpu_model_parallel_seed(7, pp_rank=1, **ranks)
+    compat.cpu_model_parallel_seed(7, pp_rank=1, **ranks)
     tracker = megatron_random.get_cuda_rng_tracker()
     default_before = torch.get_rng_state()
     with tracker.fork():
@@ -200,8 +289,8 @@ def test_rng_tracker_cpu_states(monkeypatch: pytest.MonkeyPatch) -> None:
     assert torch.equal(second, torch.rand(8, generator=stream))
 
     monkeypatch.setattr(megatron_random, "CudaRNGStatesTracker", megatron_tracker)
-    with pytest.raises(RuntimeError, match="apply_cpu_compat"):
-        cpu_compat.cpu_model_parallel_seed(7, pp_rank=0, **ranks)
+    with pytest.raises(RuntimeError, match="apply_megatron_compat"):
+        compat.cpu_model_parallel_seed(7, pp_rank=0, **ranks)
 
 
 def test_moe_router_gemm_name(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -230,7 +319,7 @@ def test_mla_te_flag() -> None:
         pytest.skip("TransformerEngine installed: the flag is right")
     code = (
         "import megatron.core.transformer.multi_latent_attention as mla; before = mla.HAVE_TE\n"
-        "from grpo_megatron.distributed.cpu_compat import apply_cpu_compat; apply_cpu_compat()\n"
+        "from grpo_megatron.distributed.megatron_compat import apply_megatron_compat; apply_megatron_compat('cpu')\n"
         "print(before, mla.HAVE_TE)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
@@ -253,10 +342,11 @@ def _bare_alltoall_dispatcher(cls: type) -> object:
     return dispatcher
 
 
+@needs_cuda_absent
 def test_moe_alltoall_dtoh(monkeypatch: pytest.MonkeyPatch) -> None:
     from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
 
-    assert cpu_compat._original(f"{_DISPATCHER}.cuda_dtoh_stream") is None
+    assert compat._original(f"{_DISPATCHER}.cuda_dtoh_stream") is None
     assert "torch.cuda.Stream()" in inspect.getsource(MoEAlltoAllTokenDispatcher.__init__)
     tokens_per_expert = torch.tensor([4, 4])
 
@@ -300,11 +390,12 @@ def test_torch_norm_sequence_parallel(monkeypatch: pytest.MonkeyPatch) -> None:
     assert not any(hasattr(p, "sequence_parallel") for p in plain.parameters())
 
 
+@needs_cuda_absent
 def test_causal_mask_on_cuda() -> None:
     from megatron.core.fusions import fused_softmax
 
     with pytest.raises(AssertionError, match="not compiled with CUDA"):
-        cpu_compat._original("megatron.core.fusions.fused_softmax:get_default_causal_mask")(4)
+        compat._original("megatron.core.fusions.fused_softmax:get_default_causal_mask")(4)
     expected = torch.ones(4, 4).triu(1).bool()
     assert torch.equal(fused_softmax.get_default_causal_mask(4), expected)
     assert fused_softmax.get_sliding_window_causal_mask(4, 4, (2, 0)).device.type == "cpu"
@@ -314,7 +405,7 @@ def test_tied_embeddings_and_schedules_still_use_cuda() -> None:
     """Behaviour is covered by the PP2 (tied embeddings) layout below; here: megatron's code still
     does what the fixes work around."""
     source = inspect.getsource(
-        cpu_compat._original(
+        compat._original(
             "megatron.core.models.common.language_module.language_module:"
             "LanguageModule.setup_embeddings_and_output_layer"
         )
@@ -325,10 +416,11 @@ def test_tied_embeddings_and_schedules_still_use_cuda() -> None:
         "forward_backward_pipelining_without_interleaving",
         "forward_backward_pipelining_with_interleaving",
     ):
-        source = inspect.getsource(cpu_compat._original(f"megatron.core.pipeline_parallel.schedules:{fn}"))
+        source = inspect.getsource(compat._original(f"megatron.core.pipeline_parallel.schedules:{fn}"))
         assert 'device="cuda"' in source, fn
 
 
+@needs_cuda_absent
 def test_optimizer_on_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
     from megatron.core.optimizer import OptimizerConfig
     from megatron.core.optimizer.optimizer import FP32Optimizer
@@ -346,12 +438,12 @@ def test_optimizer_on_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
     build_groups = (
         "megatron.core.optimizer.distrib_optimizer:DistributedOptimizer._build_model_and_main_param_groups"
     )
-    assert "'torch.cuda.FloatTensor'" in inspect.getsource(cpu_compat._original(build_groups).__func__)
+    assert "'torch.cuda.FloatTensor'" in inspect.getsource(compat._original(build_groups).__func__)
     assert "'torch.cuda.FloatTensor'" in inspect.getsource(
-        cpu_compat._original("megatron.core.optimizer.clip_grads:clip_grad_by_total_norm_fp32")
+        compat._original("megatron.core.optimizer.clip_grads:clip_grad_by_total_norm_fp32")
     )
     assert "device='cuda'" in inspect.getsource(
-        cpu_compat._original("megatron.core.optimizer.optimizer:MixedPrecisionOptimizer.__init__")
+        compat._original("megatron.core.optimizer.optimizer:MixedPrecisionOptimizer.__init__")
     )
 
 
@@ -399,7 +491,8 @@ def _check_layout(results: list[dict], name: str) -> None:
 
     layout = LAYOUTS[name]
     per_rank = [r[name] for r in results]
-    assert all(r["applied"] == [f.name for f in cpu_compat.FIXES] for r in results)
+    expected = [f.name for f in compat.fixes_for(Capabilities.detect("cpu"))]
+    assert all(r["applied"] == expected for r in results)
     last = [r for r in per_rank if r["last_stage"]]
     assert len(last) == len(results) // layout.pp
     # Every rank here sees the same batch and the same weights: one loss, one grad norm.
