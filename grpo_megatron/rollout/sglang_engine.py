@@ -15,6 +15,10 @@ Two modes (``rollout.sglang_mode``):
   ``load_format="flattened_bucket"``). Health checks before use; a failed server goes through a
   restart hook and must be re-synced before it generates again.
 
+Either way a version's buckets are loaded inside one weight-update session: SGLang 0.5.23 refuses
+``update_weights_from_tensor`` / ``_from_distributed`` unless ``begin_weight_update`` opened one, and
+``end_weight_update`` finalises the loaded weights (the kernels' in-place layouts) before generation.
+
 The memory order that keeps the colocated peak low is the trainer's (``training/phases.py``:
 ``trainer_to_device`` releases every engine tag before the trainer onloads; ``sync_weights`` resumes
 the engine's weights, streams the new ones, offloads the trainer's parameters, then resumes the KV
@@ -332,6 +336,12 @@ class SGLangHttpClient:
     def update_weights_from_distributed(self, **body: Any) -> None:
         self._call("/update_weights_from_distributed", body)
 
+    def begin_weight_update(self) -> None:
+        self._call("/begin_weight_update", {})
+
+    def end_weight_update(self) -> None:
+        self._call("/end_weight_update", {})
+
     def destroy_weights_update_group(self, group_name: str) -> None:
         self._call("/destroy_weights_update_group", {"group_name": group_name})
 
@@ -407,6 +417,8 @@ class SGLangEngine(RolloutEngine):
         self._stale_reason: str | None = None
         self._version_in_progress = -1
         self._group: torch.distributed.ProcessGroup | None = None
+        # Servers (by index) with a weight-update session open: a version's loads run inside one.
+        self._sessions_open: set[int] = set()
         moe = "num_experts_per_tok" in _read_hf_config(model_path)
         self._routed_experts = moe and rollout.sglang_routed_experts
         if servers is not None:
@@ -520,6 +532,7 @@ class SGLangEngine(RolloutEngine):
                 "problems; the export and the engine's model disagree):\n  " + "\n  ".join(errors[:10])
             )
         self._version_in_progress = version
+        self._begin_sessions()
         if bucket:
             if self.mode == "colocated":
                 self._send_tensor_payloads(bucket, last=last)
@@ -530,6 +543,7 @@ class SGLangEngine(RolloutEngine):
         self._names_this_version |= {name for name, _ in bucket}
         if not last:
             return
+        self._end_sessions()
         names, self._names_this_version = self._names_this_version, set()
         missing = sorted((self._names_of_last_version or set()) - names)
         if missing:
@@ -541,6 +555,19 @@ class SGLangEngine(RolloutEngine):
         self._names_of_last_version = names
         self._stale_reason = None
         self.weight_version = version
+
+    def _begin_sessions(self) -> None:
+        """Open a weight-update session on every server without one (an abandoned version's session
+        stays open and serves the next version: SGLang refuses a second ``begin``)."""
+        for i, server in enumerate(self.servers):
+            if i not in self._sessions_open:
+                _raise_on_failure(server.begin_weight_update(), "begin_weight_update")
+                self._sessions_open.add(i)
+
+    def _end_sessions(self) -> None:
+        for i in sorted(self._sessions_open):
+            _raise_on_failure(self.servers[i].end_weight_update(), "end_weight_update")
+            self._sessions_open.discard(i)
 
     def _send_tensor_payloads(self, bucket: Bucket, *, last: bool) -> None:
         (engine,) = self.servers
@@ -618,6 +645,7 @@ class SGLangEngine(RolloutEngine):
                     "(rollout.sglang_request_timeout_s); restart it, or pass restart_server= to SGLangEngine"
                 )
             self._restart_server(server.url)
+            self._sessions_open.discard(self.servers.index(server))  # a restarted server has none
             if not _wait_healthy(server, timeout_s):
                 raise SGLangServerError(f"SGLang server {server.url} is not healthy after its restart")
             self._drop_weight_group()
