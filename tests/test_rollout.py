@@ -211,6 +211,10 @@ def test_rejected_updates_keep_the_old_weights(moe_engine):
     assert engine.weight_version == 9
     assert torch.equal(engine.model.model.layers[1].mlp.experts.gate_up_proj[2, :32], changed[gate])
     _load(engine, saved, version=10)
+    # A narrower float is widened exactly (a bf16 export into tensors transformers keeps in fp32).
+    _load(engine, {n: t.bfloat16() if n == gate else t for n, t in saved.items()}, version=11)
+    assert torch.equal(engine.model.model.layers[1].mlp.experts.gate_up_proj[2, :32], saved[gate].bfloat16().float())
+    _load(engine, saved, version=12)
 
 
 def test_tied_lm_head_may_be_absent(tmp_path):

@@ -24,6 +24,9 @@ tests, which check that megatron still needs every fix).
 |                              |                                                             | send/recv), DDP                                          | are synchronous)                                       |
 | rng_tracker_cpu_states       | the model-parallel RNG tracker saves/restores CUDA generator| tensor_parallel.random.CudaRNGStatesTracker              | replaced by a subclass keeping CPU generator states    |
 |                              | states: seeding, dropout, ``get_cuda_rng_tracker().fork()`` | (``add``, ``fork``)                                      | (``initialize_rng_tracker`` then builds ours)          |
+| recompute_cpu_rng            | activation recomputation (``recompute: full``) saves and    | tensor_parallel.random: _get_cuda_rng_state,             | no CUDA generator to save: an empty state, and setting |
+|                              | restores the CUDA generator's state around each checkpoint: | _set_cuda_rng_state (``CheckpointFunction``)             | it is a no-op (the CPU and tracker states still are    |
+|                              | asserts 'Torch not compiled with CUDA enabled'              |                                                          | saved and restored by megatron itself)                 |
 | moe_router_gemm_name         | without TransformerEngine ``te_general_gemm`` is never      | transformer.moe.moe_utils (RouterGatingLinearFunction)   | bind ``moe_utils.te_general_gemm = None`` (torch path) |
 |                              | bound: NameError in the router's gating linear              |                                                          |                                                        |
 | mla_te_flag                  | without TE, ``HAVE_TE`` is still True in MLA (the TE        | transformer.multi_latent_attention                       | ``HAVE_TE = False`` when transformer_engine is absent  |
@@ -68,7 +71,7 @@ without apex/TransformerEngine, where torch's Adam keeps a per-parameter ``step`
 Seen working with these on gloo (tests/test_cpu_compat.py): TP2 + sequence parallel, EP2 with the
 alltoall and allgather dispatchers, PP2 (tied embeddings), TP2xEP2, TP2 ETP1 EP2, TP2 ETP2, DP2
 with the distributed optimizer; forward/backward through megatron's schedules and outside them.
-Not covered (not needed here on CPU): activation recomputation's RNG save/restore, several
+Not covered (not needed here on CPU): several
 distributed-optimizer instances (DDP CUDA streams), shared-expert overlap streams, CUDA graphs,
 fine-grained activation offloading, megatron's inference engines, fp16/bf16 optimizers.
 """
@@ -272,6 +275,14 @@ def _current_device_cpu() -> torch.device:
     return torch.device("cpu")
 
 
+def _no_cuda_rng_state(device: Any = "cuda", clone: bool = False, graph_safe: bool = False) -> torch.Tensor:
+    return torch.empty(0, dtype=torch.uint8)
+
+
+def _set_no_cuda_rng_state(new_state: torch.Tensor, device: int = -1, graph_safe: bool = False) -> None:
+    return None
+
+
 def _synchronize_noop(device: Any = None) -> None:
     return None
 
@@ -453,6 +464,17 @@ FIXES: tuple[Fix, ...] = (
         "megatron's tracker class is replaced by a subclass keeping CPU generator states, so "
         "initialize_rng_tracker / get_cuda_rng_tracker build ours; seed with cpu_model_parallel_seed",
         {"megatron.core.tensor_parallel.random:CudaRNGStatesTracker": _cpu_rng_tracker_class},
+    ),
+    _replacing_fix(
+        "recompute_cpu_rng",
+        "activation recomputation's CheckpointFunction saves and restores the CUDA generator state "
+        "(_get_all_rng_states): AssertionError 'Torch not compiled with CUDA enabled' with recompute",
+        "the CUDA state is an empty tensor and restoring it a no-op; megatron still saves and "
+        "restores the CPU generator and the (CPU) tracker states, which are the ones in use",
+        {
+            "megatron.core.tensor_parallel.random:_get_cuda_rng_state": lambda _original: _no_cuda_rng_state,
+            "megatron.core.tensor_parallel.random:_set_cuda_rng_state": lambda _original: _set_no_cuda_rng_state,
+        },
     ),
     Fix(
         name="moe_router_gemm_name",
