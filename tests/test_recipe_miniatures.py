@@ -167,6 +167,29 @@ def tiny_model_dir(recipe: dict, recipe_dir: Path, prompt_files: list[Path], out
     return out
 
 
+def _leaves(tree: dict, prefix: str = "") -> dict[str, object]:
+    """``{"section.key": value}`` of every leaf of a YAML mapping (lists are leaves)."""
+    out: dict[str, object] = {}
+    for key, value in tree.items():
+        if isinstance(value, dict) and value:
+            out |= _leaves(value, f"{prefix}{key}.")
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def assert_only_overrides_changed(recipe: dict, resolved: dict, overrides: list[str]) -> None:
+    """Every setting the recipe writes is in the run's resolved config, except the overridden ones."""
+    overridden = {o.split("=", 1)[0] for o in overrides}
+    got = _leaves(resolved)
+    changed = {
+        key: (want, got.get(key))
+        for key, want in _leaves(recipe).items()
+        if key not in overridden and got.get(key) != want
+    }
+    assert not changed, f"recipe settings not kept (recipe, run): {changed}"
+
+
 @pytest.mark.parametrize("mini", MINIATURES, ids=lambda m: m.recipe)
 def test_recipe_miniature_trains_and_resumes(mini: Miniature, tmp_path: Path) -> None:
     recipe_path = RECIPES / f"{mini.recipe}.yaml"
@@ -180,6 +203,9 @@ def test_recipe_miniature_trains_and_resumes(mini: Miniature, tmp_path: Path) ->
     out = finish(launch("train", overrides, config=recipe_path), timeout_s=600)
     records = read_jsonl(run / "metrics.jsonl")
     assert [r["iteration"] for r in records if r["iteration"] > 0] == [1, 2], out[-3000:]
+    assert_only_overrides_changed(recipe, yaml.safe_load((run / "config.yaml").read_text()), overrides)
+    for component in recipe["reward"]["components"]:  # the recipe's reward scored every iteration
+        assert all(f"reward/{component['name']}" in r for r in records if r["iteration"] > 0), component
     latest = run / "checkpoints" / "latest"
     assert latest.read_text().strip().endswith("2"), "the last iteration is always saved"
 
