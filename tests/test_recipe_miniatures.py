@@ -168,9 +168,12 @@ def tiny_model_dir(recipe: dict, recipe_dir: Path, prompt_files: list[Path], out
 
 
 def _leaves(tree: dict, prefix: str = "") -> dict[str, object]:
-    """``{"section.key": value}`` of every leaf of a YAML mapping (lists are leaves)."""
+    """``{"section.key": value}`` of every leaf of a YAML mapping; a list of mappings (reward
+    components) is indexed, ``reward.components.0.name``."""
     out: dict[str, object] = {}
     for key, value in tree.items():
+        if isinstance(value, list) and value and all(isinstance(v, dict) for v in value):
+            value = dict(enumerate(value))
         if isinstance(value, dict) and value:
             out |= _leaves(value, f"{prefix}{key}.")
         else:

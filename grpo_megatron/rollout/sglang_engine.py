@@ -458,6 +458,13 @@ class SGLangEngine(RolloutEngine):
                 f"rollout.sglang_tp={rollout.sglang_tp} must divide the GPUs per node ({local_world}) "
                 f"and the world size ({ps.world_size}): an engine spans consecutive ranks of one node"
             )
+        if torch.device(ps.device).type != "cuda":
+            # SGLang imports without a GPU (--no-deps), but its Engine needs CUDA kernels (and its
+            # server stack: uvloop, ...): refuse here with the fix instead of failing inside it.
+            raise RuntimeError(
+                f"rollout.engine=sglang (sglang_mode=colocated) needs CUDA GPUs; this rank's device is "
+                f"{ps.device}: use rollout.engine=embedded on CPU"
+            )
         leader, _ = colocated_group(ps.rank, rollout.sglang_tp)
         if ps.rank != leader:
             return None

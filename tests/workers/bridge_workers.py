@@ -26,9 +26,16 @@ def save_tiny_model(model_type: str, out_dir: Path, seed: int = 0) -> dict[str, 
     returns its logits on ``batch_tokens()`` (the parity reference)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    from grpo_megatron.rollout.embedded import _supports_experts_implementation
+
     torch.manual_seed(seed)
     config = AutoConfig.for_model(**TINY_CONFIGS[model_type])
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    # The plain per-expert loop, as the CPU engine runs it: transformers' default expert kernel
+    # depends on what else is installed (it changed when triton came in with SGLang) and rounds
+    # differently (~6e-7), which the engine's bitwise parity tests would see.
+    model_cls = AutoModelForCausalLM._model_mapping[type(config)]
+    kwargs = {"experts_implementation": "eager"} if _supports_experts_implementation(model_cls) else {}
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, **kwargs).eval()
     with torch.no_grad():
         # Norm weights start at one and biases at zero: randomise them so a swapped mapping shows.
         for name, t in model.state_dict().items():
