@@ -24,7 +24,7 @@ from grpo_megatron.bridge.transforms import QKVGroups, dict_reader, qkv, read_sh
 from grpo_megatron.models.registry import UnsupportedModelError, get_adapter
 from tests.helpers.dist import REPO_ROOT, free_port, run_distributed
 from tests.helpers.tiny_configs import TINY_CONFIGS
-from tests.workers.bridge_workers import EXAMPLE, batch_tokens, save_tiny_model
+from tests.workers.bridge_workers import EXAMPLE, batch_tokens, reference_kwargs, save_tiny_model
 
 LOGIT_TOL = 1e-4  # fp32
 BUCKET_BYTES = 20_000  # small, so every export spans several buckets
@@ -105,10 +105,10 @@ def test_tp2_ep2_round_trips_exactly_and_writes_a_loadable_model(tiny, tmp_path:
     from transformers import AutoModelForCausalLM
 
     assert len(list(written.glob("model-*-of-*.safetensors"))) == per_rank[0]["deepseek_v3 TP2xEP2"]["buckets"]
-    model = AutoModelForCausalLM.from_pretrained(written, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(written, **reference_kwargs("deepseek_v3")).eval()
     with torch.no_grad():
         logits = model(batch_tokens()).logits
-    # Bit equality holds: both sides are transformers with its default kernels on the same weights.
+    # Bit equality holds: transformers with the reference's own kernels (reference_kwargs), same weights.
     assert torch.equal(logits, refs["deepseek_v3"]["logits"])
 
 

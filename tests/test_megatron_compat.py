@@ -293,6 +293,22 @@ def test_rng_tracker_cpu_states(monkeypatch: pytest.MonkeyPatch) -> None:
         compat.cpu_model_parallel_seed(7, pp_rank=0, **ranks)
 
 
+@needs_cuda_absent
+def test_recompute_cpu_rng() -> None:
+    """Megatron's own checkpoint (activation recomputation) runs forward and backward on CPU, and the
+    recomputed forward replays the same dropout mask (the CPU generator state is restored)."""
+    from megatron.core.tensor_parallel import random as megatron_random
+
+    original = compat._original("megatron.core.tensor_parallel.random:_get_cuda_rng_state")
+    with pytest.raises(AssertionError, match="not compiled with CUDA"):
+        original()
+    compat.cpu_model_parallel_seed(3, pp_rank=0, tp_rank=0, ep_rank=0, etp_rank=0)
+    x = torch.ones(64, requires_grad=True)
+    y = megatron_random.checkpoint(lambda t: torch.nn.functional.dropout(t, p=0.5) * 2, False, x)
+    y.sum().backward()
+    assert torch.equal(x.grad, (y.detach() != 0).float() * 4)  # the mask of the forward, recomputed
+
+
 def test_moe_router_gemm_name(monkeypatch: pytest.MonkeyPatch) -> None:
     from megatron.core.transformer.moe import moe_utils
 

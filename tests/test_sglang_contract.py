@@ -13,10 +13,20 @@ casts). Each bucket goes:
   by SGLang's ``init_custom_process_group`` + ``FlattenedTensorBucket.empty`` on another process
   (gloo instead of NCCL).
 and must come back with the same names, shapes, dtypes and values.
+
+Beyond the bytes: a version's loads run inside SGLang's weight-update session (``begin_weight_update``
+... ``end_weight_update``, which 0.5.23 requires), and every request body we send (HTTP and the
+distributed-update metadata) carries only fields SGLang's own request structs declare, to endpoints
+its HTTP server has. Those structs live in ``sglang.srt.managers.io_struct``, which cannot be imported
+on CPU: it imports ``torchvision`` (via ``sglang.srt.configs`` -> ``multimodal/internvl_utils.py``),
+and PyPI's torchvision is a CUDA build that fails beside the CPU torch. So their fields are read from
+the installed source with ``ast`` (the installed version's declarations, not a copy of them).
 """
 
 from __future__ import annotations
 
+import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -25,7 +35,9 @@ import torch
 from grpo_megatron.rollout.config import RolloutConfig
 from grpo_megatron.rollout.engine import SamplingParams
 from grpo_megatron.rollout.sglang_engine import (
+    WEIGHT_GROUP_NAME,
     SGLangEngine,
+    SGLangHttpClient,
     SGLangUnavailableError,
     aligned_order,
     distributed_update_body,
@@ -37,7 +49,8 @@ from grpo_megatron.rollout.sglang_engine import (
 from tests.helpers.dist import free_port, run_distributed
 
 try:
-    _, FlattenedTensorBucket, MultiprocessingSerializer = import_sglang()
+    sglang, FlattenedTensorBucket, MultiprocessingSerializer = import_sglang()
+    SGLANG_DIR = Path(sglang.__file__).parent
 except SGLangUnavailableError as e:
     pytestmark = pytest.mark.skip(
         reason=f"the SGLang contract needs sglang importable (pip install --no-deps sglang and its "
@@ -188,9 +201,30 @@ class LoadingEngine:
         self.tp_size = tp_size
         self.weights: list[dict[str, torch.Tensor]] = [{} for _ in range(tp_size)]
         self.calls: list[tuple[str, object]] = []
+        self.session_open = False
+
+    # SGLang 0.5.23's scheduler: loads only inside a session, one session at a time, (success, message).
+    def begin_weight_update(self, selector: str = "all"):
+        self.calls.append(("begin", None))
+        if self.session_open:
+            return False, "a weight-update session is already open"
+        self.session_open = True
+        return True, "Success"
+
+    def end_weight_update(self):
+        self.calls.append(("end", None))
+        if not self.session_open:
+            return False, "no weight-update session is open"
+        self.session_open = False
+        return True, "Success"
 
     def update_weights_from_tensor(self, payloads, load_format=None, flush_cache=True):
         assert load_format == "flattened_bucket" and len(payloads) == self.tp_size
+        if not self.session_open:
+            return (
+                False,
+                "update_weights_from_tensor must run between begin_weight_update() and end_weight_update()",
+            )
         for rank in range(self.tp_size):
             self.weights[rank].update((n, t.clone()) for n, t in _sglang_load(payloads, rank))
         self.calls.append(("update", flush_cache))
@@ -235,7 +269,8 @@ def test_engine_streams_a_version_and_refuses_bad_or_partial_ones(exported) -> N
     flat = [kv for b in stream for kv in b]
     for rank in range(2):
         assert not _differences(flat, stub.weights[rank]), f"TP rank {rank}"
-    # The cache is flushed once, with the last bucket.
+    # One session around the version's loads; the cache is flushed once, with the last bucket.
+    assert [what for what, _ in stub.calls] == ["begin", *["update"] * len(stream), "end"]
     assert [flush for what, flush in stub.calls if what == "update"] == [False] * (len(stream) - 1) + [True]
 
     # A misshapen tensor in the first bucket: refused before anything is sent, version 1 still served.
@@ -251,10 +286,119 @@ def test_engine_streams_a_version_and_refuses_bad_or_partial_ones(exported) -> N
         engine.update_weights(stream[0], version=2, last=True)
     with pytest.raises(RuntimeError, match="incomplete"):
         engine.generate([[1, 2]], SamplingParams(n=2))
+    # A version abandoned half-way leaves its session open: the next version loads in it and closes it.
+    engine.update_weights(stream[0], version=3, last=False)
+    with pytest.raises(ValueError, match=f"{name}: shape"):
+        engine.update_weights([(name, t[:1])], version=3, last=False)
+    assert stub.session_open
     for i, bucket in enumerate(stream):
         engine.update_weights(bucket, version=3, last=i == len(stream) - 1)
-    assert engine.weight_version == 3
+    assert engine.weight_version == 3 and not stub.session_open
     completions = engine.generate([[1, 2], [3]], SamplingParams(n=2, seed=3))
     assert [[c.token_ids for c in group] for group in completions] == [[[5], [5]], [[5], [5]]]
     seeds = [s for what, s in stub.calls if what == "generate"]
     assert seeds[0] == seeds[1][:2] and len(set(seeds[1])) == 4  # seeded: reproducible, distinct per sample
+
+
+# ----------------------------------------------------------------------------------------------------
+# Request bodies against SGLang's declared request structs and endpoints (read from its source)
+
+
+def _struct_fields(class_name: str) -> set[str]:
+    """Field names SGLang's ``io_struct.<class_name>`` declares (its own and its bases' in the file)."""
+    tree = ast.parse((SGLANG_DIR / "srt" / "managers" / "io_struct.py").read_text())
+    classes = {n.name: n for n in tree.body if isinstance(n, ast.ClassDef)}
+    assert class_name in classes, (
+        f"sglang's io_struct has no {class_name}: the adapter targets another release"
+    )
+    fields: set[str] = set()
+    todo = [classes[class_name]]
+    while todo:
+        node = todo.pop()
+        fields |= {
+            s.target.id for s in node.body if isinstance(s, ast.AnnAssign) and isinstance(s.target, ast.Name)
+        }
+        todo += [classes[b.id] for b in node.bases if isinstance(b, ast.Name) and b.id in classes]
+    return fields
+
+
+def _http_endpoints() -> set[str]:
+    source = (SGLANG_DIR / "srt" / "entrypoints" / "http_server.py").read_text()
+    return set(re.findall(r'@app\.(?:post|get|api_route)\(\s*"(/[^"]+)"', source))
+
+
+class RecordingClient(SGLangHttpClient):
+    """Our HTTP client with the transport replaced by a record of (path, body)."""
+
+    def __init__(self) -> None:
+        super().__init__("http://recorded", timeout_s=1)
+        self.sent: list[tuple[str, dict | None]] = []
+
+    def _call(self, path, body=None, timeout_s=None):
+        self.sent.append((path, body))
+        return {"tp_size": 2} if path == "/get_server_info" else {"success": True}
+
+
+# endpoint -> SGLang's request struct its body is parsed into (http_server.py's handlers)
+REQUEST_STRUCTS = {
+    "/update_weights_from_distributed": "UpdateWeightsFromDistributedReqInput",
+    "/init_weights_update_group": "InitWeightsUpdateGroupReqInput",
+    "/destroy_weights_update_group": "DestroyWeightsUpdateGroupReqInput",
+    "/begin_weight_update": "BeginWeightUpdateReqInput",
+    "/end_weight_update": "EndWeightUpdateReqInput",
+    "/release_memory_occupation": "ReleaseMemoryOccupationReqInput",
+    "/resume_memory_occupation": "ResumeMemoryOccupationReqInput",
+    "/generate": "GenerateReqInput",
+}
+
+
+def test_every_http_request_goes_to_an_sglang_endpoint_with_declared_fields(exported) -> None:
+    _, buckets = exported
+    ordered = aligned_order(buckets["bfloat16"][0])
+    client = RecordingClient()
+    client.healthy()
+    client.tp_size()
+    client.generate(input_ids=[[1, 2]], sampling_params=[{"max_new_tokens": 1}], return_logprob=True)
+    client.flush_cache()
+    client.release_memory_occupation(["weights"])
+    client.resume_memory_occupation(None)
+    client.init_weights_update_group(master_address="h", master_port=1, rank_offset=1, world_size=3,
+                                     group_name=WEIGHT_GROUP_NAME, backend="nccl")  # fmt: skip
+    client.begin_weight_update()
+    client.update_weights_from_distributed(
+        **distributed_update_body(ordered, group_name=WEIGHT_GROUP_NAME, flush_cache=True, weight_version="3")
+    )
+    client.end_weight_update()
+    client.destroy_weights_update_group(WEIGHT_GROUP_NAME)
+    endpoints = _http_endpoints()
+    for path, body in client.sent:
+        assert path in endpoints, f"{path}: SGLang {SGLANG_DIR} serves no such endpoint"
+        if body:
+            unknown = set(body) - _struct_fields(REQUEST_STRUCTS[path])
+            assert not unknown, (
+                f"{path} sends {sorted(unknown)}, which {REQUEST_STRUCTS[path]} does not declare"
+            )
+
+
+def test_distributed_update_metadata_lays_out_the_senders_bytes_in_sglangs_receiver(exported) -> None:
+    """The names/dtypes/shapes of ``/update_weights_from_distributed``: dtype strings SGLang resolves
+    with ``getattr(torch, ...)``, plain int lists, and ``FlattenedTensorBucket.empty`` (the receiver
+    of ``load_format="flattened_bucket"``) laying out exactly the bytes our flat tensor holds."""
+    import json
+
+    _, buckets = exported
+    for dtype, stream in buckets.items():
+        for i, bucket in enumerate(stream):
+            ordered = aligned_order(bucket)
+            body = json.loads(
+                json.dumps(
+                    distributed_update_body(ordered, group_name=GROUP, flush_cache=False, weight_version=None)
+                )
+            )  # fmt: skip  (what travels is JSON)
+            assert body["load_format"] == "flattened_bucket" and "weight_version" not in body
+            assert [getattr(torch, d) for d in body["dtypes"]] == [t.dtype for _, t in ordered]
+            flat = flattened_bucket(ordered, FlattenedTensorBucket, "cpu").get_flattened_tensor()
+            into = FlattenedTensorBucket.empty(body["names"], body["dtypes"], body["shapes"], "cpu")
+            assert into.get_flattened_tensor().numel() == flat.numel(), f"{dtype} bucket {i}: sizes differ"
+            into.get_flattened_tensor().copy_(flat)
+            assert not _differences(ordered, into.reconstruct_tensors()), f"{dtype} bucket {i}"

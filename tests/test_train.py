@@ -35,12 +35,12 @@ SMALL = [
 TIMING_PREFIXES = ("time/", "throughput/", "sync/")
 
 
-def launch(command: str, overrides: list[str], *, world_size: int = 2) -> subprocess.Popen:
+def launch(command: str, overrides: list[str], *, world_size: int = 2, config: Path = DEMO) -> subprocess.Popen:
     env = dict(os.environ, OMP_NUM_THREADS="1", TORCH_COMPILE_DISABLE="1", WANDB_SILENT="true")
     args = [
         sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(world_size),
         "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
-        "-m", "grpo_megatron", command, str(DEMO), *overrides,
+        "-m", "grpo_megatron", command, str(config), *overrides,
     ]
     return subprocess.Popen(
         args, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,

@@ -63,6 +63,9 @@ Cause ``cpu`` (the job runs on CPU: every place where megatron assumes CUDA):
 |                              |                                                             | send/recv), DDP                                          | are synchronous)                                       |
 | rng_tracker_cpu_states       | the model-parallel RNG tracker saves/restores CUDA generator| tensor_parallel.random.CudaRNGStatesTracker              | replaced by a subclass keeping CPU generator states    |
 |                              | states: seeding, dropout, ``get_cuda_rng_tracker().fork()`` | (``add``, ``fork``)                                      | (``initialize_rng_tracker`` then builds ours)          |
+| recompute_cpu_rng            | activation recomputation (``recompute: full``) saves and    | tensor_parallel.random: _get_cuda_rng_state,             | no CUDA generator to save: an empty state, and setting |
+|                              | restores the CUDA generator's state around each checkpoint: | _set_cuda_rng_state (``CheckpointFunction``)             | it is a no-op (the CPU and tracker states still are    |
+|                              | asserts 'Torch not compiled with CUDA enabled'              |                                                          | saved and restored by megatron itself)                 |
 | moe_alltoall_dtoh            | the alltoall dispatcher creates a CUDA stream, copies split | transformer.moe.token_dispatcher.MoEAlltoAllTokenDispatcher | a stand-in for the cached stream; the method only   |
 |                              | sizes to the host on it and makes them numpy only for CUDA  | (``cuda_dtoh_stream``, ``_maybe_dtoh_and_synchronize``)  | turns the split sizes into numpy arrays                |
 |                              | tensors: ``all_to_all_single`` gets tensors (TypeError)     |                                                          |                                                        |
@@ -83,7 +86,7 @@ Cause ``cpu`` (the job runs on CPU: every place where megatron assumes CUDA):
 Seen working with these on gloo (tests/test_megatron_compat.py): TP2 + sequence parallel, EP2 with the
 alltoall and allgather dispatchers, PP2 (tied embeddings), TP2xEP2, TP2 ETP1 EP2, TP2 ETP2, DP2
 with the distributed optimizer; forward/backward through megatron's schedules and outside them.
-Not covered (not needed here on CPU): activation recomputation's RNG save/restore, several
+Not covered (not needed here on CPU): several
 distributed-optimizer instances (DDP CUDA streams), shared-expert overlap streams, CUDA graphs,
 fine-grained activation offloading, megatron's inference engines, fp16/bf16 optimizers.
 """
@@ -291,6 +294,14 @@ def _current_device_cpu() -> torch.device:
     return torch.device("cpu")
 
 
+def _no_cuda_rng_state(device: Any = "cuda", clone: bool = False, graph_safe: bool = False) -> torch.Tensor:
+    return torch.empty(0, dtype=torch.uint8)
+
+
+def _set_no_cuda_rng_state(new_state: torch.Tensor, device: int = -1, graph_safe: bool = False) -> None:
+    return None
+
+
 def _synchronize_noop(device: Any = None) -> None:
     return None
 
@@ -469,6 +480,18 @@ FIXES: tuple[Fix, ...] = (
         "megatron's tracker class is replaced by a subclass keeping CPU generator states, so "
         "initialize_rng_tracker / get_cuda_rng_tracker build ours; seed with cpu_model_parallel_seed",
         {"megatron.core.tensor_parallel.random:CudaRNGStatesTracker": _cpu_rng_tracker_class},
+    ),
+    _replacing_fix(
+        "recompute_cpu_rng",
+        "cpu",
+        "activation recomputation's CheckpointFunction saves and restores the CUDA generator state "
+        "(_get_all_rng_states): AssertionError 'Torch not compiled with CUDA enabled' with recompute",
+        "the CUDA state is an empty tensor and restoring it a no-op; megatron still saves and "
+        "restores the CPU generator and the (CPU) tracker states, which are the ones in use",
+        {
+            "megatron.core.tensor_parallel.random:_get_cuda_rng_state": lambda _original: _no_cuda_rng_state,
+            "megatron.core.tensor_parallel.random:_set_cuda_rng_state": lambda _original: _set_no_cuda_rng_state,
+        },
     ),
     Fix(
         name="moe_router_gemm_name",

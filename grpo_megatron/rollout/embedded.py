@@ -291,11 +291,12 @@ class EmbeddedEngine(RolloutEngine):
         wrong_dtype = [
             f"{n} {t.dtype} != {expected[n][1]}"
             for n, t in sorted(staged.items())
-            if n in expected and t.dtype != expected[n][1]
+            if n in expected and not _widens_exactly(t.dtype, expected[n][1])
         ]
         if wrong_dtype:
             problems.append(
-                f"wrong dtypes {wrong_dtype[:10]} ({len(wrong_dtype)} in all): export in the engine's dtype"
+                f"wrong dtypes {wrong_dtype[:10]} ({len(wrong_dtype)} in all): export in the engine's dtype "
+                "(or a narrower float it widens exactly)"
             )
         return problems
 
@@ -435,3 +436,18 @@ class EmbeddedEngine(RolloutEngine):
         self.model = None  # type: ignore[assignment]
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
+
+
+def _widens_exactly(sent: torch.dtype, live: torch.dtype) -> bool:
+    """Whether a tensor of dtype ``sent`` can be copied into one of dtype ``live`` without loss: the
+    same dtype, or a narrower float that ``live`` represents exactly (bf16 or fp16 into fp32). The
+    export sends one dtype, but transformers keeps some tensors of a bf16 model in fp32 (DeepSeek-V3's
+    router weight and score-correction bias, its ``_keep_in_fp32_modules_strict``)."""
+    if sent == live:
+        return True
+    return (
+        sent.is_floating_point
+        and live.is_floating_point
+        and sent.itemsize < live.itemsize
+        and torch.promote_types(sent, live) == live
+    )

@@ -15,6 +15,10 @@ Two modes (``rollout.sglang_mode``):
   ``load_format="flattened_bucket"``). Health checks before use; a failed server goes through a
   restart hook and must be re-synced before it generates again.
 
+Either way a version's buckets are loaded inside one weight-update session: SGLang 0.5.23 refuses
+``update_weights_from_tensor`` / ``_from_distributed`` unless ``begin_weight_update`` opened one, and
+``end_weight_update`` finalises the loaded weights (the kernels' in-place layouts) before generation.
+
 The memory order that keeps the colocated peak low is the trainer's (``training/phases.py``:
 ``trainer_to_device`` releases every engine tag before the trainer onloads; ``sync_weights`` resumes
 the engine's weights, streams the new ones, offloads the trainer's parameters, then resumes the KV
@@ -332,6 +336,12 @@ class SGLangHttpClient:
     def update_weights_from_distributed(self, **body: Any) -> None:
         self._call("/update_weights_from_distributed", body)
 
+    def begin_weight_update(self) -> None:
+        self._call("/begin_weight_update", {})
+
+    def end_weight_update(self) -> None:
+        self._call("/end_weight_update", {})
+
     def destroy_weights_update_group(self, group_name: str) -> None:
         self._call("/destroy_weights_update_group", {"group_name": group_name})
 
@@ -407,17 +417,13 @@ class SGLangEngine(RolloutEngine):
         self._stale_reason: str | None = None
         self._version_in_progress = -1
         self._group: torch.distributed.ProcessGroup | None = None
+        # Servers (by index) with a weight-update session open: a version's loads run inside one.
+        self._sessions_open: set[int] = set()
         moe = "num_experts_per_tok" in _read_hf_config(model_path)
         self._routed_experts = moe and rollout.sglang_routed_experts
         if servers is not None:
             self.servers = list(servers)
         elif self.mode == "colocated":
-            if torch.device(self._device).type != "cuda":
-                # SGLang's Engine runs CUDA kernels only; on CPU it would fail deep in its start-up.
-                raise SGLangUnavailableError(
-                    f"rollout.engine=sglang (colocated) needs a CUDA device, this job runs on "
-                    f"{self._device}: use rollout.engine=embedded on CPU"
-                )
             args = colocated_server_args(
                 rollout, self.model_path, base_gpu_id=base_gpu_id, dtype=dtype, seed=seed, moe=moe
             )
@@ -451,6 +457,13 @@ class SGLangEngine(RolloutEngine):
             raise ValueError(
                 f"rollout.sglang_tp={rollout.sglang_tp} must divide the GPUs per node ({local_world}) "
                 f"and the world size ({ps.world_size}): an engine spans consecutive ranks of one node"
+            )
+        if torch.device(ps.device).type != "cuda":
+            # SGLang imports without a GPU (--no-deps), but its Engine needs CUDA kernels (and its
+            # server stack: uvloop, ...): refuse here with the fix instead of failing inside it.
+            raise RuntimeError(
+                f"rollout.engine=sglang (sglang_mode=colocated) needs CUDA GPUs; this rank's device is "
+                f"{ps.device}: use rollout.engine=embedded on CPU"
             )
         leader, _ = colocated_group(ps.rank, rollout.sglang_tp)
         if ps.rank != leader:
@@ -526,6 +539,7 @@ class SGLangEngine(RolloutEngine):
                 "problems; the export and the engine's model disagree):\n  " + "\n  ".join(errors[:10])
             )
         self._version_in_progress = version
+        self._begin_sessions()
         if bucket:
             if self.mode == "colocated":
                 self._send_tensor_payloads(bucket, last=last)
@@ -536,6 +550,7 @@ class SGLangEngine(RolloutEngine):
         self._names_this_version |= {name for name, _ in bucket}
         if not last:
             return
+        self._end_sessions()
         names, self._names_this_version = self._names_this_version, set()
         missing = sorted((self._names_of_last_version or set()) - names)
         if missing:
@@ -547,6 +562,19 @@ class SGLangEngine(RolloutEngine):
         self._names_of_last_version = names
         self._stale_reason = None
         self.weight_version = version
+
+    def _begin_sessions(self) -> None:
+        """Open a weight-update session on every server without one (an abandoned version's session
+        stays open and serves the next version: SGLang refuses a second ``begin``)."""
+        for i, server in enumerate(self.servers):
+            if i not in self._sessions_open:
+                _raise_on_failure(server.begin_weight_update(), "begin_weight_update")
+                self._sessions_open.add(i)
+
+    def _end_sessions(self) -> None:
+        for i in sorted(self._sessions_open):
+            _raise_on_failure(self.servers[i].end_weight_update(), "end_weight_update")
+            self._sessions_open.discard(i)
 
     def _send_tensor_payloads(self, bucket: Bucket, *, last: bool) -> None:
         (engine,) = self.servers
@@ -624,6 +652,7 @@ class SGLangEngine(RolloutEngine):
                     "(rollout.sglang_request_timeout_s); restart it, or pass restart_server= to SGLangEngine"
                 )
             self._restart_server(server.url)
+            self._sessions_open.discard(self.servers.index(server))  # a restarted server has none
             if not _wait_healthy(server, timeout_s):
                 raise SGLangServerError(f"SGLang server {server.url} is not healthy after its restart")
             self._drop_weight_group()

@@ -22,6 +22,20 @@ def batch_tokens() -> torch.Tensor:
     )
 
 
+def reference_kwargs(model_type: str) -> dict:
+    """transformers arguments of every parity reference: fp32 and the plain per-expert loop, as the CPU
+    engine runs it. transformers' default expert kernel depends on what else is installed (it changed
+    when triton came in with SGLang) and rounds differently (~6e-7), so a reference built with the
+    default would not run the same kernels as the engine; a model loaded with these arguments does."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from grpo_megatron.rollout.embedded import _supports_experts_implementation
+
+    model_cls = AutoModelForCausalLM._model_mapping[type(AutoConfig.for_model(**TINY_CONFIGS[model_type]))]
+    eager = {"experts_implementation": "eager"} if _supports_experts_implementation(model_cls) else {}
+    return {"dtype": torch.float32, **eager}
+
+
 def save_tiny_model(model_type: str, out_dir: Path, seed: int = 0) -> dict[str, torch.Tensor]:
     """A random transformers model of ``model_type`` saved as fp32 safetensors in ``out_dir``;
     returns its logits on ``batch_tokens()`` (the parity reference)."""
@@ -29,7 +43,7 @@ def save_tiny_model(model_type: str, out_dir: Path, seed: int = 0) -> dict[str, 
 
     torch.manual_seed(seed)
     config = AutoConfig.for_model(**TINY_CONFIGS[model_type])
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_config(config, **reference_kwargs(model_type)).eval()
     with torch.no_grad():
         # Norm weights start at one and biases at zero: randomise them so a swapped mapping shows.
         for name, t in model.state_dict().items():
