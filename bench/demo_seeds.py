@@ -152,6 +152,7 @@ def main() -> int:
     for seed in args.seeds:
         rows.append(run_seed(seed, args.out / f"seed{seed}", args.python, args.overrides))
         print(json.dumps(rows[-1]), flush=True)
+        (args.out / "results.json").write_text(json.dumps(rows, indent=1) + "\n")  # kept if a later seed hangs
     load_end = os.getloadavg()
     caption = (
         f"Output of `bench/demo_seeds.py` ({started:%Y-%m-%d}, commit {git_commit()}) on {machine()}; "
@@ -164,7 +165,6 @@ def main() -> int:
     out_md = args.markdown or args.out / "table.md"
     out_md.parent.mkdir(parents=True, exist_ok=True)
     out_md.write_text(text)
-    (args.out / "results.json").write_text(json.dumps(rows, indent=1) + "\n")
     if args.readme:
         readme = args.readme.read_text()
         if BEGIN not in readme or END not in readme:
