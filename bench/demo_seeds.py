@@ -147,21 +147,30 @@ def main() -> int:
 
     band = load_config(REPO / "examples" / "demo.yaml").sft.target_accuracy_band or (0.0, 1.0)
     started = datetime.datetime.now(datetime.timezone.utc)
+    commit = git_commit()  # the code the seeds run; taken before, as the tree may change while they run
     load_start = os.getloadavg()
     rows = []
     for seed in args.seeds:
         rows.append(run_seed(seed, args.out / f"seed{seed}", args.python, args.overrides))
         print(json.dumps(rows[-1]), flush=True)
         (args.out / "results.json").write_text(json.dumps(rows, indent=1) + "\n")  # kept if a later seed hangs
+        write_table(args, rows, band, started, commit, load_start)
+    return 0 if all(r["returncode"] == 0 for r in rows) else 1
+
+
+def write_table(args: argparse.Namespace, rows: list[dict], band: tuple[float, float],
+                started: datetime.datetime, commit: str, load_start: tuple[float, ...]) -> None:
+    """The table so far, to --markdown and --readme (after every seed: an interrupted run keeps its rows)."""
     load_end = os.getloadavg()
     caption = (
-        f"Output of `bench/demo_seeds.py` ({started:%Y-%m-%d}, commit {git_commit()}) on {machine()}; "
+        f"Output of `bench/demo_seeds.py` ({started:%Y-%m-%d}, commit {commit}) on {machine()}; "
         f"load average (1/5/15 min) {'/'.join(f'{x:.1f}' for x in load_start)} at the start, "
         f"{'/'.join(f'{x:.1f}' for x in load_end)} at the end. Lift = last - before, in points; "
         "wall times grow with the load, CPU time (all processes of the seed) hardly does."
     )
     text = table(rows, band, caption)
-    print(text)
+    if len(rows) == len(args.seeds):
+        print(text)
     out_md = args.markdown or args.out / "table.md"
     out_md.parent.mkdir(parents=True, exist_ok=True)
     out_md.write_text(text)
@@ -171,13 +180,15 @@ def main() -> int:
             raise SystemExit(f"{args.readme}: add the markers {BEGIN} and {END} around the table to replace")
         head, rest = readme.split(BEGIN, 1)
         args.readme.write_text(f"{head}{BEGIN}\n{text}{END}{rest.split(END, 1)[1]}")
-    return 0 if all(r["returncode"] == 0 for r in rows) else 1
 
 
 def git_commit() -> str:
+    """HEAD's short hash, with "+changes" when tracked files differ from it."""
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True, check=True).stdout.strip()
+
     try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True,
-                              check=True).stdout.strip()
+        return git("rev-parse", "--short", "HEAD") + ("+changes" if git("status", "--porcelain", "-uno") else "")
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
 

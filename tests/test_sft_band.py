@@ -56,3 +56,9 @@ def test_band_is_validated(fields, message):
     with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]")):
         SFTConfig(**fields).validate()
     SFTConfig(target_accuracy_band=(0.2, 0.3)).validate()
+
+
+def test_without_an_in_band_evaluation_the_latest_of_equally_close_ones_is_kept():
+    keeper = BandKeeper(0.2, 0.3)
+    assert feed(keeper, [(0, 0.0), (2, 0.0), (4, 0.0)]) == ["continue"] * 3  # then sft.max_steps ends it
+    assert keeper.kept == DevEval(4, 0.0)

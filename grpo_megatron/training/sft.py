@@ -107,7 +107,8 @@ class BandKeeper:
 
     def observe(self, ev: DevEval) -> tuple[Literal["continue", "replay", "stop"], bool]:
         """(what to do next, whether ``ev``'s weights become the kept ones)."""
-        keep = self.kept is None or self.rank(ev.accuracy) < self.rank(self.kept.accuracy)
+        # later wins ties: of equally close evaluations, the more trained weights
+        keep = self.kept is None or self.rank(ev.accuracy) <= self.rank(self.kept.accuracy)
         if keep:
             self.kept = ev
         if ev.accuracy < self.low:
