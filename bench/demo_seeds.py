@@ -139,6 +139,8 @@ def main() -> int:
     parser.add_argument("--python", default=str(REPO / ".venv" / "bin" / "python"))
     parser.add_argument("--markdown", type=Path, default=None, help="default: <out>/table.md")
     parser.add_argument("--readme", type=Path, default=None, help="replace the table between the markers here")
+    parser.add_argument("--from-results", action="store_true",
+                        help="run nothing: redraw the table from <out>/results.json (e.g. of an interrupted run)")
     parser.add_argument("overrides", nargs="*", help="section.key=value, passed to the GRPO job")
     args = parser.parse_args()
 
@@ -149,9 +151,17 @@ def main() -> int:
     started = datetime.datetime.now(datetime.timezone.utc)
     commit = git_commit()  # the code the seeds run; taken before, as the tree may change while they run
     load_start = os.getloadavg()
+    if args.from_results:
+        saved = json.loads((args.out / "results.json").read_text())
+        info = saved[0].get("run", {}) if saved else {}
+        started = datetime.datetime.fromisoformat(info.get("started", started.isoformat()))
+        args.seeds = [r["seed"] for r in saved]
+        write_table(args, saved, band, started, info.get("commit", "unknown"), tuple(info.get("load_start", ())))
+        return 0
     rows = []
     for seed in args.seeds:
         rows.append(run_seed(seed, args.out / f"seed{seed}", args.python, args.overrides))
+        rows[-1]["run"] = {"started": started.isoformat(), "commit": commit, "load_start": list(load_start)}
         print(json.dumps(rows[-1]), flush=True)
         (args.out / "results.json").write_text(json.dumps(rows, indent=1) + "\n")  # kept if a later seed hangs
         write_table(args, rows, band, started, commit, load_start)
@@ -161,10 +171,12 @@ def main() -> int:
 def write_table(args: argparse.Namespace, rows: list[dict], band: tuple[float, float],
                 started: datetime.datetime, commit: str, load_start: tuple[float, ...]) -> None:
     """The table so far, to --markdown and --readme (after every seed: an interrupted run keeps its rows)."""
-    load_end = os.getloadavg()
+    # load averages (1/5/15 min) at the start and the end; redrawn from results.json, the 1-minute ones
+    load_end = (rows[-1]["load_after"],) if args.from_results else os.getloadavg()
+    load_start = load_start or (rows[0]["load_before"],)
     caption = (
         f"Output of `bench/demo_seeds.py` ({started:%Y-%m-%d}, commit {commit}) on {machine()}; "
-        f"load average (1/5/15 min) {'/'.join(f'{x:.1f}' for x in load_start)} at the start, "
+        f"load average {'/'.join(f'{x:.1f}' for x in load_start)} at the start, "
         f"{'/'.join(f'{x:.1f}' for x in load_end)} at the end. Lift = last - before, in points; "
         "wall times grow with the load, CPU time (all processes of the seed) hardly does."
     )
