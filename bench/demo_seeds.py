@@ -13,7 +13,9 @@ Prints a markdown table (one row per seed, then the acceptance figures: cold sta
 median and minimum lift, largest drop from the best evaluation to the last, longest demo) with the
 machine it ran on (CPU model, cores, memory, load), and writes it to ``--markdown``; ``--readme``
 also replaces the part of README.md between the ``<!-- demo_seeds:begin -->`` and
-``<!-- demo_seeds:end -->`` markers with it.
+``<!-- demo_seeds:end -->`` markers with it. Both are rewritten after every seed, and ``results.json``
+keeps every row, so an interrupted run keeps what it measured: ``--from-results [MORE.json ...]``
+redraws the table from ``<out>/results.json`` (and other runs' files) without running anything.
 
     .venv/bin/python bench/demo_seeds.py [--seeds 1234 7 3 11 42] [--out runs/demo_seeds] [--readme README.md]
 
@@ -139,8 +141,9 @@ def main() -> int:
     parser.add_argument("--python", default=str(REPO / ".venv" / "bin" / "python"))
     parser.add_argument("--markdown", type=Path, default=None, help="default: <out>/table.md")
     parser.add_argument("--readme", type=Path, default=None, help="replace the table between the markers here")
-    parser.add_argument("--from-results", action="store_true",
-                        help="run nothing: redraw the table from <out>/results.json (e.g. of an interrupted run)")
+    parser.add_argument("--from-results", type=Path, nargs="*", default=None,
+                        help="run nothing: redraw the table from <out>/results.json and these other results.json "
+                             "(an interrupted run and the seeds run after it)")
     parser.add_argument("overrides", nargs="*", help="section.key=value, passed to the GRPO job")
     args = parser.parse_args()
 
@@ -151,8 +154,8 @@ def main() -> int:
     started = datetime.datetime.now(datetime.timezone.utc)
     commit = git_commit()  # the code the seeds run; taken before, as the tree may change while they run
     load_start = os.getloadavg()
-    if args.from_results:
-        saved = json.loads((args.out / "results.json").read_text())
+    if args.from_results is not None:
+        saved = [r for path in [args.out / "results.json", *args.from_results] for r in json.loads(path.read_text())]
         info = saved[0].get("run", {}) if saved else {}
         started = datetime.datetime.fromisoformat(info.get("started", started.isoformat()))
         args.seeds = [r["seed"] for r in saved]
@@ -172,7 +175,7 @@ def write_table(args: argparse.Namespace, rows: list[dict], band: tuple[float, f
                 started: datetime.datetime, commit: str, load_start: tuple[float, ...]) -> None:
     """The table so far, to --markdown and --readme (after every seed: an interrupted run keeps its rows)."""
     # load averages (1/5/15 min) at the start and the end; redrawn from results.json, the 1-minute ones
-    load_end = (rows[-1]["load_after"],) if args.from_results else os.getloadavg()
+    load_end = (rows[-1]["load_after"],) if args.from_results is not None else os.getloadavg()
     load_start = load_start or (rows[0]["load_before"],)
     caption = (
         f"Output of `bench/demo_seeds.py` ({started:%Y-%m-%d}, commit {commit}) on {machine()}; "
@@ -180,6 +183,12 @@ def write_table(args: argparse.Namespace, rows: list[dict], band: tuple[float, f
         f"{'/'.join(f'{x:.1f}' for x in load_end)} at the end. Lift = last - before, in points; "
         "wall times grow with the load, CPU time (all processes of the seed) hardly does."
     )
+    commits: dict[str, list[str]] = {}  # rows redrawn from several runs' results.json name each run's code
+    for r in rows:
+        commits.setdefault(r.get("run", {}).get("commit", commit), []).append(str(r["seed"]))
+    if len(commits) > 1:
+        which = "; ".join(f"{c} for seed{'s' * (len(v) > 1)} {', '.join(v)}" for c, v in commits.items())
+        caption = caption.replace(f"commit {commit}", f"commits {which}")
     text = table(rows, band, caption)
     if len(rows) == len(args.seeds):
         print(text)
