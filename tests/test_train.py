@@ -90,6 +90,11 @@ def test_two_grpo_iterations_at_ep2_write_every_required_metric(tmp_path):
     assert (run / "checkpoints" / "latest").read_text().strip().endswith("2")
     assert last["offload/bytes_moved"] > 0
     assert "held-out accuracy" in out
+    # the final report: the last evaluation and the best one, with their iterations
+    summary = json.loads((run / "summary.json").read_text())
+    evals = {r["iteration"]: r["eval/accuracy"] for r in records if r.get("eval/accuracy") is not None}
+    assert (summary["after_iteration"], summary["after"], summary["before"]) == (2, evals[2], evals[0])
+    assert summary["best"] == max(evals.values()) == evals[summary["best_iteration"]]
     assert (run / "plot.png").is_file()
     assert (run / "config.yaml").is_file()
 
@@ -123,6 +128,8 @@ def test_sft_writes_a_hugging_face_checkpoint_that_train_starts_from(tmp_path):
                           f"logging.run_dir={sft_dir}", f"sft.output_dir={hf_dir}"]))
     assert (hf_dir / "config.json").is_file() and (hf_dir / "tokenizer.json").is_file()
     assert list(Path(hf_dir).glob("*.safetensors"))
+    summary = json.loads((sft_dir / "summary.json").read_text())  # which step was exported, and why
+    assert summary["steps"] == summary["last_step"] == 4 and summary["kept_step"] in (0, 2, 4) and summary["reason"]
     out = finish(launch("train", [*SMALL, "train.iterations=1", f"model.hf_path={hf_dir}",
                                   f"logging.run_dir={tmp_path / 'grpo'}"]))
     assert str(hf_dir) in out  # loaded the SFT weights, not a random initialisation

@@ -119,8 +119,19 @@ class SFTConfig:
     eval_interval: int = 50
     """Measure greedy accuracy on the dev prompts every this many steps."""
     stop_accuracy: float | None = None
-    """Stop as soon as dev accuracy reaches this (in [0, 1]); None = run max_steps. A cold start for
-    GRPO should stop well below saturation, so that RL has something to improve."""
+    """Stop as soon as dev accuracy reaches this (in [0, 1]) and export the weights of that step;
+    None = run max_steps. A cold start for GRPO should stop well below saturation, so that RL has
+    something to improve. Exclusive with target_accuracy_band, which lands more reliably."""
+    target_accuracy_band: tuple[float, float] | None = None
+    """[low, high] dev accuracy the exported weights should have (e.g. [0.2, 0.3]); None = off.
+    Dev accuracy often jumps by tens of points between two evaluations, so crossing a threshold
+    overshoots by a seed- and machine-dependent amount. With a band the cold start keeps a copy of
+    the weights of the in-band evaluation closest to the band's centre, stops at the first
+    evaluation at or above the centre, and exports the kept weights. When one interval jumps from
+    below the band to above it, the steps since the last evaluation below the band are replayed
+    (weights, Adam state and data order restored) with an evaluation after every step. When no
+    evaluation lands in the band, the one closest to it is exported. The SFT log says which step
+    was kept and why."""
     dev_prompts: int = 200
     """Held-out prompts used for the dev accuracy (taken from the evaluation set)."""
     output_dir: str | None = None
@@ -136,5 +147,17 @@ class SFTConfig:
             errors.append(f"sft.lr={self.lr} must be > 0")
         if self.stop_accuracy is not None and not 0 < self.stop_accuracy <= 1:
             errors.append(f"sft.stop_accuracy={self.stop_accuracy} must be in (0, 1], or null to run max_steps")
+        band = self.target_accuracy_band
+        if band is not None:
+            if len(band) != 2 or not 0 <= band[0] < band[1] <= 1:
+                errors.append(
+                    f"sft.target_accuracy_band={list(band)} must be [low, high] with 0 <= low < high <= 1 "
+                    "(e.g. [0.2, 0.3]), or null"
+                )
+            if self.stop_accuracy is not None:
+                errors.append(
+                    f"sft.stop_accuracy={self.stop_accuracy} and sft.target_accuracy_band={list(band)} are "
+                    "exclusive: set one of them to null"
+                )
         if errors:
             raise ValueError("\n".join(errors))

@@ -24,11 +24,14 @@ DAPO, TIS) are off by default; with one update per iteration pi_old is the detac
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from grpo_megatron.algorithm.kl import kl_beta
+from grpo_megatron.distributed.collectives import on_rank0
+from grpo_megatron.fileio import write_text_atomic
 from grpo_megatron.training import phases
 from grpo_megatron.training.batching import Sample
 from grpo_megatron.training.job import Job, PhaseTimer, build_job, export_hf_checkpoint
@@ -104,6 +107,9 @@ def train(job: Job) -> dict[str, float]:
         job.logger.log(start, last_eval)
     first_eval = dict(last_eval)
     job.beat("first evaluation")
+    # (iteration, accuracy) of the best held-out evaluation: the final report gives it beside the last
+    best = state.get("best") or (start, last_eval.get("eval/accuracy", float("nan")))
+    last_it = start
 
     for it in range(start + 1, cfg.train.iterations + 1):
         timer = PhaseTimer(beat=job.beat)
@@ -113,6 +119,9 @@ def train(job: Job) -> dict[str, float]:
             with timer("eval"):
                 if it == cfg.train.iterations or (cfg.train.eval_interval and it % cfg.train.eval_interval == 0):
                     eval_metrics = last_eval = phases.evaluate(job, it)
+                    last_it = it
+                    if not eval_metrics.get("eval/accuracy", float("nan")) <= best[1]:  # NaN best: replace
+                        best = (it, eval_metrics.get("eval/accuracy", float("nan")))
         n_tokens = sum(s.length + 1 for s in result.samples)
         metrics = {
             **result.metrics,
@@ -127,8 +136,14 @@ def train(job: Job) -> dict[str, float]:
         if cfg.logging.samples_interval and it % cfg.logging.samples_interval == 0:
             job.logger.log_samples(it, sample_rows(result.groups, cfg.train.rollout_samples_logged))
         if cfg.checkpoint.save_interval and (it % cfg.checkpoint.save_interval == 0 or it == cfg.train.iterations):
-            phases.save_checkpoint(job, it, {"iteration": it, "sampler": sampler.state_dict(), "eval": last_eval})
-    return {"before": first_eval.get("eval/accuracy", float("nan")), "after": last_eval.get("eval/accuracy", float("nan"))}
+            phases.save_checkpoint(job, it, {"iteration": it, "sampler": sampler.state_dict(), "eval": last_eval, "best": best})
+    return {
+        "before": first_eval.get("eval/accuracy", float("nan")),
+        "after": last_eval.get("eval/accuracy", float("nan")),
+        "after_iteration": last_it,
+        "best": best[1],
+        "best_iteration": best[0],
+    }
 
 
 def sample_rows(groups: list[phases.Group], count: int) -> list[dict[str, object]]:
@@ -155,11 +170,15 @@ def main(cfg: JobConfig) -> int:
             export_hf_checkpoint(job, job.run_dir / cfg.checkpoint.export_hf_dir)
     finally:
         job.close()
+    seconds = time.perf_counter() - start
     if job.ps.rank == 0:
         print(
-            f"[train] held-out accuracy {result['before']:.1%} -> {result['after']:.1%} "
-            f"in {time.perf_counter() - start:.0f} s; run directory {job.run_dir}",
+            f"[train] held-out accuracy {result['before']:.1%} -> {result['after']:.1%} at the last evaluation "
+            f"(iteration {result['after_iteration']}); best {result['best']:.1%} at iteration "
+            f"{result['best_iteration']}; {seconds:.0f} s; run directory {job.run_dir}",
             flush=True,
         )
+    text = json.dumps({**result, "seconds": seconds}, indent=1) + "\n"
+    on_rank0(lambda: write_text_atomic(job.run_dir / "summary.json", text), "writing the training summary")
     destroy_distributed()
     return 0
