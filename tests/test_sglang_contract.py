@@ -97,6 +97,10 @@ def broadcast_worker(port: int, buckets: list[list[tuple[str, torch.Tensor]]]) -
             into = FlattenedTensorBucket.empty(body["names"], body["dtypes"], body["shapes"], "cpu")
             torch.distributed.broadcast(into.get_flattened_tensor(), src=0, group=group)
             received.append({name: t.clone() for name, t in into.reconstruct_tensors()})
+    # Both sides done before either tears its group down: a rank that exits while gloo still serves
+    # the other's last receive aborts ("terminate called without an active exception").
+    torch.distributed.barrier(group=group)
+    torch.distributed.destroy_process_group(group)
     return received
 
 
