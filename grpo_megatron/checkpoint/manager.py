@@ -230,17 +230,23 @@ class CheckpointManager:
             older = [path for iteration, path in complete_checkpoints(self.dir) if iteration < current]
             for path in older[: max(0, len(older) - (self.cfg.keep_last - 1))]:
                 shutil.rmtree(path, ignore_errors=True)
-        for path in self.dir.glob(f"iter_*{TMP_INFIX}*"):
+        self._remove_temporaries(up_to=current)
+
+    def _remove_temporaries(self, up_to: int | None = None) -> list[Path]:
+        """Rank 0: remove the ``*.tmp-*`` directories of saves of iterations <= ``up_to`` (all when
+        None) that crashed or failed; returns them."""
+        stale = []
+        for path in sorted(self.dir.glob(f"iter_*{TMP_INFIX}*")) if self.dir.is_dir() else []:
             iteration = iteration_of(path.with_name(path.name.split(TMP_INFIX)[0]))
-            if iteration is not None and iteration <= current:
+            if up_to is None or (iteration is not None and iteration <= up_to):
                 shutil.rmtree(path, ignore_errors=True)
+                stale.append(path)
+        return stale
 
     def prune_temporaries(self) -> list[Path]:
         """Rank 0, at start-up (no save of this job is under way): remove every ``*.tmp-*`` directory
         that crashed or failed saves left; returns them."""
-        stale = sorted(self.dir.glob(f"iter_*{TMP_INFIX}*")) if self.dir.is_dir() else []
-        for path in stale:
-            shutil.rmtree(path, ignore_errors=True)
+        stale = self._remove_temporaries()
         if stale:
             print(f"[checkpoint] removed {len(stale)} unfinished save(s): {', '.join(p.name for p in stale)}", flush=True)
         return stale
