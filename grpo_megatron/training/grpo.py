@@ -155,12 +155,9 @@ def sample_rows(groups: list[phases.Group], count: int) -> list[dict[str, object
 
 
 def main(cfg: JobConfig) -> int:
-    from grpo_megatron.config import ConfigError, preflight_errors
     from grpo_megatron.distributed.bootstrap import destroy_distributed
 
-    problems = preflight_errors(cfg, "train")  # output directories: before any step, not after the last
-    if problems:
-        raise ConfigError(problems)
+    # The CLI (the only caller) checked data paths and output directories before any process group.
     start = time.perf_counter()
     job = build_job(cfg, with_reference=cfg.algorithm.kl.enabled)
     try:

@@ -266,12 +266,9 @@ def _say(job: Job, line: str) -> None:
 
 
 def main(cfg: JobConfig) -> int:
-    from grpo_megatron.config import ConfigError, preflight_errors
     from grpo_megatron.distributed.bootstrap import destroy_distributed
 
-    problems = preflight_errors(cfg, "sft")  # output directories: before any step, not after the last
-    if problems:
-        raise ConfigError(problems)
+    # The CLI (the only caller) checked data paths and output directories before any process group.
     start = time.perf_counter()
     job = build_job(sft_job_config(cfg), with_reference=False, sft=True)
     out_dir = Path(cfg.sft.output_dir or job.run_dir / "hf")
