@@ -205,9 +205,11 @@ def _let_rank0_speak() -> None:
 def report_failure(exc: BaseException) -> None:
     """One line on stderr for a failed job: rank 0's error, and another rank's only when it is its
     own (not rank 0's failure seen through a collective, which rank 0 already printed)."""
+    from grpo_megatron.distributed.collectives import Rank0Failure
+
     rank = _rank()
     text = f"{type(exc).__name__}: {exc}".strip()
-    if rank != 0 and "failed on rank 0:" in text:
+    if rank != 0 and isinstance(exc, Rank0Failure):
         _let_rank0_speak()
         return
     where = "" if rank == 0 else f" (rank {rank})"

@@ -10,6 +10,11 @@ import torch.distributed as dist
 T = TypeVar("T")
 
 
+class Rank0Failure(RuntimeError):
+    """Raised on every rank by ``on_rank0`` when the work failed on rank 0 (rank 0 reports it; the
+    others only echo it)."""
+
+
 def broadcast_object(obj: T, src: int = 0) -> T:
     """``obj`` from rank ``src`` on every rank."""
     box = [obj]
@@ -33,5 +38,5 @@ def on_rank0(fn: Callable[[], T], what: str = "work on rank 0") -> T:
             outcome = (False, f"{type(exc).__name__}: {exc}")
     ok, value = broadcast_object(outcome)
     if not ok:
-        raise RuntimeError(f"{what} failed on rank 0: {value}")
+        raise Rank0Failure(f"{what} failed on rank 0: {value}")
     return value
