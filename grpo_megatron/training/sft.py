@@ -16,7 +16,6 @@ import dataclasses
 import json
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
 import torch
@@ -266,12 +265,13 @@ def _say(job: Job, line: str) -> None:
 
 
 def main(cfg: JobConfig) -> int:
+    from grpo_megatron.config import output_dirs
     from grpo_megatron.distributed.bootstrap import destroy_distributed
 
     # The CLI (the only caller) checked data paths and output directories before any process group.
     start = time.perf_counter()
     job = build_job(sft_job_config(cfg), with_reference=False, sft=True)
-    out_dir = Path(cfg.sft.output_dir or job.run_dir / "hf")
+    ((_, out_dir),) = output_dirs(cfg, "sft")  # the directory the CLI's preflight checked
     try:
         result = run_sft(job)
         export_hf_checkpoint(job, out_dir)
