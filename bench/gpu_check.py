@@ -169,7 +169,7 @@ def _train(args: argparse.Namespace, run_dir: Path, extra: list[str]) -> subproc
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1",
         "--master-addr", "127.0.0.1", "--master-port", str(_free_port()),
-        "-m", "grpo_megatron", "train", str(DEMO), *RESUME, f"parallel.backend={backend}",
+        "-m", "grpo_megatron", "train", "--debug", str(DEMO), *RESUME, f"parallel.backend={backend}",
         f"logging.run_dir={run_dir}", *extra,
     ]  # fmt: skip
     log = (run_dir.parent / f"{run_dir.name}.log").open("a")

@@ -58,7 +58,7 @@ from grpo_megatron.checkpoint.integrity import (
 )
 from grpo_megatron.checkpoint.rng import capture_rng_state, restore_rng_state
 from grpo_megatron.distributed.bootstrap import ParallelState
-from grpo_megatron.distributed.collectives import on_rank0
+from grpo_megatron.distributed.collectives import collective_device, on_rank0
 from grpo_megatron.fileio import TMP_INFIX, write_text_atomic
 
 if TYPE_CHECKING:
@@ -126,7 +126,7 @@ def _require_finite(policy: Policy, iteration: int, ckpt_dir: Path) -> None:
     from grpo_megatron.bridge.layout import unwrap
 
     bad = [name for name, p in unwrap(policy.model).named_parameters() if not bool(torch.isfinite(p).all())]
-    flag = torch.tensor([len(bad)], dtype=torch.int64)
+    flag = torch.tensor([len(bad)], dtype=torch.int64, device=collective_device())
     dist.all_reduce(flag)
     if int(flag):
         mine = f" (rank {dist.get_rank()}: {', '.join(bad[:3])})" if bad else ""

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+import torch
 import torch.distributed as dist
 
 T = TypeVar("T")
@@ -13,6 +14,14 @@ T = TypeVar("T")
 class Rank0Failure(RuntimeError):
     """Raised on every rank by ``on_rank0`` when the work failed on rank 0 (rank 0 reports it; the
     others only echo it)."""
+
+
+def collective_device(group: dist.ProcessGroup | None = None) -> torch.device:
+    """Where a tensor must live for a collective on ``group``: nccl moves device tensors only (a CPU
+    tensor raises "No backend type associated with device type cpu"), gloo moves CPU tensors."""
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def broadcast_object(obj: T, src: int = 0) -> T:

@@ -30,6 +30,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from grpo_megatron.distributed.bootstrap import ParallelState
+from grpo_megatron.distributed.collectives import collective_device
 from grpo_megatron.models.logprobs import vocab_parallel_logprobs
 
 
@@ -104,7 +105,9 @@ def _padded_shapes(
     parallelism; with ``uniform``, the largest shape over all ranks (see ``_Runner.run``)."""
     shapes_n2 = torch.tensor([list(mb.tokens_bs.shape) for mb in microbatches], dtype=torch.long)
     if uniform:
+        shapes_n2 = shapes_n2.to(collective_device())
         dist.all_reduce(shapes_n2, op=dist.ReduceOp.MAX)
+        shapes_n2 = shapes_n2.cpu()
     multiple = ps.tp if ps.sequence_parallel else 1
     shapes_n2[:, 1] = (shapes_n2[:, 1] + multiple - 1) // multiple * multiple
     return [(int(b), int(s)) for b, s in shapes_n2]

@@ -18,7 +18,7 @@ from grpo_megatron.algorithm.advantages import advantages_from_config
 from grpo_megatron.algorithm.batch_shaping import dynamic_sampling, overlong_penalty
 from grpo_megatron.algorithm.mismatch import tis_weights
 from grpo_megatron.algorithm.policy_loss import grpo_policy_loss, loss_normalizer
-from grpo_megatron.distributed.collectives import on_rank0
+from grpo_megatron.distributed.collectives import collective_device, on_rank0
 from grpo_megatron.rewards.base import RewardSample, attach_groups
 from grpo_megatron.rewards.pool import report_failures
 from grpo_megatron.rollout.engine import Completion, SamplingParams
@@ -259,6 +259,8 @@ def reduce_metrics(per_microbatch: Sequence[dict[str, float]], job: Job, minibat
     max_t = torch.tensor([max((m.get(k, 0.0) for m in per_microbatch), default=0.0) for k in maxes],
                          dtype=torch.float64)
     if job.ps.dp > 1:
+        device = collective_device(job.ps.dp_group)
+        sum_t, max_t = sum_t.to(device), max_t.to(device)
         dist.all_reduce(sum_t, group=job.ps.dp_group)
         dist.all_reduce(max_t, op=dist.ReduceOp.MAX, group=job.ps.dp_group)
     total = dict(zip(sums, sum_t.tolist(), strict=True))

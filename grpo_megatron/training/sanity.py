@@ -15,6 +15,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from grpo_megatron.distributed.collectives import collective_device
+
 if TYPE_CHECKING:
     from grpo_megatron.config import JobConfig
 
@@ -60,7 +62,7 @@ def main(cfg: JobConfig) -> int:
         policy.zero_grad()
         metrics = forward_backward(policy.model, microbatches, ps, nll, vocab_size=policy.spec.vocab_size)
         stats = policy.step()
-        loss = torch.tensor(sum(m["loss"] for m in metrics))
+        loss = torch.tensor(sum(m["loss"] for m in metrics), device=collective_device(ps.dp_group))
         torch.distributed.all_reduce(loss, group=ps.dp_group)
         if ps.rank == 0:
             print(

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Literal
 
 import torch
 
-from grpo_megatron.distributed.collectives import on_rank0
+from grpo_megatron.distributed.collectives import collective_device, on_rank0
 from grpo_megatron.fileio import write_text_atomic
 from grpo_megatron.training import phases
 from grpo_megatron.training.batching import Sample, collate, make_sample, rank_microbatches
@@ -65,6 +65,7 @@ def sft_step(job: Job, samples: list[Sample]) -> dict[str, float]:
     )
     loss_t = torch.tensor([sum(o["loss"] for o in outs)], dtype=torch.float64)
     if ps.dp > 1:
+        loss_t = loss_t.to(collective_device(ps.dp_group))
         torch.distributed.all_reduce(loss_t, group=ps.dp_group)
     return {"sft/loss": float(loss_t), **job.policy.step()}
 
