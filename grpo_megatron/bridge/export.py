@@ -34,7 +34,7 @@ import os
 import shutil
 import tempfile
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -241,6 +241,9 @@ class ExportPlan:
     dst_rank: int
     dtype: torch.dtype | None
     world_size: int
+    local: dict[str, torch.Tensor] = field(repr=False)
+    """This rank's shards by canonical name: detached views that share the parameters' storage, so
+    they follow every optimizer step and offload round trip (offload resizes storage in place)."""
 
 
 def plan_export(
@@ -258,11 +261,11 @@ def plan_export(
     if not 0 <= dst_rank < ps.world_size:
         raise ValueError(f"dst_rank={dst_rank} is not a rank of this world of {ps.world_size}")
     rules = rules_by_name(hf)
-    entries, _ = _announce(model, ps, rules)
+    entries, mine = _announce(model, ps, rules)
     everyone: list[list | None] = [None] * ps.world_size
     dist.all_gather_object(everyone, entries)
     buckets = _schedule(_plan(rules, everyone, dtype, hf.get("model_type"), dst_rank), bucket_bytes)
-    return ExportPlan(buckets, bucket_bytes, dst_rank, dtype, ps.world_size)
+    return ExportPlan(buckets, bucket_bytes, dst_rank, dtype, ps.world_size, mine)
 
 
 def export_hf_stream(
@@ -274,9 +277,13 @@ def export_hf_stream(
     dst_rank: int = 0,
     dtype: torch.dtype | None = None,
     plan: ExportPlan | None = None,
+    device: torch.device | str = "cpu",
 ) -> Iterator[Bucket]:
-    """Yield buckets of (HF name, full CPU tensor) on ``dst_rank``; other ranks yield nothing but
-    must iterate the generator to the end (they send their slices from inside it).
+    """Yield buckets of (HF name, full tensor on ``device``) on ``dst_rank``; other ranks yield
+    nothing but must iterate the generator to the end (they send their slices from inside it).
+
+    ``device``: where the HF tensors are assembled. "cpu" for writers; the weight sync passes the
+    engine's device, so on GPU the bytes go device-to-device and never through host memory.
 
     ``bucket_bytes``: a bucket is yielded once it holds at least this many bytes (a tensor is
     never split). ``dtype``: cast on export, on the sending rank (None keeps the training dtype).
@@ -293,7 +300,7 @@ def export_hf_stream(
             f"dtype={plan.dtype}, world {plan.world_size}; asked for {bucket_bytes}, {dst_rank}, {dtype}, "
             f"{ps.world_size}: make a new plan with plan_export"
         )
-    _, mine = _announce(model, ps, rules_by_name(hf))  # this rank's tensors as they are now
+    mine = plan.local  # views of this rank's shards: they see the weights as they are now
     buckets = plan.buckets
     rounds = [rnd for bucket in buckets for rnd in bucket]
 
@@ -310,7 +317,7 @@ def export_hf_stream(
                 work.wait()
         return
 
-    cpu = torch.device("cpu")
+    out_device = torch.device(device)
     pending = _post_receives(rounds[0], ps) if rounds else ([], {})
     index = 0
     for bucket_rounds in buckets:
@@ -324,7 +331,7 @@ def export_hf_stream(
                 work.wait()
             received: dict[tuple[str, int], torch.Tensor] = {}
             for flat_u8, parts in inbox.values():
-                flat_u8 = flat_u8.to(cpu)  # no-op on CPU; one device-to-host copy per message on GPU
+                flat_u8 = flat_u8.to(out_device)  # a no-op when received on the assembling device
                 for item, slot, offset in parts:
                     received[(item.rule.mcore, slot)] = _view(flat_u8, offset, item.slices[slot], item.dtype)
             for item in rnd:
@@ -332,7 +339,7 @@ def export_hf_stream(
                     mine[item.rule.mcore] if sl.rank == dst_rank else received[(item.rule.mcore, slot)]
                     for slot, sl in enumerate(item.slices)
                 ]
-                bucket += assemble_hf(item.rule, item.shape, item.dim, item.glu, shards, item.dtype)
+                bucket += assemble_hf(item.rule, item.shape, item.dim, item.glu, shards, item.dtype, out_device)
         yield bucket
 
 
@@ -406,18 +413,19 @@ def assemble_hf(
     glu: bool,
     shards: Sequence[torch.Tensor],
     dtype: torch.dtype,
+    device: torch.device | str = "cpu",
 ) -> list[tuple[str, torch.Tensor]]:
     """The HF tensors of one canonical megatron tensor of ``shape``, written from its TP/ETP slices
     (``shards[r]`` is slice r along ``dim``; one shard and ``dim=None`` when unsplit; ``glu``: each
-    slice holds ``[gate_r; up_r]``) into new CPU tensors of ``dtype``: each byte is copied once."""
+    slice holds ``[gate_r; up_r]``) into new tensors of ``dtype`` on ``device``: each byte is copied once."""
     if dim is None and rule.kind != "qkv":
         # Fast path (most tensors at world 1, experts at ETP 1): the HF tensors are views of the
         # shard (whole, GLU halves along dim 0, the real vocabulary rows): one copying op each.
         return [
-            (name, view.to(device="cpu", dtype=dtype, copy=True, memory_format=torch.contiguous_format))
+            (name, view.to(device=device, dtype=dtype, copy=True, memory_format=torch.contiguous_format))
             for name, view in to_hf(rule, shards[0])
         ]
-    outs = [torch.empty(s, dtype=dtype) for s in hf_shapes(rule, shape)]
+    outs = [torch.empty(s, dtype=dtype, device=device) for s in hf_shapes(rule, shape)]
     if len(shape) == 0:  # a scalar: nothing to place
         outs[0].copy_(shards[0])
         return list(zip(rule.hf, outs, strict=True))
@@ -425,7 +433,7 @@ def assemble_hf(
     segments = _segments(shards, dim, glu)
     placements = _placements(rule, shape, split_dim, segments)
     if placements is None:
-        full = torch.empty(tuple(shape), dtype=dtype)
+        full = torch.empty(tuple(shape), dtype=dtype, device=device)
         for start, seg in segments:
             full.narrow(split_dim, start, seg.shape[split_dim]).copy_(seg)
         for out, (_, view) in zip(outs, to_hf(rule, full), strict=True):

@@ -224,6 +224,9 @@ class EmbeddedEngine(RolloutEngine):
         self._cache_kwarg = "cache" if "cache" in forward_args else "past_key_values"
         self.views = checkpoint_views(self.model)
         self._aliases = alias_groups(self.views)
+        live = self.model.state_dict()
+        self._expected = {name: (view.shape, live[view.live_name].dtype) for name, view in self.views.items()}
+        self._targets: dict[str, torch.Tensor] | None = None  # views into the live weights (see _live_targets)
         self._staged: dict[str, torch.Tensor] = {}
         self._staged_version: int | None = None
         self._weights_on_host = False
@@ -233,8 +236,16 @@ class EmbeddedEngine(RolloutEngine):
 
     def expected_tensors(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         """Checkpoint name -> (shape, dtype) of every tensor ``update_weights`` accepts."""
-        live = self.model.state_dict()
-        return {name: (view.shape, live[view.live_name].dtype) for name, view in self.views.items()}
+        return dict(self._expected)
+
+    def _live_targets(self) -> dict[str, torch.Tensor]:
+        """Checkpoint name -> the view of the live weights it is copied into. Made once per placement
+        of the weights (moving the model to host and back makes new tensors): a sync then costs one
+        copy per tensor and no per-tensor lookups."""
+        if self._targets is None:
+            live = self.model.state_dict()
+            self._targets = {name: view.of(live[view.live_name]) for name, view in self.views.items()}
+        return self._targets
 
     def update_weights(self, bucket: Bucket, *, version: int, last: bool) -> None:
         """Stage ``bucket`` (kept by reference, wherever it lives); on ``last`` validate everything
@@ -256,10 +267,10 @@ class EmbeddedEngine(RolloutEngine):
                 f"weight update v{version} rejected, the engine keeps v{self.weight_version}: "
                 + "; ".join(problems)
             )
-        live = self.model.state_dict()
+        targets = self._live_targets()
         with torch.no_grad():
             for name, tensor in staged.items():
-                self.views[name].of(live[self.views[name].live_name]).copy_(tensor, non_blocking=True)
+                targets[name].copy_(tensor, non_blocking=True)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self.weight_version = version
@@ -270,7 +281,7 @@ class EmbeddedEngine(RolloutEngine):
 
     def _validate(self, staged: Mapping[str, torch.Tensor]) -> list[str]:
         """Every problem of a complete update, each naming its tensors (empty = good)."""
-        expected = self.expected_tensors()
+        expected = self._expected
         problems = []
         unexpected = sorted(set(staged) - set(expected))
         if unexpected:
@@ -421,7 +432,7 @@ class EmbeddedEngine(RolloutEngine):
             return
         if tags is None or "weights" in tags:
             self.model.to("cpu")
-            self._weights_on_host = True
+            self._weights_on_host, self._targets = True, None
         torch.cuda.empty_cache()
 
     def resume_memory(self, tags: Sequence[MemoryTag] | None = None) -> None:
@@ -429,7 +440,7 @@ class EmbeddedEngine(RolloutEngine):
             return
         if (tags is None or "weights" in tags) and self._weights_on_host:
             self.model.to(self.device)
-            self._weights_on_host = False
+            self._weights_on_host, self._targets = False, None
 
     def shutdown(self) -> None:
         self._discard_staged()

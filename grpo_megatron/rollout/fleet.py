@@ -214,7 +214,7 @@ class RolloutFleet:
             self.planned_for = (id(model), bucket_bytes)
         stream = export_hf_stream(
             model, self.ps, self.hf, bucket_bytes=bucket_bytes, dst_rank=dst, dtype=self.export_dtype,
-            plan=self.export_plan,
+            plan=self.export_plan, device=self.ps.device,  # engines sit on the trainer's devices
         )
         for bucket in stream:
             if feeder is not None:
