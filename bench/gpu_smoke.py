@@ -8,6 +8,8 @@ iterations runs, and times, the colocated sequence:
       -> offload grads + optimizer -> engine resumes weights -> weight sync + mismatch probe
       -> offload parameters -> (next generate)
 
+with the trainer's own ``ColocatedMemory`` (training/offload.py) doing every memory move, in its order.
+
 and prints the device memory left after each offload. When ``sglang`` imports (and the device is a
 GPU) the same loop runs again with ``rollout.engine=sglang`` on a copy of the policy saved to disk.
 Not part of the test suite; it must finish in well under 8 minutes on one GPU.
@@ -145,8 +147,9 @@ def grpo_step(policy, ps, hf, cfg, prompts, completions) -> dict[str, float]:
 def run_loop(label: str, cfg, hf, ps, policy, args) -> list[dict[str, float]]:
     """The colocated loop above, ``args.iterations`` times; one record of measurements per iteration."""
     from grpo_megatron.rollout.engine import SamplingParams
-    from grpo_megatron.rollout.fleet import RolloutFleet, probe_batch
-    from grpo_megatron.training.offload import offload, onload
+    from grpo_megatron.rollout.fleet import RolloutFleet
+    from grpo_megatron.training.offload import ColocatedMemory
+    from grpo_megatron.training.phases.sync import ProbeBatch, mismatch_probe, probe_batch
 
     device = ps.device
     print(f"[{label}] building the rollout fleet ({cfg.rollout.engine} engine) ...", flush=True)
@@ -164,9 +167,11 @@ def run_loop(label: str, cfg, hf, ps, policy, args) -> list[dict[str, float]]:
     active = active_parameters(policy.model, hf)
     gen = torch.Generator().manual_seed(0)
     prompts = torch.randint(3, hf["vocab_size"], (args.prompts, args.prompt_len), generator=gen).tolist()
-    reports: list = []
+    # The trainer's colocated choreography (train.offload_trainer), the same object and order; gradients
+    # are discarded, not copied: this loop zeroes them before its next step anyway.
+    colocated = ColocatedMemory(policy, fleet, enabled=True, discard_grads=True)
     records: list[dict[str, float]] = []
-    probe: tuple[list[list[int]], list[int]] | None = None
+    probe: ProbeBatch | None = None
     if on_cuda(device):
         torch.cuda.reset_peak_memory_stats()
     for it in range(args.iterations):
@@ -181,31 +186,27 @@ def run_loop(label: str, cfg, hf, ps, policy, args) -> list[dict[str, float]]:
         with phase(times, "generate", device):
             completions = fleet.generate(prompts, params)
         if probe is None:
-            probe = probe_batch(prompts, completions, size=cfg.rollout.probe_batch)
-        with phase(times, "engine_release", device):
-            fleet.release_memory()
-        with phase(times, "onload", device):
-            for report in reversed(reports):
-                onload(policy, report)
-            reports = []
+            probe = probe_batch(prompts, [[c.token_ids for c in g] for g in completions], size=cfg.rollout.probe_batch)
+        with phase(times, "onload", device):  # engines release, then the trainer's state returns
+            if it == 0:
+                fleet.release_memory()  # nothing offloaded yet: to_trainer has nothing to do
+            colocated.to_trainer()
         with phase(times, "train", device):
             step = grpo_step(policy, ps, hf, cfg, prompts, completions)
-        with phase(times, "offload", device):
-            reports.append(offload(policy, parts=("grads", "optimizer"), discard_grads=True))
+        with phase(times, "offload", device):  # grads + optimizer out, engine weights back
+            colocated.before_sync()
         left_opt = memory(device)
-        with phase(times, "engine_resume", device):
-            fleet.resume_memory(["weights"])
         with phase(times, "sync", device):
             sync = fleet.sync_weights(policy.model, version=it + 1)
         copy_s = copy_seconds(int(sync["sync/bytes"]), device)
         with phase(times, "probe", device):
-            mismatch = fleet.mismatch_probe(policy.model, ps, *probe, temperature=cfg.rollout.temperature)
-        with phase(times, "offload", device):
-            reports.append(offload(policy, parts=("params",)))
+            mismatch = mismatch_probe(
+                policy.model, fleet, ps, probe, vocab_size=int(hf["vocab_size"]), temperature=cfg.rollout.temperature
+            )
+        with phase(times, "offload", device):  # params out, engine caches back
+            colocated.after_sync()
         left_all = torch.cuda.memory_allocated() if on_cuda(device) else None
-        with phase(times, "engine_resume", device):
-            fleet.resume_memory(["kv_cache", "cuda_graph"])
-        moved = sum(r.bytes_moved for r in reports)
+        moved = sum(r.bytes_moved for r in colocated.offloaded)
         tokens = sum(len(c.token_ids) for g in completions for c in g)
         record = {
             "iteration": float(it),
@@ -247,8 +248,7 @@ def run_loop(label: str, cfg, hf, ps, policy, args) -> list[dict[str, float]]:
             f"{sync['sync/buckets']:.0f} buckets | mismatch max {mismatch['mismatch/probe_abs_diff_max']:.2e} "
             f"mean {mismatch['mismatch/probe_abs_diff_mean']:.2e}"
         )
-    for report in reversed(reports):
-        onload(policy, report)
+    colocated.trainer_back()
     fleet.shutdown()
     return records
 

@@ -12,11 +12,11 @@ Qwen3-MoE policy, both from random initialisation (``model.hf_overrides``):
 
 Each size is one ``torch.distributed.run`` launch of 2 ranks (this script with ``--worker``) that
 builds the real job (``training/job.py:build_job``) and runs the trainer's own phase functions in
-the order of ``training/grpo.py``: ``phases.collect_groups`` (rollout + reward),
-``phases.trainer_to_device`` (onload, a no-op unless train.offload_trainer), ``phases.build_samples``
-+ ``phases.plan_update`` (advantages), ``phases.logprob_pass`` (reference; old-policy too with
-``--updates`` > 1), ``phases.update_policy`` (train), ``phases.sync_weights`` (sync: the export
-stream into the engines, row sync_stream, then the mismatch probe). Evaluation, metrics and
+the order of ``training/grpo.py:run_iteration`` (itself: rollout + reward rounds, ``job.memory.to_trainer``
+(onload, a no-op unless train.offload_trainer), ``build_samples`` + ``plan_update`` (advantages),
+``logprob_pass`` (reference; old-policy too with ``--updates`` > 1), ``update_policy`` (train),
+``sync_weights`` (sync: the export stream into the engines, row sync_stream, then the mismatch
+probe), from ``training/phases/``). Evaluation, metrics and
 checkpoints are not timed. The first
 ``--warmup`` iterations are excluded; the table shows, per phase, the median over ``--iters``
 iterations of rank 0's wall time (the phases end in collectives, so ranks agree to a few ms) and of
@@ -106,12 +106,14 @@ def _bare_step_func(normalizer: float):
     over the response tokens and divided by ``normalizer``."""
     import torch
 
+    from grpo_megatron.training.batching import LossInputs
+
     def step(data_iterator, model_chunk):
         mb = next(data_iterator)
         b, s = mb.tokens_bs.shape
         position_ids_bs = torch.arange(s).expand(b, s)
         loss_bs = model_chunk(mb.tokens_bs, position_ids_bs, None, labels=mb.labels_bs)
-        mask_bs = mb.extras["mask_bs"]
+        mask_bs = LossInputs.of(mb).mask_bs
 
         def loss_func(output_bs):
             loss = (output_bs.float() * mask_bs).sum() / normalizer
@@ -130,11 +132,13 @@ def bare_train_step(job: Any, microbatches_per_minibatch: list[list[Any]]) -> fl
     import torch.distributed as dist
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
+    from grpo_megatron.training.batching import LossInputs
+
     model, ps = job.policy.model, job.ps
     model.train()
     for microbatches in microbatches_per_minibatch:
         # The global count of response tokens: this mini-batch's loss is a token mean, as ours.
-        count_1 = torch.tensor([sum(float(mb.extras["mask_bs"].sum()) for mb in microbatches)])
+        count_1 = torch.tensor([sum(float(LossInputs.of(mb).mask_bs.sum()) for mb in microbatches)])
         if ps.dp > 1:
             dist.all_reduce(count_1, group=ps.dp_group)
         job.policy.zero_grad()
@@ -189,8 +193,8 @@ def worker(args: argparse.Namespace) -> None:
     from grpo_megatron.config import load_config, validate
     from grpo_megatron.distributed.bootstrap import destroy_distributed, world_size_from_env
     from grpo_megatron.planner.memory import total_params
-    from grpo_megatron.training import phases
     from grpo_megatron.training.batching import collate
+    from grpo_megatron.training.grpo import job_probe, sync_to_engines
     from grpo_megatron.training.job import build_job
 
     cfg = load_config(DEMO, job_overrides(args.size, args, args.run_dir))
@@ -198,8 +202,8 @@ def worker(args: argparse.Namespace) -> None:
     job = build_job(cfg, with_reference=cfg.algorithm.kl.enabled)
     try:
         sampler = job.make_sampler()
-        probe = phases.probe_sequences(job)
-        phases.sync_weights(job, 0, probe)  # the engines start from the trainer's weights
+        probe = job_probe(job)
+        sync_to_engines(job, 0, probe)  # the engines start from the trainer's weights
         skipped = [] if job.reference is not None else ["ref_logprob"]
         if not cfg.train.offload_trainer:
             skipped.append("onload")

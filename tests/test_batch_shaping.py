@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from grpo_megatron.algorithm.batch_shaping import dynamic_sampling, informative_groups, overlong_penalty
+from grpo_megatron.algorithm.batch_shaping import DynamicSampling, informative_groups, overlong_penalty
 
 
 def test_informative_groups():
@@ -28,9 +28,17 @@ class _Source:
         return out
 
 
+def dynamic_sampling(source, num_groups: int, **kwargs):
+    """The trainer's loop (training/grpo.py:run_iteration): ask, sample a round, add, until done."""
+    ds = DynamicSampling(num_groups, lambda grp: grp[1], **kwargs)
+    while n := ds.needed():
+        ds.add(source(n))
+    return ds.result()
+
+
 def test_dynamic_sampling_refills_from_more_prompts():
     src = _Source()
-    groups, m = dynamic_sampling(src, lambda grp: grp[1], 4, max_tries=5)
+    groups, m = dynamic_sampling(src, 4, max_tries=5)
     assert [gid for gid, _ in groups] == [1, 3, 5, 7]
     assert src.calls == [4, 2, 1, 1]  # asks only for what is missing
     assert m["dynamic_sampling/rounds"] == 4
@@ -42,13 +50,25 @@ def test_dynamic_sampling_refills_from_more_prompts():
 
 def test_dynamic_sampling_cap_on_tries():
     src = _Source()
-    groups, m = dynamic_sampling(src, lambda grp: grp[1], 8, max_tries=1)
+    groups, m = dynamic_sampling(src, 8, max_tries=1)
     assert len(groups) == 4 and m["dynamic_sampling/short"] == 1.0 and m["dynamic_sampling/rounds"] == 1
 
 
 def test_dynamic_sampling_exhausted_source():
-    groups, m = dynamic_sampling(_Source(limit=3), lambda grp: grp[1], 4, max_tries=10)
+    groups, m = dynamic_sampling(_Source(limit=3), 4, max_tries=10)
     assert len(groups) == 1 and m["dynamic_sampling/rounds"] == 2
+
+
+def test_dynamic_sampling_falls_back_to_the_last_round():
+    """No group with reward variance in any round: the last round is trained on as it is."""
+    groups, m = dynamic_sampling(lambda n: [(i, [1, 1]) for i in range(n)], 3, max_tries=2)
+    assert len(groups) == 3 and m["dynamic_sampling/fallback"] == 1.0 and m["dynamic_sampling/rounds"] == 2
+
+
+def test_dynamic_sampling_disabled_is_one_round_as_it_is():
+    src = _Source()
+    groups, m = dynamic_sampling(src, 4, enabled=False, max_tries=5)
+    assert [gid for gid, _ in groups] == [0, 1, 2, 3] and src.calls == [4] and m == {}
 
 
 def test_overlong_penalty_dapo():

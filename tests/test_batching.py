@@ -6,6 +6,7 @@ import torch
 from grpo_megatron.algorithm.config import AlgorithmConfig
 from grpo_megatron.algorithm.policy_loss import grpo_policy_loss, loss_normalizer
 from grpo_megatron.training.batching import (
+    LossInputs,
     collate,
     dp_shares,
     make_sample,
@@ -66,15 +67,18 @@ def test_collate_pads_right_and_placeholder_contributes_nothing():
     samples = [make_sample([1, 2], [3], [-1.0], 1.0), make_sample([1], [4, 5, 6], [-1.0, -2.0, -3.0], -1.0)]
     mb = collate(samples, [0, 1], pad_id=0)
     assert mb.tokens_bs.tolist() == [[1, 2, 0], [1, 4, 5]]
-    assert mb.extras["mask_bs"].tolist() == [[0, 1, 0], [1, 1, 1]]
-    assert mb.extras["advantages_b"].tolist() == [1.0, -1.0]
+    inputs = LossInputs.of(mb)
+    assert inputs.mask_bs.tolist() == [[0, 1, 0], [1, 1, 1]]
+    assert inputs.advantages_b.tolist() == [1.0, -1.0]
+    assert inputs.ref_logprobs_bs is None and inputs.old_logprobs_bs is None
     empty = collate(samples, [], pad_id=0)
-    assert empty.tokens_bs.shape == (1, 1) and float(empty.extras["mask_bs"].sum()) == 0
+    assert empty.tokens_bs.shape == (1, 1) and float(LossInputs.of(empty).mask_bs.sum()) == 0
 
     out_bs = torch.arange(6, dtype=torch.float32).view(2, 3)
     scatter_logprobs(samples, [[0, 1]], [out_bs], "ref")
-    assert samples[0].logprobs["ref"].tolist() == [0, 1]  # masked to the response position
-    assert samples[1].logprobs["ref"].tolist() == [3, 4, 5]
+    assert samples[0].ref_logprobs_s.tolist() == [0, 1]  # masked to the response position
+    assert samples[1].ref_logprobs_s.tolist() == [3, 4, 5]
+    assert LossInputs.of(collate(samples, [0, 1], pad_id=0)).ref_logprobs_bs.tolist() == [[0, 1, 0], [3, 4, 5]]
 
 
 @pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
@@ -95,9 +99,9 @@ def test_micro_batch_losses_with_the_global_normaliser_sum_to_the_whole_batch_lo
         lp_bs = torch.zeros(mb.tokens_bs.shape)
         for b, i in enumerate(rows):
             lp_bs[b, : samples[i].length] = logprobs[i]
-        old_bs = lp_bs + 0.1 * mb.extras["mask_bs"]
+        old_bs = lp_bs + 0.1 * LossInputs.of(mb).mask_bs
         loss, _ = grpo_policy_loss(
-            lp_bs, old_bs, mb.extras["advantages_b"], mb.extras["mask_bs"], cfg, normalizer=normalizer, norm_len=8
+            lp_bs, old_bs, LossInputs.of(mb).advantages_b, LossInputs.of(mb).mask_bs, cfg, normalizer=normalizer, norm_len=8
         )
         return loss
 

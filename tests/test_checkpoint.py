@@ -243,3 +243,14 @@ def test_scheduler_counts_optimizer_steps() -> None:
 def test_config_validation_names_the_field() -> None:
     with pytest.raises(ValueError, match="checkpoint.optimizer_format='zero'"):
         CheckpointConfig(optimizer_format="zero").validate()  # type: ignore[arg-type]
+
+
+def test_should_save_every_interval_and_after_the_last_iteration(tmp_path):
+    """The trainer's save rule (training/grpo.py calls should_save with the run's last iteration)."""
+    from grpo_megatron.checkpoint.config import CheckpointConfig
+    from grpo_megatron.checkpoint.manager import CheckpointManager
+
+    every3 = CheckpointManager(CheckpointConfig(save_interval=3), tmp_path, ps=None)
+    assert [i for i in range(1, 8) if every3.should_save(i, final_iteration=7)] == [3, 6, 7]
+    never = CheckpointManager(CheckpointConfig(save_interval=0), tmp_path, ps=None)
+    assert not any(never.should_save(i, final_iteration=7) for i in range(1, 8))

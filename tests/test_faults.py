@@ -246,7 +246,7 @@ def test_full_output_directories_fail_before_any_training(tmp_path: Path):
 
 
 def test_non_finite_loss_stops_the_loop_before_its_save():
-    from grpo_megatron.training.phases import stop_if_not_finite
+    from grpo_megatron.training.phases.bookkeeping import stop_if_not_finite
 
     stop_if_not_finite({"loss/policy": 0.5, "grad_norm": 1.0}, 3, "kept")
     stop_if_not_finite({"loss/policy": 0.5, "grad_norm": float("nan")}, 3, "kept")  # clipping off: no norm

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from grpo_megatron.rollout.engine import SamplingParams
-from grpo_megatron.rollout.fleet import probe_batch, prompt_slices
+from grpo_megatron.rollout.fleet import prompt_slices
+from grpo_megatron.training.phases.sync import ProbeBatch, probe_batch
 from tests.helpers.dist import run_distributed
 from tests.helpers.tiny_configs import TINY_CONFIGS, tiny_hf_config
 from tests.workers.bridge_workers import batch_tokens, save_tiny_model
@@ -107,8 +108,8 @@ def test_sampled_logprobs_equal_teacher_forced_scores(moe_engine, temperature):
     engine, _ = moe_engine
     params = SamplingParams(n=3, temperature=temperature, top_p=0.9, top_k=20, max_new_tokens=7, seed=3)
     completions = engine.generate(PROMPTS, params)
-    sequences, prompt_lens = probe_batch(PROMPTS, completions, size=100)
-    scored = engine.score(sequences, prompt_lens, temperature)
+    probe = probe_batch(PROMPTS, [[c.token_ids for c in g] for g in completions], size=100)
+    scored = engine.score(probe.sequences, probe.prompt_lens, temperature)
     sampled = [c.logprobs for g in completions for c in g]
     for got, want in zip(sampled, scored, strict=True):
         assert torch.allclose(torch.tensor(got), torch.tensor(want), atol=1e-5)
@@ -243,8 +244,9 @@ def test_prompt_slices_and_probe_batch():
         [Completion([5], [-1.0], "length"), Completion([], [], "stop")],
         [Completion([6, 7], [0, 0], "stop")],
     ]
-    assert probe_batch([[1], [2, 3]], groups, size=5) == ([[1, 5], [2, 3, 6, 7]], [1, 2])
-    assert probe_batch([[1], [2, 3]], groups, size=1) == ([[1, 5]], [1])
+    responses = [[c.token_ids for c in g] for g in groups]
+    assert probe_batch([[1], [2, 3]], responses, size=5) == ProbeBatch([[1, 5], [2, 3, 6, 7]], [1, 2])
+    assert probe_batch([[1], [2, 3]], responses, size=1) == ProbeBatch([[1, 5]], [1])
 
 
 def _write_config(path: Path, config: dict) -> str:

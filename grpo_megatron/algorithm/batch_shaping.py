@@ -5,11 +5,11 @@ responses of a prompt are contiguous.
 """
 
 from collections.abc import Callable, Sequence
-from typing import TypeVar
+from typing import Generic, TypeVar
 
 import torch
 
-__all__ = ["informative_groups", "dynamic_sampling", "overlong_penalty"]
+__all__ = ["informative_groups", "DynamicSampling", "overlong_penalty"]
 
 GroupT = TypeVar("GroupT")
 
@@ -30,53 +30,86 @@ def informative_groups(rewards_b: torch.Tensor, group_size: int, std_threshold: 
     return (spread_p > 0) & (rewards_pg.std(dim=1) > std_threshold)
 
 
-def dynamic_sampling(
-    sample_round: Callable[[int], Sequence[GroupT]],
-    group_rewards: Callable[[GroupT], Sequence[float]],
-    num_groups: int,
-    *,
-    max_tries: int,
-    std_threshold: float = 0.0,
-) -> tuple[list[GroupT], dict[str, float]]:
+class DynamicSampling(Generic[GroupT]):
     """DAPO dynamic sampling: over-sample and keep only groups with reward variance.
 
-    Each round calls `sample_round(n)` with n = the number of groups still missing; it
-    returns up to n groups (prompts with their G scored responses; the type is the caller's).
-    Groups whose rewards (`group_rewards(group)`) have std <= std_threshold (all equal for 0)
-    are dropped. Rounds repeat until `num_groups` groups are kept or `max_tries` rounds ran;
-    surplus kept groups are cut. When the cap is reached the batch is returned smaller than
-    requested (DAPO would keep sampling; a cap keeps an iteration's cost bounded) and
-    `dynamic_sampling/short` is 1.
+    The caller owns the rollout and asks: ``while (n := ds.needed()): ds.add(<n new scored groups>)``,
+    then takes ``ds.result()``. Each round asks for the number of groups still missing. Groups whose
+    rewards (``group_rewards(group)``) have std <= std_threshold (all equal for 0) are dropped. Rounds
+    repeat until ``num_groups`` groups are kept or ``max_tries`` rounds ran (or a round brought no
+    group: the prompt source is exhausted); surplus kept groups are cut. When the cap is reached the
+    batch is returned smaller than requested (DAPO would keep sampling; a cap keeps an iteration's cost
+    bounded) and ``dynamic_sampling/short`` is 1. When no round kept anything, the last round is
+    returned as it is (zero advantages: only the KL term moves the policy) rather than nothing, with
+    ``dynamic_sampling/fallback`` = 1.
+
+    ``enabled=False``: one round of ``num_groups``, returned as it is, no metrics.
 
     Metrics: dynamic_sampling/rounds, /groups_sampled, /groups_dropped, /kept_frac (of the
     sampled groups), /short (1 if fewer than num_groups were kept), /num_groups (returned).
     """
-    if max_tries < 1:
-        raise ValueError(f"algorithm.dynamic_sampling.max_tries={max_tries} must be >= 1")
-    kept: list[GroupT] = []
-    sampled = dropped = rounds = 0
-    while len(kept) < num_groups and rounds < max_tries:
-        rounds += 1
-        groups = list(sample_round(num_groups - len(kept)))
-        sampled += len(groups)
+
+    def __init__(
+        self,
+        num_groups: int,
+        group_rewards: Callable[[GroupT], Sequence[float]],
+        *,
+        enabled: bool = True,
+        max_tries: int = 1,
+        std_threshold: float = 0.0,
+    ) -> None:
+        if max_tries < 1:
+            raise ValueError(f"algorithm.dynamic_sampling.max_tries={max_tries} must be >= 1")
+        self.num_groups = num_groups
+        self.group_rewards = group_rewards
+        self.enabled = enabled
+        self.max_tries = max_tries if enabled else 1
+        self.std_threshold = std_threshold
+        self.rounds = 0
+        """Rounds added so far (the next round's index)."""
+        self.kept: list[GroupT] = []
+        self.last_round: list[GroupT] = []
+        self.sampled = self.dropped = 0
+        self.exhausted = False
+
+    def needed(self) -> int:
+        """How many groups the next round must bring; 0 when sampling is done."""
+        if self.exhausted or self.rounds >= self.max_tries or len(self.kept) >= self.num_groups:
+            return 0
+        return self.num_groups - len(self.kept)
+
+    def add(self, groups: Sequence[GroupT]) -> None:
+        """One round's scored groups."""
+        self.rounds += 1
+        self.last_round = list(groups)
+        self.sampled += len(groups)
         for group in groups:
-            rewards = torch.tensor([float(r) for r in group_rewards(group)])
-            if bool(informative_groups(rewards, rewards.numel(), std_threshold)[0]):
-                kept.append(group)
+            rewards = torch.tensor([float(r) for r in self.group_rewards(group)])
+            if not self.enabled or bool(informative_groups(rewards, rewards.numel(), self.std_threshold)[0]):
+                self.kept.append(group)
             else:
-                dropped += 1
+                self.dropped += 1
         if not groups:
-            break  # the prompt source is exhausted
-    kept = kept[:num_groups]
-    metrics = {
-        "dynamic_sampling/rounds": float(rounds),
-        "dynamic_sampling/groups_sampled": float(sampled),
-        "dynamic_sampling/groups_dropped": float(dropped),
-        "dynamic_sampling/kept_frac": (sampled - dropped) / sampled if sampled else 0.0,
-        "dynamic_sampling/short": float(len(kept) < num_groups),
-        "dynamic_sampling/num_groups": float(len(kept)),
-    }
-    return kept, metrics
+            self.exhausted = True
+
+    def result(self) -> tuple[list[GroupT], dict[str, float]]:
+        """The kept groups (at most ``num_groups``) and the dynamic_sampling/* metrics."""
+        kept = self.kept[: self.num_groups]
+        if not self.enabled:
+            return kept, {}
+        sampled, dropped = self.sampled, self.dropped
+        metrics = {
+            "dynamic_sampling/rounds": float(self.rounds),
+            "dynamic_sampling/groups_sampled": float(sampled),
+            "dynamic_sampling/groups_dropped": float(dropped),
+            "dynamic_sampling/kept_frac": (sampled - dropped) / sampled if sampled else 0.0,
+            "dynamic_sampling/short": float(len(kept) < self.num_groups),
+            "dynamic_sampling/num_groups": float(len(kept)),
+        }
+        if not kept:
+            kept = list(self.last_round)
+            metrics["dynamic_sampling/fallback"] = 1.0
+        return kept, metrics
 
 
 def overlong_penalty(

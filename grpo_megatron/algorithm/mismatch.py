@@ -11,9 +11,11 @@ off-policy RL training", correct it with a truncated importance weight per token
 which multiplies the policy-gradient term of the loss (a constant: no gradient through w).
 """
 
+from dataclasses import dataclass
+
 import torch
 
-__all__ = ["tis_weights", "mismatch_metrics"]
+__all__ = ["tis_weights", "mismatch_metrics", "MismatchSums"]
 
 
 def _masked_mean(x_bt: torch.Tensor, mask_bt: torch.Tensor) -> torch.Tensor:
@@ -42,27 +44,28 @@ def tis_weights(
     return w_bt, metrics
 
 
+@dataclass
+class MismatchSums:
+    """How far the engine's logprobs are from the trainer's on the same tokens, as sums over the
+    valid tokens of a batch, so that micro-batches and data-parallel ranks add up before the mean:
+    ``mismatch/logprob_abs_diff`` = abs_diff_sum / tokens, ``mismatch/logprob_abs_diff_max`` = abs_diff_max."""
+
+    abs_diff_sum: torch.Tensor
+    """sum of |log pi_trainer - log pi_rollout| over valid tokens."""
+    abs_diff_max: torch.Tensor
+    """max of the same (0 without valid tokens)."""
+    tokens: torch.Tensor
+    """number of valid tokens."""
+
+
 def mismatch_metrics(
     trainer_logprobs_bt: torch.Tensor,
     rollout_logprobs_bt: torch.Tensor,
     response_mask_bt: torch.Tensor,
-) -> dict[str, torch.Tensor]:
-    """How far the engine's logprobs are from the trainer's on the same tokens (detached):
-      mismatch/logprob_abs_diff      mean |log pi_trainer - log pi_rollout| over valid tokens
-      mismatch/logprob_abs_diff_max  max of the same
-      mismatch/kl_k3                 mean k3 estimate of KL(pi_rollout || pi_trainer) from the
-                                     rollout's own samples: r - 1 - log r, r = pi_trainer/pi_rollout
-      mismatch/prob_diff             mean |pi_trainer - pi_rollout| (in probability space)
-    """
+) -> MismatchSums:
+    """|log pi_trainer(y_t) - log pi_rollout(y_t)| over the valid tokens (detached), summed and maxed
+    (the difference is clamped to [-20, 20]: a garbage rollout logprob must not make the mean inf)."""
     mask_bt = response_mask_bt.to(torch.float32)
-    valid_bt = mask_bt > 0
     diff_bt = (trainer_logprobs_bt.detach().float() - rollout_logprobs_bt.detach().float()).clamp(-20.0, 20.0)
-    abs_bt = diff_bt.abs()
-    max_abs = abs_bt[valid_bt].max() if bool(valid_bt.any()) else abs_bt.new_zeros(())
-    prob_diff_bt = (trainer_logprobs_bt.detach().float().exp() - rollout_logprobs_bt.detach().float().exp()).abs()
-    return {
-        "mismatch/logprob_abs_diff": _masked_mean(abs_bt, mask_bt),
-        "mismatch/logprob_abs_diff_max": max_abs,
-        "mismatch/kl_k3": _masked_mean(torch.expm1(diff_bt) - diff_bt, mask_bt),
-        "mismatch/prob_diff": _masked_mean(prob_diff_bt, mask_bt),
-    }
+    abs_bt = diff_bt.abs() * mask_bt
+    return MismatchSums(abs_bt.sum(), abs_bt.max() if abs_bt.numel() else abs_bt.new_zeros(()), mask_bt.sum())

@@ -19,6 +19,7 @@ from typing import Literal
 
 import torch
 
+from grpo_megatron.algorithm.advantages import token_advantages
 from grpo_megatron.algorithm.config import AlgorithmConfig
 from grpo_megatron.algorithm.kl import kl_estimate
 
@@ -205,7 +206,7 @@ def grpo_policy_loss(
         norm_len = cfg.loss_norm_len
 
     ratio_bt = importance_ratio(logprobs_bt, old_logprobs_bt, mask_bt, cfg.ratio_level)
-    advantages_bt = advantages_b.detach().float()[:, None].expand_as(ratio_bt)
+    advantages_bt = token_advantages(advantages_b.detach(), mask_bt)
     pg_loss_bt, clip_masks = clipped_surrogate(
         ratio_bt, advantages_bt, clip_low=cfg.clip_low, clip_high=cfg.clip_high, dual_clip=cfg.dual_clip
     )

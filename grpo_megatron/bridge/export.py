@@ -508,21 +508,6 @@ def broadcast_bucket(
     return bucket if is_src else unflatten_bucket(flat_u8, meta)  # type: ignore[return-value]
 
 
-def export_hf(
-    model: torch.nn.Module,
-    ps: ParallelState,
-    hf: Mapping[str, Any],
-    consumer: Consumer,
-    *,
-    bucket_bytes: int = 512 << 20,
-    dst_rank: int = 0,
-    dtype: torch.dtype | None = None,
-) -> None:
-    """Run the export stream on every rank; ``consumer(bucket)`` is called on ``dst_rank``."""
-    for bucket in export_hf_stream(model, ps, hf, bucket_bytes=bucket_bytes, dst_rank=dst_rank, dtype=dtype):
-        consumer(bucket)
-
-
 def write_hf_checkpoint(
     model: torch.nn.Module,
     ps: ParallelState,

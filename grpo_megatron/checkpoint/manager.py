@@ -152,9 +152,11 @@ class CheckpointManager:
     # ------------------------------------------------------------------------------------------
     # Saving
 
-    def should_save(self, iteration: int) -> bool:
-        """True when ``checkpoint.save_interval`` asks for a save after ``iteration``."""
-        return self.cfg.save_interval > 0 and iteration % self.cfg.save_interval == 0
+    def should_save(self, iteration: int, final_iteration: int | None = None) -> bool:
+        """True when ``checkpoint.save_interval`` asks for a save after ``iteration``: every
+        ``save_interval`` iterations and after ``final_iteration`` (0 = never)."""
+        interval = self.cfg.save_interval
+        return interval > 0 and (iteration % interval == 0 or iteration == final_iteration)
 
     def content_metadata(self, policy: Policy) -> dict[str, Any]:
         metadata = dict(BASE_CONTENT_METADATA)

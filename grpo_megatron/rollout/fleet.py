@@ -259,55 +259,20 @@ class RolloutFleet:
 
     # -------------------------------------------------------------------------- mismatch probe
 
-    def mismatch_probe(
-        self,
-        model: torch.nn.Module,
-        ps: ParallelState,
-        sequences: Sequence[Sequence[int]],
-        prompt_lens: Sequence[int],
-        temperature: float,
-    ) -> dict[str, float]:
-        """Collective: trainer ``forward_logprobs`` vs every engine's ``score`` on one fixed batch, over
-        the tokens after each prompt; max and mean absolute difference over all engines (an empty
-        batch gives no metrics)."""
-        from grpo_megatron.training.forward_backward import MicroBatch, forward_logprobs
-
-        if not sequences:  # e.g. rollout.probe_batch=0, or every response was empty
-            return {}
-        length = max(len(s) for s in sequences)
-        tokens_bl = torch.zeros((len(sequences), length), dtype=torch.long)  # right padding is harmless
-        for i, seq in enumerate(sequences):
-            tokens_bl[i, : len(seq)] = torch.tensor(list(seq))
-        (out,) = forward_logprobs(
-            model,
-            [MicroBatch(tokens_bl[:, :-1], tokens_bl[:, 1:])],
-            ps,
-            vocab_size=int(self.hf["vocab_size"]),
-            temperature=temperature,
-        )
-        trainer_bl = out.logprobs_bs.float().cpu()
-        stats, error = None, None
+    def score(
+        self, sequences: Sequence[Sequence[int]], prompt_lens: Sequence[int], temperature: float
+    ) -> list[list[float]] | None:
+        """Collective: this rank's engine's teacher-forced logprobs of each sequence's tokens after its
+        prompt (the mismatch probe, training/phases/sync.py); None on ranks without an engine. An
+        engine that fails makes every rank raise with its message."""
+        scored, error = None, None
         if self.engine is not None:
             try:
                 scored = self.engine.score(sequences, prompt_lens, temperature)
-                diffs = [
-                    (torch.tensor(engine_lp) - trainer_bl[i, p - 1 : len(s) - 1]).abs()
-                    for i, (s, p, engine_lp) in enumerate(zip(sequences, prompt_lens, scored, strict=True))
-                ]
-                diff_t = torch.cat(diffs) if diffs else torch.zeros(0)
-                stats = (float(diff_t.max()) if diff_t.numel() else 0.0, float(diff_t.sum()), diff_t.numel())
             except Exception as exc:
                 error = _describe(exc)
         _agree(error, "mismatch probe")
-        gathered: list[Any] = [None] * ps.world_size
-        dist.all_gather_object(gathered, stats)
-        got = [g for g in gathered if g is not None]
-        count = sum(g[2] for g in got)
-        return {
-            "mismatch/probe_abs_diff_max": max(g[0] for g in got),
-            "mismatch/probe_abs_diff_mean": sum(g[1] for g in got) / max(count, 1),
-            "mismatch/probe_tokens": float(count),
-        }
+        return scored
 
     # ---------------------------------------------------------------------------------- memory
 
@@ -323,22 +288,6 @@ class RolloutFleet:
         if self.engine is not None:
             self.engine.shutdown()
             self.engine = None
-
-
-def probe_batch(
-    prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[Completion]], size: int
-) -> tuple[list[list[int]], list[int]]:
-    """The first ``size`` (prompt + response) sequences of a rollout and their prompt lengths: a
-    fixed batch for ``mismatch_probe`` (responses shorter than one token are skipped)."""
-    sequences, prompt_lens = [], []
-    for prompt, group in zip(prompts, completions, strict=True):
-        for completion in group:
-            if len(sequences) == size:
-                return sequences, prompt_lens
-            if completion.token_ids:
-                sequences.append(list(prompt) + list(completion.token_ids))
-                prompt_lens.append(len(prompt))
-    return sequences, prompt_lens
 
 
 class _Feeder:

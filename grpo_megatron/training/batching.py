@@ -18,7 +18,8 @@ communication is needed to agree on it):
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, fields
+from typing import Literal
 
 import torch
 
@@ -36,10 +37,13 @@ class Sample:
     mask_s: torch.Tensor
     """1.0 where the label is a response token (the loss is taken there), else 0."""
     advantage: float
+    """The response's group-relative advantage (the same for all its tokens)."""
     rollout_logprobs_s: torch.Tensor
     """Engine logprobs of the sampled tokens at their label positions (0 elsewhere)."""
-    logprobs: dict[str, torch.Tensor] = field(default_factory=dict)
-    """Trainer-side logprobs filled in by the forward passes: "ref", "old"."""
+    ref_logprobs_s: torch.Tensor | None = None
+    """The frozen reference's logprobs (ref_logprob phase; None when the KL penalty is off)."""
+    old_logprobs_s: torch.Tensor | None = None
+    """pi_old's logprobs before this iteration's first update (old_logprob phase; None when skipped)."""
 
     @property
     def length(self) -> int:
@@ -124,7 +128,27 @@ def rank_microbatches(
     return mine + [[] for _ in range(max(len(r) for r in per_rank) - len(mine))]
 
 
-EXTRA_KEYS = ("mask_bs", "rollout_logprobs_bs", "old_logprobs_bs", "ref_logprobs_bs")
+@dataclass
+class LossInputs:
+    """The per-row inputs of the GRPO loss for one micro-batch. They travel in ``MicroBatch.extras``
+    (forward_backward moves them to the device with the tokens): ``to_extras`` / ``of`` are the only
+    places that know it is a dict."""
+
+    mask_bs: torch.Tensor
+    """1.0 at response label positions, 0 at prompt and padding positions."""
+    rollout_logprobs_bs: torch.Tensor
+    advantages_b: torch.Tensor
+    old_logprobs_bs: torch.Tensor | None = None
+    """None unless every row has ``Sample.old_logprobs_s``."""
+    ref_logprobs_bs: torch.Tensor | None = None
+    """None unless every row has ``Sample.ref_logprobs_s``."""
+
+    def to_extras(self) -> dict[str, torch.Tensor]:
+        return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None}
+
+    @classmethod
+    def of(cls, mb: MicroBatch) -> LossInputs:
+        return cls(**mb.extras)
 
 
 def collate(samples: Sequence[Sample], rows: Sequence[int], pad_id: int) -> MicroBatch:
@@ -133,8 +157,8 @@ def collate(samples: Sequence[Sample], rows: Sequence[int], pad_id: int) -> Micr
     if not rows:
         one_11 = torch.full((1, 1), pad_id, dtype=torch.long)
         zeros_11 = torch.zeros(1, 1)
-        extras = {k: zeros_11 for k in EXTRA_KEYS} | {"advantages_b": torch.zeros(1)}
-        return MicroBatch(tokens_bs=one_11, labels_bs=one_11.clone(), extras=extras)
+        inputs = LossInputs(zeros_11, zeros_11, torch.zeros(1), old_logprobs_bs=zeros_11, ref_logprobs_bs=zeros_11)
+        return MicroBatch(tokens_bs=one_11, labels_bs=one_11.clone(), extras=inputs.to_extras())
     s = max(samples[i].length for i in rows)
 
     def stack(get, fill) -> torch.Tensor:
@@ -144,27 +168,37 @@ def collate(samples: Sequence[Sample], rows: Sequence[int], pad_id: int) -> Micr
             out[b, : t.numel()] = t
         return out
 
-    extras = {
-        "mask_bs": stack(lambda x: x.mask_s, 0.0),
-        "rollout_logprobs_bs": stack(lambda x: x.rollout_logprobs_s, 0.0),
-        "advantages_b": torch.tensor([samples[i].advantage for i in rows], dtype=torch.float32),
-    }
-    for name in ("old", "ref"):
-        if all(name in samples[i].logprobs for i in rows):
-            extras[f"{name}_logprobs_bs"] = stack(lambda x, n=name: x.logprobs[n], 0.0)
+    inputs = LossInputs(
+        mask_bs=stack(lambda x: x.mask_s, 0.0),
+        rollout_logprobs_bs=stack(lambda x: x.rollout_logprobs_s, 0.0),
+        advantages_b=torch.tensor([samples[i].advantage for i in rows], dtype=torch.float32),
+    )
+    if all(samples[i].old_logprobs_s is not None for i in rows):
+        inputs.old_logprobs_bs = stack(lambda x: x.old_logprobs_s, 0.0)
+    if all(samples[i].ref_logprobs_s is not None for i in rows):
+        inputs.ref_logprobs_bs = stack(lambda x: x.ref_logprobs_s, 0.0)
     return MicroBatch(
         tokens_bs=stack(lambda x: x.tokens_s, pad_id),
         labels_bs=stack(lambda x: x.labels_s, pad_id),
-        extras=extras,
+        extras=inputs.to_extras(),
     )
 
 
+LogprobKind = Literal["ref", "old"]
+"""Which trainer-side logprobs a forward pass fills in: the reference's or pi_old's."""
+
+
 def scatter_logprobs(
-    samples: Sequence[Sample], plan: Sequence[Sequence[int]], outputs_bs: Sequence[torch.Tensor], name: str
+    samples: Sequence[Sample], plan: Sequence[Sequence[int]], outputs_bs: Sequence[torch.Tensor], kind: LogprobKind
 ) -> None:
-    """Store each row of the forward pass's ``[B, S]`` outputs on its sample as ``logprobs[name]``
-    (masked to the response positions; padding rows of placeholder micro-batches are skipped)."""
+    """Store each row of the forward pass's ``[B, S]`` outputs on its sample as ``ref_logprobs_s`` or
+    ``old_logprobs_s`` (masked to the response positions; padding rows of placeholder micro-batches
+    are skipped)."""
     for rows, out_bs in zip(plan, outputs_bs, strict=True):
         for b, i in enumerate(rows):
             sample = samples[i]
-            sample.logprobs[name] = out_bs[b, : sample.length].detach().float().cpu() * sample.mask_s
+            logprobs_s = out_bs[b, : sample.length].detach().float().cpu() * sample.mask_s
+            if kind == "ref":
+                sample.ref_logprobs_s = logprobs_s
+            else:
+                sample.old_logprobs_s = logprobs_s

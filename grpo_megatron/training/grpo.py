@@ -2,17 +2,21 @@
 
 Every rank runs this loop (SPMD). One iteration, with the module that owns each phase:
 
-  rollout       sample prompts; the engines generate G responses each       data/, rollout/fleet.py
-  reward        rank 0 scores them in sandboxed workers, broadcasts         rewards/pool.py
-                (DAPO dynamic sampling repeats rollout+reward for groups with no reward variance)
+  rollout       sample prompts; the engines generate G responses each      phases/rollout.py (Rollout)
+  reward        rank 0 scores them in sandboxed workers, broadcasts        phases/reward.py (Scorer -> Scored)
+                (DAPO dynamic sampling: the loop asks DynamicSampling whether it needs another round
+                of rollout+reward, for groups with no reward variance)     algorithm/batch_shaping.py
   onload        (train.offload_trainer) engines release memory, trainer state returns  training/offload.py
-  advantages    group-relative, on every rank; mini-/micro-batch plan       algorithm/advantages.py, training/batching.py
-  ref_logprob   frozen reference model, forward only (skipped when KL is off)  training/phases.py
-  old_logprob   the policy before the update (only with several updates)
-  train         one Adam step per mini-batch of the clipped surrogate       algorithm/policy_loss.py
-  sync          export stream -> engines, then a mismatch probe             bridge/export.py, rollout/
-  eval          held-out greedy pass@1 (and mean@k) every train.eval_interval  training/phases.py
-  bookkeeping   metrics.jsonl, samples, checkpoint                          logging_utils/, checkpoint/
+  advantages    group-relative, on every rank; mini-/micro-batch plan      phases/advantages.py (Batch, UpdatePlan)
+  ref_logprob   frozen reference model, forward only (skipped when KL is off)  phases/logprob.py
+  old_logprob   the policy before the update (only with several updates)  phases/logprob.py
+  train         one Adam step per mini-batch of the clipped surrogate      phases/train.py (GRPOLoss)
+  sync          export stream -> engines, then a mismatch probe            phases/sync.py
+  eval          held-out greedy pass@1 (and mean@k) every train.eval_interval  phases/eval.py
+  bookkeeping   metrics.jsonl, samples, checkpoint                         phases/bookkeeping.py
+
+The colocated memory moves (onload; offload around the sync; the checkpoint's visit) are
+``ColocatedMemory`` (training/offload.py), ``job.memory``.
 
 ``throughput/tokens_per_s`` counts the prompt and response tokens of the batch per second of the whole
 iteration.
@@ -29,61 +33,103 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from grpo_megatron.algorithm.batch_shaping import DynamicSampling
 from grpo_megatron.algorithm.kl import kl_beta
 from grpo_megatron.distributed.collectives import on_rank0
 from grpo_megatron.fileio import write_text_atomic
-from grpo_megatron.training import phases
 from grpo_megatron.training.batching import Sample
 from grpo_megatron.training.job import Job, PhaseTimer, build_job, export_hf_checkpoint
+from grpo_megatron.training.phases.advantages import UpdatePlan, build_samples, plan_update
+from grpo_megatron.training.phases.bookkeeping import sample_rows, save_checkpoint, stop_if_not_finite
+from grpo_megatron.training.phases.eval import evaluate
+from grpo_megatron.training.phases.logprob import logprob_pass
+from grpo_megatron.training.phases.reward import Group
+from grpo_megatron.training.phases.rollout import rollout_seed
+from grpo_megatron.training.phases.sync import ProbeBatch, answer_probe, sync_weights
+from grpo_megatron.training.phases.train import GRPOLoss, update_policy
 
 if TYPE_CHECKING:
     from grpo_megatron.config import JobConfig
     from grpo_megatron.data import PromptSampler
-
-Probe = tuple[list[list[int]], list[int]]  # the mismatch probe's sequences and prompt lengths
 
 
 @dataclass
 class Iteration:
     """What one iteration produced: its rollouts, the trainer samples and the metrics of its phases."""
 
-    groups: list[phases.Group]
+    groups: list[Group]
     samples: list[Sample]
-    plan: phases.UpdatePlan
+    plan: UpdatePlan
     metrics: dict[str, float]
 
 
-def run_iteration(job: Job, sampler: PromptSampler, probe: Probe, it: int, timer: PhaseTimer) -> Iteration:
+def run_iteration(job: Job, sampler: PromptSampler, probe: ProbeBatch, it: int, timer: PhaseTimer) -> Iteration:
     """One GRPO iteration, rollout to weight sync, each phase timed as ``time/<phase>``."""
-    cfg = job.cfg
-    groups, reward_metrics = phases.collect_groups(job, sampler, timer, it)  # rollout, reward
+    cfg, ps, policy = job.cfg, job.ps, job.policy
+    rollout, scorer, ds = job.rollout, job.scorer, cfg.algorithm.dynamic_sampling
+    dapo = DynamicSampling(cfg.train.prompts_per_iteration, lambda g: g.rewards, enabled=ds.enabled,
+                           max_tries=ds.max_tries, std_threshold=ds.std_threshold)
+    reward_metrics: dict[str, float] = {}  # the first round's: the policy's own reward, before any filtering
+    while n := dapo.needed():  # one round without DAPO; more while groups lack reward variance
+        records = [job.train_records[i] for i in sampler.next_indices(n)]
+        seed = rollout_seed(cfg.train.seed, it, dapo.rounds)
+        with timer("rollout"):
+            completions = rollout.generate(records, rollout.params(n=cfg.rollout.n_samples_per_prompt, seed=seed))
+        with timer("reward"):
+            scored = scorer.score(records, completions)
+        reward_metrics = reward_metrics if dapo.rounds else scored.metrics
+        dapo.add(scored.groups)
+    groups, dapo_metrics = dapo.result()
     with timer("onload"):
-        onload_metrics = phases.trainer_to_device(job)
+        onload_metrics = job.memory.to_trainer()
     with timer("advantages"):
-        samples, adv_metrics = phases.build_samples(job, groups)
-        plan = phases.plan_update(job, samples)
-    beta = kl_beta(cfg.algorithm.kl, it - 1, cfg.train.iterations)
+        batch = build_samples(cfg.algorithm, cfg.rollout.max_new_tokens, groups)
+        plan = plan_update(cfg.train, cfg.algorithm, ps, batch.samples)
+    forward = {"ps": ps, "pad_id": job.pad_id, "vocab_size": policy.spec.vocab_size,
+               "temperature": cfg.rollout.temperature}
     with timer("ref_logprob"), job.reference_on_device():
         if job.reference is not None:
-            phases.logprob_pass(job, job.reference, samples, plan, "ref")
+            logprob_pass(job.reference, batch.samples, plan, "ref", **forward)
     with timer("old_logprob"):
         if cfg.train.updates_per_iteration > 1 and cfg.train.old_logprobs == "trainer":
-            phases.logprob_pass(job, job.policy.model, samples, plan, "old")
+            logprob_pass(policy.model, batch.samples, plan, "old", **forward)
+    beta = kl_beta(cfg.algorithm.kl, it - 1, cfg.train.iterations)
+    loss = GRPOLoss(cfg.algorithm, beta, cfg.algorithm.loss_norm_len or cfg.rollout.max_new_tokens,
+                    old_from_engine=cfg.train.old_logprobs == "engine")
     with timer("train"):
-        train_metrics = phases.update_policy(job, samples, plan, beta)
+        train_metrics = update_policy(policy, batch.samples, plan, loss, ps=ps, pad_id=job.pad_id,
+                                      temperature=cfg.rollout.temperature)
     with timer("sync"):
-        sync_metrics = phases.sync_weights(job, it, probe)
+        sync_metrics = sync_to_engines(job, it, probe)
     metrics = {
         **reward_metrics,
+        **dapo_metrics,
         **train_metrics,
         "kl_beta": beta,
-        "response_len/mean": sum(len(c.token_ids) for g in groups for c in g.completions) / len(samples),
-        **adv_metrics,
+        "response_len/mean": sum(len(c.token_ids) for g in groups for c in g.completions) / len(batch.samples),
+        **batch.metrics,
         **sync_metrics,
         **onload_metrics,
     }
     metrics.setdefault("kl", 0.0)
-    return Iteration(groups, samples, plan, metrics)
+    return Iteration(groups, batch.samples, plan, metrics)
+
+
+def sync_to_engines(job: Job, version: int, probe: ProbeBatch) -> dict[str, float]:
+    """The sync phase with the job's objects: weights as ``version``, then the mismatch probe."""
+    return sync_weights(job.policy.model, job.fleet, job.memory, job.ps, version, probe,
+                        vocab_size=int(job.hf["vocab_size"]), temperature=job.cfg.rollout.temperature)
+
+
+def evaluate_job(job: Job, iteration: int) -> dict[str, float]:
+    """The eval phase with the job's objects (also SFT's held-out check)."""
+    return evaluate(job.rollout, job.scorer, job.eval_records, train_seed=job.cfg.train.seed,
+                    iteration=iteration, samples=job.cfg.train.eval_samples)
+
+
+def job_probe(job: Job) -> ProbeBatch:
+    """The run's fixed mismatch-probe batch (rollout.probe_batch held-out, else training, prompts)."""
+    return answer_probe(job.eval_records or job.train_records, job.tokenizer, job.eos_id, job.cfg.rollout.probe_batch)
 
 
 def train(job: Job) -> dict[str, float]:
@@ -99,11 +145,11 @@ def train(job: Job) -> dict[str, float]:
     # (no checkpoint yet: a crash before the first save, or save_interval=0) redoes everything,
     # its iteration-0 evaluation included.
     job.logger.truncate_from(start + 1 if resumed is not None else 0)
-    probe = phases.probe_sequences(job)
-    phases.sync_weights(job, start, probe)  # the engines start from the trainer's weights
+    probe = job_probe(job)
+    sync_to_engines(job, start, probe)  # the engines start from the trainer's weights
     last_eval = dict(state["eval"])
     if resumed is None:  # a fresh run: held-out accuracy before any update, logged as iteration 0
-        last_eval = phases.evaluate(job, start)
+        last_eval = evaluate_job(job, start)
         job.logger.log(start, last_eval)
     first_eval = dict(last_eval)
     job.beat("first evaluation")
@@ -118,7 +164,7 @@ def train(job: Job) -> dict[str, float]:
             result = run_iteration(job, sampler, probe, it, timer)
             with timer("eval"):
                 if it == cfg.train.iterations or (cfg.train.eval_interval and it % cfg.train.eval_interval == 0):
-                    eval_metrics = last_eval = phases.evaluate(job, it)
+                    eval_metrics = last_eval = evaluate_job(job, it)
                     last_it = it
                     if not eval_metrics.get("eval/accuracy", float("nan")) <= best[1]:  # NaN best: replace
                         best = (it, eval_metrics.get("eval/accuracy", float("nan")))
@@ -132,11 +178,12 @@ def train(job: Job) -> dict[str, float]:
         for name in ("ref_logprob", "old_logprob"):
             metrics.setdefault(f"time/{name}", 0.0)
         job.logger.log(it, metrics)
-        phases.stop_if_not_finite(metrics, it, f"the checkpoints in {job.checkpoints.dir} are untouched")
+        stop_if_not_finite(metrics, it, f"the checkpoints in {job.checkpoints.dir} are untouched")
         if cfg.logging.samples_interval and it % cfg.logging.samples_interval == 0:
             job.logger.log_samples(it, sample_rows(result.groups, cfg.train.rollout_samples_logged))
-        if cfg.checkpoint.save_interval and (it % cfg.checkpoint.save_interval == 0 or it == cfg.train.iterations):
-            phases.save_checkpoint(job, it, {"iteration": it, "sampler": sampler.state_dict(), "eval": last_eval, "best": best})
+        if job.checkpoints.should_save(it, final_iteration=cfg.train.iterations):
+            trainer_state = {"iteration": it, "sampler": sampler.state_dict(), "eval": last_eval, "best": best}
+            save_checkpoint(job.checkpoints, job.memory, job.policy, it, trainer_state)
     return {
         "before": first_eval.get("eval/accuracy", float("nan")),
         "after": last_eval.get("eval/accuracy", float("nan")),
@@ -144,14 +191,6 @@ def train(job: Job) -> dict[str, float]:
         "best": best[1],
         "best_iteration": best[0],
     }
-
-
-def sample_rows(groups: list[phases.Group], count: int) -> list[dict[str, object]]:
-    """The first response of the first ``count`` prompts, for the console table and samples.jsonl."""
-    return [
-        {"prompt": g.record.prompt, "response": g.texts[0], "answer": g.record.answer, "reward": g.rewards[0]}
-        for g in groups[:count]
-    ]
 
 
 def main(cfg: JobConfig) -> int:
@@ -163,7 +202,6 @@ def main(cfg: JobConfig) -> int:
     try:
         result = train(job)
         if cfg.checkpoint.export_hf_dir:
-            phases.trainer_to_device(job)  # the export reads the parameters (offload_trainer)
             export_hf_checkpoint(job, job.run_dir / cfg.checkpoint.export_hf_dir)
     finally:
         job.close()

@@ -26,7 +26,9 @@ if TYPE_CHECKING:
     from grpo_megatron.logging_utils.metrics import MetricsLogger
     from grpo_megatron.rewards.pool import RewardPool
     from grpo_megatron.rollout.fleet import RolloutFleet
-    from grpo_megatron.training.offload import OffloadReport
+    from grpo_megatron.training.offload import ColocatedMemory
+    from grpo_megatron.training.phases.reward import Scorer
+    from grpo_megatron.training.phases.rollout import Rollout
     from grpo_megatron.training.policy import Policy
 
 
@@ -46,10 +48,10 @@ class Job:
     eval_records: list[PromptRecord]
     rewards: RewardPool | None
     """Only on global rank 0 (it scores for everyone and broadcasts); None elsewhere."""
+    memory: ColocatedMemory
+    """The colocated memory choreography (train.offload_trainer; a no-op when off)."""
     reference: torch.nn.Module | None = None
     """Frozen reference model (same layout as the policy); None when the KL penalty is off."""
-    offloaded: list[OffloadReport] = field(default_factory=list)
-    """Trainer state now in host memory (train.offload_trainer), in the order it left."""
     sft_records: list[SFTRecord] = field(default_factory=list)
     """Prompt/response pairs of `grpo-megatron sft` (empty for GRPO)."""
     watchdog: ProgressWatchdog | None = None
@@ -69,6 +71,20 @@ class Job:
     def pad_id(self) -> int:
         pad = self.tokenizer.pad_token_id
         return int(pad if pad is not None else self.eos_id)
+
+    @property
+    def rollout(self) -> Rollout:
+        """What the rollout and eval phases act on: the engines and rollout.* sampling settings."""
+        from grpo_megatron.training.phases.rollout import Rollout
+
+        return Rollout(self.fleet, self.cfg.rollout, self.eos_id)
+
+    @property
+    def scorer(self) -> Scorer:
+        """What the reward phase acts on: the tokenizer and rank 0's reward pool."""
+        from grpo_megatron.training.phases.reward import Scorer
+
+        return Scorer(self.tokenizer, self.rewards, self.cfg.reward)
 
     def make_sampler(self, num_items: int | None = None) -> PromptSampler:
         """The seeded, resumable order in which training prompts (or SFT pairs) are drawn."""
@@ -155,6 +171,7 @@ def export_hf_checkpoint(job: Job, out_dir: Path) -> None:
     from grpo_megatron.bridge.export import write_hf_checkpoint
 
     tokenizer_dir = Path(job.cfg.data.tokenizer_path or job.cfg.model.hf_path)
+    job.memory.to_trainer()  # the export reads the parameters (train.offload_trainer)
     write_hf_checkpoint(job.policy.model, job.ps, job.hf, out_dir, extra_files=tokenizer_files(tokenizer_dir))
 
 
@@ -168,6 +185,7 @@ def build_job(cfg: JobConfig, *, with_reference: bool, sft: bool = False) -> Job
     from grpo_megatron.logging_utils.metrics import REQUIRED_KEYS, MetricsLogger
     from grpo_megatron.rewards.pool import RewardPool
     from grpo_megatron.rollout.fleet import RolloutFleet
+    from grpo_megatron.training.offload import ColocatedMemory
     from grpo_megatron.training.policy import build_policy
 
     ps = init_distributed(cfg.parallel, seed=cfg.train.seed)
@@ -225,6 +243,7 @@ def build_job(cfg: JobConfig, *, with_reference: bool, sft: bool = False) -> Job
         train_records=train_records,
         eval_records=eval_records,
         rewards=pools[0] if pools else None,
+        memory=ColocatedMemory(policy, fleet, enabled=cfg.train.offload_trainer),
         reference=reference,
         sft_records=sft_records,
         watchdog=watchdog,

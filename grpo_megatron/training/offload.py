@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Collection, Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -220,3 +221,74 @@ def onload(policy: Policy, report: OffloadReport) -> float:
 def _bytes_of(storage: torch.UntypedStorage) -> torch.Tensor:
     """A uint8 tensor over all of ``storage`` (shares its memory)."""
     return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
+
+
+class ColocatedMemory:
+    """The colocated memory choreography (train.offload_trainer): which of the trainer's state and the
+    engines' memory is on the device when, in one place. The trainer, checkpoint saving, the final
+    export and bench/gpu_smoke.py call it; every method is a no-op when ``enabled`` is False.
+
+    One iteration, in the order that keeps peak device memory low:
+      ``to_trainer``   (onload phase) the engines release all their memory, the trainer's state returns;
+      ``before_sync``  gradients and optimizer state leave, the engines take their weights back (the
+                       export reads the parameters, so those stay);
+      ``after_sync``   the parameters leave, the engines get their KV cache and CUDA graphs back.
+    ``trainer_visit`` brings everything offloaded back for a checkpoint save and sends it away again,
+    so the engines keep their memory.
+    """
+
+    def __init__(self, policy: Policy, fleet: Any, *, enabled: bool, discard_grads: bool = False) -> None:
+        self.policy = policy
+        self.fleet = fleet
+        """The rollout fleet (rollout/fleet.py: ``release_memory`` / ``resume_memory``)."""
+        self.enabled = enabled
+        self.discard_grads = discard_grads
+        """Free gradients without copying them (they come back zeroed): for a loop that zeroes them
+        before its next step anyway (bench/gpu_smoke.py)."""
+        self.offloaded: list[OffloadReport] = []
+        """Trainer state now in host memory, in the order it left."""
+
+    def to_trainer(self) -> dict[str, float]:
+        """Engines -> trainer: the engines release their device memory, then the trainer's state comes
+        back from the host. ``offload/onload_seconds``, or nothing when there was nothing to bring back."""
+        if not self.enabled or not self.offloaded:
+            return {}
+        self.fleet.release_memory(None)
+        seconds = self._onload_all()
+        return {"offload/onload_seconds": seconds}
+
+    def before_sync(self) -> None:
+        """Gradients and optimizer state leave; the engines take their weights back for the sync."""
+        if self.enabled:
+            self.offloaded.append(offload(self.policy, parts=("grads", "optimizer"), discard_grads=self.discard_grads))
+            self.fleet.resume_memory(["weights"])
+
+    def after_sync(self) -> dict[str, float]:
+        """The parameters leave; the engines get their caches back. ``offload/*`` of the parameters."""
+        if not self.enabled:
+            return {}
+        report = offload(self.policy, parts=("params",))
+        self.offloaded.append(report)
+        self.fleet.resume_memory(["kv_cache", "cuda_graph"])
+        return report.metrics()
+
+    @contextmanager
+    def trainer_visit(self) -> Iterator[None]:
+        """Whatever of the trainer's state is offloaded visits the device for the body (a checkpoint
+        save) and leaves again in the same two steps; the engines' memory is not touched."""
+        was_offloaded = bool(self.offloaded)
+        self._onload_all()
+        yield
+        if was_offloaded:
+            self.offloaded.append(offload(self.policy, parts=("grads", "optimizer")))
+            self.offloaded.append(offload(self.policy, parts=("params",)))
+
+    def trainer_back(self) -> None:
+        """Bring the trainer's state back for good (the final export reads the parameters; the end of
+        a loop); the engines' memory is not touched."""
+        self._onload_all()
+
+    def _onload_all(self) -> float:
+        seconds = sum(onload(self.policy, report) for report in reversed(self.offloaded))
+        self.offloaded.clear()
+        return seconds

@@ -22,10 +22,11 @@ import torch
 
 from grpo_megatron.distributed.collectives import collective_device, on_rank0
 from grpo_megatron.fileio import write_text_atomic
-from grpo_megatron.training import phases
-from grpo_megatron.training.batching import Sample, collate, make_sample, rank_microbatches
+from grpo_megatron.training.batching import LossInputs, Sample, collate, make_sample, rank_microbatches
 from grpo_megatron.training.forward_backward import MicroBatch, forward_backward
 from grpo_megatron.training.job import Job, build_job, export_hf_checkpoint
+from grpo_megatron.training.phases.bookkeeping import stop_if_not_finite
+from grpo_megatron.training.phases.eval import evaluate
 
 if TYPE_CHECKING:
     from grpo_megatron.config import JobConfig
@@ -55,7 +56,7 @@ def sft_step(job: Job, samples: list[Sample]) -> dict[str, float]:
     total_tokens = float(sum(s.mask_s.sum() for s in samples))
 
     def nll(logprobs_bs: torch.Tensor, entropy_bs: torch.Tensor | None, mb: MicroBatch):
-        mask_bs = mb.extras["mask_bs"]
+        mask_bs = LossInputs.of(mb).mask_bs
         loss = -(logprobs_bs * mask_bs).sum() / total_tokens  # this micro-batch's share of the mean
         return loss, {"tokens": mask_bs.sum()}
 
@@ -187,7 +188,10 @@ def run_sft(job: Job) -> dict[str, object]:
 
     def dev_eval(step: int) -> float:
         job.fleet.sync_weights(job.policy.model, version=step)
-        return phases.evaluate(job, step)["eval/accuracy"]
+        return evaluate(
+            job.rollout, job.scorer, job.eval_records, train_seed=job.cfg.train.seed, iteration=step,
+            samples=job.cfg.train.eval_samples,
+        )["eval/accuracy"]
 
     accuracy = dev_eval(0)
     job.logger.log(0, {"eval/accuracy": accuracy})
@@ -226,7 +230,7 @@ def run_sft(job: Job) -> dict[str, object]:
                 stop_reason = f"dev accuracy {accuracy:.1%} at step {step} reached {_target(sft)}"
         metrics["time/step"] = time.perf_counter() - start
         job.logger.log(step, metrics)
-        phases.stop_if_not_finite(metrics, step, "SFT writes its checkpoint only at the end")
+        stop_if_not_finite(metrics, step, "SFT writes its checkpoint only at the end")
         if action == "replay":
             assert replay_point is not None and keeper is not None and keeper.below is not None
             _say(

@@ -82,7 +82,7 @@ def roundtrip(
     Cases named in ``write_dirs`` also stream into a ``SafetensorsWriter`` there."""
     from safetensors.torch import load_file
 
-    from grpo_megatron.bridge.export import SafetensorsWriter, export_hf, export_hf_stream
+    from grpo_megatron.bridge.export import SafetensorsWriter, export_hf_stream
     from grpo_megatron.bridge.hf_loader import load_hf_weights
     from grpo_megatron.distributed.bootstrap import destroy_distributed
     from grpo_megatron.distributed.megatron_compat import applied_fixes
@@ -101,7 +101,7 @@ def roundtrip(
                     buckets.append(bucket)
                     writer(bucket)
         else:
-            export_hf(model, ps, hf, buckets.append, bucket_bytes=bucket_bytes)
+            buckets.extend(export_hf_stream(model, ps, hf, bucket_bytes=bucket_bytes))
         tokens = batch_tokens()
         (lp,) = forward_logprobs(
             model, [MicroBatch(tokens[:, :-1], tokens[:, 1:])], ps, vocab_size=spec.vocab_size

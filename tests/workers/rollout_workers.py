@@ -49,10 +49,11 @@ def _trainer_logprobs(
 
 def _rollout_vs_trainer(fleet, policy, ps, hf, params) -> tuple[list, float]:
     """Generate, then the largest |engine logprob - trainer logprob| over all sampled tokens."""
-    from grpo_megatron.rollout.fleet import probe_batch
+    from grpo_megatron.training.phases.sync import probe_batch
 
     completions = fleet.generate(PROMPTS, params)
-    sequences, prompt_lens = probe_batch(PROMPTS, completions, size=10**6)
+    probe = probe_batch(PROMPTS, _tokens(completions), size=10**6)
+    sequences, prompt_lens = probe.sequences, probe.prompt_lens
     trainer = _trainer_logprobs(policy, ps, hf, sequences, prompt_lens)
     engine = [torch.tensor(c.logprobs) for group in completions for c in group if c.token_ids]
     diff = max(float((e - t).abs().max()) for e, t in zip(engine, trainer, strict=True))
@@ -98,7 +99,8 @@ def sync_cases(
     built from another config and records the error."""
     from grpo_megatron.distributed.bootstrap import destroy_distributed
     from grpo_megatron.rollout.engine import SamplingParams
-    from grpo_megatron.rollout.fleet import RolloutFleet, probe_batch
+    from grpo_megatron.rollout.fleet import RolloutFleet
+    from grpo_megatron.training.phases.sync import mismatch_probe, probe_batch
 
     out: dict = {}
     for case, (hf_dir, overrides) in cases.items():
@@ -116,11 +118,13 @@ def sync_cases(
         res["same_seed_same"] = _tokens(fleet.generate(PROMPTS, params)) == res["tokens"]
         other = SamplingParams(n=3, temperature=1.0, max_new_tokens=6, seed=8)
         res["other_seed_differs"] = _tokens(fleet.generate(PROMPTS, other)) != res["tokens"]
-        sequences, prompt_lens = probe_batch(PROMPTS, completions, size=4)
-        probe = fleet.mismatch_probe(policy.model, ps, sequences, prompt_lens, temperature=1.0)
+        batch = probe_batch(PROMPTS, res["tokens"], size=4)
+        sequences = batch.sequences
+        vocab = int(hf["vocab_size"])
+        probe = mismatch_probe(policy.model, fleet, ps, batch, vocab_size=vocab, temperature=1.0)
         res["probe_max"] = probe["mismatch/probe_abs_diff_max"]
         res["probe_tokens"] = probe["mismatch/probe_tokens"]
-        hot = fleet.mismatch_probe(policy.model, ps, sequences, prompt_lens, temperature=0.7)
+        hot = mismatch_probe(policy.model, fleet, ps, batch, vocab_size=vocab, temperature=0.7)
         res["probe_max_t07"] = hot["mismatch/probe_abs_diff_max"]
 
         if case == "train":
@@ -132,7 +136,7 @@ def sync_cases(
             before_lp = torch.tensor([lp for g in completions for c in g for lp in c.logprobs[:1]])
             after_lp = torch.tensor([lp for g in after for c in g for lp in c.logprobs[:1]])
             res["first_logprob_change"] = float((before_lp - after_lp).abs().max())
-            probe = fleet.mismatch_probe(policy.model, ps, sequences, prompt_lens, temperature=1.0)
+            probe = mismatch_probe(policy.model, fleet, ps, batch, vocab_size=vocab, temperature=1.0)
             res["probe_max_after"] = probe["mismatch/probe_abs_diff_max"]
 
             # Engines built from a different config: the sync must fail on every rank, and these

@@ -1,0 +1,83 @@
+"""Advantages phase (``time/advantages``): rewards -> group-relative advantages -> trainer samples,
+and the split of the batch into mini-batches, data-parallel shares and micro-batches."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+from grpo_megatron.algorithm.advantages import advantages_from_config
+from grpo_megatron.algorithm.batch_shaping import overlong_penalty
+from grpo_megatron.algorithm.policy_loss import loss_normalizer
+from grpo_megatron.training.batching import Sample, make_sample, minibatch_slices, rank_microbatches
+
+if TYPE_CHECKING:
+    from grpo_megatron.algorithm.config import AlgorithmConfig
+    from grpo_megatron.distributed.bootstrap import ParallelState
+    from grpo_megatron.training.config import TrainConfig
+    from grpo_megatron.training.phases.reward import Group
+
+
+@dataclass
+class Batch:
+    """The trainer's samples of one iteration, in group order, and the advantage metrics
+    (``advantage/abs_mean``, DAPO's ``overlong/*``)."""
+
+    samples: list[Sample]
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+def build_samples(alg: AlgorithmConfig, max_new_tokens: int, groups: Sequence[Group]) -> Batch:
+    """Rewards (+ DAPO overlong penalty, whose default length is ``max_new_tokens``) -> group-relative
+    advantages -> trainer samples."""
+    rewards_b = torch.tensor([x for g in groups for x in g.rewards], dtype=torch.float32)
+    lengths_b = torch.tensor([len(c.token_ids) for g in groups for c in g.completions], dtype=torch.float32)
+    metrics: dict[str, float] = {}
+    if alg.overlong.enabled:
+        max_len = alg.overlong.max_len or max_new_tokens
+        penalty_b, metrics = overlong_penalty(lengths_b, max_len, alg.overlong.buffer_len, alg.overlong.penalty)
+        rewards_b = rewards_b + penalty_b
+    group_size = len(groups[0].completions)
+    advantages_b = advantages_from_config(rewards_b, group_size, alg)
+    samples, k = [], 0
+    for g in groups:
+        for c in g.completions:
+            samples.append(make_sample(g.record.prompt_ids, c.token_ids, c.logprobs, float(advantages_b[k])))
+            k += 1
+    metrics["advantage/abs_mean"] = float(advantages_b.abs().mean())
+    return Batch(samples, metrics)
+
+
+@dataclass
+class UpdatePlan:
+    """This rank's micro-batches (rows into the sample list), per mini-batch, and each mini-batch's
+    global loss normaliser (the same on every rank)."""
+
+    rows: list[list[list[int]]]
+    normalizers: list[float]
+
+    @property
+    def all_rows(self) -> list[list[int]]:
+        return [r for minibatch in self.rows for r in minibatch]
+
+
+def plan_update(train: TrainConfig, alg: AlgorithmConfig, ps: ParallelState, samples: Sequence[Sample]) -> UpdatePlan:
+    """Split the batch into mini-batches, DP shares and micro-batches (training/batching.py)."""
+    lengths = [s.length for s in samples]
+    rows, normalizers = [], []
+    for minibatch in minibatch_slices(len(samples), train.updates_per_iteration):
+        rows.append(
+            rank_microbatches(
+                lengths,
+                minibatch,
+                dp_size=ps.dp,
+                dp_rank=ps.dp_rank,
+                micro_batch_size=train.micro_batch_size,
+                max_tokens=train.max_tokens_per_micro_batch,
+            )
+        )
+        normalizers.append(sum(loss_normalizer(alg.loss_agg_mode, samples[i].mask_s[None]) for i in minibatch))
+    return UpdatePlan(rows, normalizers)

@@ -1,0 +1,48 @@
+"""Bookkeeping after an iteration: the loss check that guards every save, checkpoints (with the
+colocated trainer state visiting the device), and the sample rows of the console and samples.jsonl."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from grpo_megatron.checkpoint.manager import CheckpointManager
+    from grpo_megatron.training.offload import ColocatedMemory
+    from grpo_megatron.training.phases.reward import Group
+    from grpo_megatron.training.policy import Policy
+
+# Not grad_norm: megatron reports none (NaN here) when clipping is off. NaN gradients make NaN
+# weights, which the next loss and the save's parameter check catch.
+LOSS_KEYS = ("loss/policy", "sft/loss")
+
+
+def stop_if_not_finite(metrics: dict[str, float], iteration: int, kept: str) -> None:
+    """Raise before anything is saved when the iteration's loss is not finite:
+    the weights it wrote are NaN, and a checkpoint of them must never become ``latest``. ``kept``
+    says what stays intact, for the message."""
+    bad = {k: metrics[k] for k in LOSS_KEYS if k in metrics and not math.isfinite(metrics[k])}
+    if bad:
+        shown = ", ".join(f"{k}={v}" for k, v in bad.items())
+        raise FloatingPointError(
+            f"iteration {iteration}: {shown}; the run stops before saving these weights ({kept}). "
+            "Lower the learning rate or set train.grad_clip"
+        )
+
+
+def save_checkpoint(
+    checkpoints: CheckpointManager, memory: ColocatedMemory, policy: Policy, iteration: int, trainer_state: dict[str, Any]
+) -> None:
+    """Checkpoint the policy; trainer state that is offloaded (train.offload_trainer) visits the device
+    for the save and leaves again, so the engines keep their memory."""
+    with memory.trainer_visit():
+        checkpoints.save(iteration, policy, trainer_state)
+
+
+def sample_rows(groups: Sequence[Group], count: int) -> list[dict[str, object]]:
+    """The first response of the first ``count`` prompts, for the console table and samples.jsonl."""
+    return [
+        {"prompt": g.record.prompt, "response": g.texts[0], "answer": g.record.answer, "reward": g.rewards[0]}
+        for g in groups[:count]
+    ]

@@ -1,0 +1,46 @@
+"""Rollout phase (``time/rollout``): the engines generate G responses per prompt."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from grpo_megatron.rollout.engine import Completion, SamplingParams
+
+if TYPE_CHECKING:
+    from grpo_megatron.data import PromptRecord
+    from grpo_megatron.rollout.config import RolloutConfig
+    from grpo_megatron.rollout.fleet import RolloutFleet
+
+
+def rollout_seed(train_seed: int, iteration: int, round_index: int = 0) -> int:
+    """The sampling seed of one rollout round (DAPO may run several per iteration); evaluation uses
+    ``round_index=0`` (greedy) and ``+1`` (sampled) of the same formula."""
+    return train_seed * 1_000_003 + iteration + 7919 * round_index
+
+
+@dataclass
+class Rollout:
+    """What the rollout (and eval) phase acts on: the engines and the sampling settings."""
+
+    fleet: RolloutFleet
+    cfg: RolloutConfig
+    eos_id: int
+
+    def params(self, *, n: int, seed: int, greedy: bool = False) -> SamplingParams:
+        r = self.cfg
+        return SamplingParams(
+            n=n,
+            temperature=r.temperature,
+            top_p=r.top_p,
+            top_k=r.top_k,
+            max_new_tokens=r.max_new_tokens,
+            stop_token_ids=(self.eos_id,),
+            seed=seed,
+            greedy=greedy,
+        )
+
+    def generate(self, records: Sequence[PromptRecord], params: SamplingParams) -> list[list[Completion]]:
+        """``params.n`` completions per prompt, in prompt order, on every rank."""
+        return self.fleet.generate([list(r.prompt_ids) for r in records], params)

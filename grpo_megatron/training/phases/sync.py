@@ -1,0 +1,116 @@
+"""Sync phase (``time/sync``): the trainer's weights stream into the engines, then the mismatch probe
+compares the trainer's and the engines' logprobs on one fixed batch. With train.offload_trainer the
+colocated memory moves around the stream (training/offload.py:ColocatedMemory)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+from grpo_megatron.distributed.bootstrap import ParallelState
+from grpo_megatron.training.forward_backward import MicroBatch, forward_logprobs
+
+if TYPE_CHECKING:
+    from grpo_megatron.data import PromptRecord
+    from grpo_megatron.rollout.fleet import RolloutFleet
+    from grpo_megatron.training.offload import ColocatedMemory
+
+
+@dataclass
+class ProbeBatch:
+    """A fixed batch for the mismatch probe: token sequences and the length of each one's prompt (the
+    probe compares the tokens after it)."""
+
+    sequences: list[list[int]] = field(default_factory=list)
+    prompt_lens: list[int] = field(default_factory=list)
+
+
+def probe_batch(
+    prompts: Sequence[Sequence[int]], continuations: Sequence[Sequence[Sequence[int]]], size: int
+) -> ProbeBatch:
+    """The first ``size`` (prompt + continuation) sequences, ``continuations[i]`` being prompt ``i``'s
+    (a rollout's responses, or a reference answer); empty continuations are skipped."""
+    probe = ProbeBatch()
+    for prompt, group in zip(prompts, continuations, strict=True):
+        for continuation in group:
+            if len(probe.sequences) == size:
+                return probe
+            if continuation:
+                probe.sequences.append(list(prompt) + list(continuation))
+                probe.prompt_lens.append(len(prompt))
+    return probe
+
+
+def answer_probe(records: Sequence[PromptRecord], tokenizer: Any, eos_id: int, size: int) -> ProbeBatch:
+    """The trainer's probe: the first ``size`` prompts of ``records`` (held-out, else training) followed
+    by their reference answers and EOS, so every run and every resume probes the same tokens."""
+    records = records[:size]
+    answers = [[[*tokenizer(str(r.answer), add_special_tokens=False)["input_ids"], eos_id]] for r in records]
+    return probe_batch([r.prompt_ids for r in records], answers, size)
+
+
+def mismatch_probe(
+    model: torch.nn.Module,
+    fleet: RolloutFleet,
+    ps: ParallelState,
+    probe: ProbeBatch,
+    *,
+    vocab_size: int,
+    temperature: float,
+) -> dict[str, float]:
+    """Collective: trainer ``forward_logprobs`` vs every engine's ``score`` on ``probe``, over the tokens
+    after each prompt; max and mean absolute difference over all engines (an empty probe, e.g.
+    rollout.probe_batch=0, gives no metrics)."""
+    sequences, prompt_lens = probe.sequences, probe.prompt_lens
+    if not sequences:
+        return {}
+    length = max(len(s) for s in sequences)
+    tokens_bl = torch.zeros((len(sequences), length), dtype=torch.long)  # right padding is harmless
+    for i, seq in enumerate(sequences):
+        tokens_bl[i, : len(seq)] = torch.tensor(list(seq))
+    (out,) = forward_logprobs(
+        model, [MicroBatch(tokens_bl[:, :-1], tokens_bl[:, 1:])], ps, vocab_size=vocab_size, temperature=temperature
+    )
+    trainer_bl = out.logprobs_bs.float().cpu()
+    scored = fleet.score(sequences, prompt_lens, temperature)
+    stats = None
+    if scored is not None:
+        diffs = [
+            (torch.tensor(engine_lp) - trainer_bl[i, p - 1 : len(s) - 1]).abs()
+            for i, (s, p, engine_lp) in enumerate(zip(sequences, prompt_lens, scored, strict=True))
+        ]
+        diff_t = torch.cat(diffs) if diffs else torch.zeros(0)
+        stats = (float(diff_t.max()) if diff_t.numel() else 0.0, float(diff_t.sum()), diff_t.numel())
+    gathered: list[Any] = [None] * ps.world_size
+    dist.all_gather_object(gathered, stats)
+    got = [g for g in gathered if g is not None]
+    count = sum(g[2] for g in got)
+    return {
+        "mismatch/probe_abs_diff_max": max(g[0] for g in got),
+        "mismatch/probe_abs_diff_mean": sum(g[1] for g in got) / max(count, 1),
+        "mismatch/probe_tokens": float(count),
+    }
+
+
+def sync_weights(
+    model: torch.nn.Module,
+    fleet: RolloutFleet,
+    memory: ColocatedMemory,
+    ps: ParallelState,
+    version: int,
+    probe: ProbeBatch,
+    *,
+    vocab_size: int,
+    temperature: float,
+) -> dict[str, float]:
+    """Weight sync as ``version`` (``sync/*``) and the mismatch probe (``mismatch/probe_*``), between
+    the colocated memory's ``before_sync`` and ``after_sync`` (``offload/*`` when it is on)."""
+    memory.before_sync()
+    metrics = fleet.sync_weights(model, version=version)
+    metrics |= mismatch_probe(model, fleet, ps, probe, vocab_size=vocab_size, temperature=temperature)
+    metrics |= memory.after_sync()
+    return metrics

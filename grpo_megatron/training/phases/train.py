@@ -1,0 +1,181 @@
+"""Train phase (``time/train``): one optimizer step per mini-batch of the clipped GRPO surrogate
+(+ KL, TIS), and the reduction of its metrics over micro-batches and data-parallel ranks."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from enum import Enum
+
+import torch
+import torch.distributed as dist
+
+from grpo_megatron.algorithm.config import AlgorithmConfig
+from grpo_megatron.algorithm.mismatch import mismatch_metrics, tis_weights
+from grpo_megatron.algorithm.policy_loss import grpo_policy_loss
+from grpo_megatron.distributed.bootstrap import ParallelState
+from grpo_megatron.distributed.collectives import collective_device
+from grpo_megatron.training.batching import LossInputs, Sample, collate
+from grpo_megatron.training.forward_backward import LossFn, MicroBatch, forward_backward
+from grpo_megatron.training.phases.advantages import UpdatePlan
+from grpo_megatron.training.policy import Policy
+
+
+class Reduction(Enum):
+    """How a loss metric's per-micro-batch values become the iteration's value."""
+
+    TOKEN_MEAN = "token_mean"
+    """Each micro-batch reports a sum over its response tokens; the sums over micro-batches and
+    data-parallel ranks are divided by the global token count."""
+    MINIBATCH_MEAN = "minibatch_mean"
+    """Each micro-batch reports its share of its mini-batch's value; summed over micro-batches and
+    ranks, averaged over mini-batches."""
+    MAX = "max"
+    """The maximum over micro-batches and ranks."""
+    TOKENS = "tokens"
+    """The response-token count: TOKEN_MEAN's denominator, not logged."""
+
+
+LOSS_METRICS: dict[str, Reduction] = {
+    "loss/pg": Reduction.MINIBATCH_MEAN,  # logged as loss/policy
+    "loss/kl": Reduction.MINIBATCH_MEAN,
+    "loss/total": Reduction.MINIBATCH_MEAN,
+    "clip_frac": Reduction.TOKEN_MEAN,
+    "clip_frac/low": Reduction.TOKEN_MEAN,
+    "clip_frac/high": Reduction.TOKEN_MEAN,
+    "kl": Reduction.TOKEN_MEAN,
+    "ppo_kl": Reduction.TOKEN_MEAN,
+    "ratio/mean": Reduction.TOKEN_MEAN,
+    "entropy": Reduction.TOKEN_MEAN,
+    "mismatch/logprob_abs_diff": Reduction.TOKEN_MEAN,
+    "mismatch/logprob_abs_diff_max": Reduction.MAX,
+    "tokens": Reduction.TOKENS,
+}
+"""Every metric the GRPO loss function reports, with its reduction."""
+
+
+@dataclass(frozen=True)
+class GRPOLoss:
+    """The settings of the GRPO loss for one iteration."""
+
+    alg: AlgorithmConfig
+    kl_beta: float
+    """This iteration's KL coefficient (algorithm/kl.py:kl_beta)."""
+    norm_len: int
+    """Dr.GRPO's constant length (algorithm.loss_norm_len, else rollout.max_new_tokens)."""
+    old_from_engine: bool
+    """train.old_logprobs == "engine": pi_old is the rollout engine's logprobs."""
+
+    def loss_fn(self, normalizer: float) -> LossFn:
+        """The loss of one micro-batch (its share of the mini-batch's GRPO loss, ``normalizer`` being
+        the mini-batch's global loss normaliser) and its ``LOSS_METRICS``."""
+        alg = self.alg
+
+        def loss_fn(
+            logprobs_bs: torch.Tensor, entropy_bs: torch.Tensor | None, mb: MicroBatch
+        ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+            inputs = LossInputs.of(mb)
+            mask_bs, rollout_bs = inputs.mask_bs, inputs.rollout_logprobs_bs
+            # pi_old before any update of this iteration, on the trainer's side.
+            trainer_old_bs = inputs.old_logprobs_bs if inputs.old_logprobs_bs is not None else logprobs_bs.detach()
+            old_bs = rollout_bs if self.old_from_engine else inputs.old_logprobs_bs
+            tis_bs = None
+            if alg.tis.enabled:
+                tis_bs, _ = tis_weights(trainer_old_bs, rollout_bs, mask_bs, alg.tis.cap)
+            loss, m = grpo_policy_loss(
+                logprobs_bs,
+                old_bs,
+                inputs.advantages_b,
+                mask_bs,
+                alg,
+                ref_logprobs_bt=inputs.ref_logprobs_bs,
+                kl_beta=self.kl_beta,
+                tis_weights_bt=tis_bs,
+                normalizer=normalizer,
+                norm_len=self.norm_len,
+            )
+            n_tokens = mask_bs.sum()
+            out: dict[str, torch.Tensor] = {}
+            for key, value in m.items():
+                kind = LOSS_METRICS.get(key)
+                if kind is Reduction.MINIBATCH_MEAN:
+                    out[key] = value
+                elif kind is Reduction.TOKEN_MEAN:
+                    out[key] = value * n_tokens  # a mean over this micro-batch's tokens -> their sum
+            if entropy_bs is not None:
+                out["entropy"] = (entropy_bs.detach() * mask_bs).sum()
+            mismatch = mismatch_metrics(trainer_old_bs, rollout_bs, mask_bs)
+            out["mismatch/logprob_abs_diff"] = mismatch.abs_diff_sum
+            out["mismatch/logprob_abs_diff_max"] = mismatch.abs_diff_max
+            out["tokens"] = n_tokens
+            return loss, out
+
+        return loss_fn
+
+
+def reduce_metrics(
+    per_microbatch: Sequence[dict[str, float]],
+    kinds: dict[str, Reduction],
+    ps: ParallelState,
+    minibatches: int,
+) -> dict[str, float]:
+    """Reduce this rank's micro-batch metrics over micro-batches and data-parallel ranks, each by its
+    declared ``kinds`` (``forward_backward``'s own "loss" is not one of them)."""
+    keys = sorted({k for m in per_microbatch for k in m if k != "loss"})
+    unknown = [k for k in keys if k not in kinds]
+    if unknown:
+        raise KeyError(f"loss metrics {unknown} have no declared Reduction")
+    sums = [k for k in keys if kinds[k] is not Reduction.MAX]
+    maxes = [k for k in keys if kinds[k] is Reduction.MAX]
+    sum_t = torch.tensor([sum(m.get(k, 0.0) for m in per_microbatch) for k in sums], dtype=torch.float64)
+    max_t = torch.tensor(
+        [max((m.get(k, 0.0) for m in per_microbatch), default=0.0) for k in maxes], dtype=torch.float64
+    )
+    if ps.dp > 1:
+        device = collective_device(ps.dp_group)
+        sum_t, max_t = sum_t.to(device), max_t.to(device)
+        dist.all_reduce(sum_t, group=ps.dp_group)
+        dist.all_reduce(max_t, op=dist.ReduceOp.MAX, group=ps.dp_group)
+    total = dict(zip(sums, sum_t.tolist(), strict=True))
+    tokens = max(sum(v for k, v in total.items() if kinds[k] is Reduction.TOKENS), 1.0)
+    out: dict[str, float] = {}
+    for k, v in total.items():
+        if kinds[k] is Reduction.TOKEN_MEAN:
+            out[k] = v / tokens
+        elif kinds[k] is Reduction.MINIBATCH_MEAN:
+            out[k] = v / minibatches
+    out |= dict(zip(maxes, max_t.tolist(), strict=True))
+    return out
+
+
+def update_policy(
+    policy: Policy,
+    samples: list[Sample],
+    plan: UpdatePlan,
+    loss: GRPOLoss,
+    *,
+    ps: ParallelState,
+    pad_id: int,
+    temperature: float,
+) -> dict[str, float]:
+    """One optimizer step per mini-batch; returns loss, clip, KL, entropy, mismatch, grad_norm and lr."""
+    per_microbatch: list[dict[str, float]] = []
+    steps: list[dict[str, float]] = []
+    for rows, normalizer in zip(plan.rows, plan.normalizers, strict=True):
+        policy.zero_grad()
+        per_microbatch += forward_backward(
+            policy.model,
+            [collate(samples, r, pad_id) for r in rows],
+            ps,
+            loss.loss_fn(normalizer),
+            vocab_size=policy.spec.vocab_size,
+            temperature=temperature,
+            with_entropy=True,
+        )
+        steps.append(policy.step())
+    metrics = reduce_metrics(per_microbatch, LOSS_METRICS, ps, len(plan.rows))
+    metrics["loss/policy"] = metrics.pop("loss/pg", 0.0)
+    metrics["grad_norm"] = sum(s["grad_norm"] for s in steps) / len(steps)
+    if "lr" in steps[-1]:
+        metrics["lr"] = steps[-1]["lr"]
+    return metrics
