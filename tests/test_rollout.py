@@ -304,7 +304,7 @@ def test_fleet_sync_generate_probe_train_on_two_ranks(tmp_path):
     assert train["first_logprob_change"] > 1e-3
     assert train["gen_vs_trainer_after"] < 1e-4 and train["probe_max_after"] < 1e-4
     for res in results:
-        assert "weight sync of version 3 failed" in res["train"]["bad_error"]
+        assert "weight sync of version 3 rejected" in res["train"]["bad_error"]
         assert (
             "wrong shapes" in res["train"]["bad_error"] and "experts.0.gate_proj" in res["train"]["bad_error"]
         )

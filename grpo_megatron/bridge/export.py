@@ -1,29 +1,34 @@
-"""Streaming export: megatron shards -> Hugging Face-named full tensors, in byte-budgeted buckets.
+"""Streaming export: megatron shards -> Hugging Face-named full tensors, in byte-budgeted buckets,
+delivered to one or many destination ranks at once.
 
-This is the resharding core: the per-iteration weight sync to rollout engines, the mcore-to-hf
-converter and the tests all consume the same stream.
+This is the resharding core: the per-iteration weight sync to rollout engines (every engine rank is
+a destination), the mcore-to-hf converter (one destination) and the tests all consume this stream.
 
 How the bytes travel (every rank derives the same plan from one metadata exchange, so the
 point-to-point messages line up without further negotiation):
-1. metadata: each rank announces the shards it holds in the first data-parallel copy (name, shape,
-   dtype, TP/ETP slice) in one ``all_gather_object``. Every slice of a canonical tensor then has one
-   source: the destination if it holds a copy, else the lowest rank holding one (of the
-   expert-data-parallel copies, one is sent; tensors TP does not split come from TP rank 0 only);
-2. plan: the adapter's export rules, in HF order, are cut into buckets (a bucket closes once it
+1. metadata: each rank announces every shard it holds (name, shape, dtype, TP/ETP slice), data-
+   parallel copies included, with its host, in one ``all_gather_object``;
+2. sources (``_choose_sources``): for each destination and each slice of a canonical tensor, the
+   destination itself if it holds a copy (nothing to send), else a rank holding one, chosen in this
+   order: on the destination's node, then the fewest bytes assigned so far (so every rank carries
+   about its share), then in the destination's data-parallel replica, then the lowest rank;
+3. plan: the adapter's export rules, in HF order, are cut into buckets (a bucket closes once it
    holds ``bucket_bytes``) and each bucket into ``ROUNDS_PER_BUCKET`` transfer rounds;
-3. per round, every rank packs its slices into one flat byte buffer, cast to the export dtype there
-   (a bf16 export of fp32 weights moves half the bytes), and sends it to the destination: one
-   message per rank per round, however many tensors the round holds. Nothing is all-gathered:
-   each byte travels once, from its owner to the destination, which covers the TP/ETP gather, the
-   EP gather of experts and the PP hand-off in one pattern;
-4. the destination posts the receives of the next round before it assembles the current one, and
-   writes every slice straight into its place in the new HF tensors (``assemble_hf``: one copy per
-   byte; QKV de-interleaving, GLU halves and vocabulary padding are handled slice by slice).
+4. per round, every rank packs, for each destination it feeds, its slices into one flat byte buffer,
+   cast to the export dtype there (a bf16 export of fp32 weights moves half the bytes), and posts
+   all its sends and receives of the round in one ``batch_isend_irecv``: every destination receives
+   at once, each pair exchanging one message per round. Nothing is all-gathered: each byte travels
+   once per destination, from a holder to the destination, which covers the TP/ETP gather, the EP
+   gather of experts and the PP hand-off in one pattern;
+5. ``rounds_in_flight`` rounds are posted ahead (a rank posts round k + n only after round k is
+   done; every rank posts its round-k ops before waiting on any of them, so no cycle of waits can
+   form); a destination writes every received slice straight into its place in the new HF tensors
+   (``assemble_hf``: one copy per byte; QKV de-interleaving, GLU halves and vocabulary padding are
+   handled slice by slice) and yields each bucket once its last round is in.
 
-Memory: only the destination materialises full tensors. It holds the bucket being filled plus at
-most two rounds of received bytes (about 1.5 buckets in all); other ranks hold at most two rounds of
-their own packed slices. ``broadcast_bucket`` then fans a bucket out from one rank to many (e.g.
-from the first rank of a rollout engine to its other ranks) as one byte buffer plus its metadata.
+Memory (``TransferStats`` measures it): a rank holds the packed sends and the receive buffers of at
+most ``rounds_in_flight`` rounds, plus, on a destination, the bucket being filled; no rank holds a
+whole version unless a consumer keeps the buckets.
 """
 
 from __future__ import annotations
@@ -32,7 +37,9 @@ import json
 import math
 import os
 import shutil
+import socket
 import tempfile
+from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -42,7 +49,7 @@ import torch
 import torch.distributed as dist
 
 from grpo_megatron.bridge.hf_loader import local_tensors, rules_by_name
-from grpo_megatron.bridge.layout import is_first_replica, tp_group_of
+from grpo_megatron.bridge.layout import tp_group_of
 from grpo_megatron.bridge.transforms import WeightRule, hf_shapes, to_hf
 from grpo_megatron.distributed.bootstrap import ParallelState
 
@@ -50,7 +57,10 @@ Bucket = list[tuple[str, torch.Tensor]]
 Consumer = Callable[[Bucket], None]
 
 ROUNDS_PER_BUCKET = 4
-"""Transfer rounds per bucket: bounds the received bytes held beside the bucket (two rounds)."""
+"""Transfer rounds per bucket: with ``rounds_in_flight`` rounds posted ahead, the bytes in flight
+beside the bucket being filled stay a fraction of a bucket."""
+ROUNDS_IN_FLIGHT = 2
+"""Default rounds posted ahead of the one being waited on (bytes on the wire vs memory held)."""
 _ALIGN = 16  # byte offset alignment in flat buffers, so any dtype can view its slice in place
 
 
@@ -63,18 +73,6 @@ def _dtype(name: str) -> torch.dtype:
 
 
 @dataclass(frozen=True)
-class _Slice:
-    """One rank's slice of a canonical tensor (the whole tensor when TP/ETP does not split it)."""
-
-    rank: int  # global rank it is sent from
-    shape: tuple[int, ...]
-
-    @property
-    def numel(self) -> int:
-        return math.prod(self.shape)
-
-
-@dataclass(frozen=True)
 class _Item:
     """One canonical megatron tensor of the stream, as every rank sees it after the metadata exchange."""
 
@@ -83,23 +81,37 @@ class _Item:
     dim: int | None  # dimension its slices split; None: one slice holds it all
     glu: bool  # slices hold [gate_r; up_r] (see bridge/layout.py)
     dtype: torch.dtype  # exported dtype
-    slices: tuple[_Slice, ...]  # in TP/ETP rank order
+    slice_shapes: tuple[tuple[int, ...], ...]  # in TP/ETP rank order
+    holders: tuple[tuple[int, ...], ...]  # ranks holding each slice (data-parallel copies included)
     hf_bytes: int  # bytes of its HF tensors (vocabulary padding stripped)
+
+    def slice_bytes(self, slot: int) -> int:
+        return math.prod(self.slice_shapes[slot]) * self.dtype.itemsize
+
+
+@dataclass(frozen=True)
+class _RankInfo:
+    """What every rank announces about itself: where it runs and which data-parallel replica it is in."""
+
+    host: str
+    replica: int  # dense data-parallel rank (with CP rank): ranks of one model copy share it
+
+
+Entry = tuple[str, tuple[int, ...], str, int | None, bool, int, int]
+"""(canonical name, local shape, dtype, split dim or None, GLU, slices, this slice's index)."""
 
 
 def _announce(
     model: torch.nn.Module, ps: ParallelState, rules: Mapping[str, WeightRule]
-) -> tuple[list, dict]:
-    """This rank's metadata entries and its local tensors by canonical name."""
-    entries: list[tuple[str, tuple[int, ...], str, int | None, bool, int, int]] = []
+) -> tuple[list[Entry], dict[str, torch.Tensor]]:
+    """This rank's metadata entries for every shard it holds and its local tensors by canonical name.
+    Every copy is announced (data-parallel replicas, TP ranks' copies of unsplit tensors): each is a
+    possible source, and the source choice spreads the load over them."""
+    entries: list[Entry] = []
     mine: dict[str, torch.Tensor] = {}
     for _, tensor, layout in local_tensors(model, ps, rules):
-        if not is_first_replica(layout, ps):
-            continue
         _, size, slot = tp_group_of(layout, ps)
         split = layout.partition_dim is not None and size > 1
-        if not split and slot != 0:
-            continue  # a replica of TP rank 0's copy
         mine[layout.canonical_name] = tensor.detach()
         entries.append((
             layout.canonical_name, tuple(tensor.shape), str(tensor.dtype),
@@ -108,23 +120,19 @@ def _announce(
     return entries, mine
 
 
-def _plan(
+def _items(
     rules: Mapping[str, WeightRule],
-    everyone: Sequence[list | None],
+    everyone: Sequence[Sequence[Entry]],
     dtype: torch.dtype | None,
     model_type: Any,
-    dst: int,
 ) -> list[_Item]:
-    """The stream's tensors in HF order, each with the rank sending each of its slices: the
-    destination when it holds a copy (nothing to send), else the lowest rank holding one."""
-    slices: dict[str, dict[int, _Slice]] = {}
-    info: dict[str, tuple[int | None, bool, int, str]] = {}
+    """The stream's tensors in HF order, each with the ranks holding each of its slices."""
+    holders: dict[str, dict[int, list[int]]] = {}
+    info: dict[str, tuple[int | None, bool, int, str, dict[int, tuple[int, ...]]]] = {}
     for rank, entries in enumerate(everyone):
-        for canonical, shape, dt, dim, glu, size, slot in entries or []:
-            by_slot = slices.setdefault(canonical, {})
-            if slot not in by_slot or rank == dst:
-                by_slot[slot] = _Slice(rank, tuple(shape))
-            info.setdefault(canonical, (dim, glu, size, dt))
+        for canonical, shape, dt, dim, glu, size, slot in entries:
+            holders.setdefault(canonical, {}).setdefault(slot, []).append(rank)
+            info.setdefault(canonical, (dim, glu, size, dt, {}))[4].setdefault(slot, tuple(shape))
     unmapped = sorted(set(info) - set(rules))
     missing = sorted(r.mcore for r in rules.values() if r.mcore not in info and r.export)
     if unmapped or missing:
@@ -136,20 +144,54 @@ def _plan(
     for rule in rules.values():
         if not rule.export:
             continue
-        dim, glu, size, dt = info[rule.mcore]
-        by_slot = slices[rule.mcore]
+        dim, glu, size, dt, shapes = info[rule.mcore]
+        by_slot = holders[rule.mcore]
         if sorted(by_slot) != list(range(size)):
             raise RuntimeError(
                 f"{rule.mcore}: TP/ETP slices {sorted(by_slot)} announced, expected 0..{size - 1}"
             )
-        shape = list(by_slot[0].shape)
+        shape = list(shapes[0])
         if dim is not None:
             shape[dim] *= size
         out_dtype = dtype or _dtype(dt)
-        slices_in_order = tuple(by_slot[r] for r in range(size))
         hf_bytes = _hf_numel(rule, shape) * out_dtype.itemsize
-        items.append(_Item(rule, tuple(shape), dim, glu, out_dtype, slices_in_order, hf_bytes))
+        items.append(_Item(
+            rule, tuple(shape), dim, glu, out_dtype, tuple(shapes[r] for r in range(size)),
+            tuple(tuple(by_slot[r]) for r in range(size)), hf_bytes,
+        ))  # fmt: skip
     return items
+
+
+def _choose_sources(
+    items: Sequence[_Item], dst_ranks: Sequence[int], ranks: Sequence[_RankInfo]
+) -> tuple[dict[int, list[tuple[int, ...]]], list[int]]:
+    """For every destination, the rank sending each slice of each item (``[item][slot]``), and the
+    bytes each rank sends in all.
+
+    A destination holding a slice takes its own (nothing moves). Otherwise, among the holders: one on
+    the destination's node (NVLink rather than the network), then the one with the fewest bytes
+    assigned so far (the load spreads over every copy, so no rank carries more than its share), then
+    one in the destination's data-parallel replica, then the lowest rank: deterministic, so every
+    rank computes the same choice.
+    """
+    sent = [0] * len(ranks)
+    sources: dict[int, list[tuple[int, ...]]] = {d: [] for d in dst_ranks}
+    for item in items:
+        for d in dst_ranks:
+            here = ranks[d]
+            chosen = []
+            for slot, holders in enumerate(item.holders):
+                if d in holders:
+                    chosen.append(d)
+                    continue
+                src = min(
+                    holders,
+                    key=lambda r: (ranks[r].host != here.host, sent[r], ranks[r].replica != here.replica, r),
+                )
+                sent[src] += item.slice_bytes(slot)
+                chosen.append(src)
+            sources[d].append(tuple(chosen))
+    return sources, sent
 
 
 def _hf_numel(rule: WeightRule, shape: Sequence[int]) -> int:
@@ -161,21 +203,22 @@ def _hf_numel(rule: WeightRule, shape: Sequence[int]) -> int:
     return math.prod(shape)
 
 
-def _schedule(items: list[_Item], bucket_bytes: int) -> list[list[list[_Item]]]:
-    """Buckets (closed once they hold ``bucket_bytes``), each cut into rounds of about a
-    ``ROUNDS_PER_BUCKET``-th of a bucket (a tensor is never split)."""
+def _schedule(sizes: Sequence[int], bucket_bytes: int) -> list[list[list[int]]]:
+    """Item indices cut into buckets (closed once they hold ``bucket_bytes``), each cut into rounds of
+    about a ``ROUNDS_PER_BUCKET``-th of a bucket (a tensor is never split). ``sizes``: the HF
+    bytes of each item."""
     round_bytes = max(bucket_bytes // ROUNDS_PER_BUCKET, 1)
-    buckets: list[list[list[_Item]]] = []
-    rounds: list[list[_Item]] = []
-    rnd: list[_Item] = []
+    buckets: list[list[list[int]]] = []
+    rounds: list[list[int]] = []
+    rnd: list[int] = []
     filled = in_round = 0
-    for item in items:
-        if rnd and in_round + item.hf_bytes > round_bytes:
+    for index, nbytes in enumerate(sizes):
+        if rnd and in_round + nbytes > round_bytes:
             rounds.append(rnd)
             rnd, in_round = [], 0
-        rnd.append(item)
-        in_round += item.hf_bytes
-        filled += item.hf_bytes
+        rnd.append(index)
+        in_round += nbytes
+        filled += nbytes
         if filled >= bucket_bytes:
             buckets.append([*rounds, rnd])
             rounds, rnd, filled, in_round = [], [], 0, 0
@@ -186,64 +229,98 @@ def _schedule(items: list[_Item], bucket_bytes: int) -> list[list[list[_Item]]]:
     return buckets
 
 
-def _message(rnd: list[_Item], rank: int) -> tuple[list[tuple[_Item, int, int]], int]:
-    """(tensor, slice index, byte offset) of every slice ``rank`` sends in round ``rnd``, and the
-    message's size in bytes."""
-    parts, total = [], 0
-    for item in rnd:
-        for slot, sl in enumerate(item.slices):
-            if sl.rank == rank:
-                parts.append((item, slot, total))
-                total += _aligned(sl.numel * item.dtype.itemsize)
-    return parts, total
+Part = tuple[int, int, int]  # (item index, slice index, byte offset in the message)
 
 
-def _view(flat_u8: torch.Tensor, offset: int, sl: _Slice, dtype: torch.dtype) -> torch.Tensor:
-    return flat_u8[offset : offset + sl.numel * dtype.itemsize].view(dtype).view(sl.shape)
+@dataclass(frozen=True)
+class _Message:
+    """One point-to-point message of one round: the slices it carries and its size."""
+
+    peer: int  # the destination (a send) or the source (a receive)
+    parts: tuple[Part, ...]
+    nbytes: int
 
 
-def _send_round(
-    rnd: list[_Item], ps: ParallelState, mine: Mapping[str, torch.Tensor], dst: int
-) -> tuple[list, Any]:
-    """Pack this rank's slices of ``rnd`` (cast to the export dtype) and start sending them."""
-    parts, total = _message(rnd, ps.rank)
-    if not parts:
-        return [], None
-    flat_u8 = torch.empty(total, dtype=torch.uint8, device=ps.device)
-    for item, slot, offset in parts:
-        _view(flat_u8, offset, item.slices[slot], item.dtype).copy_(mine[item.rule.mcore])
-    return dist.batch_isend_irecv([dist.P2POp(dist.isend, flat_u8, dst)]), flat_u8
+def _messages(
+    rounds: Sequence[Sequence[int]], items: Sequence[_Item], sources: Mapping[int, Sequence[tuple[int, ...]]], me: int
+) -> tuple[list[list[_Message]], list[list[_Message]]]:
+    """This rank's sends and receives of every round (each pair exchanges one message per round)."""
+    sends: list[list[_Message]] = []
+    recvs: list[list[_Message]] = []
+    for rnd in rounds:
+        out: dict[int, list[Part]] = {}
+        into: dict[int, list[Part]] = {}
+        sizes: dict[tuple[str, int], int] = {}
+        for d, per_item in sources.items():
+            for index in rnd:
+                for slot, src in enumerate(per_item[index]):
+                    if src == d or me not in (src, d):
+                        continue
+                    box, peer = (out, d) if src == me else (into, src)
+                    key = ("send" if src == me else "recv", peer)
+                    offset = sizes.get(key, 0)
+                    box.setdefault(peer, []).append((index, slot, offset))
+                    sizes[key] = offset + _aligned(items[index].slice_bytes(slot))
+        sends.append([_Message(p, tuple(parts), sizes[("send", p)]) for p, parts in sorted(out.items())])
+        recvs.append([_Message(p, tuple(parts), sizes[("recv", p)]) for p, parts in sorted(into.items())])
+    return sends, recvs
 
 
-def _post_receives(rnd: list[_Item], ps: ParallelState) -> tuple[list, dict[int, tuple[torch.Tensor, list]]]:
-    """Start receiving every other rank's message of ``rnd`` (on the destination)."""
-    inbox: dict[int, tuple[torch.Tensor, list]] = {}
-    for rank in range(ps.world_size):
-        if rank == ps.rank:
-            continue
-        parts, total = _message(rnd, rank)
-        if parts:
-            inbox[rank] = (torch.empty(total, dtype=torch.uint8, device=ps.device), parts)
-    ops = [dist.P2POp(dist.irecv, buf, rank) for rank, (buf, _) in inbox.items()]
-    return (dist.batch_isend_irecv(ops) if ops else []), inbox
+def _view(flat_u8: torch.Tensor, offset: int, item: _Item, slot: int) -> torch.Tensor:
+    nbytes = item.slice_bytes(slot)
+    return flat_u8[offset : offset + nbytes].view(item.dtype).view(item.slice_shapes[slot])
+
+
+@dataclass
+class TransferStats:
+    """Bytes of the buffers an export allocates (packed sends, receive buffers, the bucket being
+    filled), tracked as they are made and dropped: ``peak_bytes`` is what the transport held at most
+    at any time on this rank (the weight sync reports it; the tests compare it with the bound)."""
+
+    live_bytes: int = 0
+    peak_bytes: int = 0
+    sent_bytes: int = 0
+    received_bytes: int = 0
+
+    def hold(self, nbytes: int) -> None:
+        self.live_bytes += nbytes
+        self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+
+    def drop(self, nbytes: int) -> None:
+        self.live_bytes -= nbytes
 
 
 @dataclass(frozen=True)
 class ExportPlan:
-    """The outcome of the metadata exchange: every tensor of the stream, who sends which slice of it,
-    cut into buckets and rounds. It depends only on the model's layout (not on the weights), so one
-    plan serves every export of the same model at the same layout, destination, bucket size and dtype
-    (the per-iteration weight sync computes it once instead of gathering every rank's metadata each
-    time)."""
+    """The outcome of the metadata exchange: every tensor of the stream, who sends which slice of it
+    to which destination, cut into buckets and rounds, and this rank's messages of every round. It
+    depends only on the model's layout (not on the weights), so one plan serves every export of the
+    same model at the same layout, destinations, bucket size and dtype (the per-iteration weight sync
+    computes it once instead of gathering every rank's metadata each time)."""
 
-    buckets: list[list[list[_Item]]]
+    items: list[_Item]
+    buckets: list[list[list[int]]]
+    """Item indices by bucket and round."""
     bucket_bytes: int
-    dst_rank: int
+    dst_ranks: tuple[int, ...]
     dtype: torch.dtype | None
     world_size: int
+    rounds_in_flight: int
+    sources: list[tuple[int, ...]] | None
+    """On a destination: the rank sending each slice of each item (itself for slices it holds)."""
+    sends: list[list[_Message]]
+    """This rank's outgoing messages of each round."""
+    recvs: list[list[_Message]]
+    """This rank's incoming messages of each round."""
+    pair_bytes: dict[tuple[int, int], int]
+    """Bytes (src, dst) moves per export, for every pair of the world (benchmarks, metrics)."""
     local: dict[str, torch.Tensor] = field(repr=False)
     """This rank's shards by canonical name: detached views that share the parameters' storage, so
     they follow every optimizer step and offload round trip (offload resizes storage in place)."""
+
+    @property
+    def dst_rank(self) -> int:
+        return self.dst_ranks[0]
 
 
 def plan_export(
@@ -253,19 +330,39 @@ def plan_export(
     *,
     bucket_bytes: int = 512 << 20,
     dst_rank: int = 0,
+    dst_ranks: Sequence[int] | None = None,
     dtype: torch.dtype | None = None,
+    rounds_in_flight: int = ROUNDS_IN_FLIGHT,
 ) -> ExportPlan:
-    """Collective: exchange shard metadata (names, shapes, dtypes, slices; no weights) and plan the stream."""
+    """Collective: exchange shard metadata (names, shapes, dtypes, slices, hosts; no weights) and plan
+    the stream to ``dst_ranks`` (default: ``[dst_rank]``)."""
+    dsts = tuple(dst_ranks) if dst_ranks is not None else (dst_rank,)
     if bucket_bytes <= 0:
         raise ValueError(f"bucket_bytes={bucket_bytes} must be > 0")
-    if not 0 <= dst_rank < ps.world_size:
-        raise ValueError(f"dst_rank={dst_rank} is not a rank of this world of {ps.world_size}")
+    if rounds_in_flight < 1:
+        raise ValueError(f"rounds_in_flight={rounds_in_flight} must be >= 1")
+    if not dsts or len(set(dsts)) != len(dsts) or not all(0 <= d < ps.world_size for d in dsts):
+        raise ValueError(f"destination ranks {list(dsts)} must be distinct ranks of this world of {ps.world_size}")
     rules = rules_by_name(hf)
     entries, mine = _announce(model, ps, rules)
-    everyone: list[list | None] = [None] * ps.world_size
-    dist.all_gather_object(everyone, entries)
-    buckets = _schedule(_plan(rules, everyone, dtype, hf.get("model_type"), dst_rank), bucket_bytes)
-    return ExportPlan(buckets, bucket_bytes, dst_rank, dtype, ps.world_size, mine)
+    everyone: list[Any] = [None] * ps.world_size
+    me = (entries, _RankInfo(socket.gethostname(), ps.dp_rank * ps.cp + ps.cp_rank))
+    dist.all_gather_object(everyone, me)
+    items = _items(rules, [e for e, _ in everyone], dtype, hf.get("model_type"))
+    sources, _ = _choose_sources(items, dsts, [info for _, info in everyone])
+    buckets = _schedule([item.hf_bytes for item in items], bucket_bytes)
+    rounds = [rnd for bucket in buckets for rnd in bucket]
+    sends, recvs = _messages(rounds, items, sources, ps.rank)
+    pair_bytes: dict[tuple[int, int], int] = {}
+    for d, per_item in sources.items():
+        for item, srcs in zip(items, per_item, strict=True):
+            for slot, src in enumerate(srcs):
+                if src != d:
+                    pair_bytes[(src, d)] = pair_bytes.get((src, d), 0) + item.slice_bytes(slot)
+    return ExportPlan(
+        items, buckets, bucket_bytes, dsts, dtype, ps.world_size, rounds_in_flight,
+        sources.get(ps.rank), sends, recvs, pair_bytes, mine,
+    )  # fmt: skip
 
 
 def export_hf_stream(
@@ -275,72 +372,104 @@ def export_hf_stream(
     *,
     bucket_bytes: int = 512 << 20,
     dst_rank: int = 0,
+    dst_ranks: Sequence[int] | None = None,
     dtype: torch.dtype | None = None,
     plan: ExportPlan | None = None,
     device: torch.device | str = "cpu",
+    stats: TransferStats | None = None,
 ) -> Iterator[Bucket]:
-    """Yield buckets of (HF name, full tensor on ``device``) on ``dst_rank``; other ranks yield
-    nothing but must iterate the generator to the end (they send their slices from inside it).
+    """Yield buckets of (HF name, full tensor on ``device``) on every destination rank (``dst_ranks``,
+    default ``[dst_rank]``), all of them receiving at once; the other ranks yield nothing but must
+    iterate the generator to the end (they send their slices from inside it), and so must every
+    destination (its sends to the others run inside it too).
 
-    ``device``: where the HF tensors are assembled. "cpu" for writers; the weight sync passes the
-    engine's device, so on GPU the bytes go device-to-device and never through host memory.
+    ``device``: where the HF tensors are assembled and the bytes travel. "cpu" for writers; the
+    weight sync passes the engine's device, so on GPU the bytes go device-to-device (NCCL between
+    ranks) and never through host memory.
 
     ``bucket_bytes``: a bucket is yielded once it holds at least this many bytes (a tensor is
     never split). ``dtype``: cast on export, on the sending rank (None keeps the training dtype).
     ``plan``: a ``plan_export`` result made with these same settings, to skip the metadata exchange;
-    None = plan now. Every yielded tensor owns its memory: a consumer may keep any of them.
+    None = plan now. ``stats``: filled with the bytes this rank's transport held, sent and received.
+    Every yielded tensor owns its memory: a consumer may keep any of them.
     """
+    dsts = tuple(dst_ranks) if dst_ranks is not None else (dst_rank,)
     if plan is None:
-        plan = plan_export(model, ps, hf, bucket_bytes=bucket_bytes, dst_rank=dst_rank, dtype=dtype)
-    elif (plan.bucket_bytes, plan.dst_rank, plan.dtype, plan.world_size) != (
-        bucket_bytes, dst_rank, dtype, ps.world_size
+        plan = plan_export(model, ps, hf, bucket_bytes=bucket_bytes, dst_ranks=dsts, dtype=dtype)
+    elif (plan.bucket_bytes, plan.dst_ranks, plan.dtype, plan.world_size) != (
+        bucket_bytes, dsts, dtype, ps.world_size
     ):
         raise ValueError(
-            f"export plan made for bucket_bytes={plan.bucket_bytes}, dst_rank={plan.dst_rank}, "
-            f"dtype={plan.dtype}, world {plan.world_size}; asked for {bucket_bytes}, {dst_rank}, {dtype}, "
+            f"export plan made for bucket_bytes={plan.bucket_bytes}, destinations {list(plan.dst_ranks)}, "
+            f"dtype={plan.dtype}, world {plan.world_size}; asked for {bucket_bytes}, {list(dsts)}, {dtype}, "
             f"{ps.world_size}: make a new plan with plan_export"
         )
-    mine = plan.local  # views of this rank's shards: they see the weights as they are now
-    buckets = plan.buckets
-    rounds = [rnd for bucket in buckets for rnd in bucket]
-
-    if ps.rank != dst_rank:
-        # At most two packed rounds alive: round k + 1 is packed while round k is on the wire.
-        in_flight: list[tuple[list, Any]] = []
-        for rnd in rounds:
-            if len(in_flight) == 2:
-                for work in in_flight.pop(0)[0]:
-                    work.wait()
-            in_flight.append(_send_round(rnd, ps, mine, dst_rank))
-        for works, _ in in_flight:
-            for work in works:
-                work.wait()
-        return
-
+    stats = stats if stats is not None else TransferStats()
     out_device = torch.device(device)
-    pending = _post_receives(rounds[0], ps) if rounds else ([], {})
-    index = 0
-    for bucket_rounds in buckets:
-        bucket: Bucket = []
-        for rnd in bucket_rounds:
-            works, inbox = pending
-            index += 1
-            # The next round's bytes arrive while this one is assembled.
-            pending = _post_receives(rounds[index], ps) if index < len(rounds) else ([], {})
-            for work in works:
-                work.wait()
-            received: dict[tuple[str, int], torch.Tensor] = {}
-            for flat_u8, parts in inbox.values():
-                flat_u8 = flat_u8.to(out_device)  # a no-op when received on the assembling device
-                for item, slot, offset in parts:
-                    received[(item.rule.mcore, slot)] = _view(flat_u8, offset, item.slices[slot], item.dtype)
-            for item in rnd:
+    mine = plan.local  # views of this rank's shards: they see the weights as they are now
+    items = plan.items
+
+    def post(k: int) -> tuple[list, list[tuple[torch.Tensor, _Message]], int]:
+        """Pack this rank's sends of round k, allocate its receives, and post them all in one batch."""
+        ops, inbox, held = [], [], 0
+        for msg in plan.sends[k]:
+            flat_u8 = torch.empty(msg.nbytes, dtype=torch.uint8, device=out_device)
+            for index, slot, offset in msg.parts:
+                _view(flat_u8, offset, items[index], slot).copy_(mine[items[index].rule.mcore])
+            ops.append(dist.P2POp(dist.isend, flat_u8, msg.peer))
+            held += msg.nbytes
+            stats.sent_bytes += msg.nbytes
+        for msg in plan.recvs[k]:
+            flat_u8 = torch.empty(msg.nbytes, dtype=torch.uint8, device=out_device)
+            ops.append(dist.P2POp(dist.irecv, flat_u8, msg.peer))
+            inbox.append((flat_u8, msg))
+            held += msg.nbytes
+            stats.received_bytes += msg.nbytes
+        stats.hold(held)
+        return (dist.batch_isend_irecv(ops) if ops else []), inbox, held
+
+    rounds = [rnd for bucket in plan.buckets for rnd in bucket]
+    last_of_bucket = {sum(len(b) for b in plan.buckets[: i + 1]) - 1 for i in range(len(plan.buckets))}
+    sources = plan.sources
+    bucket: Bucket = []
+    bucket_held = 0
+
+    def finish(k: int, works: list, inbox: list[tuple[torch.Tensor, _Message]], held: int) -> Iterator[Bucket]:
+        """Wait for round k; on a destination, write its slices into the bucket (yielded when full)."""
+        nonlocal bucket, bucket_held
+        for work in works:
+            work.wait()
+        if sources is not None:
+            received: dict[tuple[int, int], torch.Tensor] = {}
+            for flat_u8, msg in inbox:
+                for index, slot, offset in msg.parts:
+                    received[(index, slot)] = _view(flat_u8, offset, items[index], slot)
+            for index in rounds[k]:
+                item = items[index]
                 shards = [
-                    mine[item.rule.mcore] if sl.rank == dst_rank else received[(item.rule.mcore, slot)]
-                    for slot, sl in enumerate(item.slices)
+                    mine[item.rule.mcore] if src == ps.rank else received[(index, slot)]
+                    for slot, src in enumerate(sources[index])
                 ]
                 bucket += assemble_hf(item.rule, item.shape, item.dim, item.glu, shards, item.dtype, out_device)
-        yield bucket
+                bucket_held += item.hf_bytes
+                stats.hold(item.hf_bytes)
+            received.clear()
+        works.clear()  # the round's buffers are freed here, before the bucket is handed on
+        inbox.clear()
+        stats.drop(held)
+        if sources is not None and k in last_of_bucket:
+            out, bucket = bucket, []
+            stats.drop(bucket_held)
+            bucket_held = 0
+            yield out
+
+    in_flight: deque[tuple[int, list, list, int]] = deque()
+    for k in range(len(rounds)):
+        if len(in_flight) == plan.rounds_in_flight:
+            yield from finish(*in_flight.popleft())
+        in_flight.append((k, *post(k)))
+    while in_flight:
+        yield from finish(*in_flight.popleft())
 
 
 # ---- assembling HF tensors from TP/ETP slices -----------------------------------------------------

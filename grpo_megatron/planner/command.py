@@ -51,6 +51,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "process group of the full world size, and check every shard and rank mapping",
     )
     parser.add_argument("--every-rank", action="store_true", help="dry run: initialise and build every rank")
+    parser.add_argument("--nvlink-gbps", type=float, default=370.0, help="weight-sync estimate: NVLink GB/s per GPU")
+    parser.add_argument("--pcie-gbps", type=float, default=50.0, help="weight-sync estimate: PCIe GB/s per GPU")
+    parser.add_argument("--ib-gbps", type=float, default=45.0, help="weight-sync estimate: InfiniBand GB/s per GPU")
+    parser.add_argument("--copy-gbps", type=float, default=1300.0, help="weight-sync estimate: device copy GB/s")
     parser.set_defaults(nodes=1, gpus_per_node=8, world_size=8)
 
 
@@ -80,6 +84,23 @@ def run(cfg: JobConfig, args: argparse.Namespace) -> int:
         plan.suggestions = memory.suggest(cfg, hf, args.world_size, opts, plan)
     console = Console(width=160)
     console.print(memory.render(plan, cfg))
+    from grpo_megatron.planner import sync
+
+    links = sync.Links(args.nvlink_gbps, args.pcie_gbps, args.ib_gbps, args.copy_gbps)
+    layout = memory.Layout.from_config(cfg.parallel, args.world_size)
+    if cfg.rollout.engine == "sglang":
+        engine_gpus = args.rollout_gpus_per_engine or (
+            args.gpus_per_node if cfg.rollout.placement == "per_node" else layout.tp * layout.pp * layout.cp
+        )
+    else:
+        engine_gpus = {"per_rank": 1, "per_node": args.gpus_per_node}.get(
+            cfg.rollout.placement, layout.tp * layout.pp * layout.cp
+        )
+    estimates = sync.plan_sync(
+        hf, layout, gpus_per_node=args.gpus_per_node, gpus_per_engine=min(engine_gpus, args.world_size),
+        export_bytes=args.rollout_weight_bytes, links=links,
+    )  # fmt: skip
+    console.print(sync.render(estimates, links), markup=False)
     rc = 0 if plan.fits else EXIT_DOES_NOT_FIT
     if args.dry_run:
         from grpo_megatron.planner.dry_run import dry_run

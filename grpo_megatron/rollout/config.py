@@ -23,13 +23,17 @@ class RolloutConfig:
     """Sample from the k most likely tokens; -1 disables it."""
     max_new_tokens: int = 1024
     """Longest response generated per sample."""
-    placement: Literal["per_dp_rank", "per_node"] = "per_dp_rank"
-    """Where sglang engines live: one per data-parallel rank (each serves its own prompts) or one per node."""
+    placement: Literal["per_dp_rank", "per_node", "per_rank"] = "per_dp_rank"
+    """Where engines live: one per data-parallel replica (each serves its own prompts), one per node, or
+    (embedded only) one on every rank: more engines to spread the prompts over, each fed in parallel."""
     gpu_memory_utilization: float = 0.5
     """Fraction of GPU memory an sglang engine may use for weights and KV cache (its mem_fraction_static)."""
     sync_bucket_mb: int = 512
-    """Weight sync streams the trainer's weights to the engines in buckets of about this many MiB
-    (bigger = fewer transfers; the first engine rank holds at most one full model of buckets)."""
+    """Weight sync streams the trainer's weights to every engine at once in buckets of about this many
+    MiB (bigger = fewer, larger messages; a rank's transfer buffers stay within about two buckets)."""
+    sync_rounds_in_flight: int = 2
+    """Weight-sync transfer rounds (a quarter bucket each) posted ahead of the one being waited on: more
+    overlaps more of the transfer with packing and assembly, at a quarter bucket of memory per round."""
     engine_device: Literal["auto", "cpu"] = "auto"
     """Where an embedded engine runs: auto = this rank's device (its GPU, else CPU); cpu = always CPU."""
     embedded_max_batch_rows: int = 0
@@ -83,6 +87,15 @@ class RolloutConfig:
             errors.append(
                 f"rollout.sync_bucket_mb={self.sync_bucket_mb} must be >= 1 (MiB per weight-sync bucket; "
                 "512 is a good start)"
+            )
+        if self.sync_rounds_in_flight < 1:
+            errors.append(
+                f"rollout.sync_rounds_in_flight={self.sync_rounds_in_flight} must be >= 1 (2 is a good start)"
+            )
+        if self.placement == "per_rank" and self.engine != "embedded":
+            errors.append(
+                "rollout.placement=per_rank is for embedded engines only: SGLang engines use per_dp_rank or "
+                "per_node (rollout.sglang_tp GPUs each)"
             )
         if self.embedded_max_batch_rows < 0:
             errors.append(

@@ -276,6 +276,20 @@ class EmbeddedEngine(RolloutEngine):
         self.weight_version = version
         self.flush_cache()
 
+    def check_update(self, version: int) -> None:
+        """Validate everything staged for ``version`` without committing it (see ``RolloutEngine``)."""
+        if self._staged_version != version:
+            raise ValueError(f"weight update v{version}: nothing staged for it, the engine keeps v{self.weight_version}")
+        problems = self._validate(self._staged)
+        if problems:
+            raise ValueError(
+                f"weight update v{version} rejected, the engine keeps v{self.weight_version}: " + "; ".join(problems)
+            )
+
+    def abort_update(self, version: int) -> None:
+        if self._staged_version == version:
+            self._discard_staged()
+
     def _discard_staged(self) -> None:
         self._staged, self._staged_version = {}, None
 

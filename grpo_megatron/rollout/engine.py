@@ -77,6 +77,19 @@ class RolloutEngine(abc.ABC):
         only then are the staged weights checked (every expected name present, shapes and dtypes
         right) and committed. A bad name or shape raises before anything is applied."""
 
+    def check_update(self, version: int) -> None:
+        """Phase one of the fleet's all-or-nothing commit: raise (naming the problems) if the buckets
+        staged for ``version`` with ``last=False`` would be rejected by the closing
+        ``update_weights([], version=version, last=True)``; the fleet commits only if every engine
+        passes. Engines that load buckets as they arrive (SGLang) have nothing staged to check: they
+        accept here and report problems on the bucket that shows them."""
+        return None
+
+    def abort_update(self, version: int) -> None:
+        """Drop what was staged for ``version`` (another engine rejected it): the engine keeps its
+        previous weights and version. Nothing staged: nothing to drop."""
+        return None
+
     @abc.abstractmethod
     def score(self, sequences: Sequence[Sequence[int]], prompt_lens: Sequence[int], temperature: float) -> list[list[float]]:
         """Teacher-forced logprobs of each sequence's tokens after its prompt (the mismatch probe)."""

@@ -4,17 +4,19 @@ Every rank of the trainer holds a ``RolloutFleet`` and calls its methods togethe
 collectives); some ranks also hold an engine (``engine_ranks``):
 
 - ``embedded`` engines by ``rollout.placement``: ``per_dp_rank`` = one on each rank with TP, PP and
-  CP rank 0 (one per data-parallel replica; with EP, ``ps.dp`` already counts the EP ranks), or
-  ``per_node`` = one on each node's local rank 0;
+  CP rank 0 (one per data-parallel replica; with EP, ``ps.dp`` already counts the EP ranks),
+  ``per_node`` = one on each node's local rank 0, or ``per_rank`` = one on every rank;
 - ``sglang`` engines where ``SGLangEngine.from_config`` starts them (``rollout/sglang_engine.py``).
 
 ``generate`` splits the prompts into contiguous slices, one per engine in rank order (engine ``i``
 samples with seed ``params.seed + i``), and returns every completion in prompt order on every rank.
-``sync_weights`` runs the bridge's streaming export with the first engine rank as destination and
-feeds each bucket to its engine as it arrives; the other engine ranks get the same buckets by
-broadcast over the engines' process group once the export is done (they take part in the export's
-collectives, so they cannot receive during it). An engine commits a version only after its last
-bucket validates, and every rank learns of any engine's failure: all ranks raise together.
+``sync_weights`` runs the bridge's streaming export with every engine rank as a destination: each
+engine receives the slices it needs straight from the trainer ranks holding them (its own first,
+then its node's, the load spread over every copy), all engines at once, bucket by bucket. Each
+engine stages its buckets; the version is committed in two phases: every engine checks what it
+staged (``check_update``), the ranks agree, and only then does every engine commit (or, if any
+engine rejected it, drop it and keep its previous version while every rank raises with the
+engines' messages).
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from grpo_megatron.rollout.engine import Bucket, Completion, MemoryTag, RolloutEngine, SamplingParams
+from grpo_megatron.rollout.engine import Completion, MemoryTag, RolloutEngine, SamplingParams
 
 if TYPE_CHECKING:
     from grpo_megatron.bridge.export import ExportPlan
@@ -43,7 +45,9 @@ def hosts_embedded_engine(placement: str, ps: ParallelState) -> bool:
         return ps.tp_rank == 0 and ps.pp_rank == 0 and ps.cp_rank == 0
     if placement == "per_node":
         return ps.local_rank == 0
-    raise ValueError(f"rollout.placement={placement!r}: choose per_dp_rank or per_node")
+    if placement == "per_rank":
+        return True
+    raise ValueError(f"rollout.placement={placement!r}: choose per_dp_rank, per_node or per_rank")
 
 
 def prompt_slices(num_prompts: int, num_engines: int) -> list[tuple[int, int]]:
@@ -118,6 +122,8 @@ class RolloutFleet:
     """dtype the weights are exported in (the engines' dtype)."""
     bucket_bytes: int
     """Default weight-sync bucket size (``rollout.sync_bucket_mb``)."""
+    rounds_in_flight: int = 2
+    """Weight-sync transfer rounds posted ahead (``rollout.sync_rounds_in_flight``)."""
     export_plan: ExportPlan | None = None
     """The export stream's plan, made at the first sync and reused while the model and bucket size
     stay the same (the metadata exchange it saves grows with the world size)."""
@@ -152,6 +158,7 @@ class RolloutFleet:
             group=group,
             export_dtype=_DTYPES[cfg.model.dtype],
             bucket_bytes=cfg.rollout.sync_bucket_mb << 20,
+            rounds_in_flight=cfg.rollout.sync_rounds_in_flight,
         )
 
     @property
@@ -192,68 +199,79 @@ class RolloutFleet:
     def sync_weights(
         self, model: torch.nn.Module, version: int, *, bucket_bytes: int | None = None
     ) -> dict[str, float]:
-        """Collective: stream the trainer's weights into every engine as ``version``.
+        """Collective: stream the trainer's weights into every engine as ``version``, all engines fed
+        at once, each from the ranks holding its slices (``bridge/export.py``).
 
-        Returns ``sync/*`` metrics (seconds of the export and of the broadcast, bytes, buckets).
-        An engine that rejects the update keeps its previous weights and version; then every rank
-        raises with the engines' messages.
+        All or nothing: every engine stages the whole version, checks it, and commits only once every
+        engine has passed its check; if any engine rejects it, every engine drops it and keeps its
+        previous weights and version, and every rank raises with the engines' messages.
+        Returns ``sync/*`` metrics: seconds of the transfer (buckets staged) and of the commit, bytes
+        and buckets each engine received, and the most bytes of transfer buffers any rank held.
         """
-        from grpo_megatron.bridge.export import broadcast_bucket, export_hf_stream, plan_export
+        from grpo_megatron.bridge.export import TransferStats, export_hf_stream, plan_export
 
         bucket_bytes = bucket_bytes or self.bucket_bytes
-        dst = self.engine_ranks[0]
-        is_dst = self.ps.rank == dst
-        keep = is_dst and self.num_engines > 1  # buckets the other engines still need
-        kept: list[Bucket] = []
-        feeder = _Feeder(self.engine, version) if is_dst else None
+        dsts = tuple(self.engine_ranks)
         start = time.perf_counter()
         if self.planned_for != (id(model), bucket_bytes):
             self.export_plan = plan_export(
-                model, self.ps, self.hf, bucket_bytes=bucket_bytes, dst_rank=dst, dtype=self.export_dtype
-            )
+                model, self.ps, self.hf, bucket_bytes=bucket_bytes, dst_ranks=dsts, dtype=self.export_dtype,
+                rounds_in_flight=self.rounds_in_flight,
+            )  # fmt: skip
             self.planned_for = (id(model), bucket_bytes)
+        stats = TransferStats()
         stream = export_hf_stream(
-            model, self.ps, self.hf, bucket_bytes=bucket_bytes, dst_rank=dst, dtype=self.export_dtype,
-            plan=self.export_plan, device=self.ps.device,  # engines sit on the trainer's devices
-        )
-        for bucket in stream:
-            if feeder is not None:
-                feeder.push(bucket)
-            if keep:
-                kept.append(bucket)
-        if feeder is not None:
-            feeder.finish()
-        export_s = time.perf_counter() - start
+            model, self.ps, self.hf, bucket_bytes=bucket_bytes, dst_ranks=dsts, dtype=self.export_dtype,
+            plan=self.export_plan, device=self.ps.device, stats=stats,  # engines sit on the trainer's devices
+        )  # fmt: skip
+        error: str | None = None
+        received = buckets = 0
+        for bucket in stream:  # every rank runs the stream to its end: it sends from inside it
+            if self.engine is None or error is not None:
+                continue
+            received += sum(t.numel() * t.element_size() for _, t in bucket)
+            buckets += 1
+            try:
+                self.engine.update_weights(bucket, version=version, last=False)
+            except Exception as exc:
+                error = _describe(exc)
+        if self.engine is not None and error is None:
+            try:
+                self.engine.check_update(version)
+            except Exception as exc:
+                error = _describe(exc)
+        transfer_s = time.perf_counter() - start
 
+        # Phase two: commit only if every engine accepted (one gather carries the verdicts and metrics).
         start = time.perf_counter()
-        header: list[Any] = [None]
-        if is_dst:
-            header = [(len(kept) if feeder.error is None else -1, feeder.bytes, feeder.buckets)]
-        if self.num_engines > 1 and self.ps.rank in self.engine_ranks:
-            dist.broadcast_object_list(header, src=dst, group=self.group)
-            num_kept = header[0][0]
-            if not is_dst and num_kept >= 0:  # -1: the first engine failed; the rest keep their weights
-                receiver = _Feeder(self.engine, version)
-                for _ in range(num_kept):
-                    receiver.push(broadcast_bucket(None, dst, self.group, device=self.ps.device))
-                receiver.finish()
-                feeder = receiver
-            elif is_dst and num_kept >= 0:
-                for bucket in kept:
-                    broadcast_bucket(bucket, dst, self.group, device=self.ps.device)
-        broadcast_s = time.perf_counter() - start
-        _agree(feeder.error if feeder is not None else None, f"weight sync of version {version}")
-
-        # Everyone reports the same numbers: the first engine rank's.
-        box = [header[0] if is_dst else None]
-        dist.broadcast_object_list(box, src=dst)
-        _, total_bytes, buckets = box[0]
+        reports: list[Any] = [None] * self.ps.world_size
+        dist.all_gather_object(reports, (error, received, buckets, stats.peak_bytes))
+        rejected = [(rank, r[0]) for rank, r in enumerate(reports) if r[0] is not None]
+        commit_error = None
+        if self.engine is not None:
+            try:
+                if rejected:
+                    self.engine.abort_update(version)
+                else:
+                    self.engine.update_weights([], version=version, last=True)
+            except Exception as exc:
+                commit_error = _describe(exc)
+        if rejected:
+            lines = "\n".join(f"  rank {rank}: {e}" for rank, e in rejected[:8])
+            raise RuntimeError(
+                f"weight sync of version {version} rejected by {len(rejected)} engine(s); every engine keeps "
+                f"its previous version:\n{lines}"
+            )
+        _agree(commit_error, f"committing the weight sync of version {version}")
+        commit_s = time.perf_counter() - start
+        first = reports[dsts[0]]
         return {
-            "sync/export_seconds": export_s,
-            "sync/broadcast_seconds": broadcast_s,
-            "sync/seconds": export_s + broadcast_s,
-            "sync/bytes": float(total_bytes),
-            "sync/buckets": float(buckets),
+            "sync/transfer_seconds": transfer_s,
+            "sync/commit_seconds": commit_s,
+            "sync/seconds": transfer_s + commit_s,
+            "sync/bytes": float(first[1]),
+            "sync/buckets": float(first[2]),
+            "sync/peak_buffer_bytes": float(max(r[3] for r in reports)),
             "sync/version": float(version),
         }
 
@@ -288,36 +306,3 @@ class RolloutFleet:
         if self.engine is not None:
             self.engine.shutdown()
             self.engine = None
-
-
-class _Feeder:
-    """Hands buckets to an engine one step behind, so the final bucket can carry ``last=True``.
-
-    The first error is kept (and nothing more is sent): the fleet reports it on every rank."""
-
-    def __init__(self, engine: RolloutEngine | None, version: int) -> None:
-        assert engine is not None
-        self.engine, self.version = engine, version
-        self.pending: Bucket | None = None
-        self.error: str | None = None
-        self.bytes = 0
-        self.buckets = 0
-
-    def push(self, bucket: Bucket) -> None:
-        self.bytes += sum(t.numel() * t.element_size() for _, t in bucket)
-        self.buckets += 1
-        if self.pending is not None:
-            self._send(self.pending, last=False)
-        self.pending = bucket
-
-    def finish(self) -> None:
-        self._send(self.pending or [], last=True)
-        self.pending = None
-
-    def _send(self, bucket: Bucket, *, last: bool) -> None:
-        if self.error is not None:
-            return
-        try:
-            self.engine.update_weights(bucket, version=self.version, last=last)
-        except Exception as exc:
-            self.error = _describe(exc)

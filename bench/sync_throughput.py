@@ -1,0 +1,181 @@
+"""Weight sync (``RolloutFleet.sync_weights``: export, transfer, every engine's two-phase commit)
+beside its floor, in the same run, on the bench model of ``bench/export_throughput.py``.
+
+- world 1: one embedded engine; the floor is a memcpy of the same bytes (every HF tensor cloned);
+- world 4 (TP2 x EP2, ``per_dp_rank``: 2 engines): the floor is the raw point-to-point transfer of
+  the same bytes over the same (source, engine) pairs as the sync's plan (``ExportPlan.pair_bytes``),
+  every pair's bytes as pre-packed messages of the bucket size, all posted at once.
+
+It also prints the planner's estimate (``planner/sync.py``) of the world-4 sync fed with the link
+and copy speeds measured here (the floor's bytes per second of its busiest rank, the memcpy rate).
+
+    .venv/bin/python bench/sync_throughput.py [--repeats 5] [--bucket-mb 8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from export_throughput import BENCH_CONFIG, EXAMPLE, REPO_ROOT  # noqa: E402
+
+LAYOUTS = {1: [], 4: ["parallel.tp=2", "parallel.ep=2"]}
+
+
+def _timed(fn: Any) -> float:
+    import torch.distributed as dist
+
+    dist.barrier()
+    start = time.perf_counter()
+    fn()
+    dist.barrier()
+    return time.perf_counter() - start
+
+
+def worker(args: argparse.Namespace) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from grpo_megatron.bridge.export import export_hf_stream
+    from grpo_megatron.config import load_config
+    from grpo_megatron.distributed.bootstrap import destroy_distributed, init_distributed, world_size_from_env
+    from grpo_megatron.models.builder import build_gpt_model
+    from grpo_megatron.rollout.fleet import RolloutFleet
+
+    world = world_size_from_env()
+    cfg = load_config(
+        EXAMPLE,
+        [f"model.hf_path={args.hf_dir}", "parallel.use_distributed_optimizer=false", *LAYOUTS[world]],
+    )
+    cfg.validate(world)
+    ps = init_distributed(cfg.parallel, seed=cfg.train.seed)
+    hf = cfg.model.load_hf_config()
+    model, _ = build_gpt_model(hf, cfg.model, ps)
+    bucket_bytes = int(args.bucket_mb * (1 << 20))
+    fleet = RolloutFleet.build(cfg, hf, ps)
+    version = [0]
+
+    def sync() -> None:
+        version[0] += 1
+        fleet.sync_weights(model, version[0], bucket_bytes=bucket_bytes)
+
+    sync()  # warm-up; makes the plan
+    plan = fleet.export_plan
+    assert plan is not None
+    payload = sum(item.hf_bytes for item in plan.items)
+    pairs = plan.pair_bytes
+    sent = [0] * world
+    recv = [0] * world
+    for (s, d), n in pairs.items():
+        sent[s] += n
+        recv[d] += n
+    if world == 1:
+        tensors = [t for b in export_hf_stream(model, ps, hf, bucket_bytes=bucket_bytes) for _, t in b]
+
+        def floor() -> None:
+            clones = [t.clone() for t in tensors]
+            del clones
+    else:
+
+        def chunks(n: int) -> list[int]:
+            return [min(bucket_bytes, n - off) for off in range(0, n, bucket_bytes)]
+
+        outbox = [(d, torch.ones(m, dtype=torch.uint8)) for (s, d), n in pairs.items() if s == ps.rank for m in chunks(n)]
+        inbox = [(s, torch.empty(m, dtype=torch.uint8)) for (s, d), n in pairs.items() if d == ps.rank for m in chunks(n)]
+
+        def floor() -> None:
+            ops = [dist.P2POp(dist.isend, b, d) for d, b in outbox] + [dist.P2POp(dist.irecv, b, s) for s, b in inbox]
+            for work in dist.batch_isend_irecv(ops) if ops else []:
+                work.wait()
+
+        floor()  # warm-up of the connections
+    times: dict[str, list[float]] = {"sync": [], "floor": []}
+    for _ in range(args.repeats):
+        times["sync"].append(_timed(sync))
+        times["floor"].append(_timed(floor))
+    if ps.rank == 0:
+        out = {
+            "world": world, "payload_bytes": payload, "engines": fleet.num_engines, "sent": sent, "received": recv,
+            "median_s": {k: statistics.median(v) for k, v in times.items()}, "all_s": times,
+        }  # fmt: skip
+        Path(args.out).write_text(json.dumps(out))
+    fleet.shutdown()
+    destroy_distributed()
+
+
+def launch(world: int, hf_dir: Path, out: Path, args: argparse.Namespace) -> dict[str, Any]:
+    env = dict(os.environ)
+    env.update(
+        OMP_NUM_THREADS="1",
+        TORCH_COMPILE_DISABLE="1",
+        PYTHONPATH=os.pathsep.join([str(REPO_ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep),
+    )
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world),
+        __file__, "--worker", "--hf-dir", str(hf_dir), "--out", str(out),
+        "--repeats", str(args.repeats), "--bucket-mb", str(args.bucket_mb),
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=args.timeout_s)
+    if proc.returncode != 0 or not out.is_file():
+        sys.exit(f"world {world} failed (exit code {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
+    return json.loads(out.read_text())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--bucket-mb", type=float, default=8.0)
+    parser.add_argument("--timeout-s", type=float, default=600.0)
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--hf-dir", help=argparse.SUPPRESS)
+    parser.add_argument("--out", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        worker(args)
+        return
+    from grpo_megatron.planner.sync import RankBytes, transfer_seconds
+
+    with tempfile.TemporaryDirectory(prefix="sync_bench_") as tmp:
+        hf_dir = Path(tmp) / "model"
+        hf_dir.mkdir()
+        (hf_dir / "config.json").write_text(json.dumps(BENCH_CONFIG, indent=2))
+        results = {w: launch(w, hf_dir, Path(tmp) / f"world{w}.json", args) for w in LAYOUTS}
+
+    print(f"Qwen3-MoE bench model, fp32, buckets of {args.bucket_mb:g} MiB, median of {args.repeats} runs")
+    for world, r in results.items():
+        mb = r["payload_bytes"] / 1e6
+        floor = "memcpy" if world == 1 else "raw send/recv over the plan's pairs"
+        print(f"world {world}, {r['engines']} engine(s), {mb:.1f} MB per engine; bytes sent per rank {r['sent']}")
+        for name, seconds in r["median_s"].items():
+            print(f"  {name:6s} {seconds * 1e3:8.1f} ms")
+        print(f"ratio world {world}: sync / {floor} = {r['median_s']['sync'] / r['median_s']['floor']:.2f}")
+    # The planner's model fed this machine's speeds: the memcpy rate, and the busiest rank's rate
+    # through the raw transfer (its larger direction).
+    w1, w4 = results[1], results[4]
+    copy_gbps = w1["payload_bytes"] / w1["median_s"]["floor"] / 1e9
+    busiest = max(max(s, r) for s, r in zip(w4["sent"], w4["received"], strict=True))
+    link_gbps = busiest / w4["median_s"]["floor"] / 1e9
+    ranks = [
+        # copied: packed at the sender; assembled, then committed into the engine at the receiver.
+        RankBytes(s, r, s + (2 * w4["payload_bytes"] if r else 0))
+        for s, r in zip(w4["sent"], w4["received"], strict=True)
+    ]
+    predicted = transfer_seconds(ranks, link_gbps, copy_gbps)
+    print(
+        f"planner model, world 4 (link {link_gbps:.2f} GB/s, copy {copy_gbps:.2f} GB/s measured here): "
+        f"predicted {predicted * 1e3:.1f} ms, measured {w4['median_s']['sync'] * 1e3:.1f} ms "
+        f"(measured / predicted = {w4['median_s']['sync'] / predicted:.2f})"
+    )
+
+
+if __name__ == "__main__":
+    main()

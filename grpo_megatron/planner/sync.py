@@ -1,0 +1,163 @@
+"""Weight-sync time on paper: the bytes each rank sends and receives per sync, and a time estimate.
+
+The model (docs/planner.md states it with its assumptions):
+
+- every engine needs the whole model once per sync, ``M = parameters x export bytes``; the sources
+  are the trainer ranks holding each slice, chosen on the engine's node first, the rest spread
+  evenly over every copy (``bridge/export.py``), so a trainer rank sends ``engines x M / world``;
+- the share of ``M`` an engine finds on its own node travels over NVLink, the rest over the
+  network (InfiniBand, one NIC per GPU); a rank's send and receive time is its bytes over its link;
+- a GPU receiving and sending at once is limited by the slower of its two directions (full duplex);
+- copies on the device (packing at the sender, assembling HF tensors and the engine's load at the
+  receiver) run at ``copy_gbps``;
+- phases add up (no credit for overlap between rounds: an upper bound on a quiet cluster).
+
+Two deliveries are estimated:
+
+- ``full tensors to each engine's first GPU`` (what the weight sync does today: SGLang's loader
+  slices full HF tensors itself, so the first GPU of an engine receives all of ``M`` and its
+  other GPUs read their slices from it by CUDA IPC or NCCL, ``M x (G - 1) / G`` out of it);
+- ``shard to shard`` (every engine GPU receives only the ``M / G`` its loader keeps, straight from
+  the trainer ranks): what an engine spanning many GPUs needs to stay within seconds.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+GB = 1e9
+
+
+@dataclass(frozen=True)
+class Links:
+    """Bandwidths of one GPU, in GB/s per direction (defaults: H100 SXM nodes with NDR InfiniBand)."""
+
+    nvlink_gbps: float = 370.0
+    """GPU-to-GPU inside a node: NVLink 4 is 450 GB/s per direction; NCCL point-to-point reaches ~370."""
+    pcie_gbps: float = 50.0
+    """GPU to its NIC and host: PCIe Gen5 x16, 64 GB/s nominal. Used where a node has no NVLink
+    (``nvlink_gbps=0``)."""
+    ib_gbps: float = 45.0
+    """Between nodes: one 400 Gb/s NDR NIC per GPU, 50 GB/s nominal, ~45 achieved."""
+    copy_gbps: float = 1300.0
+    """Device-to-device copy of HBM (H100: 3.35 TB/s read + write, ~1.3 TB/s copied)."""
+
+    @property
+    def intra_gbps(self) -> float:
+        return self.nvlink_gbps or self.pcie_gbps
+
+
+@dataclass(frozen=True)
+class RankBytes:
+    """Bytes one rank moves per sync."""
+
+    sent: float
+    received: float
+    copied: float  # packed, assembled and loaded on its device
+
+
+def transfer_seconds(ranks: Sequence[RankBytes], link_gbps: float, copy_gbps: float) -> float:
+    """The slowest rank's time: its busier link direction, then its copies (phases add up)."""
+    return max(max(r.sent, r.received) / (link_gbps * GB) + r.copied / (copy_gbps * GB) for r in ranks)
+
+
+@dataclass(frozen=True)
+class SyncEstimate:
+    delivery: str
+    model_bytes: float
+    engines: int
+    gpus_per_engine: int
+    trainer_rank: RankBytes
+    engine_gpu: RankBytes
+    seconds: float
+    bottleneck: str
+
+
+def node_fraction(dense: float, expert: float, tp: int, pp: int, ep: int, etp: int, gpus_per_node: int) -> float:
+    """Share of the model's distinct bytes held on one node (consecutive ranks: TP innermost, then
+    EP for experts): a node holds a full copy of what its ``gpus_per_node`` ranks hold together."""
+    dense_on_node = min(1.0, gpus_per_node / (tp * pp)) * dense
+    expert_on_node = min(1.0, gpus_per_node / (etp * ep * pp)) * expert
+    return (dense_on_node + expert_on_node) / max(dense + expert, 1.0)
+
+
+def estimate_sync(
+    *,
+    dense_params: float,
+    expert_params: float,
+    export_bytes: int,
+    world_size: int,
+    gpus_per_node: int,
+    gpus_per_engine: int,
+    tp: int,
+    pp: int,
+    ep: int,
+    etp: int,
+    links: Links,
+) -> list[SyncEstimate]:
+    """Both deliveries' bytes per rank and time, for engines of ``gpus_per_engine`` GPUs on the
+    trainer's GPUs (colocated: one engine per ``gpus_per_engine`` ranks)."""
+    m = (dense_params + expert_params) * export_bytes
+    engines = max(1, world_size // gpus_per_engine)
+    local = node_fraction(dense_params, expert_params, tp, pp, ep, etp, gpus_per_node)
+    multi_node = world_size > gpus_per_node
+    sent = engines * m / world_size  # every rank's even share of what all engines receive
+    out: list[SyncEstimate] = []
+    for delivery, received, fan_out in (
+        ("full tensors to each engine's first GPU", m, m * (gpus_per_engine - 1) / gpus_per_engine),
+        ("shard to shard", m / gpus_per_engine, 0.0),
+    ):
+        near = received * local
+        far = received - near if multi_node else 0.0
+        near = received - far
+        receive_s = max(near / (links.intra_gbps * GB), far / (links.ib_gbps * GB))
+        send_link = links.ib_gbps if multi_node else links.intra_gbps
+        send_s = sent / (send_link * GB)
+        engine_spans_nodes = gpus_per_engine > gpus_per_node
+        fan_out_s = fan_out / ((links.ib_gbps if engine_spans_nodes else links.intra_gbps) * GB)
+        copied = received + m / gpus_per_engine  # assembled, then loaded
+        copy_s = (copied + sent) / (links.copy_gbps * GB)
+        seconds = max(receive_s, send_s) + fan_out_s + copy_s
+        parts = {"receive": receive_s, "send": send_s, "fan-out in the engine": fan_out_s, "copies": copy_s}
+        out.append(
+            SyncEstimate(
+                delivery, m, engines, gpus_per_engine,
+                RankBytes(sent, 0.0, sent), RankBytes(sent + fan_out, received, copied),
+                seconds, max(parts, key=lambda k: parts[k]),
+            )  # fmt: skip
+        )
+    return out
+
+
+def plan_sync(
+    hf: Mapping[str, Any], layout: Any, *, gpus_per_node: int, gpus_per_engine: int, export_bytes: int, links: Links
+) -> list[SyncEstimate]:
+    """``estimate_sync`` for a model (its HF config) at a resolved ``planner.memory.Layout``."""
+    from grpo_megatron.planner.memory import ModelDims, canonical_tensors
+
+    d = ModelDims.from_hf(hf)
+    tensors = canonical_tensors(hf, padded_vocab=d.vocab)
+    expert = float(sum(s.numel for s in tensors if s.is_expert))
+    dense = float(sum(s.numel for s in tensors if not s.is_expert))
+    return estimate_sync(
+        dense_params=dense, expert_params=expert, export_bytes=export_bytes, world_size=layout.world_size,
+        gpus_per_node=gpus_per_node, gpus_per_engine=gpus_per_engine, tp=layout.tp, pp=layout.pp,
+        ep=layout.ep, etp=layout.etp, links=links,
+    )  # fmt: skip
+
+
+def render(estimates: Sequence[SyncEstimate], links: Links) -> str:
+    lines = [
+        f"weight sync per iteration (links per GPU: NVLink {links.nvlink_gbps:g} GB/s, PCIe {links.pcie_gbps:g}, "
+        f"InfiniBand {links.ib_gbps:g}, device copy {links.copy_gbps:g}; model in docs/planner.md):"
+    ]
+    for e in estimates:
+        lines.append(
+            f"  {e.delivery}: {e.model_bytes / GB:.1f} GB to each of {e.engines} engine(s) of {e.gpus_per_engine} "
+            f"GPU(s) | a trainer rank sends {e.trainer_rank.sent / GB:.2f} GB | an engine GPU receives "
+            f"{e.engine_gpu.received / GB:.2f} GB, sends {e.engine_gpu.sent / GB:.2f} GB | "
+            f"~{e.seconds:.2f} s (most: {e.bottleneck})"
+        )
+    return "\n".join(lines)
