@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
-from grpo_megatron.bridge.transforms import QKVGroups, WeightRule, copy, glu, qkv, vocab
+from grpo_megatron.models.weight_rules import QKVGroups, WeightRule, copy, glu, qkv, vocab
 
 
 class HFConfigError(ValueError):

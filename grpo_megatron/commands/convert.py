@@ -23,27 +23,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-TOKENIZER_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "added_tokens.json",
-    "vocab.json",
-    "merges.txt",
-    "tokenizer.model",
-    "chat_template.jinja",
-    "generation_config.json",
-)
-"""Files copied along with config.json when they exist (the tokenizer and generation defaults)."""
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
 class ConvertError(ValueError):
     """Bad input to a conversion: names the path or option and the fix."""
-
-
-def tokenizer_files(directory: Path) -> tuple[Path, ...]:
-    return tuple(directory / name for name in TOKENIZER_FILES if (directory / name).is_file())
 
 
 def read_hf_config(directory: str | Path, option: str) -> dict[str, Any]:
@@ -98,7 +82,7 @@ def hf_to_mcore(args: argparse.Namespace) -> Path:
     import torch.distributed as dist
 
     from grpo_megatron.bridge.hf_loader import CheckpointError as HFCheckpointError
-    from grpo_megatron.bridge.hf_loader import load_hf_weights
+    from grpo_megatron.bridge.hf_loader import load_hf_weights, tokenizer_files
     from grpo_megatron.checkpoint.dist import save_model_checkpoint
     from grpo_megatron.distributed.collectives import on_rank0
 
@@ -136,6 +120,7 @@ def mcore_to_hf(args: argparse.Namespace) -> Path:
     import torch.distributed as dist
 
     from grpo_megatron.bridge.export import write_hf_checkpoint
+    from grpo_megatron.bridge.hf_loader import tokenizer_files
     from grpo_megatron.checkpoint.dist import (
         CheckpointError,
         load_model_checkpoint,
