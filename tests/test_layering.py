@@ -23,7 +23,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("distributed", "logging_utils", "algorithm", "rewards", "data"),
     ("models",),
     ("bridge",),
-    ("config",),  # JobConfig: the sections assembled, the YAML loader, cross-section validation
+    ("config",),  # config/: JobConfig (the sections assembled), the YAML loader, cross-section validation
     ("rollout", "checkpoint"),
     ("training",),
     ("planner", "commands"),
