@@ -22,7 +22,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -30,6 +30,9 @@ import torch.distributed as dist
 from grpo_megatron.distributed.bootstrap import ParallelState
 from grpo_megatron.models.registry import get_adapter
 from grpo_megatron.models.weight_rules import WeightRule
+
+if TYPE_CHECKING:
+    from megatron.core.models.gpt import GPTModel
 
 _LAYER = re.compile(r"^(decoder\.layers\.)(\d+)(\.)")
 
@@ -64,11 +67,12 @@ class ShardLayout:
     glu: bool  # fc1 of a gated MLP: [gate; up] halves are sharded separately
 
 
-def unwrap(model: torch.nn.Module) -> torch.nn.Module:
+def unwrap(model: torch.nn.Module) -> GPTModel:
     """The GPTModel inside megatron's DDP (or any ``.module`` wrapper)."""
-    while hasattr(model, "module"):
-        model = model.module
-    return model
+    inner: Any = model
+    while hasattr(inner, "module"):
+        inner = inner.module
+    return inner
 
 
 def _expert_param_ids(module: torch.nn.Module) -> set[int]:
@@ -106,7 +110,7 @@ def shard_layouts(
             param,
             ShardLayout(
                 canonical_name=canonical,
-                partition_dim=param.partition_dim if sharded else None,
+                partition_dim=getattr(param, "partition_dim", None) if sharded else None,
                 is_expert=is_expert,
                 glu=bool(config.gated_linear_unit) and name.endswith("linear_fc1.weight"),
             ),
@@ -161,8 +165,8 @@ def full_state(model: torch.nn.Module, ps: ParallelState, *, grads: bool = False
     """
     local: dict[str, torch.Tensor] = {}
     for _, param, layout in shard_layouts(model, ps):
-        tensor = getattr(param, "main_grad", None) if grads else param
-        if grads and tensor is None:
+        tensor: torch.Tensor | None = getattr(param, "main_grad", None) if grads else param
+        if tensor is None:  # grads only: a parameter without a gradient buffer
             tensor = param.grad if param.grad is not None else torch.zeros_like(param)
         full = gather(tensor, layout, ps)
         # Only one member of each TP/ETP group (and of the data-parallel replicas) needs to report.

@@ -74,7 +74,7 @@ def read_shard(
 
     split = partition_dim is not None and size > 1
     if rule.kind == "copy":
-        if not split:
+        if partition_dim is None or not split:
             return read(rule.hf[0], None, 0, 0)
         n = canonical_shape[partition_dim] // size
         return read(rule.hf[0], partition_dim, rank * n, (rank + 1) * n)

@@ -21,7 +21,12 @@ import json
 import shutil
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from megatron.core.models.gpt import GPTModel
+
+    from grpo_megatron.distributed.bootstrap import ParallelState
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
@@ -55,7 +60,9 @@ def config_dtype(hf: dict[str, Any]) -> str:
     return declared if declared in DTYPES[1:] else "float32"
 
 
-def _start(hf_dir: Path, hf: dict[str, Any], args: argparse.Namespace, dtype: str):
+def _start(
+    hf_dir: Path, hf: dict[str, Any], args: argparse.Namespace, dtype: str
+) -> tuple[ParallelState, GPTModel, int]:
     """Process groups at the requested layout and this rank's model shard."""
     from grpo_megatron.config import model_layout_errors
     from grpo_megatron.distributed.bootstrap import init_distributed, world_size_from_env

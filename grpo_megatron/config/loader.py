@@ -152,7 +152,7 @@ def _apply_override(raw: dict[str, Any], override: str, origins: _Origins, error
     for depth, key in enumerate(path):
         tp = _strip_optional(tp)
         defaults.append(None)
-        if dataclasses.is_dataclass(tp) and isinstance(key, str):
+        if isinstance(tp, type) and dataclasses.is_dataclass(tp) and isinstance(key, str):
             hints = _type_hints(tp)
             if key not in hints:
                 errors.append(f"{where}: {_unknown_key_message(path[: depth + 1], list(hints))}")
@@ -247,7 +247,7 @@ def _convert(value: Any, tp: Any, path: KeyPath, origins: _Origins, errors: list
     origin = _origin(tp)
     if tp is Any:
         return value
-    if dataclasses.is_dataclass(tp):
+    if isinstance(tp, type) and dataclasses.is_dataclass(tp):
         return _convert_dataclass(value, tp, path, origins, errors)
     if origin is Union:
         arms = [a for a in typing.get_args(tp) if a is not type(None)]

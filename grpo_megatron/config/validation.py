@@ -144,6 +144,7 @@ def model_layout_errors(model: ModelConfig, hf_config: dict[str, Any], parallel:
 
 def batch_layout_errors(cfg: JobConfig, parallel: ParallelConfig) -> list[str]:
     """Rules between batch sizes and a resolved parallel layout."""
+    assert parallel.dp is not None, "batch_layout_errors takes a resolved layout (ParallelConfig.resolve)"
     samples = cfg.train.prompts_per_iteration * cfg.rollout.n_samples_per_prompt
     per_update = cfg.train.updates_per_iteration * parallel.dp
     if samples % per_update:

@@ -218,13 +218,16 @@ def _meta_device_for_megatron() -> Iterator[None]:
     factory call without a device land on the meta device while a model is built."""
     import torch
 
+    def meta_device() -> Any:  # megatron passes it on as a device=: the meta device works there
+        return torch.device("meta")
+
     original = torch.cuda.current_device
-    torch.cuda.current_device = lambda: torch.device("meta")  # type: ignore[assignment]
+    torch.cuda.current_device = meta_device
     try:
         with torch.device("meta"):
             yield
     finally:
-        torch.cuda.current_device = original  # type: ignore[assignment]
+        torch.cuda.current_device = original
 
 
 def build_meta_model(hf: Mapping[str, Any], cfg: JobConfig, ps: ParallelState, seed: int) -> Any:

@@ -35,7 +35,7 @@ from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import ModuleType
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -138,8 +138,9 @@ def completion_from_output(output: Mapping[str, Any], prompt_len: int) -> Comple
     kind = reason.get("type") if isinstance(reason, dict) else str(reason)
     if kind not in ("stop", "length"):
         raise RuntimeError(f"SGLang ended a request with finish_reason={reason!r} (aborted or failed)")
+    finish: Literal["stop", "length"] = "stop" if kind == "stop" else "length"
     routed = decode_routed_experts(meta.get("routed_experts"), prompt_len + len(token_ids) - 1)
-    return Completion(token_ids, [float(e[0]) for e in entries], kind, routed)
+    return Completion(token_ids, [float(e[0]) for e in entries], finish, routed)
 
 
 def teacher_forced_logprobs(

@@ -45,7 +45,7 @@ def colocated_server_args(
 
 
 def flattened_bucket_payloads(
-    bucket: Bucket, tp_size: int, sglang_classes: tuple[type, type], device: torch.device | str | None = None
+    bucket: Bucket, tp_size: int, sglang_classes: tuple[type, Any], device: torch.device | str | None = None
 ) -> list[str]:
     """What ``Engine.update_weights_from_tensor(payloads, load_format="flattened_bucket")`` takes:
     one serialized ``{"flattened_tensor", "metadata"}`` per SGLang TP rank (base64 strings, which
@@ -61,7 +61,7 @@ class CudaIpcTransport:
     """``WeightTransport`` into one colocated ``sglang.Engine`` (``servers`` holds exactly it)."""
 
     def __init__(
-        self, servers: Sequence[Any], tp_size: int, sglang_classes: tuple[type, type], device: torch.device | str
+        self, servers: Sequence[Any], tp_size: int, sglang_classes: tuple[type, Any], device: torch.device | str
     ):
         self.servers = servers
         self.tp_size = tp_size

@@ -116,10 +116,10 @@ def init_trainer_weight_group(
     from torch.distributed import distributed_c10d as c10d
 
     timeout = timedelta(seconds=timeout_s)
-    store = torch.distributed.TCPStore(master_addr, master_port, world_size, is_master=True, timeout=timeout)
-    store = torch.distributed.PrefixStore(group_name, store)
+    tcp_store = torch.distributed.TCPStore(master_addr, master_port, world_size, is_master=True, timeout=timeout)
+    store = torch.distributed.PrefixStore(group_name, tcp_store)
     group, _ = c10d._new_process_group_helper(
-        world_size, 0, [], c10d.Backend(backend), store, group_name=group_name, timeout=timeout
+        world_size, 0, [], c10d.Backend(backend), store, group_name=c10d.GroupName(group_name), timeout=timeout
     )
     c10d._world.pg_group_ranks[group] = {i: i for i in range(world_size)}
     return group
