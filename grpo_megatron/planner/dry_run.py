@@ -12,7 +12,7 @@ For a job config and a world size:
    exactly as in a job, and the rank's groups and ranks must equal step 1's.
 3. Parameter shapes, per rank class: our ``models.builder.build_gpt_model`` builds the rank's
    ``GPTModel`` on the meta device; every parameter's canonical name (``bridge.layout``) and shard
-   shape must equal the planner's unsharded tensor table (``planner.memory.canonical_tensors``)
+   shape must equal the planner's unsharded tensor table (``planner.model_states.canonical_tensors``)
    split by the layout, and the names must match the adapter's weight rules.
 4. Per-rank parameter bytes for every rank (from its pipeline stage), cross-checked against the
    built models.
@@ -36,13 +36,12 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from grpo_megatron.planner.memory import (
-    DTYPE_BYTES,
+from grpo_megatron.planner.memory import DTYPE_BYTES, human_count
+from grpo_megatron.planner.model_states import (
     Layout,
     ModelDims,
     TensorSpec,
     canonical_tensors,
-    human_count,
     rank_param_counts,
     rank_tensors,
 )
