@@ -53,6 +53,7 @@ lock:
 
 lint: setup
 	$(BIN)/ruff check $(LINT_PATHS)
+	$(BIN)/mypy grpo_megatron
 
 test: lint
 	TORCH_COMPILE_DISABLE=1 $(BIN)/python -m pytest -q

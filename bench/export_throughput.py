@@ -92,8 +92,7 @@ def _timed(fn: Any) -> float:
 def _owned_shards(model: Any, ps: Any, hf: dict[str, Any]) -> list[Any]:
     """The shards this rank contributes to the export: first data-parallel copy, and one TP rank of
     tensors that TP does not split (the same bytes the stream must move, whatever its pattern)."""
-    from grpo_megatron.bridge.hf_loader import local_tensors, rules_by_name
-    from grpo_megatron.bridge.layout import is_first_replica, tp_group_of
+    from grpo_megatron.bridge.layout import is_first_replica, local_tensors, rules_by_name, tp_group_of
 
     rules = rules_by_name(hf)
     owned = []

@@ -192,7 +192,7 @@ def worker(args: argparse.Namespace) -> None:
 
     from grpo_megatron.config import load_config, validate
     from grpo_megatron.distributed.bootstrap import destroy_distributed, world_size_from_env
-    from grpo_megatron.planner.memory import total_params
+    from grpo_megatron.planner.model_states import total_params
     from grpo_megatron.training.batching import collate
     from grpo_megatron.training.grpo import job_probe, sync_to_engines
     from grpo_megatron.training.job import build_job

@@ -96,7 +96,7 @@ def _add_verify_args(parser: argparse.ArgumentParser) -> None:
 
 
 def _run_verify(cfg: JobConfig, args: argparse.Namespace) -> int:
-    from grpo_megatron.bridge.verify import main as verify_main
+    from grpo_megatron.commands.verify import main as verify_main
 
     return verify_main(cfg, args.tol)
 
@@ -114,13 +114,13 @@ def _run_plan(cfg: JobConfig, args: argparse.Namespace) -> int:
 
 
 def _add_convert_args(parser: argparse.ArgumentParser) -> None:
-    from grpo_megatron.bridge.convert import add_arguments  # standard library only at import
+    from grpo_megatron.commands.convert import add_arguments  # standard library only at import
 
     add_arguments(parser)
 
 
 def _run_convert(args: argparse.Namespace) -> int:
-    from grpo_megatron.bridge.convert import main as convert_main
+    from grpo_megatron.commands.convert import main as convert_main
 
     return convert_main(args)
 

@@ -20,8 +20,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from grpo_megatron.bridge.export import SafetensorsWriter
-from grpo_megatron.bridge.transforms import QKVGroups, dict_reader, qkv, read_shard, to_hf
+from grpo_megatron.bridge.transforms import dict_reader, read_shard, to_hf
 from grpo_megatron.models.registry import UnsupportedModelError, get_adapter
+from grpo_megatron.models.weight_rules import QKVGroups, qkv
 from tests.helpers.dist import REPO_ROOT, free_port, run_distributed
 from tests.helpers.tiny_configs import TINY_CONFIGS
 from tests.workers.bridge_workers import EXAMPLE, batch_tokens, reference_kwargs, save_tiny_model

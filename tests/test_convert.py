@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from grpo_megatron.bridge.convert import ConvertError, hf_to_mcore, mcore_to_hf, parse
+from grpo_megatron.commands.convert import ConvertError, hf_to_mcore, mcore_to_hf, parse
 from tests.helpers.dist import REPO_ROOT, free_port
 
 

@@ -15,7 +15,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from grpo_megatron.bridge.export import assemble_hf, flatten_bucket, unflatten_bucket
-from grpo_megatron.bridge.transforms import QKVGroups, copy, glu, qkv, to_hf, vocab
+from grpo_megatron.bridge.transforms import to_hf
+from grpo_megatron.models.weight_rules import QKVGroups, copy, glu, qkv, vocab
 from tests.helpers.dist import run_distributed
 from tests.helpers.tiny_configs import tiny_hf_config
 

@@ -264,7 +264,7 @@ def _float_fields(cls: type, prefix: str = "") -> list[str]:
     import dataclasses
     import typing
 
-    from grpo_megatron.config import _strip_optional
+    from grpo_megatron.config.loader import _strip_optional
 
     out = []
     for f in dataclasses.fields(cls):

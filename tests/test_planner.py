@@ -12,7 +12,7 @@ import torch
 
 from grpo_megatron.config import load_config, validate
 from grpo_megatron.models.builder import build_gpt_model, padded_vocab_size
-from grpo_megatron.planner import memory
+from grpo_megatron.planner import memory, model_states
 from grpo_megatron.planner.dry_run import dry_run, fake_world, parallel_state_here, shape_errors
 from tests.helpers.dist import REPO_ROOT
 from tests.helpers.tiny_configs import TINY_CONFIGS, tiny_hf_config
@@ -38,10 +38,10 @@ def test_param_count_equals_real_model(tmp_path: Path, model_type: str) -> None:
     """World size 1: a real CPU model from build_gpt_model has exactly the planner's tensors."""
     cfg = tiny_job(tmp_path, model_type)
     hf = cfg.model.load_hf_config()
-    layout = memory.Layout.from_config(cfg.parallel, 1)
+    layout = model_states.Layout.from_config(cfg.parallel, 1)
     vp = padded_vocab_size(hf["vocab_size"], 8, 1)
-    tensors = memory.canonical_tensors(hf, padded_vocab=vp, te=False)
-    dims = memory.ModelDims.from_hf(hf)
+    tensors = model_states.canonical_tensors(hf, padded_vocab=vp, te=False)
+    dims = model_states.ModelDims.from_hf(hf)
     with fake_world(0, 1, layout):
         ps = parallel_state_here(0, layout, torch.device("cpu"))
         from grpo_megatron.distributed.megatron_compat import apply_megatron_compat, cpu_model_parallel_seed
@@ -51,9 +51,9 @@ def test_param_count_equals_real_model(tmp_path: Path, model_type: str) -> None:
         model, _ = build_gpt_model(hf, cfg.model, ps)
         real = sum(p.numel() for p in model.parameters())
         assert next(model.parameters()).device.type == "cpu"
-        assert shape_errors(model, ps, layout, memory.rank_tensors(tensors, layout, dims, 0, 0)) == []
-    assert memory.rank_param_counts(tensors, layout, dims, 0).total == real
-    assert memory.total_params(hf, padded_vocab=vp) == real
+        assert shape_errors(model, ps, layout, model_states.rank_tensors(tensors, layout, dims, 0, 0)) == []
+    assert model_states.rank_param_counts(tensors, layout, dims, 0).total == real
+    assert model_states.total_params(hf, padded_vocab=vp) == real
 
 
 LAYOUTS = {  # world size, overrides
@@ -86,8 +86,8 @@ def test_dry_run_layouts_per_rank(tmp_path: Path, model_type: str) -> None:
         per_stage_total = sum(c.params for c in report.classes)
         layout = report.layout
         # One copy of each stage split over TP (dense) and EP x ETP (experts) adds up to the model.
-        dims = memory.ModelDims.from_hf(hf)
-        tensors = memory.canonical_tensors(hf, padded_vocab=vp, pp=layout.pp, te=False)
+        dims = model_states.ModelDims.from_hf(hf)
+        tensors = model_states.canonical_tensors(hf, padded_vocab=vp, pp=layout.pp, te=False)
         whole = sum(
             t.numel // ((layout.etp * layout.ep) if t.is_expert else (layout.tp if t.partition_dim is not None else 1))
             for t in tensors
@@ -99,16 +99,16 @@ def test_dry_run_layouts_per_rank(tmp_path: Path, model_type: str) -> None:
 def test_shape_check_catches_a_wrong_table(tmp_path: Path) -> None:
     cfg = tiny_job(tmp_path, "qwen3_moe", ["parallel.tp=2"])
     hf = cfg.model.load_hf_config()
-    layout = memory.Layout.from_config(cfg.parallel, 2)
+    layout = model_states.Layout.from_config(cfg.parallel, 2)
     vp = padded_vocab_size(hf["vocab_size"], 8, 2)
-    tensors = memory.canonical_tensors(hf, padded_vocab=vp, te=False)
-    dims = memory.ModelDims.from_hf(hf)
+    tensors = model_states.canonical_tensors(hf, padded_vocab=vp, te=False)
+    dims = model_states.ModelDims.from_hf(hf)
     from grpo_megatron.planner.dry_run import build_meta_model
 
     with fake_world(1, 2, layout):
         ps = parallel_state_here(1, layout, torch.device("meta"))
         model = build_meta_model(hf, cfg, ps, 0)
-        expected = memory.rank_tensors(tensors, layout, dims, 0, ps.ep_rank)
+        expected = model_states.rank_tensors(tensors, layout, dims, 0, ps.ep_rank)
         assert shape_errors(model, ps, layout, expected) == []
         spec, shape = expected[3]
         broken = [*expected[:3], (spec, (shape[0] + 1, *shape[1:])), *expected[4:-1]]

@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from grpo_megatron.cli import main as cli_main
-from grpo_megatron.planner.memory import total_params
+from grpo_megatron.planner.model_states import total_params
 from tests.helpers.dist import REPO_ROOT
 
 RECIPES = sorted((REPO_ROOT / "examples" / "recipes").glob("*.yaml"))

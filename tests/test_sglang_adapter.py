@@ -21,21 +21,27 @@ from grpo_megatron.rollout.engine import SamplingParams
 from grpo_megatron.rollout.sglang_engine import (
     INSTALL_HINT,
     SGLangEngine,
-    SGLangHttpClient,
-    SGLangServerError,
     SGLangUnavailableError,
-    aligned_order,
     bucket_errors,
     checkpoint_shapes,
-    colocated_group,
-    colocated_server_args,
     completion_from_output,
     decode_routed_experts,
-    distributed_update_body,
     sample_seeds,
     sampling_params_dict,
     teacher_forced_logprobs,
+)
+from grpo_megatron.rollout.sglang_ipc import (
+    colocated_group,
+    colocated_server_args,
+)
+from grpo_megatron.rollout.sglang_nccl import (
+    SGLangHttpClient,
+    SGLangServerError,
+    distributed_update_body,
     weight_group_layout,
+)
+from grpo_megatron.rollout.sglang_weights import (
+    aligned_order,
 )
 from tests.helpers.dist import REPO_ROOT
 from tests.workers.bridge_workers import EXAMPLE, save_tiny_model

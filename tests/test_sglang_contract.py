@@ -35,16 +35,22 @@ import torch
 from grpo_megatron.rollout.config import RolloutConfig
 from grpo_megatron.rollout.engine import SamplingParams
 from grpo_megatron.rollout.sglang_engine import (
-    WEIGHT_GROUP_NAME,
     SGLangEngine,
-    SGLangHttpClient,
     SGLangUnavailableError,
-    aligned_order,
-    distributed_update_body,
-    flattened_bucket,
-    flattened_bucket_payloads,
     import_sglang,
+)
+from grpo_megatron.rollout.sglang_ipc import (
+    flattened_bucket_payloads,
+)
+from grpo_megatron.rollout.sglang_nccl import (
+    WEIGHT_GROUP_NAME,
+    SGLangHttpClient,
+    distributed_update_body,
     init_trainer_weight_group,
+)
+from grpo_megatron.rollout.sglang_weights import (
+    aligned_order,
+    flattened_bucket,
 )
 from tests.helpers.dist import free_port, run_distributed
 

@@ -1,6 +1,6 @@
 """Thin wrapper: ``python tools/convert_hf_to_mcore.py --hf DIR --out DIR [--tp N --pp N --ep N --etp N]``.
 
-Same as ``grpo-megatron convert hf-to-mcore`` (see grpo_megatron/bridge/convert.py); run it under
+Same as ``grpo-megatron convert hf-to-mcore`` (see grpo_megatron/commands/convert.py); run it under
 torchrun to load at a sharded layout, e.g.
 ``torchrun --nproc-per-node 2 tools/convert_hf_to_mcore.py --hf DIR --out DIR --ep 2``.
 """

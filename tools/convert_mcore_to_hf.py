@@ -1,6 +1,6 @@
 """Thin wrapper: ``python tools/convert_mcore_to_hf.py --ckpt DIR [--hf-config DIR] --out DIR [--tp N ...]``.
 
-Same as ``grpo-megatron convert mcore-to-hf`` (see grpo_megatron/bridge/convert.py); run it under
+Same as ``grpo-megatron convert mcore-to-hf`` (see grpo_megatron/commands/convert.py); run it under
 torchrun to load at a sharded layout, e.g.
 ``torchrun --nproc-per-node 2 tools/convert_mcore_to_hf.py --ckpt DIR --out DIR --tp 2``.
 """

@@ -1,6 +1,6 @@
 """Thin wrapper: ``python tools/verify_hf.py CONFIG [section.key=value ...] [--tol 1e-4]``.
 
-Same as ``grpo-megatron verify`` (see grpo_megatron/bridge/verify.py); run it under torchrun to
+Same as ``grpo-megatron verify`` (see grpo_megatron/commands/verify.py); run it under torchrun to
 verify a sharded layout, e.g.
 ``torchrun --nproc-per-node 2 tools/verify_hf.py examples/tiny_moe.yaml model.hf_path=DIR parallel.tp=2``.
 """

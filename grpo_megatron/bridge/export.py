@@ -48,10 +48,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from grpo_megatron.bridge.hf_loader import local_tensors, rules_by_name
-from grpo_megatron.bridge.layout import tp_group_of
-from grpo_megatron.bridge.transforms import WeightRule, hf_shapes, to_hf
+from grpo_megatron.bridge.layout import local_tensors, rules_by_name, tp_group_of
+from grpo_megatron.bridge.transforms import hf_shapes, to_hf
 from grpo_megatron.distributed.bootstrap import ParallelState
+from grpo_megatron.models.weight_rules import WeightRule
 
 Bucket = list[tuple[str, torch.Tensor]]
 Consumer = Callable[[Bucket], None]

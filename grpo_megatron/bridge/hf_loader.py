@@ -9,19 +9,32 @@ canonical tensor comes from ``bridge/layout.py``.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from grpo_megatron.bridge.layout import ShardLayout, shard_layouts, tp_group_of, unwrap
-from grpo_megatron.bridge.transforms import WeightRule, hf_shapes, read_shard
+from grpo_megatron.bridge.layout import canonical_shape, local_tensors, rules_by_name, tp_group_of
+from grpo_megatron.bridge.transforms import hf_shapes, read_shard
 from grpo_megatron.distributed.bootstrap import ParallelState
 from grpo_megatron.models.registry import get_adapter
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
+
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+    "chat_template.jinja",
+    "generation_config.json",
+)
+"""Files copied along with config.json when they exist (the tokenizer and generation defaults)."""
 
 
 class CheckpointError(ValueError):
@@ -40,6 +53,10 @@ def check_safetensors(path: Path) -> list[str]:
         raise CheckpointError(problem)
     with safe_open(str(path), framework="pt") as f:
         return list(f.keys())
+
+
+def tokenizer_files(directory: Path) -> tuple[Path, ...]:
+    return tuple(directory / name for name in TOKENIZER_FILES if (directory / name).is_file())
 
 
 class HFCheckpoint:
@@ -103,37 +120,6 @@ class HFCheckpoint:
             return sl[:]
         index = tuple([slice(None)] * dim + [slice(start, stop)])
         return sl[index]
-
-
-def rules_by_name(hf: Mapping[str, Any]) -> dict[str, WeightRule]:
-    return {rule.mcore: rule for rule in get_adapter(hf).weight_rules(hf)}
-
-
-def buffer_layouts(model: torch.nn.Module, rules: Mapping[str, WeightRule]) -> Iterator[tuple[str, torch.Tensor, ShardLayout]]:
-    """(local name, buffer, layout) for every buffer the adapter maps (e.g. the router's
-    ``expert_bias``): replicated over TP, never expert-sharded, one per global layer."""
-    gpt = unwrap(model)
-    for i, layer in enumerate(gpt.decoder.layers):
-        for sub, buf in layer.named_buffers():
-            canonical = f"decoder.layers.{layer.layer_number - 1}.{sub}"
-            rule = rules.get(canonical)
-            if rule is not None and rule.buffer and buf is not None:
-                yield f"decoder.layers.{i}.{sub}", buf, ShardLayout(canonical, None, False, False)
-
-
-def local_tensors(
-    model: torch.nn.Module, ps: ParallelState, rules: Mapping[str, WeightRule]
-) -> Iterator[tuple[str, torch.Tensor, ShardLayout]]:
-    """This rank's parameters and mapped buffers, each with its canonical layout."""
-    yield from shard_layouts(model, ps)
-    yield from buffer_layouts(model, rules)
-
-
-def canonical_shape(shard: torch.Tensor, layout: ShardLayout, ps: ParallelState) -> tuple[int, ...]:
-    shape = list(shard.shape)
-    if layout.partition_dim is not None:
-        shape[layout.partition_dim] *= tp_group_of(layout, ps)[1]
-    return tuple(shape)
 
 
 @torch.no_grad()

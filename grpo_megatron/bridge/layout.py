@@ -20,13 +20,19 @@ Rules (megatron-core's own tensor attributes decide, not name patterns, except f
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
 from grpo_megatron.distributed.bootstrap import ParallelState
+from grpo_megatron.models.registry import get_adapter
+from grpo_megatron.models.weight_rules import WeightRule
+
+if TYPE_CHECKING:
+    from megatron.core.models.gpt import GPTModel
 
 _LAYER = re.compile(r"^(decoder\.layers\.)(\d+)(\.)")
 
@@ -61,11 +67,12 @@ class ShardLayout:
     glu: bool  # fc1 of a gated MLP: [gate; up] halves are sharded separately
 
 
-def unwrap(model: torch.nn.Module) -> torch.nn.Module:
+def unwrap(model: torch.nn.Module) -> GPTModel:
     """The GPTModel inside megatron's DDP (or any ``.module`` wrapper)."""
-    while hasattr(model, "module"):
-        model = model.module
-    return model
+    inner: Any = model
+    while hasattr(inner, "module"):
+        inner = inner.module
+    return inner
 
 
 def _expert_param_ids(module: torch.nn.Module) -> set[int]:
@@ -103,7 +110,7 @@ def shard_layouts(
             param,
             ShardLayout(
                 canonical_name=canonical,
-                partition_dim=param.partition_dim if sharded else None,
+                partition_dim=getattr(param, "partition_dim", None) if sharded else None,
                 is_expert=is_expert,
                 glu=bool(config.gated_linear_unit) and name.endswith("linear_fc1.weight"),
             ),
@@ -158,8 +165,8 @@ def full_state(model: torch.nn.Module, ps: ParallelState, *, grads: bool = False
     """
     local: dict[str, torch.Tensor] = {}
     for _, param, layout in shard_layouts(model, ps):
-        tensor = getattr(param, "main_grad", None) if grads else param
-        if grads and tensor is None:
+        tensor: torch.Tensor | None = getattr(param, "main_grad", None) if grads else param
+        if tensor is None:  # grads only: a parameter without a gradient buffer
             tensor = param.grad if param.grad is not None else torch.zeros_like(param)
         full = gather(tensor, layout, ps)
         # Only one member of each TP/ETP group (and of the data-parallel replicas) needs to report.
@@ -185,3 +192,35 @@ def load_full_state(model: torch.nn.Module, ps: ParallelState, state: dict[str, 
                 f"{layout.canonical_name}: shard {tuple(shard.shape)} != param {tuple(param.shape)}"
             )
         param.copy_(shard)
+
+
+# ---- the adapter's rules over this rank's tensors: shared by the loader and the exporter ----------
+def rules_by_name(hf: Mapping[str, Any]) -> dict[str, WeightRule]:
+    return {rule.mcore: rule for rule in get_adapter(hf).weight_rules(hf)}
+
+
+def buffer_layouts(model: torch.nn.Module, rules: Mapping[str, WeightRule]) -> Iterator[tuple[str, torch.Tensor, ShardLayout]]:
+    """(local name, buffer, layout) for every buffer the adapter maps (e.g. the router's
+    ``expert_bias``): replicated over TP, never expert-sharded, one per global layer."""
+    gpt = unwrap(model)
+    for i, layer in enumerate(gpt.decoder.layers):
+        for sub, buf in layer.named_buffers():
+            canonical = f"decoder.layers.{layer.layer_number - 1}.{sub}"
+            rule = rules.get(canonical)
+            if rule is not None and rule.buffer and buf is not None:
+                yield f"decoder.layers.{i}.{sub}", buf, ShardLayout(canonical, None, False, False)
+
+
+def local_tensors(
+    model: torch.nn.Module, ps: ParallelState, rules: Mapping[str, WeightRule]
+) -> Iterator[tuple[str, torch.Tensor, ShardLayout]]:
+    """This rank's parameters and mapped buffers, each with its canonical layout."""
+    yield from shard_layouts(model, ps)
+    yield from buffer_layouts(model, rules)
+
+
+def canonical_shape(shard: torch.Tensor, layout: ShardLayout, ps: ParallelState) -> tuple[int, ...]:
+    shape = list(shard.shape)
+    if layout.partition_dim is not None:
+        shape[layout.partition_dim] *= tp_group_of(layout, ps)[1]
+    return tuple(shape)

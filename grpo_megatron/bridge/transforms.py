@@ -1,9 +1,8 @@
 """Layout transforms between Hugging Face tensors and canonical megatron tensors.
 
-A ``WeightRule`` ties one canonical megatron tensor (layout-independent: global layer and expert
-indices, unsharded; see ``bridge/layout.py``) to the Hugging Face tensor(s) it is made of, and
-names the transform. Adapters (``grpo_megatron/models/*.py``) only list rules; the arithmetic is
-here, in four kinds:
+Adapters (``grpo_megatron/models/*.py``) declare ``WeightRule``s (``models/weight_rules.py``: one
+canonical megatron tensor, the Hugging Face tensor(s) it is made of, the transform's kind); the
+arithmetic of each kind is here:
 
 - ``copy``: the same tensor on both sides;
 - ``glu``: megatron's ``linear_fc1`` holds ``[gate; up]`` along dim 0 (HF ``gate_proj``, ``up_proj``);
@@ -21,72 +20,18 @@ or columns one rank owns (safetensors lazy slices), so a rank's memory is its sh
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING
+
+from grpo_megatron.models.weight_rules import WeightRule
 
 if TYPE_CHECKING:
     import torch
 
-# Adapters import this module to declare their rules, and the CLI imports adapters: torch is
-# imported inside the functions that need it, so `grpo-megatron --help` stays instant.
-
-Kind = Literal["copy", "glu", "qkv", "vocab"]
+# torch is imported inside the functions that need it: importing the bridge stays cheap.
 
 Reader = Callable[[str, "int | None", int, int], "torch.Tensor"]
 """``read(hf_name, dim, start, stop)``: rows/columns ``start:stop`` of ``hf_name`` along ``dim``;
 ``dim=None`` reads the whole tensor."""
-
-
-@dataclass(frozen=True)
-class QKVGroups:
-    """Grouped-query attention geometry of a fused ``linear_qkv``."""
-
-    heads: int  # query heads
-    groups: int  # key/value heads (query groups)
-    head_dim: int
-
-    @property
-    def heads_per_group(self) -> int:
-        return self.heads // self.groups
-
-
-@dataclass(frozen=True)
-class WeightRule:
-    """One canonical megatron tensor and the Hugging Face tensors it maps to."""
-
-    mcore: str  # canonical megatron name, e.g. "decoder.layers.3.self_attention.linear_qkv.weight"
-    hf: tuple[str, ...]  # HF names, in the order the transform concatenates them
-    kind: Kind = "copy"
-    qkv: QKVGroups | None = None  # kind == "qkv" only
-    vocab_size: int | None = None  # kind == "vocab" only: real (unpadded) rows
-    buffer: bool = False  # a megatron buffer (e.g. the router's expert_bias), not a parameter
-    export: bool = True  # False: load-only (the tied output layer is exported as the embedding)
-
-    def __post_init__(self) -> None:
-        expected = {"copy": 1, "glu": 2, "qkv": 3, "vocab": 1}[self.kind]
-        if len(self.hf) != expected:
-            raise ValueError(f"{self.mcore}: kind {self.kind!r} takes {expected} HF names, got {self.hf}")
-        if (self.kind == "qkv") != (self.qkv is not None):
-            raise ValueError(f"{self.mcore}: qkv geometry must be given exactly for kind 'qkv'")
-        if (self.kind == "vocab") != (self.vocab_size is not None):
-            raise ValueError(f"{self.mcore}: vocab_size must be given exactly for kind 'vocab'")
-
-
-# ---- rule constructors: what adapters call -------------------------------------------------------
-def copy(mcore: str, hf: str, *, buffer: bool = False) -> WeightRule:
-    return WeightRule(mcore, (hf,), buffer=buffer)
-
-
-def glu(mcore: str, gate: str, up: str) -> WeightRule:
-    return WeightRule(mcore, (gate, up), "glu")
-
-
-def qkv(mcore: str, q: str, k: str, v: str, geometry: QKVGroups) -> WeightRule:
-    return WeightRule(mcore, (q, k, v), "qkv", qkv=geometry)
-
-
-def vocab(mcore: str, hf: str, vocab_size: int, *, export: bool = True) -> WeightRule:
-    return WeightRule(mcore, (hf,), "vocab", vocab_size=vocab_size, export=export)
 
 
 # ---- megatron -> HF ---------------------------------------------------------------------------
@@ -129,7 +74,7 @@ def read_shard(
 
     split = partition_dim is not None and size > 1
     if rule.kind == "copy":
-        if not split:
+        if partition_dim is None or not split:
             return read(rule.hf[0], None, 0, 0)
         n = canonical_shape[partition_dim] // size
         return read(rule.hf[0], partition_dim, rank * n, (rank + 1) * n)

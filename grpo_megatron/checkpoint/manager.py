@@ -27,7 +27,7 @@ import re
 import shutil
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -62,7 +62,30 @@ from grpo_megatron.distributed.collectives import collective_device, on_rank0
 from grpo_megatron.fileio import TMP_INFIX, write_text_atomic
 
 if TYPE_CHECKING:
-    from grpo_megatron.training.policy import Policy
+    from megatron.core.optimizer import MegatronOptimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    from grpo_megatron.models.builder import PolicySpec
+
+
+class Policy(Protocol):
+    """What a checkpoint saves and restores: the model, its optimizer and LR schedule.
+
+    ``training.policy.Policy`` is the one implementation; it is named here by its shape because
+    checkpoint/ sits below training/ in the layering (docs/architecture.md).
+    """
+
+    @property
+    def model(self) -> torch.nn.Module: ...  # megatron DistributedDataParallel around GPTModel
+
+    @property
+    def optimizer(self) -> MegatronOptimizer: ...
+
+    @property
+    def spec(self) -> PolicySpec: ...
+
+    @property
+    def scheduler(self) -> OptimizerParamScheduler | None: ...
 
 _ITER_RE = re.compile(r"^iter_(\d{7,})$")
 

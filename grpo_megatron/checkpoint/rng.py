@@ -27,7 +27,9 @@ def capture_rng_state() -> dict[str, Any]:
     except ImportError:  # numpy is optional for torch; nothing to capture then
         pass
     else:
-        name, keys, pos, has_gauss, cached_gaussian = np.random.get_state()
+        legacy = np.random.get_state(legacy=True)  # MT19937: (name, keys, pos, has_gauss, cached_gaussian)
+        assert isinstance(legacy, tuple)
+        name, keys, pos, has_gauss, cached_gaussian = legacy
         state["numpy"] = {
             "name": str(name),
             "keys": torch.from_numpy(keys.astype(np.int64)),

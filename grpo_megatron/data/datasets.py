@@ -80,7 +80,7 @@ class _Item:
 # Public entry points
 
 
-def _train_items(cfg: DataConfig, problems: list, *, sft: bool) -> tuple[list, DataStats]:
+def _train_items(cfg: DataConfig, problems: list, *, sft: bool) -> tuple[Iterator[_Item], DataStats]:
     """Training rows from data.train_path, else the generator's training problems (gold solutions
     included for SFT), with their counts."""
     if cfg.train_path is not None:
@@ -156,7 +156,9 @@ def render_prompt(prompt: str, cfg: DataConfig, tokenizer: PreTrainedTokenizerFa
         messages = [{"role": "user", "content": text}]
         if cfg.system_prompt is not None:
             messages.insert(0, {"role": "system", "content": cfg.system_prompt})
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        rendered = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        assert isinstance(rendered, str)  # tokenize=False: the rendered text
+        text = rendered
     return text
 
 

@@ -79,13 +79,13 @@ def countdown(
     """`num_numbers` integers in [1, max_number] and a target in [1, max_target] reachable by using
     each exactly once with + - * / (every division in the gold solution is exact). The gold expression
     is built first, so every problem has a solution."""
-    for name, value, low in (
+    for name, given, low in (
         ("num_numbers", num_numbers, 2),
         ("max_number", max_number, 1),
         ("max_target", max_target, 1),
     ):
-        if not isinstance(value, int) or isinstance(value, bool) or value < low:
-            raise ValueError(f"{name}={value!r} must be an integer >= {low}")
+        if not isinstance(given, int) or isinstance(given, bool) or given < low:
+            raise ValueError(f"{name}={given!r} must be an integer >= {low}")
     if num_numbers > 6:
         raise ValueError(
             f"num_numbers={num_numbers} must be <= 6 (the countdown reward's expressions stay short)"

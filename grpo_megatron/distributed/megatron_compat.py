@@ -227,7 +227,9 @@ class _CudaToCpuMode(TorchFunctionMode):
     """While active: ``device="cuda"`` factories give CPU tensors, ``Tensor.cuda()`` returns the
     tensor itself, and ``Tensor.type()`` names a CPU tensor by its CUDA twin."""
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):
+    def __torch_function__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
         kwargs = kwargs or {}
         if func is torch.Tensor.cuda:
             return args[0]
@@ -241,7 +243,7 @@ class _CudaToCpuMode(TorchFunctionMode):
 
 def _run_under_cuda_to_cpu(fn: Callable) -> Callable:
     @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
         with _CudaToCpuMode():
             return fn(*args, **kwargs)
 
@@ -257,7 +259,9 @@ def _cpu_rng_tracker_class(base: type) -> type:
     states. On CPU the default generator is what dropout draws from, so ``fork(name)`` swaps the
     named state into it and back, as the CUDA tracker does with the CUDA generator."""
 
-    class CpuRNGStatesTracker(base):  # type: ignore[valid-type, misc]
+    class CpuRNGStatesTracker(base):
+        _current_state_name: str | None  # set by megatron's tracker; the state fork() swapped in
+
         def add(self, name: str, seed: int) -> None:
             self._is_initialized = True
             if seed in self.seeds_:
@@ -307,7 +311,7 @@ def _synchronize_noop(device: Any = None) -> None:
 
 
 def _make_norm_new(original_new: Callable) -> Callable:
-    def __new__(cls, config, hidden_size, *args, **kwargs):
+    def __new__(cls: type, config: Any, hidden_size: int, *args: Any, **kwargs: Any) -> Any:
         if not config.sequence_parallel:
             return original_new(cls, config, hidden_size, *args, **kwargs)
         # A shallow copy with the flag off: the norm itself is the same function of its input
@@ -325,7 +329,9 @@ def _make_norm_new(original_new: Callable) -> Callable:
 
 
 def _make_dtoh_method(_original: Callable) -> Callable:
-    def _maybe_dtoh_and_synchronize(self, point: str, tokens_per_expert: torch.Tensor | None = None):
+    def _maybe_dtoh_and_synchronize(
+        self: Any, point: str, tokens_per_expert: torch.Tensor | None = None
+    ) -> torch.Tensor | None:
         # On CPU there is nothing to copy or wait for; what remains of the original is that the
         # split sizes become host numbers, which all_to_all_single needs (numpy arrays, as
         # megatron makes from CUDA tensors).
@@ -340,7 +346,12 @@ def _make_dtoh_method(_original: Callable) -> Callable:
 
 
 def _make_uneven_all_gather(original: Callable) -> Callable:
-    def _gather_along_first_dim(input_, group, output_split_sizes=None, use_global_buffer=False):
+    def _gather_along_first_dim(
+        input_: torch.Tensor,
+        group: Any,
+        output_split_sizes: list[int] | None = None,
+        use_global_buffer: bool = False,
+    ) -> torch.Tensor:
         if output_split_sizes is None or group.size() == 1:
             return original(input_, group, output_split_sizes, use_global_buffer)
         # gloo's list all_gather needs equal sizes: gather rows padded to the largest split,
@@ -392,7 +403,7 @@ def _mla_te_flag_cleared() -> bool:
 
 
 def _make_fresh_state_dict(original: Callable) -> Callable:
-    def state_dict(self):
+    def state_dict(self: Any) -> dict[str, Any]:
         if len(self.optimizer.state) > 0:
             return original(self)
         # No step taken yet, so no Adam state to read the step from (megatron asserts exactly
@@ -410,7 +421,7 @@ def _make_fresh_state_dict(original: Callable) -> Callable:
 
 
 def _make_keep_restored_step(original: Callable) -> Callable:
-    def _set_main_param_and_optimizer_states(self, model_param, tensors):
+    def _set_main_param_and_optimizer_states(self: Any, model_param: Any, tensors: dict[str, Any]) -> None:
         # megatron restores Adam's step from the param groups (load_state_dict); the per-parameter
         # tensors of its checkpoint formats either lack it (fully_reshardable: KeyError) or hold
         # the fresh optimizer's 0 (dp_reshardable). The restored step is copied onto itself.
@@ -426,7 +437,7 @@ def _make_keep_restored_step(original: Callable) -> Callable:
 
 
 def _make_unshared_step(original: Callable) -> Callable:
-    def load_state_dict(self, state_dict):
+    def load_state_dict(self: Any, state_dict: dict[str, Any]) -> None:
         original(self, state_dict)
         # megatron hands every parameter's state the same `step` tensor; torch's Adam increments
         # each parameter's step in place, so a shared one would advance once per parameter.
@@ -439,7 +450,7 @@ def _make_unshared_step(original: Callable) -> Callable:
 
 def _make_no_grad(original: Callable) -> Callable:
     @functools.wraps(original)
-    def wrapper(*args, **kwargs):
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
         with torch.no_grad():
             return original(*args, **kwargs)
 

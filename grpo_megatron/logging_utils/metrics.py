@@ -350,7 +350,7 @@ class MetricsLogger:
             for r in records[1:]:
                 columns += [k for k in r if k not in columns]
             data = [[_wandb_cell(r.get(c)) for c in columns] for r in records]
-            self._wandb_run.log({"samples": wandb.Table(columns=columns, data=data)}, step=iteration)
+            self._wandb_run.log({"samples": wandb.Table(columns=list(columns), data=data)}, step=iteration)
 
     def truncate_from(self, iteration: int) -> None:
         """Resume at `iteration`: drop the lines of metrics.jsonl and samples.jsonl with iteration >=

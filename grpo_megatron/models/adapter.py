@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
-from grpo_megatron.bridge.transforms import QKVGroups, WeightRule, copy, glu, qkv, vocab
+from grpo_megatron.models.weight_rules import QKVGroups, WeightRule, copy, glu, qkv, vocab
 
 
 class HFConfigError(ValueError):
@@ -94,9 +94,13 @@ class ModelAdapter:
             groups=int(self.get(hf, "num_key_value_heads", heads)),
             head_dim=int(hf.get("head_dim") or hidden // heads),
         )
-        rules = [qkv(m + "linear_qkv.weight", *(f"{h}{x}_proj.weight" for x in "qkv"), geometry)]
+        rules = [
+            qkv(m + "linear_qkv.weight", f"{h}q_proj.weight", f"{h}k_proj.weight", f"{h}v_proj.weight", geometry)
+        ]
         if self.transformer_config_kwargs(hf).get("add_qkv_bias"):
-            rules.append(qkv(m + "linear_qkv.bias", *(f"{h}{x}_proj.bias" for x in "qkv"), geometry))
+            rules.append(
+                qkv(m + "linear_qkv.bias", f"{h}q_proj.bias", f"{h}k_proj.bias", f"{h}v_proj.bias", geometry)
+            )
         if self.transformer_config_kwargs(hf).get("qk_layernorm"):
             rules += [copy(m + "q_layernorm.weight", h + "q_norm.weight"), copy(m + "k_layernorm.weight", h + "k_norm.weight")]
         rules.append(copy(m + "linear_proj.weight", h + "o_proj.weight"))

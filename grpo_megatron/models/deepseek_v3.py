@@ -6,8 +6,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from grpo_megatron.bridge.transforms import WeightRule, copy
 from grpo_megatron.models.adapter import HFConfigError, ModelAdapter
+from grpo_megatron.models.weight_rules import WeightRule, copy
 
 
 class DeepseekV3Adapter(ModelAdapter):

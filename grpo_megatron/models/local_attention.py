@@ -14,9 +14,11 @@ Dv value head width.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 import torch.nn.functional as F
+from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -28,14 +30,14 @@ class LocalMLACoreAttention(MegatronModule):
         self,
         config: TransformerConfig,
         layer_number: int,
-        attn_mask_type,
+        attn_mask_type: AttnMaskType,
         attention_type: str,
         attention_dropout: float | None = None,
         softmax_scale: float | None = None,
         k_channels: int | None = None,
         v_channels: int | None = None,
         cp_comm_type: str | None = None,
-        pg_collection=None,
+        pg_collection: Any = None,
     ) -> None:
         super().__init__(config=config)
         if config.context_parallel_size != 1:
@@ -50,9 +52,9 @@ class LocalMLACoreAttention(MegatronModule):
         key_sbhd: torch.Tensor,
         value_sbhd: torch.Tensor,
         attention_mask: torch.Tensor | None,
-        attn_mask_type=None,
+        attn_mask_type: AttnMaskType | None = None,
         attention_bias: torch.Tensor | None = None,
-        packed_seq_params=None,
+        packed_seq_params: Any = None,
     ) -> torch.Tensor:
         if packed_seq_params is not None:
             raise ValueError("LocalMLACoreAttention: packed_seq_params (THD) needs TransformerEngine; pass a mask")

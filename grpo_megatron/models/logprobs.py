@@ -31,6 +31,8 @@ backward: 4-5 fp32 copies of the logits at the peak; bench/logprobs_bench.py --m
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.distributed as dist
 
@@ -67,7 +69,16 @@ class _VocabParallelLogprobEntropy(torch.autograd.Function):
     backward (formulas in the module docstring)."""
 
     @staticmethod
-    def forward(ctx, logits_bsvt, labels_bs, vocab_start, vocab_size, temperature, tp_group, with_entropy):
+    def forward(
+        ctx: Any,
+        logits_bsvt: torch.Tensor,
+        labels_bs: torch.Tensor,
+        vocab_start: int,
+        vocab_size: int,
+        temperature: float,
+        tp_group: dist.ProcessGroup | None,
+        with_entropy: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         b, s, vt = logits_bsvt.shape
         pad_v = None
         if vocab_size is not None and vocab_start + vt > vocab_size:
@@ -75,10 +86,10 @@ class _VocabParallelLogprobEntropy(torch.autograd.Function):
         local_labels_bs = labels_bs - vocab_start
         owned_bs = (local_labels_bs >= 0) & (local_labels_bs < vt)
         local_labels_bs = local_labels_bs.clamp(0, vt - 1)
-        fp32 = {"dtype": torch.float32, "device": logits_bsvt.device}
-        local_lse_bs = torch.empty((b, s), **fp32)
-        picked_bs = torch.empty((b, s), **fp32)
-        weighted_bs = torch.empty((b, s), **fp32) if with_entropy else None
+        device = logits_bsvt.device
+        local_lse_bs = torch.empty((b, s), dtype=torch.float32, device=device)
+        picked_bs = torch.empty((b, s), dtype=torch.float32, device=device)
+        weighted_bs = torch.empty((b, s), dtype=torch.float32, device=device) if with_entropy else None
         for rows, pos in token_chunks(b, s, vt):
             z_cvt = _scaled_fp32(logits_bsvt[rows, pos], temperature, pad_v)
             lse_c = torch.logsumexp(z_cvt, dim=-1)
@@ -105,7 +116,9 @@ class _VocabParallelLogprobEntropy(torch.autograd.Function):
         return logprobs_bs, entropy_bs
 
     @staticmethod
-    def backward(ctx, grad_logprobs_bs, grad_entropy_bs):
+    def backward(
+        ctx: Any, grad_logprobs_bs: torch.Tensor, grad_entropy_bs: torch.Tensor | None
+    ) -> tuple[torch.Tensor | None, ...]:
         logits_bsvt, local_labels_bs, owned_bs, lse_bs, mean_z_bs = ctx.saved_tensors
         b, s, vt = logits_bsvt.shape
         if grad_logprobs_bs is None:
@@ -117,6 +130,7 @@ class _VocabParallelLogprobEntropy(torch.autograd.Function):
             p_cvt = (z_cvt - lse_bs[rows, pos].unsqueeze(-1)).exp_()
             g_lp_c1 = grad_logprobs_bs[rows, pos].unsqueeze(-1)
             if with_entropy:
+                assert grad_entropy_bs is not None  # the entropy output was used, so it has a gradient
                 # p * (g_H (E[z] - z) - g_lp)
                 g_cvt = torch.sub(mean_z_bs[rows, pos].unsqueeze(-1), z_cvt)
                 if ctx.pad_v is not None:

@@ -12,7 +12,7 @@ For a job config and a world size:
    exactly as in a job, and the rank's groups and ranks must equal step 1's.
 3. Parameter shapes, per rank class: our ``models.builder.build_gpt_model`` builds the rank's
    ``GPTModel`` on the meta device; every parameter's canonical name (``bridge.layout``) and shard
-   shape must equal the planner's unsharded tensor table (``planner.memory.canonical_tensors``)
+   shape must equal the planner's unsharded tensor table (``planner.model_states.canonical_tensors``)
    split by the layout, and the names must match the adapter's weight rules.
 4. Per-rank parameter bytes for every rank (from its pipeline stage), cross-checked against the
    built models.
@@ -36,13 +36,12 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from grpo_megatron.planner.memory import (
-    DTYPE_BYTES,
+from grpo_megatron.planner.memory import DTYPE_BYTES, human_count
+from grpo_megatron.planner.model_states import (
     Layout,
     ModelDims,
     TensorSpec,
     canonical_tensors,
-    human_count,
     rank_param_counts,
     rank_tensors,
 )
@@ -218,13 +217,16 @@ def _meta_device_for_megatron() -> Iterator[None]:
     factory call without a device land on the meta device while a model is built."""
     import torch
 
+    def meta_device() -> Any:  # megatron passes it on as a device=: the meta device works there
+        return torch.device("meta")
+
     original = torch.cuda.current_device
-    torch.cuda.current_device = lambda: torch.device("meta")  # type: ignore[assignment]
+    torch.cuda.current_device = meta_device
     try:
         with torch.device("meta"):
             yield
     finally:
-        torch.cuda.current_device = original  # type: ignore[assignment]
+        torch.cuda.current_device = original
 
 
 def build_meta_model(hf: Mapping[str, Any], cfg: JobConfig, ps: ParallelState, seed: int) -> Any:

@@ -2,6 +2,10 @@
 
 Nothing here imports torch: ``grpo-megatron plan`` answers in a second for any model size.
 
+One module per component: ``planner/model_states.py`` (the model's tensors and each rank's
+parameter counts), ``planner/activations.py`` (activation bytes per token); this module turns them
+into bytes per GPU with the rollout engine's share, suggests what to change and prints the plan.
+
 Sources of the formulas (docs/planner.md derives each line):
 - Model states: megatron-core's distributed-optimizer accounting (docs "Distributed Optimizer":
   bf16 parameters with fp32 main gradients cost 18 bytes/parameter, or 6 + 12/d with the optimizer
@@ -23,13 +27,25 @@ parallel size, ``T`` tokens of one micro-batch on one rank.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from grpo_megatron.distributed.config import ParallelConfig
 from grpo_megatron.models.builder import padded_vocab_size
-from grpo_megatron.models.registry import get_adapter
+from grpo_megatron.planner.activations import (
+    dispatch_buffer_bytes,
+    layer_activation_bytes,
+    output_activation_bytes,
+)
+from grpo_megatron.planner.model_states import (
+    Layout,
+    ModelDims,
+    ParamCounts,
+    canonical_tensors,
+    rank_param_counts,
+    stage_layers,
+    total_params,
+)
 
 if TYPE_CHECKING:
     from grpo_megatron.config import JobConfig
@@ -67,320 +83,6 @@ def custom_gpu(memory_gib: float) -> GPU:
     if memory_gib <= 0:
         raise ValueError(f"--gpu-memory-gb={memory_gib} must be > 0")
     return GPU(f"custom {memory_gib:g} GiB", memory_gib)
-
-
-# ----------------------------------------------------------------------------------------------------
-# The model's tensors (canonical = unsharded, global layer and expert indices; names of megatron's
-# local layer spec, as bridge/layout.py writes them).
-
-
-@dataclass(frozen=True)
-class TensorSpec:
-    """One canonical megatron parameter and how the layout shards it."""
-
-    name: str
-    shape: tuple[int, ...]
-    partition_dim: int | None  # split over TP (ETP for experts) along this dim; None = replicated
-    is_expert: bool = False
-    layer: int | None = None  # global layer index; None: embedding, final norm, output layer
-
-    @property
-    def numel(self) -> int:
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n
-
-
-@dataclass(frozen=True)
-class ModelDims:
-    """Architecture numbers the planner needs, read through the model's adapter."""
-
-    model_type: str
-    num_layers: int
-    hidden: int
-    heads: int
-    kv_groups: int
-    head_dim: int
-    ffn: int
-    vocab: int
-    tied: bool
-    qkv_bias: bool
-    qk_norm: bool
-    num_experts: int
-    topk: int
-    moe_ffn: int
-    shared_ffn: int
-    moe_layers: tuple[bool, ...]
-    mla: bool
-    q_lora: int | None = None
-    kv_lora: int = 0
-    qk_nope: int = 0
-    qk_rope: int = 0
-    v_head: int = 0
-
-    @classmethod
-    def from_hf(cls, hf: Mapping[str, Any]) -> ModelDims:
-        adapter = get_adapter(hf)
-        kw = adapter.transformer_config_kwargs(hf)
-        layers = int(kw["num_layers"])
-        experts = int(kw.get("num_moe_experts") or 0)
-        freq = kw.get("moe_layer_freq", 1)
-        moe_layers = tuple(bool(x) for x in freq) if isinstance(freq, list) else (experts > 0,) * layers
-        return cls(
-            model_type=adapter.model_type,
-            num_layers=layers,
-            hidden=int(kw["hidden_size"]),
-            heads=int(kw["num_attention_heads"]),
-            kv_groups=int(kw.get("num_query_groups") or kw["num_attention_heads"]),
-            head_dim=int(kw.get("kv_channels") or kw["hidden_size"] // kw["num_attention_heads"]),
-            ffn=int(kw["ffn_hidden_size"]),
-            vocab=adapter.vocab_size(hf),
-            tied=bool(adapter.gpt_model_kwargs(hf)["share_embeddings_and_output_weights"]),
-            qkv_bias=bool(kw.get("add_qkv_bias")),
-            qk_norm=bool(kw.get("qk_layernorm")),
-            num_experts=experts,
-            topk=int(kw.get("moe_router_topk") or 0),
-            moe_ffn=int(kw.get("moe_ffn_hidden_size") or kw["ffn_hidden_size"]),
-            shared_ffn=int(kw.get("moe_shared_expert_intermediate_size") or 0),
-            moe_layers=moe_layers,
-            mla=adapter.config_class == "MLATransformerConfig",
-            q_lora=kw.get("q_lora_rank"),
-            kv_lora=int(kw.get("kv_lora_rank") or 0),
-            qk_nope=int(kw.get("qk_head_dim") or 0),
-            qk_rope=int(kw.get("qk_pos_emb_head_dim") or 0),
-            v_head=int(kw.get("v_head_dim") or 0),
-        )
-
-
-def canonical_tensors(
-    hf: Mapping[str, Any], *, padded_vocab: int, pp: int = 1, te: bool = False
-) -> list[TensorSpec]:
-    """Every parameter of the whole model, unsharded, with its TP/ETP partition dim.
-
-    ``te``: TransformerEngine layer spec, where MLA's down-projections are duplicated over TP
-    (megatron's local spec splits them column-wise). ``pp`` matters only for a tied output layer:
-    the last stage holds its own copy when it is not also the first.
-    """
-    d = ModelDims.from_hf(hf)
-    h = d.hidden
-    out = [TensorSpec("embedding.word_embeddings.weight", (padded_vocab, h), 0)]
-    for i in range(d.num_layers):
-        p = f"decoder.layers.{i}."
-        a = p + "self_attention."
-        out.append(TensorSpec(p + "input_layernorm.weight", (h,), None, layer=i))
-        if d.mla:
-            q_width = d.heads * (d.qk_nope + d.qk_rope)
-            down_dim = None if te else 0
-            if d.q_lora:
-                out += [
-                    TensorSpec(a + "linear_q_down_proj.weight", (d.q_lora, h), down_dim, layer=i),
-                    TensorSpec(a + "linear_q_up_proj.weight", (q_width, d.q_lora), 0, layer=i),
-                    TensorSpec(a + "q_layernorm.weight", (d.q_lora,), None, layer=i),
-                ]
-            else:
-                out.append(TensorSpec(a + "linear_q_proj.weight", (q_width, h), 0, layer=i))
-            out += [
-                TensorSpec(a + "linear_kv_down_proj.weight", (d.kv_lora + d.qk_rope, h), down_dim, layer=i),
-                TensorSpec(a + "linear_kv_up_proj.weight", (d.heads * (d.qk_nope + d.v_head), d.kv_lora), 0, layer=i),
-                TensorSpec(a + "kv_layernorm.weight", (d.kv_lora,), None, layer=i),
-                TensorSpec(a + "linear_proj.weight", (h, d.heads * d.v_head), 1, layer=i),
-            ]
-        else:
-            qkv_rows = (d.heads + 2 * d.kv_groups) * d.head_dim
-            out.append(TensorSpec(a + "linear_qkv.weight", (qkv_rows, h), 0, layer=i))
-            if d.qkv_bias:
-                out.append(TensorSpec(a + "linear_qkv.bias", (qkv_rows,), 0, layer=i))
-            if d.qk_norm:
-                out += [
-                    TensorSpec(a + "q_layernorm.weight", (d.head_dim,), None, layer=i),
-                    TensorSpec(a + "k_layernorm.weight", (d.head_dim,), None, layer=i),
-                ]
-            out.append(TensorSpec(a + "linear_proj.weight", (h, d.heads * d.head_dim), 1, layer=i))
-        out.append(TensorSpec(p + "pre_mlp_layernorm.weight", (h,), None, layer=i))
-        m = p + "mlp."
-        if d.moe_layers[i]:
-            out.append(TensorSpec(m + "router.weight", (d.num_experts, h), None, layer=i))
-            for e in range(d.num_experts):
-                x = f"{m}experts.local_experts.{e}."
-                out += [
-                    TensorSpec(x + "linear_fc1.weight", (2 * d.moe_ffn, h), 0, is_expert=True, layer=i),
-                    TensorSpec(x + "linear_fc2.weight", (h, d.moe_ffn), 1, is_expert=True, layer=i),
-                ]
-            if d.shared_ffn:
-                out += [
-                    TensorSpec(m + "shared_experts.linear_fc1.weight", (2 * d.shared_ffn, h), 0, layer=i),
-                    TensorSpec(m + "shared_experts.linear_fc2.weight", (h, d.shared_ffn), 1, layer=i),
-                ]
-        else:
-            out += [
-                TensorSpec(m + "linear_fc1.weight", (2 * d.ffn, h), 0, layer=i),
-                TensorSpec(m + "linear_fc2.weight", (h, d.ffn), 1, layer=i),
-            ]
-    out.append(TensorSpec("decoder.final_layernorm.weight", (h,), None))
-    if not d.tied or pp > 1:
-        out.append(TensorSpec("output_layer.weight", (padded_vocab, h), 0))
-    return out
-
-
-@dataclass(frozen=True)
-class Layout:
-    """A resolved parallel layout (every degree known)."""
-
-    world_size: int
-    tp: int
-    pp: int
-    cp: int
-    dp: int
-    ep: int
-    etp: int
-    edp: int
-    sequence_parallel: bool
-
-    @classmethod
-    def from_config(cls, parallel: ParallelConfig, world_size: int) -> Layout:
-        r = parallel.resolve(world_size)
-        assert r.dp is not None and r.etp is not None
-        return cls(world_size, r.tp, r.pp, r.cp, r.dp, r.ep, r.etp, r.expert_dp, bool(r.sequence_parallel))
-
-
-def stage_layers(num_layers: int, pp: int, pp_rank: int) -> range:
-    """Global layers of pipeline stage ``pp_rank`` (megatron's even split)."""
-    per = num_layers // pp
-    return range(pp_rank * per, (pp_rank + 1) * per)
-
-
-def stage_owns(spec: TensorSpec, num_layers: int, pp: int, pp_rank: int) -> bool:
-    """Whether stage ``pp_rank`` holds (a shard of) ``spec``."""
-    if spec.layer is not None:
-        return spec.layer in stage_layers(num_layers, pp, pp_rank)
-    if spec.name.startswith("embedding."):
-        return pp_rank == 0
-    return pp_rank == pp - 1  # final norm, output layer
-
-
-def expert_index(name: str) -> int | None:
-    """Global expert index of a canonical expert tensor name, else None."""
-    marker = ".local_experts."
-    if marker not in name:
-        return None
-    return int(name.split(marker, 1)[1].split(".", 1)[0])
-
-
-def shard_shape(spec: TensorSpec, layout: Layout) -> tuple[int, ...]:
-    """The shape one rank holds: the partition dim divided by TP (ETP for experts)."""
-    if spec.partition_dim is None:
-        return spec.shape
-    size = layout.etp if spec.is_expert else layout.tp
-    shape = list(spec.shape)
-    if shape[spec.partition_dim] % size:
-        raise ValueError(f"{spec.name}: dim {spec.partition_dim} of {spec.shape} does not split over {size} ranks")
-    shape[spec.partition_dim] //= size
-    return tuple(shape)
-
-
-def rank_tensors(
-    tensors: Sequence[TensorSpec], layout: Layout, dims: ModelDims, pp_rank: int, ep_rank: int
-) -> list[tuple[TensorSpec, tuple[int, ...]]]:
-    """(canonical spec, shard shape) of every parameter the rank at (pp_rank, ep_rank) holds;
-    EP rank r owns global experts [r * E / ep, (r + 1) * E / ep)."""
-    num_layers = dims.num_layers
-    local = dims.num_experts // layout.ep
-    owned = range(ep_rank * local, (ep_rank + 1) * local)
-    return [
-        (s, shard_shape(s, layout))
-        for s in tensors
-        if stage_owns(s, num_layers, layout.pp, pp_rank) and (not s.is_expert or expert_index(s.name) in owned)
-    ]
-
-
-@dataclass(frozen=True)
-class ParamCounts:
-    """Parameters one rank holds (elements, not bytes)."""
-
-    dense: int
-    expert: int
-
-    @property
-    def total(self) -> int:
-        return self.dense + self.expert
-
-
-def rank_param_counts(tensors: Sequence[TensorSpec], layout: Layout, dims: ModelDims, pp_rank: int) -> ParamCounts:
-    """Parameters of a rank of stage ``pp_rank`` (every EP rank holds as many experts)."""
-    dense = expert = 0
-    for spec, shape in rank_tensors(tensors, layout, dims, pp_rank, 0):
-        n = 1
-        for x in shape:
-            n *= x
-        if spec.is_expert:
-            expert += n
-        else:
-            dense += n
-    return ParamCounts(dense, expert)
-
-
-def total_params(hf: Mapping[str, Any], *, padded_vocab: int | None = None) -> int:
-    """Parameters of the whole model (vocabulary unpadded unless ``padded_vocab`` is given)."""
-    d = ModelDims.from_hf(hf)
-    return sum(s.numel for s in canonical_tensors(hf, padded_vocab=padded_vocab or d.vocab))
-
-
-# ----------------------------------------------------------------------------------------------------
-# Activations (Korthikanti et al. 2022, re-derived per stored tensor; bytes per token of a micro-batch)
-
-
-def layer_activation_bytes(
-    d: ModelDims, layer: int, layout: Layout, act_bytes: int, *, seq_len: int, flash: bool, moe_imbalance: float
-) -> float:
-    """Bytes one rank stores for backward, per token of the micro-batch, in one layer (no recompute).
-
-    With sequence parallelism the tensors outside attention/MLP are split over TP (Korthikanti's
-    34/t); inside, every projection's input and output is split over TP by heads or columns. No
-    dropout masks (RL runs without dropout). Without flash attention the softmax probabilities
-    (heads x seq_len per token) are kept too.
-    """
-    t = layout.tp
-    sp = t if layout.sequence_parallel else 1
-    h = d.hidden
-    b = act_bytes
-    total = 2 * h * b / sp  # inputs of the two RMSNorms
-    if d.mla:
-        q_rows = d.heads * (d.qk_nope + d.qk_rope)
-        total += h * b / sp  # input of the down projections (re-gathered in backward under SP)
-        total += ((d.q_lora or 0) * 2 + (d.kv_lora + d.qk_rope) + d.kv_lora) * b  # latents, normed latents
-        total += (2 * q_rows + 2 * d.heads * d.v_head) * b / t  # Q, K, V, attention output
-        heads_kv = d.heads
-    else:
-        qkv = (d.heads + 2 * d.kv_groups) * d.head_dim
-        total += h * b / sp + (qkv + d.heads * d.head_dim) * b / t  # QKV input, Q/K/V, attention output
-        heads_kv = d.heads
-    if not flash:
-        total += 2 * heads_kv * seq_len * b / t  # attention scores and softmax probabilities
-    if d.moe_layers[layer]:
-        total += h * b / sp + 8 * d.num_experts / sp  # router input; fp32 logits and probabilities
-        routed = d.topk * moe_imbalance / sp  # token copies reaching this rank's experts, per token
-        # each copy: fc1 input (all-gathered over ETP) and gate/up/GLU outputs of an expert shard
-        total += routed * (h * layout.etp + 3 * d.moe_ffn) * b
-        if d.shared_ffn:
-            total += h * b / sp + 3 * d.shared_ffn * b / t
-    else:
-        total += h * b / sp + 3 * d.ffn * b / t  # fc1 input; gate/up output; GLU output (fc2 input)
-    return total
-
-
-def dispatch_buffer_bytes(d: ModelDims, layout: Layout, act_bytes: int, tokens: float, moe_imbalance: float) -> float:
-    """All-to-all send and receive buffers of one MoE layer (transient, one layer at a time)."""
-    if not any(d.moe_layers):
-        return 0.0
-    sp = layout.tp if layout.sequence_parallel else 1
-    return 2 * tokens * d.topk * moe_imbalance * d.hidden * act_bytes * layout.etp / sp
-
-
-def output_activation_bytes(padded_vocab: int, layout: Layout, act_bytes: int) -> float:
-    """Last stage, per token: logits (model dtype), their fp32 copy kept by the logprob function, and
-    the fp32 gradient made in backward (vocabulary split over TP)."""
-    return (act_bytes + 4 + 4) * padded_vocab / layout.tp
 
 
 # ----------------------------------------------------------------------------------------------------

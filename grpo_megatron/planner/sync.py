@@ -135,7 +135,7 @@ def plan_sync(
     hf: Mapping[str, Any], layout: Any, *, gpus_per_node: int, gpus_per_engine: int, export_bytes: int, links: Links
 ) -> list[SyncEstimate]:
     """``estimate_sync`` for a model (its HF config) at a resolved ``planner.memory.Layout``."""
-    from grpo_megatron.planner.memory import ModelDims, canonical_tensors
+    from grpo_megatron.planner.model_states import ModelDims, canonical_tensors
 
     d = ModelDims.from_hf(hf)
     tensors = canonical_tensors(hf, padded_vocab=d.vocab)

@@ -67,6 +67,9 @@ __all__ = [
 ]
 
 SampleStatus = Literal["ok", "error", "timeout", "invalid"]
+Outcome = tuple[SampleStatus, float | None, dict[str, float] | None, str | None, str | None]
+"""One sample's (status, total reward, component rewards, error message, failing component)."""
+_NOT_SCORED: Outcome = ("error", None, None, "not scored", None)
 
 # Modules the forkserver imports once so that forked workers start warm.
 _PRELOAD = ["grpo_megatron.rewards.loader", "grpo_megatron.rewards.math_accuracy", "math_verify"]
@@ -222,7 +225,9 @@ class RewardPool:
             self._composite = build_composite(cfg.components)  # in this process, by request
             self._finalizer = weakref.finalize(self, _shutdown_all, self._workers, None)
             return
-        self._ctx = mp.get_context(cfg.mp_context)
+        self._ctx: mp.context.SpawnContext | mp.context.ForkServerContext = (
+            mp.get_context("spawn") if cfg.mp_context == "spawn" else mp.get_context("forkserver")
+        )
         if cfg.mp_context == "forkserver":
             self._ctx.set_forkserver_preload(_PRELOAD)
         self._scratch_root = tempfile.mkdtemp(prefix="grpo-reward-", dir=cfg.sandbox.scratch_dir)
@@ -303,7 +308,7 @@ class RewardPool:
                 message = self._startup_failure(next(iter(waiting.values())), "it hangs")
                 self.close()
                 raise RewardStartupError(message)
-            for conn in mp_conn.wait(list(waiting), timeout=remaining):
+            for conn in _ready(list(waiting), remaining):
                 w = waiting[conn]
                 try:
                     kind, payload = conn.recv()
@@ -362,7 +367,7 @@ class RewardPool:
         truncated = sum(len(s.response) > limit for s in samples)
         prepared = [replace(s, response=s.response[-limit:]) if len(s.response) > limit else s for s in samples]
         n = len(prepared)
-        outcomes: list[tuple[SampleStatus, float | None, dict[str, float] | None, str | None] | None] = [None] * n
+        outcomes: list[Outcome | None] = [None] * n
         restarts_before = self._restarts
         if self.cfg.num_workers == 0:
             for i, sample in enumerate(prepared):
@@ -378,7 +383,7 @@ class RewardPool:
             self._reap()
         return self._collect(outcomes, truncated, self._restarts - restarts_before)
 
-    def _score_in_process(self, sample: RewardSample):
+    def _score_in_process(self, sample: RewardSample) -> Outcome:
         assert self._composite is not None
         try:
             total, comps = self._composite(sample)
@@ -388,7 +393,9 @@ class RewardPool:
         except Exception as err:  # noqa: BLE001 - reward code must not stop training
             return ("error", None, None, f"{type(err).__name__}: {err}", None)
 
-    def _run_in_workers(self, samples: list[RewardSample], outcomes: list, batch_deadline: float) -> None:
+    def _run_in_workers(
+        self, samples: list[RewardSample], outcomes: list[Outcome | None], batch_deadline: float
+    ) -> None:
         pending = deque(range(len(samples)))
         timeout_s = self.cfg.timeout_s
         while pending or any(w.task is not None for w in self._workers):
@@ -431,7 +438,7 @@ class RewardPool:
             next_deadline = min([w.deadline for w in self._workers if w.task is not None] + [batch_deadline])
             wait_s = max(0.0, min(next_deadline, now + 1.0) - time.monotonic())
             by_conn = {w.conn: w for w in self._workers if w.task is not None or not w.ready}
-            for conn in mp_conn.wait(list(by_conn), timeout=wait_s):
+            for conn in _ready(list(by_conn), wait_s):
                 self._handle_message(by_conn[conn], outcomes)
 
     def _handle_message(self, w: _Worker, outcomes: list) -> None:
@@ -473,7 +480,7 @@ class RewardPool:
         if kind == "error" and self.cfg.replace_worker_on_error:
             self._replace(w)
 
-    def _collect(self, outcomes: list, truncated: int, restarts: int) -> RewardBatch:
+    def _collect(self, outcomes: list[Outcome | None], truncated: int, restarts: int) -> RewardBatch:
         fallback = float(self.cfg.fallback)
         rewards: list[float] = []
         components: list[dict[str, float]] = []
@@ -481,13 +488,13 @@ class RewardPool:
         errors: list[str] = []
         failed_by_component = dict.fromkeys((c.name for c in self._components), 0)
         for out in outcomes:
-            kind, total, comps, err, component = out if out is not None else ("error", None, None, "not scored", None)
+            kind, total, comps, err, component = out if out is not None else _NOT_SCORED
             if component in failed_by_component:
                 failed_by_component[component] += 1
             if kind == "ok" and (not isinstance(total, float) or not math.isfinite(total)):
                 kind, err = "invalid", f"non-finite total reward {total!r}"  # e.g. weight * huge = inf
             status.append(kind)
-            if kind == "ok":
+            if kind == "ok" and total is not None:  # a None total was made "invalid" just above
                 rewards.append(total)
                 components.append(dict(comps or {}))
             else:
@@ -549,3 +556,9 @@ def check_reward_imports(cfg: RewardConfig, log: Callable[[str], None] | None = 
     reward.components[i].function, the module and the cause, if one fails or hangs."""
     with RewardPool(replace(cfg, num_workers=1), log=log):
         pass
+
+
+def _ready(conns: list[mp_conn.Connection], timeout: float) -> list[mp_conn.Connection]:
+    """``multiprocessing.connection.wait`` over pipes, typed: the ones of ``conns`` ready to read."""
+    ready = {id(c) for c in mp_conn.wait(conns, timeout=timeout)}
+    return [c for c in conns if id(c) in ready]

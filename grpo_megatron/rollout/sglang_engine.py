@@ -1,19 +1,15 @@
 """SGLang rollout engine (GPU): a thin adapter from ``RolloutEngine`` to SGLang 0.5.x's API.
 
-Two modes (``rollout.sglang_mode``):
+Two modes (``rollout.sglang_mode``), each with its weight transport in its own module behind one
+interface (``rollout/sglang_weights.py:WeightTransport``):
 
-- **colocated**: one ``sglang.Engine`` per group of ``rollout.sglang_tp`` consecutive trainer ranks,
-  started by the group's first rank on the group's GPUs with ``enable_memory_saver`` so that it can
-  give its memory to the trainer and take it back. Weights travel by CUDA IPC: each bucket of the
-  export stream becomes one ``FlattenedTensorBucket`` on this rank's GPU, serialized once per SGLang
-  TP rank with ``MultiprocessingSerializer`` (each SGLang rank opens its own copy of the handles) and
-  loaded with ``update_weights_from_tensor(load_format="flattened_bucket")``.
-- **disaggregated**: SGLang servers already running on other GPUs or nodes
-  (``rollout.sglang_server_urls``), driven over HTTP. Weights travel by NCCL: the trainer's first
-  rank joins one process group with every server's TP ranks (``/init_weights_update_group``) and
-  broadcasts each bucket as one flat byte tensor (``/update_weights_from_distributed`` with
-  ``load_format="flattened_bucket"``). Health checks before use; a failed server goes through a
-  restart hook and must be re-synced before it generates again.
+- **colocated** (``rollout/sglang_ipc.py``): one ``sglang.Engine`` per group of ``rollout.sglang_tp``
+  consecutive trainer ranks, on the group's GPUs, with ``enable_memory_saver`` so that it can give
+  its memory to the trainer and take it back; weights travel by CUDA IPC.
+- **disaggregated** (``rollout/sglang_nccl.py``): SGLang servers already running on other GPUs or
+  nodes (``rollout.sglang_server_urls``), driven over HTTP; weights travel by an NCCL broadcast
+  from the trainer's first rank. Health checks before use; a failed server goes through a restart
+  hook and must be re-synced before it generates again.
 
 Either way a version's buckets are loaded inside one weight-update session: SGLang 0.5.23 refuses
 ``update_weights_from_tensor`` / ``_from_distributed`` unless ``begin_weight_update`` opened one, and
@@ -35,27 +31,29 @@ import base64
 import json
 import os
 import random
-import socket
-import time
-import urllib.error
-import urllib.request
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from datetime import timedelta
 from pathlib import Path
 from types import ModuleType
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
 from grpo_megatron.rollout.config import RolloutConfig
 from grpo_megatron.rollout.engine import Bucket, Completion, MemoryTag, RolloutEngine, SamplingParams
+from grpo_megatron.rollout.sglang_ipc import CudaIpcTransport, colocated_group, colocated_server_args
+from grpo_megatron.rollout.sglang_nccl import (
+    NcclBroadcastTransport,
+    SGLangHttpClient,
+    SGLangServerError,
+    wait_healthy,
+)
+from grpo_megatron.rollout.sglang_weights import WeightTransport, raise_on_failure
 
 INSTALL_HINT = (
     "rollout.engine=sglang needs SGLang: pip install 'grpo-megatron[gpu]' (or pip install sglang) "
     "on a CUDA machine"
 )
-WEIGHT_GROUP_NAME = "grpo_megatron_weights"
 _SEED_MODULUS = 2**63 - 1  # SGLang's sampling_seed is a signed int64
 
 
@@ -140,8 +138,9 @@ def completion_from_output(output: Mapping[str, Any], prompt_len: int) -> Comple
     kind = reason.get("type") if isinstance(reason, dict) else str(reason)
     if kind not in ("stop", "length"):
         raise RuntimeError(f"SGLang ended a request with finish_reason={reason!r} (aborted or failed)")
+    finish: Literal["stop", "length"] = "stop" if kind == "stop" else "length"
     routed = decode_routed_experts(meta.get("routed_experts"), prompt_len + len(token_ids) - 1)
-    return Completion(token_ids, [float(e[0]) for e in entries], kind, routed)
+    return Completion(token_ids, [float(e[0]) for e in entries], finish, routed)
 
 
 def teacher_forced_logprobs(
@@ -159,40 +158,7 @@ def teacher_forced_logprobs(
 
 
 # ----------------------------------------------------------------------------------------------------
-# Weight buckets (pure, given SGLang's classes)
-
-
-def aligned_order(bucket: Bucket) -> list[tuple[str, torch.Tensor]]:
-    """The bucket sorted by element size, largest first (stable within a size).
-
-    SGLang's flattened bucket packs tensors back to back as bytes and views each slice as its
-    dtype again; a slice can only be viewed as a dtype whose size divides its byte offset. Putting
-    8-byte before 4-, 2- and 1-byte tensors keeps every offset a multiple of its own element size.
-    """
-    return sorted(bucket, key=lambda kv: -kv[1].element_size())
-
-
-def flattened_bucket(
-    bucket: Bucket, flattened_bucket_cls: type, device: torch.device | str | None = None
-) -> Any:
-    """SGLang's ``FlattenedTensorBucket`` of ``bucket`` (aligned, contiguous, on ``device``)."""
-    if not bucket:
-        raise ValueError("an empty weight bucket cannot be sent")
-    named = [(name, t.detach().to(device or t.device).contiguous()) for name, t in aligned_order(bucket)]
-    return flattened_bucket_cls(named_tensors=named)
-
-
-def flattened_bucket_payloads(
-    bucket: Bucket, tp_size: int, sglang_classes: tuple[type, type], device: torch.device | str | None = None
-) -> list[str]:
-    """What ``Engine.update_weights_from_tensor(payloads, load_format="flattened_bucket")`` takes:
-    one serialized ``{"flattened_tensor", "metadata"}`` per SGLang TP rank (base64 strings, which
-    every 0.5.x release accepts). On a GPU the tensor travels as a CUDA IPC handle; each rank gets
-    its own serialization so the producer's IPC reference counts drop as each rank loads."""
-    flattened_cls, serializer = sglang_classes
-    flat = flattened_bucket(bucket, flattened_cls, device)
-    payload = {"flattened_tensor": flat.get_flattened_tensor(), "metadata": flat.get_metadata()}
-    return [serializer.serialize(payload, output_str=True) for _ in range(tp_size)]
+# Checks of a bucket before it is sent (pure)
 
 
 def checkpoint_shapes(model_path: str | os.PathLike) -> dict[str, tuple[int, ...]]:
@@ -219,158 +185,6 @@ def bucket_errors(bucket: Bucket, shapes: Mapping[str, tuple[int, ...]], source:
         elif shapes and tuple(t.shape) != shapes[name]:
             errors.append(f"{name}: shape {tuple(t.shape)}, {source} has {shapes[name]}")
     return errors
-
-
-def weight_group_layout(tp_sizes: Sequence[int]) -> tuple[int, list[int]]:
-    """``(world_size, rank_offsets)`` of the NCCL weight group: the trainer is rank 0, then each
-    server's TP ranks in order."""
-    offsets, next_rank = [], 1
-    for tp in tp_sizes:
-        offsets.append(next_rank)
-        next_rank += tp
-    return next_rank, offsets
-
-
-def distributed_update_body(
-    bucket: Bucket, *, group_name: str, flush_cache: bool, weight_version: str | None
-) -> dict[str, Any]:
-    """The JSON body of ``/update_weights_from_distributed`` announcing one flattened bucket
-    (``bucket`` already in ``aligned_order``; the receiver rebuilds the same byte layout)."""
-    body: dict[str, Any] = {
-        "names": [name for name, _ in bucket],
-        "dtypes": [str(t.dtype).removeprefix("torch.") for _, t in bucket],
-        "shapes": [list(t.shape) for _, t in bucket],
-        "group_name": group_name,
-        "flush_cache": flush_cache,
-        "load_format": "flattened_bucket",
-    }
-    if weight_version is not None:
-        body["weight_version"] = weight_version
-    return body
-
-
-def colocated_group(rank: int, tp: int) -> tuple[int, list[int]]:
-    """``(leader, members)`` of the colocated engine group that trainer ``rank`` belongs to."""
-    leader = rank - rank % tp
-    return leader, list(range(leader, leader + tp))
-
-
-def colocated_server_args(
-    rollout: RolloutConfig, model_path: str, *, base_gpu_id: int, dtype: str, seed: int, moe: bool
-) -> dict[str, Any]:
-    """``sglang.Engine`` keyword arguments of a colocated engine (``rollout.sglang_server_args`` win)."""
-    return {
-        "model_path": model_path,
-        "tp_size": rollout.sglang_tp,
-        "base_gpu_id": base_gpu_id,
-        "mem_fraction_static": rollout.gpu_memory_utilization,
-        "enable_memory_saver": True,
-        "dtype": dtype,
-        "random_seed": seed,
-        "enable_return_routed_experts": moe and rollout.sglang_routed_experts,
-        "log_level": "error",
-        **rollout.sglang_server_args,
-    }
-
-
-# ----------------------------------------------------------------------------------------------------
-# Disaggregated servers: HTTP client and the trainer's end of the NCCL weight group
-
-
-class SGLangServerError(RuntimeError):
-    """A SGLang server did not answer, or answered with an error."""
-
-
-class SGLangHttpClient:
-    """One running SGLang server, called through the HTTP endpoints that mirror ``sglang.Engine``'s
-    methods (same names and arguments, so ``SGLangEngine`` drives both alike)."""
-
-    def __init__(self, url: str, timeout_s: float):
-        self.url = url.rstrip("/")
-        self.timeout_s = timeout_s
-
-    def _call(self, path: str, body: Mapping[str, Any] | None = None, timeout_s: float | None = None) -> Any:
-        data = None if body is None else json.dumps(body).encode()
-        request = urllib.request.Request(
-            self.url + path, data=data, headers={"Content-Type": "application/json"},
-            method="GET" if body is None else "POST",
-        )  # fmt: skip
-        try:
-            with urllib.request.urlopen(request, timeout=timeout_s or self.timeout_s) as response:
-                text = response.read().decode()
-        except urllib.error.HTTPError as e:
-            raise SGLangServerError(f"{self.url}{path} answered {e.code}: {e.read().decode()[:500]}") from e
-        except (urllib.error.URLError, OSError) as e:
-            raise SGLangServerError(f"{self.url}{path} unreachable: {e}") from e
-        result = json.loads(text) if text.strip() else None
-        if isinstance(result, dict) and result.get("success") is False:
-            raise SGLangServerError(f"{self.url}{path} failed: {result.get('message')}")
-        return result
-
-    def healthy(self, timeout_s: float = 10.0) -> bool:
-        """Whether ``/health_generate`` (a real one-token generation) answers 200 in time."""
-        try:
-            self._call("/health_generate", timeout_s=timeout_s)
-            return True
-        except SGLangServerError:
-            return False
-
-    def tp_size(self) -> int:
-        return int(self._call("/get_server_info")["tp_size"])
-
-    def generate(self, **request: Any) -> list[dict[str, Any]]:
-        return self._call("/generate", request)
-
-    def flush_cache(self) -> None:
-        self._call("/flush_cache", {})
-
-    def release_memory_occupation(self, tags: list[str] | None = None) -> None:
-        self._call("/release_memory_occupation", {"tags": tags})
-
-    def resume_memory_occupation(self, tags: list[str] | None = None) -> None:
-        self._call("/resume_memory_occupation", {"tags": tags})
-
-    def init_weights_update_group(self, **body: Any) -> None:
-        self._call("/init_weights_update_group", body)
-
-    def update_weights_from_distributed(self, **body: Any) -> None:
-        self._call("/update_weights_from_distributed", body)
-
-    def begin_weight_update(self) -> None:
-        self._call("/begin_weight_update", {})
-
-    def end_weight_update(self) -> None:
-        self._call("/end_weight_update", {})
-
-    def destroy_weights_update_group(self, group_name: str) -> None:
-        self._call("/destroy_weights_update_group", {"group_name": group_name})
-
-    def shutdown(self) -> None:
-        """Servers are not ours to stop: only our weight group goes."""
-        return None
-
-
-def init_trainer_weight_group(
-    master_addr: str, master_port: int, world_size: int, group_name: str, backend: str = "nccl",
-    timeout_s: float = 600.0,
-) -> torch.distributed.ProcessGroup:  # fmt: skip
-    """Rank 0 of a process group outside the trainer's world, joined by the servers' TP ranks.
-
-    It must meet SGLang's side of ``init_weights_update_group``: a TCP store at
-    ``master_addr:master_port`` hosted here, keys under a ``group_name`` prefix, a group of its own
-    (not the default one). torch has no public call for "a second world", so this goes through
-    ``_new_process_group_helper`` exactly as SGLang's side does.
-    """
-    from torch.distributed import distributed_c10d as c10d
-
-    timeout = timedelta(seconds=timeout_s)
-    store = torch.distributed.TCPStore(master_addr, master_port, world_size, is_master=True, timeout=timeout)
-    store = torch.distributed.PrefixStore(group_name, store)
-    group, _ = c10d._new_process_group_helper(
-        world_size, 0, [], c10d.Backend(backend), store, group_name=group_name, timeout=timeout
-    )
-    c10d._world.pg_group_ranks[group] = {i: i for i in range(world_size)}
-    return group
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -407,8 +221,7 @@ class SGLangEngine(RolloutEngine):
         self.rollout = rollout
         self.model_path = str(model_path)
         self.mode = rollout.sglang_mode
-        self._sglang_classes = (flattened_cls, serializer)
-        self._device = device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu")
+        device = device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu")
         self._rng = random.Random(seed)
         self._restart_server = restart_server
         self._expected_shapes = checkpoint_shapes(model_path)
@@ -416,11 +229,11 @@ class SGLangEngine(RolloutEngine):
         self._names_this_version: set[str] = set()
         self._stale_reason: str | None = None
         self._version_in_progress = -1
-        self._group: torch.distributed.ProcessGroup | None = None
         # Servers (by index) with a weight-update session open: a version's loads run inside one.
         self._sessions_open: set[int] = set()
         moe = "num_experts_per_tok" in _read_hf_config(model_path)
         self._routed_experts = moe and rollout.sglang_routed_experts
+        self.servers: list[Any]
         if servers is not None:
             self.servers = list(servers)
         elif self.mode == "colocated":
@@ -432,7 +245,13 @@ class SGLangEngine(RolloutEngine):
             self.servers = [
                 SGLangHttpClient(u, rollout.sglang_request_timeout_s) for u in rollout.sglang_server_urls
             ]
-            self.ensure_healthy()
+        self.transport: WeightTransport
+        if self.mode == "colocated":
+            self.transport = CudaIpcTransport(self.servers, rollout.sglang_tp, (flattened_cls, serializer), device)
+        else:
+            self.transport = NcclBroadcastTransport(self.servers, rollout, flattened_cls, device)
+            if servers is None:
+                self.ensure_healthy()
 
     @classmethod
     def from_config(cls, cfg: Any, ps: Any, **kwargs: Any) -> SGLangEngine | None:
@@ -541,10 +360,7 @@ class SGLangEngine(RolloutEngine):
         self._version_in_progress = version
         self._begin_sessions()
         if bucket:
-            if self.mode == "colocated":
-                self._send_tensor_payloads(bucket, last=last)
-            else:
-                self._broadcast(bucket, last=last, version=version)
+            self.transport.send(bucket, last=last, version=version)
         elif last:
             self.flush_cache()  # an empty closing bucket: the flush it would have carried
         self._names_this_version |= {name for name, _ in bucket}
@@ -568,62 +384,13 @@ class SGLangEngine(RolloutEngine):
         stays open and serves the next version: SGLang refuses a second ``begin``)."""
         for i, server in enumerate(self.servers):
             if i not in self._sessions_open:
-                _raise_on_failure(server.begin_weight_update(), "begin_weight_update")
+                raise_on_failure(server.begin_weight_update(), "begin_weight_update")
                 self._sessions_open.add(i)
 
     def _end_sessions(self) -> None:
         for i in sorted(self._sessions_open):
-            _raise_on_failure(self.servers[i].end_weight_update(), "end_weight_update")
+            raise_on_failure(self.servers[i].end_weight_update(), "end_weight_update")
             self._sessions_open.discard(i)
-
-    def _send_tensor_payloads(self, bucket: Bucket, *, last: bool) -> None:
-        (engine,) = self.servers
-        payloads = flattened_bucket_payloads(
-            bucket, self.rollout.sglang_tp, self._sglang_classes, self._device
-        )
-        result = engine.update_weights_from_tensor(payloads, load_format="flattened_bucket", flush_cache=last)
-        _raise_on_failure(result, "update_weights_from_tensor")
-
-    def _broadcast(self, bucket: Bucket, *, last: bool, version: int) -> None:
-        if self._group is None:
-            self._init_weight_group()
-        ordered = aligned_order(bucket)
-        body = distributed_update_body(
-            ordered,
-            group_name=WEIGHT_GROUP_NAME,
-            flush_cache=last,
-            weight_version=str(version) if last else None,
-        )
-        flat = flattened_bucket(ordered, self._sglang_classes[0], self._device).get_flattened_tensor()
-        # Every server's request blocks until the broadcast it waits for has run: send them first.
-        with ThreadPoolExecutor(len(self.servers)) as pool:
-            pending = [pool.submit(s.update_weights_from_distributed, **body) for s in self.servers]
-            torch.distributed.broadcast(flat, src=0, group=self._group)
-            for f in pending:
-                f.result()
-
-    def _init_weight_group(self) -> None:
-        world_size, offsets = weight_group_layout([s.tp_size() for s in self.servers])
-        addr = self.rollout.sglang_sync_master_addr or socket.gethostname()
-        port = self.rollout.sglang_sync_master_port
-        with ThreadPoolExecutor(len(self.servers)) as pool:
-            pending = [
-                pool.submit(
-                    s.init_weights_update_group,
-                    master_address=addr,
-                    master_port=port,
-                    rank_offset=offset,
-                    world_size=world_size,
-                    group_name=WEIGHT_GROUP_NAME,
-                    backend="nccl",
-                )  # fmt: skip
-                for s, offset in zip(self.servers, offsets, strict=True)
-            ]
-            self._group = init_trainer_weight_group(
-                addr, port, world_size, WEIGHT_GROUP_NAME, timeout_s=self.rollout.sglang_request_timeout_s
-            )
-            for f in pending:
-                f.result()
 
     def _mark_stale(self, reason: str) -> None:
         self._stale_reason = reason
@@ -644,7 +411,7 @@ class SGLangEngine(RolloutEngine):
         checkpoint's weights again, so the engine then needs a full sync before it generates."""
         timeout_s = timeout_s or self.rollout.sglang_request_timeout_s
         for server in self.servers:
-            if not hasattr(server, "healthy") or _wait_healthy(server, timeout_s):
+            if not hasattr(server, "healthy") or wait_healthy(server, timeout_s):
                 continue
             if self._restart_server is None:
                 raise SGLangServerError(
@@ -653,22 +420,11 @@ class SGLangEngine(RolloutEngine):
                 )
             self._restart_server(server.url)
             self._sessions_open.discard(self.servers.index(server))  # a restarted server has none
-            if not _wait_healthy(server, timeout_s):
+            if not wait_healthy(server, timeout_s):
                 raise SGLangServerError(f"SGLang server {server.url} is not healthy after its restart")
-            self._drop_weight_group()
+            self.transport.reset()
             if self.weight_version >= 0:
                 self._mark_stale(f"server {server.url} restarted with its checkpoint's weights")
-
-    def _drop_weight_group(self) -> None:
-        if self._group is None:
-            return
-        for server in self.servers:
-            try:  # a restarted server no longer has the group: nothing to destroy there
-                server.destroy_weights_update_group(WEIGHT_GROUP_NAME)
-            except SGLangServerError:
-                pass
-        torch.distributed.destroy_process_group(self._group)
-        self._group = None
 
     # -- memory and lifetime
 
@@ -685,7 +441,7 @@ class SGLangEngine(RolloutEngine):
             server.flush_cache()
 
     def shutdown(self) -> None:
-        self._drop_weight_group()
+        self.transport.reset()
         for server in self.servers:
             server.shutdown()
         self.servers = []
@@ -694,45 +450,3 @@ class SGLangEngine(RolloutEngine):
 def _read_hf_config(model_path: str | os.PathLike) -> dict[str, Any]:
     path = Path(model_path) / "config.json"
     return json.loads(path.read_text()) if path.is_file() else {}
-
-
-def _raise_on_failure(result: Any, what: str) -> None:
-    """SGLang's engine methods return ``(success, message)`` (or a dict) instead of raising."""
-    if isinstance(result, tuple) and len(result) >= 2 and result[0] is False:
-        raise RuntimeError(f"SGLang {what} failed: {result[1]}")
-    if isinstance(result, dict) and result.get("success") is False:
-        raise RuntimeError(f"SGLang {what} failed: {result.get('message')}")
-
-
-def _wait_healthy(server: SGLangHttpClient, timeout_s: float) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        if server.healthy(timeout_s=min(30.0, timeout_s)):
-            return True
-        if time.monotonic() >= deadline:
-            return False
-        time.sleep(min(2.0, max(0.0, deadline - time.monotonic())))
-
-
-__all__ = [
-    "INSTALL_HINT",
-    "SGLangEngine",
-    "SGLangHttpClient",
-    "SGLangServerError",
-    "SGLangUnavailableError",
-    "aligned_order",
-    "bucket_errors",
-    "checkpoint_shapes",
-    "colocated_group",
-    "colocated_server_args",
-    "completion_from_output",
-    "decode_routed_experts",
-    "distributed_update_body",
-    "flattened_bucket",
-    "flattened_bucket_payloads",
-    "import_sglang",
-    "init_trainer_weight_group",
-    "sample_seeds",
-    "sampling_params_dict",
-    "teacher_forced_logprobs",
-]

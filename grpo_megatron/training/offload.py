@@ -114,8 +114,9 @@ def policy_tensors(policy: Policy) -> dict[str, list[torch.Tensor]]:
                 parts["grads"].append(buffer.grad_data)
         for param in chunk.parameters():
             parts["params"].append(param.data)
-            if getattr(param, "main_grad", None) is not None:
-                parts["grads"].append(param.main_grad)
+            main_grad = getattr(param, "main_grad", None)  # megatron DDP's gradient buffer view
+            if main_grad is not None:
+                parts["grads"].append(main_grad)
             if param.grad is not None:
                 parts["grads"].append(param.grad)
     for inner in _inner_optimizers(policy.optimizer):

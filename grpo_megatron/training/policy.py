@@ -16,12 +16,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-import torch
-
 from grpo_megatron.distributed.bootstrap import ParallelState
 from grpo_megatron.models.builder import PolicySpec, build_gpt_model
 
 if TYPE_CHECKING:
+    from megatron.core.distributed import DistributedDataParallel
     from megatron.core.optimizer import MegatronOptimizer
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
@@ -31,7 +30,7 @@ if TYPE_CHECKING:
 
 @dataclass
 class Policy:
-    model: torch.nn.Module  # megatron DistributedDataParallel around GPTModel
+    model: DistributedDataParallel  # megatron's, around GPTModel
     optimizer: MegatronOptimizer
     spec: PolicySpec
     scheduler: OptimizerParamScheduler | None = None

@@ -53,7 +53,9 @@ def main(cfg: JobConfig) -> int:
         for i in range(0, rows_per_rank, 2)
     ]
 
-    def nll(logprobs_bs: torch.Tensor, entropy_bs: torch.Tensor | None, mb: MicroBatch):
+    def nll(
+        logprobs_bs: torch.Tensor, entropy_bs: torch.Tensor | None, mb: MicroBatch
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         # Token sum over the global token count: exact under any micro-batch / DP split.
         return -logprobs_bs.sum() / global_tokens, {}
 

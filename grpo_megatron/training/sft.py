@@ -30,6 +30,8 @@ from grpo_megatron.training.phases.eval import evaluate
 
 if TYPE_CHECKING:
     from grpo_megatron.config import JobConfig
+    from grpo_megatron.data.sampler import PromptSampler
+    from grpo_megatron.training.config import SFTConfig
 
 def sft_job_config(cfg: JobConfig) -> JobConfig:
     """The job config the SFT job is built with: the optimizer runs at sft.lr, constant."""
@@ -55,7 +57,9 @@ def sft_step(job: Job, samples: list[Sample]) -> dict[str, float]:
     )
     total_tokens = float(sum(s.mask_s.sum() for s in samples))
 
-    def nll(logprobs_bs: torch.Tensor, entropy_bs: torch.Tensor | None, mb: MicroBatch):
+    def nll(
+        logprobs_bs: torch.Tensor, entropy_bs: torch.Tensor | None, mb: MicroBatch
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         mask_bs = LossInputs.of(mb).mask_bs
         loss = -(logprobs_bs * mask_bs).sum() / total_tokens  # this micro-batch's share of the mean
         return loss, {"tokens": mask_bs.sum()}
@@ -112,6 +116,7 @@ class BandKeeper:
         keep = self.kept is None or self.rank(ev.accuracy) <= self.rank(self.kept.accuracy)
         if keep:
             self.kept = ev
+        assert self.kept is not None  # the first evaluation is always kept
         if ev.accuracy < self.low:
             self.below = ev
             return "continue", keep
@@ -157,7 +162,7 @@ def load_weights(job: Job, weights: list[torch.Tensor]) -> None:
     job.policy.optimizer.reload_model_params()  # main params that are copies, not views, follow
 
 
-def capture(job: Job, step: int, sampler) -> TrainState:
+def capture(job: Job, step: int, sampler: PromptSampler) -> TrainState:
     adam = [{p: _clone(st) for p, st in o.state.items()} for o in _adams(job)]
     scheduler_steps = job.policy.scheduler.num_steps if job.policy.scheduler is not None else 0
     return TrainState(step, copy_weights(job), adam, sampler.state_dict(), scheduler_steps)
@@ -167,7 +172,7 @@ def _clone(adam_state: dict) -> dict:
     return {k: v.clone() if torch.is_tensor(v) else v for k, v in adam_state.items()}
 
 
-def restore(job: Job, state: TrainState, sampler) -> None:
+def restore(job: Job, state: TrainState, sampler: PromptSampler) -> None:
     load_weights(job, state.weights)
     for o, saved in zip(_adams(job), state.adam, strict=True):
         o.state.clear()
@@ -258,7 +263,7 @@ def run_sft(job: Job) -> dict[str, object]:
     }
 
 
-def _target(sft) -> str:
+def _target(sft: SFTConfig) -> str:
     if sft.target_accuracy_band:
         return f"the band's centre {sum(sft.target_accuracy_band) / 2:.1%}"
     return f"sft.stop_accuracy={sft.stop_accuracy:.1%}"

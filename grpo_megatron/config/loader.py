@@ -1,16 +1,8 @@
-"""The job config: one typed dataclass per section, loaded from YAML plus `section.key=value` overrides.
+"""Loading a job config: YAML + ``section.key=value`` overrides -> a type-checked ``JobConfig``.
 
-    cfg = load_config("examples/tiny_moe.yaml", ["train.lr=1e-5", "model.hf_overrides.num_experts=8"])
-    validate(cfg, world_size=4)          # every rule, before any process group exists
-    cfg = cfg.resolve(world_size=4)      # parallel.dp / etp / sequence_parallel filled in
-
-Each section's dataclass lives next to its component (grpo_megatron/<component>/config.py) and checks
-its own fields in `validate()`; the rules that need two sections or the model's config.json live here.
-Loading checks types (int, float, bool, str, Literal, Optional, list, dict, nested dataclasses) and
-reports every problem at once, each with the dotted field, the file and line (or the override), the
-value and the fix, in one `ConfigError`.
-
-Standard library + PyYAML only: the CLI loads and checks configs without importing torch.
+Types are checked (int, float, bool, str, Literal, Optional, list, dict, nested dataclasses) and
+every problem is reported at once, each with the dotted field, the file and line (or the
+override), the value and the fix, in one ``ConfigError``. Standard library + PyYAML only.
 """
 
 from __future__ import annotations
@@ -29,85 +21,9 @@ from typing import Any, Literal, Union
 
 import yaml
 
-from grpo_megatron.algorithm.config import AlgorithmConfig
-from grpo_megatron.checkpoint.config import CheckpointConfig
-from grpo_megatron.data.config import DataConfig
-from grpo_megatron.distributed.config import ParallelConfig
-from grpo_megatron.logging_utils.config import LoggingConfig
+from grpo_megatron.config.job import FILE_RELATIVE_PATHS, ConfigError, JobConfig
 from grpo_megatron.models.config import (
-    EXPERT_COUNT_KEYS,
-    SUPPORTED_MODEL_TYPES,
-    ModelConfig,
     display_path,
-    num_routed_experts,
-)
-from grpo_megatron.rewards.config import RewardConfig
-from grpo_megatron.rollout.config import RolloutConfig
-from grpo_megatron.training.config import SFTConfig, TrainConfig
-
-
-class ConfigError(ValueError):
-    """One or more problems with a job config; `errors` holds one message per problem."""
-
-    def __init__(self, errors: Sequence[str]):
-        self.errors = list(errors)
-        noun = "problem" if len(self.errors) == 1 else "problems"
-        super().__init__(
-            f"invalid config ({len(self.errors)} {noun}):\n" + "\n".join(f"  - {e}" for e in self.errors)
-        )
-
-
-@dataclass
-class JobConfig:
-    """A whole job: what to train, how it is sharded, how it samples, learns, saves and logs."""
-
-    model: ModelConfig
-    """The policy (and reference) model."""
-    parallel: ParallelConfig = field(default_factory=ParallelConfig)
-    """Parallel layout of the trainer."""
-    rollout: RolloutConfig = field(default_factory=RolloutConfig)
-    """Response sampling."""
-    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
-    """The GRPO objective."""
-    reward: RewardConfig = field(default_factory=RewardConfig)
-    """Reward functions."""
-    data: DataConfig = field(default_factory=DataConfig)
-    """Prompt source."""
-    train: TrainConfig = field(default_factory=TrainConfig)
-    """Iterations, batch sizes, optimizer."""
-    sft: SFTConfig = field(default_factory=SFTConfig)
-    """Supervised cold start (`grpo-megatron sft`)."""
-    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
-    """Saving and resuming."""
-    logging: LoggingConfig = field(default_factory=LoggingConfig)
-    """Run directory and metrics."""
-
-    def validate(self, world_size: int) -> None:
-        validate(self, world_size)
-
-    def resolve(self, world_size: int) -> JobConfig:
-        """A copy whose parallel section has its derived degrees filled in (see ParallelConfig.resolve)."""
-        return dataclasses.replace(self, parallel=self.parallel.resolve(world_size))
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    def to_yaml(self) -> str:
-        return yaml.safe_dump(self.to_dict(), sort_keys=False)
-
-    def save(self, path: str | Path) -> None:
-        """Write the config as YAML (a run directory keeps its resolved config this way)."""
-        Path(path).write_text(self.to_yaml())
-
-
-# Paths that ship with a config (its model and data) resolve against the YAML file's directory when
-# written there, so an example works from any working directory; outputs (run_dir, checkpoint.dir)
-# stay relative to where the job is launched, as users of torchrun/srun scripts expect.
-FILE_RELATIVE_PATHS: tuple[tuple[str, str], ...] = (
-    ("model", "hf_path"),
-    ("data", "train_path"),
-    ("data", "eval_path"),
-    ("data", "tokenizer_path"),
 )
 
 # ----------------------------------------------------------------------------------------------------
@@ -236,7 +152,7 @@ def _apply_override(raw: dict[str, Any], override: str, origins: _Origins, error
     for depth, key in enumerate(path):
         tp = _strip_optional(tp)
         defaults.append(None)
-        if dataclasses.is_dataclass(tp) and isinstance(key, str):
+        if isinstance(tp, type) and dataclasses.is_dataclass(tp) and isinstance(key, str):
             hints = _type_hints(tp)
             if key not in hints:
                 errors.append(f"{where}: {_unknown_key_message(path[: depth + 1], list(hints))}")
@@ -331,7 +247,7 @@ def _convert(value: Any, tp: Any, path: KeyPath, origins: _Origins, errors: list
     origin = _origin(tp)
     if tp is Any:
         return value
-    if dataclasses.is_dataclass(tp):
+    if isinstance(tp, type) and dataclasses.is_dataclass(tp):
         return _convert_dataclass(value, tp, path, origins, errors)
     if origin is Union:
         arms = [a for a in typing.get_args(tp) if a is not type(None)]
@@ -523,204 +439,3 @@ def _dotted(path: KeyPath) -> str:
     for key in path:
         out += f"[{key}]" if isinstance(key, int) else (f".{key}" if out else str(key))
     return out
-
-
-# ----------------------------------------------------------------------------------------------------
-# Validation: every section's own rules, then the rules that span sections or need config.json.
-
-
-def validate(cfg: JobConfig, world_size: int) -> None:
-    """Check `cfg` for a job of `world_size` ranks; raise one ConfigError listing every problem.
-
-    Runs before any process group exists, so a bad layout fails in a second, not after a cluster
-    allocation and a model load.
-    """
-    errors: list[str] = []
-    # Later rules assume each section's own values are sane: they skip sections that failed.
-    failed: set[str] = set()
-    for f in dataclasses.fields(cfg):
-        try:
-            getattr(cfg, f.name).validate()
-        except ValueError as e:
-            errors.extend(e.errors if isinstance(e, ConfigError) else str(e).splitlines())
-            failed.add(f.name)
-
-    parallel = cfg.parallel
-    layout_errors = [] if "parallel" in failed else parallel.layout_errors(world_size)
-    errors.extend(layout_errors)
-
-    hf_config = None
-    if cfg.model.hf_path:  # an empty one was reported by ModelConfig.validate()
-        try:
-            hf_config = cfg.model.load_hf_config()
-        except ValueError as e:
-            errors.append(str(e))
-    if hf_config is not None and "parallel" not in failed:
-        errors.extend(model_layout_errors(cfg.model, hf_config, parallel))
-
-    if not layout_errors and not failed & {"parallel", "train", "rollout"}:
-        errors.extend(batch_layout_errors(cfg, parallel.resolve(world_size)))
-    if not failed & {"algorithm", "rollout"}:
-        errors.extend(overlong_errors(cfg))
-
-    if errors:
-        raise ConfigError(errors)
-
-
-def model_layout_errors(model: ModelConfig, hf_config: dict[str, Any], parallel: ParallelConfig) -> list[str]:
-    """Rules between the parallel layout and the model architecture in `hf_config`."""
-    errors: list[str] = []
-
-    def source(key: str) -> str:
-        return "model.hf_overrides" if key in model.hf_overrides else display_path(model.config_json_path())
-
-    model_type = hf_config.get("model_type")
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        errors.append(
-            f"model_type={model_type!r} (from {source('model_type')}) is not supported: the supported "
-            f"model types are {', '.join(SUPPORTED_MODEL_TYPES)}; point model.hf_path at one of those"
-        )
-
-    def int_key(key: str, default: int | None = None) -> int | None:
-        value = hf_config.get(key)
-        if value is None:
-            value = default
-        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
-            return value
-        errors.append(
-            f"model {key}={value!r} (from {source(key)}) must be a positive integer; "
-            f"fix config.json or set model.hf_overrides.{key}"
-        )
-        return None
-
-    tp, pp, ep = parallel.tp, parallel.pp, parallel.ep
-    heads = int_key("num_attention_heads")
-    kv_heads = int_key("num_key_value_heads", heads) if heads else None
-    if heads and kv_heads:
-        good_tp = sorted(t for t in _divisors(heads) if t % kv_heads == 0 or kv_heads % t == 0)
-        choose = f"choose parallel.tp in {{{', '.join(map(str, good_tp))}}}"
-        if heads % tp:
-            errors.append(
-                f"parallel.tp={tp} does not divide model num_attention_heads={heads} "
-                f"(from {source('num_attention_heads')}): {choose}"
-            )
-        elif tp % kv_heads and kv_heads % tp:
-            errors.append(
-                f"parallel.tp={tp} neither divides model num_key_value_heads={kv_heads} (from "
-                f"{source('num_key_value_heads')}) nor is a multiple of it (KV heads replicated): {choose}"
-            )
-
-    layers = int_key("num_hidden_layers")
-    if layers and layers % pp:
-        errors.append(
-            f"parallel.pp={pp} does not divide model num_hidden_layers={layers} "
-            f"(from {source('num_hidden_layers')}): choose parallel.pp in {{{', '.join(map(str, _divisors(layers)))}}}"
-        )
-
-    experts = num_routed_experts(hf_config)
-    if experts == 0:
-        if ep > 1:
-            errors.append(
-                f"parallel.ep={ep} but the model is dense (none of {', '.join(EXPERT_COUNT_KEYS)} is set "
-                f"in {display_path(model.config_json_path())} or model.hf_overrides): set parallel.ep=1"
-            )
-        if parallel.etp not in (None, tp):
-            errors.append(f"parallel.etp={parallel.etp} but the model is dense: remove parallel.etp")
-    else:
-        key = next(k for k in EXPERT_COUNT_KEYS if hf_config.get(k))
-        if experts % ep:
-            errors.append(
-                f"parallel.ep={ep} does not divide the model's {key}={experts} (from {source(key)}): "
-                f"choose parallel.ep in {{{', '.join(map(str, _divisors(experts)))}}}"
-            )
-        if tp > 1 and parallel.sequence_parallel is False:
-            errors.append(
-                f"parallel.sequence_parallel=false with parallel.tp={tp} on an MoE model: megatron-core "
-                "needs sequence parallelism for MoE with TP > 1; set parallel.sequence_parallel=true or null"
-            )
-        if pp > 1 and model.moe_token_dispatcher == "allgather":
-            errors.append(
-                f"model.moe_token_dispatcher=allgather with parallel.pp={pp}: megatron-core's allgather "
-                "dispatcher needs fixed sequence lengths, but pipelined micro-batches vary in length; "
-                "set model.moe_token_dispatcher=alltoall"
-            )
-    return errors
-
-
-def batch_layout_errors(cfg: JobConfig, parallel: ParallelConfig) -> list[str]:
-    """Rules between batch sizes and a resolved parallel layout."""
-    samples = cfg.train.prompts_per_iteration * cfg.rollout.n_samples_per_prompt
-    per_update = cfg.train.updates_per_iteration * parallel.dp
-    if samples % per_update:
-        return [
-            f"train.prompts_per_iteration*rollout.n_samples_per_prompt={cfg.train.prompts_per_iteration}*"
-            f"{cfg.rollout.n_samples_per_prompt}={samples} samples per iteration cannot be split into "
-            f"train.updates_per_iteration={cfg.train.updates_per_iteration} mini-batches over "
-            f"dp={parallel.dp} data-parallel ranks: make it a multiple of {per_update}"
-        ]
-    return []
-
-
-def overlong_errors(cfg: JobConfig) -> list[str]:
-    """DAPO's overlong ramp must fit inside the longest response the rollout can produce."""
-    overlong = cfg.algorithm.overlong
-    if not overlong.enabled or overlong.max_len is not None:
-        return []  # an explicit max_len is checked against buffer_len by OverlongConfig itself
-    if overlong.buffer_len >= cfg.rollout.max_new_tokens:
-        return [
-            f"algorithm.overlong.buffer_len={overlong.buffer_len} must be < rollout.max_new_tokens="
-            f"{cfg.rollout.max_new_tokens} (the ramp ends at the longest response): shrink the buffer "
-            "(DAPO: 4096 of 20480) or raise max_new_tokens"
-        ]
-    return []
-
-
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
-# ----------------------------------------------------------------------------------------------------
-# Start-up checks of the files a job reads and writes: before any process group or model exists, so
-# a typo fails in a second with one line instead of a rank's traceback minutes later.
-
-
-def output_dirs(cfg: JobConfig, command: str) -> list[tuple[str, Path]]:
-    """(config field, directory) of what ``command`` writes at its very end and never overwrites."""
-    if command == "sft":
-        return [("sft.output_dir", Path(cfg.sft.output_dir or Path(cfg.logging.run_dir) / "hf"))]
-    if command in ("train", "check") and cfg.checkpoint.export_hf_dir:
-        return [("checkpoint.export_hf_dir", Path(cfg.logging.run_dir) / cfg.checkpoint.export_hf_dir)]
-    return []
-
-
-def preflight_errors(cfg: JobConfig, command: str) -> list[str]:
-    """Problems with the job's input and output paths: data files, the tokenizer and model
-    directories (safetensors whole), an explicit resume checkpoint, and output directories that
-    already hold files (found now, not after the last iteration)."""
-    from grpo_megatron.fileio import safetensors_problem
-
-    errors: list[str] = []
-    data = cfg.data
-    for name in ("train_path", "eval_path"):
-        value = getattr(data, name)
-        if value and not Path(value).is_file():
-            errors.append(f"data.{name}={value}: no such file; check the path (relative to the config file)")
-    tokenizer_dir = Path(data.tokenizer_path or cfg.model.hf_path)
-    if data.tokenizer_path and not tokenizer_dir.is_dir():
-        errors.append(f"data.tokenizer_path={data.tokenizer_path}: no such directory")
-    model_dir = Path(cfg.model.hf_path)
-    if model_dir.is_dir():
-        for path in sorted(model_dir.glob("*.safetensors")):
-            problem = safetensors_problem(path)
-            if problem:
-                errors.append(f"model.hf_path: {problem}")
-    resume = cfg.checkpoint.resume
-    if resume not in ("auto", "none") and not Path(resume).exists():
-        errors.append(f"checkpoint.resume={resume}: no such checkpoint; use auto, none or an existing path")
-    for field_name, directory in output_dirs(cfg, command):
-        if directory.exists() and (not directory.is_dir() or any(directory.iterdir())):
-            errors.append(
-                f"{field_name}: {directory} exists and is not empty, and is never overwritten: "
-                f"choose a new {field_name} or move it aside (found before training, so nothing is lost)"
-            )
-    return errors

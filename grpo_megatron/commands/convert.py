@@ -21,29 +21,18 @@ import json
 import shutil
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-TOKENIZER_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "added_tokens.json",
-    "vocab.json",
-    "merges.txt",
-    "tokenizer.model",
-    "chat_template.jinja",
-    "generation_config.json",
-)
-"""Files copied along with config.json when they exist (the tokenizer and generation defaults)."""
+if TYPE_CHECKING:
+    from megatron.core.models.gpt import GPTModel
+
+    from grpo_megatron.distributed.bootstrap import ParallelState
+
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
 class ConvertError(ValueError):
     """Bad input to a conversion: names the path or option and the fix."""
-
-
-def tokenizer_files(directory: Path) -> tuple[Path, ...]:
-    return tuple(directory / name for name in TOKENIZER_FILES if (directory / name).is_file())
 
 
 def read_hf_config(directory: str | Path, option: str) -> dict[str, Any]:
@@ -71,7 +60,9 @@ def config_dtype(hf: dict[str, Any]) -> str:
     return declared if declared in DTYPES[1:] else "float32"
 
 
-def _start(hf_dir: Path, hf: dict[str, Any], args: argparse.Namespace, dtype: str):
+def _start(
+    hf_dir: Path, hf: dict[str, Any], args: argparse.Namespace, dtype: str
+) -> tuple[ParallelState, GPTModel, int]:
     """Process groups at the requested layout and this rank's model shard."""
     from grpo_megatron.config import model_layout_errors
     from grpo_megatron.distributed.bootstrap import init_distributed, world_size_from_env
@@ -98,7 +89,7 @@ def hf_to_mcore(args: argparse.Namespace) -> Path:
     import torch.distributed as dist
 
     from grpo_megatron.bridge.hf_loader import CheckpointError as HFCheckpointError
-    from grpo_megatron.bridge.hf_loader import load_hf_weights
+    from grpo_megatron.bridge.hf_loader import load_hf_weights, tokenizer_files
     from grpo_megatron.checkpoint.dist import save_model_checkpoint
     from grpo_megatron.distributed.collectives import on_rank0
 
@@ -136,6 +127,7 @@ def mcore_to_hf(args: argparse.Namespace) -> Path:
     import torch.distributed as dist
 
     from grpo_megatron.bridge.export import write_hf_checkpoint
+    from grpo_megatron.bridge.hf_loader import tokenizer_files
     from grpo_megatron.checkpoint.dist import (
         CheckpointError,
         load_model_checkpoint,

@@ -1,0 +1,92 @@
+"""``JobConfig``: the job's sections, one typed dataclass each, next to its component
+(``grpo_megatron/<component>/config.py``), assembled here; and ``ConfigError``, the one error every
+config problem is reported in."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from grpo_megatron.algorithm.config import AlgorithmConfig
+from grpo_megatron.checkpoint.config import CheckpointConfig
+from grpo_megatron.data.config import DataConfig
+from grpo_megatron.distributed.config import ParallelConfig
+from grpo_megatron.logging_utils.config import LoggingConfig
+from grpo_megatron.models.config import (
+    ModelConfig,
+)
+from grpo_megatron.rewards.config import RewardConfig
+from grpo_megatron.rollout.config import RolloutConfig
+from grpo_megatron.training.config import SFTConfig, TrainConfig
+
+
+class ConfigError(ValueError):
+    """One or more problems with a job config; `errors` holds one message per problem."""
+
+    def __init__(self, errors: Sequence[str]):
+        self.errors = list(errors)
+        noun = "problem" if len(self.errors) == 1 else "problems"
+        super().__init__(
+            f"invalid config ({len(self.errors)} {noun}):\n" + "\n".join(f"  - {e}" for e in self.errors)
+        )
+
+
+@dataclass
+class JobConfig:
+    """A whole job: what to train, how it is sharded, how it samples, learns, saves and logs."""
+
+    model: ModelConfig
+    """The policy (and reference) model."""
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    """Parallel layout of the trainer."""
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    """Response sampling."""
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    """The GRPO objective."""
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    """Reward functions."""
+    data: DataConfig = field(default_factory=DataConfig)
+    """Prompt source."""
+    train: TrainConfig = field(default_factory=TrainConfig)
+    """Iterations, batch sizes, optimizer."""
+    sft: SFTConfig = field(default_factory=SFTConfig)
+    """Supervised cold start (`grpo-megatron sft`)."""
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    """Saving and resuming."""
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    """Run directory and metrics."""
+
+    def validate(self, world_size: int) -> None:
+        from grpo_megatron.config.validation import validate
+
+        validate(self, world_size)
+
+    def resolve(self, world_size: int) -> JobConfig:
+        """A copy whose parallel section has its derived degrees filled in (see ParallelConfig.resolve)."""
+        return dataclasses.replace(self, parallel=self.parallel.resolve(world_size))
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+    def save(self, path: str | Path) -> None:
+        """Write the config as YAML (a run directory keeps its resolved config this way)."""
+        Path(path).write_text(self.to_yaml())
+
+
+# Paths that ship with a config (its model and data) resolve against the YAML file's directory when
+# written there, so an example works from any working directory; outputs (run_dir, checkpoint.dir)
+# stay relative to where the job is launched, as users of torchrun/srun scripts expect.
+FILE_RELATIVE_PATHS: tuple[tuple[str, str], ...] = (
+    ("model", "hf_path"),
+    ("data", "train_path"),
+    ("data", "eval_path"),
+    ("data", "tokenizer_path"),
+)
