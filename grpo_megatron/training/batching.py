@@ -40,6 +40,10 @@ class Sample:
     """Engine logprobs of the sampled tokens at their label positions (0 elsewhere)."""
     logprobs: dict[str, torch.Tensor] = field(default_factory=dict)
     """Trainer-side logprobs filled in by the forward passes: "ref", "old"."""
+    routes: dict[str, torch.Tensor] = field(default_factory=dict)
+    """MoE routes ``[moe_layers, S, top_k]`` at the input positions: "engine" (the rollout engine's,
+    ``Completion.routed_experts``), "old" (the old-policy pass's own, for R2; -1 on layers of other
+    pipeline stages)."""
 
     @property
     def length(self) -> int:
@@ -47,9 +51,14 @@ class Sample:
 
 
 def make_sample(
-    prompt_ids: Sequence[int], response_ids: Sequence[int], rollout_logprobs: Sequence[float], advantage: float
+    prompt_ids: Sequence[int],
+    response_ids: Sequence[int],
+    rollout_logprobs: Sequence[float],
+    advantage: float,
+    routed_experts: torch.Tensor | None = None,
 ) -> Sample:
-    """Lay out one (prompt, response) pair for the trainer (see the module docstring)."""
+    """Lay out one (prompt, response) pair for the trainer (see the module docstring); the engine's
+    routes, if any, already cover exactly the input positions."""
     if not prompt_ids or not response_ids:
         raise ValueError("a training sample needs a non-empty prompt and response")
     if len(rollout_logprobs) != len(response_ids):
@@ -60,7 +69,15 @@ def make_sample(
     mask_s[n_prompt - 1 :] = 1.0
     rollout_s = torch.zeros(seq_l.numel() - 1)
     rollout_s[n_prompt - 1 :] = torch.tensor(list(rollout_logprobs), dtype=torch.float32)
-    return Sample(seq_l[:-1], seq_l[1:], mask_s, float(advantage), rollout_s)
+    sample = Sample(seq_l[:-1], seq_l[1:], mask_s, float(advantage), rollout_s)
+    if routed_experts is not None:
+        if routed_experts.dim() != 3 or routed_experts.shape[1] != sample.length:
+            raise ValueError(
+                f"routed experts {tuple(routed_experts.shape)} for {sample.length} input positions "
+                "(expected [moe_layers, len(prompt) + len(response) - 1, top_k])"
+            )
+        sample.routes["engine"] = routed_experts
+    return sample
 
 
 def minibatch_slices(num_samples: int, num_minibatches: int) -> list[range]:
@@ -127,9 +144,10 @@ def rank_microbatches(
 EXTRA_KEYS = ("mask_bs", "rollout_logprobs_bs", "old_logprobs_bs", "ref_logprobs_bs")
 
 
-def collate(samples: Sequence[Sample], rows: Sequence[int], pad_id: int) -> MicroBatch:
+def collate(samples: Sequence[Sample], rows: Sequence[int], pad_id: int, routes: str | None = None) -> MicroBatch:
     """Right-padded micro-batch of ``samples[rows]``; an empty ``rows`` gives one all-masked row
-    (a placeholder micro-batch that contributes nothing but joins the collectives)."""
+    (a placeholder micro-batch that contributes nothing but joins the collectives). ``routes``: which
+    ``Sample.routes`` to carry as ``routes_lbsk`` (-1 at padding), when every row has them."""
     if not rows:
         one_11 = torch.full((1, 1), pad_id, dtype=torch.long)
         zeros_11 = torch.zeros(1, 1)
@@ -152,10 +170,18 @@ def collate(samples: Sequence[Sample], rows: Sequence[int], pad_id: int) -> Micr
     for name in ("old", "ref"):
         if all(name in samples[i].logprobs for i in rows):
             extras[f"{name}_logprobs_bs"] = stack(lambda x, n=name: x.logprobs[n], 0.0)
+    routes_lbsk = None
+    if routes is not None and all(routes in samples[i].routes for i in rows):
+        first = samples[rows[0]].routes[routes]
+        routes_lbsk = torch.full((first.shape[0], len(rows), s, first.shape[2]), -1, dtype=first.dtype)
+        for b, i in enumerate(rows):
+            r = samples[i].routes[routes]
+            routes_lbsk[:, b, : r.shape[1]] = r
     return MicroBatch(
         tokens_bs=stack(lambda x: x.tokens_s, pad_id),
         labels_bs=stack(lambda x: x.labels_s, pad_id),
         extras=extras,
+        routes_lbsk=routes_lbsk,
     )
 
 
