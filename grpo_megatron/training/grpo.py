@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING
 from grpo_megatron.algorithm.kl import kl_beta
 from grpo_megatron.distributed.collectives import on_rank0
 from grpo_megatron.fileio import write_text_atomic
-from grpo_megatron.training import phases
+from grpo_megatron.training import phases, route_replay
 from grpo_megatron.training.batching import Sample
 from grpo_megatron.training.job import Job, PhaseTimer, build_job, export_hf_checkpoint
 
@@ -63,19 +63,29 @@ def run_iteration(job: Job, sampler: PromptSampler, probe: Probe, it: int, timer
         samples, adv_metrics = phases.build_samples(job, groups)
         plan = phases.plan_update(job, samples)
     beta = kl_beta(cfg.algorithm.kl, it - 1, cfg.train.iterations)
+    # MoE routing of each pass (algorithm.routing_replay) and its metrics: training/route_replay.py.
     with timer("ref_logprob"), job.reference_on_device():
         if job.reference is not None:
-            phases.logprob_pass(job, job.reference, samples, plan, "ref")
+            routing, routes = route_replay.routing_pass(job, job.reference, "ref", samples)
+            phases.logprob_pass(job, job.reference, samples, plan, "ref", routing, routes)
+            route_replay.finish_pass(job, routing, samples, plan.all_rows, measure=False)
+    routing_metrics: dict[str, float] = {}
     with timer("old_logprob"):
         if cfg.train.updates_per_iteration > 1 and cfg.train.old_logprobs == "trainer":
-            phases.logprob_pass(job, job.policy.model, samples, plan, "old")
+            routing, routes = route_replay.routing_pass(job, job.policy.model, "old", samples)
+            phases.logprob_pass(job, job.policy.model, samples, plan, "old", routing, routes)
+            routing_metrics = route_replay.finish_pass(job, routing, samples, plan.all_rows, measure=True)
     with timer("train"):
-        train_metrics = phases.update_policy(job, samples, plan, beta)
+        routing, routes = route_replay.routing_pass(job, job.policy.model, "train", samples)
+        train_metrics = phases.update_policy(job, samples, plan, beta, routing, routes)
+        measured = route_replay.finish_pass(job, routing, samples, plan.all_rows, measure=not routing_metrics)
+        routing_metrics = routing_metrics or measured
     with timer("sync"):
         sync_metrics = phases.sync_weights(job, it, probe)
     metrics = {
         **reward_metrics,
         **train_metrics,
+        **routing_metrics,
         "kl_beta": beta,
         "response_len/mean": sum(len(c.token_ids) for g in groups for c in g.completions) / len(samples),
         **adv_metrics,

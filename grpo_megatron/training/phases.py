@@ -19,6 +19,7 @@ from grpo_megatron.algorithm.batch_shaping import dynamic_sampling, overlong_pen
 from grpo_megatron.algorithm.mismatch import tis_weights
 from grpo_megatron.algorithm.policy_loss import grpo_policy_loss, loss_normalizer
 from grpo_megatron.distributed.collectives import collective_device, on_rank0
+from grpo_megatron.models.routing import RoutingPass
 from grpo_megatron.rewards.base import RewardSample, attach_groups
 from grpo_megatron.rewards.pool import report_failures
 from grpo_megatron.rollout.engine import Completion, SamplingParams
@@ -147,7 +148,9 @@ def build_samples(job: Job, groups: Sequence[Group]) -> tuple[list[Sample], dict
     samples, k = [], 0
     for g in groups:
         for c in g.completions:
-            samples.append(make_sample(g.record.prompt_ids, c.token_ids, c.logprobs, float(advantages_b[k])))
+            samples.append(
+                make_sample(g.record.prompt_ids, c.token_ids, c.logprobs, float(advantages_b[k]), c.routed_experts)
+            )
             k += 1
     metrics["advantage/abs_mean"] = float(advantages_b.abs().mean())
     return samples, metrics
@@ -188,16 +191,26 @@ def plan_update(job: Job, samples: Sequence[Sample]) -> UpdatePlan:
     return UpdatePlan(rows, normalizers)
 
 
-def logprob_pass(job: Job, model: torch.nn.Module, samples: list[Sample], plan: UpdatePlan, name: str) -> None:
-    """Forward-only logprobs of this rank's samples under ``model``, stored as ``sample.logprobs[name]``."""
+def logprob_pass(
+    job: Job,
+    model: torch.nn.Module,
+    samples: list[Sample],
+    plan: UpdatePlan,
+    name: str,
+    routing: RoutingPass | None = None,
+    routes: str | None = None,
+) -> None:
+    """Forward-only logprobs of this rank's samples under ``model``, stored as ``sample.logprobs[name]``;
+    ``routing`` / ``routes``: the pass's MoE routing (``training/route_replay.py``)."""
     rows = plan.all_rows
-    microbatches = [collate(samples, r, job.pad_id) for r in rows]
+    microbatches = [collate(samples, r, job.pad_id, routes) for r in rows]
     outputs = forward_logprobs(
         model,
         microbatches,
         job.ps,
         vocab_size=job.policy.spec.vocab_size,
         temperature=job.cfg.rollout.temperature,
+        routing=routing,
     )
     scatter_logprobs(samples, rows, [o.logprobs_bs for o in outputs], name)
 
@@ -273,7 +286,14 @@ def reduce_metrics(per_microbatch: Sequence[dict[str, float]], job: Job, minibat
     return out
 
 
-def update_policy(job: Job, samples: list[Sample], plan: UpdatePlan, kl_beta: float) -> dict[str, float]:
+def update_policy(
+    job: Job,
+    samples: list[Sample],
+    plan: UpdatePlan,
+    kl_beta: float,
+    routing: RoutingPass | None = None,
+    routes: str | None = None,
+) -> dict[str, float]:
     """One optimizer step per mini-batch; returns loss, clip, KL, entropy and mismatch metrics."""
     per_microbatch: list[dict[str, float]] = []
     steps: list[dict[str, float]] = []
@@ -281,12 +301,13 @@ def update_policy(job: Job, samples: list[Sample], plan: UpdatePlan, kl_beta: fl
         job.policy.zero_grad()
         per_microbatch += forward_backward(
             job.policy.model,
-            [collate(samples, r, job.pad_id) for r in rows],
+            [collate(samples, r, job.pad_id, routes) for r in rows],
             job.ps,
             grpo_loss_fn(job, normalizer, kl_beta),
             vocab_size=job.policy.spec.vocab_size,
             temperature=job.cfg.rollout.temperature,
             with_entropy=True,
+            routing=routing,
         )
         steps.append(job.policy.step())
     metrics = reduce_metrics(per_microbatch, job, len(plan.rows))
