@@ -34,6 +34,8 @@ def _check_replay(res: dict) -> None:
     assert torch.equal(res["altered_counts"], res["altered_expected"] * res["dp"])
     assert res["altered_vs_engine"] > 1e-3
     assert res["own_vs_engine"] < 1e-5 and res["taps_disjoint"]
+    # R2: the recorded own routes (whole sequences, every SP chunk) are the engine's here, and replay exactly.
+    assert res["r2_routes_equal_engine"] and res["r2_vs_own"] == 0.0
 
 
 @pytest.mark.timeout(600)

@@ -24,6 +24,7 @@ def replay_cases(cases: dict[str, tuple[str, list[str]]]) -> dict:
     from grpo_megatron.training.batching import collate, make_sample
     from grpo_megatron.training.forward_backward import forward_logprobs
     from grpo_megatron.training.job import build_reference
+    from grpo_megatron.training.route_replay import store_own_routes
 
     out: dict = {}
     for case, (hf_dir, overrides) in cases.items():
@@ -81,6 +82,17 @@ def replay_cases(cases: dict[str, tuple[str, list[str]]]) -> dict:
         res["altered_vs_engine"] = float(((ref_bs - engine_bs).abs() * mask_bs).max())
         own_bs = logprobs(policy.model, mb)
         res["own_vs_engine"] = float(((own_bs - engine_bs).abs() * mask_bs).max())
+        # R2: the pass's own routes, stored on the samples (gathered over SP chunks), replayed.
+        own_routing = RoutingPass(policy.model, ps, replay=False)
+        logprobs(policy.model, mb, own_routing)
+        store_own_routes(own_routing, samples, [rows])
+        own_routing.close()
+        res["r2_routes_equal_engine"] = all(
+            torch.equal(s.routes["old"].sort(-1).values, s.routes["engine"].long().sort(-1).values.to(torch.int16))
+            for s in samples
+        )
+        r2_bs = logprobs(policy.model, collate(samples, rows, pad_id=0, routes="old"), RoutingPass(policy.model, ps, replay=True))
+        res["r2_vs_own"] = float(((r2_bs - own_bs).abs() * mask_bs).max())
         res["taps_disjoint"] = not {id(t) for t in model_taps(policy.model)} & {id(t) for t in model_taps(reference)}
         fleet.shutdown()
         out[case] = res
