@@ -39,16 +39,19 @@ def _check_replay(res: dict) -> None:
 
 
 @pytest.mark.timeout(600)
-def test_r3_replays_engine_routes_at_ep2(tmp_path):
+def test_r3_replays_engine_routes_at_ep2_and_pp2(tmp_path):
     cases = {
         name: (_write_config(tmp_path / name, tiny_hf_config(name)), ["parallel.ep=2"])
         for name in ("qwen3_moe", "mixtral", "deepseek_v3")
     }
+    cases["qwen3_moe_pp2"] = (cases["qwen3_moe"][0], ["parallel.pp=2"])
     results = run_distributed("tests.workers.routing_workers:replay_cases", world_size=2, timeout_s=560, cases=cases)
     for case in cases:
         for res in (r[case] for r in results):
-            assert (res["ep"], res["dp"]) == (2, 2), case
+            assert (res["ep"], res["dp"]) == ((1, 1) if case.endswith("pp2") else (2, 2)), case
             _check_replay(res)
+    # PP2: each stage routes (and records for R2) its own MoE layer only.
+    assert [r["qwen3_moe_pp2"]["r2_local_layers"] for r in results] == [[0], [1]]
 
 
 @pytest.mark.timeout(600)
