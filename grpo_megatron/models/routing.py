@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -214,8 +215,9 @@ class RoutingPass:
             tap.target_tk = None
 
 
-def _first_config(model: torch.nn.Module | list[torch.nn.Module]):
-    chunk = model[0] if isinstance(model, list) else model
+def _first_config(model: torch.nn.Module | list[torch.nn.Module]) -> Any:
+    """The TransformerConfig of a model (through megatron's DDP wrapper)."""
+    chunk: Any = model[0] if isinstance(model, list) else model
     while hasattr(chunk, "module") and not hasattr(chunk, "config"):
         chunk = chunk.module
     return chunk.config
