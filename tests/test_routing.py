@@ -22,6 +22,7 @@ def _write_config(path: Path, config: dict) -> str:
 
 
 def _check_replay(res: dict) -> None:
+    assert res["lengths"][0] > res["lengths"][1]  # two micro-batches, padded differently
     # The trainer's own experts equal the engine's for every compared token-layer (fp32) ...
     assert sum(res["r3_mismatches"]) == 0, res["r3_mismatches"]
     # ... every real token of every rank's batch was compared (each DP replica runs the batch) ...
