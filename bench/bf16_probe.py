@@ -9,6 +9,9 @@ a ``--prompt-len`` prefix) the script reports:
 - floor: |engine bf16 logprob - engine fp32 logprob| on the same weights (an fp32 copy of the
   engine's bf16 model): the rounding noise of running the model in bf16 at all. A probe above the
   floor means the two sides compute different things, not just round differently.
+- for an MoE model: the share of token-layer routes where the trainer's experts differ from the
+  engine's (route_disagreement), and the probe again with the engine's routes replayed in the
+  trainer (probe_replay_*, routing replay r3).
 
     python bench/bf16_probe.py                                  # examples/demo.yaml, CPU
     python bench/bf16_probe.py --config examples/tiny_moe.yaml --override model.hf_overrides.hidden_size=1024
@@ -47,6 +50,7 @@ def main() -> int:
     from grpo_megatron.rollout.embedded import EmbeddedEngine
     from grpo_megatron.rollout.fleet import RolloutFleet
     from grpo_megatron.training.forward_backward import MicroBatch, forward_backward
+    from grpo_megatron.training.phases.sync import ProbeBatch, mismatch_probe
     from grpo_megatron.training.policy import build_policy
 
     backend = "gloo" if args.device == "cpu" else "nccl"
@@ -73,7 +77,9 @@ def main() -> int:
     fleet.sync_weights(policy.model, version=1)
     sequences = tokens_bl.tolist()
     prompt_lens = [args.prompt_len] * args.rows
-    probe = fleet.mismatch_probe(policy.model, ps, sequences, prompt_lens, temperature=1.0)
+    probe = mismatch_probe(
+        policy.model, fleet, ps, ProbeBatch(sequences, prompt_lens), vocab_size=int(hf["vocab_size"]), temperature=1.0
+    )
 
     engine = fleet.engine
     assert isinstance(engine, EmbeddedEngine)
@@ -90,6 +96,12 @@ def main() -> int:
         "floor_mean": floor_mean,
         "floor_max": floor_max,
     }
+    if "mismatch/probe_replay_abs_diff_mean" in probe:
+        result |= {
+            "route_disagreement": probe.get("routing/probe_disagreement"),
+            "probe_replay_mean": probe["mismatch/probe_replay_abs_diff_mean"],
+            "probe_replay_max": probe["mismatch/probe_replay_abs_diff_max"],
+        }
     print(json.dumps(result, indent=1))
     fleet.shutdown()
     destroy_distributed()

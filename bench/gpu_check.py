@@ -11,7 +11,9 @@ Stages, each in a process of its own (a job's device and megatron-core adjustmen
    of 128, 4 KV heads, 32 experts top-4 of width 512, vocab 64; 64 prompts x 8 samples x 128 new
    tokens): rollout tokens/s, train tokens/s and MFU, weight-sync GB/s beside a device-to-device
    copy of the same bytes, offload GB/s, trainer-only and engine-only memory left after the
-   offload, peak memory. With ``--device cpu`` a tiny bf16 version runs the same code.
+   offload, peak memory; MoE route disagreement (trainer vs engine) and the mismatch probe without
+   and with routing replay (``--routing-replay off,r3``) beside the bf16 noise floor. With
+   ``--device cpu`` a tiny bf16 version runs the same code.
 4. ``pytest``: the layout, checkpoint, offload and rollout tests and tests/test_gpu.py (the
    GPU-only ones), with the pytest of this Python.
 5. ``sglang``: the colocated loop with ``rollout.engine=sglang``, when SGLang's Engine can run here
@@ -242,8 +244,8 @@ def stage_table(args: argparse.Namespace, out: Path, stage: Stage) -> None:
         size = ["--prompts", "8", "--n", "4", "--max-new-tokens", "16", "--iterations", "2"]
         overrides = ["model.dtype=bfloat16"]
     cmd = [sys.executable, str(SMOKE), "--device", args.device, "--no-sglang", *size, "--json", str(result),
-           *(f"--override={o}" for o in overrides)]  # fmt: skip
-    rc = run(cmd, out / "table.log", python_env(args.device), timeout_s=240)
+           "--routing-replay", "off,r3", *(f"--override={o}" for o in overrides)]  # fmt: skip
+    rc = run(cmd, out / "table.log", python_env(args.device), timeout_s=300)
     if rc != 0 or not result.is_file():
         stage.status, stage.summary = "FAILED", f"exit {rc}:\n{tail(out / 'table.log')}"
         return
@@ -273,6 +275,15 @@ def stage_table(args: argparse.Namespace, out: Path, stage: Stage) -> None:
         "probe_abs_diff_mean": _mean(records, "probe_abs_diff_mean"),
         "probe_abs_diff_max": max(r["probe_abs_diff_max"] for r in records),
     }
+    routing_keys = ("route_disagreement", "probe_route_disagreement", "probe_replay_abs_diff_mean",
+                    "load_max_over_mean", "load_cv")  # fmt: skip
+    if all(k in r for r in records for k in routing_keys):
+        stage.details |= {k: _mean(records, k) for k in routing_keys}
+        stage.details["probe_replay_abs_diff_max"] = max(r["probe_replay_abs_diff_max"] for r in records)
+    floors = [r for r in data["embedded"] if "floor_abs_diff_mean" in r]
+    if floors:
+        stage.details["floor_abs_diff_mean"] = floors[-1]["floor_abs_diff_mean"]
+        stage.details["floor_abs_diff_max"] = floors[-1]["floor_abs_diff_max"]
     stage.status = "ok"
     stage.summary = f"{stage.details['model']}: see the table below"
 
@@ -364,6 +375,27 @@ def table_rows(details: dict[str, Any], device: str) -> list[tuple[str, str]]:
     rows.append(
         ("mismatch probe after sync", f"mean {d['probe_abs_diff_mean']:.1e}, max {d['probe_abs_diff_max']:.1e}")
     )
+    if "probe_replay_abs_diff_mean" in d:
+        rows += [
+            (
+                "MoE routes, trainer vs engine (routing_replay=off)",
+                f"{d['route_disagreement'] * 100:.2f}% of token-layer routes differ in the train step, "
+                f"{d['probe_route_disagreement'] * 100:.2f}% on the probe",
+            ),
+            (
+                "mismatch probe, engine routes replayed (r3)",
+                f"mean {d['probe_replay_abs_diff_mean']:.1e}, max {d['probe_replay_abs_diff_max']:.1e} "
+                "(routes used = the engine's: 0% differ)",
+            ),
+            ("expert load (train step)", f"max/mean {d['load_max_over_mean']:.2f}, CV {d['load_cv']:.2f}"),
+        ]
+    if "floor_abs_diff_mean" in d:
+        rows.append(
+            (
+                "bf16 noise floor (engine bf16 vs its fp32 copy)",
+                f"mean {d['floor_abs_diff_mean']:.1e}, max {d['floor_abs_diff_max']:.1e}",
+            )
+        )
     return rows
 
 

@@ -14,6 +14,12 @@ and prints the device memory left after each offload. When ``sglang`` imports (a
 GPU) the same loop runs again with ``rollout.engine=sglang`` on a copy of the policy saved to disk.
 Not part of the test suite; it must finish in well under 8 minutes on one GPU.
 
+MoE routing (``--routing-replay off,r3``): the train step compares the trainer's own experts with
+the engine's (``route_disagreement``, the share of token-layer routes whose expert sets differ) and,
+with r3 listed, replays the engine's experts; the mismatch probe reports its logprob difference
+without and with replay of the engine's routes (``probe_*`` / ``probe_replay_*``); on a bf16 model the
+last iteration also measures the noise floor (the engine's bf16 logprobs vs an fp32 copy of it).
+
     python bench/gpu_smoke.py                    # the first GPU
     python bench/gpu_smoke.py --device cpu       # a quick check anywhere
     python bench/gpu_smoke.py --override model.hf_overrides.hidden_size=512 --prompts 32
@@ -105,10 +111,14 @@ def active_parameters(model: torch.nn.Module, hf) -> float:
     return float(total - expert) + expert * hf["num_experts_per_tok"] / num_experts
 
 
-def grpo_step(policy, ps, hf, cfg, prompts, completions) -> dict[str, float]:
-    """One on-policy GRPO update with a toy reward: the share of even token ids in a response."""
+def grpo_step(policy, ps, hf, cfg, prompts, completions, *, replay: bool = False) -> dict[str, float]:
+    """One on-policy GRPO update with a toy reward: the share of even token ids in a response. With
+    the engine's routes (an MoE model), the trainer's experts are compared with them and, with
+    ``replay``, the engine's are used (r3)."""
     from grpo_megatron.algorithm.advantages import group_advantages
     from grpo_megatron.algorithm.policy_loss import grpo_policy_loss
+    from grpo_megatron.algorithm.routing_metrics import load_metrics
+    from grpo_megatron.models.routing import RoutingPass, reduce_routing_stats
     from grpo_megatron.training.forward_backward import MicroBatch, forward_backward
 
     sequences, prompt_lens, rewards = [], [], []
@@ -126,6 +136,15 @@ def grpo_step(policy, ps, hf, cfg, prompts, completions) -> dict[str, float]:
         tokens_bl[i, : len(s)] = torch.tensor(s)
         mask_bt[i, p - 1 : len(s) - 1] = 1
     normalizer = float(mask_bt.sum())
+    batch = MicroBatch(tokens_bl[:, :-1], tokens_bl[:, 1:], extras={"adv": advantages_b, "mask": mask_bt})
+    routed = [c.routed_experts for group in completions for c in group]
+    routing = None
+    if all(r is not None for r in routed):
+        first = routed[0]
+        batch.routes_lbsk = torch.full((first.shape[0], len(routed), length - 1, first.shape[2]), -1, dtype=first.dtype)
+        for i, r in enumerate(routed):
+            batch.routes_lbsk[:, i, : r.shape[1]] = r
+        routing = RoutingPass(policy.model, ps, replay=replay)
 
     def loss_fn(logprobs_bt, entropy_bt, mb):
         return grpo_policy_loss(
@@ -134,14 +153,32 @@ def grpo_step(policy, ps, hf, cfg, prompts, completions) -> dict[str, float]:
 
     policy.zero_grad()
     forward_backward(
-        policy.model,
-        [MicroBatch(tokens_bl[:, :-1], tokens_bl[:, 1:], extras={"adv": advantages_b, "mask": mask_bt})],
-        ps,
-        loss_fn,
-        vocab_size=hf["vocab_size"],
-        temperature=cfg.rollout.temperature,
-    )
-    return policy.step() | {"reward": sum(rewards) / len(rewards), "train_tokens": float(tokens_bl.numel())}
+        policy.model, [batch], ps, loss_fn, vocab_size=hf["vocab_size"], temperature=cfg.rollout.temperature,
+        routing=routing,
+    )  # fmt: skip
+    out = {"reward": sum(rewards) / len(rewards), "train_tokens": float(tokens_bl.numel())}
+    if routing is not None:
+        compare_m2, counts_me = reduce_routing_stats(*routing.stats(), ps)
+        routing.close()
+        out["route_disagreement"] = float(compare_m2[:, 0].sum() / compare_m2[:, 1].sum().clamp(min=1))
+        load = load_metrics(counts_me, per_layer=False)
+        out["load_max_over_mean"] = load.get("routing/load_max_over_mean", float("nan"))
+        out["load_cv"] = load.get("routing/load_cv", float("nan"))
+    return policy.step() | out
+
+
+def noise_floor(engine, sequences: list[list[int]], prompt_lens: list[int], temperature: float) -> dict[str, float]:
+    """|engine logprob - the same engine in fp32| on the probe batch: the rounding noise of running the
+    model in a narrower dtype at all (an fp32 copy of the engine's own weights)."""
+    from grpo_megatron.rollout.embedded import EmbeddedEngine
+
+    fp32 = EmbeddedEngine(engine.model.config.to_dict(), device=engine.device, dtype=torch.float32)
+    fp32.model.load_state_dict({k: v.float() for k, v in engine.model.state_dict().items()})
+    low = engine.score(sequences, prompt_lens, temperature)
+    high = fp32.score(sequences, prompt_lens, temperature)
+    fp32.shutdown()
+    diff = torch.cat([(torch.tensor(a) - torch.tensor(b)).abs() for a, b in zip(low, high, strict=True)])
+    return {"floor_abs_diff_mean": float(diff.mean()), "floor_abs_diff_max": float(diff.max())}
 
 
 def run_loop(label: str, cfg, hf, ps, policy, args) -> list[dict[str, float]]:
@@ -192,7 +229,7 @@ def run_loop(label: str, cfg, hf, ps, policy, args) -> list[dict[str, float]]:
                 fleet.release_memory()  # nothing offloaded yet: to_trainer has nothing to do
             colocated.to_trainer()
         with phase(times, "train", device):
-            step = grpo_step(policy, ps, hf, cfg, prompts, completions)
+            step = grpo_step(policy, ps, hf, cfg, prompts, completions, replay="r3" in args.routing_replay)
         with phase(times, "offload", device):  # grads + optimizer out, engine weights back
             colocated.before_sync()
         left_opt = memory(device)
@@ -230,6 +267,16 @@ def run_loop(label: str, cfg, hf, ps, policy, args) -> list[dict[str, float]]:
             "reward": step["reward"],
             "grad_norm": step["grad_norm"],
         }
+        for key in ("route_disagreement", "load_max_over_mean", "load_cv"):
+            if key in step:
+                record[key] = step[key]
+        if "mismatch/probe_replay_abs_diff_mean" in mismatch:
+            record["probe_route_disagreement"] = mismatch.get("routing/probe_disagreement", float("nan"))
+            record["probe_replay_abs_diff_mean"] = mismatch["mismatch/probe_replay_abs_diff_mean"]
+            record["probe_replay_abs_diff_max"] = mismatch["mismatch/probe_replay_abs_diff_max"]
+        engine = fleet.engine
+        if it == args.iterations - 1 and cfg.model.dtype != "float32" and hasattr(engine, "model"):
+            record |= noise_floor(engine, probe.sequences, probe.prompt_lens, cfg.rollout.temperature)
         if left_all is not None:
             record["left_after_offload_bytes"] = float(left_all)
             record["engine_weights_bytes"] = float(engine_bytes)
@@ -273,9 +320,18 @@ def main() -> int:
     )
     parser.add_argument("--override", action="append", default=[], help="config override section.key=value")
     parser.add_argument(
+        "--routing-replay",
+        type=lambda text: [m for m in text.split(",") if m],
+        default=["off"],
+        help="MoE routing modes to report, from off,r3: with r3 the train step replays the engine's experts; "
+        "the probe always reports both (without and with replay) when the engine reports routes",
+    )
+    parser.add_argument(
         "--json", type=Path, default=None, help="write every loop's per-iteration measurements here"
     )
     args = parser.parse_args()
+    if not set(args.routing_replay) <= {"off", "r3"}:
+        parser.error(f"--routing-replay {','.join(args.routing_replay)}: choose from off, r3")
 
     from grpo_megatron.config import load_config
     from grpo_megatron.distributed.bootstrap import destroy_distributed, init_distributed

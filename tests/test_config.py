@@ -354,3 +354,22 @@ def test_overlong_buffer_must_fit_inside_max_new_tokens():
     with pytest.raises(ConfigError, match=r"algorithm.overlong.buffer_len=64 must be < rollout.max_new_tokens=16"):
         cfg.validate(1)
     load_config(EXAMPLE, ["algorithm.overlong.enabled=true", "algorithm.overlong.buffer_len=8"]).validate(1)
+
+
+def test_routing_replay_and_truncated_sampling_rules(tmp_path):
+    # YAML 1.1 reads a bare `off` as false: the loader takes it as the choice 'off'.
+    path = write_yaml(tmp_path, f"model:\n  hf_path: {TINY_MODEL}\nalgorithm:\n  routing_replay: off\n")
+    assert load_config(path).algorithm.routing_replay == "off"
+    assert load_config(EXAMPLE, ["algorithm.routing_replay=off"]).algorithm.routing_replay == "off"
+    validate(load_config(EXAMPLE, ["algorithm.routing_replay=r3"]), world_size=1)
+    validate(load_config(EXAMPLE, ["algorithm.routing_replay=r2", "train.updates_per_iteration=2"]), world_size=1)
+    (error,) = config_errors(["algorithm.routing_replay=r2"], world_size=1)
+    assert error.startswith("algorithm.routing_replay=r2 replays the old-policy pass") and "use r3 or off" in error
+    dense = ["model.hf_overrides.model_type=qwen3", "model.hf_overrides.num_experts=0"]
+    (error,) = config_errors([*dense, "algorithm.routing_replay=r3"], world_size=1)
+    assert error.startswith("algorithm.routing_replay=r3 but the model is dense")
+    (error,) = config_errors(["algorithm.routing_replay=r3", "model.recompute=full"], world_size=1)
+    assert "model.recompute=full" in error
+    errors = config_errors(["rollout.top_p=0.9", "rollout.top_k=20"], world_size=1)
+    assert [e.split("=")[0] for e in errors] == ["rollout.top_p", "rollout.top_k"]
+    assert all("biases the importance ratio" in e for e in errors)

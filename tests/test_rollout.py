@@ -311,3 +311,31 @@ def test_fleet_sync_generate_probe_train_on_two_ranks(tmp_path):
         # Without SGLang: how to install it; with it (installed --no-deps on CPU): that it needs CUDA.
         assert ("needs CUDA GPUs" if sglang_importable else "pip install") in res["sglang_error"]
     assert train["bad_version"] == -1 and train["bad_unchanged"]
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral", "deepseek_v3"])
+def test_generate_reports_each_fed_token_routes(model_type, tmp_path):
+    """Completion.routed_experts: [moe layers, prompt + response - 1, top_k], dense layers skipped,
+    and every position (prompt prefill, then one decode step per response token) holds the experts a
+    plain teacher-forced forward of the whole sequence chooses: the KV-cached decode and the left
+    padding put each token's routes where the trainer's inputs are."""
+    from grpo_megatron.rollout.hf_routes import RouteLayout
+
+    saved, _ = _saved(model_type, tmp_path)
+    engine = _engine(model_type)
+    _load(engine, saved)
+    layout = RouteLayout.from_hf(tiny_hf_config(model_type))
+    assert layout is not None
+    n_moe = len(layout.moe_layers)
+    assert n_moe == (1 if model_type == "deepseek_v3" else 2)  # first_k_dense_replace=1
+    params = SamplingParams(n=2, temperature=1.0, max_new_tokens=5, seed=3)
+    groups = engine.generate(PROMPTS, params)
+    sequences = [list(p) + c.token_ids for p, cs in zip(PROMPTS, groups, strict=True) for c in cs]
+    _, scored = engine.score_with_routes(sequences, [len(p) for p in PROMPTS for _ in range(2)], 1.0)
+    assert scored is not None
+    completions = [c for cs in groups for c in cs]
+    for seq, c, ref in zip(sequences, completions, scored, strict=True):
+        routes = c.routed_experts
+        assert routes is not None and routes.shape == (n_moe, len(seq) - 1, layout.top_k)
+        assert 0 <= int(routes.min()) and int(routes.max()) < layout.num_experts
+        assert torch.equal(routes.sort(-1).values, ref.sort(-1).values)

@@ -18,6 +18,7 @@ import torch
 from grpo_megatron.config import load_config
 from grpo_megatron.rollout.config import RolloutConfig
 from grpo_megatron.rollout.engine import SamplingParams
+from grpo_megatron.rollout.hf_routes import RouteLayout
 from grpo_megatron.rollout.sglang_engine import (
     INSTALL_HINT,
     SGLangEngine,
@@ -114,10 +115,10 @@ def test_sampling_params_follow_the_interface() -> None:
     assert sampling_params_dict(SamplingParams(greedy=True), seed=0)["top_k"] == 1
 
 
-def _routed(rows: int, layers: int, top_k: int) -> tuple[str, list[list[int]]]:
+def _routed(rows: int, layers: int, top_k: int) -> tuple[str, torch.Tensor]:
     ids_rlk = torch.arange(rows * layers * top_k, dtype=torch.int32).reshape(rows, layers, top_k) % 8
     encoded = base64.b64encode(ids_rlk.numpy().tobytes()).decode()
-    return encoded, ids_rlk.reshape(rows, -1).tolist()
+    return encoded, ids_rlk.transpose(0, 1)  # the Completion layout: [layers, rows, top_k]
 
 
 def test_an_sglang_output_becomes_a_completion() -> None:
@@ -133,13 +134,14 @@ def test_an_sglang_output_becomes_a_completion() -> None:
             "weight_version": "3",
         },
     }
-    c = completion_from_output(output, prompt_len)
-    assert (c.token_ids, c.logprobs, c.finish_reason, c.routed_experts) == (
-        [11, 2],
-        [-0.25, -1.5],
-        "stop",
-        expected,
-    )
+    layout = RouteLayout(num_layers=2, moe_layers=(0, 1), top_k=2, num_experts=8)
+    c = completion_from_output(output, prompt_len, layout)
+    assert (c.token_ids, c.logprobs, c.finish_reason) == ([11, 2], [-0.25, -1.5], "stop")
+    assert c.routed_experts is not None and torch.equal(c.routed_experts.int(), expected)
+    # A report over every layer keeps only the MoE ones (DeepSeek-V3's first dense layers).
+    dense_first = RouteLayout(num_layers=2, moe_layers=(1,), top_k=2, num_experts=8)
+    routed = completion_from_output(output, prompt_len, dense_first).routed_experts
+    assert routed is not None and torch.equal(routed.int(), expected[1:])
     output["meta_info"] |= {"finish_reason": {"type": "length", "length": 2}, "routed_experts": None}
     assert completion_from_output(output, prompt_len).finish_reason == "length"
     with pytest.raises(RuntimeError, match="finish_reason"):
@@ -155,6 +157,8 @@ def test_routed_experts_that_do_not_fit_the_tokens_are_refused() -> None:
     assert decode_routed_experts(None, 4) is None
     with pytest.raises(ValueError, match="routed expert ids"):
         decode_routed_experts(encoded, 5)
+    with pytest.raises(ValueError, match="routes of 1 layers"):
+        decode_routed_experts(encoded, 4, RouteLayout(num_layers=3, moe_layers=(1, 2), top_k=3, num_experts=8))
 
 
 def test_teacher_forced_logprobs_take_the_response_part() -> None:

@@ -77,6 +77,7 @@ def test_two_grpo_iterations_at_ep2_write_every_required_metric(tmp_path):
         "checkpoint.export_hf_dir=hf",
         "train.offload_trainer=true",  # the colocated memory swap (a round trip on CPU)
         "checkpoint.save_interval=2",  # a save while the trainer's state is offloaded
+        "algorithm.routing_replay=r3",  # the engine's experts replayed in the ref, old and train passes
     ]
     out = finish(launch("train", [*SMALL, *extra, "train.iterations=2", f"logging.run_dir={run}"]))
     records = read_jsonl(run / "metrics.jsonl")
@@ -86,6 +87,9 @@ def test_two_grpo_iterations_at_ep2_write_every_required_metric(tmp_path):
     assert last["time/ref_logprob"] > 0 and last["time/old_logprob"] > 0
     assert last["kl"] is not None and "dynamic_sampling/rounds" in last and "eval/mean@2" in last
     assert last["mismatch/probe_abs_diff_max"] < 1e-4  # engine and trainer agree after the sync
+    # MoE routing: trainer vs engine experts (fp32: they agree), expert load, the probe under replay.
+    assert 0 <= last["routing/disagreement"] < 0.05 and last["routing/load_max_over_mean"] >= 1
+    assert "routing/load_cv/layer0" in last and last["mismatch/probe_replay_abs_diff_max"] < 1e-4
     assert (run / "hf" / "config.json").is_file() and (run / "hf" / "tokenizer.json").is_file()
     assert (run / "checkpoints" / "latest").read_text().strip().endswith("2")
     assert last["offload/bytes_moved"] > 0

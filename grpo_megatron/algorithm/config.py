@@ -15,6 +15,7 @@ RatioLevel = Literal["token", "sequence"]
 LossAggMode = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 KLEstimator = Literal["k1", "k2", "k3"]
 BetaSchedule = Literal["constant", "cosine"]
+RoutingReplay = Literal["off", "r2", "r3"]
 
 
 @dataclass
@@ -162,6 +163,17 @@ class AlgorithmConfig:
     """DAPO dynamic sampling."""
     overlong: OverlongConfig = field(default_factory=OverlongConfig)
     """DAPO soft overlong punishment."""
+    routing_replay: RoutingReplay = "off"
+    """MoE routing replay (models/routing.py): which experts the trainer's passes route tokens to.
+    `off`: each pass routes by itself (an engine and a trainer near a tie pick different experts,
+    which changes the policy ratio). `r2`: the old-policy pass routes by itself and records its
+    experts; the training passes replay them, so the ratio compares pi_theta and pi_old under one
+    routing (needs train.updates_per_iteration > 1 and train.old_logprobs=trainer: with one update the
+    training pass is the old-policy pass). `r3` (rollout routing replay): the rollout engine's experts
+    of every token (Completion.routed_experts) are replayed in the reference, old-policy and training
+    passes, so the trainer computes logprobs under the routing that sampled the tokens. Every mode
+    logs `routing/disagreement` (trainer vs engine, before replay) and the expert load. MoE models
+    only; not with model.recompute=full (a recomputed forward routes again) or parallel.cp > 1."""
 
     def validate(self) -> None:
         p = "algorithm"

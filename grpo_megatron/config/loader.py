@@ -265,6 +265,9 @@ def _convert(value: Any, tp: Any, path: KeyPath, origins: _Origins, errors: list
         choices = typing.get_args(tp)
         if any(value == c and type(value) is type(c) for c in choices):
             return value
+        # PyYAML (YAML 1.1) reads a bare `off` as False and `on` as True: accept what users wrote.
+        if isinstance(value, bool) and ("on" if value else "off") in choices:
+            return "on" if value else "off"
         close = difflib.get_close_matches(str(value), [str(c) for c in choices], n=1, cutoff=0.5)
         hint = f"; did you mean {close[0]!r}?" if close else ""
         errors.append(

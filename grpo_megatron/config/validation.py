@@ -57,6 +57,8 @@ def validate(cfg: JobConfig, world_size: int) -> None:
         errors.extend(batch_layout_errors(cfg, parallel.resolve(world_size)))
     if not failed & {"algorithm", "rollout"}:
         errors.extend(overlong_errors(cfg))
+    if hf_config is not None and not failed & {"algorithm", "rollout", "model", "parallel", "train"}:
+        errors.extend(routing_replay_errors(cfg, hf_config))
 
     if errors:
         raise ConfigError(errors)
@@ -155,6 +157,40 @@ def batch_layout_errors(cfg: JobConfig, parallel: ParallelConfig) -> list[str]:
             f"dp={parallel.dp} data-parallel ranks: make it a multiple of {per_update}"
         ]
     return []
+
+
+def routing_replay_errors(cfg: JobConfig, hf_config: dict[str, Any]) -> list[str]:
+    """Combinations algorithm.routing_replay cannot serve (see its docstring)."""
+    mode = cfg.algorithm.routing_replay
+    if mode == "off":
+        return []
+    where = f"algorithm.routing_replay={mode}"
+    errors = []
+    if num_routed_experts(hf_config) == 0:
+        errors.append(f"{where} but the model is dense (no experts to route): set algorithm.routing_replay=off")
+    if cfg.model.recompute == "full":
+        errors.append(
+            f"{where} with model.recompute=full: the recomputed forward in the backward pass would route "
+            "again without the replayed experts; set model.recompute to none or selective"
+        )
+    if cfg.parallel.cp > 1:
+        errors.append(
+            f"{where} with parallel.cp={cfg.parallel.cp}: routes are not split over context-parallel ranks "
+            "yet; set parallel.cp=1"
+        )
+    if mode == "r3" and cfg.rollout.engine == "sglang" and not cfg.rollout.sglang_routed_experts:
+        errors.append(
+            f"{where} replays the engine's experts, but rollout.sglang_routed_experts=false asks SGLang not "
+            "to report them: set rollout.sglang_routed_experts=true"
+        )
+    if mode == "r2" and (cfg.train.updates_per_iteration < 2 or cfg.train.old_logprobs != "trainer"):
+        errors.append(
+            f"{where} replays the old-policy pass's experts in the training passes, which needs "
+            f"train.updates_per_iteration > 1 (is {cfg.train.updates_per_iteration}) and "
+            f"train.old_logprobs=trainer (is {cfg.train.old_logprobs}): with one update the training pass "
+            "is the old-policy pass; use r3 or off"
+        )
+    return errors
 
 
 def overlong_errors(cfg: JobConfig) -> list[str]:

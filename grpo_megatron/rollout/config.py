@@ -18,9 +18,13 @@ class RolloutConfig:
     temperature: float = 1.0
     """Sampling temperature; 1.0 samples from the policy itself, as the GRPO objective assumes."""
     top_p: float = 1.0
-    """Nucleus sampling mass in (0, 1]; 1.0 disables it."""
+    """Nucleus sampling mass; must stay 1.0 (disabled) for training. With top_p < 1 or top_k > 0 the
+    engine samples from a truncated, renormalised distribution while the trainer's logprobs (and the
+    engine's own, by the shared convention) are over the full vocabulary, so the importance ratio
+    pi_theta / pi_sampler would be biased; the config refuses the combination rather than apply the
+    truncation in the trainer (which needs each step's kept-token set from the engine)."""
     top_k: int = -1
-    """Sample from the k most likely tokens; -1 disables it."""
+    """Sample from the k most likely tokens; must stay -1 (disabled), for the reason under top_p."""
     max_new_tokens: int = 1024
     """Longest response generated per sample."""
     placement: Literal["per_dp_rank", "per_node", "per_rank"] = "per_dp_rank"
@@ -72,10 +76,18 @@ class RolloutConfig:
             )
         if self.temperature <= 0:
             errors.append(f"rollout.temperature={self.temperature} must be > 0 (1.0 samples from the policy)")
-        if not 0 < self.top_p <= 1:
-            errors.append(f"rollout.top_p={self.top_p} must be in (0, 1]; 1.0 disables nucleus sampling")
-        if self.top_k == 0 or self.top_k < -1:
-            errors.append(f"rollout.top_k={self.top_k} must be -1 (disabled) or >= 1")
+        if self.top_p != 1.0:
+            errors.append(
+                f"rollout.top_p={self.top_p} must be 1.0: the engine would sample from the nucleus while the "
+                "trainer's logprobs cover the full vocabulary, which biases the importance ratio; use "
+                "rollout.temperature to sharpen sampling instead"
+            )
+        if self.top_k != -1:
+            errors.append(
+                f"rollout.top_k={self.top_k} must be -1 (disabled): the engine would sample from the top k "
+                "tokens while the trainer's logprobs cover the full vocabulary, which biases the importance "
+                "ratio; use rollout.temperature to sharpen sampling instead"
+            )
         if self.max_new_tokens < 1:
             errors.append(f"rollout.max_new_tokens={self.max_new_tokens} must be >= 1")
         if not 0 < self.gpu_memory_utilization < 1:

@@ -27,6 +27,7 @@ from typing import Any, Literal
 import torch
 
 from grpo_megatron.rollout.engine import Bucket, Completion, MemoryTag, RolloutEngine, SamplingParams
+from grpo_megatron.rollout.hf_routes import ROUTER_CLASSES, RouteRecorder
 
 # A live tensor's id lives in the high bits of a traced index, its element offset in the low ones.
 _ID_SHIFT = 40
@@ -218,6 +219,8 @@ class EmbeddedEngine(RolloutEngine):
         with torch.random.fork_rng(devices=[]):  # random init must not advance the trainer's RNG
             model = AutoModelForCausalLM.from_config(config, **self.model_kwargs)
         self.model = model.to(self.device).eval().requires_grad_(False)
+        # MoE models report each token's experts (Completion.routed_experts) for routing replay.
+        self.routes = RouteRecorder(self.model, config.model_type) if config.model_type in ROUTER_CLASSES else None
         self.pad_token_id = int(hf.get("pad_token_id") or 0)
         # transformers renamed forward's `past_key_values` to `cache` (the old name warns since 5.2x).
         forward_args = inspect.signature(self.model.forward).parameters
@@ -369,6 +372,8 @@ class EmbeddedEngine(RolloutEngine):
 
         out_tokens: list[list[int]] = [[] for _ in range(n_rows)]
         out_logprobs: list[list[float]] = [[] for _ in range(n_rows)]
+        # Per row, [M, tokens, K] pieces of its routes: the prompt's, then one per fed response token.
+        out_routes: list[list[torch.Tensor]] = [[] for _ in range(n_rows)]
         finish: list[Literal["stop", "length"]] = ["length"] * n_rows
         active = torch.arange(n_rows, device=self.device)  # original row of each batch row
         inputs_rl, positions_rl = tokens_rl, position_rl
@@ -383,6 +388,11 @@ class EmbeddedEngine(RolloutEngine):
             ).logits[:, -1]
             token_r, logprob_r = sample_next(logits, params, generator)
             tokens, logprobs, rows_now = token_r.tolist(), logprob_r.tolist(), active.tolist()
+            if self.routes is not None:
+                routes_mrlk = self.routes.take().unflatten(1, (len(rows_now), inputs_rl.shape[1]))
+                for j, row in enumerate(rows_now):  # left padding: the prompt is the last columns
+                    fed = len(rows[row]) if step == 0 else 1
+                    out_routes[row].append(routes_mrlk[:, j, routes_mrlk.shape[2] - fed :])
             stopped = torch.isin(token_r, stop_ids).tolist() if stop_ids.numel() else [False] * len(tokens)
             for j, row in enumerate(rows_now):
                 out_tokens[row].append(tokens[j])
@@ -405,13 +415,25 @@ class EmbeddedEngine(RolloutEngine):
                 cache.batch_select_indices(keep_idx)
                 active, mask_rl = active[keep_idx], mask_rl[keep_idx]
                 positions_rl, inputs_rl = positions_rl[keep_idx], inputs_rl[keep_idx]
-        return [Completion(out_tokens[i], out_logprobs[i], finish[i]) for i in range(n_rows)]
+        return [
+            Completion(
+                out_tokens[i], out_logprobs[i], finish[i], torch.cat(out_routes[i], dim=1) if out_routes[i] else None
+            )
+            for i in range(n_rows)
+        ]
 
-    @torch.no_grad()
     def score(
         self, sequences: Sequence[Sequence[int]], prompt_lens: Sequence[int], temperature: float
     ) -> list[list[float]]:
         """Teacher-forced ``log_softmax(logits / T)`` of each token after its prompt (right padding)."""
+        return self.score_with_routes(sequences, prompt_lens, temperature)[0]
+
+    @torch.no_grad()
+    def score_with_routes(
+        self, sequences: Sequence[Sequence[int]], prompt_lens: Sequence[int], temperature: float
+    ) -> tuple[list[list[float]], list[torch.Tensor] | None]:
+        """``score`` and, for an MoE model, each sequence's routes ``[M, len(seq) - 1, K]`` (the
+        layout of ``Completion.routed_experts``: every token but the last is an input)."""
         if len(sequences) != len(prompt_lens):
             raise ValueError(f"score: {len(sequences)} sequences but {len(prompt_lens)} prompt lengths")
         for i, (seq, p) in enumerate(zip(sequences, prompt_lens, strict=True)):
@@ -429,7 +451,11 @@ class EmbeddedEngine(RolloutEngine):
         logprobs_rl = torch.log_softmax(logits_rlv[:, :-1].float() / temperature, dim=-1)
         logprobs_rl = logprobs_rl.gather(-1, tokens_rl[:, 1:, None])[..., 0].cpu()
         pairs = enumerate(zip(sequences, prompt_lens, strict=True))
-        return [logprobs_rl[i, p - 1 : len(s) - 1].tolist() for i, (s, p) in pairs]
+        logprobs = [logprobs_rl[i, p - 1 : len(s) - 1].tolist() for i, (s, p) in pairs]
+        if self.routes is None:
+            return logprobs, None
+        routes_mrlk = self.routes.take().unflatten(1, (len(sequences), length))
+        return logprobs, [routes_mrlk[:, i, : len(s) - 1].clone() for i, s in enumerate(sequences)]
 
     # ----------------------------------------------------------------------------------- memory
 

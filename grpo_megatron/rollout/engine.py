@@ -57,8 +57,14 @@ class Completion:
     """Logprob of each sampled token, ``len(logprobs) == len(token_ids)``."""
     finish_reason: Literal["stop", "length"]
     """stop = a stop token or string ended it; length = it reached max_new_tokens."""
-    routed_experts: list[list[int]] | None = None
-    """For MoE engines that report routing (SGLang): expert ids per token, for routing replay."""
+    routed_experts: torch.Tensor | None = None
+    """MoE models: the experts each token was routed to, for routing replay and its metrics. An
+    integer tensor ``[moe_layers, len(prompt) + len(response) - 1, top_k]``: MoE layers in model
+    order (dense layers, e.g. DeepSeek-V3's first ``first_k_dense_replace``, are skipped), then every
+    token that was an input of the engine's forward (prompt and response; the last sampled token
+    never is), i.e. exactly the trainer's input positions (``training/batching.py``), then the
+    top-k expert ids in the engine's order (compare them as sets). None: a dense model, or an engine
+    that does not report routes."""
 
 
 class RolloutEngine(abc.ABC):
@@ -93,6 +99,13 @@ class RolloutEngine(abc.ABC):
     @abc.abstractmethod
     def score(self, sequences: Sequence[Sequence[int]], prompt_lens: Sequence[int], temperature: float) -> list[list[float]]:
         """Teacher-forced logprobs of each sequence's tokens after its prompt (the mismatch probe)."""
+
+    def score_with_routes(
+        self, sequences: Sequence[Sequence[int]], prompt_lens: Sequence[int], temperature: float
+    ) -> tuple[list[list[float]], list[torch.Tensor] | None]:
+        """``score`` plus each sequence's routes in the ``Completion.routed_experts`` layout
+        (``[moe_layers, len(seq) - 1, top_k]``); None where the engine does not report them."""
+        return self.score(sequences, prompt_lens, temperature), None
 
     def release_memory(self, tags: Sequence[MemoryTag] | None = None) -> None:
         """Free device memory of ``tags`` (None = all). A no-op where there is nothing to free."""

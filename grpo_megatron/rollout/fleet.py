@@ -279,18 +279,21 @@ class RolloutFleet:
 
     def score(
         self, sequences: Sequence[Sequence[int]], prompt_lens: Sequence[int], temperature: float
-    ) -> list[list[float]] | None:
+    ) -> tuple[list[list[float]] | None, list[torch.Tensor] | None]:
         """Collective: this rank's engine's teacher-forced logprobs of each sequence's tokens after its
-        prompt (the mismatch probe, training/phases/sync.py); None on ranks without an engine. An
-        engine that fails makes every rank raise with its message."""
-        scored, error = None, None
+        prompt (the mismatch probe, training/phases/sync.py; None on ranks without an engine), and on
+        every rank the first engine's routed experts of each sequence (``Completion.routed_experts``
+        layout; None for a dense model). An engine that fails makes every rank raise with its message."""
+        scored, routes, error = None, None, None
         if self.engine is not None:
             try:
-                scored = self.engine.score(sequences, prompt_lens, temperature)
+                scored, routes = self.engine.score_with_routes(sequences, prompt_lens, temperature)
             except Exception as exc:
                 error = _describe(exc)
         _agree(error, "mismatch probe")
-        return scored
+        box = [routes if self.ps.rank == self.engine_ranks[0] else None]
+        dist.broadcast_object_list(box, src=self.engine_ranks[0])
+        return scored, box[0]
 
     # ---------------------------------------------------------------------------------- memory
 

@@ -41,6 +41,7 @@ import torch
 
 from grpo_megatron.rollout.config import RolloutConfig
 from grpo_megatron.rollout.engine import Bucket, Completion, MemoryTag, RolloutEngine, SamplingParams
+from grpo_megatron.rollout.hf_routes import RouteLayout, route_dtype
 from grpo_megatron.rollout.sglang_ipc import CudaIpcTransport, colocated_group, colocated_server_args
 from grpo_megatron.rollout.sglang_nccl import (
     NcclBroadcastTransport,
@@ -109,21 +110,40 @@ def sampling_params_dict(params: SamplingParams, seed: int) -> dict[str, Any]:
     }
 
 
-def decode_routed_experts(encoded: str | None, num_rows: int) -> list[list[int]] | None:
+def decode_routed_experts(
+    encoded: str | None, num_rows: int, layout: RouteLayout | None = None
+) -> torch.Tensor | None:
     """SGLang's ``meta_info["routed_experts"]`` (base64 int32, ``[rows, layers, top_k]`` flattened)
-    as one list per row of ``layers * top_k`` expert ids, layer-major. Row ``i`` is the routing
-    of the token at position ``i`` of prompt + response (the last sampled token is never fed, so
-    ``num_rows = len(prompt) + len(response) - 1``)."""
+    in the ``Completion.routed_experts`` layout ``[moe_layers, rows, top_k]``. Row ``i`` is the
+    routing of the token at position ``i`` of prompt + response (the last sampled token is never
+    fed, so ``num_rows = len(prompt) + len(response) - 1``). With ``layout``, a report that covers
+    every layer (dense ones included) keeps only the MoE layers; without it, top_k is taken as the
+    whole row (one layer)."""
     if not encoded:
         return None
-    ids = memoryview(base64.b64decode(encoded)).cast("i").tolist()  # little-endian int32, as on GPUs' hosts
-    if num_rows <= 0 or len(ids) % num_rows:
-        raise ValueError(f"SGLang returned {len(ids)} routed expert ids, not a multiple of {num_rows} tokens")
-    width = len(ids) // num_rows
-    return [list(ids[r * width : (r + 1) * width]) for r in range(num_rows)]
+    ids = torch.frombuffer(bytearray(base64.b64decode(encoded)), dtype=torch.int32)  # little-endian
+    if num_rows <= 0 or ids.numel() % num_rows:
+        raise ValueError(f"SGLang returned {ids.numel()} routed expert ids, not a multiple of {num_rows} tokens")
+    top_k = layout.top_k if layout is not None else ids.numel() // num_rows
+    if (ids.numel() // num_rows) % top_k:
+        raise ValueError(f"SGLang returned {ids.numel() // num_rows} expert ids per token, not a multiple of top_k={top_k}")
+    routes_mrk = ids.view(num_rows, -1, top_k).transpose(0, 1)
+    if layout is not None:
+        layers = routes_mrk.shape[0]
+        if layers == layout.num_layers and layers != len(layout.moe_layers):
+            routes_mrk = routes_mrk[list(layout.moe_layers)]
+        elif layers != len(layout.moe_layers):
+            raise ValueError(
+                f"SGLang returned routes of {layers} layers; the model has {layout.num_layers} layers, "
+                f"{len(layout.moe_layers)} of them MoE"
+            )
+        routes_mrk = routes_mrk.to(route_dtype(layout.num_experts))
+    return routes_mrk.contiguous()
 
 
-def completion_from_output(output: Mapping[str, Any], prompt_len: int) -> Completion:
+def completion_from_output(
+    output: Mapping[str, Any], prompt_len: int, layout: RouteLayout | None = None
+) -> Completion:
     """One SGLang generate output (``output_ids`` and ``meta_info``) as a ``Completion``."""
     meta = output["meta_info"]
     token_ids = [int(t) for t in output["output_ids"]]
@@ -139,7 +159,7 @@ def completion_from_output(output: Mapping[str, Any], prompt_len: int) -> Comple
     if kind not in ("stop", "length"):
         raise RuntimeError(f"SGLang ended a request with finish_reason={reason!r} (aborted or failed)")
     finish: Literal["stop", "length"] = "stop" if kind == "stop" else "length"
-    routed = decode_routed_experts(meta.get("routed_experts"), prompt_len + len(token_ids) - 1)
+    routed = decode_routed_experts(meta.get("routed_experts"), prompt_len + len(token_ids) - 1, layout)
     return Completion(token_ids, [float(e[0]) for e in entries], finish, routed)
 
 
@@ -231,9 +251,11 @@ class SGLangEngine(RolloutEngine):
         self._version_in_progress = -1
         # Servers (by index) with a weight-update session open: a version's loads run inside one.
         self._sessions_open: set[int] = set()
-        moe = "num_experts_per_tok" in _read_hf_config(model_path)
+        hf_config = _read_hf_config(model_path)
+        moe = "num_experts_per_tok" in hf_config
         self._routed_experts = moe and rollout.sglang_routed_experts
         self.servers: list[Any]
+        self._route_layout = RouteLayout.from_hf(hf_config) if self._routed_experts else None
         if servers is not None:
             self.servers = list(servers)
         elif self.mode == "colocated":
@@ -303,7 +325,9 @@ class SGLangEngine(RolloutEngine):
         outputs = self._scatter(
             flat_ids, flat_params, return_logprob=True, return_routed_experts=self._routed_experts
         )
-        flat = [completion_from_output(o, len(ids)) for o, ids in zip(outputs, flat_ids, strict=True)]
+        flat = [
+            completion_from_output(o, len(ids), self._route_layout) for o, ids in zip(outputs, flat_ids, strict=True)
+        ]
         return [flat[i * params.n : (i + 1) * params.n] for i in range(len(prompts))]
 
     def score(

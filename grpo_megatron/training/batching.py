@@ -18,7 +18,7 @@ communication is needed to agree on it):
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Literal
 
 import torch
@@ -44,6 +44,10 @@ class Sample:
     """The frozen reference's logprobs (ref_logprob phase; None when the KL penalty is off)."""
     old_logprobs_s: torch.Tensor | None = None
     """pi_old's logprobs before this iteration's first update (old_logprob phase; None when skipped)."""
+    routes: dict[str, torch.Tensor] = field(default_factory=dict)
+    """MoE routes ``[moe_layers, S, top_k]`` at the input positions: "engine" (the rollout engine's,
+    ``Completion.routed_experts``), "old" (the old-policy pass's own, for R2; -1 on layers of other
+    pipeline stages)."""
 
     @property
     def length(self) -> int:
@@ -51,9 +55,14 @@ class Sample:
 
 
 def make_sample(
-    prompt_ids: Sequence[int], response_ids: Sequence[int], rollout_logprobs: Sequence[float], advantage: float
+    prompt_ids: Sequence[int],
+    response_ids: Sequence[int],
+    rollout_logprobs: Sequence[float],
+    advantage: float,
+    routed_experts: torch.Tensor | None = None,
 ) -> Sample:
-    """Lay out one (prompt, response) pair for the trainer (see the module docstring)."""
+    """Lay out one (prompt, response) pair for the trainer (see the module docstring); the engine's
+    routes, if any, already cover exactly the input positions."""
     if not prompt_ids or not response_ids:
         raise ValueError("a training sample needs a non-empty prompt and response")
     if len(rollout_logprobs) != len(response_ids):
@@ -64,7 +73,15 @@ def make_sample(
     mask_s[n_prompt - 1 :] = 1.0
     rollout_s = torch.zeros(seq_l.numel() - 1)
     rollout_s[n_prompt - 1 :] = torch.tensor(list(rollout_logprobs), dtype=torch.float32)
-    return Sample(seq_l[:-1], seq_l[1:], mask_s, float(advantage), rollout_s)
+    sample = Sample(seq_l[:-1], seq_l[1:], mask_s, float(advantage), rollout_s)
+    if routed_experts is not None:
+        if routed_experts.dim() != 3 or routed_experts.shape[1] != sample.length:
+            raise ValueError(
+                f"routed experts {tuple(routed_experts.shape)} for {sample.length} input positions "
+                "(expected [moe_layers, len(prompt) + len(response) - 1, top_k])"
+            )
+        sample.routes["engine"] = routed_experts
+    return sample
 
 
 def minibatch_slices(num_samples: int, num_minibatches: int) -> list[range]:
@@ -151,9 +168,10 @@ class LossInputs:
         return cls(**mb.extras)
 
 
-def collate(samples: Sequence[Sample], rows: Sequence[int], pad_id: int) -> MicroBatch:
+def collate(samples: Sequence[Sample], rows: Sequence[int], pad_id: int, routes: str | None = None) -> MicroBatch:
     """Right-padded micro-batch of ``samples[rows]``; an empty ``rows`` gives one all-masked row
-    (a placeholder micro-batch that contributes nothing but joins the collectives)."""
+    (a placeholder micro-batch that contributes nothing but joins the collectives). ``routes``: which
+    ``Sample.routes`` to carry as ``routes_lbsk`` (-1 at padding), when every row has them."""
     if not rows:
         one_11 = torch.full((1, 1), pad_id, dtype=torch.long)
         zeros_11 = torch.zeros(1, 1)
@@ -177,10 +195,18 @@ def collate(samples: Sequence[Sample], rows: Sequence[int], pad_id: int) -> Micr
         inputs.old_logprobs_bs = stack(lambda x: x.old_logprobs_s, 0.0)
     if all(samples[i].ref_logprobs_s is not None for i in rows):
         inputs.ref_logprobs_bs = stack(lambda x: x.ref_logprobs_s, 0.0)
+    routes_lbsk = None
+    if routes is not None and all(routes in samples[i].routes for i in rows):
+        first = samples[rows[0]].routes[routes]
+        routes_lbsk = torch.full((first.shape[0], len(rows), s, first.shape[2]), -1, dtype=first.dtype)
+        for b, i in enumerate(rows):
+            r = samples[i].routes[routes]
+            routes_lbsk[:, b, : r.shape[1]] = r
     return MicroBatch(
         tokens_bs=stack(lambda x: x.tokens_s, pad_id),
         labels_bs=stack(lambda x: x.labels_s, pad_id),
         extras=inputs.to_extras(),
+        routes_lbsk=routes_lbsk,
     )
 
 

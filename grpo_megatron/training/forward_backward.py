@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from grpo_megatron.distributed.bootstrap import ParallelState
 from grpo_megatron.distributed.collectives import collective_device
 from grpo_megatron.models.logprobs import vocab_parallel_logprobs
+from grpo_megatron.models.routing import RoutingPass
 
 
 @dataclass
@@ -47,6 +48,9 @@ class MicroBatch:
     convention), e.g. ``packed_causal_mask`` for several sequences packed into one row."""
     extras: dict[str, torch.Tensor] = field(default_factory=dict)
     """Per-token or per-sequence inputs of ``loss_fn`` (advantages, old logprobs, masks...)."""
+    routes_lbsk: torch.Tensor | None = None
+    """MoE expert ids per MoE layer, row, position and top-k slot (-1 at padding): the routes a
+    ``RoutingPass`` replays or compares against (``models/routing.py``); they are padded with the tokens."""
 
 
 @dataclass
@@ -89,7 +93,11 @@ def _pad(mb: MicroBatch, rows: int, length: int, device: torch.device) -> MicroB
         mask = F.pad(mask.expand(b, -1, -1, -1), (0, pad_s, 0, pad_s, 0, 0, 0, pad_b), value=True)
         idx = torch.arange(length)
         mask[:, :, idx, idx] = False  # padding rows attend to themselves only: no empty softmax
+    routes = mb.routes_lbsk
+    if routes is not None:
+        routes = F.pad(routes, (0, 0, 0, pad_s, 0, pad_b), value=-1)
     return MicroBatch(
+        routes_lbsk=routes,
         tokens_bs=F.pad(mb.tokens_bs, (0, pad_s, 0, pad_b)).to(device),
         labels_bs=F.pad(mb.labels_bs, (0, pad_s, 0, pad_b)).to(device),
         position_ids_bs=F.pad(position_ids_bs, (0, pad_s, 0, pad_b)).to(device),
@@ -124,8 +132,10 @@ class _Runner:
         vocab_size: int,
         temperature: float,
         with_entropy: bool,
+        routing: RoutingPass | None = None,
     ) -> None:
         self.chunks = model if isinstance(model, list) else [model]
+        self.routing = routing
         self.ps = ps
         self.vocab_size = vocab_size
         self.temperature = temperature
@@ -165,6 +175,8 @@ class _Runner:
 
         def step(data_iterator, model):
             mb, (b, s) = next(data_iterator)
+            if self.routing is not None:  # targets for this micro-batch's routers on this stage
+                self.routing.before_microbatch(mb.routes_lbsk, tuple(mb.tokens_bs.shape), (b, s))
             output = model(mb.tokens_bs, mb.position_ids_bs, mb.attention_mask_b1ss)
             return output, partial(loss_func_for, mb, b, s)
 
@@ -207,9 +219,13 @@ def forward_logprobs(
     vocab_size: int,
     temperature: float = 1.0,
     with_entropy: bool = False,
+    routing: RoutingPass | None = None,
 ) -> list[LogprobOutput]:
-    """Forward-only logprobs (and entropy) of each micro-batch's labels, on every rank."""
-    runner = _Runner(model, ps, vocab_size=vocab_size, temperature=temperature, with_entropy=with_entropy)
+    """Forward-only logprobs (and entropy) of each micro-batch's labels, on every rank. ``routing``:
+    the MoE routing of the pass (replay, recording), see ``models/routing.py``."""
+    runner = _Runner(
+        model, ps, vocab_size=vocab_size, temperature=temperature, with_entropy=with_entropy, routing=routing
+    )
 
     def loss_func(mb: MicroBatch, b: int, s: int, logits_bsvt: torch.Tensor, non_loss_data: bool = True):
         logprobs_bs, entropy_bs = runner.logprobs(logits_bsvt, mb, b, s)
@@ -233,10 +249,13 @@ def forward_backward(
     vocab_size: int,
     temperature: float = 1.0,
     with_entropy: bool = False,
+    routing: RoutingPass | None = None,
 ) -> list[dict[str, float]]:
     """Forward and backward of ``loss_fn`` over all micro-batches; gradients accumulate in the model
     (``param.main_grad`` under megatron's DDP). Returns each micro-batch's metrics on every rank."""
-    runner = _Runner(model, ps, vocab_size=vocab_size, temperature=temperature, with_entropy=with_entropy)
+    runner = _Runner(
+        model, ps, vocab_size=vocab_size, temperature=temperature, with_entropy=with_entropy, routing=routing
+    )
 
     def loss_func(mb: MicroBatch, b: int, s: int, logits_bsvt: torch.Tensor):
         logprobs_bs, entropy_bs = runner.logprobs(logits_bsvt, mb, b, s)

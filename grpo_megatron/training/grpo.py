@@ -47,6 +47,7 @@ from grpo_megatron.training.phases.reward import Group
 from grpo_megatron.training.phases.rollout import rollout_seed
 from grpo_megatron.training.phases.sync import ProbeBatch, answer_probe, sync_weights
 from grpo_megatron.training.phases.train import GRPOLoss, update_policy
+from grpo_megatron.training.route_replay import finish_pass, routing_pass
 
 if TYPE_CHECKING:
     from grpo_megatron.config import JobConfig
@@ -87,24 +88,36 @@ def run_iteration(job: Job, sampler: PromptSampler, probe: ProbeBatch, it: int, 
         plan = plan_update(cfg.train, cfg.algorithm, ps, batch.samples)
     forward = {"ps": ps, "pad_id": job.pad_id, "vocab_size": policy.spec.vocab_size,
                "temperature": cfg.rollout.temperature}
+    # The MoE routing of each pass (algorithm.routing_replay: off, r2, r3) and its metrics.
+    replay = (cfg.algorithm.routing_replay, ps)
+    moe = policy.spec.num_experts
     with timer("ref_logprob"), job.reference_on_device():
         if job.reference is not None:
-            logprob_pass(job.reference, batch.samples, plan, "ref", **forward)
+            routing, routes = routing_pass(*replay, moe, job.reference, "ref", batch.samples)
+            logprob_pass(job.reference, batch.samples, plan, "ref", **forward, routing=routing, routes=routes)
+            finish_pass(*replay, routing, batch.samples, plan.all_rows, measure=False)
+    routing_metrics: dict[str, float] = {}
     with timer("old_logprob"):
         if cfg.train.updates_per_iteration > 1 and cfg.train.old_logprobs == "trainer":
-            logprob_pass(policy.model, batch.samples, plan, "old", **forward)
+            routing, routes = routing_pass(*replay, moe, policy.model, "old", batch.samples)
+            logprob_pass(policy.model, batch.samples, plan, "old", **forward, routing=routing, routes=routes)
+            routing_metrics = finish_pass(*replay, routing, batch.samples, plan.all_rows, measure=True)
     beta = kl_beta(cfg.algorithm.kl, it - 1, cfg.train.iterations)
     loss = GRPOLoss(cfg.algorithm, beta, cfg.algorithm.loss_norm_len or cfg.rollout.max_new_tokens,
                     old_from_engine=cfg.train.old_logprobs == "engine")
     with timer("train"):
+        routing, routes = routing_pass(*replay, moe, policy.model, "train", batch.samples)
         train_metrics = update_policy(policy, batch.samples, plan, loss, ps=ps, pad_id=job.pad_id,
-                                      temperature=cfg.rollout.temperature)
+                                      temperature=cfg.rollout.temperature, routing=routing, routes=routes)
+        measured = finish_pass(*replay, routing, batch.samples, plan.all_rows, measure=not routing_metrics)
+        routing_metrics = routing_metrics or measured  # the first policy pass's
     with timer("sync"):
         sync_metrics = sync_to_engines(job, it, probe)
     metrics = {
         **reward_metrics,
         **dapo_metrics,
         **train_metrics,
+        **routing_metrics,
         "kl_beta": beta,
         "response_len/mean": sum(len(c.token_ids) for g in groups for c in g.completions) / len(batch.samples),
         **batch.metrics,

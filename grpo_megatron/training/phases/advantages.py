@@ -45,7 +45,9 @@ def build_samples(alg: AlgorithmConfig, max_new_tokens: int, groups: Sequence[Gr
     samples, k = [], 0
     for g in groups:
         for c in g.completions:
-            samples.append(make_sample(g.record.prompt_ids, c.token_ids, c.logprobs, float(advantages_b[k])))
+            samples.append(
+                make_sample(g.record.prompt_ids, c.token_ids, c.logprobs, float(advantages_b[k]), c.routed_experts)
+            )
             k += 1
     metrics["advantage/abs_mean"] = float(advantages_b.abs().mean())
     return Batch(samples, metrics)

@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from grpo_megatron.distributed.bootstrap import ParallelState
+from grpo_megatron.models.routing import RoutingPass, reduce_routing_stats
 from grpo_megatron.training.forward_backward import MicroBatch, forward_logprobs
 
 if TYPE_CHECKING:
@@ -64,24 +65,52 @@ def mismatch_probe(
 ) -> dict[str, float]:
     """Collective: trainer ``forward_logprobs`` vs every engine's ``score`` on ``probe``, over the tokens
     after each prompt; max and mean absolute difference over all engines (an empty probe, e.g.
-    rollout.probe_batch=0, gives no metrics)."""
+    rollout.probe_batch=0, gives no metrics). For an MoE engine that reports routes, the trainer's pass
+    also counts how often its experts differ from the first engine's (``routing/probe_disagreement``),
+    and a second pass replays those routes (``mismatch/probe_replay_*``, models/routing.py)."""
     sequences, prompt_lens = probe.sequences, probe.prompt_lens
     if not sequences:
         return {}
+    scored, routes = fleet.score(sequences, prompt_lens, temperature)
     length = max(len(s) for s in sequences)
     tokens_bl = torch.zeros((len(sequences), length), dtype=torch.long)  # right padding is harmless
     for i, seq in enumerate(sequences):
         tokens_bl[i, : len(seq)] = torch.tensor(list(seq))
-    (out,) = forward_logprobs(
-        model, [MicroBatch(tokens_bl[:, :-1], tokens_bl[:, 1:])], ps, vocab_size=vocab_size, temperature=temperature
-    )
-    trainer_bl = out.logprobs_bs.float().cpu()
-    scored = fleet.score(sequences, prompt_lens, temperature)
+    batch = MicroBatch(tokens_bl[:, :-1], tokens_bl[:, 1:])
+    if routes is not None:  # [moe layers, rows, positions, k], -1 where a row is padding
+        first = routes[0]
+        routes_lbsk = torch.full((first.shape[0], len(sequences), length - 1, first.shape[2]), -1, dtype=first.dtype)
+        for i, r in enumerate(routes):
+            routes_lbsk[:, i, : r.shape[1]] = r
+        batch.routes_lbsk = routes_lbsk
+
+    def one_pass(replay: bool, suffix: str) -> dict[str, float]:
+        routing = RoutingPass(model, ps, replay=replay) if routes is not None else None
+        (out,) = forward_logprobs(model, [batch], ps, vocab_size=vocab_size, temperature=temperature, routing=routing)
+        metrics = _probe_diffs(out.logprobs_bs.float().cpu(), probe, scored, ps, suffix)
+        if routing is not None:
+            compare_m2, _ = reduce_routing_stats(*routing.stats(), ps)
+            routing.close()
+            if not replay and float(compare_m2[:, 1].sum()) > 0:
+                metrics["routing/probe_disagreement"] = float(compare_m2[:, 0].sum() / compare_m2[:, 1].sum())
+        return metrics
+
+    metrics = one_pass(False, "")
+    if routes is not None:
+        metrics |= one_pass(True, "_replay")
+    return metrics
+
+
+def _probe_diffs(
+    trainer_bl: torch.Tensor, probe: ProbeBatch, scored: list[list[float]] | None, ps: ParallelState, suffix: str
+) -> dict[str, float]:
+    """Collective: |engine - trainer| logprobs after each prompt, max and mean over all engines."""
     stats = None
     if scored is not None:
+        pairs = zip(probe.sequences, probe.prompt_lens, scored, strict=True)
         diffs = [
             (torch.tensor(engine_lp) - trainer_bl[i, p - 1 : len(s) - 1]).abs()
-            for i, (s, p, engine_lp) in enumerate(zip(sequences, prompt_lens, scored, strict=True))
+            for i, (s, p, engine_lp) in enumerate(pairs)
         ]
         diff_t = torch.cat(diffs) if diffs else torch.zeros(0)
         stats = (float(diff_t.max()) if diff_t.numel() else 0.0, float(diff_t.sum()), diff_t.numel())
@@ -89,11 +118,13 @@ def mismatch_probe(
     dist.all_gather_object(gathered, stats)
     got = [g for g in gathered if g is not None]
     count = sum(g[2] for g in got)
-    return {
-        "mismatch/probe_abs_diff_max": max(g[0] for g in got),
-        "mismatch/probe_abs_diff_mean": sum(g[1] for g in got) / max(count, 1),
-        "mismatch/probe_tokens": float(count),
+    out = {
+        f"mismatch/probe{suffix}_abs_diff_max": max(g[0] for g in got),
+        f"mismatch/probe{suffix}_abs_diff_mean": sum(g[1] for g in got) / max(count, 1),
     }
+    if not suffix:
+        out["mismatch/probe_tokens"] = float(count)
+    return out
 
 
 def sync_weights(

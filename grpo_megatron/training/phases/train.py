@@ -15,6 +15,7 @@ from grpo_megatron.algorithm.mismatch import mismatch_metrics, tis_weights
 from grpo_megatron.algorithm.policy_loss import grpo_policy_loss
 from grpo_megatron.distributed.bootstrap import ParallelState
 from grpo_megatron.distributed.collectives import collective_device
+from grpo_megatron.models.routing import RoutingPass
 from grpo_megatron.training.batching import LossInputs, Sample, collate
 from grpo_megatron.training.forward_backward import LossFn, MicroBatch, forward_backward
 from grpo_megatron.training.phases.advantages import UpdatePlan
@@ -157,20 +158,24 @@ def update_policy(
     ps: ParallelState,
     pad_id: int,
     temperature: float,
+    routing: RoutingPass | None = None,
+    routes: str | None = None,
 ) -> dict[str, float]:
-    """One optimizer step per mini-batch; returns loss, clip, KL, entropy, mismatch, grad_norm and lr."""
+    """One optimizer step per mini-batch; returns loss, clip, KL, entropy, mismatch, grad_norm and lr.
+    ``routing`` / ``routes``: the MoE routing of the training passes (training/route_replay.py)."""
     per_microbatch: list[dict[str, float]] = []
     steps: list[dict[str, float]] = []
     for rows, normalizer in zip(plan.rows, plan.normalizers, strict=True):
         policy.zero_grad()
         per_microbatch += forward_backward(
             policy.model,
-            [collate(samples, r, pad_id) for r in rows],
+            [collate(samples, r, pad_id, routes) for r in rows],
             ps,
             loss.loss_fn(normalizer),
             vocab_size=policy.spec.vocab_size,
             temperature=temperature,
             with_entropy=True,
+            routing=routing,
         )
         steps.append(policy.step())
     metrics = reduce_metrics(per_microbatch, LOSS_METRICS, ps, len(plan.rows))
