@@ -89,6 +89,8 @@ def test_two_grpo_iterations_at_ep2_write_every_required_metric(tmp_path):
     assert (run / "hf" / "config.json").is_file() and (run / "hf" / "tokenizer.json").is_file()
     assert (run / "checkpoints" / "latest").read_text().strip().endswith("2")
     assert last["offload/bytes_moved"] > 0
+    # packed micro-batches (train.packing, the default) process no padding but the TP/placeholder kind
+    assert 0 <= last["batch/padding_frac"] < 0.5 and last["batch/tokens_per_microbatch"] > 0
     assert "held-out accuracy" in out
     # the final report: the last evaluation and the best one, with their iterations
     summary = json.loads((run / "summary.json").read_text())

@@ -1,7 +1,12 @@
 """Sharded forward (and backward) over many micro-batches, producing per-token logprobs.
 
 Shape legend: B micro-batch size, S sequence length (padded up to a multiple of TP for sequence
-parallelism, and cut back before anything leaves this module).
+parallelism, and cut back before anything leaves this module), T packed length.
+
+A packed micro-batch (``MicroBatch.packed``, training/packing.py) runs as one ``[1, T]`` sequence
+with megatron's ``PackedSeqParams``; its logprobs and entropy are unpacked to right-padded
+``[B, S]`` rows before ``loss_fn`` sees them and before they are returned, so callers handle
+packed and padded micro-batches alike.
 
 One function serves the three trainer passes of a GRPO iteration:
 - reference logprobs and old-policy logprobs: ``forward_logprobs`` (forward only);
@@ -32,6 +37,7 @@ import torch.nn.functional as F
 from grpo_megatron.distributed.bootstrap import ParallelState
 from grpo_megatron.distributed.collectives import collective_device
 from grpo_megatron.models.logprobs import vocab_parallel_logprobs
+from grpo_megatron.training.packing import PackedRows, packed_seq_params
 
 
 @dataclass
@@ -41,12 +47,13 @@ class MicroBatch:
     tokens_bs: torch.Tensor
     labels_bs: torch.Tensor
     position_ids_bs: torch.Tensor | None = None
-    """None: 0..S-1 per row. Packed sequences restart positions at each sequence start."""
-    attention_mask_b1ss: torch.Tensor | None = None
-    """None: causal (right-padded rows need no mask). Else bool, True = masked out (megatron's
-    convention), e.g. ``packed_causal_mask`` for several sequences packed into one row."""
+    """None: 0..S-1 per row. Packed sequences restart positions at each row start."""
     extras: dict[str, torch.Tensor] = field(default_factory=dict)
-    """Per-token or per-sequence inputs of ``loss_fn`` (advantages, old logprobs, masks...)."""
+    """Per-token or per-sequence inputs of ``loss_fn`` (advantages, old logprobs, masks...), as
+    right-padded ``[B, S]`` rows also when the micro-batch is packed."""
+    packed: PackedRows | None = None
+    """None: ``tokens_bs`` holds right-padded rows. Else ``tokens_bs`` is ``[1, T]``: these rows end
+    to end, run with megatron's PackedSeqParams (attention never crosses rows)."""
 
 
 @dataclass
@@ -60,42 +67,39 @@ LossFn = Callable[
 ]
 
 
-def packed_causal_mask(seq_lens: Sequence[int], total_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Block-diagonal causal mask ``[1, 1, S, S]`` (True = masked) and restarting position ids ``[1, S]``
-    for sequences of ``seq_lens`` packed into one row of length ``total_len`` (tail is padding)."""
-    seq_id_s = torch.full((total_len,), -1, dtype=torch.long)
-    position_ids_s = torch.zeros(total_len, dtype=torch.long)
-    start = 0
-    for i, n in enumerate(seq_lens):
-        seq_id_s[start : start + n] = i
-        position_ids_s[start : start + n] = torch.arange(n)
-        start += n
-    same_ss = seq_id_s[:, None] == seq_id_s[None, :]
-    causal_ss = torch.ones(total_len, total_len, dtype=torch.bool).tril()
-    allowed_ss = same_ss & causal_ss
-    allowed_ss |= torch.eye(total_len, dtype=torch.bool)  # padding rows attend to themselves
-    return ~allowed_ss[None, None], position_ids_s[None]
+@dataclass
+class _Padded:
+    """A micro-batch padded to its target shape, with what its outputs are cut back to."""
+
+    mb: MicroBatch
+    rows: int
+    """B of the outputs (rows of the caller's micro-batch)."""
+    length: int
+    """S of the outputs (the longest row)."""
+    packed_seq_params: object | None = None
+    """megatron's PackedSeqParams of a packed micro-batch."""
 
 
-def _pad(mb: MicroBatch, rows: int, length: int, device: torch.device) -> MicroBatch:
-    """Pad a micro-batch to ``[rows, length]``. Padding rows/columns are cut from every output."""
+def _pad(mb: MicroBatch, rows: int, length: int, device: torch.device) -> _Padded:
+    """Pad a micro-batch to ``[rows, length]``. Padding rows/columns are cut from every output; a
+    packed micro-batch's padded tail is one more attention segment (``PackedRows.cu_seqlens``)."""
     b, s = mb.tokens_bs.shape
     pad_s, pad_b = length - s, rows - b
     position_ids_bs = mb.position_ids_bs
     if position_ids_bs is None:
         position_ids_bs = torch.arange(s).expand(b, s)
-    mask = mb.attention_mask_b1ss
-    if mask is not None and (pad_s or pad_b):
-        mask = F.pad(mask.expand(b, -1, -1, -1), (0, pad_s, 0, pad_s, 0, 0, 0, pad_b), value=True)
-        idx = torch.arange(length)
-        mask[:, :, idx, idx] = False  # padding rows attend to themselves only: no empty softmax
-    return MicroBatch(
+    padded = MicroBatch(
         tokens_bs=F.pad(mb.tokens_bs, (0, pad_s, 0, pad_b)).to(device),
         labels_bs=F.pad(mb.labels_bs, (0, pad_s, 0, pad_b)).to(device),
         position_ids_bs=F.pad(position_ids_bs, (0, pad_s, 0, pad_b)).to(device),
-        attention_mask_b1ss=None if mask is None else mask.to(device),
         extras={k: v.to(device) for k, v in mb.extras.items()},
+        packed=mb.packed,
     )
+    if mb.packed is None:
+        return _Padded(padded, b, s)
+    if b != 1 or s != mb.packed.total:
+        raise ValueError(f"a packed micro-batch has tokens [1, {mb.packed.total}], got {list(mb.tokens_bs.shape)}")
+    return _Padded(padded, len(mb.packed.lengths), mb.packed.max_length, packed_seq_params(mb.packed, length, device))
 
 
 def _padded_shapes(
@@ -131,9 +135,9 @@ class _Runner:
         self.temperature = temperature
         self.with_entropy = with_entropy
 
-    def logprobs(
-        self, logits_bsvt: torch.Tensor, mb: MicroBatch, b: int, s: int
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def logprobs(self, logits_bsvt: torch.Tensor, p: _Padded) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Logprobs (and entropy) of ``p``'s labels as ``[B, S]`` rows (unpacked when packed)."""
+        mb = p.mb
         vocab_start = self.ps.tp_rank * logits_bsvt.shape[-1]
         logprobs_bs, entropy_bs = vocab_parallel_logprobs(
             logits_bsvt,
@@ -144,7 +148,11 @@ class _Runner:
             with_entropy=self.with_entropy,
             vocab_size=self.vocab_size,
         )
-        return logprobs_bs[:b, :s], None if entropy_bs is None else entropy_bs[:b, :s]
+        if mb.packed is not None:
+            logprobs_bs = mb.packed.unpack(logprobs_bs[0])
+            entropy_bs = None if entropy_bs is None else mb.packed.unpack(entropy_bs[0])
+            return logprobs_bs, entropy_bs
+        return logprobs_bs[: p.rows, : p.length], None if entropy_bs is None else entropy_bs[: p.rows, : p.length]
 
     def run(self, microbatches: Sequence[MicroBatch], loss_func_for: Callable, *, forward_only: bool) -> list:
         from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -158,23 +166,23 @@ class _Runner:
             and self.ps.ep > 1
         )
         shapes = _padded_shapes(microbatches, self.ps, uniform)
-        padded = [
-            (_pad(mb, b, s, self.ps.device), mb.tokens_bs.shape)
-            for mb, (b, s) in zip(microbatches, shapes, strict=True)
-        ]
+        padded = [_pad(mb, b, s, self.ps.device) for mb, (b, s) in zip(microbatches, shapes, strict=True)]
 
         def step(data_iterator, model):
-            mb, (b, s) = next(data_iterator)
-            output = model(mb.tokens_bs, mb.position_ids_bs, mb.attention_mask_b1ss)
-            return output, partial(loss_func_for, mb, b, s)
+            p = next(data_iterator)
+            if p.packed_seq_params is None:
+                output = model(p.mb.tokens_bs, p.mb.position_ids_bs, None)
+            else:
+                output = model(p.mb.tokens_bs, p.mb.position_ids_bs, None, packed_seq_params=p.packed_seq_params)
+            return output, partial(loss_func_for, p)
 
         results = get_forward_backward_func()(
             forward_step_func=step,
             data_iterator=iter(padded),
             model=self.chunks,
             num_microbatches=len(padded),
-            seq_length=max(mb.tokens_bs.shape[1] for mb, _ in padded),
-            micro_batch_size=max(mb.tokens_bs.shape[0] for mb, _ in padded),
+            seq_length=max(p.mb.tokens_bs.shape[1] for p in padded),
+            micro_batch_size=max(p.mb.tokens_bs.shape[0] for p in padded),
             forward_only=forward_only,
             collect_non_loss_data=forward_only,
         )
@@ -211,8 +219,8 @@ def forward_logprobs(
     """Forward-only logprobs (and entropy) of each micro-batch's labels, on every rank."""
     runner = _Runner(model, ps, vocab_size=vocab_size, temperature=temperature, with_entropy=with_entropy)
 
-    def loss_func(mb: MicroBatch, b: int, s: int, logits_bsvt: torch.Tensor, non_loss_data: bool = True):
-        logprobs_bs, entropy_bs = runner.logprobs(logits_bsvt, mb, b, s)
+    def loss_func(p: _Padded, logits_bsvt: torch.Tensor, non_loss_data: bool = True):
+        logprobs_bs, entropy_bs = runner.logprobs(logits_bsvt, p)
         out = {"logprobs": logprobs_bs}
         if entropy_bs is not None:
             out["entropy"] = entropy_bs
@@ -238,9 +246,14 @@ def forward_backward(
     (``param.main_grad`` under megatron's DDP). Returns each micro-batch's metrics on every rank."""
     runner = _Runner(model, ps, vocab_size=vocab_size, temperature=temperature, with_entropy=with_entropy)
 
-    def loss_func(mb: MicroBatch, b: int, s: int, logits_bsvt: torch.Tensor):
-        logprobs_bs, entropy_bs = runner.logprobs(logits_bsvt, mb, b, s)
-        unpadded = MicroBatch(mb.tokens_bs[:b, :s], mb.labels_bs[:b, :s], extras=mb.extras)
+    def loss_func(p: _Padded, logits_bsvt: torch.Tensor):
+        logprobs_bs, entropy_bs = runner.logprobs(logits_bsvt, p)
+        mb = p.mb
+        if mb.packed is None:
+            unpadded = MicroBatch(mb.tokens_bs[: p.rows, : p.length], mb.labels_bs[: p.rows, : p.length], extras=mb.extras)
+        else:  # the loss sees rows, as without packing
+            tokens_bs = mb.packed.unpack(mb.tokens_bs[0])
+            unpadded = MicroBatch(tokens_bs, mb.packed.unpack(mb.labels_bs[0]), extras=mb.extras)
         loss, metrics = loss_fn(logprobs_bs, entropy_bs, unpadded)
         reported = {k: float(v.detach()) for k, v in metrics.items()} | {"loss": float(loss.detach())}
         # The middle value is megatron's token count; ours is folded into the loss (see module doc).

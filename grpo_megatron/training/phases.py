@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -24,10 +24,11 @@ from grpo_megatron.rewards.pool import report_failures
 from grpo_megatron.rollout.engine import Completion, SamplingParams
 from grpo_megatron.training.batching import (
     Sample,
+    all_rank_microbatches,
+    batch_metrics,
     collate,
     make_sample,
     minibatch_slices,
-    rank_microbatches,
     scatter_logprobs,
 )
 from grpo_megatron.training.forward_backward import MicroBatch, forward_backward, forward_logprobs
@@ -160,6 +161,10 @@ class UpdatePlan:
 
     rows: list[list[list[int]]]
     normalizers: list[float]
+    packed: bool = False
+    """Micro-batches are packed sequences (train.packing)."""
+    metrics: dict[str, float] = field(default_factory=dict)
+    """batch/padding_frac and batch/tokens_per_microbatch over every rank's micro-batches."""
 
     @property
     def all_rows(self) -> list[list[int]]:
@@ -170,28 +175,28 @@ def plan_update(job: Job, samples: Sequence[Sample]) -> UpdatePlan:
     """Split the batch into mini-batches, DP shares and micro-batches (training/batching.py)."""
     cfg, ps = job.cfg, job.ps
     lengths = [s.length for s in samples]
-    rows, normalizers = [], []
+    rows, normalizers, every_rank = [], [], []
     for minibatch in minibatch_slices(len(samples), cfg.train.updates_per_iteration):
-        rows.append(
-            rank_microbatches(
-                lengths,
-                minibatch,
-                dp_size=ps.dp,
-                dp_rank=ps.dp_rank,
-                micro_batch_size=cfg.train.micro_batch_size,
-                max_tokens=cfg.train.max_tokens_per_micro_batch,
-            )
+        per_rank = all_rank_microbatches(
+            lengths,
+            minibatch,
+            dp_size=ps.dp,
+            micro_batch_size=cfg.train.micro_batch_size,
+            max_tokens=cfg.train.max_tokens_per_micro_batch,
+            packing=cfg.train.packing,
         )
+        rows.append(per_rank[ps.dp_rank])
+        every_rank.extend(per_rank)
         normalizers.append(
             sum(loss_normalizer(cfg.algorithm.loss_agg_mode, samples[i].mask_s[None]) for i in minibatch)
         )
-    return UpdatePlan(rows, normalizers)
+    return UpdatePlan(rows, normalizers, cfg.train.packing, batch_metrics(lengths, every_rank, cfg.train.packing))
 
 
 def logprob_pass(job: Job, model: torch.nn.Module, samples: list[Sample], plan: UpdatePlan, name: str) -> None:
     """Forward-only logprobs of this rank's samples under ``model``, stored as ``sample.logprobs[name]``."""
     rows = plan.all_rows
-    microbatches = [collate(samples, r, job.pad_id) for r in rows]
+    microbatches = [collate(samples, r, job.pad_id, packed=plan.packed) for r in rows]
     outputs = forward_logprobs(
         model,
         microbatches,
@@ -281,7 +286,7 @@ def update_policy(job: Job, samples: list[Sample], plan: UpdatePlan, kl_beta: fl
         job.policy.zero_grad()
         per_microbatch += forward_backward(
             job.policy.model,
-            [collate(samples, r, job.pad_id) for r in rows],
+            [collate(samples, r, job.pad_id, packed=plan.packed) for r in rows],
             job.ps,
             grpo_loss_fn(job, normalizer, kl_beta),
             vocab_size=job.policy.spec.vocab_size,
@@ -289,7 +294,7 @@ def update_policy(job: Job, samples: list[Sample], plan: UpdatePlan, kl_beta: fl
             with_entropy=True,
         )
         steps.append(job.policy.step())
-    metrics = reduce_metrics(per_microbatch, job, len(plan.rows))
+    metrics = reduce_metrics(per_microbatch, job, len(plan.rows)) | plan.metrics
     metrics["grad_norm"] = sum(s["grad_norm"] for s in steps) / len(steps)
     if "lr" in steps[-1]:
         metrics["lr"] = steps[-1]["lr"]
