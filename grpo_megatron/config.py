@@ -617,6 +617,13 @@ def model_layout_errors(model: ModelConfig, hf_config: dict[str, Any], parallel:
             f"(from {source('num_hidden_layers')}): choose parallel.pp in {{{', '.join(map(str, _divisors(layers)))}}}"
         )
 
+    if parallel.cp > 1 and model_type == "deepseek_v3" and model.transformer_impl != "transformer_engine":
+        errors.append(
+            f"parallel.cp={parallel.cp} with multi-latent attention (model_type deepseek_v3) needs "
+            "TransformerEngine: the local attention's context parallelism is checked for standard "
+            "attention only; set parallel.cp=1 or model.transformer_impl=transformer_engine"
+        )
+
     experts = num_routed_experts(hf_config)
     if experts == 0:
         if ep > 1:
@@ -649,6 +656,11 @@ def model_layout_errors(model: ModelConfig, hf_config: dict[str, Any], parallel:
 
 def batch_layout_errors(cfg: JobConfig, parallel: ParallelConfig) -> list[str]:
     """Rules between batch sizes and a resolved parallel layout."""
+    if parallel.cp > 1 and not cfg.train.packing:
+        return [
+            f"parallel.cp={parallel.cp} needs train.packing=true: context parallelism splits packed "
+            "sequences over the CP ranks (training/forward_backward.py); set train.packing=true or parallel.cp=1"
+        ]
     samples = cfg.train.prompts_per_iteration * cfg.rollout.n_samples_per_prompt
     per_update = cfg.train.updates_per_iteration * parallel.dp
     if samples % per_update:

@@ -147,13 +147,12 @@ def build_gpt_model(
         # the HF models the rollout engines run (models/local_norm.py).
         use_local_rms_norm(block_spec)
     if not use_te:
-        from grpo_megatron.models.local_attention import LocalCoreAttention, LocalMLACoreAttention
+        from grpo_megatron.models.local_attention import LocalCoreAttention
 
-        # megatron's local DotProductAttention refuses packed sequences and cannot take MLA's
-        # distinct key/value head widths (models/local_attention.py).
-        core_attention = LocalMLACoreAttention if config.multi_latent_attention else LocalCoreAttention
+        # megatron's local DotProductAttention refuses packed sequences and context parallelism, and
+        # cannot take MLA's distinct key/value head widths (models/local_attention.py).
         for layer_spec in block_spec.layer_specs:
-            layer_spec.submodules.self_attention.submodules.core_attention = core_attention
+            layer_spec.submodules.self_attention.submodules.core_attention = LocalCoreAttention
     vocab = adapter.vocab_size(hf)
     padded = padded_vocab_size(vocab, model_cfg.make_vocab_size_divisible_by, ps.tp)
     model = GPTModel(

@@ -158,7 +158,8 @@ def rank_microbatches(
 def processed_tokens(lengths: Sequence[int], rows: Sequence[int], packing: bool) -> int:
     """Token positions the model runs for micro-batch ``rows``: ``sum(lengths)`` packed,
     ``rows x longest`` padded, 1 for an empty placeholder (before the rounding to a multiple of TP
-    that sequence parallelism adds in training/forward_backward.py)."""
+    that sequence parallelism adds, and the 2 x cp row multiples of context parallelism, in
+    training/forward_backward.py)."""
     if not rows:
         return 1
     if packing:

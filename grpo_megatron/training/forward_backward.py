@@ -29,6 +29,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -36,6 +37,7 @@ import torch.nn.functional as F
 
 from grpo_megatron.distributed.bootstrap import ParallelState
 from grpo_megatron.distributed.collectives import collective_device
+from grpo_megatron.distributed.context_parallel import gather_outputs, local_index
 from grpo_megatron.models.logprobs import vocab_parallel_logprobs
 from grpo_megatron.training.packing import PackedRows, packed_seq_params
 
@@ -69,51 +71,104 @@ LossFn = Callable[
 
 @dataclass
 class _Padded:
-    """A micro-batch padded to its target shape, with what its outputs are cut back to."""
+    """A micro-batch padded to its target shape (and, with context parallelism, cut to this rank's
+    chunks), with what its outputs are cut back to."""
 
     mb: MicroBatch
+    source: MicroBatch
+    """The caller's micro-batch."""
     rows: int
     """B of the outputs (rows of the caller's micro-batch)."""
     length: int
     """S of the outputs (the longest row)."""
-    packed_seq_params: object | None = None
+    layout: PackedRows | None = None
+    """Where the rows lie in the packed sequence the model runs (slots padded for CP)."""
+    packed_seq_params: Any = None
     """megatron's PackedSeqParams of a packed micro-batch."""
 
 
-def _pad(mb: MicroBatch, rows: int, length: int, device: torch.device) -> _Padded:
+def _cp_multiple(ps: ParallelState) -> int:
+    """Packed lengths: a multiple of TP under sequence parallelism, and with context parallelism
+    every segment a multiple of 2 x cp (the load-balanced chunks) and each rank's share of TP."""
+    tp = ps.tp if ps.sequence_parallel else 1
+    return tp if ps.cp == 1 else 2 * ps.cp * tp
+
+
+def _layout(mb: MicroBatch, ps: ParallelState) -> PackedRows | None:
+    if mb.packed is None or ps.cp == 1:
+        return mb.packed
+    return mb.packed.padded_to(2 * ps.cp)
+
+
+def _pad(mb: MicroBatch, rows: int, length: int, ps: ParallelState) -> _Padded:
     """Pad a micro-batch to ``[rows, length]``. Padding rows/columns are cut from every output; a
-    packed micro-batch's padded tail is one more attention segment (``PackedRows.cu_seqlens``)."""
+    packed micro-batch's padded tail is one more attention segment (``PackedRows.cu_seqlens``), and
+    with context parallelism this rank keeps its chunks of every segment."""
+    device = ps.device
+    extras = {k: v.to(device) for k, v in mb.extras.items()}
     b, s = mb.tokens_bs.shape
-    pad_s, pad_b = length - s, rows - b
-    position_ids_bs = mb.position_ids_bs
-    if position_ids_bs is None:
-        position_ids_bs = torch.arange(s).expand(b, s)
-    padded = MicroBatch(
-        tokens_bs=F.pad(mb.tokens_bs, (0, pad_s, 0, pad_b)).to(device),
-        labels_bs=F.pad(mb.labels_bs, (0, pad_s, 0, pad_b)).to(device),
-        position_ids_bs=F.pad(position_ids_bs, (0, pad_s, 0, pad_b)).to(device),
-        extras={k: v.to(device) for k, v in mb.extras.items()},
-        packed=mb.packed,
-    )
     if mb.packed is None:
-        return _Padded(padded, b, s)
+        pad_s, pad_b = length - s, rows - b
+        position_ids_bs = mb.position_ids_bs if mb.position_ids_bs is not None else torch.arange(s).expand(b, s)
+        padded = MicroBatch(
+            tokens_bs=F.pad(mb.tokens_bs, (0, pad_s, 0, pad_b)).to(device),
+            labels_bs=F.pad(mb.labels_bs, (0, pad_s, 0, pad_b)).to(device),
+            position_ids_bs=F.pad(position_ids_bs, (0, pad_s, 0, pad_b)).to(device),
+            extras=extras,
+        )
+        return _Padded(padded, mb, b, s)
     if b != 1 or s != mb.packed.total:
         raise ValueError(f"a packed micro-batch has tokens [1, {mb.packed.total}], got {list(mb.tokens_bs.shape)}")
-    return _Padded(padded, len(mb.packed.lengths), mb.packed.max_length, packed_seq_params(mb.packed, length, device))
+    layout = _layout(mb, ps)
+    assert layout is not None
+
+    def lay_out(x_t: torch.Tensor) -> torch.Tensor:
+        x_t = x_t if layout is mb.packed else layout.pack(mb.packed.unpack(x_t))
+        return F.pad(x_t, (0, length - layout.total))
+
+    cp_group = ps.cp_group if ps.cp > 1 else None
+    params = packed_seq_params(layout, length, device, cp_group)
+    tokens_t, labels_t = lay_out(mb.tokens_bs[0]), lay_out(mb.labels_bs[0])
+    position_ids_t = F.pad(layout.position_ids(), (0, length - layout.total))
+    if cp_group is not None:
+        index_l = local_index(params.cu_seqlens_q_padded.cpu(), ps.cp, ps.cp_rank)
+        tokens_t, labels_t, position_ids_t = tokens_t[index_l], labels_t[index_l], position_ids_t[index_l]
+    padded = MicroBatch(
+        tokens_bs=tokens_t[None].to(device),
+        labels_bs=labels_t[None].to(device),
+        position_ids_bs=position_ids_t[None].to(device),
+        extras=extras,
+        packed=mb.packed,
+    )
+    return _Padded(padded, mb, len(mb.packed.lengths), mb.packed.max_length, layout, params)
+
+
+def _as_packed(mb: MicroBatch) -> MicroBatch:
+    """Right-padded rows as a packed micro-batch of rows as long as the padded length."""
+    if mb.packed is not None:
+        return mb
+    b, s = mb.tokens_bs.shape
+    return MicroBatch(mb.tokens_bs.reshape(1, -1), mb.labels_bs.reshape(1, -1), extras=mb.extras, packed=PackedRows((s,) * b))
 
 
 def _padded_shapes(
     microbatches: Sequence[MicroBatch], ps: ParallelState, uniform: bool
 ) -> list[tuple[int, int]]:
-    """Target ``(rows, length)`` per micro-batch: lengths a multiple of TP under sequence
-    parallelism; with ``uniform``, the largest shape over all ranks (see ``_Runner.run``)."""
-    shapes_n2 = torch.tensor([list(mb.tokens_bs.shape) for mb in microbatches], dtype=torch.long)
+    """Target ``(rows, length)`` per micro-batch, before any CP split: lengths a multiple of TP
+    under sequence parallelism (of ``_cp_multiple`` when packed); with ``uniform``, the largest
+    shape over all ranks (see ``_Runner.run``)."""
+    shapes_n2 = torch.tensor(
+        [[1, layout.total] if (layout := _layout(mb, ps)) else list(mb.tokens_bs.shape) for mb in microbatches],
+        dtype=torch.long,
+    )
     if uniform:
         shapes_n2 = shapes_n2.to(collective_device())
         dist.all_reduce(shapes_n2, op=dist.ReduceOp.MAX)
         shapes_n2 = shapes_n2.cpu()
-    multiple = ps.tp if ps.sequence_parallel else 1
-    shapes_n2[:, 1] = (shapes_n2[:, 1] + multiple - 1) // multiple * multiple
+    tp = ps.tp if ps.sequence_parallel else 1
+    for n, mb in enumerate(microbatches):
+        multiple = _cp_multiple(ps) if mb.packed is not None else tp
+        shapes_n2[n, 1] = (shapes_n2[n, 1] + multiple - 1) // multiple * multiple
     return [(int(b), int(s)) for b, s in shapes_n2]
 
 
@@ -148,11 +203,16 @@ class _Runner:
             with_entropy=self.with_entropy,
             vocab_size=self.vocab_size,
         )
-        if mb.packed is not None:
-            logprobs_bs = mb.packed.unpack(logprobs_bs[0])
-            entropy_bs = None if entropy_bs is None else mb.packed.unpack(entropy_bs[0])
-            return logprobs_bs, entropy_bs
+        if p.layout is not None:
+            return self.unpack(logprobs_bs[0], p), None if entropy_bs is None else self.unpack(entropy_bs[0], p)
         return logprobs_bs[: p.rows, : p.length], None if entropy_bs is None else entropy_bs[: p.rows, : p.length]
+
+    def unpack(self, x_l: torch.Tensor, p: _Padded) -> torch.Tensor:
+        """Per-token outputs of the packed sequence (this rank's chunks of it under CP) -> ``[B, S]``."""
+        assert p.layout is not None
+        if self.ps.cp > 1:  # every CP rank gets every token, and computes the same loss from them
+            x_l = gather_outputs(x_l, p.packed_seq_params.cu_seqlens_q_padded, self.ps.cp_group)
+        return p.layout.unpack(x_l)
 
     def run(self, microbatches: Sequence[MicroBatch], loss_func_for: Callable, *, forward_only: bool) -> list:
         from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -165,8 +225,12 @@ class _Runner:
             and config.moe_token_dispatcher_type == "allgather"
             and self.ps.ep > 1
         )
+        if self.ps.cp > 1:
+            # Context parallelism splits packed sequences only: right-padded rows (the mismatch
+            # probe, verify) run as packed rows of their padded length, which is exact.
+            microbatches = [_as_packed(mb) for mb in microbatches]
         shapes = _padded_shapes(microbatches, self.ps, uniform)
-        padded = [_pad(mb, b, s, self.ps.device) for mb, (b, s) in zip(microbatches, shapes, strict=True)]
+        padded = [_pad(mb, b, s, self.ps) for mb, (b, s) in zip(microbatches, shapes, strict=True)]
 
         def step(data_iterator, model):
             p = next(data_iterator)
@@ -248,12 +312,12 @@ def forward_backward(
 
     def loss_func(p: _Padded, logits_bsvt: torch.Tensor):
         logprobs_bs, entropy_bs = runner.logprobs(logits_bsvt, p)
-        mb = p.mb
-        if mb.packed is None:
+        mb, src = p.mb, p.source
+        if src.packed is None:
             unpadded = MicroBatch(mb.tokens_bs[: p.rows, : p.length], mb.labels_bs[: p.rows, : p.length], extras=mb.extras)
         else:  # the loss sees rows, as without packing
-            tokens_bs = mb.packed.unpack(mb.tokens_bs[0])
-            unpadded = MicroBatch(tokens_bs, mb.packed.unpack(mb.labels_bs[0]), extras=mb.extras)
+            tokens_bs, labels_bs = src.packed.unpack(src.tokens_bs[0]), src.packed.unpack(src.labels_bs[0])
+            unpadded = MicroBatch(tokens_bs.to(mb.tokens_bs.device), labels_bs.to(mb.tokens_bs.device), extras=mb.extras)
         loss, metrics = loss_fn(logprobs_bs, entropy_bs, unpadded)
         reported = {k: float(v.detach()) for k, v in metrics.items()} | {"loss": float(loss.detach())}
         # The middle value is megatron's token count; ours is folded into the loss (see module doc).

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from grpo_megatron.bridge.layout import full_state
+from grpo_megatron.bridge.layout import full_state, load_full_state
 from grpo_megatron.config import load_config
 from grpo_megatron.distributed.bootstrap import destroy_distributed, init_distributed, world_size_from_env
 from grpo_megatron.training.batching import collate, make_sample, rank_microbatches
@@ -85,3 +85,58 @@ def run_layout(overrides: list[str]) -> dict:
 
 def layouts(layouts: dict[str, list[str]]) -> dict:
     return {name: run_layout(overrides) for name, overrides in layouts.items()}
+
+
+def cp_run(overrides: list[str], reference: dict | None) -> dict:
+    """Packed rows at a layout (context parallel or not): per-row logprobs, entropy and gradients;
+    with a reference (the one-process run), the weights come from it and the differences are returned."""
+    cfg = load_config(EXAMPLE, [*CPU_JOB, "parallel.use_distributed_optimizer=false", *overrides])
+    cfg.validate(world_size_from_env())
+    ps = init_distributed(cfg.parallel, seed=cfg.train.seed)
+    policy = build_policy(cfg.model.load_hf_config(), cfg, ps)
+    if reference is not None:
+        load_full_state(policy.model, ps, reference["params"])
+    vocab = policy.spec.vocab_size
+    samples = samples_for(vocab)
+    lengths = [s.length for s in samples]
+    global_tokens = float(sum(s.mask_s.sum() for s in samples))
+    rows = rank_microbatches(
+        lengths, range(len(samples)), dp_size=ps.dp, dp_rank=ps.dp_rank, micro_batch_size=3, max_tokens=None,
+        packing=True,
+    )
+    mbs = [collate(samples, r, 0, packed=True) for r in rows]
+    outs = forward_logprobs(policy.model, mbs, ps, vocab_size=vocab, with_entropy=True)
+    per_row = {}
+    for r, o in zip(rows, outs, strict=True):
+        for b, i in enumerate(r):
+            n = samples[i].length
+            per_row[i] = (o.logprobs_bs[b, :n].clone(), o.entropy_bs[b, :n].clone())
+    # Right-padded micro-batches (the mismatch probe's kind) run too, as rows of their padded length.
+    padded_outs = forward_logprobs(policy.model, [collate(samples, r, 0) for r in rows], ps, vocab_size=vocab)
+    padded_rows = {i: o.logprobs_bs[b, : samples[i].length] for r, o in zip(rows, padded_outs, strict=True)
+                   for b, i in enumerate(r)}
+    policy.zero_grad()
+    forward_backward(policy.model, mbs, ps, loss_fn_for(global_tokens), vocab_size=vocab, with_entropy=True)
+    grads = full_state(policy.model, ps, grads=True)
+    if reference is None:
+        out = {"params": full_state(policy.model, ps), "grads": grads, "rows": per_row}
+    else:
+        ref_rows = reference["rows"]
+        out = {
+            "logprob_diff": max((per_row[i][0] - ref_rows[i][0]).abs().max().item() for i in per_row),
+            "entropy_diff": max((per_row[i][1] - ref_rows[i][1]).abs().max().item() for i in per_row),
+            "grad_diff": max((grads[k] - reference["grads"][k]).abs().max().item() for k in grads),
+            "grad_scale": max(g.abs().max().item() for g in grads.values()),
+            "padded_rows_logprob_diff": max((padded_rows[i] - ref_rows[i][0]).abs().max().item() for i in padded_rows),
+            "rows_seen": len(per_row),
+        }
+    destroy_distributed(keep_process_group=True)
+    return out
+
+
+def cp_reference() -> dict:
+    return cp_run([], None)
+
+
+def cp_layouts(layouts: dict[str, list[str]], reference: dict) -> dict:
+    return {name: cp_run(overrides, reference) for name, overrides in layouts.items()}
