@@ -101,6 +101,16 @@ def test_two_grpo_iterations_at_ep2_write_every_required_metric(tmp_path):
     assert (run / "config.yaml").is_file()
 
 
+def test_context_parallel_training_matches_the_engine(tmp_path):
+    # CP2 x EP2 on 2 ranks (each expert on one CP rank): packed rows split over the CP ranks, the
+    # weight sync gathers experts from both, and the trainer's probe logprobs equal the engine's.
+    run = tmp_path / "run"
+    finish(launch("train", [*SMALL, "parallel.cp=2", "train.iterations=1", f"logging.run_dir={run}"]))
+    last = read_jsonl(run / "metrics.jsonl")[-1]
+    assert last["mismatch/probe_abs_diff_max"] < 1e-4 and last["mismatch/logprob_abs_diff"] < 1e-4
+    assert last["batch/padding_frac"] == 0.0
+
+
 def test_killed_and_resumed_run_equals_an_uninterrupted_one(tmp_path):
     common = [*SMALL, "train.iterations=5", "checkpoint.save_interval=2"]
     full = tmp_path / "full"
