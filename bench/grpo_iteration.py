@@ -107,13 +107,21 @@ def _bare_step_func(normalizer: float):
     import torch
 
     from grpo_megatron.training.batching import LossInputs
+    from grpo_megatron.training.packing import packed_seq_params
 
     def step(data_iterator, model_chunk):
         mb = next(data_iterator)
         b, s = mb.tokens_bs.shape
-        position_ids_bs = torch.arange(s).expand(b, s)
-        loss_bs = model_chunk(mb.tokens_bs, position_ids_bs, None, labels=mb.labels_bs)
-        mask_bs = LossInputs.of(mb).mask_bs
+        if mb.packed is None:
+            position_ids_bs = torch.arange(s).expand(b, s)
+            loss_bs = model_chunk(mb.tokens_bs, position_ids_bs, None, labels=mb.labels_bs)
+            mask_bs = LossInputs.of(mb).mask_bs
+        else:  # the same packed sequence as the train phase (train.packing)
+            params = packed_seq_params(mb.packed, s, mb.tokens_bs.device)
+            loss_bs = model_chunk(
+                mb.tokens_bs, mb.position_ids_bs, None, labels=mb.labels_bs, packed_seq_params=params
+            )
+            mask_bs = mb.packed.pack(LossInputs.of(mb).mask_bs)[None]
 
         def loss_func(output_bs):
             loss = (output_bs.float() * mask_bs).sum() / normalizer
@@ -215,7 +223,7 @@ def worker(args: argparse.Namespace) -> None:
             dist.barrier()
             samples, plan = one_iteration(job, sampler, probe, it, timer)
             # The same micro-batches as the train phase, collated outside the clock.
-            microbatches = [[collate(samples, r, job.pad_id) for r in rows] for rows in plan.rows]
+            microbatches = [[collate(samples, r, job.pad_id, packed=plan.packed) for r in rows] for rows in plan.rows]
             dist.barrier()
             with timer("bare_train"):
                 bare_loss = bare_train_step(job, microbatches)

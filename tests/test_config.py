@@ -265,6 +265,12 @@ def test_sequence_parallel_required_for_moe_with_tp():
     validate(load_config(EXAMPLE, [*dense, "parallel.tp=2", "parallel.sequence_parallel=false"]), world_size=2)
 
 
+def test_context_parallelism_needs_packing():
+    validate(load_config(EXAMPLE, ["parallel.cp=2"]), world_size=2)  # packing is the default
+    (error,) = config_errors(["parallel.cp=2", "train.packing=false"], world_size=2)
+    assert error.startswith("parallel.cp=2 needs train.packing=true")
+
+
 def test_unknown_model_type_lists_supported_ones():
     (error,) = config_errors(["model.hf_overrides.model_type=llama"], world_size=1)
     assert error.startswith("model_type='llama' (from model.hf_overrides) is not supported")

@@ -93,6 +93,8 @@ def test_two_grpo_iterations_at_ep2_write_every_required_metric(tmp_path):
     assert (run / "hf" / "config.json").is_file() and (run / "hf" / "tokenizer.json").is_file()
     assert (run / "checkpoints" / "latest").read_text().strip().endswith("2")
     assert last["offload/bytes_moved"] > 0
+    # packed micro-batches (train.packing, the default) process no padding but the TP/placeholder kind
+    assert 0 <= last["batch/padding_frac"] < 0.5 and last["batch/tokens_per_microbatch"] > 0
     assert "held-out accuracy" in out
     # the final report: the last evaluation and the best one, with their iterations
     summary = json.loads((run / "summary.json").read_text())
@@ -101,6 +103,16 @@ def test_two_grpo_iterations_at_ep2_write_every_required_metric(tmp_path):
     assert summary["best"] == max(evals.values()) == evals[summary["best_iteration"]]
     assert (run / "plot.png").is_file()
     assert (run / "config.yaml").is_file()
+
+
+def test_context_parallel_training_matches_the_engine(tmp_path):
+    # CP2 x EP2 on 2 ranks (each expert on one CP rank): packed rows split over the CP ranks, the
+    # weight sync gathers experts from both, and the trainer's probe logprobs equal the engine's.
+    run = tmp_path / "run"
+    finish(launch("train", [*SMALL, "parallel.cp=2", "train.iterations=1", f"logging.run_dir={run}"]))
+    last = read_jsonl(run / "metrics.jsonl")[-1]
+    assert last["mismatch/probe_abs_diff_max"] < 1e-4 and last["mismatch/logprob_abs_diff"] < 1e-4
+    assert last["batch/padding_frac"] == 0.0
 
 
 def test_killed_and_resumed_run_equals_an_uninterrupted_one(tmp_path):

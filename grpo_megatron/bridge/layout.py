@@ -126,9 +126,10 @@ def tp_group_of(layout: ShardLayout, ps: ParallelState) -> tuple[dist.ProcessGro
 
 def is_first_replica(layout: ShardLayout, ps: ParallelState) -> bool:
     """True on the ranks of the first data-parallel (and context-parallel) copy of this tensor;
-    the other copies hold the same values. Expert tensors are compared on every EDP copy."""
-    replica = 0 if layout.is_expert else ps.dp_rank
-    return replica == 0 and ps.cp_rank == 0
+    the other copies hold the same values. Expert tensors are compared on every EDP copy, whatever
+    their CP rank: the expert-parallel group spans TP x CP x DP ranks, so with context parallelism
+    an expert can live on CP rank 1 only."""
+    return layout.is_expert or (ps.dp_rank == 0 and ps.cp_rank == 0)
 
 
 def gather(shard: torch.Tensor, layout: ShardLayout, ps: ParallelState) -> torch.Tensor:

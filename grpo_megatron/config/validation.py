@@ -114,6 +114,13 @@ def model_layout_errors(model: ModelConfig, hf_config: dict[str, Any], parallel:
             f"(from {source('num_hidden_layers')}): choose parallel.pp in {{{', '.join(map(str, _divisors(layers)))}}}"
         )
 
+    if parallel.cp > 1 and model_type == "deepseek_v3" and model.transformer_impl != "transformer_engine":
+        errors.append(
+            f"parallel.cp={parallel.cp} with multi-latent attention (model_type deepseek_v3) needs "
+            "TransformerEngine: the local attention's context parallelism is checked for standard "
+            "attention only; set parallel.cp=1 or model.transformer_impl=transformer_engine"
+        )
+
     experts = num_routed_experts(hf_config)
     if experts == 0:
         if ep > 1:
@@ -147,6 +154,11 @@ def model_layout_errors(model: ModelConfig, hf_config: dict[str, Any], parallel:
 def batch_layout_errors(cfg: JobConfig, parallel: ParallelConfig) -> list[str]:
     """Rules between batch sizes and a resolved parallel layout."""
     assert parallel.dp is not None, "batch_layout_errors takes a resolved layout (ParallelConfig.resolve)"
+    if parallel.cp > 1 and not cfg.train.packing:
+        return [
+            f"parallel.cp={parallel.cp} needs train.packing=true: context parallelism splits packed "
+            "sequences over the CP ranks (training/forward_backward.py); set train.packing=true or parallel.cp=1"
+        ]
     samples = cfg.train.prompts_per_iteration * cfg.rollout.n_samples_per_prompt
     per_update = cfg.train.updates_per_iteration * parallel.dp
     if samples % per_update:
@@ -189,6 +201,11 @@ def routing_replay_errors(cfg: JobConfig, hf_config: dict[str, Any]) -> list[str
             f"train.updates_per_iteration > 1 (is {cfg.train.updates_per_iteration}) and "
             f"train.old_logprobs=trainer (is {cfg.train.old_logprobs}): with one update the training pass "
             "is the old-policy pass; use r3 or off"
+        )
+    if mode == "r2" and cfg.train.packing:
+        errors.append(
+            f"{where} with train.packing=true: the old-policy pass records its routes per padded row, and "
+            "packed micro-batches are not unpacked for that yet; set train.packing=false, or use r3"
         )
     return errors
 

@@ -146,12 +146,13 @@ def build_gpt_model(
         # megatron's torch norm keeps an fp32 weight in a bf16 model and computes otherwise than
         # the HF models the rollout engines run (models/local_norm.py).
         use_local_rms_norm(block_spec)
-    if config.multi_latent_attention and not use_te:
-        from grpo_megatron.models.local_attention import LocalMLACoreAttention
+    if not use_te:
+        from grpo_megatron.models.local_attention import LocalCoreAttention
 
-        # megatron's local DotProductAttention cannot take MLA's distinct key/value head widths.
+        # megatron's local DotProductAttention refuses packed sequences and context parallelism, and
+        # cannot take MLA's distinct key/value head widths (models/local_attention.py).
         for layer_spec in block_spec.layer_specs:
-            layer_spec.submodules.self_attention.submodules.core_attention = LocalMLACoreAttention
+            layer_spec.submodules.self_attention.submodules.core_attention = LocalCoreAttention
     vocab = adapter.vocab_size(hf)
     padded = padded_vocab_size(vocab, model_cfg.make_vocab_size_divisible_by, ps.tp)
     model = GPTModel(

@@ -1,14 +1,23 @@
-"""Core attention for multi-latent attention (MLA) without TransformerEngine.
+"""Core attention without TransformerEngine: packed sequences (THD), context parallelism, and
+multi-latent attention (MLA), in one module the builder puts in every local layer spec.
 
-megatron-core's local ``DotProductAttention`` (0.16.1) assumes one head width for queries, keys
-and values; MLA has query/key heads of ``qk_head_dim + qk_pos_emb_head_dim`` and value heads of
-``v_head_dim``, and ``MLASelfAttention`` passes ``k_channels``/``v_channels`` that only the TE
-module accepts. This module is what the builder puts in the DeepSeek-V3 layer spec in place of
-the local one (through megatron's ModuleSpec mechanism, not by patching megatron). On GPUs with
-TransformerEngine, TE's attention is used instead.
+megatron-core's local ``DotProductAttention`` (0.16.1) refuses packed sequences and context
+parallelism (both need TransformerEngine) and assumes one head width for queries, keys and values,
+which MLA breaks (query/key heads of ``qk_head_dim + qk_pos_emb_head_dim``, value heads of
+``v_head_dim``; ``MLASelfAttention`` passes ``k_channels``/``v_channels`` that only the TE module
+accepts). ``LocalCoreAttention`` takes its place through megatron's ModuleSpec mechanism (not by
+patching megatron); on GPUs with TransformerEngine, TE's attention is used instead.
 
-Shape legend: S sequence, B batch, H attention heads on this TP rank, Dk query/key head width,
-Dv value head width.
+- Right-padded rows: causal SDPA over ``[B, H, S, S]``.
+- Packed rows (``PackedSeqParams``, training/packing.py): one causal SDPA per segment of
+  ``cu_seqlens``, so rows never see each other and memory grows with the sum of the squared row
+  lengths, not the square of the packed length (no dense ``[T, T]`` mask).
+- Context parallelism (packed only): this rank holds two chunks of every segment
+  (distributed/context_parallel.py); keys and values are gathered over the CP group and each local
+  query attends to the keys at or before its position in its segment.
+
+Shape legend: S sequence, B batch, T packed tokens (L of them on this CP rank), H attention heads
+on this TP rank (Hkv key/value heads), Dk query/key head width, Dv value head width.
 """
 
 from __future__ import annotations
@@ -17,14 +26,59 @@ import math
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from grpo_megatron.distributed.context_parallel import gather_keys_values, local_index
 
-class LocalMLACoreAttention(MegatronModule):
-    """softmax(Q K^T * scale + mask) V with separate key and value head widths (causal)."""
+
+def segment_attention(
+    query_lhd: torch.Tensor,
+    key_lhd: torch.Tensor,
+    value_lhd: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    *,
+    scale: float,
+    dropout_p: float,
+    cp_group: dist.ProcessGroup | None = None,
+) -> torch.Tensor:
+    """Causal attention within each segment ``cu_seqlens[i] .. cu_seqlens[i+1]`` of a packed
+    sequence, ``[L, H, Dk] x [L, Hkv, Dk] x [L, Hkv, Dv] -> [L, H, Dv]`` (grouped-query: ``H`` a
+    multiple of ``Hkv``). Without context parallelism ``L = T``; with it, the tensors hold this CP
+    rank's chunks and ``cu_seqlens`` describes the whole sequence."""
+    groups = query_lhd.shape[1] // key_lhd.shape[1]
+    cp = 1 if cp_group is None else cp_group.size()
+    if cp_group is not None and cp > 1:
+        key_lhd = gather_keys_values(key_lhd, cu_seqlens, cp_group)
+        value_lhd = gather_keys_values(value_lhd, cu_seqlens, cp_group)
+        position_l = local_index(cu_seqlens, cp, cp_group.rank()).to(query_lhd.device)
+    bounds = cu_seqlens.tolist()
+    outs, q_start = [], 0
+    for start, end in zip(bounds[:-1], bounds[1:], strict=True):
+        k_hsd, v_hsd = (t[start:end].transpose(0, 1) for t in (key_lhd, value_lhd))
+        if groups > 1:
+            k_hsd, v_hsd = (t.repeat_interleave(groups, dim=0) for t in (k_hsd, v_hsd))
+        q_len = (end - start) // cp
+        q_hqd = query_lhd[q_start : q_start + q_len].transpose(0, 1)
+        if cp == 1:
+            out = F.scaled_dot_product_attention(q_hqd, k_hsd, v_hsd, is_causal=True, dropout_p=dropout_p, scale=scale)
+        else:  # this rank's queries sit at two places of the segment: mask by position
+            q_pos = position_l[q_start : q_start + q_len] - start
+            allowed_qs = torch.arange(end - start, device=q_pos.device)[None, :] <= q_pos[:, None]
+            out = F.scaled_dot_product_attention(
+                q_hqd, k_hsd, v_hsd, attn_mask=allowed_qs, dropout_p=dropout_p, scale=scale
+            )
+        outs.append(out)
+        q_start += q_len
+    return torch.cat(outs, dim=1).transpose(0, 1)
+
+
+class LocalCoreAttention(MegatronModule):
+    """softmax(Q K^T * scale, causal) V for padded rows, packed rows and context parallelism, with
+    separate key and value head widths (see the module docstring)."""
 
     def __init__(
         self,
@@ -40,35 +94,56 @@ class LocalMLACoreAttention(MegatronModule):
         pg_collection: Any = None,
     ) -> None:
         super().__init__(config=config)
-        if config.context_parallel_size != 1:
-            raise ValueError("LocalMLACoreAttention does not support context parallelism: use TransformerEngine")
+        if config.window_size is not None:
+            raise ValueError("LocalCoreAttention has no sliding window: use TransformerEngine")
         k_channels = k_channels or config.kv_channels
+        # megatron's query-key layer scaling divides the scores by the layer number and multiplies
+        # them back in its fp32 softmax: the net scale is the plain one.
         self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(k_channels)
         self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
+        self.cp_group = None if pg_collection is None else getattr(pg_collection, "cp", None)
 
     def forward(
         self,
-        query_sbhd: torch.Tensor,
-        key_sbhd: torch.Tensor,
-        value_sbhd: torch.Tensor,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
         attention_mask: torch.Tensor | None,
         attn_mask_type: AttnMaskType | None = None,
         attention_bias: torch.Tensor | None = None,
         packed_seq_params: Any = None,
     ) -> torch.Tensor:
+        if attention_bias is not None:
+            raise ValueError("LocalCoreAttention: attention_bias is not supported")
+        dropout_p = self.dropout_p if self.training else 0.0
         if packed_seq_params is not None:
-            raise ValueError("LocalMLACoreAttention: packed_seq_params (THD) needs TransformerEngine; pass a mask")
-        s, b, h, _ = query_sbhd.shape
-        q_bhsd, k_bhsd, v_bhsd = (t.permute(1, 2, 0, 3) for t in (query_sbhd, key_sbhd, value_sbhd))
+            if packed_seq_params.qkv_format != "thd":
+                raise ValueError(f"LocalCoreAttention: packed sequences must be thd, got {packed_seq_params.qkv_format!r}")
+            cp_group = packed_seq_params.cp_group or self.cp_group
+            # Slots wider than their rows (context parallelism) are in the padded boundaries.
+            cu_seqlens = packed_seq_params.cu_seqlens_q_padded
+            if cu_seqlens is None:
+                cu_seqlens = packed_seq_params.cu_seqlens_q
+            out_lhd = segment_attention(
+                query, key, value, cu_seqlens, scale=self.softmax_scale, dropout_p=dropout_p,
+                cp_group=cp_group if cp_group is not None and cp_group.size() > 1 else None,
+            )
+            return out_lhd.reshape(out_lhd.shape[0], -1)
+        if self.config.context_parallel_size != 1:
+            raise ValueError("LocalCoreAttention: context parallelism needs packed sequences (train.packing=true)")
+        s, b, h, _ = query.shape
+        groups = h // key.shape[2]
+        q_bhsd, k_bhsd, v_bhsd = (t.permute(1, 2, 0, 3) for t in (query, key, value))
+        if groups > 1:
+            k_bhsd, v_bhsd = (t.repeat_interleave(groups, dim=1) for t in (k_bhsd, v_bhsd))
         # megatron's masks are True where attention is NOT allowed; SDPA's bool masks the opposite.
         mask = None if attention_mask is None else ~attention_mask
         out_bhsd = F.scaled_dot_product_attention(
-            q_bhsd,
-            k_bhsd,
-            v_bhsd,
-            attn_mask=mask,
-            is_causal=attention_mask is None,
-            dropout_p=self.dropout_p if self.training else 0.0,
+            q_bhsd, k_bhsd, v_bhsd, attn_mask=mask, is_causal=attention_mask is None, dropout_p=dropout_p,
             scale=self.softmax_scale,
         )
         return out_bhsd.permute(2, 0, 1, 3).reshape(s, b, -1)
+
+
+# The name of the MLA-only module this one grew from.
+LocalMLACoreAttention = LocalCoreAttention

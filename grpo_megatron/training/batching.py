@@ -11,8 +11,13 @@ communication is needed to agree on it):
 2. data-parallel shares: within a mini-batch, samples go to the DP rank with the fewest tokens
    so far, longest first (balanced work, deterministic);
 3. micro-batches: a rank's share, longest first, cut into runs of ``micro_batch_size`` rows or
-   of at most ``max_tokens`` padded tokens; ranks with fewer micro-batches than the busiest one
-   add empty ones (expert-parallel collectives need every rank in every micro-batch).
+   filled to ``max_tokens`` tokens; ranks with fewer micro-batches than the busiest one add empty
+   ones (expert-parallel collectives need every rank in every micro-batch).
+
+Packed (``train.packing``, the default): a micro-batch's rows become one sequence of
+``sum(lengths)`` tokens (training/packing.py) and the token budget is filled by first-fit
+decreasing. Padded: rows are right-padded to the longest, and the budget counts
+``rows x longest row``.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from typing import Literal
 import torch
 
 from grpo_megatron.training.forward_backward import MicroBatch
+from grpo_megatron.training.packing import PackedRows, first_fit_decreasing
 
 
 @dataclass
@@ -108,13 +114,22 @@ def dp_shares(lengths: Sequence[int], indices: Sequence[int], dp_size: int) -> l
 
 
 def microbatch_rows(
-    lengths: Sequence[int], indices: Sequence[int], *, micro_batch_size: int, max_tokens: int | None
+    lengths: Sequence[int],
+    indices: Sequence[int],
+    *,
+    micro_batch_size: int,
+    max_tokens: int | None,
+    packing: bool = False,
 ) -> list[list[int]]:
     """Group ``indices`` into micro-batches: longest first, ``micro_batch_size`` rows each, or (when
-    ``max_tokens`` is set) as many rows as fit ``rows * longest_row <= max_tokens`` (at least one)."""
+    ``max_tokens`` is set) filled to the token budget: packed, by first-fit decreasing on
+    ``sum(lengths) <= max_tokens``; padded, as many consecutive rows as fit
+    ``rows * longest_row <= max_tokens``. A row over the budget goes alone."""
     ordered = sorted(indices, key=lambda i: (-lengths[i], i))
     if max_tokens is None:
         return [ordered[k : k + micro_batch_size] for k in range(0, len(ordered), micro_batch_size)]
+    if packing:
+        return first_fit_decreasing(lengths, ordered, max_tokens)
     groups: list[list[int]] = []
     for i in ordered:
         # Rows are sorted longest first, so the first row of a group sets its padded length.
@@ -125,6 +140,26 @@ def microbatch_rows(
     return groups
 
 
+def all_rank_microbatches(
+    lengths: Sequence[int],
+    indices: Sequence[int],
+    *,
+    dp_size: int,
+    micro_batch_size: int,
+    max_tokens: int | None,
+    packing: bool = False,
+) -> list[list[list[int]]]:
+    """Every DP rank's micro-batches of ``indices``: its token-balanced share (``dp_shares``) cut by
+    ``microbatch_rows``, padded with empty micro-batches to the busiest rank's count (expert-parallel
+    collectives span DP ranks, so every rank must run the same number)."""
+    per_rank = [
+        microbatch_rows(lengths, share, micro_batch_size=micro_batch_size, max_tokens=max_tokens, packing=packing)
+        for share in dp_shares(lengths, indices, dp_size)
+    ]
+    count = max(len(r) for r in per_rank)
+    return [r + [[] for _ in range(count - len(r))] for r in per_rank]
+
+
 def rank_microbatches(
     lengths: Sequence[int],
     indices: Sequence[int],
@@ -133,16 +168,38 @@ def rank_microbatches(
     dp_rank: int,
     micro_batch_size: int,
     max_tokens: int | None,
+    packing: bool = False,
 ) -> list[list[int]]:
-    """This DP rank's micro-batches of ``indices``: its token-balanced share (``dp_shares``) cut by
-    ``microbatch_rows``, padded with empty micro-batches to the busiest rank's count (expert-parallel
-    collectives span DP ranks, so every rank must run the same number)."""
-    per_rank = [
-        microbatch_rows(lengths, share, micro_batch_size=micro_batch_size, max_tokens=max_tokens)
-        for share in dp_shares(lengths, indices, dp_size)
-    ]
-    mine = per_rank[dp_rank]
-    return mine + [[] for _ in range(max(len(r) for r in per_rank) - len(mine))]
+    """This DP rank's micro-batches of ``indices`` (see ``all_rank_microbatches``)."""
+    return all_rank_microbatches(
+        lengths, indices, dp_size=dp_size, micro_batch_size=micro_batch_size, max_tokens=max_tokens, packing=packing
+    )[dp_rank]
+
+
+def processed_tokens(lengths: Sequence[int], rows: Sequence[int], packing: bool) -> int:
+    """Token positions the model runs for micro-batch ``rows``: ``sum(lengths)`` packed,
+    ``rows x longest`` padded, 1 for an empty placeholder (before the rounding to a multiple of TP
+    that sequence parallelism adds, and the 2 x cp row multiples of context parallelism, in
+    training/forward_backward.py)."""
+    if not rows:
+        return 1
+    if packing:
+        return sum(lengths[i] for i in rows)
+    return len(rows) * max(lengths[i] for i in rows)
+
+
+def batch_metrics(
+    lengths: Sequence[int], per_rank: Sequence[Sequence[Sequence[int]]], packing: bool
+) -> dict[str, float]:
+    """``batch/padding_frac`` (padded tokens / all tokens processed) and ``batch/tokens_per_microbatch``
+    (mean tokens processed per micro-batch) over every DP rank's micro-batches (``all_rank_microbatches``)."""
+    microbatches = [rows for rank in per_rank for rows in rank]
+    processed = sum(processed_tokens(lengths, rows, packing) for rows in microbatches)
+    real = sum(lengths[i] for rows in microbatches for i in rows)
+    return {
+        "batch/padding_frac": 1.0 - real / max(processed, 1),
+        "batch/tokens_per_microbatch": processed / max(len(microbatches), 1),
+    }
 
 
 @dataclass
@@ -168,15 +225,23 @@ class LossInputs:
         return cls(**mb.extras)
 
 
-def collate(samples: Sequence[Sample], rows: Sequence[int], pad_id: int, routes: str | None = None) -> MicroBatch:
-    """Right-padded micro-batch of ``samples[rows]``; an empty ``rows`` gives one all-masked row
-    (a placeholder micro-batch that contributes nothing but joins the collectives). ``routes``: which
-    ``Sample.routes`` to carry as ``routes_lbsk`` (-1 at padding), when every row has them."""
+def collate(
+    samples: Sequence[Sample], rows: Sequence[int], pad_id: int, routes: str | None = None, *, packed: bool = False
+) -> MicroBatch:
+    """Micro-batch of ``samples[rows]``: right-padded rows, or with ``packed`` their tokens laid end
+    to end in one ``[1, T]`` sequence (``MicroBatch.packed`` says where each row lies). The per-token
+    ``extras`` (and the routes) are right-padded ``[B, S]`` rows either way: the logprobs reach the
+    loss unpacked. An empty ``rows`` gives one all-masked row (a placeholder micro-batch that
+    contributes nothing but joins the collectives). ``routes``: which ``Sample.routes`` to carry as
+    ``routes_lbsk`` (-1 at padding), when every row has them."""
     if not rows:
         one_11 = torch.full((1, 1), pad_id, dtype=torch.long)
         zeros_11 = torch.zeros(1, 1)
         inputs = LossInputs(zeros_11, zeros_11, torch.zeros(1), old_logprobs_bs=zeros_11, ref_logprobs_bs=zeros_11)
-        return MicroBatch(tokens_bs=one_11, labels_bs=one_11.clone(), extras=inputs.to_extras())
+        return MicroBatch(
+            tokens_bs=one_11, labels_bs=one_11.clone(), extras=inputs.to_extras(),
+            packed=PackedRows((1,)) if packed else None,
+        )
     s = max(samples[i].length for i in rows)
 
     def stack(get, fill) -> torch.Tensor:
@@ -202,6 +267,16 @@ def collate(samples: Sequence[Sample], rows: Sequence[int], pad_id: int, routes:
         for b, i in enumerate(rows):
             r = samples[i].routes[routes]
             routes_lbsk[:, b, : r.shape[1]] = r
+    if packed:
+        layout = PackedRows(tuple(samples[i].length for i in rows))
+        return MicroBatch(
+            tokens_bs=torch.cat([samples[i].tokens_s for i in rows])[None],
+            labels_bs=torch.cat([samples[i].labels_s for i in rows])[None],
+            position_ids_bs=layout.position_ids()[None],
+            extras=inputs.to_extras(),
+            packed=layout,
+            routes_lbsk=routes_lbsk,
+        )
     return MicroBatch(
         tokens_bs=stack(lambda x: x.tokens_s, pad_id),
         labels_bs=stack(lambda x: x.labels_s, pad_id),

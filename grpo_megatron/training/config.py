@@ -22,7 +22,14 @@ class TrainConfig:
     micro_batch_size: int = 1
     """Sequences per forward/backward pass (ignored when max_tokens_per_micro_batch is set)."""
     max_tokens_per_micro_batch: int | None = None
-    """Pack sequences into micro-batches of at most this many tokens; None = micro_batch_size sequences."""
+    """Fill micro-batches to at most this many tokens (a longer sequence gets one of its own); None =
+    micro_batch_size sequences. Packed, the tokens of a micro-batch are the sum of its sequence
+    lengths (first-fit decreasing); padded, its rows times its longest sequence."""
+    packing: bool = True
+    """Pack the sequences of a micro-batch end to end into one sequence (megatron's PackedSeqParams:
+    attention never crosses sequences, positions restart per sequence) instead of right-padding them
+    to the longest: the same logprobs and gradients without the compute spent on padding
+    (training/packing.py). false = right-padded rows."""
     lr: float = 1e-6
     """Peak learning rate."""
     min_lr: float = 0.0

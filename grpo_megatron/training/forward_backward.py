@@ -1,7 +1,12 @@
 """Sharded forward (and backward) over many micro-batches, producing per-token logprobs.
 
 Shape legend: B micro-batch size, S sequence length (padded up to a multiple of TP for sequence
-parallelism, and cut back before anything leaves this module).
+parallelism, and cut back before anything leaves this module), T packed length.
+
+A packed micro-batch (``MicroBatch.packed``, training/packing.py) runs as one ``[1, T]`` sequence
+with megatron's ``PackedSeqParams``; its logprobs and entropy are unpacked to right-padded
+``[B, S]`` rows before ``loss_fn`` sees them and before they are returned, so callers handle
+packed and padded micro-batches alike.
 
 One function serves the three trainer passes of a GRPO iteration:
 - reference logprobs and old-policy logprobs: ``forward_logprobs`` (forward only);
@@ -24,6 +29,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -31,8 +37,10 @@ import torch.nn.functional as F
 
 from grpo_megatron.distributed.bootstrap import ParallelState
 from grpo_megatron.distributed.collectives import collective_device
+from grpo_megatron.distributed.context_parallel import gather_outputs, local_index
 from grpo_megatron.models.logprobs import vocab_parallel_logprobs
 from grpo_megatron.models.routing import RoutingPass
+from grpo_megatron.training.packing import PackedRows, packed_seq_params
 
 
 @dataclass
@@ -42,15 +50,17 @@ class MicroBatch:
     tokens_bs: torch.Tensor
     labels_bs: torch.Tensor
     position_ids_bs: torch.Tensor | None = None
-    """None: 0..S-1 per row. Packed sequences restart positions at each sequence start."""
-    attention_mask_b1ss: torch.Tensor | None = None
-    """None: causal (right-padded rows need no mask). Else bool, True = masked out (megatron's
-    convention), e.g. ``packed_causal_mask`` for several sequences packed into one row."""
+    """None: 0..S-1 per row. Packed sequences restart positions at each row start."""
     extras: dict[str, torch.Tensor] = field(default_factory=dict)
-    """Per-token or per-sequence inputs of ``loss_fn`` (advantages, old logprobs, masks...)."""
+    """Per-token or per-sequence inputs of ``loss_fn`` (advantages, old logprobs, masks...), as
+    right-padded ``[B, S]`` rows also when the micro-batch is packed."""
+    packed: PackedRows | None = None
+    """None: ``tokens_bs`` holds right-padded rows. Else ``tokens_bs`` is ``[1, T]``: these rows end
+    to end, run with megatron's PackedSeqParams (attention never crosses rows)."""
     routes_lbsk: torch.Tensor | None = None
-    """MoE expert ids per MoE layer, row, position and top-k slot (-1 at padding): the routes a
-    ``RoutingPass`` replays or compares against (``models/routing.py``); they are padded with the tokens."""
+    """MoE expert ids per MoE layer, row, position and top-k slot (-1 at padding), as right-padded rows
+    also when the micro-batch is packed: the routes a ``RoutingPass`` replays or compares against
+    (``models/routing.py``); they are padded, packed and split over CP ranks with the tokens."""
 
 
 @dataclass
@@ -64,60 +74,123 @@ LossFn = Callable[
 ]
 
 
-def packed_causal_mask(seq_lens: Sequence[int], total_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Block-diagonal causal mask ``[1, 1, S, S]`` (True = masked) and restarting position ids ``[1, S]``
-    for sequences of ``seq_lens`` packed into one row of length ``total_len`` (tail is padding)."""
-    seq_id_s = torch.full((total_len,), -1, dtype=torch.long)
-    position_ids_s = torch.zeros(total_len, dtype=torch.long)
-    start = 0
-    for i, n in enumerate(seq_lens):
-        seq_id_s[start : start + n] = i
-        position_ids_s[start : start + n] = torch.arange(n)
-        start += n
-    same_ss = seq_id_s[:, None] == seq_id_s[None, :]
-    causal_ss = torch.ones(total_len, total_len, dtype=torch.bool).tril()
-    allowed_ss = same_ss & causal_ss
-    allowed_ss |= torch.eye(total_len, dtype=torch.bool)  # padding rows attend to themselves
-    return ~allowed_ss[None, None], position_ids_s[None]
+@dataclass
+class _Padded:
+    """A micro-batch padded to its target shape (and, with context parallelism, cut to this rank's
+    chunks), with what its outputs are cut back to."""
+
+    mb: MicroBatch
+    source: MicroBatch
+    """The caller's micro-batch."""
+    rows: int
+    """B of the outputs (rows of the caller's micro-batch)."""
+    length: int
+    """S of the outputs (the longest row)."""
+    layout: PackedRows | None = None
+    """Where the rows lie in the packed sequence the model runs (slots padded for CP)."""
+    packed_seq_params: Any = None
+    """megatron's PackedSeqParams of a packed micro-batch."""
+
+    @property
+    def real(self) -> tuple[int, int]:
+        """The part of ``mb.tokens_bs`` that holds real rows: ``(rows, length)``, or ``(1, tokens)``
+        of the packed sequence."""
+        return (self.rows, self.length) if self.layout is None else (1, self.layout.total)
 
 
-def _pad(mb: MicroBatch, rows: int, length: int, device: torch.device) -> MicroBatch:
-    """Pad a micro-batch to ``[rows, length]``. Padding rows/columns are cut from every output."""
+def _cp_multiple(ps: ParallelState) -> int:
+    """Packed lengths: a multiple of TP under sequence parallelism, and with context parallelism
+    every segment a multiple of 2 x cp (the load-balanced chunks) and each rank's share of TP."""
+    tp = ps.tp if ps.sequence_parallel else 1
+    return tp if ps.cp == 1 else 2 * ps.cp * tp
+
+
+def _layout(mb: MicroBatch, ps: ParallelState) -> PackedRows | None:
+    if mb.packed is None or ps.cp == 1:
+        return mb.packed
+    return mb.packed.padded_to(2 * ps.cp)
+
+
+def _pad(mb: MicroBatch, rows: int, length: int, ps: ParallelState) -> _Padded:
+    """Pad a micro-batch to ``[rows, length]``. Padding rows/columns are cut from every output; a
+    packed micro-batch's padded tail is one more attention segment (``PackedRows.cu_seqlens``), and
+    with context parallelism this rank keeps its chunks of every segment."""
+    device = ps.device
+    extras = {k: v.to(device) for k, v in mb.extras.items()}
     b, s = mb.tokens_bs.shape
-    pad_s, pad_b = length - s, rows - b
-    position_ids_bs = mb.position_ids_bs
-    if position_ids_bs is None:
-        position_ids_bs = torch.arange(s).expand(b, s)
-    mask = mb.attention_mask_b1ss
-    if mask is not None and (pad_s or pad_b):
-        mask = F.pad(mask.expand(b, -1, -1, -1), (0, pad_s, 0, pad_s, 0, 0, 0, pad_b), value=True)
-        idx = torch.arange(length)
-        mask[:, :, idx, idx] = False  # padding rows attend to themselves only: no empty softmax
-    routes = mb.routes_lbsk
-    if routes is not None:
-        routes = F.pad(routes, (0, 0, 0, pad_s, 0, pad_b), value=-1)
+    if mb.packed is None:
+        pad_s, pad_b = length - s, rows - b
+        position_ids_bs = mb.position_ids_bs if mb.position_ids_bs is not None else torch.arange(s).expand(b, s)
+        routes = mb.routes_lbsk
+        padded = MicroBatch(
+            tokens_bs=F.pad(mb.tokens_bs, (0, pad_s, 0, pad_b)).to(device),
+            labels_bs=F.pad(mb.labels_bs, (0, pad_s, 0, pad_b)).to(device),
+            position_ids_bs=F.pad(position_ids_bs, (0, pad_s, 0, pad_b)).to(device),
+            extras=extras,
+            routes_lbsk=None if routes is None else F.pad(routes, (0, 0, 0, pad_s, 0, pad_b), value=-1),
+        )
+        return _Padded(padded, mb, b, s)
+    if b != 1 or s != mb.packed.total:
+        raise ValueError(f"a packed micro-batch has tokens [1, {mb.packed.total}], got {list(mb.tokens_bs.shape)}")
+    layout = _layout(mb, ps)
+    assert layout is not None
+
+    def lay_out(x_t: torch.Tensor) -> torch.Tensor:
+        x_t = x_t if layout is mb.packed else layout.pack(mb.packed.unpack(x_t))
+        return F.pad(x_t, (0, length - layout.total))
+
+    cp_group = ps.cp_group if ps.cp > 1 else None
+    params = packed_seq_params(layout, length, device, cp_group)
+    tokens_t, labels_t = lay_out(mb.tokens_bs[0]), lay_out(mb.labels_bs[0])
+    position_ids_t = F.pad(layout.position_ids(), (0, length - layout.total))
+    routes_tlk = None
+    if mb.routes_lbsk is not None:  # rows [L, B, S, K] -> the packed order [T, L, K], -1 in padding
+        routes_tlk = layout.pack(mb.routes_lbsk.permute(1, 2, 0, 3), fill=-1)
+        routes_tlk = F.pad(routes_tlk, (0, 0, 0, 0, 0, length - layout.total), value=-1)
+    if cp_group is not None:
+        index_l = local_index(params.cu_seqlens_q_padded.cpu(), ps.cp, ps.cp_rank)
+        tokens_t, labels_t, position_ids_t = tokens_t[index_l], labels_t[index_l], position_ids_t[index_l]
+        routes_tlk = None if routes_tlk is None else routes_tlk[index_l]
+    padded = MicroBatch(
+        tokens_bs=tokens_t[None].to(device),
+        labels_bs=labels_t[None].to(device),
+        position_ids_bs=position_ids_t[None].to(device),
+        extras=extras,
+        packed=mb.packed,
+        routes_lbsk=None if routes_tlk is None else routes_tlk.permute(1, 0, 2)[:, None],
+    )
+    return _Padded(padded, mb, len(mb.packed.lengths), mb.packed.max_length, layout, params)
+
+
+def _as_packed(mb: MicroBatch) -> MicroBatch:
+    """Right-padded rows as a packed micro-batch of rows as long as the padded length."""
+    if mb.packed is not None:
+        return mb
+    b, s = mb.tokens_bs.shape
     return MicroBatch(
-        routes_lbsk=routes,
-        tokens_bs=F.pad(mb.tokens_bs, (0, pad_s, 0, pad_b)).to(device),
-        labels_bs=F.pad(mb.labels_bs, (0, pad_s, 0, pad_b)).to(device),
-        position_ids_bs=F.pad(position_ids_bs, (0, pad_s, 0, pad_b)).to(device),
-        attention_mask_b1ss=None if mask is None else mask.to(device),
-        extras={k: v.to(device) for k, v in mb.extras.items()},
+        mb.tokens_bs.reshape(1, -1), mb.labels_bs.reshape(1, -1), extras=mb.extras, packed=PackedRows((s,) * b),
+        routes_lbsk=mb.routes_lbsk,
     )
 
 
 def _padded_shapes(
     microbatches: Sequence[MicroBatch], ps: ParallelState, uniform: bool
 ) -> list[tuple[int, int]]:
-    """Target ``(rows, length)`` per micro-batch: lengths a multiple of TP under sequence
-    parallelism; with ``uniform``, the largest shape over all ranks (see ``_Runner.run``)."""
-    shapes_n2 = torch.tensor([list(mb.tokens_bs.shape) for mb in microbatches], dtype=torch.long)
+    """Target ``(rows, length)`` per micro-batch, before any CP split: lengths a multiple of TP
+    under sequence parallelism (of ``_cp_multiple`` when packed); with ``uniform``, the largest
+    shape over all ranks (see ``_Runner.run``)."""
+    shapes_n2 = torch.tensor(
+        [[1, layout.total] if (layout := _layout(mb, ps)) else list(mb.tokens_bs.shape) for mb in microbatches],
+        dtype=torch.long,
+    )
     if uniform:
         shapes_n2 = shapes_n2.to(collective_device())
         dist.all_reduce(shapes_n2, op=dist.ReduceOp.MAX)
         shapes_n2 = shapes_n2.cpu()
-    multiple = ps.tp if ps.sequence_parallel else 1
-    shapes_n2[:, 1] = (shapes_n2[:, 1] + multiple - 1) // multiple * multiple
+    tp = ps.tp if ps.sequence_parallel else 1
+    for n, mb in enumerate(microbatches):
+        multiple = _cp_multiple(ps) if mb.packed is not None else tp
+        shapes_n2[n, 1] = (shapes_n2[n, 1] + multiple - 1) // multiple * multiple
     return [(int(b), int(s)) for b, s in shapes_n2]
 
 
@@ -135,15 +208,15 @@ class _Runner:
         routing: RoutingPass | None = None,
     ) -> None:
         self.chunks = model if isinstance(model, list) else [model]
-        self.routing = routing
         self.ps = ps
         self.vocab_size = vocab_size
         self.temperature = temperature
         self.with_entropy = with_entropy
+        self.routing = routing
 
-    def logprobs(
-        self, logits_bsvt: torch.Tensor, mb: MicroBatch, b: int, s: int
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def logprobs(self, logits_bsvt: torch.Tensor, p: _Padded) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Logprobs (and entropy) of ``p``'s labels as ``[B, S]`` rows (unpacked when packed)."""
+        mb = p.mb
         vocab_start = self.ps.tp_rank * logits_bsvt.shape[-1]
         logprobs_bs, entropy_bs = vocab_parallel_logprobs(
             logits_bsvt,
@@ -154,7 +227,16 @@ class _Runner:
             with_entropy=self.with_entropy,
             vocab_size=self.vocab_size,
         )
-        return logprobs_bs[:b, :s], None if entropy_bs is None else entropy_bs[:b, :s]
+        if p.layout is not None:
+            return self.unpack(logprobs_bs[0], p), None if entropy_bs is None else self.unpack(entropy_bs[0], p)
+        return logprobs_bs[: p.rows, : p.length], None if entropy_bs is None else entropy_bs[: p.rows, : p.length]
+
+    def unpack(self, x_l: torch.Tensor, p: _Padded) -> torch.Tensor:
+        """Per-token outputs of the packed sequence (this rank's chunks of it under CP) -> ``[B, S]``."""
+        assert p.layout is not None
+        if self.ps.cp > 1:  # every CP rank gets every token, and computes the same loss from them
+            x_l = gather_outputs(x_l, p.packed_seq_params.cu_seqlens_q_padded, self.ps.cp_group)
+        return p.layout.unpack(x_l)
 
     def run(self, microbatches: Sequence[MicroBatch], loss_func_for: Callable, *, forward_only: bool) -> list:
         from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -167,26 +249,30 @@ class _Runner:
             and config.moe_token_dispatcher_type == "allgather"
             and self.ps.ep > 1
         )
+        if self.ps.cp > 1:
+            # Context parallelism splits packed sequences only: right-padded rows (the mismatch
+            # probe, verify) run as packed rows of their padded length, which is exact.
+            microbatches = [_as_packed(mb) for mb in microbatches]
         shapes = _padded_shapes(microbatches, self.ps, uniform)
-        padded = [
-            (_pad(mb, b, s, self.ps.device), mb.tokens_bs.shape)
-            for mb, (b, s) in zip(microbatches, shapes, strict=True)
-        ]
+        padded = [_pad(mb, b, s, self.ps) for mb, (b, s) in zip(microbatches, shapes, strict=True)]
 
         def step(data_iterator, model):
-            mb, (b, s) = next(data_iterator)
+            p = next(data_iterator)
             if self.routing is not None:  # targets for this micro-batch's routers on this stage
-                self.routing.before_microbatch(mb.routes_lbsk, tuple(mb.tokens_bs.shape), (b, s))
-            output = model(mb.tokens_bs, mb.position_ids_bs, mb.attention_mask_b1ss)
-            return output, partial(loss_func_for, mb, b, s)
+                self.routing.before_microbatch(p.mb.routes_lbsk, tuple(p.mb.tokens_bs.shape), p.real)
+            if p.packed_seq_params is None:
+                output = model(p.mb.tokens_bs, p.mb.position_ids_bs, None)
+            else:
+                output = model(p.mb.tokens_bs, p.mb.position_ids_bs, None, packed_seq_params=p.packed_seq_params)
+            return output, partial(loss_func_for, p)
 
         results = get_forward_backward_func()(
             forward_step_func=step,
             data_iterator=iter(padded),
             model=self.chunks,
             num_microbatches=len(padded),
-            seq_length=max(mb.tokens_bs.shape[1] for mb, _ in padded),
-            micro_batch_size=max(mb.tokens_bs.shape[0] for mb, _ in padded),
+            seq_length=max(p.mb.tokens_bs.shape[1] for p in padded),
+            micro_batch_size=max(p.mb.tokens_bs.shape[0] for p in padded),
             forward_only=forward_only,
             collect_non_loss_data=forward_only,
         )
@@ -227,8 +313,8 @@ def forward_logprobs(
         model, ps, vocab_size=vocab_size, temperature=temperature, with_entropy=with_entropy, routing=routing
     )
 
-    def loss_func(mb: MicroBatch, b: int, s: int, logits_bsvt: torch.Tensor, non_loss_data: bool = True):
-        logprobs_bs, entropy_bs = runner.logprobs(logits_bsvt, mb, b, s)
+    def loss_func(p: _Padded, logits_bsvt: torch.Tensor, non_loss_data: bool = True):
+        logprobs_bs, entropy_bs = runner.logprobs(logits_bsvt, p)
         out = {"logprobs": logprobs_bs}
         if entropy_bs is not None:
             out["entropy"] = entropy_bs
@@ -252,14 +338,20 @@ def forward_backward(
     routing: RoutingPass | None = None,
 ) -> list[dict[str, float]]:
     """Forward and backward of ``loss_fn`` over all micro-batches; gradients accumulate in the model
-    (``param.main_grad`` under megatron's DDP). Returns each micro-batch's metrics on every rank."""
+    (``param.main_grad`` under megatron's DDP). Returns each micro-batch's metrics on every rank.
+    ``routing``: the MoE routing of the pass (replay, recording), see ``models/routing.py``."""
     runner = _Runner(
         model, ps, vocab_size=vocab_size, temperature=temperature, with_entropy=with_entropy, routing=routing
     )
 
-    def loss_func(mb: MicroBatch, b: int, s: int, logits_bsvt: torch.Tensor):
-        logprobs_bs, entropy_bs = runner.logprobs(logits_bsvt, mb, b, s)
-        unpadded = MicroBatch(mb.tokens_bs[:b, :s], mb.labels_bs[:b, :s], extras=mb.extras)
+    def loss_func(p: _Padded, logits_bsvt: torch.Tensor):
+        logprobs_bs, entropy_bs = runner.logprobs(logits_bsvt, p)
+        mb, src = p.mb, p.source
+        if src.packed is None:
+            unpadded = MicroBatch(mb.tokens_bs[: p.rows, : p.length], mb.labels_bs[: p.rows, : p.length], extras=mb.extras)
+        else:  # the loss sees rows, as without packing
+            tokens_bs, labels_bs = src.packed.unpack(src.tokens_bs[0]), src.packed.unpack(src.labels_bs[0])
+            unpadded = MicroBatch(tokens_bs.to(mb.tokens_bs.device), labels_bs.to(mb.tokens_bs.device), extras=mb.extras)
         loss, metrics = loss_fn(logprobs_bs, entropy_bs, unpadded)
         reported = {k: float(v.detach()) for k, v in metrics.items()} | {"loss": float(loss.detach())}
         # The middle value is megatron's token count; ours is folded into the loss (see module doc).

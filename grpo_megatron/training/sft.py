@@ -54,6 +54,7 @@ def sft_step(job: Job, samples: list[Sample]) -> dict[str, float]:
         dp_rank=ps.dp_rank,
         micro_batch_size=cfg.train.micro_batch_size,
         max_tokens=cfg.train.max_tokens_per_micro_batch,
+        packing=cfg.train.packing,
     )
     total_tokens = float(sum(s.mask_s.sum() for s in samples))
 
@@ -66,7 +67,7 @@ def sft_step(job: Job, samples: list[Sample]) -> dict[str, float]:
 
     job.policy.zero_grad()
     outs = forward_backward(
-        job.policy.model, [collate(samples, r, job.pad_id) for r in rows], ps, nll, vocab_size=job.policy.spec.vocab_size
+        job.policy.model, [collate(samples, r, job.pad_id, packed=cfg.train.packing) for r in rows], ps, nll, vocab_size=job.policy.spec.vocab_size
     )
     loss_t = torch.tensor([sum(o["loss"] for o in outs)], dtype=torch.float64)
     if ps.dp > 1:

@@ -20,8 +20,8 @@ from grpo_megatron.training.forward_backward import (
     MicroBatch,
     forward_backward,
     forward_logprobs,
-    packed_causal_mask,
 )
+from grpo_megatron.training.packing import PackedRows
 from grpo_megatron.training.policy import build_policy
 from tests.helpers.dist import CPU_JOB
 
@@ -31,8 +31,8 @@ ROWS = 4  # global batch rows, split over data-parallel ranks
 
 def global_batch(vocab: int) -> list[MicroBatch]:
     """Four micro-batches (so two data-parallel ranks get two each: EP collectives need equal
-    counts): two right-padded pairs of different lengths, and two packed rows of two sequences
-    each (block-diagonal masked attention, odd lengths that exercise the sequence-parallel padding).
+    counts): two right-padded pairs of different lengths, and two packed sequences of two rows
+    each (PackedSeqParams, odd lengths that exercise the sequence-parallel padding).
     """
     gen = torch.Generator().manual_seed(7)
     seqs = [torch.randint(0, vocab, (n,), generator=gen) for n in (13, 13, 10, 10, 6, 6, 5, 5)]
@@ -43,15 +43,15 @@ def global_batch(vocab: int) -> list[MicroBatch]:
         batches.append(MicroBatch(tokens[:, :-1], tokens[:, 1:], extras={"weight_bs": weight}))
     for a, b in (seqs[4:6], seqs[6:8]):
         packed = torch.cat([a, b])  # inputs: all but the last token; labels: all but the first
-        mask, pos = packed_causal_mask([len(a), len(b) - 1], len(packed) - 1)
-        weight = torch.rand(1, len(packed) - 1, generator=gen) - 0.5
+        rows = PackedRows((len(a), len(b) - 1))
+        weight = torch.rand(2, rows.max_length, generator=gen) - 0.5  # per row, as the loss sees them
         batches.append(
             MicroBatch(
                 packed[None, :-1],
                 packed[None, 1:],
-                position_ids_bs=pos,
-                attention_mask_b1ss=mask,
+                position_ids_bs=rows.position_ids()[None],
                 extras={"weight_bs": weight},
+                packed=rows,
             )
         )
     return batches

@@ -12,7 +12,13 @@ import torch
 from grpo_megatron.algorithm.advantages import advantages_from_config
 from grpo_megatron.algorithm.batch_shaping import overlong_penalty
 from grpo_megatron.algorithm.policy_loss import loss_normalizer
-from grpo_megatron.training.batching import Sample, make_sample, minibatch_slices, rank_microbatches
+from grpo_megatron.training.batching import (
+    Sample,
+    all_rank_microbatches,
+    batch_metrics,
+    make_sample,
+    minibatch_slices,
+)
 
 if TYPE_CHECKING:
     from grpo_megatron.algorithm.config import AlgorithmConfig
@@ -60,6 +66,10 @@ class UpdatePlan:
 
     rows: list[list[list[int]]]
     normalizers: list[float]
+    packed: bool = False
+    """Micro-batches are packed sequences (train.packing)."""
+    metrics: dict[str, float] = field(default_factory=dict)
+    """batch/padding_frac and batch/tokens_per_microbatch over every rank's micro-batches."""
 
     @property
     def all_rows(self) -> list[list[int]]:
@@ -69,17 +79,17 @@ class UpdatePlan:
 def plan_update(train: TrainConfig, alg: AlgorithmConfig, ps: ParallelState, samples: Sequence[Sample]) -> UpdatePlan:
     """Split the batch into mini-batches, DP shares and micro-batches (training/batching.py)."""
     lengths = [s.length for s in samples]
-    rows, normalizers = [], []
+    rows, normalizers, every_rank = [], [], []
     for minibatch in minibatch_slices(len(samples), train.updates_per_iteration):
-        rows.append(
-            rank_microbatches(
-                lengths,
-                minibatch,
-                dp_size=ps.dp,
-                dp_rank=ps.dp_rank,
-                micro_batch_size=train.micro_batch_size,
-                max_tokens=train.max_tokens_per_micro_batch,
-            )
+        per_rank = all_rank_microbatches(
+            lengths,
+            minibatch,
+            dp_size=ps.dp,
+            micro_batch_size=train.micro_batch_size,
+            max_tokens=train.max_tokens_per_micro_batch,
+            packing=train.packing,
         )
+        rows.append(per_rank[ps.dp_rank])
+        every_rank.extend(per_rank)
         normalizers.append(sum(loss_normalizer(alg.loss_agg_mode, samples[i].mask_s[None]) for i in minibatch))
-    return UpdatePlan(rows, normalizers)
+    return UpdatePlan(rows, normalizers, train.packing, batch_metrics(lengths, every_rank, train.packing))

@@ -30,7 +30,7 @@ def logprob_pass(
     ``routes``: the pass's MoE routing and which ``Sample.routes`` it replays or compares against
     (training/route_replay.py)."""
     rows = plan.all_rows
-    microbatches = [collate(samples, r, pad_id, routes) for r in rows]
+    microbatches = [collate(samples, r, pad_id, routes, packed=plan.packed) for r in rows]
     outputs = forward_logprobs(
         model, microbatches, ps, vocab_size=vocab_size, temperature=temperature, routing=routing
     )

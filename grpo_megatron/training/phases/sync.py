@@ -72,6 +72,8 @@ def mismatch_probe(
     if not sequences:
         return {}
     scored, routes = fleet.score(sequences, prompt_lens, temperature)
+    if ps.cp > 1:  # routes are not split over context-parallel ranks (the config refuses replay there)
+        routes = None
     length = max(len(s) for s in sequences)
     tokens_bl = torch.zeros((len(sequences), length), dtype=torch.long)  # right padding is harmless
     for i, seq in enumerate(sequences):

@@ -169,7 +169,7 @@ def update_policy(
         policy.zero_grad()
         per_microbatch += forward_backward(
             policy.model,
-            [collate(samples, r, pad_id, routes) for r in rows],
+            [collate(samples, r, pad_id, routes, packed=plan.packed) for r in rows],
             ps,
             loss.loss_fn(normalizer),
             vocab_size=policy.spec.vocab_size,
@@ -178,7 +178,7 @@ def update_policy(
             routing=routing,
         )
         steps.append(policy.step())
-    metrics = reduce_metrics(per_microbatch, LOSS_METRICS, ps, len(plan.rows))
+    metrics = reduce_metrics(per_microbatch, LOSS_METRICS, ps, len(plan.rows)) | plan.metrics
     metrics["loss/policy"] = metrics.pop("loss/pg", 0.0)
     metrics["grad_norm"] = sum(s["grad_norm"] for s in steps) / len(steps)
     if "lr" in steps[-1]:
