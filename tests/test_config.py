@@ -368,8 +368,11 @@ def test_routing_replay_and_truncated_sampling_rules(tmp_path):
     assert load_config(path).algorithm.routing_replay == "off"
     assert load_config(EXAMPLE, ["algorithm.routing_replay=off"]).algorithm.routing_replay == "off"
     validate(load_config(EXAMPLE, ["algorithm.routing_replay=r3"]), world_size=1)
-    validate(load_config(EXAMPLE, ["algorithm.routing_replay=r2", "train.updates_per_iteration=2"]), world_size=1)
-    (error,) = config_errors(["algorithm.routing_replay=r2"], world_size=1)
+    r2_unpacked = ["algorithm.routing_replay=r2", "train.packing=false"]
+    validate(load_config(EXAMPLE, [*r2_unpacked, "train.updates_per_iteration=2"]), world_size=1)
+    (error,) = config_errors(["algorithm.routing_replay=r2", "train.updates_per_iteration=2"], world_size=1)
+    assert "train.packing=true" in error and "use r3" in error
+    (error,) = config_errors(r2_unpacked, world_size=1)
     assert error.startswith("algorithm.routing_replay=r2 replays the old-policy pass") and "use r3 or off" in error
     dense = ["model.hf_overrides.model_type=qwen3", "model.hf_overrides.num_experts=0"]
     (error,) = config_errors([*dense, "algorithm.routing_replay=r3"], world_size=1)
