@@ -1,7 +1,8 @@
 """Weight sync (``RolloutFleet.sync_weights``: export, transfer, every engine's two-phase commit)
 beside its floor, in the same run, on the bench model of ``bench/export_throughput.py``.
 
-- world 1: one embedded engine; the floor is a memcpy of the same bytes (every HF tensor cloned);
+- world 1: one embedded engine; the floor is a memcpy of the same bytes (every HF tensor copied into
+  a tensor allocated beforehand: the copy alone, no allocation or first-touch page faults);
 - world 4 (TP2 x EP2, ``per_dp_rank``: 2 engines): the floor is the raw point-to-point transfer of
   the same bytes over the same (source, engine) pairs as the sync's plan (``ExportPlan.pair_bytes``),
   every pair's bytes as pre-packed messages of the bucket size, all posted at once.
@@ -9,7 +10,7 @@ beside its floor, in the same run, on the bench model of ``bench/export_throughp
 It also prints the planner's estimate (``planner/sync.py``) of the world-4 sync fed with the link
 and copy speeds measured here (the floor's bytes per second of its busiest rank, the memcpy rate).
 
-    .venv/bin/python bench/sync_throughput.py [--repeats 5] [--bucket-mb 8]
+    .venv/bin/python bench/sync_throughput.py [--repeats 5] [--bucket-mb 512]
 """
 
 from __future__ import annotations
@@ -60,7 +61,8 @@ def worker(args: argparse.Namespace) -> None:
     ps = init_distributed(cfg.parallel, seed=cfg.train.seed)
     hf = cfg.model.load_hf_config()
     model, _ = build_gpt_model(hf, cfg.model, ps)
-    bucket_bytes = int(args.bucket_mb * (1 << 20))
+    # The bucket size a user gets (rollout.sync_bucket_mb, 512 MiB) unless --bucket-mb says otherwise.
+    bucket_bytes = int((args.bucket_mb or cfg.rollout.sync_bucket_mb) * (1 << 20))
     fleet = RolloutFleet.build(cfg, hf, ps)
     version = [0]
 
@@ -80,10 +82,11 @@ def worker(args: argparse.Namespace) -> None:
         recv[d] += n
     if world == 1:
         tensors = [t for b in export_hf_stream(model, ps, hf, bucket_bytes=bucket_bytes) for _, t in b]
+        copies = [t.clone() for t in tensors]  # allocated (and touched) once: the floor is the copy alone
 
         def floor() -> None:
-            clones = [t.clone() for t in tensors]
-            del clones
+            for dst, src in zip(copies, tensors, strict=True):
+                dst.copy_(src)
     else:
 
         def chunks(n: int) -> list[int]:
@@ -106,6 +109,7 @@ def worker(args: argparse.Namespace) -> None:
         out = {
             "world": world, "payload_bytes": payload, "engines": fleet.num_engines, "sent": sent, "received": recv,
             "median_s": {k: statistics.median(v) for k, v in times.items()}, "all_s": times,
+            "bucket_mb": bucket_bytes / (1 << 20),
         }  # fmt: skip
         Path(args.out).write_text(json.dumps(out))
     fleet.shutdown()
@@ -133,7 +137,7 @@ def launch(world: int, hf_dir: Path, out: Path, args: argparse.Namespace) -> dic
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--bucket-mb", type=float, default=8.0)
+    parser.add_argument("--bucket-mb", type=float, default=0.0, help="0: rollout.sync_bucket_mb's default")
     parser.add_argument("--timeout-s", type=float, default=600.0)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--hf-dir", help=argparse.SUPPRESS)
@@ -150,7 +154,8 @@ def main() -> None:
         (hf_dir / "config.json").write_text(json.dumps(BENCH_CONFIG, indent=2))
         results = {w: launch(w, hf_dir, Path(tmp) / f"world{w}.json", args) for w in LAYOUTS}
 
-    print(f"Qwen3-MoE bench model, fp32, buckets of {args.bucket_mb:g} MiB, median of {args.repeats} runs")
+    bucket_mb = results[1]["bucket_mb"]
+    print(f"Qwen3-MoE bench model, fp32, buckets of {bucket_mb:g} MiB, median of {args.repeats} runs")
     for world, r in results.items():
         mb = r["payload_bytes"] / 1e6
         floor = "memcpy" if world == 1 else "raw send/recv over the plan's pairs"
