@@ -1,4 +1,4 @@
-"""Weight sync (``RolloutFleet.sync_weights``: export, transfer, every engine's two-phase commit)
+"""Weight sync (``RolloutFleet.sync_weights``: manifest check, then the transfer into every engine)
 beside its floor, in the same run, on the bench model of ``bench/export_throughput.py``.
 
 - world 1: one embedded engine; the floor is a memcpy of the same bytes (every HF tensor copied into
@@ -101,6 +101,22 @@ def worker(args: argparse.Namespace) -> None:
                 work.wait()
 
         floor()  # warm-up of the connections
+        tiny = [(d, torch.ones(1, dtype=torch.uint8)) for (s, d) in pairs if s == ps.rank]
+        tiny_in = [(s, torch.empty(1, dtype=torch.uint8)) for (s, d) in pairs if d == ps.rank]
+
+        def ping() -> None:  # one wait of the same pairs with nothing to move: the latency per wait
+            ops = [dist.P2POp(dist.isend, b, d) for d, b in tiny] + [dist.P2POp(dist.irecv, b, s) for s, b in tiny_in]
+            for work in dist.batch_isend_irecv(ops) if ops else []:
+                work.wait()
+
+        latency = statistics.median(_timed(ping) for _ in range(20))
+    # What the planner's model counts per rank: waits (rounds + the sync's two all-reduces) and the
+    # bytes copied on the rank (packed at a sender; written into the live weights at an engine, where
+    # the transport received them elsewhere than in place).
+    rounds = sum(len(b) for b in plan.buckets)
+    packed = sum(m.nbytes for r in plan.sends for m in r if not m.direct)
+    mine: list[Any] = [None] * world
+    dist.all_gather_object(mine, (rounds + 2, packed))
     times: dict[str, list[float]] = {"sync": [], "floor": []}
     for _ in range(args.repeats):
         times["sync"].append(_timed(sync))
@@ -109,7 +125,8 @@ def worker(args: argparse.Namespace) -> None:
         out = {
             "world": world, "payload_bytes": payload, "engines": fleet.num_engines, "sent": sent, "received": recv,
             "median_s": {k: statistics.median(v) for k, v in times.items()}, "all_s": times,
-            "bucket_mb": bucket_bytes / (1 << 20),
+            "bucket_mb": bucket_bytes / (1 << 20), "waits": [w for w, _ in mine], "packed": [p for _, p in mine],
+            "latency_s": latency if world > 1 else 0.0,
         }  # fmt: skip
         Path(args.out).write_text(json.dumps(out))
     fleet.shutdown()
@@ -170,13 +187,16 @@ def main() -> None:
     busiest = max(max(s, r) for s, r in zip(w4["sent"], w4["received"], strict=True))
     link_gbps = busiest / w4["median_s"]["floor"] / 1e9
     ranks = [
-        # copied: packed at the sender; assembled, then committed into the engine at the receiver.
-        RankBytes(s, r, s + (2 * w4["payload_bytes"] if r else 0))
-        for s, r in zip(w4["sent"], w4["received"], strict=True)
+        # copied: packed at a sender (slices too small to travel alone); at an engine rank every byte
+        # of the model written into the live weights once (at TP2 x EP2 every large tensor is split,
+        # so none is received in place).
+        RankBytes(s, r, p + (w4["payload_bytes"] if r else 0), waits)
+        for s, r, p, waits in zip(w4["sent"], w4["received"], w4["packed"], w4["waits"], strict=True)
     ]
-    predicted = transfer_seconds(ranks, link_gbps, copy_gbps)
+    predicted = transfer_seconds(ranks, link_gbps, copy_gbps, w4["latency_s"])
     print(
-        f"planner model, world 4 (link {link_gbps:.2f} GB/s, copy {copy_gbps:.2f} GB/s measured here): "
+        f"planner model, world 4 (link {link_gbps:.2f} GB/s, copy {copy_gbps:.2f} GB/s, "
+        f"{w4['latency_s'] * 1e3:.2f} ms per wait, {max(w4['waits'])} waits, measured here): "
         f"predicted {predicted * 1e3:.1f} ms, measured {w4['median_s']['sync'] * 1e3:.1f} ms "
         f"(measured / predicted = {w4['median_s']['sync'] / predicted:.2f})"
     )

@@ -240,20 +240,20 @@ class _Message:
     parts: tuple[Part, ...]
     nbytes: int
     direct: bool = False
-    """One whole slice alone (``_travels_alone``): sent from the shard itself when it is already in
-    the export dtype, and received, where the consumer offers a place (``into``), straight there."""
+    """One slice alone (``_travels_alone``): sent from the shard itself when it is already in the
+    export dtype; a whole (unsplit) slice is received straight into the consumer's place where it
+    offers one laid out as the slice (``into``)."""
 
 
 DIRECT_MIN_BYTES = 128 << 10
-"""Slices of at least this many bytes that need no assembly travel in messages of their own (no
-packing at the sender, no unpacking at a receiver that offers their place); smaller ones share one
-packed message per pair and round (a message costs a fixed latency however small)."""
+"""Slices of at least this many bytes travel in messages of their own (sent from the shard, no
+packing); smaller ones share one packed message per pair and round (a message costs a fixed
+latency however small)."""
 
 
-def _travels_alone(item: _Item) -> bool:
-    """Whether ``item``'s one slice travels as its own message: whole (no TP/ETP split) and laid
-    out as its HF tensors (QKV regroups rows), and large enough to be worth a message."""
-    return item.dim is None and item.rule.kind != "qkv" and item.slice_bytes(0) >= DIRECT_MIN_BYTES
+def _travels_alone(item: _Item, slot: int) -> bool:
+    """Whether slice ``slot`` of ``item`` travels as its own message: large enough to be worth one."""
+    return item.slice_bytes(slot) >= DIRECT_MIN_BYTES
 
 
 def _messages(
@@ -276,7 +276,7 @@ def _messages(
                         continue
                     box, peer = (out, d) if src == me else (into, src)
                     key = ("send" if src == me else "recv", peer)
-                    if _travels_alone(items[index]):
+                    if _travels_alone(items[index], slot):
                         msg = _Message(peer, ((index, slot, 0),), items[index].slice_bytes(slot), direct=True)
                         alone.setdefault(key, []).append(msg)
                         continue
@@ -468,7 +468,7 @@ def export_hf_stream(
         for msg in plan.sends[k]:
             stats.sent_bytes += msg.nbytes
             if msg.direct:
-                index, slot, _ = msg.parts[0]
+                index, _, _ = msg.parts[0]
                 shard = mine[items[index].rule.mcore]
                 if shard.dtype == items[index].dtype and shard.device == out_device and shard.is_contiguous():
                     ops.append(dist.P2POp(dist.isend, shard.reshape(-1).view(torch.uint8), msg.peer))
@@ -480,7 +480,8 @@ def export_hf_stream(
             held += msg.nbytes
         for msg in plan.recvs[k]:
             stats.received_bytes += msg.nbytes
-            place = _place_of(items[msg.parts[0][0]], into, out_device) if msg.direct and into else None
+            whole = msg.direct and items[msg.parts[0][0]].dim is None and items[msg.parts[0][0]].rule.kind != "qkv"
+            place = _place_of(items[msg.parts[0][0]], into, out_device) if whole and into else None
             if place is not None:
                 ops.append(dist.P2POp(dist.irecv, place, msg.peer))
                 inbox.append((place, msg, True))
@@ -525,6 +526,12 @@ def export_hf_stream(
                 ]
                 if borrow and _borrowable(item, shards[0], out_device) and len(shards) == 1:
                     bucket += to_hf(item.rule, shards[0])  # views: the consumer's copy is the only one
+                    continue
+                places = _places(item, into, out_device) if into is not None else None
+                if places is not None:  # assembled straight into the consumer's places
+                    bucket += assemble_hf(
+                        item.rule, item.shape, item.dim, item.glu, shards, item.dtype, out_device, outs=places
+                    )
                     continue
                 bucket += assemble_hf(item.rule, item.shape, item.dim, item.glu, shards, item.dtype, out_device)
                 bucket_held += item.hf_bytes
@@ -577,6 +584,17 @@ def _place_of(
     storage = first.untyped_storage()
     flat_u8 = torch.empty(0, dtype=torch.uint8, device=device)
     return flat_u8.set_(storage, first.storage_offset() * item.dtype.itemsize, (item.slice_bytes(0),))
+
+
+def _places(
+    item: _Item, into: Callable[[str], torch.Tensor | None], device: torch.device
+) -> list[torch.Tensor] | None:
+    """The consumer's places of ``item``'s HF tensors when every one exists, is contiguous and in the
+    export dtype on ``device`` (then the tensor is assembled straight there), else None."""
+    places = [into(name) for name in item.rule.hf]
+    if all(p is not None and p.dtype == item.dtype and p.device == device and p.is_contiguous() for p in places):
+        return places  # type: ignore[return-value]
+    return None
 
 
 def _borrowable(item: _Item, shard: torch.Tensor, device: torch.device) -> bool:
@@ -656,18 +674,30 @@ def assemble_hf(
     shards: Sequence[torch.Tensor],
     dtype: torch.dtype,
     device: torch.device | str = "cpu",
+    outs: Sequence[torch.Tensor] | None = None,
 ) -> list[tuple[str, torch.Tensor]]:
     """The HF tensors of one canonical megatron tensor of ``shape``, written from its TP/ETP slices
     (``shards[r]`` is slice r along ``dim``; one shard and ``dim=None`` when unsplit; ``glu``: each
-    slice holds ``[gate_r; up_r]``) into new tensors of ``dtype`` on ``device``: each byte is copied once."""
-    if dim is None and rule.kind != "qkv":
+    slice holds ``[gate_r; up_r]``) into new tensors of ``dtype`` on ``device``, or into ``outs`` (one
+    contiguous tensor per HF name, of its HF shape: the weight sync's engine weights): each byte is
+    copied once."""
+    if outs is not None:
+        wanted = hf_shapes(rule, shape)
+        if len(outs) != len(wanted) or any(tuple(o.shape) != w for o, w in zip(outs, wanted, strict=False)):
+            raise ValueError(f"{rule.hf}: places of shapes {[tuple(o.shape) for o in outs]}, expected {wanted}")
+        if dim is None and rule.kind != "qkv":
+            for out, (_, view) in zip(outs, to_hf(rule, shards[0]), strict=True):
+                out.copy_(view)
+            return list(zip(rule.hf, outs, strict=True))
+    elif dim is None and rule.kind != "qkv":
         # Fast path (most tensors at world 1, experts at ETP 1): the HF tensors are views of the
         # shard (whole, GLU halves along dim 0, the real vocabulary rows): one copying op each.
         return [
             (name, view.to(device=device, dtype=dtype, copy=True, memory_format=torch.contiguous_format))
             for name, view in to_hf(rule, shards[0])
         ]
-    outs = [torch.empty(s, dtype=dtype, device=device) for s in hf_shapes(rule, shape)]
+    if outs is None:
+        outs = [torch.empty(s, dtype=dtype, device=device) for s in hf_shapes(rule, shape)]
     if len(shape) == 0:  # a scalar: nothing to place
         outs[0].copy_(shards[0])
         return list(zip(rule.hf, outs, strict=True))

@@ -56,11 +56,19 @@ class RankBytes:
     sent: float
     received: float
     copied: float  # packed, assembled and loaded on its device
+    waits: int = 0
+    """Points where the rank waits on its peers (transfer rounds, the sync's two small all-reduces):
+    each costs a fixed latency however few bytes move."""
 
 
-def transfer_seconds(ranks: Sequence[RankBytes], link_gbps: float, copy_gbps: float) -> float:
-    """The slowest rank's time: its busier link direction, then its copies (phases add up)."""
-    return max(max(r.sent, r.received) / (link_gbps * GB) + r.copied / (copy_gbps * GB) for r in ranks)
+def transfer_seconds(
+    ranks: Sequence[RankBytes], link_gbps: float, copy_gbps: float, latency_s: float = 0.0
+) -> float:
+    """The slowest rank's time: its busier link direction, then its copies, then ``latency_s`` per
+    wait (phases add up)."""
+    return max(
+        max(r.sent, r.received) / (link_gbps * GB) + r.copied / (copy_gbps * GB) + r.waits * latency_s for r in ranks
+    )
 
 
 @dataclass(frozen=True)

@@ -12,11 +12,13 @@ collectives); some ranks also hold an engine (``engine_ranks``):
 samples with seed ``params.seed + i``), and returns every completion in prompt order on every rank.
 ``sync_weights`` runs the bridge's streaming export with every engine rank as a destination: each
 engine receives the slices it needs straight from the trainer ranks holding them (its own first,
-then its node's, the load spread over every copy), all engines at once, bucket by bucket. Each
-engine stages its buckets; the version is committed in two phases: every engine checks what it
-staged (``check_update``), the ranks agree, and only then does every engine commit (or, if any
-engine rejected it, drop it and keep its previous version while every rank raises with the
-engines' messages).
+then its node's, the load spread over every copy), all engines at once, round by round. Two
+phases: every engine first checks the plan's manifest (every HF name, shape and dtype it will
+receive: each rejection is decidable before a byte moves) and the ranks agree; only if all accept
+do the bytes move, straight into the engines' live weights (no staged version). If any engine
+rejects, nobody transfers, every engine keeps its previous version and every rank raises with the
+engines' messages. A failure during the transfer leaves that engine's weights partial
+(``weight_version`` -1) and every rank raises: see ``RolloutFleet.sync_weights``.
 """
 
 from __future__ import annotations
