@@ -310,6 +310,8 @@ class TransferStats:
     peak_bytes: int = 0
     sent_bytes: int = 0
     received_bytes: int = 0
+    in_place_bytes: int = 0
+    """Of ``received_bytes``, those received straight into the consumer's places (``into``)."""
 
     def hold(self, nbytes: int) -> None:
         self.live_bytes += nbytes
@@ -485,6 +487,7 @@ def export_hf_stream(
             if place is not None:
                 ops.append(dist.P2POp(dist.irecv, place, msg.peer))
                 inbox.append((place, msg, True))
+                stats.in_place_bytes += msg.nbytes
                 continue  # received straight where the consumer wants it: no copy
             flat_u8 = torch.empty(msg.nbytes, dtype=torch.uint8, device=out_device)
             ops.append(dist.P2POp(dist.irecv, flat_u8, msg.peer))

@@ -224,7 +224,8 @@ class RolloutFleet:
         ``version``. The job cannot go on from there (resume from the last checkpoint), so nothing
         is kept to roll back to: holding a previous version would double every engine's memory.
         Returns ``sync/*`` metrics: seconds of the manifest check and of the transfer, bytes and
-        buckets each engine received, and the most bytes of transfer buffers any rank held.
+        buckets each engine received, the most bytes of transfer buffers any rank held, and the most
+        bytes any engine received straight into its weights.
         """
         from grpo_megatron.bridge.export import TransferStats, export_hf_stream, plan_export
 
@@ -287,7 +288,9 @@ class RolloutFleet:
                 error = _describe(exc)
         # One all-reduce (max) carries the verdict and the metrics: every engine receives the same bytes.
         totals = torch.tensor(
-            [error is not None, received, buckets, stats.peak_bytes], dtype=torch.int64, device=self.ps.device
+            [error is not None, received, buckets, stats.peak_bytes, stats.in_place_bytes],
+            dtype=torch.int64,
+            device=self.ps.device,
         )
         dist.all_reduce(totals, op=dist.ReduceOp.MAX)
         if totals[0]:
@@ -307,6 +310,7 @@ class RolloutFleet:
             "sync/bytes": float(totals[1]),
             "sync/buckets": float(totals[2]),
             "sync/peak_buffer_bytes": float(totals[3]),
+            "sync/in_place_bytes": float(totals[4]),
             "sync/version": float(version),
         }
 
