@@ -110,13 +110,26 @@ def worker(args: argparse.Namespace) -> None:
                 work.wait()
 
         latency = statistics.median(_timed(ping) for _ in range(20))
+        many_out = [(d, torch.ones(1, dtype=torch.uint8)) for d, _ in tiny for _ in range(64)]
+        many_in = [(s, torch.empty(1, dtype=torch.uint8)) for s, _ in tiny_in for _ in range(64)]
+
+        def ping64() -> None:  # 64 times the messages of one wait: the overhead per message
+            ops = [dist.P2POp(dist.isend, b, d) for d, b in many_out]
+            ops += [dist.P2POp(dist.irecv, b, s) for s, b in many_in]
+            for work in dist.batch_isend_irecv(ops) if ops else []:
+                work.wait()
+
+        per_rank_messages = max(1, len(tiny) + len(tiny_in))
+        message_s = max(0.0, statistics.median(_timed(ping64) for _ in range(10)) - latency)
+        message_s /= 63 * per_rank_messages
     # What the planner's model counts per rank: waits (rounds + the sync's two all-reduces) and the
     # bytes copied on the rank (packed at a sender; written into the live weights at an engine, where
     # the transport received them elsewhere than in place).
     rounds = sum(len(b) for b in plan.buckets)
     packed = sum(m.nbytes for r in plan.sends for m in r if not m.direct)
+    messages = sum(len(r) for r in plan.sends + plan.recvs)
     mine: list[Any] = [None] * world
-    dist.all_gather_object(mine, (rounds + 2, packed))
+    dist.all_gather_object(mine, (rounds + 2, packed, messages))
     times: dict[str, list[float]] = {"sync": [], "floor": []}
     for _ in range(args.repeats):
         times["sync"].append(_timed(sync))
@@ -125,8 +138,9 @@ def worker(args: argparse.Namespace) -> None:
         out = {
             "world": world, "payload_bytes": payload, "engines": fleet.num_engines, "sent": sent, "received": recv,
             "median_s": {k: statistics.median(v) for k, v in times.items()}, "all_s": times,
-            "bucket_mb": bucket_bytes / (1 << 20), "waits": [w for w, _ in mine], "packed": [p for _, p in mine],
-            "latency_s": latency if world > 1 else 0.0,
+            "bucket_mb": bucket_bytes / (1 << 20), "waits": [m[0] for m in mine], "packed": [m[1] for m in mine],
+            "messages": [m[2] for m in mine], "latency_s": latency if world > 1 else 0.0,
+            "message_s": message_s if world > 1 else 0.0,
         }  # fmt: skip
         Path(args.out).write_text(json.dumps(out))
     fleet.shutdown()
@@ -190,13 +204,16 @@ def main() -> None:
         # copied: packed at a sender (slices too small to travel alone); at an engine rank every byte
         # of the model written into the live weights once (at TP2 x EP2 every large tensor is split,
         # so none is received in place).
-        RankBytes(s, r, p + (w4["payload_bytes"] if r else 0), waits)
-        for s, r, p, waits in zip(w4["sent"], w4["received"], w4["packed"], w4["waits"], strict=True)
+        RankBytes(s, r, p + (w4["payload_bytes"] if r else 0), waits, n)
+        for s, r, p, waits, n in zip(
+            w4["sent"], w4["received"], w4["packed"], w4["waits"], w4["messages"], strict=True
+        )
     ]
-    predicted = transfer_seconds(ranks, link_gbps, copy_gbps, w4["latency_s"])
+    predicted = transfer_seconds(ranks, link_gbps, copy_gbps, w4["latency_s"], w4["message_s"])
     print(
-        f"planner model, world 4 (link {link_gbps:.2f} GB/s, copy {copy_gbps:.2f} GB/s, "
-        f"{w4['latency_s'] * 1e3:.2f} ms per wait, {max(w4['waits'])} waits, measured here): "
+        f"planner model, world 4 (measured here: link {link_gbps:.2f} GB/s, copy {copy_gbps:.2f} GB/s, "
+        f"{w4['latency_s'] * 1e3:.2f} ms per wait x {max(w4['waits'])}, {w4['message_s'] * 1e6:.0f} us per "
+        f"message x {max(w4['messages'])}): "
         f"predicted {predicted * 1e3:.1f} ms, measured {w4['median_s']['sync'] * 1e3:.1f} ms "
         f"(measured / predicted = {w4['median_s']['sync'] / predicted:.2f})"
     )

@@ -14,17 +14,20 @@ point-to-point messages line up without further negotiation):
    about its share), then in the destination's data-parallel replica, then the lowest rank;
 3. plan: the adapter's export rules, in HF order, are cut into buckets (a bucket closes once it
    holds ``bucket_bytes``) and each bucket into ``ROUNDS_PER_BUCKET`` transfer rounds;
-4. per round, every rank packs, for each destination it feeds, its slices into one flat byte buffer,
-   cast to the export dtype there (a bf16 export of fp32 weights moves half the bytes), and posts
-   all its sends and receives of the round in one ``batch_isend_irecv``: every destination receives
-   at once, each pair exchanging one message per round. Nothing is all-gathered: each byte travels
+4. per round, every rank packs, for each destination it feeds, its small slices into one flat byte
+   buffer, cast to the export dtype there (a bf16 export of fp32 weights moves half the bytes), sends
+   each slice of ``DIRECT_MIN_BYTES`` or more as a message of its own (from the shard itself when it
+   is already in the export dtype: no copy), and posts all its sends and receives of the round in
+   one ``batch_isend_irecv``: every destination receives at once. Nothing is all-gathered: each byte travels
    once per destination, from a holder to the destination, which covers the TP/ETP gather, the EP
    gather of experts and the PP hand-off in one pattern;
 5. ``rounds_in_flight`` rounds are posted ahead (a rank posts round k + n only after round k is
    done; every rank posts its round-k ops before waiting on any of them, so no cycle of waits can
    form); a destination writes every received slice straight into its place in the new HF tensors
    (``assemble_hf``: one copy per byte; QKV de-interleaving, GLU halves and vocabulary padding are
-   handled slice by slice) and yields each bucket once its last round is in.
+   handled slice by slice) and yields each bucket once its last round is in. The weight sync goes
+   further (``borrow``, ``into``): the HF tensors are written straight into the engine's weights,
+   whole slices are even received there, and what needs no assembly is handed on as views.
 
 Memory (``TransferStats`` measures it): a rank holds the packed sends and the receive buffers of at
 most ``rounds_in_flight`` rounds, plus, on a destination, the bucket being filled; no rank holds a

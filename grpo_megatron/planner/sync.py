@@ -11,9 +11,10 @@ The model (docs/planner.md states it with its assumptions):
 - copies on the device run at ``copy_gbps``: at the receiver the round buffer flattened into the
   engine's bucket and the engine loader's copy of its share; none at the sender (slices of
   ``DIRECT_MIN_BYTES`` and more are sent from the weights themselves, smaller ones are noise);
-- a fixed latency per wait (transfer round, the sync's two small all-reduces), ``latency_s`` of
-  ``transfer_seconds``: measured on the CPU benchmark, left out of the GPU figures (a few dozen
-  rounds of hundreds of MB each: milliseconds);
+- a fixed latency per wait (transfer round, the sync's two small all-reduces) and a fixed overhead
+  per message, ``latency_s`` and ``message_s`` of ``transfer_seconds``: measured on the CPU
+  benchmark, left out of the GPU figures (a few dozen rounds and a few thousand messages per GPU of
+  ~20 us each, against transfers of seconds);
 - phases add up (no credit for overlap between rounds: an upper bound on a quiet cluster).
 
 Two deliveries are estimated:
@@ -63,15 +64,21 @@ class RankBytes:
     waits: int = 0
     """Points where the rank waits on its peers (transfer rounds, the sync's two small all-reduces):
     each costs a fixed latency however few bytes move."""
+    messages: int = 0
+    """Point-to-point messages it sends and receives: each costs a fixed overhead on top of its bytes."""
 
 
 def transfer_seconds(
-    ranks: Sequence[RankBytes], link_gbps: float, copy_gbps: float, latency_s: float = 0.0
+    ranks: Sequence[RankBytes], link_gbps: float, copy_gbps: float, latency_s: float = 0.0, message_s: float = 0.0
 ) -> float:
-    """The slowest rank's time: its busier link direction, then its copies, then ``latency_s`` per
-    wait (phases add up)."""
+    """The slowest rank's time: its busier link direction, then its copies, ``latency_s`` per wait and
+    ``message_s`` per message (phases add up)."""
     return max(
-        max(r.sent, r.received) / (link_gbps * GB) + r.copied / (copy_gbps * GB) + r.waits * latency_s for r in ranks
+        max(r.sent, r.received) / (link_gbps * GB)
+        + r.copied / (copy_gbps * GB)
+        + r.waits * latency_s
+        + r.messages * message_s
+        for r in ranks
     )
 
 
