@@ -530,7 +530,7 @@ def export_hf_stream(
                     mine[item.rule.mcore] if src == ps.rank else received[(index, slot)]
                     for slot, src in enumerate(sources[index])
                 ]
-                if borrow and _borrowable(item, shards[0], out_device) and len(shards) == 1:
+                if borrow and _borrowable(item, shards[0], out_device):
                     bucket += to_hf(item.rule, shards[0])  # views: the consumer's copy is the only one
                     continue
                 places = _places(item, into, out_device) if into is not None else None
