@@ -1,7 +1,8 @@
-"""Weight sync (``RolloutFleet.sync_weights``: export, transfer, every engine's two-phase commit)
+"""Weight sync (``RolloutFleet.sync_weights``: manifest check, then the transfer into every engine)
 beside its floor, in the same run, on the bench model of ``bench/export_throughput.py``.
 
-- world 1: one embedded engine; the floor is a memcpy of the same bytes (every HF tensor cloned);
+- world 1: one embedded engine; the floor is a memcpy of the same bytes (every HF tensor copied into
+  a tensor allocated beforehand: the copy alone, no allocation or first-touch page faults);
 - world 4 (TP2 x EP2, ``per_dp_rank``: 2 engines): the floor is the raw point-to-point transfer of
   the same bytes over the same (source, engine) pairs as the sync's plan (``ExportPlan.pair_bytes``),
   every pair's bytes as pre-packed messages of the bucket size, all posted at once.
@@ -9,7 +10,7 @@ beside its floor, in the same run, on the bench model of ``bench/export_throughp
 It also prints the planner's estimate (``planner/sync.py``) of the world-4 sync fed with the link
 and copy speeds measured here (the floor's bytes per second of its busiest rank, the memcpy rate).
 
-    .venv/bin/python bench/sync_throughput.py [--repeats 5] [--bucket-mb 8]
+    .venv/bin/python bench/sync_throughput.py [--repeats 5] [--bucket-mb 512]
 """
 
 from __future__ import annotations
@@ -60,7 +61,8 @@ def worker(args: argparse.Namespace) -> None:
     ps = init_distributed(cfg.parallel, seed=cfg.train.seed)
     hf = cfg.model.load_hf_config()
     model, _ = build_gpt_model(hf, cfg.model, ps)
-    bucket_bytes = int(args.bucket_mb * (1 << 20))
+    # The bucket size a user gets (rollout.sync_bucket_mb, 512 MiB) unless --bucket-mb says otherwise.
+    bucket_bytes = int((args.bucket_mb or cfg.rollout.sync_bucket_mb) * (1 << 20))
     fleet = RolloutFleet.build(cfg, hf, ps)
     version = [0]
 
@@ -80,10 +82,11 @@ def worker(args: argparse.Namespace) -> None:
         recv[d] += n
     if world == 1:
         tensors = [t for b in export_hf_stream(model, ps, hf, bucket_bytes=bucket_bytes) for _, t in b]
+        copies = [t.clone() for t in tensors]  # allocated (and touched) once: the floor is the copy alone
 
         def floor() -> None:
-            clones = [t.clone() for t in tensors]
-            del clones
+            for dst, src in zip(copies, tensors, strict=True):
+                dst.copy_(src)
     else:
 
         def chunks(n: int) -> list[int]:
@@ -98,6 +101,35 @@ def worker(args: argparse.Namespace) -> None:
                 work.wait()
 
         floor()  # warm-up of the connections
+        tiny = [(d, torch.ones(1, dtype=torch.uint8)) for (s, d) in pairs if s == ps.rank]
+        tiny_in = [(s, torch.empty(1, dtype=torch.uint8)) for (s, d) in pairs if d == ps.rank]
+
+        def ping() -> None:  # one wait of the same pairs with nothing to move: the latency per wait
+            ops = [dist.P2POp(dist.isend, b, d) for d, b in tiny] + [dist.P2POp(dist.irecv, b, s) for s, b in tiny_in]
+            for work in dist.batch_isend_irecv(ops) if ops else []:
+                work.wait()
+
+        latency = statistics.median(_timed(ping) for _ in range(20))
+        many_out = [(d, torch.ones(1, dtype=torch.uint8)) for d, _ in tiny for _ in range(64)]
+        many_in = [(s, torch.empty(1, dtype=torch.uint8)) for s, _ in tiny_in for _ in range(64)]
+
+        def ping64() -> None:  # 64 times the messages of one wait: the overhead per message
+            ops = [dist.P2POp(dist.isend, b, d) for d, b in many_out]
+            ops += [dist.P2POp(dist.irecv, b, s) for s, b in many_in]
+            for work in dist.batch_isend_irecv(ops) if ops else []:
+                work.wait()
+
+        per_rank_messages = max(1, len(tiny) + len(tiny_in))
+        message_s = max(0.0, statistics.median(_timed(ping64) for _ in range(10)) - latency)
+        message_s /= 63 * per_rank_messages
+    # What the planner's model counts per rank: waits (rounds + the sync's two all-reduces) and the
+    # bytes copied on the rank (packed at a sender; written into the live weights at an engine, where
+    # the transport received them elsewhere than in place).
+    rounds = sum(len(b) for b in plan.buckets)
+    packed = sum(m.nbytes for r in plan.sends for m in r if not m.direct)
+    messages = sum(len(r) for r in plan.sends + plan.recvs)
+    mine: list[Any] = [None] * world
+    dist.all_gather_object(mine, (rounds + 2, packed, messages))
     times: dict[str, list[float]] = {"sync": [], "floor": []}
     for _ in range(args.repeats):
         times["sync"].append(_timed(sync))
@@ -106,6 +138,9 @@ def worker(args: argparse.Namespace) -> None:
         out = {
             "world": world, "payload_bytes": payload, "engines": fleet.num_engines, "sent": sent, "received": recv,
             "median_s": {k: statistics.median(v) for k, v in times.items()}, "all_s": times,
+            "bucket_mb": bucket_bytes / (1 << 20), "waits": [m[0] for m in mine], "packed": [m[1] for m in mine],
+            "messages": [m[2] for m in mine], "latency_s": latency if world > 1 else 0.0,
+            "message_s": message_s if world > 1 else 0.0,
         }  # fmt: skip
         Path(args.out).write_text(json.dumps(out))
     fleet.shutdown()
@@ -133,7 +168,7 @@ def launch(world: int, hf_dir: Path, out: Path, args: argparse.Namespace) -> dic
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--bucket-mb", type=float, default=8.0)
+    parser.add_argument("--bucket-mb", type=float, default=0.0, help="0: rollout.sync_bucket_mb's default")
     parser.add_argument("--timeout-s", type=float, default=600.0)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--hf-dir", help=argparse.SUPPRESS)
@@ -150,7 +185,8 @@ def main() -> None:
         (hf_dir / "config.json").write_text(json.dumps(BENCH_CONFIG, indent=2))
         results = {w: launch(w, hf_dir, Path(tmp) / f"world{w}.json", args) for w in LAYOUTS}
 
-    print(f"Qwen3-MoE bench model, fp32, buckets of {args.bucket_mb:g} MiB, median of {args.repeats} runs")
+    bucket_mb = results[1]["bucket_mb"]
+    print(f"Qwen3-MoE bench model, fp32, buckets of {bucket_mb:g} MiB, median of {args.repeats} runs")
     for world, r in results.items():
         mb = r["payload_bytes"] / 1e6
         floor = "memcpy" if world == 1 else "raw send/recv over the plan's pairs"
@@ -165,13 +201,19 @@ def main() -> None:
     busiest = max(max(s, r) for s, r in zip(w4["sent"], w4["received"], strict=True))
     link_gbps = busiest / w4["median_s"]["floor"] / 1e9
     ranks = [
-        # copied: packed at the sender; assembled, then committed into the engine at the receiver.
-        RankBytes(s, r, s + (2 * w4["payload_bytes"] if r else 0))
-        for s, r in zip(w4["sent"], w4["received"], strict=True)
+        # copied: packed at a sender (slices too small to travel alone); at an engine rank every byte
+        # of the model written into the live weights once (at TP2 x EP2 every large tensor is split,
+        # so none is received in place).
+        RankBytes(s, r, p + (w4["payload_bytes"] if r else 0), waits, n)
+        for s, r, p, waits, n in zip(
+            w4["sent"], w4["received"], w4["packed"], w4["waits"], w4["messages"], strict=True
+        )
     ]
-    predicted = transfer_seconds(ranks, link_gbps, copy_gbps)
+    predicted = transfer_seconds(ranks, link_gbps, copy_gbps, w4["latency_s"], w4["message_s"])
     print(
-        f"planner model, world 4 (link {link_gbps:.2f} GB/s, copy {copy_gbps:.2f} GB/s measured here): "
+        f"planner model, world 4 (measured here: link {link_gbps:.2f} GB/s, copy {copy_gbps:.2f} GB/s, "
+        f"{w4['latency_s'] * 1e3:.2f} ms per wait x {max(w4['waits'])}, {w4['message_s'] * 1e6:.0f} us per "
+        f"message x {max(w4['messages'])}): "
         f"predicted {predicted * 1e3:.1f} ms, measured {w4['median_s']['sync'] * 1e3:.1f} ms "
         f"(measured / predicted = {w4['median_s']['sync'] / predicted:.2f})"
     )

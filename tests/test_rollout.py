@@ -225,6 +225,41 @@ def test_rejected_updates_keep_the_old_weights(moe_engine):
     _load(engine, saved, version=12)
 
 
+def test_manifest_check_then_load_in_place(moe_engine):
+    """The fleet's path: the engine judges a manifest (names, shapes, dtypes) before any byte, keeping
+    its version on a rejection; an accepted version is copied straight into the live weights (partial,
+    version -1, until the last bucket), a place offered by ``load_target`` is taken as is, and a tensor
+    outside the manifest leaves the weights marked partial."""
+    engine, saved = moe_engine
+    before = {k: v.clone() for k, v in engine.model.state_dict().items()}
+    names = sorted(saved)
+    gate = "model.layers.1.mlp.experts.2.gate_proj.weight"
+    manifest = [(n, tuple(saved[n].shape), saved[n].dtype) for n in names]
+    bad = [(n, shape[:-1] + (shape[-1] - 1,) if n == gate else shape, dt) for n, shape, dt in manifest]
+    (problem,) = engine.check_manifest(bad, version=20)
+    assert "rejected, the engine keeps v12" in problem and "wrong shapes" in problem and gate in problem
+    assert "listed twice" in engine.check_manifest([*manifest, manifest[0]], version=20)[0]
+    engine.abort_update(20)
+    assert engine.weight_version == 12 and engine.load_target(gate) is None  # nothing accepted: no place
+    assert all(torch.equal(before[k], v) for k, v in engine.model.state_dict().items())
+
+    changed = {n: t + 0.25 for n, t in saved.items()}
+    assert engine.check_manifest(manifest, version=21) == []
+    place = engine.load_target(gate)  # the transport writes there itself, then hands on the place
+    assert place is not None and engine.weight_version == -1
+    place.copy_(changed[gate])
+    engine.update_weights([(gate, place), *((n, changed[n]) for n in names[:5] if n != gate)], version=21, last=False)
+    assert engine.weight_version == -1
+    engine.update_weights([(n, changed[n]) for n in names[5:] if n != gate], version=21, last=True)
+    assert engine.weight_version == 21
+    assert torch.equal(engine.model.model.layers[1].mlp.experts.gate_up_proj[2, :32], changed[gate])
+    assert engine.check_manifest(manifest, version=22) == []  # the same manifest: accepted again
+    with pytest.raises(ValueError, match="outside its manifest"):
+        engine.update_weights([("model.extra.weight", saved[gate])], version=22, last=False)
+    assert engine.weight_version == -1  # partial: nothing to fall back on, the fleet raises everywhere
+    _load(engine, saved, version=12)  # a full staged update brings it back
+
+
 def test_tied_lm_head_may_be_absent(tmp_path):
     saved, ref = _saved("qwen3", tmp_path)
     assert "lm_head.weight" not in saved

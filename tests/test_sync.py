@@ -1,7 +1,9 @@
 """The parallel weight sync (rollout/fleet.py ``sync_weights`` over bridge/export.py) on 4 real
 megatron-core ranks: every engine receives its slices straight from the ranks holding them, all at
 once; every engine ends bit-exact with the trainer's HF weights; a rejected update leaves every
-engine on its previous version; the transport's buffers stay within their bound (measured)."""
+engine on its previous version (decided from the plan's manifest, before any transfer); the
+transport's buffers stay within their bound (measured). Two cases lower ``DIRECT_MIN_BYTES`` so
+slices travel alone: sent from the shard and, where whole, received straight into the engine."""
 
 from __future__ import annotations
 
@@ -30,8 +32,8 @@ def test_parallel_sync_to_2_and_4_engines_at_tp2_ep2_tp2xep2_pp2(tmp_path: Path)
     cases = {
         "tp2_2engines": [moe, "parallel.tp=2", dp],
         "tp2_4engines_reject": [moe, "parallel.tp=2", every],
-        "ep2_4engines": [moe, "parallel.ep=2", dp],
-        "tp2ep2_2engines_reject": [moe, "parallel.tp=2", "parallel.ep=2", dp],
+        "ep2_4engines": [moe, "parallel.ep=2", dp, "direct_min_bytes=1024"],
+        "tp2ep2_2engines_reject": [moe, "parallel.tp=2", "parallel.ep=2", dp, "direct_min_bytes=1024"],
         "pp2_2engines": [moe, "parallel.pp=2", dp],
         "pp2_4engines": [moe, "parallel.pp=2", every],
     }
@@ -54,11 +56,15 @@ def test_parallel_sync_to_2_and_4_engines_at_tp2_ep2_tp2xep2_pp2(tmp_path: Path)
             assert res["peak_buffer_bytes"] < res["model_bytes"] / 2, case
         # Nobody is a funnel: the bytes the engines need come from several ranks, each sending about
         # an equal share (a rank sends nothing when every engine holds its shards itself).
+        if "direct_min_bytes=1024" in cases[case]:  # slices sent from the shard, received in place
+            assert sum(r["direct_messages"] for r in per_rank) > 0, case
+            if "parallel.tp=2" not in cases[case]:  # whole experts (ETP 1): received in place
+                assert per_rank[0]["in_place_bytes"] > 0, case
         senders = [b for b in per_rank[0]["sent"] if b]
         assert len(senders) >= 2 and max(senders) <= 1.6 * sum(senders) / len(senders), (case, senders)
         if case.endswith("reject"):
             for rank, res in enumerate(per_rank):
-                assert "rejected by 1 engine(s)" in res["reject_error"], (case, res["reject_error"])
+                assert "rejected by 1 engine(s) before any transfer" in res["reject_error"], (case, res["reject_error"])
                 assert "wrong shapes" in res["reject_error"], case
                 if rank in engines[:-1]:
                     assert res["version_after_reject"] == 2 and res["kept_v2"], (case, rank)

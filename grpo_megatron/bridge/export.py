@@ -14,17 +14,20 @@ point-to-point messages line up without further negotiation):
    about its share), then in the destination's data-parallel replica, then the lowest rank;
 3. plan: the adapter's export rules, in HF order, are cut into buckets (a bucket closes once it
    holds ``bucket_bytes``) and each bucket into ``ROUNDS_PER_BUCKET`` transfer rounds;
-4. per round, every rank packs, for each destination it feeds, its slices into one flat byte buffer,
-   cast to the export dtype there (a bf16 export of fp32 weights moves half the bytes), and posts
-   all its sends and receives of the round in one ``batch_isend_irecv``: every destination receives
-   at once, each pair exchanging one message per round. Nothing is all-gathered: each byte travels
+4. per round, every rank packs, for each destination it feeds, its small slices into one flat byte
+   buffer, cast to the export dtype there (a bf16 export of fp32 weights moves half the bytes), sends
+   each slice of ``DIRECT_MIN_BYTES`` or more as a message of its own (from the shard itself when it
+   is already in the export dtype: no copy), and posts all its sends and receives of the round in
+   one ``batch_isend_irecv``: every destination receives at once. Nothing is all-gathered: each byte travels
    once per destination, from a holder to the destination, which covers the TP/ETP gather, the EP
    gather of experts and the PP hand-off in one pattern;
 5. ``rounds_in_flight`` rounds are posted ahead (a rank posts round k + n only after round k is
    done; every rank posts its round-k ops before waiting on any of them, so no cycle of waits can
    form); a destination writes every received slice straight into its place in the new HF tensors
    (``assemble_hf``: one copy per byte; QKV de-interleaving, GLU halves and vocabulary padding are
-   handled slice by slice) and yields each bucket once its last round is in.
+   handled slice by slice) and yields each bucket once its last round is in. The weight sync goes
+   further (``borrow``, ``into``): the HF tensors are written straight into the engine's weights,
+   whole slices are even received there, and what needs no assembly is handed on as views.
 
 Memory (``TransferStats`` measures it): a rank holds the packed sends and the receive buffers of at
 most ``rounds_in_flight`` rounds, plus, on a destination, the bucket being filled; no rank holds a
@@ -239,17 +242,35 @@ class _Message:
     peer: int  # the destination (a send) or the source (a receive)
     parts: tuple[Part, ...]
     nbytes: int
+    direct: bool = False
+    """One slice alone (``_travels_alone``): sent from the shard itself when it is already in the
+    export dtype; a whole (unsplit) slice is received straight into the consumer's place where it
+    offers one laid out as the slice (``into``)."""
+
+
+DIRECT_MIN_BYTES = 128 << 10
+"""Slices of at least this many bytes travel in messages of their own (sent from the shard, no
+packing); smaller ones share one packed message per pair and round (a message costs a fixed
+latency however small)."""
+
+
+def _travels_alone(item: _Item, slot: int) -> bool:
+    """Whether slice ``slot`` of ``item`` travels as its own message: large enough to be worth one."""
+    return item.slice_bytes(slot) >= DIRECT_MIN_BYTES
 
 
 def _messages(
     rounds: Sequence[Sequence[int]], items: Sequence[_Item], sources: Mapping[int, Sequence[tuple[int, ...]]], me: int
 ) -> tuple[list[list[_Message]], list[list[_Message]]]:
-    """This rank's sends and receives of every round (each pair exchanges one message per round)."""
+    """This rank's sends and receives of every round: per pair, one packed message of the small
+    and split slices, then one message per slice that travels alone, in item order (both ends
+    derive the same order, which is how point-to-point messages between a pair are matched)."""
     sends: list[list[_Message]] = []
     recvs: list[list[_Message]] = []
     for rnd in rounds:
         out: dict[int, list[Part]] = {}
         into: dict[int, list[Part]] = {}
+        alone: dict[tuple[str, int], list[_Message]] = {}
         sizes: dict[tuple[str, int], int] = {}
         for d, per_item in sources.items():
             for index in rnd:
@@ -258,11 +279,22 @@ def _messages(
                         continue
                     box, peer = (out, d) if src == me else (into, src)
                     key = ("send" if src == me else "recv", peer)
+                    if _travels_alone(items[index], slot):
+                        msg = _Message(peer, ((index, slot, 0),), items[index].slice_bytes(slot), direct=True)
+                        alone.setdefault(key, []).append(msg)
+                        continue
                     offset = sizes.get(key, 0)
                     box.setdefault(peer, []).append((index, slot, offset))
                     sizes[key] = offset + _aligned(items[index].slice_bytes(slot))
-        sends.append([_Message(p, tuple(parts), sizes[("send", p)]) for p, parts in sorted(out.items())])
-        recvs.append([_Message(p, tuple(parts), sizes[("recv", p)]) for p, parts in sorted(into.items())])
+        for kind, box, result in (("send", out, sends), ("recv", into, recvs)):
+            peers = sorted({p for k, p in [*sizes, *alone] if k == kind})
+            result.append([
+                msg
+                for p in peers
+                for msg in (
+                    [_Message(p, tuple(box[p]), sizes[(kind, p)])] if (kind, p) in sizes else []
+                ) + alone.get((kind, p), [])
+            ])  # fmt: skip
     return sends, recvs
 
 
@@ -281,6 +313,8 @@ class TransferStats:
     peak_bytes: int = 0
     sent_bytes: int = 0
     received_bytes: int = 0
+    in_place_bytes: int = 0
+    """Of ``received_bytes``, those received straight into the consumer's places (``into``)."""
 
     def hold(self, nbytes: int) -> None:
         self.live_bytes += nbytes
@@ -321,6 +355,15 @@ class ExportPlan:
     @property
     def dst_rank(self) -> int:
         return self.dst_ranks[0]
+
+    def manifest(self) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
+        """(HF name, shape, dtype) of every tensor the stream delivers, in stream order: what a
+        destination receives, known before any byte moves (the weight sync's engines check it)."""
+        return [
+            (name, shape, item.dtype)
+            for item in self.items
+            for name, shape in zip(item.rule.hf, hf_shapes(item.rule, item.shape), strict=True)
+        ]
 
 
 def plan_export(
@@ -377,6 +420,8 @@ def export_hf_stream(
     plan: ExportPlan | None = None,
     device: torch.device | str = "cpu",
     stats: TransferStats | None = None,
+    borrow: bool = False,
+    into: Callable[[str], torch.Tensor | None] | None = None,
 ) -> Iterator[Bucket]:
     """Yield buckets of (HF name, full tensor on ``device``) on every destination rank (``dst_ranks``,
     default ``[dst_rank]``), all of them receiving at once; the other ranks yield nothing but must
@@ -391,7 +436,20 @@ def export_hf_stream(
     never split). ``dtype``: cast on export, on the sending rank (None keeps the training dtype).
     ``plan``: a ``plan_export`` result made with these same settings, to skip the metadata exchange;
     None = plan now. ``stats``: filled with the bytes this rank's transport held, sent and received.
-    Every yielded tensor owns its memory: a consumer may keep any of them.
+    Every yielded tensor owns its memory: a consumer may keep any of them, unless ``borrow``.
+
+    ``borrow=True`` (the weight sync, whose engines copy every tensor into their live weights at
+    once): a tensor that needs no assembly (one slice, already in the export dtype on ``device``)
+    is yielded as a view of where it already is (this rank's own shard, or the received message),
+    so each byte is copied once, by the consumer; and each round is yielded as soon as it is in (a
+    "bucket" of a quarter bucket's bytes). Borrowed views are valid only until the consumer returns
+    to the generator: copy them, never keep them.
+
+    ``into`` (with ``borrow``; the weight sync passes its engine's ``load_target``): where the
+    consumer will copy each HF tensor, or None. A slice that travels alone (``_travels_alone``) and
+    whose HF tensors' places are laid out exactly as the slice (contiguous, adjacent, in the export
+    dtype on ``device``) is received straight into them; its names are then yielded with their
+    places themselves (the consumer has nothing left to copy).
     """
     dsts = tuple(dst_ranks) if dst_ranks is not None else (dst_rank,)
     if plan is None:
@@ -409,22 +467,35 @@ def export_hf_stream(
     mine = plan.local  # views of this rank's shards: they see the weights as they are now
     items = plan.items
 
-    def post(k: int) -> tuple[list, list[tuple[torch.Tensor, _Message]], int]:
+    def post(k: int) -> tuple[list, list[tuple[torch.Tensor, _Message, bool]], int]:
         """Pack this rank's sends of round k, allocate its receives, and post them all in one batch."""
         ops, inbox, held = [], [], 0
         for msg in plan.sends[k]:
+            stats.sent_bytes += msg.nbytes
+            if msg.direct:
+                index, _, _ = msg.parts[0]
+                shard = mine[items[index].rule.mcore]
+                if shard.dtype == items[index].dtype and shard.device == out_device and shard.is_contiguous():
+                    ops.append(dist.P2POp(dist.isend, shard.reshape(-1).view(torch.uint8), msg.peer))
+                    continue  # sent from the weights themselves: no copy
             flat_u8 = torch.empty(msg.nbytes, dtype=torch.uint8, device=out_device)
             for index, slot, offset in msg.parts:
                 _view(flat_u8, offset, items[index], slot).copy_(mine[items[index].rule.mcore])
             ops.append(dist.P2POp(dist.isend, flat_u8, msg.peer))
             held += msg.nbytes
-            stats.sent_bytes += msg.nbytes
         for msg in plan.recvs[k]:
+            stats.received_bytes += msg.nbytes
+            whole = msg.direct and items[msg.parts[0][0]].dim is None and items[msg.parts[0][0]].rule.kind != "qkv"
+            place = _place_of(items[msg.parts[0][0]], into, out_device) if whole and into else None
+            if place is not None:
+                ops.append(dist.P2POp(dist.irecv, place, msg.peer))
+                inbox.append((place, msg, True))
+                stats.in_place_bytes += msg.nbytes
+                continue  # received straight where the consumer wants it: no copy
             flat_u8 = torch.empty(msg.nbytes, dtype=torch.uint8, device=out_device)
             ops.append(dist.P2POp(dist.irecv, flat_u8, msg.peer))
-            inbox.append((flat_u8, msg))
+            inbox.append((flat_u8, msg, False))
             held += msg.nbytes
-            stats.received_bytes += msg.nbytes
         stats.hold(held)
         return (dist.batch_isend_irecv(ops) if ops else []), inbox, held
 
@@ -434,30 +505,53 @@ def export_hf_stream(
     bucket: Bucket = []
     bucket_held = 0
 
-    def finish(k: int, works: list, inbox: list[tuple[torch.Tensor, _Message]], held: int) -> Iterator[Bucket]:
+    def finish(
+        k: int, works: list, inbox: list[tuple[torch.Tensor, _Message, bool]], held: int
+    ) -> Iterator[Bucket]:
         """Wait for round k; on a destination, write its slices into the bucket (yielded when full)."""
         nonlocal bucket, bucket_held
         for work in works:
             work.wait()
         if sources is not None:
             received: dict[tuple[int, int], torch.Tensor] = {}
-            for flat_u8, msg in inbox:
+            landed: set[int] = set()
+            for flat_u8, msg, in_place in inbox:
+                if in_place:
+                    landed.add(msg.parts[0][0])
+                    continue
                 for index, slot, offset in msg.parts:
                     received[(index, slot)] = _view(flat_u8, offset, items[index], slot)
             for index in rounds[k]:
                 item = items[index]
+                if index in landed:  # already in the consumer's place: hand on its names and places
+                    bucket += [(name, into(name)) for name in item.rule.hf]  # type: ignore[misc]
+                    continue
                 shards = [
                     mine[item.rule.mcore] if src == ps.rank else received[(index, slot)]
                     for slot, src in enumerate(sources[index])
                 ]
+                if borrow and _borrowable(item, shards[0], out_device):
+                    bucket += to_hf(item.rule, shards[0])  # views: the consumer's copy is the only one
+                    continue
+                places = _places(item, into, out_device) if into is not None else None
+                if places is not None:  # assembled straight into the consumer's places
+                    bucket += assemble_hf(
+                        item.rule, item.shape, item.dim, item.glu, shards, item.dtype, out_device, outs=places
+                    )
+                    continue
                 bucket += assemble_hf(item.rule, item.shape, item.dim, item.glu, shards, item.dtype, out_device)
                 bucket_held += item.hf_bytes
                 stats.hold(item.hf_bytes)
             received.clear()
+        if borrow and bucket:  # handed on while the round's buffers it views are alive
+            out, bucket = bucket, []
+            yield out
+            stats.drop(bucket_held)
+            bucket_held = 0
         works.clear()  # the round's buffers are freed here, before the bucket is handed on
         inbox.clear()
         stats.drop(held)
-        if sources is not None and k in last_of_bucket:
+        if sources is not None and k in last_of_bucket and bucket:
             out, bucket = bucket, []
             stats.drop(bucket_held)
             bucket_held = 0
@@ -470,6 +564,49 @@ def export_hf_stream(
         in_flight.append((k, *post(k)))
     while in_flight:
         yield from finish(*in_flight.popleft())
+
+
+def _place_of(
+    item: _Item, into: Callable[[str], torch.Tensor | None], device: torch.device
+) -> torch.Tensor | None:
+    """A flat byte view of the consumer's places of ``item``'s HF tensors when they are laid out
+    exactly as its one slice (so the slice can be received straight into them), else None."""
+    pieces = to_hf(item.rule, torch.empty(item.slice_shapes[0], dtype=item.dtype, device="meta"))
+    places = [into(name) for name, _ in pieces]
+    first = places[0]
+    if first is None:
+        return None
+    base = first.data_ptr()
+    for (_, piece), place in zip(pieces, places, strict=True):
+        if (
+            place is None or place.dtype != item.dtype or place.device != device or not place.is_contiguous()
+            or tuple(place.shape) != tuple(piece.shape) or not piece.is_contiguous()
+            or place.untyped_storage().data_ptr() != first.untyped_storage().data_ptr()
+            or place.data_ptr() - base != piece.storage_offset() * item.dtype.itemsize
+        ):  # fmt: skip
+            return None
+    if sum(p.numel() for _, p in pieces) * item.dtype.itemsize != item.slice_bytes(0):
+        return None  # the slice holds more than its HF tensors (vocabulary padding)
+    storage = first.untyped_storage()
+    flat_u8 = torch.empty(0, dtype=torch.uint8, device=device)
+    return flat_u8.set_(storage, first.storage_offset() * item.dtype.itemsize, (item.slice_bytes(0),))
+
+
+def _places(
+    item: _Item, into: Callable[[str], torch.Tensor | None], device: torch.device
+) -> list[torch.Tensor] | None:
+    """The consumer's places of ``item``'s HF tensors when every one exists, is contiguous and in the
+    export dtype on ``device`` (then the tensor is assembled straight there), else None."""
+    places = [into(name) for name in item.rule.hf]
+    if all(p is not None and p.dtype == item.dtype and p.device == device and p.is_contiguous() for p in places):
+        return places  # type: ignore[return-value]
+    return None
+
+
+def _borrowable(item: _Item, shard: torch.Tensor, device: torch.device) -> bool:
+    """Whether ``item``'s HF tensors can be handed on as views of its one slice ``shard``: no cast,
+    no move, and no regrouping that needs a copy (QKV's per-group split is not a view of its rows)."""
+    return item.dim is None and item.rule.kind != "qkv" and shard.dtype == item.dtype and shard.device == device
 
 
 # ---- assembling HF tensors from TP/ETP slices -----------------------------------------------------
@@ -543,18 +680,30 @@ def assemble_hf(
     shards: Sequence[torch.Tensor],
     dtype: torch.dtype,
     device: torch.device | str = "cpu",
+    outs: Sequence[torch.Tensor] | None = None,
 ) -> list[tuple[str, torch.Tensor]]:
     """The HF tensors of one canonical megatron tensor of ``shape``, written from its TP/ETP slices
     (``shards[r]`` is slice r along ``dim``; one shard and ``dim=None`` when unsplit; ``glu``: each
-    slice holds ``[gate_r; up_r]``) into new tensors of ``dtype`` on ``device``: each byte is copied once."""
-    if dim is None and rule.kind != "qkv":
+    slice holds ``[gate_r; up_r]``) into new tensors of ``dtype`` on ``device``, or into ``outs`` (one
+    contiguous tensor per HF name, of its HF shape: the weight sync's engine weights): each byte is
+    copied once."""
+    if outs is not None:
+        wanted = hf_shapes(rule, shape)
+        if len(outs) != len(wanted) or any(tuple(o.shape) != w for o, w in zip(outs, wanted, strict=False)):
+            raise ValueError(f"{rule.hf}: places of shapes {[tuple(o.shape) for o in outs]}, expected {wanted}")
+        if dim is None and rule.kind != "qkv":
+            for out, (_, view) in zip(outs, to_hf(rule, shards[0]), strict=True):
+                out.copy_(view)
+            return list(zip(rule.hf, outs, strict=True))
+    elif dim is None and rule.kind != "qkv":
         # Fast path (most tensors at world 1, experts at ETP 1): the HF tensors are views of the
         # shard (whole, GLU halves along dim 0, the real vocabulary rows): one copying op each.
         return [
             (name, view.to(device=device, dtype=dtype, copy=True, memory_format=torch.contiguous_format))
             for name, view in to_hf(rule, shards[0])
         ]
-    outs = [torch.empty(s, dtype=dtype, device=device) for s in hf_shapes(rule, shape)]
+    if outs is None:
+        outs = [torch.empty(s, dtype=dtype, device=device) for s in hf_shapes(rule, shape)]
     if len(shape) == 0:  # a scalar: nothing to place
         outs[0].copy_(shards[0])
         return list(zip(rule.hf, outs, strict=True))

@@ -8,8 +8,13 @@ The model (docs/planner.md states it with its assumptions):
 - the share of ``M`` an engine finds on its own node travels over NVLink, the rest over the
   network (InfiniBand, one NIC per GPU); a rank's send and receive time is its bytes over its link;
 - a GPU receiving and sending at once is limited by the slower of its two directions (full duplex);
-- copies on the device (packing at the sender, assembling HF tensors and the engine's load at the
-  receiver) run at ``copy_gbps``;
+- copies on the device run at ``copy_gbps``: at the receiver the round buffer flattened into the
+  engine's bucket and the engine loader's copy of its share; none at the sender (slices of
+  ``DIRECT_MIN_BYTES`` and more are sent from the weights themselves, smaller ones are noise);
+- a fixed latency per wait (transfer round, the sync's two small all-reduces) and a fixed overhead
+  per message, ``latency_s`` and ``message_s`` of ``transfer_seconds``: measured on the CPU
+  benchmark, left out of the GPU figures (a few dozen rounds and a few thousand messages per GPU of
+  ~20 us each, against transfers of seconds);
 - phases add up (no credit for overlap between rounds: an upper bound on a quiet cluster).
 
 Two deliveries are estimated:
@@ -56,11 +61,25 @@ class RankBytes:
     sent: float
     received: float
     copied: float  # packed, assembled and loaded on its device
+    waits: int = 0
+    """Points where the rank waits on its peers (transfer rounds, the sync's two small all-reduces):
+    each costs a fixed latency however few bytes move."""
+    messages: int = 0
+    """Point-to-point messages it sends and receives: each costs a fixed overhead on top of its bytes."""
 
 
-def transfer_seconds(ranks: Sequence[RankBytes], link_gbps: float, copy_gbps: float) -> float:
-    """The slowest rank's time: its busier link direction, then its copies (phases add up)."""
-    return max(max(r.sent, r.received) / (link_gbps * GB) + r.copied / (copy_gbps * GB) for r in ranks)
+def transfer_seconds(
+    ranks: Sequence[RankBytes], link_gbps: float, copy_gbps: float, latency_s: float = 0.0, message_s: float = 0.0
+) -> float:
+    """The slowest rank's time: its busier link direction, then its copies, ``latency_s`` per wait and
+    ``message_s`` per message (phases add up)."""
+    return max(
+        max(r.sent, r.received) / (link_gbps * GB)
+        + r.copied / (copy_gbps * GB)
+        + r.waits * latency_s
+        + r.messages * message_s
+        for r in ranks
+    )
 
 
 @dataclass(frozen=True)
@@ -117,14 +136,16 @@ def estimate_sync(
         send_s = sent / (send_link * GB)
         engine_spans_nodes = gpus_per_engine > gpus_per_node
         fan_out_s = fan_out / ((links.ib_gbps if engine_spans_nodes else links.intra_gbps) * GB)
-        copied = received + m / gpus_per_engine  # assembled, then loaded
-        copy_s = (copied + sent) / (links.copy_gbps * GB)
+        # SGLang's path: received into round buffers, flattened into its bucket, its loader copies its
+        # share. A trainer rank sends large slices from its weights (no packing): nothing copied.
+        copied = received + m / gpus_per_engine
+        copy_s = copied / (links.copy_gbps * GB)
         seconds = max(receive_s, send_s) + fan_out_s + copy_s
         parts = {"receive": receive_s, "send": send_s, "fan-out in the engine": fan_out_s, "copies": copy_s}
         out.append(
             SyncEstimate(
                 delivery, m, engines, gpus_per_engine,
-                RankBytes(sent, 0.0, sent), RankBytes(sent + fan_out, received, copied),
+                RankBytes(sent, 0.0, 0.0), RankBytes(sent + fan_out, received, copied),
                 seconds, max(parts, key=lambda k: parts[k]),
             )  # fmt: skip
         )

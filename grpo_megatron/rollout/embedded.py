@@ -20,13 +20,21 @@ from __future__ import annotations
 
 import inspect
 import re
-from collections.abc import Mapping, Sequence
+from collections import Counter
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
 
-from grpo_megatron.rollout.engine import Bucket, Completion, MemoryTag, RolloutEngine, SamplingParams
+from grpo_megatron.rollout.engine import (
+    Bucket,
+    Completion,
+    Manifest,
+    MemoryTag,
+    RolloutEngine,
+    SamplingParams,
+)
 from grpo_megatron.rollout.hf_routes import ROUTER_CLASSES, RouteRecorder
 
 # A live tensor's id lives in the high bits of a traced index, its element offset in the low ones.
@@ -232,6 +240,10 @@ class EmbeddedEngine(RolloutEngine):
         self._targets: dict[str, torch.Tensor] | None = None  # views into the live weights (see _live_targets)
         self._staged: dict[str, torch.Tensor] = {}
         self._staged_version: int | None = None
+        self._direct_version: int | None = None  # a version whose manifest was accepted: loaded in place
+        self._direct_names: set[str] = set()  # names of that manifest not loaded yet
+        self._accepted_manifest: Manifest | None = None  # the last manifest accepted, and its names
+        self._accepted_names: frozenset[str] = frozenset()
         self._weights_on_host = False
         self.weight_version = -1
 
@@ -251,8 +263,13 @@ class EmbeddedEngine(RolloutEngine):
         return self._targets
 
     def update_weights(self, bucket: Bucket, *, version: int, last: bool) -> None:
-        """Stage ``bucket`` (kept by reference, wherever it lives); on ``last`` validate everything
-        staged for ``version`` and only then copy it into the model."""
+        """After ``check_manifest`` accepted ``version``: copy each tensor straight into the live
+        weights (one copy per byte; the weights are partial, ``weight_version`` -1, until ``last``).
+        Otherwise stage ``bucket`` (kept by reference) and on ``last`` validate everything staged
+        for ``version`` and only then copy it into the model."""
+        if self._direct_version == version:
+            self._load_in_place(bucket, version, last)
+            return
         if self._staged_version != version:
             self._staged, self._staged_version = {}, version  # a new version drops a stale partial one
         repeated = [name for name, _ in bucket if name in self._staged]
@@ -264,40 +281,89 @@ class EmbeddedEngine(RolloutEngine):
             return
         staged, self._staged = self._staged, {}
         self._staged_version = None
-        problems = self._validate(staged)
+        problems = self._validate({name: (tuple(t.shape), t.dtype) for name, t in staged.items()})
         if problems:
             raise ValueError(
                 f"weight update v{version} rejected, the engine keeps v{self.weight_version}: "
                 + "; ".join(problems)
             )
-        targets = self._live_targets()
-        with torch.no_grad():
-            for name, tensor in staged.items():
-                targets[name].copy_(tensor, non_blocking=True)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+        self._copy_into_live(staged.items())
         self.weight_version = version
         self.flush_cache()
 
-    def check_update(self, version: int) -> None:
-        """Validate everything staged for ``version`` without committing it (see ``RolloutEngine``)."""
-        if self._staged_version != version:
-            raise ValueError(f"weight update v{version}: nothing staged for it, the engine keeps v{self.weight_version}")
-        problems = self._validate(self._staged)
+    def check_manifest(self, manifest: Manifest, version: int) -> list[str]:
+        """Every problem of an update made of exactly ``manifest``'s tensors (empty = accepted, and the
+        buckets of ``version`` are then loaded in place as they arrive). The verdict depends only on
+        the manifest and the model's layout, so the manifest last accepted (the fleet passes the
+        same one every sync) is accepted again without another look."""
+        if manifest is self._accepted_manifest:
+            self._discard_staged()
+            self._direct_version, self._direct_names = version, set(self._accepted_names)
+            return []
+        meta = {name: (tuple(shape), dtype) for name, shape, dtype in manifest}
+        counts = Counter(name for name, _, _ in manifest)
+        repeated = sorted(name for name, n in counts.items() if n > 1)
+        problems = self._validate(meta)
+        if repeated:
+            problems.insert(0, f"tensors listed twice {repeated[:10]}")
         if problems:
-            raise ValueError(
-                f"weight update v{version} rejected, the engine keeps v{self.weight_version}: " + "; ".join(problems)
-            )
+            return [f"weight update v{version} rejected, the engine keeps v{self.weight_version}: " + "; ".join(problems)]
+        self._discard_staged()
+        self._direct_version, self._direct_names = version, set(meta)
+        self._accepted_manifest, self._accepted_names = manifest, frozenset(meta)
+        return []
+
+    def _load_in_place(self, bucket: Bucket, version: int, last: bool) -> None:
+        """One bucket of an accepted manifest into the live weights; ``last`` commits ``version``."""
+        self.weight_version = -1  # partial from the first byte on, until the last bucket is in
+        try:
+            stray = [name for name, _ in bucket if name not in self._direct_names]
+            if stray:
+                raise ValueError(f"weight update v{version}: tensors outside its manifest or sent twice: {stray[:10]}")
+            self._direct_names.difference_update(name for name, _ in bucket)
+            self._copy_into_live(bucket)
+            if last and self._direct_names:
+                raise ValueError(
+                    f"weight update v{version}: the stream ended without {sorted(self._direct_names)[:10]} "
+                    f"({len(self._direct_names)} in all) of its manifest"
+                )
+        except Exception:
+            self._direct_version = None  # the weights stay partial (version -1) until a full update
+            raise
+        if last:
+            self._direct_version = None
+            self.weight_version = version
+            self.flush_cache()
+
+    def load_target(self, name: str) -> torch.Tensor | None:
+        """The live view ``name`` is loaded into, during an accepted in-place update (else None)."""
+        if self._direct_version is None:
+            return None
+        self.weight_version = -1  # the transport writes the live weights from here on
+        return self._live_targets().get(name)
+
+    def _copy_into_live(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        targets = self._live_targets()
+        with torch.no_grad():
+            for name, tensor in tensors:
+                target = targets[name]
+                if tensor is not target:  # the transport may have received it in place already
+                    target.copy_(tensor, non_blocking=True)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # borrowed tensors may be reused once this returns
 
     def abort_update(self, version: int) -> None:
         if self._staged_version == version:
             self._discard_staged()
+        if self._direct_version == version:
+            self._direct_version = None
 
     def _discard_staged(self) -> None:
         self._staged, self._staged_version = {}, None
 
-    def _validate(self, staged: Mapping[str, torch.Tensor]) -> list[str]:
-        """Every problem of a complete update, each naming its tensors (empty = good)."""
+    def _validate(self, staged: Mapping[str, tuple[tuple[int, ...], torch.dtype]]) -> list[str]:
+        """Every problem of a complete update of these tensors (name -> shape, dtype), each naming its
+        tensors (empty = good)."""
         expected = self._expected
         problems = []
         unexpected = sorted(set(staged) - set(expected))
@@ -310,16 +376,16 @@ class EmbeddedEngine(RolloutEngine):
         if missing:
             problems.append(f"missing {missing[:10]} ({len(missing)} in all)")
         wrong_shape = [
-            f"{n} {tuple(t.shape)} != {expected[n][0]}"
-            for n, t in sorted(staged.items())
-            if n in expected and tuple(t.shape) != expected[n][0]
+            f"{n} {shape} != {expected[n][0]}"
+            for n, (shape, _) in sorted(staged.items())
+            if n in expected and shape != expected[n][0]
         ]
         if wrong_shape:
             problems.append(f"wrong shapes {wrong_shape[:10]} ({len(wrong_shape)} in all)")
         wrong_dtype = [
-            f"{n} {t.dtype} != {expected[n][1]}"
-            for n, t in sorted(staged.items())
-            if n in expected and not _widens_exactly(t.dtype, expected[n][1])
+            f"{n} {dtype} != {expected[n][1]}"
+            for n, (_, dtype) in sorted(staged.items())
+            if n in expected and not _widens_exactly(dtype, expected[n][1])
         ]
         if wrong_dtype:
             problems.append(

@@ -21,6 +21,8 @@ import torch
 
 # One bucket of the weight stream: (Hugging Face checkpoint name, full tensor) pairs.
 Bucket = Sequence[tuple[str, torch.Tensor]]
+# What a weight sync will deliver, known from the export plan before any byte moves: (HF name, shape, dtype).
+Manifest = Sequence[tuple[str, tuple[int, ...], torch.dtype]]
 
 MemoryTag = Literal["weights", "kv_cache", "cuda_graph"]
 ALL_MEMORY_TAGS: tuple[MemoryTag, ...] = ("weights", "kv_cache", "cuda_graph")
@@ -79,21 +81,34 @@ class RolloutEngine(abc.ABC):
 
     @abc.abstractmethod
     def update_weights(self, bucket: Bucket, *, version: int, last: bool) -> None:
-        """Stage one bucket of the weight stream. ``last=True`` marks the final bucket of ``version``:
-        only then are the staged weights checked (every expected name present, shapes and dtypes
-        right) and committed. A bad name or shape raises before anything is applied."""
+        """Take one bucket of the weight stream. ``last=True`` marks the final bucket of ``version``.
+        Without an accepted manifest (``check_manifest``) the engine stages the buckets and only on
+        ``last`` checks them (every expected name present, shapes and dtypes right) and commits: a bad
+        name or shape raises before anything is applied. After ``check_manifest`` accepted ``version``
+        the engine may load each bucket as it arrives; the tensors may be borrowed views of the
+        sender's buffers, valid only during the call (copy, never keep them)."""
 
-    def check_update(self, version: int) -> None:
-        """Phase one of the fleet's all-or-nothing commit: raise (naming the problems) if the buckets
-        staged for ``version`` with ``last=False`` would be rejected by the closing
-        ``update_weights([], version=version, last=True)``; the fleet commits only if every engine
-        passes. Engines that load buckets as they arrive (SGLang) have nothing staged to check: they
-        accept here and report problems on the bucket that shows them."""
+    def check_manifest(self, manifest: Manifest, version: int) -> list[str]:
+        """Phase one of the fleet's all-or-nothing weight sync, before any byte moves: every problem the
+        engine would have with ``version`` made of exactly the tensors ``manifest`` lists (HF name,
+        shape, dtype), each naming its tensors; empty = accepted. An engine that accepts must then
+        take the stream's buckets (``update_weights(..., last=False)``, then ``last=True``) for this
+        version and may write them straight into its live weights (the fleet calls ``abort_update``
+        instead if another engine rejected). Default: accept (engines that cannot judge from metadata,
+        e.g. SGLang, report problems on the bucket that shows them)."""
+        return []
+
+    def load_target(self, name: str) -> torch.Tensor | None:
+        """Where the accepted version's tensor ``name`` goes (a view of the live weights), for the
+        transport to receive it straight there (then ``update_weights`` gets that very view and has
+        nothing to copy); None = no such place, the tensor comes through ``update_weights``. Valid
+        only between an accepted ``check_manifest`` and the closing ``update_weights``; the weights
+        are partial from the first call on. Default: None (SGLang loads through its own loader)."""
         return None
 
     def abort_update(self, version: int) -> None:
-        """Drop what was staged for ``version`` (another engine rejected it): the engine keeps its
-        previous weights and version. Nothing staged: nothing to drop."""
+        """Drop what was staged or accepted for ``version`` (another engine rejected it): the engine
+        keeps its previous weights and version. Nothing staged: nothing to drop."""
         return None
 
     @abc.abstractmethod

@@ -12,11 +12,13 @@ collectives); some ranks also hold an engine (``engine_ranks``):
 samples with seed ``params.seed + i``), and returns every completion in prompt order on every rank.
 ``sync_weights`` runs the bridge's streaming export with every engine rank as a destination: each
 engine receives the slices it needs straight from the trainer ranks holding them (its own first,
-then its node's, the load spread over every copy), all engines at once, bucket by bucket. Each
-engine stages its buckets; the version is committed in two phases: every engine checks what it
-staged (``check_update``), the ranks agree, and only then does every engine commit (or, if any
-engine rejected it, drop it and keep its previous version while every rank raises with the
-engines' messages).
+then its node's, the load spread over every copy), all engines at once, round by round. Two
+phases: every engine first checks the plan's manifest (every HF name, shape and dtype it will
+receive: each rejection is decidable before a byte moves) and the ranks agree; only if all accept
+do the bytes move, straight into the engines' live weights (no staged version). If any engine
+rejects, nobody transfers, every engine keeps its previous version and every rank raises with the
+engines' messages. A failure during the transfer leaves that engine's weights partial
+(``weight_version`` -1) and every rank raises: see ``RolloutFleet.sync_weights``.
 """
 
 from __future__ import annotations
@@ -69,6 +71,13 @@ def _agree(error: str | None, what: str) -> None:
     if failed:
         lines = "\n".join(f"  rank {rank}: {e}" for rank, e in failed[:8])
         raise RuntimeError(f"{what} failed on {len(failed)} rank(s):\n{lines}")
+
+
+def _any_rank(flag: bool, ps: ParallelState) -> bool:
+    """Collective: whether ``flag`` is set on any rank (one small all-reduce, on the trainer's device)."""
+    flag_t = torch.tensor([int(flag)], dtype=torch.int64, device=ps.device)
+    dist.all_reduce(flag_t, op=dist.ReduceOp.MAX)
+    return bool(flag_t.item())
 
 
 def _describe(exc: BaseException) -> str:
@@ -129,6 +138,8 @@ class RolloutFleet:
     stay the same (the metadata exchange it saves grows with the world size)."""
     planned_for: tuple[int, int] | None = None
     """(id of the model, bucket bytes) ``export_plan`` was made for."""
+    manifest: list[tuple[str, tuple[int, ...], torch.dtype]] = dataclasses.field(default_factory=list)
+    """``export_plan``'s manifest: every (HF name, shape, dtype) an engine receives per sync."""
 
     @classmethod
     def build(
@@ -202,27 +213,62 @@ class RolloutFleet:
         """Collective: stream the trainer's weights into every engine as ``version``, all engines fed
         at once, each from the ranks holding its slices (``bridge/export.py``).
 
-        All or nothing: every engine stages the whole version, checks it, and commits only once every
-        engine has passed its check; if any engine rejects it, every engine drops it and keeps its
-        previous weights and version, and every rank raises with the engines' messages.
-        Returns ``sync/*`` metrics: seconds of the transfer (buckets staged) and of the commit, bytes
-        and buckets each engine received, and the most bytes of transfer buffers any rank held.
+        Two phases. One, before any byte moves: every engine checks the plan's manifest (each HF name,
+        shape and dtype it will receive, ``RolloutEngine.check_manifest``) and the ranks agree; if any
+        engine rejects it, nobody transfers, every engine keeps its previous weights and version, and
+        every rank raises with the engines' messages. Two: the bytes stream straight into every
+        engine's live weights (borrowed views where a tensor needs no assembly: one copy per byte, no
+        staged version). A failure during phase two (a broken link, an engine that fails to load what
+        its manifest accepted) leaves that engine's weights partial: it reports ``weight_version``
+        -1 and every rank raises, naming the engines; engines that received everything hold
+        ``version``. The job cannot go on from there (resume from the last checkpoint), so nothing
+        is kept to roll back to: holding a previous version would double every engine's memory.
+        Returns ``sync/*`` metrics: seconds of the manifest check and of the transfer, bytes and
+        buckets each engine received, the most bytes of transfer buffers any rank held, and the most
+        bytes any engine received straight into its weights.
         """
         from grpo_megatron.bridge.export import TransferStats, export_hf_stream, plan_export
 
         bucket_bytes = bucket_bytes or self.bucket_bytes
         dsts = tuple(self.engine_ranks)
         start = time.perf_counter()
-        if self.planned_for != (id(model), bucket_bytes):
+        if self.planned_for != (id(model), bucket_bytes) or self.export_plan is None:
             self.export_plan = plan_export(
                 model, self.ps, self.hf, bucket_bytes=bucket_bytes, dst_ranks=dsts, dtype=self.export_dtype,
                 rounds_in_flight=self.rounds_in_flight,
             )  # fmt: skip
             self.planned_for = (id(model), bucket_bytes)
+            self.manifest = self.export_plan.manifest()
+
+        # Phase one: every engine judges the manifest; the ranks agree (one small all-reduce; the
+        # messages are gathered only when some engine rejected).
+        problems: list[str] = []
+        if self.engine is not None:
+            try:
+                problems = self.engine.check_manifest(self.manifest, version)
+            except Exception as exc:
+                problems = [_describe(exc)]
+        if _any_rank(bool(problems), self.ps):
+            if self.engine is not None:
+                self.engine.abort_update(version)
+            verdicts: list[Any] = [None] * self.ps.world_size
+            dist.all_gather_object(verdicts, problems)
+            rejected = [(rank, "; ".join(v)) for rank, v in enumerate(verdicts) if v]
+            lines = "\n".join(f"  rank {rank}: {e}" for rank, e in rejected[:8])
+            raise RuntimeError(
+                f"weight sync of version {version} rejected by {len(rejected)} engine(s) before any transfer; "
+                f"every engine keeps its previous version:\n{lines}"
+            )
+        check_s = time.perf_counter() - start
+
+        # Phase two: the transfer, into the live weights.
+        start = time.perf_counter()
         stats = TransferStats()
         stream = export_hf_stream(
             model, self.ps, self.hf, bucket_bytes=bucket_bytes, dst_ranks=dsts, dtype=self.export_dtype,
             plan=self.export_plan, device=self.ps.device, stats=stats,  # engines sit on the trainer's devices
+            borrow=True,  # the engines copy every tensor into their weights at once
+            into=self.engine.load_target if self.engine is not None else None,
         )  # fmt: skip
         error: str | None = None
         received = buckets = 0
@@ -237,41 +283,34 @@ class RolloutFleet:
                 error = _describe(exc)
         if self.engine is not None and error is None:
             try:
-                self.engine.check_update(version)
+                self.engine.update_weights([], version=version, last=True)
             except Exception as exc:
                 error = _describe(exc)
-        transfer_s = time.perf_counter() - start
-
-        # Phase two: commit only if every engine accepted (one gather carries the verdicts and metrics).
-        start = time.perf_counter()
-        reports: list[Any] = [None] * self.ps.world_size
-        dist.all_gather_object(reports, (error, received, buckets, stats.peak_bytes))
-        rejected = [(rank, r[0]) for rank, r in enumerate(reports) if r[0] is not None]
-        commit_error = None
-        if self.engine is not None:
-            try:
-                if rejected:
-                    self.engine.abort_update(version)
-                else:
-                    self.engine.update_weights([], version=version, last=True)
-            except Exception as exc:
-                commit_error = _describe(exc)
-        if rejected:
-            lines = "\n".join(f"  rank {rank}: {e}" for rank, e in rejected[:8])
+        # One all-reduce (max) carries the verdict and the metrics: every engine receives the same bytes.
+        totals = torch.tensor(
+            [error is not None, received, buckets, stats.peak_bytes, stats.in_place_bytes],
+            dtype=torch.int64,
+            device=self.ps.device,
+        )
+        dist.all_reduce(totals, op=dist.ReduceOp.MAX)
+        if totals[0]:
+            reports: list[Any] = [None] * self.ps.world_size
+            dist.all_gather_object(reports, error)
+            failed = [(rank, e) for rank, e in enumerate(reports) if e is not None]
+            lines = "\n".join(f"  rank {rank}: {e}" for rank, e in failed[:8])
             raise RuntimeError(
-                f"weight sync of version {version} rejected by {len(rejected)} engine(s); every engine keeps "
-                f"its previous version:\n{lines}"
+                f"weight sync of version {version} failed during the transfer on {len(failed)} engine(s); their "
+                f"weights are partial (weight_version -1), resume from the last checkpoint:\n{lines}"
             )
-        _agree(commit_error, f"committing the weight sync of version {version}")
-        commit_s = time.perf_counter() - start
-        first = reports[dsts[0]]
+        transfer_s = time.perf_counter() - start
         return {
+            "sync/check_seconds": check_s,
             "sync/transfer_seconds": transfer_s,
-            "sync/commit_seconds": commit_s,
-            "sync/seconds": transfer_s + commit_s,
-            "sync/bytes": float(first[1]),
-            "sync/buckets": float(first[2]),
-            "sync/peak_buffer_bytes": float(max(r[3] for r in reports)),
+            "sync/seconds": check_s + transfer_s,
+            "sync/bytes": float(totals[1]),
+            "sync/buckets": float(totals[2]),
+            "sync/peak_buffer_bytes": float(totals[3]),
+            "sync/in_place_bytes": float(totals[4]),
             "sync/version": float(version),
         }
 
