@@ -438,8 +438,11 @@ class EmbeddedEngine(RolloutEngine):
 
         out_tokens: list[list[int]] = [[] for _ in range(n_rows)]
         out_logprobs: list[list[float]] = [[] for _ in range(n_rows)]
-        # Per row, [M, tokens, K] pieces of its routes: the prompt's, then one per fed response token.
-        out_routes: list[list[torch.Tensor]] = [[] for _ in range(n_rows)]
+        # Routes of the fed tokens: the (left-padded) prompts' from the first step, then one response
+        # token per row and step, written with one indexed copy per step (not one op per row: at
+        # hundreds of rows that Python loop cost more than the decoding step itself on a GPU).
+        prompt_routes_mrlk: torch.Tensor | None = None
+        response_routes_mrtk: torch.Tensor | None = None
         finish: list[Literal["stop", "length"]] = ["length"] * n_rows
         active = torch.arange(n_rows, device=self.device)  # original row of each batch row
         inputs_rl, positions_rl = tokens_rl, position_rl
@@ -456,9 +459,14 @@ class EmbeddedEngine(RolloutEngine):
             tokens, logprobs, rows_now = token_r.tolist(), logprob_r.tolist(), active.tolist()
             if self.routes is not None:
                 routes_mrlk = self.routes.take().unflatten(1, (len(rows_now), inputs_rl.shape[1]))
-                for j, row in enumerate(rows_now):  # left padding: the prompt is the last columns
-                    fed = len(rows[row]) if step == 0 else 1
-                    out_routes[row].append(routes_mrlk[:, j, routes_mrlk.shape[2] - fed :])
+                if step == 0:
+                    prompt_routes_mrlk = routes_mrlk
+                    response_routes_mrtk = routes_mrlk.new_full(
+                        (routes_mrlk.shape[0], n_rows, max(params.max_new_tokens - 1, 0), routes_mrlk.shape[3]), -1
+                    )
+                else:  # the token fed at this step is each active row's response token step - 1
+                    assert response_routes_mrtk is not None
+                    response_routes_mrtk[:, rows_now, step - 1] = routes_mrlk[:, :, 0]
             stopped = torch.isin(token_r, stop_ids).tolist() if stop_ids.numel() else [False] * len(tokens)
             for j, row in enumerate(rows_now):
                 out_tokens[row].append(tokens[j])
@@ -481,12 +489,13 @@ class EmbeddedEngine(RolloutEngine):
                 cache.batch_select_indices(keep_idx)
                 active, mask_rl = active[keep_idx], mask_rl[keep_idx]
                 positions_rl, inputs_rl = positions_rl[keep_idx], inputs_rl[keep_idx]
-        return [
-            Completion(
-                out_tokens[i], out_logprobs[i], finish[i], torch.cat(out_routes[i], dim=1) if out_routes[i] else None
-            )
-            for i in range(n_rows)
-        ]
+        routes: list[torch.Tensor | None] = [None] * n_rows
+        if prompt_routes_mrlk is not None and response_routes_mrtk is not None:
+            for i in range(n_rows):  # left padding: the prompt is the last columns; the last token is never fed
+                prompt_mlk = prompt_routes_mrlk[:, i, prompt_routes_mrlk.shape[2] - len(rows[i]) :]
+                fed = len(out_tokens[i]) - 1
+                routes[i] = torch.cat([prompt_mlk, response_routes_mrtk[:, i, :fed]], dim=1)
+        return [Completion(out_tokens[i], out_logprobs[i], finish[i], routes[i]) for i in range(n_rows)]
 
     def score(
         self, sequences: Sequence[Sequence[int]], prompt_lens: Sequence[int], temperature: float
