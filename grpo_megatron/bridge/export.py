@@ -153,13 +153,13 @@ def _items(
             raise RuntimeError(
                 f"{rule.mcore}: TP/ETP slices {sorted(by_slot)} announced, expected 0..{size - 1}"
             )
-        shape = list(shapes[0])
+        full_shape = list(shapes[0])
         if dim is not None:
-            shape[dim] *= size
+            full_shape[dim] *= size
         out_dtype = dtype or _dtype(dt)
-        hf_bytes = _hf_numel(rule, shape) * out_dtype.itemsize
+        hf_bytes = _hf_numel(rule, full_shape) * out_dtype.itemsize
         items.append(_Item(
-            rule, tuple(shape), dim, glu, out_dtype, tuple(shapes[r] for r in range(size)),
+            rule, tuple(full_shape), dim, glu, out_dtype, tuple(shapes[r] for r in range(size)),
             tuple(tuple(by_slot[r]) for r in range(size)), hf_bytes,
         ))  # fmt: skip
     return items
@@ -589,7 +589,7 @@ def _place_of(
         return None  # the slice holds more than its HF tensors (vocabulary padding)
     storage = first.untyped_storage()
     flat_u8 = torch.empty(0, dtype=torch.uint8, device=device)
-    return flat_u8.set_(storage, first.storage_offset() * item.dtype.itemsize, (item.slice_bytes(0),))
+    return flat_u8.set_(storage, first.storage_offset() * item.dtype.itemsize, (item.slice_bytes(0),), (1,))
 
 
 def _places(

@@ -23,7 +23,7 @@ import re
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
@@ -36,6 +36,9 @@ from grpo_megatron.rollout.engine import (
     SamplingParams,
 )
 from grpo_megatron.rollout.hf_routes import ROUTER_CLASSES, RouteRecorder
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 # A live tensor's id lives in the high bits of a traced index, its element offset in the low ones.
 _ID_SHIFT = 40
@@ -55,7 +58,7 @@ class CheckpointView:
         return live.as_strided(self.shape, self.stride, live.storage_offset() + self.offset)
 
 
-def _trace_group(model: torch.nn.Module, live: Mapping[str, torch.Tensor], ids: Mapping[str, int]) -> dict:
+def _trace_group(model: PreTrainedModel, live: Mapping[str, torch.Tensor], ids: Mapping[str, int]) -> dict:
     index_sd = {
         name: (ids[name] << _ID_SHIFT) + torch.arange(t.numel(), dtype=torch.int64).view(t.shape)
         for name, t in live.items()
@@ -67,7 +70,7 @@ def _trace_group(model: torch.nn.Module, live: Mapping[str, torch.Tensor], ids: 
     return revert_weight_conversion(model, index_sd)
 
 
-def checkpoint_views(model: torch.nn.Module) -> dict[str, CheckpointView]:
+def checkpoint_views(model: PreTrainedModel) -> dict[str, CheckpointView]:
     """Map every Hugging Face checkpoint name of ``model`` (as ``save_pretrained`` writes it, plus
     tied aliases such as ``lm_head.weight``) to the view of the live tensor it is stored in.
 
@@ -112,8 +115,8 @@ def _view_from_indices(
     offset = int(local.reshape(-1)[0]) if local.numel() else 0
     stride = []
     for dim, size in enumerate(local.shape):
-        step = local.narrow(dim, 1, 1) - local.narrow(dim, 0, 1) if size > 1 else None
-        stride.append(int(step.reshape(-1)[0]) if step is not None else 1)
+        delta = local.narrow(dim, 1, 1) - local.narrow(dim, 0, 1) if size > 1 else None
+        stride.append(int(delta.reshape(-1)[0]) if delta is not None else 1)
     # The indices a strided view with these parameters would hold: must be exactly the traced ones.
     expected = torch.full(local.shape, offset, dtype=torch.int64)
     for dim, (size, step) in enumerate(zip(local.shape, stride, strict=True)):
@@ -156,7 +159,7 @@ def alias_groups(views: Mapping[str, CheckpointView]) -> list[list[str]]:
     return list(groups.values())
 
 
-def _supports_experts_implementation(model_cls: type) -> bool:
+def _supports_experts_implementation(model_cls: object) -> bool:
     probe = getattr(model_cls, "_can_set_experts_implementation", None)
     return bool(probe()) if callable(probe) else False
 
@@ -215,6 +218,7 @@ class EmbeddedEngine(RolloutEngine):
         self.tokenizer = tokenizer
         self.max_batch_rows = max_batch_rows
         config = AutoConfig.for_model(**dict(hf))
+        # transformers annotates this lookup as a pair of classes; it returns the model class.
         model_cls = AutoModelForCausalLM._model_mapping[type(config)]
         kwargs: dict[str, Any] = {"dtype": dtype}
         if _supports_experts_implementation(model_cls):
@@ -559,7 +563,7 @@ class EmbeddedEngine(RolloutEngine):
 
     def shutdown(self) -> None:
         self._discard_staged()
-        self.model = None  # type: ignore[assignment]
+        self.model = None
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 

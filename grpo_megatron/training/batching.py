@@ -22,7 +22,7 @@ decreasing. Padded: rows are right-padded to the longest, and the budget counts
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Literal
 
@@ -244,10 +244,11 @@ def collate(
         )
     s = max(samples[i].length for i in rows)
 
-    def stack(get, fill) -> torch.Tensor:
-        out = torch.full((len(rows), s), fill, dtype=get(samples[rows[0]]).dtype)
-        for b, i in enumerate(rows):
-            t = get(samples[i])
+    def stack(get: Callable[[Sample], torch.Tensor | None], fill: float) -> torch.Tensor:
+        rows_t = [t for i in rows if (t := get(samples[i])) is not None]
+        assert len(rows_t) == len(rows)  # the callers stack only what every row has
+        out = torch.full((len(rows), s), fill, dtype=rows_t[0].dtype)
+        for b, t in enumerate(rows_t):
             out[b, : t.numel()] = t
         return out
 

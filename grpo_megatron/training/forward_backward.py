@@ -26,10 +26,10 @@ split over micro-batches and DP ranks.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -41,6 +41,9 @@ from grpo_megatron.distributed.context_parallel import gather_outputs, local_ind
 from grpo_megatron.models.logprobs import vocab_parallel_logprobs
 from grpo_megatron.models.routing import RoutingPass
 from grpo_megatron.training.packing import PackedRows, packed_seq_params
+
+if TYPE_CHECKING:
+    from megatron.core.transformer import TransformerConfig
 
 
 @dataclass
@@ -132,11 +135,11 @@ def _pad(mb: MicroBatch, rows: int, length: int, ps: ParallelState) -> _Padded:
         return _Padded(padded, mb, b, s)
     if b != 1 or s != mb.packed.total:
         raise ValueError(f"a packed micro-batch has tokens [1, {mb.packed.total}], got {list(mb.tokens_bs.shape)}")
-    layout = _layout(mb, ps)
+    packed, layout = mb.packed, _layout(mb, ps)
     assert layout is not None
 
     def lay_out(x_t: torch.Tensor) -> torch.Tensor:
-        x_t = x_t if layout is mb.packed else layout.pack(mb.packed.unpack(x_t))
+        x_t = x_t if layout is packed else layout.pack(packed.unpack(x_t))
         return F.pad(x_t, (0, length - layout.total))
 
     cp_group = ps.cp_group if ps.cp > 1 else None
@@ -159,7 +162,7 @@ def _pad(mb: MicroBatch, rows: int, length: int, ps: ParallelState) -> _Padded:
         packed=mb.packed,
         routes_lbsk=None if routes_tlk is None else routes_tlk.permute(1, 0, 2)[:, None],
     )
-    return _Padded(padded, mb, len(mb.packed.lengths), mb.packed.max_length, layout, params)
+    return _Padded(padded, mb, len(packed.lengths), packed.max_length, layout, params)
 
 
 def _as_packed(mb: MicroBatch) -> MicroBatch:
@@ -243,7 +246,7 @@ class _Runner:
 
         # megatron's allgather MoE dispatcher all-gathers tokens over the expert-parallel group,
         # whose ranks hold different data-parallel micro-batches: their shapes must agree.
-        config = self.chunks[0].config
+        config: TransformerConfig = self.chunks[0].config
         uniform = (
             bool(config.num_moe_experts)
             and config.moe_token_dispatcher_type == "allgather"
@@ -256,10 +259,11 @@ class _Runner:
         shapes = _padded_shapes(microbatches, self.ps, uniform)
         padded = [_pad(mb, b, s, self.ps) for mb, (b, s) in zip(microbatches, shapes, strict=True)]
 
-        def step(data_iterator, model):
+        def step(data_iterator: Iterator[_Padded], model: torch.nn.Module) -> tuple[torch.Tensor, Callable]:
             p = next(data_iterator)
             if self.routing is not None:  # targets for this micro-batch's routers on this stage
-                self.routing.before_microbatch(p.mb.routes_lbsk, tuple(p.mb.tokens_bs.shape), p.real)
+                rows, length = p.mb.tokens_bs.shape
+                self.routing.before_microbatch(p.mb.routes_lbsk, (rows, length), p.real)
             if p.packed_seq_params is None:
                 output = model(p.mb.tokens_bs, p.mb.position_ids_bs, None)
             else:
@@ -285,10 +289,12 @@ class _Runner:
             return results
         box = [results]
         dist.broadcast_object_list(box, src=self.ps.last_pp_stage_global_rank, group=self.ps.pp_group)
-        return [_to_device(r, self.ps.device) for r in box[0]]
+        received = box[0]
+        assert received is not None  # the last stage's list, not this rank's None
+        return [_to_device(r, self.ps.device) for r in received]
 
 
-def _to_device(obj, device: torch.device):
+def _to_device(obj: Any, device: torch.device) -> Any:
     if isinstance(obj, torch.Tensor):
         return obj.to(device)
     if isinstance(obj, dict):
@@ -313,7 +319,7 @@ def forward_logprobs(
         model, ps, vocab_size=vocab_size, temperature=temperature, with_entropy=with_entropy, routing=routing
     )
 
-    def loss_func(p: _Padded, logits_bsvt: torch.Tensor, non_loss_data: bool = True):
+    def loss_func(p: _Padded, logits_bsvt: torch.Tensor, non_loss_data: bool = True) -> dict[str, torch.Tensor]:
         logprobs_bs, entropy_bs = runner.logprobs(logits_bsvt, p)
         out = {"logprobs": logprobs_bs}
         if entropy_bs is not None:
@@ -344,7 +350,7 @@ def forward_backward(
         model, ps, vocab_size=vocab_size, temperature=temperature, with_entropy=with_entropy, routing=routing
     )
 
-    def loss_func(p: _Padded, logits_bsvt: torch.Tensor):
+    def loss_func(p: _Padded, logits_bsvt: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
         logprobs_bs, entropy_bs = runner.logprobs(logits_bsvt, p)
         mb, src = p.mb, p.source
         if src.packed is None:

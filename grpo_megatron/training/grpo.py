@@ -31,6 +31,7 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import dataclass
+from functools import partial
 from typing import TYPE_CHECKING
 
 from grpo_megatron.algorithm.batch_shaping import DynamicSampling
@@ -68,7 +69,7 @@ def run_iteration(job: Job, sampler: PromptSampler, probe: ProbeBatch, it: int, 
     """One GRPO iteration, rollout to weight sync, each phase timed as ``time/<phase>``."""
     cfg, ps, policy = job.cfg, job.ps, job.policy
     rollout, scorer, ds = job.rollout, job.scorer, cfg.algorithm.dynamic_sampling
-    dapo = DynamicSampling(cfg.train.prompts_per_iteration, lambda g: g.rewards, enabled=ds.enabled,
+    dapo = DynamicSampling[Group](cfg.train.prompts_per_iteration, lambda g: g.rewards, enabled=ds.enabled,
                            max_tries=ds.max_tries, std_threshold=ds.std_threshold)
     reward_metrics: dict[str, float] = {}  # the first round's: the policy's own reward, before any filtering
     while n := dapo.needed():  # one round without DAPO; more while groups lack reward variance
@@ -86,21 +87,21 @@ def run_iteration(job: Job, sampler: PromptSampler, probe: ProbeBatch, it: int, 
     with timer("advantages"):
         batch = build_samples(cfg.algorithm, cfg.rollout.max_new_tokens, groups)
         plan = plan_update(cfg.train, cfg.algorithm, ps, batch.samples)
-    forward = {"ps": ps, "pad_id": job.pad_id, "vocab_size": policy.spec.vocab_size,
-               "temperature": cfg.rollout.temperature}
+    logprobs = partial(logprob_pass, ps=ps, pad_id=job.pad_id, vocab_size=policy.spec.vocab_size,
+                       temperature=cfg.rollout.temperature)
     # The MoE routing of each pass (algorithm.routing_replay: off, r2, r3) and its metrics.
     replay = (cfg.algorithm.routing_replay, ps)
     moe = policy.spec.num_experts
     with timer("ref_logprob"), job.reference_on_device():
         if job.reference is not None:
             routing, routes = routing_pass(*replay, moe, job.reference, "ref", batch.samples)
-            logprob_pass(job.reference, batch.samples, plan, "ref", **forward, routing=routing, routes=routes)
+            logprobs(job.reference, batch.samples, plan, "ref", routing=routing, routes=routes)
             finish_pass(*replay, routing, batch.samples, plan.all_rows, measure=False)
     routing_metrics: dict[str, float] = {}
     with timer("old_logprob"):
         if cfg.train.updates_per_iteration > 1 and cfg.train.old_logprobs == "trainer":
             routing, routes = routing_pass(*replay, moe, policy.model, "old", batch.samples)
-            logprob_pass(policy.model, batch.samples, plan, "old", **forward, routing=routing, routes=routes)
+            logprobs(policy.model, batch.samples, plan, "old", routing=routing, routes=routes)
             routing_metrics = finish_pass(*replay, routing, batch.samples, plan.all_rows, measure=True)
     beta = kl_beta(cfg.algorithm.kl, it - 1, cfg.train.iterations)
     loss = GRPOLoss(cfg.algorithm, beta, cfg.algorithm.loss_norm_len or cfg.rollout.max_new_tokens,

@@ -97,14 +97,15 @@ class Job:
     def reference_on_device(self) -> Iterator[None]:
         """With train.reference_on_cpu on a GPU, the reference's weights live in host memory and
         visit the device only for the reference pass; otherwise nothing moves."""
-        swap = self.reference is not None and self.cfg.train.reference_on_cpu and self.ps.device.type == "cuda"
-        if swap:
-            self.reference.to(self.ps.device)
+        swap = self.cfg.train.reference_on_cpu and self.ps.device.type == "cuda"
+        reference = self.reference if swap else None
+        if reference is not None:
+            reference.to(self.ps.device)
         try:
             yield
         finally:
-            if swap:
-                self.reference.to("cpu")
+            if reference is not None:
+                reference.to("cpu")
 
     def close(self) -> None:
         if self.watchdog is not None:
@@ -203,6 +204,7 @@ def build_job(cfg: JobConfig, *, with_reference: bool, sft: bool = False) -> Job
     on_rank0(lambda: pools.append(RewardPool(cfg.reward)), "starting the reward workers")
     tokenizer = load_tokenizer(cfg.data.tokenizer_path or cfg.model.hf_path)
     sft_records: list = []
+    train_records: list[PromptRecord]
     if sft:
         sft_records, eval_records = build_sft_dataset(cfg.data, tokenizer, cfg.train.seed)
         train_records, eval_records = [], eval_records[: cfg.sft.dev_prompts]

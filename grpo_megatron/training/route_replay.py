@@ -35,7 +35,7 @@ PER_LAYER_MAX = 16
 
 
 def routing_pass(
-    mode: str, ps: ParallelState, num_experts: int, model: torch.nn.Module, role: Role, samples: Sequence[Sample]
+    mode: str, ps: ParallelState, num_experts: int | None, model: torch.nn.Module, role: Role, samples: Sequence[Sample]
 ) -> tuple[RoutingPass | None, str | None]:
     """The routing of pass ``role`` over ``model`` under ``algorithm.routing_replay=mode`` and which
     ``Sample.routes`` its micro-batches carry; ``(None, None)`` for a dense model or where nothing is
