@@ -56,6 +56,8 @@ def segment_attention(
         value_lhd = gather_keys_values(value_lhd, cu_seqlens, cp_group)
         position_l = local_index(cu_seqlens, cp, cp_group.rank()).to(query_lhd.device)
     bounds = cu_seqlens.tolist()
+    if cp == 1:
+        return _attention_by_length(query_lhd, key_lhd, value_lhd, bounds, groups, scale=scale, dropout_p=dropout_p)
     outs, q_start = [], 0
     for start, end in zip(bounds[:-1], bounds[1:], strict=True):
         k_hsd, v_hsd = (t[start:end].transpose(0, 1) for t in (key_lhd, value_lhd))
@@ -74,6 +76,41 @@ def segment_attention(
         outs.append(out)
         q_start += q_len
     return torch.cat(outs, dim=1).transpose(0, 1)
+
+
+def _attention_by_length(
+    query_lhd: torch.Tensor,
+    key_lhd: torch.Tensor,
+    value_lhd: torch.Tensor,
+    bounds: list[int],
+    groups: int,
+    *,
+    scale: float,
+    dropout_p: float,
+) -> torch.Tensor:
+    """``segment_attention`` without context parallelism: segments of equal length attend in one
+    batched causal call, one call per distinct length instead of one per segment (a micro-batch of
+    hundreds of short responses would otherwise pay hundreds of calls per layer)."""
+    if bounds[-1] != query_lhd.shape[0]:
+        raise ValueError(f"cu_seqlens ends at {bounds[-1]}, the packed sequence has {query_lhd.shape[0]} tokens")
+    out_lhd = query_lhd.new_empty((*query_lhd.shape[:2], value_lhd.shape[2]))
+    by_length: dict[int, list[int]] = {}
+    for start, end in zip(bounds[:-1], bounds[1:], strict=True):
+        if end > start:
+            by_length.setdefault(end - start, []).append(start)
+    device = query_lhd.device
+    for n, starts in by_length.items():
+        index_bn = (torch.tensor(starts, device=device)[:, None] + torch.arange(n, device=device)).reshape(-1)
+        q_bhnd, k_bhnd, v_bhnd = (
+            t[index_bn].view(len(starts), n, *t.shape[1:]).transpose(1, 2) for t in (query_lhd, key_lhd, value_lhd)
+        )
+        if groups > 1:
+            k_bhnd, v_bhnd = (t.repeat_interleave(groups, dim=1) for t in (k_bhnd, v_bhnd))
+        out_bhnd = F.scaled_dot_product_attention(
+            q_bhnd, k_bhnd, v_bhnd, is_causal=True, dropout_p=dropout_p, scale=scale
+        )
+        out_lhd[index_bn] = out_bhnd.transpose(1, 2).reshape(len(starts) * n, *out_lhd.shape[1:])
+    return out_lhd
 
 
 class LocalCoreAttention(MegatronModule):
