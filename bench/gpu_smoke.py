@@ -371,7 +371,7 @@ def main() -> int:
         print(f"[sglang] skipped: {why}")
         results["sglang_skipped"] = why
     else:
-        from grpo_megatron.bridge.export import write_hf_checkpoint
+        from grpo_megatron.bridge.safetensors_writer import write_hf_checkpoint
 
         with tempfile.TemporaryDirectory(prefix="gpu_smoke_") as tmp:
             out_dir = Path(tmp) / "policy"

@@ -19,7 +19,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from grpo_megatron.bridge.export import SafetensorsWriter
+from grpo_megatron.bridge.safetensors_writer import SafetensorsWriter
 from grpo_megatron.bridge.transforms import dict_reader, read_shard, to_hf
 from grpo_megatron.models.registry import UnsupportedModelError, get_adapter
 from grpo_megatron.models.weight_rules import QKVGroups, qkv

@@ -1,5 +1,6 @@
-"""Export stream internals (bridge/export.py): HF tensors assembled straight from TP/ETP slices equal
-``to_hf`` of the gathered tensor for every transform kind; bucket flattening; a destination other
+"""Export stream internals (bridge/export.py and its parts): HF tensors assembled straight from
+TP/ETP slices (bridge/assemble.py) equal ``to_hf`` of the gathered tensor for every transform kind;
+bucket flattening (bridge/bucket_io.py); a destination other
 than rank 0, a cast on export and ``broadcast_bucket`` on two real megatron-core ranks.
 
 The bit-exact round trips of every architecture and layout are in test_bridge.py.
@@ -14,7 +15,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from grpo_megatron.bridge.export import assemble_hf, flatten_bucket, unflatten_bucket
+from grpo_megatron.bridge.assemble import assemble_hf
+from grpo_megatron.bridge.bucket_io import flatten_bucket, unflatten_bucket
 from grpo_megatron.bridge.transforms import to_hf
 from grpo_megatron.models.weight_rules import QKVGroups, copy, glu, qkv, vocab
 from tests.helpers.dist import run_distributed

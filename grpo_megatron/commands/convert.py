@@ -126,8 +126,8 @@ def mcore_to_hf(args: argparse.Namespace) -> Path:
     """Collective: the model of checkpoint ``args.ckpt`` -> HF safetensors directory ``args.out``."""
     import torch.distributed as dist
 
-    from grpo_megatron.bridge.export import write_hf_checkpoint
     from grpo_megatron.bridge.hf_loader import tokenizer_files
+    from grpo_megatron.bridge.safetensors_writer import write_hf_checkpoint
     from grpo_megatron.checkpoint.dist import (
         CheckpointError,
         load_model_checkpoint,

@@ -4,7 +4,7 @@ The model (docs/planner.md states it with its assumptions):
 
 - every engine needs the whole model once per sync, ``M = parameters x export bytes``; the sources
   are the trainer ranks holding each slice, chosen on the engine's node first, the rest spread
-  evenly over every copy (``bridge/export.py``), so a trainer rank sends ``engines x M / world``;
+  evenly over every copy (``bridge/export_plan.py``), so a trainer rank sends ``engines x M / world``;
 - the share of ``M`` an engine finds on its own node travels over NVLink, the rest over the
   network (InfiniBand, one NIC per GPU); a rank's send and receive time is its bytes over its link;
 - a GPU receiving and sending at once is limited by the slower of its two directions (full duplex);

@@ -34,7 +34,7 @@ import torch.distributed as dist
 from grpo_megatron.rollout.engine import Completion, MemoryTag, RolloutEngine, SamplingParams
 
 if TYPE_CHECKING:
-    from grpo_megatron.bridge.export import ExportPlan
+    from grpo_megatron.bridge.export_plan import ExportPlan
     from grpo_megatron.config import JobConfig
     from grpo_megatron.distributed.bootstrap import ParallelState
 
@@ -227,7 +227,8 @@ class RolloutFleet:
         buckets each engine received, the most bytes of transfer buffers any rank held, and the most
         bytes any engine received straight into its weights.
         """
-        from grpo_megatron.bridge.export import TransferStats, export_hf_stream, plan_export
+        from grpo_megatron.bridge.export import export_hf_stream
+        from grpo_megatron.bridge.export_plan import TransferStats, plan_export
 
         bucket_bytes = bucket_bytes or self.bucket_bytes
         dsts = tuple(self.engine_ranks)

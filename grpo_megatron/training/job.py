@@ -168,8 +168,8 @@ def build_reference(job_cfg: JobConfig, hf: dict, ps: ParallelState, policy: Pol
 def export_hf_checkpoint(job: Job, out_dir: Path) -> None:
     """Stream the policy's weights into a Hugging Face directory (safetensors, index, config.json and
     the tokenizer files), written atomically by rank 0; every rank takes part in the stream."""
-    from grpo_megatron.bridge.export import write_hf_checkpoint
     from grpo_megatron.bridge.hf_loader import tokenizer_files
+    from grpo_megatron.bridge.safetensors_writer import write_hf_checkpoint
 
     tokenizer_dir = Path(job.cfg.data.tokenizer_path or job.cfg.model.hf_path)
     job.memory.to_trainer()  # the export reads the parameters (train.offload_trainer)

@@ -82,8 +82,9 @@ def roundtrip(
     Cases named in ``write_dirs`` also stream into a ``SafetensorsWriter`` there."""
     from safetensors.torch import load_file
 
-    from grpo_megatron.bridge.export import SafetensorsWriter, export_hf_stream
+    from grpo_megatron.bridge.export import export_hf_stream
     from grpo_megatron.bridge.hf_loader import load_hf_weights
+    from grpo_megatron.bridge.safetensors_writer import SafetensorsWriter
     from grpo_megatron.distributed.bootstrap import destroy_distributed
     from grpo_megatron.distributed.megatron_compat import applied_fixes
     from grpo_megatron.training.forward_backward import MicroBatch, forward_logprobs

@@ -18,7 +18,9 @@ def stream_and_broadcast(hf_dir: str, layouts: dict[str, list[str]], bucket_byte
     received: ``{"dst0": ..., "dst1": ..., "dst1_bf16": ..., "broadcast": ..., "buckets": n}``."""
     import torch.distributed as dist
 
-    from grpo_megatron.bridge.export import broadcast_bucket, export_hf_stream, plan_export
+    from grpo_megatron.bridge.bucket_io import broadcast_bucket
+    from grpo_megatron.bridge.export import export_hf_stream
+    from grpo_megatron.bridge.export_plan import plan_export
     from grpo_megatron.config import load_config
     from grpo_megatron.distributed.bootstrap import destroy_distributed, init_distributed, world_size_from_env
     from grpo_megatron.models.builder import build_gpt_model

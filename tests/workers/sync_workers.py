@@ -43,18 +43,18 @@ def parallel_sync(cases: dict[str, list[str]], bad_hf_dir: str, bucket_bytes: in
     the model's size. Cases whose name ends in "reject" then move the trainer's weights, put an engine
     built from another config on the last engine rank and sync v2: every rank must raise, every other
     engine must keep v1 and its weights."""
-    from grpo_megatron.bridge import export
+    from grpo_megatron.bridge import export_plan
     from grpo_megatron.distributed.bootstrap import destroy_distributed
     from grpo_megatron.rollout.embedded import EmbeddedEngine
     from grpo_megatron.rollout.fleet import RolloutFleet
 
     out: dict = {}
-    default_direct_min = export.DIRECT_MIN_BYTES
+    default_direct_min = export_plan.DIRECT_MIN_BYTES
     for case, overrides in cases.items():
         # "direct_min_bytes=N": slices of N bytes and more travel alone (the tiny model's slices are
         # all under the default, so this is how the send-from-shard and receive-in-place paths run).
         direct = [o for o in overrides if o.startswith("direct_min_bytes=")]
-        export.DIRECT_MIN_BYTES = int(direct[0].split("=")[1]) if direct else default_direct_min
+        export_plan.DIRECT_MIN_BYTES = int(direct[0].split("=")[1]) if direct else default_direct_min
         overrides = [o for o in overrides if o not in direct]
         cfg, ps, hf, policy = _setup(cfg_hf_dir := overrides[0], overrides[1:])
         del cfg_hf_dir

@@ -1,0 +1,124 @@
+"""Assembling the HF tensors of one canonical megatron tensor from its TP/ETP slices
+(``assemble_hf``): each byte is copied once, QKV de-interleaving, GLU halves and vocabulary padding
+are handled slice by slice. The export stream's destinations (bridge/export.py) call it per tensor."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from grpo_megatron.bridge.transforms import hf_shapes, to_hf
+from grpo_megatron.models.weight_rules import WeightRule
+
+
+def _segments(shards: Sequence[torch.Tensor], dim: int | None, glu: bool) -> list[tuple[int, torch.Tensor]]:
+    """(offset along the split dimension of the canonical tensor, piece) for every piece of the slices."""
+    if dim is None:
+        return [(0, shards[0])]
+    if not glu:
+        width = shards[0].shape[dim]
+        return [(r * width, s) for r, s in enumerate(shards)]
+    # A GLU slice r holds [gate_r; up_r]: the canonical tensor is [gate_0 .. gate_n-1; up_0 .. up_n-1].
+    halves = [s.chunk(2, dim=dim) for s in shards]
+    width = halves[0][0].shape[dim]
+    n = len(shards)
+    return [(j * n * width + r * width, half[j]) for j in range(2) for r, half in enumerate(halves)]
+
+
+Placement = tuple[int, int, int, int, torch.Tensor]  # (HF tensor index, dim, start, length, piece)
+
+
+def _placements(
+    rule: WeightRule, shape: Sequence[int], dim: int, segments: list[tuple[int, torch.Tensor]]
+) -> list[Placement] | None:
+    """Where each canonical segment (rows ``start:start+len`` along ``dim``) lands in the HF tensors;
+    None when a segment does not map onto whole HF slices (then the caller assembles the canonical
+    tensor first)."""
+    if rule.kind == "copy":
+        return [(0, dim, start, seg.shape[dim], seg) for start, seg in segments]
+    if dim != 0:
+        return None
+    out: list[Placement] = []
+    for start, seg in segments:
+        rows = seg.shape[0]
+        if rule.kind == "vocab":
+            assert rule.vocab_size is not None
+            keep = max(0, min(rows, rule.vocab_size - start))  # padding rows are dropped
+            if keep:
+                out.append((0, 0, start, keep, seg[:keep]))
+        elif rule.kind == "glu":
+            half = shape[0] // 2
+            gate = max(0, min(rows, half - start))
+            if gate:
+                out.append((0, 0, start, gate, seg[:gate]))
+            if gate < rows:
+                out.append((1, 0, start + gate - half, rows - gate, seg[gate:]))
+        else:  # qkv: rows of query group g are [q heads of g; k_g; v_g]
+            g = rule.qkv
+            assert g is not None
+            per_group = (g.heads_per_group + 2) * g.head_dim
+            if start % per_group or rows % per_group:
+                return None
+            groups, first = rows // per_group, start // per_group
+            q_rows = g.heads_per_group * g.head_dim
+            q, k, v = seg.reshape(groups, per_group, *seg.shape[1:]).split(
+                [q_rows, g.head_dim, g.head_dim], dim=1
+            )
+            # Pieces are [groups, rows of the group, ...]: the destination rows are viewed alike.
+            out += [
+                (0, 0, first * q_rows, groups * q_rows, q),
+                (1, 0, first * g.head_dim, groups * g.head_dim, k),
+                (2, 0, first * g.head_dim, groups * g.head_dim, v),
+            ]
+    return out
+
+
+def assemble_hf(
+    rule: WeightRule,
+    shape: Sequence[int],
+    dim: int | None,
+    glu: bool,
+    shards: Sequence[torch.Tensor],
+    dtype: torch.dtype,
+    device: torch.device | str = "cpu",
+    outs: Sequence[torch.Tensor] | None = None,
+) -> list[tuple[str, torch.Tensor]]:
+    """The HF tensors of one canonical megatron tensor of ``shape``, written from its TP/ETP slices
+    (``shards[r]`` is slice r along ``dim``; one shard and ``dim=None`` when unsplit; ``glu``: each
+    slice holds ``[gate_r; up_r]``) into new tensors of ``dtype`` on ``device``, or into ``outs`` (one
+    contiguous tensor per HF name, of its HF shape: the weight sync's engine weights): each byte is
+    copied once."""
+    if outs is not None:
+        wanted = hf_shapes(rule, shape)
+        if len(outs) != len(wanted) or any(tuple(o.shape) != w for o, w in zip(outs, wanted, strict=False)):
+            raise ValueError(f"{rule.hf}: places of shapes {[tuple(o.shape) for o in outs]}, expected {wanted}")
+        if dim is None and rule.kind != "qkv":
+            for out, (_, view) in zip(outs, to_hf(rule, shards[0]), strict=True):
+                out.copy_(view)
+            return list(zip(rule.hf, outs, strict=True))
+    elif dim is None and rule.kind != "qkv":
+        # Fast path (most tensors at world 1, experts at ETP 1): the HF tensors are views of the
+        # shard (whole, GLU halves along dim 0, the real vocabulary rows): one copying op each.
+        return [
+            (name, view.to(device=device, dtype=dtype, copy=True, memory_format=torch.contiguous_format))
+            for name, view in to_hf(rule, shards[0])
+        ]
+    if outs is None:
+        outs = [torch.empty(s, dtype=dtype, device=device) for s in hf_shapes(rule, shape)]
+    if len(shape) == 0:  # a scalar: nothing to place
+        outs[0].copy_(shards[0])
+        return list(zip(rule.hf, outs, strict=True))
+    split_dim = 0 if dim is None else dim
+    segments = _segments(shards, dim, glu)
+    placements = _placements(rule, shape, split_dim, segments)
+    if placements is None:
+        full = torch.empty(tuple(shape), dtype=dtype, device=device)
+        for start, seg in segments:
+            full.narrow(split_dim, start, seg.shape[split_dim]).copy_(seg)
+        for out, (_, view) in zip(outs, to_hf(rule, full), strict=True):
+            out.copy_(view)
+    else:
+        for index, along, start, length, piece in placements:
+            outs[index].narrow(along, start, length).view(piece.shape).copy_(piece)
+    return list(zip(rule.hf, outs, strict=True))
