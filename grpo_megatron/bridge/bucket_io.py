@@ -5,14 +5,14 @@ stream (bridge/export.py) yields."""
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from grpo_megatron.distributed.collectives import collective_device
+
 Bucket = list[tuple[str, torch.Tensor]]
-Consumer = Callable[[Bucket], None]
 
 _ALIGN = 16  # byte offset alignment in flat buffers, so any dtype can view its slice in place
 
@@ -70,8 +70,7 @@ def broadcast_bucket(
     non-overlapping views of one received buffer (clone a tensor to keep it without the rest).
     """
     if device is None:
-        nccl = dist.get_backend(group) == "nccl"
-        device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+        device = collective_device(group)
     is_src = dist.get_rank() == src
     if is_src:
         if bucket is None:

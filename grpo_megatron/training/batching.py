@@ -225,6 +225,15 @@ class LossInputs:
         return cls(**mb.extras)
 
 
+def pad_routes(routes_msk: Sequence[torch.Tensor], length: int) -> torch.Tensor:
+    """Per-row routes ``[M, S_i, K]`` as right-padded rows ``[M, B, length, K]``, -1 at padding."""
+    first = routes_msk[0]
+    routes_lbsk = torch.full((first.shape[0], len(routes_msk), length, first.shape[2]), -1, dtype=first.dtype)
+    for b, r in enumerate(routes_msk):
+        routes_lbsk[:, b, : r.shape[1]] = r
+    return routes_lbsk
+
+
 def collate(
     samples: Sequence[Sample], rows: Sequence[int], pad_id: int, routes: str | None = None, *, packed: bool = False
 ) -> MicroBatch:
@@ -263,11 +272,7 @@ def collate(
         inputs.ref_logprobs_bs = stack(lambda x: x.ref_logprobs_s, 0.0)
     routes_lbsk = None
     if routes is not None and all(routes in samples[i].routes for i in rows):
-        first = samples[rows[0]].routes[routes]
-        routes_lbsk = torch.full((first.shape[0], len(rows), s, first.shape[2]), -1, dtype=first.dtype)
-        for b, i in enumerate(rows):
-            r = samples[i].routes[routes]
-            routes_lbsk[:, b, : r.shape[1]] = r
+        routes_lbsk = pad_routes([samples[i].routes[routes] for i in rows], s)
     if packed:
         layout = PackedRows(tuple(samples[i].length for i in rows))
         return MicroBatch(

@@ -90,27 +90,27 @@ def run_iteration(job: Job, sampler: PromptSampler, probe: ProbeBatch, it: int, 
     logprobs = partial(logprob_pass, ps=ps, pad_id=job.pad_id, vocab_size=policy.spec.vocab_size,
                        temperature=cfg.rollout.temperature)
     # The MoE routing of each pass (algorithm.routing_replay: off, r2, r3) and its metrics.
-    replay = (cfg.algorithm.routing_replay, ps)
-    moe = policy.spec.num_experts
+    route = partial(routing_pass, cfg.algorithm.routing_replay, ps, policy.spec.num_experts)
+    finish = partial(finish_pass, cfg.algorithm.routing_replay, ps)
     with timer("ref_logprob"), job.reference_on_device():
         if job.reference is not None:
-            routing, routes = routing_pass(*replay, moe, job.reference, "ref", batch.samples)
+            routing, routes = route(job.reference, "ref", batch.samples)
             logprobs(job.reference, batch.samples, plan, "ref", routing=routing, routes=routes)
-            finish_pass(*replay, routing, batch.samples, plan.all_rows, measure=False)
+            finish(routing, batch.samples, plan.all_rows, measure=False)
     routing_metrics: dict[str, float] = {}
     with timer("old_logprob"):
         if cfg.train.updates_per_iteration > 1 and cfg.train.old_logprobs == "trainer":
-            routing, routes = routing_pass(*replay, moe, policy.model, "old", batch.samples)
+            routing, routes = route(policy.model, "old", batch.samples)
             logprobs(policy.model, batch.samples, plan, "old", routing=routing, routes=routes)
-            routing_metrics = finish_pass(*replay, routing, batch.samples, plan.all_rows, measure=True)
+            routing_metrics = finish(routing, batch.samples, plan.all_rows, measure=True)
     beta = kl_beta(cfg.algorithm.kl, it - 1, cfg.train.iterations)
     loss = GRPOLoss(cfg.algorithm, beta, cfg.algorithm.loss_norm_len or cfg.rollout.max_new_tokens,
                     old_from_engine=cfg.train.old_logprobs == "engine")
     with timer("train"):
-        routing, routes = routing_pass(*replay, moe, policy.model, "train", batch.samples)
+        routing, routes = route(policy.model, "train", batch.samples)
         train_metrics = update_policy(policy, batch.samples, plan, loss, ps=ps, pad_id=job.pad_id,
                                       temperature=cfg.rollout.temperature, routing=routing, routes=routes)
-        measured = finish_pass(*replay, routing, batch.samples, plan.all_rows, measure=not routing_metrics)
+        measured = finish(routing, batch.samples, plan.all_rows, measure=not routing_metrics)
         routing_metrics = routing_metrics or measured  # the first policy pass's
     with timer("sync"):
         sync_metrics = sync_to_engines(job, it, probe)

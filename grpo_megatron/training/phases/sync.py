@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 from grpo_megatron.distributed.bootstrap import ParallelState
 from grpo_megatron.models.routing import RoutingPass, reduce_routing_stats
+from grpo_megatron.training.batching import pad_routes
 from grpo_megatron.training.forward_backward import MicroBatch, forward_logprobs
 
 if TYPE_CHECKING:
@@ -79,12 +80,8 @@ def mismatch_probe(
     for i, seq in enumerate(sequences):
         tokens_bl[i, : len(seq)] = torch.tensor(list(seq))
     batch = MicroBatch(tokens_bl[:, :-1], tokens_bl[:, 1:])
-    if routes is not None:  # [moe layers, rows, positions, k], -1 where a row is padding
-        first = routes[0]
-        routes_lbsk = torch.full((first.shape[0], len(sequences), length - 1, first.shape[2]), -1, dtype=first.dtype)
-        for i, r in enumerate(routes):
-            routes_lbsk[:, i, : r.shape[1]] = r
-        batch.routes_lbsk = routes_lbsk
+    if routes is not None:
+        batch.routes_lbsk = pad_routes(routes, length - 1)
 
     def one_pass(replay: bool, suffix: str) -> dict[str, float]:
         routing = RoutingPass(model, ps, replay=replay) if routes is not None else None
