@@ -13,7 +13,8 @@ point-to-point messages line up without further negotiation):
    order: on the destination's node, then the fewest bytes assigned so far (so every rank carries
    about its share), then in the destination's data-parallel replica, then the lowest rank;
 3. plan: the adapter's export rules, in HF order, are cut into buckets (a bucket closes once it
-   holds ``bucket_bytes``) and each bucket into ``ROUNDS_PER_BUCKET`` transfer rounds;
+   holds ``bucket_bytes``) and each bucket into ``ROUNDS_PER_BUCKET`` transfer rounds (rounds are
+   smaller for a model of fewer than ``MIN_ROUNDS`` quarter buckets, so its transfer still pipelines);
 4. per round, every rank packs, for each destination it feeds, its small slices into one flat byte
    buffer, cast to the export dtype there (a bf16 export of fp32 weights moves half the bytes), sends
    each slice of ``DIRECT_MIN_BYTES`` or more as a message of its own (from the shard itself when it
@@ -30,8 +31,9 @@ point-to-point messages line up without further negotiation):
    whole slices are even received there, and what needs no assembly is handed on as views.
 
 Memory (``TransferStats`` measures it): a rank holds the packed sends and the receive buffers of at
-most ``rounds_in_flight`` rounds, plus, on a destination, the bucket being filled; no rank holds a
-whole version unless a consumer keeps the buckets.
+most ``rounds_in_flight`` rounds (``_BufferPool``: reused from round to round, never more buffers than
+were in use at once), plus, on a destination, the bucket being filled; no rank holds a whole version
+unless a consumer keeps the buckets.
 
 Where each part lives: this module runs the stream (``export_hf_stream``: steps 4 and 5); the
 metadata exchange, the source choice and the plan of buckets, rounds and messages (steps 1 to 3:
