@@ -10,9 +10,12 @@ collectives); some ranks also hold an engine (``engine_ranks``):
 
 ``generate`` splits the prompts into contiguous slices, one per engine in rank order (engine ``i``
 samples with seed ``params.seed + i``), and returns every completion in prompt order on every rank.
-``sync_weights`` runs the bridge's streaming export with every engine rank as a destination: each
-engine receives the slices it needs straight from the trainer ranks holding them (its own first,
-then its node's, the load spread over every copy), all engines at once, round by round. Two
+``sync_weights`` runs the bridge's streaming export with every engine GPU as a destination
+(``sync_ranks``: an embedded engine's rank, and every GPU of a colocated SGLang engine, whose
+non-leader GPUs hold a ``member`` that loads their share): each receives what its engine rank
+loads (``WeightSink.weight_needs``; an SGLang EP rank only its experts) straight from the trainer
+ranks holding it (its own first, then its node's, the load spread over every copy), all at once,
+round by round. Two
 phases: every engine first checks the plan's manifest (every HF name, shape and dtype it will
 receive: each rejection is decidable before a byte moves) and the ranks agree; only if all accept
 do the bytes move, straight into the engines' live weights (no staged version). If any engine
