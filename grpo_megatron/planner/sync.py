@@ -2,7 +2,7 @@
 
 The model (docs/planner.md states it with its assumptions):
 
-- every engine GPU needs ``M_gpu`` per sync (above; ``M = parameters x export bytes`` is the whole
+- every engine GPU needs ``M_gpu`` per sync (below; ``M = parameters x export bytes`` is the whole
   model); the sources are the trainer ranks holding each slice, chosen on the engine's node first,
   the rest spread evenly over every copy (``bridge/export_plan.py``), so a trainer rank sends
   ``engine GPUs x M_gpu / world``;
