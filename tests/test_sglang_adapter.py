@@ -330,3 +330,42 @@ def test_http_client_calls_sglangs_endpoints_and_reports_failures(fake_server) -
     assert not client.healthy()
     with pytest.raises(SGLangServerError, match="unreachable"):
         SGLangHttpClient("http://127.0.0.1:9", timeout_s=2).tp_size()
+
+
+def test_each_engine_gpu_needs_dense_tensors_and_the_experts_of_its_ep_block() -> None:
+    from grpo_megatron.rollout.sglang_shards import engine_ep_size, moe_ep_rank, rank_needs
+
+    hf = {"num_experts": 8, "num_experts_per_tok": 2}
+    # SGLang strides its MoE EP groups by moe_tp = tp / ep: TP rank r is EP rank r // moe_tp.
+    assert [moe_ep_rank(r, 4, 2) for r in range(4)] == [0, 0, 1, 1]
+    assert [moe_ep_rank(r, 4, 4) for r in range(4)] == [0, 1, 2, 3]
+    assert rank_needs(hf, 4, 1, 3) is None  # no EP inside the engine: everything, everywhere
+    needs = rank_needs(hf, 4, 2, 2)  # EP rank 1 of 2: experts 4..7
+    assert needs is not None
+    assert needs("model.layers.0.self_attn.q_proj.weight") and needs("model.embed_tokens.weight")
+    assert needs("model.layers.0.mlp.gate.weight")  # the router is dense
+    assert needs("model.layers.1.mlp.experts.4.gate_proj.weight") and needs("model.layers.1.mlp.experts.7.down_proj.weight")
+    assert not needs("model.layers.1.mlp.experts.3.up_proj.weight")
+    assert needs("model.layers.1.mlp.shared_experts.gate_proj.weight")  # DeepSeek's shared experts: dense
+    assert not rank_needs({"num_local_experts": 8}, 2, 2, 0)("model.layers.0.block_sparse_moe.experts.5.w1.weight")
+    import pickle
+
+    assert pickle.loads(pickle.dumps(needs)) == needs  # travels in the plan's metadata exchange
+    # ep_size comes from rollout.sglang_server_args; placements we cannot follow are refused by name.
+    assert engine_ep_size({}, 4, hf) == 1 and engine_ep_size({"ep_size": 4}, 4, hf) == 4
+    for args, match in (
+        ({"ep_size": 3}, "divide rollout.sglang_tp"),
+        ({"ep_size": 2, "enable_eplb": True}, "enable_eplb"),
+        ({"ep_size": 2, "ep_num_redundant_experts": 8}, "ep_num_redundant_experts"),
+        ({"moe_dp_size": 2}, "moe_dp_size"),
+    ):
+        with pytest.raises(ValueError, match=match) as err:
+            engine_ep_size(args, 4, hf)
+        assert "rollout.sglang_server_args" in str(err.value)
+
+
+def test_sync_groups_are_the_distinct_multi_gpu_engines_in_one_order() -> None:
+    from grpo_megatron.rollout.fleet import sync_groups
+
+    assert sync_groups([(0, 1), (0, 1), (2, 3), (2, 3), ()]) == [(0, 1), (2, 3)]
+    assert sync_groups([(), ()]) == []

@@ -42,13 +42,20 @@ import torch
 from grpo_megatron.rollout.config import RolloutConfig
 from grpo_megatron.rollout.engine import Bucket, Completion, MemoryTag, RolloutEngine, SamplingParams
 from grpo_megatron.rollout.hf_routes import RouteLayout, route_dtype
-from grpo_megatron.rollout.sglang_ipc import CudaIpcTransport, colocated_group, colocated_server_args
+from grpo_megatron.rollout.sglang_ipc import (
+    CudaIpcTransport,
+    EngineGroupFeed,
+    colocated_group,
+    colocated_server_args,
+    rank_payload,
+)
 from grpo_megatron.rollout.sglang_nccl import (
     NcclBroadcastTransport,
     SGLangHttpClient,
     SGLangServerError,
     wait_healthy,
 )
+from grpo_megatron.rollout.sglang_shards import engine_ep_size, rank_needs
 from grpo_megatron.rollout.sglang_weights import WeightTransport, raise_on_failure
 
 INSTALL_HINT = (
@@ -252,6 +259,10 @@ class SGLangEngine(RolloutEngine):
         # Servers (by index) with a weight-update session open: a version's loads run inside one.
         self._sessions_open: set[int] = set()
         hf_config = _read_hf_config(model_path)
+        self._hf_config = hf_config
+        # The engine's expert parallelism decides which experts each of its GPUs loads; refused here
+        # (naming rollout.sglang_server_args) when SGLang would place experts some other way.
+        self.ep_size = engine_ep_size(rollout.sglang_server_args, rollout.sglang_tp, hf_config)
         moe = "num_experts_per_tok" in hf_config
         self._routed_experts = moe and rollout.sglang_routed_experts
         self.servers: list[Any]
@@ -306,14 +317,30 @@ class SGLangEngine(RolloutEngine):
                 f"rollout.engine=sglang (sglang_mode=colocated) needs CUDA GPUs; this rank's device is "
                 f"{ps.device}: use rollout.engine=embedded on CPU"
             )
-        leader, _ = colocated_group(ps.rank, rollout.sglang_tp)
+        leader, members = colocated_group(ps.rank, rollout.sglang_tp)
         if ps.rank != leader:
             return None
         local_rank = int(os.environ.get("LOCAL_RANK", ps.rank % local_world))
-        return cls(
+        engine = cls(
             rollout, cfg.model.hf_path, dtype=cfg.model.dtype, seed=cfg.train.seed + ps.rank,
             base_gpu_id=local_rank, device=ps.device, **kwargs,
         )  # fmt: skip
+        engine.sync_group_ranks = tuple(members)  # every GPU of the engine receives its own share
+        return engine
+
+    # -- the weight sync's view of this engine's GPUs
+
+    def weight_needs(self) -> Any:
+        """The leader's share (SGLang TP rank 0): every dense tensor, and with ``ep_size`` > 1 the
+        experts of MoE EP rank 0 (``rollout/sglang_shards.py``); everything when it feeds alone."""
+        if len(self.sync_group_ranks) <= 1:
+            return None
+        return rank_needs(self._hf_config, self.rollout.sglang_tp, self.ep_size, 0)
+
+    def bind_sync_group(self, group: Any) -> None:
+        if isinstance(self.transport, CudaIpcTransport) and len(self.sync_group_ranks) > 1:
+            self.transport.feed = EngineGroupFeed(self.sync_group_ranks)
+            self.transport.feed.group = group
 
     # -- generation
 
@@ -377,13 +404,15 @@ class SGLangEngine(RolloutEngine):
                 self._mark_stale(
                     f"version {version} had a bad bucket after {len(self._names_this_version)} tensors"
                 )
-            raise ValueError(
+            message = (
                 f"weight sync of version {version} refused before sending this bucket ({len(errors)} "
                 "problems; the export and the engine's model disagree):\n  " + "\n  ".join(errors[:10])
             )
+            self.transport.refuse(message)
+            raise ValueError(message)
         self._version_in_progress = version
         self._begin_sessions()
-        if bucket:
+        if bucket or self.mode == "colocated":  # colocated: every call is a round of the engine's GPUs
             self.transport.send(bucket, last=last, version=version)
         elif last:
             self.flush_cache()  # an empty closing bucket: the flush it would have carried
@@ -469,6 +498,64 @@ class SGLangEngine(RolloutEngine):
         for server in self.servers:
             server.shutdown()
         self.servers = []
+
+
+class SGLangSyncMember:
+    """The weight sync on a GPU of a colocated SGLang engine other than its leader's (SGLang TP rank
+    ``tp_rank`` runs on it): it receives exactly what that rank loads (``weight_needs``), makes each
+    round's bucket one payload on this GPU and hands it to the leader, which loads every GPU's
+    payload in one ``update_weights_from_tensor`` call (``rollout/sglang_ipc.py``). It generates
+    nothing (generation goes through the leader). A ``WeightSink`` (``rollout/engine.py``)."""
+
+    weight_version: int = -1
+
+    def __init__(
+        self, rollout: RolloutConfig, model_path: str, members: Sequence[int], tp_rank: int, device: torch.device | str
+    ):
+        _, flattened_cls, serializer = import_sglang()
+        self.rollout = rollout
+        self.model_path = str(model_path)
+        self.sync_group_ranks = tuple(members)
+        self.tp_rank = tp_rank
+        self.device = device
+        self._classes = (flattened_cls, serializer)
+        self._hf_config = _read_hf_config(model_path)
+        self.ep_size = engine_ep_size(rollout.sglang_server_args, rollout.sglang_tp, self._hf_config)
+        self._expected_shapes = checkpoint_shapes(model_path)
+        self.feed = EngineGroupFeed(members)
+
+    @classmethod
+    def from_config(cls, cfg: Any, ps: Any) -> SGLangSyncMember | None:
+        """This rank's member, when a colocated engine led from another rank uses its GPU."""
+        leader, members = colocated_group(ps.rank, cfg.rollout.sglang_tp)
+        if ps.rank == leader:
+            return None
+        return cls(cfg.rollout, cfg.model.hf_path, members, ps.rank - leader, ps.device)
+
+    def weight_needs(self) -> Any:
+        return rank_needs(self._hf_config, self.rollout.sglang_tp, self.ep_size, self.tp_rank)
+
+    def bind_sync_group(self, group: Any) -> None:
+        self.feed.group = group
+
+    def check_manifest(self, manifest: Any, version: int) -> list[str]:
+        return []  # as the leader: SGLang judges a tensor when it loads it
+
+    def load_target(self, name: str) -> torch.Tensor | None:
+        return None  # SGLang's loader copies from the payload
+
+    def abort_update(self, version: int) -> None:
+        return None
+
+    def update_weights(self, bucket: Bucket, *, version: int, last: bool) -> None:
+        errors = bucket_errors(bucket, self._expected_shapes, f"the checkpoint at {self.model_path}")
+        if errors:
+            reason = f"weight sync of version {version}: {'; '.join(errors[:5])}"
+            self.feed.contribute((None, False, reason))
+            raise ValueError(reason)
+        self.feed.contribute((rank_payload(bucket, self._classes, self.device), bool(bucket), None))
+        if last:
+            self.weight_version = version
 
 
 def _read_hf_config(model_path: str | os.PathLike) -> dict[str, Any]:
