@@ -5,7 +5,8 @@ interface (``rollout/sglang_weights.py:WeightTransport``):
 
 - **colocated** (``rollout/sglang_ipc.py``): one ``sglang.Engine`` per group of ``rollout.sglang_tp``
   consecutive trainer ranks, on the group's GPUs, with ``enable_memory_saver`` so that it can give
-  its memory to the trainer and take it back; weights travel by CUDA IPC.
+  its memory to the trainer and take it back; weights travel by CUDA IPC. A group of several whole
+  nodes is one SGLang multi-node engine (one ``sglang.Engine`` per node, driven from the first).
 - **disaggregated** (``rollout/sglang_nccl.py``): SGLang servers already running on other GPUs or
   nodes (``rollout.sglang_server_urls``), driven over HTTP; weights travel by an NCCL broadcast
   from the trainer's first rank. Health checks before use; a failed server goes through a restart
