@@ -402,4 +402,6 @@ class RolloutFleet:
         if self.engine is not None:
             self.engine.shutdown()
             self.engine = None
-        self.member = None
+        if self.member is not None:
+            self.member.shutdown()  # a multi-node SGLang engine's part on this node, if it started one
+            self.member = None

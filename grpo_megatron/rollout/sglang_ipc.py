@@ -10,10 +10,43 @@ bucket one ``FlattenedTensorBucket`` on its own device and serializes it once wi
 the payloads are gathered to the leader (``EngineGroupFeed``), which loads them with one
 ``update_weights_from_tensor(payloads_in_tp_rank_order, load_format="flattened_bucket")``, and
 tells the group how it went.
+
+An engine wider than a node (``rollout.sglang_tp`` a multiple of the GPUs per node) uses SGLang's
+own multi-node launch (facts from SGLang 0.5.23's source, paths under ``python/sglang/srt/``):
+
+- ``ServerArgs`` fields ``nnodes``, ``node_rank``, ``dist_init_addr`` (``arg_groups/fields/parallel.py``)
+  and ``base_gpu_id`` (``arg_groups/fields/device.py``). ``sglang.Engine`` is started once per node,
+  each with the same ``tp_size`` and its ``node_rank``; node ``k`` runs the schedulers of TP ranks
+  ``[k * tp / nnodes, (k + 1) * tp / nnodes)``, TP rank ``i`` on GPU ``base_gpu_id + i % (tp /
+  nnodes)`` (``entrypoints/engine.py``: ``_calculate_rank_ranges``, ``_launch_scheduler_processes``).
+  With ``base_gpu_id=0`` and ranks laid out node-major, SGLang TP rank ``i`` runs on trainer rank
+  ``leader + i``'s GPU, as on one node.
+- ``dist_init_addr`` (``host:port``) is the TCP init method of SGLang's own torch.distributed group
+  (``distributed/bootstrap.py:_resolve_dist_init_method``): every node must name the same address,
+  on the first node's host. The group's ranks agree on it over torch.distributed
+  (``agree_engine_address``): the leader picks a free port on its host.
+- An Engine with ``node_rank >= 1`` launches only its node's schedulers, no tokenizer manager and
+  no detokenizer (``entrypoints/engine.py:_launch_subprocesses``: "Non-zero-rank nodes do not run
+  tokenizer processes"), and by default blocks in its constructor until the schedulers exit unless
+  the environment has ``SGLANG_BLOCK_NONZERO_RANK_CHILDREN=0`` (then it returns, with
+  ``tokenizer_manager`` None): so the starters on other nodes set it, keep their Engine alive, and
+  call nothing on it but ``shutdown``.
+- Every request goes through the first node: the tokenizer manager sends it to TP rank 0's
+  scheduler, which broadcasts it to every TP rank over the TP group's CPU (gloo) group, across
+  nodes (``managers/scheduler_components/request_receiver.py:_broadcast_reqs_across_ranks``). That
+  holds for ``update_weights_from_tensor``: the leader's list of per-TP-rank payloads reaches every
+  scheduler, and each deserializes only its own entry (``managers/tp_worker.py:deserialize_own_rank``),
+  a CUDA IPC handle made by the trainer rank on its own GPU and node: only the small handle strings
+  cross nodes, the bytes stay on each GPU. It holds as well for ``release_memory_occupation`` /
+  ``resume_memory_occupation`` and ``flush_cache``, scheduler requests handled on every TP rank
+  (``managers/scheduler_components/weight_updater.py``): the leader alone releases and resumes the
+  memory of every node of its engine.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import socket
 from collections.abc import Sequence
 from typing import Any
 
@@ -30,11 +63,141 @@ def colocated_group(rank: int, tp: int) -> tuple[int, list[int]]:
     return leader, list(range(leader, leader + tp))
 
 
+@dataclasses.dataclass(frozen=True)
+class ColocatedLayout:
+    """Where trainer ``rank`` stands in its colocated SGLang engine (``colocated_layout``)."""
+
+    leader: int
+    """The engine's first global rank: it starts the engine's first node and drives it (generation,
+    ``update_weights_from_tensor``, memory release/resume)."""
+    members: tuple[int, ...]
+    """The engine's ``rollout.sglang_tp`` consecutive global ranks; SGLang TP rank ``i`` is on
+    ``members[i]``'s GPU. Every one is a weight-sync destination."""
+    nnodes: int
+    """Nodes the engine spans (1: inside one node)."""
+    node_rank: int
+    """This rank's node within the engine (SGLang's ``node_rank``), 0 .. nnodes - 1."""
+    starter: bool
+    """This rank calls ``sglang.Engine``: the leader, and on a multi-node engine also local rank 0
+    of each further node (which only keeps its node's schedulers alive)."""
+    base_gpu_id: int
+    """SGLang's ``base_gpu_id`` on this rank's node: the engine's first GPU there."""
+
+    @property
+    def multi_node(self) -> bool:
+        return self.nnodes > 1
+
+
+def _tp_choices(gpus_per_node: int, world_size: int) -> list[int]:
+    """The ``rollout.sglang_tp`` values a layout accepts, for the fix in an error message."""
+    inside = [d for d in range(1, gpus_per_node + 1) if gpus_per_node % d == 0 and world_size % d == 0]
+    across = [m for m in range(2 * gpus_per_node, world_size + 1, gpus_per_node) if world_size % m == 0]
+    return inside + across
+
+
+def colocated_layout(rank: int, world_size: int, tp: int, gpus_per_node: int, local_rank: int) -> ColocatedLayout:
+    """Trainer ``rank``'s place in its colocated engine of ``tp`` (``rollout.sglang_tp``) GPUs.
+
+    Inside a node (``tp <= gpus_per_node``): ``tp`` must divide the GPUs per node and the world
+    size; the leader starts the engine with ``base_gpu_id`` its local rank. Across nodes: ``tp``
+    must be a multiple of the GPUs per node and divide the world size; the engine is ``tp``
+    consecutive global ranks, i.e. ``tp / gpus_per_node`` whole nodes when ranks are laid out
+    node-major (local rank = rank % gpus_per_node, as torchrun and the launchers here assign them;
+    ``engine_address`` checks it with every rank's host and local rank), and local rank 0 of each of
+    its nodes starts that node's part with ``base_gpu_id=0``. Depends only on the configuration and
+    the launch (the same verdict on every rank, so no rank raises alone before the collective
+    ``agree_engine_address``). Raises ``ValueError`` naming ``rollout.sglang_tp`` and the values
+    that would work."""
+    choices = _tp_choices(gpus_per_node, world_size)
+    if world_size % tp or (gpus_per_node % tp if tp <= gpus_per_node else tp % gpus_per_node):
+        raise ValueError(
+            f"rollout.sglang_tp={tp} does not fit {world_size} ranks with {gpus_per_node} GPUs per node "
+            f"(LOCAL_WORLD_SIZE): an engine spans a divisor of the GPUs per node, or whole nodes (a "
+            f"multiple of the GPUs per node), and the engines must tile the world size; set "
+            f"rollout.sglang_tp to one of {choices}"
+        )
+    leader, members = colocated_group(rank, tp)
+    if tp <= gpus_per_node:
+        return ColocatedLayout(leader, tuple(members), 1, 0, rank == leader, local_rank - (rank - leader))
+    node_rank = (rank - leader) // gpus_per_node
+    return ColocatedLayout(leader, tuple(members), tp // gpus_per_node, node_rank, rank % gpus_per_node == 0, 0)
+
+
+def engine_address(
+    layout: ColocatedLayout, ranks: Sequence[tuple[str, int]], port: int, gpus_per_node: int
+) -> str:
+    """SGLang's ``dist_init_addr`` of ``layout``'s engine, ``host:port`` of its first node, after
+    checking with every rank's ``(host name, LOCAL_RANK)`` (``ranks``, by global rank) that each
+    ``gpus_per_node`` block of the engine's ranks is one host with local ranks ``0 ..
+    gpus_per_node - 1`` in order, and the blocks are different hosts."""
+    tp = len(layout.members)
+    blocks = [layout.members[k : k + gpus_per_node] for k in range(0, tp, gpus_per_node)]
+    hosts = [sorted({ranks[r][0] for r in block}) for block in blocks]
+    node_major = all(ranks[r][1] == r % gpus_per_node for r in layout.members)
+    if not node_major or any(len(h) != 1 for h in hosts) or len({h[0] for h in hosts}) != len(blocks):
+        seen = "; ".join(
+            f"ranks {b[0]}-{b[-1]} on {h} with LOCAL_RANK {[ranks[r][1] for r in b]}"
+            for b, h in zip(blocks, hosts, strict=True)
+        )
+        raise ValueError(
+            f"rollout.sglang_tp={tp} makes ranks {layout.members[0]}-{layout.members[-1]} one SGLang engine "
+            f"over {len(blocks)} whole nodes of {gpus_per_node} GPUs (LOCAL_WORLD_SIZE), but {seen}: every "
+            f"node must run {gpus_per_node} consecutive ranks on local GPUs 0..{gpus_per_node - 1} (torchrun "
+            f"--nnodes N --nproc-per-node {gpus_per_node}, or srun one task per GPU with block distribution), "
+            f"or set rollout.sglang_tp to at most {gpus_per_node}"
+        )
+    return f"{hosts[0][0]}:{port}"
+
+
+def free_port() -> int:
+    """A TCP port free on this host now (the OS's pick), for the engine's ``dist_init_addr``."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("", 0))
+        return int(s.getsockname()[1])
+
+
+def agree_engine_address(layout: ColocatedLayout, gpus_per_node: int, local_rank: int) -> str:
+    """Collective over the world: the ``dist_init_addr`` of this rank's multi-node engine, from every
+    rank's host name and local rank and the port its leader picked (``engine_address``). Every rank
+    calls it once while the fleet is built (the leader from ``SGLangEngine.from_config``, the other
+    ranks from ``SGLangSyncMember.from_config``), before anything that can fail on one rank alone."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    mine = (socket.gethostname(), local_rank, free_port() if rank == layout.leader else None)
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    return engine_address(layout, [(h, lr) for h, lr, _ in everyone], everyone[layout.leader][2], gpus_per_node)
+
+
+_SET_BY_LAYOUT = ("tp_size", "nnodes", "node_rank", "dist_init_addr", "base_gpu_id")
+
+
 def colocated_server_args(
-    rollout: RolloutConfig, model_path: str, *, base_gpu_id: int, dtype: str, seed: int, moe: bool
+    rollout: RolloutConfig,
+    model_path: str,
+    *,
+    base_gpu_id: int,
+    dtype: str,
+    seed: int,
+    moe: bool,
+    nnodes: int = 1,
+    node_rank: int = 0,
+    dist_init_addr: str | None = None,
 ) -> dict[str, Any]:
-    """``sglang.Engine`` keyword arguments of a colocated engine (``rollout.sglang_server_args`` win)."""
-    return {
+    """``sglang.Engine`` keyword arguments of a colocated engine (``rollout.sglang_server_args`` win),
+    on node ``node_rank`` of the ``nnodes`` it spans; a multi-node engine also gets SGLang's
+    ``nnodes``, ``node_rank`` and ``dist_init_addr`` (the same on every node, seed included)."""
+    if nnodes > 1:
+        fixed = sorted(k for k in _SET_BY_LAYOUT if k in rollout.sglang_server_args)
+        if fixed:
+            raise ValueError(
+                f"rollout.sglang_server_args sets {fixed}: an engine across nodes gets them from "
+                f"rollout.sglang_tp={rollout.sglang_tp} and the ranks' layout; remove them"
+            )
+        if dist_init_addr is None:
+            raise ValueError("an SGLang engine across nodes needs dist_init_addr (agree_engine_address)")
+    args: dict[str, Any] = {
         "model_path": model_path,
         "tp_size": rollout.sglang_tp,
         "base_gpu_id": base_gpu_id,
@@ -44,8 +207,10 @@ def colocated_server_args(
         "random_seed": seed,
         "enable_return_routed_experts": moe and rollout.sglang_routed_experts,
         "log_level": "error",
-        **rollout.sglang_server_args,
     }
+    if nnodes > 1:
+        args.update(nnodes=nnodes, node_rank=node_rank, dist_init_addr=dist_init_addr)
+    return {**args, **rollout.sglang_server_args}
 
 
 def rank_payload(bucket: Bucket, sglang_classes: tuple[type, Any], device: torch.device | str | None = None) -> str:
