@@ -2,7 +2,7 @@
 
 Runs ``examples/demo.sh`` once per seed (cold-start SFT, then GRPO, each a 2-process torchrun), one
 seed after another, and reads what each phase wrote: ``<run>/sft/summary.json`` (the step whose
-weights the cold start kept, their dev accuracy, and how many attempts it took) and ``<run>/summary.json`` (held-out accuracy
+weights the cold start kept and their dev accuracy) and ``<run>/summary.json`` (held-out accuracy
 before GRPO, at the last evaluation and at the best one, with their iterations). Per seed it also
 records the wall time of each phase (as the phase reports it, start-up excluded) and of the whole
 ``demo.sh``, the CPU time of its processes (user + system of the children), and the 1-minute load
@@ -101,7 +101,7 @@ def table(rows: list[dict], band: tuple[float, float], caption: str) -> str:
     lines = [
         caption,
         "",
-        "| seed | cold start: step kept (dev accuracy), attempts | held-out accuracy before -> last (iteration) "
+        "| seed | cold start: step kept (dev accuracy) | held-out accuracy before -> last (iteration) "
         "| best (iteration) | lift | last - best | wall: cold start / GRPO / `demo.sh` | CPU time | load before / after |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
@@ -113,7 +113,7 @@ def table(rows: list[dict], band: tuple[float, float], caption: str) -> str:
             continue
         s, g = r["sft"], r["grpo"]
         lines.append(
-            f"| {r['seed']} | {s['kept_step']} ({pct(s['eval/accuracy'])}), {s.get('attempts', 1)} "
+            f"| {r['seed']} | {s['kept_step']} ({pct(s['eval/accuracy'])}) "
             f"| {pct(g['before'])} -> {pct(g['after'])} ({g['after_iteration']}) "
             f"| {pct(g['best'])} ({g['best_iteration']}) | {100 * (g['after'] - g['before']):+.1f} "
             f"| {100 * (g['after'] - g['best']):+.1f} "

@@ -62,34 +62,3 @@ def test_without_an_in_band_evaluation_the_latest_of_equally_close_ones_is_kept(
     keeper = BandKeeper(0.2, 0.3)
     assert feed(keeper, [(0, 0.0), (2, 0.0), (4, 0.0)]) == ["continue"] * 3  # then sft.max_steps ends it
     assert keeper.kept == DevEval(4, 0.0)
-
-
-def test_an_attempt_that_never_reaches_the_band_restarts_and_the_best_evaluation_stays_kept():
-    keeper = BandKeeper(0.2, 0.3, restart_after=100)
-    assert feed(keeper, [(0, 0.0), (50, 0.12), (100, 0.15)]) == ["continue", "continue", "restart"]
-    keeper.restart(100, DevEval(0, 0.0))
-    assert (keeper.attempt, keeper.below) == (2, DevEval(100, 0.0))
-    # the new attempt's own clock: no restart before step 200, a jump replays from its own point
-    assert feed(keeper, [(150, 0.05), (175, 0.6)]) == ["continue", "replay"]
-    assert keeper.below == DevEval(150, 0.05)
-    assert feed(keeper, [(151, 0.25)]) == ["stop"]
-    assert keeper.kept == DevEval(151, 0.25)
-
-
-def test_an_attempt_that_reached_the_band_does_not_restart():
-    keeper = BandKeeper(0.2, 0.3, restart_after=50)
-    assert feed(keeper, [(0, 0.0), (25, 0.22), (50, 0.1), (75, 0.12)]) == ["continue"] * 4
-    assert keeper.kept == DevEval(25, 0.22)
-
-
-@pytest.mark.parametrize(
-    ("fields", "message"),
-    [
-        ({"restart_after_steps": 100}, "needs sft.target_accuracy_band"),
-        ({"restart_after_steps": 0, "target_accuracy_band": (0.2, 0.3)}, "must be >= 1"),
-    ],
-)
-def test_restart_after_steps_is_validated(fields, message):
-    with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]")):
-        SFTConfig(**fields).validate()
-    SFTConfig(target_accuracy_band=(0.2, 0.3), restart_after_steps=500).validate()

@@ -139,14 +139,6 @@ class SFTConfig:
     (weights, Adam state and data order restored) with an evaluation after every step. When no
     evaluation lands in the band, the one closest to it is exported. The SFT log says which step
     was kept and why."""
-    restart_after_steps: int | None = None
-    """With target_accuracy_band: an attempt none of whose dev evaluations reached the band's lower
-    edge within this many steps starts over from the initial weights, with a fresh Adam state and a
-    new shuffled data order (seed train.seed + attempts so far); None = never. Before its jump, dev
-    accuracy sits on a plateau whose length depends on the trajectory, not the seed alone (steps to
-    the band of 804 to more than 6000 seen for the demo, and ~400 vs ~4600 for one seed on two
-    commits): a long tail that fresh attempts cut. max_steps counts the steps of every attempt; the
-    evaluation closest to the band over all attempts is the one exported."""
     dev_prompts: int = 200
     """Held-out prompts used for the dev accuracy (taken from the evaluation set)."""
     output_dir: str | None = None
@@ -173,18 +165,6 @@ class SFTConfig:
                 errors.append(
                     f"sft.stop_accuracy={self.stop_accuracy} and sft.target_accuracy_band={list(band)} are "
                     "exclusive: set one of them to null"
-                )
-        if self.restart_after_steps is not None:
-            if band is None:
-                errors.append(
-                    f"sft.restart_after_steps={self.restart_after_steps} needs sft.target_accuracy_band (an attempt "
-                    "restarts when it has not reached the band's lower edge): set the band, or "
-                    "restart_after_steps: null"
-                )
-            if self.restart_after_steps < 1:
-                errors.append(
-                    f"sft.restart_after_steps={self.restart_after_steps} must be >= 1 (steps of one attempt; "
-                    "sft.max_steps counts all attempts), or null"
                 )
         if errors:
             raise ValueError("\n".join(errors))

@@ -20,7 +20,6 @@ from typing import TYPE_CHECKING, Literal
 
 import torch
 
-from grpo_megatron.data.sampler import PromptSampler
 from grpo_megatron.distributed.collectives import collective_device, on_rank0
 from grpo_megatron.fileio import write_text_atomic
 from grpo_megatron.training.batching import LossInputs, Sample, collate, make_sample, rank_microbatches
@@ -31,6 +30,7 @@ from grpo_megatron.training.phases.eval import evaluate
 
 if TYPE_CHECKING:
     from grpo_megatron.config import JobConfig
+    from grpo_megatron.data.sampler import PromptSampler
     from grpo_megatron.training.config import SFTConfig
 
 def sft_job_config(cfg: JobConfig) -> JobConfig:
@@ -90,24 +90,16 @@ class BandKeeper:
     stops or replays. Pure bookkeeping; ``run_sft`` holds the weights and acts on the answers.
 
     An evaluation's rank is (distance to the band, distance to the band's centre), smaller is better;
-    the best-ranked one so far (over all attempts) is ``kept``. Reaching the centre stops the run. A
-    jump from below the band to above it triggers one replay (per attempt) from the last evaluation
-    below the band. With ``restart_after``, an attempt none of whose evaluations reached the band's
-    lower edge within that many steps is abandoned: ``restart`` (see ``SFTConfig.restart_after_steps``).
+    the best-ranked one so far is ``kept``. Reaching the centre stops the run. A jump from below the
+    band to above it triggers one replay from the last evaluation below the band.
     """
 
     low: float
     high: float
-    restart_after: int | None = None
     kept: DevEval | None = None
     below: DevEval | None = None
     """The last evaluation below the band: the point a replay restarts from."""
     replayed: bool = False
-    attempt: int = 1
-    attempt_start: int = 0
-    """The step the current attempt started at (its weights are the initial ones)."""
-    reached_low: bool = False
-    """Whether an evaluation of the current attempt reached the band's lower edge."""
 
     @property
     def centre(self) -> float:
@@ -119,32 +111,21 @@ class BandKeeper:
     def rank(self, accuracy: float) -> tuple[float, float]:
         return max(self.low - accuracy, accuracy - self.high, 0.0), abs(accuracy - self.centre)
 
-    def observe(self, ev: DevEval) -> tuple[Literal["continue", "replay", "restart", "stop"], bool]:
+    def observe(self, ev: DevEval) -> tuple[Literal["continue", "replay", "stop"], bool]:
         """(what to do next, whether ``ev``'s weights become the kept ones)."""
         # later wins ties: of equally close evaluations, the more trained weights
         keep = self.kept is None or self.rank(ev.accuracy) <= self.rank(self.kept.accuracy)
         if keep:
             self.kept = ev
         assert self.kept is not None  # the first evaluation is always kept
-        self.reached_low = self.reached_low or ev.accuracy >= self.low
         if ev.accuracy < self.low:
             self.below = ev
-            stalled = self.restart_after is not None and ev.step - self.attempt_start >= self.restart_after
-            return ("restart" if stalled and not self.reached_low else "continue"), keep
+            return "continue", keep
         jumped = ev.accuracy > self.high and not self.in_band(self.kept.accuracy)
         if jumped and not self.replayed and self.below is not None:
             self.replayed = True
             return "replay", keep
         return ("stop" if ev.accuracy >= self.centre else "continue"), keep
-
-    def restart(self, step: int, initial: DevEval) -> None:
-        """A new attempt from the initial weights at ``step``; ``initial`` is their evaluation (the
-        new attempt's first replay point). What was kept stays kept."""
-        self.attempt += 1
-        self.attempt_start = step
-        self.below = DevEval(step, initial.accuracy)
-        self.replayed = False
-        self.reached_low = False
 
     def reason(self) -> str:
         """Why ``kept`` was kept, for the log."""
@@ -209,11 +190,7 @@ def run_sft(job: Job) -> dict[str, object]:
     pairs = job.sft_records
     sampler = job.make_sampler(len(pairs))
     job.logger.truncate_from(0)  # SFT writes no checkpoints: a rerun starts over, its log too
-    keeper = (
-        BandKeeper(*sft.target_accuracy_band, restart_after=sft.restart_after_steps)
-        if sft.target_accuracy_band
-        else None
-    )
+    keeper = BandKeeper(*sft.target_accuracy_band) if sft.target_accuracy_band else None
 
     def dev_eval(step: int) -> float:
         job.fleet.sync_weights(job.policy.model, version=step)
@@ -226,14 +203,12 @@ def run_sft(job: Job) -> dict[str, object]:
     job.logger.log(0, {"eval/accuracy": accuracy})
     kept_weights: list[torch.Tensor] | None = None
     replay_point: TrainState | None = None
-    initial: TrainState | None = None  # what a restart starts over from
-    initial_eval = DevEval(0, accuracy)
     dense_until = 0  # a replay evaluates after every step up to here
     stop_reason = f"reached sft.max_steps={sft.max_steps}"
     action = "continue"
     if keeper is not None:
         action, _ = keeper.observe(DevEval(0, accuracy))  # the initial weights are the replay point
-        replay_point = initial = capture(job, 0, sampler)
+        replay_point = capture(job, 0, sampler)
         kept_weights = copy_weights(job)
     elif sft.stop_accuracy is not None and accuracy >= sft.stop_accuracy:
         action = "stop"
@@ -275,22 +250,6 @@ def run_sft(job: Job) -> dict[str, object]:
             step = replay_point.step
             job.logger.truncate_from(step + 1)
             action = "continue"
-        elif action == "restart" and step < sft.max_steps:  # no attempt left to start otherwise
-            assert initial is not None and keeper is not None
-            _say(
-                job,
-                f"[sft] attempt {keeper.attempt}: dev accuracy stayed below {keeper.low:.0%} for "
-                f"{step - keeper.attempt_start} steps (sft.restart_after_steps={sft.restart_after_steps}): "
-                f"attempt {keeper.attempt + 1} starts over from the initial weights at step {step}, with data "
-                f"order seed {job.cfg.train.seed + keeper.attempt}",
-            )
-            keeper.restart(step, initial_eval)
-            # A fresh data order: the plateau's length is set by the trajectory, not by the initial
-            # weights (one seed's escape came at step ~400 on one commit and ~4600 on another).
-            sampler = PromptSampler(len(pairs), seed=job.cfg.train.seed + keeper.attempt - 1, shuffle=True)
-            replay_point = TrainState(step, initial.weights, initial.adam, sampler.state_dict(), initial.scheduler_steps)
-            restore(job, replay_point, sampler)
-            action = "continue"
     if keeper is None:
         return {"steps": steps_run, "last_step": step, "kept_step": step, "eval/accuracy": accuracy,
                 "reason": stop_reason}
@@ -298,7 +257,6 @@ def run_sft(job: Job) -> dict[str, object]:
     load_weights(job, kept_weights)
     return {
         "steps": steps_run,
-        "attempts": keeper.attempt,
         "last_step": step,
         "kept_step": keeper.kept.step,
         "eval/accuracy": keeper.kept.accuracy,
