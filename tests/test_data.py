@@ -319,6 +319,10 @@ def test_arithmetic_format():
     assert (p.prompt, p.answer, p.solution) == ("042+317=", "9530", "9530")
     assert arithmetic(_Fixed(999, 999)).answer == "8991"  # 1998 reversed
     assert arithmetic(_Fixed(5, 7), digits=2, reverse_answer=False).answer == "012"
+    p = arithmetic(_Fixed(42, 317), reverse_operands=True)  # every number least-significant digit first
+    assert (p.prompt, p.answer, p.metadata) == ("240+713=", "9530", {"a": 42, "b": 317})
+    with pytest.raises(ValueError, match="reverse_operands='yes' must be true or false"):
+        arithmetic(_Fixed(1, 2), reverse_operands="yes")
 
 
 @pytest.mark.parametrize(

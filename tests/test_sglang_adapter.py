@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import base64
 import json
+import os
 import subprocess
 import sys
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -29,11 +31,15 @@ from grpo_megatron.rollout.sglang_engine import (
     decode_routed_experts,
     sample_seeds,
     sampling_params_dict,
+    start_node_part,
     teacher_forced_logprobs,
 )
 from grpo_megatron.rollout.sglang_ipc import (
+    ColocatedLayout,
     colocated_group,
+    colocated_layout,
     colocated_server_args,
+    engine_address,
 )
 from grpo_megatron.rollout.sglang_nccl import (
     SGLangHttpClient,
@@ -244,6 +250,117 @@ def test_colocated_groups_and_engine_arguments() -> None:
     )
 
 
+def test_an_engine_inside_a_node_is_led_by_its_first_rank_on_its_own_gpus() -> None:
+    # world 16, 8 GPUs per node, TP 8: two engines, one per node; rank r is local GPU r % 8
+    layouts = [colocated_layout(r, 16, 8, 8, r % 8) for r in range(16)]
+    assert [lay.leader for lay in layouts] == [0] * 8 + [8] * 8
+    assert layouts[9].members == tuple(range(8, 16)) and layouts[9].nnodes == 1 and not layouts[9].multi_node
+    assert [r for r, lay in enumerate(layouts) if lay.starter] == [0, 8]
+    assert layouts[8].base_gpu_id == 0 and layouts[8].node_rank == 0
+    # TP 2: the leader's local rank is the engine's first GPU (as before multi-node engines existed)
+    assert colocated_layout(5, 16, 2, 8, 5) == ColocatedLayout(4, (4, 5), 1, 0, False, 4)
+    assert colocated_layout(12, 16, 2, 8, 4) == ColocatedLayout(12, (12, 13), 1, 0, True, 4)
+
+
+def test_an_engine_across_nodes_has_a_starter_per_node_and_one_leader() -> None:
+    # world 16, 8 GPUs per node, TP 16: one engine over both nodes
+    layouts = [colocated_layout(r, 16, 16, 8, r % 8) for r in range(16)]
+    assert {lay.leader for lay in layouts} == {0} and {lay.members for lay in layouts} == {tuple(range(16))}
+    assert {lay.nnodes for lay in layouts} == {2} and all(lay.multi_node for lay in layouts)
+    assert [lay.node_rank for lay in layouts] == [0] * 8 + [1] * 8
+    assert [r for r, lay in enumerate(layouts) if lay.starter] == [0, 8]  # local rank 0 of each node
+    assert {lay.base_gpu_id for lay in layouts} == {0}
+    # the DeepSeek-V3 recipe's shape: 32-GPU engines over 4 nodes; rank 40 is node 1 of the second
+    lay = colocated_layout(40, 1024, 32, 8, 0)
+    assert (lay.leader, lay.nnodes, lay.node_rank, lay.starter) == (32, 4, 1, True)
+    assert lay.members == tuple(range(32, 64))
+    assert not colocated_layout(63, 1024, 32, 8, 7).starter and colocated_layout(63, 1024, 32, 8, 7).node_rank == 3
+
+
+@pytest.mark.parametrize(
+    ("tp", "world", "choices"),
+    [(12, 16, "[1, 2, 4, 8, 16]"), (3, 16, "[1, 2, 4, 8, 16]"), (16, 24, "[1, 2, 4, 8, 24]"), (32, 48, "[1, 2, 4, 8, 16, 24, 48]")],
+)
+def test_an_engine_width_that_does_not_tile_the_nodes_is_refused_with_the_choices(tp: int, world: int, choices: str) -> None:
+    with pytest.raises(ValueError) as info:
+        colocated_layout(0, world, tp, 8, 0)
+    message = str(info.value)
+    assert f"rollout.sglang_tp={tp}" in message and "8 GPUs per node (LOCAL_WORLD_SIZE)" in message
+    assert f"set rollout.sglang_tp to one of {choices}" in message
+
+
+def test_the_engine_address_is_its_first_node_and_the_nodes_must_be_whole_and_node_major() -> None:
+    lay = colocated_layout(9, 16, 16, 8, 1)
+    ranks = [("node-a", r % 8) for r in range(8)] + [("node-b", r % 8) for r in range(8)]
+    assert engine_address(lay, ranks, 41234, 8) == "node-a:41234"
+    bad_cases = {
+        "interleaved ranks": [(f"node-{'ab'[r % 2]}", r // 2) for r in range(16)],
+        "one host for both blocks": [("node-a", r % 8) for r in range(16)],
+        "local ranks out of order": [("node-a", 7 - r) for r in range(8)] + ranks[8:],
+    }
+    for case, bad in bad_cases.items():
+        with pytest.raises(ValueError) as info:
+            engine_address(lay, bad, 41234, 8)
+        message = str(info.value)
+        assert "rollout.sglang_tp=16" in message and "ranks 0-7 on" in message, case
+        assert "torchrun --nnodes N --nproc-per-node 8" in message and "at most 8" in message, case
+
+
+def test_server_args_of_each_node_of_a_multi_node_engine() -> None:
+    rollout = RolloutConfig(sglang_tp=16, gpu_memory_utilization=0.5, sglang_server_args={"ep_size": 16})
+    common = dict(base_gpu_id=0, dtype="bfloat16", seed=7, moe=True, nnodes=2, dist_init_addr="node-a:41234")
+    first = colocated_server_args(rollout, "/m", node_rank=0, **common)
+    second = colocated_server_args(rollout, "/m", node_rank=1, **common)
+    assert first["tp_size"] == 16 and first["nnodes"] == 2 and first["dist_init_addr"] == "node-a:41234"
+    assert first["node_rank"] == 0 and second["node_rank"] == 1 and first["base_gpu_id"] == 0
+    assert {k: v for k, v in first.items() if k != "node_rank"} == {k: v for k, v in second.items() if k != "node_rank"}
+    assert first["enable_memory_saver"] is True and first["random_seed"] == 7 and first["ep_size"] == 16
+    # inside a node nothing of SGLang's multi-node launch is passed (the arguments are as before)
+    single = colocated_server_args(RolloutConfig(sglang_tp=8), "/m", base_gpu_id=0, dtype="bfloat16", seed=7, moe=True)
+    assert not {"nnodes", "node_rank", "dist_init_addr"} & set(single)
+    # what the layout decides cannot be overridden across nodes
+    clash = RolloutConfig(sglang_tp=16, sglang_server_args={"nnodes": 4, "base_gpu_id": 2})
+    with pytest.raises(ValueError, match=r"rollout.sglang_server_args sets \['base_gpu_id', 'nnodes'\]"):
+        colocated_server_args(clash, "/m", node_rank=1, **common)
+
+
+def test_from_config_takes_an_engine_across_nodes_and_refuses_one_that_does_not_tile_them(monkeypatch) -> None:
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    ps = SimpleNamespace(rank=8, world_size=16, device="cpu")
+    cfg = load_config(EXAMPLE, ["rollout.engine=sglang", "rollout.sglang_tp=12"])
+    with pytest.raises(ValueError, match=r"rollout.sglang_tp=12 does not fit 16 ranks with 8 GPUs per node"):
+        SGLangEngine.from_config(cfg, ps)
+    # 16 over two nodes of 8 is a valid layout now: what stops it here is only the missing GPU
+    cfg = load_config(EXAMPLE, ["rollout.engine=sglang", "rollout.sglang_tp=16"])
+    with pytest.raises(RuntimeError, match="needs CUDA GPUs"):
+        SGLangEngine.from_config(cfg, ps)
+
+
+def test_a_further_node_starts_its_part_of_the_engine_without_blocking(monkeypatch, tmp_path: Path) -> None:
+    """``start_node_part`` against SGLang's real entry point name (``sglang.Engine``), whose constructor
+    cannot run without GPUs: the arguments it is given, and the environment SGLang reads on node_rank
+    >= 1 to return instead of blocking."""
+    import sglang
+
+    save_tiny_model("qwen3_moe", tmp_path, seed=0)
+    started: list[dict] = []
+
+    class Recorder:
+        def __init__(self, **kwargs) -> None:
+            started.append({**kwargs, "env": os.environ.get("SGLANG_BLOCK_NONZERO_RANK_CHILDREN")})
+
+    monkeypatch.setattr(sglang, "Engine", Recorder)
+    monkeypatch.delenv("SGLANG_BLOCK_NONZERO_RANK_CHILDREN", raising=False)
+    cfg = load_config(EXAMPLE, ["rollout.engine=sglang", "rollout.sglang_tp=16", f"model.hf_path={tmp_path}"])
+    start_node_part(cfg, colocated_layout(8, 16, 16, 8, 0), "node-a:41234")
+    (args,) = started
+    assert args["env"] == "0" and args["nnodes"] == 2 and args["node_rank"] == 1 and args["tp_size"] == 16
+    assert args["dist_init_addr"] == "node-a:41234" and args["base_gpu_id"] == 0
+    assert args["random_seed"] == cfg.train.seed  # the leader's (rank 0's) seed on every node
+    assert args["enable_return_routed_experts"] is cfg.rollout.sglang_routed_experts  # an MoE model
+
+
 # ----------------------------------------------------------------------------------------------------
 # HTTP client against a loopback server that answers like SGLang's
 
@@ -330,3 +447,42 @@ def test_http_client_calls_sglangs_endpoints_and_reports_failures(fake_server) -
     assert not client.healthy()
     with pytest.raises(SGLangServerError, match="unreachable"):
         SGLangHttpClient("http://127.0.0.1:9", timeout_s=2).tp_size()
+
+
+def test_each_engine_gpu_needs_dense_tensors_and_the_experts_of_its_ep_block() -> None:
+    from grpo_megatron.rollout.sglang_shards import engine_ep_size, moe_ep_rank, rank_needs
+
+    hf = {"num_experts": 8, "num_experts_per_tok": 2}
+    # SGLang strides its MoE EP groups by moe_tp = tp / ep: TP rank r is EP rank r // moe_tp.
+    assert [moe_ep_rank(r, 4, 2) for r in range(4)] == [0, 0, 1, 1]
+    assert [moe_ep_rank(r, 4, 4) for r in range(4)] == [0, 1, 2, 3]
+    assert rank_needs(hf, 4, 1, 3) is None  # no EP inside the engine: everything, everywhere
+    needs = rank_needs(hf, 4, 2, 2)  # EP rank 1 of 2: experts 4..7
+    assert needs is not None
+    assert needs("model.layers.0.self_attn.q_proj.weight") and needs("model.embed_tokens.weight")
+    assert needs("model.layers.0.mlp.gate.weight")  # the router is dense
+    assert needs("model.layers.1.mlp.experts.4.gate_proj.weight") and needs("model.layers.1.mlp.experts.7.down_proj.weight")
+    assert not needs("model.layers.1.mlp.experts.3.up_proj.weight")
+    assert needs("model.layers.1.mlp.shared_experts.gate_proj.weight")  # DeepSeek's shared experts: dense
+    assert not rank_needs({"num_local_experts": 8}, 2, 2, 0)("model.layers.0.block_sparse_moe.experts.5.w1.weight")
+    import pickle
+
+    assert pickle.loads(pickle.dumps(needs)) == needs  # travels in the plan's metadata exchange
+    # ep_size comes from rollout.sglang_server_args; placements we cannot follow are refused by name.
+    assert engine_ep_size({}, 4, hf) == 1 and engine_ep_size({"ep_size": 4}, 4, hf) == 4
+    for args, match in (
+        ({"ep_size": 3}, "divide rollout.sglang_tp"),
+        ({"ep_size": 2, "enable_eplb": True}, "enable_eplb"),
+        ({"ep_size": 2, "ep_num_redundant_experts": 8}, "ep_num_redundant_experts"),
+        ({"moe_dp_size": 2}, "moe_dp_size"),
+    ):
+        with pytest.raises(ValueError, match=match) as err:
+            engine_ep_size(args, 4, hf)
+        assert "rollout.sglang_server_args" in str(err.value)
+
+
+def test_sync_groups_are_the_distinct_multi_gpu_engines_in_one_order() -> None:
+    from grpo_megatron.rollout.fleet import sync_groups
+
+    assert sync_groups([(0, 1), (0, 1), (2, 3), (2, 3), ()]) == [(0, 1), (2, 3)]
+    assert sync_groups([(), ()]) == []

@@ -412,3 +412,17 @@ def test_distributed_update_metadata_lays_out_the_senders_bytes_in_sglangs_recei
             assert into.get_flattened_tensor().numel() == flat.numel(), f"{dtype} bucket {i}: sizes differ"
             into.get_flattened_tensor().copy_(flat)
             assert not _differences(ordered, into.reconstruct_tensors()), f"{dtype} bucket {i}"
+
+
+def test_per_gpu_payloads_and_an_empty_one_survive_sglangs_tensor_path(exported) -> None:
+    """The colocated engine's GPUs each send their own payload (``rank_payload``); a GPU with nothing
+    in a round sends a payload without tensors, which SGLang's updater turns into no tensors."""
+    from grpo_megatron.rollout.sglang_ipc import rank_payload
+
+    _, buckets = exported
+    bucket = buckets["bfloat16"][0]
+    classes = (FlattenedTensorBucket, MultiprocessingSerializer)
+    payloads = [rank_payload(bucket[:1], classes), rank_payload([], classes), rank_payload(bucket[1:], classes)]
+    assert not _differences(bucket[:1], _sglang_load(payloads, 0))
+    assert _sglang_load(payloads, 1) == []
+    assert not _differences(bucket[1:], _sglang_load(payloads, 2))

@@ -36,12 +36,30 @@ def test_parallel_sync_to_2_and_4_engines_at_tp2_ep2_tp2xep2_pp2(tmp_path: Path)
         "tp2ep2_2engines_reject": [moe, "parallel.tp=2", "parallel.ep=2", dp, "direct_min_bytes=1024"],
         "pp2_2engines": [moe, "parallel.pp=2", dp],
         "pp2_4engines": [moe, "parallel.pp=2", every],
+        # Every rank a destination with an SGLang EP rank's needs (dense + its block of experts).
+        "needs_ep2_engine_ep2": [moe, "parallel.ep=2", "engine_ep=2"],
+        "needs_tp2ep2_engine_ep4": [moe, "parallel.tp=2", "parallel.ep=2", "engine_ep=4"],
     }
     results = run_distributed(
         "tests.workers.sync_workers:parallel_sync", world_size=4, timeout_s=580,
         cases=cases, bad_hf_dir=bad, bucket_bytes=BUCKET_BYTES,
     )  # fmt: skip
-    for case in cases:
+    for case in [c for c in cases if c.startswith("needs")]:
+        per_rank = [r[case] for r in results]
+        for rank, res in enumerate(per_rank):
+            # Exactly its tensors (dense in full + its experts), bit-exact; its manifest lists them.
+            assert res["names_exact"] and res["values_exact"] and res["manifest_exact"], (case, rank, res)
+            assert res["skipped_experts"] > 0, (case, rank)
+            bound = 2 * BUCKET_BYTES + 4 * res["max_item_bytes"]
+            assert res["peak_buffer_bytes"] <= bound, (case, res["peak_buffer_bytes"], bound)
+        # Every rank yields once per round (the GPUs of one engine load in step).
+        assert len({res["yields"] for res in per_rank}) == 1, case
+        # Experts of other blocks do not travel: a GPU receives less than the whole model...
+        assert max(r["received_bytes"] for r in per_rank) < per_rank[0]["model_bytes"], case
+        # ...and the sources stay spread: nobody is a funnel.
+        senders = [b for b in per_rank[0]["sent"] if b]
+        assert len(senders) >= 2 and max(senders) <= 1.6 * sum(senders) / len(senders), (case, senders)
+    for case in [c for c in cases if not c.startswith("needs")]:
         per_rank = [r[case] for r in results]
         engines = per_rank[0]["engine_ranks"]
         assert len(engines) == int(case.split("_")[1][0]), (case, engines)

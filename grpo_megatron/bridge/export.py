@@ -73,6 +73,7 @@ def export_hf_stream(
     stats: TransferStats | None = None,
     borrow: bool = False,
     into: Callable[[str], torch.Tensor | None] | None = None,
+    every_round: bool = False,
 ) -> Iterator[Bucket]:
     """Yield buckets of (HF name, full tensor on ``device``) on every destination rank (``dst_ranks``,
     default ``[dst_rank]``), all of them receiving at once; the other ranks yield nothing but must
@@ -101,6 +102,10 @@ def export_hf_stream(
     whose HF tensors' places are laid out exactly as the slice (contiguous, adjacent, in the export
     dtype on ``device``) is received straight into them; its names are then yielded with their
     places themselves (the consumer has nothing left to copy).
+
+    ``every_round`` (with ``borrow``): a destination yields once per round even when the round
+    brings it nothing (an empty bucket), so destinations with different ``needs`` yield the same
+    number of buckets (the GPUs of one SGLang engine load each round in one call together).
     """
     dsts = tuple(dst_ranks) if dst_ranks is not None else (dst_rank,)
     if plan is None:
@@ -175,6 +180,8 @@ def export_hf_stream(
                     received[(index, slot)] = _view(flat_u8, offset, items[index], slot)
             for index in rounds[k]:
                 item = items[index]
+                if not sources[index]:  # not among what this destination receives (``needs``)
+                    continue
                 if index in landed:  # already in the consumer's place: hand on its names and places
                     bucket += [(name, into(name)) for name in item.rule.hf]  # type: ignore[misc]
                     continue
@@ -195,7 +202,7 @@ def export_hf_stream(
                 bucket_held += item.hf_bytes
                 stats.hold(item.hf_bytes)
             received.clear()
-        if borrow and bucket:  # handed on while the round's buffers it views are alive
+        if borrow and (bucket or (every_round and sources is not None)):  # while the round's buffers live
             out, bucket = bucket, []
             yield out
             stats.drop(bucket_held)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 import socket
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -122,11 +122,26 @@ def _items(
     return items
 
 
+Needs = Callable[[str], bool]
+"""Which HF tensors a destination receives, by HF name (an item goes to it when any of its HF names
+is needed); None = every tensor."""
+
+
+def _wanted(items: Sequence[_Item], needs: Needs | None) -> frozenset[int] | None:
+    """Indices of the items a destination with ``needs`` receives (None: all of them)."""
+    if needs is None:
+        return None
+    return frozenset(i for i, item in enumerate(items) if any(needs(name) for name in item.rule.hf))
+
+
 def _choose_sources(
-    items: Sequence[_Item], dst_ranks: Sequence[int], ranks: Sequence[_RankInfo]
+    items: Sequence[_Item],
+    dst_ranks: Sequence[int],
+    ranks: Sequence[_RankInfo],
+    wanted: Mapping[int, frozenset[int] | None] | None = None,
 ) -> tuple[dict[int, list[tuple[int, ...]]], list[int]]:
-    """For every destination, the rank sending each slice of each item (``[item][slot]``), and the
-    bytes each rank sends in all.
+    """For every destination, the rank sending each slice of each item (``[item][slot]``; empty for
+    an item it does not receive, ``wanted``), and the bytes each rank sends in all.
 
     A destination holding a slice takes its own (nothing moves). Otherwise, among the holders: one on
     the destination's node (NVLink rather than the network), then the one with the fewest bytes
@@ -136,8 +151,13 @@ def _choose_sources(
     """
     sent = [0] * len(ranks)
     sources: dict[int, list[tuple[int, ...]]] = {d: [] for d in dst_ranks}
-    for item in items:
+    wanted = wanted or {}
+    for index, item in enumerate(items):
         for d in dst_ranks:
+            mine = wanted.get(d)
+            if mine is not None and index not in mine:
+                sources[d].append(())
+                continue
             here = ranks[d]
             chosen = []
             for slot, holders in enumerate(item.holders):
@@ -307,17 +327,25 @@ class ExportPlan:
     local: dict[str, torch.Tensor] = field(repr=False)
     """This rank's shards by canonical name: detached views that share the parameters' storage, so
     they follow every optimizer step and offload round trip (offload resizes storage in place)."""
+    wanted: dict[int, frozenset[int] | None] = field(default_factory=dict)
+    """Per destination, the indices of the items it receives (None or absent: every item)."""
 
     @property
     def dst_rank(self) -> int:
         return self.dst_ranks[0]
 
-    def manifest(self) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
-        """(HF name, shape, dtype) of every tensor the stream delivers, in stream order: what a
-        destination receives, known before any byte moves (the weight sync's engines check it)."""
+    def receives(self, dst: int, index: int) -> bool:
+        """Whether destination ``dst`` receives item ``index``."""
+        mine = self.wanted.get(dst)
+        return mine is None or index in mine
+
+    def manifest(self, dst: int | None = None) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
+        """(HF name, shape, dtype) of every tensor destination ``dst`` receives (None: every tensor of
+        the stream), in stream order, known before any byte moves (the weight sync's engines check it)."""
         return [
             (name, shape, item.dtype)
-            for item in self.items
+            for index, item in enumerate(self.items)
+            if dst is None or self.receives(dst, index)
             for name, shape in zip(item.rule.hf, hf_shapes(item.rule, item.shape), strict=True)
         ]
 
@@ -332,9 +360,12 @@ def plan_export(
     dst_ranks: Sequence[int] | None = None,
     dtype: torch.dtype | None = None,
     rounds_in_flight: int = ROUNDS_IN_FLIGHT,
+    needs: Mapping[int, Needs | None] | None = None,
 ) -> ExportPlan:
     """Collective: exchange shard metadata (names, shapes, dtypes, slices, hosts; no weights) and plan
-    the stream to ``dst_ranks`` (default: ``[dst_rank]``)."""
+    the stream to ``dst_ranks`` (default: ``[dst_rank]``). ``needs``: per destination, which HF
+    tensors it receives (absent or None: all; the same mapping on every rank); each destination's
+    bytes come only for those, its manifest lists only those."""
     dsts = tuple(dst_ranks) if dst_ranks is not None else (dst_rank,)
     if bucket_bytes <= 0:
         raise ValueError(f"bucket_bytes={bucket_bytes} must be > 0")
@@ -348,7 +379,11 @@ def plan_export(
     me = (entries, _RankInfo(socket.gethostname(), ps.dp_rank * ps.cp + ps.cp_rank))
     dist.all_gather_object(everyone, me)
     items = _items(rules, [e for e, _ in everyone], dtype, hf.get("model_type"))
-    sources, _ = _choose_sources(items, dsts, [info for _, info in everyone])
+    unknown = sorted(set(needs or {}) - set(dsts))
+    if unknown:
+        raise ValueError(f"needs given for ranks {unknown} that are not destinations {list(dsts)}")
+    wanted = {d: _wanted(items, (needs or {}).get(d)) for d in dsts}
+    sources, _ = _choose_sources(items, dsts, [info for _, info in everyone], wanted)
     buckets = _schedule([item.hf_bytes for item in items], bucket_bytes)
     rounds = [rnd for bucket in buckets for rnd in bucket]
     sends, recvs = _messages(rounds, items, sources, ps.rank)
@@ -360,5 +395,5 @@ def plan_export(
                     pair_bytes[(src, d)] = pair_bytes.get((src, d), 0) + item.slice_bytes(slot)
     return ExportPlan(
         items, buckets, bucket_bytes, dsts, dtype, ps.world_size, rounds_in_flight,
-        sources.get(ps.rank), sends, recvs, pair_bytes, mine,
+        sources.get(ps.rank), sends, recvs, pair_bytes, mine, wanted,
     )  # fmt: skip

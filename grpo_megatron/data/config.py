@@ -39,7 +39,8 @@ class DataConfig:
     """Name of a procedural task generator used instead of train_path: "arithmetic" (fixed-width
     addition, answer reversed) or "countdown" (reach a target with + - * /)."""
     generator_kwargs: dict[str, Any] = field(default_factory=dict)
-    """Keyword arguments of the generator: arithmetic {digits: 3, reverse_answer: true};
+    """Keyword arguments of the generator: arithmetic {digits: 3, reverse_answer: true,
+    reverse_operands: false};
     countdown {num_numbers: 3, max_number: 20, max_target: 100}."""
     num_train_prompts: int | None = None
     """Generator: number of training problems generated (None = 50000). Files: use only the first

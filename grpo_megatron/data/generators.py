@@ -53,20 +53,27 @@ class Problem:
     """Task data the reward reads (countdown: numbers, target)."""
 
 
-def arithmetic(rng: random.Random, digits: int = 3, reverse_answer: bool = True) -> Problem:
+def arithmetic(
+    rng: random.Random, digits: int = 3, reverse_answer: bool = True, reverse_operands: bool = False
+) -> Problem:
     """`a+b=` with both operands zero-padded to `digits`; the answer is the sum zero-padded to
     digits+1 and, with `reverse_answer`, written least-significant digit first (a left-to-right model
-    then produces each digit after the carry it depends on)."""
+    then produces each digit after the carry it depends on). With `reverse_operands` the operands are
+    written least-significant digit first too ("042+317=" becomes "240+713="): answer digit i then
+    sits at a fixed distance from the operand digits it sums, whatever i, a pattern attention with
+    relative positions (RoPE) learns much sooner than one whose distance changes with i."""
     if not isinstance(digits, int) or isinstance(digits, bool) or not 1 <= digits <= 18:
         raise ValueError(f"digits={digits!r} must be an integer in [1, 18]")
-    if not isinstance(reverse_answer, bool):
-        raise ValueError(f"reverse_answer={reverse_answer!r} must be true or false")
+    for name, flag in (("reverse_answer", reverse_answer), ("reverse_operands", reverse_operands)):
+        if not isinstance(flag, bool):
+            raise ValueError(f"{name}={flag!r} must be true or false")
     a, b = rng.randrange(10**digits), rng.randrange(10**digits)
     total = f"{a + b:0{digits + 1}d}"
     answer = total[::-1] if reverse_answer else total
-    return Problem(
-        prompt=f"{a:0{digits}d}+{b:0{digits}d}=", answer=answer, solution=answer, metadata={"a": a, "b": b}
-    )
+    a_s, b_s = f"{a:0{digits}d}", f"{b:0{digits}d}"
+    if reverse_operands:
+        a_s, b_s = a_s[::-1], b_s[::-1]
+    return Problem(prompt=f"{a_s}+{b_s}=", answer=answer, solution=answer, metadata={"a": a, "b": b})
 
 
 _COUNTDOWN_OPS = ("+", "-", "*", "/")

@@ -37,6 +37,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="GPUs one SGLang engine spans (default: a node for rollout.placement=per_node, else tp*pp*cp)",
     )
     parser.add_argument(
+        "--rollout-engine-ep",
+        type=int,
+        default=None,
+        help="expert parallelism inside one SGLang engine (its ep_size; default: the GPUs per engine for MoE "
+        "models, 1 for dense ones): an engine GPU receives the dense weights + experts / this",
+    )
+    parser.add_argument(
         "--rollout-weight-bytes", type=int, choices=(1, 2), default=2, help="engine weight bytes: 2 bf16, 1 fp8"
     )
     parser.add_argument(
@@ -99,6 +106,7 @@ def run(cfg: JobConfig, args: argparse.Namespace) -> int:
     estimates = sync.plan_sync(
         hf, layout, gpus_per_node=args.gpus_per_node, gpus_per_engine=min(engine_gpus, args.world_size),
         export_bytes=args.rollout_weight_bytes, links=links,
+        engine_ep=args.rollout_engine_ep if cfg.rollout.engine == "sglang" else 1,
     )  # fmt: skip
     console.print(sync.render(estimates, links), markup=False)
     rc = 0 if plan.fits else EXIT_DOES_NOT_FIT

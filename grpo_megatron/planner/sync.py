@@ -2,14 +2,15 @@
 
 The model (docs/planner.md states it with its assumptions):
 
-- every engine needs the whole model once per sync, ``M = parameters x export bytes``; the sources
-  are the trainer ranks holding each slice, chosen on the engine's node first, the rest spread
-  evenly over every copy (``bridge/export_plan.py``), so a trainer rank sends ``engines x M / world``;
+- every engine GPU needs ``M_gpu`` per sync (below; ``M = parameters x export bytes`` is the whole
+  model); the sources are the trainer ranks holding each slice, chosen on the engine's node first,
+  the rest spread evenly over every copy (``bridge/export_plan.py``), so a trainer rank sends
+  ``engine GPUs x M_gpu / world``;
 - the share of ``M`` an engine finds on its own node travels over NVLink, the rest over the
   network (InfiniBand, one NIC per GPU); a rank's send and receive time is its bytes over its link;
 - a GPU receiving and sending at once is limited by the slower of its two directions (full duplex);
 - copies on the device run at ``copy_gbps``: at the receiver the round buffer flattened into the
-  engine's bucket and the engine loader's copy of its share; none at the sender (slices of
+  engine's bucket and the engine loader's copy of its share (``M / G``); none at the sender (slices of
   ``DIRECT_MIN_BYTES`` and more are sent from the weights themselves, smaller ones are noise);
 - a fixed latency per wait (transfer round, the sync's two small all-reduces) and a fixed overhead
   per message, ``latency_s`` and ``message_s`` of ``transfer_seconds``: measured on the CPU
@@ -17,13 +18,12 @@ The model (docs/planner.md states it with its assumptions):
   ~20 us each, against transfers of seconds);
 - phases add up (no credit for overlap between rounds: an upper bound on a quiet cluster).
 
-Two deliveries are estimated:
-
-- ``full tensors to each engine's first GPU`` (what the weight sync does today: SGLang's loader
-  slices full HF tensors itself, so the first GPU of an engine receives all of ``M`` and its
-  other GPUs read their slices from it by CUDA IPC or NCCL, ``M x (G - 1) / G`` out of it);
-- ``shard to shard`` (every engine GPU receives only the ``M / G`` its loader keeps, straight from
-  the trainer ranks): what an engine spanning many GPUs needs to stay within seconds.
+The delivery estimated is the one the sync does (``rollout/sglang_shards.py``): every engine GPU
+is a destination and receives what its SGLang rank loads, the dense tensors in full (SGLang's
+loaders narrow them by TP rank themselves) and ``1 / engine_ep`` of the experts (the block of its
+MoE EP rank), ``M_gpu = dense + experts / engine_ep`` bytes, straight from the trainer ranks. An
+engine without expert parallelism (``engine_ep = 1``, and every embedded engine) receives the whole
+model on each GPU.
 """
 
 from __future__ import annotations
@@ -115,45 +115,51 @@ def estimate_sync(
     ep: int,
     etp: int,
     links: Links,
+    engine_ep: int = 1,
 ) -> list[SyncEstimate]:
-    """Both deliveries' bytes per rank and time, for engines of ``gpus_per_engine`` GPUs on the
-    trainer's GPUs (colocated: one engine per ``gpus_per_engine`` ranks)."""
+    """Bytes per rank and time of the per-GPU delivery, for engines of ``gpus_per_engine`` GPUs on
+    the trainer's GPUs (colocated: one engine per ``gpus_per_engine`` ranks) with expert parallelism
+    ``engine_ep`` inside each engine."""
+    if engine_ep < 1 or gpus_per_engine % engine_ep:
+        raise ValueError(f"engine EP {engine_ep} must be >= 1 and divide the GPUs per engine ({gpus_per_engine})")
     m = (dense_params + expert_params) * export_bytes
+    received = (dense_params + expert_params / engine_ep) * export_bytes
     engines = max(1, world_size // gpus_per_engine)
     local = node_fraction(dense_params, expert_params, tp, pp, ep, etp, gpus_per_node)
     multi_node = world_size > gpus_per_node
-    sent = engines * m / world_size  # every rank's even share of what all engines receive
-    out: list[SyncEstimate] = []
-    for delivery, received, fan_out in (
-        ("full tensors to each engine's first GPU", m, m * (gpus_per_engine - 1) / gpus_per_engine),
-        ("shard to shard", m / gpus_per_engine, 0.0),
-    ):
-        near = received * local
-        far = received - near if multi_node else 0.0
-        near = received - far
-        receive_s = max(near / (links.intra_gbps * GB), far / (links.ib_gbps * GB))
-        send_link = links.ib_gbps if multi_node else links.intra_gbps
-        send_s = sent / (send_link * GB)
-        engine_spans_nodes = gpus_per_engine > gpus_per_node
-        fan_out_s = fan_out / ((links.ib_gbps if engine_spans_nodes else links.intra_gbps) * GB)
-        # SGLang's path: received into round buffers, flattened into its bucket, its loader copies its
-        # share. A trainer rank sends large slices from its weights (no packing): nothing copied.
-        copied = received + m / gpus_per_engine
-        copy_s = copied / (links.copy_gbps * GB)
-        seconds = max(receive_s, send_s) + fan_out_s + copy_s
-        parts = {"receive": receive_s, "send": send_s, "fan-out in the engine": fan_out_s, "copies": copy_s}
-        out.append(
-            SyncEstimate(
-                delivery, m, engines, gpus_per_engine,
-                RankBytes(sent, 0.0, 0.0), RankBytes(sent + fan_out, received, copied),
-                seconds, max(parts, key=lambda k: parts[k]),
-            )  # fmt: skip
-        )
-    return out
+    sent = engines * gpus_per_engine * received / world_size  # every rank's even share
+    near = received * local
+    far = received - near if multi_node else 0.0
+    near = received - far
+    receive_s = max(near / (links.intra_gbps * GB), far / (links.ib_gbps * GB))
+    send_s = sent / ((links.ib_gbps if multi_node else links.intra_gbps) * GB)
+    # SGLang's path: received into round buffers, flattened into its bucket, its loader copies its
+    # share. A trainer rank sends large slices from its weights (no packing): nothing copied.
+    copied = received + m / gpus_per_engine
+    copy_s = copied / (links.copy_gbps * GB)
+    seconds = max(receive_s, send_s) + copy_s
+    parts = {"receive": receive_s, "send": send_s, "copies": copy_s}
+    delivery = (
+        f"per engine GPU (dense in full + experts / engine EP {engine_ep})" if expert_params and engine_ep > 1
+        else "per engine GPU (the whole model)"
+    )  # fmt: skip
+    return [
+        SyncEstimate(
+            delivery, m, engines, gpus_per_engine, RankBytes(sent, 0.0, 0.0), RankBytes(sent, received, copied),
+            seconds, max(parts, key=lambda k: parts[k]),
+        )  # fmt: skip
+    ]
 
 
 def plan_sync(
-    hf: Mapping[str, Any], layout: Any, *, gpus_per_node: int, gpus_per_engine: int, export_bytes: int, links: Links
+    hf: Mapping[str, Any],
+    layout: Any,
+    *,
+    gpus_per_node: int,
+    gpus_per_engine: int,
+    export_bytes: int,
+    links: Links,
+    engine_ep: int | None = None,
 ) -> list[SyncEstimate]:
     """``estimate_sync`` for a model (its HF config) at a resolved ``planner.memory.Layout``."""
     from grpo_megatron.planner.model_states import ModelDims, canonical_tensors
@@ -162,10 +168,12 @@ def plan_sync(
     tensors = canonical_tensors(hf, padded_vocab=d.vocab)
     expert = float(sum(s.numel for s in tensors if s.is_expert))
     dense = float(sum(s.numel for s in tensors if not s.is_expert))
+    if engine_ep is None:  # how SGLang MoE deployments run: experts split over every engine GPU
+        engine_ep = gpus_per_engine if expert else 1
     return estimate_sync(
         dense_params=dense, expert_params=expert, export_bytes=export_bytes, world_size=layout.world_size,
         gpus_per_node=gpus_per_node, gpus_per_engine=gpus_per_engine, tp=layout.tp, pp=layout.pp,
-        ep=layout.ep, etp=layout.etp, links=links,
+        ep=layout.ep, etp=layout.etp, links=links, engine_ep=engine_ep,
     )  # fmt: skip
 
 
@@ -176,9 +184,9 @@ def render(estimates: Sequence[SyncEstimate], links: Links) -> str:
     ]
     for e in estimates:
         lines.append(
-            f"  {e.delivery}: {e.model_bytes / GB:.1f} GB to each of {e.engines} engine(s) of {e.gpus_per_engine} "
+            f"  {e.delivery}: model {e.model_bytes / GB:.1f} GB, {e.engines} engine(s) of {e.gpus_per_engine} "
             f"GPU(s) | a trainer rank sends {e.trainer_rank.sent / GB:.2f} GB | an engine GPU receives "
-            f"{e.engine_gpu.received / GB:.2f} GB, sends {e.engine_gpu.sent / GB:.2f} GB | "
+            f"{e.engine_gpu.received / GB:.2f} GB | "
             f"~{e.seconds:.2f} s (most: {e.bottleneck})"
         )
     return "\n".join(lines)

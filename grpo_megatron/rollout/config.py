@@ -51,7 +51,8 @@ class RolloutConfig:
     own GPUs, weights by NCCL broadcast from the trainer's first rank."""
     sglang_tp: int = 1
     """Tensor-parallel size of each colocated SGLang engine: one engine per this many consecutive
-    trainer ranks (on one node), started by the first of them."""
+    trainer ranks, led by the first of them. A divisor of the GPUs per node (inside one node), or a
+    multiple of it (whole nodes, launched with SGLang's nnodes / node_rank: docs/architecture.md)."""
     sglang_server_urls: list[str] = field(default_factory=list)
     """disaggregated: base URLs of the SGLang servers (http://host:port); prompts are split over them."""
     sglang_sync_master_addr: str = ""

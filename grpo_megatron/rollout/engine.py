@@ -13,9 +13,9 @@ distribution the trainer's forward computes with the same temperature.
 from __future__ import annotations
 
 import abc
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal, Protocol
 
 import torch
 
@@ -69,11 +69,42 @@ class Completion:
     that does not report routes."""
 
 
+class WeightSink(Protocol):
+    """What the fleet's weight sync feeds on a rank: every ``RolloutEngine``, and on the other GPUs of
+    an engine that spans several (a colocated SGLang engine) the object that loads that GPU's share
+    (``rollout/sglang_engine.py:SGLangSyncMember``). Methods as on ``RolloutEngine``."""
+
+    weight_version: int
+    sync_group_ranks: tuple[int, ...]
+
+    def check_manifest(self, manifest: Manifest, version: int) -> list[str]: ...
+    def update_weights(self, bucket: Bucket, *, version: int, last: bool) -> None: ...
+    def load_target(self, name: str) -> torch.Tensor | None: ...
+    def abort_update(self, version: int) -> None: ...
+    def weight_needs(self) -> Callable[[str], bool] | None: ...
+    def bind_sync_group(self, group: Any) -> None: ...
+    def shutdown(self) -> None: ...
+
+
 class RolloutEngine(abc.ABC):
     """A generator of responses that takes Hugging Face-named weights from the trainer."""
 
     weight_version: int = -1
     """Version of the weights last committed by ``update_weights``; -1 = never updated."""
+    sync_group_ranks: tuple[int, ...] = ()
+    """Trainer ranks that receive this engine's weights together, one per engine GPU in the engine's
+    TP-rank order (this rank first); empty = this rank alone. Each calls ``update_weights`` as often
+    as the others (the fleet makes their stream yield every round)."""
+
+    def weight_needs(self) -> Callable[[str], bool] | None:
+        """Which HF tensors this rank receives, by name (picklable: every rank plans with it); None =
+        every tensor. Default: None."""
+        return None
+
+    def bind_sync_group(self, group: Any) -> None:
+        """Take the process group of ``sync_group_ranks`` (made collectively by the fleet). Default:
+        unused."""
+        return None
 
     @abc.abstractmethod
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[list[Completion]]:

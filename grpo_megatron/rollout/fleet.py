@@ -10,9 +10,12 @@ collectives); some ranks also hold an engine (``engine_ranks``):
 
 ``generate`` splits the prompts into contiguous slices, one per engine in rank order (engine ``i``
 samples with seed ``params.seed + i``), and returns every completion in prompt order on every rank.
-``sync_weights`` runs the bridge's streaming export with every engine rank as a destination: each
-engine receives the slices it needs straight from the trainer ranks holding them (its own first,
-then its node's, the load spread over every copy), all engines at once, round by round. Two
+``sync_weights`` runs the bridge's streaming export with every engine GPU as a destination
+(``sync_ranks``: an embedded engine's rank, and every GPU of a colocated SGLang engine, whose
+non-leader GPUs hold a ``member`` that loads their share): each receives what its engine rank
+loads (``WeightSink.weight_needs``; an SGLang EP rank only its experts) straight from the trainer
+ranks holding it (its own first, then its node's, the load spread over every copy), all at once,
+round by round. Two
 phases: every engine first checks the plan's manifest (every HF name, shape and dtype it will
 receive: each rejection is decidable before a byte moves) and the ranks agree; only if all accept
 do the bytes move, straight into the engines' live weights (no staged version). If any engine
@@ -31,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from grpo_megatron.rollout.engine import Completion, MemoryTag, RolloutEngine, SamplingParams
+from grpo_megatron.rollout.engine import Completion, MemoryTag, RolloutEngine, SamplingParams, WeightSink
 
 if TYPE_CHECKING:
     from grpo_megatron.bridge.export_plan import ExportPlan
@@ -115,6 +118,22 @@ def make_engine(
     )
 
 
+def make_sync_member(cfg: JobConfig, ps: ParallelState) -> WeightSink | None:
+    """What loads this rank's share of the weights when an engine on another rank (a colocated
+    SGLang engine's leader) uses this rank's GPU too; None elsewhere."""
+    if cfg.rollout.engine != "sglang" or cfg.rollout.sglang_mode != "colocated" or cfg.rollout.sglang_tp == 1:
+        return None
+    from grpo_megatron.rollout import sglang_engine
+
+    return sglang_engine.SGLangSyncMember.from_config(cfg, ps)
+
+
+def sync_groups(members: Sequence[tuple[int, ...]]) -> list[tuple[int, ...]]:
+    """The distinct multi-rank weight-sync groups among every rank's ``sync_group_ranks``, in a
+    fixed order (every rank creates them in it)."""
+    return sorted({tuple(sorted(m)) for m in members if len(m) > 1})
+
+
 @dataclasses.dataclass
 class RolloutFleet:
     """All rollout engines of a job; every method is called on every rank with the same arguments."""
@@ -139,22 +158,47 @@ class RolloutFleet:
     planned_for: tuple[int, int] | None = None
     """(id of the model, bucket bytes) ``export_plan`` was made for."""
     manifest: list[tuple[str, tuple[int, ...], torch.dtype]] = dataclasses.field(default_factory=list)
-    """``export_plan``'s manifest: every (HF name, shape, dtype) an engine receives per sync."""
+    """``export_plan``'s manifest for this rank: every (HF name, shape, dtype) it receives per sync."""
+    member: WeightSink | None = None
+    """On a GPU of an engine led from another rank (a colocated SGLang engine's other GPUs): what
+    loads this GPU's share of the weights (``make_sync_member``); else None."""
+    sync_ranks: list[int] = dataclasses.field(default_factory=list)
+    """Destinations of the weight sync: every rank with a ``sink`` (every GPU of every engine), in
+    rank order; defaults to ``engine_ranks``. Generation still goes through ``engine_ranks`` only."""
+
+    def __post_init__(self) -> None:
+        if not self.sync_ranks:
+            self.sync_ranks = list(self.engine_ranks)
+
+    @property
+    def sink(self) -> WeightSink | None:
+        """What this rank's weight sync feeds: its engine, else its ``member``, else None."""
+        return self.engine if self.engine is not None else self.member
 
     @classmethod
     def build(
         cls, cfg: JobConfig, hf: Mapping[str, Any], ps: ParallelState, tokenizer: Any = None
     ) -> RolloutFleet:
         """Collective: create this rank's engine (if any) and the engines' process group."""
-        engine, error = None, None
+        engine, member, error = None, None, None
         try:
             engine = make_engine(cfg, hf, ps, tokenizer)
+            member = make_sync_member(cfg, ps) if engine is None else None
         except Exception as exc:  # reported on every rank by _agree, so no rank hangs
             error = _describe(exc)
         _agree(error, f"building the {cfg.rollout.engine} rollout engines")
-        flags: list[bool | None] = [None] * ps.world_size
-        dist.all_gather_object(flags, engine is not None)
-        engine_ranks = [rank for rank, has in enumerate(flags) if has]
+        sink: WeightSink | None = engine if engine is not None else member
+        flags: list[Any] = [None] * ps.world_size
+        dist.all_gather_object(flags, (engine is not None, sink.sync_group_ranks if sink is not None else None))
+        engine_ranks = [rank for rank, (has, _) in enumerate(flags) if has]
+        sync_ranks = [rank for rank, (_, ranks) in enumerate(flags) if ranks is not None]
+        # The GPUs of one engine hand their payloads to its leader over a group of their own; every
+        # rank creates every such group (new_group is collective), in the same order. gloo: they
+        # carry only small objects.
+        for ranks in sync_groups([r for _, r in flags if r is not None]):
+            group_of = dist.new_group(list(ranks), backend="gloo")
+            if sink is not None and ps.rank in ranks:
+                sink.bind_sync_group(group_of)
         if not engine_ranks:
             raise RuntimeError(
                 f"rollout.engine={cfg.rollout.engine} with placement {cfg.rollout.placement} put no engine "
@@ -170,6 +214,8 @@ class RolloutFleet:
             export_dtype=_DTYPES[cfg.model.dtype],
             bucket_bytes=cfg.rollout.sync_bucket_mb << 20,
             rounds_in_flight=cfg.rollout.sync_rounds_in_flight,
+            member=member,
+            sync_ranks=sync_ranks,
         )
 
     @property
@@ -231,27 +277,32 @@ class RolloutFleet:
         from grpo_megatron.bridge.export_plan import TransferStats, plan_export
 
         bucket_bytes = bucket_bytes or self.bucket_bytes
-        dsts = tuple(self.engine_ranks)
+        dsts = tuple(self.sync_ranks)
+        sink = self.sink
         start = time.perf_counter()
         if self.planned_for != (id(model), bucket_bytes) or self.export_plan is None:
+            # Each destination's needs (e.g. an SGLang EP rank: dense tensors + its experts), known
+            # to every rank: every rank plans every destination's sources.
+            needs: list[Any] = [None] * self.ps.world_size
+            dist.all_gather_object(needs, sink.weight_needs() if sink is not None else None)
             self.export_plan = plan_export(
                 model, self.ps, self.hf, bucket_bytes=bucket_bytes, dst_ranks=dsts, dtype=self.export_dtype,
-                rounds_in_flight=self.rounds_in_flight,
+                rounds_in_flight=self.rounds_in_flight, needs={d: needs[d] for d in dsts if needs[d] is not None},
             )  # fmt: skip
             self.planned_for = (id(model), bucket_bytes)
-            self.manifest = self.export_plan.manifest()
+            self.manifest = self.export_plan.manifest(self.ps.rank if sink is not None else None)
 
         # Phase one: every engine judges the manifest; the ranks agree (one small all-reduce; the
         # messages are gathered only when some engine rejected).
         problems: list[str] = []
-        if self.engine is not None:
+        if sink is not None:
             try:
-                problems = self.engine.check_manifest(self.manifest, version)
+                problems = sink.check_manifest(self.manifest, version)
             except Exception as exc:
                 problems = [_describe(exc)]
         if _any_rank(bool(problems), self.ps):
-            if self.engine is not None:
-                self.engine.abort_update(version)
+            if sink is not None:
+                sink.abort_update(version)
             verdicts: list[Any] = [None] * self.ps.world_size
             dist.all_gather_object(verdicts, problems)
             rejected = [(rank, "; ".join(v)) for rank, v in enumerate(verdicts) if v]
@@ -269,25 +320,27 @@ class RolloutFleet:
             model, self.ps, self.hf, bucket_bytes=bucket_bytes, dst_ranks=dsts, dtype=self.export_dtype,
             plan=self.export_plan, device=self.ps.device, stats=stats,  # engines sit on the trainer's devices
             borrow=True,  # the engines copy every tensor into their weights at once
-            into=self.engine.load_target if self.engine is not None else None,
+            into=sink.load_target if sink is not None else None,
+            every_round=len(self.sync_ranks) > len(self.engine_ranks),  # an engine's GPUs load in step
         )  # fmt: skip
         error: str | None = None
         received = buckets = 0
         for bucket in stream:  # every rank runs the stream to its end: it sends from inside it
-            if self.engine is None or error is not None:
+            if sink is None or error is not None:
                 continue
             received += sum(t.numel() * t.element_size() for _, t in bucket)
             buckets += 1
             try:
-                self.engine.update_weights(bucket, version=version, last=False)
+                sink.update_weights(bucket, version=version, last=False)
             except Exception as exc:
                 error = _describe(exc)
-        if self.engine is not None and error is None:
+        if sink is not None and error is None:
             try:
-                self.engine.update_weights([], version=version, last=True)
+                sink.update_weights([], version=version, last=True)
             except Exception as exc:
                 error = _describe(exc)
-        # One all-reduce (max) carries the verdict and the metrics: every engine receives the same bytes.
+        # One all-reduce (max) carries the verdict and the metrics (bytes and buckets: the busiest
+        # destination's; with per-GPU needs an engine's GPUs receive different shares).
         totals = torch.tensor(
             [error is not None, received, buckets, stats.peak_bytes, stats.in_place_bytes],
             dtype=torch.int64,
@@ -349,3 +402,6 @@ class RolloutFleet:
         if self.engine is not None:
             self.engine.shutdown()
             self.engine = None
+        if self.member is not None:
+            self.member.shutdown()  # a multi-node SGLang engine's part on this node, if it started one
+            self.member = None

@@ -5,7 +5,8 @@ interface (``rollout/sglang_weights.py:WeightTransport``):
 
 - **colocated** (``rollout/sglang_ipc.py``): one ``sglang.Engine`` per group of ``rollout.sglang_tp``
   consecutive trainer ranks, on the group's GPUs, with ``enable_memory_saver`` so that it can give
-  its memory to the trainer and take it back; weights travel by CUDA IPC.
+  its memory to the trainer and take it back; weights travel by CUDA IPC. A group of several whole
+  nodes is one SGLang multi-node engine (one ``sglang.Engine`` per node, driven from the first).
 - **disaggregated** (``rollout/sglang_nccl.py``): SGLang servers already running on other GPUs or
   nodes (``rollout.sglang_server_urls``), driven over HTTP; weights travel by an NCCL broadcast
   from the trainer's first rank. Health checks before use; a failed server goes through a restart
@@ -42,13 +43,22 @@ import torch
 from grpo_megatron.rollout.config import RolloutConfig
 from grpo_megatron.rollout.engine import Bucket, Completion, MemoryTag, RolloutEngine, SamplingParams
 from grpo_megatron.rollout.hf_routes import RouteLayout, route_dtype
-from grpo_megatron.rollout.sglang_ipc import CudaIpcTransport, colocated_group, colocated_server_args
+from grpo_megatron.rollout.sglang_ipc import (
+    ColocatedLayout,
+    CudaIpcTransport,
+    EngineGroupFeed,
+    agree_engine_address,
+    colocated_layout,
+    colocated_server_args,
+    rank_payload,
+)
 from grpo_megatron.rollout.sglang_nccl import (
     NcclBroadcastTransport,
     SGLangHttpClient,
     SGLangServerError,
     wait_healthy,
 )
+from grpo_megatron.rollout.sglang_shards import engine_ep_size, rank_needs
 from grpo_megatron.rollout.sglang_weights import WeightTransport, raise_on_failure
 
 INSTALL_HINT = (
@@ -236,6 +246,8 @@ class SGLangEngine(RolloutEngine):
         device: torch.device | str | None = None,
         servers: Sequence[Any] | None = None,
         restart_server: Callable[[str], None] | None = None,
+        nnodes: int = 1,
+        dist_init_addr: str | None = None,
     ):
         sglang, flattened_cls, serializer = import_sglang()
         self.rollout = rollout
@@ -252,6 +264,10 @@ class SGLangEngine(RolloutEngine):
         # Servers (by index) with a weight-update session open: a version's loads run inside one.
         self._sessions_open: set[int] = set()
         hf_config = _read_hf_config(model_path)
+        self._hf_config = hf_config
+        # The engine's expert parallelism decides which experts each of its GPUs loads; refused here
+        # (naming rollout.sglang_server_args) when SGLang would place experts some other way.
+        self.ep_size = engine_ep_size(rollout.sglang_server_args, rollout.sglang_tp, hf_config)
         moe = "num_experts_per_tok" in hf_config
         self._routed_experts = moe and rollout.sglang_routed_experts
         self.servers: list[Any]
@@ -260,8 +276,9 @@ class SGLangEngine(RolloutEngine):
             self.servers = list(servers)
         elif self.mode == "colocated":
             args = colocated_server_args(
-                rollout, self.model_path, base_gpu_id=base_gpu_id, dtype=dtype, seed=seed, moe=moe
-            )
+                rollout, self.model_path, base_gpu_id=base_gpu_id, dtype=dtype, seed=seed, moe=moe,
+                nnodes=nnodes, node_rank=0, dist_init_addr=dist_init_addr,
+            )  # fmt: skip
             self.servers = [sglang.Engine(**args)]
         else:
             self.servers = [
@@ -278,8 +295,10 @@ class SGLangEngine(RolloutEngine):
     @classmethod
     def from_config(cls, cfg: Any, ps: Any, **kwargs: Any) -> SGLangEngine | None:
         """The engine this rank drives, from a ``JobConfig`` and ``ParallelState``: colocated, one per
-        ``rollout.sglang_tp`` consecutive ranks on this rank's node GPUs, on the first of them
-        (others get ``None``); disaggregated, one over all servers on rank 0."""
+        ``rollout.sglang_tp`` consecutive ranks (inside a node, or whole nodes: ``colocated_layout``),
+        on the first of them (others get ``None``; on a multi-node engine the first rank of each
+        further node starts that node's part in ``SGLangSyncMember.from_config``); disaggregated, one
+        over all servers on rank 0."""
         import_sglang()
         rollout = cfg.rollout
         if rollout.sglang_mode == "disaggregated":
@@ -293,12 +312,7 @@ class SGLangEngine(RolloutEngine):
                 device=ps.device,
                 **kwargs,
             )
-        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", ps.world_size))
-        if local_world % rollout.sglang_tp or ps.world_size % rollout.sglang_tp:
-            raise ValueError(
-                f"rollout.sglang_tp={rollout.sglang_tp} must divide the GPUs per node ({local_world}) "
-                f"and the world size ({ps.world_size}): an engine spans consecutive ranks of one node"
-            )
+        layout, gpus_per_node, local_rank = _layout_of(rollout, ps)
         if torch.device(ps.device).type != "cuda":
             # SGLang imports without a GPU (--no-deps), but its Engine needs CUDA kernels (and its
             # server stack: uvloop, ...): refuse here with the fix instead of failing inside it.
@@ -306,14 +320,30 @@ class SGLangEngine(RolloutEngine):
                 f"rollout.engine=sglang (sglang_mode=colocated) needs CUDA GPUs; this rank's device is "
                 f"{ps.device}: use rollout.engine=embedded on CPU"
             )
-        leader, _ = colocated_group(ps.rank, rollout.sglang_tp)
-        if ps.rank != leader:
-            return None
-        local_rank = int(os.environ.get("LOCAL_RANK", ps.rank % local_world))
-        return cls(
+        if ps.rank != layout.leader:
+            return None  # a multi-node engine's other ranks agree on its address in SGLangSyncMember
+        address = agree_engine_address(layout, gpus_per_node, local_rank) if layout.multi_node else None
+        engine = cls(
             rollout, cfg.model.hf_path, dtype=cfg.model.dtype, seed=cfg.train.seed + ps.rank,
-            base_gpu_id=local_rank, device=ps.device, **kwargs,
+            base_gpu_id=layout.base_gpu_id, device=ps.device, nnodes=layout.nnodes, dist_init_addr=address,
+            **kwargs,
         )  # fmt: skip
+        engine.sync_group_ranks = layout.members  # every GPU of the engine receives its own share
+        return engine
+
+    # -- the weight sync's view of this engine's GPUs
+
+    def weight_needs(self) -> Any:
+        """The leader's share (SGLang TP rank 0): every dense tensor, and with ``ep_size`` > 1 the
+        experts of MoE EP rank 0 (``rollout/sglang_shards.py``); everything when it feeds alone."""
+        if len(self.sync_group_ranks) <= 1:
+            return None
+        return rank_needs(self._hf_config, self.rollout.sglang_tp, self.ep_size, 0)
+
+    def bind_sync_group(self, group: Any) -> None:
+        if isinstance(self.transport, CudaIpcTransport) and len(self.sync_group_ranks) > 1:
+            self.transport.feed = EngineGroupFeed(self.sync_group_ranks)
+            self.transport.feed.group = group
 
     # -- generation
 
@@ -377,13 +407,15 @@ class SGLangEngine(RolloutEngine):
                 self._mark_stale(
                     f"version {version} had a bad bucket after {len(self._names_this_version)} tensors"
                 )
-            raise ValueError(
+            message = (
                 f"weight sync of version {version} refused before sending this bucket ({len(errors)} "
                 "problems; the export and the engine's model disagree):\n  " + "\n  ".join(errors[:10])
             )
+            self.transport.refuse(message)
+            raise ValueError(message)
         self._version_in_progress = version
         self._begin_sessions()
-        if bucket:
+        if bucket or self.mode == "colocated":  # colocated: every call is a round of the engine's GPUs
             self.transport.send(bucket, last=last, version=version)
         elif last:
             self.flush_cache()  # an empty closing bucket: the flush it would have carried
@@ -469,6 +501,116 @@ class SGLangEngine(RolloutEngine):
         for server in self.servers:
             server.shutdown()
         self.servers = []
+
+
+class SGLangSyncMember:
+    """The weight sync on a GPU of a colocated SGLang engine other than its leader's (SGLang TP rank
+    ``tp_rank`` runs on it): it receives exactly what that rank loads (``weight_needs``), makes each
+    round's bucket one payload on this GPU and hands it to the leader, which loads every GPU's
+    payload in one ``update_weights_from_tensor`` call (``rollout/sglang_ipc.py``). It generates
+    nothing (generation goes through the leader). A ``WeightSink`` (``rollout/engine.py``).
+
+    On the first GPU of a further node of an engine that spans several nodes it also holds
+    ``node_engine``, the ``sglang.Engine`` of that node's part (``node_rank`` >= 1): SGLang's
+    schedulers of the node's GPUs, driven from the leader's Engine (requests, weight loads and
+    memory release/resume reach them through SGLang's own TP group), so it is only kept alive and
+    shut down."""
+
+    weight_version: int = -1
+
+    def __init__(
+        self,
+        rollout: RolloutConfig,
+        model_path: str,
+        members: Sequence[int],
+        tp_rank: int,
+        device: torch.device | str,
+        node_engine: Any = None,
+    ):
+        _, flattened_cls, serializer = import_sglang()
+        self.rollout = rollout
+        self.model_path = str(model_path)
+        self.sync_group_ranks = tuple(members)
+        self.tp_rank = tp_rank
+        self.device = device
+        self.node_engine = node_engine
+        self._classes = (flattened_cls, serializer)
+        self._hf_config = _read_hf_config(model_path)
+        self.ep_size = engine_ep_size(rollout.sglang_server_args, rollout.sglang_tp, self._hf_config)
+        self._expected_shapes = checkpoint_shapes(model_path)
+        self.feed = EngineGroupFeed(members)
+
+    @classmethod
+    def from_config(cls, cfg: Any, ps: Any) -> SGLangSyncMember | None:
+        """This rank's member, when a colocated engine led from another rank uses its GPU; on a
+        multi-node engine (collective: every non-leader rank calls it once while the fleet is built),
+        the first rank of each further node also starts that node's part of the engine."""
+        rollout = cfg.rollout
+        layout, gpus_per_node, local_rank = _layout_of(rollout, ps)
+        if ps.rank == layout.leader:
+            return None
+        node_engine = None
+        if layout.multi_node:
+            address = agree_engine_address(layout, gpus_per_node, local_rank)
+            if layout.starter:
+                node_engine = start_node_part(cfg, layout, address)
+        return cls(rollout, cfg.model.hf_path, layout.members, ps.rank - layout.leader, ps.device, node_engine)
+
+    def shutdown(self) -> None:
+        """Stop this node's part of the engine, if this rank started one."""
+        if self.node_engine is not None:
+            self.node_engine.shutdown()
+            self.node_engine = None
+
+    def weight_needs(self) -> Any:
+        return rank_needs(self._hf_config, self.rollout.sglang_tp, self.ep_size, self.tp_rank)
+
+    def bind_sync_group(self, group: Any) -> None:
+        self.feed.group = group
+
+    def check_manifest(self, manifest: Any, version: int) -> list[str]:
+        return []  # as the leader: SGLang judges a tensor when it loads it
+
+    def load_target(self, name: str) -> torch.Tensor | None:
+        return None  # SGLang's loader copies from the payload
+
+    def abort_update(self, version: int) -> None:
+        return None
+
+    def update_weights(self, bucket: Bucket, *, version: int, last: bool) -> None:
+        errors = bucket_errors(bucket, self._expected_shapes, f"the checkpoint at {self.model_path}")
+        if errors:
+            reason = f"weight sync of version {version}: {'; '.join(errors[:5])}"
+            self.feed.contribute((None, False, reason))
+            raise ValueError(reason)
+        self.feed.contribute((rank_payload(bucket, self._classes, self.device), bool(bucket), None))
+        if last:
+            self.weight_version = version
+
+
+def start_node_part(cfg: Any, layout: ColocatedLayout, address: str) -> Any:
+    """``sglang.Engine`` for node ``layout.node_rank`` >= 1 of a multi-node colocated engine: the same
+    arguments as the leader's (seed included) but this node's rank. SGLang's Engine on such a node
+    runs only the schedulers and by default never returns from its constructor; with
+    ``SGLANG_BLOCK_NONZERO_RANK_CHILDREN=0`` it returns once they are up (``sglang_ipc.py``)."""
+    sglang, _, _ = import_sglang()
+    rollout = cfg.rollout
+    args = colocated_server_args(
+        rollout, str(cfg.model.hf_path), base_gpu_id=layout.base_gpu_id, dtype=cfg.model.dtype,
+        seed=cfg.train.seed + layout.leader, moe="num_experts_per_tok" in _read_hf_config(cfg.model.hf_path),
+        nnodes=layout.nnodes, node_rank=layout.node_rank, dist_init_addr=address,
+    )  # fmt: skip
+    os.environ["SGLANG_BLOCK_NONZERO_RANK_CHILDREN"] = "0"  # read by SGLang in this process only
+    return sglang.Engine(**args)
+
+
+def _layout_of(rollout: RolloutConfig, ps: Any) -> tuple[ColocatedLayout, int, int]:
+    """(this rank's ``ColocatedLayout``, GPUs per node, local rank) from the launcher's environment
+    (torchrun / the launch scripts set LOCAL_WORLD_SIZE and LOCAL_RANK)."""
+    gpus_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", ps.world_size))
+    local_rank = int(os.environ.get("LOCAL_RANK", ps.rank % gpus_per_node))
+    layout = colocated_layout(ps.rank, ps.world_size, rollout.sglang_tp, gpus_per_node, local_rank)
+    return layout, gpus_per_node, local_rank
 
 
 def _read_hf_config(model_path: str | os.PathLike) -> dict[str, Any]:

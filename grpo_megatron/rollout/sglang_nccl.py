@@ -212,6 +212,9 @@ class NcclBroadcastTransport:
                 f.result()
         return group
 
+    def refuse(self, reason: str) -> None:
+        return None  # only rank 0 feeds the servers: nobody else waits on this bucket
+
     def reset(self) -> None:
         if self.group is None:
             return

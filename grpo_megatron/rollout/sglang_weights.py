@@ -30,6 +30,11 @@ class WeightTransport(Protocol):
         flush their caches and, where the endpoint takes one, record ``version``)."""
         ...
 
+    def refuse(self, reason: str) -> None:
+        """The engine refused a bucket before sending it: let whoever else takes part in this call
+        (the other GPUs of a colocated engine) fail with ``reason`` too, instead of waiting."""
+        ...
+
     def reset(self) -> None:
         """Forget any connection to the servers (one restarted): the next ``send`` opens a new one."""
         ...

@@ -51,6 +51,9 @@ def parallel_sync(cases: dict[str, list[str]], bad_hf_dir: str, bucket_bytes: in
     out: dict = {}
     default_direct_min = export_plan.DIRECT_MIN_BYTES
     for case, overrides in cases.items():
+        if case.startswith("needs"):
+            out[case] = _per_gpu_needs(overrides, bucket_bytes)
+            continue
         # "direct_min_bytes=N": slices of N bytes and more travel alone (the tiny model's slices are
         # all under the default, so this is how the send-from-shard and receive-in-place paths run).
         direct = [o for o in overrides if o.startswith("direct_min_bytes=")]
@@ -106,3 +109,52 @@ def parallel_sync(cases: dict[str, list[str]], bad_hf_dir: str, bucket_bytes: in
         out[case] = res
         destroy_distributed(keep_process_group=True)
     return out
+
+
+def _per_gpu_needs(overrides: list[str], bucket_bytes: int) -> dict:
+    """Every rank a destination, each with an SGLang EP rank's needs (``rollout/sglang_shards.py``:
+    dense tensors in full + the experts of its block, engine of 4 GPUs at ``ep=N`` given as
+    "engine_ep=N"): what each receives, compared with the reference export; its plan's manifest;
+    the bytes each rank sent; the transport's peak buffer."""
+    from grpo_megatron.bridge.export import export_hf_stream
+    from grpo_megatron.bridge.export_plan import TransferStats, plan_export
+    from grpo_megatron.distributed.bootstrap import destroy_distributed
+    from grpo_megatron.rollout.sglang_shards import rank_needs
+
+    engine_ep = int(next(o for o in overrides if o.startswith("engine_ep=")).split("=")[1])
+    overrides = [o for o in overrides if not o.startswith("engine_ep=")]
+    _, ps, hf, policy = _setup(overrides[0], overrides[1:])
+    dsts = list(range(ps.world_size))
+    needs = {d: rank_needs(hf, ps.world_size, engine_ep, d) for d in dsts}
+    plan = plan_export(policy.model, ps, hf, bucket_bytes=bucket_bytes, dst_ranks=dsts, dtype=torch.float32, needs=needs)
+    stats = TransferStats()
+    got: dict[str, torch.Tensor] = {}
+    yields = 0
+    for bucket in export_hf_stream(
+        policy.model, ps, hf, bucket_bytes=bucket_bytes, dst_ranks=dsts, dtype=torch.float32, plan=plan,
+        stats=stats, borrow=True, every_round=True,
+    ):  # fmt: skip
+        yields += 1
+        for name, t in bucket:
+            assert name not in got, name
+            got[name] = t.clone()
+    ref = _reference(policy, ps, hf)
+    mine = needs[ps.rank]
+    expected = {n for n in ref if mine(n)}
+    sent = [0] * ps.world_size
+    for (src, _), nbytes in plan.pair_bytes.items():
+        sent[src] += nbytes
+    res = {
+        "names_exact": set(got) == expected,
+        "values_exact": all(torch.equal(got[n], ref[n]) for n in expected & set(got)),
+        "manifest_exact": {n for n, _, _ in plan.manifest(ps.rank)} == expected,
+        "skipped_experts": len(set(ref) - expected),
+        "yields": yields,
+        "sent": sent,
+        "received_bytes": stats.received_bytes,
+        "peak_buffer_bytes": stats.peak_bytes,
+        "max_item_bytes": max(item.hf_bytes for item in plan.items),
+        "model_bytes": sum(item.hf_bytes for item in plan.items),
+    }
+    destroy_distributed(keep_process_group=True)
+    return res
