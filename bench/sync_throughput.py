@@ -3,14 +3,14 @@ beside its floor, in the same run, on the bench model of ``bench/export_throughp
 
 - world 1: one embedded engine; the floor is a memcpy of the same bytes (every HF tensor copied into
   a tensor allocated beforehand: the copy alone, no allocation or first-touch page faults);
-- world 4 (TP2 x EP2, ``per_dp_rank``: 2 engines): the floor is the raw point-to-point transfer of
+- world 4 (``--world4``: TP2 x EP2 by default, or PP2 x EP2; ``per_dp_rank``: 2 engines): the floor is the raw point-to-point transfer of
   the same bytes over the same (source, engine) pairs as the sync's plan (``ExportPlan.pair_bytes``),
   every pair's bytes as pre-packed messages of the bucket size, all posted at once.
 
 It also prints the planner's estimate (``planner/sync.py``) of the world-4 sync fed with the link
 and copy speeds measured here (the floor's bytes per second of its busiest rank, the memcpy rate).
 
-    .venv/bin/python bench/sync_throughput.py [--repeats 5] [--bucket-mb 512]
+    .venv/bin/python bench/sync_throughput.py [--repeats 5] [--bucket-mb 512] [--world4 tp2ep2|pp2ep2]
 """
 
 from __future__ import annotations
@@ -29,7 +29,13 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from export_throughput import BENCH_CONFIG, EXAMPLE, REPO_ROOT  # noqa: E402
 
-LAYOUTS = {1: [], 4: ["parallel.tp=2", "parallel.ep=2"]}
+WORLD4 = {
+    # every large tensor split by TP: the engine re-lays every byte (nothing lands in place)
+    "tp2ep2": ["parallel.tp=2", "parallel.ep=2"],
+    # whole tensors per stage: most bytes can be received straight into the engine's weights
+    "pp2ep2": ["parallel.pp=2", "parallel.ep=2"],
+}
+"""World-4 layouts with 2 engines (``per_dp_rank``); ``--world4`` picks one."""
 
 
 def _timed(fn: Any) -> float:
@@ -55,7 +61,8 @@ def worker(args: argparse.Namespace) -> None:
     world = world_size_from_env()
     cfg = load_config(
         EXAMPLE,
-        [f"model.hf_path={args.hf_dir}", "parallel.use_distributed_optimizer=false", *LAYOUTS[world]],
+        [f"model.hf_path={args.hf_dir}", "parallel.use_distributed_optimizer=false",
+         *(WORLD4[args.world4] if world == 4 else [])],
     )
     cfg.validate(world)
     ps = init_distributed(cfg.parallel, seed=cfg.train.seed)
@@ -65,10 +72,11 @@ def worker(args: argparse.Namespace) -> None:
     bucket_bytes = int((args.bucket_mb or cfg.rollout.sync_bucket_mb) * (1 << 20))
     fleet = RolloutFleet.build(cfg, hf, ps)
     version = [0]
+    last: dict[str, float] = {}
 
     def sync() -> None:
         version[0] += 1
-        fleet.sync_weights(model, version[0], bucket_bytes=bucket_bytes)
+        last.update(fleet.sync_weights(model, version[0], bucket_bytes=bucket_bytes))
 
     sync()  # warm-up; makes the plan
     plan = fleet.export_plan
@@ -140,7 +148,7 @@ def worker(args: argparse.Namespace) -> None:
             "median_s": {k: statistics.median(v) for k, v in times.items()}, "all_s": times,
             "bucket_mb": bucket_bytes / (1 << 20), "waits": [m[0] for m in mine], "packed": [m[1] for m in mine],
             "messages": [m[2] for m in mine], "latency_s": latency if world > 1 else 0.0,
-            "message_s": message_s if world > 1 else 0.0,
+            "message_s": message_s if world > 1 else 0.0, "in_place_bytes": last["sync/in_place_bytes"],
         }  # fmt: skip
         Path(args.out).write_text(json.dumps(out))
     fleet.shutdown()
@@ -157,7 +165,7 @@ def launch(world: int, hf_dir: Path, out: Path, args: argparse.Namespace) -> dic
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world),
         __file__, "--worker", "--hf-dir", str(hf_dir), "--out", str(out),
-        "--repeats", str(args.repeats), "--bucket-mb", str(args.bucket_mb),
+        "--repeats", str(args.repeats), "--bucket-mb", str(args.bucket_mb), "--world4", args.world4,
     ]  # fmt: skip
     proc = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=args.timeout_s)
     if proc.returncode != 0 or not out.is_file():
@@ -170,6 +178,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--bucket-mb", type=float, default=0.0, help="0: rollout.sync_bucket_mb's default")
     parser.add_argument("--timeout-s", type=float, default=600.0)
+    parser.add_argument("--world4", choices=sorted(WORLD4), default="tp2ep2", help="the world-4 layout")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--hf-dir", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
@@ -183,17 +192,19 @@ def main() -> None:
         hf_dir = Path(tmp) / "model"
         hf_dir.mkdir()
         (hf_dir / "config.json").write_text(json.dumps(BENCH_CONFIG, indent=2))
-        results = {w: launch(w, hf_dir, Path(tmp) / f"world{w}.json", args) for w in LAYOUTS}
+        results = {w: launch(w, hf_dir, Path(tmp) / f"world{w}.json", args) for w in (1, 4)}
 
     bucket_mb = results[1]["bucket_mb"]
     print(f"Qwen3-MoE bench model, fp32, buckets of {bucket_mb:g} MiB, median of {args.repeats} runs")
     for world, r in results.items():
         mb = r["payload_bytes"] / 1e6
         floor = "memcpy" if world == 1 else "raw send/recv over the plan's pairs"
-        print(f"world {world}, {r['engines']} engine(s), {mb:.1f} MB per engine; bytes sent per rank {r['sent']}")
+        layout = f" {args.world4}" if world == 4 else ""
+        print(f"world {world}{layout}, {r['engines']} engine(s), {mb:.1f} MB per engine; bytes sent per rank {r['sent']}")
         for name, seconds in r["median_s"].items():
             print(f"  {name:6s} {seconds * 1e3:8.1f} ms")
-        print(f"ratio world {world}: sync / {floor} = {r['median_s']['sync'] / r['median_s']['floor']:.2f}")
+        print(f"ratio world {world}: sync / {floor} = {r['median_s']['sync'] / r['median_s']['floor']:.2f} "
+              f"({r['in_place_bytes'] / 1e6:.1f} MB received straight into an engine's weights)")
     # The planner's model fed this machine's speeds: the memcpy rate, and the busiest rank's rate
     # through the raw transfer (its larger direction).
     w1, w4 = results[1], results[4]
@@ -202,9 +213,9 @@ def main() -> None:
     link_gbps = busiest / w4["median_s"]["floor"] / 1e9
     ranks = [
         # copied: packed at a sender (slices too small to travel alone); at an engine rank every byte
-        # of the model written into the live weights once (at TP2 x EP2 every large tensor is split,
-        # so none is received in place).
-        RankBytes(s, r, p + (w4["payload_bytes"] if r else 0), waits, n)
+        # of the model not received in place written into the live weights once (at TP2 x EP2 every
+        # large tensor is split, so none is received in place).
+        RankBytes(s, r, p + (w4["payload_bytes"] - w4["in_place_bytes"] if r else 0), waits, n)
         for s, r, p, waits, n in zip(
             w4["sent"], w4["received"], w4["packed"], w4["waits"], w4["messages"], strict=True
         )

@@ -13,7 +13,8 @@ point-to-point messages line up without further negotiation):
    order: on the destination's node, then the fewest bytes assigned so far (so every rank carries
    about its share), then in the destination's data-parallel replica, then the lowest rank;
 3. plan: the adapter's export rules, in HF order, are cut into buckets (a bucket closes once it
-   holds ``bucket_bytes``) and each bucket into ``ROUNDS_PER_BUCKET`` transfer rounds;
+   holds ``bucket_bytes``) and each bucket into ``ROUNDS_PER_BUCKET`` transfer rounds (rounds are
+   smaller for a model of fewer than ``MIN_ROUNDS`` quarter buckets, so its transfer still pipelines);
 4. per round, every rank packs, for each destination it feeds, its small slices into one flat byte
    buffer, cast to the export dtype there (a bf16 export of fp32 weights moves half the bytes), sends
    each slice of ``DIRECT_MIN_BYTES`` or more as a message of its own (from the shard itself when it
@@ -30,8 +31,9 @@ point-to-point messages line up without further negotiation):
    whole slices are even received there, and what needs no assembly is handed on as views.
 
 Memory (``TransferStats`` measures it): a rank holds the packed sends and the receive buffers of at
-most ``rounds_in_flight`` rounds, plus, on a destination, the bucket being filled; no rank holds a
-whole version unless a consumer keeps the buckets.
+most ``rounds_in_flight`` rounds (``_BufferPool``: reused from round to round, never more buffers than
+were in use at once), plus, on a destination, the bucket being filled; no rank holds a whole version
+unless a consumer keeps the buckets.
 
 Where each part lives: this module runs the stream (``export_hf_stream``: steps 4 and 5); the
 metadata exchange, the source choice and the plan of buckets, rounds and messages (steps 1 to 3:
@@ -120,10 +122,12 @@ def export_hf_stream(
     out_device = torch.device(device)
     mine = plan.local  # views of this rank's shards: they see the weights as they are now
     items = plan.items
+    pool = _BufferPool(out_device, stats)
 
-    def post(k: int) -> tuple[list, list[tuple[torch.Tensor, _Message, bool]], int]:
-        """Pack this rank's sends of round k, allocate its receives, and post them all in one batch."""
-        ops, inbox, held = [], [], 0
+    def post(k: int) -> tuple[list, list[tuple[torch.Tensor, _Message, bool]], list[torch.Tensor]]:
+        """Pack this rank's sends of round k, take buffers for its receives, and post them all in one
+        batch; returns the round's works, its receives and the pool's buffers it took."""
+        ops, inbox, taken = [], [], []
         for msg in plan.sends[k]:
             stats.sent_bytes += msg.nbytes
             if msg.direct:
@@ -132,11 +136,11 @@ def export_hf_stream(
                 if shard.dtype == items[index].dtype and shard.device == out_device and shard.is_contiguous():
                     ops.append(dist.P2POp(dist.isend, shard.reshape(-1).view(torch.uint8), msg.peer))
                     continue  # sent from the weights themselves: no copy
-            flat_u8 = torch.empty(msg.nbytes, dtype=torch.uint8, device=out_device)
+            taken.append(pool.take(msg.nbytes))
+            flat_u8 = taken[-1][: msg.nbytes]
             for index, slot, offset in msg.parts:
                 _view(flat_u8, offset, items[index], slot).copy_(mine[items[index].rule.mcore])
             ops.append(dist.P2POp(dist.isend, flat_u8, msg.peer))
-            held += msg.nbytes
         for msg in plan.recvs[k]:
             stats.received_bytes += msg.nbytes
             whole = msg.direct and items[msg.parts[0][0]].dim is None and items[msg.parts[0][0]].rule.kind != "qkv"
@@ -146,12 +150,11 @@ def export_hf_stream(
                 inbox.append((place, msg, True))
                 stats.in_place_bytes += msg.nbytes
                 continue  # received straight where the consumer wants it: no copy
-            flat_u8 = torch.empty(msg.nbytes, dtype=torch.uint8, device=out_device)
+            taken.append(pool.take(msg.nbytes))
+            flat_u8 = taken[-1][: msg.nbytes]
             ops.append(dist.P2POp(dist.irecv, flat_u8, msg.peer))
             inbox.append((flat_u8, msg, False))
-            held += msg.nbytes
-        stats.hold(held)
-        return (dist.batch_isend_irecv(ops) if ops else []), inbox, held
+        return (dist.batch_isend_irecv(ops) if ops else []), inbox, taken
 
     rounds = [rnd for bucket in plan.buckets for rnd in bucket]
     last_of_bucket = {sum(len(b) for b in plan.buckets[: i + 1]) - 1 for i in range(len(plan.buckets))}
@@ -160,7 +163,7 @@ def export_hf_stream(
     bucket_held = 0
 
     def finish(
-        k: int, works: list, inbox: list[tuple[torch.Tensor, _Message, bool]], held: int
+        k: int, works: list, inbox: list[tuple[torch.Tensor, _Message, bool]], taken: list[torch.Tensor]
     ) -> Iterator[Bucket]:
         """Wait for round k; on a destination, write its slices into the bucket (yielded when full)."""
         nonlocal bucket, bucket_held
@@ -204,22 +207,58 @@ def export_hf_stream(
             yield out
             stats.drop(bucket_held)
             bucket_held = 0
-        works.clear()  # the round's buffers are freed here, before the bucket is handed on
+        works.clear()  # the round's buffers go back to the pool here, before the bucket is handed on
         inbox.clear()
-        stats.drop(held)
+        pool.give(taken)
         if sources is not None and k in last_of_bucket and bucket:
             out, bucket = bucket, []
             stats.drop(bucket_held)
             bucket_held = 0
             yield out
 
-    in_flight: deque[tuple[int, list, list, int]] = deque()
+    in_flight: deque[tuple[int, list, list, list]] = deque()
     for k in range(len(rounds)):
         if len(in_flight) == plan.rounds_in_flight:
             yield from finish(*in_flight.popleft())
         in_flight.append((k, *post(k)))
     while in_flight:
         yield from finish(*in_flight.popleft())
+    pool.close()
+
+
+class _BufferPool:
+    """The flat byte buffers of one stream's packed sends and receives, reused from round to round.
+
+    Why: a fresh CPU buffer costs a page fault per 4 KiB page on first touch (the kernel maps and
+    zeroes it; glibc returns allocations this large to the kernel on free), about 18k faults per sync
+    at each engine rank of the CPU bench, more CPU than the copy of the bytes themselves. Reused,
+    only the first ``rounds_in_flight`` rounds allocate. ``stats`` counts every buffer the pool owns,
+    idle ones included, so the transport's peak stays measured; a pool never holds more buffers than
+    its stream used at once."""
+
+    def __init__(self, device: torch.device, stats: TransferStats) -> None:
+        self.device, self.stats = device, stats
+        self.spare: list[torch.Tensor] = []
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        """A buffer of at least ``nbytes``: the smallest spare that fits, else a new one (a spare too
+        small to serve is freed then, so the pool never owns more buffers than were in use at once)."""
+        fits = [i for i, b in enumerate(self.spare) if b.numel() >= nbytes]
+        if fits:
+            return self.spare.pop(min(fits, key=lambda i: self.spare[i].numel()))
+        if self.spare:
+            self.stats.drop(self.spare.pop().numel())
+        self.stats.hold(nbytes)
+        return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+
+    def give(self, buffers: list[torch.Tensor]) -> None:
+        """Buffers from ``take`` whose round is done."""
+        self.spare += buffers
+        buffers.clear()
+
+    def close(self) -> None:
+        self.stats.drop(sum(b.numel() for b in self.spare))
+        self.spare.clear()
 
 
 def _place_of(
