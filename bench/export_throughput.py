@@ -267,7 +267,11 @@ def worker(args: argparse.Namespace) -> None:
 
 
 # ---- driver --------------------------------------------------------------------------------------
-def launch(world: int, hf_dir: Path, out: Path, args: argparse.Namespace) -> dict[str, Any]:
+def launch(
+    world: int, hf_dir: Path, out: Path, args: argparse.Namespace, script: str = __file__, extra: tuple[str, ...] = ()
+) -> dict[str, Any]:
+    """Run ``script --worker`` on ``world`` processes (torchrun) and read the JSON it writes to ``out``;
+    ``extra``: more worker flags (bench/sync_throughput.py runs its own worker through this)."""
     env = dict(os.environ)
     env.update(
         OMP_NUM_THREADS="1",
@@ -276,8 +280,8 @@ def launch(world: int, hf_dir: Path, out: Path, args: argparse.Namespace) -> dic
     )
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world),
-        __file__, "--worker", "--hf-dir", str(hf_dir), "--out", str(out),
-        "--repeats", str(args.repeats), "--bucket-mb", str(args.bucket_mb),
+        script, "--worker", "--hf-dir", str(hf_dir), "--out", str(out),
+        "--repeats", str(args.repeats), "--bucket-mb", str(args.bucket_mb), *extra,
     ]  # fmt: skip
     proc = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=args.timeout_s)
     if proc.returncode != 0 or not out.is_file():

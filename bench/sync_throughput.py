@@ -17,9 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -27,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from export_throughput import BENCH_CONFIG, EXAMPLE, REPO_ROOT  # noqa: E402
+from export_throughput import BENCH_CONFIG, EXAMPLE, launch  # noqa: E402
 
 WORLD4 = {
     # every large tensor split by TP: the engine re-lays every byte (nothing lands in place)
@@ -155,24 +153,6 @@ def worker(args: argparse.Namespace) -> None:
     destroy_distributed()
 
 
-def launch(world: int, hf_dir: Path, out: Path, args: argparse.Namespace) -> dict[str, Any]:
-    env = dict(os.environ)
-    env.update(
-        OMP_NUM_THREADS="1",
-        TORCH_COMPILE_DISABLE="1",
-        PYTHONPATH=os.pathsep.join([str(REPO_ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep),
-    )
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world),
-        __file__, "--worker", "--hf-dir", str(hf_dir), "--out", str(out),
-        "--repeats", str(args.repeats), "--bucket-mb", str(args.bucket_mb), "--world4", args.world4,
-    ]  # fmt: skip
-    proc = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=args.timeout_s)
-    if proc.returncode != 0 or not out.is_file():
-        sys.exit(f"world {world} failed (exit code {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
-    return json.loads(out.read_text())
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=5)
@@ -192,7 +172,10 @@ def main() -> None:
         hf_dir = Path(tmp) / "model"
         hf_dir.mkdir()
         (hf_dir / "config.json").write_text(json.dumps(BENCH_CONFIG, indent=2))
-        results = {w: launch(w, hf_dir, Path(tmp) / f"world{w}.json", args) for w in (1, 4)}
+        results = {
+            w: launch(w, hf_dir, Path(tmp) / f"world{w}.json", args, __file__, ("--world4", args.world4))
+            for w in (1, 4)
+        }
 
     bucket_mb = results[1]["bucket_mb"]
     print(f"Qwen3-MoE bench model, fp32, buckets of {bucket_mb:g} MiB, median of {args.repeats} runs")
