@@ -40,18 +40,11 @@ from typing import Any
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEMO = REPO_ROOT / "examples" / "demo.yaml"
-POLICY_20M = {
-    "hidden_size": 256,
-    "num_hidden_layers": 4,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 4,
-    "head_dim": 64,
-    "intermediate_size": 768,
-    "moe_intermediate_size": 768,
-    "num_experts": 8,
-    "num_experts_per_tok": 2,
-    "max_position_embeddings": 4096,
-}
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from grpo_iteration import SIZES  # noqa: E402
+
+# grpo_iteration.py's 20M policy, with positions for the long sequences here
+POLICY_20M = {**SIZES["20m"], "max_position_embeddings": 4096}
 
 
 class SavedActivations:
