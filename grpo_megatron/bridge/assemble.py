@@ -12,6 +12,12 @@ from grpo_megatron.bridge.transforms import hf_shapes, to_hf
 from grpo_megatron.models.weight_rules import WeightRule
 
 
+def views_of_one_slice(rule: WeightRule, dim: int | None) -> bool:
+    """Whether a canonical tensor's HF tensors are views of its one slice: unsplit (``dim`` None),
+    and not QKV, whose per-group split into q, k and v is not a view of its rows."""
+    return dim is None and rule.kind != "qkv"
+
+
 def _segments(shards: Sequence[torch.Tensor], dim: int | None, glu: bool) -> list[tuple[int, torch.Tensor]]:
     """(offset along the split dimension of the canonical tensor, piece) for every piece of the slices."""
     if dim is None:
@@ -93,11 +99,11 @@ def assemble_hf(
         wanted = hf_shapes(rule, shape)
         if len(outs) != len(wanted) or any(tuple(o.shape) != w for o, w in zip(outs, wanted, strict=False)):
             raise ValueError(f"{rule.hf}: places of shapes {[tuple(o.shape) for o in outs]}, expected {wanted}")
-        if dim is None and rule.kind != "qkv":
+        if views_of_one_slice(rule, dim):
             for out, (_, view) in zip(outs, to_hf(rule, shards[0]), strict=True):
                 out.copy_(view)
             return list(zip(rule.hf, outs, strict=True))
-    elif dim is None and rule.kind != "qkv":
+    elif views_of_one_slice(rule, dim):
         # Fast path (most tensors at world 1, experts at ETP 1): the HF tensors are views of the
         # shard (whole, GLU halves along dim 0, the real vocabulary rows): one copying op each.
         return [

@@ -52,7 +52,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from grpo_megatron.bridge.assemble import assemble_hf
+from grpo_megatron.bridge.assemble import assemble_hf, views_of_one_slice
 from grpo_megatron.bridge.bucket_io import Bucket
 from grpo_megatron.bridge.export_plan import ExportPlan, TransferStats, _Item, _Message, plan_export
 from grpo_megatron.bridge.transforms import to_hf
@@ -143,8 +143,9 @@ def export_hf_stream(
             ops.append(dist.P2POp(dist.isend, flat_u8, msg.peer))
         for msg in plan.recvs[k]:
             stats.received_bytes += msg.nbytes
-            whole = msg.direct and items[msg.parts[0][0]].dim is None and items[msg.parts[0][0]].rule.kind != "qkv"
-            place = _place_of(items[msg.parts[0][0]], into, out_device) if whole and into else None
+            first = items[msg.parts[0][0]]
+            whole = msg.direct and views_of_one_slice(first.rule, first.dim)
+            place = _place_of(first, into, out_device) if whole and into else None
             if place is not None:
                 ops.append(dist.P2POp(dist.irecv, place, msg.peer))
                 inbox.append((place, msg, True))
@@ -301,7 +302,7 @@ def _places(
 def _borrowable(item: _Item, shard: torch.Tensor, device: torch.device) -> bool:
     """Whether ``item``'s HF tensors can be handed on as views of its one slice ``shard``: no cast,
     no move, and no regrouping that needs a copy (QKV's per-group split is not a view of its rows)."""
-    return item.dim is None and item.rule.kind != "qkv" and shard.dtype == item.dtype and shard.device == device
+    return views_of_one_slice(item.rule, item.dim) and shard.dtype == item.dtype and shard.device == device
 
 
 
