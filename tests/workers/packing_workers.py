@@ -45,6 +45,24 @@ def loss_fn_for(global_tokens: float):
     return loss_fn
 
 
+def row_logprobs(policy, samples, ps, *, packed: bool) -> tuple[list, list, dict]:
+    """This rank's micro-batches of ``samples`` (3 rows each, packed or right-padded), and every row's
+    logprobs and entropy over its own length: ``(rows, micro-batches, {row: (logprobs, entropy)})``."""
+    rows = rank_microbatches(
+        [s.length for s in samples], range(len(samples)), dp_size=ps.dp, dp_rank=ps.dp_rank, micro_batch_size=3,
+        max_tokens=None, packing=packed,
+    )
+    mbs = [collate(samples, r, 0, packed=packed) for r in rows]
+    outs = forward_logprobs(policy.model, mbs, ps, vocab_size=policy.spec.vocab_size, with_entropy=True)
+    per_row = {}
+    for r, o in zip(rows, outs, strict=True):
+        for b, i in enumerate(r):
+            n = samples[i].length
+            per_row[i] = (o.logprobs_bs[b, :n].clone(), o.entropy_bs[b, :n].clone())
+    return rows, mbs, per_row
+
+
+
 def run_layout(overrides: list[str]) -> dict:
     cfg = load_config(EXAMPLE, [*CPU_JOB, "parallel.use_distributed_optimizer=false", *overrides])
     cfg.validate(world_size_from_env())
@@ -52,21 +70,10 @@ def run_layout(overrides: list[str]) -> dict:
     policy = build_policy(cfg.model.load_hf_config(), cfg, ps)
     vocab = policy.spec.vocab_size
     samples = samples_for(vocab)
-    lengths = [s.length for s in samples]
     global_tokens = float(sum(s.mask_s.sum() for s in samples))
     results = {}
     for packed in (False, True):
-        rows = rank_microbatches(
-            lengths, range(len(samples)), dp_size=ps.dp, dp_rank=ps.dp_rank, micro_batch_size=3, max_tokens=None,
-            packing=packed,
-        )
-        mbs = [collate(samples, r, 0, packed=packed) for r in rows]
-        outs = forward_logprobs(policy.model, mbs, ps, vocab_size=vocab, with_entropy=True)
-        per_row = {}
-        for r, o in zip(rows, outs, strict=True):
-            for b, i in enumerate(r):
-                n = samples[i].length
-                per_row[i] = (o.logprobs_bs[b, :n].clone(), o.entropy_bs[b, :n].clone())
+        rows, mbs, per_row = row_logprobs(policy, samples, ps, packed=packed)
         policy.zero_grad()
         metrics = forward_backward(policy.model, mbs, ps, loss_fn_for(global_tokens), vocab_size=vocab, with_entropy=True)
         results[packed] = (per_row, full_state(policy.model, ps, grads=True), sum(m["loss"] for m in metrics))
@@ -98,19 +105,8 @@ def cp_run(overrides: list[str], reference: dict | None) -> dict:
         load_full_state(policy.model, ps, reference["params"])
     vocab = policy.spec.vocab_size
     samples = samples_for(vocab)
-    lengths = [s.length for s in samples]
     global_tokens = float(sum(s.mask_s.sum() for s in samples))
-    rows = rank_microbatches(
-        lengths, range(len(samples)), dp_size=ps.dp, dp_rank=ps.dp_rank, micro_batch_size=3, max_tokens=None,
-        packing=True,
-    )
-    mbs = [collate(samples, r, 0, packed=True) for r in rows]
-    outs = forward_logprobs(policy.model, mbs, ps, vocab_size=vocab, with_entropy=True)
-    per_row = {}
-    for r, o in zip(rows, outs, strict=True):
-        for b, i in enumerate(r):
-            n = samples[i].length
-            per_row[i] = (o.logprobs_bs[b, :n].clone(), o.entropy_bs[b, :n].clone())
+    rows, mbs, per_row = row_logprobs(policy, samples, ps, packed=True)
     # Right-padded micro-batches (the mismatch probe's kind) run too, as rows of their padded length.
     padded_outs = forward_logprobs(policy.model, [collate(samples, r, 0) for r in rows], ps, vocab_size=vocab)
     padded_rows = {i: o.logprobs_bs[b, : samples[i].length] for r, o in zip(rows, padded_outs, strict=True)
