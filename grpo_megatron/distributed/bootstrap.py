@@ -154,7 +154,7 @@ def init_distributed(parallel: ParallelConfig, *, seed: int = 1234) -> ParallelS
         os.environ.setdefault("RANK", "0")
         os.environ.setdefault("WORLD_SIZE", "1")
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        os.environ.setdefault("MASTER_PORT", str(free_port()))
     parallel = parallel.resolve(world_size)
 
     backend = job_backend(parallel.backend)
@@ -276,7 +276,9 @@ def destroy_distributed(*, keep_process_group: bool = False) -> None:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on ``host`` now (the OS's pick): loopback for a one-node rendezvous, "" (every
+    interface) for an address other nodes connect to."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
         return int(sock.getsockname()[1])

@@ -52,6 +52,7 @@ from typing import Any
 
 import torch
 
+from grpo_megatron.distributed.bootstrap import free_port
 from grpo_megatron.rollout.config import RolloutConfig
 from grpo_megatron.rollout.engine import Bucket
 from grpo_megatron.rollout.sglang_weights import flattened_bucket, raise_on_failure
@@ -149,13 +150,6 @@ def engine_address(
     return f"{hosts[0][0]}:{port}"
 
 
-def free_port() -> int:
-    """A TCP port free on this host now (the OS's pick), for the engine's ``dist_init_addr``."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("", 0))
-        return int(s.getsockname()[1])
-
-
 def agree_engine_address(layout: ColocatedLayout, gpus_per_node: int, local_rank: int) -> str:
     """Collective over the world: the ``dist_init_addr`` of this rank's multi-node engine, from every
     rank's host name and local rank and the port its leader picked (``engine_address``). Every rank
@@ -164,7 +158,7 @@ def agree_engine_address(layout: ColocatedLayout, gpus_per_node: int, local_rank
     import torch.distributed as dist
 
     rank = dist.get_rank()
-    mine = (socket.gethostname(), local_rank, free_port() if rank == layout.leader else None)
+    mine = (socket.gethostname(), local_rank, free_port("") if rank == layout.leader else None)
     everyone: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
     return engine_address(layout, [(h, lr) for h, lr, _ in everyone], everyone[layout.leader][2], gpus_per_node)
