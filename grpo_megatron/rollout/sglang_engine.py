@@ -50,7 +50,7 @@ from grpo_megatron.rollout.sglang_ipc import (
     agree_engine_address,
     colocated_layout,
     colocated_server_args,
-    rank_payload,
+    contribution,
 )
 from grpo_megatron.rollout.sglang_nccl import (
     NcclBroadcastTransport,
@@ -583,7 +583,7 @@ class SGLangSyncMember:
             reason = f"weight sync of version {version}: {'; '.join(errors[:5])}"
             self.feed.contribute((None, False, reason))
             raise ValueError(reason)
-        self.feed.contribute((rank_payload(bucket, self._classes, self.device), bool(bucket), None))
+        self.feed.contribute(contribution(bucket, self._classes, self.device))
         if last:
             self.weight_version = version
 

@@ -239,6 +239,15 @@ error is set. A payload without tensors is made anyway: when any GPU of the engi
 the round, SGLang takes one payload per TP rank, each opened on that rank's own GPU."""
 
 
+def contribution(bucket: Bucket, sglang_classes: tuple[type, Any], device: torch.device | str) -> Contribution:
+    """One GPU's part of a round: its payload, or the error making it raised (handed to the leader
+    like a payload, so the group's round still completes and fails on every GPU together)."""
+    try:
+        return rank_payload(bucket, sglang_classes, device), bool(bucket), None
+    except Exception as exc:
+        return None, False, f"{type(exc).__name__}: {exc}"
+
+
 class EngineGroupFeed:
     """The GPUs of one colocated engine loading one round together: each hands its payload (or its
     error) to the leader, the leader loads them all in one call and tells everyone the verdict, so
@@ -299,11 +308,7 @@ class CudaIpcTransport:
             result = engine.update_weights_from_tensor(payloads, load_format="flattened_bucket", flush_cache=last)
             raise_on_failure(result, "update_weights_from_tensor")
             return
-        try:
-            mine: Contribution = (rank_payload(bucket, self.sglang_classes, self.device), bool(bucket), None)
-        except Exception as exc:
-            mine = (None, False, f"{type(exc).__name__}: {exc}")
-        everyone = self.feed.gather(mine) or []
+        everyone = self.feed.gather(contribution(bucket, self.sglang_classes, self.device)) or []
         error = "; ".join(f"engine GPU {i}: {e}" for i, (_, _, e) in enumerate(everyone) if e is not None) or None
         if error is None:
             try:
