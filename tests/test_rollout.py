@@ -297,7 +297,7 @@ def test_fleet_sync_generate_probe_train_on_two_ranks(tmp_path):
     within 1e-4; after a training step and another sync they change and still match; engines built
     from another config reject the sync on every rank and keep their weights; sglang without SGLang
     fails with the install hint (with SGLang but no GPU: with the CUDA requirement)."""
-    from grpo_megatron.rollout.sglang_engine import SGLangUnavailableError, import_sglang
+    from grpo_megatron.rollout.sglang.engine import SGLangUnavailableError, import_sglang
 
     try:
         import_sglang()

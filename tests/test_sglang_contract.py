@@ -34,21 +34,21 @@ import torch
 
 from grpo_megatron.rollout.config import RolloutConfig
 from grpo_megatron.rollout.engine import SamplingParams
-from grpo_megatron.rollout.sglang_engine import (
+from grpo_megatron.rollout.sglang.engine import (
     SGLangEngine,
     SGLangUnavailableError,
     import_sglang,
 )
-from grpo_megatron.rollout.sglang_ipc import (
+from grpo_megatron.rollout.sglang.ipc import (
     flattened_bucket_payloads,
 )
-from grpo_megatron.rollout.sglang_nccl import (
+from grpo_megatron.rollout.sglang.nccl import (
     WEIGHT_GROUP_NAME,
     SGLangHttpClient,
     distributed_update_body,
     init_trainer_weight_group,
 )
-from grpo_megatron.rollout.sglang_weights import (
+from grpo_megatron.rollout.sglang.weights import (
     aligned_order,
     flattened_bucket,
 )
@@ -417,7 +417,7 @@ def test_distributed_update_metadata_lays_out_the_senders_bytes_in_sglangs_recei
 def test_per_gpu_payloads_and_an_empty_one_survive_sglangs_tensor_path(exported) -> None:
     """The colocated engine's GPUs each send their own payload (``rank_payload``); a GPU with nothing
     in a round sends a payload without tensors, which SGLang's updater turns into no tensors."""
-    from grpo_megatron.rollout.sglang_ipc import rank_payload
+    from grpo_megatron.rollout.sglang.ipc import rank_payload
 
     _, buckets = exported
     bucket = buckets["bfloat16"][0]

@@ -18,7 +18,7 @@ The model (docs/planner.md states it with its assumptions):
   ~20 us each, against transfers of seconds);
 - phases add up (no credit for overlap between rounds: an upper bound on a quiet cluster).
 
-The delivery estimated is the one the sync does (``rollout/sglang_shards.py``): every engine GPU
+The delivery estimated is the one the sync does (``rollout/sglang/shards.py``): every engine GPU
 is a destination and receives what its SGLang rank loads, the dense tensors in full (SGLang's
 loaders narrow them by TP rank themselves) and ``1 / engine_ep`` of the experts (the block of its
 MoE EP rank), ``M_gpu = dense + experts / engine_ep`` bytes, straight from the trainer ranks. An

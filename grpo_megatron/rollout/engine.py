@@ -1,7 +1,7 @@
 """The rollout engine interface (modelled on SGLang's ``Engine``), shared by every engine module.
 
 One module per engine implements ``RolloutEngine``: ``rollout/embedded.py`` (a transformers model,
-the default on CPU) and ``rollout/sglang_engine.py`` (GPU). The trainer never talks to an engine
+the default on CPU) and ``rollout/sglang/engine.py`` (GPU). The trainer never talks to an engine
 directly; it goes through the fleet (``rollout/fleet.py``), which places engines on ranks, scatters
 prompts, gathers results in order and streams weights into them.
 
@@ -72,7 +72,7 @@ class Completion:
 class WeightSink(Protocol):
     """What the fleet's weight sync feeds on a rank: every ``RolloutEngine``, and on the other GPUs of
     an engine that spans several (a colocated SGLang engine) the object that loads that GPU's share
-    (``rollout/sglang_engine.py:SGLangSyncMember``). Methods as on ``RolloutEngine``."""
+    (``rollout/sglang/engine.py:SGLangSyncMember``). Methods as on ``RolloutEngine``."""
 
     weight_version: int
     sync_group_ranks: tuple[int, ...]

@@ -6,7 +6,7 @@ collectives); some ranks also hold an engine (``engine_ranks``):
 - ``embedded`` engines by ``rollout.placement``: ``per_dp_rank`` = one on each rank with TP, PP and
   CP rank 0 (one per data-parallel replica; with EP, ``ps.dp`` already counts the EP ranks),
   ``per_node`` = one on each node's local rank 0, or ``per_rank`` = one on every rank;
-- ``sglang`` engines where ``SGLangEngine.from_config`` starts them (``rollout/sglang_engine.py``).
+- ``sglang`` engines where ``SGLangEngine.from_config`` starts them (``rollout/sglang/engine.py``).
 
 ``generate`` splits the prompts into contiguous slices, one per engine in rank order (engine ``i``
 samples with seed ``params.seed + i``), and returns every completion in prompt order on every rank.
@@ -94,10 +94,10 @@ def make_engine(
     rollout = cfg.rollout
     if rollout.engine == "sglang":
         try:
-            from grpo_megatron.rollout import sglang_engine
+            from grpo_megatron.rollout.sglang import engine as sglang_engine
         except ImportError as exc:
             raise RuntimeError(
-                f"rollout.engine=sglang: the SGLang adapter grpo_megatron.rollout.sglang_engine cannot be "
+                f"rollout.engine=sglang: the SGLang adapter grpo_megatron.rollout.sglang.engine cannot be "
                 f"imported ({exc}); use rollout.engine=embedded, or install SGLang on a CUDA machine "
                 "(pip install 'grpo-megatron[gpu]')"
             ) from exc
@@ -123,7 +123,7 @@ def make_sync_member(cfg: JobConfig, ps: ParallelState) -> WeightSink | None:
     SGLang engine's leader) uses this rank's GPU too; None elsewhere."""
     if cfg.rollout.engine != "sglang" or cfg.rollout.sglang_mode != "colocated" or cfg.rollout.sglang_tp == 1:
         return None
-    from grpo_megatron.rollout import sglang_engine
+    from grpo_megatron.rollout.sglang import engine as sglang_engine
 
     return sglang_engine.SGLangSyncMember.from_config(cfg, ps)
 

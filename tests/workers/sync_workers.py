@@ -112,14 +112,14 @@ def parallel_sync(cases: dict[str, list[str]], bad_hf_dir: str, bucket_bytes: in
 
 
 def _per_gpu_needs(overrides: list[str], bucket_bytes: int) -> dict:
-    """Every rank a destination, each with an SGLang EP rank's needs (``rollout/sglang_shards.py``:
+    """Every rank a destination, each with an SGLang EP rank's needs (``rollout/sglang/shards.py``:
     dense tensors in full + the experts of its block, engine of 4 GPUs at ``ep=N`` given as
     "engine_ep=N"): what each receives, compared with the reference export; its plan's manifest;
     the bytes each rank sent; the transport's peak buffer."""
     from grpo_megatron.bridge.export import export_hf_stream
     from grpo_megatron.bridge.export_plan import TransferStats, plan_export
     from grpo_megatron.distributed.bootstrap import destroy_distributed
-    from grpo_megatron.rollout.sglang_shards import rank_needs
+    from grpo_megatron.rollout.sglang.shards import rank_needs
 
     engine_ep = int(next(o for o in overrides if o.startswith("engine_ep=")).split("=")[1])
     overrides = [o for o in overrides if not o.startswith("engine_ep=")]

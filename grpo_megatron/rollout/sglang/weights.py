@@ -5,8 +5,8 @@ A ``WeightTransport`` moves one bucket of the export stream (Hugging Face names,
 the engine's servers; ``SGLangEngine`` checks the bucket, opens and closes the weight-update
 sessions and tracks versions, whatever the transport. One module per transport:
 
-- ``rollout/sglang_ipc.py``: colocated engines, CUDA IPC handles through ``update_weights_from_tensor``;
-- ``rollout/sglang_nccl.py``: disaggregated servers, an NCCL broadcast through
+- ``rollout/sglang/ipc.py``: colocated engines, CUDA IPC handles through ``update_weights_from_tensor``;
+- ``rollout/sglang/nccl.py``: disaggregated servers, an NCCL broadcast through
   ``update_weights_from_distributed``.
 
 Both send a bucket as SGLang's ``FlattenedTensorBucket`` (one flat byte tensor plus metadata); the

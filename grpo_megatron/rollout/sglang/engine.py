@@ -1,13 +1,13 @@
 """SGLang rollout engine (GPU): a thin adapter from ``RolloutEngine`` to SGLang 0.5.x's API.
 
 Two modes (``rollout.sglang_mode``), each with its weight transport in its own module behind one
-interface (``rollout/sglang_weights.py:WeightTransport``):
+interface (``rollout/sglang/weights.py:WeightTransport``):
 
-- **colocated** (``rollout/sglang_ipc.py``): one ``sglang.Engine`` per group of ``rollout.sglang_tp``
+- **colocated** (``rollout/sglang/ipc.py``): one ``sglang.Engine`` per group of ``rollout.sglang_tp``
   consecutive trainer ranks, on the group's GPUs, with ``enable_memory_saver`` so that it can give
   its memory to the trainer and take it back; weights travel by CUDA IPC. A group of several whole
   nodes is one SGLang multi-node engine (one ``sglang.Engine`` per node, driven from the first).
-- **disaggregated** (``rollout/sglang_nccl.py``): SGLang servers already running on other GPUs or
+- **disaggregated** (``rollout/sglang/nccl.py``): SGLang servers already running on other GPUs or
   nodes (``rollout.sglang_server_urls``), driven over HTTP; weights travel by an NCCL broadcast
   from the trainer's first rank. Health checks before use; a failed server goes through a restart
   hook and must be re-synced before it generates again.
@@ -41,9 +41,17 @@ from typing import Any, Literal
 import torch
 
 from grpo_megatron.rollout.config import RolloutConfig
-from grpo_megatron.rollout.engine import Bucket, Completion, MemoryTag, RolloutEngine, SamplingParams
+from grpo_megatron.rollout.engine import (
+    ALL_MEMORY_TAGS,
+    Bucket,
+    Completion,
+    MemoryTag,
+    RolloutEngine,
+    SamplingParams,
+)
 from grpo_megatron.rollout.hf_routes import RouteLayout, route_dtype
-from grpo_megatron.rollout.sglang_ipc import (
+from grpo_megatron.rollout.sglang import compat
+from grpo_megatron.rollout.sglang.ipc import (
     ColocatedLayout,
     CudaIpcTransport,
     EngineGroupFeed,
@@ -51,19 +59,21 @@ from grpo_megatron.rollout.sglang_ipc import (
     colocated_layout,
     colocated_server_args,
     contribution,
+    cpu_threads_bind,
 )
-from grpo_megatron.rollout.sglang_nccl import (
+from grpo_megatron.rollout.sglang.nccl import (
     NcclBroadcastTransport,
     SGLangHttpClient,
     SGLangServerError,
     wait_healthy,
 )
-from grpo_megatron.rollout.sglang_shards import engine_ep_size, rank_needs
-from grpo_megatron.rollout.sglang_weights import WeightTransport, raise_on_failure
+from grpo_megatron.rollout.sglang.shards import engine_ep_size, rank_needs
+from grpo_megatron.rollout.sglang.weights import WeightTransport, raise_on_failure
 
 INSTALL_HINT = (
-    "rollout.engine=sglang needs SGLang: pip install 'grpo-megatron[gpu]' (or pip install sglang) "
-    "on a CUDA machine"
+    "rollout.engine=sglang needs SGLang: on a CUDA machine pip install 'grpo-megatron[gpu]'; on CPU "
+    "`make setup` installs SGLang's engine from the lock and its CPU kernels from WHEELHOUSE "
+    "(README: SGLang on CPU)"
 )
 _SEED_MODULUS = 2**63 - 1  # SGLang's sampling_seed is a signed int64
 
@@ -75,6 +85,7 @@ class SGLangUnavailableError(ImportError):
 def import_sglang() -> tuple[ModuleType, type, type]:
     """``(sglang, FlattenedTensorBucket, MultiprocessingSerializer)``, imported now, or
     ``SGLangUnavailableError`` naming the install command."""
+    compat.install()  # before SGLang's first import: it imports torchvision and registers configs
     try:
         import sglang
         from sglang.srt.utils.common import MultiprocessingSerializer
@@ -174,12 +185,20 @@ def completion_from_output(
 
 
 def teacher_forced_logprobs(
-    output: Mapping[str, Any], sequence: Sequence[int], prompt_len: int
+    output: Mapping[str, Any], sequence: Sequence[int], prompt_len: int, vocab_size: int | None = None
 ) -> list[float]:
     """Logprobs of ``sequence[prompt_len:]`` from a scoring request's ``input_token_logprobs``
-    (``logprob_start_len=0``: entry ``i`` is token ``i`` given the tokens before it)."""
+    (``logprob_start_len=0``: entry ``i`` is token ``i`` given the tokens before it).
+
+    SGLang (0.5.23, ``logprob_result_processor.py``) reports an input token id of ``vocab_size - 1``
+    or more as 0 (a clip meant for image placeholders, one too wide); its logprob is still that
+    token's, so such an entry matches its token when ``vocab_size`` is given."""
     entries = output["meta_info"].get("input_token_logprobs") or []
-    if [int(e[1]) for e in entries] != [int(t) for t in sequence]:
+
+    def same(reported: int, token: int) -> bool:
+        return reported == token or (vocab_size is not None and reported == 0 and token >= vocab_size - 1)
+
+    if len(entries) != len(sequence) or not all(same(int(e[1]), int(t)) for e, t in zip(entries, sequence, strict=True)):
         raise RuntimeError(
             f"SGLang returned {len(entries)} input logprobs for a {len(sequence)}-token sequence "
             "(or other token ids): it must be scored from position 0 (logprob_start_len=0)"
@@ -217,6 +236,43 @@ def bucket_errors(bucket: Bucket, shapes: Mapping[str, tuple[int, ...]], source:
     return errors
 
 
+OUTPUT_HEAD, INPUT_EMBEDDING = "lm_head.weight", "model.embed_tokens.weight"
+
+
+def tied_output_head(hf_config: Mapping[str, Any]) -> bool:
+    """Whether the model ties its output head to its input embedding (``tie_word_embeddings``)."""
+    return bool(hf_config.get("tie_word_embeddings", False))
+
+
+def with_output_head(bucket: Bucket, tied: bool) -> list[tuple[str, torch.Tensor]]:
+    """``bucket``, plus the input embedding once more as ``lm_head.weight`` for a tied model.
+
+    SGLang's Qwen3-MoE (and other models of its) ignore ``tie_word_embeddings`` and always keep an
+    ``lm_head`` of their own, which a tied checkpoint never fills: they would serve all-zero logits.
+    The models of SGLang's that do tie (Qwen2, Qwen3) have no ``lm_head.weight`` parameter and skip
+    the name, so sending it is right for both kinds."""
+    out = list(bucket)
+    if tied:
+        out += [(OUTPUT_HEAD, t) for name, t in bucket if name == INPUT_EMBEDDING]
+    return out
+
+
+def cpu_engine_environment(device: torch.device) -> dict[str, str]:
+    """What a CPU engine's processes need in their environment: its schedulers' cores, one group
+    per trainer rank of this node (``cpu_threads_bind``; a binding the user set is kept)."""
+    if device.type != "cpu" or os.environ.get("SGLANG_CPU_OMP_THREADS_BIND"):
+        return {}
+    return {"SGLANG_CPU_OMP_THREADS_BIND": cpu_threads_bind(int(os.environ.get("LOCAL_WORLD_SIZE", "1")))}
+
+
+def update_sessions(server: Any) -> bool:
+    """Whether ``server`` loads weights inside ``begin_weight_update`` / ``end_weight_update``
+    sessions: SGLang's Engine from 0.5.21 on (0.5.23 refuses a load outside one; 0.5.17 has
+    neither method). An HTTP client says for its server (``SGLangHttpClient.update_sessions``)."""
+    ask = getattr(server, "update_sessions", None)
+    return bool(ask()) if callable(ask) else callable(getattr(server, "begin_weight_update", None))
+
+
 # ----------------------------------------------------------------------------------------------------
 # The engine
 
@@ -248,12 +304,15 @@ class SGLangEngine(RolloutEngine):
         restart_server: Callable[[str], None] | None = None,
         nnodes: int = 1,
         dist_init_addr: str | None = None,
+        hf_overrides: Mapping[str, Any] | None = None,
     ):
+        device = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
+        if device.type == "cpu":
+            os.environ["SGLANG_USE_CPU_ENGINE"] = "1"  # read when SGLang is imported, here and in its children
         sglang, flattened_cls, serializer = import_sglang()
         self.rollout = rollout
         self.model_path = str(model_path)
         self.mode = rollout.sglang_mode
-        device = device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu")
         self._rng = random.Random(seed)
         self._restart_server = restart_server
         self._expected_shapes = checkpoint_shapes(model_path)
@@ -263,27 +322,36 @@ class SGLangEngine(RolloutEngine):
         self._version_in_progress = -1
         # Servers (by index) with a weight-update session open: a version's loads run inside one.
         self._sessions_open: set[int] = set()
-        hf_config = _read_hf_config(model_path)
+        self.released: set[str] = set()
+        """Memory tags the engine has released and not resumed: only those may be resumed (SGLang's
+        scheduler raises KeyError on, and then kills the process tree for, a resume of a tag it
+        holds)."""
+        hf_config = {**_read_hf_config(model_path), **(hf_overrides or {})}
         self._hf_config = hf_config
+        self.tied_head = tied_output_head(hf_config)
         # The engine's expert parallelism decides which experts each of its GPUs loads; refused here
         # (naming rollout.sglang_server_args) when SGLang would place experts some other way.
         self.ep_size = engine_ep_size(rollout.sglang_server_args, rollout.sglang_tp, hf_config)
         moe = "num_experts_per_tok" in hf_config
-        self._routed_experts = moe and rollout.sglang_routed_experts
         self.servers: list[Any]
-        self._route_layout = RouteLayout.from_hf(hf_config) if self._routed_experts else None
         if servers is not None:
             self.servers = list(servers)
+            server_args: dict[str, Any] = {}
         elif self.mode == "colocated":
-            args = colocated_server_args(
+            server_args = colocated_server_args(
                 rollout, self.model_path, base_gpu_id=base_gpu_id, dtype=dtype, seed=seed, moe=moe,
-                nnodes=nnodes, node_rank=0, dist_init_addr=dist_init_addr,
+                nnodes=nnodes, node_rank=0, dist_init_addr=dist_init_addr, device=device.type,
+                weights_on_disk=bool(self._expected_shapes), hf_overrides=dict(hf_overrides or {}),
             )  # fmt: skip
-            self.servers = [sglang.Engine(**args)]
+            with compat.child_environment(cpu_engine_environment(device)):
+                self.servers = [sglang.Engine(**server_args)]
         else:
             self.servers = [
                 SGLangHttpClient(u, rollout.sglang_request_timeout_s) for u in rollout.sglang_server_urls
             ]
+            server_args = {"enable_return_routed_experts": rollout.sglang_routed_experts}
+        self._routed_experts = moe and bool(server_args.get("enable_return_routed_experts", rollout.sglang_routed_experts))
+        self._route_layout = RouteLayout.from_hf(hf_config) if self._routed_experts else None
         self.transport: WeightTransport
         if self.mode == "colocated":
             self.transport = CudaIpcTransport(self.servers, rollout.sglang_tp, (flattened_cls, serializer), device)
@@ -291,6 +359,8 @@ class SGLangEngine(RolloutEngine):
             self.transport = NcclBroadcastTransport(self.servers, rollout, flattened_cls, device)
             if servers is None:
                 self.ensure_healthy()
+        if servers is None and self.tied_head and self._expected_shapes:
+            self._load_tied_head_from_disk()
 
     @classmethod
     def from_config(cls, cfg: Any, ps: Any, **kwargs: Any) -> SGLangEngine | None:
@@ -313,20 +383,13 @@ class SGLangEngine(RolloutEngine):
                 **kwargs,
             )
         layout, gpus_per_node, local_rank = _layout_of(rollout, ps)
-        if torch.device(ps.device).type != "cuda":
-            # SGLang imports without a GPU (--no-deps), but its Engine needs CUDA kernels (and its
-            # server stack: uvloop, ...): refuse here with the fix instead of failing inside it.
-            raise RuntimeError(
-                f"rollout.engine=sglang (sglang_mode=colocated) needs CUDA GPUs; this rank's device is "
-                f"{ps.device}: use rollout.engine=embedded on CPU"
-            )
         if ps.rank != layout.leader:
             return None  # a multi-node engine's other ranks agree on its address in SGLangSyncMember
         address = agree_engine_address(layout, gpus_per_node, local_rank) if layout.multi_node else None
         engine = cls(
             rollout, cfg.model.hf_path, dtype=cfg.model.dtype, seed=cfg.train.seed + ps.rank,
             base_gpu_id=layout.base_gpu_id, device=ps.device, nnodes=layout.nnodes, dist_init_addr=address,
-            **kwargs,
+            hf_overrides=cfg.model.hf_overrides, **kwargs,
         )  # fmt: skip
         engine.sync_group_ranks = layout.members  # every GPU of the engine receives its own share
         return engine
@@ -335,7 +398,7 @@ class SGLangEngine(RolloutEngine):
 
     def weight_needs(self) -> Any:
         """The leader's share (SGLang TP rank 0): every dense tensor, and with ``ep_size`` > 1 the
-        experts of MoE EP rank 0 (``rollout/sglang_shards.py``); everything when it feeds alone."""
+        experts of MoE EP rank 0 (``rollout/sglang/shards.py``); everything when it feeds alone."""
         if len(self.sync_group_ranks) <= 1:
             return None
         return rank_needs(self._hf_config, self.rollout.sglang_tp, self.ep_size, 0)
@@ -374,7 +437,10 @@ class SGLangEngine(RolloutEngine):
         ids = [list(s) for s in sequences]
         params = [{"max_new_tokens": 0, "temperature": 1.0} for _ in ids]
         outputs = self._scatter(ids, params, return_logprob=True, logprob_start_len=0)
-        return [teacher_forced_logprobs(o, s, n) for o, s, n in zip(outputs, ids, prompt_lens, strict=True)]
+        vocab = self._hf_config.get("vocab_size")
+        return [
+            teacher_forced_logprobs(o, s, n, vocab) for o, s, n in zip(outputs, ids, prompt_lens, strict=True)
+        ]
 
     def _scatter(self, input_ids: list[list[int]], params: list[dict[str, Any]], **options: Any) -> list[Any]:
         """Split requests over the servers in contiguous chunks; outputs in request order."""
@@ -416,7 +482,7 @@ class SGLangEngine(RolloutEngine):
         self._version_in_progress = version
         self._begin_sessions()
         if bucket or self.mode == "colocated":  # colocated: every call is a round of the engine's GPUs
-            self.transport.send(bucket, last=last, version=version)
+            self.transport.send(with_output_head(bucket, self.tied_head), last=last, version=version)
         elif last:
             self.flush_cache()  # an empty closing bucket: the flush it would have carried
         self._names_this_version |= {name for name, _ in bucket}
@@ -436,10 +502,11 @@ class SGLangEngine(RolloutEngine):
         self.weight_version = version
 
     def _begin_sessions(self) -> None:
-        """Open a weight-update session on every server without one (an abandoned version's session
-        stays open and serves the next version: SGLang refuses a second ``begin``)."""
+        """Open a weight-update session on every server that has them and has none open (an
+        abandoned version's session stays open and serves the next version: SGLang refuses a
+        second ``begin``)."""
         for i, server in enumerate(self.servers):
-            if i not in self._sessions_open:
+            if i not in self._sessions_open and update_sessions(server):
                 raise_on_failure(server.begin_weight_update(), "begin_weight_update")
                 self._sessions_open.add(i)
 
@@ -448,11 +515,31 @@ class SGLangEngine(RolloutEngine):
             raise_on_failure(self.servers[i].end_weight_update(), "end_weight_update")
             self._sessions_open.discard(i)
 
+    def _load_tied_head_from_disk(self) -> None:
+        """A tied checkpoint just loaded by SGLang: give its own ``lm_head`` the input embedding
+        (``with_output_head``), by name, as ``update_weights_from_tensor``'s named-tensor path."""
+        from safetensors import safe_open
+
+        for path in sorted(Path(self.model_path).glob("*.safetensors")):
+            with safe_open(str(path), framework="pt") as f:
+                if INPUT_EMBEDDING in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                    head = with_output_head([(INPUT_EMBEDDING, f.get_tensor(INPUT_EMBEDDING))], True)[1:]
+                    self._begin_sessions()
+                    for server in self.servers:
+                        raise_on_failure(server.update_weights_from_tensor(head), "update_weights_from_tensor")
+                    self._end_sessions()
+                    return
+
     def _mark_stale(self, reason: str) -> None:
         self._stale_reason = reason
         self._names_this_version = set()
 
     def _refuse_if_stale(self) -> None:
+        if self.released & {"weights", "kv_cache"}:
+            raise RuntimeError(
+                f"the SGLang engine has released its {sorted(self.released)} memory (to the trainer): "
+                "resume_memory before generating"
+            )
         if self._stale_reason is not None:
             raise RuntimeError(
                 f"the SGLang engine's weights are incomplete ({self._stale_reason}): finish a full weight "
@@ -485,12 +572,23 @@ class SGLangEngine(RolloutEngine):
     # -- memory and lifetime
 
     def release_memory(self, tags: Sequence[MemoryTag] | None = None) -> None:
+        """Release ``tags`` (None: all) that the engine still holds; the others are left alone."""
+        wanted = [t for t in (ALL_MEMORY_TAGS if tags is None else tags) if t not in self.released]
+        if not wanted:
+            return
         for server in self.servers:
-            server.release_memory_occupation(tags=None if tags is None else list(tags))
+            server.release_memory_occupation(tags=list(wanted))
+        self.released.update(wanted)
 
     def resume_memory(self, tags: Sequence[MemoryTag] | None = None) -> None:
+        """Take back ``tags`` (None: all) that the engine released; asking for one it holds (e.g.
+        the run's first sync resuming ``weights``) does nothing, by construction."""
+        wanted = [t for t in (ALL_MEMORY_TAGS if tags is None else tags) if t in self.released]
+        if not wanted:
+            return
         for server in self.servers:
-            server.resume_memory_occupation(tags=None if tags is None else list(tags))
+            server.resume_memory_occupation(tags=list(wanted))
+        self.released.difference_update(wanted)
 
     def flush_cache(self) -> None:
         for server in self.servers:
@@ -507,7 +605,7 @@ class SGLangSyncMember:
     """The weight sync on a GPU of a colocated SGLang engine other than its leader's (SGLang TP rank
     ``tp_rank`` runs on it): it receives exactly what that rank loads (``weight_needs``), makes each
     round's bucket one payload on this GPU and hands it to the leader, which loads every GPU's
-    payload in one ``update_weights_from_tensor`` call (``rollout/sglang_ipc.py``). It generates
+    payload in one ``update_weights_from_tensor`` call (``rollout/sglang/ipc.py``). It generates
     nothing (generation goes through the leader). A ``WeightSink`` (``rollout/engine.py``).
 
     On the first GPU of a further node of an engine that spans several nodes it also holds
@@ -583,7 +681,7 @@ class SGLangSyncMember:
             reason = f"weight sync of version {version}: {'; '.join(errors[:5])}"
             self.feed.contribute((None, False, reason))
             raise ValueError(reason)
-        self.feed.contribute(contribution(bucket, self._classes, self.device))
+        self.feed.contribute(contribution(with_output_head(bucket, tied_output_head(self._hf_config)), self._classes, self.device))
         if last:
             self.weight_version = version
 
@@ -592,7 +690,7 @@ def start_node_part(cfg: Any, layout: ColocatedLayout, address: str) -> Any:
     """``sglang.Engine`` for node ``layout.node_rank`` >= 1 of a multi-node colocated engine: the same
     arguments as the leader's (seed included) but this node's rank. SGLang's Engine on such a node
     runs only the schedulers and by default never returns from its constructor; with
-    ``SGLANG_BLOCK_NONZERO_RANK_CHILDREN=0`` it returns once they are up (``sglang_ipc.py``)."""
+    ``SGLANG_BLOCK_NONZERO_RANK_CHILDREN=0`` it returns once they are up (``rollout/sglang/ipc.py``)."""
     sglang, _, _ = import_sglang()
     rollout = cfg.rollout
     args = colocated_server_args(

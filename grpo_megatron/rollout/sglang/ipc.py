@@ -4,7 +4,7 @@ One ``sglang.Engine`` per group of ``rollout.sglang_tp`` consecutive trainer ran
 group's first rank (the leader) on the group's GPUs with ``enable_memory_saver`` so that it can give
 its memory to the trainer and take it back; SGLang's TP rank ``i`` runs on trainer rank
 ``leader + i``'s GPU. Every GPU of the group is a destination of the weight sync and receives
-exactly what its SGLang rank loads (``rollout/sglang_shards.py``). Each round, every GPU makes its
+exactly what its SGLang rank loads (``rollout/sglang/shards.py``). Each round, every GPU makes its
 bucket one ``FlattenedTensorBucket`` on its own device and serializes it once with
 ``MultiprocessingSerializer`` (a CUDA IPC handle: the SGLang rank on that GPU opens it locally);
 the payloads are gathered to the leader (``EngineGroupFeed``), which loads them with one
@@ -46,6 +46,8 @@ own multi-node launch (facts from SGLang 0.5.23's source, paths under ``python/s
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
 import socket
 from collections.abc import Sequence
 from typing import Any
@@ -55,7 +57,7 @@ import torch
 from grpo_megatron.distributed.bootstrap import free_port
 from grpo_megatron.rollout.config import RolloutConfig
 from grpo_megatron.rollout.engine import Bucket
-from grpo_megatron.rollout.sglang_weights import flattened_bucket, raise_on_failure
+from grpo_megatron.rollout.sglang.weights import flattened_bucket, raise_on_failure
 
 
 def colocated_group(rank: int, tp: int) -> tuple[int, list[int]]:
@@ -166,6 +168,31 @@ def agree_engine_address(layout: ColocatedLayout, gpus_per_node: int, local_rank
 
 _SET_BY_LAYOUT = ("tp_size", "nnodes", "node_rank", "dist_init_addr", "base_gpu_id")
 
+CPU_SERVER_ARGS: dict[str, Any] = {
+    "device": "cpu",
+    "attention_backend": "torch_native",  # triton fails on CPU; the CPU kernels' "intel_amx" needs AMX
+    "disable_cuda_graph": True,
+    "enable_memory_saver": False,  # torch_memory_saver needs libcuda: release/resume then free nothing
+    "enable_return_routed_experts": False,  # its host buffer is pinned memory, which needs CUDA
+    "max_total_tokens": 16384,  # else the KV pool is sized from free host memory
+}
+"""What SGLang's engine needs on CPU (seen with SGLang 0.5.23, ``SGLANG_USE_CPU_ENGINE=1``;
+../shared/GUIDE.md section 9). ``rollout.sglang_server_args`` still win over each."""
+
+
+def cpu_threads_bind(slots: int, cores: Sequence[int] | None = None) -> str:
+    """SGLang's ``SGLANG_CPU_OMP_THREADS_BIND`` for CPU engines colocated with ``slots`` trainer ranks
+    on this node: the cores split into ``slots`` contiguous groups, one per rank, ``|``-separated.
+    SGLang binds the scheduler of "GPU" ``i`` (``base_gpu_id`` + its TP rank, which is the local
+    rank of the trainer rank it sits beside) to group ``i``, as a GPU engine uses that rank's GPU.
+    With more ranks than cores, ranks share cores round-robin."""
+    cores = sorted(cores if cores is not None else os.sched_getaffinity(0))
+    groups = []
+    for i in range(slots):
+        mine = cores[i * len(cores) // slots : (i + 1) * len(cores) // slots] or [cores[i % len(cores)]]
+        groups.append(f"{mine[0]}-{mine[-1]}" if len(mine) > 1 and mine[-1] - mine[0] == len(mine) - 1 else ",".join(map(str, mine)))
+    return "|".join(groups)
+
 
 def colocated_server_args(
     rollout: RolloutConfig,
@@ -178,10 +205,20 @@ def colocated_server_args(
     nnodes: int = 1,
     node_rank: int = 0,
     dist_init_addr: str | None = None,
+    device: str = "cuda",
+    weights_on_disk: bool = True,
+    hf_overrides: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """``sglang.Engine`` keyword arguments of a colocated engine (``rollout.sglang_server_args`` win),
     on node ``node_rank`` of the ``nnodes`` it spans; a multi-node engine also gets SGLang's
-    ``nnodes``, ``node_rank`` and ``dist_init_addr`` (the same on every node, seed included)."""
+    ``nnodes``, ``node_rank`` and ``dist_init_addr`` (the same on every node, seed included).
+
+    Follows from the job, so that ``rollout.engine=sglang`` needs no other setting:
+    - ``device="cpu"``: the arguments SGLang's CPU engine requires (``CPU_SERVER_ARGS``);
+    - no weight files at ``model_path`` (a model the trainer initialises, like the demo's): SGLang
+      starts with random weights (``load_format="dummy"``); the run's first weight sync, before any
+      generation, replaces them;
+    - ``model.hf_overrides`` reach SGLang's copy of the config (``json_model_override_args``)."""
     if nnodes > 1:
         fixed = sorted(k for k in _SET_BY_LAYOUT if k in rollout.sglang_server_args)
         if fixed:
@@ -202,8 +239,19 @@ def colocated_server_args(
         "enable_return_routed_experts": moe and rollout.sglang_routed_experts,
         "log_level": "error",
     }
+    if device == "cpu":
+        args.update(CPU_SERVER_ARGS)
+    if not weights_on_disk:
+        args["load_format"] = "dummy"
+    if hf_overrides:
+        args["json_model_override_args"] = json.dumps(hf_overrides)
     if nnodes > 1:
         args.update(nnodes=nnodes, node_rank=node_rank, dist_init_addr=dist_init_addr)
+    else:
+        # The TCP port of the engine's own torch.distributed group. SGLang draws it from Python's
+        # `random`, which every trainer rank seeds alike: engines starting together on one host
+        # drew the same port and their schedulers waited on each other's rendezvous for good.
+        args["nccl_port"] = free_port("")
     return {**args, **rollout.sglang_server_args}
 
 

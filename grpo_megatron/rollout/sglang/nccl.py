@@ -24,7 +24,7 @@ import torch
 
 from grpo_megatron.rollout.config import RolloutConfig
 from grpo_megatron.rollout.engine import Bucket
-from grpo_megatron.rollout.sglang_weights import aligned_order, flattened_bucket
+from grpo_megatron.rollout.sglang.weights import aligned_order, flattened_bucket
 
 WEIGHT_GROUP_NAME = "grpo_megatron_weights"
 
@@ -40,6 +40,7 @@ class SGLangHttpClient:
     def __init__(self, url: str, timeout_s: float):
         self.url = url.rstrip("/")
         self.timeout_s = timeout_s
+        self._sessions: bool | None = None
 
     def _call(self, path: str, body: Mapping[str, Any] | None = None, timeout_s: float | None = None) -> Any:
         data = None if body is None else json.dumps(body).encode()
@@ -87,6 +88,18 @@ class SGLangHttpClient:
 
     def update_weights_from_distributed(self, **body: Any) -> None:
         self._call("/update_weights_from_distributed", body)
+
+    def update_sessions(self) -> bool:
+        """Whether the server has weight-update sessions (``/begin_weight_update``: SGLang 0.5.21 on),
+        from the routes it lists (``/openapi.json``); a server that lists none (its
+        ``DISABLE_OPENAPI_DOC``) is taken to have them. Asked once."""
+        if self._sessions is None:
+            try:
+                paths = (self._call("/openapi.json") or {}).get("paths", {})
+                self._sessions = "/begin_weight_update" in paths
+            except SGLangServerError:
+                self._sessions = True
+        return self._sessions
 
     def begin_weight_update(self) -> None:
         self._call("/begin_weight_update", {})

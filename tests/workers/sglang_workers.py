@@ -1,0 +1,270 @@
+"""The SGLang adapter against SGLang's real engine on CPU, in a process of its own.
+
+``python -m tests.workers.sglang_workers OUT.json WORKDIR`` starts one real ``sglang.Engine`` through
+``SGLangEngine`` on the demo's architecture (a tied Qwen3-MoE) in bf16, runs every scenario of
+``SCENARIOS`` on it in turn and writes what each measured to OUT.json (rewritten after each one, so a
+crash still leaves the scenarios before it). tests/test_sglang_real.py runs it once and checks each
+scenario: one engine start-up (15-30 s on 2 cores) serves all of them. Runs in its own process
+because a crash of SGLang's scheduler kills the process tree that started it.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+DEMO = Path(__file__).resolve().parents[2] / "examples" / "demo"
+PROMPTS = [[1, 5, 9, 3, 11], [1, 7, 7, 20], [1, 30, 2, 14, 8, 6, 5], [1, 12], [1, 4, 4, 4, 4, 9], [1, 18, 3]]
+MAX_NEW = 8
+
+
+def save_model(out: Path, seed: int, dtype: torch.dtype = torch.bfloat16) -> dict[str, torch.Tensor]:
+    """The demo's architecture with random weights of a useful scale (peaked, not uniform, next-token
+    distributions, so greedy choices are clear), saved with save_pretrained in ``dtype`` beside the
+    demo's tokenizer; returns the tensors as saved (checkpoint names)."""
+    from safetensors.torch import load_file
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    config = AutoConfig.from_pretrained(DEMO)
+    model = AutoModelForCausalLM.from_config(config).to(dtype)
+    with torch.no_grad():
+        for name, t in model.state_dict().items():
+            if "norm" in name:
+                t.copy_(torch.rand_like(t) * 0.5 + 0.75)
+            elif t.dim() >= 2:
+                t.copy_(torch.randn_like(t) * (2.0 / t.shape[-1] ** 0.5))
+    model.save_pretrained(out, safe_serialization=True)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(DEMO / f, out / f)
+    return load_file(str(out / "model.safetensors"))
+
+
+def embedded(weights: dict[str, torch.Tensor], dtype: torch.dtype) -> Any:
+    from grpo_megatron.rollout.embedded import EmbeddedEngine
+
+    engine = EmbeddedEngine(json.loads((DEMO / "config.json").read_text()), dtype=dtype)
+    engine.update_weights([(n, t.to(dtype)) for n, t in sorted(weights.items())], version=0, last=True)
+    return engine
+
+
+def flat_logprobs(groups: list[list[Any]]) -> list[float]:
+    return [lp for g in groups for c in g for lp in c.logprobs]
+
+
+def tokens(groups: list[list[Any]]) -> list[list[int]]:
+    return [c.token_ids for g in groups for c in g]
+
+
+def max_diff(a: list[float], b: list[float]) -> float:
+    return max((abs(x - y) for x, y in zip(a, b, strict=True)), default=0.0)
+
+
+class Scenarios:
+    """Every scenario against one engine; each returns what it measured (JSON-ready)."""
+
+    def __init__(self, workdir: Path):
+        from grpo_megatron.rollout.config import RolloutConfig
+        from grpo_megatron.rollout.engine import SamplingParams
+        from grpo_megatron.rollout.sglang.engine import SGLangEngine
+
+        self.a = save_model(workdir / "a", seed=0)
+        self.b = save_model(workdir / "b", seed=1)
+        self.dir_b = workdir / "b"
+        self.greedy = SamplingParams(n=1, greedy=True, max_new_tokens=MAX_NEW, temperature=1.0)
+        start = time.perf_counter()
+        self.engine = SGLangEngine(RolloutConfig(engine="sglang"), str(workdir / "a"), dtype="bfloat16", device="cpu")
+        self.start_seconds = time.perf_counter() - start
+
+    def bucketed(self, weights: dict[str, torch.Tensor], version: int, pieces: int = 3) -> None:
+        names = sorted(weights)
+        step = -(-len(names) // pieces)
+        for i in range(0, len(names), step):
+            self.engine.update_weights([(n, weights[n]) for n in names[i : i + step]], version=version, last=False)
+        self.engine.update_weights([], version=version, last=True)
+
+    def run_greedy(self) -> list[list[Any]]:
+        return self.engine.generate(PROMPTS, self.greedy)
+
+    # -- scenarios
+
+    def start(self) -> dict[str, Any]:
+        from grpo_megatron.rollout.sglang import compat
+        from grpo_megatron.rollout.sglang.engine import update_sessions
+
+        return {
+            "seconds": self.start_seconds,
+            "compat_applied": compat.applied(),
+            "update_sessions": update_sessions(self.engine.servers[0]),
+            "tied_head": self.engine.tied_head,
+        }
+
+    def greedy_vs_embedded(self) -> dict[str, Any]:
+        """The tied checkpoint as SGLang loaded it (the adapter gives its lm_head the embedding)
+        against the embedded engine on the same bf16 weights; the bf16 floor is the embedded
+        engine in bf16 against itself in fp32 on the same sequences."""
+        ours = self.run_greedy()
+        emb16, emb32 = embedded(self.a, torch.bfloat16), embedded(self.a, torch.float32)
+        theirs = emb16.generate(PROMPTS, self.greedy)
+        seqs = [p + c.token_ids for p, g in zip(PROMPTS, ours, strict=True) for c in g]
+        lens = [len(p) for p in PROMPTS]
+        s16, s32 = emb16.score(seqs, lens, 1.0), emb32.score(seqs, lens, 1.0)
+        return {
+            "same_tokens": tokens(ours) == tokens(theirs),
+            "max_dlogprob": max_diff(flat_logprobs(ours), [x for row in s16 for x in row]),
+            "bf16_floor": max_diff([x for row in s16 for x in row], [x for row in s32 for x in row]),
+            "sglang_vs_fp32": max_diff(flat_logprobs(ours), [x for row in s32 for x in row]),
+            "mean_logprob": sum(flat_logprobs(ours)) / len(flat_logprobs(ours)),
+        }
+
+    def sampled_and_scored(self) -> dict[str, Any]:
+        """Sampled n=4 at temperature 1: SGLang's own sampled logprobs against its teacher-forced
+        score of the same sequences and against the embedded engine's score."""
+        from grpo_megatron.rollout.engine import SamplingParams
+
+        groups = self.engine.generate(PROMPTS, SamplingParams(n=4, max_new_tokens=MAX_NEW, temperature=1.0, seed=3))
+        seqs = [p + c.token_ids for p, g in zip(PROMPTS, groups, strict=True) for c in g]
+        lens = [len(p) for p, g in zip(PROMPTS, groups, strict=True) for _ in g]
+        scored = self.engine.score(seqs, lens, 1.0)
+        emb = embedded(self.a, torch.bfloat16).score(seqs, lens, 1.0)
+        distinct = sum(len({tuple(c.token_ids) for c in g}) for g in groups)
+        return {
+            "groups": len(groups),
+            "samples": sum(len(g) for g in groups),
+            "distinct_samples": distinct,
+            "all_logprobs_valid": all(lp <= 0.0 and lp == lp for lp in flat_logprobs(groups)),
+            "sampled_vs_own_score": max_diff(flat_logprobs(groups), [x for r in scored for x in r]),
+            "sampled_vs_embedded_score": max_diff(flat_logprobs(groups), [x for r in emb for x in r]),
+        }
+
+    def flattened_bucket_update(self) -> dict[str, Any]:
+        """Weights B through the adapter's colocated transport (flattened buckets, CPU shared memory
+        where a GPU has CUDA IPC), 3 buckets: outputs bit-identical to SGLang loading B from disk
+        itself; then A again: bit-identical to the engine's outputs before any update."""
+        before = self.run_greedy()
+        self.bucketed(self.b, version=1)
+        via_adapter = self.run_greedy()
+        server = self.engine.servers[0]
+        server.begin_weight_update()
+        ok = server.update_weights_from_disk(str(self.dir_b))
+        server.end_weight_update()
+        via_disk = self.run_greedy()
+        self.bucketed(self.a, version=2)
+        back = self.run_greedy()
+        return {
+            "disk_load_ok": bool(ok[0]) if isinstance(ok, tuple) else bool(ok),
+            "version": self.engine.weight_version,
+            "b_differs_from_a": tokens(via_adapter) != tokens(before)
+            or flat_logprobs(via_adapter) != flat_logprobs(before),
+            "adapter_equals_disk_bitwise": tokens(via_adapter) == tokens(via_disk)
+            and flat_logprobs(via_adapter) == flat_logprobs(via_disk),
+            "back_to_a_bitwise": tokens(back) == tokens(before) and flat_logprobs(back) == flat_logprobs(before),
+        }
+
+    def named_tensor_head(self) -> dict[str, Any]:
+        """SGLang's named-tensor path (``update_weights_from_tensor`` by name, what the adapter uses
+        for a tied head at start-up): a zero lm_head makes every next-token distribution uniform
+        (what a tied checkpoint serves without the adapter's head); the adapter's next version
+        restores it."""
+        server = self.engine.servers[0]
+        before = self.run_greedy()
+        vocab = self.a["model.embed_tokens.weight"].shape[0]
+        server.begin_weight_update()
+        server.update_weights_from_tensor([("lm_head.weight", torch.zeros_like(self.a["model.embed_tokens.weight"]))])
+        server.end_weight_update()
+        uniform = self.run_greedy()
+        self.bucketed(self.a, version=3)
+        restored = self.run_greedy()
+        return {
+            "zero_head_uniform": max_diff(flat_logprobs(uniform), [-float(torch.log(torch.tensor(float(vocab))))] * len(flat_logprobs(uniform))),
+            "restored_bitwise": flat_logprobs(restored) == flat_logprobs(before) and tokens(restored) == tokens(before),
+        }
+
+    def rejected_version(self) -> dict[str, Any]:
+        """A bucket with a wrong shape is refused before anything is sent: the engine stays on its
+        version and serves the same outputs, bit for bit."""
+        before, version = self.run_greedy(), self.engine.weight_version
+        bad = dict(self.b)
+        name = "model.layers.0.self_attn.q_proj.weight"
+        bad[name] = bad[name][:-1]
+        error = ""
+        try:
+            self.engine.update_weights([(name, bad[name])], version=4, last=False)
+        except ValueError as exc:
+            error = str(exc)
+        after = self.run_greedy()
+        return {
+            "refused_naming_tensor": name in error,
+            "version_kept": self.engine.weight_version == version,
+            "outputs_kept_bitwise": tokens(after) == tokens(before) and flat_logprobs(after) == flat_logprobs(before),
+        }
+
+    def memory_in_trainer_order(self) -> dict[str, Any]:
+        """``ColocatedMemory``'s calls as the trainer makes them, from the run's first sync on: resume
+        ``weights`` never released (must do nothing), release all, generate refused, resume
+        ``weights``, a version, resume ``kv_cache`` + ``cuda_graph``, generate."""
+        before = self.run_greedy()
+        self.engine.resume_memory(["weights"])  # the first sync: SGLang would raise KeyError
+        self.bucketed(self.a, version=5)
+        self.engine.resume_memory(["kv_cache", "cuda_graph"])
+        first_sync = self.run_greedy()
+        self.engine.release_memory(None)
+        released = sorted(self.engine.released)
+        refused = ""
+        try:
+            self.run_greedy()
+        except RuntimeError as exc:
+            refused = str(exc)
+        self.engine.resume_memory(["weights"])
+        self.bucketed(self.a, version=6)
+        self.engine.resume_memory(["kv_cache", "cuda_graph"])
+        after = self.run_greedy()
+        return {
+            "released": released,
+            "generate_refused_while_released": "released" in refused,
+            "first_sync_bitwise": tokens(first_sync) == tokens(before) and flat_logprobs(first_sync) == flat_logprobs(before),
+            "after_cycle_bitwise": tokens(after) == tokens(before) and flat_logprobs(after) == flat_logprobs(before),
+            "nothing_left_released": not self.engine.released,
+        }
+
+    def shutdown(self) -> dict[str, Any]:
+        self.engine.shutdown()
+        return {"ok": True}
+
+
+SCENARIOS: tuple[str, ...] = (
+    "start",
+    "greedy_vs_embedded",
+    "sampled_and_scored",
+    "flattened_bucket_update",
+    "named_tensor_head",
+    "rejected_version",
+    "memory_in_trainer_order",
+    "shutdown",
+)
+
+
+def main(out: Path, workdir: Path) -> None:
+    results: dict[str, Any] = {}
+
+    def record(name: str, run: Callable[[], dict[str, Any]]) -> None:
+        try:
+            results[name] = run()
+        except Exception as exc:  # recorded, so the test names the scenario that failed and why
+            results[name] = {"error": f"{type(exc).__name__}: {exc}"}
+        out.write_text(json.dumps(results, indent=1))
+
+    scenarios = Scenarios(workdir)
+    for name in SCENARIOS:
+        record(name, getattr(scenarios, name))
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]), Path(sys.argv[2]))
