@@ -125,7 +125,8 @@ def _worker_main(
 ) -> None:
     """Worker loop: enter the sandbox, import the components (saying which), say ready with the
     active protections, then score one sample per message. Everything it says is a wire.py frame."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's to handle
+    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2):
+        signal.signal(signum, signal.SIG_IGN)  # Ctrl-C and preemption are the trainer's to handle
 
     def say(message: wire.Message) -> None:
         conn.send_bytes(wire.encode(message))
