@@ -78,8 +78,11 @@ def test_a_second_signal_exits_at_once_and_latest_stays_whole(tmp_path: Path):
     proc = _child(tmp_path, 60.0, False, "publishing")
     time.sleep(0.3)
     proc.send_signal(signal.SIGTERM)
-    time.sleep(0.2)
-    proc.send_signal(signal.SIGTERM)
+    time.sleep(0.1)
+    proc.send_signal(signal.SIGTERM)  # the same signal by a second route (Slurm and node.sh): one signal
+    time.sleep(1.5)
+    assert proc.poll() is None
+    proc.send_signal(signal.SIGTERM)  # a second one
     rc, elapsed, out = _exit_within(proc, 1.0)
     assert rc == EXIT_INTERRUPTED and elapsed < 2.0, (rc, elapsed, out)
     assert "a second signal (SIGTERM): exiting now with 143" in out
@@ -100,9 +103,11 @@ def _run(run_dir: Path, point: str, rank: int) -> tuple[int, str, str]:
     args = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
             "--master-port", str(free_port()), "-m", "tests.workers.preempt_workers", point, str(rank), "train",
             str(DEMO), *COMMON, f"logging.run_dir={run_dir}"]
-    proc = subprocess.run(args, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=400)
+    proc = subprocess.run(args, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          text=True, timeout=400)
     code = exit_file.read_text().strip() if exit_file.exists() else ""
-    return proc.returncode, code, proc.stdout + proc.stderr
+    (run_dir.parent / f"out-{point}.txt").write_text(proc.stdout)  # for a failure's post-mortem
+    return proc.returncode, code, proc.stdout
 
 
 def _latest(run_dir: Path) -> str:
@@ -130,10 +135,10 @@ def test_sigterm_at_each_point_saves_and_the_reruns_resume_bit_exactly(tmp_path:
         assert f"SIGTERM at the start of {point.split(':')[0]}" in out
         print(f"{point}: {time.monotonic() - started:.0f} s")
 
-    # two signals as iteration 5's save starts: rank 1 exits at once; `latest` still names iteration 4
+    # SIGTERM, then SIGUSR1, as iteration 5's save starts: rank 1 exits at once; `latest` still names 4
     rc, code, out = _run(cut, "save2:1", 1)
     assert rc != 0 and code == "" and f"exitcode  : {EXIT_INTERRUPTED}" in out, out[-4000:]
-    assert "a second signal (SIGTERM): exiting now" in out
+    assert "a second signal (SIGUSR1): exiting now" in out
     assert _latest(cut) == "iter_0000004"
 
     finish(launch("train", [*COMMON, f"logging.run_dir={cut}"]))
@@ -152,3 +157,30 @@ def test_signal_fields_are_validated(value: str, named: str):
     key = "checkpoint.signal" if value.startswith("SIG") else "checkpoint.signal_grace_s"
     with pytest.raises((ConfigError, ValueError), match=named.replace("[", r"\[").replace("(", r"\(")):
         load_config(DEMO, [f"{key}={value}"]).checkpoint.validate()
+
+
+def test_train_sbatch_forwards_the_early_warning_and_reports_75(tmp_path: Path):
+    # launch/slurm/train.sbatch (its local branch: one "node", two ranks) gets SIGUSR1 as Slurm's
+    # --signal=B:USR1@120 would send it; node.sh passes it to the ranks past torchrun, which exits 1
+    # for any failed worker: the script's exit code 75 comes from rank 0's $GRPO_EXIT_FILE.
+    from grpo_megatron.checkpoint.integrity import verify_checkpoint
+
+    run_dir, log_dir = tmp_path / "run", tmp_path / "logs"
+    env = dict(os.environ, GRPO_LOCAL_TEST="1", NNODES="1", GPUS_PER_NODE="2", COMMAND="train",
+               MASTER_PORT=str(free_port()), LOG_DIR=str(log_dir), OMP_NUM_THREADS="1", PYTHON=sys.executable)
+    env.pop("GRPO_EXIT_FILE", None)
+    proc = subprocess.Popen(["bash", str(REPO_ROOT / "launch/slurm/train.sbatch"), str(DEMO), *COMMON,
+                             "train.iterations=50", f"logging.run_dir={run_dir}"],
+                            cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    metrics = run_dir / "metrics.jsonl"
+    deadline = time.monotonic() + 300
+    while not (metrics.is_file() and '"iteration": 1' in metrics.read_text()):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0][-3000:]
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGUSR1)
+    out, _ = proc.communicate(timeout=300)
+    node_log = (log_dir / "node0.log").read_text()
+    assert proc.returncode == EXIT_PREEMPTED, out + node_log[-3000:]
+    assert "[preempt] SIGUSR1: checkpoint" in node_log and "exit 75 (rerun to resume)" in node_log
+    saved = int(_latest(run_dir).removeprefix("iter_"))
+    assert 1 <= saved < 50 and verify_checkpoint(run_dir / "checkpoints" / _latest(run_dir))["iteration"] == saved

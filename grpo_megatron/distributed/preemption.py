@@ -3,15 +3,16 @@ with a checkpoint, within ``checkpoint.signal_grace_s``.
 
 A signal reaches one rank or all of them, at any point of an iteration. The handler only notes it
 (``Preemption.received``); the loop asks ``requested_anywhere(group)`` once per iteration, after its
-bookkeeping and any periodic save: an all-reduce (MAX) of the flag over the group passed in, so
+bookkeeping and any periodic save: an all-reduce (MAX) of the signal number over the group passed in, so
 every rank sees the same answer at the same point even when only one of them got the signal. Then
 every rank writes the checkpoint (if that iteration has none yet) and exits ``EXIT_PREEMPTED``.
 
 Bounded time: the signal handler is Python code, which runs only when the main thread returns to
 the interpreter, so a rank blocked in a collective would never run it. The C-level handler writes
 each signal's number to a pipe (``signal.set_wakeup_fd``) at once, though, and a watcher thread
-reads it: at the first signal it starts the grace clock, at a second one, or when the clock runs
-out, it ends the process with ``os._exit`` -- exit code ``EXIT_INTERRUPTED``, or
+reads it: at the first signal it starts the grace clock, at a second one (another signal, or the
+same one again after ``DUPLICATE_WINDOW_S``: a launcher that forwards what Slurm also delivered
+directly makes two copies of one), or when the clock runs out, it ends the process with ``os._exit`` -- exit code ``EXIT_INTERRUPTED``, or
 ``EXIT_PREEMPTED`` when the checkpoint was written already. ``latest`` is replaced by an atomic
 rename, so no exit leaves it half-written; an unfinished ``iter_*.tmp-*`` is pruned at the next
 start-up.
@@ -48,6 +49,8 @@ EXIT_INTERRUPTED = 143
 """The exit code at a second signal or when the grace ran out before the checkpoint was written
 (128 + SIGTERM, what a kill by SIGTERM reports); the rerun resumes from the previous checkpoint."""
 EXIT_FILE_ENV = "GRPO_EXIT_FILE"
+DUPLICATE_WINDOW_S = 1.0
+"""The first signal again within this many seconds is one signal by two routes, not a second one."""
 
 
 class Preempted(Exception):
@@ -71,6 +74,7 @@ class Preemption:
         """Set by the loop once the preemption checkpoint is complete (the grace then exits 75)."""
         self._log = log
         self._deadline: float | None = None
+        self._first_at = 0.0
         self._previous: dict[int, Any] = {}
         self._previous_wakeup_fd = -1
         self._pipe: tuple[int, int] | None = None
@@ -118,10 +122,13 @@ class Preemption:
                 if signum not in self.signals:
                     continue  # another handler's signal (SIGINT is Python's own)
                 name = signal.Signals(signum).name
+                now = time.monotonic()
+                if self.received == name and now - self._first_at < DUPLICATE_WINDOW_S:
+                    continue  # the same signal by a second route (Slurm to every process, and node.sh)
                 if self.received is not None:
                     self._exit(f"a second signal ({name})")
-                self.received = name
-                self._deadline = time.monotonic() + self.grace_s
+                self.received, self._first_at = name, now
+                self._deadline = now + self.grace_s
                 self._log(f"[preempt] {name}: saving a checkpoint after this iteration and stopping (at most "
                           f"checkpoint.signal_grace_s={self.grace_s:g} s; a second signal stops at once)")
 
@@ -130,12 +137,13 @@ class Preemption:
         self._log(f"[preempt] {why}: exiting now with {code}")
         os._exit(code)
 
-    def requested_anywhere(self, group: dist.ProcessGroup | None) -> bool:
-        """Collective over ``group`` (None: the default group): did any of its ranks get a signal?
-        (the safe point's question)"""
-        flag = torch.tensor([1.0 if self.received else 0.0], device=collective_device(group))
+    def requested_anywhere(self, group: dist.ProcessGroup | None) -> str | None:
+        """Collective over ``group`` (None: the default group): the signal any of its ranks got (the
+        highest-numbered one when several did), None when none did. The safe point's question."""
+        number = signal.Signals[self.received].value if self.received else 0
+        flag = torch.tensor([number], dtype=torch.int64, device=collective_device(group))
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
-        return bool(flag.item() > 0)
+        return signal.Signals(int(flag.item())).name if flag.item() else None
 
 
 def report_preempted(stop: Preempted, checkpoint: Path, rank: int, group: dist.ProcessGroup | None) -> int:

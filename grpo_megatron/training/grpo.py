@@ -205,11 +205,11 @@ def train(job: Job) -> dict[str, float]:
         if saved:
             save_checkpoint(job.checkpoints, job.memory, job.policy, it, trainer_state)
         # The safe point: any rank's signal (SIGTERM, checkpoint.signal) stops every rank here, saved.
-        if job.preemption.requested_anywhere(dist.group.WORLD):
+        if signal_name := job.preemption.requested_anywhere(dist.group.WORLD):
             if not saved:
                 save_checkpoint(job.checkpoints, job.memory, job.policy, it, trainer_state)
             job.preemption.checkpoint_written = True
-            raise Preempted(it, job.preemption.received or "a signal on another rank")
+            raise Preempted(it, signal_name)
     return {
         "before": first_eval.get("eval/accuracy", float("nan")),
         "after": last_eval.get("eval/accuracy", float("nan")),

@@ -1,8 +1,8 @@
 """``python -m tests.workers.preempt_workers POINT RANK <grpo-megatron arguments>``: the real trainer
 (``grpo_megatron.cli.main``, under torchrun), whose rank RANK sends itself SIGTERM when it reaches POINT
 (tests/test_preemption.py). POINT is ``PHASE:K``: the K-th start in this launch of the timed phase
-PHASE (``rollout``, ``train``, ``sync``), or of a checkpoint save (``save``); ``save2:K`` sends two
-signals there. Only the trigger is added: signal handling, the safe point and the save are the
+PHASE (``rollout``, ``train``, ``sync``), or of a checkpoint save (``save``); ``save2:K`` sends
+SIGTERM and then SIGUSR1 there (a second signal). Only the trigger is added: signal handling, the safe point and the save are the
 trainer's own."""
 
 from __future__ import annotations
@@ -26,8 +26,9 @@ def _arm(point: str, rank: int) -> None:
         seen[name] += 1
         if int(os.environ["RANK"]) == rank and seen[name] == int(nth) and phase.rstrip("2") == name:
             print(f"[test] rank {rank}: SIGTERM at the start of {name} #{nth}", flush=True)
-            for _ in range(2 if phase.endswith("2") else 1):
-                os.kill(os.getpid(), signal.SIGTERM)
+            os.kill(os.getpid(), signal.SIGTERM)
+            if phase.endswith("2"):
+                os.kill(os.getpid(), signal.SIGUSR1)
 
     timed = PhaseTimer.__call__
     save = CheckpointManager.save
