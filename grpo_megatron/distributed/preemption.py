@@ -111,9 +111,11 @@ class Preemption:
     def _watch(self) -> None:
         assert self._pipe is not None
         read_fd = self._pipe[0]
+        poller = select.poll()  # not select.select: the fd may number past FD_SETSIZE (1024)
+        poller.register(read_fd, select.POLLIN)
         while True:
-            timeout = None if self._deadline is None else max(0.0, self._deadline - time.monotonic())
-            if not select.select([read_fd], [], [], timeout)[0]:
+            timeout = None if self._deadline is None else max(0, int((self._deadline - time.monotonic()) * 1000))
+            if not poller.poll(timeout):
                 self._exit(f"the grace of checkpoint.signal_grace_s={self.grace_s:g} s ran out")
             data = os.read(read_fd, 64)
             if not data:

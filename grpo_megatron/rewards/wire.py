@@ -188,11 +188,17 @@ def decode(data: bytes, component_names: frozenset[str]) -> Message:
                   message=_text(obj["message"], "message", optional=True), component=component)
 
 
+def _readable(fd: int, timeout_s: float) -> bool:
+    poller = select.poll()  # not select.select: a trainer's fds may number past FD_SETSIZE (1024)
+    poller.register(fd, select.POLLIN)
+    return bool(poller.poll(max(0, int(timeout_s * 1000))))
+
+
 def _read_exactly(fd: int, n: int, deadline: float) -> bytes:
     chunks: list[bytes] = []
     while n > 0:
         remaining = deadline - time.monotonic()
-        if remaining <= 0 or not select.select([fd], [], [], remaining)[0]:
+        if remaining <= 0 or not _readable(fd, remaining):
             raise ProtocolError(f"an incomplete frame: {n} bytes still missing after {FRAME_TIMEOUT_S:g} s")
         chunk = os.read(fd, min(n, MAX_FRAME_BYTES))
         if not chunk:
