@@ -159,16 +159,10 @@ def test_signal_fields_are_validated(value: str, named: str):
         load_config(DEMO, [f"{key}={value}"]).checkpoint.validate()
 
 
-def test_train_sbatch_forwards_the_early_warning_and_reports_75(tmp_path: Path):
-    # launch/slurm/train.sbatch (its local branch: one "node", two ranks) gets SIGUSR1 as Slurm's
-    # --signal=B:USR1@120 would send it; node.sh passes it to the ranks past torchrun, which exits 1
-    # for any failed worker: the script's exit code 75 comes from rank 0's $GRPO_EXIT_FILE.
-    from grpo_megatron.checkpoint.integrity import verify_checkpoint
-
-    run_dir, log_dir = tmp_path / "run", tmp_path / "logs"
-    env = dict(os.environ, GRPO_LOCAL_TEST="1", NNODES="1", GPUS_PER_NODE="2", COMMAND="train",
-               MASTER_PORT=str(free_port()), LOG_DIR=str(log_dir), OMP_NUM_THREADS="1", PYTHON=sys.executable)
-    env.pop("GRPO_EXIT_FILE", None)
+def _sbatch_until_preempted(env: dict[str, str], run_dir: Path) -> tuple[int, str]:
+    """train.sbatch training the demo until its first iteration is logged, then SIGUSR1 to the script
+    as Slurm's --signal=B:USR1@120 sends it; checks it exits 75 with a checkpoint: its iteration and the
+    script's output."""
     proc = subprocess.Popen(["bash", str(REPO_ROOT / "launch/slurm/train.sbatch"), str(DEMO), *COMMON,
                              "train.iterations=50", f"logging.run_dir={run_dir}"],
                             cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -179,8 +173,35 @@ def test_train_sbatch_forwards_the_early_warning_and_reports_75(tmp_path: Path):
         time.sleep(0.2)
     proc.send_signal(signal.SIGUSR1)
     out, _ = proc.communicate(timeout=300)
-    node_log = (log_dir / "node0.log").read_text()
+    node_log = "".join(p.read_text() for p in sorted(Path(env["LOG_DIR"]).glob("node*.log")))  # rank 0's anywhere
     assert proc.returncode == EXIT_PREEMPTED, out + node_log[-3000:]
-    assert "[preempt] SIGUSR1: checkpoint" in node_log and "exit 75 (rerun to resume)" in node_log
+    assert "[preempt] SIGUSR1: checkpoint" in node_log and "exit 75 (rerun to resume)" in node_log, node_log
+    assert "a second signal (" not in node_log  # the copies of the one signal counted once
     saved = int(_latest(run_dir).removeprefix("iter_"))
-    assert 1 <= saved < 50 and verify_checkpoint(run_dir / "checkpoints" / _latest(run_dir))["iteration"] == saved
+    assert 1 <= saved < 50
+    return saved, out
+
+
+@pytest.mark.parametrize("branch", ["local", "slurm"])
+def test_train_sbatch_forwards_the_early_warning_and_requeues(tmp_path: Path, branch: str):
+    # launch/slurm/train.sbatch gets SIGUSR1; node.sh passes it to the ranks past torchrun, which exits 1
+    # for any failed worker: the exit code 75 comes from rank 0's $GRPO_EXIT_FILE. "local": its
+    # GRPO_LOCAL_TEST branch, one "node" of two ranks. "slurm": its srun line under tests/test_launch.py's
+    # fake srun (which passes the signal to each task's process group, as Slurm signals a step) on two
+    # "nodes" of one rank, and the job is requeued.
+    from grpo_megatron.checkpoint.integrity import verify_checkpoint
+    from tests.test_launch import slurm_env
+
+    run_dir = tmp_path / "run"
+    if branch == "local":
+        env = dict(os.environ, GRPO_LOCAL_TEST="1", NNODES="1", GPUS_PER_NODE="2", MASTER_PORT=str(free_port()),
+                   LOG_DIR=str(tmp_path / "logs"), OMP_NUM_THREADS="1", PYTHON=sys.executable)
+        env.pop("GRPO_EXIT_FILE", None)
+    else:
+        env = slurm_env(tmp_path)
+    env["COMMAND"] = "train"
+    saved, out = _sbatch_until_preempted(env, run_dir)
+    assert verify_checkpoint(run_dir / "checkpoints" / _latest(run_dir))["iteration"] == saved
+    if branch == "slurm":
+        assert (tmp_path / "slurm.log").read_text() == "requeue 4242\n", out
+        assert "requeueing job 4242" in out
