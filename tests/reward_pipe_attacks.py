@@ -43,27 +43,18 @@ def _frame(payload: bytes) -> bytes:
     return struct.pack("!i", len(payload)) + payload
 
 
-MALFORMED = {
-    "not_json": b"\x80\x04\x95 not json",
-    "string_reward": None,  # built per task below
-    "bool_task": None,
-    "extra_key": None,
-    "unknown_component": None,
-    "deep": b"[" * 30_000 + b"]" * 30_000,
-    "other_task": None,
-    "importing": b'{"kind": "importing", "index": 0}',
-}
-
-
 def _malformed(kind: str, task: int) -> bytes:
-    built = {
-        "string_reward": _result(task, reward="1.0"),
-        "bool_task": _result(task).replace(f'"task": {task}'.encode(), b'"task": true'),
-        "extra_key": _result(task, evil="x"),
-        "unknown_component": _result(task, components={"nope": 1.0}),
-        "other_task": _result(task + 1),
-    }
-    return built.get(kind) or MALFORMED[kind]
+    """Frames of the right size that are not what the schema allows, or not now."""
+    return {
+        "not_json": lambda: b"\x80\x04\x95 not json",
+        "deep": lambda: b"[" * 30_000 + b"]" * 30_000,
+        "string_reward": lambda: _result(task, reward="1.0"),
+        "bool_task": lambda: _result(task).replace(f'"task": {task}'.encode(), b'"task": true'),
+        "extra_key": lambda: _result(task, evil="x"),
+        "unknown_component": lambda: _result(task, components={"nope": 1.0}),
+        "other_task": lambda: _result(task + 1),
+        "importing": lambda: b'{"kind": "importing", "index": 0}',
+    }[kind]()
 
 
 def attack(sample: RewardSample) -> float:
