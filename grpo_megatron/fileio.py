@@ -47,3 +47,24 @@ def safetensors_problem(path: Path) -> str | None:
     if 8 + header_len + end > size:
         return f"{path} is truncated: {size} bytes, its header describes {8 + header_len + end}; copy or download it again"
     return None
+
+
+def read_weight_map(index: Path) -> dict[str, str]:
+    """The ``weight_map`` of safetensors index ``index`` (tensor name -> shard file). ValueError,
+    naming the file, the key and the fix, unless every shard is a bare file name beside the index:
+    a '/', '..' or absolute path would make the loader open files outside the model directory."""
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ValueError(f"{index} is not a readable safetensors index ({exc!r}); copy or download it again") from None
+    if not isinstance(weight_map, dict):
+        raise ValueError(f"{index}: weight_map is not an object of tensor name -> file name")
+    for key, file in weight_map.items():
+        bare = isinstance(file, str) and file not in ("", ".", "..") and "/" not in file and "\\" not in file
+        if not bare or not isinstance(key, str):
+            raise ValueError(
+                f"{index}: weight_map[{key!r}] = {file!r} is not a bare file name in the model directory; "
+                "an index may name only shard files beside it (e.g. 'model-00001-of-00002.safetensors'): "
+                "fix the index, or save the model again with save_pretrained"
+            )
+    return weight_map

@@ -314,7 +314,8 @@ def test_parallel_config_section_rules():
 
 
 def test_cli_check_prints_resolved_config_and_errors_exit_2(capsys):
-    assert main(["check", str(EXAMPLE), "parallel.ep=2", "--world-size", "2"]) == 0
+    tokenizer = f"data.tokenizer_path={REPO / 'examples' / 'demo'}"  # tiny_moe/ has none; train needs one
+    assert main(["check", str(EXAMPLE), tokenizer, "parallel.ep=2", "--world-size", "2"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("# resolved config for world size 2\n") and "  dp: 2\n" in out and "  ep: 2\n" in out
     for command in ("check", "sanity"):  # a bad config stops before any handler (no torch, no process group)
@@ -338,7 +339,7 @@ def test_cli_help_lists_commands_and_imports_no_torch():
         "import json, sys\n"
         "from grpo_megatron.cli import main\n"
         "try:\n    main(['--help'])\nexcept SystemExit:\n    pass\n"
-        "rc = main(['check', 'examples/tiny_moe.yaml'])\n"
+        "rc = main(['check', 'examples/tiny_moe.yaml', 'data.tokenizer_path=examples/demo'])\n"
         "heavy = sorted(m for m in ('torch', 'megatron', 'transformers') if m in sys.modules)\n"
         "print(json.dumps({'rc': rc, 'heavy': heavy}))\n"
     )

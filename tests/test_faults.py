@@ -308,6 +308,34 @@ def test_check_finds_missing_data_damaged_weights_and_resume_paths(tmp_path: Pat
     assert f"checkpoint.resume={tmp_path / 'nope'}: no such checkpoint" in run.stderr
 
 
+def test_check_refuses_what_train_would_refuse_a_missing_tokenizer():
+    # examples/tiny_moe/ holds only config.json: train and sft would stop at load_tokenizer after
+    # starting every rank, so check (and their start-up check) says so in a second
+    run = _check()
+    assert run.returncode == 2, run.stderr
+    tiny = REPO_ROOT / "examples" / "tiny_moe"
+    assert f"data.tokenizer_path (unset: model.hf_path={tiny}): {tiny} has no tokenizer files" in run.stderr
+    assert "tools/build_char_tokenizer.py" in run.stderr and "Traceback" not in run.stderr
+    assert _check(f"data.tokenizer_path={REPO_ROOT / 'examples' / 'demo'}").returncode == 0
+
+
+@pytest.mark.parametrize("shard", ["../outside.safetensors", "/etc/passwd", "sub/model.safetensors", ".."])
+def test_a_safetensors_index_may_name_only_files_beside_it(tmp_path: Path, shard: str):
+    from grpo_megatron.bridge.hf_loader import CheckpointError, HFCheckpoint
+
+    model = tmp_path / "model"
+    shutil.copytree(REPO_ROOT / "examples" / "demo", model)
+    index = model / "model.safetensors.index.json"
+    index.write_text(json.dumps({"metadata": {}, "weight_map": {"lm_head.weight": "model-1.safetensors",
+                                                                "model.norm.weight": shard}}))
+    named = f"weight_map['model.norm.weight'] = {shard!r} is not a bare file name in the model directory"
+    with pytest.raises(CheckpointError) as err:
+        HFCheckpoint(model)
+    assert str(index) in str(err.value) and named in str(err.value) and "save_pretrained" in str(err.value)
+    run = _check(f"model.hf_path={model}")
+    assert run.returncode == 2 and f"model.hf_path: {index}: {named}" in run.stderr, run.stderr
+
+
 def test_failures_after_start_up_print_one_line_unless_debug():
     short = subprocess.run([sys.executable, "-m", "grpo_megatron", "verify", str(TINY)], cwd=REPO_ROOT,
                            capture_output=True, text=True, timeout=300,

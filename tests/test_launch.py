@@ -84,6 +84,10 @@ def expand(hostlist):
     return hosts
 
 if __name__ == "__main__":
+    if sys.argv[1:2] == ["requeue"]:  # what the script asks of Slurm, noted for the test
+        with open(__import__("os").environ["FAKE_SLURM_LOG"], "a") as log:
+            log.write(" ".join(sys.argv[1:]) + "\\n")
+        sys.exit(0)
     assert sys.argv[1:3] == ["show", "hostnames"], sys.argv
     print("\\n".join(expand(sys.argv[3] if len(sys.argv) > 3 else __import__("os").environ["SLURM_JOB_NODELIST"])))
 '''
@@ -92,7 +96,7 @@ FAKE_SRUN = '''#!{python}
 """srun --nodes N --ntasks-per-node 1 [--kill-on-bad-exit=1] [--output PATTERN] CMD...: one task per
 node of the allocation with Slurm's task variables, output to PATTERN (%n node index, %t task, %N
 host, %j job id), the other tasks killed when one fails (with --kill-on-bad-exit), exit code the
-worst task's."""
+worst task's. SIGUSR1 and SIGTERM are passed on to every task's process group."""
 import os, signal, subprocess, sys, time
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -121,6 +125,16 @@ for i, host in enumerate(hosts[:nodes]):
                                   start_new_session=True))
 kill = opts.get("--kill-on-bad-exit", "0") == "1"
 codes = {{}}
+
+
+def forward(signum, frame):
+    for task in tasks:
+        if task.poll() is None:
+            os.killpg(task.pid, signum)
+
+
+signal.signal(signal.SIGUSR1, forward)
+signal.signal(signal.SIGTERM, forward)
 while len(codes) < len(tasks):
     for i, task in enumerate(tasks):
         if i not in codes and task.poll() is not None:
@@ -152,7 +166,16 @@ def _run_sbatch_under_slurm(
 ) -> subprocess.CompletedProcess:
     """train.sbatch as sbatch would run it on a 2-node allocation (the job's environment), with the
     fake srun/scontrol first on PATH."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM", "GRPO_LOCAL_TEST", "MASTER_"))}
+    cmd = ["bash", str(REPO_ROOT / "launch/slurm/train.sbatch"), "examples/tiny_moe.yaml", *args]
+    return subprocess.run(cmd, cwd=tmp_path, env=slurm_env(tmp_path, python), capture_output=True, text=True,
+                          timeout=240)
+
+
+def slurm_env(tmp_path: Path, python: str | None = None) -> dict[str, str]:
+    """The environment of a batch script on a 2-node allocation (job 4242, one process per node),
+    with the fake srun/scontrol first on PATH; `scontrol requeue` is noted in $FAKE_SLURM_LOG."""
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("SLURM", "GRPO_LOCAL_TEST", "MASTER_", "GRPO_EXIT_FILE"))}
     env.update(
         PATH=f"{_shim(tmp_path)}:{os.environ['PATH']}",
         SLURM_JOB_ID="4242",
@@ -167,9 +190,9 @@ def _run_sbatch_under_slurm(
         LOG_DIR=str(tmp_path / "logs"),
         OMP_NUM_THREADS="1",
         PYTHON=python or sys.executable,
+        FAKE_SLURM_LOG=str(tmp_path / "slurm.log"),
     )
-    cmd = ["bash", str(REPO_ROOT / "launch/slurm/train.sbatch"), "examples/tiny_moe.yaml", *args]
-    return subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
+    return env
 
 
 def test_fake_scontrol_expands_slurm_hostlists(tmp_path: Path) -> None:

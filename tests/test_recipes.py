@@ -49,10 +49,11 @@ def test_recipe_validates_and_plans(
     args[0] = str(recipe)
     nodes = int(args[args.index("--nodes") + 1])
     gpus = int(args[args.index("--gpus-per-node") + 1])
-    # The datasets are downloaded and prepared by tools/prepare_*.py; `check` requires the files,
-    # so stand-ins take their place here (the layout and batch rules are what this test checks).
+    # The datasets are downloaded and prepared by tools/prepare_*.py, the tokenizer comes with the
+    # downloaded checkpoint; `check` requires the files, so stand-ins take their place here (the layout
+    # and batch rules are what this test checks).
     data = (yaml.safe_load(recipe.read_text()) or {}).get("data") or {}
-    stand_ins = []
+    stand_ins = [f"data.tokenizer_path={REPO_ROOT / 'examples' / 'demo'}"]
     for key in ("train_path", "eval_path"):
         if data.get(key):
             (tmp_path / key).write_text("")

@@ -174,11 +174,12 @@ def test_cli_check_imports_the_rewards_in_a_worker(capsys):
     from tests.helpers.dist import REPO_ROOT
 
     example = str(REPO_ROOT / "examples" / "tiny_moe.yaml")
-    assert main(["check", example, "reward.components[0].function=tests.no_such_mod:f"]) == 2
+    tokenizer = f"data.tokenizer_path={REPO_ROOT / 'examples' / 'demo'}"  # tiny_moe/ has none; train needs one
+    assert main(["check", example, tokenizer, "reward.components[0].function=tests.no_such_mod:f"]) == 2
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and "Traceback" not in err
     assert "reward.components[0].function='tests.no_such_mod:f': cannot import module 'tests.no_such_mod'" in err
-    assert main(["check", example, "reward.components[0].function=tests.reward_attacks:imported_in"]) == 0
+    assert main(["check", example, tokenizer, "reward.components[0].function=tests.reward_attacks:imported_in"]) == 0
     assert "tests.reward_attacks" not in sys.modules
 
 

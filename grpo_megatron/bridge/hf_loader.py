@@ -8,7 +8,6 @@ canonical tensor comes from ``bridge/layout.py``.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -18,6 +17,7 @@ import torch
 from grpo_megatron.bridge.layout import canonical_shape, local_tensors, rules_by_name, tp_group_of
 from grpo_megatron.bridge.transforms import hf_shapes, read_shard
 from grpo_megatron.distributed.bootstrap import ParallelState
+from grpo_megatron.fileio import read_weight_map
 from grpo_megatron.models.registry import get_adapter
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -70,7 +70,10 @@ class HFCheckpoint:
         index = self.directory / INDEX_NAME
         single = self.directory / SINGLE_NAME
         if index.is_file():
-            self.weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
+            try:
+                self.weight_map: dict[str, str] = read_weight_map(index)
+            except ValueError as exc:
+                raise CheckpointError(str(exc)) from None
         elif single.is_file():
             self.weight_map = dict.fromkeys(check_safetensors(single), SINGLE_NAME)
         else:

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Literal
+
+SAVE_SIGNALS = ("SIGUSR1", "SIGUSR2", "SIGHUP", "SIGINT")
+"""Names `checkpoint.signal` may take (SIGTERM is always handled)."""
 
 
 @dataclass
@@ -34,8 +38,23 @@ class CheckpointConfig:
     (safetensors, config.json, tokenizer files) to this directory through the weight bridge's export
     stream; None = no export. A relative path is relative to logging.run_dir."""
 
+    signal: str | None = "SIGUSR1"
+    """A second signal that, like SIGTERM, makes the run save and stop (preemption): every rank
+    finishes the current iteration, a checkpoint is written and every rank exits 75
+    (distributed/preemption.py). SIGUSR1 matches launch/slurm/train.sbatch's early warning
+    (``#SBATCH --signal=B:USR1@120``); one of SIGUSR1, SIGUSR2, SIGHUP, SIGINT, or null for SIGTERM only."""
+    signal_grace_s: float = 90.0
+    """Seconds from the first signal within which the run must have saved and stopped; past them
+    (or at a second signal) every rank exits at once (exit code 143; with the checkpoint already
+    written, 75). It must exceed one iteration plus a save, and stay below the scheduler's warning
+    (120 s in train.sbatch) so that the save is not cut short by the kill that follows."""
+
     def validate(self) -> None:
         errors = []
+        if self.signal is not None and self.signal not in SAVE_SIGNALS:
+            errors.append(f"checkpoint.signal={self.signal!r} must be one of {', '.join(SAVE_SIGNALS)}, or null")
+        if not (math.isfinite(self.signal_grace_s) and self.signal_grace_s > 0):
+            errors.append(f"checkpoint.signal_grace_s={self.signal_grace_s} must be a number of seconds > 0")
         if self.save_interval < 0:
             errors.append(f"checkpoint.save_interval={self.save_interval} must be >= 0 (0 = never)")
         if self.keep_last is not None and self.keep_last < 1:

@@ -246,7 +246,8 @@ def preflight_errors(cfg: JobConfig, command: str) -> list[str]:
     """Problems with the job's input and output paths: data files, the tokenizer and model
     directories (safetensors whole), an explicit resume checkpoint, and output directories that
     already hold files (found now, not after the last iteration)."""
-    from grpo_megatron.fileio import safetensors_problem
+    from grpo_megatron.data.tokenizer import tokenizer_files_problem
+    from grpo_megatron.fileio import read_weight_map, safetensors_problem
 
     errors: list[str] = []
     data = cfg.data
@@ -255,14 +256,22 @@ def preflight_errors(cfg: JobConfig, command: str) -> list[str]:
         if value and not Path(value).is_file():
             errors.append(f"data.{name}={value}: no such file; check the path (relative to the config file)")
     tokenizer_dir = Path(data.tokenizer_path or cfg.model.hf_path)
-    if data.tokenizer_path and not tokenizer_dir.is_dir():
-        errors.append(f"data.tokenizer_path={data.tokenizer_path}: no such directory")
+    field = f"data.tokenizer_path={data.tokenizer_path}" if data.tokenizer_path else (
+        f"data.tokenizer_path (unset: model.hf_path={cfg.model.hf_path})")
+    tokenizer_problem = tokenizer_files_problem(tokenizer_dir)
+    if tokenizer_problem:  # train and sft would stop on it after starting every rank
+        errors.append(f"{field}: {tokenizer_problem}")
     model_dir = Path(cfg.model.hf_path)
     if model_dir.is_dir():
         for path in sorted(model_dir.glob("*.safetensors")):
             problem = safetensors_problem(path)
             if problem:
                 errors.append(f"model.hf_path: {problem}")
+        if (model_dir / "model.safetensors.index.json").is_file():
+            try:
+                read_weight_map(model_dir / "model.safetensors.index.json")
+            except ValueError as exc:
+                errors.append(f"model.hf_path: {exc}")
     resume = cfg.checkpoint.resume
     if resume not in ("auto", "none") and not Path(resume).exists():
         errors.append(f"checkpoint.resume={resume}: no such checkpoint; use auto, none or an existing path")

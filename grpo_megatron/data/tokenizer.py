@@ -20,6 +20,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "load_tokenizer",
+    "tokenizer_files_problem",
     "build_char_tokenizer",
     "SPECIAL_TOKENS",
     "DEMO_CHARS",
@@ -36,6 +37,21 @@ DEMO_WORDS: tuple[str, ...] = ("<answer>", "</answer>")
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
 
+def tokenizer_files_problem(directory: Path) -> str | None:
+    """Why ``directory`` holds no tokenizer ``load_tokenizer`` could read, with the fix; None when
+    it has tokenizer files (the CLI's start-up check and ``load_tokenizer`` share it)."""
+    directory = directory.expanduser()
+    hint = (
+        "set data.tokenizer_path (or model.hf_path) to a directory with tokenizer.json and "
+        "tokenizer_config.json, or build one offline with tools/build_char_tokenizer.py"
+    )
+    if not directory.is_dir():
+        return f"tokenizer directory {directory} does not exist: {hint}"
+    if not any((directory / name).is_file() for name in (*_TOKENIZER_FILES, "tokenizer.model", "vocab.json")):
+        return f"{directory} has no tokenizer files ({', '.join(_TOKENIZER_FILES)}): {hint}"
+    return None
+
+
 def load_tokenizer(path: str | Path) -> PreTrainedTokenizerFast:
     """The fast tokenizer saved in directory `path` (local files only: nothing is downloaded).
 
@@ -45,14 +61,9 @@ def load_tokenizer(path: str | Path) -> PreTrainedTokenizerFast:
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
     directory = Path(path).expanduser()
-    hint = (
-        "set data.tokenizer_path (or model.hf_path) to a directory with tokenizer.json and "
-        "tokenizer_config.json, or build one offline with tools/build_char_tokenizer.py"
-    )
-    if not directory.is_dir():
-        raise FileNotFoundError(f"tokenizer directory {directory} does not exist: {hint}")
-    if not any((directory / name).is_file() for name in (*_TOKENIZER_FILES, "tokenizer.model", "vocab.json")):
-        raise FileNotFoundError(f"{directory} has no tokenizer files ({', '.join(_TOKENIZER_FILES)}): {hint}")
+    problem = tokenizer_files_problem(directory)
+    if problem:
+        raise FileNotFoundError(problem)
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
     except (OSError, ValueError) as err:

@@ -32,6 +32,12 @@ list, which only has an effect if the forkserver has not started yet.
 
 Responses are cut to their last `cfg.max_response_chars` characters in the trainer process,
 before pickling (`reward_pool/truncated` counts them).
+
+The other way nothing is unpickled: reward code can reach its worker's pipe, so every message a
+worker sends is a size-bounded frame of JSON checked against a fixed schema (wire.py), read with a
+deadline. A malformed, oversized, incomplete or out-of-turn message kills that worker: its sample
+falls back (an error) and a replacement starts, as for a crash; at start-up it stops the start
+naming the component being imported.
 """
 
 import math
@@ -49,6 +55,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
+from grpo_megatron.rewards import wire
 from grpo_megatron.rewards.base import RewardSample
 from grpo_megatron.rewards.composite import CompositeReward, RewardComponentError
 from grpo_megatron.rewards.config import RewardComponentConfig, RewardConfig
@@ -117,19 +124,24 @@ def _worker_main(
     conn: mp_conn.Connection, components: list[RewardComponentConfig], plan: SandboxPlan, timeout_s: float
 ) -> None:
     """Worker loop: enter the sandbox, import the components (saying which), say ready with the
-    active protections, then score one sample per message."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's to handle
+    active protections, then score one sample per message. Everything it says is a wire.py frame."""
+    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2):
+        signal.signal(signum, signal.SIG_IGN)  # Ctrl-C and preemption are the trainer's to handle
+
+    def say(message: wire.Message) -> None:
+        conn.send_bytes(wire.encode(message))
+
     try:
         report = enter_sandbox(plan)
     except BaseException as err:  # noqa: BLE001 - any failure must reach the parent as a message
-        conn.send(("init_error", f"reward sandbox set-up failed: {type(err).__name__}: {err}"))
+        say(wire.InitError(f"reward sandbox set-up failed: {type(err).__name__}: {err}"))
         return
     try:
-        composite = build_composite(components, on_import=lambda i: conn.send(("importing", i)))
+        composite = build_composite(components, on_import=lambda i: say(wire.Importing(i)))
     except BaseException as err:  # noqa: BLE001
-        conn.send(("init_error", str(err) if isinstance(err, ValueError) else f"{type(err).__name__}: {err}"))
+        say(wire.InitError(str(err) if isinstance(err, ValueError) else f"{type(err).__name__}: {err}"))
         return
-    conn.send(("ready", report))
+    say(wire.Ready(report.scratch, list(report.active), list(report.inactive)))
     while True:
         try:
             msg = conn.recv()
@@ -141,14 +153,15 @@ def _worker_main(
         set_cpu_backstop(timeout_s)
         try:
             total, comps = composite(sample)
-            reply: tuple[Any, ...] = (task_id, "ok", total, comps, None)
+            reply = wire.Result(task_id, "ok", float(total), {k: float(v) for k, v in comps.items()}, None, None)
         except RewardComponentError as err:
-            reply = (task_id, "invalid" if err.invalid else "error", str(err)[:2000], None, err.component)
+            status: Literal["invalid", "error"] = "invalid" if err.invalid else "error"
+            reply = wire.Result(task_id, status, None, None, str(err)[:2000], err.component)
         except BaseException as err:  # noqa: BLE001 - e.g. SystemExit or KeyboardInterrupt from user code
             tb = traceback.format_exc(limit=3)
-            reply = (task_id, "error", f"{type(err).__name__}: {err}\n{tb}"[:2000], None, None)
+            reply = wire.Result(task_id, "error", None, None, f"{type(err).__name__}: {err}\n{tb}"[:2000], None)
         try:
-            conn.send(reply)
+            say(reply)
         except (OSError, ValueError):
             return
 
@@ -211,6 +224,7 @@ class RewardPool:
         cfg.validate()
         self.cfg = cfg
         self._components = list(cfg.components)
+        self._names = frozenset(c.name for c in cfg.components)
         self._composite: CompositeReward | None = None
         self._scratch_root: str | None = None
         self.sandbox: SandboxReport | None = None
@@ -299,6 +313,21 @@ class RewardPool:
                 alive.append(proc)
         self._graveyard[:] = alive
 
+    def _receive(self, w: _Worker) -> wire.Message:
+        """The next message of ``w`` (its pipe is readable), decoded by wire.py's fixed schema.
+        EOFError/OSError: the worker is gone; wire.ProtocolError: it sent something else, or a
+        message out of turn (an import out of order, a result for another task)."""
+        message = wire.decode(wire.read_frame(w.conn.fileno()), self._names)
+        if isinstance(message, wire.Importing):
+            if w.ready or message.index >= len(self._components) or (-1 if w.importing is None else w.importing) >= message.index:
+                raise wire.ProtocolError(f"an out-of-turn 'importing {message.index}' message")
+        elif isinstance(message, wire.Ready | wire.InitError):
+            if w.ready:
+                raise wire.ProtocolError("a start-up message from a worker that is ready")
+        elif not w.ready or message.task != w.task:
+            raise wire.ProtocolError(f"a result for task {message.task} from a worker scoring {w.task}")
+        return message
+
     def _wait_ready(self) -> None:
         deadline = time.monotonic() + self.cfg.startup_timeout_s
         while not all(w.ready for w in self._workers):
@@ -311,23 +340,25 @@ class RewardPool:
             for conn in _ready(list(waiting), remaining):
                 w = waiting[conn]
                 try:
-                    kind, payload = conn.recv()
+                    msg = self._receive(w)
                 except (EOFError, OSError):
-                    kind, payload = "init_error", self._startup_failure(w, f"worker exited with code {w.process.exitcode}")
-                if kind == "importing":
-                    w.importing = payload
+                    msg = wire.InitError(self._startup_failure(w, f"worker exited with code {w.process.exitcode}"))
+                except wire.ProtocolError as err:
+                    msg = wire.InitError(self._startup_failure(w, f"the worker sent a malformed message: {err}"))
+                if isinstance(msg, wire.Importing):
+                    w.importing = msg.index
                     continue
-                if kind != "ready":
+                if not isinstance(msg, wire.Ready):
                     self.close()
-                    raise RewardStartupError(_one_line(payload))
+                    raise RewardStartupError(_one_line(msg.message if isinstance(msg, wire.InitError) else str(msg)))
                 w.ready = True
-                self._note_sandbox(payload)
+                self._note_sandbox(msg)
 
-    def _note_sandbox(self, report: SandboxReport) -> None:
+    def _note_sandbox(self, ready: wire.Ready) -> None:
         if self.sandbox is None:  # log once per pool: every worker applies the same plan
-            self.sandbox = report
+            self.sandbox = SandboxReport(scratch=ready.scratch, active=ready.active, inactive=ready.inactive)
             if self._log is not None:
-                self._log(f"[reward] {report.line()}")
+                self._log(f"[reward] {self.sandbox.line()}")
 
     def close(self) -> None:
         """Kill the workers and remove their scratch directories. Idempotent."""
@@ -424,7 +455,10 @@ class RewardPool:
                     self._init_failures += 1
                     self._replace(w)
             # Hand out work to idle, ready workers.
-            for w in self._workers:
+            for w in list(self._workers):
+                if pending and w.ready and w.task is None and w.conn.poll():
+                    self._replace(w)  # it spoke out of turn (more frames after its result): a liar
+                    continue
                 if pending and w.ready and w.task is None:
                     i = pending.popleft()
                     try:
@@ -443,41 +477,35 @@ class RewardPool:
 
     def _handle_message(self, w: _Worker, outcomes: list) -> None:
         try:
-            msg = w.conn.recv()
-        except (EOFError, OSError):  # the worker died (os._exit, segfault, OOM kill ...)
+            msg = self._receive(w)
+        except (EOFError, OSError, wire.ProtocolError) as err:  # died (os._exit, segfault, OOM kill ...) or lied
             if not w.ready:
                 self._init_failures += 1
             if w.task is not None:
-                code = w.process.exitcode
-                died = f"reward worker died (exit code {code}) on sample {w.task}"
-                outcomes[w.task] = ("error", None, None, died, None)
+                if isinstance(err, wire.ProtocolError):
+                    why = f"reward worker sent a malformed message on sample {w.task} and was killed: {err}"
+                else:
+                    why = f"reward worker died (exit code {w.process.exitcode}) on sample {w.task}"
+                outcomes[w.task] = ("error", None, None, why, None)
             self._replace(w)
             return
-        except Exception as err:  # noqa: BLE001 - an unpicklable reply
-            if w.task is not None:
-                outcomes[w.task] = ("error", None, None, f"unreadable reply: {err}", None)
-            self._replace(w)
+        if isinstance(msg, wire.Importing):
+            w.importing = msg.index
             return
-        if msg[0] == "importing":
-            w.importing = msg[1]
-            return
-        if msg[0] == "ready":
+        if isinstance(msg, wire.Ready):
             w.ready = True
-            self._note_sandbox(msg[1])
+            self._note_sandbox(msg)
             return
-        if msg[0] == "init_error":  # user code imported at start-up but not now: retry, within limits
+        if isinstance(msg, wire.InitError):  # user code imported at start-up but not now: retry, within limits
             self._init_failures += 1
             self._replace(w)
             return
-        task_id, kind, payload, comps, component = msg
-        if task_id != w.task:  # cannot happen (one task per worker), but never misattribute
-            return
-        if kind == "ok":
-            outcomes[task_id] = ("ok", payload, comps, None, None)
+        if msg.status == "ok":
+            outcomes[msg.task] = ("ok", msg.reward, msg.components, None, None)
         else:
-            outcomes[task_id] = (kind, None, None, payload, component)
+            outcomes[msg.task] = (msg.status, None, None, msg.message, msg.component)
         w.task, w.deadline = None, math.inf
-        if kind == "error" and self.cfg.replace_worker_on_error:
+        if msg.status == "error" and self.cfg.replace_worker_on_error:
             self._replace(w)
 
     def _collect(self, outcomes: list[Outcome | None], truncated: int, restarts: int) -> RewardBatch:

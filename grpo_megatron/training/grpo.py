@@ -14,6 +14,7 @@ Every rank runs this loop (SPMD). One iteration, with the module that owns each 
   sync          export stream -> engines, then a mismatch probe            phases/sync.py
   eval          held-out greedy pass@1 (and mean@k) every train.eval_interval  phases/eval.py
   bookkeeping   metrics.jsonl, samples, checkpoint                         phases/bookkeeping.py
+  safe point    a signal on any rank (SIGTERM, checkpoint.signal): save, exit 75  distributed/preemption.py
 
 The colocated memory moves (onload; offload around the sync; the checkpoint's visit) are
 ``ColocatedMemory`` (training/offload.py), ``job.memory``.
@@ -34,9 +35,13 @@ from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING
 
+import torch.distributed as dist
+
 from grpo_megatron.algorithm.batch_shaping import DynamicSampling
 from grpo_megatron.algorithm.kl import kl_beta
+from grpo_megatron.checkpoint.manager import checkpoint_name
 from grpo_megatron.distributed.collectives import on_rank0
+from grpo_megatron.distributed.preemption import Preempted, report_preempted
 from grpo_megatron.fileio import write_text_atomic
 from grpo_megatron.training.batching import Sample
 from grpo_megatron.training.job import Job, PhaseTimer, build_job, export_hf_checkpoint
@@ -195,9 +200,16 @@ def train(job: Job) -> dict[str, float]:
         stop_if_not_finite(metrics, it, f"the checkpoints in {job.checkpoints.dir} are untouched")
         if cfg.logging.samples_interval and it % cfg.logging.samples_interval == 0:
             job.logger.log_samples(it, sample_rows(result.groups, cfg.train.rollout_samples_logged))
-        if job.checkpoints.should_save(it, final_iteration=cfg.train.iterations):
-            trainer_state = {"iteration": it, "sampler": sampler.state_dict(), "eval": last_eval, "best": best}
+        trainer_state = {"iteration": it, "sampler": sampler.state_dict(), "eval": last_eval, "best": best}
+        saved = job.checkpoints.should_save(it, final_iteration=cfg.train.iterations)
+        if saved:
             save_checkpoint(job.checkpoints, job.memory, job.policy, it, trainer_state)
+        # The safe point: any rank's signal (SIGTERM, checkpoint.signal) stops every rank here, saved.
+        if signal_name := job.preemption.requested_anywhere(dist.group.WORLD):
+            if not saved:
+                save_checkpoint(job.checkpoints, job.memory, job.policy, it, trainer_state)
+            job.preemption.checkpoint_written = True
+            raise Preempted(it, signal_name)
     return {
         "before": first_eval.get("eval/accuracy", float("nan")),
         "after": last_eval.get("eval/accuracy", float("nan")),
@@ -213,12 +225,20 @@ def main(cfg: JobConfig) -> int:
     # The CLI (the only caller) checked data paths and output directories before any process group.
     start = time.perf_counter()
     job = build_job(cfg, with_reference=cfg.algorithm.kl.enabled)
+    preempted: Preempted | None = None
     try:
         result = train(job)
         if cfg.checkpoint.export_hf_dir:
             export_hf_checkpoint(job, job.run_dir / cfg.checkpoint.export_hf_dir)
+    except Preempted as stop:
+        preempted = stop
     finally:
         job.close()
+    if preempted is not None:
+        checkpoint = job.checkpoints.dir / checkpoint_name(preempted.iteration)
+        code = report_preempted(preempted, checkpoint, job.ps.rank, dist.group.WORLD)
+        destroy_distributed()
+        return code
     seconds = time.perf_counter() - start
     if job.ps.rank == 0:
         print(

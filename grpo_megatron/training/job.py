@@ -19,9 +19,11 @@ from grpo_megatron.distributed.bootstrap import ParallelState
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator
 
+    from grpo_megatron.checkpoint.config import CheckpointConfig
     from grpo_megatron.checkpoint.manager import CheckpointManager
     from grpo_megatron.config import JobConfig
     from grpo_megatron.data import PromptRecord, PromptSampler, SFTRecord
+    from grpo_megatron.distributed.preemption import Preemption
     from grpo_megatron.distributed.watchdog import ProgressWatchdog
     from grpo_megatron.logging_utils.metrics import MetricsLogger
     from grpo_megatron.rewards.pool import RewardPool
@@ -50,6 +52,8 @@ class Job:
     """Only on global rank 0 (it scores for everyone and broadcasts); None elsewhere."""
     memory: ColocatedMemory
     """The colocated memory choreography (train.offload_trainer; a no-op when off)."""
+    preemption: Preemption
+    """This process's save-on-signal flag (SIGTERM, checkpoint.signal), asked at the loop's safe point."""
     reference: torch.nn.Module | None = None
     """Frozen reference model (same layout as the policy); None when the KL penalty is off."""
     sft_records: list[SFTRecord] = field(default_factory=list)
@@ -108,6 +112,8 @@ class Job:
                 reference.to("cpu")
 
     def close(self) -> None:
+        if self.preemption.received is None:  # after a signal, the grace keeps bounding the exit
+            self.preemption.uninstall()
         if self.watchdog is not None:
             self.watchdog.stop()
         self.fleet.shutdown()
@@ -176,6 +182,20 @@ def export_hf_checkpoint(job: Job, out_dir: Path) -> None:
     write_hf_checkpoint(job.policy.model, job.ps, job.hf, out_dir, extra_files=tokenizer_files(tokenizer_dir))
 
 
+def start_preemption(cfg: CheckpointConfig, install: bool) -> Preemption:
+    """SIGTERM and checkpoint.signal noted from now on (distributed/preemption.py) when ``install``
+    (GRPO; SFT keeps no checkpoints, so a signal ends it as before)."""
+    import signal
+
+    from grpo_megatron.distributed.preemption import Preemption
+
+    signals = [signal.SIGTERM] + ([signal.Signals[cfg.signal]] if cfg.signal else [])
+    preemption = Preemption(signals, cfg.signal_grace_s)
+    if install:
+        preemption.install()
+    return preemption
+
+
 def build_job(cfg: JobConfig, *, with_reference: bool, sft: bool = False) -> Job:
     """Bootstrap the process groups and build policy, engines, data, rewards, logger and checkpoints."""
     from grpo_megatron.checkpoint.manager import CheckpointManager
@@ -190,6 +210,7 @@ def build_job(cfg: JobConfig, *, with_reference: bool, sft: bool = False) -> Job
     from grpo_megatron.training.policy import build_policy
 
     ps = init_distributed(cfg.parallel, seed=cfg.train.seed)
+    preemption = start_preemption(cfg.checkpoint, install=not sft)
     watchdog = start_watchdog(cfg.parallel.progress_timeout_s, ps.rank, ps.world_size)
     beat = watchdog.beat if watchdog is not None else (lambda phase: None)
     hf = cfg.model.load_hf_config()
@@ -246,6 +267,7 @@ def build_job(cfg: JobConfig, *, with_reference: bool, sft: bool = False) -> Job
         eval_records=eval_records,
         rewards=pools[0] if pools else None,
         memory=ColocatedMemory(policy, fleet, enabled=cfg.train.offload_trainer),
+        preemption=preemption,
         reference=reference,
         sft_records=sft_records,
         watchdog=watchdog,

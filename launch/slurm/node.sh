@@ -15,6 +15,14 @@
 #   RDZV_TIMEOUT     seconds a node waits for the others to join (default 900)
 #   MAX_RESTARTS     torchrun restarts of the whole worker group after a failure (default 0)
 #   PYTHON           interpreter (default: .venv/bin/python if present, else python3)
+#   GRPO_EXIT_FILE   where rank 0 of `train` leaves 75 when it stopped on a signal with a checkpoint
+#                    (default: a temporary file); this script then exits 75 (torchrun exits 1)
+#
+# Preemption (COMMAND=train): the ranks handle SIGTERM and SIGUSR1/SIGUSR2 themselves -- finish the
+# iteration, save, exit 75 (grpo_megatron/distributed/preemption.py). torchrun would die of SIGUSR1 and
+# answer SIGTERM by killing the ranks after 30 s, so it starts with these signals ignored (and told not to
+# handle SIGTERM); this script forwards each one it gets to the ranks (the same signal reaching a rank
+# also straight from Slurm within a second counts once).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 
@@ -41,13 +49,35 @@ export TORCH_COMPILE_DISABLE=${TORCH_COMPILE_DISABLE:-1}
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 
 echo "[node $NODE_RANK/$NNODES on $(hostname)] ${COMMAND:-train} $* | $GPUS_PER_NODE procs, rendezvous $MASTER_ADDR:$MASTER_PORT id $RDZV_ID"
-# exec: torchrun's exit code (non-zero when any local rank failed) is this task's exit code.
-exec "$PYTHON" -m torch.distributed.run \
-    --nnodes "$NNODES" \
-    --nproc-per-node "$GPUS_PER_NODE" \
-    --rdzv-backend c10d \
-    --rdzv-endpoint "$MASTER_ADDR:$MASTER_PORT" \
-    --rdzv-id "$RDZV_ID" \
-    --rdzv-conf "join_timeout=$RDZV_TIMEOUT" \
-    --max-restarts "${MAX_RESTARTS:-0}" \
-    -m grpo_megatron "${COMMAND:-train}" "$@"
+TORCHRUN=("$PYTHON" -m torch.distributed.run
+    --nnodes "$NNODES"
+    --nproc-per-node "$GPUS_PER_NODE"
+    --rdzv-backend c10d
+    --rdzv-endpoint "$MASTER_ADDR:$MASTER_PORT"
+    --rdzv-id "$RDZV_ID"
+    --rdzv-conf "join_timeout=$RDZV_TIMEOUT"
+    --max-restarts "${MAX_RESTARTS:-0}"
+    -m grpo_megatron "${COMMAND:-train}" "$@")
+if [ "${COMMAND:-train}" != train ]; then
+    # exec: torchrun's exit code (non-zero when any local rank failed) is this task's exit code.
+    exec "${TORCHRUN[@]}"
+fi
+
+export GRPO_EXIT_FILE=${GRPO_EXIT_FILE:-$(mktemp)}
+export TORCHELASTIC_SIGNALS_TO_HANDLE=${TORCHELASTIC_SIGNALS_TO_HANDLE:-SIGINT,SIGHUP,SIGQUIT}
+(trap '' TERM USR1 USR2; exec "${TORCHRUN[@]}") &
+torchrun_pid=$!
+forward() { pkill "-$1" -P "$torchrun_pid" || true; }  # torchrun's children: this node's ranks
+trap 'forward TERM' TERM
+trap 'forward USR1' USR1
+trap 'forward USR2' USR2
+while kill -0 "$torchrun_pid" 2>/dev/null; do
+    wait "$torchrun_pid" || true  # returns early (> 128) each time a trapped signal arrives
+done
+rc=0
+wait "$torchrun_pid" || rc=$?  # its exit status, kept by the shell
+if [ "$rc" -ne 0 ] && [ "$(cat "$GRPO_EXIT_FILE" 2>/dev/null)" = 75 ]; then
+    echo "[node $NODE_RANK] stopped on a signal with a checkpoint written: exit 75 (rerun to resume)"
+    rc=75
+fi
+exit "$rc"

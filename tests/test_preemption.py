@@ -1,0 +1,208 @@
+"""Save on signal (issue 26): SIGTERM at any point of an iteration -- rollout, train, sync, during a
+save -- on one rank makes every rank finish the iteration, write a checkpoint that verifies, and exit
+75; rerunning resumes bit-exactly (the chained reruns' metrics equal an uninterrupted run's). A
+second signal, or the grace running out, exits at once without touching ``latest``. Real processes:
+the trainer under torchrun (2 ranks, gloo), signals sent by the ranks to themselves at the named
+points (tests/workers/preempt_workers.py) or by this test."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from grpo_megatron.distributed.preemption import EXIT_INTERRUPTED, EXIT_PREEMPTED
+from tests.helpers.dist import REPO_ROOT, free_port
+from tests.test_train import DEMO, SMALL, comparable, finish, launch
+
+COMMON = [*SMALL, "train.iterations=5", "checkpoint.save_interval=2", "train.eval_interval=0"]
+
+# ------------------------------------------------------------------------------------------------
+# The flag object alone, in a process whose main thread never reaches a safe point
+
+_CHILD = """
+import os, sys, time
+from pathlib import Path
+from grpo_megatron.distributed.preemption import Preemption
+from grpo_megatron.fileio import write_text_atomic
+import signal
+p = Preemption([signal.SIGTERM], grace_s=float(sys.argv[1]))
+p.install()
+p.checkpoint_written = sys.argv[2] == "written"
+latest = Path(sys.argv[3])
+print("ready", flush=True)
+if sys.argv[4] == "blocked":  # as a rank waiting in a collective: no Python runs in the main thread
+    os.read(os.pipe()[0], 1)
+i = 0
+while True:  # as rank 0 publishing checkpoints: `latest` replaced over and over
+    i += 1
+    write_text_atomic(latest, f"iter_{i:07d}\\n" * 1000)
+"""
+
+
+def _child(tmp_path: Path, grace_s: float, written: bool, mode: str) -> subprocess.Popen:
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _CHILD, str(grace_s), "written" if written else "no", str(tmp_path / "latest"), mode],
+        cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    assert proc.stdout is not None
+    first = proc.stdout.readline().strip()
+    if first != "ready":
+        pytest.fail(first + proc.communicate()[1])
+    return proc
+
+
+def _exit_within(proc: subprocess.Popen, bound_s: float) -> tuple[int, float, str]:
+    start = time.monotonic()
+    out, err = proc.communicate(timeout=bound_s + 30)
+    return proc.returncode, time.monotonic() - start, out + err
+
+
+def test_grace_bounds_a_rank_that_never_reaches_the_safe_point(tmp_path: Path):
+    for written, code in ((False, EXIT_INTERRUPTED), (True, EXIT_PREEMPTED)):
+        proc = _child(tmp_path, 1.0, written, "blocked")
+        proc.send_signal(signal.SIGTERM)
+        rc, elapsed, out = _exit_within(proc, 1.0)
+        assert rc == code, out
+        assert 0.9 < elapsed < 3.0, elapsed
+        assert "the grace of checkpoint.signal_grace_s=1 s ran out: exiting now" in out, out
+
+
+def test_a_second_signal_exits_at_once_and_latest_stays_whole(tmp_path: Path):
+    proc = _child(tmp_path, 60.0, False, "publishing")
+    time.sleep(0.3)
+    proc.send_signal(signal.SIGTERM)
+    time.sleep(0.1)
+    proc.send_signal(signal.SIGTERM)  # the same signal by a second route (Slurm and node.sh): one signal
+    time.sleep(1.5)
+    assert proc.poll() is None
+    proc.send_signal(signal.SIGTERM)  # a second one
+    rc, elapsed, out = _exit_within(proc, 1.0)
+    assert rc == EXIT_INTERRUPTED and elapsed < 2.0, (rc, elapsed, out)
+    assert "a second signal (SIGTERM): exiting now with 143" in out
+    lines = set((tmp_path / "latest").read_text().splitlines())
+    assert len(lines) == 1 and len((tmp_path / "latest").read_text()) == 13 * 1000  # one whole version
+
+
+# ------------------------------------------------------------------------------------------------
+# The trainer: one signal at each point, each rerun resuming from the checkpoint the last one wrote
+
+
+def _run(run_dir: Path, point: str, rank: int) -> tuple[int, str, str]:
+    """One launch of the trainer whose rank ``rank`` signals itself at ``point``: (torchrun's exit
+    code, the code in $GRPO_EXIT_FILE, the output)."""
+    exit_file = run_dir.parent / f"exit-{point}"
+    env = dict(os.environ, OMP_NUM_THREADS="1", TORCH_COMPILE_DISABLE="1", WANDB_SILENT="true",
+               GRPO_EXIT_FILE=str(exit_file))
+    args = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+            "--master-port", str(free_port()), "-m", "tests.workers.preempt_workers", point, str(rank), "train",
+            str(DEMO), *COMMON, f"logging.run_dir={run_dir}"]
+    proc = subprocess.run(args, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          text=True, timeout=400)
+    code = exit_file.read_text().strip() if exit_file.exists() else ""
+    (run_dir.parent / f"out-{point}.txt").write_text(proc.stdout)  # for a failure's post-mortem
+    return proc.returncode, code, proc.stdout
+
+
+def _latest(run_dir: Path) -> str:
+    return (run_dir / "checkpoints" / "latest").read_text().strip()
+
+
+def test_sigterm_at_each_point_saves_and_the_reruns_resume_bit_exactly(tmp_path: Path):
+    from grpo_megatron.checkpoint.integrity import verify_checkpoint
+    from grpo_megatron.logging_utils.metrics import read_jsonl
+
+    full = tmp_path / "full"
+    finish(launch("train", [*COMMON, f"logging.run_dir={full}"]))
+
+    cut = tmp_path / "cut"
+    # (point, signalled rank, the iteration whose checkpoint it leaves): rollout and sync are followed
+    # by a checkpoint of their own iteration; 2 and 4 are periodic saves (train.save_interval=2), which
+    # the safe point does not repeat; the SIGTERM during iteration 4's save lets the save finish.
+    for point, rank, saved in (("rollout:1", 1, 1), ("train:1", 0, 2), ("sync:1", 1, 3), ("save:1", 0, 4)):
+        started = time.monotonic()
+        rc, code, out = _run(cut, point, rank)
+        assert code == str(EXIT_PREEMPTED) and f"exitcode  : {EXIT_PREEMPTED}" in out, (point, rc, out[-4000:])
+        assert f"[preempt] SIGTERM: checkpoint {cut / 'checkpoints' / f'iter_{saved:07d}'} written" in out, out[-4000:]
+        assert _latest(cut) == f"iter_{saved:07d}", point
+        assert verify_checkpoint(cut / "checkpoints" / _latest(cut))["iteration"] == saved
+        assert f"SIGTERM at the start of {point.split(':')[0]}" in out
+        print(f"{point}: {time.monotonic() - started:.0f} s")
+
+    # SIGTERM, then SIGUSR1, as iteration 5's save starts: rank 1 exits at once; `latest` still names 4
+    rc, code, out = _run(cut, "save2:1", 1)
+    assert rc != 0 and code == "" and f"exitcode  : {EXIT_INTERRUPTED}" in out, out[-4000:]
+    assert "a second signal (SIGUSR1): exiting now" in out
+    assert _latest(cut) == "iter_0000004"
+
+    finish(launch("train", [*COMMON, f"logging.run_dir={cut}"]))
+    want = [comparable(r) for r in read_jsonl(full / "metrics.jsonl")]
+    got = [comparable(r) for r in read_jsonl(cut / "metrics.jsonl")]
+    assert [r["iteration"] for r in got] == [0, 1, 2, 3, 4, 5]
+    assert got == want, json.dumps([got[-1], want[-1]], indent=1)
+    assert _latest(cut) == "iter_0000005"
+
+
+def test_signal_fields_are_validated_naming_them():
+    from grpo_megatron.config import ConfigError, load_config, validate
+
+    cfg = load_config(DEMO, ["checkpoint.signal=SIGKILL", "checkpoint.signal_grace_s=0"])
+    with pytest.raises(ConfigError) as err:
+        validate(cfg, 2)
+    assert "checkpoint.signal='SIGKILL' must be one of SIGUSR1, SIGUSR2, SIGHUP, SIGINT, or null" in str(err.value)
+    assert "checkpoint.signal_grace_s=0.0 must be a number of seconds > 0" in str(err.value)
+    validate(load_config(DEMO, ["checkpoint.signal=null", "checkpoint.signal_grace_s=300"]), 2)
+
+
+def _sbatch_until_preempted(env: dict[str, str], run_dir: Path) -> tuple[int, str]:
+    """train.sbatch training the demo until its first iteration is logged, then SIGUSR1 to the script
+    as Slurm's --signal=B:USR1@120 sends it; checks it exits 75 with a checkpoint: its iteration and the
+    script's output."""
+    proc = subprocess.Popen(["bash", str(REPO_ROOT / "launch/slurm/train.sbatch"), str(DEMO), *COMMON,
+                             "train.iterations=50", f"logging.run_dir={run_dir}"],
+                            cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    metrics = run_dir / "metrics.jsonl"
+    deadline = time.monotonic() + 300
+    while not (metrics.is_file() and '"iteration": 1' in metrics.read_text()):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0][-3000:]
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGUSR1)
+    out, _ = proc.communicate(timeout=300)
+    node_log = "".join(p.read_text() for p in sorted(Path(env["LOG_DIR"]).glob("node*.log")))  # rank 0's anywhere
+    assert proc.returncode == EXIT_PREEMPTED, out + node_log[-3000:]
+    assert "[preempt] SIGUSR1: checkpoint" in node_log and "exit 75 (rerun to resume)" in node_log, node_log
+    assert "a second signal (" not in node_log  # the copies of the one signal counted once
+    saved = int(_latest(run_dir).removeprefix("iter_"))
+    assert 1 <= saved < 50
+    return saved, out
+
+
+@pytest.mark.parametrize("branch", ["local", "slurm"])
+def test_train_sbatch_forwards_the_early_warning_and_requeues(tmp_path: Path, branch: str):
+    # launch/slurm/train.sbatch gets SIGUSR1; node.sh passes it to the ranks past torchrun, which exits 1
+    # for any failed worker: the exit code 75 comes from rank 0's $GRPO_EXIT_FILE. "local": its
+    # GRPO_LOCAL_TEST branch, one "node" of two ranks. "slurm": its srun line under tests/test_launch.py's
+    # fake srun (which passes the signal to each task's process group, as Slurm signals a step) on two
+    # "nodes" of one rank, and the job is requeued.
+    from grpo_megatron.checkpoint.integrity import verify_checkpoint
+    from tests.test_launch import slurm_env
+
+    run_dir = tmp_path / "run"
+    if branch == "local":
+        env = dict(os.environ, GRPO_LOCAL_TEST="1", NNODES="1", GPUS_PER_NODE="2", MASTER_PORT=str(free_port()),
+                   LOG_DIR=str(tmp_path / "logs"), OMP_NUM_THREADS="1", PYTHON=sys.executable)
+        env.pop("GRPO_EXIT_FILE", None)
+    else:
+        env = slurm_env(tmp_path)
+    env["COMMAND"] = "train"
+    saved, out = _sbatch_until_preempted(env, run_dir)
+    assert verify_checkpoint(run_dir / "checkpoints" / _latest(run_dir))["iteration"] == saved
+    if branch == "slurm":
+        assert (tmp_path / "slurm.log").read_text() == "requeue 4242\n", out
+        assert "requeueing job 4242" in out
