@@ -233,6 +233,8 @@ class ColocatedMemory:
       ``to_trainer``   (onload phase) the engines release all their memory, the trainer's state returns;
       ``before_sync``  gradients and optimizer state leave, the engines take their weights back (the
                        export reads the parameters, so those stay);
+      ``engines_serve`` (only when the mismatch probe runs) the engines get their KV cache and CUDA
+                       graphs back while the parameters are still here: the probe needs both;
       ``after_sync``   the parameters leave, the engines get their KV cache and CUDA graphs back.
     ``trainer_visit`` brings everything offloaded back for a checkpoint save and sends it away again,
     so the engines keep their memory.
@@ -264,13 +266,21 @@ class ColocatedMemory:
             self.offloaded.append(offload(self.policy, parts=("grads", "optimizer"), discard_grads=self.discard_grads))
             self.fleet.resume_memory(["weights"])
 
+    def engines_serve(self) -> None:
+        """The engines get their caches back (they can score and generate again); the trainer's
+        parameters stay. For the mismatch probe, which needs both the engines' scores and the
+        trainer's forward pass before the parameters leave."""
+        if self.enabled:
+            self.fleet.resume_memory(["kv_cache", "cuda_graph"])
+
     def after_sync(self) -> dict[str, float]:
-        """The parameters leave; the engines get their caches back. ``offload/*`` of the parameters."""
+        """The parameters leave; the engines get their caches back (if ``engines_serve`` has not).
+        ``offload/*`` of the parameters."""
         if not self.enabled:
             return {}
         report = offload(self.policy, parts=("params",))
         self.offloaded.append(report)
-        self.fleet.resume_memory(["kv_cache", "cuda_graph"])
+        self.engines_serve()
         return report.metrics()
 
     @contextmanager

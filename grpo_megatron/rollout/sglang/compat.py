@@ -24,7 +24,7 @@ import importlib.abc
 import importlib.util
 import os
 import sys
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -161,21 +161,27 @@ def applied() -> list[str]:
 
 
 @contextlib.contextmanager
-def child_environment(extra: dict[str, str] | None = None) -> Iterator[None]:
+def child_environment(extra: Mapping[str, str | None] | None = None) -> Iterator[None]:
     """While an ``sglang.Engine`` starts: its spawned processes arm the same fixes (``boot/`` first on
-    PYTHONPATH) and get ``extra`` environment variables; the previous environment comes back after."""
-    saved = {k: os.environ.get(k) for k in ["PYTHONPATH", *(extra or {})]}
+    PYTHONPATH) and get ``extra`` environment variables (None: removed); the previous environment
+    comes back after."""
+    extra = dict(extra or {})
+    saved = {k: os.environ.get(k) for k in ["PYTHONPATH", *extra]}
     paths = [str(BOOT_DIR), *[p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]]
     os.environ["PYTHONPATH"] = os.pathsep.join(paths)
-    os.environ.update(extra or {})
     try:
-        yield
-    finally:
-        for key, value in saved.items():
+        for key, value in extra.items():
             if value is None:
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
+        yield
+    finally:
+        for key, old in saved.items():
+            if old is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = old
 
 
 PTH_NAME = "grpo_megatron_sglang_compat.pth"

@@ -257,12 +257,24 @@ def with_output_head(bucket: Bucket, tied: bool) -> list[tuple[str, torch.Tensor
     return out
 
 
-def cpu_engine_environment(device: torch.device) -> dict[str, str]:
-    """What a CPU engine's processes need in their environment: its schedulers' cores, one group
-    per trainer rank of this node (``cpu_threads_bind``; a binding the user set is kept)."""
-    if device.type != "cpu" or os.environ.get("SGLANG_CPU_OMP_THREADS_BIND"):
-        return {}
-    return {"SGLANG_CPU_OMP_THREADS_BIND": cpu_threads_bind(int(os.environ.get("LOCAL_WORLD_SIZE", "1")))}
+LAUNCHER_VARIABLES = (
+    "TORCHELASTIC_USE_AGENT_STORE", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT",
+    "TORCHELASTIC_MAX_RESTARTS", "MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME",
+)  # fmt: skip
+"""torchrun's variables, kept from an engine's processes: with ``TORCHELASTIC_USE_AGENT_STORE=True``
+torch.distributed in SGLang's scheduler connects to the trainer's launcher store instead of its own
+rendezvous and waits there for good (seen: a colocated engine under torchrun never started)."""
+
+
+def engine_environment(device: torch.device) -> dict[str, str | None]:
+    """The environment an engine's processes start with, over the trainer's: no launcher variables
+    (``LAUNCHER_VARIABLES``); on CPU its schedulers' cores, one group per trainer rank of this node
+    (``cpu_threads_bind``; a binding the user set is kept)."""
+    env: dict[str, str | None] = dict.fromkeys(LAUNCHER_VARIABLES)
+    if device.type == "cpu" and not os.environ.get("SGLANG_CPU_OMP_THREADS_BIND"):
+        env["SGLANG_CPU_OMP_THREADS_BIND"] = cpu_threads_bind(int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    return env
 
 
 def update_sessions(server: Any) -> bool:
@@ -343,7 +355,7 @@ class SGLangEngine(RolloutEngine):
                 nnodes=nnodes, node_rank=0, dist_init_addr=dist_init_addr, device=device.type,
                 weights_on_disk=bool(self._expected_shapes), hf_overrides=dict(hf_overrides or {}),
             )  # fmt: skip
-            with compat.child_environment(cpu_engine_environment(device)):
+            with compat.child_environment(engine_environment(device)):
                 self.servers = [sglang.Engine(**server_args)]
         else:
             self.servers = [
@@ -699,7 +711,8 @@ def start_node_part(cfg: Any, layout: ColocatedLayout, address: str) -> Any:
         nnodes=layout.nnodes, node_rank=layout.node_rank, dist_init_addr=address,
     )  # fmt: skip
     os.environ["SGLANG_BLOCK_NONZERO_RANK_CHILDREN"] = "0"  # read by SGLang in this process only
-    return sglang.Engine(**args)
+    with compat.child_environment(engine_environment(torch.device("cuda"))):
+        return sglang.Engine(**args)
 
 
 def _layout_of(rollout: RolloutConfig, ps: Any) -> tuple[ColocatedLayout, int, int]:

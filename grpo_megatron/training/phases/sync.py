@@ -138,9 +138,13 @@ def sync_weights(
     temperature: float,
 ) -> dict[str, float]:
     """Weight sync as ``version`` (``sync/*``) and the mismatch probe (``mismatch/probe_*``), between
-    the colocated memory's ``before_sync`` and ``after_sync`` (``offload/*`` when it is on)."""
+    the colocated memory's ``before_sync`` and ``after_sync`` (``offload/*`` when it is on); the probe
+    runs once the engines have their caches back (``engines_serve``: a released KV cache cannot
+    score) and before the trainer's parameters leave."""
     memory.before_sync()
     metrics = fleet.sync_weights(model, version=version)
-    metrics |= mismatch_probe(model, fleet, ps, probe, vocab_size=vocab_size, temperature=temperature)
+    if probe.sequences:  # the engines score with their KV cache, the trainer with its parameters
+        memory.engines_serve()
+        metrics |= mismatch_probe(model, fleet, ps, probe, vocab_size=vocab_size, temperature=temperature)
     metrics |= memory.after_sync()
     return metrics
