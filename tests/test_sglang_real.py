@@ -108,3 +108,42 @@ def test_release_and_resume_in_the_trainers_order_from_the_first_sync(scenarios)
 
 def test_the_engine_shuts_down(scenarios) -> None:
     assert scenario(scenarios, "shutdown") == {"ok": True}
+
+
+@pytest.fixture(scope="module")
+def engine_group(tmp_path_factory) -> list[dict[str, Any]]:
+    """A real TP2 SGLang engine on CPU led by rank 0, rank 1 its member (tests/workers/sglang_workers.py)."""
+    require_sglang_engine()
+    from tests.helpers.dist import run_distributed
+    from tests.workers.sglang_workers import save_model
+
+    work = tmp_path_factory.mktemp("sglang_group")
+    save_model(work / "a", seed=0)
+    save_model(work / "b", seed=1)
+    return run_distributed(
+        "tests.workers.sglang_workers:engine_group", 2, timeout_s=ENGINE_TIMEOUT_S,
+        model_dir=str(work / "a"), other_dir=str(work / "b"),
+    )  # fmt: skip
+
+
+def test_every_rounds_payloads_reach_their_engine_gpu(engine_group) -> None:
+    """Each trainer rank serializes its share on its own device, the leader loads both in one call:
+    SGLang's TP rank 1 took rank 1's payload (the outputs equal SGLang loading the same weights from
+    disk, bit for bit)."""
+    leader, member = engine_group
+    assert leader["version"] == member["version"] == 1
+    assert leader["rounds_equal_disk_bitwise"]
+
+
+def test_a_failure_on_the_leader_before_the_gather_ends_every_rank_with_it(engine_group) -> None:
+    for rank in engine_group:
+        failed = rank["leader_fails"]
+        assert "a weight-update session is already open" in failed["error"], failed
+        assert failed["seconds"] < 10  # not the group's timeout
+
+
+def test_a_failure_on_a_member_ends_every_rank_with_it(engine_group) -> None:
+    for rank in engine_group:
+        failed = rank["member_fails"]
+        assert "engine GPU 1" in failed["error"] and "model.embed_tokens.weight: shape (32, 127)" in failed["error"]
+        assert failed["seconds"] < 10

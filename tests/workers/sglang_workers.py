@@ -268,3 +268,81 @@ def main(out: Path, workdir: Path) -> None:
 
 if __name__ == "__main__":
     main(Path(sys.argv[1]), Path(sys.argv[2]))
+
+
+# -- the engine group protocol: one SGLang engine of 2 "GPUs" (TP2 on CPU) fed by 2 trainer ranks
+
+
+def _timed_update(sink: Any, bucket: list[tuple[str, torch.Tensor]], version: int) -> dict[str, Any]:
+    """One round of ``version`` on this rank: how it ended and how long it took."""
+    start = time.perf_counter()
+    try:
+        sink.update_weights(bucket, version=version, last=False)
+        error = ""
+    except Exception as exc:
+        error = f"{type(exc).__name__}: {exc}"
+    return {"error": error, "seconds": time.perf_counter() - start}
+
+
+def engine_group(model_dir: str, other_dir: str) -> dict[str, Any]:
+    """Rank 0 leads a TP2 engine (its SGLang TP rank 1 on rank 1's "GPU"), rank 1 is its
+    ``SGLangSyncMember``: a version in three rounds of per-rank payloads (outputs then equal SGLang
+    loading the same weights from disk, bit for bit: TP rank 1 loaded rank 1's payload), then a
+    failure on the leader before the gather (a weight-update session opened behind the adapter's
+    back: the real engine refuses the adapter's begin) and one on the member (a bucket of the
+    wrong shape): every rank's call ends, with the reason."""
+    import torch.distributed as dist
+    from safetensors.torch import load_file
+
+    from grpo_megatron.rollout.config import RolloutConfig
+    from grpo_megatron.rollout.engine import SamplingParams
+    from grpo_megatron.rollout.sglang.engine import SGLangEngine, SGLangSyncMember
+    from tests.helpers.dist import init_gloo
+
+    rank, _ = init_gloo(timeout_s=300)
+    group = dist.new_group([0, 1], backend="gloo")
+    rollout = RolloutConfig(engine="sglang", sglang_tp=2)
+    sink: Any
+    if rank == 0:
+        sink = SGLangEngine(rollout, model_dir, dtype="bfloat16", device="cpu", rank=0)
+        sink.sync_group_ranks = (0, 1)
+        sink.bind_sync_group(group)
+    else:
+        sink = SGLangSyncMember(rollout, model_dir, (0, 1), 1, "cpu")
+        sink.bind_sync_group(group)
+    dist.barrier()
+    weights = load_file(str(Path(other_dir) / "model.safetensors"))
+    names = sorted(weights)
+    thirds = [names[i::3] for i in range(3)]
+    greedy = SamplingParams(n=1, greedy=True, max_new_tokens=MAX_NEW)
+    out: dict[str, Any] = {"rank": rank}
+    for part in thirds:
+        sink.update_weights([(n, weights[n]) for n in part], version=1, last=False)
+    sink.update_weights([], version=1, last=True)
+    out["version"] = sink.weight_version
+    if rank == 0:
+        via_rounds = sink.generate(PROMPTS, greedy)
+        server = sink.servers[0]
+        server.begin_weight_update()
+        server.update_weights_from_disk(other_dir)
+        server.end_weight_update()
+        via_disk = sink.generate(PROMPTS, greedy)
+        out["rounds_equal_disk_bitwise"] = tokens(via_rounds) == tokens(via_disk) and flat_logprobs(
+            via_rounds
+        ) == flat_logprobs(via_disk)
+        server.begin_weight_update()  # behind the adapter's back: its own begin will be refused
+    dist.barrier()
+    out["leader_fails"] = _timed_update(sink, [(n, weights[n]) for n in thirds[0]], version=2)
+    if rank == 0:
+        sink.servers[0].end_weight_update()
+        sink._sessions_open.clear()
+    dist.barrier()
+    bucket = [(n, weights[n]) for n in thirds[0]]
+    if rank == 1:
+        name, t = bucket[0]
+        bucket[0] = (name, t[..., :-1])
+    out["member_fails"] = _timed_update(sink, bucket, version=3)
+    dist.barrier()
+    if rank == 0:
+        sink.shutdown()
+    return out

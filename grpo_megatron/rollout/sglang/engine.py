@@ -32,6 +32,8 @@ import base64
 import json
 import os
 import random
+import tempfile
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -51,6 +53,7 @@ from grpo_megatron.rollout.engine import (
 )
 from grpo_megatron.rollout.hf_routes import RouteLayout, route_dtype
 from grpo_megatron.rollout.sglang import compat
+from grpo_megatron.rollout.sglang.health import EngineProcesses
 from grpo_megatron.rollout.sglang.ipc import (
     ColocatedLayout,
     CudaIpcTransport,
@@ -317,6 +320,8 @@ class SGLangEngine(RolloutEngine):
         nnodes: int = 1,
         dist_init_addr: str | None = None,
         hf_overrides: Mapping[str, Any] | None = None,
+        rank: int = 0,
+        log_dir: str | os.PathLike | None = None,
     ):
         device = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
         if device.type == "cpu":
@@ -334,6 +339,8 @@ class SGLangEngine(RolloutEngine):
         self._version_in_progress = -1
         # Servers (by index) with a weight-update session open: a version's loads run inside one.
         self._sessions_open: set[int] = set()
+        self.health: EngineProcesses | None = None
+        """The engine's processes when this adapter started them (a colocated engine), else None."""
         self.released: set[str] = set()
         """Memory tags the engine has released and not resumed: only those may be resumed (SGLang's
         scheduler raises KeyError on, and then kills the process tree for, a resume of a tag it
@@ -355,8 +362,13 @@ class SGLangEngine(RolloutEngine):
                 nnodes=nnodes, node_rank=0, dist_init_addr=dist_init_addr, device=device.type,
                 weights_on_disk=bool(self._expected_shapes), hf_overrides=dict(hf_overrides or {}),
             )  # fmt: skip
-            with compat.child_environment(engine_environment(device)):
+            log_path = Path(log_dir or tempfile.gettempdir()) / f"sglang-engine-rank{rank}-{os.getpid()}.log"
+            self.health = EngineProcesses(rank, log_path)
+            with compat.child_environment(engine_environment(device)), self.health.start():
                 self.servers = [sglang.Engine(**server_args)]
+            if threading.current_thread() is threading.main_thread():
+                self.health.install_sigquit_handler()
+            print(f"[rollout] SGLang engine of rank {rank}: its processes log to {log_path}", flush=True)
         else:
             self.servers = [
                 SGLangHttpClient(u, rollout.sglang_request_timeout_s) for u in rollout.sglang_server_urls
@@ -401,7 +413,7 @@ class SGLangEngine(RolloutEngine):
         engine = cls(
             rollout, cfg.model.hf_path, dtype=cfg.model.dtype, seed=cfg.train.seed + ps.rank,
             base_gpu_id=layout.base_gpu_id, device=ps.device, nnodes=layout.nnodes, dist_init_addr=address,
-            hf_overrides=cfg.model.hf_overrides, **kwargs,
+            hf_overrides=cfg.model.hf_overrides, rank=ps.rank, log_dir=Path(cfg.logging.run_dir) / "sglang", **kwargs,
         )  # fmt: skip
         engine.sync_group_ranks = layout.members  # every GPU of the engine receives its own share
         return engine
@@ -479,20 +491,12 @@ class SGLangEngine(RolloutEngine):
     def update_weights(self, bucket: Bucket, *, version: int, last: bool) -> None:
         if self._names_this_version and version != self._version_in_progress:
             self._names_this_version = set()  # an earlier version was abandoned half-way
-        errors = bucket_errors(bucket, self._expected_shapes, f"the checkpoint at {self.model_path}")
-        if errors:
-            if self._names_this_version:  # earlier buckets of this version are already loaded
-                self._mark_stale(
-                    f"version {version} had a bad bucket after {len(self._names_this_version)} tensors"
-                )
-            message = (
-                f"weight sync of version {version} refused before sending this bucket ({len(errors)} "
-                "problems; the export and the engine's model disagree):\n  " + "\n  ".join(errors[:10])
-            )
-            self.transport.refuse(message)
-            raise ValueError(message)
-        self._version_in_progress = version
-        self._begin_sessions()
+        try:
+            self._before_send(bucket, version)
+        except Exception as exc:
+            # The engine's other GPUs are in this round too: they fail with the reason, not wait.
+            self.transport.refuse(f"{type(exc).__name__}: {exc}")
+            raise
         if bucket or self.mode == "colocated":  # colocated: every call is a round of the engine's GPUs
             self.transport.send(with_output_head(bucket, self.tied_head), last=last, version=version)
         elif last:
@@ -512,6 +516,20 @@ class SGLangEngine(RolloutEngine):
         self._names_of_last_version = names
         self._stale_reason = None
         self.weight_version = version
+
+    def _before_send(self, bucket: Bucket, version: int) -> None:
+        """Everything a bucket needs before it is sent: its check, a live engine, an open session."""
+        errors = bucket_errors(bucket, self._expected_shapes, f"the checkpoint at {self.model_path}")
+        if errors:
+            if self._names_this_version:  # earlier buckets of this version are already loaded
+                self._mark_stale(f"version {version} had a bad bucket after {len(self._names_this_version)} tensors")
+            raise ValueError(
+                f"weight sync of version {version} refused before sending this bucket ({len(errors)} "
+                "problems; the export and the engine's model disagree):\n  " + "\n  ".join(errors[:10])
+            )
+        self._version_in_progress = version
+        self.check_alive()
+        self._begin_sessions()
 
     def _begin_sessions(self) -> None:
         """Open a weight-update session on every server that has them and has none open (an
@@ -546,7 +564,14 @@ class SGLangEngine(RolloutEngine):
         self._stale_reason = reason
         self._names_this_version = set()
 
+    def check_alive(self) -> None:
+        """Raise ``EngineDiedError`` naming the engine, rank, host and last log lines if one of its
+        processes is gone (cheap: the process table)."""
+        if self.health is not None:
+            self.health.check()
+
     def _refuse_if_stale(self) -> None:
+        self.check_alive()
         if self.released & {"weights", "kv_cache"}:
             raise RuntimeError(
                 f"the SGLang engine has released its {sorted(self.released)} memory (to the trainer): "
@@ -688,12 +713,15 @@ class SGLangSyncMember:
         return None
 
     def update_weights(self, bucket: Bucket, *, version: int, last: bool) -> None:
-        errors = bucket_errors(bucket, self._expected_shapes, f"the checkpoint at {self.model_path}")
-        if errors:
-            reason = f"weight sync of version {version}: {'; '.join(errors[:5])}"
-            self.feed.contribute((None, False, reason))
-            raise ValueError(reason)
-        self.feed.contribute(contribution(with_output_head(bucket, tied_output_head(self._hf_config)), self._classes, self.device))
+        try:
+            errors = bucket_errors(bucket, self._expected_shapes, f"the checkpoint at {self.model_path}")
+            if errors:
+                raise ValueError(f"weight sync of version {version}: {'; '.join(errors[:5])}")
+            mine = contribution(with_output_head(bucket, tied_output_head(self._hf_config)), self._classes, self.device)
+        except Exception as exc:  # handed to the leader like a payload: every GPU fails this round together
+            self.feed.contribute((None, False, f"{type(exc).__name__}: {exc}"))
+            raise
+        self.feed.contribute(mine)
         if last:
             self.weight_version = version
 

@@ -45,11 +45,12 @@ own multi-node launch (facts from SGLang 0.5.23's source, paths under ``python/s
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
 import socket
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -269,7 +270,29 @@ def rank_payload(bucket: Bucket, sglang_classes: tuple[type, Any], device: torch
         payload = {"flattened_tensor": flat.get_flattened_tensor(), "metadata": flat.get_metadata()}
     else:
         payload = {"flattened_tensor": torch.zeros(1, dtype=torch.uint8, device=device), "metadata": []}
-    return serializer.serialize(payload, output_str=True)
+    with cpu_tensors_shared_by_name(payload["flattened_tensor"].device):
+        return serializer.serialize(payload, output_str=True)
+
+
+@contextlib.contextmanager
+def cpu_tensors_shared_by_name(device: torch.device) -> Iterator[None]:
+    """While a CPU payload is serialized: torch shares its storage as a named shared-memory file
+    (the ``file_system`` strategy). Its default on Linux passes a file descriptor through the
+    producer's multiprocessing resource sharer, which only processes holding the producer's authkey
+    may use: SGLang's scheduler of TP rank 1 opening a payload made by trainer rank 1 (not its
+    parent) was refused ("digest sent was rejected"). A CUDA tensor travels as a CUDA IPC handle
+    either way."""
+    import torch.multiprocessing as tmp
+
+    if device.type != "cpu":
+        yield
+        return
+    before = tmp.get_sharing_strategy()
+    tmp.set_sharing_strategy("file_system")
+    try:
+        yield
+    finally:
+        tmp.set_sharing_strategy(before)
 
 
 def flattened_bucket_payloads(

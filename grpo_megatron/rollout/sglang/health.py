@@ -1,0 +1,137 @@
+"""Whether a colocated SGLang engine's processes are alive, and a clear end when one is not.
+
+An ``sglang.Engine`` runs its schedulers and detokenizer as child processes of the trainer rank that
+started it. When one dies (a crash, the OOM killer, a kill), SGLang's own watchdog (0.5.23) sends
+SIGQUIT to that rank, whose default handler kills the rank's whole process tree without a word; an
+engine without that watchdog (0.5.17) leaves the next request waiting forever. Here:
+
+- ``EngineProcesses.start`` starts the engine with its processes' output going to a log file of its
+  own (``<run_dir>/sglang/engine-rank<R>.log``), and records which processes it started;
+- ``check`` (before each generate, score and weight load) raises ``EngineDiedError`` naming the
+  engine, the rank, the host, the dead process and the log's last lines, which the fleet reports on
+  every rank;
+- ``on_sigquit`` replaces SGLang's handler: it prints the same message and exits the rank with
+  ``EXIT_ENGINE_DIED``, so torchrun ends the job and the last checkpoint (written atomically) stays
+  the one a rerun resumes from.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+EXIT_ENGINE_DIED = 70
+"""A rank's exit status when its SGLang engine died (EX_SOFTWARE)."""
+LOG_LINES = 20
+
+
+class EngineDiedError(RuntimeError):
+    """A process of this rank's SGLang engine is gone; the message names it and its last log lines."""
+
+
+class EngineProcesses:
+    """The processes one ``sglang.Engine`` started on this rank, and where they log."""
+
+    def __init__(self, rank: int, log_path: Path):
+        self.rank = rank
+        self.host = socket.gethostname()
+        self.log_path = log_path
+        self.procs: list[psutil.Process] = []
+
+    @contextlib.contextmanager
+    def start(self) -> Iterator[None]:
+        """Around ``sglang.Engine(...)``: the processes it spawns write to ``log_path`` (this process's
+        stdout and stderr point there while it starts; they come back after) and are recorded."""
+        me = psutil.Process()
+        before = {p.pid for p in me.children(recursive=True)}
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        saved = os.dup(1), os.dup(2)
+        with open(self.log_path, "ab") as log:
+            os.dup2(log.fileno(), 1)
+            os.dup2(log.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            for fd, old in zip((1, 2), saved, strict=True):
+                os.dup2(old, fd)
+                os.close(old)
+            self.procs = [p for p in me.children(recursive=True) if p.pid not in before]
+
+    def dead(self) -> list[tuple[psutil.Process, str]]:
+        """(process, how it ended) of every recorded process that is no longer running."""
+        out = []
+        for proc in self.procs:
+            try:
+                if proc.status() != psutil.STATUS_ZOMBIE:
+                    continue
+                code = proc.wait(timeout=0)
+                out.append((proc, f"exited with status {code}"))
+            except psutil.NoSuchProcess:
+                out.append((proc, "is gone"))
+            except psutil.TimeoutExpired:
+                continue
+        return out
+
+    def report(self, dead: list[tuple[psutil.Process, str]] | None = None) -> str:
+        dead = self.dead() if dead is None else dead
+        what = "; ".join(f"process {_name(p)} (pid {p.pid}) {how}" for p, how in dead) or "a process"
+        return (
+            f"the SGLang engine of rank {self.rank} on {self.host} died: {what}. Last lines of its log "
+            f"{self.log_path}:\n{tail(self.log_path)}\nThe last checkpoint is intact: run the same command "
+            "again to resume from it."
+        )
+
+    def check(self) -> None:
+        """Raise ``EngineDiedError`` if a process of the engine is gone."""
+        dead = self.dead()
+        if dead:
+            raise EngineDiedError(self.report(dead))
+
+    def on_sigquit(self) -> Callable[[int, Any], None]:
+        """A SIGQUIT handler (SGLang's processes send SIGQUIT to this one when one of them fails):
+        name the engine, stop what is left of it, exit ``EXIT_ENGINE_DIED``. Installed by the caller
+        after the engine started (signal handlers belong to the main thread)."""
+
+        def handler(signum: int, frame: Any) -> None:
+            print(f"grpo-megatron: error (rank {self.rank}): {self.report()}", file=sys.stderr, flush=True)
+            self.kill()
+            os._exit(EXIT_ENGINE_DIED)
+
+        return handler
+
+    def install_sigquit_handler(self) -> None:
+        signal.signal(signal.SIGQUIT, self.on_sigquit())
+
+    def kill(self) -> None:
+        for proc in self.procs:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                proc.kill()
+
+
+def _name(proc: psutil.Process) -> str:
+    try:
+        return proc.name()
+    except psutil.NoSuchProcess:
+        return "sglang process"
+
+
+def tail(path: Path, lines: int = LOG_LINES) -> str:
+    """The last ``lines`` lines of ``path`` (without SGLang's repeated warnings), indented."""
+    try:
+        text = path.read_text(errors="replace").splitlines()
+    except OSError as exc:
+        return f"  (unreadable: {exc})"
+    kept = [line for line in text if "UserWarning" not in line and not line.strip().startswith("warnings.warn")]
+    return "\n".join(f"  {line}" for line in kept[-lines:]) or "  (empty)"
