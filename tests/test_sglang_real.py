@@ -63,6 +63,10 @@ def test_greedy_generation_equals_the_embedded_engine_within_the_bf16_floor(scen
     assert got["mean_logprob"] > -2.5
 
 
+def test_the_trainers_signal_handlers_survive_the_engine(scenarios) -> None:
+    assert scenario(scenarios, "signals_kept") == {"sigterm_is_the_trainers": True, "sigquit_names_the_engine": True}
+
+
 def test_sampled_logprobs_equal_the_engines_and_the_embedded_scores(scenarios) -> None:
     floor = scenario(scenarios, "greedy_vs_embedded")["bf16_floor"]
     got = scenario(scenarios, "sampled_and_scored")

@@ -1,14 +1,14 @@
 """``grpo-megatron train`` with ``rollout.engine=sglang`` on 2 CPU ranks: SGLang's real engine
-colocated with the trainer (one engine per rank), the trainer offloaded around it, checkpoints,
-a kill after the second, and the same command again resuming and finishing. Nothing SGLang-specific is set: on a CPU
+colocated with the trainer (one engine per rank), the trainer offloaded around it, checkpoints, one
+engine's scheduler killed after the second (the job ends within a minute naming the engine, its rank,
+host and last log lines), and the same command again resuming and finishing. Nothing SGLang-specific is set: on a CPU
 job the engine's device and CPU arguments follow from the job."""
 
 from __future__ import annotations
 
 import contextlib
-import os
 import re
-import signal
+import subprocess
 import time
 from pathlib import Path
 
@@ -21,6 +21,18 @@ from tests.test_train import SMALL, finish, launch
 PROBE_BOUND = 1e-4
 """The demo trains in fp32 and the engine serves fp32: the mismatch probe sits at float32 rounding
 (seen: 5e-7), far inside the bf16 floor (3.7e-2, tests/test_sglang_real.py)."""
+
+
+def _find_scheduler(pid: int) -> psutil.Process:
+    """An SGLang scheduler under ``pid`` (processes come and go while the tree is walked)."""
+    for _ in range(20):
+        with contextlib.suppress(psutil.NoSuchProcess):
+            for proc in psutil.Process(pid).children(recursive=True):
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    if proc.name().startswith("sglang::sched"):
+                        return proc
+        time.sleep(0.2)
+    raise AssertionError("no SGLang scheduler under the job")
 
 
 def kill_tree(pid: int) -> list[psutil.Process]:
@@ -43,11 +55,11 @@ def _wait_for_checkpoint(proc, latest: Path, iteration: int, timeout_s: float) -
         if proc.poll() is not None:
             raise AssertionError(f"the run ended ({proc.returncode}) before checkpoint {iteration}:\n{proc.stdout.read()[-4000:]}")
         time.sleep(0.5)
-    os.killpg(proc.pid, signal.SIGKILL)
+    kill_tree(proc.pid)
     raise AssertionError(f"no checkpoint {iteration} after {timeout_s} s")
 
 
-def test_colocated_sglang_train_is_killed_and_resumes(tmp_path: Path) -> None:
+def test_colocated_sglang_train_ends_when_its_engine_dies_and_resumes(tmp_path: Path) -> None:
     require_sglang_engine()
     run = tmp_path / "run"
     overrides = [
@@ -60,9 +72,23 @@ def test_colocated_sglang_train_is_killed_and_resumes(tmp_path: Path) -> None:
     ]
     first = launch("train", overrides)
     _wait_for_checkpoint(first, run / "checkpoints" / "latest", 2, timeout_s=400)
-    tree = kill_tree(first.pid)  # as a node failure would: torchrun, its ranks, their engines' processes
-    first.communicate()
-    assert not [p for p in tree if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    # An engine dies (as with the OOM killer): its scheduler, killed during the next rollout.
+    scheduler = _find_scheduler(first.pid)
+    job = [psutil.Process(first.pid), *psutil.Process(first.pid).children(recursive=True)]
+    killed_at = time.monotonic()
+    scheduler.kill()
+    try:
+        out, _ = first.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        kill_tree(first.pid)
+        raise AssertionError("the job outlived its dead engine by 60 s") from None
+    assert time.monotonic() - killed_at < 60
+    assert first.returncode != 0
+    assert re.search(r"the SGLang engine of rank \d on \S+ died: process sglang::scheduler\S* \(pid \d+\)", out), out[-4000:]
+    assert "Last lines of its log" in out and "run the same command again to resume" in out
+    time.sleep(2)
+    left = [p for p in job if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    assert not left, left  # nothing of the job is left behind (reward workers, writer managers, engines)
 
     out = finish(launch("train", overrides), timeout_s=400)
     resumed = re.search(r"\[checkpoint\] resumed from \S*iter_(\d+) \(iteration (\d+)\)", out)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import signal
 import sys
 import time
 from collections.abc import Callable
@@ -55,6 +56,10 @@ def embedded(weights: dict[str, torch.Tensor], dtype: torch.dtype) -> Any:
     return engine
 
 
+def trainer_sigterm(signum: int, frame: Any) -> None:
+    """Stands for the trainer's SIGTERM handler (distributed/preemption.py) in this process."""
+
+
 def flat_logprobs(groups: list[list[Any]]) -> list[float]:
     return [lp for g in groups for c in g for lp in c.logprobs]
 
@@ -79,6 +84,7 @@ class Scenarios:
         self.b = save_model(workdir / "b", seed=1)
         self.dir_b = workdir / "b"
         self.greedy = SamplingParams(n=1, greedy=True, max_new_tokens=MAX_NEW, temperature=1.0)
+        signal.signal(signal.SIGTERM, trainer_sigterm)  # as the trainer's save-on-signal handler would
         start = time.perf_counter()
         self.engine = SGLangEngine(RolloutConfig(engine="sglang"), str(workdir / "a"), dtype="bfloat16", device="cpu")
         self.start_seconds = time.perf_counter() - start
@@ -122,6 +128,17 @@ class Scenarios:
             "bf16_floor": max_diff([x for row in s16 for x in row], [x for row in s32 for x in row]),
             "sglang_vs_fp32": max_diff(flat_logprobs(ours), [x for row in s32 for x in row]),
             "mean_logprob": sum(flat_logprobs(ours)) / len(flat_logprobs(ours)),
+        }
+
+    def signals_kept(self) -> dict[str, Any]:
+        """After the engine started and served requests (SGLang's tokenizer manager puts its own
+        SIGTERM and SIGQUIT handlers on its loop at the first one): SIGTERM is still the trainer's,
+        SIGQUIT the adapter's (names the engine and ends the rank)."""
+        self.run_greedy()
+        quit_handler = signal.getsignal(signal.SIGQUIT)
+        return {
+            "sigterm_is_the_trainers": signal.getsignal(signal.SIGTERM) is trainer_sigterm,
+            "sigquit_names_the_engine": "EngineProcesses" in getattr(quit_handler, "__qualname__", ""),
         }
 
     def sampled_and_scored(self) -> dict[str, Any]:
@@ -242,6 +259,7 @@ class Scenarios:
 SCENARIOS: tuple[str, ...] = (
     "start",
     "greedy_vs_embedded",
+    "signals_kept",
     "sampled_and_scored",
     "flattened_bucket_update",
     "named_tensor_head",

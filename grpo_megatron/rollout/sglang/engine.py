@@ -53,7 +53,7 @@ from grpo_megatron.rollout.engine import (
 )
 from grpo_megatron.rollout.hf_routes import RouteLayout, route_dtype
 from grpo_megatron.rollout.sglang import compat
-from grpo_megatron.rollout.sglang.health import EngineProcesses
+from grpo_megatron.rollout.sglang.health import EngineProcesses, SignalState
 from grpo_megatron.rollout.sglang.ipc import (
     ColocatedLayout,
     CudaIpcTransport,
@@ -364,10 +364,12 @@ class SGLangEngine(RolloutEngine):
             )  # fmt: skip
             log_path = Path(log_dir or tempfile.gettempdir()) / f"sglang-engine-rank{rank}-{os.getpid()}.log"
             self.health = EngineProcesses(rank, log_path)
+            main_thread = threading.current_thread() is threading.main_thread()
+            signals = SignalState() if main_thread else None
             with compat.child_environment(engine_environment(device)), self.health.start():
                 self.servers = [sglang.Engine(**server_args)]
-            if threading.current_thread() is threading.main_thread():
-                self.health.install_sigquit_handler()
+            if signals is not None:
+                self.health.take_back_signals(self.servers[0], signals)
             print(f"[rollout] SGLang engine of rank {rank}: its processes log to {log_path}", flush=True)
         else:
             self.servers = [

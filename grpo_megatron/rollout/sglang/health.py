@@ -45,6 +45,8 @@ class EngineProcesses:
         self.host = socket.gethostname()
         self.log_path = log_path
         self.procs: list[psutil.Process] = []
+        self.names: dict[int, str] = {}
+        """Each process's name, read while it ran (a dead one has none to read)."""
 
     @contextlib.contextmanager
     def start(self) -> Iterator[None]:
@@ -68,6 +70,7 @@ class EngineProcesses:
                 os.dup2(old, fd)
                 os.close(old)
             self.procs = [p for p in me.children(recursive=True) if p.pid not in before]
+            self.names = {p.pid: _name(p) for p in self.procs}
 
     def dead(self) -> list[tuple[psutil.Process, str]]:
         """(process, how it ended) of every recorded process that is no longer running."""
@@ -86,7 +89,7 @@ class EngineProcesses:
 
     def report(self, dead: list[tuple[psutil.Process, str]] | None = None) -> str:
         dead = self.dead() if dead is None else dead
-        what = "; ".join(f"process {_name(p)} (pid {p.pid}) {how}" for p, how in dead) or "a process"
+        what = "; ".join(f"process {self.names.get(p.pid, 'of the engine')} (pid {p.pid}) {how}" for p, how in dead)
         return (
             f"the SGLang engine of rank {self.rank} on {self.host} died: {what}. Last lines of its log "
             f"{self.log_path}:\n{tail(self.log_path)}\nThe last checkpoint is intact: run the same command "
@@ -101,30 +104,64 @@ class EngineProcesses:
 
     def on_sigquit(self) -> Callable[[int, Any], None]:
         """A SIGQUIT handler (SGLang's processes send SIGQUIT to this one when one of them fails):
-        name the engine, stop what is left of it, exit ``EXIT_ENGINE_DIED``. Installed by the caller
+        name the engine, stop every process this rank started, exit ``EXIT_ENGINE_DIED``. Installed by the caller
         after the engine started (signal handlers belong to the main thread)."""
 
         def handler(signum: int, frame: Any) -> None:
             print(f"grpo-megatron: error (rank {self.rank}): {self.report()}", file=sys.stderr, flush=True)
-            self.kill()
+            # Everything this rank started goes with it: what is left of the engine, the reward
+            # workers, megatron's checkpoint writer's manager process (an exit that skips Python's
+            # clean-up would leave it running, holding the job's output open).
+            for child in psutil.Process().children(recursive=True):
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    child.kill()
             os._exit(EXIT_ENGINE_DIED)
 
         return handler
 
-    def install_sigquit_handler(self) -> None:
+    def take_back_signals(self, engine: Any, saved: SignalState) -> None:
+        """After the engine started, in the main thread: SGLang's tokenizer manager puts its own
+        SIGTERM and SIGQUIT handlers on its asyncio loop at its first request, replacing the
+        trainer's (the save-on-signal handler and its wakeup pipe, ``distributed/preemption.py``).
+        Have it make its loop now, take both signals off the loop, put the trainer's handlers and
+        wakeup fd back (``saved``, from before the engine started), and let SIGQUIT (what SGLang's
+        processes and watchdog send when one fails) name the engine and end the rank."""
+        manager: Any = getattr(engine, "tokenizer_manager", None)
+        loop: Any = getattr(engine, "loop", None)
+        if callable(getattr(manager, "auto_create_handle_loop", None)) and loop is not None:
+
+            async def make_handle_loop() -> None:  # on the engine's own loop, as its requests do
+                manager.auto_create_handle_loop()
+
+            loop.run_until_complete(make_handle_loop())
+            for signum in (signal.SIGTERM, signal.SIGQUIT):
+                with contextlib.suppress(Exception):
+                    loop.remove_signal_handler(signum)
+        saved.restore()
         signal.signal(signal.SIGQUIT, self.on_sigquit())
 
-    def kill(self) -> None:
-        for proc in self.procs:
-            with contextlib.suppress(psutil.NoSuchProcess):
-                proc.kill()
+
+class SignalState:
+    """The trainer's SIGTERM handler and signal wakeup fd, taken before an engine starts (main
+    thread only), to be put back after SGLang replaced them."""
+
+    def __init__(self) -> None:
+        self.sigterm = signal.getsignal(signal.SIGTERM)
+        self.wakeup_fd = signal.set_wakeup_fd(-1)
+        signal.set_wakeup_fd(self.wakeup_fd)
+
+    def restore(self) -> None:
+        signal.signal(signal.SIGTERM, self.sigterm)
+        signal.set_wakeup_fd(self.wakeup_fd)
 
 
 def _name(proc: psutil.Process) -> str:
+    """SGLang names its processes with setproctitle (``sglang::scheduler_TP0``): the full title is
+    the command line; ``name()`` is the kernel's 15 characters of it."""
     try:
-        return proc.name()
-    except psutil.NoSuchProcess:
-        return "sglang process"
+        return (proc.cmdline() or [proc.name()])[0].split()[0]
+    except (psutil.NoSuchProcess, psutil.AccessDenied, IndexError):
+        return "of the engine"
 
 
 def tail(path: Path, lines: int = LOG_LINES) -> str:
