@@ -193,7 +193,7 @@ def worker(args: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
 
-    from grpo_megatron.bridge.export import export_hf_stream
+    from grpo_megatron.bridge.export import ExportStream, export_hf_stream
     from grpo_megatron.bridge.export_plan import plan_export
     from grpo_megatron.config import load_config
     from grpo_megatron.distributed.bootstrap import destroy_distributed, init_distributed, world_size_from_env
@@ -222,7 +222,7 @@ def worker(args: argparse.Namespace) -> None:
     plan = plan_export(model, ps, hf, bucket_bytes=bucket_bytes, dst_rank=dst)
 
     def export_planned() -> None:
-        for _ in export_hf_stream(model, ps, hf, bucket_bytes=bucket_bytes, dst_rank=dst, plan=plan):
+        for _ in ExportStream(plan):
             pass
 
     export(keep=True)  # warm-up; dst keeps the tensors (sizes for the floor and the byte count)

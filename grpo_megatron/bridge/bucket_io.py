@@ -17,11 +17,13 @@ Bucket = list[tuple[str, torch.Tensor]]
 _ALIGN = 16  # byte offset alignment in flat buffers, so any dtype can view its slice in place
 
 
-def _aligned(nbytes: int) -> int:
+def aligned(nbytes: int) -> int:
+    """``nbytes`` rounded up to the alignment of offsets in flat buffers."""
     return -(-nbytes // _ALIGN) * _ALIGN
 
 
-def _dtype(name: str) -> torch.dtype:
+def dtype_named(name: str) -> torch.dtype:
+    """The torch dtype of ``str(dtype)`` ("torch.float32") or its bare name ("float32")."""
     return getattr(torch, name.removeprefix("torch."))
 
 
@@ -37,7 +39,7 @@ def flatten_bucket(
     total = 0
     for name, t in bucket:
         meta.append((name, str(t.dtype).removeprefix("torch."), tuple(t.shape), total))
-        total += _aligned(t.numel() * t.element_size())
+        total += aligned(t.numel() * t.element_size())
     flat_u8 = torch.empty(total, dtype=torch.uint8, device=device)
     for (_, t), (_, _, shape, offset) in zip(bucket, meta, strict=True):
         flat_u8[offset : offset + t.numel() * t.element_size()].view(t.dtype).view(shape).copy_(t)
@@ -48,7 +50,7 @@ def unflatten_bucket(flat_u8: torch.Tensor, meta: BucketMeta) -> Bucket:
     """The tensors of a flattened bucket: non-overlapping views of ``flat_u8`` (no copy)."""
     out: Bucket = []
     for name, dt, shape, offset in meta:
-        dtype = _dtype(dt)
+        dtype = dtype_named(dt)
         nbytes = math.prod(shape) * dtype.itemsize
         out.append((name, flat_u8[offset : offset + nbytes].view(dtype).view(shape)))
     return out

@@ -19,7 +19,7 @@ def stream_and_broadcast(hf_dir: str, layouts: dict[str, list[str]], bucket_byte
     import torch.distributed as dist
 
     from grpo_megatron.bridge.bucket_io import broadcast_bucket
-    from grpo_megatron.bridge.export import export_hf_stream
+    from grpo_megatron.bridge.export import ExportStream, export_hf_stream
     from grpo_megatron.bridge.export_plan import plan_export
     from grpo_megatron.config import load_config
     from grpo_megatron.distributed.bootstrap import destroy_distributed, init_distributed, world_size_from_env
@@ -41,8 +41,7 @@ def stream_and_broadcast(hf_dir: str, layouts: dict[str, list[str]], bucket_byte
         )
         # A plan made once serves later exports (the weight sync reuses it every iteration).
         plan = plan_export(model, ps, hf, bucket_bytes=bucket_bytes, dst_rank=1)
-        replanned = [list(export_hf_stream(model, ps, hf, bucket_bytes=bucket_bytes, dst_rank=1, plan=plan))
-                     for _ in range(2)]
+        replanned = [list(ExportStream(plan)) for _ in range(2)]
         count = torch.tensor([len(dst0)])
         dist.broadcast(count, src=0)  # rank 1 learns how many buckets to receive
         received = [broadcast_bucket(dst0[i] if ps.rank == 0 else None, 0) for i in range(int(count))]
