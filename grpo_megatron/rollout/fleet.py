@@ -230,11 +230,6 @@ class RolloutFleet:
         )
 
     @property
-    def engine_index(self) -> int | None:
-        """Position of this rank's engine in ``engine_ranks`` (None without an engine)."""
-        return self.engine_ranks.index(self.ps.rank) if self.engine is not None else None
-
-    @property
     def num_engines(self) -> int:
         return len(self.engine_ranks)
 
