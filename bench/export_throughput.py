@@ -168,7 +168,8 @@ def _allgather_floor(ps: Any, owned: list[Any], message_bytes: int, dst: int) ->
                 if rank == 0 and ps.rank != dst:
                     sends += [dist.isend(torch.cat(gathered), dst=dst)]
         for w in sends:
-            w.wait()
+            if w is not None:  # None only for a rank outside the group
+                w.wait()
 
     if ps.rank == dst:
         # dst learns what each group source will send it (sizes only), then receives it all.
@@ -181,7 +182,8 @@ def _allgather_floor(ps: Any, owned: list[Any], message_bytes: int, dst: int) ->
             works = [dist.irecv(buf, src=r) for r, buf in recv_bufs]
             run()
             for w in works:
-                w.wait()
+                if w is not None:
+                    w.wait()
 
         return run_dst
     mine = [size * p.numel() for group, size, rank, pieces in plans if rank == 0 for p in pieces]

@@ -44,7 +44,7 @@ from grpo_megatron.distributed.collectives import on_rank0
 from grpo_megatron.distributed.preemption import Preempted, report_preempted
 from grpo_megatron.fileio import write_text_atomic
 from grpo_megatron.training.batching import Sample
-from grpo_megatron.training.job import Job, PhaseTimer, build_job, export_hf_checkpoint
+from grpo_megatron.training.job import Job, PhaseTimer, Timer, build_job, export_hf_checkpoint
 from grpo_megatron.training.phases.advantages import UpdatePlan, build_samples, plan_update
 from grpo_megatron.training.phases.bookkeeping import sample_rows, save_checkpoint, stop_if_not_finite
 from grpo_megatron.training.phases.eval import evaluate
@@ -95,7 +95,7 @@ class LoopState:
         return cls(saved["iteration"], saved["sampler"], dict(saved["eval"]), tuple(best) if best else None)
 
 
-def run_iteration(job: Job, sampler: PromptSampler, probe: ProbeBatch, it: int, timer: PhaseTimer) -> Iteration:
+def run_iteration(job: Job, sampler: PromptSampler, probe: ProbeBatch, it: int, timer: Timer) -> Iteration:
     """One GRPO iteration, rollout to weight sync, each phase timed as ``time/<phase>``."""
     cfg, ps, policy = job.cfg, job.ps, job.policy
     rollout, scorer, ds = job.rollout, job.scorer, cfg.algorithm.dynamic_sampling
