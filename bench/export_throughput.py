@@ -168,7 +168,8 @@ def _allgather_floor(ps: Any, owned: list[Any], message_bytes: int, dst: int) ->
                 if rank == 0 and ps.rank != dst:
                     sends += [dist.isend(torch.cat(gathered), dst=dst)]
         for w in sends:
-            w.wait()
+            if w is not None:  # None only for a rank outside the group
+                w.wait()
 
     if ps.rank == dst:
         # dst learns what each group source will send it (sizes only), then receives it all.
@@ -181,7 +182,8 @@ def _allgather_floor(ps: Any, owned: list[Any], message_bytes: int, dst: int) ->
             works = [dist.irecv(buf, src=r) for r, buf in recv_bufs]
             run()
             for w in works:
-                w.wait()
+                if w is not None:
+                    w.wait()
 
         return run_dst
     mine = [size * p.numel() for group, size, rank, pieces in plans if rank == 0 for p in pieces]
@@ -193,7 +195,7 @@ def worker(args: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
 
-    from grpo_megatron.bridge.export import export_hf_stream
+    from grpo_megatron.bridge.export import ExportStream, export_hf_stream
     from grpo_megatron.bridge.export_plan import plan_export
     from grpo_megatron.config import load_config
     from grpo_megatron.distributed.bootstrap import destroy_distributed, init_distributed, world_size_from_env
@@ -222,7 +224,7 @@ def worker(args: argparse.Namespace) -> None:
     plan = plan_export(model, ps, hf, bucket_bytes=bucket_bytes, dst_rank=dst)
 
     def export_planned() -> None:
-        for _ in export_hf_stream(model, ps, hf, bucket_bytes=bucket_bytes, dst_rank=dst, plan=plan):
+        for _ in ExportStream(plan):
             pass
 
     export(keep=True)  # warm-up; dst keeps the tensors (sizes for the floor and the byte count)

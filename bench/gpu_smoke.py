@@ -35,8 +35,10 @@ import resource
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -72,7 +74,7 @@ def memory(device: torch.device) -> str:
 
 
 @contextmanager
-def phase(times: dict[str, float], name: str, device: torch.device):
+def phase(times: dict[str, float], name: str, device: torch.device) -> Iterator[None]:
     if on_cuda(device):
         torch.cuda.synchronize()
     start = time.perf_counter()
@@ -98,7 +100,7 @@ def copy_seconds(nbytes: int, device: torch.device) -> float:
     return seconds
 
 
-def active_parameters(model: torch.nn.Module, hf) -> float:
+def active_parameters(model: torch.nn.Module, hf: dict[str, Any]) -> float:
     """Parameters one token passes through: every non-expert one, and top-k of the experts' share."""
     total = expert = 0
     for name, param in model.named_parameters():
@@ -111,7 +113,9 @@ def active_parameters(model: torch.nn.Module, hf) -> float:
     return float(total - expert) + expert * hf["num_experts_per_tok"] / num_experts
 
 
-def grpo_step(policy, ps, hf, cfg, prompts, completions, *, replay: bool = False) -> dict[str, float]:
+def grpo_step(
+    policy: Any, ps: Any, hf: dict[str, Any], cfg: Any, prompts: Any, completions: Any, *, replay: bool = False
+) -> dict[str, float]:
     """One on-policy GRPO update with a toy reward: the share of even token ids in a response. With
     the engine's routes (an MoE model), the trainer's experts are compared with them and, with
     ``replay``, the engine's are used (r3)."""
@@ -146,7 +150,9 @@ def grpo_step(policy, ps, hf, cfg, prompts, completions, *, replay: bool = False
             batch.routes_lbsk[:, i, : r.shape[1]] = r
         routing = RoutingPass(policy.model, ps, replay=replay)
 
-    def loss_fn(logprobs_bt, entropy_bt, mb):
+    def loss_fn(
+        logprobs_bt: torch.Tensor, entropy_bt: torch.Tensor | None, mb: Any
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         return grpo_policy_loss(
             logprobs_bt, None, mb.extras["adv"], mb.extras["mask"], cfg.algorithm, normalizer=normalizer
         )
@@ -167,7 +173,7 @@ def grpo_step(policy, ps, hf, cfg, prompts, completions, *, replay: bool = False
     return policy.step() | out
 
 
-def noise_floor(engine, sequences: list[list[int]], prompt_lens: list[int], temperature: float) -> dict[str, float]:
+def noise_floor(engine: Any, sequences: list[list[int]], prompt_lens: list[int], temperature: float) -> dict[str, float]:
     """|engine logprob - the same engine in fp32| on the probe batch: the rounding noise of running the
     model in a narrower dtype at all (an fp32 copy of the engine's own weights)."""
     from grpo_megatron.rollout.embedded import EmbeddedEngine
@@ -181,7 +187,7 @@ def noise_floor(engine, sequences: list[list[int]], prompt_lens: list[int], temp
     return {"floor_abs_diff_mean": float(diff.mean()), "floor_abs_diff_max": float(diff.max())}
 
 
-def run_loop(label: str, cfg, hf, ps, policy, args) -> list[dict[str, float]]:
+def run_loop(label: str, cfg: Any, hf: dict[str, Any], ps: Any, policy: Any, args: argparse.Namespace) -> list[dict[str, float]]:
     """The colocated loop above, ``args.iterations`` times; one record of measurements per iteration."""
     from grpo_megatron.rollout.engine import SamplingParams
     from grpo_megatron.rollout.fleet import RolloutFleet

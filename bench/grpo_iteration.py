@@ -51,7 +51,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -101,7 +101,7 @@ def job_overrides(size: str, args: argparse.Namespace, run_dir: str) -> list[str
 
 
 # ---- per-rank worker (under torch.distributed.run) ------------------------------------------------
-def _bare_step_func(normalizer: float):
+def _bare_step_func(normalizer: float) -> Any:
     """megatron forward-step function: GPTModel's own per-token cross entropy (labels given), summed
     over the response tokens and divided by ``normalizer``."""
     import torch
@@ -109,7 +109,7 @@ def _bare_step_func(normalizer: float):
     from grpo_megatron.training.batching import LossInputs
     from grpo_megatron.training.packing import packed_seq_params
 
-    def step(data_iterator, model_chunk):
+    def step(data_iterator: Iterator[Any], model_chunk: Any) -> tuple[Any, Any]:
         mb = next(data_iterator)
         b, s = mb.tokens_bs.shape
         if mb.packed is None:
@@ -123,7 +123,7 @@ def _bare_step_func(normalizer: float):
             )
             mask_bs = mb.packed.pack(LossInputs.of(mb).mask_bs)[None]
 
-        def loss_func(output_bs):
+        def loss_func(output_bs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
             loss = (output_bs.float() * mask_bs).sum() / normalizer
             return loss, torch.ones((), dtype=torch.int), {"loss": loss.detach()}
 
@@ -283,15 +283,18 @@ def summarize(result: dict[str, Any]) -> dict[str, Any]:
     """Medians over the measured (non-warm-up) iterations."""
     measured = [r for r in result["records"] if not r["warmup"]]
 
-    def median(get) -> float:
+    def median(get: Callable[[dict[str, Any]], float]) -> float:
         return statistics.median(get(r) for r in measured)
+
+    def median_of(where: str, key: str) -> float:
+        return statistics.median(r[where].get(key, 0.0) for r in measured)
 
     names = sorted({k for r in measured for k in r["wall_s"]})
     wall_ratios = [r["wall_s"]["bare_train"] / r["wall_s"]["train"] for r in measured]
     return {
-        "wall_ms": {k: median(lambda r, k=k: r["wall_s"].get(k, 0.0)) * 1e3 for k in names},
+        "wall_ms": {k: median_of("wall_s", k) * 1e3 for k in names},
         "cpu_ms": {
-            k: median(lambda r, k=k: r["cpu_s"].get(k, 0.0)) * 1e3 for k in names if k in measured[0]["cpu_s"]
+            k: median_of("cpu_s", k) * 1e3 for k in names if k in measured[0]["cpu_s"]
         },
         "tokens": median(lambda r: r["tokens"]),
         "samples": measured[0]["samples"],

@@ -23,6 +23,7 @@ import resource
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -37,7 +38,7 @@ def ours(logits_bsv: torch.Tensor, labels_bs: torch.Tensor) -> torch.Tensor:
     return vocab_parallel_logprobs(logits_bsv, labels_bs, tp_group=None, vocab_start=0)[0]
 
 
-def timed(fn, logits_bsv: torch.Tensor, labels_bs: torch.Tensor, repeats: int, backward: bool) -> float:
+def timed(fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], logits_bsv: torch.Tensor, labels_bs: torch.Tensor, repeats: int, backward: bool) -> float:
     best = float("inf")
     for _ in range(repeats):
         x = logits_bsv.detach().requires_grad_(backward)

@@ -12,8 +12,9 @@ cut at ``rows x longest <= budget``, which already keeps padding low when the bu
 the gain of packing is bounded by ``1 / (1 - padding_frac)`` of the padded plan, plus what fewer
 micro-batches and per-row attention save. The first line prints both padding fractions.
 
-Each iteration runs the trainer's own ``phases.plan_update`` + ``phases.update_policy`` (GRPO loss,
-one optimizer step) on that batch twice, once per ``train.packing`` setting, alternating which goes
+Each iteration runs the trainer's own ``phases/advantages.py:plan_update`` +
+``phases/train.py:update_policy`` (GRPO loss without KL, one optimizer step; no routing taps: the
+synthetic responses carry no engine routes) on that batch twice, once per ``train.packing`` setting, alternating which goes
 first; tokens/s counts the real (unpadded) tokens. Activation memory is what autograd saves for the
 backward pass (``torch.autograd.graph.saved_tensors_hooks``, each storage counted once while it is
 alive): its peak over the train phase, per 1k real tokens of the mean micro-batch (on CPU there is no
@@ -55,7 +56,7 @@ class SavedActivations:
         self.peak = 0
         self._refs: dict[int, int] = {}
 
-    def hooks(self):
+    def hooks(self) -> Any:
         import torch
 
         meter = self
@@ -100,8 +101,11 @@ def worker(args: argparse.Namespace) -> None:
 
     from grpo_megatron.config import load_config, validate
     from grpo_megatron.distributed.bootstrap import destroy_distributed, world_size_from_env
-    from grpo_megatron.training import phases
     from grpo_megatron.training.job import build_job
+    from grpo_megatron.training.phases.advantages import plan_update
+    from grpo_megatron.training.phases.logprob import PassSettings
+    from grpo_megatron.training.phases.train import GRPOLoss, update_policy
+    from grpo_megatron.training.route_replay import RoutingReplay
 
     overrides = [
         f"logging.run_dir={args.run_dir}",
@@ -117,6 +121,10 @@ def worker(args: argparse.Namespace) -> None:
     cfg = load_config(DEMO, overrides)
     validate(cfg, world_size_from_env())
     job = build_job(cfg, with_reference=False)
+    alg = job.cfg.algorithm
+    loss = GRPOLoss(alg, 0.0, alg.loss_norm_len or job.cfg.rollout.max_new_tokens, old_from_engine=False)
+    passes = PassSettings(job.ps, job.pad_id, job.policy.spec.vocab_size, job.cfg.rollout.temperature,
+                          RoutingReplay(alg.routing_replay, job.ps, None))  # fmt: skip
     try:
         samples = synthetic_samples(args, job.policy.spec.vocab_size)
         real_tokens = sum(s.length for s in samples)
@@ -125,13 +133,13 @@ def worker(args: argparse.Namespace) -> None:
             order = (False, True) if it % 2 == 0 else (True, False)
             for packing in order:
                 job.cfg.train.packing = packing
-                plan = phases.plan_update(job, samples)
+                plan = plan_update(job.cfg.train, alg, job.ps, samples)
                 meter = SavedActivations()
                 if torch.cuda.is_available():
                     torch.cuda.reset_peak_memory_stats()
                 wall, cpu = time.perf_counter(), time.process_time()
                 with meter.hooks():
-                    metrics = phases.update_policy(job, samples, plan, 0.0)
+                    metrics = update_policy(job.policy, samples, plan, loss, passes, measure_routing=False)
                 wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
                 microbatches = len(plan.all_rows)
                 records.append(

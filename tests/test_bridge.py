@@ -20,11 +20,12 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from grpo_megatron.bridge.safetensors_writer import SafetensorsWriter
-from grpo_megatron.bridge.transforms import dict_reader, read_shard, to_hf
+from grpo_megatron.bridge.transforms import read_shard, to_hf
 from grpo_megatron.models.registry import UnsupportedModelError, get_adapter
 from grpo_megatron.models.weight_rules import QKVGroups, qkv
 from tests.helpers.dist import REPO_ROOT, free_port, run_distributed
 from tests.helpers.tiny_configs import TINY_CONFIGS
+from tests.helpers.weights import dict_reader
 from tests.workers.bridge_workers import EXAMPLE, batch_tokens, reference_kwargs, save_tiny_model
 
 LOGIT_TOL = 1e-4  # fp32

@@ -1,7 +1,6 @@
 """Export stream internals (bridge/export.py and its parts): HF tensors assembled straight from
 TP/ETP slices (bridge/assemble.py) equal ``to_hf`` of the gathered tensor for every transform kind;
-bucket flattening (bridge/bucket_io.py); a destination other
-than rank 0, a cast on export and ``broadcast_bucket`` on two real megatron-core ranks.
+a destination other than rank 0, a cast on export and a reused plan on two real megatron-core ranks.
 
 The bit-exact round trips of every architecture and layout are in test_bridge.py.
 """
@@ -13,10 +12,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 
 from grpo_megatron.bridge.assemble import assemble_hf
-from grpo_megatron.bridge.bucket_io import flatten_bucket, unflatten_bucket
 from grpo_megatron.bridge.transforms import to_hf
 from grpo_megatron.models.weight_rules import QKVGroups, copy, glu, qkv, vocab
 from tests.helpers.dist import run_distributed
@@ -68,33 +65,14 @@ def test_assemble_hf_equals_to_hf_of_the_gathered_tensor(rule, shape, dim, glu_h
             assert a.untyped_storage().nbytes() == a.numel() * a.element_size(), f"{name} shares memory"
 
 
-def test_flattened_bucket_round_trips_and_saves(tmp_path: Path) -> None:
-    bucket = [
-        ("a", torch.randn(3, 5)),
-        ("b", torch.randn(7).to(torch.bfloat16)),  # 14 bytes: the next offset needs alignment
-        ("c", torch.arange(6, dtype=torch.int64).reshape(2, 3)),
-        ("d", torch.tensor(1.5, dtype=torch.float16)),
-        ("e", torch.empty(0, 4)),
-    ]
-    flat_u8, meta = flatten_bucket(bucket)
-    assert flat_u8.dtype == torch.uint8 and all(offset % 16 == 0 for *_, offset in meta)
-    back = unflatten_bucket(flat_u8, meta)
-    assert [n for n, _ in back] == [n for n, _ in bucket]
-    for (_, a), (_, b) in zip(back, bucket, strict=True):
-        assert a.dtype == b.dtype and torch.equal(a, b)
-    # Views of one buffer that do not overlap: safetensors writes them as they are.
-    save_file(dict(back), str(tmp_path / "b.safetensors"))
-    assert all(torch.equal(load_file(tmp_path / "b.safetensors")[n], t) for n, t in bucket)
-
-
-def test_stream_to_rank_1_with_a_cast_and_broadcast_bucket(tmp_path: Path) -> None:
+def test_stream_to_rank_1_with_a_cast_and_a_reused_plan(tmp_path: Path) -> None:
     hf_dir = tmp_path / "qwen3_moe"
     hf_dir.mkdir()
     (hf_dir / "config.json").write_text(json.dumps(tiny_hf_config("qwen3_moe")))
     # DP2: both ranks hold every expert (expert-data-parallel copies): each is sent once, or not at all.
     layouts = {"TP2": ["parallel.tp=2"], "EP2": ["parallel.ep=2"], "PP2": ["parallel.pp=2"], "DP2": []}
     rank0, rank1 = run_distributed(
-        "tests.workers.export_workers:stream_and_broadcast", 2, timeout_s=300,
+        "tests.workers.export_workers:stream_to_each_rank", 2, timeout_s=300,
         hf_dir=str(hf_dir), layouts=layouts, bucket_bytes=20_000,
     )  # fmt: skip
     for layout in layouts:
@@ -107,8 +85,3 @@ def test_stream_to_rank_1_with_a_cast_and_broadcast_bucket(tmp_path: Path) -> No
         assert r1["owns_memory"], layout
         for planned in r1["dst1_planned"]:  # a reused plan streams the same tensors
             assert list(planned) == list(ref) and all(torch.equal(planned[k], v) for k, v in ref.items())
-        # broadcast_bucket hands rank 1 exactly what rank 0 had, bucket by bucket.
-        got = {k: v for b in r1["broadcast"] for k, v in b.items()}
-        assert list(got) == list(ref) and all(torch.equal(got[k], v) for k, v in ref.items()), layout
-        assert [len(b) for b in r1["broadcast"]] == [len(b) for b in r0["broadcast"]]
-        assert r0["empty"] == r1["empty"] == 0

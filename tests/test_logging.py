@@ -20,9 +20,9 @@ from grpo_megatron.logging_utils.metrics import (
     REQUIRED_KEYS,
     MetricsLogger,
     metrics_record,
-    missing_required_keys,
     read_jsonl,
 )
+from tests.helpers.metrics import missing_required_keys
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO / "examples" / "tiny_moe.yaml"

@@ -80,6 +80,15 @@ def test_every_fix_is_documented_under_its_cause() -> None:
         assert start < row < sections[sections.index(start) + 1], f"{fix.name} not under {fix.cause}"
 
 
+def test_module_docstring_tables_are_rendered_from_the_fix_records() -> None:
+    """Each fix is described once, in its record: the docstring's tables are ``fix_tables()``."""
+    assert set(compat.CAUSES) == {"no_te", "torch_adam", "cpu"}
+    assert compat.fix_tables() in compat.__doc__, (
+        "the module docstring's tables differ from the FIXES records: paste the output of "
+        "`python -m grpo_megatron.distributed.megatron_compat` into it"
+    )
+
+
 def test_causes_are_what_the_issue_saw_on_a_gpu() -> None:
     """A GPU job without TE and with torch's Adam (the H200 of GUIDE section 8) gets the router
     and distributed-optimizer fixes, and none of the CUDA-absent ones."""

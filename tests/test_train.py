@@ -16,8 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from grpo_megatron.logging_utils.metrics import missing_required_keys, read_jsonl
+from grpo_megatron.logging_utils.metrics import read_jsonl
 from tests.helpers.dist import REPO_ROOT, free_port
+from tests.helpers.metrics import missing_required_keys
 
 DEMO = REPO_ROOT / "examples" / "demo.yaml"
 SMALL = [

@@ -1,15 +1,23 @@
 """Assembling the HF tensors of one canonical megatron tensor from its TP/ETP slices
 (``assemble_hf``): each byte is copied once, QKV de-interleaving, GLU halves and vocabulary padding
-are handled slice by slice. The export stream's destinations (bridge/export.py) call it per tensor."""
+are handled slice by slice; and where the export stream's destinations (bridge/export.py) land
+what they receive (``Landing``: the four ways, decided in one place)."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 
+from grpo_megatron.bridge.bucket_io import Bucket
+from grpo_megatron.bridge.export_plan import ExportItem
 from grpo_megatron.bridge.transforms import hf_shapes, to_hf
 from grpo_megatron.models.weight_rules import WeightRule
+
+Places = Callable[[str], torch.Tensor | None]
+"""Where the consumer will copy each HF tensor, by HF name, or None (the weight sync passes its
+engine's ``RolloutEngine.load_target``)."""
 
 
 def views_of_one_slice(rule: WeightRule, dim: int | None) -> bool:
@@ -128,3 +136,86 @@ def assemble_hf(
         for index, along, start, length, piece in placements:
             outs[index].narrow(along, start, length).view(piece.shape).copy_(piece)
     return list(zip(rule.hf, outs, strict=True))
+
+
+@dataclass(frozen=True)
+class Landing:
+    """Where a destination of the export stream lands each canonical tensor it receives: the one
+    place the choice is made. Four ways, tried in this order:
+
+    1. received in place: a whole slice that travels alone (``Message.direct``) whose HF tensors'
+       places (``into``) lie exactly as the slice (contiguous, adjacent, in the export dtype on
+       ``device``) is received straight into them (``receive_place``, asked before the receive is
+       posted); its names are handed on with their places (nothing left to copy);
+    2. borrowed (``borrow``): one slice already in the export dtype on ``device`` whose HF tensors are
+       views of it is handed on as those views (of this rank's shard or of the received message):
+       the consumer's copy is the only one, and the views are valid only until it returns;
+    3. assembled into the consumer's places (``into``: each exists, contiguous, in the export dtype
+       on ``device``);
+    4. assembled into new tensors on ``device``, owned by the bucket (held until it is handed on).
+    """
+
+    device: torch.device
+    borrow: bool = False
+    into: Places | None = None
+
+    def receive_place(self, item: ExportItem, direct: bool) -> torch.Tensor | None:
+        """Way 1: a flat byte view of the consumer's places of ``item``'s HF tensors to receive its
+        one slice into, when it travels alone (``direct``) and they lie exactly as the slice; else None."""
+        if not (direct and views_of_one_slice(item.rule, item.dim) and self.into):
+            return None
+        pieces = to_hf(item.rule, torch.empty(item.slice_shapes[0], dtype=item.dtype, device="meta"))
+        places = [self.into(name) for name, _ in pieces]
+        first = places[0]
+        if first is None:
+            return None
+        base = first.data_ptr()
+        for (_, piece), place in zip(pieces, places, strict=True):
+            if (
+                place is None or place.dtype != item.dtype or place.device != self.device
+                or not place.is_contiguous() or tuple(place.shape) != tuple(piece.shape) or not piece.is_contiguous()
+                or place.untyped_storage().data_ptr() != first.untyped_storage().data_ptr()
+                or place.data_ptr() - base != piece.storage_offset() * item.dtype.itemsize
+            ):  # fmt: skip
+                return None
+        if sum(p.numel() for _, p in pieces) * item.dtype.itemsize != item.slice_bytes(0):
+            return None  # the slice holds more than its HF tensors (vocabulary padding)
+        flat_u8 = torch.empty(0, dtype=torch.uint8, device=self.device)
+        return flat_u8.set_(first.untyped_storage(), first.storage_offset() * item.dtype.itemsize,
+                            (item.slice_bytes(0),), (1,))  # fmt: skip
+
+    def land(self, item: ExportItem, shards: Sequence[torch.Tensor], received_in_place: bool) -> tuple[Bucket, int]:
+        """``item``'s (HF name, tensor) pairs from its slices (``shards``, in slice order; unused when
+        ``received_in_place``), and the bytes of new tensors they hold (way 4; else 0)."""
+        if received_in_place:  # way 1: already in the consumer's places
+            assert self.into is not None
+            return [(name, _present(self.into(name), name)) for name in item.rule.hf], 0
+        if self.borrow and _borrowable(item, shards[0], self.device):  # way 2
+            return to_hf(item.rule, shards[0]), 0
+        places = self._places(item)
+        if places is not None:  # way 3
+            return assemble_hf(item.rule, item.shape, item.dim, item.glu, shards, item.dtype, self.device, places), 0
+        pieces = assemble_hf(item.rule, item.shape, item.dim, item.glu, shards, item.dtype, self.device)  # way 4
+        return pieces, item.hf_bytes
+
+    def _places(self, item: ExportItem) -> list[torch.Tensor] | None:
+        """The consumer's places of ``item``'s HF tensors when every one exists, is contiguous and in
+        the export dtype on ``device``, else None."""
+        if self.into is None:
+            return None
+        places = [self.into(name) for name in item.rule.hf]
+        kept = [p for p in places if p is not None and p.dtype == item.dtype and p.device == self.device
+                and p.is_contiguous()]  # fmt: skip
+        return kept if len(kept) == len(places) else None
+
+
+def _borrowable(item: ExportItem, shard: torch.Tensor, device: torch.device) -> bool:
+    """Whether ``item``'s HF tensors can be handed on as views of its one slice ``shard``: no cast,
+    no move, and no regrouping that needs a copy (QKV's per-group split is not a view of its rows)."""
+    return views_of_one_slice(item.rule, item.dim) and shard.dtype == item.dtype and shard.device == device
+
+
+def _present(place: torch.Tensor | None, name: str) -> torch.Tensor:
+    if place is None:
+        raise RuntimeError(f"{name}: received in place, but the consumer no longer gives a place for it")
+    return place

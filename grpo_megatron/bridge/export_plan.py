@@ -13,7 +13,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from grpo_megatron.bridge.bucket_io import _aligned, _dtype
+from grpo_megatron.bridge.bucket_io import aligned, dtype_named
 from grpo_megatron.bridge.layout import local_tensors, rules_by_name, tp_group_of
 from grpo_megatron.bridge.transforms import hf_shapes
 from grpo_megatron.distributed.bootstrap import ParallelState
@@ -33,7 +33,7 @@ overlaps nothing and allocates (on CPU: page-faults) a buffer for every byte. On
 
 
 @dataclass(frozen=True)
-class _Item:
+class ExportItem:
     """One canonical megatron tensor of the stream, as every rank sees it after the metadata exchange."""
 
     rule: WeightRule
@@ -85,7 +85,7 @@ def _items(
     everyone: Sequence[Sequence[Entry]],
     dtype: torch.dtype | None,
     model_type: Any,
-) -> list[_Item]:
+) -> list[ExportItem]:
     """The stream's tensors in HF order, each with the ranks holding each of its slices."""
     holders: dict[str, dict[int, list[int]]] = {}
     info: dict[str, tuple[int | None, bool, int, str, dict[int, tuple[int, ...]]]] = {}
@@ -113,9 +113,9 @@ def _items(
         full_shape = list(shapes[0])
         if dim is not None:
             full_shape[dim] *= size
-        out_dtype = dtype or _dtype(dt)
+        out_dtype = dtype or dtype_named(dt)
         hf_bytes = _hf_numel(rule, full_shape) * out_dtype.itemsize
-        items.append(_Item(
+        items.append(ExportItem(
             rule, tuple(full_shape), dim, glu, out_dtype, tuple(shapes[r] for r in range(size)),
             tuple(tuple(by_slot[r]) for r in range(size)), hf_bytes,
         ))  # fmt: skip
@@ -127,7 +127,7 @@ Needs = Callable[[str], bool]
 is needed); None = every tensor."""
 
 
-def _wanted(items: Sequence[_Item], needs: Needs | None) -> frozenset[int] | None:
+def _wanted(items: Sequence[ExportItem], needs: Needs | None) -> frozenset[int] | None:
     """Indices of the items a destination with ``needs`` receives (None: all of them)."""
     if needs is None:
         return None
@@ -135,7 +135,7 @@ def _wanted(items: Sequence[_Item], needs: Needs | None) -> frozenset[int] | Non
 
 
 def _choose_sources(
-    items: Sequence[_Item],
+    items: Sequence[ExportItem],
     dst_ranks: Sequence[int],
     ranks: Sequence[_RankInfo],
     wanted: Mapping[int, frozenset[int] | None] | None = None,
@@ -213,7 +213,7 @@ Part = tuple[int, int, int]  # (item index, slice index, byte offset in the mess
 
 
 @dataclass(frozen=True)
-class _Message:
+class Message:
     """One point-to-point message of one round: the slices it carries and its size."""
 
     peer: int  # the destination (a send) or the source (a receive)
@@ -235,23 +235,23 @@ on GPUs a pack is a device copy and an NCCL message a few microseconds: the reci
 (several MB) still travel alone."""
 
 
-def _travels_alone(item: _Item, slot: int) -> bool:
+def _travels_alone(item: ExportItem, slot: int) -> bool:
     """Whether slice ``slot`` of ``item`` travels as its own message: large enough to be worth one."""
     return item.slice_bytes(slot) >= DIRECT_MIN_BYTES
 
 
 def _messages(
-    rounds: Sequence[Sequence[int]], items: Sequence[_Item], sources: Mapping[int, Sequence[tuple[int, ...]]], me: int
-) -> tuple[list[list[_Message]], list[list[_Message]]]:
+    rounds: Sequence[Sequence[int]], items: Sequence[ExportItem], sources: Mapping[int, Sequence[tuple[int, ...]]], me: int
+) -> tuple[list[list[Message]], list[list[Message]]]:
     """This rank's sends and receives of every round: per pair, one packed message of the small
     and split slices, then one message per slice that travels alone, in item order (both ends
     derive the same order, which is how point-to-point messages between a pair are matched)."""
-    sends: list[list[_Message]] = []
-    recvs: list[list[_Message]] = []
+    sends: list[list[Message]] = []
+    recvs: list[list[Message]] = []
     for rnd in rounds:
         out: dict[int, list[Part]] = {}
         into: dict[int, list[Part]] = {}
-        alone: dict[tuple[str, int], list[_Message]] = {}
+        alone: dict[tuple[str, int], list[Message]] = {}
         sizes: dict[tuple[str, int], int] = {}
         for d, per_item in sources.items():
             for index in rnd:
@@ -261,19 +261,19 @@ def _messages(
                     box, peer = (out, d) if src == me else (into, src)
                     key = ("send" if src == me else "recv", peer)
                     if _travels_alone(items[index], slot):
-                        msg = _Message(peer, ((index, slot, 0),), items[index].slice_bytes(slot), direct=True)
+                        msg = Message(peer, ((index, slot, 0),), items[index].slice_bytes(slot), direct=True)
                         alone.setdefault(key, []).append(msg)
                         continue
                     offset = sizes.get(key, 0)
                     box.setdefault(peer, []).append((index, slot, offset))
-                    sizes[key] = offset + _aligned(items[index].slice_bytes(slot))
+                    sizes[key] = offset + aligned(items[index].slice_bytes(slot))
         for kind, box, result in (("send", out, sends), ("recv", into, recvs)):
             peers = sorted({p for k, p in [*sizes, *alone] if k == kind})
             result.append([
                 msg
                 for p in peers
                 for msg in (
-                    [_Message(p, tuple(box[p]), sizes[(kind, p)])] if (kind, p) in sizes else []
+                    [Message(p, tuple(box[p]), sizes[(kind, p)])] if (kind, p) in sizes else []
                 ) + alone.get((kind, p), [])
             ])  # fmt: skip
     return sends, recvs
@@ -308,19 +308,21 @@ class ExportPlan:
     same model at the same layout, destinations, bucket size and dtype (the per-iteration weight sync
     computes it once instead of gathering every rank's metadata each time)."""
 
-    items: list[_Item]
+    items: list[ExportItem]
     buckets: list[list[list[int]]]
     """Item indices by bucket and round."""
     bucket_bytes: int
     dst_ranks: tuple[int, ...]
     dtype: torch.dtype | None
     world_size: int
+    rank: int
+    """The rank this plan was made on: its ``sources``, ``sends``, ``recvs`` and ``local`` are this rank's."""
     rounds_in_flight: int
     sources: list[tuple[int, ...]] | None
     """On a destination: the rank sending each slice of each item (itself for slices it holds)."""
-    sends: list[list[_Message]]
+    sends: list[list[Message]]
     """This rank's outgoing messages of each round."""
-    recvs: list[list[_Message]]
+    recvs: list[list[Message]]
     """This rank's incoming messages of each round."""
     pair_bytes: dict[tuple[int, int], int]
     """Bytes (src, dst) moves per export, for every pair of the world (benchmarks, metrics)."""
@@ -394,6 +396,6 @@ def plan_export(
                 if src != d:
                     pair_bytes[(src, d)] = pair_bytes.get((src, d), 0) + item.slice_bytes(slot)
     return ExportPlan(
-        items, buckets, bucket_bytes, dsts, dtype, ps.world_size, rounds_in_flight,
+        items, buckets, bucket_bytes, dsts, dtype, ps.world_size, ps.rank, rounds_in_flight,
         sources.get(ps.rank), sends, recvs, pair_bytes, mine, wanted,
     )  # fmt: skip

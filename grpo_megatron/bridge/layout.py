@@ -3,7 +3,7 @@
 A rank's parameter ``decoder.layers.3.mlp.experts.local_experts.1.linear_fc1.weight`` is a slice
 of a layout-independent *canonical* tensor: global layer index (PP offset applied), global expert
 index (EP offset applied), and the TP/ETP slice along ``partition_dim``. ``ShardLayout`` records
-that; ``gather``/``scatter`` move between the shard and the canonical tensor. The streaming
+that; ``gather`` makes the canonical tensor from the shards. The streaming
 exporter and the sharded loader of the weight bridge build on the same rules, and the
 layout-equivalence tests use ``full_state`` to compare any layout with a single process.
 
@@ -147,16 +147,6 @@ def gather(shard: torch.Tensor, layout: ShardLayout, ps: ParallelState) -> torch
     return torch.cat(gathered, dim=dim)
 
 
-def scatter(full: torch.Tensor, layout: ShardLayout, ps: ParallelState) -> torch.Tensor:
-    """This rank's shard of a canonical tensor (no communication)."""
-    _, size, rank = tp_group_of(layout, ps)
-    if layout.partition_dim is None or size == 1:
-        return full
-    dim = layout.partition_dim
-    halves = full.chunk(2, dim=dim) if layout.glu else (full,)
-    return torch.cat([h.chunk(size, dim=dim)[rank] for h in halves], dim=dim)
-
-
 def full_state(model: torch.nn.Module, ps: ParallelState, *, grads: bool = False) -> dict[str, torch.Tensor]:
     """Every canonical tensor of the whole model (or its gradients), on every rank.
 
@@ -179,20 +169,6 @@ def full_state(model: torch.nn.Module, ps: ParallelState, *, grads: bool = False
     for part in parts:
         merged.update(part)
     return merged
-
-
-@torch.no_grad()
-def load_full_state(model: torch.nn.Module, ps: ParallelState, state: dict[str, torch.Tensor]) -> None:
-    """Copy each rank's slice of canonical tensors into its parameters (all must be present)."""
-    for name, param, layout in shard_layouts(model, ps):
-        if layout.canonical_name not in state:
-            raise KeyError(f"{layout.canonical_name} (local {name}) missing from the state to load")
-        shard = scatter(state[layout.canonical_name], layout, ps)
-        if shard.shape != param.shape:
-            raise ValueError(
-                f"{layout.canonical_name}: shard {tuple(shard.shape)} != param {tuple(param.shape)}"
-            )
-        param.copy_(shard)
 
 
 # ---- the adapter's rules over this rank's tensors: shared by the loader and the exporter ----------

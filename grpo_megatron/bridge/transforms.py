@@ -107,15 +107,3 @@ def read_shard(
         dim=1,
     )
     return fused.reshape(-1, *rest)
-
-
-def dict_reader(tensors: dict[str, torch.Tensor]) -> Reader:
-    """A ``Reader`` over in-memory HF tensors (tests, engines that already hold a state dict)."""
-
-    def read(name: str, dim: int | None, start: int, stop: int) -> torch.Tensor:
-        if name not in tensors:
-            raise KeyError(f"HF tensor {name!r} missing")
-        t = tensors[name]
-        return t if dim is None else t.narrow(dim, start, stop - start)
-
-    return read

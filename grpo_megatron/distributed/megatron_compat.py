@@ -4,13 +4,8 @@ where its cause is.
 Opt-in: importing this module changes nothing. ``apply_megatron_compat(device)`` applies the fixes
 in ``FIXES`` whose cause this process has (``Capabilities.detect(device)``), and only for the
 megatron-core versions they were checked against (``CHECKED_MEGATRON_VERSIONS``; others are
-refused with a RuntimeError whenever a fix would apply). Each fix has one cause:
-
-- ``no_te``: TransformerEngine is not installed, on any device (a GPU without TE included);
-- ``torch_adam``: megatron's optimizer is torch's Adam (neither TE's nor apex's fused Adam was
-  importable), on any device: its per-parameter ``step`` is what the distributed optimizer's
-  checkpoint code does not expect;
-- ``cpu``: the job runs on CPU (``parallel.backend=gloo``, or no CUDA): megatron assumes CUDA.
+refused with a RuntimeError whenever a fix would apply). Each fix has one cause (``CAUSES``,
+listed with the tables below).
 
 Call it once per process with the job's device, before building models, optimizers or the RNG
 tracker (before or after ``initialize_model_parallel``); on CPU, seed with
@@ -25,63 +20,106 @@ CPU tensor by its CUDA twin (``torch.FloatTensor`` -> ``torch.cuda.FloatTensor``
 dtype checks see what they see on a GPU. Each replacement keeps the object it replaced (for the
 tests, which check that megatron still needs every fix).
 
-Cause ``no_te`` (TransformerEngine absent, any device):
+The fixes by cause. Each is described once, in its record in ``FIXES``; these tables are
+``fix_tables()`` (a test checks they match: after editing a record, paste the output of
+``python -m grpo_megatron.distributed.megatron_compat`` here).
 
-| name                         | what breaks in megatron-core 0.16.1                         | where (megatron.core.*)                                  | how we adjust                                          |
-|------------------------------|-------------------------------------------------------------|----------------------------------------------------------|--------------------------------------------------------|
-| moe_router_gemm_name         | without TransformerEngine ``te_general_gemm`` is never      | transformer.moe.moe_utils (RouterGatingLinearFunction)   | bind ``moe_utils.te_general_gemm = None`` (torch path) |
-|                              | bound: NameError in the router's gating linear              |                                                          |                                                        |
-| mla_te_flag                  | without TE, ``HAVE_TE`` is still True in MLA (the TE        | transformer.multi_latent_attention                       | ``HAVE_TE = False`` when transformer_engine is absent  |
-|                              | extension imports with stand-ins): TypeError building MLA   |                                                          |                                                        |
-| torch_norm_sequence_parallel | the torch norm (no TE/apex) refuses ``sequence_parallel``,  | transformer.torch_norm.WrappedTorchNorm.__new__          | build it without the flag, mark its parameters         |
-|                              | which MoE with TP > 1 requires                              |                                                          | ``sequence_parallel`` (grads summed over TP)           |
+Cause ``no_te``: TransformerEngine is not installed, on any device (a GPU without TE included).
 
-Cause ``torch_adam`` (megatron's distributed optimizer over torch's Adam, which keeps a
-per-parameter ``step`` tensor; any device):
+| name                           | what breaks in megatron-core                                   | where (megatron.core.*, or torch.*)                        | how we adjust                                        |
+|--------------------------------|----------------------------------------------------------------|------------------------------------------------------------|------------------------------------------------------|
+| moe_router_gemm_name           | moe_utils binds te_general_gemm only when TransformerEngine    | transformer.moe.moe_utils:te_general_gemm                  | bind it to None, which selects the router's torch    |
+|                                | imports; the router's RouterGatingLinearFunction.forward then  |                                                            | matmul path                                          |
+|                                | raises NameError                                               |                                                            |                                                      |
+| mla_te_flag                    | megatron.core.extensions.transformer_engine imports without    | transformer.multi_latent_attention:HAVE_TE                 | set HAVE_TE=False when transformer_engine is not     |
+|                                | TransformerEngine (its names become stand-ins), so             |                                                            | installed (what the flag means)                      |
+|                                | multi_latent_attention sets HAVE_TE=True and                   |                                                            |                                                      |
+|                                | MLASelfAttention's isinstance(linear_proj, TELinear) raises    |                                                            |                                                      |
+|                                | TypeError: MLA (DeepSeek-V3) cannot be built                   |                                                            |                                                      |
+| torch_norm_sequence_parallel   | WrappedTorchNorm asserts 'sequence parallel not supported by   | transformer.torch_norm:WrappedTorchNorm.__new__            | build the norm with sequence_parallel off and mark   |
+|                                | torch LayerNorm'; MoE with TP>1 requires sequence parallelism  |                                                            | its parameters sequence_parallel=True so             |
+|                                |                                                                |                                                            | finalize_model_grads sums their gradients over TP    |
 
-| name                         | what breaks in megatron-core 0.16.1                         | where (megatron.core.*)                                  | how we adjust                                          |
-|------------------------------|-------------------------------------------------------------|----------------------------------------------------------|--------------------------------------------------------|
-| distopt_fresh_state_dict     | a fresh optimizer (no step taken yet: no Adam state) fails  | optimizer.distrib_optimizer.DistributedOptimizer         | no Adam state yet: the param groups with step 0        |
-|                              | ``assert len(steps) == 1``: resuming builds one             | .state_dict                                              |                                                        |
-| distopt_keep_restored_step   | loading the per-parameter state copies every Adam key:      | ...DistributedOptimizer._set_main_param_and_optimizer_   | keep the step restored from the param groups (copy it  |
-|                              | ``KeyError: 'step'`` (fully_reshardable), or the fresh      | states                                                   | onto itself)                                           |
-|                              | optimizer's step 0 over the restored one (dp_reshardable)   |                                                          |                                                        |
-| distopt_dp_reshardable_no_grad | dp_reshardable load copies in place into fp32 main params | ...DistributedOptimizer.load_parameter_state_from_dp_    | run it under ``torch.no_grad()`` (as its               |
-|                              | that are views of leaf parameters, with autograd on:        | reshardable                                              | fully_reshardable twin is)                             |
-|                              | RuntimeError                                                |                                                          |                                                        |
-| distopt_unshared_step        | SILENT: load gives every parameter's state the same ``step``| ...DistributedOptimizer.load_state_dict                  | after loading, each parameter gets its own copy        |
-|                              | tensor; Adam increments it once per parameter per update,   |                                                          |                                                        |
-|                              | so after a resume bias correction is wrong and weights drift|                                                          |                                                        |
+Cause ``torch_adam``: megatron's optimizer is torch's Adam (neither TE's nor apex's fused Adam was
+importable), on any device: its per-parameter ``step`` tensor is what the distributed optimizer's
+checkpoint code does not expect.
 
-Cause ``cpu`` (the job runs on CPU: every place where megatron assumes CUDA):
+| name                           | what breaks in megatron-core                                   | where (megatron.core.*, or torch.*)                        | how we adjust                                        |
+|--------------------------------|----------------------------------------------------------------|------------------------------------------------------------|------------------------------------------------------|
+| distopt_fresh_state_dict       | DistributedOptimizer.state_dict reads Adam's step from the     | optimizer.distrib_optimizer:DistributedOptimizer.          | with no Adam state yet, return the param groups with |
+|                                | per-parameter state and asserts exactly one value; a fresh     |   state_dict                                               | step 0                                               |
+|                                | optimizer (which resuming builds the load state dict from) has |                                                            |                                                      |
+|                                | none                                                           |                                                            |                                                      |
+| distopt_keep_restored_step     | DistributedOptimizer._set_main_param_and_optimizer_states      | optimizer.distrib_optimizer:DistributedOptimizer.          | the step restored from the param groups is kept      |
+|                                | copies every key of torch Adam's state: KeyError 'step'        |   _set_main_param_and_optimizer_states                     | (copied onto itself)                                 |
+|                                | loading fully_reshardable (the checkpoint keeps step in the    |                                                            |                                                      |
+|                                | param groups), and with dp_reshardable the fresh optimizer's   |                                                            |                                                      |
+|                                | step 0 overwrites the restored one                             |                                                            |                                                      |
+| distopt_dp_reshardable_no_grad | DistributedOptimizer.load_parameter_state_from_dp_reshardable  | optimizer.distrib_optimizer:DistributedOptimizer.          | run it under torch.no_grad() (as its                 |
+|                                | copies in place into fp32 main params that are views of leaf   |   load_parameter_state_from_dp_reshardable                 | fully_reshardable twin is)                           |
+|                                | parameters, with autograd on: 'a view of a leaf Variable that  |                                                            |                                                      |
+|                                | requires grad is being used in an in-place operation'          |                                                            |                                                      |
+| distopt_unshared_step          | SILENT: DistributedOptimizer.load_state_dict gives every       | optimizer.distrib_optimizer:DistributedOptimizer.          | after loading, give each parameter's state its own   |
+|                                | parameter's Adam state one shared step tensor; torch's Adam    |   load_state_dict                                          | copy of the step                                     |
+|                                | increments it in place once per parameter, so after a resume   |                                                            |                                                      |
+|                                | the step (and bias correction) is wrong and the weights drift  |                                                            |                                                      |
+|                                | from an uninterrupted run                                      |                                                            |                                                      |
 
-| name                         | what breaks in megatron-core 0.16.1                         | where (megatron.core.*)                                  | how we adjust                                          |
-|------------------------------|-------------------------------------------------------------|----------------------------------------------------------|--------------------------------------------------------|
-| cuda_current_device          | ``torch.cuda.current_device()`` asserts (no CUDA); megatron | dozens of sites: layers, MoE router/experts, DDP buffers | ``torch.cuda.current_device`` returns                   |
-|                              | uses it as the device of the tensors it creates             |                                                          | ``torch.device("cpu")``                                 |
-| cuda_synchronize             | ``torch.cuda.synchronize()`` asserts                        | pipeline_parallel.p2p_communication (after each batched  | ``torch.cuda.synchronize`` is a no-op (CPU kernels     |
-|                              |                                                             | send/recv), DDP                                          | are synchronous)                                       |
-| rng_tracker_cpu_states       | the model-parallel RNG tracker saves/restores CUDA generator| tensor_parallel.random.CudaRNGStatesTracker              | replaced by a subclass keeping CPU generator states    |
-|                              | states: seeding, dropout, ``get_cuda_rng_tracker().fork()`` | (``add``, ``fork``)                                      | (``initialize_rng_tracker`` then builds ours)          |
-| recompute_cpu_rng            | activation recomputation (``recompute: full``) saves and    | tensor_parallel.random: _get_cuda_rng_state,             | no CUDA generator to save: an empty state, and setting |
-|                              | restores the CUDA generator's state around each checkpoint: | _set_cuda_rng_state (``CheckpointFunction``)             | it is a no-op (the CPU and tracker states still are    |
-|                              | asserts 'Torch not compiled with CUDA enabled'              |                                                          | saved and restored by megatron itself)                 |
-| moe_alltoall_dtoh            | the alltoall dispatcher creates a CUDA stream, copies split | transformer.moe.token_dispatcher.MoEAlltoAllTokenDispatcher | a stand-in for the cached stream; the method only   |
-|                              | sizes to the host on it and makes them numpy only for CUDA  | (``cuda_dtoh_stream``, ``_maybe_dtoh_and_synchronize``)  | turns the split sizes into numpy arrays                |
-|                              | tensors: ``all_to_all_single`` gets tensors (TypeError)     |                                                          |                                                        |
-| gloo_uneven_all_gather       | ETP > 1: the dispatcher all-gathers unequal splits into a   | tensor_parallel.mappings._gather_along_first_dim         | gather rows padded to the largest split, keep the real |
-|                              | tensor list; gloo: "invalid tensor size"                    |                                                          | rows (equal splits: megatron's own code)               |
-| causal_mask_on_cuda          | default causal / sliding-window masks use ``device="cuda"`` | transformer.utils, fusions.fused_softmax (imports them)  | run them under ``_CudaToCpuMode``                       |
-| tied_embeddings_on_cuda      | tied embeddings with PP > 1: the shared weight is moved     | models.common.language_module.LanguageModule             | run it under ``_CudaToCpuMode``                         |
-|                              | with ``.cuda()`` before the embedding-group all-reduce      | .setup_embeddings_and_output_layer                       |                                                        |
-| schedules_on_cuda            | forward-backward schedules count tokens in a                | pipeline_parallel.schedules.forward_backward_*           | run them under ``_CudaToCpuMode``                       |
-|                              | ``device="cuda"`` tensor                                    |                                                          |                                                        |
-| optimizer_on_cuda            | scale/overflow tensors with ``device="cuda"``; the          | optimizer.optimizer.{FP32,MixedPrecision}Optimizer       | run them under ``_CudaToCpuMode``                       |
-|                              | distributed optimizer and clipping accept only              | .__init__, distrib_optimizer.DistributedOptimizer        |                                                        |
-|                              | ``torch.cuda.*Tensor`` type names; grad norms reduced in    | ._build_model_and_main_param_groups, clip_grads norm     |                                                        |
-|                              | ``device="cuda"`` tensors                                   | functions (where defined and where imported)             |                                                        |
-| distopt_dp_zero_on_cuda      | gathering the optimizer state over DP (fully_reshardable    | ...DistributedOptimizer.get_parameter_state_dp_zero      | run it under ``_CudaToCpuMode``                         |
-|                              | save) moves each shard with ``.cuda()``                     |                                                          |                                                        |
+Cause ``cpu``: the job runs on CPU (``parallel.backend=gloo``, or no CUDA): every place where
+megatron assumes CUDA.
+
+| name                           | what breaks in megatron-core                                   | where (megatron.core.*, or torch.*)                        | how we adjust                                        |
+|--------------------------------|----------------------------------------------------------------|------------------------------------------------------------|------------------------------------------------------|
+| cuda_current_device            | torch.cuda.current_device() asserts 'Torch not compiled with   | torch.cuda:current_device                                  | returns torch.device('cpu')                          |
+|                                | CUDA enabled'; megatron uses it as the device of tensors it    |                                                            |                                                      |
+|                                | creates (layers, MoE router and experts, DDP buffers)          |                                                            |                                                      |
+| cuda_synchronize               | torch.cuda.synchronize() asserts; pipeline p2p calls it after  | torch.cuda:synchronize                                     | a no-op                                              |
+|                                | each batched send/recv                                         |                                                            |                                                      |
+| rng_tracker_cpu_states         | CudaRNGStatesTracker.add/fork read and write CUDA generator    | tensor_parallel.random:CudaRNGStatesTracker                | megatron's tracker class is replaced by a subclass   |
+|                                | states (asserts on CPU), so model_parallel_cuda_manual_seed,   |                                                            | keeping CPU generator states, so                     |
+|                                | dropout and get_cuda_rng_tracker().fork() fail                 |                                                            | initialize_rng_tracker / get_cuda_rng_tracker build  |
+|                                |                                                                |                                                            | ours; seed with cpu_model_parallel_seed              |
+| recompute_cpu_rng              | activation recomputation's CheckpointFunction saves and        | tensor_parallel.random:_get_cuda_rng_state                 | the CUDA state is an empty tensor and restoring it a |
+|                                | restores the CUDA generator state (_get_all_rng_states):       | tensor_parallel.random:_set_cuda_rng_state                 | no-op; megatron still saves and restores the CPU     |
+|                                | AssertionError 'Torch not compiled with CUDA enabled' with     |                                                            | generator and the (CPU) tracker states, which are    |
+|                                | recompute                                                      |                                                            | the ones in use                                      |
+| moe_alltoall_dtoh              | MoEAlltoAllTokenDispatcher.__init__ creates a                  | transformer.moe.token_dispatcher:                          | a stand-in for the cached stream; the method only    |
+|                                | torch.cuda.Stream; _maybe_dtoh_and_synchronize uses            |   MoEAlltoAllTokenDispatcher.cuda_dtoh_stream              | converts the split sizes to numpy                    |
+|                                | streams/events and converts split sizes to numpy only for CUDA | transformer.moe.token_dispatcher:                          |                                                      |
+|                                | tensors, so all_to_all_single gets tensors as split sizes      |   MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize   |                                                      |
+|                                | (TypeError)                                                    |                                                            |                                                      |
+| gloo_uneven_all_gather         | with expert tensor parallelism > 1 the alltoall dispatcher     | tensor_parallel.mappings:_gather_along_first_dim           | for split sizes given, all-gather rows padded to the |
+|                                | all-gathers tokens with unequal split sizes into a list of     |                                                            | largest split and keep each rank's real rows; other  |
+|                                | tensors, which gloo rejects ('invalid tensor size'); the       |                                                            | calls go to megatron's function                      |
+|                                | matching uneven reduce-scatter works on gloo and is left alone |                                                            |                                                      |
+| causal_mask_on_cuda            | get_default_causal_mask / get_sliding_window_causal_mask       | transformer.utils:get_default_causal_mask                  | run them under _CudaToCpuMode                        |
+|                                | create the mask with device='cuda' (the unfused softmax path,  | transformer.utils:get_sliding_window_causal_mask           |                                                      |
+|                                | whenever no mask is passed)                                    | fusions.fused_softmax:get_default_causal_mask              |                                                      |
+|                                |                                                                | fusions.fused_softmax:get_sliding_window_causal_mask       |                                                      |
+| tied_embeddings_on_cuda        | with tied embeddings and PP > 1,                               | models.common.language_module.language_module:             | run it under _CudaToCpuMode (.cuda() returns the     |
+|                                | LanguageModule.setup_embeddings_and_output_layer moves the     |   LanguageModule.setup_embeddings_and_output_layer         | tensor itself)                                       |
+|                                | shared weight with .cuda() before all-reducing it over the     |                                                            |                                                      |
+|                                | embedding group                                                |                                                            |                                                      |
+| schedules_on_cuda              | the forward-backward schedules create total_num_tokens with    | pipeline_parallel.schedules:forward_backward_no_pipelining | run them under _CudaToCpuMode                        |
+|                                | device='cuda'                                                  | pipeline_parallel.schedules:                               | (get_forward_backward_func returns the replaced      |
+|                                |                                                                |   forward_backward_pipelining_without_interleaving         | functions)                                           |
+|                                |                                                                | pipeline_parallel.schedules:                               |                                                      |
+|                                |                                                                |   forward_backward_pipelining_with_interleaving            |                                                      |
+| optimizer_on_cuda              | FP32Optimizer/MixedPrecisionOptimizer create scale and         | optimizer.optimizer:FP32Optimizer.__init__                 | run them under _CudaToCpuMode                        |
+|                                | overflow tensors with device='cuda'; DistributedOptimizer      | optimizer.optimizer:MixedPrecisionOptimizer.__init__       |                                                      |
+|                                | accepts only 'torch.cuda.*Tensor' parameters (TypeError); the  | optimizer.distrib_optimizer:DistributedOptimizer.          |                                                      |
+|                                | grad-norm and clipping functions reduce in device='cuda'       |   _build_model_and_main_param_groups                       |                                                      |
+|                                | tensors and assert CUDA type names                             | optimizer.clip_grads:get_grad_norm_fp32                    |                                                      |
+|                                |                                                                | optimizer.clip_grads:clip_grad_by_total_norm_fp32          |                                                      |
+|                                |                                                                | optimizer.clip_grads:count_zeros_fp32                      |                                                      |
+|                                |                                                                | optimizer.optimizer:get_grad_norm_fp32                     |                                                      |
+|                                |                                                                | optimizer.optimizer:clip_grad_by_total_norm_fp32           |                                                      |
+|                                |                                                                | optimizer.optimizer:count_zeros_fp32                       |                                                      |
+|                                |                                                                | optimizer.layer_wise_optimizer:get_grad_norm_fp32          |                                                      |
+|                                |                                                                | optimizer.layer_wise_optimizer:count_zeros_fp32            |                                                      |
+| distopt_dp_zero_on_cuda        | DistributedOptimizer.get_parameter_state_dp_zero (the          | optimizer.distrib_optimizer:DistributedOptimizer.          | run it under _CudaToCpuMode                          |
+|                                | fully_reshardable save gathers each DP group's optimizer state |   get_parameter_state_dp_zero                              |                                                      |
+|                                | with it) moves every shard with .cuda()                        |                                                            |                                                      |
 
 Seen working with these on gloo (tests/test_megatron_compat.py): TP2 + sequence parallel, EP2 with the
 alltoall and allgather dispatchers, PP2 (tied embeddings), TP2xEP2, TP2 ETP1 EP2, TP2 ETP2, DP2
@@ -126,6 +164,60 @@ class Fix:
     fix: str  # what the replacement does
     apply: Callable[[], None]  # installs the fix; idempotent
     is_applied: Callable[[], bool]  # True when every replacement of this fix is in place
+
+
+CAUSES: dict[Cause, str] = {
+    "no_te": "TransformerEngine is not installed, on any device (a GPU without TE included)",
+    "torch_adam": "megatron's optimizer is torch's Adam (neither TE's nor apex's fused Adam was importable), on "
+    "any device: its per-parameter ``step`` tensor is what the distributed optimizer's checkpoint code does "
+    "not expect",
+    "cpu": "the job runs on CPU (``parallel.backend=gloo``, or no CUDA): every place where megatron assumes CUDA",
+}
+"""What each cause means: what this process lacks for the fixes of that cause to apply."""
+
+_COLUMNS = (
+    ("name", 30), ("what breaks in megatron-core", 62), ("where (megatron.core.*, or torch.*)", 58),
+    ("how we adjust", 52),
+)  # fmt: skip
+
+
+def _wrap_target(target: str, width: int) -> list[str]:
+    """A ``module:Class.attr`` target in lines of at most ``width``, broken after a dot or colon."""
+    import re
+
+    lines = [""]
+    for part in re.split(r"(?<=[.:])", target):
+        if lines[-1] and len(lines[-1]) + len(part) > width:
+            lines.append("  ")
+        lines[-1] += part
+    return lines
+
+
+def fix_tables(fixes: tuple[Fix, ...] | None = None) -> str:
+    """The module docstring's tables, one per cause, rendered from the fix records (``FIXES``), where
+    each fix is described once; a test checks the docstring holds exactly this text."""
+    import textwrap
+
+    def wrap(text: str, width: int) -> list[str]:
+        return textwrap.wrap(text, width, break_long_words=False, break_on_hyphens=False) or [""]
+
+    def line(cells: list[str]) -> str:
+        return "| " + " | ".join(c.ljust(w) for c, (_, w) in zip(cells, _COLUMNS, strict=True)) + " |"
+
+    out = []
+    for cause, meaning in CAUSES.items():
+        out += [*textwrap.wrap(f"Cause ``{cause}``: {meaning}.", 100), ""]
+        out += [line([h for h, _ in _COLUMNS]), "|" + "|".join("-" * (w + 2) for _, w in _COLUMNS) + "|"]
+        for fix in fixes if fixes is not None else FIXES:
+            if fix.cause != cause:
+                continue
+            (_, w_name), (_, w_what), (_, w_where), (_, w_fix) = _COLUMNS
+            where = [p for t in fix.where.split(", ") for p in _wrap_target(t.removeprefix("megatron.core."), w_where)]
+            cells = [wrap(fix.name, w_name), wrap(fix.what_breaks, w_what), where, wrap(fix.fix, w_fix)]
+            for i in range(max(len(c) for c in cells)):
+                out.append(line([c[i] if i < len(c) else "" for c in cells]))
+        out.append("")
+    return "\n".join(out).rstrip("\n") + "\n"
 
 
 # ----------------------------------------------------------------------------------------------
@@ -796,3 +888,7 @@ def cpu_model_parallel_seed(
     tracker.add(
         megatron_random.get_expert_parallel_rng_tracker_name(), stage_seed + 1024 + 100 * ep_rank + etp_rank
     )
+
+
+if __name__ == "__main__":
+    print(fix_tables(), end="")

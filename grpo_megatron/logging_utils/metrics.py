@@ -154,15 +154,6 @@ def truncate_jsonl(path: Path, iteration: int) -> int | None:
     return max((record["iteration"] for record in kept), default=None)
 
 
-def missing_required_keys(records: Sequence[Mapping[str, Any]]) -> list[str]:
-    """REQUIRED_KEYS absent from at least one record, or null in all of them (never measured)."""
-    missing = []
-    for key in REQUIRED_KEYS:
-        if not records or any(key not in r for r in records) or all(r[key] is None for r in records):
-            missing.append(key)
-    return missing
-
-
 # ----------------------------------------------------------------------------------------------------
 # The logger
 

@@ -177,6 +177,3 @@ def build_gpt_model(
     )
     return model, spec
 
-
-def param_count(model: torch.nn.Module) -> int:
-    return sum(p.numel() for p in model.parameters())

@@ -37,7 +37,7 @@ import torch.distributed as dist
 from grpo_megatron.rollout.engine import Completion, MemoryTag, RolloutEngine, SamplingParams, WeightSink
 
 if TYPE_CHECKING:
-    from grpo_megatron.bridge.export_plan import ExportPlan
+    from grpo_megatron.bridge.export_plan import ExportPlan, TransferStats
     from grpo_megatron.config import JobConfig
     from grpo_megatron.distributed.bootstrap import ParallelState
 
@@ -135,6 +135,17 @@ def sync_groups(members: Sequence[tuple[int, ...]]) -> list[tuple[int, ...]]:
 
 
 @dataclasses.dataclass
+class _Transfer:
+    """What phase two of a weight sync did on this rank: bytes and buckets its sink received, the
+    transport's bytes, and the first failure (None: none)."""
+
+    stats: TransferStats
+    received: int = 0
+    buckets: int = 0
+    error: str | None = None
+
+
+@dataclasses.dataclass
 class RolloutFleet:
     """All rollout engines of a job; every method is called on every rank with the same arguments."""
 
@@ -219,11 +230,6 @@ class RolloutFleet:
         )
 
     @property
-    def engine_index(self) -> int | None:
-        """Position of this rank's engine in ``engine_ranks`` (None without an engine)."""
-        return self.engine_ranks.index(self.ps.rank) if self.engine is not None else None
-
-    @property
     def num_engines(self) -> int:
         return len(self.engine_ranks)
 
@@ -272,90 +278,18 @@ class RolloutFleet:
         Returns ``sync/*`` metrics: seconds of the manifest check and of the transfer, bytes and
         buckets each engine received, the most bytes of transfer buffers any rank held, and the most
         bytes any engine received straight into its weights.
+
+        The steps: ``_plan`` (once), ``_check_manifests`` (phase one), ``_transfer`` (phase two on
+        this rank), ``_verdict`` (the ranks agree on phase two's outcome and its metrics).
         """
-        from grpo_megatron.bridge.export import export_hf_stream
-        from grpo_megatron.bridge.export_plan import TransferStats, plan_export
-
         bucket_bytes = bucket_bytes or self.bucket_bytes
-        dsts = tuple(self.sync_ranks)
-        sink = self.sink
         start = time.perf_counter()
-        if self.planned_for != (id(model), bucket_bytes) or self.export_plan is None:
-            # Each destination's needs (e.g. an SGLang EP rank: dense tensors + its experts), known
-            # to every rank: every rank plans every destination's sources.
-            needs: list[Any] = [None] * self.ps.world_size
-            dist.all_gather_object(needs, sink.weight_needs() if sink is not None else None)
-            self.export_plan = plan_export(
-                model, self.ps, self.hf, bucket_bytes=bucket_bytes, dst_ranks=dsts, dtype=self.export_dtype,
-                rounds_in_flight=self.rounds_in_flight, needs={d: needs[d] for d in dsts if needs[d] is not None},
-            )  # fmt: skip
-            self.planned_for = (id(model), bucket_bytes)
-            self.manifest = self.export_plan.manifest(self.ps.rank if sink is not None else None)
-
-        # Phase one: every engine judges the manifest; the ranks agree (one small all-reduce; the
-        # messages are gathered only when some engine rejected).
-        problems: list[str] = []
-        if sink is not None:
-            try:
-                problems = sink.check_manifest(self.manifest, version)
-            except Exception as exc:
-                problems = [_describe(exc)]
-        if _any_rank(bool(problems), self.ps):
-            if sink is not None:
-                sink.abort_update(version)
-            verdicts: list[Any] = [None] * self.ps.world_size
-            dist.all_gather_object(verdicts, problems)
-            rejected = [(rank, "; ".join(v)) for rank, v in enumerate(verdicts) if v]
-            lines = "\n".join(f"  rank {rank}: {e}" for rank, e in rejected[:8])
-            raise RuntimeError(
-                f"weight sync of version {version} rejected by {len(rejected)} engine(s) before any transfer; "
-                f"every engine keeps its previous version:\n{lines}"
-            )
+        plan = self._plan(model, bucket_bytes)
+        self._check_manifests(version)
         check_s = time.perf_counter() - start
-
-        # Phase two: the transfer, into the live weights.
         start = time.perf_counter()
-        stats = TransferStats()
-        stream = export_hf_stream(
-            model, self.ps, self.hf, bucket_bytes=bucket_bytes, dst_ranks=dsts, dtype=self.export_dtype,
-            plan=self.export_plan, device=self.ps.device, stats=stats,  # engines sit on the trainer's devices
-            borrow=True,  # the engines copy every tensor into their weights at once
-            into=sink.load_target if sink is not None else None,
-            every_round=len(self.sync_ranks) > len(self.engine_ranks),  # an engine's GPUs load in step
-        )  # fmt: skip
-        error: str | None = None
-        received = buckets = 0
-        for bucket in stream:  # every rank runs the stream to its end: it sends from inside it
-            if sink is None or error is not None:
-                continue
-            received += sum(t.numel() * t.element_size() for _, t in bucket)
-            buckets += 1
-            try:
-                sink.update_weights(bucket, version=version, last=False)
-            except Exception as exc:
-                error = _describe(exc)
-        if sink is not None and error is None:
-            try:
-                sink.update_weights([], version=version, last=True)
-            except Exception as exc:
-                error = _describe(exc)
-        # One all-reduce (max) carries the verdict and the metrics (bytes and buckets: the busiest
-        # destination's; with per-GPU needs an engine's GPUs receive different shares).
-        totals = torch.tensor(
-            [error is not None, received, buckets, stats.peak_bytes, stats.in_place_bytes],
-            dtype=torch.int64,
-            device=self.ps.device,
-        )
-        dist.all_reduce(totals, op=dist.ReduceOp.MAX)
-        if totals[0]:
-            reports: list[Any] = [None] * self.ps.world_size
-            dist.all_gather_object(reports, error)
-            failed = [(rank, e) for rank, e in enumerate(reports) if e is not None]
-            lines = "\n".join(f"  rank {rank}: {e}" for rank, e in failed[:8])
-            raise RuntimeError(
-                f"weight sync of version {version} failed during the transfer on {len(failed)} engine(s); their "
-                f"weights are partial (weight_version -1), resume from the last checkpoint:\n{lines}"
-            )
+        outcome = self._transfer(plan, version)
+        totals = self._verdict(outcome, version)
         transfer_s = time.perf_counter() - start
         return {
             "sync/check_seconds": check_s,
@@ -367,6 +301,102 @@ class RolloutFleet:
             "sync/in_place_bytes": float(totals[4]),
             "sync/version": float(version),
         }
+
+    def _plan(self, model: torch.nn.Module, bucket_bytes: int) -> ExportPlan:
+        """The export plan to every engine GPU (made at the first sync, reused while the model and the
+        bucket size stay the same), and this rank's manifest."""
+        from grpo_megatron.bridge.export_plan import plan_export
+
+        if self.planned_for != (id(model), bucket_bytes) or self.export_plan is None:
+            # Each destination's needs (e.g. an SGLang EP rank: dense tensors + its experts), known
+            # to every rank: every rank plans every destination's sources.
+            sink, dsts = self.sink, tuple(self.sync_ranks)
+            needs: list[Any] = [None] * self.ps.world_size
+            dist.all_gather_object(needs, sink.weight_needs() if sink is not None else None)
+            self.export_plan = plan_export(
+                model, self.ps, self.hf, bucket_bytes=bucket_bytes, dst_ranks=dsts, dtype=self.export_dtype,
+                rounds_in_flight=self.rounds_in_flight, needs={d: needs[d] for d in dsts if needs[d] is not None},
+            )  # fmt: skip
+            self.planned_for = (id(model), bucket_bytes)
+            self.manifest = self.export_plan.manifest(self.ps.rank if sink is not None else None)
+        return self.export_plan
+
+    def _check_manifests(self, version: int) -> None:
+        """Phase one: every engine judges the manifest; the ranks agree (one small all-reduce; the
+        messages are gathered only when some engine rejected). A rejection anywhere: every engine
+        keeps its previous version and every rank raises."""
+        sink = self.sink
+        problems: list[str] = []
+        if sink is not None:
+            try:
+                problems = sink.check_manifest(self.manifest, version)
+            except Exception as exc:
+                problems = [_describe(exc)]
+        if not _any_rank(bool(problems), self.ps):
+            return
+        if sink is not None:
+            sink.abort_update(version)
+        verdicts: list[Any] = [None] * self.ps.world_size
+        dist.all_gather_object(verdicts, problems)
+        rejected = [(rank, "; ".join(v)) for rank, v in enumerate(verdicts) if v]
+        lines = "\n".join(f"  rank {rank}: {e}" for rank, e in rejected[:8])
+        raise RuntimeError(
+            f"weight sync of version {version} rejected by {len(rejected)} engine(s) before any transfer; "
+            f"every engine keeps its previous version:\n{lines}"
+        )
+
+    def _transfer(self, plan: ExportPlan, version: int) -> _Transfer:
+        """Phase two on this rank: run the plan's stream to its end (every rank sends from inside it),
+        feeding this rank's sink, if any, and committing it; the first failure is kept, not raised."""
+        from grpo_megatron.bridge.assemble import Landing
+        from grpo_megatron.bridge.export import ExportStream
+        from grpo_megatron.bridge.export_plan import TransferStats
+
+        sink = self.sink
+        out = _Transfer(TransferStats())
+        landing = Landing(
+            self.ps.device,  # engines sit on the trainer's devices
+            borrow=True,  # the engines copy every tensor into their weights at once
+            into=sink.load_target if sink is not None else None,
+        )
+        every_round = len(self.sync_ranks) > len(self.engine_ranks)  # an engine's GPUs load in step
+        for bucket in ExportStream(plan, landing, stats=out.stats, every_round=every_round):
+            if sink is None or out.error is not None:
+                continue
+            out.received += sum(t.numel() * t.element_size() for _, t in bucket)
+            out.buckets += 1
+            try:
+                sink.update_weights(bucket, version=version, last=False)
+            except Exception as exc:
+                out.error = _describe(exc)
+        if sink is not None and out.error is None:
+            try:
+                sink.update_weights([], version=version, last=True)
+            except Exception as exc:
+                out.error = _describe(exc)
+        return out
+
+    def _verdict(self, outcome: _Transfer, version: int) -> torch.Tensor:
+        """One all-reduce (max) carries the verdict and the metrics (bytes and buckets: the busiest
+        destination's; with per-GPU needs an engine's GPUs receive different shares): [failed,
+        bytes, buckets, peak buffer bytes, in-place bytes]. A failure anywhere: every rank raises."""
+        stats = outcome.stats
+        totals = torch.tensor(
+            [outcome.error is not None, outcome.received, outcome.buckets, stats.peak_bytes, stats.in_place_bytes],
+            dtype=torch.int64,
+            device=self.ps.device,
+        )
+        dist.all_reduce(totals, op=dist.ReduceOp.MAX)
+        if totals[0]:
+            reports: list[Any] = [None] * self.ps.world_size
+            dist.all_gather_object(reports, outcome.error)
+            failed = [(rank, e) for rank, e in enumerate(reports) if e is not None]
+            lines = "\n".join(f"  rank {rank}: {e}" for rank, e in failed[:8])
+            raise RuntimeError(
+                f"weight sync of version {version} failed during the transfer on {len(failed)} engine(s); their "
+                f"weights are partial (weight_version -1), resume from the last checkpoint:\n{lines}"
+            )
+        return totals
 
     # -------------------------------------------------------------------------- mismatch probe
 

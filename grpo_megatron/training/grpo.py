@@ -31,9 +31,9 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass
-from functools import partial
-from typing import TYPE_CHECKING
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 
@@ -44,16 +44,16 @@ from grpo_megatron.distributed.collectives import on_rank0
 from grpo_megatron.distributed.preemption import Preempted, report_preempted
 from grpo_megatron.fileio import write_text_atomic
 from grpo_megatron.training.batching import Sample
-from grpo_megatron.training.job import Job, PhaseTimer, build_job, export_hf_checkpoint
+from grpo_megatron.training.job import Job, PhaseTimer, Timer, build_job, export_hf_checkpoint
 from grpo_megatron.training.phases.advantages import UpdatePlan, build_samples, plan_update
 from grpo_megatron.training.phases.bookkeeping import sample_rows, save_checkpoint, stop_if_not_finite
 from grpo_megatron.training.phases.eval import evaluate
-from grpo_megatron.training.phases.logprob import logprob_pass
+from grpo_megatron.training.phases.logprob import PassSettings, logprob_pass
 from grpo_megatron.training.phases.reward import Group
 from grpo_megatron.training.phases.rollout import rollout_seed
 from grpo_megatron.training.phases.sync import ProbeBatch, answer_probe, sync_weights
 from grpo_megatron.training.phases.train import GRPOLoss, update_policy
-from grpo_megatron.training.route_replay import finish_pass, routing_pass
+from grpo_megatron.training.route_replay import RoutingReplay
 
 if TYPE_CHECKING:
     from grpo_megatron.config import JobConfig
@@ -70,7 +70,32 @@ class Iteration:
     metrics: dict[str, float]
 
 
-def run_iteration(job: Job, sampler: PromptSampler, probe: ProbeBatch, it: int, timer: PhaseTimer) -> Iteration:
+@dataclass
+class LoopState:
+    """The GRPO loop's own state, saved in every checkpoint's ``trainer_state.pt`` as the plain dict
+    ``to_dict`` makes (the on-disk format: checkpoints written before this class resume through
+    ``from_dict``)."""
+
+    iteration: int = 0
+    """The last iteration done."""
+    sampler: dict[str, Any] | None = None
+    """``PromptSampler.state_dict()``; None before the first iteration."""
+    eval: dict[str, float] = field(default_factory=dict)
+    """The last held-out evaluation's metrics."""
+    best: tuple[int, float] | None = None
+    """(iteration, accuracy) of the best held-out evaluation; None until the loop sets it (and in
+    checkpoints older than it)."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"iteration": self.iteration, "sampler": self.sampler, "eval": self.eval, "best": self.best}
+
+    @classmethod
+    def from_dict(cls, saved: Mapping[str, Any]) -> LoopState:
+        best = saved.get("best")
+        return cls(saved["iteration"], saved["sampler"], dict(saved["eval"]), tuple(best) if best else None)
+
+
+def run_iteration(job: Job, sampler: PromptSampler, probe: ProbeBatch, it: int, timer: Timer) -> Iteration:
     """One GRPO iteration, rollout to weight sync, each phase timed as ``time/<phase>``."""
     cfg, ps, policy = job.cfg, job.ps, job.policy
     rollout, scorer, ds = job.rollout, job.scorer, cfg.algorithm.dynamic_sampling
@@ -92,31 +117,23 @@ def run_iteration(job: Job, sampler: PromptSampler, probe: ProbeBatch, it: int, 
     with timer("advantages"):
         batch = build_samples(cfg.algorithm, cfg.rollout.max_new_tokens, groups)
         plan = plan_update(cfg.train, cfg.algorithm, ps, batch.samples)
-    logprobs = partial(logprob_pass, ps=ps, pad_id=job.pad_id, vocab_size=policy.spec.vocab_size,
-                       temperature=cfg.rollout.temperature)
-    # The MoE routing of each pass (algorithm.routing_replay: off, r2, r3) and its metrics.
-    route = partial(routing_pass, cfg.algorithm.routing_replay, ps, policy.spec.num_experts)
-    finish = partial(finish_pass, cfg.algorithm.routing_replay, ps)
+    # Every trainer pass takes these; each pass's MoE routing is algorithm.routing_replay's (off, r2, r3).
+    passes = PassSettings(ps, job.pad_id, policy.spec.vocab_size, cfg.rollout.temperature,
+                          RoutingReplay(cfg.algorithm.routing_replay, ps, policy.spec.num_experts))
     with timer("ref_logprob"), job.reference_on_device():
         if job.reference is not None:
-            routing, routes = route(job.reference, "ref", batch.samples)
-            logprobs(job.reference, batch.samples, plan, "ref", routing=routing, routes=routes)
-            finish(routing, batch.samples, plan.all_rows, measure=False)
-    routing_metrics: dict[str, float] = {}
+            logprob_pass(job.reference, batch.samples, plan, "ref", passes).store(batch.samples)
+    routing_metrics: dict[str, float] = {}  # the first policy pass's: the old-policy pass when it runs
     with timer("old_logprob"):
         if cfg.train.updates_per_iteration > 1 and cfg.train.old_logprobs == "trainer":
-            routing, routes = route(policy.model, "old", batch.samples)
-            logprobs(policy.model, batch.samples, plan, "old", routing=routing, routes=routes)
-            routing_metrics = finish(routing, batch.samples, plan.all_rows, measure=True)
+            old = logprob_pass(policy.model, batch.samples, plan, "old", passes)
+            old.store(batch.samples)
+            routing_metrics = old.routing_metrics
     beta = kl_beta(cfg.algorithm.kl, it - 1, cfg.train.iterations)
     loss = GRPOLoss(cfg.algorithm, beta, cfg.algorithm.loss_norm_len or cfg.rollout.max_new_tokens,
                     old_from_engine=cfg.train.old_logprobs == "engine")
     with timer("train"):
-        routing, routes = route(policy.model, "train", batch.samples)
-        train_metrics = update_policy(policy, batch.samples, plan, loss, ps=ps, pad_id=job.pad_id,
-                                      temperature=cfg.rollout.temperature, routing=routing, routes=routes)
-        measured = finish(routing, batch.samples, plan.all_rows, measure=not routing_metrics)
-        routing_metrics = routing_metrics or measured  # the first policy pass's
+        train_metrics = update_policy(policy, batch.samples, plan, loss, passes, measure_routing=not routing_metrics)
     with timer("sync"):
         sync_metrics = sync_to_engines(job, it, probe)
     metrics = {
@@ -155,25 +172,25 @@ def train(job: Job) -> dict[str, float]:
     cfg = job.cfg
     resumed = job.checkpoints.resume(job.policy)
     job.beat("resume")
-    state = resumed or {"iteration": 0, "sampler": None, "eval": {}}
+    state = LoopState.from_dict(resumed) if resumed is not None else LoopState()
     sampler = job.make_sampler()
-    if state["sampler"] is not None:
-        sampler.load_state_dict(state["sampler"])
-    start = state["iteration"]
+    if state.sampler is not None:
+        sampler.load_state_dict(state.sampler)
+    start = state.iteration
     # Lines after the resumed checkpoint belong to iterations about to be redone; a fresh start
     # (no checkpoint yet: a crash before the first save, or save_interval=0) redoes everything,
     # its iteration-0 evaluation included.
     job.logger.truncate_from(start + 1 if resumed is not None else 0)
     probe = job_probe(job)
     sync_to_engines(job, start, probe)  # the engines start from the trainer's weights
-    last_eval = dict(state["eval"])
+    last_eval = dict(state.eval)
     if resumed is None:  # a fresh run: held-out accuracy before any update, logged as iteration 0
         last_eval = evaluate_job(job, start)
         job.logger.log(start, last_eval)
     first_eval = dict(last_eval)
     job.beat("first evaluation")
     # (iteration, accuracy) of the best held-out evaluation: the final report gives it beside the last
-    best = state.get("best") or (start, last_eval.get("eval/accuracy", float("nan")))
+    best = state.best or (start, last_eval.get("eval/accuracy", float("nan")))
     last_it = start
 
     for it in range(start + 1, cfg.train.iterations + 1):
@@ -200,7 +217,7 @@ def train(job: Job) -> dict[str, float]:
         stop_if_not_finite(metrics, it, f"the checkpoints in {job.checkpoints.dir} are untouched")
         if cfg.logging.samples_interval and it % cfg.logging.samples_interval == 0:
             job.logger.log_samples(it, sample_rows(result.groups, cfg.train.rollout_samples_logged))
-        trainer_state = {"iteration": it, "sampler": sampler.state_dict(), "eval": last_eval, "best": best}
+        trainer_state = LoopState(it, sampler.state_dict(), last_eval, best).to_dict()
         saved = job.checkpoints.should_save(it, final_iteration=cfg.train.iterations)
         if saved:
             save_checkpoint(job.checkpoints, job.memory, job.policy, it, trainer_state)

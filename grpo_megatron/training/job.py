@@ -7,7 +7,8 @@ load models, data, engines and checkpoints the same way.
 from __future__ import annotations
 
 import time
-from contextlib import contextmanager
+from collections.abc import Callable
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -17,7 +18,7 @@ import torch
 from grpo_megatron.distributed.bootstrap import ParallelState
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Iterator
+    from collections.abc import Iterator
 
     from grpo_megatron.checkpoint.config import CheckpointConfig
     from grpo_megatron.checkpoint.manager import CheckpointManager
@@ -120,6 +121,10 @@ class Job:
         if self.rewards is not None:
             self.rewards.close()
         self.logger.close()
+
+
+Timer = Callable[[str], AbstractContextManager[None]]
+"""What times the phases of an iteration: ``with timer(name):`` (``PhaseTimer``; benches bring their own)."""
 
 
 @dataclass

@@ -19,6 +19,7 @@ is "the experts this layer would pick", before its own replay. The same pass giv
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Literal
 
 import torch
@@ -32,6 +33,32 @@ Role = Literal["ref", "old", "train"]
 
 # Per-layer load keys only for models with at most this many MoE layers (metrics.jsonl stays readable).
 PER_LAYER_MAX = 16
+
+
+@dataclass(frozen=True)
+class RoutingReplay:
+    """``algorithm.routing_replay`` for one job: the routing each trainer pass uses (``begin``) and
+    what it leaves behind (``end``). Every pass of an iteration takes the same object."""
+
+    mode: str
+    """off, r2 or r3 (``algorithm.routing_replay``)."""
+    ps: ParallelState
+    num_experts: int | None
+    """The policy's routed experts; None or 0 for a dense model (nothing to replay or measure)."""
+
+    def begin(
+        self, model: torch.nn.Module, role: Role, samples: Sequence[Sample]
+    ) -> tuple[RoutingPass | None, str | None]:
+        """The routing of pass ``role`` over ``model`` and which ``Sample.routes`` its micro-batches
+        carry; ``(None, None)`` for a dense model or where nothing is replayed or measured."""
+        return routing_pass(self.mode, self.ps, self.num_experts, model, role, samples)
+
+    def end(
+        self, routing: RoutingPass | None, samples: list[Sample], rows: Sequence[Sequence[int]], *, measure: bool
+    ) -> dict[str, float]:
+        """Collective, after the pass (``finish_pass``): r2's old-policy routes stored on the samples,
+        and with ``measure`` the iteration's routing metrics."""
+        return finish_pass(self.mode, self.ps, routing, samples, rows, measure=measure)
 
 
 def routing_pass(

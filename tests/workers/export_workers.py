@@ -1,5 +1,5 @@
 """Workers of test_export.py: the export stream to a destination other than rank 0, with a cast on
-export, and ``broadcast_bucket``, on real megatron-core models (random init) over gloo."""
+export, on real megatron-core models (random init) over gloo."""
 
 from __future__ import annotations
 
@@ -12,14 +12,11 @@ from tests.helpers.dist import CPU_JOB
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "tiny_moe.yaml"
 
 
-def stream_and_broadcast(hf_dir: str, layouts: dict[str, list[str]], bucket_bytes: int) -> dict:
-    """For each layout: export to rank 0 (fp32), to rank 1 (fp32) and to rank 1 (bf16); then rank 0
-    broadcasts its fp32 buckets to rank 1 (and an empty bucket). Returns, per layout, what each rank
-    received: ``{"dst0": ..., "dst1": ..., "dst1_bf16": ..., "broadcast": ..., "buckets": n}``."""
-    import torch.distributed as dist
-
-    from grpo_megatron.bridge.bucket_io import broadcast_bucket
-    from grpo_megatron.bridge.export import export_hf_stream
+def stream_to_each_rank(hf_dir: str, layouts: dict[str, list[str]], bucket_bytes: int) -> dict:
+    """For each layout: export to rank 0 (fp32), to rank 1 (fp32) and to rank 1 (bf16), and to rank 1
+    twice more with one plan. Returns, per layout, what each rank received: ``{"dst0": ...,
+    "buckets": n}`` on rank 0, ``{"dst1": ..., "dst1_bf16": ..., "dst1_planned": ...}`` on rank 1."""
+    from grpo_megatron.bridge.export import ExportStream, export_hf_stream
     from grpo_megatron.bridge.export_plan import plan_export
     from grpo_megatron.config import load_config
     from grpo_megatron.distributed.bootstrap import destroy_distributed, init_distributed, world_size_from_env
@@ -41,13 +38,8 @@ def stream_and_broadcast(hf_dir: str, layouts: dict[str, list[str]], bucket_byte
         )
         # A plan made once serves later exports (the weight sync reuses it every iteration).
         plan = plan_export(model, ps, hf, bucket_bytes=bucket_bytes, dst_rank=1)
-        replanned = [list(export_hf_stream(model, ps, hf, bucket_bytes=bucket_bytes, dst_rank=1, plan=plan))
-                     for _ in range(2)]
-        count = torch.tensor([len(dst0)])
-        dist.broadcast(count, src=0)  # rank 1 learns how many buckets to receive
-        received = [broadcast_bucket(dst0[i] if ps.rank == 0 else None, 0) for i in range(int(count))]
-        empty = broadcast_bucket([] if ps.rank == 0 else None, 0, dist.group.WORLD)
-        result = {"broadcast": [dict(b) for b in received], "empty": len(empty)}
+        replanned = [list(ExportStream(plan)) for _ in range(2)]
+        result: dict = {}
         if ps.rank == 0:
             result |= {"dst0": dict(kv for b in dst0 for kv in b), "buckets": len(dst0)}
         else:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from grpo_megatron.bridge.layout import full_state, load_full_state
+from grpo_megatron.bridge.layout import full_state
 from grpo_megatron.config import load_config
 from grpo_megatron.distributed.bootstrap import destroy_distributed, init_distributed, world_size_from_env
 from grpo_megatron.models.builder import build_gpt_model
@@ -24,6 +24,7 @@ from grpo_megatron.training.forward_backward import (
 from grpo_megatron.training.packing import PackedRows
 from grpo_megatron.training.policy import build_policy
 from tests.helpers.dist import CPU_JOB
+from tests.helpers.weights import load_full_state
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "tiny_moe.yaml"
 ROWS = 4  # global batch rows, split over data-parallel ranks

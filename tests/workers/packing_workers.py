@@ -12,13 +12,14 @@ from pathlib import Path
 
 import torch
 
-from grpo_megatron.bridge.layout import full_state, load_full_state
+from grpo_megatron.bridge.layout import full_state
 from grpo_megatron.config import load_config
 from grpo_megatron.distributed.bootstrap import destroy_distributed, init_distributed, world_size_from_env
 from grpo_megatron.training.batching import collate, make_sample, rank_microbatches
 from grpo_megatron.training.forward_backward import MicroBatch, forward_backward, forward_logprobs
 from grpo_megatron.training.policy import build_policy
 from tests.helpers.dist import CPU_JOB
+from tests.helpers.weights import load_full_state
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "tiny_moe.yaml"
 # Odd prompt + response lengths, long-tailed: rows of a micro-batch differ a lot in length.

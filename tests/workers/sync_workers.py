@@ -116,7 +116,8 @@ def _per_gpu_needs(overrides: list[str], bucket_bytes: int) -> dict:
     dense tensors in full + the experts of its block, engine of 4 GPUs at ``ep=N`` given as
     "engine_ep=N"): what each receives, compared with the reference export; its plan's manifest;
     the bytes each rank sent; the transport's peak buffer."""
-    from grpo_megatron.bridge.export import export_hf_stream
+    from grpo_megatron.bridge.assemble import Landing
+    from grpo_megatron.bridge.export import ExportStream
     from grpo_megatron.bridge.export_plan import TransferStats, plan_export
     from grpo_megatron.distributed.bootstrap import destroy_distributed
     from grpo_megatron.rollout.sglang.shards import rank_needs
@@ -130,10 +131,7 @@ def _per_gpu_needs(overrides: list[str], bucket_bytes: int) -> dict:
     stats = TransferStats()
     got: dict[str, torch.Tensor] = {}
     yields = 0
-    for bucket in export_hf_stream(
-        policy.model, ps, hf, bucket_bytes=bucket_bytes, dst_ranks=dsts, dtype=torch.float32, plan=plan,
-        stats=stats, borrow=True, every_round=True,
-    ):  # fmt: skip
+    for bucket in ExportStream(plan, Landing(torch.device("cpu"), borrow=True), stats=stats, every_round=True):
         yields += 1
         for name, t in bucket:
             assert name not in got, name

@@ -15,10 +15,10 @@ from grpo_megatron.algorithm.mismatch import mismatch_metrics, tis_weights
 from grpo_megatron.algorithm.policy_loss import grpo_policy_loss
 from grpo_megatron.distributed.bootstrap import ParallelState
 from grpo_megatron.distributed.collectives import collective_device
-from grpo_megatron.models.routing import RoutingPass
 from grpo_megatron.training.batching import LossInputs, Sample, collate
 from grpo_megatron.training.forward_backward import LossFn, MicroBatch, forward_backward
 from grpo_megatron.training.phases.advantages import UpdatePlan
+from grpo_megatron.training.phases.logprob import PassSettings
 from grpo_megatron.training.policy import Policy
 
 
@@ -154,26 +154,26 @@ def update_policy(
     samples: list[Sample],
     plan: UpdatePlan,
     loss: GRPOLoss,
+    settings: PassSettings,
     *,
-    ps: ParallelState,
-    pad_id: int,
-    temperature: float,
-    routing: RoutingPass | None = None,
-    routes: str | None = None,
+    measure_routing: bool,
 ) -> dict[str, float]:
-    """One optimizer step per mini-batch; returns loss, clip, KL, entropy, mismatch, grad_norm and lr.
-    ``routing`` / ``routes``: the MoE routing of the training passes (training/route_replay.py)."""
+    """Collective: one optimizer step per mini-batch; returns loss, clip, KL, entropy, mismatch,
+    grad_norm and lr, and with ``measure_routing`` (no old-policy pass measured it) the iteration's
+    routing metrics (training/route_replay.py)."""
+    ps = settings.ps
+    routing, routes = settings.replay.begin(policy.model, "train", samples)
     per_microbatch: list[dict[str, float]] = []
     steps: list[dict[str, float]] = []
     for rows, normalizer in zip(plan.rows, plan.normalizers, strict=True):
         policy.zero_grad()
         per_microbatch += forward_backward(
             policy.model,
-            [collate(samples, r, pad_id, routes, packed=plan.packed) for r in rows],
+            [collate(samples, r, settings.pad_id, routes, packed=plan.packed) for r in rows],
             ps,
             loss.loss_fn(normalizer),
             vocab_size=policy.spec.vocab_size,
-            temperature=temperature,
+            temperature=settings.temperature,
             with_entropy=True,
             routing=routing,
         )
@@ -183,4 +183,4 @@ def update_policy(
     metrics["grad_norm"] = sum(s["grad_norm"] for s in steps) / len(steps)
     if "lr" in steps[-1]:
         metrics["lr"] = steps[-1]["lr"]
-    return metrics
+    return metrics | settings.replay.end(routing, samples, plan.all_rows, measure=measure_routing)
