@@ -64,7 +64,7 @@ lock:
 
 lint: setup
 	$(BIN)/ruff check $(LINT_PATHS)
-	$(BIN)/mypy grpo_megatron
+	$(BIN)/mypy  # pyproject.toml [tool.mypy] files: grpo_megatron, bench, tools
 
 # With the kernel wheel installed, the real-SGLang tests must run: GRPO_REQUIRE_SGLANG=1 makes a
 # missing piece fail them instead of skipping.
