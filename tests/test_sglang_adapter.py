@@ -94,6 +94,22 @@ def test_sglang_config_fields_are_validated() -> None:
     assert good.rollout.sglang_server_urls == ["http://a:30000", "http://b:30000"]
 
 
+def test_check_refuses_what_sglang_would_refuse_naming_the_field() -> None:
+    """SGLang scores (the mismatch probe) at temperature 1 only: check says so before any rank starts."""
+    import subprocess
+    import sys
+
+    demo = Path(__file__).resolve().parents[1] / "examples" / "demo.yaml"
+    run = subprocess.run(
+        [sys.executable, "-m", "grpo_megatron", "check", str(demo), "rollout.engine=sglang", "rollout.temperature=0.7"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert run.returncode == 2, run.stderr
+    assert "rollout.temperature=0.7 with rollout.engine=sglang and rollout.probe_batch=4" in run.stderr
+    assert "rollout.probe_batch=0" in run.stderr and "Traceback" not in run.stderr
+    RolloutConfig(engine="sglang", temperature=0.7, probe_batch=0).validate()  # no probe, no rule
+
+
 # ----------------------------------------------------------------------------------------------------
 # Requests and outputs
 

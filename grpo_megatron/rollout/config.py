@@ -117,6 +117,12 @@ class RolloutConfig:
             )
         if self.probe_batch < 0:
             errors.append(f"rollout.probe_batch={self.probe_batch} must be >= 0 (0 disables the mismatch probe)")
+        if self.engine == "sglang" and self.probe_batch > 0 and self.temperature != 1.0:
+            errors.append(
+                f"rollout.temperature={self.temperature} with rollout.engine=sglang and rollout.probe_batch="
+                f"{self.probe_batch}: SGLang scores sequences (the mismatch probe) from unscaled logits, "
+                "i.e. at temperature 1 only; sample at temperature 1.0, or set rollout.probe_batch=0"
+            )
         if self.sglang_tp < 1:
             errors.append(f"rollout.sglang_tp={self.sglang_tp} must be >= 1")
         bad_urls = [u for u in self.sglang_server_urls if not u.startswith(("http://", "https://"))]

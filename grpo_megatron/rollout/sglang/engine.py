@@ -362,7 +362,7 @@ class SGLangEngine(RolloutEngine):
                 nnodes=nnodes, node_rank=0, dist_init_addr=dist_init_addr, device=device.type,
                 weights_on_disk=bool(self._expected_shapes), hf_overrides=dict(hf_overrides or {}),
             )  # fmt: skip
-            log_path = Path(log_dir or tempfile.gettempdir()) / f"sglang-engine-rank{rank}-{os.getpid()}.log"
+            log_path = Path(log_dir or tempfile.gettempdir()) / f"engine-rank{rank}-{os.getpid()}.log"
             self.health = EngineProcesses(rank, log_path)
             main_thread = threading.current_thread() is threading.main_thread()
             signals = SignalState() if main_thread else None

@@ -6,7 +6,7 @@ SIGQUIT to that rank, whose default handler kills the rank's whole process tree 
 engine without that watchdog (0.5.17) leaves the next request waiting forever. Here:
 
 - ``EngineProcesses.start`` starts the engine with its processes' output going to a log file of its
-  own (``<run_dir>/sglang/engine-rank<R>.log``), and records which processes it started;
+  own (``<run_dir>/sglang/engine-rank<R>-<pid>.log``), and records which processes it started;
 - ``check`` (before each generate, score and weight load) raises ``EngineDiedError`` naming the
   engine, the rank, the host, the dead process and the log's last lines, which the fleet reports on
   every rank;
