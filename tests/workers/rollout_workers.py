@@ -92,7 +92,7 @@ def _train_step(policy, ps, hf, sequences: list[list[int]]) -> dict[str, float]:
 
 
 def sync_cases(
-    cases: dict[str, tuple[str, list[str]]], bad_hf_dir: str, sglang_hf_dir: str | None = None
+    cases: dict[str, tuple[str, list[str]]], bad_hf_dir: str
 ) -> dict:
     """Per case (HF config dir, layout overrides): sync, logprobs vs trainer, probe, reproducibility.
     Case "train" also trains one step and syncs again; case "bad" (if present) syncs into engines
@@ -162,24 +162,6 @@ def sync_cases(
         fleet.shutdown()
         out[case] = res
         destroy_distributed(keep_process_group=True)
-    if sglang_hf_dir is not None:
-        out["sglang_error"] = sglang_missing(sglang_hf_dir)
     return out
 
 
-def sglang_missing(hf_dir: str) -> str:
-    """Build a fleet with rollout.engine=sglang on this CPU job (SGLang absent, or present but unable
-    to run without CUDA): the error text."""
-    from grpo_megatron.config import load_config
-    from grpo_megatron.distributed.bootstrap import destroy_distributed, init_distributed
-    from grpo_megatron.rollout.fleet import RolloutFleet
-
-    cfg = load_config(EXAMPLE, [*CPU_JOB, f"model.hf_path={hf_dir}", "rollout.engine=sglang"])
-    ps = init_distributed(cfg.parallel, seed=1)
-    try:
-        RolloutFleet.build(cfg, cfg.model.load_hf_config(), ps)
-        return "no error"
-    except RuntimeError as exc:
-        return str(exc)
-    finally:
-        destroy_distributed(keep_process_group=True)

@@ -280,6 +280,20 @@ def engine_environment(device: torch.device) -> dict[str, str | None]:
     return env
 
 
+def engine_overrides(hf_config: Mapping[str, Any], hf_overrides: Mapping[str, Any] | None) -> dict[str, Any]:
+    """What SGLang's copy of the model config needs over the file: ``model.hf_overrides``, and
+    ``architectures`` when the file has none (SGLang picks its model class by it and fails on a config
+    without it; transformers needs only ``model_type``): transformers' causal-LM class for the type."""
+    out = dict(hf_overrides or {})
+    if not hf_config.get("architectures") and hf_config.get("model_type"):
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+        name = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(str(hf_config["model_type"]))
+        if name:
+            out["architectures"] = [name]
+    return out
+
+
 def update_sessions(server: Any) -> bool:
     """Whether ``server`` loads weights inside ``begin_weight_update`` / ``end_weight_update``
     sessions: SGLang's Engine from 0.5.21 on (0.5.23 refuses a load outside one; 0.5.17 has
@@ -322,6 +336,7 @@ class SGLangEngine(RolloutEngine):
         hf_overrides: Mapping[str, Any] | None = None,
         rank: int = 0,
         log_dir: str | os.PathLike | None = None,
+        tokenizer_path: str | None = None,
     ):
         device = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
         if device.type == "cpu":
@@ -360,8 +375,10 @@ class SGLangEngine(RolloutEngine):
             server_args = colocated_server_args(
                 rollout, self.model_path, base_gpu_id=base_gpu_id, dtype=dtype, seed=seed, moe=moe,
                 nnodes=nnodes, node_rank=0, dist_init_addr=dist_init_addr, device=device.type,
-                weights_on_disk=bool(self._expected_shapes), hf_overrides=dict(hf_overrides or {}),
+                weights_on_disk=bool(self._expected_shapes), hf_overrides=engine_overrides(hf_config, hf_overrides),
             )  # fmt: skip
+            if tokenizer_path and "tokenizer_path" not in rollout.sglang_server_args:
+                server_args["tokenizer_path"] = str(tokenizer_path)  # data.tokenizer_path, beside the model's
             log_path = Path(log_dir or tempfile.gettempdir()) / f"engine-rank{rank}-{os.getpid()}.log"
             self.health = EngineProcesses(rank, log_path)
             main_thread = threading.current_thread() is threading.main_thread()
@@ -415,7 +432,8 @@ class SGLangEngine(RolloutEngine):
         engine = cls(
             rollout, cfg.model.hf_path, dtype=cfg.model.dtype, seed=cfg.train.seed + ps.rank,
             base_gpu_id=layout.base_gpu_id, device=ps.device, nnodes=layout.nnodes, dist_init_addr=address,
-            hf_overrides=cfg.model.hf_overrides, rank=ps.rank, log_dir=Path(cfg.logging.run_dir) / "sglang", **kwargs,
+            hf_overrides=cfg.model.hf_overrides, rank=ps.rank, log_dir=Path(cfg.logging.run_dir) / "sglang",
+            tokenizer_path=cfg.data.tokenizer_path or None, **kwargs,
         )  # fmt: skip
         engine.sync_group_ranks = layout.members  # every GPU of the engine receives its own share
         return engine
