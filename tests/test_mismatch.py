@@ -38,3 +38,10 @@ def test_identical_logprobs_give_zero_mismatch():
     lp = torch.randn(4, 6)
     m = mismatch_metrics(lp, lp.clone(), torch.ones(4, 6))
     assert m.abs_diff_sum.item() == 0.0 and m.abs_diff_max.item() == 0.0
+
+
+def test_the_probe_runs_every_interval_and_at_the_last_iteration():
+    from grpo_megatron.training.phases.sync import probe_due
+
+    assert [it for it in range(1, 13) if probe_due(it, 5, 12)] == [5, 10, 12]
+    assert [it for it in range(1, 4) if probe_due(it, 1, 3)] == [1, 2, 3]

@@ -43,8 +43,12 @@ class RolloutConfig:
     embedded_max_batch_rows: int = 0
     """Rows (prompts x samples) an embedded engine decodes at once; 0 = all of a generate call together."""
     probe_batch: int = 4
-    """Sequences of the fixed batch on which the trainer and the engines are compared after each weight
-    sync (the mismatch probe); 0 disables the probe."""
+    """Sequences of the fixed batch on which the trainer and the engines are compared after a weight
+    sync (the mismatch probe, every ``probe_interval`` iterations); 0 disables the probe."""
+    probe_interval: int = 5
+    """Iterations between mismatch probes (a probe costs about a tenth of a demo iteration): the sync
+    of every ``probe_interval``-th iteration probes, and so do the run's first sync (its start or
+    resume) and its last iteration; 1 = after every sync."""
     sglang_mode: Literal["colocated", "disaggregated"] = "colocated"
     """engine=sglang only. colocated = an sglang.Engine on the trainer's GPUs (memory swapped with the
     trainer, weights by CUDA IPC); disaggregated = running SGLang servers (sglang_server_urls) on their
@@ -115,6 +119,8 @@ class RolloutConfig:
                 f"rollout.embedded_max_batch_rows={self.embedded_max_batch_rows} must be >= 0 "
                 "(0 = decode all rows of a generate call at once)"
             )
+        if self.probe_interval < 1:
+            errors.append(f"rollout.probe_interval={self.probe_interval} must be >= 1 (1 probes after every sync)")
         if self.probe_batch < 0:
             errors.append(f"rollout.probe_batch={self.probe_batch} must be >= 0 (0 disables the mismatch probe)")
         if self.engine == "sglang" and self.probe_batch > 0 and self.temperature != 1.0:

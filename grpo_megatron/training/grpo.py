@@ -51,7 +51,7 @@ from grpo_megatron.training.phases.eval import evaluate
 from grpo_megatron.training.phases.logprob import PassSettings, logprob_pass
 from grpo_megatron.training.phases.reward import Group
 from grpo_megatron.training.phases.rollout import rollout_seed
-from grpo_megatron.training.phases.sync import ProbeBatch, answer_probe, sync_weights
+from grpo_megatron.training.phases.sync import ProbeBatch, answer_probe, probe_due, sync_weights
 from grpo_megatron.training.phases.train import GRPOLoss, update_policy
 from grpo_megatron.training.route_replay import RoutingReplay
 
@@ -135,7 +135,8 @@ def run_iteration(job: Job, sampler: PromptSampler, probe: ProbeBatch, it: int, 
     with timer("train"):
         train_metrics = update_policy(policy, batch.samples, plan, loss, passes, measure_routing=not routing_metrics)
     with timer("sync"):
-        sync_metrics = sync_to_engines(job, it, probe)
+        due = probe_due(it, cfg.rollout.probe_interval, cfg.train.iterations)
+        sync_metrics = sync_to_engines(job, it, probe if due else ProbeBatch())
     metrics = {
         **reward_metrics,
         **dapo_metrics,

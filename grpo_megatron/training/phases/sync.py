@@ -31,6 +31,12 @@ class ProbeBatch:
     prompt_lens: list[int] = field(default_factory=list)
 
 
+def probe_due(iteration: int, interval: int, last_iteration: int) -> bool:
+    """Whether iteration ``iteration``'s sync runs the mismatch probe: every ``interval``-th, and the
+    last (``rollout.probe_interval``; the run's first sync, before iteration 1, always probes)."""
+    return iteration % interval == 0 or iteration == last_iteration
+
+
 def probe_batch(
     prompts: Sequence[Sequence[int]], continuations: Sequence[Sequence[Sequence[int]]], size: int
 ) -> ProbeBatch:
