@@ -168,20 +168,20 @@ def child_environment(extra: Mapping[str, str | None] | None = None) -> Iterator
     extra = dict(extra or {})
     saved = {k: os.environ.get(k) for k in ["PYTHONPATH", *extra]}
     paths = [str(BOOT_DIR), *[p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]]
-    os.environ["PYTHONPATH"] = os.pathsep.join(paths)
     try:
-        for key, value in extra.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
+        _set_environment({**extra, "PYTHONPATH": os.pathsep.join(paths)})
         yield
     finally:
-        for key, old in saved.items():
-            if old is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = old
+        _set_environment(saved)
+
+
+def _set_environment(values: Mapping[str, str | None]) -> None:
+    """Set each variable of ``values``; None removes it."""
+    for key, value in values.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
 
 
 PTH_NAME = "grpo_megatron_sglang_compat.pth"
