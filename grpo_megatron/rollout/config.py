@@ -12,7 +12,8 @@ class RolloutConfig:
 
     engine: Literal["embedded", "sglang"] = "embedded"
     """embedded = generate with the megatron policy itself (CPU and small runs);
-    sglang = a colocated SGLang engine fed with the trainer's weights (GPU only)."""
+    sglang = SGLang engines fed with the trainer's weights (colocated on the trainer's GPUs, or on CPU for a
+    CPU job: rollout/sglang/ipc.py CPU_SERVER_ARGS; or disaggregated servers)."""
     n_samples_per_prompt: int = 8
     """Group size G of GRPO: responses sampled per prompt, compared with each other."""
     temperature: float = 1.0

@@ -1,29 +1,29 @@
-"""SGLang rollout engine (GPU): a thin adapter from ``RolloutEngine`` to SGLang 0.5.x's API.
+"""SGLang rollout engine: a thin adapter from ``RolloutEngine`` to SGLang 0.5.x's API (0.5.17 to 0.5.23,
+by capability), on GPUs, or on CPU for a CPU job (SGLang's CPU engine; ``ipc.CPU_SERVER_ARGS``).
 
 Two modes (``rollout.sglang_mode``), each with its weight transport in its own module behind one
 interface (``rollout/sglang/weights.py:WeightTransport``):
 
 - **colocated** (``rollout/sglang/ipc.py``): one ``sglang.Engine`` per group of ``rollout.sglang_tp``
-  consecutive trainer ranks, on the group's GPUs, with ``enable_memory_saver`` so that it can give
-  its memory to the trainer and take it back; weights travel by CUDA IPC. A group of several whole
-  nodes is one SGLang multi-node engine (one ``sglang.Engine`` per node, driven from the first).
+  consecutive trainer ranks, on the group's GPUs (with ``enable_memory_saver`` on a GPU, so that it
+  can give its memory to the trainer and take it back); weights travel by CUDA IPC (on CPU: shared
+  memory). A group of several whole nodes is one SGLang multi-node engine (one ``sglang.Engine`` per
+  node, driven from the first). Its processes are watched (``rollout/sglang/health.py``).
 - **disaggregated** (``rollout/sglang/nccl.py``): SGLang servers already running on other GPUs or
   nodes (``rollout.sglang_server_urls``), driven over HTTP; weights travel by an NCCL broadcast
   from the trainer's first rank. Health checks before use; a failed server goes through a restart
   hook and must be re-synced before it generates again.
 
-Either way a version's buckets are loaded inside one weight-update session: SGLang 0.5.23 refuses
-``update_weights_from_tensor`` / ``_from_distributed`` unless ``begin_weight_update`` opened one, and
-``end_weight_update`` finalises the loaded weights (the kernels' in-place layouts) before generation.
+A version's buckets are loaded inside one weight-update session where the server has them
+(``begin_weight_update`` / ``end_weight_update``, SGLang 0.5.21 on: 0.5.23 refuses a load outside one,
+0.5.17 has neither; ``update_sessions``).
 
-The memory order that keeps the colocated peak low is the trainer's (``training/phases.py``:
-``trainer_to_device`` releases every engine tag before the trainer onloads; ``sync_weights`` resumes
-the engine's weights, streams the new ones, offloads the trainer's parameters, then resumes the KV
-cache and CUDA graphs), the same for every engine.
+The memory order that keeps the colocated peak low is ``training/offload.py:ColocatedMemory``'s, the
+same for every engine; the adapter releases and resumes only what it holds (``released``).
 
-SGLang is imported only inside functions (``import_sglang``): the package and the CPU tests never
-need it. What SGLang does differently from the interface's conventions is written where it happens
-(greedy logprobs, teacher-forced logprobs at temperature 1, stopping at the model's EOS).
+SGLang is imported only inside functions (``import_sglang``, after ``compat.install``). What SGLang
+does differently from the interface's conventions is written where it happens (greedy logprobs,
+teacher-forced logprobs at temperature 1, input ids it reports as 0, stopping at the model's EOS).
 """
 
 from __future__ import annotations
