@@ -691,6 +691,7 @@ class SGLangSyncMember:
         self.node_engine = node_engine
         self._classes = (flattened_cls, serializer)
         self._hf_config = _read_hf_config(model_path)
+        self.tied_head = tied_output_head(self._hf_config)
         self.ep_size = engine_ep_size(rollout.sglang_server_args, rollout.sglang_tp, self._hf_config)
         self._expected_shapes = checkpoint_shapes(model_path)
         self.feed = EngineGroupFeed(members)
@@ -737,7 +738,7 @@ class SGLangSyncMember:
             errors = bucket_errors(bucket, self._expected_shapes, f"the checkpoint at {self.model_path}")
             if errors:
                 raise ValueError(f"weight sync of version {version}: {'; '.join(errors[:5])}")
-            mine = contribution(with_output_head(bucket, tied_output_head(self._hf_config)), self._classes, self.device)
+            mine = contribution(with_output_head(bucket, self.tied_head), self._classes, self.device)
         except Exception as exc:  # handed to the leader like a payload: every GPU fails this round together
             self.feed.contribute((None, False, f"{type(exc).__name__}: {exc}"))
             raise
