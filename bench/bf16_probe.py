@@ -50,6 +50,7 @@ def main() -> int:
     from grpo_megatron.rollout.embedded import EmbeddedEngine
     from grpo_megatron.rollout.fleet import RolloutFleet
     from grpo_megatron.training.forward_backward import MicroBatch, forward_backward
+    from grpo_megatron.training.job import engine_spec
     from grpo_megatron.training.phases.sync import ProbeBatch, mismatch_probe
     from grpo_megatron.training.policy import build_policy
 
@@ -59,7 +60,7 @@ def main() -> int:
     cfg.validate(1)
     ps = init_distributed(cfg.parallel, seed=cfg.train.seed)
     hf = cfg.model.load_hf_config()
-    policy = build_policy(hf, cfg, ps)
+    policy = build_policy(hf, cfg.model, cfg.parallel, cfg.train, ps)
     gen = torch.Generator().manual_seed(0)
     tokens_bl = torch.randint(3, int(hf["vocab_size"]), (args.rows, args.length), generator=gen)
     # A few steps move the norm weights off their initial ones (where bf16 and fp32 agree exactly).
@@ -73,7 +74,7 @@ def main() -> int:
             vocab_size=int(hf["vocab_size"]),
         )
         policy.step()
-    fleet = RolloutFleet.build(cfg, hf, ps)
+    fleet = RolloutFleet.build(engine_spec(cfg), hf, ps)
     fleet.sync_weights(policy.model, version=1)
     sequences = tokens_bl.tolist()
     prompt_lens = [args.prompt_len] * args.rows

@@ -191,13 +191,14 @@ def run_loop(label: str, cfg: Any, hf: dict[str, Any], ps: Any, policy: Any, arg
     """The colocated loop above, ``args.iterations`` times; one record of measurements per iteration."""
     from grpo_megatron.rollout.engine import SamplingParams
     from grpo_megatron.rollout.fleet import RolloutFleet
+    from grpo_megatron.training.job import engine_spec
     from grpo_megatron.training.offload import ColocatedMemory
     from grpo_megatron.training.phases.sync import ProbeBatch, mismatch_probe, probe_batch
 
     device = ps.device
     print(f"[{label}] building the rollout fleet ({cfg.rollout.engine} engine) ...", flush=True)
     start = time.perf_counter()
-    fleet = RolloutFleet.build(cfg, hf, ps)
+    fleet = RolloutFleet.build(engine_spec(cfg), hf, ps)
     first_sync = fleet.sync_weights(policy.model, version=0)
     print(
         f"[{label}] fleet ready in {time.perf_counter() - start:.2f}s; first sync "
@@ -359,7 +360,7 @@ def main() -> int:
         f"device {ps.device} ({device_name(ps.device)}); {ps.describe()}"
     )
     total = time.perf_counter()
-    policy = build_policy(hf, cfg, ps)
+    policy = build_policy(hf, cfg.model, cfg.parallel, cfg.train, ps)
     params = sum(p.numel() for p in policy.model.parameters())
     print(f"policy: {hf['model_type']} {params / 1e6:.2f}M parameters, {cfg.model.dtype}; memory {memory(ps.device)}")
     failed = False

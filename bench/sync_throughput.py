@@ -55,6 +55,7 @@ def worker(args: argparse.Namespace) -> None:
     from grpo_megatron.distributed.bootstrap import destroy_distributed, init_distributed, world_size_from_env
     from grpo_megatron.models.builder import build_gpt_model
     from grpo_megatron.rollout.fleet import RolloutFleet
+    from grpo_megatron.training.job import engine_spec
 
     world = world_size_from_env()
     cfg = load_config(
@@ -68,7 +69,7 @@ def worker(args: argparse.Namespace) -> None:
     model, _ = build_gpt_model(hf, cfg.model, ps)
     # The bucket size a user gets (rollout.sync_bucket_mb, 512 MiB) unless --bucket-mb says otherwise.
     bucket_bytes = int((args.bucket_mb or cfg.rollout.sync_bucket_mb) * (1 << 20))
-    fleet = RolloutFleet.build(cfg, hf, ps)
+    fleet = RolloutFleet.build(engine_spec(cfg), hf, ps)
     version = [0]
     last: dict[str, float] = {}
 

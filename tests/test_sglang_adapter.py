@@ -50,6 +50,7 @@ from grpo_megatron.rollout.sglang.nccl import (
 from grpo_megatron.rollout.sglang.weights import (
     aligned_order,
 )
+from grpo_megatron.training.job import engine_spec
 from tests.helpers.dist import REPO_ROOT
 from tests.workers.bridge_workers import EXAMPLE, save_tiny_model
 
@@ -73,7 +74,7 @@ def test_constructing_without_sglang_says_how_to_install_it(monkeypatch, tmp_pat
     assert INSTALL_HINT in str(info.value)
     assert "pip install 'grpo-megatron[gpu]'" in str(info.value) and "CUDA machine" in str(info.value)
     with pytest.raises(SGLangUnavailableError, match="rollout.engine=sglang needs SGLang"):
-        SGLangEngine.from_config(cfg, ps=None)
+        SGLangEngine.from_config(engine_spec(cfg), ps=None)
 
 
 def test_sglang_config_fields_are_validated() -> None:
@@ -346,10 +347,10 @@ def test_from_config_takes_an_engine_across_nodes_and_refuses_one_that_does_not_
     ps = SimpleNamespace(rank=8, world_size=16, device="cpu")
     cfg = load_config(EXAMPLE, ["rollout.engine=sglang", "rollout.sglang_tp=12"])
     with pytest.raises(ValueError, match=r"rollout.sglang_tp=12 does not fit 16 ranks with 8 GPUs per node"):
-        SGLangEngine.from_config(cfg, ps)
+        SGLangEngine.from_config(engine_spec(cfg), ps)
     # 16 over two nodes of 8 is a valid layout: rank 8 is not its leader (rank 0 drives the engine)
     cfg = load_config(EXAMPLE, ["rollout.engine=sglang", "rollout.sglang_tp=16"])
-    assert SGLangEngine.from_config(cfg, ps) is None
+    assert SGLangEngine.from_config(engine_spec(cfg), ps) is None
 
 
 def test_a_further_node_starts_its_part_of_the_engine_without_blocking(monkeypatch, tmp_path: Path) -> None:
@@ -368,7 +369,7 @@ def test_a_further_node_starts_its_part_of_the_engine_without_blocking(monkeypat
     monkeypatch.setattr(sglang, "Engine", Recorder)
     monkeypatch.delenv("SGLANG_BLOCK_NONZERO_RANK_CHILDREN", raising=False)
     cfg = load_config(EXAMPLE, ["rollout.engine=sglang", "rollout.sglang_tp=16", f"model.hf_path={tmp_path}"])
-    start_node_part(cfg, colocated_layout(8, 16, 16, 8, 0), "node-a:41234")
+    start_node_part(engine_spec(cfg), colocated_layout(8, 16, 16, 8, 0), "node-a:41234")
     (args,) = started
     assert args["env"] == "0" and args["nnodes"] == 2 and args["node_rank"] == 1 and args["tp_size"] == 16
     assert args["dist_init_addr"] == "node-a:41234" and args["base_gpu_id"] == 0

@@ -15,9 +15,14 @@ from __future__ import annotations
 import abc
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, Protocol
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 import torch
+
+if TYPE_CHECKING:
+    from grpo_megatron.models.config import ModelConfig
+    from grpo_megatron.rollout.config import RolloutConfig
 
 # One bucket of the weight stream: (Hugging Face checkpoint name, full tensor) pairs.
 Bucket = Sequence[tuple[str, torch.Tensor]]
@@ -26,6 +31,23 @@ Manifest = Sequence[tuple[str, tuple[int, ...], torch.dtype]]
 
 MemoryTag = Literal["weights", "kv_cache", "cuda_graph"]
 ALL_MEMORY_TAGS: tuple[MemoryTag, ...] = ("weights", "kv_cache", "cuda_graph")
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """What the engines of a job are built from: their config sections and the two job settings they
+    read (the wiring, ``training/job.py:engine_spec``, fills it from the job config)."""
+
+    rollout: RolloutConfig
+    model: ModelConfig
+    """The policy's model (``hf_path``, ``dtype``, ``hf_overrides``): the engines serve the same one."""
+    seed: int
+    """``train.seed``: an SGLang engine's sampling seed (a colocated engine adds its leader's rank)."""
+    tokenizer_path: str | None = None
+    """``data.tokenizer_path`` when set; None = the model's directory."""
+    log_dir: Path | None = None
+    """Where colocated SGLang engines write their logs (``<logging.run_dir>/sglang``); None = the
+    system's temporary directory."""
 
 
 @dataclass(frozen=True)

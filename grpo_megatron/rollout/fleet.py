@@ -34,11 +34,19 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from grpo_megatron.rollout.engine import Completion, MemoryTag, RolloutEngine, SamplingParams, WeightSink
+from grpo_megatron.rollout.engine import (
+    Completion,
+    EngineSpec,
+    MemoryTag,
+    RolloutEngine,
+    SamplingParams,
+    WeightSink,
+)
 
 if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
     from grpo_megatron.bridge.export_plan import ExportPlan, TransferStats
-    from grpo_megatron.config import JobConfig
     from grpo_megatron.distributed.bootstrap import ParallelState
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -88,10 +96,10 @@ def _describe(exc: BaseException) -> str:
 
 
 def make_engine(
-    cfg: JobConfig, hf: Mapping[str, Any], ps: ParallelState, tokenizer: Any = None
+    spec: EngineSpec, hf: Mapping[str, Any], ps: ParallelState, tokenizer: PreTrainedTokenizerBase | None = None
 ) -> RolloutEngine | None:
-    """This rank's engine under ``cfg.rollout`` (None if it hosts none)."""
-    rollout = cfg.rollout
+    """This rank's engine under ``spec.rollout`` (None if it hosts none)."""
+    rollout = spec.rollout
     if rollout.engine == "sglang":
         try:
             from grpo_megatron.rollout.sglang import engine as sglang_engine
@@ -101,7 +109,7 @@ def make_engine(
                 f"imported ({exc}); use rollout.engine=embedded, or install SGLang on a CUDA machine "
                 "(pip install 'grpo-megatron[gpu]')"
             ) from exc
-        return sglang_engine.SGLangEngine.from_config(cfg, ps)
+        return sglang_engine.SGLangEngine.from_config(spec, ps)
     if rollout.engine != "embedded":
         raise ValueError(f"rollout.engine={rollout.engine!r}: choose embedded or sglang")
     if not hosts_embedded_engine(rollout.placement, ps):
@@ -112,20 +120,21 @@ def make_engine(
     return EmbeddedEngine(
         hf,
         device=device,
-        dtype=_DTYPES[cfg.model.dtype],
+        dtype=_DTYPES[spec.model.dtype],
         tokenizer=tokenizer,
         max_batch_rows=rollout.embedded_max_batch_rows,
     )
 
 
-def make_sync_member(cfg: JobConfig, ps: ParallelState) -> WeightSink | None:
+def make_sync_member(spec: EngineSpec, ps: ParallelState) -> WeightSink | None:
     """What loads this rank's share of the weights when an engine on another rank (a colocated
     SGLang engine's leader) uses this rank's GPU too; None elsewhere."""
-    if cfg.rollout.engine != "sglang" or cfg.rollout.sglang_mode != "colocated" or cfg.rollout.sglang_tp == 1:
+    rollout = spec.rollout
+    if rollout.engine != "sglang" or rollout.sglang_mode != "colocated" or rollout.sglang_tp == 1:
         return None
     from grpo_megatron.rollout.sglang import engine as sglang_engine
 
-    return sglang_engine.SGLangSyncMember.from_config(cfg, ps)
+    return sglang_engine.SGLangSyncMember.from_config(spec, ps)
 
 
 def sync_groups(members: Sequence[tuple[int, ...]]) -> list[tuple[int, ...]]:
@@ -188,16 +197,20 @@ class RolloutFleet:
 
     @classmethod
     def build(
-        cls, cfg: JobConfig, hf: Mapping[str, Any], ps: ParallelState, tokenizer: Any = None
+        cls,
+        spec: EngineSpec,
+        hf: Mapping[str, Any],
+        ps: ParallelState,
+        tokenizer: PreTrainedTokenizerBase | None = None,
     ) -> RolloutFleet:
         """Collective: create this rank's engine (if any) and the engines' process group."""
         engine, member, error = None, None, None
         try:
-            engine = make_engine(cfg, hf, ps, tokenizer)
-            member = make_sync_member(cfg, ps) if engine is None else None
+            engine = make_engine(spec, hf, ps, tokenizer)
+            member = make_sync_member(spec, ps) if engine is None else None
         except Exception as exc:  # reported on every rank by _agree, so no rank hangs
             error = _describe(exc)
-        _agree(error, f"building the {cfg.rollout.engine} rollout engines")
+        _agree(error, f"building the {spec.rollout.engine} rollout engines")
         sink: WeightSink | None = engine if engine is not None else member
         flags: list[Any] = [None] * ps.world_size
         dist.all_gather_object(flags, (engine is not None, sink.sync_group_ranks if sink is not None else None))
@@ -212,7 +225,7 @@ class RolloutFleet:
                 sink.bind_sync_group(group_of)
         if not engine_ranks:
             raise RuntimeError(
-                f"rollout.engine={cfg.rollout.engine} with placement {cfg.rollout.placement} put no engine "
+                f"rollout.engine={spec.rollout.engine} with placement {spec.rollout.placement} put no engine "
                 "on any rank"
             )
         group = dist.new_group(engine_ranks)  # every rank must call new_group, engine or not
@@ -222,9 +235,9 @@ class RolloutFleet:
             engine=engine,
             engine_ranks=engine_ranks,
             group=group,
-            export_dtype=_DTYPES[cfg.model.dtype],
-            bucket_bytes=cfg.rollout.sync_bucket_mb << 20,
-            rounds_in_flight=cfg.rollout.sync_rounds_in_flight,
+            export_dtype=_DTYPES[spec.model.dtype],
+            bucket_bytes=spec.rollout.sync_bucket_mb << 20,
+            rounds_in_flight=spec.rollout.sync_rounds_in_flight,
             member=member,
             sync_ranks=sync_ranks,
         )

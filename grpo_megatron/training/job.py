@@ -1,7 +1,10 @@
-"""Everything a training job holds, built once at start-up: `build_job(cfg)` -> `Job`.
+"""Everything a training job holds, built once at start-up: the wiring from `JobConfig` to components.
 
-Shared by `grpo-megatron train` (training/grpo.py) and `grpo-megatron sft` (training/sft.py), so both
-load models, data, engines and checkpoints the same way.
+`Runtime` is what both loops run on (policy, engines, rewards, logger, ...), built the same way for
+`grpo-megatron train` (`build_job(cfg)` -> `Job`: plus training prompts, checkpoints and the
+reference; training/grpo.py) and `grpo-megatron sft` (`build_sft_job(cfg)` -> `SFTJob`: plus the
+prompt/response pairs; training/sft.py). Components are handed their config sections here, never
+the whole `JobConfig`.
 """
 
 from __future__ import annotations
@@ -18,7 +21,9 @@ import torch
 from grpo_megatron.distributed.bootstrap import ParallelState
 
 if TYPE_CHECKING:
-    from collections.abc import Iterator
+    from collections.abc import Iterator, Sequence
+
+    from transformers import PreTrainedTokenizerFast
 
     from grpo_megatron.checkpoint.config import CheckpointConfig
     from grpo_megatron.checkpoint.manager import CheckpointManager
@@ -27,7 +32,9 @@ if TYPE_CHECKING:
     from grpo_megatron.distributed.preemption import Preemption
     from grpo_megatron.distributed.watchdog import ProgressWatchdog
     from grpo_megatron.logging_utils.metrics import MetricsLogger
+    from grpo_megatron.models.config import ModelConfig
     from grpo_megatron.rewards.pool import RewardPool
+    from grpo_megatron.rollout.engine import EngineSpec
     from grpo_megatron.rollout.fleet import RolloutFleet
     from grpo_megatron.training.offload import ColocatedMemory
     from grpo_megatron.training.phases.reward import Scorer
@@ -35,19 +42,20 @@ if TYPE_CHECKING:
     from grpo_megatron.training.policy import Policy
 
 
-@dataclass
-class Job:
+@dataclass(kw_only=True)
+class Runtime:
+    """What both loops run on: process groups, model config, tokenizer, policy, engines, rewards,
+    logger and the held-out prompts, plus the colocated memory, preemption flag and watchdog."""
+
     cfg: JobConfig
     ps: ParallelState
     hf: dict[str, Any]
     """The model's config.json."""
     run_dir: Path
-    tokenizer: Any
+    tokenizer: PreTrainedTokenizerFast
     policy: Policy
     fleet: RolloutFleet
     logger: MetricsLogger
-    checkpoints: CheckpointManager
-    train_records: list[PromptRecord]
     eval_records: list[PromptRecord]
     rewards: RewardPool | None
     """Only on global rank 0 (it scores for everyone and broadcasts); None elsewhere."""
@@ -55,10 +63,6 @@ class Job:
     """The colocated memory choreography (train.offload_trainer; a no-op when off)."""
     preemption: Preemption
     """This process's save-on-signal flag (SIGTERM, checkpoint.signal), asked at the loop's safe point."""
-    reference: torch.nn.Module | None = None
-    """Frozen reference model (same layout as the policy); None when the KL penalty is off."""
-    sft_records: list[SFTRecord] = field(default_factory=list)
-    """Prompt/response pairs of `grpo-megatron sft` (empty for GRPO)."""
     watchdog: ProgressWatchdog | None = None
     """This rank's progress watchdog (parallel.progress_timeout_s); None when off or on one rank."""
 
@@ -91,12 +95,36 @@ class Job:
 
         return Scorer(self.tokenizer, self.rewards, self.cfg.reward)
 
-    def make_sampler(self, num_items: int | None = None) -> PromptSampler:
-        """The seeded, resumable order in which training prompts (or SFT pairs) are drawn."""
+    def make_sampler(self, num_items: int) -> PromptSampler:
+        """The seeded, resumable order in which ``num_items`` training items are drawn."""
         from grpo_megatron.data import PromptSampler
 
-        n = len(self.train_records) if num_items is None else num_items
-        return PromptSampler(n, seed=self.cfg.train.seed, shuffle=self.cfg.data.shuffle)
+        return PromptSampler(num_items, seed=self.cfg.train.seed, shuffle=self.cfg.data.shuffle)
+
+    def close(self) -> None:
+        if self.preemption.received is None:  # after a signal, the grace keeps bounding the exit
+            self.preemption.uninstall()
+        if self.watchdog is not None:
+            self.watchdog.stop()
+        self.fleet.shutdown()
+        if self.rewards is not None:
+            self.rewards.close()
+        self.logger.close()
+
+
+@dataclass(kw_only=True)
+class Job(Runtime):
+    """A GRPO job (``grpo-megatron train``): the runtime plus its training prompts, checkpoints and
+    the frozen reference."""
+
+    train_records: list[PromptRecord]
+    checkpoints: CheckpointManager
+    reference: torch.nn.Module | None = None
+    """Frozen reference model (same layout as the policy); None when the KL penalty is off."""
+
+    def make_sampler(self, num_items: int | None = None) -> PromptSampler:
+        """The seeded, resumable order in which training prompts are drawn."""
+        return super().make_sampler(len(self.train_records) if num_items is None else num_items)
 
     @contextmanager
     def reference_on_device(self) -> Iterator[None]:
@@ -112,15 +140,12 @@ class Job:
             if reference is not None:
                 reference.to("cpu")
 
-    def close(self) -> None:
-        if self.preemption.received is None:  # after a signal, the grace keeps bounding the exit
-            self.preemption.uninstall()
-        if self.watchdog is not None:
-            self.watchdog.stop()
-        self.fleet.shutdown()
-        if self.rewards is not None:
-            self.rewards.close()
-        self.logger.close()
+
+@dataclass(kw_only=True)
+class SFTJob(Runtime):
+    """A cold start (``grpo-megatron sft``): the runtime plus its prompt/response pairs."""
+
+    sft_records: list[SFTRecord]
 
 
 Timer = Callable[[str], AbstractContextManager[None]]
@@ -153,30 +178,30 @@ def has_safetensors(hf_path: str | Path) -> bool:
     return any(Path(hf_path).glob("*.safetensors"))
 
 
-def load_initial_weights(model: torch.nn.Module, job_cfg: JobConfig, ps: ParallelState, hf: dict) -> bool:
+def load_initial_weights(model: torch.nn.Module, model_cfg: ModelConfig, ps: ParallelState, hf: dict) -> bool:
     """Load model.hf_path's safetensors into ``model`` when it has any; False = keep the random init."""
     from grpo_megatron.bridge.hf_loader import load_hf_weights
 
-    if not has_safetensors(job_cfg.model.hf_path):
+    if not has_safetensors(model_cfg.hf_path):
         return False
-    load_hf_weights(model, ps, job_cfg.model.hf_path, hf)
+    load_hf_weights(model, ps, model_cfg.hf_path, hf)
     return True
 
 
-def build_reference(job_cfg: JobConfig, hf: dict, ps: ParallelState, policy: Policy) -> torch.nn.Module:
+def build_reference(model_cfg: ModelConfig, hf: dict, ps: ParallelState, policy: Policy) -> torch.nn.Module:
     """The frozen reference: built like the policy, with the policy's initial weights copied shard by
     shard (same layout, so local state dicts line up), no gradients."""
     from grpo_megatron.bridge.layout import unwrap
     from grpo_megatron.models.builder import build_gpt_model
 
-    reference, _ = build_gpt_model(hf, job_cfg.model, ps)
+    reference, _ = build_gpt_model(hf, model_cfg, ps)
     reference.load_state_dict(unwrap(policy.model).state_dict())
     reference.requires_grad_(False)
     reference.eval()
     return reference
 
 
-def export_hf_checkpoint(job: Job, out_dir: Path) -> None:
+def export_hf_checkpoint(job: Runtime, out_dir: Path) -> None:
     """Stream the policy's weights into a Hugging Face directory (safetensors, index, config.json and
     the tokenizer files), written atomically by rank 0; every rank takes part in the stream."""
     from grpo_megatron.bridge.hf_loader import tokenizer_files
@@ -201,23 +226,49 @@ def start_preemption(cfg: CheckpointConfig, install: bool) -> Preemption:
     return preemption
 
 
-def build_job(cfg: JobConfig, *, with_reference: bool, sft: bool = False) -> Job:
-    """Bootstrap the process groups and build policy, engines, data, rewards, logger and checkpoints."""
-    from grpo_megatron.checkpoint.manager import CheckpointManager
-    from grpo_megatron.data import build_prompt_datasets, build_sft_dataset, load_tokenizer
+def engine_spec(cfg: JobConfig) -> EngineSpec:
+    """What the rollout engines are built from: the rollout and model sections, train.seed, the
+    tokenizer (data.tokenizer_path) and where SGLang logs (logging.run_dir/sglang)."""
+    from grpo_megatron.rollout.engine import EngineSpec
+
+    return EngineSpec(
+        rollout=cfg.rollout,
+        model=cfg.model,
+        seed=cfg.train.seed,
+        tokenizer_path=cfg.data.tokenizer_path or None,
+        log_dir=Path(cfg.logging.run_dir) / "sglang",
+    )
+
+
+@dataclass
+class _Startup:
+    """What start-up holds before the models exist (``_start``), in the order it is made."""
+
+    ps: ParallelState
+    preemption: Preemption
+    watchdog: ProgressWatchdog | None
+    hf: dict[str, Any]
+    run_dir: Path
+    rewards: RewardPool | None
+    tokenizer: PreTrainedTokenizerFast
+
+    def beat(self, phase: str) -> None:
+        if self.watchdog is not None:
+            self.watchdog.beat(phase)
+
+
+def _start(cfg: JobConfig, *, install_preemption: bool) -> _Startup:
+    """Bootstrap the process groups, the preemption flag and watchdog, the run directory, rank 0's
+    reward pool and the tokenizer."""
+    from grpo_megatron.data import load_tokenizer
     from grpo_megatron.distributed.bootstrap import init_distributed
     from grpo_megatron.distributed.collectives import on_rank0
     from grpo_megatron.distributed.watchdog import start_watchdog
-    from grpo_megatron.logging_utils.metrics import REQUIRED_KEYS, MetricsLogger
     from grpo_megatron.rewards.pool import RewardPool
-    from grpo_megatron.rollout.fleet import RolloutFleet
-    from grpo_megatron.training.offload import ColocatedMemory
-    from grpo_megatron.training.policy import build_policy
 
     ps = init_distributed(cfg.parallel, seed=cfg.train.seed)
-    preemption = start_preemption(cfg.checkpoint, install=not sft)
+    preemption = start_preemption(cfg.checkpoint, install=install_preemption)
     watchdog = start_watchdog(cfg.parallel.progress_timeout_s, ps.rank, ps.world_size)
-    beat = watchdog.beat if watchdog is not None else (lambda phase: None)
     hf = cfg.model.load_hf_config()
     run_dir = Path(cfg.logging.run_dir)
     if ps.rank == 0:
@@ -229,51 +280,82 @@ def build_job(cfg: JobConfig, *, with_reference: bool, sft: bool = False) -> Job
     pools: list[RewardPool] = []
     on_rank0(lambda: pools.append(RewardPool(cfg.reward)), "starting the reward workers")
     tokenizer = load_tokenizer(cfg.data.tokenizer_path or cfg.model.hf_path)
-    sft_records: list = []
-    train_records: list[PromptRecord]
-    if sft:
-        sft_records, eval_records = build_sft_dataset(cfg.data, tokenizer, cfg.train.seed)
-        train_records, eval_records = [], eval_records[: cfg.sft.dev_prompts]
-    else:
-        train_records, eval_records = build_prompt_datasets(cfg.data, tokenizer, cfg.train.seed)
+    return _Startup(ps, preemption, watchdog, hf, run_dir, pools[0] if pools else None, tokenizer)
 
-    beat("data")
-    policy = build_policy(hf, cfg, ps)
-    beat("policy")
-    loaded = load_initial_weights(policy.model, cfg, ps, hf)
-    beat("initial weights")
+
+def _models(
+    cfg: JobConfig, start: _Startup, *, with_reference: bool
+) -> tuple[Policy, torch.nn.Module | None, RolloutFleet]:
+    """The policy (with model.hf_path's weights when it has any), the frozen reference when asked
+    for, and the rollout engines, in this order (each draws from the seeded generators)."""
+    from grpo_megatron.rollout.fleet import RolloutFleet
+    from grpo_megatron.training.policy import build_policy
+
+    ps, hf = start.ps, start.hf
+    policy = build_policy(hf, cfg.model, cfg.parallel, cfg.train, ps)
+    start.beat("policy")
+    loaded = load_initial_weights(policy.model, cfg.model, ps, hf)
+    start.beat("initial weights")
     if ps.rank == 0:
         source = cfg.model.hf_path if loaded else "random initialisation (no *.safetensors in model.hf_path)"
         print(f"[job] {policy.spec.model_type} from {source} | {ps.describe()}", flush=True)
-    reference = build_reference(cfg, hf, ps, policy) if with_reference else None
+    reference = build_reference(cfg.model, hf, ps, policy) if with_reference else None
     if reference is not None and cfg.train.reference_on_cpu:
         reference.to("cpu")
-    beat("reference")
-    fleet = RolloutFleet.build(cfg, hf, ps, tokenizer=tokenizer)
-    beat("engines")
-    return Job(
-        cfg=cfg,
-        ps=ps,
-        hf=hf,
-        run_dir=run_dir,
-        tokenizer=tokenizer,
-        policy=policy,
-        fleet=fleet,
-        logger=MetricsLogger(
-            cfg.logging,
-            run_dir=run_dir,
-            job_config=cfg.to_dict(),
-            is_writer=ps.rank == 0,
-            total_iterations=cfg.sft.max_steps if sft else cfg.train.iterations,
-            required_keys=("iteration", "sft/loss", "eval/accuracy") if sft else REQUIRED_KEYS,
-        ),
-        checkpoints=CheckpointManager(cfg.checkpoint, run_dir, ps),
-        train_records=train_records,
-        eval_records=eval_records,
-        rewards=pools[0] if pools else None,
-        memory=ColocatedMemory(policy, fleet, enabled=cfg.train.offload_trainer),
-        preemption=preemption,
-        reference=reference,
-        sft_records=sft_records,
-        watchdog=watchdog,
+    start.beat("reference")
+    fleet = RolloutFleet.build(engine_spec(cfg), hf, ps, tokenizer=start.tokenizer)
+    start.beat("engines")
+    return policy, reference, fleet
+
+
+def _logger(cfg: JobConfig, start: _Startup, total_iterations: int, required_keys: Sequence[str]) -> MetricsLogger:
+    from grpo_megatron.logging_utils.metrics import MetricsLogger
+
+    return MetricsLogger(
+        cfg.logging,
+        run_dir=start.run_dir,
+        job_config=cfg.to_dict(),
+        is_writer=start.ps.rank == 0,
+        total_iterations=total_iterations,
+        required_keys=required_keys,
     )
+
+
+def build_job(cfg: JobConfig, *, with_reference: bool) -> Job:
+    """A GRPO job: bootstrap, then prompts, policy (and reference), engines, logger and checkpoints."""
+    from grpo_megatron.checkpoint.manager import CheckpointManager
+    from grpo_megatron.data import build_prompt_datasets
+    from grpo_megatron.logging_utils.metrics import REQUIRED_KEYS
+    from grpo_megatron.training.offload import ColocatedMemory
+
+    start = _start(cfg, install_preemption=True)
+    train_records, eval_records = build_prompt_datasets(cfg.data, start.tokenizer, cfg.train.seed)
+    start.beat("data")
+    policy, reference, fleet = _models(cfg, start, with_reference=with_reference)
+    ps, run_dir = start.ps, start.run_dir
+    return Job(
+        cfg=cfg, ps=ps, hf=start.hf, run_dir=run_dir, tokenizer=start.tokenizer, policy=policy, fleet=fleet,
+        logger=_logger(cfg, start, cfg.train.iterations, REQUIRED_KEYS),
+        checkpoints=CheckpointManager(cfg.checkpoint, run_dir, ps), eval_records=eval_records,
+        rewards=start.rewards, memory=ColocatedMemory(policy, fleet, enabled=cfg.train.offload_trainer),
+        preemption=start.preemption, watchdog=start.watchdog, train_records=train_records, reference=reference,
+    )  # fmt: skip
+
+
+def build_sft_job(cfg: JobConfig) -> SFTJob:
+    """A cold start: bootstrap, then the prompt/response pairs (sft.dev_prompts held out), policy,
+    engines (for the held-out check) and logger; no reference, no checkpoints, no signal handler."""
+    from grpo_megatron.data import build_sft_dataset
+    from grpo_megatron.training.offload import ColocatedMemory
+
+    start = _start(cfg, install_preemption=False)
+    sft_records, eval_records = build_sft_dataset(cfg.data, start.tokenizer, cfg.train.seed)
+    start.beat("data")
+    policy, _, fleet = _models(cfg, start, with_reference=False)
+    return SFTJob(
+        cfg=cfg, ps=start.ps, hf=start.hf, run_dir=start.run_dir, tokenizer=start.tokenizer, policy=policy,
+        fleet=fleet, logger=_logger(cfg, start, cfg.sft.max_steps, ("iteration", "sft/loss", "eval/accuracy")),
+        eval_records=eval_records[: cfg.sft.dev_prompts], rewards=start.rewards,
+        memory=ColocatedMemory(policy, fleet, enabled=cfg.train.offload_trainer), preemption=start.preemption,
+        watchdog=start.watchdog, sft_records=sft_records,
+    )  # fmt: skip

@@ -24,7 +24,8 @@ if TYPE_CHECKING:
     from megatron.core.optimizer import MegatronOptimizer
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-    from grpo_megatron.config import JobConfig
+    from grpo_megatron.distributed.config import ParallelConfig
+    from grpo_megatron.models.config import ModelConfig
     from grpo_megatron.training.config import TrainConfig
 
 
@@ -59,8 +60,11 @@ class Policy:
         }
 
 
-def build_policy(hf: Mapping[str, Any], cfg: JobConfig, ps: ParallelState) -> Policy:
-    """This rank's shard of the policy, with DDP gradient buffers and a (distributed) Adam."""
+def build_policy(
+    hf: Mapping[str, Any], model: ModelConfig, parallel: ParallelConfig, train: TrainConfig, ps: ParallelState
+) -> Policy:
+    """This rank's shard of the policy, with DDP gradient buffers and a (distributed) Adam
+    (``parallel.use_distributed_optimizer``) at ``train``'s optimizer settings and LR schedule."""
     from megatron.core.distributed import (
         DistributedDataParallel,
         DistributedDataParallelConfig,
@@ -68,9 +72,9 @@ def build_policy(hf: Mapping[str, Any], cfg: JobConfig, ps: ParallelState) -> Po
     )
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-    gpt, spec = build_gpt_model(hf, cfg.model, ps)
+    gpt, spec = build_gpt_model(hf, model, ps)
     tcfg = spec.transformer_config
-    use_dist_opt = cfg.parallel.use_distributed_optimizer
+    use_dist_opt = parallel.use_distributed_optimizer
     ddp = DistributedDataParallel(
         config=tcfg,
         ddp_config=DistributedDataParallelConfig(
@@ -87,7 +91,6 @@ def build_policy(hf: Mapping[str, Any], cfg: JobConfig, ps: ParallelState) -> Po
         chunks, num_tokens=None, pg_collection=ps.pg_collection
     )
     tcfg.no_sync_func = ddp.no_sync
-    train = cfg.train
     optimizer = get_megatron_optimizer(
         OptimizerConfig(
             optimizer="adam",
@@ -109,7 +112,7 @@ def build_policy(hf: Mapping[str, Any], cfg: JobConfig, ps: ParallelState) -> Po
         use_gloo_process_groups=False,
         pg_collection=ps.pg_collection,
     )
-    return Policy(model=ddp, optimizer=optimizer, spec=spec, scheduler=build_scheduler(optimizer, cfg.train))
+    return Policy(model=ddp, optimizer=optimizer, spec=spec, scheduler=build_scheduler(optimizer, train))
 
 
 def scheduler_steps(train: TrainConfig) -> tuple[int, int]:

@@ -36,7 +36,7 @@ def main(cfg: JobConfig) -> int:
 
     ps = init_distributed(cfg.parallel, seed=cfg.train.seed)
     hf = cfg.model.load_hf_config()
-    policy = build_policy(hf, cfg, ps)
+    policy = build_policy(hf, cfg.model, cfg.parallel, cfg.train, ps)
     n_params = sum(p.numel() for p in policy.model.parameters())
     if ps.rank == 0:
         print(

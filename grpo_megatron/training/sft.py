@@ -24,7 +24,7 @@ from grpo_megatron.distributed.collectives import collective_device, on_rank0
 from grpo_megatron.fileio import write_text_atomic
 from grpo_megatron.training.batching import LossInputs, Sample, collate, make_sample, rank_microbatches
 from grpo_megatron.training.forward_backward import MicroBatch, forward_backward
-from grpo_megatron.training.job import Job, build_job, export_hf_checkpoint
+from grpo_megatron.training.job import SFTJob, build_sft_job, export_hf_checkpoint
 from grpo_megatron.training.phases.bookkeeping import stop_if_not_finite
 from grpo_megatron.training.phases.eval import evaluate
 
@@ -44,7 +44,7 @@ def sft_job_config(cfg: JobConfig) -> JobConfig:
     return dataclasses.replace(cfg, train=train, logging=logging)
 
 
-def sft_step(job: Job, samples: list[Sample]) -> dict[str, float]:
+def sft_step(job: SFTJob, samples: list[Sample]) -> dict[str, float]:
     """One optimizer step of the mean response-token negative log-likelihood over ``samples``."""
     cfg, ps = job.cfg, job.ps
     rows = rank_microbatches(
@@ -147,23 +147,23 @@ class TrainState:
     scheduler_steps: int
 
 
-def _adams(job: Job) -> list[torch.optim.Optimizer]:
+def _adams(job: SFTJob) -> list[torch.optim.Optimizer]:
     """The torch optimizers inside megatron's (one per chained optimizer: dense and expert params)."""
     return [o.optimizer for o in getattr(job.policy.optimizer, "chained_optimizers", [job.policy.optimizer])]
 
 
-def copy_weights(job: Job) -> list[torch.Tensor]:
+def copy_weights(job: SFTJob) -> list[torch.Tensor]:
     return [p.detach().clone() for p in job.policy.model.parameters()]
 
 
-def load_weights(job: Job, weights: list[torch.Tensor]) -> None:
+def load_weights(job: SFTJob, weights: list[torch.Tensor]) -> None:
     with torch.no_grad():
         for p, w in zip(job.policy.model.parameters(), weights, strict=True):
             p.copy_(w)
     job.policy.optimizer.reload_model_params()  # main params that are copies, not views, follow
 
 
-def capture(job: Job, step: int, sampler: PromptSampler) -> TrainState:
+def capture(job: SFTJob, step: int, sampler: PromptSampler) -> TrainState:
     adam = [{p: _clone(st) for p, st in o.state.items()} for o in _adams(job)]
     scheduler_steps = job.policy.scheduler.num_steps if job.policy.scheduler is not None else 0
     return TrainState(step, copy_weights(job), adam, sampler.state_dict(), scheduler_steps)
@@ -173,7 +173,7 @@ def _clone(adam_state: dict) -> dict:
     return {k: v.clone() if torch.is_tensor(v) else v for k, v in adam_state.items()}
 
 
-def restore(job: Job, state: TrainState, sampler: PromptSampler) -> None:
+def restore(job: SFTJob, state: TrainState, sampler: PromptSampler) -> None:
     load_weights(job, state.weights)
     for o, saved in zip(_adams(job), state.adam, strict=True):
         o.state.clear()
@@ -184,7 +184,7 @@ def restore(job: Job, state: TrainState, sampler: PromptSampler) -> None:
         job.policy.scheduler.num_steps = state.scheduler_steps
 
 
-def run_sft(job: Job) -> dict[str, object]:
+def run_sft(job: SFTJob) -> dict[str, object]:
     """The cold start's steps; returns the steps run, the exported step and its dev accuracy, and why."""
     sft = job.cfg.sft
     pairs = job.sft_records
@@ -270,7 +270,7 @@ def _target(sft: SFTConfig) -> str:
     return f"sft.stop_accuracy={sft.stop_accuracy:.1%}"
 
 
-def _say(job: Job, line: str) -> None:
+def _say(job: SFTJob, line: str) -> None:
     if job.ps.rank == 0:
         print(line, flush=True)
 
@@ -281,7 +281,7 @@ def main(cfg: JobConfig) -> int:
 
     # The CLI (the only caller) checked data paths and output directories before any process group.
     start = time.perf_counter()
-    job = build_job(sft_job_config(cfg), with_reference=False, sft=True)
+    job = build_sft_job(sft_job_config(cfg))
     ((_, out_dir),) = output_dirs(cfg, "sft")  # the directory the CLI's preflight checked
     try:
         result = run_sft(job)

@@ -26,7 +26,7 @@ def _setup(overrides: list[str]):
     cfg = load_config(EXAMPLE, [*CPU_JOB, *overrides])
     cfg.validate(world_size_from_env())
     ps = init_distributed(cfg.parallel, seed=cfg.train.seed)
-    policy = build_policy(cfg.model.load_hf_config(), cfg, ps)
+    policy = build_policy(cfg.model.load_hf_config(), cfg.model, cfg.parallel, cfg.train, ps)
     return cfg, ps, policy
 
 

@@ -79,7 +79,7 @@ def run_layout(overrides: list[str], reference: dict | None) -> dict:
     cfg.validate(world_size_from_env())
     ps = init_distributed(cfg.parallel, seed=cfg.train.seed)
     hf = cfg.model.load_hf_config()
-    policy = build_policy(hf, cfg, ps)
+    policy = build_policy(hf, cfg.model, cfg.parallel, cfg.train, ps)
     if reference is not None:
         load_full_state(policy.model, ps, reference["params"])
     batches = global_batch(policy.spec.vocab_size)

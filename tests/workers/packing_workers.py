@@ -68,7 +68,7 @@ def run_layout(overrides: list[str]) -> dict:
     cfg = load_config(EXAMPLE, [*CPU_JOB, "parallel.use_distributed_optimizer=false", *overrides])
     cfg.validate(world_size_from_env())
     ps = init_distributed(cfg.parallel, seed=cfg.train.seed)
-    policy = build_policy(cfg.model.load_hf_config(), cfg, ps)
+    policy = build_policy(cfg.model.load_hf_config(), cfg.model, cfg.parallel, cfg.train, ps)
     vocab = policy.spec.vocab_size
     samples = samples_for(vocab)
     global_tokens = float(sum(s.mask_s.sum() for s in samples))
@@ -101,7 +101,7 @@ def cp_run(overrides: list[str], reference: dict | None) -> dict:
     cfg = load_config(EXAMPLE, [*CPU_JOB, "parallel.use_distributed_optimizer=false", *overrides])
     cfg.validate(world_size_from_env())
     ps = init_distributed(cfg.parallel, seed=cfg.train.seed)
-    policy = build_policy(cfg.model.load_hf_config(), cfg, ps)
+    policy = build_policy(cfg.model.load_hf_config(), cfg.model, cfg.parallel, cfg.train, ps)
     if reference is not None:
         load_full_state(policy.model, ps, reference["params"])
     vocab = policy.spec.vocab_size

@@ -26,7 +26,7 @@ def _setup(hf_dir: str, overrides: list[str]):
     cfg.validate(world_size_from_env())
     ps = init_distributed(cfg.parallel, seed=cfg.train.seed)
     hf = cfg.model.load_hf_config()
-    policy = build_policy(hf, cfg, ps)
+    policy = build_policy(hf, cfg.model, cfg.parallel, cfg.train, ps)
     return cfg, ps, hf, policy
 
 
@@ -100,12 +100,13 @@ def sync_cases(
     from grpo_megatron.distributed.bootstrap import destroy_distributed
     from grpo_megatron.rollout.engine import SamplingParams
     from grpo_megatron.rollout.fleet import RolloutFleet
+    from grpo_megatron.training.job import engine_spec
     from grpo_megatron.training.phases.sync import mismatch_probe, probe_batch
 
     out: dict = {}
     for case, (hf_dir, overrides) in cases.items():
         cfg, ps, hf, policy = _setup(hf_dir, overrides)
-        fleet = RolloutFleet.build(cfg, hf, ps)
+        fleet = RolloutFleet.build(engine_spec(cfg), hf, ps)
         res: dict = {"engine_ranks": list(fleet.engine_ranks), "has_engine": fleet.engine is not None}
         metrics = fleet.sync_weights(policy.model, version=1, bucket_bytes=16 << 10)
         res["sync_buckets"] = metrics["sync/buckets"]
@@ -142,7 +143,7 @@ def sync_cases(
             # Engines built from a different config: the sync must fail on every rank, and these
             # engines keep what they had.
             bad_hf = dataclasses.replace(cfg.model, hf_path=bad_hf_dir).load_hf_config()
-            bad = RolloutFleet.build(cfg, bad_hf, ps)
+            bad = RolloutFleet.build(engine_spec(cfg), bad_hf, ps)
             before = None
             if bad.engine is not None:
                 before = {k: v.clone() for k, v in bad.engine.model.state_dict().items()}

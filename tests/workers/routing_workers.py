@@ -23,14 +23,14 @@ def replay_cases(cases: dict[str, tuple[str, list[str]]]) -> dict:
     from grpo_megatron.rollout.fleet import RolloutFleet
     from grpo_megatron.training.batching import collate, make_sample
     from grpo_megatron.training.forward_backward import forward_logprobs
-    from grpo_megatron.training.job import build_reference
+    from grpo_megatron.training.job import build_reference, engine_spec
     from grpo_megatron.training.route_replay import store_own_routes
 
     out: dict = {}
     for case, (hf_dir, overrides) in cases.items():
         cfg, ps, hf, policy = _setup(hf_dir, overrides)
-        reference = build_reference(cfg, hf, ps, policy)
-        fleet = RolloutFleet.build(cfg, hf, ps)
+        reference = build_reference(cfg.model, hf, ps, policy)
+        fleet = RolloutFleet.build(engine_spec(cfg), hf, ps)
         fleet.sync_weights(policy.model, version=1)
         groups = fleet.generate(PROMPTS, SamplingParams(n=3, temperature=1.0, max_new_tokens=6, seed=7))
         samples = [

@@ -47,6 +47,7 @@ def parallel_sync(cases: dict[str, list[str]], bad_hf_dir: str, bucket_bytes: in
     from grpo_megatron.distributed.bootstrap import destroy_distributed
     from grpo_megatron.rollout.embedded import EmbeddedEngine
     from grpo_megatron.rollout.fleet import RolloutFleet
+    from grpo_megatron.training.job import engine_spec
 
     out: dict = {}
     default_direct_min = export_plan.DIRECT_MIN_BYTES
@@ -61,7 +62,7 @@ def parallel_sync(cases: dict[str, list[str]], bad_hf_dir: str, bucket_bytes: in
         overrides = [o for o in overrides if o not in direct]
         cfg, ps, hf, policy = _setup(cfg_hf_dir := overrides[0], overrides[1:])
         del cfg_hf_dir
-        fleet = RolloutFleet.build(cfg, hf, ps)
+        fleet = RolloutFleet.build(engine_spec(cfg), hf, ps)
         metrics = fleet.sync_weights(policy.model, version=1, bucket_bytes=bucket_bytes)
         ref = _reference(policy, ps, hf)
         plan = fleet.export_plan

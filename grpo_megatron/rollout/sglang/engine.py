@@ -38,7 +38,7 @@ from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import ModuleType
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
@@ -47,6 +47,8 @@ from grpo_megatron.rollout.engine import (
     ALL_MEMORY_TAGS,
     Bucket,
     Completion,
+    EngineSpec,
+    Manifest,
     MemoryTag,
     RolloutEngine,
     SamplingParams,
@@ -72,6 +74,10 @@ from grpo_megatron.rollout.sglang.nccl import (
 )
 from grpo_megatron.rollout.sglang.shards import engine_ep_size, rank_needs
 from grpo_megatron.rollout.sglang.weights import WeightTransport, raise_on_failure
+
+if TYPE_CHECKING:
+    from grpo_megatron.distributed.bootstrap import ParallelState
+    from grpo_megatron.rollout.sglang.shards import ExpertBlock
 
 INSTALL_HINT = (
     "rollout.engine=sglang needs SGLang: on a CUDA machine pip install 'grpo-megatron[gpu]'; on CPU "
@@ -309,7 +315,7 @@ def update_sessions(server: Any) -> bool:
 class SGLangEngine(RolloutEngine):
     """``RolloutEngine`` over one colocated ``sglang.Engine`` or a set of SGLang servers.
 
-    Build it with ``SGLangEngine.from_config(cfg, ps)`` (colocated: on each group leader, ``None``
+    Build it with ``SGLangEngine.from_config(spec, ps)`` (colocated: on each group leader, ``None``
     elsewhere) or directly. ``servers`` (tests, custom launchers) replaces starting anything: objects
     with ``sglang.Engine``'s methods, used as given.
 
@@ -406,41 +412,34 @@ class SGLangEngine(RolloutEngine):
             self._load_tied_head_from_disk()
 
     @classmethod
-    def from_config(cls, cfg: Any, ps: Any, **kwargs: Any) -> SGLangEngine | None:
-        """The engine this rank drives, from a ``JobConfig`` and ``ParallelState``: colocated, one per
+    def from_config(cls, spec: EngineSpec, ps: ParallelState) -> SGLangEngine | None:
+        """The engine this rank drives, from the job's ``EngineSpec`` and ``ParallelState``: colocated, one per
         ``rollout.sglang_tp`` consecutive ranks (inside a node, or whole nodes: ``colocated_layout``),
         on the first of them (others get ``None``; on a multi-node engine the first rank of each
         further node starts that node's part in ``SGLangSyncMember.from_config``); disaggregated, one
         over all servers on rank 0."""
         import_sglang()
-        rollout = cfg.rollout
+        rollout, model = spec.rollout, spec.model
         if rollout.sglang_mode == "disaggregated":
             if ps.rank != 0:
                 return None
-            return cls(
-                rollout,
-                cfg.model.hf_path,
-                dtype=cfg.model.dtype,
-                seed=cfg.train.seed,
-                device=ps.device,
-                **kwargs,
-            )
+            return cls(rollout, model.hf_path, dtype=model.dtype, seed=spec.seed, device=ps.device)
         layout, gpus_per_node, local_rank = _layout_of(rollout, ps)
         if ps.rank != layout.leader:
             return None  # a multi-node engine's other ranks agree on its address in SGLangSyncMember
         address = agree_engine_address(layout, gpus_per_node, local_rank) if layout.multi_node else None
         engine = cls(
-            rollout, cfg.model.hf_path, dtype=cfg.model.dtype, seed=cfg.train.seed + ps.rank,
+            rollout, model.hf_path, dtype=model.dtype, seed=spec.seed + ps.rank,
             base_gpu_id=layout.base_gpu_id, device=ps.device, nnodes=layout.nnodes, dist_init_addr=address,
-            hf_overrides=cfg.model.hf_overrides, rank=ps.rank, log_dir=Path(cfg.logging.run_dir) / "sglang",
-            tokenizer_path=cfg.data.tokenizer_path or None, **kwargs,
+            hf_overrides=model.hf_overrides, rank=ps.rank, log_dir=spec.log_dir,
+            tokenizer_path=spec.tokenizer_path,
         )  # fmt: skip
         engine.sync_group_ranks = layout.members  # every GPU of the engine receives its own share
         return engine
 
     # -- the weight sync's view of this engine's GPUs
 
-    def weight_needs(self) -> Any:
+    def weight_needs(self) -> ExpertBlock | None:
         """The leader's share (SGLang TP rank 0): every dense tensor, and with ``ep_size`` > 1 the
         experts of MoE EP rank 0 (``rollout/sglang/shards.py``); everything when it feeds alone."""
         if len(self.sync_group_ranks) <= 1:
@@ -697,11 +696,11 @@ class SGLangSyncMember:
         self.feed = EngineGroupFeed(members)
 
     @classmethod
-    def from_config(cls, cfg: Any, ps: Any) -> SGLangSyncMember | None:
+    def from_config(cls, spec: EngineSpec, ps: ParallelState) -> SGLangSyncMember | None:
         """This rank's member, when a colocated engine led from another rank uses its GPU; on a
         multi-node engine (collective: every non-leader rank calls it once while the fleet is built),
         the first rank of each further node also starts that node's part of the engine."""
-        rollout = cfg.rollout
+        rollout = spec.rollout
         layout, gpus_per_node, local_rank = _layout_of(rollout, ps)
         if ps.rank == layout.leader:
             return None
@@ -709,8 +708,8 @@ class SGLangSyncMember:
         if layout.multi_node:
             address = agree_engine_address(layout, gpus_per_node, local_rank)
             if layout.starter:
-                node_engine = start_node_part(cfg, layout, address)
-        return cls(rollout, cfg.model.hf_path, layout.members, ps.rank - layout.leader, ps.device, node_engine)
+                node_engine = start_node_part(spec, layout, address)
+        return cls(rollout, spec.model.hf_path, layout.members, ps.rank - layout.leader, ps.device, node_engine)
 
     def shutdown(self) -> None:
         """Stop this node's part of the engine, if this rank started one."""
@@ -718,13 +717,13 @@ class SGLangSyncMember:
             self.node_engine.shutdown()
             self.node_engine = None
 
-    def weight_needs(self) -> Any:
+    def weight_needs(self) -> ExpertBlock | None:
         return rank_needs(self._hf_config, self.rollout.sglang_tp, self.ep_size, self.tp_rank)
 
     def bind_sync_group(self, group: Any) -> None:
         self.feed.group = group
 
-    def check_manifest(self, manifest: Any, version: int) -> list[str]:
+    def check_manifest(self, manifest: Manifest, version: int) -> list[str]:
         return []  # as the leader: SGLang judges a tensor when it loads it
 
     def load_target(self, name: str) -> torch.Tensor | None:
@@ -747,16 +746,16 @@ class SGLangSyncMember:
             self.weight_version = version
 
 
-def start_node_part(cfg: Any, layout: ColocatedLayout, address: str) -> Any:
+def start_node_part(spec: EngineSpec, layout: ColocatedLayout, address: str) -> Any:
     """``sglang.Engine`` for node ``layout.node_rank`` >= 1 of a multi-node colocated engine: the same
     arguments as the leader's (seed included) but this node's rank. SGLang's Engine on such a node
     runs only the schedulers and by default never returns from its constructor; with
     ``SGLANG_BLOCK_NONZERO_RANK_CHILDREN=0`` it returns once they are up (``rollout/sglang/ipc.py``)."""
     sglang, _, _ = import_sglang()
-    rollout = cfg.rollout
+    rollout, model = spec.rollout, spec.model
     args = colocated_server_args(
-        rollout, str(cfg.model.hf_path), base_gpu_id=layout.base_gpu_id, dtype=cfg.model.dtype,
-        seed=cfg.train.seed + layout.leader, moe="num_experts_per_tok" in _read_hf_config(cfg.model.hf_path),
+        rollout, str(model.hf_path), base_gpu_id=layout.base_gpu_id, dtype=model.dtype,
+        seed=spec.seed + layout.leader, moe="num_experts_per_tok" in _read_hf_config(model.hf_path),
         nnodes=layout.nnodes, node_rank=layout.node_rank, dist_init_addr=address,
     )  # fmt: skip
     os.environ["SGLANG_BLOCK_NONZERO_RANK_CHILDREN"] = "0"  # read by SGLang in this process only
@@ -764,7 +763,7 @@ def start_node_part(cfg: Any, layout: ColocatedLayout, address: str) -> Any:
         return sglang.Engine(**args)
 
 
-def _layout_of(rollout: RolloutConfig, ps: Any) -> tuple[ColocatedLayout, int, int]:
+def _layout_of(rollout: RolloutConfig, ps: ParallelState) -> tuple[ColocatedLayout, int, int]:
     """(this rank's ``ColocatedLayout``, GPUs per node, local rank) from the launcher's environment
     (torchrun / the launch scripts set LOCAL_WORLD_SIZE and LOCAL_RANK)."""
     gpus_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", ps.world_size))
