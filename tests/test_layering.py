@@ -156,3 +156,42 @@ def test_the_checker_sees_every_kind_of_import(tmp_path, monkeypatch, source, im
         assert not problems
     else:
         assert len(problems) == 1 and expected in problems[0], problems
+
+
+MAX_FUNCTION_LINES = 90
+"""The longest function (``def`` to its last line, docstring included) the package may hold."""
+
+JOB_CONFIG_TAKERS = ("config/", "training/job.py", "training/grpo.py", "training/sft.py", "training/sanity.py",
+                     "commands/", "planner/", "cli.py")  # fmt: skip
+"""Where a function may take the whole ``JobConfig``: the config package, the training wiring and the
+loops' entry points, and the commands (``planner/`` is the ``plan`` command, layer 7). Everything else
+takes its config sections."""
+
+
+def _functions() -> list[tuple[str, ast.FunctionDef | ast.AsyncFunctionDef]]:
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        rel = path.relative_to(PACKAGE).as_posix()
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                found.append((rel, node))
+    return found
+
+
+def test_no_function_is_longer_than_the_limit():
+    too_long = [
+        f"grpo_megatron/{rel}:{fn.lineno} {fn.name}: {fn.end_lineno - fn.lineno + 1} lines"
+        for rel, fn in _functions()
+        if fn.end_lineno is not None and fn.end_lineno - fn.lineno + 1 > MAX_FUNCTION_LINES
+    ]
+    assert not too_long, f"functions over {MAX_FUNCTION_LINES} lines (split them):\n" + "\n".join(too_long)
+
+
+def test_components_take_their_config_sections_not_the_job_config():
+    takers = []
+    for rel, fn in _functions():
+        args = [*fn.args.posonlyargs, *fn.args.args, *fn.args.kwonlyargs]
+        if any(a.annotation is not None and "JobConfig" in ast.unparse(a.annotation) for a in args):
+            if not rel.startswith(JOB_CONFIG_TAKERS):
+                takers.append(f"grpo_megatron/{rel}:{fn.lineno} {fn.name}")
+    assert not takers, "these take the whole JobConfig; pass them their sections instead:\n" + "\n".join(takers)

@@ -157,6 +157,27 @@ def clipped_surrogate(
     return loss_bt, masks
 
 
+def _clip_and_ratio_metrics(
+    ratio_bt: torch.Tensor, clip_masks: dict[str, torch.Tensor], mask_bt: torch.Tensor
+) -> dict[str, torch.Tensor]:
+    """``grpo_policy_loss``'s clip fractions (token means of ``clipped_surrogate``'s masks) and the
+    ratio's mean, max and min over the response tokens (1 when there are none)."""
+    valid_bt = mask_bt > 0
+    ratio_d_bt = ratio_bt.detach()
+    has_valid = bool(valid_bt.any())
+    low = _masked_mean(clip_masks["clipped_low_bt"].float(), mask_bt)
+    high = _masked_mean(clip_masks["clipped_high_bt"].float(), mask_bt)
+    return {
+        "clip_frac": low + high,
+        "clip_frac/low": low,
+        "clip_frac/high": high,
+        "clip_frac/dual": _masked_mean(clip_masks["dual_clipped_bt"].float(), mask_bt),
+        "ratio/mean": _masked_mean(ratio_d_bt, mask_bt),
+        "ratio/max": ratio_d_bt[valid_bt].max() if has_valid else ratio_d_bt.new_ones(()),
+        "ratio/min": ratio_d_bt[valid_bt].min() if has_valid else ratio_d_bt.new_ones(()),
+    }
+
+
 def grpo_policy_loss(
     logprobs_bt: torch.Tensor,
     old_logprobs_bt: torch.Tensor | None,
@@ -229,21 +250,10 @@ def grpo_policy_loss(
     else:
         loss = pg_loss
 
-    valid_bt = mask_bt > 0
-    ratio_d_bt = ratio_bt.detach()
-    has_valid = bool(valid_bt.any())
-    low = _masked_mean(clip_masks["clipped_low_bt"].float(), mask_bt)
-    high = _masked_mean(clip_masks["clipped_high_bt"].float(), mask_bt)
     metrics.update({
         "loss/total": loss.detach(),
         "loss/pg": pg_loss.detach(),
-        "clip_frac": low + high,
-        "clip_frac/low": low,
-        "clip_frac/high": high,
-        "clip_frac/dual": _masked_mean(clip_masks["dual_clipped_bt"].float(), mask_bt),
-        "ratio/mean": _masked_mean(ratio_d_bt, mask_bt),
-        "ratio/max": ratio_d_bt[valid_bt].max() if has_valid else ratio_d_bt.new_ones(()),
-        "ratio/min": ratio_d_bt[valid_bt].min() if has_valid else ratio_d_bt.new_ones(()),
+        **_clip_and_ratio_metrics(ratio_bt, clip_masks, mask_bt),
         "ppo_kl": _masked_mean(old_logprobs_bt.detach().float() - logprobs_bt.detach().float(), mask_bt),
         "num_tokens": mask_bt.sum(),
         "num_seqs": (mask_bt.sum(dim=1) > 0).sum().float(),

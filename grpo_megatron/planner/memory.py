@@ -171,6 +171,49 @@ def kv_bytes_per_token(d: ModelDims, engine_gpus: int) -> float:
     return 2 * d.num_layers * heads_per_gpu * d.head_dim * 2
 
 
+def _rollout_phase(
+    cfg: JobConfig,
+    opts: PlanOptions,
+    layout: Layout,
+    d: ModelDims,
+    all_params: int,
+    seq_len: int,
+    train_lines: list[Line],
+) -> tuple[list[Line], int | None, list[str]]:
+    """The rollout phase's lines (an SGLang engine's weights and KV cache beside what the trainer keeps
+    resident), its KV-cache tokens (None: not planned) and the plan's notes."""
+    gib = GIB
+    notes: list[str] = []
+    rollout_lines: list[Line] = []
+    kv_tokens: int | None = None
+    if cfg.rollout.engine == "sglang":
+        engine_gpus = opts.rollout_gpus_per_engine or (
+            opts.gpus_per_node if cfg.rollout.placement == "per_node" else layout.tp * layout.pp * layout.cp
+        )
+        pool = cfg.rollout.gpu_memory_utilization * opts.gpu.memory_gib * gib
+        weights = all_params * opts.rollout_weight_bytes / engine_gpus
+        kv = pool - weights
+        kv_tokens = max(0, int(kv // kv_bytes_per_token(d, engine_gpus)))
+        resident = 0.0
+        if not opts.offload_trainer:
+            resident = sum(x.gib for x in train_lines if x.name in ("parameters", "gradients", "optimizer state", "reference model"))
+        rollout_lines = [
+            Line("engine weights", weights / gib, f"{human_count(all_params)} / {engine_gpus} GPUs per engine"),
+            Line("engine KV cache", max(kv, 0) / gib, f"{kv_tokens:,} tokens ({kv_tokens // max(seq_len, 1):,} full sequences)"),
+            Line("trainer, resident", resident, "offloaded" if opts.offload_trainer else "params + grads + optimizer (+ ref)"),
+            Line("runtime reserve", opts.reserve_gib, "CUDA context, NCCL, fragmentation"),
+        ]
+        if kv <= 0:
+            notes.append(
+                f"the engine's weights ({weights / gib:.1f} GiB per GPU) exceed its pool "
+                f"(rollout.gpu_memory_utilization={cfg.rollout.gpu_memory_utilization} x {opts.gpu.memory_gib:.0f} GiB)"
+            )
+        notes.append("training phase assumes the engine released its memory (SGLang memory saver)")
+    else:
+        notes.append("rollout.engine=embedded: generation reuses the policy's weights; its KV cache is not planned")
+    return rollout_lines, kv_tokens, notes
+
+
 def plan_memory(cfg: JobConfig, hf: Mapping[str, Any], world_size: int, opts: PlanOptions) -> MemoryPlan:
     """Per-GPU memory of ``cfg`` on ``world_size`` GPUs (the config must validate at that size)."""
     layout = Layout.from_config(cfg.parallel, world_size)
@@ -232,36 +275,8 @@ def plan_memory(cfg: JobConfig, hf: Mapping[str, Any], world_size: int, opts: Pl
     assert best is not None
     _, peak_stage, train_lines, counts = best
 
-    notes: list[str] = []
-    rollout_lines: list[Line] = []
-    kv_tokens: int | None = None
     all_params = total_params(hf)
-    if cfg.rollout.engine == "sglang":
-        engine_gpus = opts.rollout_gpus_per_engine or (
-            opts.gpus_per_node if cfg.rollout.placement == "per_node" else layout.tp * layout.pp * layout.cp
-        )
-        pool = cfg.rollout.gpu_memory_utilization * opts.gpu.memory_gib * gib
-        weights = all_params * opts.rollout_weight_bytes / engine_gpus
-        kv = pool - weights
-        kv_tokens = max(0, int(kv // kv_bytes_per_token(d, engine_gpus)))
-        resident = 0.0
-        if not opts.offload_trainer:
-            resident = sum(x.gib for x in train_lines if x.name in ("parameters", "gradients", "optimizer state", "reference model"))
-        rollout_lines = [
-            Line("engine weights", weights / gib, f"{human_count(all_params)} / {engine_gpus} GPUs per engine"),
-            Line("engine KV cache", max(kv, 0) / gib, f"{kv_tokens:,} tokens ({kv_tokens // max(seq_len, 1):,} full sequences)"),
-            Line("trainer, resident", resident, "offloaded" if opts.offload_trainer else "params + grads + optimizer (+ ref)"),
-            Line("runtime reserve", opts.reserve_gib, "CUDA context, NCCL, fragmentation"),
-        ]
-        if kv <= 0:
-            notes.append(
-                f"the engine's weights ({weights / gib:.1f} GiB per GPU) exceed its pool "
-                f"(rollout.gpu_memory_utilization={cfg.rollout.gpu_memory_utilization} x {opts.gpu.memory_gib:.0f} GiB)"
-            )
-        notes.append("training phase assumes the engine released its memory (SGLang memory saver)")
-    else:
-        notes.append("rollout.engine=embedded: generation reuses the policy's weights; its KV cache is not planned")
-
+    rollout_lines, kv_tokens, notes = _rollout_phase(cfg, opts, layout, d, all_params, seq_len, train_lines)
     return MemoryPlan(
         world_size=world_size,
         layout=layout,
