@@ -6,11 +6,20 @@ sample. A sample whose reward code raises, exceeds `timeout_s`, kills its worker
 non-number / NaN / inf gets `cfg.fallback` instead; each case is counted in the metrics. A
 worker that timed out or died is killed (SIGKILL) and replaced by a fresh process.
 
-Scheduling. Each worker holds one sample at a time, so a sample's clock starts when it is
-handed to a worker and covers only its own computation. The whole call is therefore bounded
-by ceil(N / num_workers) * timeout_s (+ about 1 s of process overhead) however the reward
-code misbehaves; in particular a batch of at most num_workers samples returns within
-timeout_s + 1 s even if every sample hangs. `cfg.batch_timeout_s` (or the argument of
+Scheduling. A call's samples are handed out in chunks, one message per chunk each way (an even
+share of the samples still waiting per worker, at most _MAX_CHUNK; one sample per worker while
+there are no more samples than workers): per-sample messages cost more than the rewards themselves.
+The timeout stays per sample: before each sample a worker writes which one it starts and when into
+a two-number shared-memory record, and the pool's clock for that sample starts there (the first
+sample's when the chunk is handed over; never later than timeout_s per sample of the chunk after
+it). A sample past timeout_s, a crash or a malformed message is settled for the sample at fault
+(the one running, or the one whose result was due); the rest of that worker's chunk goes back to
+the queue for the other workers, so one bad sample never costs its neighbours their rewards. Every
+such event settles at least one sample, so the whole call is still bounded by about
+ceil(N / num_workers) * timeout_s (+ about 1 s of process overhead) however the reward code
+misbehaves; in particular a batch of at most num_workers samples returns within timeout_s + 1 s
+even if every sample hangs. A worker sends what it finished at least every _FLUSH_S seconds.
+`cfg.batch_timeout_s` (or the argument of
 `score`) is a hard bound on the whole call: samples not finished by then get the fallback and
 count as timeouts; by default it is derived from timeout_s and the worker count (config.py).
 
@@ -40,10 +49,12 @@ falls back (an error) and a replacement starts, as for a crash; at start-up it s
 naming the component being imported.
 """
 
+import json
 import math
 import multiprocessing as mp
 import multiprocessing.connection as mp_conn
 import os
+import pickle
 import shutil
 import signal
 import tempfile
@@ -84,6 +95,12 @@ _PRELOAD = ["grpo_megatron.rewards.loader", "grpo_megatron.rewards.math_accuracy
 _MAX_ERROR_MESSAGES = 8
 # Workers that fail to start within one call before the call gives up on its remaining samples.
 _MAX_INIT_FAILURES_PER_WORKER = 3
+# The most samples handed to a worker in one message (a call's samples are spread evenly below it).
+_MAX_CHUNK = 64
+# A worker sends what it scored of a chunk at least this often (seconds), so that a batch timeout or
+# a kill loses little finished work; and keeps each "results" frame this far under the frame bound.
+_FLUSH_S = 0.1
+_FRAME_BUDGET = wire.MAX_FRAME_BYTES - 1024
 
 
 @dataclass
@@ -121,10 +138,15 @@ def default_batch_timeout_s(cfg: RewardConfig, n_samples: int) -> float:
 
 
 def _worker_main(
-    conn: mp_conn.Connection, components: list[RewardComponentConfig], plan: SandboxPlan, timeout_s: float
+    conn: mp_conn.Connection,
+    components: list[RewardComponentConfig],
+    plan: SandboxPlan,
+    timeout_s: float,
+    progress: Any,
+    stop_on_error: bool,
 ) -> None:
     """Worker loop: enter the sandbox, import the components (saying which), say ready with the
-    active protections, then score one sample per message. Everything it says is a wire.py frame."""
+    active protections, then score chunks of samples (``_serve``). Everything it says is a wire.py frame."""
     for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2):
         signal.signal(signum, signal.SIG_IGN)  # Ctrl-C and preemption are the trainer's to handle
 
@@ -142,28 +164,66 @@ def _worker_main(
         say(wire.InitError(str(err) if isinstance(err, ValueError) else f"{type(err).__name__}: {err}"))
         return
     say(wire.Ready(report.scratch, list(report.active), list(report.inactive)))
+    _serve(conn, composite, timeout_s, progress, stop_on_error)
+
+
+def _score_one(composite: CompositeReward, task_id: int, sample: RewardSample) -> wire.Result:
+    try:
+        total, comps = composite(sample)
+        return wire.Result(task_id, "ok", float(total), {k: float(v) for k, v in comps.items()}, None, None)
+    except RewardComponentError as err:
+        status: Literal["invalid", "error"] = "invalid" if err.invalid else "error"
+        return wire.Result(task_id, status, None, None, str(err)[:2000], err.component)
+    except BaseException as err:  # noqa: BLE001 - e.g. SystemExit or KeyboardInterrupt from user code
+        tb = traceback.format_exc(limit=3)
+        return wire.Result(task_id, "error", None, None, f"{type(err).__name__}: {err}\n{tb}"[:2000], None)
+
+
+def _serve(conn: mp_conn.Connection, composite: CompositeReward, timeout_s: float, progress: Any,
+           stop_on_error: bool) -> None:
+    """Score each chunk of (task id, sample) pairs the pool sends, in order, and answer with "results"
+    frames: one per chunk, or more where a chunk takes longer than _FLUSH_S or would overflow a frame.
+    Before each sample, ``progress`` (shared memory: [task id, start time]) says which sample runs
+    since when: the pool's per-sample clock. With ``stop_on_error`` the chunk ends at an error (the
+    pool replaces this worker and hands the rest of the chunk to another)."""
     while True:
         try:
-            msg = conn.recv()
+            chunk = conn.recv()
         except (EOFError, OSError):
             return
-        if msg is None:
+        if chunk is None:
             return
-        task_id, sample = msg
-        set_cpu_backstop(timeout_s)
-        try:
-            total, comps = composite(sample)
-            reply = wire.Result(task_id, "ok", float(total), {k: float(v) for k, v in comps.items()}, None, None)
-        except RewardComponentError as err:
-            status: Literal["invalid", "error"] = "invalid" if err.invalid else "error"
-            reply = wire.Result(task_id, status, None, None, str(err)[:2000], err.component)
-        except BaseException as err:  # noqa: BLE001 - e.g. SystemExit or KeyboardInterrupt from user code
-            tb = traceback.format_exc(limit=3)
-            reply = wire.Result(task_id, "error", None, None, f"{type(err).__name__}: {err}\n{tb}"[:2000], None)
-        try:
-            say(reply)
-        except (OSError, ValueError):
+        pending: list[dict[str, Any]] = []
+        size, flushed = 0, time.monotonic()
+        for task_id, sample in chunk:
+            progress[1] = time.monotonic()  # the start first: a reader that sees the new id sees its start
+            progress[0] = task_id
+            set_cpu_backstop(timeout_s)
+            reply = _score_one(composite, task_id, sample)
+            fields = wire.result_fields(reply)
+            cost = len(json.dumps(fields)) + 2
+            if pending and (size + cost > _FRAME_BUDGET or len(pending) == wire.MAX_ITEMS):
+                if not _send(conn, pending):
+                    return
+                pending, size, flushed = [], 0, time.monotonic()
+            pending.append(fields)
+            size += cost
+            if time.monotonic() - flushed > _FLUSH_S or (stop_on_error and reply.status == "error"):
+                if not _send(conn, pending):
+                    return
+                pending, size, flushed = [], 0, time.monotonic()
+                if stop_on_error and reply.status == "error":
+                    break
+        if pending and not _send(conn, pending):
             return
+
+
+def _send(conn: mp_conn.Connection, fields: list[dict[str, Any]]) -> bool:
+    try:
+        conn.send_bytes(wire.encode_results(fields))
+        return True
+    except (OSError, ValueError):
+        return False
 
 
 @dataclass(eq=False)
@@ -172,10 +232,31 @@ class _Worker:
     conn: mp_conn.Connection
     started_at: float
     slot: int
+    progress: Any  # shared [task id, start time] of the sample it scores (written by the worker)
     ready: bool = False
     importing: int | None = None  # component index being imported at start-up
-    task: int | None = None  # index of the sample it is scoring
-    deadline: float = math.inf
+    tasks: deque[int] = field(default_factory=deque)  # samples handed over and not answered, in order
+    sent_at: float = 0.0  # when its chunk was handed over
+    hard_deadline: float = math.inf  # sent_at + timeout_s per sample of the chunk
+
+    @property
+    def task(self) -> int | None:
+        """The sample it answers next (None: idle)."""
+        return self.tasks[0] if self.tasks else None
+
+    def running(self, now: float) -> tuple[int | None, float]:
+        """The sample it is scoring (None: not one it still owes) and since when, from its progress
+        record; a start before the chunk was handed over or in the future counts from the hand-over."""
+        raw_task, start = float(self.progress[0]), float(self.progress[1])  # reward code could write anything
+        task = int(raw_task) if math.isfinite(raw_task) else -1
+        start = start if self.sent_at <= start <= now else self.sent_at  # NaN too: from the hand-over
+        return (task if task in self.tasks else None), start
+
+    def deadline(self, timeout_s: float, now: float) -> float:
+        """When its current sample runs out of time (inf: idle); never past the chunk's own bound."""
+        if not self.tasks:
+            return math.inf
+        return min(self.running(now)[1] + timeout_s, self.hard_deadline)
 
 
 def _kill(worker: _Worker) -> None:
@@ -269,15 +350,17 @@ class RewardPool:
             keep_env=tuple(sb.keep_env),
         )
         parent_conn, child_conn = self._ctx.Pipe(duplex=True)
+        progress = self._ctx.RawArray("d", 2)
+        progress[0] = -1.0
         proc = self._ctx.Process(
             target=_worker_main,
-            args=(child_conn, self._components, plan, self.cfg.timeout_s),
+            args=(child_conn, self._components, plan, self.cfg.timeout_s, progress, self.cfg.replace_worker_on_error),
             daemon=True,
             name="grpo-reward-worker",
         )
         proc.start()
         child_conn.close()
-        return _Worker(process=proc, conn=parent_conn, started_at=time.monotonic(), slot=slot)
+        return _Worker(process=proc, conn=parent_conn, started_at=time.monotonic(), slot=slot, progress=progress)
 
     def _replace(self, worker: _Worker) -> None:
         _kill(worker)
@@ -324,8 +407,13 @@ class RewardPool:
         elif isinstance(message, wire.Ready | wire.InitError):
             if w.ready:
                 raise wire.ProtocolError("a start-up message from a worker that is ready")
-        elif not w.ready or message.task != w.task:
-            raise wire.ProtocolError(f"a result for task {message.task} from a worker scoring {w.task}")
+        else:
+            results = message.results if isinstance(message, wire.Results) else (message,)
+            if not w.ready or len(results) > len(w.tasks):
+                raise wire.ProtocolError(f"{len(results)} result(s) from a worker owing {len(w.tasks)}")
+            for result, task in zip(results, w.tasks, strict=False):  # in the order the samples were handed over
+                if result.task != task:
+                    raise wire.ProtocolError(f"a result for task {result.task} from a worker scoring {task}")
         return message
 
     def _wait_ready(self) -> None:
@@ -429,65 +517,113 @@ class RewardPool:
     ) -> None:
         pending = deque(range(len(samples)))
         timeout_s = self.cfg.timeout_s
-        while pending or any(w.task is not None for w in self._workers):
+        while pending or any(w.tasks for w in self._workers):
             now = time.monotonic()
             if now >= batch_deadline:
-                for w in list(self._workers):
-                    if w.task is not None:
-                        outcomes[w.task] = ("timeout", None, None, f"batch timeout while scoring sample {w.task}", None)
-                        self._replace(w)
-                while pending:
-                    i = pending.popleft()
-                    outcomes[i] = ("timeout", None, None, f"batch timeout before sample {i} was scored", None)
+                self._batch_timeout(pending, outcomes)
                 break
             if self._init_failures > _MAX_INIT_FAILURES_PER_WORKER * len(self._workers):
                 while pending:  # workers keep failing to import the reward code: give up on this call
                     i = pending.popleft()
                     outcomes[i] = ("error", None, None, "reward workers keep failing to start", None)
-                if not any(w.task is not None for w in self._workers):
+                if not any(w.tasks for w in self._workers):
                     break
             # Kill workers past their sample's deadline, and workers that never got ready.
             for w in list(self._workers):
-                if w.task is not None and now >= w.deadline:
-                    outcomes[w.task] = ("timeout", None, None, f"sample {w.task} exceeded {timeout_s} s", None)
-                    self._replace(w)
+                if w.tasks and now >= w.deadline(timeout_s, now):
+                    culprit = w.running(now)[0]
+                    culprit = w.tasks[0] if culprit is None else culprit
+                    outcomes[culprit] = ("timeout", None, None, f"sample {culprit} exceeded {timeout_s} s", None)
+                    self._fail(w, pending, culprit)
                 elif not w.ready and now - w.started_at > self.cfg.startup_timeout_s:
                     self._init_failures += 1
                     self._replace(w)
-            # Hand out work to idle, ready workers.
-            for w in list(self._workers):
-                if pending and w.ready and w.task is None and w.conn.poll():
-                    self._replace(w)  # it spoke out of turn (more frames after its result): a liar
-                    continue
-                if pending and w.ready and w.task is None:
-                    i = pending.popleft()
-                    try:
-                        w.conn.send((i, samples[i]))
-                    except (OSError, ValueError) as err:  # the worker died while idle, or unpicklable
-                        outcomes[i] = ("error", None, None, f"could not send sample {i}: {err}", None)
-                        self._replace(w)
-                        continue
-                    w.task, w.deadline = i, time.monotonic() + timeout_s
+            self._hand_out(samples, pending, outcomes)
             # Sleep until a message, a death (EOF), or the next deadline.
-            next_deadline = min([w.deadline for w in self._workers if w.task is not None] + [batch_deadline])
-            wait_s = max(0.0, min(next_deadline, now + 1.0) - time.monotonic())
-            by_conn = {w.conn: w for w in self._workers if w.task is not None or not w.ready}
+            now = time.monotonic()
+            next_deadline = min([w.deadline(timeout_s, now) for w in self._workers] + [batch_deadline])
+            wait_s = max(0.0, min(next_deadline, now + 1.0) - now)
+            by_conn = {w.conn: w for w in self._workers if w.tasks or not w.ready}
             for conn in _ready(list(by_conn), wait_s):
-                self._handle_message(by_conn[conn], outcomes)
+                self._handle_message(by_conn[conn], pending, outcomes)
 
-    def _handle_message(self, w: _Worker, outcomes: list) -> None:
+    def _batch_timeout(self, pending: deque[int], outcomes: list[Outcome | None]) -> None:
+        """The call's bound has passed: what is still owed or waiting falls back as a timeout."""
+        for w in list(self._workers):
+            if w.tasks:
+                culprit = w.running(time.monotonic())[0]
+                for i in w.tasks:
+                    why = "while scoring" if i == culprit else "before"
+                    outcomes[i] = ("timeout", None, None, f"batch timeout {why} sample {i}", None)
+                w.tasks.clear()
+                self._replace(w)
+        while pending:
+            i = pending.popleft()
+            outcomes[i] = ("timeout", None, None, f"batch timeout before sample {i} was scored", None)
+
+    def _fail(self, w: _Worker, pending: deque[int], culprit: int | None) -> None:
+        """Replace ``w``; the samples it still owed but for ``culprit`` (whose outcome is set) go back
+        to the front of ``pending``, in order: they were not at fault."""
+        pending.extendleft(reversed([i for i in w.tasks if i != culprit]))
+        w.tasks.clear()
+        self._replace(w)
+
+    def _hand_out(self, samples: list[RewardSample], pending: deque[int], outcomes: list[Outcome | None]) -> None:
+        """Give each idle, ready worker a chunk of ``pending``: an even share of it over the pool's
+        workers (one sample each while there are no more samples than workers), at most _MAX_CHUNK."""
+        for w in list(self._workers):
+            if not (pending and w.ready and not w.tasks):
+                continue
+            if w.conn.poll():
+                self._replace(w)  # it spoke out of turn (more frames after its results): a liar
+                continue
+            size = min(-(-len(pending) // len(self._workers)), _MAX_CHUNK)
+            chunk = [pending.popleft() for _ in range(size)]
+            w.progress[0] = -1.0  # the clock of its first sample starts now
+            w.tasks.extend(chunk)
+            w.sent_at = time.monotonic()
+            w.hard_deadline = w.sent_at + self.cfg.timeout_s * len(chunk)
+            try:
+                w.conn.send([(i, samples[i]) for i in chunk])
+            except (OSError, ValueError, TypeError, AttributeError, pickle.PicklingError) as err:
+                # the worker died while idle, or a sample does not pickle: only that one is at fault
+                bad = [i for i in chunk if not _picklable(samples[i])]
+                for i in bad:
+                    outcomes[i] = ("error", None, None, f"could not send sample {i}: {err}", None)
+                for i in bad:
+                    w.tasks.remove(i)
+                self._fail(w, pending, None)
+
+    @staticmethod
+    def _culprit(w: _Worker, *, protocol: bool) -> int | None:
+        """The owed sample a dead or lying worker is blamed for. A death: the sample it was scoring
+        (else the next it owes, so that a worker dying on every chunk still settles one sample each time).
+        A bad frame: the first owed sample (the frame came where its result was due), unless the
+        worker is still inside a sample it already answered (that sample's code wrote the frame, and
+        its first answer stands)."""
+        if not w.tasks:
+            return None
+        progress = float(w.progress[0])
+        running = w.running(time.monotonic())[0]
+        if not protocol:
+            return w.tasks[0] if running is None else running  # between samples: the next one (as before chunks)
+        answered = math.isfinite(progress) and running is None and int(progress) >= 0
+        return None if answered else w.tasks[0]
+
+    def _handle_message(self, w: _Worker, pending: deque[int], outcomes: list[Outcome | None]) -> None:
         try:
             msg = self._receive(w)
         except (EOFError, OSError, wire.ProtocolError) as err:  # died (os._exit, segfault, OOM kill ...) or lied
             if not w.ready:
                 self._init_failures += 1
-            if w.task is not None:
+            culprit = self._culprit(w, protocol=isinstance(err, wire.ProtocolError))
+            if culprit is not None:
                 if isinstance(err, wire.ProtocolError):
-                    why = f"reward worker sent a malformed message on sample {w.task} and was killed: {err}"
+                    why = f"reward worker sent a malformed message on sample {culprit} and was killed: {err}"
                 else:
-                    why = f"reward worker died (exit code {w.process.exitcode}) on sample {w.task}"
-                outcomes[w.task] = ("error", None, None, why, None)
-            self._replace(w)
+                    why = f"reward worker died (exit code {w.process.exitcode}) on sample {culprit}"
+                outcomes[culprit] = ("error", None, None, why, None)
+            self._fail(w, pending, culprit)
             return
         if isinstance(msg, wire.Importing):
             w.importing = msg.index
@@ -500,13 +636,16 @@ class RewardPool:
             self._init_failures += 1
             self._replace(w)
             return
-        if msg.status == "ok":
-            outcomes[msg.task] = ("ok", msg.reward, msg.components, None, None)
-        else:
-            outcomes[msg.task] = (msg.status, None, None, msg.message, msg.component)
-        w.task, w.deadline = None, math.inf
-        if msg.status == "error" and self.cfg.replace_worker_on_error:
-            self._replace(w)
+        errors = False
+        for result in msg.results if isinstance(msg, wire.Results) else (msg,):
+            w.tasks.popleft()  # _receive checked the order
+            if result.status == "ok":
+                outcomes[result.task] = ("ok", result.reward, result.components, None, None)
+            else:
+                outcomes[result.task] = (result.status, None, None, result.message, result.component)
+            errors |= result.status == "error"
+        if errors and self.cfg.replace_worker_on_error:
+            self._fail(w, pending, None)  # the worker stopped its chunk at the error: the rest goes on elsewhere
 
     def _collect(self, outcomes: list[Outcome | None], truncated: int, restarts: int) -> RewardBatch:
         fallback = float(self.cfg.fallback)
@@ -584,6 +723,14 @@ def check_reward_imports(cfg: RewardConfig, log: Callable[[str], None] | None = 
     reward.components[i].function, the module and the cause, if one fails or hangs."""
     with RewardPool(replace(cfg, num_workers=1), log=log):
         pass
+
+
+def _picklable(sample: RewardSample) -> bool:
+    try:
+        pickle.dumps(sample)
+        return True
+    except Exception:  # noqa: BLE001 - whatever pickling raises
+        return False
 
 
 def _ready(conns: list[mp_conn.Connection], timeout: float) -> list[mp_conn.Connection]:

@@ -16,8 +16,10 @@ Messages (``kind`` and the other keys, all required):
   ready       scratch: str, active: [str], inactive: [str] (the sandbox report)
   result      task: int, status: "ok" | "error" | "invalid", reward: float | null,
               components: {str: float} | null, message: str | null, component: str | null
+  results     results: [result without "kind"] (1 to MAX_ITEMS of them: the samples of a chunk
+              scored since the worker's last message, in the order they were handed over)
 
-The trainer's messages to a worker (samples) stay pickles: the trainer is the trusted side.
+The trainer's messages to a worker (chunks of samples) stay pickles: the trainer is the trusted side.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ __all__ = [
     "InitError",
     "Ready",
     "Result",
+    "Results",
     "Message",
     "encode",
     "decode",
@@ -88,14 +91,36 @@ class Result:
     component: str | None
 
 
-Message = Importing | InitError | Ready | Result
+@dataclass(frozen=True)
+class Results:
+    """Several samples' results in one frame (a chunk's, or the part of it scored so far)."""
+
+    results: tuple[Result, ...]
+
+
+Message = Importing | InitError | Ready | Result | Results
 
 _KEYS: dict[str, frozenset[str]] = {
     "importing": frozenset({"kind", "index"}),
     "init_error": frozenset({"kind", "message"}),
     "ready": frozenset({"kind", "scratch", "active", "inactive"}),
     "result": frozenset({"kind", "task", "status", "reward", "components", "message", "component"}),
+    "results": frozenset({"kind", "results"}),
 }
+_RESULT_KEYS = _KEYS["result"] - {"kind"}
+
+
+def result_fields(result: Result) -> dict[str, Any]:
+    """One result as the JSON object inside a "results" message (also sized by the worker to keep
+    its frames under MAX_FRAME_BYTES)."""
+    message = None if result.message is None else result.message[:MAX_TEXT_CHARS]
+    return {"task": result.task, "status": result.status, "reward": result.reward,
+            "components": result.components, "component": result.component, "message": message}
+
+
+def encode_results(fields: list[dict[str, Any]]) -> bytes:
+    """The JSON bytes of a "results" message of ``result_fields`` objects (the worker side)."""
+    return json.dumps({"kind": "results", "results": fields}, ensure_ascii=True).encode("ascii")
 
 
 def encode(message: Message) -> bytes:
@@ -106,10 +131,10 @@ def encode(message: Message) -> bytes:
         obj = {"kind": "init_error", "message": message.message[:MAX_TEXT_CHARS]}
     elif isinstance(message, Ready):
         obj = {"kind": "ready", "scratch": message.scratch, "active": message.active, "inactive": message.inactive}
+    elif isinstance(message, Results):
+        return encode_results([result_fields(r) for r in message.results])
     else:
-        obj = {"kind": "result", "task": message.task, "status": message.status, "reward": message.reward,
-               "components": message.components, "component": message.component,
-               "message": None if message.message is None else message.message[:MAX_TEXT_CHARS]}
+        obj = {"kind": "result", **result_fields(message)}
     return json.dumps(obj, ensure_ascii=True).encode("ascii")
 
 
@@ -177,6 +202,19 @@ def decode(data: bytes, component_names: frozenset[str]) -> Message:
     if kind == "ready":
         return Ready(_text(obj["scratch"], "scratch"), _texts(obj["active"], "active"),
                      _texts(obj["inactive"], "inactive"))
+    if kind == "results":
+        items = obj["results"]
+        if type(items) is not list or not 0 < len(items) <= MAX_ITEMS:
+            raise ProtocolError(f"results is not a list of 1 to {MAX_ITEMS} results")
+        for item in items:
+            if type(item) is not dict or set(item) != _RESULT_KEYS:
+                raise ProtocolError(f"each of results needs exactly the keys {sorted(_RESULT_KEYS)}")
+        return Results(tuple(_result(item, component_names) for item in items))
+    return _result(obj, component_names)
+
+
+def _result(obj: dict[str, Any], component_names: frozenset[str]) -> Result:
+    """One result's fields (keys already checked), checked against the schema."""
     status = obj["status"]
     if status not in ("ok", "error", "invalid"):
         raise ProtocolError("status is not ok, error or invalid")
