@@ -1,9 +1,9 @@
 """The embedded rollout engine: a transformers model of the policy's architecture, in this process.
 
 The default engine on CPU (and usable on one GPU for small runs). It samples every prompt x n row of
-a ``generate`` call together (left-padded, with an attention mask and a KV cache; rows that finish
-leave the batch), with a ``torch.Generator`` of its own so the trainer's global RNG stream is never
-touched. Logprobs follow the trainer's convention (``rollout/engine.py``): ``log_softmax(logits / T)``
+a ``generate`` call together (left-padded, with an attention mask and a KV cache; each prompt's
+prefill runs once and its cache is repeated for its n rows; rows that finish leave the batch), with
+a ``torch.Generator`` of its own so the trainer's global RNG stream is never touched. Logprobs follow the trainer's convention (``rollout/engine.py``): ``log_softmax(logits / T)``
 at the sampled token, before top-k / top-p filtering.
 
 Weights arrive under Hugging Face *checkpoint* names (``mlp.experts.3.gate_proj.weight``), while
@@ -23,7 +23,7 @@ import re
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -188,7 +188,8 @@ def sample_next(
             drop_rv = (probs_rv.cumsum(dim=-1) - probs_rv) >= params.top_p
             drop_rv = drop_rv.scatter(-1, order_rv, drop_rv)
             filtered_rv = filtered_rv.masked_fill(drop_rv, float("-inf"))
-        probs_rv = torch.softmax(filtered_rv, dim=-1)
+        # Unfiltered (the full vocabulary): the probabilities are the logprobs' exp, no second softmax.
+        probs_rv = logprobs_rv.exp() if filtered_rv is scaled_rv else torch.softmax(filtered_rv, dim=-1)
         token_r = torch.multinomial(probs_rv, 1, generator=generator)[:, 0]
     return token_r, logprobs_rv.gather(-1, token_r[:, None])[:, 0]
 
@@ -199,6 +200,9 @@ class EmbeddedEngine(RolloutEngine):
     ``device``: where the model runs ("cpu" or a CUDA device). ``dtype``: its parameter dtype; the
     weight stream must arrive in it (the fleet exports in this dtype). ``tokenizer``: needed only for
     stop strings. ``max_batch_rows``: rows decoded together (0 = all rows of a call at once).
+    ``record_routes``: whether ``generate`` reports each response's MoE routes
+    (``Completion.routed_experts``; routing replay r3 needs them); ``score_with_routes`` records them
+    either way.
     Weights start randomly initialised (without touching the global RNG) until the first update.
     """
 
@@ -210,6 +214,7 @@ class EmbeddedEngine(RolloutEngine):
         dtype: torch.dtype = torch.float32,
         tokenizer: Any = None,
         max_batch_rows: int = 0,
+        record_routes: bool = True,
     ) -> None:
         from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -217,6 +222,7 @@ class EmbeddedEngine(RolloutEngine):
         self.dtype = dtype
         self.tokenizer = tokenizer
         self.max_batch_rows = max_batch_rows
+        self.record_routes = record_routes
         config = AutoConfig.for_model(**dict(hf))
         # transformers annotates this lookup as a pair of classes; it returns the model class.
         model_cls = AutoModelForCausalLM._model_mapping[type(config)]
@@ -415,91 +421,83 @@ class EmbeddedEngine(RolloutEngine):
             generator.manual_seed(params.seed)
         else:
             generator.seed()  # fresh entropy, still not the global RNG
-        rows = [list(p) for p in prompts for _ in range(params.n)]
-        chunk = self.max_batch_rows or len(rows)
+        n = params.n
+        if self.max_batch_rows and self.max_batch_rows < n:  # one prompt's samples do not fit one batch
+            rows = [list(p) for p in prompts for _ in range(n)]
+            units = [(rows[s : s + self.max_batch_rows], 1) for s in range(0, len(rows), self.max_batch_rows)]
+        else:  # whole prompts per batch, each prompt's prefill computed once for its n samples
+            per = self.max_batch_rows // n if self.max_batch_rows else len(prompts)
+            units = [([list(p) for p in prompts[s : s + per]], n) for s in range(0, len(prompts), per)]
         done: list[Completion] = []
-        for start in range(0, len(rows), chunk):
-            done.extend(self._generate_rows(rows[start : start + chunk], params, generator))
-        return [done[i * params.n : (i + 1) * params.n] for i in range(len(prompts))]
+        for unique, repeats in units:
+            done.extend(self._generate_rows(unique, repeats, params, generator))
+        return [done[i * n : (i + 1) * n] for i in range(len(prompts))]
 
     def _generate_rows(
-        self, rows: list[list[int]], params: SamplingParams, generator: torch.Generator
+        self, prompts: list[list[int]], repeats: int, params: SamplingParams, generator: torch.Generator
     ) -> list[Completion]:
+        """Each of ``prompts`` sampled ``repeats`` times (rows prompt-major). The prompts' prefill runs
+        once per prompt, then its KV cache, mask and positions are repeated for the prompt's rows;
+        each step keeps its tokens and logprobs as tensors of the rows still active, turned into
+        lists once at the end (no per-row Python per step unless stop strings need the text)."""
         from transformers import DynamicCache
 
-        n_rows = len(rows)
-        length = max(len(r) for r in rows)
+        n_rows = len(prompts) * repeats
+        length = max(len(r) for r in prompts)
         # Left padding: every row's last prompt token sits in the last column.
-        tokens_rl = torch.full((n_rows, length), self.pad_token_id, dtype=torch.long)
-        mask_rl = torch.zeros((n_rows, length), dtype=torch.long)
-        for i, r in enumerate(rows):
-            tokens_rl[i, length - len(r) :] = torch.tensor(r)
-            mask_rl[i, length - len(r) :] = 1
-        tokens_rl, mask_rl = tokens_rl.to(self.device), mask_rl.to(self.device)
-        position_rl = (mask_rl.cumsum(-1) - 1).clamp(min=0)
+        mask_pl = torch.zeros((len(prompts), length), dtype=torch.long)
+        tokens_pl = torch.full((len(prompts), length), self.pad_token_id, dtype=torch.long)
+        for i, r in enumerate(prompts):
+            tokens_pl[i, length - len(r) :] = torch.tensor(r)
+            mask_pl[i, length - len(r) :] = 1
+        inputs_rl, mask_rl = tokens_pl.to(self.device), mask_pl.to(self.device)
+        positions_rl = (mask_rl.cumsum(-1) - 1).clamp(min=0)
         cache = DynamicCache(config=self.model.config)
         stop_ids = torch.tensor(sorted(set(params.stop_token_ids)), dtype=torch.long, device=self.device)
-
-        out_tokens: list[list[int]] = [[] for _ in range(n_rows)]
-        out_logprobs: list[list[float]] = [[] for _ in range(n_rows)]
-        # Routes of the fed tokens: the (left-padded) prompts' from the first step, then one response
-        # token per row and step, written with one indexed copy per step (not one op per row: at
-        # hundreds of rows that Python loop cost more than the decoding step itself on a GPU).
-        prompt_routes_mrlk: torch.Tensor | None = None
-        response_routes_mrtk: torch.Tensor | None = None
-        finish: list[Literal["stop", "length"]] = ["length"] * n_rows
+        recorder = self.routes if self.record_routes else None
+        routes = _StepRoutes(recorder, n_rows, repeats, params.max_new_tokens) if recorder is not None else None
+        texts = _StopStrings(self.tokenizer, params.stop_strings, n_rows) if params.stop_strings else None
+        steps: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []  # (rows, token, logprob) per step
+        stopped_r = torch.zeros(n_rows, dtype=torch.bool, device=self.device)
         active = torch.arange(n_rows, device=self.device)  # original row of each batch row
-        inputs_rl, positions_rl = tokens_rl, position_rl
-        for step in range(params.max_new_tokens):
-            logits = self.model(
-                input_ids=inputs_rl,
-                attention_mask=mask_rl,
-                position_ids=positions_rl,
-                use_cache=True,
-                **{self._cache_kwarg: cache},
-                logits_to_keep=1,
-            ).logits[:, -1]
-            token_r, logprob_r = sample_next(logits, params, generator)
-            tokens, logprobs, rows_now = token_r.tolist(), logprob_r.tolist(), active.tolist()
+        if self.routes is not None and recorder is None:
+            self.routes.active = False  # routing replay is off: no route is copied out of the routers
+        try:
+            for step in range(params.max_new_tokens):
+                logits = self.model(
+                    input_ids=inputs_rl,
+                    attention_mask=mask_rl,
+                    position_ids=positions_rl,
+                    use_cache=True,
+                    **{self._cache_kwarg: cache},
+                    logits_to_keep=1,
+                ).logits[:, -1]
+                if step == 0 and repeats > 1:  # one prefill per prompt: its rows share it
+                    logits = logits.repeat_interleave(repeats, dim=0)
+                    cache.batch_repeat_interleave(repeats)
+                    mask_rl, positions_rl = mask_rl.repeat_interleave(repeats, 0), positions_rl.repeat_interleave(repeats, 0)
+                if routes is not None:
+                    routes.add(step, active)
+                token_r, logprob_r = sample_next(logits, params, generator)
+                steps.append((active, token_r, logprob_r))
+                stop_r = torch.isin(token_r, stop_ids) if stop_ids.numel() else torch.zeros_like(token_r, dtype=torch.bool)
+                if texts is not None:
+                    stop_r |= texts.add(active, token_r)
+                stopped_r[active[stop_r]] = True
+                if step == params.max_new_tokens - 1 or bool(stop_r.all()):
+                    break
+                positions_rl = positions_rl[:, -1:] + 1
+                mask_rl = torch.cat([mask_rl, torch.ones_like(mask_rl[:, :1])], dim=1)
+                inputs_rl = token_r[:, None]
+                if bool(stop_r.any()):  # finished rows leave the batch (and the KV cache)
+                    keep_idx = (~stop_r).nonzero()[:, 0]
+                    cache.batch_select_indices(keep_idx)
+                    active, mask_rl = active[keep_idx], mask_rl[keep_idx]
+                    positions_rl, inputs_rl = positions_rl[keep_idx], inputs_rl[keep_idx]
+        finally:
             if self.routes is not None:
-                routes_mrlk = self.routes.take().unflatten(1, (len(rows_now), inputs_rl.shape[1]))
-                if step == 0:
-                    prompt_routes_mrlk = routes_mrlk
-                    response_routes_mrtk = routes_mrlk.new_full(
-                        (routes_mrlk.shape[0], n_rows, max(params.max_new_tokens - 1, 0), routes_mrlk.shape[3]), -1
-                    )
-                else:  # the token fed at this step is each active row's response token step - 1
-                    assert response_routes_mrtk is not None
-                    response_routes_mrtk[:, rows_now, step - 1] = routes_mrlk[:, :, 0]
-            stopped = torch.isin(token_r, stop_ids).tolist() if stop_ids.numel() else [False] * len(tokens)
-            for j, row in enumerate(rows_now):
-                out_tokens[row].append(tokens[j])
-                out_logprobs[row].append(logprobs[j])
-                if not stopped[j] and params.stop_strings:
-                    text = self.tokenizer.decode(out_tokens[row])
-                    stopped[j] = any(s in text for s in params.stop_strings)
-                if stopped[j]:
-                    finish[row] = "stop"
-            if step == params.max_new_tokens - 1:
-                break
-            keep_r = ~torch.tensor(stopped, dtype=torch.bool, device=self.device)
-            if not bool(keep_r.any()):
-                break
-            positions_rl = positions_rl[:, -1:] + 1
-            mask_rl = torch.cat([mask_rl, torch.ones_like(mask_rl[:, :1])], dim=1)
-            inputs_rl = token_r[:, None]
-            if not bool(keep_r.all()):  # finished rows leave the batch (and the KV cache)
-                keep_idx = keep_r.nonzero()[:, 0]
-                cache.batch_select_indices(keep_idx)
-                active, mask_rl = active[keep_idx], mask_rl[keep_idx]
-                positions_rl, inputs_rl = positions_rl[keep_idx], inputs_rl[keep_idx]
-        routes: list[torch.Tensor | None] = [None] * n_rows
-        if prompt_routes_mrlk is not None and response_routes_mrtk is not None:
-            for i in range(n_rows):  # left padding: the prompt is the last columns; the last token is never fed
-                prompt_mlk = prompt_routes_mrlk[:, i, prompt_routes_mrlk.shape[2] - len(rows[i]) :]
-                fed = len(out_tokens[i]) - 1
-                routes[i] = torch.cat([prompt_mlk, response_routes_mrtk[:, i, :fed]], dim=1)
-        return [Completion(out_tokens[i], out_logprobs[i], finish[i], routes[i]) for i in range(n_rows)]
+                self.routes.active = True
+        return _completions(steps, stopped_r, n_rows, routes, [len(r) for r in prompts for _ in range(repeats)])
 
     def score(
         self, sequences: Sequence[Sequence[int]], prompt_lens: Sequence[int], temperature: float
@@ -566,6 +564,81 @@ class EmbeddedEngine(RolloutEngine):
         self.model = None
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
+
+
+class _StepRoutes:
+    """The routes of the fed tokens during one ``_generate_rows`` call: the (left-padded) prompts'
+    from the prefill (one per prompt, repeated for its rows), then one response token per active row
+    and step, written with one indexed copy per step (not one op per row: at hundreds of rows that
+    Python loop cost more than the decoding step itself on a GPU)."""
+
+    def __init__(self, recorder: RouteRecorder, n_rows: int, repeats: int, max_new_tokens: int) -> None:
+        self.recorder, self.n_rows, self.repeats, self.max_new_tokens = recorder, n_rows, repeats, max_new_tokens
+        self.prompt_mrlk: torch.Tensor | None = None
+        self.response_mrtk: torch.Tensor | None = None
+
+    def add(self, step: int, active: torch.Tensor) -> None:
+        taken_mnk = self.recorder.take()
+        if step == 0:
+            prompt_mplk = taken_mnk.unflatten(1, (self.n_rows // self.repeats, -1))
+            self.prompt_mrlk = prompt_mplk.repeat_interleave(self.repeats, dim=1)
+            m, _, _, k = self.prompt_mrlk.shape
+            self.response_mrtk = taken_mnk.new_full((m, self.n_rows, max(self.max_new_tokens - 1, 0), k), -1)
+        else:  # the token fed at this step is each active row's response token step - 1
+            assert self.response_mrtk is not None
+            self.response_mrtk[:, active.cpu(), step - 1] = taken_mnk
+
+    def row(self, i: int, prompt_len: int, fed: int) -> torch.Tensor:
+        """Row ``i``'s routes: its prompt (the last columns: left padding), then its fed response tokens."""
+        assert self.prompt_mrlk is not None and self.response_mrtk is not None
+        prompt_mlk = self.prompt_mrlk[:, i, self.prompt_mrlk.shape[2] - prompt_len :]
+        return torch.cat([prompt_mlk, self.response_mrtk[:, i, :fed]], dim=1)
+
+
+class _StopStrings:
+    """Each row's decoded response so far, for ``SamplingParams.stop_strings`` (per-row Python: only
+    when stop strings are asked for)."""
+
+    def __init__(self, tokenizer: Any, stop_strings: Sequence[str], n_rows: int) -> None:
+        self.tokenizer, self.stop_strings = tokenizer, tuple(stop_strings)
+        self.tokens: list[list[int]] = [[] for _ in range(n_rows)]
+
+    def add(self, active: torch.Tensor, token_r: torch.Tensor) -> torch.Tensor:
+        """Append each active row's token; which rows' text now holds a stop string."""
+        hits = []
+        for row, token in zip(active.tolist(), token_r.tolist(), strict=True):
+            self.tokens[row].append(token)
+            text = self.tokenizer.decode(self.tokens[row])
+            hits.append(any(s in text for s in self.stop_strings))
+        return torch.tensor(hits, dtype=torch.bool, device=token_r.device)
+
+
+def _completions(
+    steps: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+    stopped_r: torch.Tensor,
+    n_rows: int,
+    routes: _StepRoutes | None,
+    prompt_lens: Sequence[int],
+) -> list[Completion]:
+    """One Completion per row from the steps' (active rows, tokens, logprobs): a row is active from
+    the first step until it stops, so its response is the first ``count`` steps' entries."""
+    n_steps = len(steps)
+    device = stopped_r.device
+    tokens_rt = torch.zeros((n_rows, n_steps), dtype=torch.long, device=device)
+    logprobs_rt = torch.zeros((n_rows, n_steps), dtype=torch.float32, device=device)
+    count_r = torch.zeros(n_rows, dtype=torch.long, device=device)
+    for step, (rows_a, token_a, logprob_a) in enumerate(steps):
+        tokens_rt[rows_a, step] = token_a
+        logprobs_rt[rows_a, step] = logprob_a.float()
+        count_r[rows_a] += 1
+    tokens, logprobs = tokens_rt.tolist(), logprobs_rt.tolist()
+    counts, stopped = count_r.tolist(), stopped_r.tolist()
+    out = []
+    for i in range(n_rows):
+        c = counts[i]
+        routed = routes.row(i, prompt_lens[i], c - 1) if routes is not None else None
+        out.append(Completion(tokens[i][:c], logprobs[i][:c], "stop" if stopped[i] else "length", routed))
+    return out
 
 
 def _widens_exactly(sent: torch.dtype, live: torch.dtype) -> bool:

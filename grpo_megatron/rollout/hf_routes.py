@@ -74,11 +74,14 @@ class RouteRecorder:
         self.num_layers = len(routers)
         self.dtype = route_dtype(int(routers[0].num_experts))
         self._captured: list[torch.Tensor | None] = [None] * len(routers)
+        self.active = True
+        """False: the hooks record nothing (a caller that needs no routes for a while)."""
         self._handles = [r.register_forward_hook(self._hook(i)) for i, r in enumerate(routers)]
 
     def _hook(self, layer: int) -> Callable[[torch.nn.Module, Any, Any], None]:
         def hook(module: torch.nn.Module, args: Any, output: Any) -> None:
-            self._captured[layer] = output[2].detach().to(self.dtype)
+            if self.active:
+                self._captured[layer] = output[2].detach().to(self.dtype)
 
         return hook
 
