@@ -89,46 +89,57 @@ def mismatch_probe(
     if routes is not None:
         batch.routes_lbsk = pad_routes(routes, length - 1)
 
-    def one_pass(replay: bool, suffix: str) -> dict[str, float]:
+    def one_pass(replay: bool) -> tuple[_Diffs | None, dict[str, float]]:
         routing = RoutingPass(model, ps, replay=replay) if routes is not None else None
         (out,) = forward_logprobs(model, [batch], ps, vocab_size=vocab_size, temperature=temperature, routing=routing)
-        metrics = _probe_diffs(out.logprobs_bs.float().cpu(), probe, scored, ps, suffix)
-        if routing is not None:
+        diffs = _local_diffs(out.logprobs_bs.float().cpu(), probe, scored)
+        metrics: dict[str, float] = {}
+        if routing is not None and not replay:  # the replay pass's own choices are not reported
             compare_m2, _ = reduce_routing_stats(*routing.stats(), ps)
-            routing.close()
-            if not replay and float(compare_m2[:, 1].sum()) > 0:
+            if float(compare_m2[:, 1].sum()) > 0:
                 metrics["routing/probe_disagreement"] = float(compare_m2[:, 0].sum() / compare_m2[:, 1].sum())
-        return metrics
+        if routing is not None:
+            routing.close()
+        return diffs, metrics
 
-    metrics = one_pass(False, "")
+    passes = {"": one_pass(False)}
     if routes is not None:
-        metrics |= one_pass(True, "_replay")
+        passes["_replay"] = one_pass(True)
+    # One gather for both passes' differences (not one per pass).
+    metrics = _probe_diffs({suffix: diffs for suffix, (diffs, _) in passes.items()}, ps)
+    for _, pass_metrics in passes.values():
+        metrics |= pass_metrics
     return metrics
 
 
-def _probe_diffs(
-    trainer_bl: torch.Tensor, probe: ProbeBatch, scored: list[list[float]] | None, ps: ParallelState, suffix: str
-) -> dict[str, float]:
-    """Collective: |engine - trainer| logprobs after each prompt, max and mean over all engines."""
-    stats = None
-    if scored is not None:
-        pairs = zip(probe.sequences, probe.prompt_lens, scored, strict=True)
-        diffs = [
-            (torch.tensor(engine_lp) - trainer_bl[i, p - 1 : len(s) - 1]).abs()
-            for i, (s, p, engine_lp) in enumerate(pairs)
-        ]
-        diff_t = torch.cat(diffs) if diffs else torch.zeros(0)
-        stats = (float(diff_t.max()) if diff_t.numel() else 0.0, float(diff_t.sum()), diff_t.numel())
+_Diffs = tuple[float, float, int]
+"""One rank's |engine - trainer| over its engine's probe tokens: (max, sum, count)."""
+
+
+def _local_diffs(trainer_bl: torch.Tensor, probe: ProbeBatch, scored: list[list[float]] | None) -> _Diffs | None:
+    """|engine - trainer| logprobs after each prompt on this rank (None: it has no engine)."""
+    if scored is None:
+        return None
+    pairs = zip(probe.sequences, probe.prompt_lens, scored, strict=True)
+    diffs = [
+        (torch.tensor(engine_lp) - trainer_bl[i, p - 1 : len(s) - 1]).abs() for i, (s, p, engine_lp) in enumerate(pairs)
+    ]
+    diff_t = torch.cat(diffs) if diffs else torch.zeros(0)
+    return (float(diff_t.max()) if diff_t.numel() else 0.0, float(diff_t.sum()), diff_t.numel())
+
+
+def _probe_diffs(by_suffix: dict[str, _Diffs | None], ps: ParallelState) -> dict[str, float]:
+    """Collective: max and mean of each pass's (metric suffix) differences over all engines."""
     gathered: list[Any] = [None] * ps.world_size
-    dist.all_gather_object(gathered, stats)
-    got = [g for g in gathered if g is not None]
-    count = sum(g[2] for g in got)
-    out = {
-        f"mismatch/probe{suffix}_abs_diff_max": max(g[0] for g in got),
-        f"mismatch/probe{suffix}_abs_diff_mean": sum(g[1] for g in got) / max(count, 1),
-    }
-    if not suffix:
-        out["mismatch/probe_tokens"] = float(count)
+    dist.all_gather_object(gathered, by_suffix)
+    out: dict[str, float] = {}
+    for suffix in by_suffix:
+        got = [g[suffix] for g in gathered if g[suffix] is not None]
+        count = sum(g[2] for g in got)
+        out[f"mismatch/probe{suffix}_abs_diff_max"] = max(g[0] for g in got)
+        out[f"mismatch/probe{suffix}_abs_diff_mean"] = sum(g[1] for g in got) / max(count, 1)
+        if not suffix:
+            out["mismatch/probe_tokens"] = float(count)
     return out
 
 
