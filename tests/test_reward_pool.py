@@ -153,3 +153,14 @@ def test_default_batch_bound_from_timeout_and_workers():
     assert batch.status == ["timeout"] * 8
     assert any("batch timeout" in e for e in batch.errors)
     assert batch.metrics["reward_pool/worker_restarts"] < 8
+
+
+def test_a_chunk_settles_only_its_bad_samples():
+    # One worker takes all 11 samples as one chunk: the hang times out on its own clock, the crash is
+    # an error, and every other sample of the chunk is scored (re-queued after each kill).
+    prompts = ["ok"] * 4 + ["hang"] + ["ok"] * 3 + ["exit"] + ["ok"] * 2
+    with RewardPool(_cfg(H + "by_prompt", num_workers=1, fallback=-1.0)) as pool:
+        batch, elapsed = _timed(pool, [RewardSample(p, "abc") for p in prompts])
+    assert batch.status == ["ok"] * 4 + ["timeout"] + ["ok"] * 3 + ["error"] + ["ok"] * 2
+    assert batch.metrics["reward_pool/worker_restarts"] == 2
+    assert elapsed < TIMEOUT + 1.0

@@ -106,3 +106,14 @@ def test_the_decoder_accepts_only_the_schema():
                 b"\xff\xfe"):
         with pytest.raises(wire.ProtocolError):
             wire.decode(bad, names)
+
+
+def test_results_frames_hold_one_to_max_items_results():
+    names = frozenset({"acc"})
+    results = wire.Results((wire.Result(0, "ok", 1.0, {"acc": 1.0}, None, None),
+                            wire.Result(1, "error", None, None, "boom", "acc")))
+    assert wire.decode(wire.encode(results), names) == results
+    item = {"task": 0, "status": "ok", "reward": 1.0, "components": None, "message": None, "component": None}
+    for bad in ([], [item] * (wire.MAX_ITEMS + 1), [{**item, "evil": 1}], [{**item, "reward": "1"}], [1]):
+        with pytest.raises(wire.ProtocolError):
+            wire.decode(json.dumps({"kind": "results", "results": bad}).encode(), names)
