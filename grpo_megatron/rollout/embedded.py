@@ -426,7 +426,7 @@ class EmbeddedEngine(RolloutEngine):
             rows = [list(p) for p in prompts for _ in range(n)]
             units = [(rows[s : s + self.max_batch_rows], 1) for s in range(0, len(rows), self.max_batch_rows)]
         else:  # whole prompts per batch, each prompt's prefill computed once for its n samples
-            per = self.max_batch_rows // n if self.max_batch_rows else len(prompts)
+            per = max(1, self.max_batch_rows // n if self.max_batch_rows else len(prompts))
             units = [([list(p) for p in prompts[s : s + per]], n) for s in range(0, len(prompts), per)]
         done: list[Completion] = []
         for unique, repeats in units:
