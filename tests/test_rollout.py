@@ -364,3 +364,18 @@ def test_generate_reports_each_fed_token_routes(model_type, tmp_path):
         assert routes is not None and routes.shape == (n_moe, len(seq) - 1, layout.top_k)
         assert 0 <= int(routes.min()) and int(routes.max()) < layout.num_experts
         assert torch.equal(routes.sort(-1).values, ref.sort(-1).values)
+
+
+def test_routes_only_when_asked(moe_engine):
+    """record_routes=False (routing replay off): the same responses without routes; scoring still
+    reports them (the mismatch probe's routing figures)."""
+    engine, saved = moe_engine
+    params = SamplingParams(n=3, temperature=1.0, max_new_tokens=6, seed=5)
+    quiet = _engine("qwen3_moe", record_routes=False)
+    _load(quiet, saved)
+    groups = quiet.generate(PROMPTS, params)
+    assert all(c.routed_experts is None for g in groups for c in g)
+    assert quiet.score_with_routes([list(PROMPTS[0]) + [1]], [len(PROMPTS[0])], 1.0)[1] is not None
+    recorded = engine.generate(PROMPTS, params)
+    assert all(c.routed_experts is not None for g in recorded for c in g)
+    assert [[c.token_ids for c in g] for g in groups] == [[c.token_ids for c in g] for g in recorded]
