@@ -35,8 +35,8 @@ ALL_MEMORY_TAGS: tuple[MemoryTag, ...] = ("weights", "kv_cache", "cuda_graph")
 
 @dataclass(frozen=True)
 class EngineSpec:
-    """What the engines of a job are built from: their config sections and the two job settings they
-    read (the wiring, ``training/job.py:engine_spec``, fills it from the job config)."""
+    """What the engines of a job are built from: their config sections and the job settings they read
+    (the wiring, ``training/job.py:engine_spec``, fills it from the job config)."""
 
     rollout: RolloutConfig
     model: ModelConfig
@@ -48,6 +48,9 @@ class EngineSpec:
     log_dir: Path | None = None
     """Where colocated SGLang engines write their logs (``<logging.run_dir>/sglang``); None = the
     system's temporary directory."""
+    record_routes: bool = True
+    """Whether the embedded engine's responses carry their MoE routes (``Completion.routed_experts``):
+    ``algorithm.routing_replay=r3``, the one mode that replays them (its scoring reports them always)."""
 
 
 @dataclass(frozen=True)

@@ -123,9 +123,7 @@ def make_engine(
         dtype=_DTYPES[spec.model.dtype],
         tokenizer=tokenizer,
         max_batch_rows=rollout.embedded_max_batch_rows,
-        # Responses carry their routes only for r3, the one mode that replays the engine's experts (the
-        # probe's scoring records them whatever the mode).
-        record_routes=cfg.algorithm.routing_replay == "r3",
+        record_routes=spec.record_routes,
     )
 
 

@@ -228,7 +228,8 @@ def start_preemption(cfg: CheckpointConfig, install: bool) -> Preemption:
 
 def engine_spec(cfg: JobConfig) -> EngineSpec:
     """What the rollout engines are built from: the rollout and model sections, train.seed, the
-    tokenizer (data.tokenizer_path) and where SGLang logs (logging.run_dir/sglang)."""
+    tokenizer (data.tokenizer_path), where SGLang logs (logging.run_dir/sglang) and whether responses
+    carry their routes (algorithm.routing_replay=r3)."""
     from grpo_megatron.rollout.engine import EngineSpec
 
     return EngineSpec(
@@ -237,6 +238,7 @@ def engine_spec(cfg: JobConfig) -> EngineSpec:
         seed=cfg.train.seed,
         tokenizer_path=cfg.data.tokenizer_path or None,
         log_dir=Path(cfg.logging.run_dir) / "sglang",
+        record_routes=cfg.algorithm.routing_replay == "r3",
     )
 
 
