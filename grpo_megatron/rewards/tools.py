@@ -242,7 +242,9 @@ class ToolPool:
         self.tools, self.reward, self.timeout_s = dict(tools), reward, timeout_s
         self.num_workers, self.max_output_chars, self.error_text = num_workers, max_output_chars, error_text
         self.restarts = 0
-        self._ctx = mp.get_context("spawn" if reward.mp_context == "spawn" else "forkserver")
+        self._ctx: mp.context.SpawnContext | mp.context.ForkServerContext = (
+            mp.get_context("spawn") if reward.mp_context == "spawn" else mp.get_context("forkserver")
+        )
         self._scratch = tempfile.mkdtemp(prefix="grpo-tools-", dir=reward.sandbox.scratch_dir)
         os.chmod(self._scratch, 0o711)
         self._workers = [self._spawn(slot) for slot in range(num_workers)]

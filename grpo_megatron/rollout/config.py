@@ -7,6 +7,63 @@ from typing import Any, Literal
 
 
 @dataclass
+class MultiTurnConfig:
+    """Multi-turn, tool-using episodes (rollout/multiturn.py): after each model turn an environment
+    answers with an observation appended to the trajectory as token ids (never trained on), until it
+    says done, the model ends with EOS, or a limit is reached. Off (the default): single-turn rollouts."""
+
+    enabled: bool = False
+    environment: Literal["tool"] = "tool"
+    """tool = the model calls a tool as ``<call_open>ARGUMENT<call_close>`` (default ``<calc>12*34</calc>``)
+    and reads ``<result_open>OUTPUT<result_close>`` (``<result>408</result>``); a turn without a call ends
+    the episode."""
+    max_turns: int = 4
+    """Model turns per episode at most (observations come between them)."""
+    max_total_tokens: int = 256
+    """Response-side tokens per episode at most (model and observation tokens, the prompt excluded): a
+    turn samples at most the budget left (and at most rollout.max_new_tokens); an observation that does
+    not fit ends the episode."""
+    tool: str = "calculator"
+    """The tool the environment calls: a built-in (calculator) or ``package.module:function`` taking
+    the call's argument text and returning the output text. It runs in sandboxed workers (the reward
+    sandbox: reward.sandbox, reward.worker_memory_mb), never in the trainer."""
+    tool_timeout_s: float = 5.0
+    """A call running longer is killed (with everything it started) and counted in tool/errors."""
+    tool_workers: int = 2
+    """Sandboxed tool worker processes on rank 0."""
+    max_tool_output_chars: int = 200
+    """A longer tool output is cut to this (counted in tool/truncated)."""
+    call_open: str = "<calc>"
+    call_close: str = "</calc>"
+    """Also a stop string of every turn: a turn ends right after its call."""
+    result_open: str = "<result>"
+    result_close: str = "</result>"
+    error_text: str = "error"
+    """What the observation shows in place of the output of a call that failed."""
+
+    def validate(self, p: str = "rollout.multiturn") -> None:
+        errors = []
+        if self.max_turns < 1:
+            errors.append(f"{p}.max_turns={self.max_turns} must be >= 1")
+        if self.max_total_tokens < 1:
+            errors.append(f"{p}.max_total_tokens={self.max_total_tokens} must be >= 1")
+        if not 0 < self.tool_timeout_s < float("inf"):
+            errors.append(f"{p}.tool_timeout_s={self.tool_timeout_s} must be a finite number of seconds > 0")
+        if self.tool_workers < 1:
+            errors.append(f"{p}.tool_workers={self.tool_workers} must be >= 1 (tools never run in the trainer)")
+        if not 1 <= self.max_tool_output_chars <= 4096:
+            errors.append(f"{p}.max_tool_output_chars={self.max_tool_output_chars} must be in [1, 4096]")
+        module, sep, attr = self.tool.partition(":")
+        if self.tool != "calculator" and not (sep and module and attr):
+            errors.append(f"{p}.tool={self.tool!r} is neither the built-in calculator nor 'package.module:function'")
+        for name in ("call_open", "call_close", "result_open", "result_close"):
+            if not getattr(self, name):
+                errors.append(f"{p}.{name} must be a non-empty string (the documented call format)")
+        if errors:
+            raise ValueError("\n".join(errors))
+
+
+@dataclass
 class RolloutConfig:
     """Generation settings for the rollout engine."""
 
@@ -69,11 +126,14 @@ class RolloutConfig:
     """disaggregated: seconds an HTTP request to a server (and a wait for it to be healthy) may take."""
     sglang_routed_experts: bool = True
     """Ask SGLang for each token's routed experts (MoE models only), kept for routing replay."""
+    multiturn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
+    """Multi-turn, tool-using episodes (off by default)."""
     sglang_server_args: dict[str, Any] = field(default_factory=dict)
     """Extra sglang ServerArgs of colocated engines, over ours (e.g. {attention_backend: fa3,
     enable_deterministic_inference: true} for seeded, reproducible sampling)."""
 
     def validate(self) -> None:
+        self.multiturn.validate()
         errors = []
         if self.n_samples_per_prompt < 2:
             errors.append(

@@ -92,6 +92,10 @@ class Completion:
     never is), i.e. exactly the trainer's input positions (``training/batching.py``), then the
     top-k expert ids in the engine's order (compare them as sets). None: a dense model, or an engine
     that does not report routes."""
+    loss_mask: list[int] | None = None
+    """Multi-turn trajectories (rollout/multiturn.py): 1 at a token the engine sampled, 0 at an
+    observation token (appended by the environment, with logprob 0.0 and never trained on); None = every
+    token was sampled (a single-turn response)."""
 
 
 class WeightSink(Protocol):

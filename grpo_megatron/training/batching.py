@@ -66,19 +66,24 @@ def make_sample(
     rollout_logprobs: Sequence[float],
     advantage: float,
     routed_experts: torch.Tensor | None = None,
+    response_mask: Sequence[int] | None = None,
 ) -> Sample:
     """Lay out one (prompt, response) pair for the trainer (see the module docstring); the engine's
-    routes, if any, already cover exactly the input positions."""
+    routes, if any, already cover exactly the input positions. ``response_mask`` (a multi-turn
+    trajectory's ``Completion.loss_mask``): 0 at response tokens the engine did not sample
+    (observations), which then get neither loss nor logprobs; None = all sampled."""
     if not prompt_ids or not response_ids:
         raise ValueError("a training sample needs a non-empty prompt and response")
     if len(rollout_logprobs) != len(response_ids):
         raise ValueError(f"{len(rollout_logprobs)} rollout logprobs for {len(response_ids)} response tokens")
+    if response_mask is not None and len(response_mask) != len(response_ids):
+        raise ValueError(f"a loss mask of {len(response_mask)} for {len(response_ids)} response tokens")
     seq_l = torch.tensor(list(prompt_ids) + list(response_ids), dtype=torch.long)
     n_prompt = len(prompt_ids)
     mask_s = torch.zeros(seq_l.numel() - 1)
-    mask_s[n_prompt - 1 :] = 1.0
+    mask_s[n_prompt - 1 :] = 1.0 if response_mask is None else torch.tensor(list(response_mask), dtype=torch.float32)
     rollout_s = torch.zeros(seq_l.numel() - 1)
-    rollout_s[n_prompt - 1 :] = torch.tensor(list(rollout_logprobs), dtype=torch.float32)
+    rollout_s[n_prompt - 1 :] = torch.tensor(list(rollout_logprobs), dtype=torch.float32) * mask_s[n_prompt - 1 :]
     sample = Sample(seq_l[:-1], seq_l[1:], mask_s, float(advantage), rollout_s)
     if routed_experts is not None:
         if routed_experts.dim() != 3 or routed_experts.shape[1] != sample.length:

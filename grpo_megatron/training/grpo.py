@@ -43,6 +43,7 @@ from grpo_megatron.checkpoint.manager import checkpoint_name
 from grpo_megatron.distributed.collectives import on_rank0
 from grpo_megatron.distributed.preemption import Preempted, report_preempted
 from grpo_megatron.fileio import write_text_atomic
+from grpo_megatron.rollout.multiturn import trajectory_metrics
 from grpo_megatron.training.batching import Sample
 from grpo_megatron.training.job import Job, PhaseTimer, Timer, build_job, export_hf_checkpoint
 from grpo_megatron.training.phases.advantages import UpdatePlan, build_samples, plan_update
@@ -58,6 +59,7 @@ from grpo_megatron.training.route_replay import RoutingReplay
 if TYPE_CHECKING:
     from grpo_megatron.config import JobConfig
     from grpo_megatron.data import PromptSampler
+    from grpo_megatron.rollout.config import RolloutConfig
 
 
 @dataclass
@@ -115,7 +117,7 @@ def run_iteration(job: Job, sampler: PromptSampler, probe: ProbeBatch, it: int, 
     with timer("onload"):
         onload_metrics = job.memory.to_trainer()
     with timer("advantages"):
-        batch = build_samples(cfg.algorithm, cfg.rollout.max_new_tokens, groups)
+        batch = build_samples(cfg.algorithm, response_budget(cfg.rollout), groups)
         plan = plan_update(cfg.train, cfg.algorithm, ps, batch.samples)
     # Every trainer pass takes these; each pass's MoE routing is algorithm.routing_replay's (off, r2, r3).
     passes = PassSettings(ps, job.pad_id, policy.spec.vocab_size, cfg.rollout.temperature,
@@ -130,7 +132,7 @@ def run_iteration(job: Job, sampler: PromptSampler, probe: ProbeBatch, it: int, 
             old.store(batch.samples)
             routing_metrics = old.routing_metrics
     beta = kl_beta(cfg.algorithm.kl, it - 1, cfg.train.iterations)
-    loss = GRPOLoss(cfg.algorithm, beta, cfg.algorithm.loss_norm_len or cfg.rollout.max_new_tokens,
+    loss = GRPOLoss(cfg.algorithm, beta, cfg.algorithm.loss_norm_len or response_budget(cfg.rollout),
                     old_from_engine=cfg.train.old_logprobs == "engine")
     with timer("train"):
         train_metrics = update_policy(policy, batch.samples, plan, loss, passes, measure_routing=not routing_metrics)
@@ -144,12 +146,18 @@ def run_iteration(job: Job, sampler: PromptSampler, probe: ProbeBatch, it: int, 
         **routing_metrics,
         "kl_beta": beta,
         "response_len/mean": sum(len(c.token_ids) for g in groups for c in g.completions) / len(batch.samples),
+        **trajectory_metrics([c for g in groups for c in g.completions]),  # multi-turn: turns/mean, tool/*
         **batch.metrics,
         **sync_metrics,
         **onload_metrics,
     }
     metrics.setdefault("kl", 0.0)
     return Iteration(groups, batch.samples, plan, metrics)
+
+
+def response_budget(rollout: RolloutConfig) -> int:
+    """The longest response: rollout.max_new_tokens, or a multi-turn episode's max_total_tokens."""
+    return rollout.multiturn.max_total_tokens if rollout.multiturn.enabled else rollout.max_new_tokens
 
 
 def sync_to_engines(job: Job, version: int, probe: ProbeBatch) -> dict[str, float]:

@@ -33,9 +33,12 @@ if TYPE_CHECKING:
     from grpo_megatron.distributed.watchdog import ProgressWatchdog
     from grpo_megatron.logging_utils.metrics import MetricsLogger
     from grpo_megatron.models.config import ModelConfig
+    from grpo_megatron.rewards.config import RewardConfig
     from grpo_megatron.rewards.pool import RewardPool
+    from grpo_megatron.rollout.config import MultiTurnConfig
     from grpo_megatron.rollout.engine import EngineSpec
     from grpo_megatron.rollout.fleet import RolloutFleet
+    from grpo_megatron.rollout.multiturn import Environment
     from grpo_megatron.training.offload import ColocatedMemory
     from grpo_megatron.training.phases.reward import Scorer
     from grpo_megatron.training.phases.rollout import Rollout
@@ -65,6 +68,8 @@ class Runtime:
     """This process's save-on-signal flag (SIGTERM, checkpoint.signal), asked at the loop's safe point."""
     watchdog: ProgressWatchdog | None = None
     """This rank's progress watchdog (parallel.progress_timeout_s); None when off or on one rank."""
+    env: Environment | None = None
+    """rollout.multiturn: the episodes' environment (its tool workers), on global rank 0 only."""
 
     def beat(self, phase: str) -> None:
         """A progress point of the main loop (see distributed/watchdog.py)."""
@@ -86,7 +91,7 @@ class Runtime:
         """What the rollout and eval phases act on: the engines and rollout.* sampling settings."""
         from grpo_megatron.training.phases.rollout import Rollout
 
-        return Rollout(self.fleet, self.cfg.rollout, self.eos_id)
+        return Rollout(self.fleet, self.cfg.rollout, self.eos_id, self.tokenizer, self.env)
 
     @property
     def scorer(self) -> Scorer:
@@ -109,6 +114,8 @@ class Runtime:
         self.fleet.shutdown()
         if self.rewards is not None:
             self.rewards.close()
+        if self.env is not None:
+            self.env.close()
         self.logger.close()
 
 
@@ -253,10 +260,23 @@ class _Startup:
     run_dir: Path
     rewards: RewardPool | None
     tokenizer: PreTrainedTokenizerFast
+    env: Environment | None = None
+    """rollout.multiturn: rank 0's environment."""
 
     def beat(self, phase: str) -> None:
         if self.watchdog is not None:
             self.watchdog.beat(phase)
+
+
+def build_environment(mt: MultiTurnConfig, reward: RewardConfig, tokenizer: Any) -> Environment:
+    """rollout.multiturn's environment: the tool environment, its tool in sandboxed workers (the
+    reward section's sandbox)."""
+    from grpo_megatron.rewards.tools import ToolPool
+    from grpo_megatron.rollout.multiturn import TOOL_NAME, ToolEnvironment
+
+    pool = ToolPool({TOOL_NAME: mt.tool}, reward, timeout_s=mt.tool_timeout_s, num_workers=mt.tool_workers,
+                    max_output_chars=mt.max_tool_output_chars, error_text=mt.error_text)
+    return ToolEnvironment(mt, tokenizer, pool)
 
 
 def _start(cfg: JobConfig, *, install_preemption: bool) -> _Startup:
@@ -282,7 +302,12 @@ def _start(cfg: JobConfig, *, install_preemption: bool) -> _Startup:
     pools: list[RewardPool] = []
     on_rank0(lambda: pools.append(RewardPool(cfg.reward)), "starting the reward workers")
     tokenizer = load_tokenizer(cfg.data.tokenizer_path or cfg.model.hf_path)
-    return _Startup(ps, preemption, watchdog, hf, run_dir, pools[0] if pools else None, tokenizer)
+    envs: list[Environment] = []
+    if cfg.rollout.multiturn.enabled:  # rank 0's tool workers, started (and failing) like the reward pool
+        on_rank0(lambda: envs.append(build_environment(cfg.rollout.multiturn, cfg.reward, tokenizer)),
+                 "starting the tool workers")
+    return _Startup(ps, preemption, watchdog, hf, run_dir, pools[0] if pools else None, tokenizer,
+                    envs[0] if envs else None)
 
 
 def _models(
@@ -341,6 +366,7 @@ def build_job(cfg: JobConfig, *, with_reference: bool) -> Job:
         checkpoints=CheckpointManager(cfg.checkpoint, run_dir, ps), eval_records=eval_records,
         rewards=start.rewards, memory=ColocatedMemory(policy, fleet, enabled=cfg.train.offload_trainer),
         preemption=start.preemption, watchdog=start.watchdog, train_records=train_records, reference=reference,
+        env=start.env,
     )  # fmt: skip
 
 
@@ -359,5 +385,5 @@ def build_sft_job(cfg: JobConfig) -> SFTJob:
         fleet=fleet, logger=_logger(cfg, start, cfg.sft.max_steps, ("iteration", "sft/loss", "eval/accuracy")),
         eval_records=eval_records[: cfg.sft.dev_prompts], rewards=start.rewards,
         memory=ColocatedMemory(policy, fleet, enabled=cfg.train.offload_trainer), preemption=start.preemption,
-        watchdog=start.watchdog, sft_records=sft_records,
+        watchdog=start.watchdog, sft_records=sft_records, env=start.env,
     )  # fmt: skip

@@ -52,7 +52,8 @@ def build_samples(alg: AlgorithmConfig, max_new_tokens: int, groups: Sequence[Gr
     for g in groups:
         for c in g.completions:
             samples.append(
-                make_sample(g.record.prompt_ids, c.token_ids, c.logprobs, float(advantages_b[k]), c.routed_experts)
+                make_sample(g.record.prompt_ids, c.token_ids, c.logprobs, float(advantages_b[k]), c.routed_experts,
+                            c.loss_mask)
             )
             k += 1
     metrics["advantage/abs_mean"] = float(advantages_b.abs().mean())

@@ -68,6 +68,10 @@ class Scorer:
             return batch.rewards, batch.metrics
 
         rewards, metrics = on_rank0(score_all, "reward scoring")
+        # A multi-turn environment's own rewards (rollout/multiturn.py) add to the pool's.
+        env_rewards = [getattr(c, "env_reward", None) for cs in completions for c in cs]
+        if any(r is not None for r in env_rewards):
+            rewards = [x + (e or 0.0) for x, e in zip(rewards, env_rewards, strict=True)]
         groups, k = [], 0
         for r, cs, ts in zip(records, completions, texts, strict=True):
             groups.append(Group(r, cs, list(rewards[k : k + len(cs)]), ts))

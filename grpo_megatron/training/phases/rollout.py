@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from grpo_megatron.rollout.engine import Completion, SamplingParams
+from grpo_megatron.rollout.multiturn import Environment, EpisodeRunner
 
 if TYPE_CHECKING:
     from grpo_megatron.data import PromptRecord
@@ -27,6 +28,10 @@ class Rollout:
     fleet: RolloutFleet
     cfg: RolloutConfig
     eos_id: int
+    tokenizer: Any = None
+    """Decodes a turn for the environment (rollout.multiturn only)."""
+    env: Environment | None = None
+    """rollout.multiturn: rank 0's environment (None on the other ranks)."""
 
     def params(self, *, n: int, seed: int, greedy: bool = False) -> SamplingParams:
         r = self.cfg
@@ -37,10 +42,15 @@ class Rollout:
             top_k=r.top_k,
             max_new_tokens=r.max_new_tokens,
             stop_token_ids=(self.eos_id,),
+            stop_strings=(r.multiturn.call_close,) if r.multiturn.enabled else (),
             seed=seed,
             greedy=greedy,
         )
 
     def generate(self, records: Sequence[PromptRecord], params: SamplingParams) -> list[list[Completion]]:
-        """``params.n`` completions per prompt, in prompt order, on every rank."""
+        """``params.n`` completions per prompt, in prompt order, on every rank; with rollout.multiturn,
+        multi-turn trajectories (rollout/multiturn.py)."""
+        if self.cfg.multiturn.enabled:
+            runner = EpisodeRunner(self.fleet, self.cfg.multiturn, self.tokenizer, self.env)
+            return [list[Completion](g) for g in runner.run(records, params)]
         return self.fleet.generate([list(r.prompt_ids) for r in records], params)
