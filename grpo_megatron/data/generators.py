@@ -7,6 +7,8 @@ seed alone. Pure Python (no torch, no transformers): config validation imports t
 
 - ``arithmetic``: fixed-width addition with the sum zero-padded to digits+1 and written
   least-significant digit first (``042+317=`` -> ``9530``; GUIDE section 7). Reward: ``exact_match``.
+- ``tool_arithmetic``: ``a*b=`` written the usual way, solved with one calculator call of a multi-turn
+  tool episode (``<calc>a*b</calc><result>R</result>R``). Reward: ``exact_match`` after ``</result>``.
 - ``countdown``: reach a target with each given number used exactly once and + - * / (TinyZero's
   task). Prompt ``3,5,7:56=``; gold ``<answer>(3+5)*7</answer>``; metadata ``numbers`` and
   ``target`` for the ``countdown`` reward.
@@ -28,6 +30,7 @@ __all__ = [
     "DEFAULT_NUM_EVAL",
     "arithmetic",
     "countdown",
+    "tool_arithmetic",
     "generate_splits",
     "generator_kwargs_errors",
 ]
@@ -74,6 +77,22 @@ def arithmetic(
     if reverse_operands:
         a_s, b_s = a_s[::-1], b_s[::-1]
     return Problem(prompt=f"{a_s}+{b_s}=", answer=answer, solution=answer, metadata={"a": a, "b": b})
+
+
+def tool_arithmetic(rng: random.Random, digits: int = 3, op: str = "*") -> Problem:
+    """`a*b=` (or `+`, `-`) with operands of up to `digits` digits, written the usual way; the answer is
+    the exact result. The gold solution calls the calculator of a multi-turn tool episode
+    (rollout.multiturn, default call format) and copies its result:
+    ``<calc>a*b</calc><result>R</result>R``. Reward: ``exact_match`` with ``after: "</result>"``."""
+    if not isinstance(digits, int) or isinstance(digits, bool) or not 1 <= digits <= 9:
+        raise ValueError(f"digits={digits!r} must be an integer in [1, 9]")
+    if op not in ("+", "-", "*"):
+        raise ValueError(f"op={op!r} must be one of + - *")
+    a, b = rng.randrange(10**digits), rng.randrange(10**digits)
+    value = a + b if op == "+" else a - b if op == "-" else a * b
+    expr = f"{a}{op}{b}"
+    return Problem(prompt=f"{expr}=", answer=str(value), solution=f"<calc>{expr}</calc><result>{value}</result>{value}",
+                   metadata={"a": a, "b": b})
 
 
 _COUNTDOWN_OPS = ("+", "-", "*", "/")
@@ -140,6 +159,7 @@ def _random_expression(rng: random.Random, numbers: list[int]) -> tuple[str, Fra
 GENERATORS: dict[str, Callable[..., Problem]] = {
     "arithmetic": arithmetic,
     "countdown": countdown,
+    "tool_arithmetic": tool_arithmetic,
 }
 
 

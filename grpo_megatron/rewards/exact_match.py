@@ -26,15 +26,19 @@ DEFAULT_STOP_STRINGS: tuple[str, ...] = (
 
 
 def exact_match(
-    sample: RewardSample, strip: bool = True, stop: Sequence[str] = DEFAULT_STOP_STRINGS
+    sample: RewardSample, strip: bool = True, stop: Sequence[str] = DEFAULT_STOP_STRINGS, after: str | None = None
 ) -> float:
     """1.0 if the response's text before the first of `stop` equals `sample.label` (both stripped of
-    surrounding whitespace with `strip`), else 0.0. A sample without a label scores 0.0."""
+    surrounding whitespace with `strip`), else 0.0. A sample without a label scores 0.0. With `after`
+    (a multi-turn transcript, e.g. "</result>"), only the text after its last occurrence counts: the
+    final answer that follows the last tool result."""
     if sample.label is None:
         return 0.0
     if isinstance(stop, str):  # a single marker written as a plain string in the YAML
         stop = (stop,)
     text = sample.response
+    if after:
+        text = text[text.rfind(after) + len(after) :] if after in text else text
     cuts = [i for i in (text.find(s) for s in stop if s) if i >= 0]
     if cuts:
         text = text[: min(cuts)]

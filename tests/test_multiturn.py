@@ -1,0 +1,214 @@
+"""Multi-turn, tool-using rollouts (rollout/multiturn.py, rewards/tools.py): exact tokens, the loss mask,
+tool containment. The engine is the real embedded transformers engine (the tool demo's random
+Qwen3-MoE); tools run in the real sandboxed workers."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from typing import Any
+
+import pytest
+import torch
+
+from grpo_megatron.data import PromptRecord, load_tokenizer
+from grpo_megatron.rewards.config import RewardConfig
+from grpo_megatron.rewards.tools import ToolPool, calculator, tool_metrics
+from grpo_megatron.rollout.config import MultiTurnConfig, RolloutConfig
+from grpo_megatron.rollout.engine import Completion, SamplingParams
+from grpo_megatron.rollout.multiturn import (
+    TOOL_NAME,
+    Environment,
+    EpisodeRunner,
+    StepResult,
+    ToolEnvironment,
+    trajectory_metrics,
+)
+from grpo_megatron.training.batching import make_sample
+from tests.helpers.dist import REPO_ROOT
+
+TOOL_DEMO = REPO_ROOT / "examples" / "demo_tool"
+HELPERS = "tests.tool_helpers"
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_tokenizer(TOOL_DEMO)
+
+
+# ------------------------------------------------------------------------------------------- tools
+
+
+def test_calculator_is_exact_and_evaluates_nothing_else():
+    assert calculator("12*34") == "408"
+    assert calculator("-(3+4)*2-1") == "-15"
+    assert calculator("(1+2)/6") == "1/2"
+    assert calculator(" 007 + 1 ") == "8"
+    for bad in ("2**10", "__import__('os')", "1/0", "9" * 61, "1+", "(1", "1e5", "", "(" * 40 + "1" + ")" * 40,
+                "99999999999999999999999999999999*99999999999999999999999999999999", "x" * 300):
+        with pytest.raises(ValueError):
+            calculator(bad)
+
+
+def test_a_tool_that_hangs_raises_floods_or_dies_is_contained_and_counted():
+    tools = {n: f"{HELPERS}:{n}" for n in ("echo", "hang", "spin", "boom", "flood", "not_text", "die")}
+    tools["calc"] = "calculator"
+    pool = ToolPool(tools, RewardConfig(), timeout_s=1.0, num_workers=2, max_output_chars=50, log=None)
+    try:
+        calls = [("calc", "12*34"), ("hang", ""), ("boom", ""), ("flood", ""), ("not_text", ""), ("die", ""),
+                 ("missing", ""), ("spin", ""), ("echo", "still here")]
+        results = pool.run(calls)
+        status = [r.status for r in results]
+        assert status == ["ok", "timeout", "error", "ok", "error", "error", "error", "timeout", "ok"]
+        assert results[0].output == "408" and results[-1].output == "still here"
+        assert results[3].output == "z" * 50 and results[3].truncated  # cut in the worker
+        assert all(r.output == "error" for r in results if r.status != "ok")
+        assert tool_metrics(results) == {"tool/calls": 9.0, "tool/errors": 6.0, "tool/timeouts": 2.0,
+                                         "tool/truncated": 1.0}
+        assert pool.restarts == 3  # the two timeouts and the death; the pool still answers
+        assert [r.output for r in pool.run([("calc", "2+2")] * 3)] == ["4"] * 3
+    finally:
+        pool.close()
+
+
+def test_a_tool_that_fails_to_import_stops_the_start_naming_it():
+    with pytest.raises(ValueError, match="rollout.multiturn.tools.t"):
+        ToolPool({"t": "tests.no_such_module:f"}, RewardConfig(), timeout_s=1.0, num_workers=1,
+                 max_output_chars=10, log=None)
+
+
+def test_the_tool_environment_answers_calls_in_the_documented_format(tokenizer):
+    cfg = MultiTurnConfig(enabled=True, error_text="?")
+    pool = ToolPool({TOOL_NAME: "calculator"}, RewardConfig(), timeout_s=2.0, num_workers=1, max_output_chars=20,
+                    error_text="?", log=None)
+    env = ToolEnvironment(cfg, tokenizer, pool)
+    try:
+        steps = env.step([None] * 4, ["<calc>12*34</calc>", "408", "<calc>1/0</calc>", "<calc>1+1"])
+    finally:
+        env.close()
+    assert [s.done for s in steps] == [False, True, False, True]
+    assert tokenizer.decode(steps[0].observation_ids) == "<result>408</result>"
+    # tokenized once, on its own: the word tokens and digits, no BOS
+    assert steps[0].observation_ids == tokenizer.encode("<result>408</result>", add_special_tokens=False)
+    assert tokenizer.decode(steps[2].observation_ids) == "<result>?</result>"
+    assert [(s.tool_calls, s.tool_errors) for s in steps] == [(1, 0), (0, 0), (1, 1), (0, 0)]
+
+
+def test_multiturn_config_names_the_field_and_the_fix():
+    with pytest.raises(ValueError, match=r"rollout.multiturn.max_turns=0 must be >= 1"):
+        RolloutConfig(multiturn=MultiTurnConfig(max_turns=0)).validate()
+    with pytest.raises(ValueError, match=r"rollout.multiturn.tool='os.system'"):
+        MultiTurnConfig(tool="os.system").validate()
+    with pytest.raises(ValueError, match=r"rollout.multiturn.call_close must be a non-empty"):
+        MultiTurnConfig(call_close="").validate()
+
+
+# ------------------------------------------------------------------------------- exact tokens
+
+
+class RecordingEngine:
+    """The real embedded engine; every generate call's prompts and completions are kept."""
+
+    def __init__(self, tokenizer: Any):
+        from grpo_megatron.rollout.embedded import EmbeddedEngine
+
+        hf = json.loads((TOOL_DEMO / "config.json").read_text())
+        self.engine = EmbeddedEngine(hf, tokenizer=tokenizer)
+        self.calls: list[tuple[list[list[int]], list[list[Completion]]]] = []
+
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[list[Completion]]:
+        out = self.engine.generate(prompts, params)
+        self.calls.append(([list(p) for p in prompts], out))
+        return out
+
+
+class CountingEnvironment(Environment):
+    """Answers every turn with ``<result>N</result>`` (N = the turn), done after ``turns`` turns."""
+
+    def __init__(self, tokenizer: Any, turns: int):
+        self.tokenizer, self.turns = tokenizer, turns
+        self.seen: list[str] = []
+
+    def start(self, record: PromptRecord) -> dict[str, int]:
+        return {"turn": 0}
+
+    def step(self, states: Sequence[Any], turn_texts: Sequence[str]) -> list[StepResult]:
+        self.seen.extend(turn_texts)
+        out = []
+        for s in states:
+            s["turn"] += 1
+            ids = self.tokenizer.encode(f"<result>{s['turn']}</result>", add_special_tokens=False)
+            out.append(StepResult(ids, done=s["turn"] >= self.turns, reward=0.5, tool_calls=1))
+        return out
+
+
+def test_the_trainer_sees_the_engine_ids_plus_the_observation_ids_bit_for_bit(tokenizer):
+    engine = RecordingEngine(tokenizer)
+    env = CountingEnvironment(tokenizer, turns=2)
+    cfg = MultiTurnConfig(enabled=True, max_turns=3, max_total_tokens=40)
+    records = [PromptRecord(prompt=p, prompt_ids=tuple(tokenizer.encode(p)), answer="0", metadata={}) for p in ("12*34=", "5+6=")]
+    params = SamplingParams(n=3, max_new_tokens=7, stop_token_ids=(tokenizer.eos_token_id,), seed=5)
+    groups = EpisodeRunner(engine, cfg, tokenizer, env).run(records, params)  # type: ignore[arg-type]
+
+    # Rebuild each trajectory from what the engine returned and what the environment sent.
+    first_prompts, first = engine.calls[0]
+    assert first_prompts == [list(r.prompt_ids) for r in records]
+    observation = [tokenizer.encode(f"<result>{k}</result>", add_special_tokens=False) for k in (1, 2)]
+    multi = 0
+    for r, g, cs in zip(records, groups, first, strict=True):
+        for t, c in zip(g, cs, strict=True):
+            want_ids, want_mask, want_lp = list(c.token_ids), [1] * len(c.token_ids), list(c.logprobs)
+            for turn in range(1, t.turns):
+                obs = observation[turn - 1]
+                want_ids += obs
+                want_mask += [0] * len(obs)
+                want_lp += [0.0] * len(obs)
+                # the continuation the engine was asked for: exactly the ids so far
+                prompts, outs = engine.calls[turn]
+                row = prompts.index(list(r.prompt_ids) + want_ids)
+                sampled = outs[row][0]
+                want_ids += sampled.token_ids
+                want_mask += [1] * len(sampled.token_ids)
+                want_lp += sampled.logprobs
+            multi += t.turns > 1
+            assert (t.token_ids, t.loss_mask, t.logprobs) == (want_ids, want_mask, want_lp)
+            # what the trainer trains on (training/batching.py)
+            s = make_sample(r.prompt_ids, t.token_ids, t.logprobs, 1.0, t.routed_experts, t.loss_mask)
+            seq = list(r.prompt_ids) + want_ids
+            assert s.tokens_s.tolist() == seq[:-1] and s.labels_s.tolist() == seq[1:]
+            p = len(r.prompt_ids)
+            assert s.mask_s.tolist() == [0.0] * (p - 1) + [float(m) for m in want_mask]
+            assert torch.equal(s.rollout_logprobs_s[p - 1 :], torch.tensor(want_lp) * torch.tensor(want_mask))
+            # the last turn's routes cover every input position of the whole trajectory
+            assert t.routed_experts is not None and t.routed_experts.shape[1] == len(seq) - 1
+            # one environment step per turn that did not end the episode by itself (EOS, limits)
+            assert t.tool_calls in (t.turns - 1, t.turns) and (t.env_reward or 0.0) == 0.5 * t.tool_calls
+    assert multi > 0, "no episode went past its first turn (an EOS on every first turn)"
+    metrics = trajectory_metrics([t for g in groups for t in g])
+    assert metrics["turns/mean"] > 1 and metrics["tool/calls"] == sum(t.tool_calls for g in groups for t in g)
+
+
+def test_continuing_from_token_ids_samples_what_one_forward_would_score(tokenizer):
+    # The engine's logprob of every sampled token of a multi-turn trajectory equals the teacher-forced
+    # logprob of that token in the whole trajectory (a re-tokenized transcript could differ; ids do not).
+    engine = RecordingEngine(tokenizer)
+    cfg = MultiTurnConfig(enabled=True, max_turns=3, max_total_tokens=40)
+    records = [PromptRecord(prompt="7*8=", prompt_ids=tuple(tokenizer.encode("7*8=")), answer="56", metadata={})]
+    params = SamplingParams(n=4, max_new_tokens=6, stop_token_ids=(tokenizer.eos_token_id,), seed=1)
+    (group,) = EpisodeRunner(engine, cfg, tokenizer, CountingEnvironment(tokenizer, 3)).run(records, params)  # type: ignore[arg-type]
+    p = len(records[0].prompt_ids)
+    scored = engine.engine.score([list(records[0].prompt_ids) + t.token_ids for t in group], [p] * 4, 1.0)
+    for t, lp in zip(group, scored, strict=True):
+        assert t.loss_mask is not None
+        model = [i for i, m in enumerate(t.loss_mask) if m]
+        assert max(abs(lp[i] - t.logprobs[i]) for i in model) < 1e-5
+
+
+def test_limits_on_turns_and_tokens_hold(tokenizer):
+    engine = RecordingEngine(tokenizer)
+    records = [PromptRecord(prompt="1+1=", prompt_ids=tuple(tokenizer.encode("1+1=")), answer="2", metadata={})]
+    params = SamplingParams(n=6, max_new_tokens=5, stop_token_ids=(tokenizer.eos_token_id,), seed=3)
+    cfg = MultiTurnConfig(enabled=True, max_turns=2, max_total_tokens=12)
+    (group,) = EpisodeRunner(engine, cfg, tokenizer, CountingEnvironment(tokenizer, 99)).run(records, params)  # type: ignore[arg-type]
+    assert all(t.turns <= 2 and len(t.token_ids) <= 12 for t in group)
+    assert all(t.loss_mask is not None and t.loss_mask[-1] == 1 for t in group)  # ends with a model turn
