@@ -71,10 +71,12 @@ lint: setup
 test: lint
 	TORCH_COMPILE_DISABLE=1 $(if $(KERNEL_WHEEL),GRPO_REQUIRE_SGLANG=1) $(BIN)/python -m pytest -q
 
-# R1-Zero in miniature (examples/demo.yaml): cold-start SFT then GRPO on 2 processes; SEED=N for another seed.
+# R1-Zero in miniature (examples/demo.yaml): cold-start SFT then GRPO on 2 processes; SEED=N for another seed;
+# TASK=tool: the multi-turn calculator demo (examples/demo_tool.yaml).
 SEED ?= 1234
+TASK ?=
 demo: setup
-	PYTHON=$(BIN)/python SEED=$(SEED) bash examples/demo.sh
+	PYTHON=$(BIN)/python SEED=$(SEED) TASK=$(TASK) bash examples/demo.sh
 
 clean:
 	rm -rf build dist *.egg-info .pytest_cache .ruff_cache $(LOCK_VENV)

@@ -5,7 +5,6 @@ Qwen3-MoE); tools run in the real sandboxed workers."""
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
 from typing import Any
 
 import pytest
@@ -15,17 +14,16 @@ from grpo_megatron.data import PromptRecord, load_tokenizer
 from grpo_megatron.rewards.config import RewardConfig
 from grpo_megatron.rewards.tools import ToolPool, calculator, tool_metrics
 from grpo_megatron.rollout.config import MultiTurnConfig, RolloutConfig
-from grpo_megatron.rollout.engine import Completion, SamplingParams
+from grpo_megatron.rollout.engine import SamplingParams
 from grpo_megatron.rollout.multiturn import (
     TOOL_NAME,
-    Environment,
     EpisodeRunner,
-    StepResult,
     ToolEnvironment,
     trajectory_metrics,
 )
 from grpo_megatron.training.batching import make_sample
 from tests.helpers.dist import REPO_ROOT
+from tests.helpers.episodes import CountingEnvironment, RecordingEngine, rebuild
 
 TOOL_DEMO = REPO_ROOT / "examples" / "demo_tool"
 HELPERS = "tests.tool_helpers"
@@ -106,71 +104,28 @@ def test_multiturn_config_names_the_field_and_the_fix():
 # ------------------------------------------------------------------------------- exact tokens
 
 
-class RecordingEngine:
-    """The real embedded engine; every generate call's prompts and completions are kept."""
+def embedded_engine(tokenizer: Any) -> RecordingEngine:
+    """The tool demo's random Qwen3-MoE in the real embedded engine, recorded."""
+    from grpo_megatron.rollout.embedded import EmbeddedEngine
 
-    def __init__(self, tokenizer: Any):
-        from grpo_megatron.rollout.embedded import EmbeddedEngine
-
-        hf = json.loads((TOOL_DEMO / "config.json").read_text())
-        self.engine = EmbeddedEngine(hf, tokenizer=tokenizer)
-        self.calls: list[tuple[list[list[int]], list[list[Completion]]]] = []
-
-    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[list[Completion]]:
-        out = self.engine.generate(prompts, params)
-        self.calls.append(([list(p) for p in prompts], out))
-        return out
-
-
-class CountingEnvironment(Environment):
-    """Answers every turn with ``<result>N</result>`` (N = the turn), done after ``turns`` turns."""
-
-    def __init__(self, tokenizer: Any, turns: int):
-        self.tokenizer, self.turns = tokenizer, turns
-        self.seen: list[str] = []
-
-    def start(self, record: PromptRecord) -> dict[str, int]:
-        return {"turn": 0}
-
-    def step(self, states: Sequence[Any], turn_texts: Sequence[str]) -> list[StepResult]:
-        self.seen.extend(turn_texts)
-        out = []
-        for s in states:
-            s["turn"] += 1
-            ids = self.tokenizer.encode(f"<result>{s['turn']}</result>", add_special_tokens=False)
-            out.append(StepResult(ids, done=s["turn"] >= self.turns, reward=0.5, tool_calls=1))
-        return out
+    hf = json.loads((TOOL_DEMO / "config.json").read_text())
+    return RecordingEngine(EmbeddedEngine(hf, tokenizer=tokenizer))
 
 
 def test_the_trainer_sees_the_engine_ids_plus_the_observation_ids_bit_for_bit(tokenizer):
-    engine = RecordingEngine(tokenizer)
+    engine = embedded_engine(tokenizer)
     env = CountingEnvironment(tokenizer, turns=2)
     cfg = MultiTurnConfig(enabled=True, max_turns=3, max_total_tokens=40)
-    records = [PromptRecord(prompt=p, prompt_ids=tuple(tokenizer.encode(p)), answer="0", metadata={}) for p in ("12*34=", "5+6=")]
+    records = [PromptRecord(prompt=p, prompt_ids=tuple(tokenizer.encode(p)), answer="0", metadata={})
+               for p in ("12*34=", "5+6=")]
     params = SamplingParams(n=3, max_new_tokens=7, stop_token_ids=(tokenizer.eos_token_id,), seed=5)
     groups = EpisodeRunner(engine, cfg, tokenizer, env).run(records, params)  # type: ignore[arg-type]
 
-    # Rebuild each trajectory from what the engine returned and what the environment sent.
-    first_prompts, first = engine.calls[0]
-    assert first_prompts == [list(r.prompt_ids) for r in records]
-    observation = [tokenizer.encode(f"<result>{k}</result>", add_special_tokens=False) for k in (1, 2)]
-    multi = 0
-    for r, g, cs in zip(records, groups, first, strict=True):
-        for t, c in zip(g, cs, strict=True):
-            want_ids, want_mask, want_lp = list(c.token_ids), [1] * len(c.token_ids), list(c.logprobs)
-            for turn in range(1, t.turns):
-                obs = observation[turn - 1]
-                want_ids += obs
-                want_mask += [0] * len(obs)
-                want_lp += [0.0] * len(obs)
-                # the continuation the engine was asked for: exactly the ids so far
-                prompts, outs = engine.calls[turn]
-                row = prompts.index(list(r.prompt_ids) + want_ids)
-                sampled = outs[row][0]
-                want_ids += sampled.token_ids
-                want_mask += [1] * len(sampled.token_ids)
-                want_lp += sampled.logprobs
-            multi += t.turns > 1
+    assert engine.calls[0][0] == [list(r.prompt_ids) for r in records]
+    want = iter(rebuild(records, groups, engine, env))
+    for r, g in zip(records, groups, strict=True):
+        for t in g:
+            want_ids, want_mask, want_lp = next(want)
             assert (t.token_ids, t.loss_mask, t.logprobs) == (want_ids, want_mask, want_lp)
             # what the trainer trains on (training/batching.py)
             s = make_sample(r.prompt_ids, t.token_ids, t.logprobs, 1.0, t.routed_experts, t.loss_mask)
@@ -183,15 +138,16 @@ def test_the_trainer_sees_the_engine_ids_plus_the_observation_ids_bit_for_bit(to
             assert t.routed_experts is not None and t.routed_experts.shape[1] == len(seq) - 1
             # one environment step per turn that did not end the episode by itself (EOS, limits)
             assert t.tool_calls in (t.turns - 1, t.turns) and (t.env_reward or 0.0) == 0.5 * t.tool_calls
-    assert multi > 0, "no episode went past its first turn (an EOS on every first turn)"
-    metrics = trajectory_metrics([t for g in groups for t in g])
-    assert metrics["turns/mean"] > 1 and metrics["tool/calls"] == sum(t.tool_calls for g in groups for t in g)
+    trajectories = [t for g in groups for t in g]
+    assert any(t.turns > 1 for t in trajectories), "no episode went past its first turn"
+    metrics = trajectory_metrics(trajectories)
+    assert metrics["turns/mean"] > 1 and metrics["tool/calls"] == sum(t.tool_calls for t in trajectories)
 
 
 def test_continuing_from_token_ids_samples_what_one_forward_would_score(tokenizer):
     # The engine's logprob of every sampled token of a multi-turn trajectory equals the teacher-forced
     # logprob of that token in the whole trajectory (a re-tokenized transcript could differ; ids do not).
-    engine = RecordingEngine(tokenizer)
+    engine = embedded_engine(tokenizer)
     cfg = MultiTurnConfig(enabled=True, max_turns=3, max_total_tokens=40)
     records = [PromptRecord(prompt="7*8=", prompt_ids=tuple(tokenizer.encode("7*8=")), answer="56", metadata={})]
     params = SamplingParams(n=4, max_new_tokens=6, stop_token_ids=(tokenizer.eos_token_id,), seed=1)
@@ -205,7 +161,7 @@ def test_continuing_from_token_ids_samples_what_one_forward_would_score(tokenize
 
 
 def test_limits_on_turns_and_tokens_hold(tokenizer):
-    engine = RecordingEngine(tokenizer)
+    engine = embedded_engine(tokenizer)
     records = [PromptRecord(prompt="1+1=", prompt_ids=tuple(tokenizer.encode("1+1=")), answer="2", metadata={})]
     params = SamplingParams(n=6, max_new_tokens=5, stop_token_ids=(tokenizer.eos_token_id,), seed=3)
     cfg = MultiTurnConfig(enabled=True, max_turns=2, max_total_tokens=12)

@@ -256,11 +256,45 @@ class Scenarios:
         return {"ok": True}
 
 
+    def multiturn(self) -> dict[str, Any]:
+        """Multi-turn episodes on the real engine (rollout/multiturn.py): each later turn continues from
+        the exact ids as ``input_ids``; each trajectory rebuilt from the engine's recorded calls and the
+        observation ids alone; SGLang's sampled logprobs of every turn against its own teacher-forced
+        score of the whole trajectory (model tokens only)."""
+        from grpo_megatron.data import PromptRecord, load_tokenizer
+        from grpo_megatron.rollout.config import MultiTurnConfig
+        from grpo_megatron.rollout.engine import SamplingParams
+        from grpo_megatron.rollout.multiturn import EpisodeRunner
+        from tests.helpers.episodes import CountingEnvironment, RecordingEngine, rebuild
+
+        tokenizer = load_tokenizer(DEMO)
+        engine = RecordingEngine(self.engine)
+        env = CountingEnvironment(tokenizer, turns=2, template="={},")  # the demo's characters
+        records = [PromptRecord(prompt="", prompt_ids=tuple(p), answer="", metadata={}) for p in PROMPTS[:3]]
+        params = SamplingParams(n=2, max_new_tokens=6, temperature=1.0, seed=11, stop_token_ids=(2,))
+        cfg = MultiTurnConfig(enabled=True, max_turns=3, max_total_tokens=40)
+        groups = EpisodeRunner(engine, cfg, tokenizer, env).run(records, params)  # type: ignore[arg-type]
+        got = [(t.token_ids, t.loss_mask, t.logprobs) for g in groups for t in g]
+        flat = [(r, t) for r, g in zip(records, groups, strict=True) for t in g]
+        scored = self.engine.score([list(r.prompt_ids) + t.token_ids for r, t in flat],
+                                   [len(r.prompt_ids) for r, _ in flat], 1.0)
+        model = [(lp[i], t.logprobs[i]) for (_, t), lp in zip(flat, scored, strict=True)
+                 for i, m in enumerate(t.loss_mask or []) if m]
+        return {
+            "exact": got == [tuple(w) for w in rebuild(records, groups, engine, env)],
+            "trajectories": len(flat),
+            "multi_turn": sum(t.turns > 1 for _, t in flat),
+            "generate_calls": len(engine.calls),
+            "sampled_vs_own_score": max(abs(a - b) for a, b in model),
+        }
+
+
 SCENARIOS: tuple[str, ...] = (
     "start",
     "greedy_vs_embedded",
     "signals_kept",
     "sampled_and_scored",
+    "multiturn",
     "flattened_bucket_update",
     "named_tensor_head",
     "rejected_version",
