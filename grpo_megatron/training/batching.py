@@ -41,7 +41,8 @@ class Sample:
     labels_s: torch.Tensor
     """Next-token targets: prompt + response shifted by one."""
     mask_s: torch.Tensor
-    """1.0 where the label is a response token (the loss is taken there), else 0."""
+    """1.0 where the label is a response token the engine sampled (the loss is taken there), else 0:
+    prompt positions and a multi-turn trajectory's observation tokens (rollout/multiturn.py)."""
     advantage: float
     """The response's group-relative advantage (the same for all its tokens)."""
     rollout_logprobs_s: torch.Tensor
