@@ -160,7 +160,8 @@ class EpisodeRunner:
             for t, c in zip(g, cs, strict=True):
                 t.add(c, sampled=True)
         flat = [(r, t) for r, g in zip(records, groups, strict=True) for t in g]
-        states = on_rank0(lambda: [self._env.start(r) for r, _ in flat], "starting episodes") if flat else []
+        states: list[Any] = []  # rank 0's only (never broadcast: a state need not pickle)
+        on_rank0(lambda: states.extend(self._env.start(r) for r, _ in flat), "starting episodes")
         open_ = [i for i, (_, t) in enumerate(flat) if not self._stopped(t, params)]
         for turn in range(2, self.cfg.max_turns + 1):
             open_ = self._observe(flat, states, open_)
