@@ -221,3 +221,16 @@ def test_multiturn_grpo_on_two_ranks_trains_on_model_tokens_only_and_resumes_exa
     got = [comparable(r) for r in read_jsonl(cut / "metrics.jsonl")]
     assert [r["iteration"] for r in got] == [0, 1, 2, 3, 4]
     assert got == [comparable(r) for r in records]
+
+
+def test_multiturn_samples_under_context_parallelism(tmp_path):
+    # CP2 x EP2 on 2 ranks: packed trajectories split over the CP ranks, observation tokens masked.
+    from grpo_megatron.logging_utils.metrics import read_jsonl
+    from tests.test_train import finish, launch
+
+    run = tmp_path / "run"
+    small = [o for o in TOOL_SMALL if not o.startswith("algorithm.routing_replay")]  # r3 refuses cp > 1
+    finish(launch("train", [*small, "parallel.cp=2", "train.iterations=1", f"logging.run_dir={run}"], config=TOOL_YAML))
+    last = read_jsonl(run / "metrics.jsonl")[-1]
+    assert last["turns/mean"] > 1 and last["tool/calls"] > 0
+    assert last["mismatch/logprob_abs_diff_max"] < 1e-5 and last["batch/padding_frac"] == 0.0
