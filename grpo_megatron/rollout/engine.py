@@ -92,6 +92,9 @@ class Completion:
     never is), i.e. exactly the trainer's input positions (``training/batching.py``), then the
     top-k expert ids in the engine's order (compare them as sets). None: a dense model, or an engine
     that does not report routes."""
+    weight_version: int = -1
+    """The weight version that sampled it (the fleet stamps the engine's ``weight_version`` where the
+    engine did not): the asynchronous loop's staleness is the trainer's version minus this."""
 
 
 class WeightSink(Protocol):
@@ -134,6 +137,19 @@ class RolloutEngine(abc.ABC):
     @abc.abstractmethod
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[list[Completion]]:
         """``params.n`` completions for each prompt (token ids), as ``[prompt][sample]``."""
+
+    def submit(
+        self, prompts: Sequence[Sequence[int]], params: SamplingParams
+    ) -> Callable[[], list[list[Completion]]]:
+        """Start ``generate``; calling the result returns its completions. An engine in a process of
+        its own (rollout/engine_process.py) returns at once and generates while the caller works on;
+        default: generate now (completions stamped with this ``weight_version``)."""
+        done = self.generate(prompts, params)
+        for group in done:
+            for c in group:
+                if c.weight_version < 0:
+                    c.weight_version = self.weight_version
+        return lambda: done
 
     @abc.abstractmethod
     def update_weights(self, bucket: Bucket, *, version: int, last: bool) -> None:
