@@ -56,3 +56,41 @@ def test_one_step_off_lags_by_at_most_one_version_and_resumes_with_the_same_rule
     got = [comparable(r) for r in read_jsonl(cut / "metrics.jsonl")]
     assert [r["iteration"] for r in got] == [0, 1, 2, 3, 4]
     assert got == want, json.dumps([got[-1], want[-1]], indent=1)
+
+
+def test_engine_process_serves_each_request_with_the_weights_sent_before_it(tmp_path):
+    # Two requests in flight around a weight update: the first is served with version 1, the second
+    # with version 2, whatever the timing; version 1's completions equal an in-process engine's bitwise.
+    import torch
+
+    from grpo_megatron.rollout.engine import SamplingParams
+    from grpo_megatron.rollout.engine_process import EngineProcess
+    from tests.helpers.tiny_configs import tiny_hf_config
+    from tests.test_rollout import _engine, _load, _saved
+
+    saved, _ = _saved("qwen3_moe", tmp_path)
+    remote = EngineProcess(tiny_hf_config("qwen3_moe"), dtype=torch.float32, threads=1)
+    prompts, params = [[3, 5, 7], [11, 2]], SamplingParams(n=2, max_new_tokens=5, seed=3)
+    try:
+        remote.update_weights(sorted(saved.items()), version=1, last=True)
+        first = remote.submit(prompts, params)
+        remote.update_weights([(n, t + 0.01) for n, t in sorted(saved.items())], version=2, last=True)
+        second = remote.submit(prompts, params)
+        got_2, got_1 = second(), first()
+    finally:
+        remote.shutdown()
+    assert {c.weight_version for g in got_1 for c in g} == {1}
+    assert {c.weight_version for g in got_2 for c in g} == {2}
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        local = _engine("qwen3_moe")
+        _load(local, saved)
+        want = local.generate(prompts, params)
+    finally:
+        torch.set_num_threads(threads)
+    for g_got, g_want in zip(got_1, want, strict=True):
+        for c, w in zip(g_got, g_want, strict=True):
+            assert (c.token_ids, c.logprobs, c.finish_reason) == (w.token_ids, w.logprobs, w.finish_reason)
+            assert w.routed_experts is not None and torch.equal(c.routed_experts, w.routed_experts)
+    assert [c.logprobs for g in got_2 for c in g] != [c.logprobs for g in got_1 for c in g]
