@@ -16,6 +16,10 @@ Every rank runs this loop (SPMD). One iteration, with the module that owns each 
   bookkeeping   metrics.jsonl, samples, checkpoint                         phases/bookkeeping.py
   safe point    a signal on any rank (SIGTERM, checkpoint.signal): save, exit 75  distributed/preemption.py
 
+With rollout.embedded_process the engines run in processes of their own and the rollout and reward
+phases come from training/async_loop.py's ``GroupProducer``, which submits each batch up to
+train.max_staleness weight versions ahead (0: this loop's order, bit for bit).
+
 The colocated memory moves (onload; offload around the sync; the checkpoint's visit) are
 ``ColocatedMemory`` (training/offload.py), ``job.memory``.
 
