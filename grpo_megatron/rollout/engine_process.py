@@ -25,6 +25,7 @@ import json
 import os
 import select
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -192,6 +193,10 @@ class _Server:
 
 def serve(spec_path: str) -> None:
     """The engine process: build the engine, say what weights it takes, then serve until ``stop``."""
+    # A signal to the job's process group (a scheduler's SIGTERM, Ctrl-C) is the trainer's to handle:
+    # it saves (waiting for the batches in flight) and exits, which closes this process's stdin.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     spec = json.loads(Path(spec_path).read_text())
     out = os.fdopen(os.dup(1), "w")  # the replies' channel; anything else printed goes to stderr
     os.dup2(2, 1)
