@@ -118,7 +118,7 @@ def make_engine(
         from grpo_megatron.rollout.engine_process import EngineProcess
 
         return EngineProcess(
-            hf, dtype=_DTYPES[cfg.model.dtype], max_batch_rows=rollout.embedded_max_batch_rows,
+            hf, dtype=_DTYPES[spec.model.dtype], max_batch_rows=rollout.embedded_max_batch_rows,
             threads=rollout.embedded_process_threads,
         )  # fmt: skip
     from grpo_megatron.rollout.embedded import EmbeddedEngine
