@@ -205,7 +205,8 @@ def serve(spec_path: str) -> None:
     from grpo_megatron.rollout.embedded import EmbeddedEngine
 
     engine = EmbeddedEngine(
-        spec["hf"], device="cpu", dtype=_DTYPES[spec["dtype"]], max_batch_rows=int(spec["max_batch_rows"])
+        spec["hf"], device="cpu", dtype=_DTYPES[spec["dtype"]], max_batch_rows=int(spec["max_batch_rows"]),
+        record_routes=bool(spec["record_routes"]),
     )
     expected = [[n, list(shape), str(dtype)] for n, (shape, dtype) in engine.expected_tensors().items()]
     _send(out, {"ready": True, "expected": expected})
@@ -237,13 +238,14 @@ class EngineProcess(RolloutEngine):
         dtype: torch.dtype,
         max_batch_rows: int = 0,
         threads: int = 1,
+        record_routes: bool = True,
         startup_timeout_s: float = 600.0,
     ) -> None:
         shm = Path("/dev/shm")
         self.folder = Path(tempfile.mkdtemp(prefix="grpo-engine-", dir=shm if shm.is_dir() else None))
         name = {v: k for k, v in _DTYPES.items()}[dtype]
         spec = {"hf": dict(hf), "dtype": name, "max_batch_rows": max_batch_rows, "threads": threads,
-                "folder": str(self.folder)}  # fmt: skip
+                "record_routes": record_routes, "folder": str(self.folder)}  # fmt: skip
         (self.folder / "spec.json").write_text(json.dumps(spec))
         env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
         self.proc = subprocess.Popen(

@@ -119,7 +119,7 @@ def make_engine(
 
         return EngineProcess(
             hf, dtype=_DTYPES[spec.model.dtype], max_batch_rows=rollout.embedded_max_batch_rows,
-            threads=rollout.embedded_process_threads,
+            threads=rollout.embedded_process_threads, record_routes=spec.record_routes,
         )  # fmt: skip
     from grpo_megatron.rollout.embedded import EmbeddedEngine
 
