@@ -72,11 +72,14 @@ test: lint
 	TORCH_COMPILE_DISABLE=1 $(if $(KERNEL_WHEEL),GRPO_REQUIRE_SGLANG=1) $(BIN)/python -m pytest -q
 
 # R1-Zero in miniature (examples/demo.yaml): cold-start SFT then GRPO on 2 processes; SEED=N for another seed;
-# TASK=tool: the multi-turn calculator demo (examples/demo_tool.yaml).
+# TASK=tool: the multi-turn calculator demo (examples/demo_tool.yaml);
+# ASYNC=1: the asynchronous loop (each engine in a process of its own, one step off, IcePop), in runs/demo-async.
 SEED ?= 1234
 TASK ?=
+ASYNC ?= 0
 demo: setup
-	PYTHON=$(BIN)/python SEED=$(SEED) TASK=$(TASK) bash examples/demo.sh
+	PYTHON=$(BIN)/python SEED=$(SEED) TASK=$(TASK) $(if $(filter 1,$(ASYNC)),RUN_DIR=runs/demo-async) bash examples/demo.sh \
+	    $(if $(filter 1,$(ASYNC)),rollout.embedded_process=true train.max_staleness=1 algorithm.off_policy.correction=icepop)
 
 clean:
 	rm -rf build dist *.egg-info .pytest_cache .ruff_cache $(LOCK_VENV)

@@ -383,3 +383,15 @@ def test_routing_replay_and_truncated_sampling_rules(tmp_path):
     errors = config_errors(["rollout.top_p=0.9", "rollout.top_k=20"], world_size=1)
     assert [e.split("=")[0] for e in errors] == ["rollout.top_p", "rollout.top_k"]
     assert all("biases the importance ratio" in e for e in errors)
+
+
+def test_the_asynchronous_loop_needs_engine_processes_and_refuses_what_it_cannot_run():
+    with pytest.raises(ConfigError, match=r"train.max_staleness=1 needs .*rollout.embedded_process=true"):
+        load_config(EXAMPLE, ["train.max_staleness=1"]).validate(1)
+    with pytest.raises(ConfigError, match=r"algorithm.dynamic_sampling.enabled=true"):
+        load_config(EXAMPLE, ["rollout.embedded_process=true", "algorithm.dynamic_sampling.enabled=true"]).validate(1)
+    with pytest.raises(ConfigError, match=r"rollout.multiturn.enabled=true: the asynchronous producer"):
+        load_config(EXAMPLE, ["rollout.embedded_process=true", "rollout.multiturn.enabled=true"]).validate(1)
+    with pytest.raises(ConfigError, match=r"train.max_staleness=-1 must be >= 0"):
+        load_config(EXAMPLE, ["train.max_staleness=-1"]).validate(1)
+    load_config(EXAMPLE, ["rollout.embedded_process=true", "train.max_staleness=2"]).validate(1)

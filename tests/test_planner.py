@@ -166,3 +166,17 @@ def test_deepseek_v3_dry_run_at_scale(world: int) -> None:
     assert len(report.param_bytes_by_rank) == world
     assert min(report.param_bytes_by_rank) > 0
     assert any("256 experts exactly once" in c for c in report.checks)
+
+
+def test_async_layout_step_time_is_the_slower_side_plus_the_sync():
+    from grpo_megatron.planner import async_layout
+
+    times = async_layout.PhaseTimes.parse("rollout=2,reward=0.5,train=1.5,sync=0.25")
+    same = async_layout.estimate(times, trainer_gpus=8, engine_gpus=8)
+    assert same.step_sync_s == 4.25 and same.step_async_s == 2.25  # rollout 2 s = trainer 2 s
+    fewer = async_layout.estimate(times, trainer_gpus=8, engine_gpus=4)  # rollout takes 2 * 8 / 4 = 4 s
+    assert fewer.step_async_s == 4.25 and fewer.bound == "rollout"
+    more = async_layout.estimate(times, trainer_gpus=8, engine_gpus=16)  # rollout 1 s < trainer 2 s
+    assert more.step_async_s == 2.25 and more.bound == "trainer"
+    with pytest.raises(ValueError, match="phase-times"):
+        async_layout.PhaseTimes.parse("decode=1")

@@ -16,6 +16,7 @@ LossAggMode = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-n
 KLEstimator = Literal["k1", "k2", "k3"]
 BetaSchedule = Literal["constant", "cosine"]
 RoutingReplay = Literal["off", "r2", "r3"]
+OffPolicyCorrection = Literal["none", "seq_tis", "mis", "icepop"]
 
 
 @dataclass
@@ -79,6 +80,38 @@ class TISConfig:
         if self.cap < 1.0:
             raise ValueError(
                 f"{prefix}.cap={self.cap} must be >= 1: a cap below 1 down-weights even on-policy tokens"
+            )
+
+
+@dataclass
+class OffPolicyConfig:
+    """Correction for responses sampled by another policy than the trainer's pi_old (the engine's
+    kernels, and with train.max_staleness > 0 older weights): algorithm/off_policy.py. Its
+    `off_policy/*` metrics (ratio mean/max/min, weight mean, masked fraction) are logged every
+    iteration whatever the choice."""
+
+    correction: OffPolicyCorrection = "none"
+    """`none`. `seq_tis`: every token of a response weighted min(rho, cap), rho its sequence ratio.
+    `mis`: responses whose rho leaves [low, high] dropped, the others weighted rho. `icepop`: tokens
+    whose ratio leaves [low, high] dropped, the others weighted by it. (Token-level TIS is
+    algorithm.tis.)"""
+    cap: float = 2.0
+    """C of `seq_tis`."""
+    low: float = 0.5
+    """Lower end of the band of `mis` and `icepop` (IcePop used 0.5)."""
+    high: float = 2.0
+    """Upper end of the band of `mis` and `icepop` (IcePop used 5)."""
+    sequence_ratio: Literal["product", "geometric"] = "product"
+    """How `seq_tis` and `mis` make rho of the token ratios: their product (the response's
+    importance ratio) or their geometric mean (length-normalised)."""
+
+    def validate(self, prefix: str = "algorithm.off_policy") -> None:
+        if self.cap < 1.0:
+            raise ValueError(f"{prefix}.cap={self.cap} must be >= 1: a cap below 1 down-weights on-policy responses")
+        if not 0.0 < self.low < 1.0 < self.high:
+            raise ValueError(
+                f"{prefix}.low={self.low} and {prefix}.high={self.high} must satisfy 0 < low < 1 < high: "
+                "the band must keep on-policy samples (ratio 1), e.g. low=0.5 high=2"
             )
 
 
@@ -159,6 +192,8 @@ class AlgorithmConfig:
     """KL penalty to the reference policy."""
     tis: TISConfig = field(default_factory=TISConfig)
     """Truncated importance sampling against the rollout engine's logprobs."""
+    off_policy: OffPolicyConfig = field(default_factory=OffPolicyConfig)
+    """Sequence-level TIS, masked importance sampling or IcePop (algorithm/off_policy.py)."""
     dynamic_sampling: DynamicSamplingConfig = field(default_factory=DynamicSamplingConfig)
     """DAPO dynamic sampling."""
     overlong: OverlongConfig = field(default_factory=OverlongConfig)
@@ -198,5 +233,11 @@ class AlgorithmConfig:
             raise ValueError(f"{p}.loss_norm_len={self.loss_norm_len} must be >= 1 or null")
         self.kl.validate(f"{p}.kl")
         self.tis.validate(f"{p}.tis")
+        self.off_policy.validate(f"{p}.off_policy")
+        if self.tis.enabled and self.off_policy.correction != "none":
+            raise ValueError(
+                f"{p}.tis.enabled=true and {p}.off_policy.correction={self.off_policy.correction} both weight "
+                f"the loss: choose one (set {p}.tis.enabled=false or {p}.off_policy.correction=none)"
+            )
         self.dynamic_sampling.validate(f"{p}.dynamic_sampling")
         self.overlong.validate(f"{p}.overlong")

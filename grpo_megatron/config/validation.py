@@ -57,6 +57,8 @@ def validate(cfg: JobConfig, world_size: int) -> None:
         errors.extend(batch_layout_errors(cfg, parallel.resolve(world_size)))
     if not failed & {"algorithm", "rollout"}:
         errors.extend(overlong_errors(cfg))
+    if not failed & {"algorithm", "rollout", "train"}:
+        errors.extend(async_errors(cfg))
     if hf_config is not None and not failed & {"algorithm", "rollout", "model", "parallel", "train"}:
         errors.extend(routing_replay_errors(cfg, hf_config))
 
@@ -206,6 +208,33 @@ def routing_replay_errors(cfg: JobConfig, hf_config: dict[str, Any]) -> list[str
         errors.append(
             f"{where} with train.packing=true: the old-policy pass records its routes per padded row, and "
             "packed micro-batches are not unpacked for that yet; set train.packing=false, or use r3"
+        )
+    return errors
+
+
+def async_errors(cfg: JobConfig) -> list[str]:
+    """The asynchronous loop (train.max_staleness, rollout.embedded_process) and what it cannot run with."""
+    errors = []
+    if cfg.train.max_staleness > 0 and not cfg.rollout.embedded_process:
+        errors.append(
+            f"train.max_staleness={cfg.train.max_staleness} needs engines that generate while the trainer "
+            "trains: set rollout.embedded_process=true (or train.max_staleness=0)"
+        )
+    if cfg.rollout.embedded_process and cfg.algorithm.dynamic_sampling.enabled:
+        errors.append(
+            "rollout.embedded_process=true with algorithm.dynamic_sampling.enabled=true: the asynchronous "
+            "producer submits one round per iteration ahead of time; disable dynamic sampling"
+        )
+    if cfg.rollout.embedded_process and cfg.train.offload_trainer:
+        errors.append(
+            "rollout.embedded_process=true with train.offload_trainer=true: the engines have memory of their "
+            "own, there is nothing to swap; set train.offload_trainer=false"
+        )
+    if cfg.rollout.embedded_process and cfg.rollout.multiturn.enabled:
+        errors.append(
+            "rollout.embedded_process=true with rollout.multiturn.enabled=true: the asynchronous producer "
+            "submits single-turn batches ahead of time, episodes are not run there yet; set "
+            "rollout.embedded_process=false for multi-turn training"
         )
     return errors
 

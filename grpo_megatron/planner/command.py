@@ -62,6 +62,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--pcie-gbps", type=float, default=50.0, help="weight-sync estimate: PCIe GB/s per GPU")
     parser.add_argument("--ib-gbps", type=float, default=45.0, help="weight-sync estimate: InfiniBand GB/s per GPU")
     parser.add_argument("--copy-gbps", type=float, default=1300.0, help="weight-sync estimate: device copy GB/s")
+    parser.add_argument(
+        "--phase-times",
+        default=None,
+        help="asynchronous layout: seconds per phase of a synchronous step, rollout=..,reward=..,train=..,sync=.. "
+        "(or a synchronous run's metrics.jsonl) -> the expected asynchronous step time",
+    )
+    parser.add_argument(
+        "--engine-gpus", type=int, default=None, help="asynchronous layout: GPUs of the engines (default: as the trainer)"
+    )
     parser.set_defaults(nodes=1, gpus_per_node=8, world_size=8)
 
 
@@ -109,6 +118,8 @@ def run(cfg: JobConfig, args: argparse.Namespace) -> int:
         engine_ep=args.rollout_engine_ep if cfg.rollout.engine == "sglang" else 1,
     )  # fmt: skip
     console.print(sync.render(estimates, links), markup=False)
+    if args.phase_times or cfg.train.max_staleness > 0:
+        console.print(async_section(cfg, args), markup=False)
     rc = 0 if plan.fits else EXIT_DOES_NOT_FIT
     if args.dry_run:
         from grpo_megatron.planner.dry_run import dry_run
@@ -118,3 +129,23 @@ def run(cfg: JobConfig, args: argparse.Namespace) -> int:
         console.print(render_dry_run(report))
         rc = rc or (0 if report.ok else EXIT_DOES_NOT_FIT)
     return rc
+
+
+def async_section(cfg: JobConfig, args: argparse.Namespace) -> str:
+    """The asynchronous layout (engine GPUs vs trainer GPUs) and its expected step time (planner/async_layout.py)."""
+    from pathlib import Path
+
+    from grpo_megatron.planner import async_layout
+
+    if not args.phase_times:
+        return (
+            f"Asynchronous layout (train.max_staleness={cfg.train.max_staleness}): trainer GPUs {args.world_size}, "
+            f"engine GPUs {args.engine_gpus or args.world_size} of their own; give --phase-times (a synchronous "
+            "run's metrics.jsonl, or rollout=..,train=..) for the expected step time"
+        )
+    path = Path(args.phase_times)
+    times = (
+        async_layout.PhaseTimes.from_metrics(path) if path.is_file() else async_layout.PhaseTimes.parse(args.phase_times)
+    )
+    estimate = async_layout.estimate(times, args.world_size, args.engine_gpus or args.world_size)
+    return async_layout.render(estimate, max(cfg.train.max_staleness, 1))

@@ -98,6 +98,12 @@ class RolloutConfig:
     overlaps more of the transfer with packing and assembly, at a quarter bucket of memory per round."""
     engine_device: Literal["auto", "cpu"] = "auto"
     """Where an embedded engine runs: auto = this rank's device (its GPU, else CPU); cpu = always CPU."""
+    embedded_process: bool = False
+    """Run each embedded engine in a process of its own, on CPU (rollout/engine_process.py), so that it
+    generates while the trainer trains: the loop becomes a producer of scored groups and a consumer
+    that trains (training/async_loop.py), ahead by at most train.max_staleness weight versions."""
+    embedded_process_threads: int = 1
+    """torch threads of each engine process."""
     embedded_max_batch_rows: int = 0
     """Rows (prompts x samples) an embedded engine decodes at once; 0 = all of a generate call together."""
     probe_batch: int = 4
@@ -175,6 +181,13 @@ class RolloutConfig:
                 "rollout.placement=per_rank is for embedded engines only: SGLang engines use per_dp_rank or "
                 "per_node (rollout.sglang_tp GPUs each)"
             )
+        if self.embedded_process and self.engine != "embedded":
+            errors.append(
+                f"rollout.embedded_process=true is for rollout.engine=embedded (it is {self.engine}): "
+                "SGLang engines already run in processes of their own"
+            )
+        if self.embedded_process_threads < 1:
+            errors.append(f"rollout.embedded_process_threads={self.embedded_process_threads} must be >= 1")
         if self.embedded_max_batch_rows < 0:
             errors.append(
                 f"rollout.embedded_max_batch_rows={self.embedded_max_batch_rows} must be >= 0 "

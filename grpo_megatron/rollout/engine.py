@@ -96,6 +96,9 @@ class Completion:
     """Multi-turn trajectories (rollout/multiturn.py): 1 at a token the engine sampled, 0 at an
     observation token (appended by the environment, with logprob 0.0 and never trained on); None = every
     token was sampled (a single-turn response)."""
+    weight_version: int = -1
+    """The weight version that sampled it (the fleet stamps the engine's ``weight_version`` where the
+    engine did not): the asynchronous loop's staleness is the trainer's version minus this."""
 
 
 class WeightSink(Protocol):
@@ -138,6 +141,19 @@ class RolloutEngine(abc.ABC):
     @abc.abstractmethod
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[list[Completion]]:
         """``params.n`` completions for each prompt (token ids), as ``[prompt][sample]``."""
+
+    def submit(
+        self, prompts: Sequence[Sequence[int]], params: SamplingParams
+    ) -> Callable[[], list[list[Completion]]]:
+        """Start ``generate``; calling the result returns its completions. An engine in a process of
+        its own (rollout/engine_process.py) returns at once and generates while the caller works on;
+        default: generate now (completions stamped with this ``weight_version``)."""
+        done = self.generate(prompts, params)
+        for group in done:
+            for c in group:
+                if c.weight_version < 0:
+                    c.weight_version = self.weight_version
+        return lambda: done
 
     @abc.abstractmethod
     def update_weights(self, bucket: Bucket, *, version: int, last: bool) -> None:

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -114,6 +114,13 @@ def make_engine(
         raise ValueError(f"rollout.engine={rollout.engine!r}: choose embedded or sglang")
     if not hosts_embedded_engine(rollout.placement, ps):
         return None
+    if rollout.embedded_process:
+        from grpo_megatron.rollout.engine_process import EngineProcess
+
+        return EngineProcess(
+            hf, dtype=_DTYPES[spec.model.dtype], max_batch_rows=rollout.embedded_max_batch_rows,
+            threads=rollout.embedded_process_threads, record_routes=spec.record_routes,
+        )  # fmt: skip
     from grpo_megatron.rollout.embedded import EmbeddedEngine
 
     device = ps.device if rollout.engine_device == "auto" else torch.device("cpu")
@@ -142,6 +149,15 @@ def sync_groups(members: Sequence[tuple[int, ...]]) -> list[tuple[int, ...]]:
     """The distinct multi-rank weight-sync groups among every rank's ``sync_group_ranks``, in a
     fixed order (every rank creates them in it)."""
     return sorted({tuple(sorted(m)) for m in members if len(m) > 1})
+
+
+@dataclasses.dataclass
+class PendingRollout:
+    """A generation ``RolloutFleet.submit`` started: this rank's share to collect (None on ranks
+    without an engine) and the number of prompts of the whole request."""
+
+    num_prompts: int
+    local: Callable[[], list[list[Completion]]] | None = None
 
 
 @dataclasses.dataclass
@@ -251,14 +267,31 @@ class RolloutFleet:
 
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[list[Completion]]:
         """Collective: ``params.n`` completions per prompt, in prompt order, on every rank."""
-        local: list[list[Completion]] | None = None
-        error = None
+        return self.collect(self.submit(prompts, params))
+
+    def submit(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> PendingRollout:
+        """Collective: start generating (``RolloutEngine.submit``: an engine process returns at once);
+        ``collect`` gives the completions."""
+        pending, error = PendingRollout(len(prompts)), None
         if self.engine is not None:
             index = self.engine_ranks.index(self.ps.rank)
             start, end = prompt_slices(len(prompts), self.num_engines)[index]
             seeded = params if params.seed is None else dataclasses.replace(params, seed=params.seed + index)
             try:
-                local = self.engine.generate(prompts[start:end], seeded) if end > start else []
+                pending.local = self.engine.submit(prompts[start:end], seeded) if end > start else lambda: []
+            except Exception as exc:
+                error = _describe(exc)
+        _agree(error, "rollout generate")
+        return pending
+
+    def collect(self, pending: PendingRollout) -> list[list[Completion]]:
+        """Collective: the completions of ``submit``, in prompt order, on every rank (each stamped
+        with the weight version that sampled it)."""
+        local: list[list[Completion]] | None = None
+        error = None
+        if pending.local is not None:
+            try:
+                local = pending.local()
             except Exception as exc:
                 error = _describe(exc)
         _agree(error, "rollout generate")
@@ -267,8 +300,8 @@ class RolloutFleet:
         out: list[list[Completion]] = []
         for rank in self.engine_ranks:
             out.extend(gathered[rank] or [])
-        if len(out) != len(prompts):
-            raise RuntimeError(f"rollout generate: {len(out)} results for {len(prompts)} prompts")
+        if len(out) != pending.num_prompts:
+            raise RuntimeError(f"rollout generate: {len(out)} results for {pending.num_prompts} prompts")
         return out
 
     # ------------------------------------------------------------------------------ weight sync

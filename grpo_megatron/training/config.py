@@ -53,6 +53,12 @@ class TrainConfig:
     forward pass when updates_per_iteration > 1; with one update it equals the detached current
     logprobs, so no pass is needed). engine = the rollout engine's logprobs (only with one on-policy
     update; the ratio then also corrects the engine/trainer mismatch, as in slime's default)."""
+    max_staleness: int = 0
+    """How many weight versions a trained sample's policy may lag the policy being trained (needs
+    rollout.embedded_process: the engines generate the next batches while the trainer trains). 0 =
+    the synchronous loop, bit for bit; 1 = one step off (iteration k trains on responses sampled by the
+    weights of iteration k-2's end, i.e. version k-2, while the engines sample iteration k+1's); N: N
+    steps off. Correct for the lag with algorithm.off_policy (or algorithm.tis)."""
     offload_trainer: bool = False
     """Colocated rollout on GPUs: while the engines generate, the trainer's parameters, gradients and
     optimizer state live in pinned host memory (training/offload.py), and the engines release their
@@ -105,6 +111,8 @@ class TrainConfig:
                 f"{self.updates_per_iteration}): after the first update the engine no longer holds pi_old; "
                 "use train.old_logprobs=trainer"
             )
+        if self.max_staleness < 0:
+            errors.append(f"train.max_staleness={self.max_staleness} must be >= 0 (0 = synchronous)")
         for name in ("eval_interval", "eval_samples", "rollout_samples_logged"):
             if getattr(self, name) < 0:
                 errors.append(f"train.{name}={getattr(self, name)} must be >= 0")

@@ -16,6 +16,10 @@ Every rank runs this loop (SPMD). One iteration, with the module that owns each 
   bookkeeping   metrics.jsonl, samples, checkpoint                         phases/bookkeeping.py
   safe point    a signal on any rank (SIGTERM, checkpoint.signal): save, exit 75  distributed/preemption.py
 
+With rollout.embedded_process the engines run in processes of their own and the rollout and reward
+phases come from training/async_loop.py's ``GroupProducer``, which submits each batch up to
+train.max_staleness weight versions ahead (0: this loop's order, bit for bit).
+
 The colocated memory moves (onload; offload around the sync; the checkpoint's visit) are
 ``ColocatedMemory`` (training/offload.py), ``job.memory``.
 
@@ -44,6 +48,7 @@ from grpo_megatron.distributed.collectives import on_rank0
 from grpo_megatron.distributed.preemption import Preempted, report_preempted
 from grpo_megatron.fileio import write_text_atomic
 from grpo_megatron.rollout.multiturn import trajectory_metrics
+from grpo_megatron.training.async_loop import GroupProducer
 from grpo_megatron.training.batching import Sample
 from grpo_megatron.training.job import Job, PhaseTimer, Timer, build_job, export_hf_checkpoint
 from grpo_megatron.training.phases.advantages import UpdatePlan, build_samples, plan_update
@@ -97,13 +102,13 @@ class LoopState:
         return cls(saved["iteration"], saved["sampler"], dict(saved["eval"]), tuple(best) if best else None)
 
 
-def run_iteration(job: Job, sampler: PromptSampler, probe: ProbeBatch, it: int, timer: Timer) -> Iteration:
-    """One GRPO iteration, rollout to weight sync, each phase timed as ``time/<phase>``."""
-    cfg, ps, policy = job.cfg, job.ps, job.policy
-    rollout, scorer, ds = job.rollout, job.scorer, cfg.algorithm.dynamic_sampling
+def rollout_and_reward(job: Job, sampler: PromptSampler, it: int, timer: Timer) -> tuple[list[Group], dict[str, float]]:
+    """The synchronous rollout and reward phases (with DAPO's extra rounds): the groups to train on and
+    the first round's reward metrics (the policy's own reward, before any filtering) + DAPO's."""
+    cfg, rollout, scorer, ds = job.cfg, job.rollout, job.scorer, job.cfg.algorithm.dynamic_sampling
     dapo = DynamicSampling[Group](cfg.train.prompts_per_iteration, lambda g: g.rewards, enabled=ds.enabled,
                            max_tries=ds.max_tries, std_threshold=ds.std_threshold)
-    reward_metrics: dict[str, float] = {}  # the first round's: the policy's own reward, before any filtering
+    reward_metrics: dict[str, float] = {}
     while n := dapo.needed():  # one round without DAPO; more while groups lack reward variance
         records = [job.train_records[i] for i in sampler.next_indices(n)]
         seed = rollout_seed(cfg.train.seed, it, dapo.rounds)
@@ -114,6 +119,20 @@ def run_iteration(job: Job, sampler: PromptSampler, probe: ProbeBatch, it: int, 
         reward_metrics = reward_metrics if dapo.rounds else scored.metrics
         dapo.add(scored.groups)
     groups, dapo_metrics = dapo.result()
+    return groups, {**reward_metrics, **dapo_metrics}
+
+
+def run_iteration(
+    job: Job, sampler: PromptSampler, probe: ProbeBatch, it: int, timer: Timer, producer: GroupProducer | None = None
+) -> Iteration:
+    """One GRPO iteration, rollout to weight sync, each phase timed as ``time/<phase>``. With a
+    ``producer`` (rollout.embedded_process) the rollout and reward phases are its: the batch was
+    submitted ahead of time (training/async_loop.py)."""
+    cfg, ps, policy = job.cfg, job.ps, job.policy
+    if producer is None:
+        groups, produced_metrics = rollout_and_reward(job, sampler, it, timer)
+    else:
+        groups, produced_metrics = producer.take(it, timer)
     with timer("onload"):
         onload_metrics = job.memory.to_trainer()
     with timer("advantages"):
@@ -139,9 +158,10 @@ def run_iteration(job: Job, sampler: PromptSampler, probe: ProbeBatch, it: int, 
     with timer("sync"):
         due = probe_due(it, cfg.rollout.probe_interval, cfg.train.iterations)
         sync_metrics = sync_to_engines(job, it, probe if due else ProbeBatch())
+    if producer is not None:
+        producer.after_sync(it)  # the engines have version `it`: the batch that may lag it by N goes out
     metrics = {
-        **reward_metrics,
-        **dapo_metrics,
+        **produced_metrics,
         **train_metrics,
         **routing_metrics,
         "kl_beta": beta,
@@ -177,6 +197,11 @@ def job_probe(job: Job) -> ProbeBatch:
     return answer_probe(job.eval_records or job.train_records, job.tokenizer, job.eos_id, job.cfg.rollout.probe_batch)
 
 
+def with_producer(trainer_state: dict[str, Any], producer: GroupProducer | None) -> dict[str, Any]:
+    """Collective: the checkpoint's trainer state, with the asynchronous producer's submitted batches."""
+    return trainer_state if producer is None else {**trainer_state, "producer": producer.state_dict()}
+
+
 def train(job: Job) -> dict[str, float]:
     cfg = job.cfg
     resumed = job.checkpoints.resume(job.policy)
@@ -192,6 +217,12 @@ def train(job: Job) -> dict[str, float]:
     job.logger.truncate_from(start + 1 if resumed is not None else 0)
     probe = job_probe(job)
     sync_to_engines(job, start, probe)  # the engines start from the trainer's weights
+    producer = None  # engines in processes of their own: rollouts submitted ahead (training/async_loop.py)
+    if cfg.rollout.embedded_process:
+        producer = GroupProducer(job, sampler, cfg.train.max_staleness)
+        if resumed is not None and "producer" in resumed:
+            producer.load_state_dict(resumed["producer"])
+        producer.start(start)
     last_eval = dict(state.eval)
     if resumed is None:  # a fresh run: held-out accuracy before any update, logged as iteration 0
         last_eval = evaluate_job(job, start)
@@ -206,7 +237,7 @@ def train(job: Job) -> dict[str, float]:
         timer = PhaseTimer(beat=job.beat)
         eval_metrics: dict[str, float] = {}
         with timer("iteration"):
-            result = run_iteration(job, sampler, probe, it, timer)
+            result = run_iteration(job, sampler, probe, it, timer, producer)
             with timer("eval"):
                 if it == cfg.train.iterations or (cfg.train.eval_interval and it % cfg.train.eval_interval == 0):
                     eval_metrics = last_eval = evaluate_job(job, it)
@@ -229,11 +260,11 @@ def train(job: Job) -> dict[str, float]:
         trainer_state = LoopState(it, sampler.state_dict(), last_eval, best).to_dict()
         saved = job.checkpoints.should_save(it, final_iteration=cfg.train.iterations)
         if saved:
-            save_checkpoint(job.checkpoints, job.memory, job.policy, it, trainer_state)
+            save_checkpoint(job.checkpoints, job.memory, job.policy, it, with_producer(trainer_state, producer))
         # The safe point: any rank's signal (SIGTERM, checkpoint.signal) stops every rank here, saved.
         if signal_name := job.preemption.requested_anywhere(dist.group.WORLD):
             if not saved:
-                save_checkpoint(job.checkpoints, job.memory, job.policy, it, trainer_state)
+                save_checkpoint(job.checkpoints, job.memory, job.policy, it, with_producer(trainer_state, producer))
             job.preemption.checkpoint_written = True
             raise Preempted(it, signal_name)
     return {

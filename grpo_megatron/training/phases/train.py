@@ -12,6 +12,7 @@ import torch.distributed as dist
 
 from grpo_megatron.algorithm.config import AlgorithmConfig
 from grpo_megatron.algorithm.mismatch import mismatch_metrics, tis_weights
+from grpo_megatron.algorithm.off_policy import OffPolicyStats, icepop_weights, mis_weights, seq_tis_weights
 from grpo_megatron.algorithm.policy_loss import grpo_policy_loss
 from grpo_megatron.distributed.bootstrap import ParallelState
 from grpo_megatron.distributed.collectives import collective_device
@@ -33,6 +34,8 @@ class Reduction(Enum):
     ranks, averaged over mini-batches."""
     MAX = "max"
     """The maximum over micro-batches and ranks."""
+    MIN = "min"
+    """The minimum over micro-batches and ranks."""
     TOKENS = "tokens"
     """The response-token count: TOKEN_MEAN's denominator, not logged."""
 
@@ -50,6 +53,11 @@ LOSS_METRICS: dict[str, Reduction] = {
     "entropy": Reduction.TOKEN_MEAN,
     "mismatch/logprob_abs_diff": Reduction.TOKEN_MEAN,
     "mismatch/logprob_abs_diff_max": Reduction.MAX,
+    "off_policy/ratio_mean": Reduction.TOKEN_MEAN,
+    "off_policy/ratio_max": Reduction.MAX,
+    "off_policy/ratio_min": Reduction.MIN,
+    "off_policy/weight_mean": Reduction.TOKEN_MEAN,
+    "off_policy/masked_frac": Reduction.TOKEN_MEAN,
     "tokens": Reduction.TOKENS,
 }
 """Every metric the GRPO loss function reports, with its reduction."""
@@ -80,9 +88,7 @@ class GRPOLoss:
             # pi_old before any update of this iteration, on the trainer's side.
             trainer_old_bs = inputs.old_logprobs_bs if inputs.old_logprobs_bs is not None else logprobs_bs.detach()
             old_bs = rollout_bs if self.old_from_engine else inputs.old_logprobs_bs
-            tis_bs = None
-            if alg.tis.enabled:
-                tis_bs, _ = tis_weights(trainer_old_bs, rollout_bs, mask_bs, alg.tis.cap)
+            tis_bs = off_policy_weights(alg, trainer_old_bs, rollout_bs, mask_bs)
             loss, m = grpo_policy_loss(
                 logprobs_bs,
                 old_bs,
@@ -108,10 +114,35 @@ class GRPOLoss:
             mismatch = mismatch_metrics(trainer_old_bs, rollout_bs, mask_bs)
             out["mismatch/logprob_abs_diff"] = mismatch.abs_diff_sum
             out["mismatch/logprob_abs_diff_max"] = mismatch.abs_diff_max
+            off = OffPolicyStats.of(trainer_old_bs - rollout_bs, tis_bs, mask_bs)
+            out["off_policy/ratio_mean"] = off.ratio_mean * n_tokens
+            out["off_policy/ratio_max"] = off.ratio_max
+            out["off_policy/ratio_min"] = off.ratio_min
+            out["off_policy/weight_mean"] = off.weight_mean * n_tokens
+            out["off_policy/masked_frac"] = off.masked_frac * n_tokens
             out["tokens"] = n_tokens
             return loss, out
 
         return loss_fn
+
+
+def off_policy_weights(
+    alg: AlgorithmConfig, trainer_old_bs: torch.Tensor, rollout_bs: torch.Tensor, mask_bs: torch.Tensor
+) -> torch.Tensor | None:
+    """The loss weights of the configured correction (algorithm.tis, algorithm.off_policy), from
+    pi_old_trainer / pi_rollout per token; None = no correction (weights 1)."""
+    if alg.tis.enabled:
+        return tis_weights(trainer_old_bs, rollout_bs, mask_bs, alg.tis.cap)[0]
+    off = alg.off_policy
+    log_ratio_bs = (trainer_old_bs.detach().float() - rollout_bs.detach().float()) * mask_bs
+    geometric = off.sequence_ratio == "geometric"
+    if off.correction == "seq_tis":
+        return seq_tis_weights(log_ratio_bs, mask_bs, off.cap, geometric)
+    if off.correction == "mis":
+        return mis_weights(log_ratio_bs, mask_bs, off.low, off.high, geometric)
+    if off.correction == "icepop":
+        return icepop_weights(log_ratio_bs, mask_bs, off.low, off.high)
+    return None
 
 
 def reduce_metrics(
@@ -126,11 +157,12 @@ def reduce_metrics(
     unknown = [k for k in keys if k not in kinds]
     if unknown:
         raise KeyError(f"loss metrics {unknown} have no declared Reduction")
-    sums = [k for k in keys if kinds[k] is not Reduction.MAX]
-    maxes = [k for k in keys if kinds[k] is Reduction.MAX]
+    sums = [k for k in keys if kinds[k] not in (Reduction.MAX, Reduction.MIN)]
+    maxes = [k for k in keys if kinds[k] in (Reduction.MAX, Reduction.MIN)]
+    sign = {k: -1.0 if kinds[k] is Reduction.MIN else 1.0 for k in maxes}  # min = -max(-x)
     sum_t = torch.tensor([sum(m.get(k, 0.0) for m in per_microbatch) for k in sums], dtype=torch.float64)
     max_t = torch.tensor(
-        [max((m.get(k, 0.0) for m in per_microbatch), default=0.0) for k in maxes], dtype=torch.float64
+        [max((sign[k] * m[k] for m in per_microbatch if k in m), default=0.0) for k in maxes], dtype=torch.float64
     )
     if ps.dp > 1:
         device = collective_device(ps.dp_group)
@@ -145,7 +177,7 @@ def reduce_metrics(
             out[k] = v / tokens
         elif kinds[k] is Reduction.MINIBATCH_MEAN:
             out[k] = v / minibatches
-    out |= dict(zip(maxes, max_t.tolist(), strict=True))
+    out |= {k: sign[k] * v for k, v in zip(maxes, max_t.tolist(), strict=True)}
     return out
 
 

@@ -1,0 +1,374 @@
+"""An embedded engine in a process of its own (``rollout.embedded_process``): it generates while the
+trainer trains (the asynchronous loop, training/async_loop.py).
+
+``EngineProcess`` is the trainer's side: a ``RolloutEngine`` whose ``submit`` returns at once and
+whose result is collected later. ``serve`` is the engine's side (``python -m
+grpo_megatron.rollout.engine_process SPEC``): one ``EmbeddedEngine`` on CPU, ``rollout.
+embedded_process_threads`` threads, requests served in the order they were sent.
+
+Versions: every request carries the weight version the trainer had sent before it (``weight_version``
+of the proxy). The engine serves a request with exactly that version, loading the weights it was
+sent (in order) between two requests, never in the middle of one: which weights sampled which batch
+depends only on the order of the trainer's calls, never on timing, so runs are reproducible. Each
+``Completion.weight_version`` is the version that sampled it.
+
+Wire (nothing is unpickled in either direction): requests are JSON lines on the engine's stdin;
+weights go through a safetensors file, results through a JSON file, both in a private temporary
+folder (``/dev/shm`` where it exists), announced by one short JSON line on the engine's stdout, so no
+pipe ever fills while its reader is busy.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import select
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections import deque
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from grpo_megatron.rollout.engine import Bucket, Completion, Manifest, RolloutEngine, SamplingParams
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+# ---------------------------------------------------------------------------------------------- wire
+
+
+def completions_to_json(batch: Sequence[Sequence[Completion]]) -> list[list[dict[str, Any]]]:
+    """Completions as plain JSON data (float32 logprobs round-trip exactly through Python floats)."""
+
+    def one(c: Completion) -> dict[str, Any]:
+        routes = c.routed_experts
+        return {
+            "token_ids": list(c.token_ids),
+            "logprobs": [float(x) for x in c.logprobs],
+            "finish_reason": c.finish_reason,
+            "weight_version": c.weight_version,
+            "loss_mask": None if c.loss_mask is None else list(c.loss_mask),
+            "routes": None if routes is None else {
+                "shape": list(routes.shape), "dtype": str(routes.dtype).removeprefix("torch."),
+                "data": routes.reshape(-1).tolist(),
+            },
+        }  # fmt: skip
+
+    return [[one(c) for c in group] for group in batch]
+
+
+def completions_from_json(data: Sequence[Sequence[Mapping[str, Any]]]) -> list[list[Completion]]:
+    """The inverse of ``completions_to_json``."""
+
+    def one(d: Mapping[str, Any]) -> Completion:
+        routes = d.get("routes")
+        tensor = None
+        if routes is not None:
+            dtype = {"int64": torch.int64, "int32": torch.int32, "int16": torch.int16, "uint8": torch.uint8}
+            tensor = torch.tensor(routes["data"], dtype=dtype[routes["dtype"]]).reshape(routes["shape"])
+        mask = d.get("loss_mask")
+        return Completion(
+            list(d["token_ids"]), list(d["logprobs"]), d["finish_reason"], tensor,
+            loss_mask=None if mask is None else [int(m) for m in mask], weight_version=int(d["weight_version"]),
+        )
+
+    return [[one(d) for d in group] for group in data]
+
+
+def params_to_json(params: SamplingParams) -> dict[str, Any]:
+    return dataclasses.asdict(params)
+
+
+def params_from_json(data: Mapping[str, Any]) -> SamplingParams:
+    fields = dict(data)
+    fields["stop_token_ids"] = tuple(fields["stop_token_ids"])
+    fields["stop_strings"] = tuple(fields["stop_strings"])
+    return SamplingParams(**fields)
+
+
+class LineReader:
+    """JSON lines from a file descriptor, with a timeout (``select``) and no buffering surprises."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        self.buffer = b""
+        self.closed = False
+
+    def read(self, timeout_s: float | None) -> dict[str, Any] | None:
+        """The next message; None when none arrives within ``timeout_s`` (None: wait for one)."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while b"\n" not in self.buffer:
+            if self.closed:
+                raise EOFError("the other side closed the pipe")
+            left = None if deadline is None else max(deadline - time.monotonic(), 0.0)
+            ready, _, _ = select.select([self.fd], [], [], left)
+            if not ready:
+                return None
+            chunk = os.read(self.fd, 1 << 16)
+            if not chunk:
+                self.closed = True
+            self.buffer += chunk
+        line, self.buffer = self.buffer.split(b"\n", 1)
+        return dict(json.loads(line))
+
+
+def _send(stream: Any, message: Mapping[str, Any]) -> None:
+    stream.write(json.dumps(message) + "\n")
+    stream.flush()
+
+
+# ------------------------------------------------------------------------------ the engine's side
+
+
+@dataclasses.dataclass
+class _Server:
+    """The engine process's state: its engine, the weights sent but not loaded yet (by version) and
+    the requests not served yet, in order."""
+
+    engine: Any
+    folder: Path
+    loads: dict[int, str] = dataclasses.field(default_factory=dict)
+    requests: deque[dict[str, Any]] = dataclasses.field(default_factory=deque)
+
+    def take(self, message: dict[str, Any]) -> bool:
+        """File one message; False on ``stop``."""
+        if message["op"] == "stop":
+            return False
+        if message["op"] == "load":
+            self.loads[int(message["version"])] = message["path"]
+        else:
+            self.requests.append(message)
+        return True
+
+    def runnable(self) -> bool:
+        if not self.requests:
+            return False
+        version = int(self.requests[0]["version"])
+        return version == self.engine.weight_version or version in self.loads
+
+    def use_version(self, version: int) -> None:
+        """Load the weights of ``version`` unless the engine holds them (files of older versions go)."""
+        if version == self.engine.weight_version:
+            return
+        from safetensors.torch import load_file
+
+        path = self.loads.pop(version)
+        for old in [v for v in self.loads if v < version]:
+            Path(self.loads.pop(old)).unlink(missing_ok=True)
+        tensors = load_file(path)
+        Path(path).unlink(missing_ok=True)
+        self.engine.update_weights(list(tensors.items()), version=version, last=True)
+
+    def serve_one(self) -> dict[str, Any]:
+        request = self.requests.popleft()
+        reply: dict[str, Any] = {"id": request["id"]}
+        try:
+            self.use_version(int(request["version"]))
+            if request["op"] == "generate":
+                out: Any = completions_to_json(
+                    self.engine.generate(request["prompts"], params_from_json(request["params"]))
+                )
+                for group in out:
+                    for c in group:
+                        c["weight_version"] = self.engine.weight_version
+            else:  # score
+                scored, routes = self.engine.score_with_routes(
+                    request["sequences"], request["prompt_lens"], float(request["temperature"])
+                )
+                out = {"scored": scored, "routes": None if routes is None else [
+                    {"shape": list(r.shape), "data": r.reshape(-1).tolist()} for r in routes
+                ]}  # fmt: skip
+            path = self.folder / f"result-{request['id']}.json"
+            path.write_text(json.dumps(out))
+            reply["path"] = str(path)
+        except Exception as exc:  # reported to the trainer, which raises with it
+            reply["error"] = f"{type(exc).__name__}: {exc}"
+        return reply
+
+
+def serve(spec_path: str) -> None:
+    """The engine process: build the engine, say what weights it takes, then serve until ``stop``."""
+    # A signal to the job's process group (a scheduler's SIGTERM, Ctrl-C) is the trainer's to handle:
+    # it saves (waiting for the batches in flight) and exits, which closes this process's stdin.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    spec = json.loads(Path(spec_path).read_text())
+    out = os.fdopen(os.dup(1), "w")  # the replies' channel; anything else printed goes to stderr
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    torch.set_num_threads(int(spec["threads"]))
+    from grpo_megatron.rollout.embedded import EmbeddedEngine
+
+    engine = EmbeddedEngine(
+        spec["hf"], device="cpu", dtype=_DTYPES[spec["dtype"]], max_batch_rows=int(spec["max_batch_rows"]),
+        record_routes=bool(spec["record_routes"]),
+    )
+    expected = [[n, list(shape), str(dtype)] for n, (shape, dtype) in engine.expected_tensors().items()]
+    _send(out, {"ready": True, "expected": expected})
+    server = _Server(engine, Path(spec["folder"]))
+    reader = LineReader(sys.stdin.fileno())
+    while True:
+        message = reader.read(0.0)  # file whatever has arrived, without waiting
+        while message is None and not server.runnable():
+            message = reader.read(None)
+        if message is not None:
+            if not server.take(message):
+                break
+            continue
+        _send(out, server.serve_one())
+    engine.shutdown()
+
+
+# ----------------------------------------------------------------------------- the trainer's side
+
+
+class EngineProcess(RolloutEngine):
+    """The trainer's handle of an engine process (an ``EmbeddedEngine`` on CPU with ``threads``
+    threads). ``weight_version`` is the version last sent; requests are served with it."""
+
+    def __init__(
+        self,
+        hf: Mapping[str, Any],
+        *,
+        dtype: torch.dtype,
+        max_batch_rows: int = 0,
+        threads: int = 1,
+        record_routes: bool = True,
+        startup_timeout_s: float = 600.0,
+    ) -> None:
+        shm = Path("/dev/shm")
+        self.folder = Path(tempfile.mkdtemp(prefix="grpo-engine-", dir=shm if shm.is_dir() else None))
+        name = {v: k for k, v in _DTYPES.items()}[dtype]
+        spec = {"hf": dict(hf), "dtype": name, "max_batch_rows": max_batch_rows, "threads": threads,
+                "record_routes": record_routes, "folder": str(self.folder)}  # fmt: skip
+        (self.folder / "spec.json").write_text(json.dumps(spec))
+        env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "grpo_megatron.rollout.engine_process", str(self.folder / "spec.json")],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, text=True,
+        )  # fmt: skip
+        assert self.proc.stdout is not None
+        self._reader = LineReader(self.proc.stdout.fileno())
+        self._replies: dict[int, dict[str, Any]] = {}
+        self._next_id = 0
+        self._staged: dict[str, torch.Tensor] = {}
+        hello = self._wait(lambda: self._ready, startup_timeout_s, "start")
+        self._expected = {n: (tuple(shape), dtype) for n, shape, dtype in hello["expected"]}
+        self.weight_version = -1
+
+    _ready: dict[str, Any] | None = None
+
+    def _wait(self, ready: Callable[[], dict[str, Any] | None], timeout_s: float | None, what: str) -> dict[str, Any]:
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while (got := ready()) is None:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the engine process exited with code {self.proc.returncode} during {what}")
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError(f"the engine process did not {what} within {timeout_s} s")
+            message = self._reader.read(1.0)
+            if message is None:
+                continue
+            if "ready" in message:
+                self._ready = message
+            else:
+                self._replies[int(message["id"])] = message
+        return got
+
+    def _request(self, message: dict[str, Any]) -> int:
+        ticket = self._next_id
+        self._next_id += 1
+        assert self.proc.stdin is not None
+        _send(self.proc.stdin, {**message, "id": ticket, "version": self.weight_version})
+        return ticket
+
+    def _result(self, ticket: int) -> Any:
+        reply = self._wait(lambda: self._replies.pop(ticket, None), None, f"request {ticket}")
+        if "error" in reply:
+            raise RuntimeError(f"engine process: {reply['error']}")
+        path = Path(reply["path"])
+        data = json.loads(path.read_text())
+        path.unlink(missing_ok=True)
+        return data
+
+    # --------------------------------------------------------------------------- generation
+
+    def submit(
+        self, prompts: Sequence[Sequence[int]], params: SamplingParams
+    ) -> Callable[[], list[list[Completion]]]:
+        """Send the request and return at once; calling the result waits for the completions."""
+        ticket = self._request({"op": "generate", "prompts": [list(p) for p in prompts],
+                                "params": params_to_json(params)})  # fmt: skip
+        return lambda: completions_from_json(self._result(ticket))
+
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[list[Completion]]:
+        return self.submit(prompts, params)()
+
+    def score(self, sequences: Sequence[Sequence[int]], prompt_lens: Sequence[int], temperature: float) -> list[list[float]]:
+        return self.score_with_routes(sequences, prompt_lens, temperature)[0]
+
+    def score_with_routes(
+        self, sequences: Sequence[Sequence[int]], prompt_lens: Sequence[int], temperature: float
+    ) -> tuple[list[list[float]], list[torch.Tensor] | None]:
+        ticket = self._request({"op": "score", "sequences": [list(s) for s in sequences],
+                                "prompt_lens": list(prompt_lens), "temperature": temperature})  # fmt: skip
+        data = self._result(ticket)
+        routes = data["routes"]
+        if routes is not None:
+            routes = [torch.tensor(r["data"], dtype=torch.int64).reshape(r["shape"]) for r in routes]
+        return data["scored"], routes
+
+    # ------------------------------------------------------------------------------ weights
+
+    def check_manifest(self, manifest: Manifest, version: int) -> list[str]:
+        """Names and shapes against what the engine reported at start (completeness, where tied aliases
+        count once, and dtypes it checks on load)."""
+        sent = {name: tuple(shape) for name, shape, _ in manifest}
+        problems = [f"{n}: unknown to the engine" for n in sent if n not in self._expected][:5]
+        problems += [
+            f"{n}: shape {list(s)}, the engine has {list(self._expected[n][0])}"
+            for n, s in sent.items()
+            if n in self._expected and s != self._expected[n][0]
+        ][:5]
+        return problems
+
+    def update_weights(self, bucket: Bucket, *, version: int, last: bool) -> None:
+        """Copy each tensor (the stream's may be borrowed views); on ``last`` write them to a file the
+        engine loads before the first request sent after this call."""
+        from safetensors.torch import save_file
+
+        for name, tensor in bucket:
+            self._staged[name] = tensor.detach().to("cpu", copy=True).contiguous()
+        if not last:
+            return
+        staged, self._staged = self._staged, {}
+        path = self.folder / f"weights-{version}.safetensors"
+        save_file(staged, str(path))
+        assert self.proc.stdin is not None
+        _send(self.proc.stdin, {"op": "load", "version": version, "path": str(path)})
+        self.weight_version = version
+
+    def abort_update(self, version: int) -> None:
+        self._staged = {}
+
+    def shutdown(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                assert self.proc.stdin is not None
+                _send(self.proc.stdin, {"op": "stop"})
+                self.proc.wait(timeout=30)
+            except (OSError, subprocess.TimeoutExpired):
+                self.proc.kill()
+                self.proc.wait()
+        shutil.rmtree(self.folder, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    serve(sys.argv[1])

@@ -1,0 +1,127 @@
+"""The asynchronous arrangement of the GRPO phases (``rollout.embedded_process``, ``train.max_staleness``):
+a producer of scored groups running ahead of the consumer that trains. Same phases, other order.
+
+Synchronous (training/grpo.py, the engines in the trainer's processes)::
+
+    it k:  [rollout k][reward k][train k][sync v_k]
+    it k+1:                                        [rollout k+1][reward k+1][train k+1][sync v_k+1]
+
+Asynchronous, N = train.max_staleness (here 1; each engine in a process of its own)::
+
+    engine:  [rollout k+1 (v_k-1)]  [load v_k][rollout k+2 (v_k)]     [load v_k+1][rollout k+3 ...
+    trainer: [reward k][train k (v_k-1 -> v_k)][sync v_k][reward k+1][train k+1][sync v_k+1]
+
+Iteration j's batch is submitted to the engines right after the sync of version max(start, j-1-N)
+(the end of iteration j-1-N) and is generated with exactly those weights: the engine process serves
+its requests in order and loads the weights it was sent between two of them (rollout/
+engine_process.py). Iteration j trains the policy of version j-1, so every trained sample lags it
+by at most N versions (exactly N once the pipeline is full). The rollout phase's time
+(``time/rollout``) is then only the wait for a batch that is not done yet; reward scoring stays
+on the trainer's side (rank 0's reward pool) when the batch is taken.
+
+With N = 0 the batch of iteration j is submitted after the sync of version j-1 and taken at once:
+the synchronous loop, bit for bit (the same prompts, seeds and weights per batch).
+
+Resume: a checkpoint keeps the batches already submitted (their prompt indices and completions, as
+JSON text in ``trainer_state.pt``: nothing is unpickled), so a resumed run trains exactly what the
+uninterrupted run would have, with the same staleness.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from grpo_megatron.rollout.engine_process import completions_from_json, completions_to_json
+from grpo_megatron.training.phases.rollout import rollout_seed
+
+if TYPE_CHECKING:
+    from grpo_megatron.data import PromptSampler
+    from grpo_megatron.rollout.engine import Completion
+    from grpo_megatron.rollout.fleet import PendingRollout
+    from grpo_megatron.training.job import Job, Timer
+    from grpo_megatron.training.phases.reward import Group
+
+
+@dataclass
+class _Batch:
+    """One iteration's submitted batch: its prompts (indices into the training records) and either the
+    generation in flight or its completions."""
+
+    indices: list[int]
+    pending: PendingRollout | None = None
+    completions: list[list[Completion]] | None = None
+
+
+def staleness_metrics(trainer_version: int, completions: list[list[Completion]]) -> dict[str, float]:
+    """``async/staleness/{mean,max,min}``: the trainer's version minus each completion's."""
+    lags = [trainer_version - c.weight_version for group in completions for c in group]
+    return {
+        "async/staleness/mean": sum(lags) / max(len(lags), 1),
+        "async/staleness/max": float(max(lags, default=0)),
+        "async/staleness/min": float(min(lags, default=0)),
+    }
+
+
+class GroupProducer:
+    """Submits each iteration's rollout ahead of time (at most ``max_staleness`` versions ahead) and
+    hands the trainer scored groups (``take``). Every rank holds one and calls it together."""
+
+    def __init__(self, job: Job, sampler: PromptSampler, max_staleness: int) -> None:
+        self.job = job
+        self.sampler = sampler
+        self.max_staleness = max_staleness
+        self.batches: dict[int, _Batch] = {}
+
+    def _submit(self, iteration: int) -> None:
+        cfg = self.job.cfg
+        if iteration > cfg.train.iterations or iteration in self.batches:
+            return
+        indices = self.sampler.next_indices(cfg.train.prompts_per_iteration)
+        rollout = self.job.rollout
+        params = rollout.params(n=cfg.rollout.n_samples_per_prompt, seed=rollout_seed(cfg.train.seed, iteration))
+        records = [self.job.train_records[i] for i in indices]
+        pending = self.job.fleet.submit([list(r.prompt_ids) for r in records], params)
+        self.batches[iteration] = _Batch(indices, pending)
+
+    def start(self, version: int) -> None:
+        """After the run's first sync (weights ``version``): the batches of iterations version+1 ..
+        version+1+N, all sampled by ``version`` (those a resume restored are kept)."""
+        for iteration in range(version + 1, version + 2 + self.max_staleness):
+            self._submit(iteration)
+
+    def after_sync(self, version: int) -> None:
+        """The engines were sent ``version``: submit the batch that may lag it by N."""
+        self._submit(version + 1 + self.max_staleness)
+
+    def _completions(self, iteration: int) -> list[list[Completion]]:
+        batch = self.batches[iteration]
+        if batch.completions is None:
+            assert batch.pending is not None
+            batch.completions, batch.pending = self.job.fleet.collect(batch.pending), None
+        return batch.completions
+
+    def take(self, iteration: int, timer: Timer) -> tuple[list[Group], dict[str, float]]:
+        """Iteration ``iteration``'s scored groups and their metrics (reward, staleness)."""
+        with timer("rollout"):  # the wait for a batch the engines have not finished
+            completions = self._completions(iteration)
+        indices = self.batches.pop(iteration).indices
+        records = [self.job.train_records[i] for i in indices]
+        with timer("reward"):
+            scored = self.job.scorer.score(records, completions)
+        return scored.groups, scored.metrics | staleness_metrics(iteration - 1, completions)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Collective: the submitted batches, as plain data (their generations are waited for)."""
+        return {
+            "batches": {
+                str(it): {"indices": b.indices, "completions": json.dumps(completions_to_json(self._completions(it)))}
+                for it, b in sorted(self.batches.items())
+            }
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for it, b in state["batches"].items():
+            completions = completions_from_json(json.loads(b["completions"]))
+            self.batches[int(it)] = _Batch(list(b["indices"]), completions=completions)

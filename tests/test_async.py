@@ -1,0 +1,96 @@
+"""The asynchronous loop end to end (training/async_loop.py): real megatron-core at EP2 on 2 processes,
+each with its embedded engine in a process of its own (rollout/engine_process.py), the reward pool,
+checkpoints on disk. A length reward gives every group reward variance, so the policy really moves
+and a stale sample's ratio is not 1."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+
+from grpo_megatron.logging_utils.metrics import read_jsonl
+from tests.test_train import SMALL, comparable, finish, launch
+
+MOVING = [*SMALL, "reward.components=[{name: len, function: length, kwargs: {target_chars: 6}}]", "train.lr=1e-3"]
+ASYNC = ["rollout.embedded_process=true"]
+
+
+def test_max_staleness_zero_in_engine_processes_equals_the_synchronous_run_bitwise(tmp_path):
+    runs = {"sync": [], "async0": [*ASYNC, "train.max_staleness=0"]}
+    for name, extra in runs.items():
+        finish(launch("train", [*MOVING, *extra, "train.iterations=3", f"logging.run_dir={tmp_path / name}"]))
+    want = [comparable(r) for r in read_jsonl(tmp_path / "sync" / "metrics.jsonl")]
+    got = [comparable(r) for r in read_jsonl(tmp_path / "async0" / "metrics.jsonl")]
+    for r in got[1:]:
+        assert r.pop("async/staleness/max") == r.pop("async/staleness/min") == r.pop("async/staleness/mean") == 0
+    assert got == want, json.dumps([got[-1], want[-1]], indent=1)
+
+
+def test_one_step_off_lags_by_at_most_one_version_and_resumes_with_the_same_rules(tmp_path):
+    common = [*MOVING, *ASYNC, "train.max_staleness=1", "algorithm.off_policy.correction=icepop",
+              "train.iterations=4", "checkpoint.save_interval=2"]  # fmt: skip
+    full = tmp_path / "full"
+    finish(launch("train", [*common, f"logging.run_dir={full}"]))
+    records = read_jsonl(full / "metrics.jsonl")[1:]
+    # Iteration k trains version k-1 on samples of version max(0, k-2): lag 0 first, then exactly 1.
+    assert [r["async/staleness/max"] for r in records] == [0, 1, 1, 1]
+    assert [r["async/staleness/min"] for r in records] == [0, 1, 1, 1]
+    stale = records[-1]  # the policy moved since the samples' version: their ratio is not 1
+    assert stale["off_policy/ratio_max"] > 1 > stale["off_policy/ratio_min"]
+    assert 0 <= stale["off_policy/masked_frac"] < 1
+
+    cut = tmp_path / "cut"
+    proc = launch("train", [*common, f"logging.run_dir={cut}"])
+    latest = cut / "checkpoints" / "latest"
+    deadline = time.monotonic() + 300
+    while not (latest.is_file() and latest.read_text().strip().endswith("2")):
+        assert proc.poll() is None or latest.is_file(), proc.stdout.read()[-4000:]
+        assert time.monotonic() < deadline, "no checkpoint at iteration 2"
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGKILL)  # engine processes included: they are in the job's session
+    proc.communicate()
+    finish(launch("train", [*common, f"logging.run_dir={cut}", "checkpoint.resume=auto"]))
+    want = [comparable(r) for r in read_jsonl(full / "metrics.jsonl")]
+    got = [comparable(r) for r in read_jsonl(cut / "metrics.jsonl")]
+    assert [r["iteration"] for r in got] == [0, 1, 2, 3, 4]
+    assert got == want, json.dumps([got[-1], want[-1]], indent=1)
+
+
+def test_engine_process_serves_each_request_with_the_weights_sent_before_it(tmp_path):
+    # Two requests in flight around a weight update: the first is served with version 1, the second
+    # with version 2, whatever the timing; version 1's completions equal an in-process engine's bitwise.
+    import torch
+
+    from grpo_megatron.rollout.engine import SamplingParams
+    from grpo_megatron.rollout.engine_process import EngineProcess
+    from tests.helpers.tiny_configs import tiny_hf_config
+    from tests.test_rollout import _engine, _load, _saved
+
+    saved, _ = _saved("qwen3_moe", tmp_path)
+    remote = EngineProcess(tiny_hf_config("qwen3_moe"), dtype=torch.float32, threads=1)
+    prompts, params = [[3, 5, 7], [11, 2]], SamplingParams(n=2, max_new_tokens=5, seed=3)
+    try:
+        remote.update_weights(sorted(saved.items()), version=1, last=True)
+        first = remote.submit(prompts, params)
+        remote.update_weights([(n, t + 0.01) for n, t in sorted(saved.items())], version=2, last=True)
+        second = remote.submit(prompts, params)
+        got_2, got_1 = second(), first()
+    finally:
+        remote.shutdown()
+    assert {c.weight_version for g in got_1 for c in g} == {1}
+    assert {c.weight_version for g in got_2 for c in g} == {2}
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        local = _engine("qwen3_moe")
+        _load(local, saved)
+        want = local.generate(prompts, params)
+    finally:
+        torch.set_num_threads(threads)
+    for g_got, g_want in zip(got_1, want, strict=True):
+        for c, w in zip(g_got, g_want, strict=True):
+            assert (c.token_ids, c.logprobs, c.finish_reason) == (w.token_ids, w.logprobs, w.finish_reason)
+            assert w.routed_experts is not None and torch.equal(c.routed_experts, w.routed_experts)
+    assert [c.logprobs for g in got_2 for c in g] != [c.logprobs for g in got_1 for c in g]
