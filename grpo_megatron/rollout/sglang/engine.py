@@ -374,9 +374,8 @@ class SGLangEngine(RolloutEngine):
         self.tied_head = tied_output_head(hf_config)
         # The engine's expert parallelism decides which experts each of its GPUs loads; refused here
         # (naming rollout.sglang_server_args) when SGLang would place experts some other way.
-        # Width and expert parallelism: rollout/placement.py's decision (from_config passes it); built
-        # directly, rollout.sglang_tp / sglang_ep as set (0: 1). The EP decides which experts each GPU
-        # loads; server args that would place experts some other way are refused here.
+        # Width and EP: rollout/placement.py's (from_config passes them; engine_shape when built directly).
+        # The EP decides which experts each GPU loads; server args placing experts otherwise are refused.
         self.tp_size, self.ep_size = engine_shape(rollout, tp_size, ep_size)
         check_expert_placement(rollout.sglang_server_args)
         moe = "num_experts_per_tok" in hf_config
