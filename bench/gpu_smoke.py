@@ -213,7 +213,9 @@ def run_loop(label: str, cfg: Any, hf: dict[str, Any], ps: Any, policy: Any, arg
     prompts = torch.randint(3, hf["vocab_size"], (args.prompts, args.prompt_len), generator=gen).tolist()
     # The trainer's colocated choreography (train.offload_trainer), the same object and order; gradients
     # are discarded, not copied: this loop zeroes them before its next step anyway.
-    colocated = ColocatedMemory(policy, fleet, enabled=True, discard_grads=True)
+    assert fleet.placement is not None  # RolloutFleet.build decides it
+    offloading = dataclasses.replace(fleet.placement, offload_trainer=True, swaps_engine_memory=True)
+    colocated = ColocatedMemory(policy, fleet, offloading.phases(), discard_grads=True)
     records: list[dict[str, float]] = []
     probe: ProbeBatch | None = None
     if on_cuda(device):
@@ -232,8 +234,6 @@ def run_loop(label: str, cfg: Any, hf: dict[str, Any], ps: Any, policy: Any, arg
         if probe is None:
             probe = probe_batch(prompts, [[c.token_ids for c in g] for g in completions], size=cfg.rollout.probe_batch)
         with phase(times, "onload", device):  # engines release, then the trainer's state returns
-            if it == 0:
-                fleet.release_memory()  # nothing offloaded yet: to_trainer has nothing to do
             colocated.to_trainer()
         with phase(times, "train", device):
             step = grpo_step(policy, ps, hf, cfg, prompts, completions, replay="r3" in args.routing_replay)

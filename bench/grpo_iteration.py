@@ -13,7 +13,7 @@ Qwen3-MoE policy, both from random initialisation (``model.hf_overrides``):
 Each size is one ``torch.distributed.run`` launch of 2 ranks (this script with ``--worker``) that
 builds the real job (``training/job.py:build_job``) and runs the trainer's own phase functions in
 the order of ``training/grpo.py:run_iteration`` (itself: rollout + reward rounds, ``job.memory.to_trainer``
-(onload, a no-op unless train.offload_trainer), ``build_samples`` + ``plan_update`` (advantages),
+(onload, a no-op unless the engines share the trainer's memory or train.offload_trainer), ``build_samples`` + ``plan_update`` (advantages),
 ``logprob_pass`` (reference; old-policy too with ``--updates`` > 1), ``update_policy`` (train),
 ``sync_weights`` (sync: the export stream into the engines, row sync_stream, then the mismatch
 probe), from ``training/phases/``). Evaluation, metrics and
@@ -213,8 +213,8 @@ def worker(args: argparse.Namespace) -> None:
         probe = job_probe(job)
         sync_to_engines(job, 0, probe)  # the engines start from the trainer's weights
         skipped = [] if job.reference is not None else ["ref_logprob"]
-        if not cfg.train.offload_trainer:
-            skipped.append("onload")
+        if job.fleet.placement is None or not job.fleet.placement.swaps_engine_memory:
+            skipped.append("onload")  # nothing moves (rollout/placement.py's phases)
         if not (cfg.train.updates_per_iteration > 1 and cfg.train.old_logprobs == "trainer"):
             skipped.append("old_logprob")
         records: list[dict[str, Any]] = []

@@ -142,7 +142,7 @@ def test_model_states_match_zero_paper() -> None:
 def test_recompute_and_suggestions(tmp_path: Path) -> None:
     path = RECIPES / "deepseek_v3_671b.yaml"
     hf = json.loads((RECIPES / "deepseek_v3_671b" / "config.json").read_text())
-    opts = memory.PlanOptions(rollout_gpus_per_engine=32, offload_trainer=True)
+    opts = memory.PlanOptions()  # the recipe says sglang_tp 32, sglang_ep 32, offload_trainer
     acts = {}
     for mode in ("none", "selective", "full"):
         cfg = load_config(path, [f"model.recompute={mode}"])

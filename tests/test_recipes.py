@@ -121,3 +121,80 @@ def test_prepare_countdown(tmp_path: Path) -> None:
     sample = RewardSample(prompt=row["prompt"], response="</think> <answer>3 * 8 * 1</answer>",
                           label=row["answer"], metadata=row["metadata"])  # fmt: skip
     assert countdown_reward(sample) == 1.0
+
+
+def _cluster(recipe: Path) -> tuple[int, int, str]:
+    args = plan_line(recipe)
+    return int(args[args.index("--nodes") + 1]), int(args[args.index("--gpus-per-node") + 1]), args[args.index("--gpu") + 1]
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.stem)
+def test_recipe_plan_line_is_only_its_cluster(recipe: Path) -> None:
+    """The '# plan:' line names the cluster and nothing the YAML should say (engine width, EP, offload)."""
+    args = plan_line(recipe)
+    flags = [a for a in args[1:] if a.startswith("--")]
+    assert sorted(flags) == ["--gpu", "--gpus-per-node", "--nodes"], args
+    header = recipe.read_text().split("\n\n", 1)[0]
+    for words in ("engine width", "engine EP", "offload"):
+        assert words in header, f"{recipe.name}'s header does not say its {words}"
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.stem)
+def test_recipe_runtime_placement_at_scale_is_the_plans(
+    recipe: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """At the recipe's published scale, on torch's fake process group (as the dry run): the runtime's
+    placement (rollout/placement.py from megatron's real parallel state), the SGLang layout and server
+    arguments each engine rank would start with, what it would receive, and the memory phases
+    ColocatedMemory would move by, are the ones `grpo-megatron plan` prints for the recipe."""
+    import torch
+
+    from grpo_megatron.config import load_config
+    from grpo_megatron.planner import memory
+    from grpo_megatron.planner.dry_run import fake_world, parallel_state_here
+    from grpo_megatron.planner.model_states import Layout
+    from grpo_megatron.rollout.placement import routed_experts, runtime_placement
+    from grpo_megatron.rollout.sglang.engine import _layout_of
+    from grpo_megatron.rollout.sglang.ipc import colocated_server_args
+    from grpo_megatron.rollout.sglang.shards import rank_needs
+    from grpo_megatron.training.offload import ColocatedMemory
+
+    nodes, gpus, gpu = _cluster(recipe)
+    world = nodes * gpus
+    cfg = load_config(recipe)
+    hf = cfg.model.load_hf_config()
+    plan = memory.plan_memory(cfg, hf, world, memory.PlanOptions(gpus_per_node=gpus, gpu=memory.GPUS[gpu]))
+    assert plan.fits
+    planned = plan.placement
+    assert planned.colocated_sglang  # every recipe runs colocated SGLang engines
+    width, ep = planned.gpus_per_engine, planned.engine_ep
+    layout = Layout.from_config(cfg.parallel, world)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(gpus))
+    for rank in sorted({0, width - 1, min(gpus, width - 1), world - width, world - 1}):
+        monkeypatch.setenv("LOCAL_RANK", str(rank % gpus))
+        with fake_world(rank, world, layout):
+            ps = parallel_state_here(rank, layout, torch.device("meta"))
+            runtime = runtime_placement(cfg.rollout, cfg.train.offload_trainer, ps, hf)
+            here, _, _ = _layout_of(runtime, ps)
+        assert runtime == planned, rank
+        assert here.members == planned.engines[planned.engine_of(rank)] and here.nnodes == len(planned.nodes(planned.engine_of(rank)))
+        args = colocated_server_args(
+            cfg.rollout, "/m", base_gpu_id=here.base_gpu_id, dtype=cfg.model.dtype, seed=0, moe=bool(routed_experts(hf)),
+            tp_size=runtime.gpus_per_engine, ep_size=runtime.engine_ep, nnodes=here.nnodes, node_rank=here.node_rank,
+            dist_init_addr="node0:1" if here.multi_node else None,
+        )  # fmt: skip
+        assert (args["tp_size"], args["ep_size"]) == (width, ep)
+        needs = rank_needs(hf, width, ep, here.members.index(rank))
+        assert (needs.count if needs is not None else routed_experts(hf)) == routed_experts(hf) // ep
+        assert ColocatedMemory(None, None, runtime.phases()).phases == planned.phases()  # type: ignore[arg-type]
+    nodes_of_last = planned.nodes(len(planned.engines) - 1)
+    assert cli_main(["plan", str(recipe), "--nodes", str(nodes), "--gpus-per-node", str(gpus), "--gpu", gpu]) == 0
+    out = capsys.readouterr().out
+    assert f"rollout: {len(planned.engines)} SGLang engine(s) x {width} GPU(s)" in out
+    assert f"engine EP {ep} " in out and f"train.offload_trainer={str(cfg.train.offload_trainer).lower()}" in out
+    last = planned.engines[-1]
+    where = f"node {nodes_of_last[0]}" if len(nodes_of_last) == 1 else f"nodes {nodes_of_last[0]}-{nodes_of_last[-1]}"
+    assert f"ranks {last[0]}-{last[-1]} on {where}" in out
+    for phase in ("start-up", "rollout", "train", "sync", "save"):
+        assert phase in out
+    assert "override" not in out and "FITS" in out

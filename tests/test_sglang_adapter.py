@@ -81,10 +81,12 @@ def test_sglang_config_fields_are_validated() -> None:
     cfg = load_config(EXAMPLE, ["rollout.engine=sglang", "rollout.sglang_mode=disaggregated"])
     with pytest.raises(ValueError, match="sglang_mode=disaggregated needs rollout.sglang_server_urls"):
         cfg.rollout.validate()
-    bad = RolloutConfig(sglang_tp=0, sglang_server_urls=["node1:30000"], sglang_sync_master_port=0)
+    bad = RolloutConfig(sglang_tp=-1, sglang_ep=-2, sglang_server_urls=["node1:30000"], sglang_sync_master_port=0,
+                        sglang_server_args={"tp_size": 2, "ep_size": 2})  # fmt: skip
     with pytest.raises(ValueError) as info:
         bad.validate()
-    for field in ("sglang_tp=0", "sglang_server_urls", "sglang_sync_master_port=0"):
+    for field in ("sglang_tp=-1", "sglang_ep=-2", "sglang_server_urls", "sglang_sync_master_port=0",
+                  "sets tp_size: set rollout.sglang_tp", "sets ep_size: set rollout.sglang_ep"):  # fmt: skip
         assert field in str(info.value)
     good = load_config(
         EXAMPLE,
@@ -255,8 +257,8 @@ def test_colocated_groups_and_engine_arguments() -> None:
         gpu_memory_utilization=0.4,
         sglang_server_args={"attention_backend": "fa3", "log_level": "info"},
     )
-    args = colocated_server_args(rollout, "/m", base_gpu_id=2, dtype="bfloat16", seed=5, moe=True)
-    assert args["tp_size"] == 2 and args["base_gpu_id"] == 2 and args["mem_fraction_static"] == 0.4
+    args = colocated_server_args(rollout, "/m", base_gpu_id=2, dtype="bfloat16", seed=5, moe=True, tp_size=2, ep_size=2)
+    assert args["tp_size"] == 2 and args["ep_size"] == 2 and args["base_gpu_id"] == 2 and args["mem_fraction_static"] == 0.4
     assert args["enable_memory_saver"] is True and args["enable_return_routed_experts"] is True
     assert args["attention_backend"] == "fa3" and args["log_level"] == "info"  # the user's args win
     assert (
@@ -324,8 +326,9 @@ def test_the_engine_address_is_its_first_node_and_the_nodes_must_be_whole_and_no
 
 
 def test_server_args_of_each_node_of_a_multi_node_engine() -> None:
-    rollout = RolloutConfig(sglang_tp=16, gpu_memory_utilization=0.5, sglang_server_args={"ep_size": 16})
-    common = dict(base_gpu_id=0, dtype="bfloat16", seed=7, moe=True, nnodes=2, dist_init_addr="node-a:41234")
+    rollout = RolloutConfig(sglang_tp=16, gpu_memory_utilization=0.5)
+    common = dict(base_gpu_id=0, dtype="bfloat16", seed=7, moe=True, tp_size=16, ep_size=16, nnodes=2,
+                  dist_init_addr="node-a:41234")  # fmt: skip
     first = colocated_server_args(rollout, "/m", node_rank=0, **common)
     second = colocated_server_args(rollout, "/m", node_rank=1, **common)
     assert first["tp_size"] == 16 and first["nnodes"] == 2 and first["dist_init_addr"] == "node-a:41234"
@@ -333,7 +336,8 @@ def test_server_args_of_each_node_of_a_multi_node_engine() -> None:
     assert {k: v for k, v in first.items() if k != "node_rank"} == {k: v for k, v in second.items() if k != "node_rank"}
     assert first["enable_memory_saver"] is True and first["random_seed"] == 7 and first["ep_size"] == 16
     # inside a node nothing of SGLang's multi-node launch is passed (the arguments are as before)
-    single = colocated_server_args(RolloutConfig(sglang_tp=8), "/m", base_gpu_id=0, dtype="bfloat16", seed=7, moe=True)
+    single = colocated_server_args(RolloutConfig(sglang_tp=8), "/m", base_gpu_id=0, dtype="bfloat16", seed=7, moe=True,
+                                   tp_size=8)  # fmt: skip
     assert not {"nnodes", "node_rank", "dist_init_addr"} & set(single)
     # what the layout decides cannot be overridden across nodes
     clash = RolloutConfig(sglang_tp=16, sglang_server_args={"nnodes": 4, "base_gpu_id": 2})
@@ -344,9 +348,9 @@ def test_server_args_of_each_node_of_a_multi_node_engine() -> None:
 def test_from_config_takes_an_engine_across_nodes_and_refuses_one_that_does_not_tile_them(monkeypatch) -> None:
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
     monkeypatch.delenv("LOCAL_RANK", raising=False)
-    ps = SimpleNamespace(rank=8, world_size=16, device="cpu")
+    ps = SimpleNamespace(rank=8, world_size=16, device="cpu", tp=1, pp=1, cp=1)
     cfg = load_config(EXAMPLE, ["rollout.engine=sglang", "rollout.sglang_tp=12"])
-    with pytest.raises(ValueError, match=r"rollout.sglang_tp=12 does not fit 16 ranks with 8 GPUs per node"):
+    with pytest.raises(ValueError, match=r"engines of 12 GPUs \(rollout.sglang_tp=12\) do not fit 16 ranks with 8 GPUs"):
         SGLangEngine.from_config(engine_spec(cfg), ps)
     # 16 over two nodes of 8 is a valid layout: rank 8 is not its leader (rank 0 drives the engine)
     cfg = load_config(EXAMPLE, ["rollout.engine=sglang", "rollout.sglang_tp=16"])
@@ -369,9 +373,10 @@ def test_a_further_node_starts_its_part_of_the_engine_without_blocking(monkeypat
     monkeypatch.setattr(sglang, "Engine", Recorder)
     monkeypatch.delenv("SGLANG_BLOCK_NONZERO_RANK_CHILDREN", raising=False)
     cfg = load_config(EXAMPLE, ["rollout.engine=sglang", "rollout.sglang_tp=16", f"model.hf_path={tmp_path}"])
-    start_node_part(engine_spec(cfg), colocated_layout(8, 16, 16, 8, 0), "node-a:41234")
+    start_node_part(engine_spec(cfg), colocated_layout(8, 16, 16, 8, 0), "node-a:41234", 2)
     (args,) = started
     assert args["env"] == "0" and args["nnodes"] == 2 and args["node_rank"] == 1 and args["tp_size"] == 16
+    assert args["ep_size"] == 2  # the placement's engine EP, as on the leader's node
     assert args["dist_init_addr"] == "node-a:41234" and args["base_gpu_id"] == 0
     assert args["random_seed"] == cfg.train.seed  # the leader's (rank 0's) seed on every node
     assert args["enable_return_routed_experts"] is cfg.rollout.sglang_routed_experts  # an MoE model
@@ -466,7 +471,7 @@ def test_http_client_calls_sglangs_endpoints_and_reports_failures(fake_server) -
 
 
 def test_each_engine_gpu_needs_dense_tensors_and_the_experts_of_its_ep_block() -> None:
-    from grpo_megatron.rollout.sglang.shards import engine_ep_size, moe_ep_rank, rank_needs
+    from grpo_megatron.rollout.sglang.shards import check_expert_placement, moe_ep_rank, rank_needs
 
     hf = {"num_experts": 8, "num_experts_per_tok": 2}
     # SGLang strides its MoE EP groups by moe_tp = tp / ep: TP rank r is EP rank r // moe_tp.
@@ -484,16 +489,16 @@ def test_each_engine_gpu_needs_dense_tensors_and_the_experts_of_its_ep_block() -
     import pickle
 
     assert pickle.loads(pickle.dumps(needs)) == needs  # travels in the plan's metadata exchange
-    # ep_size comes from rollout.sglang_server_args; placements we cannot follow are refused by name.
-    assert engine_ep_size({}, 4, hf) == 1 and engine_ep_size({"ep_size": 4}, 4, hf) == 4
+    # The EP is rollout/placement.py's (tests/test_placement.py); expert placements we cannot follow
+    # are refused by name.
+    check_expert_placement({"attention_backend": "fa3", "enable_eplb": False})
     for args, match in (
-        ({"ep_size": 3}, "divide rollout.sglang_tp"),
-        ({"ep_size": 2, "enable_eplb": True}, "enable_eplb"),
-        ({"ep_size": 2, "ep_num_redundant_experts": 8}, "ep_num_redundant_experts"),
+        ({"enable_eplb": True}, "enable_eplb"),
+        ({"ep_num_redundant_experts": 8}, "ep_num_redundant_experts"),
         ({"moe_dp_size": 2}, "moe_dp_size"),
     ):
         with pytest.raises(ValueError, match=match) as err:
-            engine_ep_size(args, 4, hf)
+            check_expert_placement(args)
         assert "rollout.sglang_server_args" in str(err.value)
 
 

@@ -110,6 +110,25 @@ def test_release_and_resume_in_the_trainers_order_from_the_first_sync(scenarios)
     assert got["nothing_left_released"]
 
 
+def test_colocated_memory_moves_the_real_engine_by_the_placements_phases(scenarios) -> None:
+    """training/offload.py:ColocatedMemory in the trainer's order (start-up, sync, probe, rollout, train,
+    save) with rollout/placement.py's phases: the engine releases all its memory for training with and
+    without trainer offload, takes its weights back for the sync and its caches for the probe, keeps
+    its weights through a save; the trainer's state is off the device while the engines are built;
+    generation after every cycle is the engine's own, bit for bit."""
+    got = scenario(scenarios, "phases_in_trainer_order")
+    cycle = [("sync", ["cuda_graph", "kv_cache"]), ("probe", []), ("rollout", []), ("train", ["cuda_graph", "kv_cache", "weights"])]
+    for mode in ("resident", "offload"):
+        run = got[mode]
+        steps = [tuple(s) for s in run["steps"]]
+        assert steps[:9] == [("start-up, then train", ["cuda_graph", "kv_cache", "weights"]), *cycle, *cycle], mode
+        save = ["cuda_graph", "kv_cache"] if mode == "offload" else []  # the save keeps the engine's weights
+        assert steps[9:] == [("save", save), ("rollout", [])], mode
+        assert run["trainer_bytes_while_engines_start"] == 0 and run["trainer_bytes_in_train"] > 0, mode
+        assert (run["grad_bytes_in_save"] == 0) is (mode == "offload"), mode  # a save reads no gradients
+        assert run["bitwise"], mode
+
+
 def test_the_engine_shuts_down(scenarios) -> None:
     assert scenario(scenarios, "shutdown") == {"ok": True}
 

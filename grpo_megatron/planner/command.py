@@ -34,14 +34,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--rollout-gpus-per-engine",
         type=int,
         default=None,
-        help="GPUs one SGLang engine spans (default: a node for rollout.placement=per_node, else tp*pp*cp)",
+        help="override rollout.sglang_tp (GPUs one SGLang engine spans); printed as an override",
     )
     parser.add_argument(
         "--rollout-engine-ep",
         type=int,
         default=None,
-        help="expert parallelism inside one SGLang engine (its ep_size; default: the GPUs per engine for MoE "
-        "models, 1 for dense ones): an engine GPU receives the dense weights + experts / this",
+        help="override rollout.sglang_ep (expert parallelism inside one SGLang engine); printed as an override",
     )
     parser.add_argument(
         "--rollout-weight-bytes", type=int, choices=(1, 2), default=2, help="engine weight bytes: 2 bf16, 1 fp8"
@@ -49,7 +48,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--offload-trainer",
         action="store_true",
-        help="the trainer's parameters, gradients and optimizer state leave the GPU while the engine generates",
+        help="override train.offload_trainer=true; printed as an override",
     )
     parser.add_argument(
         "--dry-run",
@@ -74,11 +73,38 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.set_defaults(nodes=1, gpus_per_node=8, world_size=8)
 
 
-def run(cfg: JobConfig, args: argparse.Namespace) -> int:
-    """Print the memory plan (and the dry run); exit 1 if it does not fit or the dry run fails."""
-    from rich.console import Console
+OVERRIDES = (
+    ("rollout_gpus_per_engine", "--rollout-gpus-per-engine", "rollout", "sglang_tp"),
+    ("rollout_engine_ep", "--rollout-engine-ep", "rollout", "sglang_ep"),
+    ("offload_trainer", "--offload-trainer", "train", "offload_trainer"),
+)
+"""Flags that change a config value: (argument, flag, section, field). ``plan`` says so when used."""
 
-    from grpo_megatron.planner import memory
+
+def apply_overrides(cfg: JobConfig, args: argparse.Namespace) -> tuple[JobConfig, list[str]]:
+    """``cfg`` with the flags of ``OVERRIDES`` that were given, and one line per change."""
+    import dataclasses
+
+    said = []
+    for arg, flag, section, name in OVERRIDES:
+        value = getattr(args, arg, None)
+        if value in (None, False):
+            continue
+        part = getattr(cfg, section)
+        old = getattr(part, name)
+        shown = [str(v).lower() if isinstance(v, bool) else str(v) for v in (value, old)]
+        said.append(f"override: {section}.{name}={shown[0]} ({flag}; the config says {shown[1]})")
+        cfg = dataclasses.replace(cfg, **{section: dataclasses.replace(part, **{name: value})})
+    return cfg, said
+
+
+def run(cfg: JobConfig, args: argparse.Namespace) -> int:
+    """Print the placement, every phase's memory and the weight-sync estimate (and the dry run);
+    exit 1 if it does not fit or the dry run fails."""
+    from rich.console import Console
+    from rich.text import Text
+
+    from grpo_megatron.planner import memory, sync
 
     if args.gpu == "custom":
         if args.gpu_memory_gb is None:
@@ -87,37 +113,31 @@ def run(cfg: JobConfig, args: argparse.Namespace) -> int:
         gpu = memory.custom_gpu(args.gpu_memory_gb)
     else:
         gpu = memory.GPUS[args.gpu]
-    opts = memory.PlanOptions(
-        gpus_per_node=args.gpus_per_node,
-        gpu=gpu,
-        rollout_gpus_per_engine=args.rollout_gpus_per_engine,
-        rollout_weight_bytes=args.rollout_weight_bytes,
-        offload_trainer=args.offload_trainer,
-    )
+    cfg, overrides = apply_overrides(cfg, args)
+    opts = memory.PlanOptions(gpus_per_node=args.gpus_per_node, gpu=gpu, rollout_weight_bytes=args.rollout_weight_bytes)
     hf = cfg.model.load_hf_config()
-    plan = memory.plan_memory(cfg, hf, args.world_size, opts)
+    console = Console(width=160)
+    for line in overrides:
+        console.print(Text(line, style="bold yellow"))
+    try:
+        plan = memory.plan_memory(cfg, hf, args.world_size, opts)
+    except ValueError as exc:  # the placement refuses the config at this cluster, naming the field
+        console.print(Text(f"grpo-megatron plan: {exc}", style="bold red"))
+        return EXIT_DOES_NOT_FIT
     if not plan.fits:
         plan.suggestions = memory.suggest(cfg, hf, args.world_size, opts, plan)
-    console = Console(width=160)
-    console.print(memory.render(plan, cfg))
-    from grpo_megatron.planner import sync
-
     links = sync.Links(args.nvlink_gbps, args.pcie_gbps, args.ib_gbps, args.copy_gbps)
-    layout = memory.Layout.from_config(cfg.parallel, args.world_size)
-    if cfg.rollout.engine == "sglang":
-        engine_gpus = args.rollout_gpus_per_engine or (
-            args.gpus_per_node if cfg.rollout.placement == "per_node" else layout.tp * layout.pp * layout.cp
-        )
-    else:
-        engine_gpus = {"per_rank": 1, "per_node": args.gpus_per_node}.get(
-            cfg.rollout.placement, layout.tp * layout.pp * layout.cp
-        )
-    estimates = sync.plan_sync(
-        hf, layout, gpus_per_node=args.gpus_per_node, gpus_per_engine=min(engine_gpus, args.world_size),
-        export_bytes=args.rollout_weight_bytes, links=links,
-        engine_ep=args.rollout_engine_ep if cfg.rollout.engine == "sglang" else 1,
-    )  # fmt: skip
-    console.print(sync.render(estimates, links), markup=False)
+    placement = plan.placement
+    estimates = []
+    if placement.engines:
+        estimates = sync.plan_sync(
+            hf, plan.layout, gpus_per_node=args.gpus_per_node, gpus_per_engine=args.world_size // len(placement.engines),
+            export_bytes=args.rollout_weight_bytes, links=links, engine_ep=placement.engine_ep,
+        )  # fmt: skip
+    receives = min((e.engine_gpu.received for e in estimates), default=None)
+    console.print(memory.render(plan, cfg, receives / sync.GB if receives is not None else None))
+    if estimates:
+        console.print(sync.render(estimates, links), markup=False)
     if args.phase_times or cfg.train.max_staleness > 0:
         console.print(async_section(cfg, args), markup=False)
     rc = 0 if plan.fits else EXIT_DOES_NOT_FIT

@@ -46,6 +46,7 @@ from grpo_megatron.planner.model_states import (
     stage_layers,
     total_params,
 )
+from grpo_megatron.rollout.placement import PHASES, Occupancy, RolloutPlacement, decide_placement
 
 if TYPE_CHECKING:
     from grpo_megatron.config import JobConfig
@@ -91,20 +92,14 @@ def custom_gpu(memory_gib: float) -> GPU:
 
 @dataclass(frozen=True)
 class PlanOptions:
-    """Knobs of the estimate that the job config does not hold."""
+    """Knobs of the estimate that the job config does not hold (the cluster and the assumptions)."""
 
     gpus_per_node: int = 8
     """GPUs per node (the world size is nodes x gpus_per_node)."""
     gpu: GPU = GPUS["h100"]
     """The GPU the job runs on."""
-    rollout_gpus_per_engine: int | None = None
-    """GPUs one SGLang engine spans; None = from rollout.placement (per_node: a node,
-    per_dp_rank: one model replica, tp*pp*cp GPUs)."""
     rollout_weight_bytes: int = 2
     """Bytes per weight in the rollout engine (2 = bf16; 1 for fp8 engines)."""
-    offload_trainer: bool = False
-    """Trainer parameters, gradients and optimizer state leave the GPU while the engine generates
-    (otherwise they stay resident beside the engine)."""
     grad_bytes: int = 4
     """Bytes per main gradient: 4, because training/policy.py reduces gradients in fp32."""
     moe_imbalance: float = 1.25
@@ -124,7 +119,7 @@ class Line:
 
 @dataclass
 class MemoryPlan:
-    """Per-GPU memory of the busiest rank in each phase, and whether it fits."""
+    """Per-GPU memory of the busiest rank (an engine GPU) in each phase, and whether it fits."""
 
     world_size: int
     layout: Layout
@@ -133,25 +128,38 @@ class MemoryPlan:
     params_rank: ParamCounts
     peak_stage: int
     tokens_per_micro_batch: int
-    train: list[Line]
-    rollout: list[Line]
+    placement: RolloutPlacement
+    """rollout/placement.py's decision: the runtime's, from the same config."""
+    phases: dict[str, list[Line]]
+    """Phase name (rollout/placement.py PHASES; "probe" only when the mismatch probe runs) -> lines."""
     kv_tokens: int | None
     seq_len: int
     notes: list[str] = field(default_factory=list)
     suggestions: list[str] = field(default_factory=list)
 
+    def phase_gib(self, phase: str) -> float:
+        return sum(x.gib for x in self.phases.get(phase, []))
+
+    @property
+    def train(self) -> list[Line]:
+        return self.phases["train"]
+
     @property
     def train_gib(self) -> float:
-        return sum(x.gib for x in self.train)
+        return self.phase_gib("train")
 
     @property
     def rollout_gib(self) -> float:
-        return sum(x.gib for x in self.rollout)
+        return self.phase_gib("rollout")
+
+    @property
+    def peak_gib(self) -> float:
+        return max(self.phase_gib(p) for p in self.phases)
 
     @property
     def fits(self) -> bool:
         kv_ok = self.kv_tokens is None or self.kv_tokens >= self.seq_len
-        return self.train_gib <= self.gpu.memory_gib and self.rollout_gib <= self.gpu.memory_gib and kv_ok
+        return self.peak_gib <= self.gpu.memory_gib and kv_ok
 
 
 def tokens_per_micro_batch(cfg: JobConfig) -> int:
@@ -171,124 +179,144 @@ def kv_bytes_per_token(d: ModelDims, engine_gpus: int) -> float:
     return 2 * d.num_layers * heads_per_gpu * d.head_dim * 2
 
 
-def _rollout_phase(
-    cfg: JobConfig,
-    opts: PlanOptions,
-    layout: Layout,
-    d: ModelDims,
-    all_params: int,
-    seq_len: int,
-    train_lines: list[Line],
-) -> tuple[list[Line], int | None, list[str]]:
-    """The rollout phase's lines (an SGLang engine's weights and KV cache beside what the trainer keeps
-    resident), its KV-cache tokens (None: not planned) and the plan's notes."""
-    gib = GIB
-    notes: list[str] = []
-    rollout_lines: list[Line] = []
-    kv_tokens: int | None = None
-    if cfg.rollout.engine == "sglang":
-        engine_gpus = opts.rollout_gpus_per_engine or (
-            opts.gpus_per_node if cfg.rollout.placement == "per_node" else layout.tp * layout.pp * layout.cp
-        )
-        pool = cfg.rollout.gpu_memory_utilization * opts.gpu.memory_gib * gib
-        weights = all_params * opts.rollout_weight_bytes / engine_gpus
-        kv = pool - weights
-        kv_tokens = max(0, int(kv // kv_bytes_per_token(d, engine_gpus)))
-        resident = 0.0
-        if not opts.offload_trainer:
-            resident = sum(x.gib for x in train_lines if x.name in ("parameters", "gradients", "optimizer state", "reference model"))
-        rollout_lines = [
-            Line("engine weights", weights / gib, f"{human_count(all_params)} / {engine_gpus} GPUs per engine"),
-            Line("engine KV cache", max(kv, 0) / gib, f"{kv_tokens:,} tokens ({kv_tokens // max(seq_len, 1):,} full sequences)"),
-            Line("trainer, resident", resident, "offloaded" if opts.offload_trainer else "params + grads + optimizer (+ ref)"),
-            Line("runtime reserve", opts.reserve_gib, "CUDA context, NCCL, fragmentation"),
-        ]
-        if kv <= 0:
-            notes.append(
-                f"the engine's weights ({weights / gib:.1f} GiB per GPU) exceed its pool "
-                f"(rollout.gpu_memory_utilization={cfg.rollout.gpu_memory_utilization} x {opts.gpu.memory_gib:.0f} GiB)"
-            )
-        notes.append("training phase assumes the engine released its memory (SGLang memory saver)")
-    else:
-        notes.append("rollout.engine=embedded: generation reuses the policy's weights; its KV cache is not planned")
-    return rollout_lines, kv_tokens, notes
+@dataclass
+class _Trainer:
+    """The busiest pipeline stage's trainer lines: its state by part, and what only training adds."""
+
+    stage: int
+    counts: ParamCounts
+    state: dict[str, Line]
+    """"params", "grads", "optimizer" (rollout/placement.py TRAINER_PARTS) and "reference"."""
+    training: list[Line]
+    """Activations and MoE dispatch buffers."""
+
+    @property
+    def total(self) -> float:
+        return sum(x.gib for x in self.state.values()) + sum(x.gib for x in self.training)
 
 
-def plan_memory(cfg: JobConfig, hf: Mapping[str, Any], world_size: int, opts: PlanOptions) -> MemoryPlan:
-    """Per-GPU memory of ``cfg`` on ``world_size`` GPUs (the config must validate at that size)."""
-    layout = Layout.from_config(cfg.parallel, world_size)
+def _stage_lines(cfg: JobConfig, hf: Mapping[str, Any], layout: Layout, opts: PlanOptions, stage: int) -> _Trainer:
     d = ModelDims.from_hf(hf)
     te = cfg.model.transformer_impl != "local"  # GPUs use TransformerEngine unless told otherwise
-    flash = te
     vp = padded_vocab_size(d.vocab, cfg.model.make_vocab_size_divisible_by, layout.tp)
     tensors = canonical_tensors(hf, padded_vocab=vp, pp=layout.pp, te=te)
-    pbytes = DTYPE_BYTES[cfg.model.dtype]
-    act_bytes = pbytes
-    tokens_mb = tokens_per_micro_batch(cfg)
+    pbytes = act_bytes = DTYPE_BYTES[cfg.model.dtype]
     seq_len = cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens
-    tokens = tokens_mb / layout.cp  # on one rank
-    # 1F1B: the first stage holds the activations of pp micro-batches, the last one of one.
+    tokens = tokens_per_micro_batch(cfg) / layout.cp  # on one rank
     opt_bytes = 8 if pbytes == 4 else 12  # Adam moments (+ fp32 master copy of 16-bit params)
     dense_shards = layout.dp * layout.cp if cfg.parallel.use_distributed_optimizer else 1
     expert_shards = layout.edp if cfg.parallel.use_distributed_optimizer else 1
-    gib = GIB
-
-    best: tuple[float, int, list[Line], ParamCounts] | None = None
-    for stage in range(layout.pp):
-        counts = rank_param_counts(tensors, layout, d, stage)
-        layers = stage_layers(d.num_layers, layout.pp, stage)
-        in_flight = layout.pp - stage
-        per_layer = [
-            layer_activation_bytes(d, i, layout, act_bytes, seq_len=seq_len, flash=flash, moe_imbalance=opts.moe_imbalance)
-            * tokens
-            for i in layers
-        ]
-        sp = layout.tp if layout.sequence_parallel else 1
-        if cfg.model.recompute == "full":
-            # Only each layer's input is kept; one layer is recomputed (whole) at a time.
-            act = (len(layers) * d.hidden * act_bytes / sp * tokens) * in_flight + max(per_layer, default=0)
-            act_note = "full recompute: layer inputs x micro-batches in flight + one layer"
-        else:
-            act = sum(per_layer) * in_flight
-            act_note = f"{len(layers)} layers x {in_flight} micro-batch(es) in flight, {cfg.model.recompute} recompute"
-        if stage == layout.pp - 1:
-            act += output_activation_bytes(vp, layout, act_bytes) * tokens
+    counts = rank_param_counts(tensors, layout, d, stage)
+    layers = stage_layers(d.num_layers, layout.pp, stage)
+    in_flight = layout.pp - stage  # 1F1B: the first stage holds pp micro-batches, the last one
+    per_layer = [
+        layer_activation_bytes(d, i, layout, act_bytes, seq_len=seq_len, flash=te, moe_imbalance=opts.moe_imbalance)
+        * tokens
+        for i in layers
+    ]
+    sp = layout.tp if layout.sequence_parallel else 1
+    if cfg.model.recompute == "full":
+        # Only each layer's input is kept; one layer is recomputed (whole) at a time.
+        act = (len(layers) * d.hidden * act_bytes / sp * tokens) * in_flight + max(per_layer, default=0)
+        act_note = "full recompute: layer inputs x micro-batches in flight + one layer"
+    else:
+        act = sum(per_layer) * in_flight
+        act_note = f"{len(layers)} layers x {in_flight} micro-batch(es) in flight, {cfg.model.recompute} recompute"
+    if stage == layout.pp - 1:
+        act += output_activation_bytes(vp, layout, act_bytes) * tokens
+    state = {
+        "params": Line("parameters", counts.total * pbytes / GIB, f"{human_count(counts.total)} on this rank ({cfg.model.dtype})"),
+        "grads": Line("gradients", counts.total * opts.grad_bytes / GIB, f"fp{8 * opts.grad_bytes} main grads"),
+        "optimizer": Line(
+            "optimizer state",
+            (counts.dense * opt_bytes / dense_shards + counts.expert * opt_bytes / expert_shards) / GIB,
+            f"{opt_bytes} B/param, dense / {dense_shards}, experts / {expert_shards}",
+        ),
+    }
+    if cfg.algorithm.kl.enabled:
+        where = "on the CPU but in the reference pass" if cfg.train.reference_on_cpu else "resident, never offloaded"
+        state["reference"] = Line("reference model", counts.total * pbytes / GIB, f"frozen copy, same sharding; {where}")
+    training = [Line("activations", act / GIB, act_note)]
+    if d.num_experts:
         dispatch = dispatch_buffer_bytes(d, layout, act_bytes, tokens, opts.moe_imbalance)
-        lines = [
-            Line("parameters", counts.total * pbytes / gib, f"{human_count(counts.total)} on this rank ({cfg.model.dtype})"),
-            Line("gradients", counts.total * opts.grad_bytes / gib, f"fp{8 * opts.grad_bytes} main grads"),
-            Line(
-                "optimizer state",
-                (counts.dense * opt_bytes / dense_shards + counts.expert * opt_bytes / expert_shards) / gib,
-                f"{opt_bytes} B/param, dense / {dense_shards}, experts / {expert_shards}",
-            ),
-            Line("activations", act / gib, act_note),
-        ]
-        if d.num_experts:
-            lines.append(Line("MoE dispatch buffers", dispatch / gib, "all-to-all send + receive of one layer"))
-        if cfg.algorithm.kl.enabled:
-            lines.append(Line("reference model", counts.total * pbytes / gib, "frozen copy, same sharding"))
-        lines.append(Line("runtime reserve", opts.reserve_gib, "CUDA context, NCCL, fragmentation"))
-        total = sum(x.gib for x in lines)
-        if best is None or total > best[0]:
-            best = (total, stage, lines, counts)
-    assert best is not None
-    _, peak_stage, train_lines, counts = best
+        training.append(Line("MoE dispatch buffers", dispatch / GIB, "all-to-all send + receive of one layer"))
+    return _Trainer(stage, counts, state, training)
 
+
+def _engine_lines(
+    cfg: JobConfig, hf: Mapping[str, Any], placement: RolloutPlacement, opts: PlanOptions
+) -> tuple[dict[str, Line], int | None, list[str]]:
+    """Lines of a colocated SGLang engine GPU by memory tag, its KV tokens, and notes."""
+    if placement.engine == "embedded":
+        copy = total_params(hf) * DTYPE_BYTES[cfg.model.dtype] / GIB
+        note = "rollout.engine=embedded: its KV cache lives inside a generate call and is not planned"
+        return {"weights": Line("engine weights", copy, f"the embedded engine's copy of the model ({cfg.model.dtype})")}, None, [note]
+    if not placement.colocated_sglang:
+        return {}, None, ["disaggregated SGLang servers: no engine on the trainer's GPUs"]
+    d = ModelDims.from_hf(hf)
+    width, seq_len = placement.gpus_per_engine, cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens
     all_params = total_params(hf)
-    rollout_lines, kv_tokens, notes = _rollout_phase(cfg, opts, layout, d, all_params, seq_len, train_lines)
+    pool = cfg.rollout.gpu_memory_utilization * opts.gpu.memory_gib * GIB
+    weights = all_params * opts.rollout_weight_bytes / width
+    kv = pool - weights
+    kv_tokens = max(0, int(kv // kv_bytes_per_token(d, width)))
+    lines = {
+        "weights": Line("engine weights", weights / GIB, f"{human_count(all_params)} / {width} GPUs per engine"),
+        "kv_cache": Line("engine KV cache", max(kv, 0) / GIB, f"{kv_tokens:,} tokens ({kv_tokens // max(seq_len, 1):,} full sequences)"),
+    }
+    notes = []
+    if kv <= 0:
+        notes.append(
+            f"the engine's weights ({weights / GIB:.1f} GiB per GPU) exceed its pool "
+            f"(rollout.gpu_memory_utilization={cfg.rollout.gpu_memory_utilization} x {opts.gpu.memory_gib:.0f} GiB)"
+        )
+    return lines, kv_tokens, notes
+
+
+def _phase(
+    phase: str, held: Occupancy, trainer: _Trainer, engine: dict[str, Line], cfg: JobConfig, opts: PlanOptions
+) -> list[Line]:
+    """The lines of one phase: what ``held`` (rollout/placement.py) keeps on the device, plus what the
+    phase itself adds (activations in train, transfer buffers in sync and probe)."""
+    lines = [trainer.state[p] for p in ("params", "grads", "optimizer") if p in held.trainer]
+    reference = trainer.state.get("reference")
+    if reference is not None and (phase == "train" or not cfg.train.reference_on_cpu):
+        lines.append(reference)
+    if phase == "train":
+        lines += trainer.training
+    lines += [engine[t] for t in ("weights", "kv_cache") if t in held.engine and t in engine]
+    if phase in ("sync", "probe") and engine:  # a weight sync lands on this GPU
+        bucket = cfg.rollout.sync_bucket_mb / 1024
+        buffers = bucket * (2 + cfg.rollout.sync_rounds_in_flight / 4)
+        lines.append(Line("weight-sync buffers", buffers, f"2 buckets + {cfg.rollout.sync_rounds_in_flight} rounds of a quarter"))
+    lines.append(Line("runtime reserve", opts.reserve_gib, "CUDA context, NCCL, fragmentation"))
+    return lines
+
+
+def plan_memory(cfg: JobConfig, hf: Mapping[str, Any], world_size: int, opts: PlanOptions) -> MemoryPlan:
+    """Per-GPU memory of ``cfg`` on ``world_size`` GPUs in every phase (the config must validate at
+    that size), with the rollout placement the runtime computes from the same config."""
+    layout = Layout.from_config(cfg.parallel, world_size)
+    placement = decide_placement(
+        cfg.rollout, offload_trainer=cfg.train.offload_trainer, world_size=world_size,
+        gpus_per_node=opts.gpus_per_node, tp=layout.tp, pp=layout.pp, cp=layout.cp, hf=hf,
+    )  # fmt: skip
+    trainer = max((_stage_lines(cfg, hf, layout, opts, s) for s in range(layout.pp)), key=lambda t: t.total)
+    engine, kv_tokens, notes = _engine_lines(cfg, hf, placement, opts)
+    held = placement.phases()
+    names = [p for p in PHASES if p != "probe" or (cfg.rollout.probe_batch > 0 and placement.colocated_sglang)]
     return MemoryPlan(
         world_size=world_size,
         layout=layout,
         gpu=opts.gpu,
-        total_params=all_params,
-        params_rank=counts,
-        peak_stage=peak_stage,
-        tokens_per_micro_batch=tokens_mb,
-        train=train_lines,
-        rollout=rollout_lines,
+        total_params=total_params(hf),
+        params_rank=trainer.counts,
+        peak_stage=trainer.stage,
+        tokens_per_micro_batch=tokens_per_micro_batch(cfg),
+        placement=placement,
+        phases={p: _phase(p, held[p], trainer, engine, cfg, opts) for p in names},
         kv_tokens=kv_tokens,
-        seq_len=seq_len,
+        seq_len=cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens,
         notes=notes,
     )
 
@@ -317,53 +345,68 @@ def suggest(cfg: JobConfig, hf: Mapping[str, Any], world_size: int, opts: PlanOp
     out: list[str] = []
     gpu = opts.gpu.memory_gib
 
-    def try_variant(label: str, variant: JobConfig, variant_opts: PlanOptions = opts, world: int = world_size) -> None:
+    def try_variant(label: str, variant: JobConfig, world: int = world_size) -> None:
         try:
             validate(variant, world)
-        except ConfigError:
+            p = plan_memory(variant, hf, world, opts)
+        except (ConfigError, ValueError):
             return
-        p = plan_memory(variant, hf, world, variant_opts)
+        worst = max(p.phases, key=p.phase_gib)
         verdict = "fits" if p.fits else "still over"
-        out.append(f"{label}: train {p.train_gib:.1f} GiB, rollout {p.rollout_gib:.1f} GiB of {gpu:.0f} ({verdict})")
+        out.append(f"{label}: peak {p.peak_gib:.1f} GiB ({worst}) of {gpu:.0f} ({verdict})")
 
     train_over = plan.train_gib > gpu
-    rollout_over = plan.rollout_gib > gpu or (plan.kv_tokens is not None and plan.kv_tokens < plan.seq_len)
-    par = cfg.parallel
+    engine_over = any(plan.phase_gib(p) > gpu for p in plan.phases if p != "train") or (
+        plan.kv_tokens is not None and plan.kv_tokens < plan.seq_len
+    )
     if train_over:
-        if cfg.model.recompute != "full":
-            try_variant("model.recompute=full", _variant(cfg, "model", recompute="full"))
-        mb = tokens_per_micro_batch(cfg)
-        if mb >= 2 * plan.seq_len or cfg.train.max_tokens_per_micro_batch is None and cfg.train.micro_batch_size > 1:
-            try_variant(
-                f"train.max_tokens_per_micro_batch={max(mb // 2, plan.seq_len)}",
-                _variant(cfg, "train", max_tokens_per_micro_batch=max(mb // 2, plan.seq_len)),
-            )
-        if plan.params_rank.expert:
-            ep = _next_multiple(par.ep, world_size, lambda x: True)
-            if ep:
-                try_variant(f"parallel.ep={ep}", _variant(cfg, "parallel", ep=ep))
-        for name in ("tp", "pp"):
-            value = _next_multiple(getattr(par, name), world_size, lambda x: True)
-            if value:
-                try_variant(f"parallel.{name}={value}", _variant(cfg, "parallel", **{name: value}))
-        if not par.use_distributed_optimizer:
-            try_variant("parallel.use_distributed_optimizer=true", _variant(cfg, "parallel", use_distributed_optimizer=True))
-    if rollout_over and cfg.rollout.engine == "sglang":
-        if not opts.offload_trainer:
-            try_variant("--offload-trainer (trainer state off the GPU during rollout)", cfg,
-                        dataclasses.replace(opts, offload_trainer=True))
-        engine = opts.rollout_gpus_per_engine or 0
-        more = max(engine * 2, opts.gpus_per_node * 2)
-        if more <= world_size:
-            try_variant(f"--rollout-gpus-per-engine {more}", cfg, dataclasses.replace(opts, rollout_gpus_per_engine=more))
-        resident = sum(x.gib for x in plan.rollout if x.name in ("trainer, resident", "runtime reserve"))
-        room = (gpu - resident) / gpu
-        if 0 < room < cfg.rollout.gpu_memory_utilization:
-            frac = round(room - 0.005, 2)
-            try_variant(f"rollout.gpu_memory_utilization={frac}", _variant(cfg, "rollout", gpu_memory_utilization=frac))
-    if train_over or rollout_over:
+        for label, variant in _trainer_variants(cfg, plan, world_size):
+            try_variant(label, variant)
+    if engine_over and plan.placement.colocated_sglang:
+        for label, variant in _engine_variants(cfg, plan, world_size):
+            try_variant(label, variant)
+    if train_over or engine_over:
         nodes = world_size // opts.gpus_per_node
-        try_variant(f"--nodes {2 * nodes}", cfg, opts, 2 * world_size)
+        try_variant(f"--nodes {2 * nodes}", cfg, 2 * world_size)
+    return out
+
+
+def _trainer_variants(cfg: JobConfig, plan: MemoryPlan, world_size: int) -> list[tuple[str, JobConfig]]:
+    out = []
+    par = cfg.parallel
+    if cfg.model.recompute != "full":
+        out.append(("model.recompute=full", _variant(cfg, "model", recompute="full")))
+    mb = tokens_per_micro_batch(cfg)
+    if mb >= 2 * plan.seq_len or cfg.train.max_tokens_per_micro_batch is None and cfg.train.micro_batch_size > 1:
+        half = max(mb // 2, plan.seq_len)
+        out.append((f"train.max_tokens_per_micro_batch={half}", _variant(cfg, "train", max_tokens_per_micro_batch=half)))
+    if plan.params_rank.expert:
+        ep = _next_multiple(par.ep, world_size, lambda x: True)
+        if ep:
+            out.append((f"parallel.ep={ep}", _variant(cfg, "parallel", ep=ep)))
+    for name in ("tp", "pp"):
+        value = _next_multiple(getattr(par, name), world_size, lambda x: True)
+        if value:
+            out.append((f"parallel.{name}={value}", _variant(cfg, "parallel", **{name: value})))
+    if not par.use_distributed_optimizer:
+        out.append(("parallel.use_distributed_optimizer=true", _variant(cfg, "parallel", use_distributed_optimizer=True)))
+    return out
+
+
+def _engine_variants(cfg: JobConfig, plan: MemoryPlan, world_size: int) -> list[tuple[str, JobConfig]]:
+    out = []
+    if not cfg.train.offload_trainer:
+        out.append(("train.offload_trainer=true (trainer state off the GPU while engines generate)",
+                    _variant(cfg, "train", offload_trainer=True)))  # fmt: skip
+    more = 2 * plan.placement.gpus_per_engine
+    if more <= world_size:
+        out.append((f"rollout.sglang_tp={more}", _variant(cfg, "rollout", sglang_tp=more)))
+    engine = ("engine weights", "engine KV cache")
+    resident = max(sum(x.gib for x in plan.phases[p] if x.name not in engine) for p in ("start-up", "rollout"))
+    room = (plan.gpu.memory_gib - resident) / plan.gpu.memory_gib
+    if 0 < room < cfg.rollout.gpu_memory_utilization:
+        frac = round(room - 0.005, 2)
+        out.append((f"rollout.gpu_memory_utilization={frac}", _variant(cfg, "rollout", gpu_memory_utilization=frac)))
     return out
 
 
@@ -371,8 +414,36 @@ def suggest(cfg: JobConfig, hf: Mapping[str, Any], world_size: int, opts: PlanOp
 # Printing
 
 
-def render(plan: MemoryPlan, cfg: JobConfig) -> Any:
-    """A rich renderable: the layout, one table per phase, the verdict and the suggestions."""
+def _ranks(members: tuple[int, ...]) -> str:
+    return f"{members[0]}-{members[-1]}" if len(members) > 1 else str(members[0])
+
+
+def placement_lines(p: RolloutPlacement, receives_gb: float | None = None) -> list[str]:
+    """The placement as ``plan`` prints it: engines, their ranks and nodes, EP, what each GPU gets."""
+    if p.mode == "disaggregated":
+        return [f"rollout: {p.why['engines']}", f"offload: {p.why['offload']}"]
+    kind = "SGLang" if p.engine == "sglang" else "embedded"
+    head = f"rollout: {len(p.engines)} {kind} engine(s) x {p.gpus_per_engine} GPU(s)"
+    out = [head + (f" ({p.why['width']})" if "width" in p.why else f" ({p.why.get('engines', '')})")]
+    if p.engine == "sglang":
+        out.append(f"  engine EP {p.engine_ep} ({p.why['ep']})")
+    shown = list(range(min(len(p.engines), 3))) + ([len(p.engines) - 1] if len(p.engines) > 3 else [])
+    for i in shown:
+        nodes = p.nodes(i)
+        where = f"node {nodes[0]}" if len(nodes) == 1 else f"nodes {nodes[0]}-{nodes[-1]}"
+        ranks = f"ranks {_ranks(p.engines[i])}" if len(p.engines[i]) > 1 else f"rank {p.engines[i][0]}"
+        out.append(f"  engine {i}: {ranks} on {where}, led by rank {p.engines[i][0]}")
+        if i == 2 and len(p.engines) > 4:
+            out.append(f"  ... ({len(p.engines) - 4} more)")
+    if receives_gb is not None:
+        out.append(f"  each engine GPU receives {receives_gb:.2f} GB per weight sync (dense weights + experts / EP)")
+    out.append(f"  offload: {p.why['offload']}" + (f"; {p.why['memory']}" if "memory" in p.why else ""))
+    return out
+
+
+def render(plan: MemoryPlan, cfg: JobConfig, receives_gb: float | None = None) -> Any:
+    """A rich renderable: the layout, the placement, every phase's memory, the verdict and the
+    suggestions."""
     from rich.console import Group
     from rich.table import Table
     from rich.text import Text
@@ -384,22 +455,24 @@ def render(plan: MemoryPlan, cfg: JobConfig) -> Any:
         + (f"; experts: ep {lo.ep} x etp {lo.etp} x edp {lo.edp}" if plan.params_rank.expert else "")
         + f" | {plan.gpu.name} ({plan.gpu.memory_gib:.1f} GiB) | micro-batch {plan.tokens_per_micro_batch:,} tokens"
     )
-    parts: list[Any] = [head]
-    for title, lines, total in (
-        (f"training (busiest rank: pipeline stage {plan.peak_stage})", plan.train, plan.train_gib),
-        ("rollout (colocated engine)", plan.rollout, plan.rollout_gib),
-    ):
-        if not lines:
-            continue
-        table = Table(title=title, title_justify="left")
-        table.add_column("per GPU")
-        table.add_column("GiB", justify="right")
-        table.add_column("how")
-        for line in lines:
-            table.add_row(line.name, f"{line.gib:.2f}", line.note)
-        over = total > plan.gpu.memory_gib
-        table.add_row("total", f"[{'red' if over else 'green'}]{total:.2f}[/]", f"of {plan.gpu.memory_gib:.1f} GiB")
-        parts.append(table)
+    parts: list[Any] = [head] + [Text(line) for line in placement_lines(plan.placement, receives_gb)]
+    table = Table(title=f"memory per GPU by phase, GiB (busiest rank: pipeline stage {plan.peak_stage})", title_justify="left")
+    table.add_column("per GPU")
+    names = list(plan.phases)
+    for name in names:
+        table.add_column(name, justify="right")
+    table.add_column("how")
+    rows: dict[str, tuple[dict[str, float], str]] = {}
+    for name in ("train", *names):  # the trainer's lines first, in the train phase's order
+        for line in plan.phases.get(name, []):
+            rows.setdefault(line.name, ({}, line.note))[0][name] = line.gib
+    rows["runtime reserve"] = rows.pop("runtime reserve")
+    for row, (cells, note) in rows.items():
+        table.add_row(row, *(f"{cells[n]:.2f}" if n in cells else "" for n in names), note)
+    totals = [plan.phase_gib(n) for n in names]
+    colored = [f"[{'red' if t > plan.gpu.memory_gib else 'green'}]{t:.2f}[/]" for t in totals]
+    table.add_row("total", *colored, f"of {plan.gpu.memory_gib:.1f} GiB")
+    parts.append(table)
     for note in plan.notes:
         parts.append(Text(f"note: {note}"))
     verdict = "FITS" if plan.fits else "DOES NOT FIT"

@@ -117,10 +117,17 @@ class RolloutConfig:
     """engine=sglang only. colocated = an sglang.Engine on the trainer's GPUs (memory swapped with the
     trainer, weights by CUDA IPC); disaggregated = running SGLang servers (sglang_server_urls) on their
     own GPUs, weights by NCCL broadcast from the trainer's first rank."""
-    sglang_tp: int = 1
-    """Tensor-parallel size of each colocated SGLang engine: one engine per this many consecutive
-    trainer ranks, led by the first of them. A divisor of the GPUs per node (inside one node), or a
-    multiple of it (whole nodes, launched with SGLang's nnodes / node_rank: docs/architecture.md)."""
+    sglang_tp: int = 0
+    """GPUs one colocated SGLang engine spans (its tp_size): one engine per this many consecutive
+    trainer ranks, led by the first of them; a divisor of the GPUs per node (inside one node) or a
+    multiple of it (whole nodes, launched with SGLang's nnodes / node_rank: docs/architecture.md).
+    0 = by ``placement``: per_node a node's GPUs, per_dp_rank one model replica (tp x pp x cp GPUs).
+    ``rollout/placement.py`` decides it, for the job and for ``grpo-megatron plan`` alike."""
+    sglang_ep: int = 0
+    """Expert parallelism inside one colocated SGLang engine (its ep_size; must divide sglang_tp and
+    the routed experts): each engine GPU loads, and the weight sync sends it, the dense weights and
+    experts / sglang_ep. 0 = for a MoE model the largest divisor of both the engine's GPUs and the
+    routed experts (the engine's GPUs, usually), 1 for a dense one."""
     sglang_server_urls: list[str] = field(default_factory=list)
     """disaggregated: base URLs of the SGLang servers (http://host:port); prompts are split over them."""
     sglang_sync_master_addr: str = ""
@@ -203,8 +210,16 @@ class RolloutConfig:
                 f"{self.probe_batch}: SGLang scores sequences (the mismatch probe) from unscaled logits, "
                 "i.e. at temperature 1 only; sample at temperature 1.0, or set rollout.probe_batch=0"
             )
-        if self.sglang_tp < 1:
-            errors.append(f"rollout.sglang_tp={self.sglang_tp} must be >= 1")
+        if self.sglang_tp < 0:
+            errors.append(f"rollout.sglang_tp={self.sglang_tp} must be >= 0 (0: by rollout.placement)")
+        if self.sglang_ep < 0:
+            errors.append(f"rollout.sglang_ep={self.sglang_ep} must be >= 0 (0: by the engine's GPUs and experts)")
+        for key, own in (("tp_size", "sglang_tp"), ("ep_size", "sglang_ep")):
+            if key in self.sglang_server_args:
+                errors.append(
+                    f"rollout.sglang_server_args sets {key}: set rollout.{own} instead (the runtime and "
+                    "grpo-megatron plan both read it there)"
+                )
         bad_urls = [u for u in self.sglang_server_urls if not u.startswith(("http://", "https://"))]
         if bad_urls:
             errors.append(

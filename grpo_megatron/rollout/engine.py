@@ -51,6 +51,8 @@ class EngineSpec:
     record_routes: bool = True
     """Whether the embedded engine's responses carry their MoE routes (``Completion.routed_experts``):
     ``algorithm.routing_replay=r3``, the one mode that replays them (its scoring reports them always)."""
+    offload_trainer: bool = False
+    """``train.offload_trainer``: part of the rollout placement's phase table (rollout/placement.py)."""
 
 
 @dataclass(frozen=True)

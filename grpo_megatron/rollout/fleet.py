@@ -3,10 +3,10 @@
 Every rank of the trainer holds a ``RolloutFleet`` and calls its methods together (they are
 collectives); some ranks also hold an engine (``engine_ranks``):
 
-- ``embedded`` engines by ``rollout.placement``: ``per_dp_rank`` = one on each rank with TP, PP and
-  CP rank 0 (one per data-parallel replica; with EP, ``ps.dp`` already counts the EP ranks),
-  ``per_node`` = one on each node's local rank 0, or ``per_rank`` = one on every rank;
-- ``sglang`` engines where ``SGLangEngine.from_config`` starts them (``rollout/sglang/engine.py``).
+- where ``rollout/placement.py`` puts them (the decision ``grpo-megatron plan`` prints too):
+  ``embedded`` engines by ``rollout.placement`` (``per_dp_rank``: each rank with TP, PP and CP rank
+  0; ``per_node``: each node's local rank 0; ``per_rank``: every rank), ``sglang`` engines of the
+  placement's width and EP, started by ``SGLangEngine.from_config`` (``rollout/sglang/engine.py``).
 
 ``generate`` splits the prompts into contiguous slices, one per engine in rank order (engine ``i``
 samples with seed ``params.seed + i``), and returns every completion in prompt order on every rank.
@@ -42,6 +42,7 @@ from grpo_megatron.rollout.engine import (
     SamplingParams,
     WeightSink,
 )
+from grpo_megatron.rollout.placement import RolloutPlacement, runtime_placement
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -50,17 +51,6 @@ if TYPE_CHECKING:
     from grpo_megatron.distributed.bootstrap import ParallelState
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def hosts_embedded_engine(placement: str, ps: ParallelState) -> bool:
-    """Whether this rank runs an embedded engine under ``rollout.placement``."""
-    if placement == "per_dp_rank":
-        return ps.tp_rank == 0 and ps.pp_rank == 0 and ps.cp_rank == 0
-    if placement == "per_node":
-        return ps.local_rank == 0
-    if placement == "per_rank":
-        return True
-    raise ValueError(f"rollout.placement={placement!r}: choose per_dp_rank, per_node or per_rank")
 
 
 def prompt_slices(num_prompts: int, num_engines: int) -> list[tuple[int, int]]:
@@ -96,10 +86,13 @@ def _describe(exc: BaseException) -> str:
 
 
 def make_engine(
-    spec: EngineSpec, hf: Mapping[str, Any], ps: ParallelState, tokenizer: PreTrainedTokenizerBase | None = None
+    spec: EngineSpec, hf: Mapping[str, Any], ps: ParallelState, tokenizer: PreTrainedTokenizerBase | None = None,
+    placement: RolloutPlacement | None = None,
 ) -> RolloutEngine | None:
-    """This rank's engine under ``spec.rollout`` (None if it hosts none)."""
+    """This rank's engine where ``placement`` puts it (rollout/placement.py; None: decided here from
+    the spec), or None if it hosts none."""
     rollout = spec.rollout
+    placement = placement or runtime_placement(rollout, spec.offload_trainer, ps, hf)
     if rollout.engine == "sglang":
         try:
             from grpo_megatron.rollout.sglang import engine as sglang_engine
@@ -109,10 +102,8 @@ def make_engine(
                 f"imported ({exc}); use rollout.engine=embedded, or install SGLang on a CUDA machine "
                 "(pip install 'grpo-megatron[gpu]')"
             ) from exc
-        return sglang_engine.SGLangEngine.from_config(spec, ps)
-    if rollout.engine != "embedded":
-        raise ValueError(f"rollout.engine={rollout.engine!r}: choose embedded or sglang")
-    if not hosts_embedded_engine(rollout.placement, ps):
+        return sglang_engine.SGLangEngine.from_config(spec, ps, placement)
+    if ps.rank not in placement.leaders():
         return None
     if rollout.embedded_process:
         from grpo_megatron.rollout.engine_process import EngineProcess
@@ -134,15 +125,14 @@ def make_engine(
     )
 
 
-def make_sync_member(spec: EngineSpec, ps: ParallelState) -> WeightSink | None:
+def make_sync_member(spec: EngineSpec, ps: ParallelState, placement: RolloutPlacement) -> WeightSink | None:
     """What loads this rank's share of the weights when an engine on another rank (a colocated
     SGLang engine's leader) uses this rank's GPU too; None elsewhere."""
-    rollout = spec.rollout
-    if rollout.engine != "sglang" or rollout.sglang_mode != "colocated" or rollout.sglang_tp == 1:
+    if not placement.colocated_sglang or placement.gpus_per_engine == 1:
         return None
     from grpo_megatron.rollout.sglang import engine as sglang_engine
 
-    return sglang_engine.SGLangSyncMember.from_config(spec, ps)
+    return sglang_engine.SGLangSyncMember.from_config(spec, ps, placement)
 
 
 def sync_groups(members: Sequence[tuple[int, ...]]) -> list[tuple[int, ...]]:
@@ -199,6 +189,8 @@ class RolloutFleet:
     member: WeightSink | None = None
     """On a GPU of an engine led from another rank (a colocated SGLang engine's other GPUs): what
     loads this GPU's share of the weights (``make_sync_member``); else None."""
+    placement: RolloutPlacement | None = None
+    """Where the engines run and what each phase keeps on the device (rollout/placement.py)."""
     sync_ranks: list[int] = dataclasses.field(default_factory=list)
     """Destinations of the weight sync: every rank with a ``sink`` (every GPU of every engine), in
     rank order; defaults to ``engine_ranks``. Generation still goes through ``engine_ranks`` only."""
@@ -219,12 +211,16 @@ class RolloutFleet:
         hf: Mapping[str, Any],
         ps: ParallelState,
         tokenizer: PreTrainedTokenizerBase | None = None,
+        placement: RolloutPlacement | None = None,
     ) -> RolloutFleet:
-        """Collective: create this rank's engine (if any) and the engines' process group."""
+        """Collective: create this rank's engine (if any) where ``placement`` puts it (None: decided
+        here, ``rollout/placement.py``) and the engines' process group."""
         engine, member, error = None, None, None
+        # The placement is a pure function of the config and the launch: every rank decides alike.
+        placement = placement or runtime_placement(spec.rollout, spec.offload_trainer, ps, hf)
         try:
-            engine = make_engine(spec, hf, ps, tokenizer)
-            member = make_sync_member(spec, ps) if engine is None else None
+            engine = make_engine(spec, hf, ps, tokenizer, placement)
+            member = make_sync_member(spec, ps, placement) if engine is None else None
         except Exception as exc:  # reported on every rank by _agree, so no rank hangs
             error = _describe(exc)
         _agree(error, f"building the {spec.rollout.engine} rollout engines")
@@ -245,6 +241,8 @@ class RolloutFleet:
                 f"rollout.engine={spec.rollout.engine} with placement {spec.rollout.placement} put no engine "
                 "on any rank"
             )
+        if placement.engines and engine_ranks != placement.leaders():
+            raise RuntimeError(f"engines started on ranks {engine_ranks[:8]}, the placement planned {placement.leaders()[:8]}")
         group = dist.new_group(engine_ranks)  # every rank must call new_group, engine or not
         return cls(
             ps=ps,
@@ -257,6 +255,7 @@ class RolloutFleet:
             rounds_in_flight=spec.rollout.sync_rounds_in_flight,
             member=member,
             sync_ranks=sync_ranks,
+            placement=placement,
         )
 
     @property

@@ -63,7 +63,8 @@ class Runtime:
     rewards: RewardPool | None
     """Only on global rank 0 (it scores for everyone and broadcasts); None elsewhere."""
     memory: ColocatedMemory
-    """The colocated memory choreography (train.offload_trainer; a no-op when off)."""
+    """The colocated memory choreography (rollout/placement.py's phases; moves nothing when no
+    engine shares the trainer's device memory and train.offload_trainer is off)."""
     preemption: Preemption
     """This process's save-on-signal flag (SIGTERM, checkpoint.signal), asked at the loop's safe point."""
     watchdog: ProgressWatchdog | None = None
@@ -246,6 +247,7 @@ def engine_spec(cfg: JobConfig) -> EngineSpec:
         tokenizer_path=cfg.data.tokenizer_path or None,
         log_dir=Path(cfg.logging.run_dir) / "sglang",
         record_routes=cfg.algorithm.routing_replay == "r3",
+        offload_trainer=cfg.train.offload_trainer,
     )
 
 
@@ -312,10 +314,14 @@ def _start(cfg: JobConfig, *, install_preemption: bool) -> _Startup:
 
 def _models(
     cfg: JobConfig, start: _Startup, *, with_reference: bool
-) -> tuple[Policy, torch.nn.Module | None, RolloutFleet]:
+) -> tuple[Policy, torch.nn.Module | None, RolloutFleet, ColocatedMemory]:
     """The policy (with model.hf_path's weights when it has any), the frozen reference when asked
-    for, and the rollout engines, in this order (each draws from the seeded generators)."""
+    for, and the rollout engines, in this order (each draws from the seeded generators); the
+    colocated memory choreography, which started the engines as rollout/placement.py says (colocated
+    SGLang engines while the trainer's state is in host memory)."""
     from grpo_megatron.rollout.fleet import RolloutFleet
+    from grpo_megatron.rollout.placement import runtime_placement
+    from grpo_megatron.training.offload import ColocatedMemory
     from grpo_megatron.training.policy import build_policy
 
     ps, hf = start.ps, start.hf
@@ -330,9 +336,12 @@ def _models(
     if reference is not None and cfg.train.reference_on_cpu:
         reference.to("cpu")
     start.beat("reference")
-    fleet = RolloutFleet.build(engine_spec(cfg), hf, ps, tokenizer=start.tokenizer)
+    placement = runtime_placement(cfg.rollout, cfg.train.offload_trainer, ps, hf)
+    memory = ColocatedMemory(policy, None, placement.phases())
+    spec = engine_spec(cfg)
+    fleet = memory.start_engines(lambda: RolloutFleet.build(spec, hf, ps, tokenizer=start.tokenizer, placement=placement))
     start.beat("engines")
-    return policy, reference, fleet
+    return policy, reference, fleet, memory
 
 
 def _logger(cfg: JobConfig, start: _Startup, total_iterations: int, required_keys: Sequence[str]) -> MetricsLogger:
@@ -353,18 +362,17 @@ def build_job(cfg: JobConfig, *, with_reference: bool) -> Job:
     from grpo_megatron.checkpoint.manager import CheckpointManager
     from grpo_megatron.data import build_prompt_datasets
     from grpo_megatron.logging_utils.metrics import REQUIRED_KEYS
-    from grpo_megatron.training.offload import ColocatedMemory
 
     start = _start(cfg, install_preemption=True)
     train_records, eval_records = build_prompt_datasets(cfg.data, start.tokenizer, cfg.train.seed)
     start.beat("data")
-    policy, reference, fleet = _models(cfg, start, with_reference=with_reference)
+    policy, reference, fleet, memory = _models(cfg, start, with_reference=with_reference)
     ps, run_dir = start.ps, start.run_dir
     return Job(
         cfg=cfg, ps=ps, hf=start.hf, run_dir=run_dir, tokenizer=start.tokenizer, policy=policy, fleet=fleet,
         logger=_logger(cfg, start, cfg.train.iterations, REQUIRED_KEYS),
         checkpoints=CheckpointManager(cfg.checkpoint, run_dir, ps), eval_records=eval_records,
-        rewards=start.rewards, memory=ColocatedMemory(policy, fleet, enabled=cfg.train.offload_trainer),
+        rewards=start.rewards, memory=memory,
         preemption=start.preemption, watchdog=start.watchdog, train_records=train_records, reference=reference,
         env=start.env,
     )  # fmt: skip
@@ -374,16 +382,15 @@ def build_sft_job(cfg: JobConfig) -> SFTJob:
     """A cold start: bootstrap, then the prompt/response pairs (sft.dev_prompts held out), policy,
     engines (for the held-out check) and logger; no reference, no checkpoints, no signal handler."""
     from grpo_megatron.data import build_sft_dataset
-    from grpo_megatron.training.offload import ColocatedMemory
 
     start = _start(cfg, install_preemption=False)
     sft_records, eval_records = build_sft_dataset(cfg.data, start.tokenizer, cfg.train.seed)
     start.beat("data")
-    policy, _, fleet = _models(cfg, start, with_reference=False)
+    policy, _, fleet, memory = _models(cfg, start, with_reference=False)
     return SFTJob(
         cfg=cfg, ps=start.ps, hf=start.hf, run_dir=start.run_dir, tokenizer=start.tokenizer, policy=policy,
         fleet=fleet, logger=_logger(cfg, start, cfg.sft.max_steps, ("iteration", "sft/loss", "eval/accuracy")),
         eval_records=eval_records[: cfg.sft.dev_prompts], rewards=start.rewards,
-        memory=ColocatedMemory(policy, fleet, enabled=cfg.train.offload_trainer), preemption=start.preemption,
+        memory=memory, preemption=start.preemption,
         watchdog=start.watchdog, sft_records=sft_records, env=start.env,
     )  # fmt: skip

@@ -26,12 +26,14 @@ region, and this module is the path for the policy.
 from __future__ import annotations
 
 import time
-from collections.abc import Collection, Iterable, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
+
+from grpo_megatron.rollout.placement import ENGINE_TAGS, TRAINER_PARTS, Occupancy
 
 if TYPE_CHECKING:
     from grpo_megatron.training.policy import Policy
@@ -56,6 +58,8 @@ class OffloadReport:
     """(storage, host copy of its bytes or None for a discarded gradient that comes back zeroed,
     its size in bytes)."""
     onloaded: bool = False
+    parts: frozenset[str] = frozenset()
+    """The parts asked for (``offload``'s ``parts``)."""
 
     def metrics(self, prefix: str = "offload/") -> dict[str, float]:
         out = {
@@ -193,6 +197,7 @@ def offload(
         device_memory_left=memory_left,
         storages=len(saved),
         _saved=saved,
+        parts=frozenset(parts),
     )
 
 
@@ -225,81 +230,111 @@ def _bytes_of(storage: torch.UntypedStorage) -> torch.Tensor:
 
 
 class ColocatedMemory:
-    """The colocated memory choreography (train.offload_trainer): which of the trainer's state and the
-    engines' memory is on the device when, in one place. The trainer, checkpoint saving, the final
-    export and bench/gpu_smoke.py call it; every method is a no-op when ``enabled`` is False.
+    """The colocated memory choreography: moves the trainer's state and the engines' memory so that
+    each phase has on the device what ``rollout/placement.py`` planned for it (``phases``, the table
+    ``grpo-megatron plan`` adds up). The trainer, checkpoint saving, the final export and
+    bench/gpu_smoke.py call it. Every move frees before it allocates: engine tags the next phase does
+    not hold are released and trainer parts it does not hold leave first, then what it needs returns.
 
-    One iteration, in the order that keeps peak device memory low:
-      ``to_trainer``   (onload phase) the engines release all their memory, the trainer's state returns;
-      ``before_sync``  gradients and optimizer state leave, the engines take their weights back (the
-                       export reads the parameters, so those stay);
-      ``engines_serve`` (only when the mismatch probe runs) the engines get their KV cache and CUDA
-                       graphs back while the parameters are still here: the probe needs both;
-      ``after_sync``   the parameters leave, the engines get their KV cache and CUDA graphs back.
-    ``trainer_visit`` brings everything offloaded back for a checkpoint save and sends it away again,
-    so the engines keep their memory.
+    With colocated SGLang engines (and with ``train.offload_trainer`` for any engine), one iteration:
+      ``start_engines`` (start-up) the engines start while the trainer's state is in host memory (SGLang
+                       sizes its pool from free memory), then release all of theirs; the trainer returns;
+      ``to_trainer``   (train) the engines release all their memory, the trainer's state returns;
+      ``before_sync``  (sync) the engines take their weights back (with offload, gradients and
+                       optimizer state leave first; the export reads the parameters, so those stay);
+      ``engines_serve`` (probe, only when the mismatch probe runs) the engines get their KV cache and
+                       CUDA graphs back while the parameters are still here: the probe needs both;
+      ``after_sync``   (rollout) with offload the parameters leave; the engines get their caches back.
+    ``trainer_visit`` (save) a checkpoint save: with offload the parameters and optimizer state visit
+    the device beside the engines' weights (their caches are released); afterwards the phase before
+    comes back.
+    Without a swapping placement every phase holds everything and every method moves nothing.
     """
 
-    def __init__(self, policy: Policy, fleet: Any, *, enabled: bool, discard_grads: bool = False) -> None:
+    def __init__(
+        self, policy: Policy, fleet: Any, phases: Mapping[str, Occupancy], *, discard_grads: bool = False
+    ) -> None:
         self.policy = policy
         self.fleet = fleet
-        """The rollout fleet (rollout/fleet.py: ``release_memory`` / ``resume_memory``)."""
-        self.enabled = enabled
+        """The rollout fleet (rollout/fleet.py: ``release_memory`` / ``resume_memory``); None until
+        ``start_engines`` builds it."""
+        self.phases = dict(phases)
+        """``RolloutPlacement.phases()``: what each phase holds on the device."""
         self.discard_grads = discard_grads
         """Free gradients without copying them (they come back zeroed): for a loop that zeroes them
         before its next step anyway (bench/gpu_smoke.py)."""
         self.offloaded: list[OffloadReport] = []
         """Trainer state now in host memory, in the order it left."""
+        self.engine_held: set[str] = set() if fleet is None else set(ENGINE_TAGS)
+        """Engine memory tags the engines hold now."""
+        self.phase = "train"
+        """The phase whose memory is on the device now."""
+
+    def enter(self, phase: str) -> dict[str, float]:
+        """Move to ``phase``'s memory; ``offload/*`` of what left and ``offload/onload_seconds`` of
+        what returned (when anything did)."""
+        want = self.phases[phase]
+        metrics: dict[str, float] = {}
+        release = [t for t in ENGINE_TAGS if t in self.engine_held and t not in want.engine]
+        if release and self.fleet is not None:
+            self.fleet.release_memory(release)
+        self.engine_held.difference_update(release)
+        on_device = set(TRAINER_PARTS).difference(*(r.parts for r in self.offloaded))
+        leaving = on_device - want.trainer
+        for part in sorted(leaving):  # one report per part: each comes back on its own
+            report = offload(self.policy, parts=(part,), discard_grads=self.discard_grads)
+            self.offloaded.append(report)
+            for key, value in report.metrics().items():  # totals; the memory left after the last
+                metrics[key] = value if key.endswith("memory_left") else metrics.get(key, 0.0) + value
+        back = [r for r in self.offloaded if r.parts & want.trainer]
+        if back:
+            self.offloaded = [r for r in self.offloaded if not r.parts & want.trainer]
+            metrics["offload/onload_seconds"] = sum(onload(self.policy, r) for r in reversed(back))
+        resume = [t for t in ENGINE_TAGS if t in want.engine and t not in self.engine_held]
+        if resume and self.fleet is not None:
+            self.fleet.resume_memory(resume)
+        self.engine_held.update(resume)
+        self.phase = phase
+        return metrics
+
+    def start_engines(self, build: Callable[[], Any]) -> Any:
+        """Start-up: the trainer's state leaves the device as planned, ``build()`` starts the engines
+        (they hold all their memory), then the training phase's memory is restored. Returns the fleet."""
+        self.enter("start-up")
+        self.fleet = build()
+        self.engine_held = set(ENGINE_TAGS)
+        self.enter("train")
+        return self.fleet
 
     def to_trainer(self) -> dict[str, float]:
-        """Engines -> trainer: the engines release their device memory, then the trainer's state comes
-        back from the host. ``offload/onload_seconds``, or nothing when there was nothing to bring back."""
-        if not self.enabled or not self.offloaded:
-            return {}
-        self.fleet.release_memory(None)
-        seconds = self._onload_all()
-        return {"offload/onload_seconds": seconds}
+        """Engines -> trainer (the train phase): ``offload/onload_seconds`` when anything came back."""
+        return self.enter("train")
 
     def before_sync(self) -> None:
-        """Gradients and optimizer state leave; the engines take their weights back for the sync."""
-        if self.enabled:
-            self.offloaded.append(offload(self.policy, parts=("grads", "optimizer"), discard_grads=self.discard_grads))
-            self.fleet.resume_memory(["weights"])
+        """The sync phase: the engines take their weights back; what the sync does not read leaves."""
+        self.enter("sync")
 
     def engines_serve(self) -> None:
-        """The engines get their caches back (they can score and generate again); the trainer's
-        parameters stay. For the mismatch probe, which needs both the engines' scores and the
-        trainer's forward pass before the parameters leave."""
-        if self.enabled:
-            self.fleet.resume_memory(["kv_cache", "cuda_graph"])
+        """The probe phase: the engines get their caches back (they can score and generate again);
+        the trainer's parameters stay, for the probe's forward pass."""
+        self.enter("probe")
 
     def after_sync(self) -> dict[str, float]:
-        """The parameters leave; the engines get their caches back (if ``engines_serve`` has not).
-        ``offload/*`` of the parameters."""
-        if not self.enabled:
-            return {}
-        report = offload(self.policy, parts=("params",))
-        self.offloaded.append(report)
-        self.engines_serve()
-        return report.metrics()
+        """The rollout phase: with offload the parameters leave (``offload/*``); the engines get
+        their caches back (if ``engines_serve`` has not)."""
+        return {k: v for k, v in self.enter("rollout").items() if k != "offload/onload_seconds"}
 
     @contextmanager
     def trainer_visit(self) -> Iterator[None]:
-        """Whatever of the trainer's state is offloaded visits the device for the body (a checkpoint
-        save) and leaves again in the same two steps; the engines' memory is not touched."""
-        was_offloaded = bool(self.offloaded)
-        self._onload_all()
+        """The save phase for the body (a checkpoint save), then the phase before it again."""
+        before = self.phase
+        self.enter("save")
         yield
-        if was_offloaded:
-            self.offloaded.append(offload(self.policy, parts=("grads", "optimizer")))
-            self.offloaded.append(offload(self.policy, parts=("params",)))
+        self.enter(before)
 
     def trainer_back(self) -> None:
         """Bring the trainer's state back for good (the final export reads the parameters; the end of
         a loop); the engines' memory is not touched."""
-        self._onload_all()
-
-    def _onload_all(self) -> float:
-        seconds = sum(onload(self.policy, report) for report in reversed(self.offloaded))
+        for report in reversed(self.offloaded):
+            onload(self.policy, report)
         self.offloaded.clear()
-        return seconds

@@ -251,6 +251,70 @@ class Scenarios:
             "nothing_left_released": not self.engine.released,
         }
 
+    def phases_in_trainer_order(self) -> dict[str, Any]:
+        """``ColocatedMemory`` driving this engine by ``rollout/placement.py``'s phases, in the order the
+        trainer calls it (start-up, first sync, rollout, train, sync, save), without and with trainer
+        offload: which memory the engine holds after each step, whether the trainer's state was off
+        the device while the engines were built (the engine's start itself is this worker's one
+        start, shared), and whether generation after each cycle equals the engine's own before."""
+        from grpo_megatron.rollout.fleet import RolloutFleet
+
+        self.engine.resume_memory(None)
+        before = self.run_greedy()
+        fleet = RolloutFleet(ps=None, hf={}, engine=self.engine, engine_ranks=[0], group=None,  # type: ignore[arg-type]
+                             export_dtype=torch.bfloat16, bucket_bytes=1 << 20)  # fmt: skip
+        out: dict[str, Any] = {}
+        for offload in (False, True):
+            cycle = self._phase_cycle(fleet, offload)
+            same = [tokens(g) == tokens(before) and flat_logprobs(g) == flat_logprobs(before) for g in cycle.pop("generated")]
+            out["offload" if offload else "resident"] = {**cycle, "bitwise": all(same)}
+        return out
+
+    def _phase_cycle(self, fleet: Any, offload: bool) -> dict[str, Any]:
+        from grpo_megatron.rollout.config import RolloutConfig
+        from grpo_megatron.rollout.placement import decide_placement
+        from grpo_megatron.training.offload import ColocatedMemory
+        from grpo_megatron.training.policy import Policy
+
+        model = torch.nn.Linear(8, 4)
+        optimizer = torch.optim.Adam(model.parameters())
+        model(torch.randn(2, 8)).sum().backward()
+        optimizer.step()
+        placement = decide_placement(RolloutConfig(engine="sglang"), offload_trainer=offload, world_size=1,
+                                     gpus_per_node=1, tp=1, pp=1, cp=1, hf=self.engine._hf_config)  # fmt: skip
+        memory = ColocatedMemory(Policy(model=model, optimizer=optimizer, spec=None), None, placement.phases())  # type: ignore[arg-type]
+        steps: list[tuple[str, list[str]]] = []
+        seen: dict[str, Any] = {"generated": []}
+
+        def build() -> Any:
+            seen["trainer_bytes_while_engines_start"] = model.weight.untyped_storage().nbytes()
+            return fleet
+
+        memory.start_engines(build)
+        steps.append(("start-up, then train", sorted(self.engine.released)))
+        for version in (10, 11):  # the run's first sync, then one iteration
+            memory.before_sync()
+            steps.append(("sync", sorted(self.engine.released)))
+            self.bucketed(self.a, version=version)
+            memory.engines_serve()
+            steps.append(("probe", sorted(self.engine.released)))
+            memory.after_sync()
+            steps.append(("rollout", sorted(self.engine.released)))
+            seen["generated"].append(self.run_greedy())
+            memory.to_trainer()
+            steps.append(("train", sorted(self.engine.released)))
+            seen["trainer_bytes_in_train"] = model.weight.untyped_storage().nbytes()
+        memory.before_sync()
+        self.bucketed(self.a, version=12)
+        memory.after_sync()
+        with memory.trainer_visit():
+            steps.append(("save", sorted(self.engine.released)))
+            seen["grad_bytes_in_save"] = model.weight.grad.untyped_storage().nbytes()
+        steps.append(("rollout", sorted(self.engine.released)))
+        seen["generated"].append(self.run_greedy())
+        memory.trainer_back()
+        return {"steps": steps, **seen}
+
     def shutdown(self) -> dict[str, Any]:
         self.engine.shutdown()
         return {"ok": True}
@@ -299,6 +363,7 @@ SCENARIOS: tuple[str, ...] = (
     "named_tensor_head",
     "rejected_version",
     "memory_in_trainer_order",
+    "phases_in_trainer_order",
     "shutdown",
 )
 

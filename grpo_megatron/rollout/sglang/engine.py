@@ -54,6 +54,7 @@ from grpo_megatron.rollout.engine import (
     SamplingParams,
 )
 from grpo_megatron.rollout.hf_routes import RouteLayout, route_dtype
+from grpo_megatron.rollout.placement import RolloutPlacement, runtime_placement
 from grpo_megatron.rollout.sglang import compat
 from grpo_megatron.rollout.sglang.health import EngineProcesses, SignalState
 from grpo_megatron.rollout.sglang.ipc import (
@@ -72,7 +73,7 @@ from grpo_megatron.rollout.sglang.nccl import (
     SGLangServerError,
     wait_healthy,
 )
-from grpo_megatron.rollout.sglang.shards import engine_ep_size, rank_needs
+from grpo_megatron.rollout.sglang.shards import check_expert_placement, rank_needs
 from grpo_megatron.rollout.sglang.weights import WeightTransport, raise_on_failure
 
 if TYPE_CHECKING:
@@ -343,6 +344,8 @@ class SGLangEngine(RolloutEngine):
         rank: int = 0,
         log_dir: str | os.PathLike | None = None,
         tokenizer_path: str | None = None,
+        tp_size: int = 0,
+        ep_size: int = 0,
     ):
         device = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
         if device.type == "cpu":
@@ -371,7 +374,10 @@ class SGLangEngine(RolloutEngine):
         self.tied_head = tied_output_head(hf_config)
         # The engine's expert parallelism decides which experts each of its GPUs loads; refused here
         # (naming rollout.sglang_server_args) when SGLang would place experts some other way.
-        self.ep_size = engine_ep_size(rollout.sglang_server_args, rollout.sglang_tp, hf_config)
+        # Width and EP: rollout/placement.py's (from_config passes them; engine_shape when built directly).
+        # The EP decides which experts each GPU loads; server args placing experts otherwise are refused.
+        self.tp_size, self.ep_size = engine_shape(rollout, tp_size, ep_size)
+        check_expert_placement(rollout.sglang_server_args)
         moe = "num_experts_per_tok" in hf_config
         self.servers: list[Any]
         if servers is not None:
@@ -380,7 +386,7 @@ class SGLangEngine(RolloutEngine):
         elif self.mode == "colocated":
             server_args = colocated_server_args(
                 rollout, self.model_path, base_gpu_id=base_gpu_id, dtype=dtype, seed=seed, moe=moe,
-                nnodes=nnodes, node_rank=0, dist_init_addr=dist_init_addr, device=device.type,
+                tp_size=self.tp_size, ep_size=self.ep_size, nnodes=nnodes, node_rank=0, dist_init_addr=dist_init_addr, device=device.type,
                 weights_on_disk=bool(self._expected_shapes), hf_overrides=engine_overrides(hf_config, hf_overrides),
             )  # fmt: skip
             if tokenizer_path and "tokenizer_path" not in rollout.sglang_server_args:
@@ -403,7 +409,7 @@ class SGLangEngine(RolloutEngine):
         self._route_layout = RouteLayout.from_hf(hf_config) if self._routed_experts else None
         self.transport: WeightTransport
         if self.mode == "colocated":
-            self.transport = CudaIpcTransport(self.servers, rollout.sglang_tp, (flattened_cls, serializer), device)
+            self.transport = CudaIpcTransport(self.servers, self.tp_size, (flattened_cls, serializer), device)
         else:
             self.transport = NcclBroadcastTransport(self.servers, rollout, flattened_cls, device)
             if servers is None:
@@ -412,7 +418,9 @@ class SGLangEngine(RolloutEngine):
             self._load_tied_head_from_disk()
 
     @classmethod
-    def from_config(cls, spec: EngineSpec, ps: ParallelState) -> SGLangEngine | None:
+    def from_config(
+        cls, spec: EngineSpec, ps: ParallelState, placement: RolloutPlacement | None = None
+    ) -> SGLangEngine | None:
         """The engine this rank drives, from the job's ``EngineSpec`` and ``ParallelState``: colocated, one per
         ``rollout.sglang_tp`` consecutive ranks (inside a node, or whole nodes: ``colocated_layout``),
         on the first of them (others get ``None``; on a multi-node engine the first rank of each
@@ -424,7 +432,8 @@ class SGLangEngine(RolloutEngine):
             if ps.rank != 0:
                 return None
             return cls(rollout, model.hf_path, dtype=model.dtype, seed=spec.seed, device=ps.device)
-        layout, gpus_per_node, local_rank = _layout_of(rollout, ps)
+        placement = placement or runtime_placement(rollout, spec.offload_trainer, ps, _read_hf_config(model.hf_path))
+        layout, gpus_per_node, local_rank = _layout_of(placement, ps)
         if ps.rank != layout.leader:
             return None  # a multi-node engine's other ranks agree on its address in SGLangSyncMember
         address = agree_engine_address(layout, gpus_per_node, local_rank) if layout.multi_node else None
@@ -432,7 +441,7 @@ class SGLangEngine(RolloutEngine):
             rollout, model.hf_path, dtype=model.dtype, seed=spec.seed + ps.rank,
             base_gpu_id=layout.base_gpu_id, device=ps.device, nnodes=layout.nnodes, dist_init_addr=address,
             hf_overrides=model.hf_overrides, rank=ps.rank, log_dir=spec.log_dir,
-            tokenizer_path=spec.tokenizer_path,
+            tokenizer_path=spec.tokenizer_path, tp_size=placement.gpus_per_engine, ep_size=placement.engine_ep,
         )  # fmt: skip
         engine.sync_group_ranks = layout.members  # every GPU of the engine receives its own share
         return engine
@@ -444,7 +453,7 @@ class SGLangEngine(RolloutEngine):
         experts of MoE EP rank 0 (``rollout/sglang/shards.py``); everything when it feeds alone."""
         if len(self.sync_group_ranks) <= 1:
             return None
-        return rank_needs(self._hf_config, self.rollout.sglang_tp, self.ep_size, 0)
+        return rank_needs(self._hf_config, self.tp_size, self.ep_size, 0)
 
     def bind_sync_group(self, group: Any) -> None:
         if isinstance(self.transport, CudaIpcTransport) and len(self.sync_group_ranks) > 1:
@@ -680,6 +689,7 @@ class SGLangSyncMember:
         tp_rank: int,
         device: torch.device | str,
         node_engine: Any = None,
+        ep_size: int = 1,
     ):
         _, flattened_cls, serializer = import_sglang()
         self.rollout = rollout
@@ -691,25 +701,30 @@ class SGLangSyncMember:
         self._classes = (flattened_cls, serializer)
         self._hf_config = _read_hf_config(model_path)
         self.tied_head = tied_output_head(self._hf_config)
-        self.ep_size = engine_ep_size(rollout.sglang_server_args, rollout.sglang_tp, self._hf_config)
+        self.tp_size = len(self.sync_group_ranks)
+        self.ep_size = ep_size  # rollout/placement.py's engine EP
         self._expected_shapes = checkpoint_shapes(model_path)
         self.feed = EngineGroupFeed(members)
 
     @classmethod
-    def from_config(cls, spec: EngineSpec, ps: ParallelState) -> SGLangSyncMember | None:
+    def from_config(
+        cls, spec: EngineSpec, ps: ParallelState, placement: RolloutPlacement | None = None
+    ) -> SGLangSyncMember | None:
         """This rank's member, when a colocated engine led from another rank uses its GPU; on a
         multi-node engine (collective: every non-leader rank calls it once while the fleet is built),
         the first rank of each further node also starts that node's part of the engine."""
         rollout = spec.rollout
-        layout, gpus_per_node, local_rank = _layout_of(rollout, ps)
+        placement = placement or runtime_placement(rollout, spec.offload_trainer, ps, _read_hf_config(spec.model.hf_path))
+        layout, gpus_per_node, local_rank = _layout_of(placement, ps)
         if ps.rank == layout.leader:
             return None
         node_engine = None
         if layout.multi_node:
             address = agree_engine_address(layout, gpus_per_node, local_rank)
             if layout.starter:
-                node_engine = start_node_part(spec, layout, address)
-        return cls(rollout, spec.model.hf_path, layout.members, ps.rank - layout.leader, ps.device, node_engine)
+                node_engine = start_node_part(spec, layout, address, placement.engine_ep)
+        return cls(rollout, spec.model.hf_path, layout.members, ps.rank - layout.leader, ps.device, node_engine,
+                   ep_size=placement.engine_ep)  # fmt: skip
 
     def shutdown(self) -> None:
         """Stop this node's part of the engine, if this rank started one."""
@@ -718,7 +733,7 @@ class SGLangSyncMember:
             self.node_engine = None
 
     def weight_needs(self) -> ExpertBlock | None:
-        return rank_needs(self._hf_config, self.rollout.sglang_tp, self.ep_size, self.tp_rank)
+        return rank_needs(self._hf_config, self.tp_size, self.ep_size, self.tp_rank)
 
     def bind_sync_group(self, group: Any) -> None:
         self.feed.group = group
@@ -746,7 +761,7 @@ class SGLangSyncMember:
             self.weight_version = version
 
 
-def start_node_part(spec: EngineSpec, layout: ColocatedLayout, address: str) -> Any:
+def start_node_part(spec: EngineSpec, layout: ColocatedLayout, address: str, ep_size: int) -> Any:
     """``sglang.Engine`` for node ``layout.node_rank`` >= 1 of a multi-node colocated engine: the same
     arguments as the leader's (seed included) but this node's rank. SGLang's Engine on such a node
     runs only the schedulers and by default never returns from its constructor; with
@@ -756,19 +771,25 @@ def start_node_part(spec: EngineSpec, layout: ColocatedLayout, address: str) -> 
     args = colocated_server_args(
         rollout, str(model.hf_path), base_gpu_id=layout.base_gpu_id, dtype=model.dtype,
         seed=spec.seed + layout.leader, moe="num_experts_per_tok" in _read_hf_config(model.hf_path),
-        nnodes=layout.nnodes, node_rank=layout.node_rank, dist_init_addr=address,
+        tp_size=len(layout.members), ep_size=ep_size, nnodes=layout.nnodes, node_rank=layout.node_rank, dist_init_addr=address,
     )  # fmt: skip
     os.environ["SGLANG_BLOCK_NONZERO_RANK_CHILDREN"] = "0"  # read by SGLang in this process only
     with compat.child_environment(engine_environment(torch.device("cuda"))):
         return sglang.Engine(**args)
 
 
-def _layout_of(rollout: RolloutConfig, ps: ParallelState) -> tuple[ColocatedLayout, int, int]:
-    """(this rank's ``ColocatedLayout``, GPUs per node, local rank) from the launcher's environment
-    (torchrun / the launch scripts set LOCAL_WORLD_SIZE and LOCAL_RANK)."""
-    gpus_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", ps.world_size))
+def engine_shape(rollout: RolloutConfig, tp_size: int, ep_size: int) -> tuple[int, int]:
+    """(tp_size, ep_size) of an engine: as given (``from_config`` passes the placement's), else for an
+    engine built directly ``rollout.sglang_tp`` / ``rollout.sglang_ep`` (0 = 1)."""
+    return tp_size or rollout.sglang_tp or 1, ep_size or rollout.sglang_ep or 1
+
+
+def _layout_of(placement: RolloutPlacement, ps: ParallelState) -> tuple[ColocatedLayout, int, int]:
+    """(this rank's ``ColocatedLayout``, GPUs per node, local rank) for the placement's engine width
+    (the launcher's LOCAL_RANK; torchrun and the launch scripts set it)."""
+    gpus_per_node = placement.gpus_per_node
     local_rank = int(os.environ.get("LOCAL_RANK", ps.rank % gpus_per_node))
-    layout = colocated_layout(ps.rank, ps.world_size, rollout.sglang_tp, gpus_per_node, local_rank)
+    layout = colocated_layout(ps.rank, ps.world_size, placement.gpus_per_engine, gpus_per_node, local_rank)
     return layout, gpus_per_node, local_rank
 
 

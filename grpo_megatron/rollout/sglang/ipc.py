@@ -58,6 +58,7 @@ import torch
 from grpo_megatron.distributed.bootstrap import free_port
 from grpo_megatron.rollout.config import RolloutConfig
 from grpo_megatron.rollout.engine import Bucket
+from grpo_megatron.rollout.placement import width_choices
 from grpo_megatron.rollout.sglang.weights import flattened_bucket, raise_on_failure
 
 
@@ -92,13 +93,6 @@ class ColocatedLayout:
         return self.nnodes > 1
 
 
-def _tp_choices(gpus_per_node: int, world_size: int) -> list[int]:
-    """The ``rollout.sglang_tp`` values a layout accepts, for the fix in an error message."""
-    inside = [d for d in range(1, gpus_per_node + 1) if gpus_per_node % d == 0 and world_size % d == 0]
-    across = [m for m in range(2 * gpus_per_node, world_size + 1, gpus_per_node) if world_size % m == 0]
-    return inside + across
-
-
 def colocated_layout(rank: int, world_size: int, tp: int, gpus_per_node: int, local_rank: int) -> ColocatedLayout:
     """Trainer ``rank``'s place in its colocated engine of ``tp`` (``rollout.sglang_tp``) GPUs.
 
@@ -112,7 +106,7 @@ def colocated_layout(rank: int, world_size: int, tp: int, gpus_per_node: int, lo
     the launch (the same verdict on every rank, so no rank raises alone before the collective
     ``agree_engine_address``). Raises ``ValueError`` naming ``rollout.sglang_tp`` and the values
     that would work."""
-    choices = _tp_choices(gpus_per_node, world_size)
+    choices = width_choices(gpus_per_node, world_size)
     if world_size % tp or (gpus_per_node % tp if tp <= gpus_per_node else tp % gpus_per_node):
         raise ValueError(
             f"rollout.sglang_tp={tp} does not fit {world_size} ranks with {gpus_per_node} GPUs per node "
@@ -203,6 +197,8 @@ def colocated_server_args(
     dtype: str,
     seed: int,
     moe: bool,
+    tp_size: int = 1,
+    ep_size: int = 1,
     nnodes: int = 1,
     node_rank: int = 0,
     dist_init_addr: str | None = None,
@@ -211,7 +207,8 @@ def colocated_server_args(
     hf_overrides: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """``sglang.Engine`` keyword arguments of a colocated engine (``rollout.sglang_server_args`` win),
-    on node ``node_rank`` of the ``nnodes`` it spans; a multi-node engine also gets SGLang's
+    of ``tp_size`` GPUs at expert parallelism ``ep_size`` (``rollout/placement.py``'s decision), on
+    node ``node_rank`` of the ``nnodes`` it spans; a multi-node engine also gets SGLang's
     ``nnodes``, ``node_rank`` and ``dist_init_addr`` (the same on every node, seed included).
 
     Follows from the job, so that ``rollout.engine=sglang`` needs no other setting:
@@ -225,13 +222,14 @@ def colocated_server_args(
         if fixed:
             raise ValueError(
                 f"rollout.sglang_server_args sets {fixed}: an engine across nodes gets them from "
-                f"rollout.sglang_tp={rollout.sglang_tp} and the ranks' layout; remove them"
+                f"its width ({tp_size} GPUs, rollout.sglang_tp) and the ranks' layout; remove them"
             )
         if dist_init_addr is None:
             raise ValueError("an SGLang engine across nodes needs dist_init_addr (agree_engine_address)")
     args: dict[str, Any] = {
         "model_path": model_path,
-        "tp_size": rollout.sglang_tp,
+        "tp_size": tp_size,
+        "ep_size": ep_size,
         "base_gpu_id": base_gpu_id,
         "mem_fraction_static": rollout.gpu_memory_utilization,
         "enable_memory_saver": True,

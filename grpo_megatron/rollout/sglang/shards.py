@@ -30,6 +30,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from grpo_megatron.rollout.placement import routed_experts
+
 _EXPERT = re.compile(r"\.experts\.(\d+)\.")
 """A routed expert's HF name: ``...mlp.experts.E.*`` (Qwen-MoE, DeepSeek-V3) and
 ``...block_sparse_moe.experts.E.*`` (Mixtral); shared experts (``shared_expert(s).*``) do not match."""
@@ -38,18 +40,9 @@ _PLACEMENT_ARGS = ("enable_eplb", "ep_num_redundant_experts", "init_expert_locat
 """SGLang server args that move experts away from the contiguous block of each EP rank."""
 
 
-def routed_experts(hf: Mapping[str, Any]) -> int:
-    """Routed experts per MoE layer of an HF config (0 for a dense model)."""
-    for key in ("num_experts", "n_routed_experts", "num_local_experts"):
-        if hf.get(key):
-            return int(hf[key])
-    return 0
-
-
-def engine_ep_size(server_args: Mapping[str, Any], tp_size: int, hf: Mapping[str, Any]) -> int:
-    """The engine's expert-parallel size from ``rollout.sglang_server_args`` (``ep_size``, default 1),
-    after refusing what the per-rank delivery cannot follow."""
-    ep = int(server_args.get("ep_size", 1) or 1)
+def check_expert_placement(server_args: Mapping[str, Any]) -> None:
+    """Refuse ``rollout.sglang_server_args`` that place experts other than in contiguous blocks per EP
+    rank (the engine's EP itself is ``rollout/placement.py``'s decision)."""
     placed = [
         k for k in _PLACEMENT_ARGS
         if server_args.get(k) not in (None, False, 0, "trivial") and k in server_args
@@ -65,17 +58,6 @@ def engine_ep_size(server_args: Mapping[str, Any], tp_size: int, hf: Mapping[str
             "rollout.sglang_server_args sets moe_dp_size != 1: the weight sync maps TP ranks to MoE EP ranks "
             "for MoE data parallelism 1 only; remove moe_dp_size from rollout.sglang_server_args"
         )
-    if ep < 1 or tp_size % ep:
-        raise ValueError(
-            f"rollout.sglang_server_args ep_size={ep} must be >= 1 and divide rollout.sglang_tp={tp_size} "
-            "(SGLang splits the experts inside the engine's TP group)"
-        )
-    experts = routed_experts(hf)
-    if ep > 1 and (not experts or experts % ep):
-        raise ValueError(
-            f"rollout.sglang_server_args ep_size={ep} must divide the model's {experts} routed experts"
-        )
-    return ep
 
 
 def moe_ep_rank(tp_rank: int, tp_size: int, ep_size: int) -> int:

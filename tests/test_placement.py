@@ -1,0 +1,133 @@
+"""rollout/placement.py: the one decision of engine width, engine EP, engine ranks and each phase's
+memory, and ColocatedMemory moving a real trainer state (torch module + Adam) by its phases."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from grpo_megatron.planner.dry_run import all_groups
+from grpo_megatron.planner.model_states import Layout
+from grpo_megatron.rollout.config import RolloutConfig
+from grpo_megatron.rollout.placement import ENGINE_TAGS, TRAINER_PARTS, decide_placement, embedded_engines
+from grpo_megatron.training.offload import ColocatedMemory
+from grpo_megatron.training.policy import Policy
+
+MOE = {"num_experts": 128, "num_experts_per_tok": 8}
+DENSE = {"model_type": "qwen2"}
+
+
+def place(hf=MOE, world=32, gpus=8, tp=4, pp=1, cp=1, offload=False, **rollout):
+    return decide_placement(RolloutConfig(engine="sglang", **rollout), offload_trainer=offload, world_size=world,
+                            gpus_per_node=gpus, tp=tp, pp=pp, cp=cp, hf=hf)  # fmt: skip
+
+
+def test_engine_width_comes_from_sglang_tp_else_from_placement() -> None:
+    per_node = place(placement="per_node")
+    assert per_node.gpus_per_engine == 8 and per_node.engines == tuple(tuple(range(s, s + 8)) for s in range(0, 32, 8))
+    assert [per_node.nodes(i) for i in range(4)] == [(0,), (1,), (2,), (3,)]
+    replica = place(placement="per_dp_rank", tp=2, pp=2)
+    assert replica.gpus_per_engine == 4 and len(replica.engines) == 8 and "tp x pp x cp = 4" in replica.why["width"]
+    wide = place(sglang_tp=16, placement="per_node")  # set explicitly: wins over the placement
+    assert wide.gpus_per_engine == 16 and wide.nodes(1) == (2, 3) and wide.engine_of(17) == 1
+    for bad in (3, 12):
+        with pytest.raises(ValueError, match=rf"rollout.sglang_tp={bad}.*set rollout.sglang_tp to one of \[1, 2, 4, 8, 16, 32\]"):
+            place(sglang_tp=bad)
+
+
+def test_engine_ep_defaults_to_the_width_for_moe_and_1_for_dense() -> None:
+    assert place(placement="per_node").engine_ep == 8  # 8 divides 128 experts
+    assert place(hf={"num_experts": 4}, sglang_tp=16).engine_ep == 4  # the largest common divisor
+    assert place(hf=DENSE, placement="per_node").engine_ep == 1
+    assert place(placement="per_node", sglang_ep=2).engine_ep == 2
+    with pytest.raises(ValueError, match="must divide the engine's 8 GPUs; set rollout.sglang_ep"):
+        place(placement="per_node", sglang_ep=3)
+    with pytest.raises(ValueError, match="must divide the model's 0 routed experts; set rollout.sglang_ep"):
+        place(hf=DENSE, placement="per_node", sglang_ep=2)
+
+
+@pytest.mark.parametrize(("tp", "pp", "cp", "world"), [(1, 1, 1, 4), (2, 1, 1, 8), (2, 2, 1, 16), (2, 1, 2, 16), (4, 2, 2, 32)])
+def test_embedded_engines_are_the_ranks_with_tp_cp_pp_rank_0(tp: int, pp: int, cp: int, world: int) -> None:
+    """per_dp_rank against megatron's own RankGenerator (the groups the job is built from)."""
+    from grpo_megatron.distributed.config import ParallelConfig
+
+    layout = Layout.from_config(ParallelConfig(tp=tp, pp=pp, cp=cp), world)
+    groups = all_groups(layout)
+    first = {kind: {g[0] for g in groups[kind]} for kind in ("tp", "cp", "pp")}
+    expected = [r for r in range(world) if all(r in first[k] for k in first)]
+    assert embedded_engines("per_dp_rank", world, 8, tp, pp, cp) == expected
+
+
+def test_each_phase_holds_what_the_placement_says() -> None:
+    everything = TRAINER_PARTS, frozenset(ENGINE_TAGS)
+    colocated = place(placement="per_node").phases()
+    assert (colocated["start-up"].trainer, colocated["start-up"].engine) == (frozenset(), frozenset(ENGINE_TAGS))
+    assert colocated["train"].engine == frozenset() and colocated["train"].trainer == TRAINER_PARTS
+    assert (colocated["rollout"].trainer, colocated["rollout"].engine) == everything
+    assert colocated["sync"].engine == {"weights"} and colocated["save"] == colocated["rollout"]
+    offloaded = place(placement="per_node", offload=True).phases()
+    assert offloaded["rollout"].trainer == frozenset() and offloaded["sync"].trainer == {"params"}
+    assert offloaded["save"].trainer == {"params", "optimizer"} and offloaded["save"].engine == {"weights"}
+    embedded = decide_placement(RolloutConfig(), offload_trainer=False, world_size=4, gpus_per_node=4, tp=1, pp=1,
+                                cp=1, hf=MOE).phases()  # fmt: skip
+    assert all((o.trainer, o.engine) == everything for o in embedded.values())  # nothing moves
+
+
+class EngineMemory:
+    """The fleet's two memory calls, recorded (what RolloutFleet forwards to its engine)."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, tuple[str, ...]]] = []
+
+    def release_memory(self, tags) -> None:
+        self.calls.append(("release", tuple(tags)))
+
+    def resume_memory(self, tags) -> None:
+        self.calls.append(("resume", tuple(tags)))
+
+
+def _policy() -> tuple[Policy, list[torch.Tensor]]:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 4)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    model(torch.randn(3, 8)).sum().backward()
+    optimizer.step()
+    return Policy(model=model, optimizer=optimizer, spec=None), [model.weight, model.weight.grad]  # type: ignore[arg-type,list-item]
+
+
+@pytest.mark.parametrize("offload", [False, True])
+def test_colocated_memory_moves_by_the_phases_in_the_trainers_order(offload: bool) -> None:
+    policy, (weight, grad) = _policy()
+    before = weight.detach().clone()
+    memory = ColocatedMemory(policy, None, place(placement="per_node", offload=offload).phases())
+    fleet = EngineMemory()
+    seen = {}
+
+    def build() -> EngineMemory:
+        seen["trainer bytes while the engines start"] = weight.untyped_storage().nbytes() + grad.untyped_storage().nbytes()
+        return fleet
+
+    assert memory.start_engines(build) is fleet
+    assert seen["trainer bytes while the engines start"] == 0  # the trainer's state was in host memory
+    assert fleet.calls == [("release", ENGINE_TAGS)] and torch.equal(weight, before)  # back for training
+    fleet.calls.clear()
+    memory.before_sync()  # the run's first sync, as train() calls it
+    memory.engines_serve()
+    memory.after_sync()
+    memory.to_trainer()
+    assert fleet.calls == [("resume", ("weights",)), ("resume", ("kv_cache", "cuda_graph")),
+                           ("release", ENGINE_TAGS)]  # fmt: skip
+    assert weight.untyped_storage().nbytes() > 0 and grad.untyped_storage().nbytes() > 0
+    memory.before_sync()
+    memory.after_sync()
+    fleet.calls.clear()
+    with memory.trainer_visit():  # a checkpoint save after the sync
+        saved = {"params": weight.untyped_storage().nbytes() > 0, "grads": grad.untyped_storage().nbytes() > 0}
+    assert saved == {"params": True, "grads": not offload}  # a save reads no gradients
+    if offload:
+        assert fleet.calls == [("release", ("kv_cache", "cuda_graph")), ("resume", ("kv_cache", "cuda_graph"))]
+        assert weight.untyped_storage().nbytes() == 0  # gone again with the rollout phase
+    else:
+        assert fleet.calls == []  # the rollout phase's memory is the save's: nothing moves
+    memory.trainer_back()
+    assert torch.equal(weight, before)
