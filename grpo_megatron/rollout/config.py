@@ -210,6 +210,13 @@ class RolloutConfig:
                 f"{self.probe_batch}: SGLang scores sequences (the mismatch probe) from unscaled logits, "
                 "i.e. at temperature 1 only; sample at temperature 1.0, or set rollout.probe_batch=0"
             )
+        errors += self._sglang_errors()
+        if errors:
+            raise ValueError("\n".join(errors))
+
+    def _sglang_errors(self) -> list[str]:
+        """The SGLang fields: engine width and EP, server args, servers, the sync's port and timeout."""
+        errors: list[str] = []
         if self.sglang_tp < 0:
             errors.append(f"rollout.sglang_tp={self.sglang_tp} must be >= 0 (0: by rollout.placement)")
         if self.sglang_ep < 0:
@@ -234,5 +241,4 @@ class RolloutConfig:
             errors.append(f"rollout.sglang_sync_master_port={self.sglang_sync_master_port} must be in 1..65535")
         if self.sglang_request_timeout_s <= 0:
             errors.append(f"rollout.sglang_request_timeout_s={self.sglang_request_timeout_s} must be > 0")
-        if errors:
-            raise ValueError("\n".join(errors))
+        return errors
