@@ -61,7 +61,9 @@ class SafetensorsWriter:
             raise FileExistsError(f"{self.out_dir} exists and is not empty: choose a new output directory")
         self.out_dir.parent.mkdir(parents=True, exist_ok=True)
         self.tmp = Path(tempfile.mkdtemp(prefix=f".{self.out_dir.name}.partial-", dir=self.out_dir.parent))
-        self.hf_config = dict(hf_config)
+        # The stream writes unquantized tensors: a source's quantization_config (a blockwise-FP8
+        # checkpoint, dequantized on load by bridge/hf_loader.py) no longer describes them.
+        self.hf_config = {k: v for k, v in hf_config.items() if k != "quantization_config"}
         self.extra_files = extra_files  # e.g. tokenizer files, copied as they are
         self.files: list[tuple[str, list[str], int]] = []  # (temporary file name, keys, bytes)
 

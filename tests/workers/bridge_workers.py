@@ -154,3 +154,23 @@ def load_errors(cases: dict[str, tuple[str, str]]) -> dict[str, str]:
             out[case] = f"{type(e).__name__}: {e}"
         destroy_distributed(keep_process_group=True)
     return out
+
+
+def exported_tensors(dirs: list[str], overrides: list[str], write_dir: str) -> list[dict[str, torch.Tensor]]:
+    """Load each HF dir at the layout ``overrides`` and export it again: rank 0's exported tensors per
+    dir (other ranks: empty). The first dir's export is also written to ``write_dir``."""
+    from grpo_megatron.bridge.export import export_hf_stream
+    from grpo_megatron.bridge.hf_loader import load_hf_weights
+    from grpo_megatron.bridge.safetensors_writer import write_hf_checkpoint
+    from grpo_megatron.distributed.bootstrap import destroy_distributed
+
+    out = []
+    for i, hf_dir in enumerate(dirs):
+        model, _, ps, hf = _build(hf_dir, overrides)
+        load_hf_weights(model, ps, hf_dir, hf)
+        if i == 0:
+            write_hf_checkpoint(model, ps, hf, write_dir)
+        buckets = list(export_hf_stream(model, ps, hf, bucket_bytes=1 << 20))
+        out.append({name: t.cpu() for b in buckets for name, t in b} if ps.rank == 0 else {})
+        destroy_distributed(keep_process_group=True)
+    return out
