@@ -85,3 +85,16 @@ def test_stream_to_rank_1_with_a_cast_and_a_reused_plan(tmp_path: Path) -> None:
         assert r1["owns_memory"], layout
         for planned in r1["dst1_planned"]:  # a reused plan streams the same tensors
             assert list(planned) == list(ref) and all(torch.equal(planned[k], v) for k, v in ref.items())
+
+
+def test_deepseek_v3_router_bias_reaches_the_engine_in_fp32_from_a_bf16_export(tmp_path: Path) -> None:
+    hf_dir = tmp_path / "deepseek_v3"
+    hf_dir.mkdir()
+    (hf_dir / "config.json").write_text(json.dumps(tiny_hf_config("deepseek_v3")))
+    got, _ = run_distributed("tests.workers.export_workers:router_bias_to_an_engine", 2, timeout_s=300,
+                             hf_dir=str(hf_dir))  # fmt: skip
+    assert got["trainer"] and got["exported"].keys() == got["trainer"].keys() == got["engine"].keys()
+    for name, bias in got["trainer"].items():
+        assert bias.dtype == torch.float32 and not torch.equal(bias, bias.to(torch.bfloat16).float())  # bf16 would round it
+        assert got["exported"][name].dtype == torch.float32 and torch.equal(got["exported"][name], bias), name
+        assert got["engine"][name].dtype == torch.float32 and torch.equal(got["engine"][name], bias), name

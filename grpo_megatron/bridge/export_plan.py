@@ -113,7 +113,8 @@ def _items(
         full_shape = list(shapes[0])
         if dim is not None:
             full_shape[dim] *= size
-        out_dtype = dtype or dtype_named(dt)
+        # A rule's own dtype wins (the fp32 router bias); else the export's, else the training dtype.
+        out_dtype = dtype_named(rule.dtype) if rule.dtype else dtype or dtype_named(dt)
         hf_bytes = _hf_numel(rule, full_shape) * out_dtype.itemsize
         items.append(ExportItem(
             rule, tuple(full_shape), dim, glu, out_dtype, tuple(shapes[r] for r in range(size)),

@@ -120,8 +120,10 @@ class DeepseekV3Adapter(ModelAdapter):
             return self.swiglu_rules(m, h + "mlp.")
         rules = [copy(m + "router.weight", h + "mlp.gate.weight")]
         if self.transformer_config_kwargs(hf)["moe_router_enable_expert_bias"]:
-            # megatron keeps the selection bias as a buffer of the router, not a parameter.
-            rules.append(copy(m + "router.expert_bias", h + "mlp.gate.e_score_correction_bias", buffer=True))
+            # megatron keeps the selection bias as a buffer of the router, not a parameter, in fp32
+            # (as HF's files and both engines do): it reaches the engines in fp32, not the export dtype.
+            bias = h + "mlp.gate.e_score_correction_bias"
+            rules.append(copy(m + "router.expert_bias", bias, buffer=True, dtype="float32"))
         rules += self.expert_rules(hf, m, h + "mlp.experts.")
         if int(hf.get("n_shared_experts") or 0):
             rules += self.swiglu_rules(m + "shared_experts.", h + "mlp.shared_experts.")

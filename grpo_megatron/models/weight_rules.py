@@ -40,6 +40,10 @@ class WeightRule:
     vocab_size: int | None = None  # kind == "vocab" only: real (unpadded) rows
     buffer: bool = False  # a megatron buffer (e.g. the router's expert_bias), not a parameter
     export: bool = True  # False: load-only (the tied output layer is exported as the embedding)
+    dtype: str | None = None
+    """Exported in this dtype whatever the export's (``"float32"``: DeepSeek-V3's selection bias, which
+    Hugging Face, megatron and both engines keep in fp32; in bf16 its small spread reorders top-k
+    selection); None: the export's dtype."""
 
     def __post_init__(self) -> None:
         expected = {"copy": 1, "glu": 2, "qkv": 3, "vocab": 1}[self.kind]
@@ -52,8 +56,8 @@ class WeightRule:
 
 
 # ---- rule constructors: what adapters call -------------------------------------------------------
-def copy(mcore: str, hf: str, *, buffer: bool = False) -> WeightRule:
-    return WeightRule(mcore, (hf,), buffer=buffer)
+def copy(mcore: str, hf: str, *, buffer: bool = False, dtype: str | None = None) -> WeightRule:
+    return WeightRule(mcore, (hf,), buffer=buffer, dtype=dtype)
 
 
 def glu(mcore: str, gate: str, up: str) -> WeightRule:

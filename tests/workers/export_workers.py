@@ -56,3 +56,43 @@ def stream_to_each_rank(hf_dir: str, layouts: dict[str, list[str]], bucket_bytes
         out[name] = result
         destroy_distributed(keep_process_group=True)
     return out
+
+
+def router_bias_to_an_engine(hf_dir: str) -> dict:
+    """A bf16 trainer (TP2) exports to a bf16 embedded engine on rank 0 with bf16 as the export dtype;
+    the routers' fp32 expert biases are set to values bf16 cannot hold. Rank 0 returns the trainer's
+    biases (``trainer``), what the stream delivered (``exported``) and what the engine holds
+    (``engine``), by HF name."""
+    from grpo_megatron.bridge.export import ExportStream
+    from grpo_megatron.bridge.export_plan import plan_export
+    from grpo_megatron.config import load_config
+    from grpo_megatron.distributed.bootstrap import init_distributed, world_size_from_env
+    from grpo_megatron.models.builder import build_gpt_model
+    from grpo_megatron.rollout.embedded import EmbeddedEngine
+
+    cfg = load_config(EXAMPLE, [*CPU_JOB, f"model.hf_path={hf_dir}", "parallel.use_distributed_optimizer=false",
+                                "parallel.tp=2", "model.dtype=bfloat16"])  # fmt: skip
+    cfg.validate(world_size_from_env())
+    ps = init_distributed(cfg.parallel, seed=cfg.train.seed)
+    hf = cfg.model.load_hf_config()
+    model, _ = build_gpt_model(hf, cfg.model, ps)
+    trainer = {}
+    for layer in model.decoder.layers:
+        bias = getattr(layer.mlp, "router", None) and layer.mlp.router.expert_bias
+        if bias is not None:
+            bias.copy_(0.5 + 1e-4 * torch.arange(bias.numel(), dtype=torch.float32))  # a few bf16 ULPs wide
+            trainer[f"model.layers.{layer.layer_number - 1}.mlp.gate.e_score_correction_bias"] = bias.clone()
+    plan = plan_export(model, ps, hf, bucket_bytes=1 << 20, dst_ranks=(0,), dtype=torch.bfloat16)
+    engine = EmbeddedEngine(hf, dtype=torch.bfloat16) if ps.rank == 0 else None
+    if engine is not None:
+        assert engine.check_manifest(plan.manifest(0), 1) == []
+    exported = {}
+    for bucket in ExportStream(plan):
+        exported |= {k: t.clone() for k, t in bucket if k in trainer}
+        if engine is not None:
+            engine.update_weights(bucket, version=1, last=False)
+    if engine is None:
+        return {}
+    engine.update_weights([], version=1, last=True)
+    live = engine.model.state_dict()
+    return {"trainer": trainer, "exported": exported, "engine": {k: live[k].clone() for k in trainer}}
