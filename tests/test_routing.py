@@ -83,3 +83,21 @@ def test_load_metrics() -> None:
     assert "routing/load_cv/layer2" not in m  # a layer without tokens (another stage's) is left out
     assert m["routing/load_cv/layer0"] == pytest.approx(float(counts_e.std(correction=0)) / 1.5)
     assert m["routing/load_max_over_mean"] == pytest.approx((2.0 + 1.0) / 2)
+
+
+def test_full_recompute_routes_as_the_forward_did(tmp_path):
+    # model.recompute=full re-runs each layer's forward in the backward pass, routers included: the
+    # routers record each micro-batch once and the recompute routes as the forward did (the replayed
+    # experts under replay), so the gradients equal those without recompute.
+    hf_dir = _write_config(tmp_path / "qwen3_moe", tiny_hf_config("qwen3_moe"))
+    (plain,) = run_distributed("tests.workers.routing_workers:recompute_gradients", world_size=1, timeout_s=300,
+                               hf_dir=hf_dir, recompute="none")  # fmt: skip
+    (full,) = run_distributed("tests.workers.routing_workers:recompute_gradients", world_size=1, timeout_s=300,
+                              hf_dir=hf_dir, recompute="full")  # fmt: skip
+    assert full["forwards"] == plain["forwards"] == {r: [2, 2] for r in (False, True)}
+    for key in ("grads_replay=False", "grads_replay=True"):
+        for name, grad in plain[key].items():
+            assert torch.allclose(full[key][name], grad, atol=1e-6, rtol=1e-5), (key, name)
+    # the replayed routes differ from the router's own: replay (in the recompute too) changed the gradients
+    own, replayed = plain["grads_replay=False"], plain["grads_replay=True"]
+    assert any(not torch.allclose(own[n], replayed[n], atol=1e-4) for n in own)

@@ -208,7 +208,8 @@ class AlgorithmConfig:
     of every token (Completion.routed_experts) are replayed in the reference, old-policy and training
     passes, so the trainer computes logprobs under the routing that sampled the tokens. Every mode
     logs `routing/disagreement` (trainer vs engine, before replay) and the expert load. MoE models
-    only; not with model.recompute=full (a recomputed forward routes again) or parallel.cp > 1."""
+    only; not with parallel.cp > 1. With model.recompute=full the recomputed forward replays the
+    experts its forward used (models/routing.py)."""
 
     def validate(self) -> None:
         p = "algorithm"

@@ -182,11 +182,6 @@ def routing_replay_errors(cfg: JobConfig, hf_config: dict[str, Any]) -> list[str
     errors = []
     if num_routed_experts(hf_config) == 0:
         errors.append(f"{where} but the model is dense (no experts to route): set algorithm.routing_replay=off")
-    if cfg.model.recompute == "full":
-        errors.append(
-            f"{where} with model.recompute=full: the recomputed forward in the backward pass would route "
-            "again without the replayed experts; set model.recompute to none or selective"
-        )
     if cfg.parallel.cp > 1:
         errors.append(
             f"{where} with parallel.cp={cfg.parallel.cp}: routes are not split over context-parallel ranks "

@@ -37,15 +37,33 @@ from grpo_megatron.distributed.collectives import collective_device
 
 
 class RouteTap:
-    """Sits in one megatron ``TopKRouter.router_replay`` slot (see the module docstring)."""
+    """Sits in one megatron ``TopKRouter.router_replay`` slot (see the module docstring).
+
+    Within a pass, the first router call after ``RoutingPass.before_microbatch`` is that micro-batch's
+    forward: it records the router's own top-k and uses the micro-batch's target. Any further call
+    is activation recompute (``model.recompute=full`` re-runs each layer's forward in the backward
+    pass, micro-batches in their forward order): it records nothing and routes as that micro-batch's
+    forward did (the same target under replay, else the router's own choice again), so the gradient
+    follows the routing of the forward."""
 
     def __init__(self, moe_index: int) -> None:
         self.moe_index = moe_index
         """Index of this router's layer among the model's MoE layers (the M axis of routes)."""
         self.target_tk: torch.Tensor | None = None
-        """Experts to use for the next router call; None = the router's own choice."""
+        """Experts to use for the next forward; None = the router's own choice."""
         self.own: list[torch.Tensor] = []
-        """The router's own top-k of each call since the pass began, ``[T, K]`` each."""
+        """The router's own top-k of each micro-batch's forward since the pass began, ``[T, K]`` each."""
+        self.forward_next = False
+        """The next call is a micro-batch's forward (set by ``before_microbatch``); else a recompute."""
+        self.used: list[torch.Tensor | None] = []
+        """The target each forward of the pass used, replayed by its recompute."""
+        self.recomputed = 0
+        """Recompute calls since the pass began (the index of the micro-batch the next one re-runs)."""
+
+    def reset(self) -> None:
+        self.own.clear()
+        self.used.clear()
+        self.target_tk, self.forward_next, self.recomputed = None, False, 0
 
     def get_replay_topk(
         self,
@@ -57,16 +75,24 @@ class RouteTap:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         assert default_compute_topk is not None
         probs, own_tk = default_compute_topk(scores, topk, num_groups=num_groups, group_topk=group_topk)
-        self.own.append(own_tk.detach())
-        if self.target_tk is None:
+        if self.forward_next:
+            self.forward_next = False
+            self.own.append(own_tk.detach())
+            target_tk, self.target_tk = self.target_tk, None
+            self.used.append(target_tk)
+        elif self.recomputed < len(self.used):  # activation recompute of the micro-batch's forward
+            target_tk = self.used[self.recomputed]
+            self.recomputed += 1
+        else:  # outside a pass
+            target_tk = None
+        if target_tk is None:
             return probs, own_tk
-        target_tk = self.target_tk.to(device=scores.device, dtype=torch.long)
+        target_tk = target_tk.to(device=scores.device, dtype=torch.long)
         if target_tk.shape != own_tk.shape:
             raise RuntimeError(
                 f"routing replay, MoE layer {self.moe_index}: {tuple(target_tk.shape)} target routes for a "
                 f"router call of {tuple(own_tk.shape)} (tokens x top-k): the routes do not follow the batch"
             )
-        self.target_tk = None  # one call per target: a second call (recompute) must not reuse it
         return scores.gather(1, target_tk), target_tk
 
 
@@ -133,8 +159,7 @@ class RoutingPass:
         self.replay = replay
         self.microbatches: list[_Microbatch] = []
         for tap in self.taps:
-            tap.own.clear()
-            tap.target_tk = None
+            tap.reset()
         config = _first_config(model)
         self.num_experts = int(config.num_moe_experts or 0)
         self.num_moe_layers = len(moe_layer_numbers(config)) if self.num_experts else 0
@@ -162,15 +187,15 @@ class RoutingPass:
                 # Padding tokens still pass through the router: give them distinct, harmless experts.
                 filler = torch.arange(target.shape[1], dtype=target.dtype).expand_as(target)
                 target = torch.where(target >= 0, target, filler)
-            tap.target_tk = target
+            tap.target_tk, tap.forward_next = target, True
         self.microbatches.append(_Microbatch(padded, valid_t.cpu(), {j: g.cpu() for j, g in given.items()}))
 
     def _own(self, j: int, i: int) -> torch.Tensor:
         tap = self.taps[j]
         if len(tap.own) != len(self.microbatches):
             raise RuntimeError(
-                f"MoE layer {tap.moe_index} routed {len(tap.own)} times in a pass of {len(self.microbatches)} "
-                "micro-batches (activation recompute re-runs routers: turn model.recompute off with routing replay)"
+                f"MoE layer {tap.moe_index} routed {len(tap.own)} forwards in a pass of {len(self.microbatches)} "
+                "micro-batches: a micro-batch ran without RoutingPass.before_microbatch"
             )
         return tap.own[i].cpu()
 
@@ -211,8 +236,7 @@ class RoutingPass:
     def close(self) -> None:
         """Drop the pass's targets and records from the routers (they outlive the pass)."""
         for tap in self.taps:
-            tap.own.clear()
-            tap.target_tk = None
+            tap.reset()
 
 
 def _first_config(model: torch.nn.Module | list[torch.nn.Module]) -> Any:

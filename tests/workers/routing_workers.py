@@ -109,3 +109,38 @@ def replay_cases(cases: dict[str, tuple[str, list[str]]]) -> dict:
         out[case] = res
         destroy_distributed(keep_process_group=True)
     return out
+
+
+def recompute_gradients(hf_dir: str, recompute: str) -> dict:
+    """One training pass (two micro-batches) of a fresh policy with ``model.recompute=recompute``,
+    routing on its own and replaying given routes (which differ from its own): the gradients of
+    each, the forwards each router recorded, and the micro-batches' count."""
+    from grpo_megatron.distributed.bootstrap import destroy_distributed
+    from grpo_megatron.models.config import num_routed_experts
+    from grpo_megatron.models.routing import RoutingPass, model_taps
+    from grpo_megatron.training.forward_backward import MicroBatch, forward_backward
+
+    cfg, ps, hf, policy = _setup(hf_dir, [f"model.recompute={recompute}"])
+    gen = torch.Generator().manual_seed(5)
+    num_experts, top_k = num_routed_experts(hf), hf["num_experts_per_tok"]
+    mbs = []
+    for rows, length in ((3, 9), (2, 6)):
+        tokens = torch.randint(0, hf["vocab_size"], (rows, length + 1), generator=gen)
+        mb = MicroBatch(tokens[:, :-1], tokens[:, 1:])
+        mb.routes_lbsk = torch.rand(hf["num_hidden_layers"], rows, length, num_experts, generator=gen).argsort(-1)[..., :top_k]
+        mbs.append(mb)
+
+    def loss_fn(logprobs_bs, entropy_bs, mb):
+        return -logprobs_bs.sum(), {}
+
+    out: dict = {"forwards": {}}
+    for replay in (False, True):
+        policy.model.zero_grad_buffer()
+        routing = RoutingPass(policy.model, ps, replay=replay)
+        forward_backward(policy.model, mbs, ps, loss_fn, vocab_size=hf["vocab_size"], routing=routing)
+        out["forwards"][replay] = [len(t.own) for t in model_taps(policy.model)]
+        routing.close()
+        out[f"grads_replay={replay}"] = {n: p.main_grad.detach().clone() for n, p in policy.model.named_parameters()}
+    out["microbatches"] = len(mbs)
+    destroy_distributed(keep_process_group=True)
+    return out
