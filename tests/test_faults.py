@@ -195,9 +195,28 @@ def test_a_stuck_rank_ends_every_rank_naming_it():
     elapsed = time.monotonic() - start
     log = str(failure.value)
     for rank in (0, 1):
-        assert f"[watchdog] rank {rank}: rank 1 on" in log, log[-3000:]
-    assert "last phase 'step 3'" in log and "progress_timeout_s=3" in log
+        assert f"[watchdog] rank {rank}: stuck: rank 1 on" in log, log[-3000:]
+    assert "in phase 'step 3': no progress for" in log and "progress_timeout_s=3" in log
+    assert "rank(s) 0 waited in a collective" in log and "stuck: rank 0" not in log
     assert elapsed < 60, elapsed  # the bound (3 s) plus start-up, not the 120 s hang timeout
+
+
+def test_a_rank_blocked_outside_c10d_is_named_with_its_phase():
+    # NCCL-like: rank 1 blocks in one call; rank 0 waits for it in work.wait() of an asynchronous
+    # collective (outside distributed_c10d.py, as a GPU rank waits on an NCCL kernel).
+    with pytest.raises(AssertionError) as failure:
+        run_distributed("tests.workers.fault_workers:stuck_rank", 2, timeout_s=120, bound_s=3.0, stuck=1,
+                        async_wait=True)  # fmt: skip
+    log = str(failure.value)
+    assert "[watchdog] rank 0: stuck: rank 0 on" in log or "[watchdog] rank 0: stuck: rank 1 on" in log, log[-3000:]
+    assert "rank 1 on" in log and "in phase 'step 3': no progress for" in log
+
+
+def test_healthy_long_phases_are_not_stopped():
+    # rank 0 computes (torch steps) for 3 bounds (its stack moves), rank 1 blocks in one call for 3
+    # bounds inside long_phase (an engine's start-up), while the other waits in a collective.
+    (r0, r1) = run_distributed("tests.workers.fault_workers:long_phases", 2, timeout_s=120, bound_s=2.0)
+    assert r0 == r1 == {"finished": True}
 
 
 # ------------------------------------------------------------------------------------------------

@@ -39,10 +39,13 @@ class ParallelConfig:
     """Collective timeout: when every rank is blocked in collectives (mismatched calls, a network
     fault), the job fails after this long instead of stalling forever."""
     progress_timeout_s: float = 300.0
-    """A rank that passes no progress point (a phase of an iteration, an SFT step) for this long
-    while another rank waits for it in a collective is stuck: every rank exits, naming it
-    (distributed/watchdog.py). Must exceed the longest work one rank does while the others wait
-    (rank 0's reward scoring, an uneven rollout); 0 = off."""
+    """A rank whose heartbeat (its progress points, or its main thread moving through Python code)
+    is older than this while it is outside any collective is stuck: every rank exits, naming it and
+    its phase (distributed/watchdog.py). Must exceed the longest single blocking call of a phase
+    (a wait for a GPU kernel, a file read); 0 = off."""
+    long_phase_timeout_s: float = 3600.0
+    """The same bound for the start-up phases that block in one call for long: loading the initial
+    weights and starting the rollout engines (an SGLang engine of a large model loads for minutes)."""
 
     def validate(self) -> None:
         """Checks that need neither the world size nor the model."""
@@ -56,6 +59,8 @@ class ParallelConfig:
                 errors.append(f"parallel.{name}={value} must be >= 1, or null to derive it")
         if self.timeout_minutes < 1:
             errors.append(f"parallel.timeout_minutes={self.timeout_minutes} must be >= 1")
+        if self.long_phase_timeout_s < 0:
+            errors.append(f"parallel.long_phase_timeout_s={self.long_phase_timeout_s} must be >= 0")
         if self.progress_timeout_s < 0:
             errors.append(f"parallel.progress_timeout_s={self.progress_timeout_s} must be >= 0 (0 = off)")
         if errors:

@@ -1,19 +1,29 @@
 """A rank that stops making progress ends the job within ``parallel.progress_timeout_s``, named.
 
 A dead rank ends a torchrun job at once; a *stuck* one (a hung file system, a deadlocked engine, a
-reward call that never returns) leaves every other rank waiting in its next collective until the
-process-group timeout, with no word of who is stuck. Here each rank's watchdog thread publishes,
-every few seconds, to the launcher's key-value store (the TCPStore at MASTER_ADDR:MASTER_PORT that
-the rendezvous used): how many progress points its main thread passed (``beat``: every timed phase
-of an iteration, every SFT step) and whether that thread is blocked inside a torch.distributed
-collective right now (read from its stack). Rank 0's thread judges: a rank is stuck when, for
-longer than ``progress_timeout_s``, it passed no progress point and sat outside any collective while
-another rank waited in one. It then writes a verdict naming that rank, its host and its last phase;
-every rank's thread reads it, prints it, and exits the process, so the launcher ends the job.
+reward call that never returns, a wait on an NCCL kernel that never completes) leaves every other
+rank waiting until the process-group timeout, with no word of who is stuck. Here each rank's
+watchdog thread publishes, every few seconds, to the launcher's key-value store (the TCPStore at
+MASTER_ADDR:MASTER_PORT that the rendezvous used) the age of its heartbeat, the phase it is in and
+whether its main thread is blocked inside a torch.distributed collective (read from its stack).
 
-What it cannot see: every rank blocked in collectives at once (mismatched collectives, a network
-fault): that is the process-group timeout's job (``parallel.timeout_minutes``). Work one rank does
-while the others wait (rank 0 scoring rewards, an uneven rollout) must finish within the bound.
+The heartbeat: the main thread's progress points (``beat``: every timed phase of an iteration,
+every SFT step, start-up's stages), and any change of the main thread's Python stack seen by the
+watchdog thread (a long healthy phase keeps moving through its frames; a blocked thread, in a sleep,
+a socket read or a CUDA/NCCL wait, sits on one line). A phase known to block in one call for long
+(an engine's start-up, its weight loading) runs under ``long_phase`` with its own bound.
+
+Rank 0's thread judges: a rank is stuck when its heartbeat is older than its phase's bound while it
+sits outside any c10d collective (ranks waiting inside one wait for somebody else), or when its
+watchdog thread stopped publishing for that long (the process is frozen or holds the GIL). It then
+writes a verdict naming each such rank, its host, its phase and the heartbeat's age (the ranks with
+the fewest progress points first: the others usually wait for them, e.g. in an NCCL kernel outside
+c10d); every rank's thread reads it, prints it, and exits the process, so the launcher ends the job.
+
+What it cannot see: every rank blocked inside c10d collectives at once (mismatched collectives, a
+network fault): that is the process-group timeout's job (``parallel.timeout_minutes``). A single
+call that legitimately blocks longer than the bound outside ``long_phase`` (rank 0 scoring rewards
+while the others wait is fine: its stack moves) ends the job: raise the bound or wrap the call.
 """
 
 from __future__ import annotations
@@ -24,6 +34,8 @@ import socket
 import sys
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -45,12 +57,25 @@ def in_collective(thread_id: int) -> bool:
     return False
 
 
+def stack_key(thread_id: int) -> tuple[tuple[str, int], ...]:
+    """Where thread ``thread_id`` is: (file, bytecode offset) of every frame; it changes while the
+    thread works through calls (a trainer phase, a file read, a reward loop) and stays put while the
+    thread is blocked in one call. (A tight pure-Python loop can be caught at the same instruction
+    every time and look blocked: the bound must exceed such a loop, as any single blocking call.)"""
+    frame = sys._current_frames().get(thread_id)
+    key = []
+    while frame is not None:
+        key.append((frame.f_code.co_filename, frame.f_lasti))
+        frame = frame.f_back
+    return tuple(key)
+
+
 @dataclass
 class _Seen:
-    """What rank 0 last saw of one rank: its progress count and since when it looked stuck."""
+    """What rank 0 last saw of one rank: its watchdog's tick count and when that changed."""
 
-    count: int = -1
-    suspect_since: float | None = None
+    tick: int = -1
+    since: float = 0.0
 
 
 @dataclass
@@ -65,6 +90,13 @@ class ProgressWatchdog:
     host: str = field(default_factory=socket.gethostname)
     _count: int = 0
     _phase: str = "start-up"
+    _limit_s: float = 0.0
+    """The current phase's bound (``long_phase``); 0: ``timeout_s``."""
+    _last: float = field(default_factory=time.monotonic)
+    """When the main thread last beat or was seen moving (the heartbeat)."""
+    _stack: tuple[tuple[str, int], ...] = ()
+    """The main thread's ``stack_key`` at the last tick."""
+    _ticks: int = 0
     _main_id: int = field(default_factory=lambda: threading.main_thread().ident or 0)
     _stop: threading.Event = field(default_factory=threading.Event)
     _seen: dict[int, _Seen] = field(default_factory=dict)
@@ -74,6 +106,21 @@ class ProgressWatchdog:
         """The main thread passed a progress point (cheap: no I/O; the thread publishes it)."""
         self._count += 1
         self._phase = phase
+        self._last = time.monotonic()
+
+    @contextmanager
+    def long_phase(self, phase: str, limit_s: float) -> Iterator[None]:
+        """A phase that may block in one call for up to ``limit_s`` (an engine's start-up, weight
+        loading): its heartbeat may be that old (at least ``timeout_s``) before the rank counts as
+        stuck; the bound of the enclosing phase comes back after it."""
+        outer_limit = self._limit_s
+        self._limit_s = max(limit_s, self.timeout_s)
+        self.beat(phase)
+        try:
+            yield
+        finally:
+            self._limit_s = outer_limit
+            self.beat(f"{phase} (done)")
 
     def start(self) -> ProgressWatchdog:
         self._thread = threading.Thread(target=self._run, name="grpo-progress-watchdog", daemon=True)
@@ -95,7 +142,12 @@ class ProgressWatchdog:
                 return
 
     def _tick(self, now: float) -> None:
-        state = {"count": self._count, "phase": self._phase, "waiting": in_collective(self._main_id), "host": self.host}
+        stack = stack_key(self._main_id)
+        if stack != self._stack:  # the main thread moved: alive
+            self._stack, self._last = stack, now
+        self._ticks += 1
+        state = {"count": self._count, "phase": self._phase, "age": now - self._last, "tick": self._ticks,
+                 "limit": self._limit_s or self.timeout_s, "waiting": in_collective(self._main_id), "host": self.host}  # fmt: skip
         self.store.set(f"rank{self.rank}", json.dumps(state))
         if self.rank == 0 and not self.store.check([_VERDICT]):
             verdict = self._judge(now)
@@ -117,22 +169,29 @@ class ProgressWatchdog:
         if not self.store.check(keys):
             return None  # a rank has not published yet (still starting)
         states = [json.loads(self.store.get(k)) for k in keys]
-        anyone_waiting = any(s["waiting"] for s in states)
+        stuck, over = [], False
         for r, s in enumerate(states):
-            seen = self._seen.setdefault(r, _Seen())
-            if s["count"] != seen.count or s["waiting"] or not anyone_waiting:
-                seen.count, seen.suspect_since = s["count"], None
-                continue
-            if seen.suspect_since is None:
-                seen.suspect_since = now
-            elif now - seen.suspect_since > self.timeout_s:
-                waiting = [str(o) for o, t in enumerate(states) if t["waiting"]]
-                return (
-                    f"rank {r} on {s['host']} made no progress for {now - seen.suspect_since:.0f} s (last phase "
-                    f"'{s['phase']}') while rank(s) {', '.join(waiting)} waited for it in a collective; stopping "
-                    f"every rank (parallel.progress_timeout_s={self.timeout_s:g})"
-                )
-        return None
+            seen = self._seen.setdefault(r, _Seen(s["tick"], now))
+            if s["tick"] != seen.tick:
+                seen.tick, seen.since = s["tick"], now
+            silent = now - seen.since
+            if silent > s["limit"] + 2 * self.interval_s:
+                over = True
+                stuck.append((s["count"], r, f"its watchdog published nothing for {silent:.0f} s (frozen, or the GIL held)"))
+            elif s["age"] > s["limit"] / 2 and not s["waiting"]:
+                # Half the bound already names a rank (once any passed the bound): one that blocks a
+                # little later than the rank waiting for it outside c10d (NCCL) is named too.
+                over = over or s["age"] > s["limit"]
+                stuck.append((s["count"], r, f"no progress for {s['age']:.0f} s (bound {s['limit']:g} s)"))
+        if not over:
+            return None
+        waiting = [str(r) for r, s in enumerate(states) if s["waiting"]]
+        named = "; ".join(f"rank {r} on {states[r]['host']} in phase '{states[r]['phase']}': {why}"
+                          for _, r, why in sorted(stuck))  # fmt: skip
+        return (
+            f"stuck: {named}" + (f"; rank(s) {', '.join(waiting)} waited in a collective" if waiting else "")
+            + f"; stopping every rank (parallel.progress_timeout_s={self.timeout_s:g})"
+        )
 
 
 def start_watchdog(timeout_s: float, rank: int, world_size: int) -> ProgressWatchdog | None:

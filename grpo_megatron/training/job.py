@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -269,6 +269,10 @@ class _Startup:
         if self.watchdog is not None:
             self.watchdog.beat(phase)
 
+    def long_phase(self, phase: str, limit_s: float) -> AbstractContextManager[None]:
+        """A start-up phase that blocks in one call for long (``ProgressWatchdog.long_phase``)."""
+        return self.watchdog.long_phase(phase, limit_s) if self.watchdog is not None else nullcontext()
+
 
 def build_environment(mt: MultiTurnConfig, reward: RewardConfig, tokenizer: Any) -> Environment:
     """rollout.multiturn's environment: the tool environment, its tool in sandboxed workers (the
@@ -327,7 +331,8 @@ def _models(
     ps, hf = start.ps, start.hf
     policy = build_policy(hf, cfg.model, cfg.parallel, cfg.train, ps)
     start.beat("policy")
-    loaded = load_initial_weights(policy.model, cfg.model, ps, hf)
+    with start.long_phase("initial weights", cfg.parallel.long_phase_timeout_s):
+        loaded = load_initial_weights(policy.model, cfg.model, ps, hf)
     start.beat("initial weights")
     if ps.rank == 0:
         source = cfg.model.hf_path if loaded else "random initialisation (no *.safetensors in model.hf_path)"
@@ -339,7 +344,10 @@ def _models(
     placement = runtime_placement(cfg.rollout, cfg.train.offload_trainer, ps, hf)
     memory = ColocatedMemory(policy, None, placement.phases())
     spec = engine_spec(cfg)
-    fleet = memory.start_engines(lambda: RolloutFleet.build(spec, hf, ps, tokenizer=start.tokenizer, placement=placement))
+    with start.long_phase("engines", cfg.parallel.long_phase_timeout_s):  # an engine's start blocks in one call
+        fleet = memory.start_engines(
+            lambda: RolloutFleet.build(spec, hf, ps, tokenizer=start.tokenizer, placement=placement)
+        )
     start.beat("engines")
     return policy, reference, fleet, memory
 

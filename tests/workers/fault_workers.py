@@ -79,10 +79,11 @@ def cases(calls: list[tuple[str, dict[str, Any]]]) -> list[Any]:
     return [known[name](**kwargs) for name, kwargs in calls]
 
 
-def stuck_rank(bound_s: float, stuck: int, steps: int = 50) -> dict[str, Any]:
+def stuck_rank(bound_s: float, stuck: int, steps: int = 50, async_wait: bool = False) -> dict[str, Any]:
     """Timed phases with a collective each, as the trainer's; rank ``stuck`` sleeps in step 3
     (outside any collective, as a hung file system or engine would). The watchdog must end every
-    rank, naming it; returning means it did not."""
+    rank, naming it; returning means it did not. ``async_wait``: the collective is posted
+    asynchronously and waited for with ``work.wait()``, outside c10d's Python frames (as NCCL's)."""
     import torch
     import torch.distributed as dist
 
@@ -97,6 +98,37 @@ def stuck_rank(bound_s: float, stuck: int, steps: int = 50) -> dict[str, Any]:
         with timer(f"step {step}"):
             if rank == stuck and step == 3:
                 time.sleep(600)
+            if async_wait:
+                dist.all_reduce(torch.ones(1), async_op=True).wait()
+            else:
+                dist.all_reduce(torch.ones(1))
+    watchdog.stop()
+    return {"finished": True}
+
+
+def long_phases(bound_s: float) -> dict[str, Any]:
+    """Rank 0 computes (torch steps) for three bounds in step 1; rank 1 blocks in one call for three
+    bounds in step 2, inside ``long_phase``; the other rank waits in a collective each time."""
+    import torch
+    import torch.distributed as dist
+
+    from grpo_megatron.distributed.watchdog import start_watchdog
+    from grpo_megatron.training.job import PhaseTimer
+    from tests.helpers.dist import init_gloo
+
+    rank, world = init_gloo()
+    watchdog = start_watchdog(bound_s, rank, world)
+    assert watchdog is not None
+    timer = PhaseTimer(beat=watchdog.beat)
+    for step in range(4):
+        with timer(f"step {step}"):
+            if rank == 0 and step == 1:  # a long phase of ordinary work: small torch steps
+                end, layer = time.monotonic() + 3 * bound_s, torch.nn.Linear(256, 256)
+                while time.monotonic() < end:
+                    layer(torch.randn(64, 256)).square().mean().backward()
+            if rank == 1 and step == 2:
+                with watchdog.long_phase("engine start", 10 * bound_s):
+                    time.sleep(3 * bound_s)
             dist.all_reduce(torch.ones(1))
     watchdog.stop()
     return {"finished": True}
