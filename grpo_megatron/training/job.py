@@ -112,12 +112,14 @@ class Runtime:
             self.preemption.uninstall()
         if self.watchdog is not None:
             self.watchdog.stop()
-        self.fleet.shutdown()
+        # The reward workers and the logger (wandb's service) close before the engines stop: an
+        # engine's shutdown must not be what ends them (rollout/sglang/health.py).
         if self.rewards is not None:
             self.rewards.close()
         if self.env is not None:
             self.env.close()
         self.logger.close()
+        self.fleet.shutdown()
 
 
 @dataclass(kw_only=True)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import shutil
 import signal
+import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -315,9 +316,31 @@ class Scenarios:
         memory.trainer_back()
         return {"steps": steps, **seen}
 
+    def sigterm_survived(self) -> dict[str, Any]:
+        """Slurm's preemption SIGTERM reaches every process of the job: the engine's must live on (the
+        trainer saves, then shuts them down); the trainer itself does not block SIGTERM."""
+        assert self.engine.health is not None
+        procs = list(self.engine.health.procs)
+        for proc in procs:
+            proc.send_signal(signal.SIGTERM)
+        time.sleep(2.0)
+        alive = [p.is_running() and p.status() != "zombie" for p in procs]
+        after = self.run_greedy()
+        return {"procs": len(procs), "all_alive": all(alive), "generates": len(after) == len(PROMPTS),
+                "trainer_blocks_sigterm": signal.SIGTERM in signal.pthread_sigmask(signal.SIG_BLOCK, [])}  # fmt: skip
+
     def shutdown(self) -> dict[str, Any]:
+        # A child of this process that is not the engine's (as the reward pool's workers and wandb's
+        # service are): the engine's shutdown must leave it alone.
+        bystander = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+        assert self.engine.health is not None
+        engine_procs = list(self.engine.health.procs)
         self.engine.shutdown()
-        return {"ok": True}
+        alive = bystander.poll() is None
+        bystander.kill()
+        bystander.wait()
+        return {"ok": True, "bystander_alive": alive, "engine_procs": len(engine_procs),
+                "engine_left": [p.pid for p in engine_procs if p.is_running() and p.status() != "zombie"]}  # fmt: skip
 
 
     def multiturn(self) -> dict[str, Any]:
@@ -364,6 +387,7 @@ SCENARIOS: tuple[str, ...] = (
     "rejected_version",
     "memory_in_trainer_order",
     "phases_in_trainer_order",
+    "sigterm_survived",
     "shutdown",
 )
 

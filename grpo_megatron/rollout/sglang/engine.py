@@ -29,6 +29,7 @@ teacher-forced logprobs at temperature 1, input ids it reports as 0, stopping at
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 import os
 import random
@@ -660,9 +661,12 @@ class SGLangEngine(RolloutEngine):
             server.flush_cache()
 
     def shutdown(self) -> None:
+        """Stop the engine: its own processes only (``EngineProcesses.engine_only_shutdown``), not
+        the rank's other children (reward workers, wandb)."""
         self.transport.reset()
         for server in self.servers:
-            server.shutdown()
+            with self.health.engine_only_shutdown() if self.health is not None else contextlib.nullcontext():
+                server.shutdown()
         self.servers = []
 
 

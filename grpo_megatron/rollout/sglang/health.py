@@ -6,13 +6,20 @@ SIGQUIT to that rank, whose default handler kills the rank's whole process tree 
 engine without that watchdog (0.5.17) leaves the next request waiting forever. Here:
 
 - ``EngineProcesses.start`` starts the engine with its processes' output going to a log file of its
-  own (``<run_dir>/sglang/engine-rank<R>-<pid>.log``), and records which processes it started;
+  own (``<run_dir>/sglang/engine-rank<R>-<pid>.log``), and records which processes it started; they
+  start with SIGTERM blocked (inherited through spawn), so a preemption's SIGTERM, which Slurm sends
+  to every process of the job, does not kill them: the trainer's handler saves a checkpoint and then
+  shuts them down (SGLang stops its processes with SIGKILL);
 - ``check`` (before each generate, score and weight load) raises ``EngineDiedError`` naming the
   engine, the rank, the host, the dead process and the log's last lines, which the fleet reports on
   every rank;
 - ``on_sigquit`` replaces SGLang's handler: it prints the same message and exits the rank with
   ``EXIT_ENGINE_DIED``, so torchrun ends the job and the last checkpoint (written atomically) stays
-  the one a rerun resumes from.
+  the one a rerun resumes from;
+- ``engine_only_shutdown``: ``sglang.Engine.shutdown`` ends by killing every child of the rank
+  (``kill_process_tree(os.getpid(), include_parent=False)``): the reward pool's workers, wandb's
+  service, megatron's checkpoint writer, before they close. Around it, that one call kills only the
+  process trees this engine started.
 """
 
 from __future__ import annotations
@@ -51,8 +58,11 @@ class EngineProcesses:
     @contextlib.contextmanager
     def start(self) -> Iterator[None]:
         """Around ``sglang.Engine(...)``: the processes it spawns write to ``log_path`` (this process's
-        stdout and stderr point there while it starts; they come back after) and are recorded."""
+        stdout and stderr point there while it starts; they come back after), inherit SIGTERM
+        blocked (this thread blocks it while they start: a SIGTERM meanwhile reaches the trainer's
+        handler once the block ends, it is not lost), and are recorded."""
         me = psutil.Process()
+        mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
         before = {p.pid for p in me.children(recursive=True)}
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         sys.stdout.flush()
@@ -69,6 +79,7 @@ class EngineProcesses:
             for fd, old in zip((1, 2), saved, strict=True):
                 os.dup2(old, fd)
                 os.close(old)
+            signal.pthread_sigmask(signal.SIG_SETMASK, mask)
             self.procs = [p for p in me.children(recursive=True) if p.pid not in before]
             self.names = {p.pid: _name(p) for p in self.procs}
 
@@ -118,6 +129,32 @@ class EngineProcesses:
             os._exit(EXIT_ENGINE_DIED)
 
         return handler
+
+    @contextlib.contextmanager
+    def engine_only_shutdown(self) -> Iterator[None]:
+        """Around ``sglang.Engine.shutdown()``: its blanket kill of this rank's children
+        (``kill_process_tree(os.getpid(), include_parent=False)``, looked up in
+        ``sglang.srt.entrypoints.engine`` when it runs) kills each process this engine started and
+        their children instead; every other call of it is SGLang's own. Restored afterwards."""
+        engine_module: Any = sys.modules.get("sglang.srt.entrypoints.engine")
+        original = getattr(engine_module, "kill_process_tree", None)
+        if original is None:  # not this SGLang's shutdown: nothing to narrow
+            yield
+            return
+        procs = list(self.procs)
+
+        def engine_only(parent_pid: Any, include_parent: bool = True, *args: Any, **kwargs: Any) -> Any:
+            if parent_pid in (None, os.getpid()) and not include_parent:
+                for proc in procs:
+                    original(proc.pid, True, *args, **kwargs)
+                return None
+            return original(parent_pid, include_parent, *args, **kwargs)
+
+        engine_module.kill_process_tree = engine_only
+        try:
+            yield
+        finally:
+            engine_module.kill_process_tree = original
 
     def take_back_signals(self, engine: Any, saved: SignalState) -> None:
         """After the engine started, in the main thread: SGLang's tokenizer manager puts its own
