@@ -6,12 +6,9 @@ and a stale sample's ratio is not 1."""
 from __future__ import annotations
 
 import json
-import os
-import signal
-import time
 
 from grpo_megatron.logging_utils.metrics import read_jsonl
-from tests.test_train import SMALL, comparable, finish, launch
+from tests.test_train import SMALL, comparable, finish, killed_and_resumed, launch
 
 MOVING = [*SMALL, "reward.components=[{name: len, function: length, kwargs: {target_chars: 6}}]", "train.lr=1e-3"]
 ASYNC = ["rollout.embedded_process=true"]
@@ -41,19 +38,8 @@ def test_one_step_off_lags_by_at_most_one_version_and_resumes_with_the_same_rule
     assert stale["off_policy/ratio_max"] > 1 > stale["off_policy/ratio_min"]
     assert 0 <= stale["off_policy/masked_frac"] < 1
 
-    cut = tmp_path / "cut"
-    proc = launch("train", [*common, f"logging.run_dir={cut}"])
-    latest = cut / "checkpoints" / "latest"
-    deadline = time.monotonic() + 300
-    while not (latest.is_file() and latest.read_text().strip().endswith("2")):
-        assert proc.poll() is None or latest.is_file(), proc.stdout.read()[-4000:]
-        assert time.monotonic() < deadline, "no checkpoint at iteration 2"
-        time.sleep(0.05)
-    os.killpg(proc.pid, signal.SIGKILL)  # engine processes included: they are in the job's session
-    proc.communicate()
-    finish(launch("train", [*common, f"logging.run_dir={cut}", "checkpoint.resume=auto"]))
+    got = killed_and_resumed(common, tmp_path / "cut")
     want = [comparable(r) for r in read_jsonl(full / "metrics.jsonl")]
-    got = [comparable(r) for r in read_jsonl(cut / "metrics.jsonl")]
     assert [r["iteration"] for r in got] == [0, 1, 2, 3, 4]
     assert got == want, json.dumps([got[-1], want[-1]], indent=1)
 

@@ -188,12 +188,9 @@ TOOL_SMALL = [
 
 
 def test_multiturn_grpo_on_two_ranks_trains_on_model_tokens_only_and_resumes_exactly(tmp_path):
-    import os
-    import signal
-    import time
 
     from grpo_megatron.logging_utils.metrics import read_jsonl
-    from tests.test_train import comparable, finish, launch
+    from tests.test_train import comparable, finish, killed_and_resumed, launch
 
     common = [*TOOL_SMALL, "train.iterations=4", "checkpoint.save_interval=2"]
     full = tmp_path / "full"
@@ -207,18 +204,7 @@ def test_multiturn_grpo_on_two_ranks_trains_on_model_tokens_only_and_resumes_exa
     assert max(r["mismatch/logprob_abs_diff_max"] for r in trained) < 1e-5
     assert all(r["routing/disagreement"] == 0.0 for r in trained)  # r3 replays the last turn's routes
 
-    cut = tmp_path / "cut"
-    proc = launch("train", [*common, f"logging.run_dir={cut}"], config=TOOL_YAML)
-    latest = cut / "checkpoints" / "latest"
-    deadline = time.monotonic() + 300
-    while not (latest.is_file() and latest.read_text().strip().endswith("2")):
-        assert proc.poll() is None or latest.is_file(), proc.stdout.read()[-4000:]
-        assert time.monotonic() < deadline, "no checkpoint at iteration 2"
-        time.sleep(0.05)
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.communicate()
-    finish(launch("train", [*common, f"logging.run_dir={cut}", "checkpoint.resume=auto"], config=TOOL_YAML))
-    got = [comparable(r) for r in read_jsonl(cut / "metrics.jsonl")]
+    got = killed_and_resumed(common, tmp_path / "cut", config=TOOL_YAML)
     assert [r["iteration"] for r in got] == [0, 1, 2, 3, 4]
     assert got == [comparable(r) for r in records]
 

@@ -49,6 +49,28 @@ def launch(command: str, overrides: list[str], *, world_size: int = 2, config: P
     )
 
 
+
+def kill_after_checkpoint(proc: subprocess.Popen, run_dir: Path, iteration: int = 2) -> None:
+    """SIGKILL the whole job (its session: engine and reward processes too), as a scheduler's
+    preemption would, once its checkpoint of ``iteration`` is the latest."""
+    latest = run_dir / "checkpoints" / "latest"
+    deadline = time.monotonic() + 300
+    while not (latest.is_file() and latest.read_text().strip().endswith(str(iteration))):
+        assert proc.poll() is None or latest.is_file(), proc.stdout.read()[-4000:]
+        assert time.monotonic() < deadline, f"no checkpoint at iteration {iteration}"
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.communicate()
+
+
+def killed_and_resumed(overrides: list[str], run_dir: Path, *, config: Path = DEMO) -> list[dict]:
+    """Train into ``run_dir``, kill the job after its checkpoint of iteration 2, resume it to the end:
+    its metrics rows, wall times left out (``comparable``)."""
+    proc = launch("train", [*overrides, f"logging.run_dir={run_dir}"], config=config)
+    kill_after_checkpoint(proc, run_dir)
+    finish(launch("train", [*overrides, f"logging.run_dir={run_dir}", "checkpoint.resume=auto"], config=config))
+    return [comparable(r) for r in read_jsonl(run_dir / "metrics.jsonl")]
+
 def finish(proc: subprocess.Popen, timeout_s: float = 300) -> str:
     try:
         out, _ = proc.communicate(timeout=timeout_s)
@@ -121,20 +143,8 @@ def test_killed_and_resumed_run_equals_an_uninterrupted_one(tmp_path):
     full = tmp_path / "full"
     finish(launch("train", [*common, f"logging.run_dir={full}"]))
 
-    cut = tmp_path / "cut"
-    proc = launch("train", [*common, f"logging.run_dir={cut}"])
-    latest = cut / "checkpoints" / "latest"
-    deadline = time.monotonic() + 300
-    while not (latest.is_file() and latest.read_text().strip().endswith("2")):
-        assert proc.poll() is None or latest.is_file(), proc.stdout.read()[-4000:]
-        assert time.monotonic() < deadline, "no checkpoint at iteration 2"
-        time.sleep(0.05)
-    os.killpg(proc.pid, signal.SIGKILL)  # as a scheduler's preemption would
-    proc.communicate()
-    finish(launch("train", [*common, f"logging.run_dir={cut}", "checkpoint.resume=auto"]))
-
+    got = killed_and_resumed(common, tmp_path / "cut")
     want = [comparable(r) for r in read_jsonl(full / "metrics.jsonl")]
-    got = [comparable(r) for r in read_jsonl(cut / "metrics.jsonl")]
     assert [r["iteration"] for r in got] == [0, 1, 2, 3, 4, 5]
     assert got == want, json.dumps([got[-1], want[-1]], indent=1)
 

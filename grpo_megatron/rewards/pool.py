@@ -71,7 +71,13 @@ from grpo_megatron.rewards.base import RewardSample
 from grpo_megatron.rewards.composite import CompositeReward, RewardComponentError
 from grpo_megatron.rewards.config import RewardComponentConfig, RewardConfig
 from grpo_megatron.rewards.loader import build_composite
-from grpo_megatron.rewards.sandbox import SandboxPlan, SandboxReport, enter_sandbox, set_cpu_backstop
+from grpo_megatron.rewards.sandbox import (
+    SandboxPlan,
+    SandboxReport,
+    enter_sandbox,
+    kill_worker,
+    set_cpu_backstop,
+)
 
 __all__ = [
     "RewardPool",
@@ -260,17 +266,7 @@ class _Worker:
 
 
 def _kill(worker: _Worker) -> None:
-    pid = worker.process.pid
-    try:  # the worker leads its own session: this also ends anything it started
-        if pid is not None and os.getpgid(pid) == pid:
-            os.killpg(pid, signal.SIGKILL)
-    except OSError:
-        pass
-    try:
-        worker.process.kill()
-    except (OSError, ValueError, AttributeError):
-        pass
-    worker.conn.close()
+    kill_worker(worker.process, worker.conn)
 
 
 def _shutdown(workers: list[_Worker]) -> None:

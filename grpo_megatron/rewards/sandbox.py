@@ -34,6 +34,7 @@ import resource
 import signal
 import sys
 from dataclasses import dataclass, field
+from typing import Any
 
 __all__ = ["SandboxPlan", "SandboxReport", "enter_sandbox", "sandbox_uid"]
 
@@ -315,3 +316,20 @@ def enter_sandbox(plan: SandboxPlan) -> SandboxReport:
     libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)
     os.chdir(scratch)
     return report
+
+
+def kill_worker(process: Any, conn: Any) -> None:
+    """End a contained worker (a reward or tool worker) and everything it started: it leads its own
+    session, so its process group goes with it; then close the trainer's end of its pipe."""
+    pid = process.pid
+    try:
+        if pid is not None and os.getpgid(pid) == pid:
+            os.killpg(pid, signal.SIGKILL)
+    except OSError:
+        pass
+    try:
+        process.kill()
+        process.join(timeout=1.0)
+    except (OSError, ValueError, AttributeError, AssertionError):
+        pass
+    conn.close()

@@ -39,7 +39,7 @@ from typing import Any, Literal
 from grpo_megatron.rewards import wire
 from grpo_megatron.rewards.config import RewardConfig
 from grpo_megatron.rewards.loader import load_reward_fn
-from grpo_megatron.rewards.sandbox import SandboxPlan, enter_sandbox, set_cpu_backstop
+from grpo_megatron.rewards.sandbox import SandboxPlan, enter_sandbox, kill_worker, set_cpu_backstop
 
 __all__ = ["BUILTIN_TOOLS", "ToolResult", "ToolPool", "calculator", "tool_metrics"]
 
@@ -216,18 +216,7 @@ class _Worker:
 
 
 def _kill(w: _Worker) -> None:
-    pid = w.process.pid
-    try:  # the worker leads its own session: this ends what it started too
-        if pid is not None and os.getpgid(pid) == pid:
-            os.killpg(pid, signal.SIGKILL)
-    except OSError:
-        pass
-    try:
-        w.process.kill()
-        w.process.join(timeout=1.0)
-    except (OSError, ValueError, AttributeError, AssertionError):
-        pass
-    w.conn.close()
+    kill_worker(w.process, w.conn)
 
 
 class ToolPool:
