@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from grpo_megatron.rollout.engine import SamplingParams
+from grpo_megatron.rollout.engine import Completion, SamplingParams
 from grpo_megatron.rollout.fleet import prompt_slices
 from grpo_megatron.training.phases.sync import ProbeBatch, probe_batch
 from tests.helpers.dist import run_distributed
@@ -273,8 +273,6 @@ def test_tied_lm_head_may_be_absent(tmp_path):
 def test_prompt_slices_and_probe_batch():
     assert prompt_slices(10, 3) == [(0, 4), (4, 7), (7, 10)]
     assert prompt_slices(2, 4) == [(0, 1), (1, 2), (2, 2), (2, 2)]
-    from grpo_megatron.rollout.engine import Completion
-
     groups = [
         [Completion([5], [-1.0], "length"), Completion([], [], "stop")],
         [Completion([6, 7], [0, 0], "stop")],
@@ -379,3 +377,46 @@ def test_routes_only_when_asked(moe_engine):
     recorded = engine.generate(PROMPTS, params)
     assert all(c.routed_experts is not None for g in recorded for c in g)
     assert [[c.token_ids for c in g] for g in groups] == [[c.token_ids for c in g] for g in recorded]
+
+
+@pytest.mark.timeout(400)
+def test_rollout_results_reach_each_rank_as_it_needs_them_at_world_4(tmp_path):
+    """TP2 x DP2 on 4 ranks, two engines (ranks 0 and 2): every rank gets every completion's tokens
+    and logprobs, bit for bit what its engine sampled; routes travel only after the update's plan,
+    and each rank receives exactly the routes of the samples its data-parallel replica trains."""
+    moe = _write_config(tmp_path / "moe", tiny_hf_config("qwen3_moe"))
+    per_rank = run_distributed("tests.workers.rollout_workers:rollout_results_at_scale", world_size=4,
+                               timeout_s=380, hf_dir=moe, overrides=["parallel.tp=2", "algorithm.routing_replay=r3"])  # fmt: skip
+    first = per_rank[0]
+    held = {rid: t for r in per_rank for rid, t in r["held"].items()}
+    assert [bool(r["held"]) for r in per_rank] == [True, False, True, False]  # only the engines' ranks
+    sample_rids = [rid for g in first["route_ids"] for rid in g]
+    assert sorted(held) == sorted(sample_rids)
+    for rank, res in enumerate(per_rank):
+        assert res["tokens"] == first["tokens"] and res["logprobs"] == first["logprobs"], rank
+        assert res["route_ids"] == first["route_ids"] and not res["routes_in_results"]
+        assert res["versions"] == {1}, rank  # the weight version that sampled them travels too
+        assert res.get("direct", True), rank  # the fleet returns what the engine sampled, bit for bit
+        mine = {k for k, d in enumerate(res["owners"]) if d == res["replica"]}
+        assert set(res["routes"]) == mine and 0 < len(mine) < len(sample_rids), rank  # its share, no other
+        assert all(torch.equal(res["routes"][k], held[sample_rids[k]]) for k in mine), rank
+        assert res["left_held"] == 0
+    assert {r["replica"] for r in per_rank} == {0, 1}
+
+
+def test_rollout_results_layout_round_trips_every_field():
+    """``rollout/results.py``: what the fixed layout carries comes back bit for bit (loss masks of
+    multi-turn trajectories, weight versions, float logprobs) and routes only as their shape."""
+    from grpo_megatron.rollout.results import pack, unpack
+
+    routes = torch.randint(0, 8, (2, 6, 2), dtype=torch.int16)
+    sent = [
+        Completion([5, 6, 7], [-0.1, -1e-30, -2.5], "stop", routes, loss_mask=[1, 0, 1], weight_version=3),
+        Completion([], [], "length", weight_version=0),
+        Completion([9], [float(torch.tensor(-0.3, dtype=torch.float32))], "length", weight_version=-1),
+    ]
+    got, shapes = unpack(*pack(sent), len(sent))
+    for a, b in zip(sent, got, strict=True):
+        assert (a.token_ids, a.logprobs, a.finish_reason) == (b.token_ids, b.logprobs, b.finish_reason)
+        assert (a.loss_mask, a.weight_version, b.routed_experts) == (b.loss_mask, b.weight_version, None)
+    assert shapes == [((2, 6, 2), torch.int16), None, None]

@@ -93,7 +93,8 @@ class Completion:
     token that was an input of the engine's forward (prompt and response; the last sampled token
     never is), i.e. exactly the trainer's input positions (``training/batching.py``), then the
     top-k expert ids in the engine's order (compare them as sets). None: a dense model, or an engine
-    that does not report routes."""
+    that does not report routes; also every completion the fleet returns (routes travel separately:
+    ``route_id``)."""
     loss_mask: list[int] | None = None
     """Multi-turn trajectories (rollout/multiturn.py): 1 at a token the engine sampled, 0 at an
     observation token (appended by the environment, with logprob 0.0 and never trained on); None = every
@@ -101,6 +102,9 @@ class Completion:
     weight_version: int = -1
     """The weight version that sampled it (the fleet stamps the engine's ``weight_version`` where the
     engine did not): the asynchronous loop's staleness is the trainer's version minus this."""
+    route_id: int | None = None
+    """Set by ``RolloutFleet.generate(keep_routes=True)``: the id under which the engine's rank holds
+    this completion's routes until ``RolloutFleet.deliver_routes``; None: no routes held."""
 
 
 class WeightSink(Protocol):

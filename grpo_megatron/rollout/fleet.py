@@ -9,7 +9,9 @@ collectives); some ranks also hold an engine (``engine_ranks``):
   placement's width and EP, started by ``SGLangEngine.from_config`` (``rollout/sglang/engine.py``).
 
 ``generate`` splits the prompts into contiguous slices, one per engine in rank order (engine ``i``
-samples with seed ``params.seed + i``), and returns every completion in prompt order on every rank.
+samples with seed ``params.seed + i``), and returns every completion's tokens and logprobs in prompt
+order on every rank, as fixed-layout tensors over a host-side group (``rollout/results.py``); routed
+experts stay on their engine's rank until ``deliver_routes`` sends each to the ranks that train it.
 ``sync_weights`` runs the bridge's streaming export with every engine GPU as a destination
 (``sync_ranks``: an embedded engine's rank, and every GPU of a colocated SGLang engine, whose
 non-leader GPUs hold a ``member`` that loads their share): each receives what its engine rank
@@ -28,7 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -43,6 +45,7 @@ from grpo_megatron.rollout.engine import (
     WeightSink,
 )
 from grpo_megatron.rollout.placement import RolloutPlacement, runtime_placement
+from grpo_megatron.rollout.results import HeldRoutes, pack, sizes_of, unpack
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -144,9 +147,10 @@ def sync_groups(members: Sequence[tuple[int, ...]]) -> list[tuple[int, ...]]:
 @dataclasses.dataclass
 class PendingRollout:
     """A generation ``RolloutFleet.submit`` started: this rank's share to collect (None on ranks
-    without an engine) and the number of prompts of the whole request."""
+    without an engine), the number of prompts of the whole request and completions per prompt."""
 
     num_prompts: int
+    n: int = 1
     local: Callable[[], list[list[Completion]]] | None = None
 
 
@@ -194,6 +198,14 @@ class RolloutFleet:
     sync_ranks: list[int] = dataclasses.field(default_factory=list)
     """Destinations of the weight sync: every rank with a ``sink`` (every GPU of every engine), in
     rank order; defaults to ``engine_ranks``. Generation still goes through ``engine_ranks`` only."""
+
+    data_group: Any = None
+    """Host-side (gloo) group of every rank that rollout results travel over (``generate``,
+    ``deliver_routes``); None: made at the first ``generate`` (collective, every rank calls it)."""
+    held_routes: HeldRoutes = dataclasses.field(default_factory=HeldRoutes)
+    """Routes of ``generate(keep_routes=True)`` completions until ``deliver_routes``."""
+    dp_rank_of: list[int] | None = None
+    """Every global rank's data-parallel rank (``replica_ranks``), gathered on first use."""
 
     def __post_init__(self) -> None:
         if not self.sync_ranks:
@@ -264,14 +276,25 @@ class RolloutFleet:
 
     # ------------------------------------------------------------------------------- generation
 
-    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[list[Completion]]:
-        """Collective: ``params.n`` completions per prompt, in prompt order, on every rank."""
-        return self.collect(self.submit(prompts, params))
+    def generate(
+        self, prompts: Sequence[Sequence[int]], params: SamplingParams, *, keep_routes: bool = False
+    ) -> list[list[Completion]]:
+        """Collective: ``params.n`` completions per prompt, in prompt order, on every rank.
+
+        Tokens, logprobs, loss masks and weight versions of every completion reach every rank (the
+        reward on rank 0, advantages and the data-parallel split everywhere use them) as one int64
+        and one float64 tensor per engine, broadcast over ``data_group`` (host memory): per rank, the
+        whole batch's tokens at 16 bytes each plus 64 bytes per completion, whatever the world size;
+        nothing is pickled. Routed experts never travel here: ``Completion.routed_experts`` is None
+        on every rank. With ``keep_routes`` (routing replay needs the engine's routes) each
+        completion gets a ``route_id`` and its engine's rank keeps the routes until
+        ``deliver_routes``; without, they are dropped where they were made."""
+        return self.collect(self.submit(prompts, params), keep_routes=keep_routes)
 
     def submit(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> PendingRollout:
         """Collective: start generating (``RolloutEngine.submit``: an engine process returns at once);
         ``collect`` gives the completions."""
-        pending, error = PendingRollout(len(prompts)), None
+        pending, error = PendingRollout(len(prompts), params.n), None
         if self.engine is not None:
             index = self.engine_ranks.index(self.ps.rank)
             start, end = prompt_slices(len(prompts), self.num_engines)[index]
@@ -283,10 +306,10 @@ class RolloutFleet:
         _agree(error, "rollout generate")
         return pending
 
-    def collect(self, pending: PendingRollout) -> list[list[Completion]]:
+    def collect(self, pending: PendingRollout, *, keep_routes: bool = False) -> list[list[Completion]]:
         """Collective: the completions of ``submit``, in prompt order, on every rank (each stamped
-        with the weight version that sampled it)."""
-        local: list[list[Completion]] | None = None
+        with the weight version that sampled it), as ``generate`` returns them."""
+        local: list[list[Completion]] = []
         error = None
         if pending.local is not None:
             try:
@@ -294,14 +317,70 @@ class RolloutFleet:
             except Exception as exc:
                 error = _describe(exc)
         _agree(error, "rollout generate")
-        gathered: list[list[list[Completion]] | None] = [None] * self.ps.world_size
-        dist.all_gather_object(gathered, local)
+        flat = [c for group in local for c in group]
         out: list[list[Completion]] = []
-        for rank in self.engine_ranks:
-            out.extend(gathered[rank] or [])
+        slices = prompt_slices(pending.num_prompts, self.num_engines)
+        for i, (rank, completions) in enumerate(zip(self.engine_ranks, self._exchange(flat), strict=True)):
+            start, end = slices[i]
+            if len(completions) != (end - start) * pending.n:
+                raise RuntimeError(f"rollout generate: engine {i} returned {len(completions)} completions for "
+                                   f"{end - start} prompts x n={pending.n}")  # fmt: skip
+            for c, (shape, mine) in completions:
+                if keep_routes and shape is not None:
+                    c.route_id = self.held_routes.add(rank, shape, mine)
+            out += [[c for c, _ in completions[k : k + pending.n]] for k in range(0, len(completions), pending.n)]
         if len(out) != pending.num_prompts:
             raise RuntimeError(f"rollout generate: {len(out)} results for {pending.num_prompts} prompts")
         return out
+
+    def _exchange(self, flat: list[Completion]) -> list[list[tuple[Completion, tuple[Any, torch.Tensor | None]]]]:
+        """Collective: every engine's completions (``flat`` on an engine rank), per engine, each with
+        its routes' (shape, dtype) and, on its own engine's rank, its routes."""
+        group = self._data_group()
+        mine = pack(flat)
+        sizes = [torch.zeros(3, dtype=torch.int64) for _ in range(self.ps.world_size)]
+        dist.all_gather(sizes, sizes_of(*mine, len(flat)), group=group)
+        per_engine = []
+        for rank in self.engine_ranks:
+            count, n_ints, n_logprobs = (int(x) for x in sizes[rank])
+            ints, logprobs = mine if rank == self.ps.rank else (
+                torch.empty(n_ints, dtype=torch.int64), torch.empty(n_logprobs, dtype=torch.float64))  # fmt: skip
+            dist.broadcast(ints, src=rank, group=self.data_group)
+            dist.broadcast(logprobs, src=rank, group=self.data_group)
+            completions, shapes = unpack(ints, logprobs, count)
+            routes = [c.routed_experts for c in flat] if rank == self.ps.rank else [None] * count
+            per_engine.append([(c, (s, r)) for c, s, r in zip(completions, shapes, routes, strict=True)])
+        return per_engine
+
+    def deliver_routes(
+        self, owners: Mapping[int, Sequence[int]], release: Iterable[int] | None = None
+    ) -> dict[int, torch.Tensor]:
+        """Collective: the routes of ``generate(keep_routes=True)`` completions to the ranks that need
+        them. ``owners`` (the same on every rank): ``Completion.route_id`` -> global ranks. Returns
+        this rank's routes by route id: per rank, only the routes of the samples it was named for
+        (its data-parallel share), sent from the engine's rank over ``data_group``. Afterwards the
+        held routes ``release`` names are dropped; None: every held route (the asynchronous loop
+        releases only its iteration's: later batches' routes stay held)."""
+        return self.held_routes.deliver(owners, self.ps.rank, self._data_group(), release)
+
+    def cut_routes(self, route_id: int, positions: int) -> None:
+        """Keep only the first ``positions`` input positions of held route ``route_id`` (every rank
+        alike; the engine's rank slices its tensor)."""
+        self.held_routes.cut(route_id, positions)
+
+    def replica_ranks(self, dp_rank: int) -> list[int]:
+        """Collective on first use: the global ranks of data-parallel replica ``dp_rank`` (its TP,
+        PP, CP and EP ranks: every one runs the replica's samples)."""
+        if self.dp_rank_of is None:
+            ranks = [torch.zeros(1, dtype=torch.int64) for _ in range(self.ps.world_size)]
+            dist.all_gather(ranks, torch.tensor([self.ps.dp_rank]), group=self._data_group())
+            self.dp_rank_of = [int(r) for r in ranks]
+        return [rank for rank, d in enumerate(self.dp_rank_of) if d == dp_rank]
+
+    def _data_group(self) -> Any:
+        if self.data_group is None:  # every rank gets here together: generate is collective
+            self.data_group = dist.new_group(backend="gloo")
+        return self.data_group
 
     # ------------------------------------------------------------------------------ weight sync
 

@@ -15,8 +15,9 @@ How a trajectory is made (``EpisodeRunner.run``, every rank; ``rollout.multiturn
 A trajectory (``Trajectory``, a ``Completion``) is therefore exactly the ids the engine sampled with the
 observation ids between them; ``loss_mask`` is 1 at sampled tokens and 0 at observation tokens, whose
 logprobs are 0.0 (the trainer neither trains on them nor compares logprobs there:
-``training/batching.py:make_sample``); ``routed_experts`` are the last turn's, which cover every input
-position of the whole trajectory (that turn's prompt is all that came before it).
+``training/batching.py:make_sample``); the routes are the last turn's (``route_id``: held on the engine's
+rank, ``rollout/results.py``), which cover every input position of the whole trajectory (that turn's
+prompt is all that came before it).
 """
 
 from __future__ import annotations
@@ -130,15 +131,20 @@ class Trajectory(Completion):
         self.loss_mask.extend([int(sampled)] * len(c.token_ids))
         if sampled:
             self.finish_reason, self.routed_experts = c.finish_reason, c.routed_experts
+            self.route_id = c.route_id
 
 
-def _cut(c: Completion, budget: int, prompt_len: int) -> Completion:
+def _cut(c: Completion, budget: int, prompt_len: int, fleet: RolloutFleet) -> Completion:
     """The first ``budget`` tokens of ``c`` (sampled one by one, so the prefix is exactly what a
-    shorter limit would have sampled), routes cut to the same input positions."""
+    shorter limit would have sampled), routes cut to the same input positions (held routes too:
+    ``RolloutFleet.cut_routes``)."""
     if len(c.token_ids) <= budget:
         return c
     routes = None if c.routed_experts is None else c.routed_experts[:, : prompt_len + budget - 1]
-    return Completion(c.token_ids[:budget], c.logprobs[:budget], "length", routes)
+    if c.route_id is not None:
+        fleet.cut_routes(c.route_id, prompt_len + budget - 1)
+    return Completion(c.token_ids[:budget], c.logprobs[:budget], "length", routes,
+                      weight_version=c.weight_version, route_id=c.route_id)  # fmt: skip
 
 
 @dataclass
@@ -151,10 +157,15 @@ class EpisodeRunner:
     env: Environment | None
     """Rank 0's environment; None on the other ranks."""
 
-    def run(self, records: Sequence[PromptRecord], params: SamplingParams) -> list[list[Trajectory]]:
+    def run(
+        self, records: Sequence[PromptRecord], params: SamplingParams, *, keep_routes: bool = False
+    ) -> list[list[Trajectory]]:
+        """With ``keep_routes`` every turn's routes stay held (``RolloutFleet.generate``); a
+        trajectory's ``route_id`` is its last turn's, the earlier turns' are never delivered."""
         limit = self.cfg.max_total_tokens
         first = self.fleet.generate([list(r.prompt_ids) for r in records],
-                                    dataclasses.replace(params, max_new_tokens=min(params.max_new_tokens, limit)))
+                                    dataclasses.replace(params, max_new_tokens=min(params.max_new_tokens, limit)),
+                                    keep_routes=keep_routes)  # fmt: skip
         groups = [[Trajectory([], [], c.finish_reason, None, []) for c in cs] for cs in first]
         for g, cs in zip(groups, first, strict=True):
             for t, c in zip(g, cs, strict=True):
@@ -170,9 +181,10 @@ class EpisodeRunner:
             prompts = [list(flat[i][0].prompt_ids) + flat[i][1].token_ids for i in open_]
             budgets = [min(params.max_new_tokens, limit - len(flat[i][1].token_ids)) for i in open_]
             seed = None if params.seed is None else params.seed + _TURN_SEED_STRIDE * (turn - 1)
-            outs = self.fleet.generate(prompts, dataclasses.replace(params, n=1, seed=seed, max_new_tokens=max(budgets)))
+            outs = self.fleet.generate(prompts, dataclasses.replace(params, n=1, seed=seed, max_new_tokens=max(budgets)),
+                                       keep_routes=keep_routes)  # fmt: skip
             for i, p, b, (c,) in zip(open_, prompts, budgets, outs, strict=True):
-                flat[i][1].add(_cut(c, b, len(p)), sampled=True)
+                flat[i][1].add(_cut(c, b, len(p), self.fleet), sampled=True)
                 flat[i][1].turns += 1
             open_ = [i for i in open_ if not self._stopped(flat[i][1], params)]
         return groups

@@ -29,6 +29,7 @@ uninterrupted run would have, with the same staleness.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -99,7 +100,8 @@ class GroupProducer:
         batch = self.batches[iteration]
         if batch.completions is None:
             assert batch.pending is not None
-            batch.completions, batch.pending = self.job.fleet.collect(batch.pending), None
+            keep_routes = self.job.cfg.algorithm.routing_replay == "r3"  # held until the plan (grpo.py)
+            batch.completions, batch.pending = self.job.fleet.collect(batch.pending, keep_routes=keep_routes), None
         return batch.completions
 
     def take(self, iteration: int, timer: Timer) -> tuple[list[Group], dict[str, float]]:
@@ -113,10 +115,24 @@ class GroupProducer:
         return scored.groups, scored.metrics | staleness_metrics(iteration - 1, completions)
 
     def state_dict(self) -> dict[str, Any]:
-        """Collective: the submitted batches, as plain data (their generations are waited for)."""
+        """Collective: the submitted batches, as plain data (their generations are waited for; routes
+        held on the engines' ranks are copied to every rank for it and stay held)."""
+        batches = {it: self._completions(it) for it in sorted(self.batches)}
+        held = [c.route_id for cs in batches.values() for g in cs for c in g if c.route_id is not None]
+        everyone = range(self.job.ps.world_size)
+        routes = self.job.fleet.deliver_routes({rid: everyone for rid in held}, release=()) if held else {}
+
+        def with_routes(cs: list[list[Completion]]) -> list[list[Completion]]:
+            def one(c: Completion) -> Completion:
+                delivered = routes.get(c.route_id) if c.route_id is not None else None
+                return dataclasses.replace(c, routed_experts=c.routed_experts if delivered is None else delivered,
+                                           route_id=None)  # fmt: skip
+
+            return [[one(c) for c in g] for g in cs]
+
         return {
             "batches": {
-                str(it): {"indices": b.indices, "completions": json.dumps(completions_to_json(self._completions(it)))}
+                str(it): {"indices": b.indices, "completions": json.dumps(completions_to_json(with_routes(batches[it])))}
                 for it, b in sorted(self.batches.items())
             }
         }

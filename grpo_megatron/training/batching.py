@@ -87,13 +87,18 @@ def make_sample(
     rollout_s[n_prompt - 1 :] = torch.tensor(list(rollout_logprobs), dtype=torch.float32) * mask_s[n_prompt - 1 :]
     sample = Sample(seq_l[:-1], seq_l[1:], mask_s, float(advantage), rollout_s)
     if routed_experts is not None:
-        if routed_experts.dim() != 3 or routed_experts.shape[1] != sample.length:
-            raise ValueError(
-                f"routed experts {tuple(routed_experts.shape)} for {sample.length} input positions "
-                "(expected [moe_layers, len(prompt) + len(response) - 1, top_k])"
-            )
-        sample.routes["engine"] = routed_experts
+        set_engine_routes(sample, routed_experts)
     return sample
+
+
+def set_engine_routes(sample: Sample, routed_experts: torch.Tensor) -> None:
+    """The engine's routes of ``sample`` (``Completion.routed_experts``: every input position)."""
+    if routed_experts.dim() != 3 or routed_experts.shape[1] != sample.length:
+        raise ValueError(
+            f"routed experts {tuple(routed_experts.shape)} for {sample.length} input positions "
+            "(expected [moe_layers, len(prompt) + len(response) - 1, top_k])"
+        )
+    sample.routes["engine"] = routed_experts
 
 
 def minibatch_slices(num_samples: int, num_minibatches: int) -> list[range]:

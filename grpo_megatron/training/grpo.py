@@ -51,7 +51,12 @@ from grpo_megatron.rollout.multiturn import trajectory_metrics
 from grpo_megatron.training.async_loop import GroupProducer
 from grpo_megatron.training.batching import Sample
 from grpo_megatron.training.job import Job, PhaseTimer, Timer, build_job, export_hf_checkpoint
-from grpo_megatron.training.phases.advantages import UpdatePlan, build_samples, plan_update
+from grpo_megatron.training.phases.advantages import (
+    UpdatePlan,
+    build_samples,
+    deliver_engine_routes,
+    plan_update,
+)
 from grpo_megatron.training.phases.bookkeeping import sample_rows, save_checkpoint, stop_if_not_finite
 from grpo_megatron.training.phases.eval import evaluate
 from grpo_megatron.training.phases.logprob import PassSettings, logprob_pass
@@ -109,11 +114,13 @@ def rollout_and_reward(job: Job, sampler: PromptSampler, it: int, timer: Timer) 
     dapo = DynamicSampling[Group](cfg.train.prompts_per_iteration, lambda g: g.rewards, enabled=ds.enabled,
                            max_tries=ds.max_tries, std_threshold=ds.std_threshold)
     reward_metrics: dict[str, float] = {}
+    replay_engine_routes = cfg.algorithm.routing_replay == "r3"  # only r3 needs the engine's routes
     while n := dapo.needed():  # one round without DAPO; more while groups lack reward variance
         records = [job.train_records[i] for i in sampler.next_indices(n)]
         seed = rollout_seed(cfg.train.seed, it, dapo.rounds)
         with timer("rollout"):
-            completions = rollout.generate(records, rollout.params(n=cfg.rollout.n_samples_per_prompt, seed=seed))
+            completions = rollout.generate(records, rollout.params(n=cfg.rollout.n_samples_per_prompt, seed=seed),
+                                           keep_routes=replay_engine_routes)  # fmt: skip
         with timer("reward"):
             scored = scorer.score(records, completions)
         reward_metrics = reward_metrics if dapo.rounds else scored.metrics
@@ -138,6 +145,9 @@ def run_iteration(
     with timer("advantages"):
         batch = build_samples(cfg.algorithm, response_budget(cfg.rollout), groups)
         plan = plan_update(cfg.train, cfg.algorithm, ps, batch.samples)
+        if cfg.algorithm.routing_replay == "r3":  # each sample's engine routes to the ranks that train it
+            # the asynchronous producer's later batches keep theirs (held on the engines' ranks)
+            deliver_engine_routes(job.fleet, groups, batch.samples, plan, release_all=producer is None)
     # Every trainer pass takes these; each pass's MoE routing is algorithm.routing_replay's (off, r2, r3).
     passes = PassSettings(ps, job.pad_id, policy.spec.vocab_size, cfg.rollout.temperature,
                           RoutingReplay(cfg.algorithm.routing_replay, ps, policy.spec.num_experts))

@@ -166,3 +166,44 @@ def sync_cases(
     return out
 
 
+def rollout_results_at_scale(hf_dir: str, overrides: list[str]) -> dict:
+    """Generate with routes kept, plan the update, deliver each sample's routes (as the GRPO loop
+    does): what this rank got. ``tokens``/``logprobs``: every completion's; ``direct``: on an engine
+    rank, whether its engine alone gives the same slice bit for bit; ``held``: the routes an engine
+    rank kept, by route id; ``routes``: the routes this rank received, by sample index;
+    ``owners``/``replica``: the DP rank training each sample and this rank's DP rank."""
+    from grpo_megatron.data.records import PromptRecord
+    from grpo_megatron.rollout.engine import SamplingParams
+    from grpo_megatron.rollout.fleet import RolloutFleet, prompt_slices
+    from grpo_megatron.training.job import engine_spec
+    from grpo_megatron.training.phases.advantages import build_samples, deliver_engine_routes, plan_update
+    from grpo_megatron.training.phases.reward import Group
+
+    cfg, ps, hf, policy = _setup(hf_dir, overrides)
+    fleet = RolloutFleet.build(engine_spec(cfg), hf, ps)
+    fleet.sync_weights(policy.model, version=1)
+    prompts = PROMPTS * 2
+    params = SamplingParams(n=2, temperature=1.0, max_new_tokens=6, seed=7)
+    groups_c = fleet.generate(prompts, params, keep_routes=True)
+    res: dict = {"tokens": _tokens(groups_c), "logprobs": [[c.logprobs for c in g] for g in groups_c]}
+    res["routes_in_results"] = any(c.routed_experts is not None for g in groups_c for c in g)
+    res["held"] = {rid: t.clone() for rid, t in fleet.held_routes.tensors.items()}
+    res["route_ids"] = [[c.route_id for c in g] for g in groups_c]
+    res["versions"] = {c.weight_version for g in groups_c for c in g}
+    if fleet.engine is not None:
+        index = fleet.engine_ranks.index(ps.rank)
+        start, end = prompt_slices(len(prompts), fleet.num_engines)[index]
+        own = fleet.engine.generate(prompts[start:end], dataclasses.replace(params, seed=params.seed + index))
+        res["direct"] = [[(c.token_ids, c.logprobs) for c in g] for g in own] == [
+            [(c.token_ids, c.logprobs) for c in g] for g in groups_c[start:end]
+        ]
+    records = [PromptRecord("", "", {}, tuple(p)) for p in prompts]
+    groups = [Group(r, cs, [float(i % 2) for i in range(len(cs))], [""] * len(cs)) for r, cs in zip(records, groups_c, strict=True)]
+    batch = build_samples(cfg.algorithm, params.max_new_tokens, groups)
+    plan = plan_update(cfg.train, cfg.algorithm, ps, batch.samples)
+    deliver_engine_routes(fleet, groups, batch.samples, plan)
+    res["routes"] = {k: s.routes["engine"] for k, s in enumerate(batch.samples) if "engine" in s.routes}
+    res["owners"], res["replica"] = plan.owners, ps.dp_rank
+    res["left_held"] = len(fleet.held_routes.tensors)
+    fleet.shutdown()
+    return res

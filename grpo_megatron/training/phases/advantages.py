@@ -18,11 +18,13 @@ from grpo_megatron.training.batching import (
     batch_metrics,
     make_sample,
     minibatch_slices,
+    set_engine_routes,
 )
 
 if TYPE_CHECKING:
     from grpo_megatron.algorithm.config import AlgorithmConfig
     from grpo_megatron.distributed.bootstrap import ParallelState
+    from grpo_megatron.rollout.fleet import RolloutFleet
     from grpo_megatron.training.config import TrainConfig
     from grpo_megatron.training.phases.reward import Group
 
@@ -71,6 +73,8 @@ class UpdatePlan:
     """Micro-batches are packed sequences (train.packing)."""
     metrics: dict[str, float] = field(default_factory=dict)
     """batch/padding_frac and batch/tokens_per_microbatch over every rank's micro-batches."""
+    owners: list[int] = field(default_factory=list)
+    """The data-parallel rank that trains each sample (the same on every rank)."""
 
     @property
     def all_rows(self) -> list[list[int]]:
@@ -81,6 +85,7 @@ def plan_update(train: TrainConfig, alg: AlgorithmConfig, ps: ParallelState, sam
     """Split the batch into mini-batches, DP shares and micro-batches (training/batching.py)."""
     lengths = [s.length for s in samples]
     rows, normalizers, every_rank = [], [], []
+    owners = [-1] * len(samples)
     for minibatch in minibatch_slices(len(samples), train.updates_per_iteration):
         per_rank = all_rank_microbatches(
             lengths,
@@ -91,6 +96,30 @@ def plan_update(train: TrainConfig, alg: AlgorithmConfig, ps: ParallelState, sam
             packing=train.packing,
         )
         rows.append(per_rank[ps.dp_rank])
+        for dp_rank, microbatches in enumerate(per_rank):
+            for i in (i for mb in microbatches for i in mb):
+                owners[i] = dp_rank
         every_rank.extend(per_rank)
         normalizers.append(sum(loss_normalizer(alg.loss_agg_mode, samples[i].mask_s[None]) for i in minibatch))
-    return UpdatePlan(rows, normalizers, train.packing, batch_metrics(lengths, every_rank, train.packing))
+    return UpdatePlan(rows, normalizers, train.packing, batch_metrics(lengths, every_rank, train.packing), owners)
+
+
+def deliver_engine_routes(
+    fleet: RolloutFleet, groups: Sequence[Group], samples: Sequence[Sample], plan: UpdatePlan, *, release_all: bool = True
+) -> None:
+    """Collective (``algorithm.routing_replay=r3``): each sample's engine routes, held on its engine's
+    rank since the rollout (``RolloutFleet.generate(keep_routes=True)``), sent to the ranks of the
+    data-parallel replica that trains it, and set as ``Sample.routes["engine"]`` there only.
+    Afterwards every held route is dropped, or with ``release_all=False`` (the asynchronous loop,
+    whose later batches' routes are held too) only these samples'."""
+    completions = [c for g in groups for c in g.completions]
+    owners = {
+        c.route_id: fleet.replica_ranks(plan.owners[k])
+        for k, c in enumerate(completions)
+        if c.route_id is not None and plan.owners[k] >= 0
+    }
+    release = None if release_all else [c.route_id for c in completions if c.route_id is not None]
+    routes = fleet.deliver_routes(owners, release)
+    for k, c in enumerate(completions):
+        if c.route_id in routes:
+            set_engine_routes(samples[k], routes[c.route_id])

@@ -55,7 +55,7 @@ def logprob_pass(
     ``Sample.ref_logprobs_s`` (kind "ref") or ``old_logprobs_s`` ("old": measures the routing too;
     with r2 its routes are recorded onto the samples as ``Sample.routes["old"]``)."""
     rows = plan.all_rows
-    routing, routes = settings.replay.begin(model, kind, samples)
+    routing, routes = settings.replay.begin(model, kind, [samples[i] for r in rows for i in r])
     microbatches = [collate(samples, r, settings.pad_id, routes, packed=plan.packed) for r in rows]
     outputs = forward_logprobs(
         model, microbatches, settings.ps, vocab_size=settings.vocab_size, temperature=settings.temperature,

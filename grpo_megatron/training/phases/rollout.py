@@ -47,10 +47,13 @@ class Rollout:
             greedy=greedy,
         )
 
-    def generate(self, records: Sequence[PromptRecord], params: SamplingParams) -> list[list[Completion]]:
+    def generate(
+        self, records: Sequence[PromptRecord], params: SamplingParams, *, keep_routes: bool = False
+    ) -> list[list[Completion]]:
         """``params.n`` completions per prompt, in prompt order, on every rank; with rollout.multiturn,
-        multi-turn trajectories (rollout/multiturn.py)."""
+        multi-turn trajectories (rollout/multiturn.py). With ``keep_routes`` the engines keep their
+        routes for ``phases/advantages.py:deliver_engine_routes``."""
         if self.cfg.multiturn.enabled:
             runner = EpisodeRunner(self.fleet, self.cfg.multiturn, self.tokenizer, self.env)
-            return [list[Completion](g) for g in runner.run(records, params)]
-        return self.fleet.generate([list(r.prompt_ids) for r in records], params)
+            return [list[Completion](g) for g in runner.run(records, params, keep_routes=keep_routes)]
+        return self.fleet.generate([list(r.prompt_ids) for r in records], params, keep_routes=keep_routes)

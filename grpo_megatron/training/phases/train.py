@@ -194,7 +194,7 @@ def update_policy(
     grad_norm and lr, and with ``measure_routing`` (no old-policy pass measured it) the iteration's
     routing metrics (training/route_replay.py)."""
     ps = settings.ps
-    routing, routes = settings.replay.begin(policy.model, "train", samples)
+    routing, routes = settings.replay.begin(policy.model, "train", [samples[i] for r in plan.all_rows for i in r])
     per_microbatch: list[dict[str, float]] = []
     steps: list[dict[str, float]] = []
     for rows, normalizer in zip(plan.rows, plan.normalizers, strict=True):
