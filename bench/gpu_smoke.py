@@ -230,7 +230,12 @@ def run_loop(label: str, cfg: Any, hf: dict[str, Any], ps: Any, policy: Any, arg
             seed=it,
         )
         with phase(times, "generate", device):
-            completions = fleet.generate(prompts, params)
+            completions = fleet.generate(prompts, params, keep_routes=True)
+            # this smoke trains the whole batch on every rank: every route to every rank
+            routes = fleet.deliver_routes({c.route_id: range(ps.world_size) for g in completions for c in g
+                                           if c.route_id is not None})  # fmt: skip
+            for c in (c for g in completions for c in g):
+                c.routed_experts = routes.get(c.route_id) if c.route_id is not None else None
         if probe is None:
             probe = probe_batch(prompts, [[c.token_ids for c in g] for g in completions], size=cfg.rollout.probe_batch)
         with phase(times, "onload", device):  # engines release, then the trainer's state returns
