@@ -207,7 +207,8 @@ class AlgorithmConfig:
     training pass is the old-policy pass). `r3` (rollout routing replay): the rollout engine's experts
     of every token (Completion.routed_experts) are replayed in the reference, old-policy and training
     passes, so the trainer computes logprobs under the routing that sampled the tokens. Every mode
-    logs `routing/disagreement` (trainer vs engine, before replay) and the expert load. MoE models
+    logs the expert load; r3 also `routing/disagreement` (trainer vs engine, before replay: the
+    engine's routes reach the trainer only when r3 replays them). MoE models
     only; not with parallel.cp > 1. With model.recompute=full the recomputed forward replays the
     experts its forward used (models/routing.py)."""
 

@@ -9,7 +9,8 @@ statistics) are ``models/routing.py``; this module only decides, per pass:
 | r3 | replay the engine's routes | replay the engine's routes | replay the engine's routes |
 
 In every mode the first pass of the current policy over the batch (the old-policy pass when it runs,
-else the training pass) compares its routers' own top-k with the engine's routes:
+else the training pass) compares its routers' own top-k with the engine's routes where the samples
+carry them (under r3 only: the GRPO loop fetches the engine's routes only for replay):
 ``routing/disagreement`` is the fraction of (token, MoE layer) pairs whose expert sets differ. Under
 replay the router's own choice is taken on hidden states that earlier replayed layers produced, so it
 is "the experts this layer would pick", before its own replay. The same pass gives the expert load
