@@ -26,8 +26,10 @@ def test_max_staleness_zero_in_engine_processes_equals_the_synchronous_run_bitwi
 
 
 def test_one_step_off_lags_by_at_most_one_version_and_resumes_with_the_same_rules(tmp_path):
+    # r3: each batch's routes stay held on the engines' ranks until its iteration's plan, while the next
+    # batch's are held too; the checkpoint at iteration 2 copies a submitted batch's held routes.
     common = [*MOVING, *ASYNC, "train.max_staleness=1", "algorithm.off_policy.correction=icepop",
-              "train.iterations=4", "checkpoint.save_interval=2"]  # fmt: skip
+              "train.iterations=4", "checkpoint.save_interval=2", "algorithm.routing_replay=r3"]  # fmt: skip
     full = tmp_path / "full"
     finish(launch("train", [*common, f"logging.run_dir={full}"]))
     records = read_jsonl(full / "metrics.jsonl")[1:]

@@ -395,7 +395,7 @@ def test_rollout_results_reach_each_rank_as_it_needs_them_at_world_4(tmp_path):
     for rank, res in enumerate(per_rank):
         assert res["tokens"] == first["tokens"] and res["logprobs"] == first["logprobs"], rank
         assert res["route_ids"] == first["route_ids"] and not res["routes_in_results"]
-        assert res["versions"] == {1}, rank  # the weight version that sampled them travels too
+        assert res["versions"] == [1], rank  # the weight version that sampled them travels too
         assert res.get("direct", True), rank  # the fleet returns what the engine sampled, bit for bit
         mine = {k for k, d in enumerate(res["owners"]) if d == res["replica"]}
         assert set(res["routes"]) == mine and 0 < len(mine) < len(sample_rids), rank  # its share, no other

@@ -189,7 +189,7 @@ def rollout_results_at_scale(hf_dir: str, overrides: list[str]) -> dict:
     res["routes_in_results"] = any(c.routed_experts is not None for g in groups_c for c in g)
     res["held"] = {rid: t.clone() for rid, t in fleet.held_routes.tensors.items()}
     res["route_ids"] = [[c.route_id for c in g] for g in groups_c]
-    res["versions"] = {c.weight_version for g in groups_c for c in g}
+    res["versions"] = sorted({c.weight_version for g in groups_c for c in g})
     if fleet.engine is not None:
         index = fleet.engine_ranks.index(ps.rank)
         start, end = prompt_slices(len(prompts), fleet.num_engines)[index]
