@@ -28,7 +28,8 @@ def replay_cases(cases: dict[str, tuple[str, list[str]]]) -> dict:
 
     out: dict = {}
     for case, (hf_dir, overrides) in cases.items():
-        cfg, ps, hf, policy = _setup(hf_dir, overrides)
+        # r3: the engines record their routes (engine_spec), which this test replays
+        cfg, ps, hf, policy = _setup(hf_dir, [*overrides, "algorithm.routing_replay=r3"])
         reference = build_reference(cfg.model, hf, ps, policy)
         fleet = RolloutFleet.build(engine_spec(cfg), hf, ps)
         fleet.sync_weights(policy.model, version=1)
