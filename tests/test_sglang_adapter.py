@@ -507,3 +507,38 @@ def test_sync_groups_are_the_distinct_multi_gpu_engines_in_one_order() -> None:
 
     assert sync_groups([(0, 1), (0, 1), (2, 3), (2, 3), ()]) == [(0, 1), (2, 3)]
     assert sync_groups([(), ()]) == []
+
+
+_SIGQUIT_SCRIPT = """
+import os, signal, sys, time
+from pathlib import Path
+from grpo_megatron.rollout.sglang.health import EngineProcesses
+health = EngineProcesses(0, Path(sys.argv[1]))
+signal.signal(signal.SIGQUIT, health.on_sigquit())
+if sys.argv[2] == "stopping":
+    with health.engine_only_shutdown():
+        os.kill(os.getpid(), signal.SIGQUIT)
+        time.sleep(0.2)
+os.kill(os.getpid(), signal.SIGQUIT)  # after the engine's shutdown: still one of its schedulers
+time.sleep(0.2)
+print("survived")
+"""
+
+
+@pytest.mark.parametrize("stopping", [False, True])
+def test_sigquit_ends_the_rank_unless_it_is_shutting_the_engine_down(tmp_path: Path, stopping: bool) -> None:
+    """A scheduler's SIGQUIT ends the rank with EXIT_ENGINE_DIED while the engine runs; once the rank
+    shuts the engine down (a TP2 engine's schedulers are killed one after the other, and the last
+    one sends SIGQUIT from its broken collective) it is expected and the rank goes on."""
+    from grpo_megatron.rollout.sglang.health import EXIT_ENGINE_DIED
+
+    (tmp_path / "engine.log").write_text("scheduler line\n")
+    proc = subprocess.run(
+        [sys.executable, "-c", _SIGQUIT_SCRIPT, str(tmp_path / "engine.log"), "stopping" if stopping else "running"],
+        capture_output=True, text=True, timeout=60,
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])},
+    )  # fmt: skip
+    if stopping:
+        assert proc.returncode == 0 and "survived" in proc.stdout, proc.stderr
+    else:
+        assert proc.returncode == EXIT_ENGINE_DIED and "scheduler line" in proc.stderr, proc.stderr

@@ -53,6 +53,8 @@ class EngineProcesses:
         self.procs: list[psutil.Process] = []
         self.names: dict[int, str] = {}
         """Each process's name, read while it ran (a dead one has none to read)."""
+        self.stopping = False
+        """Set when this rank shuts the engine down: from then on its processes' deaths are expected."""
 
     @contextlib.contextmanager
     def start(self) -> Iterator[None]:
@@ -114,6 +116,8 @@ class EngineProcesses:
         after the engine started (signal handlers belong to the main thread)."""
 
         def handler(signum: int, frame: Any) -> None:
+            if self.stopping:  # a scheduler that saw its peer killed first, while we shut it down
+                return
             print(f"grpo-megatron: error (rank {self.rank}): {self.report()}", file=sys.stderr, flush=True)
             # Everything this rank started goes with it: what is left of the engine, the reward
             # workers, megatron's checkpoint writer's manager process (an exit that skips Python's
@@ -130,7 +134,12 @@ class EngineProcesses:
         """Around ``sglang.Engine.shutdown()``: its blanket kill of this rank's children
         (``kill_process_tree(os.getpid(), include_parent=False)``, looked up in
         ``sglang.srt.entrypoints.engine`` when it runs) kills each process this engine started and
-        their children instead; every other call of it is SGLang's own. Restored afterwards."""
+        their children instead; every other call of it is SGLang's own. Restored afterwards.
+
+        From its start on, SIGQUIT no longer ends the rank: the schedulers of a TP>1 engine are killed
+        one after the other, and one still running when its peer goes sends SIGQUIT from its broken
+        collective (seen at the end of a TP2 engine's life: the rank exited ``EXIT_ENGINE_DIED``)."""
+        self.stopping = True
         engine_module: Any = sys.modules.get("sglang.srt.entrypoints.engine")
         original = getattr(engine_module, "kill_process_tree", None)
         if original is None:  # not this SGLang's shutdown: nothing to narrow
