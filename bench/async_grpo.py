@@ -1,8 +1,8 @@
 """Asynchronous vs synchronous GRPO iteration time, measured in one run (issue 28's benchmark).
 
 Both arms are the same job (examples/demo.yaml's model and task, one trainer process with one thread,
-its embedded engine in a process of its own with one thread: rollout.embedded_process) and differ
-only in train.max_staleness: 0 (the synchronous schedule: generate, then train) and 1 (the engine
+its embedded engine in a process of its own with one thread: rollout.embedded_process; with
+--engine sglang the real SGLang engine, colocated) and differ only in train.max_staleness: 0 (the synchronous schedule: generate, then train) and 1 (the engine
 generates iteration k+1's batch while the trainer trains iteration k). The batch is sized so that the
 rollout and train phases take similar time (rollout.max_new_tokens), which is where overlapping them
 pays most. Reported: each arm's mean seconds per phase and per iteration (first iterations, with
@@ -13,6 +13,7 @@ back to back (and, with --repeats, interleaved) is what to read.
 
     python bench/async_grpo.py                     # ~2 minutes on 2 cores
     python bench/async_grpo.py --repeats 2 --out bench-async.json
+    python bench/async_grpo.py --engine sglang     # the real SGLang engine (its schedulers generate)
 """
 
 from __future__ import annotations
@@ -29,6 +30,12 @@ from statistics import mean
 
 REPO = Path(__file__).resolve().parent.parent
 PHASES = ("rollout", "reward", "advantages", "train", "sync")
+ENGINES = {
+    "embedded": ["rollout.embedded_process=true", "rollout.embedded_process_threads=1"],
+    # SGLang's scheduler is a process of its own already; synchronous, the colocated engine releases
+    # its memory for training and takes it back (rollout/placement.py), asynchronous it keeps it.
+    "sglang": ["rollout.engine=sglang"],
+}
 
 
 def free_port() -> int:
@@ -41,8 +48,7 @@ def run_arm(run_dir: Path, max_staleness: int, args: argparse.Namespace) -> list
     """One training run; its metrics.jsonl records of the iterations after the run's first."""
     overrides = [
         "parallel.ep=1", "parallel.backend=gloo", "logging.wandb_mode=disabled", "logging.progress_bar=false",
-        f"logging.run_dir={run_dir}", "rollout.embedded_process=true", "rollout.embedded_process_threads=1",
-        f"train.max_staleness={max_staleness}", f"train.iterations={args.iterations}",
+        f"logging.run_dir={run_dir}", *ENGINES[args.engine], f"train.max_staleness={max_staleness}", f"train.iterations={args.iterations}",
         f"train.prompts_per_iteration={args.prompts}", f"rollout.n_samples_per_prompt={args.samples}",
         f"rollout.max_new_tokens={args.max_new_tokens}", f"train.micro_batch_size={args.prompts * args.samples}",
         "data.num_train_prompts=4096", "data.num_eval_prompts=4", "rollout.probe_interval=100000",
@@ -81,6 +87,8 @@ def main() -> int:
     parser.add_argument("--samples", type=int, default=16, help="responses per prompt (default 16)")
     parser.add_argument("--max-new-tokens", type=int, default=32,
                         help="response length: sets the rollout's share of the iteration (default 32)")
+    parser.add_argument("--engine", choices=sorted(ENGINES), default="embedded",
+                        help="embedded (in a process of its own, default) or sglang (the real engine, colocated)")
     parser.add_argument("--repeats", type=int, default=1, help="sync/async pairs, interleaved (default 1)")
     parser.add_argument("--timeout-s", type=float, default=900.0, help="per run (default 900)")
     parser.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
@@ -98,7 +106,7 @@ def main() -> int:
     for name, row in result.items():
         print(f"{name:<12}" + "".join(f"{row[p]:>11.3f}" for p in (*PHASES, "iteration")))
     print(f"iteration time async / sync = {ratio:.3f} (staleness max {result['async']['staleness_max']:.0f}); "
-          "1 trainer process + 1 engine process, one thread each; a shared machine distorts both arms")  # fmt: skip
+          f"engine {args.engine}, 1 trainer process, one thread each; a shared machine distorts both arms")  # fmt: skip
     if args.out is not None:
         args.out.write_text(json.dumps({"ratio": ratio, **result, "args": vars(args) | {"out": str(args.out)}},
                                        indent=1) + "\n")  # fmt: skip

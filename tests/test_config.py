@@ -385,7 +385,7 @@ def test_routing_replay_and_truncated_sampling_rules(tmp_path):
     assert all("biases the importance ratio" in e for e in errors)
 
 
-def test_the_asynchronous_loop_needs_engine_processes_and_refuses_what_it_cannot_run():
+def test_the_asynchronous_loop_needs_engines_generating_apart_and_refuses_what_it_cannot_run():
     with pytest.raises(ConfigError, match=r"train.max_staleness=1 needs .*rollout.embedded_process=true"):
         load_config(EXAMPLE, ["train.max_staleness=1"]).validate(1)
     with pytest.raises(ConfigError, match=r"algorithm.dynamic_sampling.enabled=true"):
@@ -395,3 +395,8 @@ def test_the_asynchronous_loop_needs_engine_processes_and_refuses_what_it_cannot
     with pytest.raises(ConfigError, match=r"train.max_staleness=-1 must be >= 0"):
         load_config(EXAMPLE, ["train.max_staleness=-1"]).validate(1)
     load_config(EXAMPLE, ["rollout.embedded_process=true", "train.max_staleness=2"]).validate(1)
+    sglang = load_config(EXAMPLE, ["rollout.engine=sglang", "train.max_staleness=1"])
+    sglang.validate(1)  # SGLang's schedulers are processes of their own
+    assert sglang.producer_loop and not load_config(EXAMPLE, ["rollout.engine=sglang"]).producer_loop
+    with pytest.raises(ConfigError, match=r"train.max_staleness=1 with train.offload_trainer=true"):
+        load_config(EXAMPLE, ["rollout.engine=sglang", "train.max_staleness=1", "train.offload_trainer=true"]).validate(1)

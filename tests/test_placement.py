@@ -17,9 +17,9 @@ MOE = {"num_experts": 128, "num_experts_per_tok": 8}
 DENSE = {"model_type": "qwen2"}
 
 
-def place(hf=MOE, world=32, gpus=8, tp=4, pp=1, cp=1, offload=False, **rollout):
+def place(hf=MOE, world=32, gpus=8, tp=4, pp=1, cp=1, offload=False, staleness=0, **rollout):
     return decide_placement(RolloutConfig(engine="sglang", **rollout), offload_trainer=offload, world_size=world,
-                            gpus_per_node=gpus, tp=tp, pp=pp, cp=cp, hf=hf)  # fmt: skip
+                            max_staleness=staleness, gpus_per_node=gpus, tp=tp, pp=pp, cp=cp, hf=hf)  # fmt: skip
 
 
 def test_engine_width_comes_from_sglang_tp_else_from_placement() -> None:
@@ -68,9 +68,12 @@ def test_each_phase_holds_what_the_placement_says() -> None:
     offloaded = place(placement="per_node", offload=True).phases()
     assert offloaded["rollout"].trainer == frozenset() and offloaded["sync"].trainer == {"params"}
     assert offloaded["save"].trainer == {"params", "optimizer"} and offloaded["save"].engine == {"weights"}
-    embedded = decide_placement(RolloutConfig(), offload_trainer=False, world_size=4, gpus_per_node=4, tp=1, pp=1,
-                                cp=1, hf=MOE).phases()  # fmt: skip
+    embedded = decide_placement(RolloutConfig(), offload_trainer=False, max_staleness=0, world_size=4,
+                                gpus_per_node=4, tp=1, pp=1, cp=1, hf=MOE).phases()  # fmt: skip
     assert all((o.trainer, o.engine) == everything for o in embedded.values())  # nothing moves
+    overlapped = place(placement="per_node", staleness=1)  # the engines generate while the trainer trains
+    assert not overlapped.swaps_engine_memory and "max_staleness=1" in overlapped.why["memory"]
+    assert all((o.trainer, o.engine) == everything for o in overlapped.phases().values())
 
 
 class EngineMemory:

@@ -174,7 +174,9 @@ def test_recipe_runtime_placement_at_scale_is_the_plans(
         monkeypatch.setenv("LOCAL_RANK", str(rank % gpus))
         with fake_world(rank, world, layout):
             ps = parallel_state_here(rank, layout, torch.device("meta"))
-            runtime = runtime_placement(cfg.rollout, cfg.train.offload_trainer, ps, hf)
+            runtime = runtime_placement(
+                cfg.rollout, cfg.train.offload_trainer, ps, hf, max_staleness=cfg.train.max_staleness
+            )
             here, _, _ = _layout_of(runtime, ps)
         assert runtime == planned, rank
         assert here.members == planned.engines[planned.engine_of(rank)] and here.nnodes == len(planned.nodes(planned.engine_of(rank)))

@@ -210,25 +210,28 @@ def routing_replay_errors(cfg: JobConfig, hf_config: dict[str, Any]) -> list[str
 def async_errors(cfg: JobConfig) -> list[str]:
     """The asynchronous loop (train.max_staleness, rollout.embedded_process) and what it cannot run with."""
     errors = []
-    if cfg.train.max_staleness > 0 and not cfg.rollout.embedded_process:
+    if cfg.train.max_staleness > 0 and not (cfg.rollout.embedded_process or cfg.rollout.engine == "sglang"):
         errors.append(
             f"train.max_staleness={cfg.train.max_staleness} needs engines that generate while the trainer "
-            "trains: set rollout.embedded_process=true (or train.max_staleness=0)"
+            "trains: set rollout.embedded_process=true, or use rollout.engine=sglang (or train.max_staleness=0)"
         )
-    if cfg.rollout.embedded_process and cfg.algorithm.dynamic_sampling.enabled:
+    if not cfg.producer_loop:
+        return errors
+    why = "rollout.embedded_process=true" if cfg.rollout.embedded_process else f"train.max_staleness={cfg.train.max_staleness}"
+    if cfg.algorithm.dynamic_sampling.enabled:
         errors.append(
-            "rollout.embedded_process=true with algorithm.dynamic_sampling.enabled=true: the asynchronous "
-            "producer submits one round per iteration ahead of time; disable dynamic sampling"
+            f"{why} with algorithm.dynamic_sampling.enabled=true: the asynchronous producer submits one "
+            "round per iteration ahead of time; disable dynamic sampling"
         )
-    if cfg.rollout.embedded_process and cfg.train.offload_trainer:
+    if cfg.train.offload_trainer:
         errors.append(
-            "rollout.embedded_process=true with train.offload_trainer=true: the engines have memory of their "
-            "own, there is nothing to swap; set train.offload_trainer=false"
+            f"{why} with train.offload_trainer=true: the engines generate while the trainer trains, so "
+            "both stay on the device; set train.offload_trainer=false"
         )
-    if cfg.rollout.embedded_process and cfg.rollout.multiturn.enabled:
+    if cfg.rollout.multiturn.enabled:
         errors.append(
-            "rollout.embedded_process=true with rollout.multiturn.enabled=true: the asynchronous producer "
-            "submits single-turn batches ahead of time, episodes are not run there yet; set "
+            f"{why} with rollout.multiturn.enabled=true: the asynchronous producer submits single-turn "
+            "batches ahead of time, episodes are not run there yet; set train.max_staleness=0 and "
             "rollout.embedded_process=false for multi-turn training"
         )
     return errors

@@ -298,7 +298,8 @@ def plan_memory(cfg: JobConfig, hf: Mapping[str, Any], world_size: int, opts: Pl
     that size), with the rollout placement the runtime computes from the same config."""
     layout = Layout.from_config(cfg.parallel, world_size)
     placement = decide_placement(
-        cfg.rollout, offload_trainer=cfg.train.offload_trainer, world_size=world_size,
+        cfg.rollout, offload_trainer=cfg.train.offload_trainer, max_staleness=cfg.train.max_staleness,
+        world_size=world_size,
         gpus_per_node=opts.gpus_per_node, tp=layout.tp, pp=layout.pp, cp=layout.cp, hf=hf,
     )  # fmt: skip
     trainer = max((_stage_lines(cfg, hf, layout, opts, s) for s in range(layout.pp)), key=lambda t: t.total)

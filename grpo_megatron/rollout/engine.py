@@ -53,6 +53,9 @@ class EngineSpec:
     ``algorithm.routing_replay=r3``, the one mode that replays them (its scoring reports them always)."""
     offload_trainer: bool = False
     """``train.offload_trainer``: part of the rollout placement's phase table (rollout/placement.py)."""
+    max_staleness: int = 0
+    """``train.max_staleness``: above 0 the engines generate while the trainer trains (part of the
+    placement's phase table: nothing swaps)."""
 
 
 @dataclass(frozen=True)

@@ -192,6 +192,7 @@ def decide_placement(
     rollout: RolloutConfig,
     *,
     offload_trainer: bool,
+    max_staleness: int,
     world_size: int,
     gpus_per_node: int,
     tp: int,
@@ -200,7 +201,9 @@ def decide_placement(
     hf: Mapping[str, Any],
 ) -> RolloutPlacement:
     """The rollout placement of a job of ``world_size`` ranks, ``gpus_per_node`` per node, trainer
-    layout ``tp`` x ``pp`` x ``cp``, model ``hf``. Raises ``ValueError`` naming the field to change."""
+    layout ``tp`` x ``pp`` x ``cp``, model ``hf``, ``max_staleness`` (train.max_staleness: above 0 the
+    engines generate while the trainer trains, so nothing swaps). Raises ``ValueError`` naming the
+    field to change."""
     gpus_per_node = min(gpus_per_node, world_size)
     why = {"offload": f"train.offload_trainer={str(offload_trainer).lower()}"}
     common: dict[str, Any] = {
@@ -225,20 +228,25 @@ def decide_placement(
     width, why["width"] = _sglang_width(rollout, world_size, gpus_per_node, tp * pp * cp)
     ep, why["ep"] = _sglang_ep(rollout, width, hf)
     engines = tuple(tuple(range(start, start + width)) for start in range(0, world_size, width))
+    swaps = max_staleness == 0
     why["memory"] = (
         "colocated SGLang: engines start beside an offloaded trainer and release their memory for training"
+        if swaps
+        else f"train.max_staleness={max_staleness}: the engines generate while the trainer trains, so the "
+        "engines' memory and the trainer's stay on the device in every phase"
     )
     return RolloutPlacement("sglang", "colocated", gpus_per_engine=width, engine_ep=ep, engines=engines,
-                            swaps_engine_memory=True, why=why, **common)  # fmt: skip
+                            swaps_engine_memory=swaps, why=why, **common)  # fmt: skip
 
 
 def runtime_placement(
-    rollout: RolloutConfig, offload_trainer: bool, ps: ParallelState, hf: Mapping[str, Any]
+    rollout: RolloutConfig, offload_trainer: bool, ps: ParallelState, hf: Mapping[str, Any], *, max_staleness: int
 ) -> RolloutPlacement:
     """``decide_placement`` for a running job: its parallel state, GPUs per node from the launcher's
     LOCAL_WORLD_SIZE (torchrun and launch/ set it; absent: one node)."""
     gpus_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", ps.world_size))
     return decide_placement(
-        rollout, offload_trainer=offload_trainer, world_size=ps.world_size, gpus_per_node=gpus_per_node,
+        rollout, offload_trainer=offload_trainer, max_staleness=max_staleness, world_size=ps.world_size,
+        gpus_per_node=gpus_per_node,
         tp=ps.tp, pp=ps.pp, cp=ps.cp, hf=hf,
     )  # fmt: skip

@@ -6,7 +6,8 @@ Synchronous (training/grpo.py, the engines in the trainer's processes)::
     it k:  [rollout k][reward k][train k][sync v_k]
     it k+1:                                        [rollout k+1][reward k+1][train k+1][sync v_k+1]
 
-Asynchronous, N = train.max_staleness (here 1; each engine in a process of its own)::
+Asynchronous, N = train.max_staleness (here 1; each engine generating in processes of its own:
+``rollout.embedded_process``, or SGLang's schedulers)::
 
     engine:  [rollout k+1 (v_k-1)]  [load v_k][rollout k+2 (v_k)]     [load v_k+1][rollout k+3 ...
     trainer: [reward k][train k (v_k-1 -> v_k)][sync v_k][reward k+1][train k+1][sync v_k+1]
@@ -14,7 +15,8 @@ Asynchronous, N = train.max_staleness (here 1; each engine in a process of its o
 Iteration j's batch is submitted to the engines right after the sync of version max(start, j-1-N)
 (the end of iteration j-1-N) and is generated with exactly those weights: the engine process serves
 its requests in order and loads the weights it was sent between two of them (rollout/
-engine_process.py). Iteration j trains the policy of version j-1, so every trained sample lags it
+engine_process.py); an SGLang engine's weight load waits for the generation in flight
+(rollout/sglang/engine.py: ``InFlight``), and its colocated memory is never released. Iteration j trains the policy of version j-1, so every trained sample lags it
 by at most N versions (exactly N once the pipeline is full). The rollout phase's time
 (``time/rollout``) is then only the wait for a batch that is not done yet; reward scoring stays
 on the trainer's side (rank 0's reward pool) when the batch is taken.

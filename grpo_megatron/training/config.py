@@ -55,7 +55,9 @@ class TrainConfig:
     update; the ratio then also corrects the engine/trainer mismatch, as in slime's default)."""
     max_staleness: int = 0
     """How many weight versions a trained sample's policy may lag the policy being trained (needs
-    rollout.embedded_process: the engines generate the next batches while the trainer trains). 0 =
+    engines that generate the next batches while the trainer trains: rollout.embedded_process=true,
+    or rollout.engine=sglang, whose schedulers are processes of their own; colocated SGLang engines
+    then keep their memory in every phase, rollout/placement.py). 0 =
     the synchronous loop, bit for bit; 1 = one step off (iteration k trains on responses sampled by the
     weights of iteration k-2's end, i.e. version k-2, while the engines sample iteration k+1's); N: N
     steps off. Correct for the lag with algorithm.off_policy (or algorithm.tis)."""

@@ -227,8 +227,8 @@ def train(job: Job) -> dict[str, float]:
     job.logger.truncate_from(start + 1 if resumed is not None else 0)
     probe = job_probe(job)
     sync_to_engines(job, start, probe)  # the engines start from the trainer's weights
-    producer = None  # engines in processes of their own: rollouts submitted ahead (training/async_loop.py)
-    if cfg.rollout.embedded_process:
+    producer = None  # engines that generate while the trainer trains: rollouts submitted ahead (async_loop.py)
+    if cfg.producer_loop:
         producer = GroupProducer(job, sampler, cfg.train.max_staleness)
         if resumed is not None and "producer" in resumed:
             producer.load_state_dict(resumed["producer"])

@@ -250,6 +250,7 @@ def engine_spec(cfg: JobConfig) -> EngineSpec:
         log_dir=Path(cfg.logging.run_dir) / "sglang",
         record_routes=cfg.algorithm.routing_replay == "r3",
         offload_trainer=cfg.train.offload_trainer,
+        max_staleness=cfg.train.max_staleness,
     )
 
 
@@ -343,7 +344,7 @@ def _models(
     if reference is not None and cfg.train.reference_on_cpu:
         reference.to("cpu")
     start.beat("reference")
-    placement = runtime_placement(cfg.rollout, cfg.train.offload_trainer, ps, hf)
+    placement = runtime_placement(cfg.rollout, cfg.train.offload_trainer, ps, hf, max_staleness=cfg.train.max_staleness)
     memory = ColocatedMemory(policy, None, placement.phases())
     spec = engine_spec(cfg)
     with start.long_phase("engines", cfg.parallel.long_phase_timeout_s):  # an engine's start blocks in one call

@@ -281,7 +281,7 @@ class Scenarios:
         optimizer = torch.optim.Adam(model.parameters())
         model(torch.randn(2, 8)).sum().backward()
         optimizer.step()
-        placement = decide_placement(RolloutConfig(engine="sglang"), offload_trainer=offload, world_size=1,
+        placement = decide_placement(RolloutConfig(engine="sglang"), offload_trainer=offload, max_staleness=0, world_size=1,
                                      gpus_per_node=1, tp=1, pp=1, cp=1, hf=self.engine._hf_config)  # fmt: skip
         memory = ColocatedMemory(Policy(model=model, optimizer=optimizer, spec=None), None, placement.phases())  # type: ignore[arg-type]
         steps: list[tuple[str, list[str]]] = []

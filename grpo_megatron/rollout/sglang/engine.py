@@ -36,7 +36,7 @@ import random
 import tempfile
 import threading
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING, Any, Literal
@@ -314,6 +314,35 @@ def update_sessions(server: Any) -> bool:
 # The engine
 
 
+class InFlight:
+    """At most one generation running in a thread of this rank (``SGLangEngine.submit``), its work
+    done by SGLang's scheduler processes. ``sglang.Engine`` drives its requests on one asyncio loop,
+    which one thread may run at a time: every other call of the engine ``settle``s first."""
+
+    def __init__(self) -> None:
+        self._pool: ThreadPoolExecutor | None = None
+        self._running: Future[Any] | None = None
+
+    def start(self, work: Callable[[], Any]) -> Future[Any]:
+        self.settle()
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="sglang-generate")
+        self._running = self._pool.submit(work)
+        return self._running
+
+    def settle(self) -> None:
+        """Wait for the running generation, if any (its error is its caller's, at ``collect``)."""
+        running, self._running = self._running, None
+        if running is not None:
+            wait([running])
+
+    def close(self) -> None:
+        self.settle()
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+
+
 class SGLangEngine(RolloutEngine):
     """``RolloutEngine`` over one colocated ``sglang.Engine`` or a set of SGLang servers.
 
@@ -366,6 +395,7 @@ class SGLangEngine(RolloutEngine):
         self._sessions_open: set[int] = set()
         self.health: EngineProcesses | None = None
         """The engine's processes when this adapter started them (a colocated engine), else None."""
+        self.inflight = InFlight()  # the generation ``submit`` started, while it runs
         self.released: set[str] = set()
         """Memory tags the engine has released and not resumed: only those may be resumed (SGLang's
         scheduler raises KeyError on, and then kills the process tree for, a resume of a tag it
@@ -373,8 +403,6 @@ class SGLangEngine(RolloutEngine):
         hf_config = {**_read_hf_config(model_path), **(hf_overrides or {})}
         self._hf_config = hf_config
         self.tied_head = tied_output_head(hf_config)
-        # The engine's expert parallelism decides which experts each of its GPUs loads; refused here
-        # (naming rollout.sglang_server_args) when SGLang would place experts some other way.
         # Width and EP: rollout/placement.py's (from_config passes them; engine_shape when built directly).
         # The EP decides which experts each GPU loads; server args placing experts otherwise are refused.
         self.tp_size, self.ep_size = engine_shape(rollout, tp_size, ep_size)
@@ -433,7 +461,9 @@ class SGLangEngine(RolloutEngine):
             if ps.rank != 0:
                 return None
             return cls(rollout, model.hf_path, dtype=model.dtype, seed=spec.seed, device=ps.device)
-        placement = placement or runtime_placement(rollout, spec.offload_trainer, ps, _read_hf_config(model.hf_path))
+        placement = placement or runtime_placement(
+            rollout, spec.offload_trainer, ps, _read_hf_config(model.hf_path), max_staleness=spec.max_staleness
+        )
         layout, gpus_per_node, local_rank = _layout_of(placement, ps)
         if ps.rank != layout.leader:
             return None  # a multi-node engine's other ranks agree on its address in SGLangSyncMember
@@ -464,7 +494,33 @@ class SGLangEngine(RolloutEngine):
     # -- generation
 
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[list[Completion]]:
+        self.inflight.settle()
         self._refuse_if_stale()
+        return self._generate(prompts, params)
+
+    def submit(
+        self, prompts: Sequence[Sequence[int]], params: SamplingParams
+    ) -> Callable[[], list[list[Completion]]]:
+        """Start generating and return at once (the asynchronous loop: SGLang's scheduler processes
+        generate while this rank trains); calling the result waits for the completions, stamped with
+        the weight version they were submitted under. One generation at a time, in submission order:
+        every other call of the engine (weights, scores, memory, shutdown) first waits for it
+        (``InFlight``), so a batch is generated with exactly the weights it was submitted under."""
+        self.inflight.settle()
+        self._refuse_if_stale()
+        version = self.weight_version
+        future = self.inflight.start(lambda: self._generate(prompts, params))
+
+        def collect() -> list[list[Completion]]:
+            done = future.result()
+            for group in done:
+                for c in group:
+                    c.weight_version = version
+            return done
+
+        return collect
+
+    def _generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[list[Completion]]:
         seeds = sample_seeds(params.seed, len(prompts), params.n, self._rng)
         flat_ids = [list(p) for p in prompts for _ in range(params.n)]
         flat_params = [sampling_params_dict(params, s) for s in seeds]
@@ -486,6 +542,7 @@ class SGLangEngine(RolloutEngine):
                 f"SGLang scores sequences at temperature 1 only (asked for {temperature}): run the "
                 "mismatch probe at temperature 1.0 with the sglang engine"
             )
+        self.inflight.settle()
         self._refuse_if_stale()
         ids = [list(s) for s in sequences]
         params = [{"max_new_tokens": 0, "temperature": 1.0} for _ in ids]
@@ -518,6 +575,7 @@ class SGLangEngine(RolloutEngine):
     # -- weights
 
     def update_weights(self, bucket: Bucket, *, version: int, last: bool) -> None:
+        self.inflight.settle()  # a submitted batch finishes under the weights it was submitted with
         if self._names_this_version and version != self._version_in_progress:
             self._names_this_version = set()  # an earlier version was abandoned half-way
         try:
@@ -619,6 +677,7 @@ class SGLangEngine(RolloutEngine):
         through ``restart_server(url)`` (or raises naming it); a restarted server has its
         checkpoint's weights again, so the engine then needs a full sync before it generates."""
         timeout_s = timeout_s or self.rollout.sglang_request_timeout_s
+        self.inflight.settle()
         for server in self.servers:
             if not hasattr(server, "healthy") or wait_healthy(server, timeout_s):
                 continue
@@ -639,6 +698,7 @@ class SGLangEngine(RolloutEngine):
 
     def release_memory(self, tags: Sequence[MemoryTag] | None = None) -> None:
         """Release ``tags`` (None: all) that the engine still holds; the others are left alone."""
+        self.inflight.settle()
         wanted = [t for t in (ALL_MEMORY_TAGS if tags is None else tags) if t not in self.released]
         if not wanted:
             return
@@ -649,6 +709,7 @@ class SGLangEngine(RolloutEngine):
     def resume_memory(self, tags: Sequence[MemoryTag] | None = None) -> None:
         """Take back ``tags`` (None: all) that the engine released; asking for one it holds (e.g.
         the run's first sync resuming ``weights``) does nothing, by construction."""
+        self.inflight.settle()
         wanted = [t for t in (ALL_MEMORY_TAGS if tags is None else tags) if t in self.released]
         if not wanted:
             return
@@ -657,12 +718,14 @@ class SGLangEngine(RolloutEngine):
         self.released.difference_update(wanted)
 
     def flush_cache(self) -> None:
+        self.inflight.settle()
         for server in self.servers:
             server.flush_cache()
 
     def shutdown(self) -> None:
         """Stop the engine: its own processes only (``EngineProcesses.engine_only_shutdown``), not
         the rank's other children (reward workers, wandb)."""
+        self.inflight.close()
         self.transport.reset()
         for server in self.servers:
             with self.health.engine_only_shutdown() if self.health is not None else contextlib.nullcontext():
@@ -718,7 +781,9 @@ class SGLangSyncMember:
         multi-node engine (collective: every non-leader rank calls it once while the fleet is built),
         the first rank of each further node also starts that node's part of the engine."""
         rollout = spec.rollout
-        placement = placement or runtime_placement(rollout, spec.offload_trainer, ps, _read_hf_config(spec.model.hf_path))
+        placement = placement or runtime_placement(
+            rollout, spec.offload_trainer, ps, _read_hf_config(spec.model.hf_path), max_staleness=spec.max_staleness
+        )
         layout, gpus_per_node, local_rank = _layout_of(placement, ps)
         if ps.rank == layout.leader:
             return None
