@@ -13,7 +13,8 @@ back to back (and, with --repeats, interleaved) is what to read.
 
     python bench/async_grpo.py                     # ~2 minutes on 2 cores
     python bench/async_grpo.py --repeats 2 --out bench-async.json
-    python bench/async_grpo.py --engine sglang     # the real SGLang engine (its schedulers generate)
+    python bench/async_grpo.py --engine sglang --max-new-tokens 48   # the real SGLang engine; SGLang
+                                                   # refuses to pass the demo model's 64-token context
 """
 
 from __future__ import annotations
@@ -83,10 +84,10 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--iterations", type=int, default=10, help="iterations per run (default 10)")
     parser.add_argument("--warmup", type=int, default=2, help="first iterations left out (default 2)")
-    parser.add_argument("--prompts", type=int, default=16, help="prompts per iteration (default 16)")
+    parser.add_argument("--prompts", type=int, default=8, help="prompts per iteration (default 8)")
     parser.add_argument("--samples", type=int, default=16, help="responses per prompt (default 16)")
-    parser.add_argument("--max-new-tokens", type=int, default=32,
-                        help="response length: sets the rollout's share of the iteration (default 32)")
+    parser.add_argument("--max-new-tokens", type=int, default=64,
+                        help="response length: sets the rollout's share of the iteration (default 64)")
     parser.add_argument("--engine", choices=sorted(ENGINES), default="embedded",
                         help="embedded (in a process of its own, default) or sglang (the real engine, colocated)")
     parser.add_argument("--repeats", type=int, default=1, help="sync/async pairs, interleaved (default 1)")
