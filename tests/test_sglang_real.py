@@ -129,6 +129,11 @@ def test_colocated_memory_moves_the_real_engine_by_the_placements_phases(scenari
         assert run["bitwise"], mode
 
 
+def test_the_engines_processes_survive_a_preemption_sigterm(scenarios) -> None:
+    got = scenario(scenarios, "sigterm_survived")
+    assert got["procs"] > 0 and got["all_alive"] and got["generates"] and not got["trainer_blocks_sigterm"]
+
+
 def test_the_engine_shuts_down_and_only_its_own_processes(scenarios) -> None:
     got = scenario(scenarios, "shutdown")
     assert got["ok"] and got["engine_procs"] > 0 and got["engine_left"] == []

@@ -316,6 +316,19 @@ class Scenarios:
         memory.trainer_back()
         return {"steps": steps, **seen}
 
+    def sigterm_survived(self) -> dict[str, Any]:
+        """Slurm's preemption SIGTERM reaches every process of the job: the engine's must live on (the
+        trainer saves, then shuts them down); the trainer itself does not block SIGTERM."""
+        assert self.engine.health is not None
+        procs = list(self.engine.health.procs)
+        for proc in procs:
+            proc.send_signal(signal.SIGTERM)
+        time.sleep(2.0)
+        alive = [p.is_running() and p.status() != "zombie" for p in procs]
+        after = self.run_greedy()
+        return {"procs": len(procs), "all_alive": all(alive), "generates": len(after) == len(PROMPTS),
+                "trainer_blocks_sigterm": signal.SIGTERM in signal.pthread_sigmask(signal.SIG_BLOCK, [])}  # fmt: skip
+
     def shutdown(self) -> dict[str, Any]:
         # A child of this process that is not the engine's (as the reward pool's workers and wandb's
         # service are): the engine's shutdown must leave it alone.
@@ -374,6 +387,7 @@ SCENARIOS: tuple[str, ...] = (
     "rejected_version",
     "memory_in_trainer_order",
     "phases_in_trainer_order",
+    "sigterm_survived",
     "shutdown",
 )
 

@@ -6,9 +6,10 @@ SIGQUIT to that rank, whose default handler kills the rank's whole process tree 
 engine without that watchdog (0.5.17) leaves the next request waiting forever. Here:
 
 - ``EngineProcesses.start`` starts the engine with its processes' output going to a log file of its
-  own (``<run_dir>/sglang/engine-rank<R>-<pid>.log``), and records which processes it started (a
-  preemption's SIGTERM, which Slurm sends to every process of the job, still reaches them: spawn
-  clears a blocked mask, and ignoring it broke a TP2 engine's start; see docs/running-on-slurm.md);
+  own (``<run_dir>/sglang/engine-rank<R>-<pid>.log``), and records which processes it started; they
+  start with SIGTERM blocked (inherited through spawn), so a preemption's SIGTERM, which Slurm sends
+  to every process of the job, does not kill them: the trainer's handler saves a checkpoint and then
+  shuts them down (SGLang stops its processes with SIGKILL);
 - ``check`` (before each generate, score and weight load) raises ``EngineDiedError`` naming the
   engine, the rank, the host, the dead process and the log's last lines, which the fleet reports on
   every rank;
@@ -59,8 +60,11 @@ class EngineProcesses:
     @contextlib.contextmanager
     def start(self) -> Iterator[None]:
         """Around ``sglang.Engine(...)``: the processes it spawns write to ``log_path`` (this process's
-        stdout and stderr point there while it starts; they come back after), and are recorded."""
+        stdout and stderr point there while it starts; they come back after), inherit SIGTERM
+        blocked (this thread blocks it while they start: a SIGTERM meanwhile reaches the trainer's
+        handler once the block ends, it is not lost), and are recorded."""
         me = psutil.Process()
+        mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
         before = {p.pid for p in me.children(recursive=True)}
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         sys.stdout.flush()
@@ -77,6 +81,7 @@ class EngineProcesses:
             for fd, old in zip((1, 2), saved, strict=True):
                 os.dup2(old, fd)
                 os.close(old)
+            signal.pthread_sigmask(signal.SIG_SETMASK, mask)
             self.procs = [p for p in me.children(recursive=True) if p.pid not in before]
             self.names = {p.pid: _name(p) for p in self.procs}
 
