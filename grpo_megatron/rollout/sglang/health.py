@@ -7,9 +7,10 @@ engine without that watchdog (0.5.17) leaves the next request waiting forever. H
 
 - ``EngineProcesses.start`` starts the engine with its processes' output going to a log file of its
   own (``<run_dir>/sglang/engine-rank<R>-<pid>.log``), and records which processes it started; they
-  start with SIGTERM blocked (inherited through spawn), so a preemption's SIGTERM, which Slurm sends
-  to every process of the job, does not kill them: the trainer's handler saves a checkpoint and then
-  shuts them down (SGLang stops its processes with SIGKILL);
+  start with SIGTERM ignored (an ignored signal stays ignored through spawn's exec; a blocked one
+  does not: spawn clears the mask), so a preemption's SIGTERM, which Slurm sends to every process of
+  the job, does not kill them: the trainer's handler saves a checkpoint and then shuts them down
+  (SGLang stops its processes with SIGKILL);
 - ``check`` (before each generate, score and weight load) raises ``EngineDiedError`` naming the
   engine, the rank, the host, the dead process and the log's last lines, which the fleet reports on
   every rank;
@@ -29,6 +30,7 @@ import os
 import signal
 import socket
 import sys
+import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -61,10 +63,12 @@ class EngineProcesses:
     def start(self) -> Iterator[None]:
         """Around ``sglang.Engine(...)``: the processes it spawns write to ``log_path`` (this process's
         stdout and stderr point there while it starts; they come back after), inherit SIGTERM
-        blocked (this thread blocks it while they start: a SIGTERM meanwhile reaches the trainer's
-        handler once the block ends, it is not lost), and are recorded."""
+        ignored (from the main thread: this process ignores it while they start, then its own
+        handler comes back; a SIGTERM during the start is lost, when there is nothing new to save),
+        and are recorded."""
         me = psutil.Process()
-        mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+        main_thread = threading.current_thread() is threading.main_thread()
+        previous = signal.signal(signal.SIGTERM, signal.SIG_IGN) if main_thread else None
         before = {p.pid for p in me.children(recursive=True)}
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         sys.stdout.flush()
@@ -81,7 +85,8 @@ class EngineProcesses:
             for fd, old in zip((1, 2), saved, strict=True):
                 os.dup2(old, fd)
                 os.close(old)
-            signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+            if previous is not None:
+                signal.signal(signal.SIGTERM, previous)
             self.procs = [p for p in me.children(recursive=True) if p.pid not in before]
             self.names = {p.pid: _name(p) for p in self.procs}
 
