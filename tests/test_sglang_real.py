@@ -64,7 +64,10 @@ def test_greedy_generation_equals_the_embedded_engine_within_the_bf16_floor(scen
 
 
 def test_the_trainers_signal_handlers_survive_the_engine(scenarios) -> None:
-    assert scenario(scenarios, "signals_kept") == {"sigterm_is_the_trainers": True, "sigquit_names_the_engine": True}
+    assert scenario(scenarios, "signals_kept") == {
+        "sigterm_is_the_trainers": True, "sigquit_names_the_engine": True, "loop_handlers_removed": [True, True],
+        "sigterm_during_a_request": True, "engine_not_draining": True, "serves_after": True,
+    }  # fmt: skip
 
 
 def test_sampled_logprobs_equal_the_engines_and_the_embedded_scores(scenarios) -> None:

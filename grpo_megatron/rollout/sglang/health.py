@@ -58,6 +58,8 @@ class EngineProcesses:
         """Each process's name, read while it ran (a dead one has none to read)."""
         self.stopping = False
         """Set when this rank shuts the engine down: from then on its processes' deaths are expected."""
+        self.loop_handlers_removed: list[bool] = []
+        """Whether SGLang's own SIGTERM and SIGQUIT handlers came off its event loop (``take_back_signals``)."""
 
     @contextlib.contextmanager
     def start(self) -> Iterator[None]:
@@ -181,13 +183,13 @@ class EngineProcesses:
         loop: Any = getattr(engine, "loop", None)
         if callable(getattr(manager, "auto_create_handle_loop", None)) and loop is not None:
 
-            async def make_handle_loop() -> None:  # on the engine's own loop, as its requests do
+            async def make_handle_loop() -> list[bool]:  # on the engine's own loop, as its requests do
                 manager.auto_create_handle_loop()
+                # While the loop runs: uvloop's (SGLang's loop) removes nothing otherwise (it returns
+                # False and keeps the handler, whose SIGTERM ends the rank with exit 0 mid-request).
+                return [loop.remove_signal_handler(s) for s in (signal.SIGTERM, signal.SIGQUIT)]
 
-            loop.run_until_complete(make_handle_loop())
-            for signum in (signal.SIGTERM, signal.SIGQUIT):
-                with contextlib.suppress(Exception):
-                    loop.remove_signal_handler(signum)
+            self.loop_handlers_removed = loop.run_until_complete(make_handle_loop())
         saved.restore()
         signal.signal(signal.SIGQUIT, self.on_sigquit())
 
