@@ -64,7 +64,10 @@ def test_greedy_generation_equals_the_embedded_engine_within_the_bf16_floor(scen
 
 
 def test_the_trainers_signal_handlers_survive_the_engine(scenarios) -> None:
-    assert scenario(scenarios, "signals_kept") == {"sigterm_is_the_trainers": True, "sigquit_names_the_engine": True}
+    assert scenario(scenarios, "signals_kept") == {
+        "sigterm_is_the_trainers": True, "sigquit_names_the_engine": True, "loop_handlers_removed": [True, True],
+        "sigterm_during_a_request": True, "engine_not_draining": True, "serves_after": True,
+    }  # fmt: skip
 
 
 def test_sampled_logprobs_equal_the_engines_and_the_embedded_scores(scenarios) -> None:
@@ -127,6 +130,11 @@ def test_colocated_memory_moves_the_real_engine_by_the_placements_phases(scenari
         assert run["trainer_bytes_while_engines_start"] == 0 and run["trainer_bytes_in_train"] > 0, mode
         assert (run["grad_bytes_in_save"] == 0) is (mode == "offload"), mode  # a save reads no gradients
         assert run["bitwise"], mode
+
+
+def test_the_engines_processes_survive_a_preemption_sigterm(scenarios) -> None:
+    got = scenario(scenarios, "sigterm_survived")
+    assert got["procs"] > 0 and got["all_alive"] and got["generates"] and got["trainer_handler_kept"]
 
 
 def test_the_engine_shuts_down_and_only_its_own_processes(scenarios) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import re
+import signal
 import subprocess
 import time
 from pathlib import Path
@@ -118,3 +119,36 @@ def test_colocated_sglang_one_step_off_lags_by_at_most_one_version(tmp_path: Pat
     assert not any(k.startswith("offload/") for r in records for k in r)  # the engines kept their memory
     stale = records[-1]
     assert stale["off_policy/ratio_max"] > 1 > stale["off_policy/ratio_min"]
+
+
+def test_a_slurm_preemption_sigterm_to_every_process_saves_with_sglang_engines(tmp_path: Path) -> None:
+    """Slurm's preemption SIGTERM reaches every process of the job step, mid-run: the SGLang engines'
+    processes ignore it (they start with it ignored) and SGLang's own handler is off its event loop,
+    so every rank saves at the next safe point and exits EXIT_PREEMPTED instead of dying with its
+    engine, or leaving with status 0 after SGLang's drain-and-exit."""
+    require_sglang_engine()
+    from grpo_megatron.distributed.preemption import EXIT_PREEMPTED
+
+    run = tmp_path / "run"
+    proc = launch("train", [*SMALL, "rollout.engine=sglang", "train.iterations=40", "checkpoint.save_interval=20",
+                            f"logging.run_dir={run}"])  # fmt: skip
+    deadline = time.monotonic() + 400
+    while not (run / "metrics.jsonl").is_file() or len(read_jsonl(run / "metrics.jsonl")) < 3:
+        if proc.poll() is not None or time.monotonic() > deadline:
+            kill_tree(proc.pid)
+            raise AssertionError(f"no second iteration ({proc.poll()}):\n{proc.stdout.read()[-4000:]}")
+        time.sleep(0.5)
+    _find_scheduler(proc.pid)
+    ranks = psutil.Process(proc.pid).children()  # torchrun's agent is left out: Slurm's reaches the ranks
+    for p in [q for r in ranks for q in (r, *r.children(recursive=True))]:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            p.send_signal(signal.SIGTERM)
+    try:
+        out = proc.communicate(timeout=300)[0]
+    except subprocess.TimeoutExpired:
+        kill_tree(proc.pid)
+        raise AssertionError("the job did not stop within 300 s of the SIGTERM") from None
+    assert out.count(f"exitcode  : {EXIT_PREEMPTED}") == 2, out[-4000:]  # both ranks
+    saved = re.search(r"\[preempt\] SIGTERM: checkpoint \S+(iter_\d+) written", out)
+    assert saved and (run / "checkpoints" / "latest").read_text().strip() == saved.group(1), out[-4000:]
+    assert "died" not in out, out[-4000:]

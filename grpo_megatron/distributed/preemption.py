@@ -10,7 +10,8 @@ every rank writes the checkpoint (if that iteration has none yet) and exits ``EX
 Bounded time: the signal handler is Python code, which runs only when the main thread returns to
 the interpreter, so a rank blocked in a collective would never run it. The C-level handler writes
 each signal's number to a pipe (``signal.set_wakeup_fd``) at once, though, and a watcher thread
-reads it: at the first signal it starts the grace clock, at a second one (another signal, or the
+reads it (the Python-level handler writes it there too: an event loop running in the main thread,
+such as SGLang's during a request, has the wakeup fd meanwhile): at the first signal it starts the grace clock, at a second one (another signal, or the
 same one again after ``DUPLICATE_WINDOW_S``: a launcher that forwards what Slurm also delivered
 directly makes two copies of one), or when the clock runs out, it ends the process with ``os._exit`` -- exit code ``EXIT_INTERRUPTED``, or
 ``EXIT_PREEMPTED`` when the checkpoint was written already. ``latest`` is replaced by an atomic
@@ -24,6 +25,7 @@ checkpoint and before any rank exits (launch/slurm/node.sh and train.sbatch read
 
 from __future__ import annotations
 
+import contextlib
 import os
 import select
 import signal
@@ -51,6 +53,9 @@ EXIT_INTERRUPTED = 143
 EXIT_FILE_ENV = "GRPO_EXIT_FILE"
 DUPLICATE_WINDOW_S = 1.0
 """The first signal again within this many seconds is one signal by two routes, not a second one."""
+NOTICE = 0x80
+"""Added to a signal's number on the watcher's pipe when the Python-level handler wrote it
+(``Preemption._on_signal``); signal numbers stay below it."""
 
 
 class Preempted(Exception):
@@ -105,8 +110,14 @@ class Preemption:
         self._pipe = None
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
-        """The Python-level handler: nothing to do, the watcher thread acted on the byte the C-level
-        handler wrote to the wakeup pipe (this one may run late, or never, in a blocked rank)."""
+        """The Python-level handler (it may run late, or never, in a blocked rank): the watcher thread
+        acts on the byte the C-level handler wrote to the wakeup pipe. But an event loop running in
+        this thread has a wakeup fd of its own meanwhile (uvloop's, while SGLang's ``Engine`` serves a
+        request: the whole rollout phase), and the byte went there; so this handler tells the watcher
+        too, with ``NOTICE`` added (a first signal for it, never a second: the C-level byte is)."""
+        if self._pipe is not None:
+            with contextlib.suppress(OSError):
+                os.write(self._pipe[1], bytes([signum | NOTICE]))
 
     def _watch(self) -> None:
         assert self._pipe is not None
@@ -120,9 +131,10 @@ class Preemption:
             data = os.read(read_fd, 64)
             if not data:
                 return
-            for signum in data:
-                if signum not in self.signals:
-                    continue  # another handler's signal (SIGINT is Python's own)
+            for byte in data:
+                signum, notice = byte & ~NOTICE, bool(byte & NOTICE)
+                if signum not in self.signals or (notice and self.received is not None):
+                    continue  # another handler's signal (SIGINT is Python's own), or news of one seen
                 name = signal.Signals(signum).name
                 now = time.monotonic()
                 if self.received == name and now - self._first_at < DUPLICATE_WINDOW_S:

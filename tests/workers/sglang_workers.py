@@ -11,10 +11,12 @@ because a crash of SGLang's scheduler kills the process tree that started it.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -57,8 +59,12 @@ def embedded(weights: dict[str, torch.Tensor], dtype: torch.dtype) -> Any:
     return engine
 
 
+TRAINER_SIGTERMS: list[int] = []
+
+
 def trainer_sigterm(signum: int, frame: Any) -> None:
     """Stands for the trainer's SIGTERM handler (distributed/preemption.py) in this process."""
+    TRAINER_SIGTERMS.append(signum)
 
 
 def flat_logprobs(groups: list[list[Any]]) -> list[float]:
@@ -137,9 +143,27 @@ class Scenarios:
         SIGQUIT the adapter's (names the engine and ends the rank)."""
         self.run_greedy()
         quit_handler = signal.getsignal(signal.SIGQUIT)
+        assert self.engine.health is not None
+        # A SIGTERM while the engine serves a request (its event loop runs: uvloop's wakeup fd and,
+        # were SGLang's handler still on the loop, its drain-and-exit) reaches the trainer's handler.
+        from grpo_megatron.rollout.engine import SamplingParams
+
+        TRAINER_SIGTERMS.clear()
+        timer = threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGTERM))
+        timer.start()
+        during: list[list[Any]] = []
+        while timer.is_alive() or not during:  # requests back to back: the signal lands inside one
+            during = self.engine.generate(PROMPTS, SamplingParams(n=8, max_new_tokens=MAX_NEW, temperature=1.0, seed=5))
+        time.sleep(0.5)
         return {
             "sigterm_is_the_trainers": signal.getsignal(signal.SIGTERM) is trainer_sigterm,
             "sigquit_names_the_engine": "EngineProcesses" in getattr(quit_handler, "__qualname__", ""),
+            "loop_handlers_removed": self.engine.health.loop_handlers_removed,
+            # SGLang's own handler would have set it: its watchdog then drains, kills the engine and
+            # exits the rank with status 0 (within its 5 s poll)
+            "engine_not_draining": not self.engine.servers[0].tokenizer_manager.gracefully_exit,
+            "sigterm_during_a_request": TRAINER_SIGTERMS == [signal.SIGTERM] and len(during) == len(PROMPTS),
+            "serves_after": len(self.run_greedy()) == len(PROMPTS),
         }
 
     def sampled_and_scored(self) -> dict[str, Any]:
@@ -316,6 +340,19 @@ class Scenarios:
         memory.trainer_back()
         return {"steps": steps, **seen}
 
+    def sigterm_survived(self) -> dict[str, Any]:
+        """Slurm's preemption SIGTERM reaches every process of the job: the engine's must live on (the
+        trainer saves, then shuts them down); the trainer itself does not block SIGTERM."""
+        assert self.engine.health is not None
+        procs = list(self.engine.health.procs)
+        for proc in procs:
+            proc.send_signal(signal.SIGTERM)
+        time.sleep(2.0)
+        alive = [p.is_running() and p.status() != "zombie" for p in procs]
+        after = self.run_greedy()
+        return {"procs": len(procs), "all_alive": all(alive), "generates": len(after) == len(PROMPTS),
+                "trainer_handler_kept": signal.getsignal(signal.SIGTERM) is trainer_sigterm}  # fmt: skip
+
     def shutdown(self) -> dict[str, Any]:
         # A child of this process that is not the engine's (as the reward pool's workers and wandb's
         # service are): the engine's shutdown must leave it alone.
@@ -374,6 +411,7 @@ SCENARIOS: tuple[str, ...] = (
     "rejected_version",
     "memory_in_trainer_order",
     "phases_in_trainer_order",
+    "sigterm_survived",
     "shutdown",
 )
 

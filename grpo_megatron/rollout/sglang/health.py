@@ -6,9 +6,11 @@ SIGQUIT to that rank, whose default handler kills the rank's whole process tree 
 engine without that watchdog (0.5.17) leaves the next request waiting forever. Here:
 
 - ``EngineProcesses.start`` starts the engine with its processes' output going to a log file of its
-  own (``<run_dir>/sglang/engine-rank<R>-<pid>.log``), and records which processes it started (a
-  preemption's SIGTERM, which Slurm sends to every process of the job, still reaches them: spawn
-  clears a blocked mask, and ignoring it broke a TP2 engine's start; see docs/running-on-slurm.md);
+  own (``<run_dir>/sglang/engine-rank<R>-<pid>.log``), and records which processes it started; they
+  start with SIGTERM ignored (an ignored signal stays ignored through spawn's exec; a blocked one
+  does not: spawn clears the mask), so a preemption's SIGTERM, which Slurm sends to every process of
+  the job, does not kill them: the trainer's handler saves a checkpoint and then shuts them down
+  (SGLang stops its processes with SIGKILL);
 - ``check`` (before each generate, score and weight load) raises ``EngineDiedError`` naming the
   engine, the rank, the host, the dead process and the log's last lines, which the fleet reports on
   every rank;
@@ -28,6 +30,7 @@ import os
 import signal
 import socket
 import sys
+import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -55,12 +58,19 @@ class EngineProcesses:
         """Each process's name, read while it ran (a dead one has none to read)."""
         self.stopping = False
         """Set when this rank shuts the engine down: from then on its processes' deaths are expected."""
+        self.loop_handlers_removed: list[bool] = []
+        """Whether SGLang's own SIGTERM and SIGQUIT handlers came off its event loop (``take_back_signals``)."""
 
     @contextlib.contextmanager
     def start(self) -> Iterator[None]:
         """Around ``sglang.Engine(...)``: the processes it spawns write to ``log_path`` (this process's
-        stdout and stderr point there while it starts; they come back after), and are recorded."""
+        stdout and stderr point there while it starts; they come back after), inherit SIGTERM
+        ignored (from the main thread: this process ignores it while they start, then its own
+        handler comes back; a SIGTERM during the start is lost, when there is nothing new to save),
+        and are recorded."""
         me = psutil.Process()
+        main_thread = threading.current_thread() is threading.main_thread()
+        previous = signal.signal(signal.SIGTERM, signal.SIG_IGN) if main_thread else None
         before = {p.pid for p in me.children(recursive=True)}
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         sys.stdout.flush()
@@ -77,6 +87,8 @@ class EngineProcesses:
             for fd, old in zip((1, 2), saved, strict=True):
                 os.dup2(old, fd)
                 os.close(old)
+            if previous is not None:
+                signal.signal(signal.SIGTERM, previous)
             self.procs = [p for p in me.children(recursive=True) if p.pid not in before]
             self.names = {p.pid: _name(p) for p in self.procs}
 
@@ -171,13 +183,13 @@ class EngineProcesses:
         loop: Any = getattr(engine, "loop", None)
         if callable(getattr(manager, "auto_create_handle_loop", None)) and loop is not None:
 
-            async def make_handle_loop() -> None:  # on the engine's own loop, as its requests do
+            async def make_handle_loop() -> list[bool]:  # on the engine's own loop, as its requests do
                 manager.auto_create_handle_loop()
+                # While the loop runs: uvloop's (SGLang's loop) removes nothing otherwise (it returns
+                # False and keeps the handler, whose SIGTERM ends the rank with exit 0 mid-request).
+                return [loop.remove_signal_handler(s) for s in (signal.SIGTERM, signal.SIGQUIT)]
 
-            loop.run_until_complete(make_handle_loop())
-            for signum in (signal.SIGTERM, signal.SIGQUIT):
-                with contextlib.suppress(Exception):
-                    loop.remove_signal_handler(signum)
+            self.loop_handlers_removed = loop.run_until_complete(make_handle_loop())
         saved.restore()
         signal.signal(signal.SIGQUIT, self.on_sigquit())
 

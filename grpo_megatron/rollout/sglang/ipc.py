@@ -47,9 +47,12 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import os
+import signal
 import socket
+import threading
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -291,9 +294,28 @@ def cpu_tensors_shared_by_name(device: torch.device) -> Iterator[None]:
     before = tmp.get_sharing_strategy()
     tmp.set_sharing_strategy("file_system")
     try:
+        start_shared_memory_manager()
         yield
     finally:
         tmp.set_sharing_strategy(before)
+
+
+@functools.cache
+def start_shared_memory_manager() -> None:
+    """Start torch's shared-memory manager (the ``torch_shm_manager`` process that the
+    ``file_system`` strategy's first tensor starts, one per process) with SIGTERM ignored, which it
+    keeps through its exec: a preemption's SIGTERM, which Slurm sends to every process of the job,
+    would otherwise end it, and every later payload with "Broken pipe" (the trainer saves before it
+    stops; the SGLang engine's processes start the same way, rollout/sglang/health.py). From the main
+    thread only (elsewhere it starts on first use, as torch would)."""
+    if threading.current_thread() is not threading.main_thread():
+        torch.empty(1).share_memory_()
+        return
+    previous = signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    try:
+        torch.empty(1).share_memory_()
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def flattened_bucket_payloads(
