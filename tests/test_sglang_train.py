@@ -121,15 +121,16 @@ def test_colocated_sglang_one_step_off_lags_by_at_most_one_version(tmp_path: Pat
     assert stale["off_policy/ratio_max"] > 1 > stale["off_policy/ratio_min"]
 
 
-def test_a_slurm_preemption_sigterm_to_every_process_saves_with_sglang_engines(tmp_path: Path) -> None:
+def test_a_slurm_preemption_sigterm_to_every_process_saves_with_sglang_engines(tmp_path: Path, monkeypatch) -> None:
     """Slurm's preemption SIGTERM reaches every process of the job step, mid-run: the SGLang engines'
     processes ignore it (they start with it ignored) and SGLang's own handler is off its event loop,
     so every rank saves at the next safe point and exits EXIT_PREEMPTED instead of dying with its
     engine, or leaving with status 0 after SGLang's drain-and-exit."""
     require_sglang_engine()
-    from grpo_megatron.distributed.preemption import EXIT_PREEMPTED
+    from grpo_megatron.distributed.preemption import EXIT_FILE_ENV, EXIT_PREEMPTED
 
-    run = tmp_path / "run"
+    run, exit_file = tmp_path / "run", tmp_path / "exit_code"
+    monkeypatch.setenv(EXIT_FILE_ENV, str(exit_file))  # what launch/slurm/node.sh reads: rank 0's verdict
     proc = launch("train", [*SMALL, "rollout.engine=sglang", "train.iterations=40", "checkpoint.save_interval=20",
                             f"logging.run_dir={run}"])  # fmt: skip
     deadline = time.monotonic() + 400
@@ -148,7 +149,8 @@ def test_a_slurm_preemption_sigterm_to_every_process_saves_with_sglang_engines(t
     except subprocess.TimeoutExpired:
         kill_tree(proc.pid)
         raise AssertionError("the job did not stop within 300 s of the SIGTERM") from None
-    assert out.count(f"exitcode  : {EXIT_PREEMPTED}") == 2, out[-4000:]  # both ranks
+    # torchrun reports the first rank to exit (75) and may stop the other before its own 75
+    assert f"exitcode  : {EXIT_PREEMPTED}" in out and exit_file.read_text().strip() == str(EXIT_PREEMPTED), out[-4000:]
     saved = re.search(r"\[preempt\] SIGTERM: checkpoint \S+(iter_\d+) written", out)
     assert saved and (run / "checkpoints" / "latest").read_text().strip() == saved.group(1), out[-4000:]
     assert "died" not in out, out[-4000:]
