@@ -79,12 +79,13 @@ def make_sample(
         raise ValueError(f"{len(rollout_logprobs)} rollout logprobs for {len(response_ids)} response tokens")
     if response_mask is not None and len(response_mask) != len(response_ids):
         raise ValueError(f"a loss mask of {len(response_mask)} for {len(response_ids)} response tokens")
-    seq_l = torch.tensor(list(prompt_ids) + list(response_ids), dtype=torch.long)
-    n_prompt = len(prompt_ids)
-    mask_s = torch.zeros(seq_l.numel() - 1)
-    mask_s[n_prompt - 1 :] = 1.0 if response_mask is None else torch.tensor(list(response_mask), dtype=torch.float32)
-    rollout_s = torch.zeros(seq_l.numel() - 1)
-    rollout_s[n_prompt - 1 :] = torch.tensor(list(rollout_logprobs), dtype=torch.float32) * mask_s[n_prompt - 1 :]
+    # Built as Python lists, three tensors in all (the advantages phase makes one sample per response).
+    seq_l = torch.tensor([*prompt_ids, *response_ids], dtype=torch.long)
+    before = [0.0] * (len(prompt_ids) - 1)
+    mask = [1.0] * len(response_ids) if response_mask is None else [float(m) for m in response_mask]
+    mask_s = torch.tensor(before + mask, dtype=torch.float32)
+    # lp * m in float64 then rounded equals float32(lp) * m for m in {0, 1} (-0.0 included)
+    rollout_s = torch.tensor(before + [lp * m for lp, m in zip(rollout_logprobs, mask, strict=True)], dtype=torch.float32)
     sample = Sample(seq_l[:-1], seq_l[1:], mask_s, float(advantage), rollout_s)
     if routed_experts is not None:
         set_engine_routes(sample, routed_experts)

@@ -50,14 +50,12 @@ def build_samples(alg: AlgorithmConfig, max_new_tokens: int, groups: Sequence[Gr
         rewards_b = rewards_b + penalty_b
     group_size = len(groups[0].completions)
     advantages_b = advantages_from_config(rewards_b, group_size, alg)
-    samples, k = [], 0
-    for g in groups:
-        for c in g.completions:
-            samples.append(
-                make_sample(g.record.prompt_ids, c.token_ids, c.logprobs, float(advantages_b[k]), c.routed_experts,
-                            c.loss_mask)
-            )
-            k += 1
+    advantages = iter(advantages_b.tolist())
+    samples = [
+        make_sample(g.record.prompt_ids, c.token_ids, c.logprobs, next(advantages), c.routed_experts, c.loss_mask)
+        for g in groups
+        for c in g.completions
+    ]
     metrics["advantage/abs_mean"] = float(advantages_b.abs().mean())
     return Batch(samples, metrics)
 
@@ -100,7 +98,9 @@ def plan_update(train: TrainConfig, alg: AlgorithmConfig, ps: ParallelState, sam
             for i in (i for mb in microbatches for i in mb):
                 owners[i] = dp_rank
         every_rank.extend(per_rank)
-        normalizers.append(sum(loss_normalizer(alg.loss_agg_mode, samples[i].mask_s[None]) for i in minibatch))
+        # One call over the mini-batch's masks, zero-padded: a count of tokens or sequences, as exact as the sum
+        masks = torch.nn.utils.rnn.pad_sequence([samples[i].mask_s for i in minibatch], batch_first=True)
+        normalizers.append(loss_normalizer(alg.loss_agg_mode, masks))
     return UpdatePlan(rows, normalizers, train.packing, batch_metrics(lengths, every_rank, train.packing), owners)
 
 
