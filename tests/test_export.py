@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from grpo_megatron.bridge.assemble import assemble_hf
+from grpo_megatron.bridge.export_plan import MIN_ROUND_BYTES, MIN_ROUNDS, _schedule
 from grpo_megatron.bridge.transforms import to_hf
 from grpo_megatron.models.weight_rules import QKVGroups, copy, glu, qkv, vocab
 from tests.helpers.dist import run_distributed
@@ -63,6 +64,18 @@ def test_assemble_hf_equals_to_hf_of_the_gathered_tensor(rule, shape, dim, glu_h
         for (name, a), (_, b) in zip(got, want, strict=True):
             assert a.dtype == dtype and a.is_contiguous() and torch.equal(a, b), name
             assert a.untyped_storage().nbytes() == a.numel() * a.element_size(), f"{name} shares memory"
+
+
+def test_rounds_are_a_sixteenth_of_a_large_export_but_hold_min_round_bytes() -> None:
+    """A model of a few MB goes in one round (a round costs a wait whatever its size); a large one is
+    still cut MIN_ROUNDS ways; a bucket's quarter still bounds a round (small sync buckets)."""
+    mib = 1 << 20
+    tiny = _schedule([1000] * 3700, 512 * mib)  # the demo's 3.7 MB
+    assert [len(bucket) for bucket in tiny] == [1] and MIN_ROUND_BYTES > 3700 * 1000
+    large = _schedule([mib] * 256, 512 * mib)  # 256 MiB: rounds of 16 MiB
+    assert [len(bucket) for bucket in large] == [MIN_ROUNDS] and all(len(r) == 16 for r in large[0])
+    small_buckets = _schedule([1000] * 100, 20_000)  # rounds of a quarter bucket, 5 items
+    assert len(small_buckets) == 5 and all(len(r) == 5 for bucket in small_buckets for r in bucket)
 
 
 def test_stream_to_rank_1_with_a_cast_and_a_reused_plan(tmp_path: Path) -> None:

@@ -14,7 +14,8 @@ point-to-point messages line up without further negotiation):
    about its share), then in the destination's data-parallel replica, then the lowest rank;
 3. plan: the adapter's export rules, in HF order, are cut into buckets (a bucket closes once it
    holds ``bucket_bytes``) and each bucket into ``ROUNDS_PER_BUCKET`` transfer rounds (rounds are
-   smaller for a model of fewer than ``MIN_ROUNDS`` quarter buckets, so its transfer still pipelines);
+   smaller for a model of fewer than ``MIN_ROUNDS`` quarter buckets, so its transfer still pipelines,
+   but hold ``MIN_ROUND_BYTES`` at least: a tiny model goes in one round);
 4. per round, every rank packs, for each destination it feeds, its small slices into one flat byte
    buffer, cast to the export dtype there (a bf16 export of fp32 weights moves half the bytes), sends
    each slice of ``DIRECT_MIN_BYTES`` or more as a message of its own (from the shard itself when it
