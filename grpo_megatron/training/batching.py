@@ -73,23 +73,58 @@ def make_sample(
     routes, if any, already cover exactly the input positions. ``response_mask`` (a multi-turn
     trajectory's ``Completion.loss_mask``): 0 at response tokens the engine did not sample
     (observations), which then get neither loss nor logprobs; None = all sampled."""
-    if not prompt_ids or not response_ids:
-        raise ValueError("a training sample needs a non-empty prompt and response")
-    if len(rollout_logprobs) != len(response_ids):
-        raise ValueError(f"{len(rollout_logprobs)} rollout logprobs for {len(response_ids)} response tokens")
-    if response_mask is not None and len(response_mask) != len(response_ids):
-        raise ValueError(f"a loss mask of {len(response_mask)} for {len(response_ids)} response tokens")
-    # Built as Python lists, three tensors in all (the advantages phase makes one sample per response).
-    seq_l = torch.tensor([*prompt_ids, *response_ids], dtype=torch.long)
-    before = [0.0] * (len(prompt_ids) - 1)
-    mask = [1.0] * len(response_ids) if response_mask is None else [float(m) for m in response_mask]
-    mask_s = torch.tensor(before + mask, dtype=torch.float32)
-    # lp * m in float64 then rounded equals float32(lp) * m for m in {0, 1} (-0.0 included)
-    rollout_s = torch.tensor(before + [lp * m for lp, m in zip(rollout_logprobs, mask, strict=True)], dtype=torch.float32)
-    sample = Sample(seq_l[:-1], seq_l[1:], mask_s, float(advantage), rollout_s)
-    if routed_experts is not None:
-        set_engine_routes(sample, routed_experts)
-    return sample
+    return make_samples([prompt_ids], [response_ids], [rollout_logprobs], [advantage], [routed_experts],
+                        [response_mask])[0]  # fmt: skip
+
+
+def make_samples(
+    prompts: Sequence[Sequence[int]],
+    responses: Sequence[Sequence[int]],
+    rollout_logprobs: Sequence[Sequence[float]],
+    advantages: Sequence[float],
+    routed_experts: Sequence[torch.Tensor | None] | None = None,
+    response_masks: Sequence[Sequence[int] | None] | None = None,
+) -> list[Sample]:
+    """``make_sample`` of each (prompts[i], responses[i], ...) at once: the whole batch is laid out as
+    Python lists and becomes three tensors (tokens, masks, rollout logprobs), each sample's tensors
+    views of them (the advantages phase makes one sample per response: per-sample tensors cost more
+    than the layout)."""
+    n = len(responses)
+    routes = routed_experts if routed_experts is not None else [None] * n
+    masks = response_masks if response_masks is not None else [None] * n
+    if not len(prompts) == len(rollout_logprobs) == len(advantages) == len(routes) == len(masks) == n:
+        raise ValueError("make_samples: one prompt, logprob list, advantage, route and mask per response")
+    seq: list[int] = []
+    mask_l: list[float] = []
+    rollout_l: list[float] = []
+    for prompt_ids, response_ids, logprobs, response_mask in zip(prompts, responses, rollout_logprobs, masks, strict=True):
+        if not prompt_ids or not response_ids:
+            raise ValueError("a training sample needs a non-empty prompt and response")
+        if len(logprobs) != len(response_ids):
+            raise ValueError(f"{len(logprobs)} rollout logprobs for {len(response_ids)} response tokens")
+        if response_mask is not None and len(response_mask) != len(response_ids):
+            raise ValueError(f"a loss mask of {len(response_mask)} for {len(response_ids)} response tokens")
+        seq += prompt_ids
+        seq += response_ids
+        before = [0.0] * (len(prompt_ids) - 1)
+        mask = [1.0] * len(response_ids) if response_mask is None else [float(m) for m in response_mask]
+        mask_l += before
+        mask_l += mask
+        rollout_l += before
+        # lp * m in float64 then rounded equals float32(lp) * m for m in {0, 1} (-0.0 included)
+        rollout_l += [lp * m for lp, m in zip(logprobs, mask, strict=True)]
+    seq_lengths = [len(p) + len(r) for p, r in zip(prompts, responses, strict=True)]
+    positions = [length - 1 for length in seq_lengths]
+    seqs = torch.tensor(seq, dtype=torch.long).split(seq_lengths)
+    masks_s = torch.tensor(mask_l, dtype=torch.float32).split(positions)
+    rollouts_s = torch.tensor(rollout_l, dtype=torch.float32).split(positions)
+    samples = []
+    for seq_l, mask_s, rollout_s, advantage, routed in zip(seqs, masks_s, rollouts_s, advantages, routes, strict=True):
+        sample = Sample(seq_l[:-1], seq_l[1:], mask_s, float(advantage), rollout_s)
+        if routed is not None:
+            set_engine_routes(sample, routed)
+        samples.append(sample)
+    return samples
 
 
 def set_engine_routes(sample: Sample, routed_experts: torch.Tensor) -> None:

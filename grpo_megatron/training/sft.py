@@ -22,7 +22,7 @@ import torch
 
 from grpo_megatron.distributed.collectives import collective_device, on_rank0
 from grpo_megatron.fileio import write_text_atomic
-from grpo_megatron.training.batching import LossInputs, Sample, collate, make_sample, rank_microbatches
+from grpo_megatron.training.batching import LossInputs, Sample, collate, make_samples, rank_microbatches
 from grpo_megatron.training.forward_backward import MicroBatch, forward_backward
 from grpo_megatron.training.job import SFTJob, build_sft_job, export_hf_checkpoint
 from grpo_megatron.training.phases.bookkeeping import stop_if_not_finite
@@ -220,7 +220,8 @@ def run_sft(job: SFTJob) -> dict[str, object]:
         steps_run += 1
         start = time.perf_counter()
         batch = [pairs[i] for i in sampler.next_indices(sft.batch_size)]
-        samples = [make_sample(p.prompt_ids, p.response_ids, [0.0] * len(p.response_ids), 0.0) for p in batch]
+        samples = make_samples([p.prompt_ids for p in batch], [p.response_ids for p in batch],
+                               [[0.0] * len(p.response_ids) for p in batch], [0.0] * len(batch))  # fmt: skip
         metrics = sft_step(job, samples)
         if step % sft.eval_interval == 0 or step == sft.max_steps or step <= dense_until:
             accuracy = metrics["eval/accuracy"] = dev_eval(step)

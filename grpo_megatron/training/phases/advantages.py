@@ -16,7 +16,7 @@ from grpo_megatron.training.batching import (
     Sample,
     all_rank_microbatches,
     batch_metrics,
-    make_sample,
+    make_samples,
     minibatch_slices,
     set_engine_routes,
 )
@@ -50,12 +50,11 @@ def build_samples(alg: AlgorithmConfig, max_new_tokens: int, groups: Sequence[Gr
         rewards_b = rewards_b + penalty_b
     group_size = len(groups[0].completions)
     advantages_b = advantages_from_config(rewards_b, group_size, alg)
-    advantages = iter(advantages_b.tolist())
-    samples = [
-        make_sample(g.record.prompt_ids, c.token_ids, c.logprobs, next(advantages), c.routed_experts, c.loss_mask)
-        for g in groups
-        for c in g.completions
-    ]
+    pairs = [(g.record.prompt_ids, c) for g in groups for c in g.completions]
+    samples = make_samples(
+        [p for p, _ in pairs], [c.token_ids for _, c in pairs], [c.logprobs for _, c in pairs],
+        advantages_b.tolist(), [c.routed_experts for _, c in pairs], [c.loss_mask for _, c in pairs],
+    )  # fmt: skip
     metrics["advantage/abs_mean"] = float(advantages_b.abs().mean())
     return Batch(samples, metrics)
 
