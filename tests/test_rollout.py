@@ -383,7 +383,8 @@ def test_routes_only_when_asked(moe_engine):
 def test_rollout_results_reach_each_rank_as_it_needs_them_at_world_4(tmp_path):
     """TP2 x DP2 on 4 ranks, two engines (ranks 0 and 2): every rank gets every completion's tokens
     and logprobs, bit for bit what its engine sampled; routes travel only after the update's plan,
-    and each rank receives exactly the routes of the samples its data-parallel replica trains."""
+    and each rank receives exactly the routes of the samples its data-parallel replica trains. When
+    one engine's share fails, every rank raises naming it, and the fleet generates afterwards."""
     moe = _write_config(tmp_path / "moe", tiny_hf_config("qwen3_moe"))
     per_rank = run_distributed("tests.workers.rollout_workers:rollout_results_at_scale", world_size=4,
                                timeout_s=380, hf_dir=moe, overrides=["parallel.tp=2", "algorithm.routing_replay=r3"])  # fmt: skip
@@ -401,6 +402,8 @@ def test_rollout_results_reach_each_rank_as_it_needs_them_at_world_4(tmp_path):
         assert set(res["routes"]) == mine and 0 < len(mine) < len(sample_rids), rank  # its share, no other
         assert all(torch.equal(res["routes"][k], held[sample_rids[k]]) for k in mine), rank
         assert res["left_held"] == 0
+        assert res["failure"].startswith("rollout generate failed on 1 rank(s):\n  rank 2: ValueError: generate:"), rank
+        assert res["after_failure"] == first["after_failure"] and len(res["after_failure"]) == 2, rank
     assert {r["replica"] for r in per_rank} == {0, 1}
 
 

@@ -152,6 +152,8 @@ class PendingRollout:
     num_prompts: int
     n: int = 1
     local: Callable[[], list[list[Completion]]] | None = None
+    error: str | None = None
+    """Why this rank's share could not start (``collect`` raises it on every rank)."""
 
 
 @dataclasses.dataclass
@@ -294,9 +296,10 @@ class RolloutFleet:
         return self.collect(self.submit(prompts, params), keep_routes=keep_routes)
 
     def submit(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> PendingRollout:
-        """Collective: start generating (``RolloutEngine.submit``: an engine process returns at once);
-        ``collect`` gives the completions."""
-        pending, error = PendingRollout(len(prompts), params.n), None
+        """Start generating this rank's share (``RolloutEngine.submit``: an engine process returns at
+        once); ``collect`` (collective) gives the completions, or raises on every rank if any rank's
+        share failed, here or while it ran."""
+        pending = PendingRollout(len(prompts), params.n)
         if self.engine is not None:
             index = self.engine_ranks.index(self.ps.rank)
             start, end = prompt_slices(len(prompts), self.num_engines)[index]
@@ -304,25 +307,27 @@ class RolloutFleet:
             try:
                 pending.local = self.engine.submit(prompts[start:end], seeded) if end > start else lambda: []
             except Exception as exc:
-                error = _describe(exc)
-        _agree(error, "rollout generate")
+                pending.error = _describe(exc)
         return pending
 
     def collect(self, pending: PendingRollout, *, keep_routes: bool = False) -> list[list[Completion]]:
         """Collective: the completions of ``submit``, in prompt order, on every rank (each stamped
         with the weight version that sampled it), as ``generate`` returns them."""
         local: list[list[Completion]] = []
-        error = None
-        if pending.local is not None:
+        error = pending.error
+        if error is None and pending.local is not None:
             try:
                 local = pending.local()
             except Exception as exc:
                 error = _describe(exc)
-        _agree(error, "rollout generate")
         flat = [c for group in local for c in group]
+        exchanged = self._exchange(flat, failed=error is not None)
+        if exchanged is None:  # a rank's share failed: every rank learns which, and raises
+            _agree(error, "rollout generate")
+            raise RuntimeError("rollout generate failed on a rank that gave no reason")  # unreachable
         out: list[list[Completion]] = []
         slices = prompt_slices(pending.num_prompts, self.num_engines)
-        for i, (rank, completions) in enumerate(zip(self.engine_ranks, self._exchange(flat), strict=True)):
+        for i, (rank, completions) in enumerate(zip(self.engine_ranks, exchanged, strict=True)):
             start, end = slices[i]
             if len(completions) != (end - start) * pending.n:
                 raise RuntimeError(f"rollout generate: engine {i} returned {len(completions)} completions for "
@@ -335,16 +340,21 @@ class RolloutFleet:
             raise RuntimeError(f"rollout generate: {len(out)} results for {pending.num_prompts} prompts")
         return out
 
-    def _exchange(self, flat: list[Completion]) -> list[list[tuple[Completion, tuple[Any, torch.Tensor | None]]]]:
+    def _exchange(
+        self, flat: list[Completion], *, failed: bool = False
+    ) -> list[list[tuple[Completion, tuple[Any, torch.Tensor | None]]]] | None:
         """Collective: every engine's completions (``flat`` on an engine rank), per engine, each with
-        its routes' (shape, dtype) and, on its own engine's rank, its routes."""
+        its routes' (shape, dtype) and, on its own engine's rank, its routes. None on every rank if
+        any rank is ``failed`` (the sizes every rank sends first carry the flag: no extra collective)."""
         group = self._data_group()
         mine = pack(flat)
-        sizes = [torch.zeros(3, dtype=torch.int64) for _ in range(self.ps.world_size)]
-        dist.all_gather(sizes, sizes_of(*mine, len(flat)), group=group)
+        sizes = [torch.zeros(4, dtype=torch.int64) for _ in range(self.ps.world_size)]
+        dist.all_gather(sizes, torch.cat([sizes_of(*mine, len(flat)), torch.tensor([int(failed)])]), group=group)
+        if any(int(s[3]) for s in sizes):
+            return None
         per_engine = []
         for rank in self.engine_ranks:
-            count, n_ints, n_logprobs = (int(x) for x in sizes[rank])
+            count, n_ints, n_logprobs, _ = (int(x) for x in sizes[rank])
             ints, logprobs = mine if rank == self.ps.rank else (
                 torch.empty(n_ints, dtype=torch.int64), torch.empty(n_logprobs, dtype=torch.float64))  # fmt: skip
             dist.broadcast(ints, src=rank, group=self.data_group)

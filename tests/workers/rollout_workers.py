@@ -205,5 +205,12 @@ def rollout_results_at_scale(hf_dir: str, overrides: list[str]) -> dict:
     res["routes"] = {k: s.routes["engine"] for k, s in enumerate(batch.samples) if "engine" in s.routes}
     res["owners"], res["replica"] = plan.owners, ps.dp_rank
     res["left_held"] = len(fleet.held_routes.tensors)
+    # One engine's share fails (an empty prompt: rank 2's engine refuses it): every rank raises,
+    # naming that rank, and the fleet still generates afterwards.
+    try:
+        fleet.generate([PROMPTS[0], []], params)
+    except RuntimeError as exc:
+        res["failure"] = str(exc)
+    res["after_failure"] = _tokens(fleet.generate(PROMPTS[:2], params))
     fleet.shutdown()
     return res
