@@ -57,7 +57,12 @@ from grpo_megatron.training.phases.advantages import (
     deliver_engine_routes,
     plan_update,
 )
-from grpo_megatron.training.phases.bookkeeping import sample_rows, save_checkpoint, stop_if_not_finite
+from grpo_megatron.training.phases.bookkeeping import (
+    freeze_startup_objects,
+    sample_rows,
+    save_checkpoint,
+    stop_if_not_finite,
+)
 from grpo_megatron.training.phases.eval import evaluate
 from grpo_megatron.training.phases.logprob import PassSettings, logprob_pass
 from grpo_megatron.training.phases.reward import Group
@@ -239,6 +244,7 @@ def train(job: Job) -> dict[str, float]:
         job.logger.log(start, last_eval)
     first_eval = dict(last_eval)
     job.beat("first evaluation")
+    freeze_startup_objects()
     # (iteration, accuracy) of the best held-out evaluation: the final report gives it beside the last
     best = state.best or (start, last_eval.get("eval/accuracy", float("nan")))
     last_it = start

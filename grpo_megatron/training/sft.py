@@ -25,7 +25,7 @@ from grpo_megatron.fileio import write_text_atomic
 from grpo_megatron.training.batching import LossInputs, Sample, collate, make_samples, rank_microbatches
 from grpo_megatron.training.forward_backward import MicroBatch, forward_backward
 from grpo_megatron.training.job import SFTJob, build_sft_job, export_hf_checkpoint
-from grpo_megatron.training.phases.bookkeeping import stop_if_not_finite
+from grpo_megatron.training.phases.bookkeeping import freeze_startup_objects, stop_if_not_finite
 from grpo_megatron.training.phases.eval import evaluate
 
 if TYPE_CHECKING:
@@ -214,6 +214,7 @@ def run_sft(job: SFTJob) -> dict[str, object]:
         action = "stop"
     step = 0
     steps_run = 0
+    freeze_startup_objects()
     while step < sft.max_steps and action != "stop":
         step += 1
         job.beat(f"sft step {step}")

@@ -3,6 +3,7 @@ colocated trainer state visiting the device), and the sample rows of the console
 
 from __future__ import annotations
 
+import gc
 import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
@@ -16,6 +17,17 @@ if TYPE_CHECKING:
 # Not grad_norm: megatron reports none (NaN here) when clipping is off. NaN gradients make NaN
 # weights, which the next loss and the save's parameter check catch.
 LOSS_KEYS = ("loss/policy", "sft/loss")
+
+
+def freeze_startup_objects() -> None:
+    """Collect, then move every object alive (the job's build: modules, optimizer, tokenizer, engines,
+    pools) into the garbage collector's permanent generation, before a training loop. A full
+    collection walks every tracked object; during the demo's GRPO one took 0.3 s on each rank in
+    turn (the other rank waiting in its next collective), about 0.04 of the train phase per
+    iteration over 60 iterations. Afterwards one walks only what the loop made (7 ms). SGLang offers
+    the same for its scheduler (its ``freeze_gc`` request)."""
+    gc.collect()
+    gc.freeze()
 
 
 def stop_if_not_finite(metrics: dict[str, float], iteration: int, kept: str) -> None:
