@@ -317,6 +317,9 @@ def test_fleet_sync_generate_probe_train_on_two_ranks(tmp_path):
             assert res["probe_max"] < 1e-4 and res["probe_max_t07"] < 1e-4, case
             assert res["same_seed_same"] and res["other_seed_differs"], case
             assert res["sync_bytes"] > 0 and res["sync_buckets"] > 1, case  # 16 KiB buckets: several
+            # The probe's plain and replayed copies in one forward: the figures of two passes.
+            assert res["probe"].keys() == res["probe_two_passes"].keys(), case
+            assert all(abs(v - res["probe_two_passes"][k]) < 1e-7 for k, v in res["probe"].items()), case
         assert per_rank[0]["tokens"] == per_rank[1]["tokens"], case  # every rank gets every result
         engines = [res["version"] for res in per_rank if res["has_engine"]]
         assert engines == [1] * len(per_rank[0]["engine_ranks"]), case

@@ -37,6 +37,12 @@ def _check_replay(res: dict) -> None:
     assert res["own_vs_engine"] < 1e-5 and res["taps_disjoint"]
     # R2: the recorded own routes (whole sequences, every SP chunk) are the engine's here, and replay exactly.
     assert res["r2_routes_equal_engine"] and res["r2_vs_own"] == 0.0
+    # Part replay (the mismatch probe's one forward): the first copy of a batch routes itself, the
+    # second replays other routes; each copy gives its own pass's logprobs, and only the first copy
+    # is compared with the given routes.
+    assert res["replayed_vs_plain"] > 1e-4
+    assert res["part_plain_vs_plain"] < 1e-6 and res["part_replay_vs_replayed"] < 1e-6, res
+    assert res["part_compared"] == res["plain_compared"] and sum(m for m, _ in res["part_compared"]) > 0
 
 
 @pytest.mark.timeout(600)

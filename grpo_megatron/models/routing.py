@@ -93,7 +93,14 @@ class RouteTap:
                 f"routing replay, MoE layer {self.moe_index}: {tuple(target_tk.shape)} target routes for a "
                 f"router call of {tuple(own_tk.shape)} (tokens x top-k): the routes do not follow the batch"
             )
+        # A self-routed token takes its own top-k, whose scores gathered are exactly topk's values.
+        target_tk = torch.where(target_tk == SELF_ROUTED, own_tk, target_tk)
         return scores.gather(1, target_tk), target_tk
+
+
+SELF_ROUTED = -2
+"""A target route that says "the router's own choice" (``RoutingPass(replay_rows=...)``: rows of a
+replayed micro-batch that route themselves)."""
 
 
 def moe_layer_numbers(config: Any) -> list[int]:
@@ -142,6 +149,9 @@ class _Microbatch:
     """Router-order mask of real tokens (not padding)."""
     given: dict[int, torch.Tensor]
     """Per tap (by position in ``taps``): the micro-batch's routes in router order, -1 at padding."""
+    self_t: torch.Tensor | None = None
+    """Router-order mask of the tokens that routed themselves in a partly replayed micro-batch
+    (``replay_rows``); None: every token replayed, or none."""
 
 
 class RoutingPass:
@@ -151,12 +161,24 @@ class RoutingPass:
     ``replay``: route every token as ``MicroBatch.routes_lbsk`` says (micro-batches without routes,
     e.g. placeholders, route themselves). Either way the routers' own choices are compared with the
     given routes (``routing/disagreement``) and counted per expert (load metrics).
+
+    ``replay_rows`` (with ``replay``; bool over each micro-batch's rows): only those rows replay; the
+    others route themselves, and only they are compared with the given routes (the mismatch probe
+    runs its plain and its replayed copy of a batch as one forward, training/phases/sync.py).
     """
 
-    def __init__(self, model: torch.nn.Module | list[torch.nn.Module], ps: ParallelState, *, replay: bool) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module | list[torch.nn.Module],
+        ps: ParallelState,
+        *,
+        replay: bool,
+        replay_rows: torch.Tensor | None = None,
+    ) -> None:
         self.taps = model_taps(model)
         self.ps = ps
         self.replay = replay
+        self.replay_rows = replay_rows if replay else None
         self.microbatches: list[_Microbatch] = []
         for tap in self.taps:
             tap.reset()
@@ -181,14 +203,22 @@ class RoutingPass:
             valid_bs = torch.zeros(rows, length, dtype=torch.bool)
             valid_bs[: real[0], : real[1]] = True
             valid_t = _router_order(valid_bs, self.ps)
+        self_t = None  # router-order tokens that route themselves in a partly replayed micro-batch
+        if self.replay_rows is not None and given:
+            self_bs = torch.ones(rows, length, dtype=torch.bool)
+            self_bs[: len(self.replay_rows)] = ~self.replay_rows.bool()[:rows, None]
+            self_t = _router_order(self_bs, self.ps)
         for j, tap in enumerate(self.taps):
             target = given.get(j) if self.replay else None
             if target is not None:
                 # Padding tokens still pass through the router: give them distinct, harmless experts.
                 filler = torch.arange(target.shape[1], dtype=target.dtype).expand_as(target)
                 target = torch.where(target >= 0, target, filler)
+                if self_t is not None:
+                    target = torch.where(self_t[:, None], torch.full_like(target, SELF_ROUTED), target)
             tap.target_tk, tap.forward_next = target, True
-        self.microbatches.append(_Microbatch(padded, valid_t.cpu(), {j: g.cpu() for j, g in given.items()}))
+        given_cpu = {j: g.cpu() for j, g in given.items()}
+        self.microbatches.append(_Microbatch(padded, valid_t.cpu(), given_cpu, None if self_t is None else self_t.cpu()))
 
     def _own(self, j: int, i: int) -> torch.Tensor:
         tap = self.taps[j]
@@ -211,9 +241,13 @@ class RoutingPass:
                     own_tk = self._own(j, i)
                     given = mb.given.get(j)
                     used_tk = given if (self.replay and given is not None) else own_tk
+                    if mb.self_t is not None and given is not None:  # partly replayed
+                        used_tk = torch.where(mb.self_t[:, None], own_tk, given)
                     counts_me[tap.moe_index] += expert_counts(used_tk, mb.valid_t, self.num_experts)
                     if given is not None:
                         real_t = mb.valid_t & (given[:, 0] >= 0)
+                        if mb.self_t is not None:  # only the rows that routed themselves
+                            real_t &= mb.self_t
                         compare_m2[tap.moe_index, 0] += float(route_mismatches(own_tk, given, real_t))
                         compare_m2[tap.moe_index, 1] += float(real_t.sum())
         return compare_m2, counts_me

@@ -91,6 +91,35 @@ def _train_step(policy, ps, hf, sequences: list[list[int]]) -> dict[str, float]:
     return policy.step()
 
 
+def _probe_in_two_passes(model, fleet, ps, probe, vocab_size: int) -> dict[str, float]:
+    """The mismatch probe as it ran before its plain and replayed copies shared one forward: a plain
+    pass, then (with engine routes) a pass that replays them; the same metrics."""
+    from grpo_megatron.models.routing import RoutingPass, reduce_routing_stats
+    from grpo_megatron.training.batching import pad_routes
+    from grpo_megatron.training.forward_backward import MicroBatch, forward_logprobs
+    from grpo_megatron.training.phases.sync import _local_diffs, _probe_diffs
+
+    scored, routes = fleet.score(probe.sequences, probe.prompt_lens, 1.0)
+    length = max(len(s) for s in probe.sequences)
+    tokens_bl = torch.zeros((len(probe.sequences), length), dtype=torch.long)
+    for i, seq in enumerate(probe.sequences):
+        tokens_bl[i, : len(seq)] = torch.tensor(seq)
+    batch = MicroBatch(tokens_bl[:, :-1], tokens_bl[:, 1:])
+    batch.routes_lbsk = None if routes is None else pad_routes(routes, length - 1)
+    by_suffix, metrics = {}, {}
+    for suffix, replay in (("", False), ("_replay", True)) if routes is not None else (("", False),):
+        routing = RoutingPass(model, ps, replay=replay) if routes is not None else None
+        (out,) = forward_logprobs(model, [batch], ps, vocab_size=vocab_size, temperature=1.0, routing=routing)
+        by_suffix[suffix] = _local_diffs(out.logprobs_bs.float().cpu(), probe, scored)
+        if routing is not None and not replay:
+            compare_m2, _ = reduce_routing_stats(*routing.stats(), ps)
+            if float(compare_m2[:, 1].sum()) > 0:
+                metrics["routing/probe_disagreement"] = float(compare_m2[:, 0].sum() / compare_m2[:, 1].sum())
+        if routing is not None:
+            routing.close()
+    return _probe_diffs(by_suffix, ps) | metrics
+
+
 def sync_cases(
     cases: dict[str, tuple[str, list[str]]], bad_hf_dir: str
 ) -> dict:
@@ -125,6 +154,7 @@ def sync_cases(
         probe = mismatch_probe(policy.model, fleet, ps, batch, vocab_size=vocab, temperature=1.0)
         res["probe_max"] = probe["mismatch/probe_abs_diff_max"]
         res["probe_tokens"] = probe["mismatch/probe_tokens"]
+        res["probe"], res["probe_two_passes"] = probe, _probe_in_two_passes(policy.model, fleet, ps, batch, vocab)
         hot = mismatch_probe(policy.model, fleet, ps, batch, vocab_size=vocab, temperature=0.7)
         res["probe_max_t07"] = hot["mismatch/probe_abs_diff_max"]
 

@@ -108,10 +108,41 @@ def replay_cases(cases: dict[str, tuple[str, list[str]]]) -> dict:
         r2_batches = [collate(samples, r, pad_id=0, routes="old") for r in split]
         res["r2_vs_own"] = max_diff(logprobs(policy.model, r2_batches, RoutingPass(policy.model, ps, replay=True)), own)
         res["taps_disjoint"] = not {id(t) for t in model_taps(policy.model)} & {id(t) for t in model_taps(reference)}
+        res |= _part_replay(policy.model, mbs[0], shifted[0], logprobs, ps)
         fleet.shutdown()
         out[case] = res
         destroy_distributed(keep_process_group=True)
     return out
+
+
+def _part_replay(model, mb, altered, logprobs, ps) -> dict:
+    """The mismatch probe's one forward (RoutingPass replay_rows): ``mb``'s rows twice, the first copy
+    routing itself, the second replaying ``altered``'s routes; each copy against its own pass, and
+    what each counts as compared."""
+    from grpo_megatron.models.routing import RoutingPass
+    from grpo_megatron.training.forward_backward import MicroBatch
+
+    rows = mb.tokens_bs.shape[0]
+    both = MicroBatch(torch.cat([mb.tokens_bs] * 2), torch.cat([mb.labels_bs] * 2))
+    both.routes_lbsk = torch.cat([altered.routes_lbsk] * 2, dim=1)
+    passes = {
+        "part": (RoutingPass(model, ps, replay=True, replay_rows=torch.arange(2 * rows) >= rows), both),
+        "plain": (RoutingPass(model, ps, replay=False), altered),
+        "replayed": (RoutingPass(model, ps, replay=True), altered),
+    }
+    out, compared = {}, {}
+    for name, (routing, batch) in passes.items():
+        (out[name],) = logprobs(model, [batch], routing)
+        compared[name] = _reduced(routing, ps)[0]
+        routing.close()
+    mask = mb.extras["mask_bs"]
+    return {
+        "part_plain_vs_plain": float(((out["part"][:rows] - out["plain"]).abs() * mask).max()),
+        "part_replay_vs_replayed": float(((out["part"][rows:] - out["replayed"]).abs() * mask).max()),
+        "replayed_vs_plain": float(((out["replayed"] - out["plain"]).abs() * mask).max()),
+        "part_compared": compared["part"].tolist(),
+        "plain_compared": compared["plain"].tolist(),
+    }
 
 
 def recompute_gradients(hf_dir: str, recompute: str) -> dict:

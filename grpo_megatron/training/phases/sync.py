@@ -74,7 +74,9 @@ def mismatch_probe(
     after each prompt; max and mean absolute difference over all engines (an empty probe, e.g.
     rollout.probe_batch=0, gives no metrics). For an MoE engine that reports routes, the trainer's pass
     also counts how often its experts differ from the first engine's (``routing/probe_disagreement``),
-    and a second pass replays those routes (``mismatch/probe_replay_*``, models/routing.py)."""
+    and a copy of the batch replays those routes (``mismatch/probe_replay_*``, models/routing.py): both
+    in one forward, the copy's rows after the plain ones (a forward's collectives cost more than its
+    rows here)."""
     sequences, prompt_lens = probe.sequences, probe.prompt_lens
     if not sequences:
         return {}
@@ -82,34 +84,28 @@ def mismatch_probe(
     if ps.cp > 1:  # routes are not split over context-parallel ranks (the config refuses replay there)
         routes = None
     length = max(len(s) for s in sequences)
-    tokens_bl = torch.zeros((len(sequences), length), dtype=torch.long)  # right padding is harmless
-    for i, seq in enumerate(sequences):
+    copies = 1 if routes is None else 2  # plain rows, then (with routes) the rows that replay them
+    tokens_bl = torch.zeros((copies * len(sequences), length), dtype=torch.long)  # right padding is harmless
+    for i, seq in enumerate(sequences * copies):
         tokens_bl[i, : len(seq)] = torch.tensor(list(seq))
     batch = MicroBatch(tokens_bl[:, :-1], tokens_bl[:, 1:])
+    routing = None
     if routes is not None:
-        batch.routes_lbsk = pad_routes(routes, length - 1)
-
-    def one_pass(replay: bool) -> tuple[_Diffs | None, dict[str, float]]:
-        routing = RoutingPass(model, ps, replay=replay) if routes is not None else None
-        (out,) = forward_logprobs(model, [batch], ps, vocab_size=vocab_size, temperature=temperature, routing=routing)
-        diffs = _local_diffs(out.logprobs_bs.float().cpu(), probe, scored)
-        metrics: dict[str, float] = {}
-        if routing is not None and not replay:  # the replay pass's own choices are not reported
-            compare_m2, _ = reduce_routing_stats(*routing.stats(), ps)
-            if float(compare_m2[:, 1].sum()) > 0:
-                metrics["routing/probe_disagreement"] = float(compare_m2[:, 0].sum() / compare_m2[:, 1].sum())
-        if routing is not None:
-            routing.close()
-        return diffs, metrics
-
-    passes = {"": one_pass(False)}
-    if routes is not None:
-        passes["_replay"] = one_pass(True)
-    # One gather for both passes' differences (not one per pass).
-    metrics = _probe_diffs({suffix: diffs for suffix, (diffs, _) in passes.items()}, ps)
-    for _, pass_metrics in passes.values():
-        metrics |= pass_metrics
-    return metrics
+        batch.routes_lbsk = pad_routes(routes * 2, length - 1)
+        replay_rows = torch.arange(2 * len(sequences)) >= len(sequences)
+        routing = RoutingPass(model, ps, replay=True, replay_rows=replay_rows)
+    (out,) = forward_logprobs(model, [batch], ps, vocab_size=vocab_size, temperature=temperature, routing=routing)
+    logprobs_bl = out.logprobs_bs.float().cpu()
+    by_suffix = {"": _local_diffs(logprobs_bl[: len(sequences)], probe, scored)}
+    metrics: dict[str, float] = {}
+    if routing is not None:
+        by_suffix["_replay"] = _local_diffs(logprobs_bl[len(sequences) :], probe, scored)
+        compare_m2, _ = reduce_routing_stats(*routing.stats(), ps)  # the plain rows' own experts only
+        if float(compare_m2[:, 1].sum()) > 0:
+            metrics["routing/probe_disagreement"] = float(compare_m2[:, 0].sum() / compare_m2[:, 1].sum())
+        routing.close()
+    # One gather for both copies' differences.
+    return _probe_diffs(by_suffix, ps) | metrics
 
 
 _Diffs = tuple[float, float, int]
