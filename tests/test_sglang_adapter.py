@@ -525,6 +525,41 @@ print("survived")
 """
 
 
+def test_sigterm_ignored_while_engine_processes_start_then_the_handler_is_back(tmp_path: Path) -> None:
+    """What the engine's processes and torch's shared-memory manager are started under: SIGTERM
+    ignored (they keep it through exec), the process's own handler back after; off the main thread
+    nothing changes. Standard output goes to the log meanwhile."""
+    import signal
+
+    from grpo_megatron.rollout.sglang.health import output_to, sigterm_ignored
+
+    def handler(signum: int, frame: object) -> None:
+        pass
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        with sigterm_ignored() as ignored:
+            assert ignored and signal.getsignal(signal.SIGTERM) == signal.SIG_IGN
+            child = subprocess.run(["grep", "SigIgn", "/proc/self/status"], capture_output=True, text=True)
+        assert signal.getsignal(signal.SIGTERM) is handler
+        assert int(child.stdout.split()[1], 16) & (1 << (signal.SIGTERM - 1))  # the child ignores it
+        seen: list[object] = []
+
+        def off_main() -> None:
+            with sigterm_ignored() as ignored_there:
+                seen.append((ignored_there, signal.getsignal(signal.SIGTERM)))
+
+        thread = threading.Thread(target=off_main)
+        thread.start()
+        thread.join()
+        assert seen == [(False, handler)]
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    with output_to(tmp_path / "logs" / "engine.log"):
+        subprocess.run(["echo", "from the engine"], check=True)
+    assert (tmp_path / "logs" / "engine.log").read_text() == "from the engine\n"
+
+
 @pytest.mark.parametrize("stopping", [False, True])
 def test_sigquit_ends_the_rank_unless_it_is_shutting_the_engine_down(tmp_path: Path, stopping: bool) -> None:
     """A scheduler's SIGQUIT ends the rank with EXIT_ENGINE_DIED while the engine runs; once the rank

@@ -110,6 +110,16 @@ class Completion:
     this completion's routes until ``RolloutFleet.deliver_routes``; None: no routes held."""
 
 
+def stamped(groups: list[list[Completion]], version: int) -> list[list[Completion]]:
+    """``groups`` with ``version`` as the ``weight_version`` of every completion that has none (-1):
+    what an engine's ``submit`` returns (the version its batch was submitted under)."""
+    for group in groups:
+        for c in group:
+            if c.weight_version < 0:
+                c.weight_version = version
+    return groups
+
+
 class WeightSink(Protocol):
     """What the fleet's weight sync feeds on a rank: every ``RolloutEngine``, and on the other GPUs of
     an engine that spans several (a colocated SGLang engine) the object that loads that GPU's share
@@ -157,11 +167,7 @@ class RolloutEngine(abc.ABC):
         """Start ``generate``; calling the result returns its completions. An engine in a process of
         its own (rollout/engine_process.py) returns at once and generates while the caller works on;
         default: generate now (completions stamped with this ``weight_version``)."""
-        done = self.generate(prompts, params)
-        for group in done:
-            for c in group:
-                if c.weight_version < 0:
-                    c.weight_version = self.weight_version
+        done = stamped(self.generate(prompts, params), self.weight_version)
         return lambda: done
 
     @abc.abstractmethod

@@ -53,6 +53,7 @@ from grpo_megatron.rollout.engine import (
     MemoryTag,
     RolloutEngine,
     SamplingParams,
+    stamped,
 )
 from grpo_megatron.rollout.hf_routes import RouteLayout, route_dtype
 from grpo_megatron.rollout.placement import RolloutPlacement, runtime_placement
@@ -510,15 +511,7 @@ class SGLangEngine(RolloutEngine):
         self._refuse_if_stale()
         version = self.weight_version
         future = self.inflight.start(lambda: self._generate(prompts, params))
-
-        def collect() -> list[list[Completion]]:
-            done = future.result()
-            for group in done:
-                for c in group:
-                    c.weight_version = version
-            return done
-
-        return collect
+        return lambda: stamped(future.result(), version)
 
     def _generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[list[Completion]]:
         seeds = sample_seeds(params.seed, len(prompts), params.n, self._rng)

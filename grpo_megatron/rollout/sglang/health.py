@@ -46,6 +46,43 @@ class EngineDiedError(RuntimeError):
     """A process of this rank's SGLang engine is gone; the message names it and its last log lines."""
 
 
+@contextlib.contextmanager
+def sigterm_ignored() -> Iterator[bool]:
+    """While inside, this process ignores SIGTERM, so the processes it starts keep it ignored through
+    their exec (a preemption's SIGTERM, which Slurm sends to every process of the job, must reach
+    the trainer only: it saves, then stops the engines); its own handler comes back after. From the
+    main thread only, where handlers can be set: elsewhere it does nothing (yields False)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield False
+        return
+    previous = signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    try:
+        yield True
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+@contextlib.contextmanager
+def output_to(log_path: Path) -> Iterator[None]:
+    """While inside, this process's stdout and stderr (file descriptors 1 and 2, which the processes
+    it starts inherit) write to ``log_path`` (appended); they come back after."""
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = os.dup(1), os.dup(2)
+    with open(log_path, "ab") as log:
+        os.dup2(log.fileno(), 1)
+        os.dup2(log.fileno(), 2)
+    try:
+        yield
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        for fd, old in zip((1, 2), saved, strict=True):
+            os.dup2(old, fd)
+            os.close(old)
+
+
 class EngineProcesses:
     """The processes one ``sglang.Engine`` started on this rank, and where they log."""
 
@@ -65,30 +102,14 @@ class EngineProcesses:
     def start(self) -> Iterator[None]:
         """Around ``sglang.Engine(...)``: the processes it spawns write to ``log_path`` (this process's
         stdout and stderr point there while it starts; they come back after), inherit SIGTERM
-        ignored (from the main thread: this process ignores it while they start, then its own
-        handler comes back; a SIGTERM during the start is lost, when there is nothing new to save),
-        and are recorded."""
+        ignored (``sigterm_ignored``: a SIGTERM during the start is lost, when there is nothing new
+        to save), and are recorded."""
         me = psutil.Process()
-        main_thread = threading.current_thread() is threading.main_thread()
-        previous = signal.signal(signal.SIGTERM, signal.SIG_IGN) if main_thread else None
         before = {p.pid for p in me.children(recursive=True)}
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        sys.stdout.flush()
-        sys.stderr.flush()
-        saved = os.dup(1), os.dup(2)
-        with open(self.log_path, "ab") as log:
-            os.dup2(log.fileno(), 1)
-            os.dup2(log.fileno(), 2)
         try:
-            yield
+            with sigterm_ignored(), output_to(self.log_path):
+                yield
         finally:
-            sys.stdout.flush()
-            sys.stderr.flush()
-            for fd, old in zip((1, 2), saved, strict=True):
-                os.dup2(old, fd)
-                os.close(old)
-            if previous is not None:
-                signal.signal(signal.SIGTERM, previous)
             self.procs = [p for p in me.children(recursive=True) if p.pid not in before]
             self.names = {p.pid: _name(p) for p in self.procs}
 

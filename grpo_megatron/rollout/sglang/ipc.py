@@ -50,7 +50,6 @@ import dataclasses
 import functools
 import json
 import os
-import signal
 import socket
 import threading
 from collections.abc import Iterator, Sequence
@@ -62,6 +61,7 @@ from grpo_megatron.distributed.bootstrap import free_port
 from grpo_megatron.rollout.config import RolloutConfig
 from grpo_megatron.rollout.engine import Bucket
 from grpo_megatron.rollout.placement import width_choices
+from grpo_megatron.rollout.sglang.health import sigterm_ignored
 from grpo_megatron.rollout.sglang.weights import flattened_bucket, raise_on_failure
 
 
@@ -300,22 +300,22 @@ def cpu_tensors_shared_by_name(device: torch.device) -> Iterator[None]:
         tmp.set_sharing_strategy(before)
 
 
-@functools.cache
 def start_shared_memory_manager() -> None:
     """Start torch's shared-memory manager (the ``torch_shm_manager`` process that the
     ``file_system`` strategy's first tensor starts, one per process) with SIGTERM ignored, which it
     keeps through its exec: a preemption's SIGTERM, which Slurm sends to every process of the job,
     would otherwise end it, and every later payload with "Broken pipe" (the trainer saves before it
     stops; the SGLang engine's processes start the same way, rollout/sglang/health.py). From the main
-    thread only (elsewhere it starts on first use, as torch would)."""
-    if threading.current_thread() is not threading.main_thread():
+    thread only: elsewhere it does nothing, and the manager starts on first use as torch would,
+    unless a later call from the main thread comes first."""
+    if threading.current_thread() is threading.main_thread():
+        _start_shared_memory_manager_once()
+
+
+@functools.cache
+def _start_shared_memory_manager_once() -> None:
+    with sigterm_ignored():
         torch.empty(1).share_memory_()
-        return
-    previous = signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    try:
-        torch.empty(1).share_memory_()
-    finally:
-        signal.signal(signal.SIGTERM, previous)
 
 
 def flattened_bucket_payloads(
