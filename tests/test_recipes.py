@@ -157,6 +157,7 @@ def test_recipe_runtime_placement_at_scale_is_the_plans(
     from grpo_megatron.rollout.sglang.engine import _layout_of
     from grpo_megatron.rollout.sglang.ipc import colocated_server_args
     from grpo_megatron.rollout.sglang.shards import rank_needs
+    from grpo_megatron.training.job import engine_spec
     from grpo_megatron.training.offload import ColocatedMemory
 
     nodes, gpus, gpu = _cluster(recipe)
@@ -174,9 +175,7 @@ def test_recipe_runtime_placement_at_scale_is_the_plans(
         monkeypatch.setenv("LOCAL_RANK", str(rank % gpus))
         with fake_world(rank, world, layout):
             ps = parallel_state_here(rank, layout, torch.device("meta"))
-            runtime = runtime_placement(
-                cfg.rollout, cfg.train.offload_trainer, ps, hf, max_staleness=cfg.train.max_staleness
-            )
+            runtime = runtime_placement(engine_spec(cfg), ps, hf)
             here, _, _ = _layout_of(runtime, ps)
         assert runtime == planned, rank
         assert here.members == planned.engines[planned.engine_of(rank)] and here.nnodes == len(planned.nodes(planned.engine_of(rank)))

@@ -95,7 +95,7 @@ def make_engine(
     """This rank's engine where ``placement`` puts it (rollout/placement.py; None: decided here from
     the spec), or None if it hosts none."""
     rollout = spec.rollout
-    placement = placement or runtime_placement(rollout, spec.offload_trainer, ps, hf, max_staleness=spec.max_staleness)
+    placement = placement or runtime_placement(spec, ps, hf)
     if rollout.engine == "sglang":
         try:
             from grpo_megatron.rollout.sglang import engine as sglang_engine
@@ -231,9 +231,7 @@ class RolloutFleet:
         here, ``rollout/placement.py``) and the engines' process group."""
         engine, member, error = None, None, None
         # The placement is a pure function of the config and the launch: every rank decides alike.
-        placement = placement or runtime_placement(
-            spec.rollout, spec.offload_trainer, ps, hf, max_staleness=spec.max_staleness
-        )
+        placement = placement or runtime_placement(spec, ps, hf)
         try:
             engine = make_engine(spec, hf, ps, tokenizer, placement)
             member = make_sync_member(spec, ps, placement) if engine is None else None

@@ -36,6 +36,7 @@ from grpo_megatron.models.config import num_routed_experts
 if TYPE_CHECKING:
     from grpo_megatron.distributed.bootstrap import ParallelState
     from grpo_megatron.rollout.config import RolloutConfig
+    from grpo_megatron.rollout.engine import EngineSpec
 
 TRAINER_PARTS: frozenset[str] = frozenset({"params", "grads", "optimizer"})
 """The trainer's state, as training/offload.py moves it."""
@@ -239,14 +240,12 @@ def decide_placement(
                             swaps_engine_memory=swaps, why=why, **common)  # fmt: skip
 
 
-def runtime_placement(
-    rollout: RolloutConfig, offload_trainer: bool, ps: ParallelState, hf: Mapping[str, Any], *, max_staleness: int
-) -> RolloutPlacement:
-    """``decide_placement`` for a running job: its parallel state, GPUs per node from the launcher's
-    LOCAL_WORLD_SIZE (torchrun and launch/ set it; absent: one node)."""
+def runtime_placement(spec: EngineSpec, ps: ParallelState, hf: Mapping[str, Any]) -> RolloutPlacement:
+    """``decide_placement`` for a running job's engines: its parallel state, GPUs per node from the
+    launcher's LOCAL_WORLD_SIZE (torchrun and launch/ set it; absent: one node)."""
     gpus_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", ps.world_size))
     return decide_placement(
-        rollout, offload_trainer=offload_trainer, max_staleness=max_staleness, world_size=ps.world_size,
+        spec.rollout, offload_trainer=spec.offload_trainer, max_staleness=spec.max_staleness, world_size=ps.world_size,
         gpus_per_node=gpus_per_node,
         tp=ps.tp, pp=ps.pp, cp=ps.cp, hf=hf,
     )  # fmt: skip

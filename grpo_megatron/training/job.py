@@ -344,9 +344,9 @@ def _models(
     if reference is not None and cfg.train.reference_on_cpu:
         reference.to("cpu")
     start.beat("reference")
-    placement = runtime_placement(cfg.rollout, cfg.train.offload_trainer, ps, hf, max_staleness=cfg.train.max_staleness)
-    memory = ColocatedMemory(policy, None, placement.phases())
     spec = engine_spec(cfg)
+    placement = runtime_placement(spec, ps, hf)
+    memory = ColocatedMemory(policy, None, placement.phases())
     with start.long_phase("engines", cfg.parallel.long_phase_timeout_s):  # an engine's start blocks in one call
         fleet = memory.start_engines(
             lambda: RolloutFleet.build(spec, hf, ps, tokenizer=start.tokenizer, placement=placement)

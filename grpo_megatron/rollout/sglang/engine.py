@@ -462,9 +462,7 @@ class SGLangEngine(RolloutEngine):
             if ps.rank != 0:
                 return None
             return cls(rollout, model.hf_path, dtype=model.dtype, seed=spec.seed, device=ps.device)
-        placement = placement or runtime_placement(
-            rollout, spec.offload_trainer, ps, _read_hf_config(model.hf_path), max_staleness=spec.max_staleness
-        )
+        placement = placement or runtime_placement(spec, ps, _read_hf_config(model.hf_path))
         layout, gpus_per_node, local_rank = _layout_of(placement, ps)
         if ps.rank != layout.leader:
             return None  # a multi-node engine's other ranks agree on its address in SGLangSyncMember
@@ -774,9 +772,7 @@ class SGLangSyncMember:
         multi-node engine (collective: every non-leader rank calls it once while the fleet is built),
         the first rank of each further node also starts that node's part of the engine."""
         rollout = spec.rollout
-        placement = placement or runtime_placement(
-            rollout, spec.offload_trainer, ps, _read_hf_config(spec.model.hf_path), max_staleness=spec.max_staleness
-        )
+        placement = placement or runtime_placement(spec, ps, _read_hf_config(spec.model.hf_path))
         layout, gpus_per_node, local_rank = _layout_of(placement, ps)
         if ps.rank == layout.leader:
             return None
