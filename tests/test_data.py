@@ -278,6 +278,21 @@ def test_sampler_resume_equals_uninterrupted(shuffle):
         assert flat[:10] == list(range(10))
 
 
+def test_sampler_rewind_gives_back_the_last_indices_across_epochs():
+    # What an asynchronous checkpoint resumed synchronously does with its submitted batches'
+    # prompts (training/async_loop.py:give_back_submitted).
+    from grpo_megatron.training.async_loop import give_back_submitted
+
+    sampler = PromptSampler(10, seed=3, shuffle=True)
+    drawn = [sampler.next_indices(4) for _ in range(4)]  # the last two batches cross an epoch
+    saved = {"batches": {"3": {"indices": drawn[2]}, "4": {"indices": drawn[3]}}}  # GroupProducer.state_dict
+    assert give_back_submitted(sampler, saved) == 2 and sampler.consumed == 8
+    assert [sampler.next_indices(4), sampler.next_indices(4)] == drawn[2:]
+    assert give_back_submitted(sampler, {}) == 0 and sampler.consumed == 16
+    with pytest.raises(ValueError, match=r"rewind\(17\): 16 indices were drawn"):
+        sampler.rewind(17)
+
+
 def test_sampler_epochs_differ_and_seeds_matter():
     s = PromptSampler(50, seed=1, shuffle=True)
     e0, e1 = s.next_indices(50), s.next_indices(50)

@@ -61,6 +61,12 @@ class PromptSampler:
                 self.position = 0
         return out
 
+    def rewind(self, n: int) -> None:
+        """Give back the last ``n`` indices drawn: the next ``next_indices(n)`` returns them again."""
+        if not 0 <= n <= self.consumed:
+            raise ValueError(f"rewind({n}): {self.consumed} indices were drawn")
+        self.epoch, self.position = divmod(self.consumed - n, self.num_items)
+
     def state_dict(self) -> dict[str, int]:
         """Everything needed to continue: position, and the settings it is only valid with."""
         return {

@@ -57,6 +57,17 @@ class _Batch:
     completions: list[list[Completion]] | None = None
 
 
+def give_back_submitted(sampler: PromptSampler, saved: dict[str, Any]) -> int:
+    """A checkpoint of this loop resumed by the synchronous one (``train.max_staleness`` now 0, no
+    engine processes): the prompts of its submitted batches (``GroupProducer.state_dict``), the last
+    the sampler drew, go back to ``sampler``, so the synchronous loop draws them for the same
+    iterations and generates them with the weights it trains (their stored completions, from older
+    weights, are dropped). Returns how many batches."""
+    batches = saved.get("batches", {})
+    sampler.rewind(sum(len(b["indices"]) for b in batches.values()))
+    return len(batches)
+
+
 def staleness_metrics(trainer_version: int, completions: list[list[Completion]]) -> dict[str, float]:
     """``async/staleness/{mean,max,min}``: the trainer's version minus each completion's."""
     lags = [trainer_version - c.weight_version for group in completions for c in group]

@@ -48,7 +48,7 @@ from grpo_megatron.distributed.collectives import on_rank0
 from grpo_megatron.distributed.preemption import Preempted, report_preempted
 from grpo_megatron.fileio import write_text_atomic
 from grpo_megatron.rollout.multiturn import trajectory_metrics
-from grpo_megatron.training.async_loop import GroupProducer
+from grpo_megatron.training.async_loop import GroupProducer, give_back_submitted
 from grpo_megatron.training.batching import Sample
 from grpo_megatron.training.job import Job, PhaseTimer, Timer, build_job, export_hf_checkpoint
 from grpo_megatron.training.phases.advantages import (
@@ -238,6 +238,10 @@ def train(job: Job) -> dict[str, float]:
         if resumed is not None and "producer" in resumed:
             producer.load_state_dict(resumed["producer"])
         producer.start(start)
+    elif resumed is not None and (given_back := give_back_submitted(sampler, resumed.get("producer", {}))):
+        if job.ps.rank == 0:
+            print(f"[train] resumed an asynchronous run's checkpoint synchronously: the prompts of its {given_back} "
+                  "submitted batches are generated again, with the weights trained here", flush=True)  # fmt: skip
     last_eval = dict(state.eval)
     if resumed is None:  # a fresh run: held-out accuracy before any update, logged as iteration 0
         last_eval = evaluate_job(job, start)
