@@ -6,6 +6,7 @@ and a stale sample's ratio is not 1."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 from grpo_megatron.logging_utils.metrics import read_jsonl
 from tests.test_train import SMALL, comparable, finish, killed_and_resumed, launch
@@ -29,7 +30,8 @@ def test_one_step_off_lags_by_at_most_one_version_and_resumes_with_the_same_rule
     # r3: each batch's routes stay held on the engines' ranks until its iteration's plan, while the next
     # batch's are held too; the checkpoint at iteration 2 copies a submitted batch's held routes.
     common = [*MOVING, *ASYNC, "train.max_staleness=1", "algorithm.off_policy.correction=icepop",
-              "train.iterations=4", "checkpoint.save_interval=2", "algorithm.routing_replay=r3"]  # fmt: skip
+              "train.iterations=4", "checkpoint.save_interval=2", "algorithm.routing_replay=r3",
+              "logging.samples_interval=1"]  # fmt: skip
     full = tmp_path / "full"
     finish(launch("train", [*common, f"logging.run_dir={full}"]))
     records = read_jsonl(full / "metrics.jsonl")[1:]
@@ -44,6 +46,19 @@ def test_one_step_off_lags_by_at_most_one_version_and_resumes_with_the_same_rule
     want = [comparable(r) for r in read_jsonl(full / "metrics.jsonl")]
     assert [r["iteration"] for r in got] == [0, 1, 2, 3, 4]
     assert got == want, json.dumps([got[-1], want[-1]], indent=1)
+
+    # The checkpoint of iteration 2 resumed by the synchronous loop: the prompts of its two submitted
+    # batches (iterations 3 and 4) go back to the sampler, so iteration 3 trains the same prompts.
+    sync = tmp_path / "sync"
+    out = finish(launch("train", [*MOVING, "train.iterations=3", "algorithm.routing_replay=r3", "logging.samples_interval=1",
+                                  f"checkpoint.resume={full / 'checkpoints' / 'iter_0000002'}", f"logging.run_dir={sync}"]))  # fmt: skip
+    assert "the prompts of its 2 submitted batches are generated again" in out
+
+    def prompts(run: Path, iteration: int) -> list[str]:
+        return [r["prompt"] for r in read_jsonl(run / "samples.jsonl") if r["iteration"] == iteration]
+
+    assert prompts(sync, 3) == prompts(full, 3) and len(prompts(full, 3)) == 4
+    assert prompts(sync, 3) != prompts(full, 4)
 
 
 def test_engine_process_serves_each_request_with_the_weights_sent_before_it(tmp_path):

@@ -385,6 +385,21 @@ def test_routing_replay_and_truncated_sampling_rules(tmp_path):
     assert all("biases the importance ratio" in e for e in errors)
 
 
+def test_sglang_requests_must_fit_the_models_context():
+    # tiny_moe: max_position_embeddings 512, data.max_prompt_tokens 32; SGLang refuses prompt + new > 512.
+    load_config(EXAMPLE, ["rollout.engine=sglang", "rollout.max_new_tokens=480"]).validate(1)
+    load_config(EXAMPLE, ["rollout.max_new_tokens=481"]).validate(1)  # the embedded engine takes any length
+    (error,) = config_errors(["rollout.engine=sglang", "rollout.max_new_tokens=481"], world_size=1)
+    assert error.startswith("data.max_prompt_tokens=32 + rollout.max_new_tokens=481 = 513 tokens exceeds the "
+                            "model's context of 512 (max_position_embeddings in ") and "lower rollout.max_new_tokens" in error
+    (error,) = config_errors(["rollout.engine=sglang", "rollout.sglang_server_args.context_length=256",
+                              "rollout.max_new_tokens=240"], world_size=1)  # fmt: skip
+    assert "context of 256 (rollout.sglang_server_args.context_length)" in error
+    multiturn = ["rollout.engine=sglang", "rollout.multiturn.enabled=true", "rollout.multiturn.max_total_tokens=500"]
+    (error,) = config_errors(multiturn, world_size=1)
+    assert "rollout.multiturn.max_total_tokens=500 = 532 tokens" in error
+
+
 def test_the_asynchronous_loop_needs_engines_generating_apart_and_refuses_what_it_cannot_run():
     with pytest.raises(ConfigError, match=r"train.max_staleness=1 needs .*rollout.embedded_process=true"):
         load_config(EXAMPLE, ["train.max_staleness=1"]).validate(1)

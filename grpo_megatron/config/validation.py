@@ -61,6 +61,8 @@ def validate(cfg: JobConfig, world_size: int) -> None:
         errors.extend(async_errors(cfg))
     if hf_config is not None and not failed & {"algorithm", "rollout", "model", "parallel", "train"}:
         errors.extend(routing_replay_errors(cfg, hf_config))
+    if hf_config is not None and not failed & {"rollout", "data"}:
+        errors.extend(context_length_errors(cfg, hf_config))
 
     if errors:
         raise ConfigError(errors)
@@ -205,6 +207,36 @@ def routing_replay_errors(cfg: JobConfig, hf_config: dict[str, Any]) -> list[str
             "packed micro-batches are not unpacked for that yet; set train.packing=false, or use r3"
         )
     return errors
+
+
+def context_length_errors(cfg: JobConfig, hf_config: dict[str, Any]) -> list[str]:
+    """SGLang refuses a request whose prompt and ``max_new_tokens`` together exceed its context
+    length (``context_length`` in rollout.sglang_server_args, else the model's
+    ``max_position_embeddings``; SGLang's tokenizer manager, ``_validate_one_request``): the longest
+    prompt and the longest response must fit, or the first rollout fails. The embedded engine and the
+    trainer take any length (rotary positions)."""
+    rollout = cfg.rollout
+    context = rollout.sglang_server_args.get("context_length") or hf_config.get("max_position_embeddings")
+    if rollout.engine != "sglang" or context is None:
+        return []
+    response = (
+        ("rollout.multiturn.max_total_tokens", rollout.multiturn.max_total_tokens)
+        if rollout.multiturn.enabled
+        else ("rollout.max_new_tokens", rollout.max_new_tokens)
+    )
+    total = cfg.data.max_prompt_tokens + response[1]
+    if total <= int(context):
+        return []
+    source = (
+        "rollout.sglang_server_args.context_length"
+        if rollout.sglang_server_args.get("context_length")
+        else f"max_position_embeddings in {cfg.model.hf_path}/config.json"
+    )
+    return [
+        f"data.max_prompt_tokens={cfg.data.max_prompt_tokens} + {response[0]}={response[1]} = {total} tokens exceeds "
+        f"the model's context of {int(context)} ({source}): SGLang refuses such a request; lower "
+        f"{response[0]} or data.max_prompt_tokens"
+    ]
 
 
 def async_errors(cfg: JobConfig) -> list[str]:
