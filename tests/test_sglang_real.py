@@ -77,7 +77,12 @@ def test_sampled_logprobs_equal_the_engines_and_the_embedded_scores(scenarios) -
     assert got["distinct_samples"] > 6  # the n samples of a prompt differ
     assert got["all_logprobs_valid"]
     assert got["sampled_vs_own_score"] <= FLOOR_FACTOR * floor, got
-    assert got["sampled_vs_embedded_score"] <= 2 * FLOOR_FACTOR * floor, got
+    # Against the embedded engine: every token but at most one within the bf16 floor. One sampled
+    # token whose router sits on a near-tie may take another expert in each engine (what routing
+    # replay exists for) and move by about 1: seen under load, when SGLang batched the requests
+    # otherwise and sampled such a token (logprob -2.53 vs -3.68, every other token within 0.12).
+    top = got["sampled_vs_embedded_top3"]
+    assert top[1] <= 2 * FLOOR_FACTOR * floor and top[0] < 2.0, got
 
 
 def test_a_version_through_the_flattened_bucket_transport_is_bit_exact(scenarios) -> None:
