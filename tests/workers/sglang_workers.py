@@ -400,6 +400,7 @@ class Scenarios:
             "multi_turn": sum(t.turns > 1 for _, t in flat),
             "generate_calls": len(engine.calls),
             "sampled_vs_own_score": max(abs(a - b) for a, b in model),
+            "sampled_vs_own_top3": sorted((abs(a - b) for a, b in model), reverse=True)[:3],
         }
 
 
