@@ -216,26 +216,19 @@ def context_length_errors(cfg: JobConfig, hf_config: dict[str, Any]) -> list[str
     prompt and the longest response must fit, or the first rollout fails. The embedded engine and the
     trainer take any length (rotary positions)."""
     rollout = cfg.rollout
-    context = rollout.sglang_server_args.get("context_length") or hf_config.get("max_position_embeddings")
+    given = rollout.sglang_server_args.get("context_length")
+    context = given or hf_config.get("max_position_embeddings")
     if rollout.engine != "sglang" or context is None:
         return []
-    response = (
-        ("rollout.multiturn.max_total_tokens", rollout.multiturn.max_total_tokens)
-        if rollout.multiturn.enabled
-        else ("rollout.max_new_tokens", rollout.max_new_tokens)
-    )
-    total = cfg.data.max_prompt_tokens + response[1]
+    response = rollout.response_budget
+    total = cfg.data.max_prompt_tokens + response.tokens
     if total <= int(context):
         return []
-    source = (
-        "rollout.sglang_server_args.context_length"
-        if rollout.sglang_server_args.get("context_length")
-        else f"max_position_embeddings in {cfg.model.hf_path}/config.json"
-    )
+    source = "rollout.sglang_server_args.context_length" if given else f"max_position_embeddings in {cfg.model.hf_path}/config.json"
     return [
-        f"data.max_prompt_tokens={cfg.data.max_prompt_tokens} + {response[0]}={response[1]} = {total} tokens exceeds "
-        f"the model's context of {int(context)} ({source}): SGLang refuses such a request; lower "
-        f"{response[0]} or data.max_prompt_tokens"
+        f"data.max_prompt_tokens={cfg.data.max_prompt_tokens} + {response.field}={response.tokens} = {total} tokens "
+        f"exceeds the model's context of {int(context)} ({source}): SGLang refuses such a request; lower "
+        f"{response.field} or data.max_prompt_tokens"
     ]
 
 

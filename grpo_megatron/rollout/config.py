@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 
 @dataclass
@@ -61,6 +61,13 @@ class MultiTurnConfig:
                 errors.append(f"{p}.{name} must be a non-empty string (the documented call format)")
         if errors:
             raise ValueError("\n".join(errors))
+
+
+class ResponseBudget(NamedTuple):
+    """``RolloutConfig.response_budget``: the field that bounds a response, and its tokens."""
+
+    field: str
+    tokens: int
 
 
 @dataclass
@@ -144,6 +151,14 @@ class RolloutConfig:
     sglang_server_args: dict[str, Any] = field(default_factory=dict)
     """Extra sglang ServerArgs of colocated engines, over ours (e.g. {attention_backend: fa3,
     enable_deterministic_inference: true} for seeded, reproducible sampling)."""
+
+    @property
+    def response_budget(self) -> ResponseBudget:
+        """The longest response and the field that sets it: a multi-turn episode's
+        ``multiturn.max_total_tokens``, else ``max_new_tokens``."""
+        if self.multiturn.enabled:
+            return ResponseBudget("rollout.multiturn.max_total_tokens", self.multiturn.max_total_tokens)
+        return ResponseBudget("rollout.max_new_tokens", self.max_new_tokens)
 
     def validate(self) -> None:
         self.multiturn.validate()

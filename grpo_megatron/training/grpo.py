@@ -74,7 +74,6 @@ from grpo_megatron.training.route_replay import RoutingReplay
 if TYPE_CHECKING:
     from grpo_megatron.config import JobConfig
     from grpo_megatron.data import PromptSampler
-    from grpo_megatron.rollout.config import RolloutConfig
 
 
 @dataclass
@@ -148,7 +147,7 @@ def run_iteration(
     with timer("onload"):
         onload_metrics = job.memory.to_trainer()
     with timer("advantages"):
-        batch = build_samples(cfg.algorithm, response_budget(cfg.rollout), groups)
+        batch = build_samples(cfg.algorithm, cfg.rollout.response_budget.tokens, groups)
         plan = plan_update(cfg.train, cfg.algorithm, ps, batch.samples)
         if cfg.algorithm.routing_replay == "r3":  # each sample's engine routes to the ranks that train it
             # the asynchronous producer's later batches keep theirs (held on the engines' ranks)
@@ -166,7 +165,7 @@ def run_iteration(
             old.store(batch.samples)
             routing_metrics = old.routing_metrics
     beta = kl_beta(cfg.algorithm.kl, it - 1, cfg.train.iterations)
-    loss = GRPOLoss(cfg.algorithm, beta, cfg.algorithm.loss_norm_len or response_budget(cfg.rollout),
+    loss = GRPOLoss(cfg.algorithm, beta, cfg.algorithm.loss_norm_len or cfg.rollout.response_budget.tokens,
                     old_from_engine=cfg.train.old_logprobs == "engine")
     with timer("train"):
         train_metrics = update_policy(policy, batch.samples, plan, loss, passes, measure_routing=not routing_metrics)
@@ -188,11 +187,6 @@ def run_iteration(
     }
     metrics.setdefault("kl", 0.0)
     return Iteration(groups, batch.samples, plan, metrics)
-
-
-def response_budget(rollout: RolloutConfig) -> int:
-    """The longest response: rollout.max_new_tokens, or a multi-turn episode's max_total_tokens."""
-    return rollout.multiturn.max_total_tokens if rollout.multiturn.enabled else rollout.max_new_tokens
 
 
 def sync_to_engines(job: Job, version: int, probe: ProbeBatch) -> dict[str, float]:
