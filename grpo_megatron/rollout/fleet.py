@@ -347,7 +347,7 @@ class RolloutFleet:
         group = self._data_group()
         mine = pack(flat)
         sizes = [torch.zeros(4, dtype=torch.int64) for _ in range(self.ps.world_size)]
-        dist.all_gather(sizes, torch.cat([sizes_of(*mine, len(flat)), torch.tensor([int(failed)])]), group=group)
+        dist.all_gather(sizes, sizes_of(*mine, len(flat), failed=failed), group=group)
         if any(int(s[3]) for s in sizes):
             return None
         per_engine = []

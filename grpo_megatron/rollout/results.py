@@ -64,9 +64,10 @@ def unpack(ints: torch.Tensor, logprobs: torch.Tensor, count: int) -> tuple[list
     return out, shapes
 
 
-def sizes_of(ints: torch.Tensor, logprobs: torch.Tensor, count: int) -> torch.Tensor:
-    """This rank's ``[completions, ints, logprobs]`` counts (every rank learns every engine's)."""
-    return torch.tensor([count, ints.numel(), logprobs.numel()], dtype=torch.int64)
+def sizes_of(ints: torch.Tensor, logprobs: torch.Tensor, count: int, *, failed: bool = False) -> torch.Tensor:
+    """This rank's ``[completions, ints, logprobs, failed]`` (every rank learns every engine's sizes,
+    and whether any rank's share failed, in one gather)."""
+    return torch.tensor([count, ints.numel(), logprobs.numel(), int(failed)], dtype=torch.int64)
 
 
 @dataclass
