@@ -95,6 +95,7 @@ def make_samples(
     if not len(prompts) == len(rollout_logprobs) == len(advantages) == len(routes) == len(masks) == n:
         raise ValueError("make_samples: one prompt, logprob list, advantage, route and mask per response")
     seq: list[int] = []
+    seq_lengths: list[int] = []
     mask_l: list[float] = []
     rollout_l: list[float] = []
     for prompt_ids, response_ids, logprobs, response_mask in zip(prompts, responses, rollout_logprobs, masks, strict=True):
@@ -106,6 +107,7 @@ def make_samples(
             raise ValueError(f"a loss mask of {len(response_mask)} for {len(response_ids)} response tokens")
         seq += prompt_ids
         seq += response_ids
+        seq_lengths.append(len(prompt_ids) + len(response_ids))
         before = [0.0] * (len(prompt_ids) - 1)
         mask = [1.0] * len(response_ids) if response_mask is None else [float(m) for m in response_mask]
         mask_l += before
@@ -113,7 +115,6 @@ def make_samples(
         rollout_l += before
         # lp * m in float64 then rounded equals float32(lp) * m for m in {0, 1} (-0.0 included)
         rollout_l += [lp * m for lp, m in zip(logprobs, mask, strict=True)]
-    seq_lengths = [len(p) + len(r) for p, r in zip(prompts, responses, strict=True)]
     positions = [length - 1 for length in seq_lengths]
     seqs = torch.tensor(seq, dtype=torch.long).split(seq_lengths)
     masks_s = torch.tensor(mask_l, dtype=torch.float32).split(positions)

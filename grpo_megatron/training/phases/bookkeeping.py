@@ -24,7 +24,7 @@ def freeze_startup_objects() -> None:
     pools) into the garbage collector's permanent generation, before a training loop. A full
     collection walks every tracked object; during the demo's GRPO one took 0.3 s on each rank in
     turn (the other rank waiting in its next collective), about 0.04 of the train phase per
-    iteration over 60 iterations. Afterwards one walks only what the loop made (7 ms). SGLang offers
+    iteration over 60 iterations. Afterwards one walks only what the loop made (7 to 14 ms). SGLang offers
     the same for its scheduler (its ``freeze_gc`` request)."""
     gc.collect()
     gc.freeze()
