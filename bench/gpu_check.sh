@@ -1,42 +1,37 @@
 #!/usr/bin/env bash
-# GPU acceptance run of grpo-megatron on one GPU, on a machine with no package index: the
-# stages of bench/gpu_check.py (tiny fp32 smoke, train CLI killed and resumed, the 0.43B bf16
-# table, the layout/checkpoint/offload/rollout/GPU tests, the SGLang loop when it can run),
-# in at most 8 minutes; the table is written to <out>/gpu_check.md and printed.
+# GPU acceptance run of grpo-megatron on one GPU, on a machine with no package index: the stages of
+# bench/gpu_check.py in order of value (SGLang's engine, the train CLI with colocated SGLang killed and
+# resumed and with routing replay, the adapter's loop, the embedded smoke and resume, the 0.43B bf16
+# table, TransformerEngine where it imports, the GPU tests), within 8 minutes (--budget-s); the table
+# is written to <out>/gpu_check.md and printed.
 #
-# 1. On a machine WITH a package index, from the repository root, download what the GPU
-#    machine's image lacks, as wheels for its Python (3.12 here; change --python-version to
-#    match `python3 --version` there). The folder .gpu-wheels/ is git-ignored; carry it along:
+# 1. On a machine WITH a package index, from the repository root, build what the GPU machine's image
+#    lacks (megatron-core, math-verify, the locked transformers, SGLang 0.5.17 and its kernels) as one
+#    file under the 60 MiB a device call can carry with the working tree:
 #
-#      python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
-#        --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 \
-#        -d .gpu-wheels megatron-core==0.16.1 math-verify latex2sympy2_extended \
-#        antlr4-python3-runtime==4.13.2 transformers==5.24.0
+#      python tools/build_gpu_carry.py          # -> .gpu-carry/gpu-carry.tar.xz + MANIFEST.txt (git-ignored)
 #
-#    (transformers at the version the lock file pins.) TransformerEngine, apex and SGLang are
-#    not brought: each is built against one torch; the run adjusts megatron-core for their
-#    absence (grpo_megatron/distributed/megatron_compat.py) and skips the SGLang stage.
+#    and carry .gpu-carry/ along. A JIT cache brought back from an earlier run (tar -czf
+#    .gpu-carry/gpu-cache.tgz .gpu-cache) saves the first SGLang start's compilation (about 90 s).
 # 2. On the GPU machine, from the repository root:
 #
-#      bash bench/gpu_check.sh                  # the GPU run (default --device cuda)
-#      bash bench/gpu_check.sh --device cpu     # the same stages on CPU, tiny sizes
-#      PYTHON=/path/to/python bash bench/gpu_check.sh --stages smoke,table
+#      bash bench/gpu_check.sh                          # the GPU run (default --device cuda)
+#      bash bench/gpu_check.sh --device cpu             # the same stages on CPU, tiny sizes
+#      bash bench/gpu_check.sh --stages sglang_engine,smoke
 #
-#    When .gpu-wheels/ holds wheels, they are installed (no index, no dependencies) into a
-#    temporary folder put first on PYTHONPATH; nothing is installed into the image's Python.
+#    bench/gpu_env.sh unpacks the carry into a temporary folder put first on PYTHONPATH and sets
+#    SGLang's GPU environment; nothing is installed into the image's Python. PYTHON=... picks the
+#    interpreter (default: .venv/bin/python where it exists, else python3).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PYTHON="${PYTHON:-python3}"
-if compgen -G ".gpu-wheels/*.whl" > /dev/null; then
-  SITE="$(mktemp -d -t grpo-gpu-site-XXXXXX)"
-  trap 'rm -rf "$SITE"' EXIT
-  "$PYTHON" -m pip install -q --no-index --no-deps --target "$SITE" .gpu-wheels/*.whl
-  export PYTHONPATH="$SITE:$PWD${PYTHONPATH:+:$PYTHONPATH}"
-else
-  export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+if [ -z "${PYTHON:-}" ]; then
+  if [ -x .venv/bin/python ]; then PYTHON=.venv/bin/python; else PYTHON=python3; fi
 fi
+export PYTHON
+# shellcheck source=bench/gpu_env.sh
+source bench/gpu_env.sh
 "$PYTHON" -c "import megatron.core, transformers, math_verify" 2>/dev/null || {
-  echo "gpu_check: megatron-core, transformers or math-verify missing for $PYTHON: bring .gpu-wheels/ (see the top of $0)" >&2
+  echo "gpu_check: megatron-core, transformers or math-verify missing for $PYTHON: bring .gpu-carry/ (python tools/build_gpu_carry.py)" >&2
   exit 2
 }
 "$PYTHON" bench/gpu_check.py "$@"

@@ -415,3 +415,23 @@ def test_the_asynchronous_loop_needs_engines_generating_apart_and_refuses_what_i
     assert sglang.producer_loop and not load_config(EXAMPLE, ["rollout.engine=sglang"]).producer_loop
     with pytest.raises(ConfigError, match=r"train.max_staleness=1 with train.offload_trainer=true"):
         load_config(EXAMPLE, ["rollout.engine=sglang", "train.max_staleness=1", "train.offload_trainer=true"]).validate(1)
+
+
+def test_sglang_on_cuda_needs_a_head_size_its_rotary_kernel_has():
+    """SGLang's CUDA rotary embedding has kernels for head sizes 64/128/256/512 only; with a bf16 KV
+    cache any other fails the engine's first forward (seen on an H200): refused up front, naming the
+    field and the fix. CPU engines, fp32 KV caches and head_dim 64 are fine."""
+    sglang_cuda = ["rollout.engine=sglang", "parallel.backend=nccl", "model.dtype=bfloat16"]
+    errors = config_errors(sglang_cuda, world_size=2)
+    assert any("head_dim=32" in e and "model.hf_overrides.head_dim=64" in e for e in errors), errors
+    for fine in (["model.hf_overrides.head_dim=64"], ["model.dtype=float32"], ["parallel.backend=gloo"]):
+        validate(load_config(EXAMPLE, sglang_cuda + fine), 2)
+
+
+def test_r3_with_sglang_needs_engines_that_report_routes():
+    """SGLang's CPU engine cannot report routes (pinned memory needs CUDA): r3 with it is refused up
+    front, not at the first rollout (seen in bench/gpu_check.sh --device cpu)."""
+    r3_sglang = ["algorithm.routing_replay=r3", "rollout.engine=sglang", "model.hf_overrides.head_dim=64"]
+    (error,) = config_errors([*r3_sglang, "parallel.backend=gloo"], world_size=1)
+    assert "SGLang's CPU engine cannot report them" in error and "rollout.engine=embedded" in error
+    validate(load_config(EXAMPLE, [*r3_sglang, "parallel.backend=nccl"]), 1)

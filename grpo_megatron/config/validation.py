@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from grpo_megatron.config.job import ConfigError, JobConfig
+from grpo_megatron.distributed.bootstrap import job_backend
 from grpo_megatron.distributed.config import ParallelConfig
 from grpo_megatron.models.config import (
     EXPERT_COUNT_KEYS,
@@ -63,6 +64,8 @@ def validate(cfg: JobConfig, world_size: int) -> None:
         errors.extend(routing_replay_errors(cfg, hf_config))
     if hf_config is not None and not failed & {"rollout", "data"}:
         errors.extend(context_length_errors(cfg, hf_config))
+    if hf_config is not None and not failed & {"rollout", "model", "parallel"}:
+        errors.extend(sglang_rotary_errors(cfg, hf_config))
 
     if errors:
         raise ConfigError(errors)
@@ -194,6 +197,12 @@ def routing_replay_errors(cfg: JobConfig, hf_config: dict[str, Any]) -> list[str
             f"{where} replays the engine's experts, but rollout.sglang_routed_experts=false asks SGLang not "
             "to report them: set rollout.sglang_routed_experts=true"
         )
+    if mode == "r3" and cfg.rollout.engine == "sglang" and job_backend(cfg.parallel.backend) != "nccl":
+        errors.append(
+            f"{where} replays the engine's experts, but SGLang's CPU engine cannot report them (its route "
+            "buffer is pinned memory, which needs CUDA): on CPU use rollout.engine=embedded, or "
+            "algorithm.routing_replay=r2 or off"
+        )
     if mode == "r2" and (cfg.train.updates_per_iteration < 2 or cfg.train.old_logprobs != "trainer"):
         errors.append(
             f"{where} replays the old-policy pass's experts in the training passes, which needs "
@@ -229,6 +238,35 @@ def context_length_errors(cfg: JobConfig, hf_config: dict[str, Any]) -> list[str
         f"data.max_prompt_tokens={cfg.data.max_prompt_tokens} + {response.field}={response.tokens} = {total} tokens "
         f"exceeds the model's context of {int(context)} ({source}): SGLang refuses such a request; lower "
         f"{response.field} or data.max_prompt_tokens"
+    ]
+
+
+SGLANG_CUDA_ROTARY_HEAD_SIZES = (64, 128, 256, 512)
+"""Head sizes SGLang's CUDA rotary embedding has a kernel for (``layers/rotary_embedding/base.py``,
+0.5.17 and 0.5.23). Others take a fallback that cannot write the KV cache in the same pass, yet a
+bf16 KV cache on CUDA always asks it to (``models/utils.py`` ``enable_fused_set_kv_buffer``): the
+scheduler fails its first forward (``AssertionError: save kv cache is not supported for
+fallback_rotary_embedding``; seen on an H200 with SGLang 0.5.17) and SGLang kills the rank."""
+
+
+def sglang_rotary_errors(cfg: JobConfig, hf_config: dict[str, Any]) -> list[str]:
+    """SGLang engines on CUDA with a bf16 KV cache need a head size SGLang's rotary kernel has
+    (``SGLANG_CUDA_ROTARY_HEAD_SIZES``). MLA models (DeepSeek-V3) rotate ``qk_rope_head_dim`` with
+    their own embedding and are not concerned; neither are CPU engines."""
+    if cfg.rollout.engine != "sglang" or job_backend(cfg.parallel.backend) != "nccl" or "kv_lora_rank" in hf_config:
+        return []
+    kv_dtype = cfg.rollout.sglang_server_args.get("kv_cache_dtype", "auto")
+    if cfg.model.dtype != "bfloat16" or kv_dtype not in ("auto", "bfloat16", "bf16"):
+        return []
+    head_dim = hf_config.get("head_dim") or hf_config["hidden_size"] // hf_config["num_attention_heads"]
+    if head_dim in SGLANG_CUDA_ROTARY_HEAD_SIZES:
+        return []
+    source = "model.hf_overrides.head_dim" if "head_dim" in cfg.model.hf_overrides else display_path(cfg.model.config_json_path())
+    return [
+        f"head_dim={head_dim} ({source}) with rollout.engine=sglang on CUDA and a bfloat16 KV cache: SGLang's "
+        f"CUDA rotary embedding writes the KV cache only for head sizes {', '.join(map(str, SGLANG_CUDA_ROTARY_HEAD_SIZES))} "
+        "and its scheduler fails the first forward otherwise; use a model with one of them (a test model: "
+        "model.hf_overrides.head_dim=64), or rollout.engine=embedded"
     ]
 
 

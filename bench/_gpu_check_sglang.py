@@ -1,0 +1,235 @@
+"""The SGLang stages of bench/gpu_check.py: SGLang's own engine, and the train CLI with colocated
+SGLang engines (killed and resumed; with routing replay). On CPU the same stages run SGLang's CPU
+engine at tiny sizes (where its CPU kernels are installed: ``make setup``)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+PROBE = REPO / "bench" / "sglang_gpu_probe.py"
+DEMO = REPO / "examples" / "demo.yaml"
+SCORE_LIMIT = 0.1
+"""|SGLang's score - transformers' forward| of the same bf16 weights, per token (seen: 0.048 on an H200
+for the 0.43B slice, 0.002 on CPU for the tiny model)."""
+CACHED_AT_RESUME_LIMIT_GIB = 0.5
+"""The trainer's reserved - allocated CUDA memory at an engine resume (issue 36 item 1)."""
+
+GPU_SERVER_ARGS = {
+    # What the carry holds on a Hopper GPU (../shared/GUIDE.md section 10): SGLang's sm90 kernels, no
+    # FA3, flashinfer importable but without its kernels.
+    "attention_backend": "triton",
+    "sampling_backend": "pytorch",
+    "moe_runner_backend": "triton",
+    "grammar_backend": "none",
+}
+# The train stage's model on a GPU: the demo's vocabulary with the 0.43B slice's layer shapes (so its
+# kernels are the ones the engine stage compiled) in 2 layers; SGLang's CUDA rotary needs head_dim in
+# {64, 128, 256, 512} with a bf16 KV cache.
+GPU_TRAIN_MODEL = [
+    "model.dtype=bfloat16",
+    "model.hf_overrides.hidden_size=1024",
+    "model.hf_overrides.num_hidden_layers=2",
+    "model.hf_overrides.num_attention_heads=8",
+    "model.hf_overrides.head_dim=128",
+    "model.hf_overrides.num_key_value_heads=4",
+    "model.hf_overrides.num_experts=32",
+    "model.hf_overrides.num_experts_per_tok=4",
+    "model.hf_overrides.moe_intermediate_size=512",
+    "model.hf_overrides.intermediate_size=512",
+]
+TRAIN = [
+    "parallel.ep=1",
+    "train.iterations=3",
+    "checkpoint.save_interval=2",
+    "train.prompts_per_iteration=4",
+    "rollout.n_samples_per_prompt=4",
+    "data.num_train_prompts=64",
+    "data.num_eval_prompts=8",
+    "train.micro_batch_size=8",
+    "rollout.engine=sglang",
+    "rollout.probe_interval=1",
+    "logging.wandb_mode=disabled",
+    "logging.progress_bar=false",
+    "parallel.timeout_minutes=5",
+]
+
+
+def server_arg_overrides(device: str) -> list[str]:
+    return [f"rollout.sglang_server_args.{k}={v}" for k, v in GPU_SERVER_ARGS.items()] if device == "cuda" else []
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _tail(log: Path, n: int = 25) -> str:
+    return "\n".join(log.read_text(errors="replace").splitlines()[-n:]) if log.is_file() else ""
+
+
+def _wait(proc: subprocess.Popen, timeout_s: float) -> int:
+    try:
+        return proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        return 124
+
+
+# ----------------------------------------------------------------------------------------------
+# sglang_engine: SGLang's own engine, no adapter
+
+
+def stage_sglang_engine(args: argparse.Namespace, out: Path, stage: Any, env: dict[str, str]) -> None:
+    """bench/sglang_gpu_probe.py: start, generate (with routes on a GPU), score against transformers,
+    a weight version through CUDA IPC buckets (the same weights: scores must not move), release, resume."""
+    result = out / "sglang_engine.json"
+    size = [] if args.device == "cuda" else ["--tiny", "--prompts", "4", "--n", "2", "--max-new-tokens", "8"]
+    cmd = [sys.executable, str(PROBE), "--device", args.device, "--json", str(result), *size]
+    log = out / "sglang_engine.log"
+    with log.open("w") as f:
+        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+        rc = _wait(proc, timeout_s=360)
+    data = json.loads(result.read_text()) if result.is_file() else {}
+    stage.details = data
+    problems = engine_problems(data, rc)
+    steps = data.get("steps", {})
+    gen, sync = steps.get("generate", {}), steps.get("sync", {})
+    stage.status = "FAILED" if problems else "ok"
+    stage.summary = (
+        f"SGLang {data.get('sglang', '?')}: start {steps.get('engine_start', {}).get('seconds', float('nan')):.0f} s, "
+        f"{gen.get('tokens_per_s', 0)} tokens/s, score vs transformers max {steps.get('score', {}).get('max_abs_vs_hf', float('nan')):.1e}, "
+        f"sync {sync.get('bytes', 0) / 2**20:.1f} MiB at {sync.get('gb_per_s', 0):.3g} GB/s, release {steps.get('release', {}).get('seconds', float('nan')):.3f} s"
+    )
+    if problems:
+        stage.summary += " - " + "; ".join(problems) + "\n" + _tail(log)
+
+
+def engine_problems(data: dict[str, Any], rc: int) -> list[str]:
+    """Why the engine stage failed, from the probe's JSON and exit status (empty: it passed)."""
+    steps = data.get("steps", {})
+    problems = [] if rc == 0 else [f"exit {rc}"]
+    missing = [s for s in ("engine_start", "generate", "score", "sync", "release", "resume") if s not in steps]
+    if missing:
+        problems.append(f"steps not reached: {missing}")
+    if data.get("routes_expected") and not steps.get("generate", {}).get("routed"):
+        problems.append("no routed experts returned")
+    score = steps.get("score", {}).get("max_abs_vs_hf")
+    if score is not None and score > SCORE_LIMIT:
+        problems.append(f"score vs transformers {score:.3f} > {SCORE_LIMIT}")
+    if data.get("resync_max_abs", 0.0) != 0.0:
+        problems.append(f"re-sending the same weights moved the scores by {data['resync_max_abs']:.1e}")
+    return problems
+
+
+# ----------------------------------------------------------------------------------------------
+# sglang_train: the train CLI with colocated SGLang engines
+
+
+class TrainRun:
+    """One train CLI run (torchrun, one rank) with colocated SGLang, in ``root/<name>``."""
+
+    def __init__(self, args: argparse.Namespace, root: Path, name: str, extra: list[str], env: dict[str, str]) -> None:
+        self.args, self.run_dir, self.extra, self.env = args, root / name, extra, env
+        self.log = root / f"{name}.log"
+
+    def start(self, more: Sequence[str] = ()) -> subprocess.Popen:
+        backend = "gloo" if self.args.device == "cpu" else "nccl"
+        model = GPU_TRAIN_MODEL if self.args.device == "cuda" else ["model.dtype=bfloat16"]
+        cmd = [
+            sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1", "--master-addr", "127.0.0.1",
+            "--master-port", str(free_port()), "-m", "grpo_megatron", "train", str(DEMO), *TRAIN, *model,
+            *server_arg_overrides(self.args.device), f"parallel.backend={backend}", f"logging.run_dir={self.run_dir}",
+            *self.extra, *more,
+        ]  # fmt: skip
+        with self.log.open("a") as f:
+            return subprocess.Popen(cmd, cwd=REPO, env=self.env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+
+    def metrics(self) -> list[dict[str, Any]]:
+        path = self.run_dir / "metrics.jsonl"
+        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
+
+    def kill_after_checkpoint(self, proc: subprocess.Popen, iteration: int, timeout_s: float) -> bool:
+        latest = self.run_dir / "checkpoints" / "latest"
+        deadline = time.monotonic() + timeout_s
+        while not (latest.is_file() and latest.read_text().strip().endswith(str(iteration))):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                _wait(proc, 1)
+                return False
+            time.sleep(0.05)
+        os.killpg(proc.pid, signal.SIGKILL)  # as a scheduler's preemption would, engine processes included
+        proc.wait()
+        return True
+
+
+def stage_sglang_train(args: argparse.Namespace, out: Path, stage: Any, env: dict[str, str]) -> None:
+    """Three runs of 3 iterations: trainer resident (``train.offload_trainer=false``) killed after its
+    iteration-2 checkpoint and resumed; trainer offloaded with ``algorithm.routing_replay=r3``."""
+    root = out / "sglang_train"
+    root.mkdir(exist_ok=True)
+    resident = TrainRun(args, root, "resident", ["train.offload_trainer=false"], env)
+    proc = resident.start()
+    if not resident.kill_after_checkpoint(proc, 2, timeout_s=300):
+        stage.status, stage.summary = "FAILED", f"resident: no iteration-2 checkpoint:\n{_tail(resident.log)}"
+        return
+    rc = _wait(resident.start(["checkpoint.resume=auto"]), timeout_s=300)
+    if rc != 0:
+        stage.status, stage.summary = "FAILED", f"resident, resumed: exit {rc}:\n{_tail(resident.log)}"
+        return
+    # SGLang's CPU engine cannot report routes (its route buffer is pinned memory): r3 runs on a GPU only.
+    r3 = ["algorithm.routing_replay=r3"] if args.device == "cuda" else []
+    replay = TrainRun(args, root, "offload_r3" if r3 else "offload", ["train.offload_trainer=true", *r3], env)
+    rc = _wait(replay.start(), timeout_s=300)
+    if rc != 0:
+        stage.status, stage.summary = "FAILED", f"offloaded{', r3' if r3 else ''}: exit {rc}:\n{_tail(replay.log)}"
+        return
+    stage.details = train_details(resident.metrics(), replay.metrics())
+    problems = train_problems(stage.details)
+    stage.status = "FAILED" if problems else "ok"
+    stage.summary = (
+        f"resident: killed after the iteration-2 checkpoint, resumed to iteration {stage.details['resident_last']}; "
+        f"offloaded{' + r3' if r3 else ' (r3: GPU only)'}: {stage.details['replay_iterations']} iterations; "
+        f"probe max {stage.details['probe_max']:.1e}"
+        + (f", with the engine's routes replayed {stage.details['probe_replay_max']:.1e}" if r3 else "")
+        + ("" if not problems else " - " + "; ".join(problems))
+    )
+
+
+def train_details(resident: list[dict[str, Any]], replay: list[dict[str, Any]]) -> dict[str, Any]:
+    def worst(records: list[dict[str, Any]], key: str) -> float:
+        values = [r[key] for r in records if key in r]
+        return max(values) if values else float("nan")
+
+    both = resident + replay
+    return {
+        "resident_last": max((r.get("iteration", 0) for r in resident), default=0),
+        "replay_iterations": len([r for r in replay if "iteration" in r]),
+        "probe_max": worst(both, "mismatch/probe_abs_diff_max"),
+        "probe_replay_max": worst(replay, "mismatch/probe_replay_abs_diff_max"),
+        "probe_route_disagreement": worst(replay, "routing/probe_disagreement"),
+        "cached_at_resume_gib": worst(both, "memory/trainer_cached_gib_at_resume"),
+    }
+
+
+def train_problems(details: dict[str, Any]) -> list[str]:
+    problems = []
+    if details["resident_last"] < 3:
+        problems.append(f"the resumed run ended at iteration {details['resident_last']}, not 3")
+    if details["replay_iterations"] < 3:
+        problems.append(f"the r3 run logged {details['replay_iterations']} iterations, not 3")
+    cached = details["cached_at_resume_gib"]
+    if cached == cached and cached > CACHED_AT_RESUME_LIMIT_GIB:  # NaN: not measured (CPU)
+        problems.append(f"the trainer held {cached:.2f} GiB of cached blocks at an engine resume (> {CACHED_AT_RESUME_LIMIT_GIB})")
+    return problems

@@ -1,0 +1,64 @@
+"""bench/gpu_check.py's SGLang stages cannot rot between GPU loans: the engine stage runs here on
+SGLang's CPU engine (the same script, the tiny model), and the pass rules read what a GPU run writes."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.sglang_env import ENGINE_TIMEOUT_S, require_sglang_engine
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "bench"))
+import _gpu_check_sglang as stages  # noqa: E402
+
+
+def test_the_sglang_engine_stage_passes_on_the_cpu_engine(tmp_path: Path) -> None:
+    require_sglang_engine()
+    cmd = [sys.executable, str(REPO / "bench" / "gpu_check.py"), "--device", "cpu", "--stages", "sglang_engine",
+           "--out", str(tmp_path)]  # fmt: skip
+    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=ENGINE_TIMEOUT_S)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    (stage,) = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert stage["name"] == "sglang_engine" and stage["status"] == "ok", stage
+    steps = stage["details"]["steps"]
+    assert steps["generate"]["tokens"] == 4 * 2 * 8  # prompts x samples x new tokens
+    assert steps["score"]["max_abs_vs_hf"] <= stages.SCORE_LIMIT
+    assert stage["details"]["resync_max_abs"] == 0.0  # the same weights sent again change nothing
+    assert "| sglang_engine | ok |" in (tmp_path / "gpu_check.md").read_text()
+
+
+def probe_json(**changes: object) -> dict:
+    steps = {s: {"seconds": 0.1} for s in ("engine_start", "generate", "score", "sync", "release", "resume")}
+    steps["generate"] |= {"routed": True}
+    steps["score"] |= {"max_abs_vs_hf": 0.05}
+    return {"steps": steps, "routes_expected": True, "resync_max_abs": 0.0} | changes
+
+
+def test_engine_stage_rules() -> None:
+    assert stages.engine_problems(probe_json(), rc=0) == []
+    bad = probe_json(resync_max_abs=1e-3)
+    bad["steps"]["score"]["max_abs_vs_hf"] = 0.5
+    bad["steps"]["generate"]["routed"] = False
+    del bad["steps"]["resume"]
+    problems = stages.engine_problems(bad, rc=1)
+    assert problems[0] == "exit 1" and "steps not reached: ['resume']" in problems
+    assert "no routed experts returned" in problems and any("0.500 > 0.1" in p for p in problems)
+    assert any("moved the scores" in p for p in problems)
+
+
+def test_train_stage_rules() -> None:
+    resident = [{"iteration": i, "mismatch/probe_abs_diff_max": 0.01} for i in (1, 2, 3)]
+    replay = [{"iteration": i, "mismatch/probe_replay_abs_diff_max": 0.0, "memory/trainer_cached_gib_at_resume": 0.1}
+              for i in (1, 2, 3)]  # fmt: skip
+    details = stages.train_details(resident, replay)
+    assert details["resident_last"] == 3 and details["replay_iterations"] == 3
+    assert stages.train_problems(details) == []
+    assert math.isnan(stages.train_details(resident, resident)["cached_at_resume_gib"])  # not measured: no rule
+    held = stages.train_details(resident[:2], [r | {"memory/trainer_cached_gib_at_resume": 22.8} for r in replay])
+    problems = stages.train_problems(held)
+    assert "the resumed run ended at iteration 2, not 3" in problems
+    assert any("22.80 GiB of cached blocks" in p for p in problems)
