@@ -215,7 +215,7 @@ def train_details(resident: list[dict[str, Any]], replay: list[dict[str, Any]]) 
     both = resident + replay
     return {
         "resident_last": max((r.get("iteration", 0) for r in resident), default=0),
-        "replay_iterations": len([r for r in replay if "iteration" in r]),
+        "replay_iterations": len([r for r in replay if r.get("iteration", 0) >= 1]),  # 0: the eval before training
         "probe_max": worst(both, "mismatch/probe_abs_diff_max"),
         "probe_replay_max": worst(replay, "mismatch/probe_replay_abs_diff_max"),
         "probe_route_disagreement": worst(replay, "routing/probe_disagreement"),
