@@ -65,8 +65,16 @@ TRAIN = [
 ]
 
 
+TRAIN_GPU_SERVER_ARGS = {
+    **GPU_SERVER_ARGS,
+    # The train stage's engines decode at most 16 sequences at once: capturing CUDA graphs beyond that
+    # would only lengthen each of its three engine starts.
+    "cuda_graph_max_bs_decode": 16,
+}
+
+
 def server_arg_overrides(device: str) -> list[str]:
-    return [f"rollout.sglang_server_args.{k}={v}" for k, v in GPU_SERVER_ARGS.items()] if device == "cuda" else []
+    return [f"rollout.sglang_server_args.{k}={v}" for k, v in TRAIN_GPU_SERVER_ARGS.items()] if device == "cuda" else []
 
 
 def free_port() -> int:
