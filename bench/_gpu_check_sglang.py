@@ -227,7 +227,8 @@ def train_details(resident: list[dict[str, Any]], replay: list[dict[str, Any]]) 
         "probe_max": worst(both, "mismatch/probe_abs_diff_max"),
         "probe_replay_max": worst(replay, "mismatch/probe_replay_abs_diff_max"),
         "probe_route_disagreement": worst(replay, "routing/probe_disagreement"),
-        "cached_at_resume_gib": worst(both, "memory/trainer_cached_gib_at_resume"),
+        # what the trainer's allocator kept reserved but unused when an engine resumed (training/offload.py)
+        "cached_at_resume_gib": worst(both, "offload/cached_free_bytes") / 2**30,
     }
 
 

@@ -52,13 +52,13 @@ def test_engine_stage_rules() -> None:
 
 def test_train_stage_rules() -> None:
     resident = [{"iteration": i, "mismatch/probe_abs_diff_max": 0.01} for i in (1, 2, 3)]
-    replay = [{"iteration": i, "mismatch/probe_replay_abs_diff_max": 0.0, "memory/trainer_cached_gib_at_resume": 0.1}
+    replay = [{"iteration": i, "mismatch/probe_replay_abs_diff_max": 0.0, "offload/cached_free_bytes": 0.1 * 2**30}
               for i in (1, 2, 3)]  # fmt: skip
     details = stages.train_details(resident, replay)
     assert details["resident_last"] == 3 and details["replay_iterations"] == 3
     assert stages.train_problems(details) == []
     assert math.isnan(stages.train_details(resident, resident)["cached_at_resume_gib"])  # not measured: no rule
-    held = stages.train_details(resident[:2], [r | {"memory/trainer_cached_gib_at_resume": 22.8} for r in replay])
+    held = stages.train_details(resident[:2], [r | {"offload/cached_free_bytes": 22.8 * 2**30} for r in replay])
     problems = stages.train_problems(held)
     assert "the resumed run ended at iteration 2, not 3" in problems
     assert any("22.80 GiB of cached blocks" in p for p in problems)
