@@ -115,6 +115,8 @@ def test_peft_adapter_loads_in_peft_and_gives_the_trainers_logits(tiny_moe: Path
                                    out_dir=str(tmp_path))  # fmt: skip
     failures = []
     for case, r in results.items():
+        print(f"{case}: peft {r['peft_diff']:.2e}, merged {r['merged_diff']:.2e}, adapters move logits by "
+              f"{r['adapter_effect']:.2f}, {r['tensors']} adapter tensors")  # fmt: skip
         if r["keys_differ"] or r["values_differ"]:
             failures.append(f"{case}: peft loaded other tensors: {r['keys_differ'][:4]} {r['values_differ'][:4]}")
         for key in ("peft_diff", "merged_diff"):
