@@ -153,3 +153,25 @@ def test_planner_counts_adapters_only_for_gradients_and_optimizer() -> None:
     assert lora["trainable"] < 0.05 * full_here["trainable"]
     assert lora["gradients"] < 0.05 * full_here["gradients"] and lora["optimizer state"] < 0.05 * full_here["optimizer state"]
     assert full_here["parameters"] < lora["parameters"] < 1.05 * full_here["parameters"]
+
+
+def test_grpo_with_lora_runs_kl_against_the_base_syncs_merged_and_exports(tmp_path: Path) -> None:
+    """Two GRPO iterations of the demo job with LoRA at EP2: the reference pass runs on the policy with
+    adapters off, the engines get merged weights (the mismatch probe agrees with the trainer) around
+    the trainer's offload, and the HF export holds the merged model and the PEFT adapter. (The random
+    model earns no reward, so the adapters need not move: the KL's values are
+    test_reference_is_the_policy_with_adapters_off's.)"""
+    import json
+
+    from grpo_megatron.logging_utils.metrics import read_jsonl
+    from tests.test_train import SMALL, finish, launch
+
+    run = tmp_path / "run"
+    extra = ["model.lora.rank=4", "model.lora.alpha=8", "train.lr=5e-3", "algorithm.kl.beta=0.02",
+             "train.updates_per_iteration=2", "checkpoint.export_hf_dir=hf", "train.offload_trainer=true"]  # fmt: skip
+    finish(launch("train", [*SMALL, *extra, "train.iterations=2", f"logging.run_dir={run}"]))
+    last = read_jsonl(run / "metrics.jsonl")[-1]
+    assert last["time/ref_logprob"] > 0 and last["kl"] is not None and last["kl"] >= 0
+    assert last["mismatch/probe_abs_diff_max"] < 1e-4
+    config = json.loads((run / "hf" / "adapter" / "adapter_config.json").read_text())
+    assert config["r"] == 4 and config["lora_alpha"] == 8 and any((run / "hf").glob("*.safetensors"))

@@ -59,18 +59,28 @@ class Sharding:
     explicit: bool  # an expert layer whose dispatcher does the communication
 
 
-def layer_sharding(base: Any) -> Sharding:
-    """The base layer's sharding, read from megatron's own attributes on the layer and its weight."""
+def layer_sharding(base: Any, *, is_expert: bool = False, expert_parallel: bool = False) -> Sharding:
+    """The base layer's sharding, read from megatron's own attributes on the layer and its weight.
+    TransformerEngine's layers (megatron's wrappers keep the group as ``_tp_group`` and decide an
+    expert layer's explicit communication without storing it) follow megatron's rule: an expert
+    layer's communication is the dispatcher's when ETP > 1 or EP > 1 (``expert_parallel``)."""
     weight = base.weight
-    group = getattr(base, "tp_group", None)
+    group = getattr(base, "_tp_group", None) or getattr(base, "tp_group", None)
     size = group.size() if group is not None else 1
     if not getattr(weight, "tensor_model_parallel", False):
         mode = "duplicated"
     else:
         mode = "column" if weight.partition_dim == 0 else "row"
-    explicit = bool(getattr(base, "explicit_expert_comm", False))
+    explicit = getattr(base, "explicit_expert_comm", None)
+    if explicit is None:  # TransformerEngine
+        if is_expert and size > 1:
+            raise ValueError(
+                "model.lora: expert adapters under expert tensor parallelism on TransformerEngine layers are "
+                "not supported (not run yet): set parallel.etp=1, or model.transformer_impl=local"
+            )
+        explicit = is_expert and expert_parallel
     sp = bool(getattr(base, "sequence_parallel", False)) and size > 1 and not explicit
-    return Sharding(mode, size, sp, explicit)
+    return Sharding(mode, size, sp, bool(explicit))
 
 
 def _kaiming_a(rows: int, cols: int, key: str, seed: int) -> torch.Tensor:
@@ -84,19 +94,22 @@ def _kaiming_a(rows: int, cols: int, key: str, seed: int) -> torch.Tensor:
 class LoRAAdapter(torch.nn.Module):
     """``scale * B (A x)`` added to one base linear layer's output (a forward hook on it)."""
 
-    def __init__(self, base: Any, key: str, cfg: LoRAConfig, seed: int, *, glu: bool = False) -> None:
+    def __init__(
+        self, base: Any, key: str, cfg: LoRAConfig, seed: int, *, glu: bool = False, expert_parallel: bool | None = None
+    ) -> None:
+        """``expert_parallel``: None for a layer that is not a routed expert's, else whether EP > 1."""
         super().__init__()
         self.is_glu = glu  # a SwiGLU fc1: B's rows are [gate; up] per shard, as the weight's
         weight = base.weight
         out_local, in_local = weight.shape
-        self.sharding = layer_sharding(base)
+        self.is_expert = expert_parallel is not None  # bridge/layout.py finds expert parameters by it
+        self.sharding = layer_sharding(base, is_expert=self.is_expert, expert_parallel=bool(expert_parallel))
         self.key = key  # canonical name of the base layer: "decoder.layers.3.mlp.experts.local_experts.5.linear_fc1"
         self.scale = cfg.scale
         self.dropout = cfg.dropout
         self.enabled = True
-        self.is_expert = bool(getattr(base, "is_expert", False))  # bridge/layout.py finds expert parameters by it
         self._base = (base,)  # a tuple: not registered as a child (its parameters stay the base layer's)
-        self.group = getattr(base, "tp_group", None)
+        self.group = getattr(base, "_tp_group", None) or getattr(base, "tp_group", None)
         split_a = self.sharding.mode == "row"
         a_full = _kaiming_a(cfg.rank, in_local * (self.sharding.size if split_a else 1), key, seed)
         if split_a and self.group is not None:
@@ -199,14 +212,15 @@ def _layer_input(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 
 # ---- placing adapters on a GPTModel ---------------------------------------------------------------
-def _places(layer: Any) -> Iterator[tuple[str, torch.nn.Module, str]]:
-    """(group, module holding the linear layers, canonical prefix) of one transformer layer."""
+def _places(layer: Any) -> Iterator[tuple[str, torch.nn.Module, str, bool | None]]:
+    """(group, module holding the linear layers, canonical prefix, for routed experts whether EP > 1)
+    of one transformer layer."""
     prefix = f"decoder.layers.{layer.layer_number - 1}."
-    yield "attention", layer.self_attention, prefix + "self_attention."
+    yield "attention", layer.self_attention, prefix + "self_attention.", None
     mlp = layer.mlp
     experts = getattr(mlp, "experts", None)
     if experts is None:
-        yield "dense_mlp", mlp, prefix + "mlp."
+        yield "dense_mlp", mlp, prefix + "mlp.", None
         return
     local = getattr(experts, "local_experts", None)
     if local is None:
@@ -216,10 +230,10 @@ def _places(layer: Any) -> Iterator[tuple[str, torch.nn.Module, str]]:
         )
     first = experts.ep_group.rank() * experts.num_local_experts
     for j, expert in enumerate(local):
-        yield "experts", expert, f"{prefix}mlp.experts.local_experts.{first + j}."
+        yield "experts", expert, f"{prefix}mlp.experts.local_experts.{first + j}.", experts.ep_group.size() > 1
     shared = getattr(mlp, "shared_experts", None)
     if shared is not None:
-        yield "shared_experts", shared, prefix + "mlp.shared_experts."
+        yield "shared_experts", shared, prefix + "mlp.shared_experts.", None
 
 
 def add_lora(gpt: Any, cfg: LoRAConfig, seed: int, *, gated: bool) -> list[LoRAAdapter]:
@@ -227,14 +241,15 @@ def add_lora(gpt: Any, cfg: LoRAConfig, seed: int, *, gated: bool) -> list[LoRAA
     parameter. ``gated``: the MLPs' fc1 holds [gate; up] (SwiGLU). Returns the adapters."""
     adapters: list[LoRAAdapter] = []
     for layer in gpt.decoder.layers:
-        for group, parent, prefix in _places(layer):
+        for group, parent, prefix, expert_parallel in _places(layer):
             for linear in LORA_GROUPS[group]:
                 base = getattr(parent, linear, None)
                 if base is None or not isinstance(getattr(base, "weight", None), torch.Tensor):
                     continue
                 if not cfg.targeted(group, linear):
                     continue
-                adapter = LoRAAdapter(base, prefix + linear, cfg, seed, glu=gated and linear == "linear_fc1")
+                glu = gated and linear == "linear_fc1"
+                adapter = LoRAAdapter(base, prefix + linear, cfg, seed, glu=glu, expert_parallel=expert_parallel)
                 parent.add_module(f"{linear}_lora", adapter)
                 adapters.append(adapter)
     for param in gpt.parameters():
