@@ -9,9 +9,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 from grpo_megatron.config import ConfigError, load_config
-from tests.helpers.dist import CPU_JOB, run_distributed
+from tests.helpers.dist import CPU_JOB, REPO_ROOT, run_distributed
 from tests.workers.layout_workers import EXAMPLE
 
 TOL = 1e-5  # fp32
@@ -132,7 +133,6 @@ def test_planner_counts_adapters_only_for_gradients_and_optimizer() -> None:
     full-parameter recipe at its 32 GPUs: gradients and Adam state shrink to the adapters', the
     parameters grow by them, and a KL penalty adds no reference copy."""
     from grpo_megatron.planner import memory
-    from tests.helpers.dist import REPO_ROOT
 
     recipes = REPO_ROOT / "examples" / "recipes"
     opts = memory.PlanOptions(gpus_per_node=4, gpu=memory.GPUS["h100"])
@@ -168,10 +168,23 @@ def test_grpo_with_lora_runs_kl_against_the_base_syncs_merged_and_exports(tmp_pa
 
     run = tmp_path / "run"
     extra = ["model.lora.rank=4", "model.lora.alpha=8", "train.lr=5e-3", "algorithm.kl.beta=0.02",
-             "train.updates_per_iteration=2", "checkpoint.export_hf_dir=hf", "train.offload_trainer=true"]  # fmt: skip
+             "train.updates_per_iteration=2", "checkpoint.export_hf_dir=hf", "train.offload_trainer=true",
+             "checkpoint.save_interval=2"]  # fmt: skip
     finish(launch("train", [*SMALL, *extra, "train.iterations=2", f"logging.run_dir={run}"]))
     last = read_jsonl(run / "metrics.jsonl")[-1]
     assert last["time/ref_logprob"] > 0 and last["kl"] is not None and last["kl"] >= 0
     assert last["mismatch/probe_abs_diff_max"] < 1e-4
     config = json.loads((run / "hf" / "adapter" / "adapter_config.json").read_text())
     assert config["r"] == 4 and config["lora_alpha"] == 8 and any((run / "hf").glob("*.safetensors"))
+
+    # The checkpoint converts, at another layout (one process), to the same merged model and adapter.
+    from tests.test_convert import _cli, _tensors
+
+    base = REPO_ROOT / "examples" / "demo"
+    for direction, out in (("mcore-to-hf", tmp_path / "merged"), ("mcore-to-peft", tmp_path / "peft")):
+        proc = _cli(["convert", direction, "--ckpt", str(run / "checkpoints"), "--hf-config", str(base),
+                     "--out", str(out)], 1)  # fmt: skip
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    for converted, exported in ((tmp_path / "merged", run / "hf"), (tmp_path / "peft", run / "hf" / "adapter")):
+        got, want = _tensors(converted), _tensors(exported)
+        assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
