@@ -74,12 +74,17 @@ test: lint
 # R1-Zero in miniature (examples/demo.yaml): cold-start SFT then GRPO on 2 processes; SEED=N for another seed;
 # TASK=tool: the multi-turn calculator demo (examples/demo_tool.yaml);
 # ASYNC=1: the asynchronous loop (each engine in a process of its own, one step off, IcePop), in runs/demo-async.
+# LORA=1: GRPO trains LoRA adapters (rank 16 on every linear layer, lr 2e-3) on the same cold start, in runs/demo-lora.
 SEED ?= 1234
 TASK ?=
 ASYNC ?= 0
+LORA ?= 0
+LORA_ARGS := model.lora.rank=16 model.lora.alpha=32 train.lr=2.0e-3 train.min_lr=1.0e-4
 demo: setup
-	PYTHON=$(BIN)/python SEED=$(SEED) TASK=$(TASK) $(if $(filter 1,$(ASYNC)),RUN_DIR=runs/demo-async) bash examples/demo.sh \
-	    $(if $(filter 1,$(ASYNC)),rollout.embedded_process=true train.max_staleness=1 algorithm.off_policy.correction=icepop)
+	PYTHON=$(BIN)/python SEED=$(SEED) TASK=$(TASK) $(if $(filter 1,$(ASYNC)),RUN_DIR=runs/demo-async) \
+	    $(if $(filter 1,$(LORA)),RUN_DIR=runs/demo-lora) bash examples/demo.sh \
+	    $(if $(filter 1,$(ASYNC)),rollout.embedded_process=true train.max_staleness=1 algorithm.off_policy.correction=icepop) \
+	    $(if $(filter 1,$(LORA)),$(LORA_ARGS))
 
 clean:
 	rm -rf build dist *.egg-info .pytest_cache .ruff_cache $(LOCK_VENV)

@@ -212,7 +212,7 @@ def worker(args: argparse.Namespace) -> None:
         sampler = job.make_sampler()
         probe = job_probe(job)
         sync_to_engines(job, 0, probe)  # the engines start from the trainer's weights
-        skipped = [] if job.reference is not None else ["ref_logprob"]
+        skipped = [] if job.reference is not None or job.reference_is_base else ["ref_logprob"]
         if job.fleet.placement is None or not job.fleet.placement.swaps_engine_memory:
             skipped.append("onload")  # nothing moves (rollout/placement.py's phases)
         if not (cfg.train.updates_per_iteration > 1 and cfg.train.old_logprobs == "trainer"):

@@ -150,7 +150,7 @@ COMMANDS: tuple[Command, ...] = (
     ),
     Command(
         "convert",
-        "hf-to-mcore / mcore-to-hf: convert between HF safetensors and megatron distributed checkpoints",
+        "hf-to-mcore / mcore-to-hf / mcore-to-peft: HF safetensors <-> megatron checkpoints; a LoRA run's PEFT adapter",
         _run_convert,
         _add_convert_args,
         takes_config=False,

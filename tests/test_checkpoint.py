@@ -8,6 +8,7 @@ checkpoints at other layouts.
 
 from __future__ import annotations
 
+import json
 import math
 import shutil
 from pathlib import Path
@@ -40,6 +41,9 @@ CASES = {
     ],
     "ep2_plain": ["parallel.ep=2", "parallel.use_distributed_optimizer=false"],
     "tp2_distopt": ["parallel.tp=2", "parallel.use_distributed_optimizer=true"],
+    # LoRA (models/lora.py): adapters and their Adam state only, base weights frozen.
+    "ep2_distopt_lora": ["parallel.ep=2", "parallel.use_distributed_optimizer=true", "model.lora.rank=4"],
+    "tp2_plain_lora": ["parallel.tp=2", "parallel.use_distributed_optimizer=false", "model.lora.rank=4"],
 }
 
 
@@ -172,6 +176,21 @@ def test_distributed_optimizer_reshards_tp2_to_dp2(runs: dict) -> None:
         (at_dp2["weights_after_step"][k] - v).abs().max().item() for k, v in full["final_weights"].items()
     )
     assert worst < 1e-6, worst
+
+
+@pytest.mark.parametrize("case", ["ep2_distopt_lora", "tp2_plain_lora"])
+def test_lora_checkpoint_holds_adapter_optimizer_state_only(runs: dict, case: str) -> None:
+    """The model part holds the frozen base and the adapters; the optimizer part, only the adapters'
+    Adam state (the base has none); the marker records the adapters."""
+    from grpo_megatron.checkpoint.integrity import read_dcp_metadata
+
+    ckpt = Path(runs["dirs"][case]) / "iter_0000002"
+    keys = list(read_dcp_metadata(ckpt).state_dict_metadata)
+    optimizer = [k for k in keys if k.startswith("optimizer") and ("decoder." in k or "embedding" in k)]
+    assert optimizer and all("_lora." in k for k in optimizer), [k for k in optimizer if "_lora." not in k][:3]
+    model = [k for k in keys if not k.startswith("optimizer")]  # megatron's keys: decoder.layers.<...> (layers stacked)
+    assert any("_lora." in k for k in model) and any(k.endswith("linear_qkv.weight") for k in model), model[:8]
+    assert json.loads((ckpt / MARKER).read_text())["model"]["lora"]["rank"] == 4
 
 
 # ----------------------------------------------------------------------------------------------

@@ -122,6 +122,13 @@ MINIATURES = [
         ("parallel.tp=2", "parallel.ep=2"),
         ("train.prompts_per_iteration=4", "algorithm.overlong.buffer_len=2", "train.lr_warmup_iterations=1"),
     ),
+    # The LoRA recipe: the same DAPO settings, adapters on attention and every expert (TP2 x EP2 here).
+    Miniature(
+        "qwen3_30b_a3b_lora",
+        prepare_dapo,
+        ("parallel.tp=2", "parallel.ep=2"),
+        ("train.prompts_per_iteration=4", "algorithm.overlong.buffer_len=2", "train.lr_warmup_iterations=1"),
+    ),
     Miniature(
         "deepseek_v3_671b",
         prepare_math_any_level,

@@ -23,6 +23,7 @@ RECIPES = sorted((REPO_ROOT / "examples" / "recipes").glob("*.yaml"))
 PUBLISHED_PARAMS = {
     "deepseek_v3_671b": 671e9,
     "qwen3_30b_a3b": 30.5e9,
+    "qwen3_30b_a3b_lora": 30.5e9,
     "r1_zero_qwen25_math_7b": 7.61e9,
     "countdown_qwen25_3b": 3.09e9,
 }

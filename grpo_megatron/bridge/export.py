@@ -58,7 +58,14 @@ import torch.distributed as dist
 
 from grpo_megatron.bridge.assemble import Landing
 from grpo_megatron.bridge.bucket_io import Bucket
-from grpo_megatron.bridge.export_plan import ExportItem, ExportPlan, Message, TransferStats, plan_export
+from grpo_megatron.bridge.export_plan import (
+    ExportItem,
+    ExportPlan,
+    Message,
+    TransferStats,
+    plan_export,
+    read_shard,
+)
 from grpo_megatron.distributed.bootstrap import ParallelState
 
 
@@ -71,6 +78,7 @@ def export_hf_stream(
     dst_rank: int = 0,
     dst_ranks: Sequence[int] | None = None,
     dtype: torch.dtype | None = None,
+    adapters: bool = False,
 ) -> Iterator[Bucket]:
     """Plan the export (collective, ``plan_export``) and yield its buckets of (HF name, full CPU
     tensor, owning its memory) on every destination rank (``dst_ranks``, default ``[dst_rank]``),
@@ -79,8 +87,11 @@ def export_hf_stream(
 
     ``bucket_bytes``: a bucket is yielded once it holds at least this many bytes (a tensor is never
     split). ``dtype``: cast on export, on the sending rank (None keeps the training dtype). To reuse a
-    plan, or to deliver elsewhere than into new CPU tensors, run ``ExportStream`` on the plan."""
-    plan = plan_export(model, ps, hf, bucket_bytes=bucket_bytes, dst_rank=dst_rank, dst_ranks=dst_ranks, dtype=dtype)
+    plan, or to deliver elsewhere than into new CPU tensors, run ``ExportStream`` on the plan.
+    ``adapters``: the LoRA adapters instead of the (merged) model (``plan_export``)."""
+    plan = plan_export(
+        model, ps, hf, bucket_bytes=bucket_bytes, dst_rank=dst_rank, dst_ranks=dst_ranks, dtype=dtype, adapters=adapters
+    )
     yield from ExportStream(plan)
 
 
@@ -161,13 +172,18 @@ class ExportStream:
             if msg.direct:
                 index, _, _ = msg.parts[0]
                 shard = mine[items[index].rule.mcore]
-                if shard.dtype == items[index].dtype and shard.device == device and shard.is_contiguous():
+                if (
+                    isinstance(shard, torch.Tensor)  # not a merged LoRA weight, made for this read
+                    and shard.dtype == items[index].dtype
+                    and shard.device == device
+                    and shard.is_contiguous()
+                ):
                     ops.append(dist.P2POp(dist.isend, shard.reshape(-1).view(torch.uint8), msg.peer))
                     continue  # sent from the weights themselves: no copy
             rnd.taken.append(self.pool.take(msg.nbytes))
             flat_u8 = rnd.taken[-1][: msg.nbytes]
             for index, slot, offset in msg.parts:
-                _view(flat_u8, offset, items[index], slot).copy_(mine[items[index].rule.mcore])
+                _view(flat_u8, offset, items[index], slot).copy_(read_shard(mine[items[index].rule.mcore]))
             ops.append(dist.P2POp(dist.isend, flat_u8, msg.peer))
         for msg in plan.recvs[k]:
             stats.received_bytes += msg.nbytes
@@ -215,7 +231,7 @@ class ExportStream:
             if not plan.sources[index]:  # not among what this destination receives (``needs``)
                 continue
             shards = [] if index in landed else [
-                plan.local[item.rule.mcore] if src == plan.rank else received[(index, slot)]
+                read_shard(plan.local[item.rule.mcore]) if src == plan.rank else received[(index, slot)]
                 for slot, src in enumerate(plan.sources[index])
             ]  # fmt: skip
             pieces, held = self.landing.land(item, shards, index in landed)

@@ -14,10 +14,17 @@ import torch
 import torch.distributed as dist
 
 from grpo_megatron.bridge.bucket_io import aligned, dtype_named
-from grpo_megatron.bridge.layout import local_tensors, rules_by_name, tp_group_of
+from grpo_megatron.bridge.layout import (
+    MergedShard,
+    adapter_tensors,
+    local_tensors,
+    merged_shards,
+    rules_by_name,
+    tp_group_of,
+)
 from grpo_megatron.bridge.transforms import hf_shapes
 from grpo_megatron.distributed.bootstrap import ParallelState
-from grpo_megatron.models.weight_rules import WeightRule
+from grpo_megatron.models.weight_rules import WeightRule, lora_rules
 
 ROUNDS_PER_BUCKET = 4
 """Transfer rounds per bucket: with ``rounds_in_flight`` rounds posted ahead, the bytes in flight
@@ -63,22 +70,34 @@ class _RankInfo:
     replica: int  # dense data-parallel rank (with CP rank): ranks of one model copy share it
 
 
+Shard = torch.Tensor | MergedShard
+"""A local shard of the stream: the tensor itself, or a LoRA-adapted weight merged when read."""
+
+
+def read_shard(shard: Shard) -> torch.Tensor:
+    """The bytes a shard exports now (a ``MergedShard`` is merged at this call)."""
+    return shard() if isinstance(shard, MergedShard) else shard
+
+
 Entry = tuple[str, tuple[int, ...], str, int | None, bool, int, int]
 """(canonical name, local shape, dtype, split dim or None, GLU, slices, this slice's index)."""
 
 
 def _announce(
-    model: torch.nn.Module, ps: ParallelState, rules: Mapping[str, WeightRule]
-) -> tuple[list[Entry], dict[str, torch.Tensor]]:
-    """This rank's metadata entries for every shard it holds and its local tensors by canonical name.
-    Every copy is announced (data-parallel replicas, TP ranks' copies of unsplit tensors): each is a
-    possible source, and the source choice spreads the load over them."""
+    model: torch.nn.Module, ps: ParallelState, rules: Mapping[str, WeightRule], *, adapters: bool = False
+) -> tuple[list[Entry], dict[str, Shard]]:
+    """This rank's metadata entries for every shard it holds and its local tensors by canonical name
+    (a LoRA-adapted weight as its ``MergedShard``; ``adapters``: the LoRA adapters' tensors instead of
+    the model's). Every copy is announced (data-parallel replicas, TP ranks' copies of unsplit
+    tensors): each is a possible source, and the source choice spreads the load over them."""
     entries: list[Entry] = []
-    mine: dict[str, torch.Tensor] = {}
-    for _, tensor, layout in local_tensors(model, ps, rules):
+    mine: dict[str, Shard] = {}
+    merged = merged_shards(model)
+    tensors = adapter_tensors(model, ps) if adapters else local_tensors(model, ps, rules)
+    for _, tensor, layout in tensors:
         _, size, slot = tp_group_of(layout, ps)
         split = layout.partition_dim is not None and size > 1
-        mine[layout.canonical_name] = tensor.detach()
+        mine[layout.canonical_name] = merged.get(id(tensor), tensor.detach())
         entries.append((
             layout.canonical_name, tuple(tensor.shape), str(tensor.dtype),
             layout.partition_dim if split else None, layout.glu, size if split else 1, slot if split else 0,
@@ -334,9 +353,10 @@ class ExportPlan:
     """This rank's incoming messages of each round."""
     pair_bytes: dict[tuple[int, int], int]
     """Bytes (src, dst) moves per export, for every pair of the world (benchmarks, metrics)."""
-    local: dict[str, torch.Tensor] = field(repr=False)
+    local: dict[str, Shard] = field(repr=False)
     """This rank's shards by canonical name: detached views that share the parameters' storage, so
-    they follow every optimizer step and offload round trip (offload resizes storage in place)."""
+    they follow every optimizer step and offload round trip (offload resizes storage in place); a
+    LoRA-adapted weight is a ``MergedShard``, merged each time it is read (``read_shard``)."""
     wanted: dict[int, frozenset[int] | None] = field(default_factory=dict)
     """Per destination, the indices of the items it receives (None or absent: every item)."""
 
@@ -371,11 +391,14 @@ def plan_export(
     dtype: torch.dtype | None = None,
     rounds_in_flight: int = ROUNDS_IN_FLIGHT,
     needs: Mapping[int, Needs | None] | None = None,
+    adapters: bool = False,
 ) -> ExportPlan:
     """Collective: exchange shard metadata (names, shapes, dtypes, slices, hosts; no weights) and plan
     the stream to ``dst_ranks`` (default: ``[dst_rank]``). ``needs``: per destination, which HF
     tensors it receives (absent or None: all; the same mapping on every rank); each destination's
-    bytes come only for those, its manifest lists only those."""
+    bytes come only for those, its manifest lists only those. ``adapters``: stream the LoRA adapters
+    (``X_lora.lora_A`` / ``lora_B``, under ``<HF weight>.lora_A.weight`` / ``lora_B.weight``,
+    ``models/weight_rules.py:lora_rules``) instead of the (merged) model."""
     dsts = tuple(dst_ranks) if dst_ranks is not None else (dst_rank,)
     if bucket_bytes <= 0:
         raise ValueError(f"bucket_bytes={bucket_bytes} must be > 0")
@@ -384,10 +407,12 @@ def plan_export(
     if not dsts or len(set(dsts)) != len(dsts) or not all(0 <= d < ps.world_size for d in dsts):
         raise ValueError(f"destination ranks {list(dsts)} must be distinct ranks of this world of {ps.world_size}")
     rules = rules_by_name(hf)
-    entries, mine = _announce(model, ps, rules)
+    entries, mine = _announce(model, ps, rules, adapters=adapters)
     everyone: list[Any] = [None] * ps.world_size
     me = (entries, _RankInfo(socket.gethostname(), ps.dp_rank * ps.cp + ps.cp_rank))
     dist.all_gather_object(everyone, me)
+    if adapters:
+        rules = lora_rules(dict(rules), {entry[0] for rank_entries, _ in everyone for entry in rank_entries})
     items = _items(rules, [e for e, _ in everyone], dtype, hf.get("model_type"))
     unknown = sorted(set(needs or {}) - set(dsts))
     if unknown:

@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from grpo_megatron.distributed.bootstrap import ParallelState
+from grpo_megatron.models.lora import LoRAAdapter, is_lora_param, lora_adapters
 from grpo_megatron.models.registry import get_adapter
 from grpo_megatron.models.weight_rules import WeightRule
 
@@ -112,7 +113,7 @@ def shard_layouts(
                 canonical_name=canonical,
                 partition_dim=getattr(param, "partition_dim", None) if sharded else None,
                 is_expert=is_expert,
-                glu=bool(config.gated_linear_unit) and name.endswith("linear_fc1.weight"),
+                glu=bool(config.gated_linear_unit) and name.endswith(("linear_fc1.weight", "linear_fc1_lora.lora_B")),
             ),
         )
 
@@ -191,9 +192,32 @@ def buffer_layouts(model: torch.nn.Module, rules: Mapping[str, WeightRule]) -> I
 def local_tensors(
     model: torch.nn.Module, ps: ParallelState, rules: Mapping[str, WeightRule]
 ) -> Iterator[tuple[str, torch.Tensor, ShardLayout]]:
-    """This rank's parameters and mapped buffers, each with its canonical layout."""
-    yield from shard_layouts(model, ps)
+    """This rank's parameters and mapped buffers, each with its canonical layout: the tensors of the
+    Hugging Face model (LoRA adapters are not among them: see ``merged_shards``)."""
+    yield from ((n, p, sl) for n, p, sl in shard_layouts(model, ps) if not is_lora_param(p))
     yield from buffer_layouts(model, rules)
+
+
+def adapter_tensors(model: torch.nn.Module, ps: ParallelState) -> Iterator[tuple[str, torch.Tensor, ShardLayout]]:
+    """This rank's LoRA adapter tensors (``X_lora.lora_A`` / ``lora_B``), each with its canonical layout."""
+    yield from ((n, p, sl) for n, p, sl in shard_layouts(model, ps) if is_lora_param(p))
+
+
+@dataclass(frozen=True)
+class MergedShard:
+    """A LoRA-adapted weight's shard as Hugging Face models hold it, ``W + scale * B A``, computed
+    each time it is read (``__call__``), so it follows every optimizer step of the adapter."""
+
+    weight: torch.Tensor
+    adapter: LoRAAdapter
+
+    def __call__(self) -> torch.Tensor:
+        return self.adapter.merged(self.weight)
+
+
+def merged_shards(model: torch.nn.Module) -> dict[int, MergedShard]:
+    """By ``id`` of each adapted base weight of ``model``: its merged shard (none without LoRA)."""
+    return {id(a.base.weight): MergedShard(a.base.weight.detach(), a) for a in lora_adapters(model)}
 
 
 def canonical_shape(shard: torch.Tensor, layout: ShardLayout, ps: ParallelState) -> tuple[int, ...]:

@@ -153,7 +153,9 @@ def verify_checkpoint(ckpt: str | Path, *, shape: dict[str, Any] | None = None, 
         raise CheckpointError(f"{ckpt}/grpo_checkpoint.json holds no JSON object; the checkpoint cannot load")
     saved = marker.get("model")
     if shape is not None and isinstance(saved, dict):
-        differ = {k: (saved.get(k), v) for k, v in shape.items() if k in saved and saved[k] != v}
+        # LoRA adapters (model.lora) are part of the model: with them on either side, they must agree.
+        keys = [k for k in shape if k in saved] + (["lora"] if "lora" in saved and "lora" not in shape else [])
+        differ = {k: (saved.get(k), shape.get(k)) for k in keys if saved.get(k) != shape.get(k)}
         if differ:
             shown = ", ".join(f"{k} {a} in the checkpoint vs {b}" for k, (a, b) in differ.items())
             raise CheckpointMismatch(
@@ -190,4 +192,5 @@ def model_shape(model: torch.nn.Module, vocab_size: int) -> dict[str, Any]:
         "num_experts": int(config.num_moe_experts or 0),
         "vocab_size": int(vocab_size),
         "dtype": str(next(gpt.parameters()).dtype).removeprefix("torch."),
+        **({"lora": dict(gpt.lora_shape)} if getattr(gpt, "lora_shape", None) else {}),
     }

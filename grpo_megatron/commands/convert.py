@@ -9,7 +9,11 @@
   layout, loads the checkpoint's model (a converted one or a training checkpoint's
   ``iter_XXXXXXX``), streams it through ``bridge/export.export_hf_stream`` into safetensors shards
   with their index, config.json and the tokenizer files. ``--hf-config`` (default: the checkpoint
-  directory) supplies config.json and the tokenizer.
+  directory) supplies config.json and the tokenizer. A checkpoint of a LoRA run (``model.lora``,
+  recorded in its marker) is built with its adapters and written merged (``W + scale * B A``).
+- ``mcore-to-peft --ckpt DIR [--hf-config DIR] --out DIR [--tp ...]``: the adapters of a LoRA run's
+  checkpoint as a PEFT adapter directory (``adapter_config.json`` + ``adapter_model.safetensors``,
+  ``bridge/peft_export.py``) that ``peft.PeftModel.from_pretrained`` loads onto the base model.
 
 Outputs appear atomically: a temporary sibling directory is renamed when complete.
 """
@@ -27,6 +31,7 @@ if TYPE_CHECKING:
     from megatron.core.models.gpt import GPTModel
 
     from grpo_megatron.distributed.bootstrap import ParallelState
+    from grpo_megatron.models.config import LoRAConfig
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
@@ -61,9 +66,10 @@ def config_dtype(hf: dict[str, Any]) -> str:
 
 
 def _start(
-    hf_dir: Path, hf: dict[str, Any], args: argparse.Namespace, dtype: str
+    hf_dir: Path, hf: dict[str, Any], args: argparse.Namespace, dtype: str, lora: dict[str, Any] | None = None
 ) -> tuple[ParallelState, GPTModel, int]:
-    """Process groups at the requested layout and this rank's model shard."""
+    """Process groups at the requested layout and this rank's model shard (with ``lora``, a
+    checkpoint marker's adapters: ``checkpoint/integrity.py:model_shape``)."""
     from grpo_megatron.config import model_layout_errors
     from grpo_megatron.distributed.bootstrap import init_distributed, world_size_from_env
     from grpo_megatron.distributed.config import ParallelConfig
@@ -80,6 +86,10 @@ def _start(
         raise ConvertError("; ".join(errors).replace("parallel.", "--"))
     ps = init_distributed(parallel)
     model, spec = build_gpt_model(hf, model_cfg, ps)
+    if lora:
+        from grpo_megatron.models.lora import add_lora
+
+        add_lora(model, lora_config(lora), seed=0, gated=bool(spec.transformer_config.gated_linear_unit))
     model.eval()
     return ps, model, spec.vocab_size
 
@@ -122,12 +132,47 @@ def hf_to_mcore(args: argparse.Namespace) -> Path:
     return out
 
 
+def lora_config(recorded: dict[str, Any]) -> LoRAConfig:
+    """The ``model.lora`` section a checkpoint's marker recorded (rank, alpha, targets)."""
+    from grpo_megatron.models.config import LoRAConfig
+
+    return LoRAConfig(rank=int(recorded["rank"]), alpha=float(recorded["alpha"]), targets=list(recorded["targets"]))
+
+
+def mcore_to_peft(args: argparse.Namespace) -> Path:
+    """Collective: the LoRA adapters of checkpoint ``args.ckpt`` -> PEFT adapter directory ``args.out``."""
+    from grpo_megatron.bridge.peft_export import write_peft_adapter
+
+    ps, model, hf, hf_dir, marker = _load_checkpoint(args)
+    lora = marker.get("model", {}).get("lora")
+    if not lora:
+        raise ConvertError(f"--ckpt {args.ckpt}: not a LoRA run's checkpoint (its marker records no model.lora): "
+                           "use mcore-to-hf for its weights")  # fmt: skip
+    write_peft_adapter(model, ps, hf, lora_config(lora), Path(args.out), base_model=str(args.hf_config or ""))
+    return Path(args.out)
+
+
 def mcore_to_hf(args: argparse.Namespace) -> Path:
-    """Collective: the model of checkpoint ``args.ckpt`` -> HF safetensors directory ``args.out``."""
+    """Collective: the model of checkpoint ``args.ckpt`` -> HF safetensors directory ``args.out``
+    (a LoRA run's: merged)."""
     import torch.distributed as dist
 
     from grpo_megatron.bridge.hf_loader import tokenizer_files
     from grpo_megatron.bridge.safetensors_writer import write_hf_checkpoint
+
+    ps, model, hf, hf_dir, marker = _load_checkpoint(args)
+    dtype = marker.get("dtype", "float32") if args.dtype == "auto" else args.dtype
+    hf_out = {**hf, "dtype": dtype}
+    write_hf_checkpoint(
+        model, ps, hf, Path(args.out), hf_config=hf_out, extra_files=tokenizer_files(hf_dir), bucket_bytes=args.bucket_mb << 20
+    )
+    dist.barrier()
+    return Path(args.out)
+
+
+def _load_checkpoint(args: argparse.Namespace) -> tuple[ParallelState, GPTModel, dict[str, Any], Path, dict[str, Any]]:
+    """Collective: the model of checkpoint ``args.ckpt`` built at the launch's layout (with the
+    adapters its marker records) and loaded; with its HF config, that config's directory and the marker."""
     from grpo_megatron.checkpoint.dist import (
         CheckpointError,
         load_model_checkpoint,
@@ -148,17 +193,12 @@ def mcore_to_hf(args: argparse.Namespace) -> Path:
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ConvertError(f"--out {out} exists and is not empty: choose a new output directory")
     dtype = marker.get("dtype", "float32") if args.dtype == "auto" else args.dtype
-    ps, model, vocab_size = _start(hf_dir, hf, args, dtype)
+    ps, model, vocab_size = _start(hf_dir, hf, args, dtype, lora=(marker.get("model") or {}).get("lora"))
     try:
         load_model_checkpoint(model, ps, ckpt, vocab_size=vocab_size, model_source=f"--hf-config {hf_dir / 'config.json'}")
     except (CheckpointError, RuntimeError) as exc:  # RuntimeError: rank 0's CheckpointError, on the others
         raise ConvertError(str(exc)) from exc
-    hf_out = {**hf, "dtype": dtype}
-    write_hf_checkpoint(
-        model, ps, hf, out, hf_config=hf_out, extra_files=tokenizer_files(hf_dir), bucket_bytes=args.bucket_mb << 20
-    )
-    dist.barrier()
-    return out
+    return ps, model, hf, hf_dir, marker
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -189,7 +229,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     to_hf.add_argument(
         "--bucket-mb", type=int, default=512, help="safetensors shard size in MiB (default 512)"
     )
-    for p in (to_mcore, to_hf):
+    to_peft = sub.add_parser(
+        "mcore-to-peft",
+        help="a LoRA run's checkpoint -> PEFT adapter (adapter_config.json + adapter_model.safetensors)",
+        description="a LoRA run's checkpoint -> PEFT adapter (adapter_config.json + adapter_model.safetensors)",
+    )
+    to_peft.add_argument("--ckpt", required=True, metavar="DIR", help="checkpoint directory (or one with `latest`)")
+    to_peft.add_argument("--hf-config", metavar="DIR", default=None,
+                         help="the base model's directory (config.json; default: --ckpt); written as the "
+                         "adapter's base_model_name_or_path")  # fmt: skip
+    to_peft.add_argument("--out", required=True, metavar="DIR", help="new PEFT adapter directory")
+    for p in (to_mcore, to_hf, to_peft):
         p.add_argument("--tp", type=int, default=1, help="tensor parallel size of this launch (default 1)")
         p.add_argument("--pp", type=int, default=1, help="pipeline parallel size (default 1)")
         p.add_argument("--ep", type=int, default=1, help="expert parallel size (default 1)")
@@ -215,7 +265,7 @@ def main(args: argparse.Namespace) -> int:
 
     from grpo_megatron.distributed.bootstrap import destroy_distributed
 
-    run = hf_to_mcore if args.direction == "hf-to-mcore" else mcore_to_hf
+    run = {"hf-to-mcore": hf_to_mcore, "mcore-to-hf": mcore_to_hf, "mcore-to-peft": mcore_to_peft}[args.direction]
     try:
         out = run(args)
     except ConvertError as exc:

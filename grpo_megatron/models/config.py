@@ -19,6 +19,89 @@ SUPPORTED_MODEL_TYPES: tuple[str, ...] = ("qwen2", "qwen3", "qwen3_moe", "deepse
 # qwen3_moe / qwen2_moe: num_experts, deepseek_v3: n_routed_experts, mixtral: num_local_experts.
 EXPERT_COUNT_KEYS: tuple[str, ...] = ("num_experts", "n_routed_experts", "num_local_experts")
 
+# LoRA targets (model.lora.targets): where in the model, and which of megatron's linear layers there.
+LORA_GROUPS: dict[str, tuple[str, ...]] = {
+    "attention": (
+        "linear_qkv", "linear_proj",  # grouped-query attention (Qwen, Mixtral)
+        # multi-latent attention (DeepSeek-V3): linear_q_proj when q_lora_rank is unset
+        "linear_q_proj", "linear_q_down_proj", "linear_q_up_proj", "linear_kv_down_proj", "linear_kv_up_proj",
+    ),
+    "experts": ("linear_fc1", "linear_fc2"),  # routed experts: one adapter per expert
+    "shared_experts": ("linear_fc1", "linear_fc2"),  # DeepSeek-V3's shared experts
+    "dense_mlp": ("linear_fc1", "linear_fc2"),  # dense layers' MLPs (dense models, DeepSeek-V3's first layers)
+}  # fmt: skip
+
+
+def lora_place(canonical: str) -> tuple[str, str] | None:
+    """(group, linear) of a canonical megatron weight a LoRA target can name, else None:
+    ``decoder.layers.3.mlp.experts.local_experts.5.linear_fc1.weight`` -> ("experts", "linear_fc1")."""
+    parts = canonical.split(".")
+    if len(parts) < 5 or parts[:2] != ["decoder", "layers"] or parts[-1] != "weight":
+        return None
+    where, linear = ".".join(parts[3:-2]), parts[-2]
+    if where == "self_attention":
+        group = "attention"
+    elif where.startswith("mlp.experts.local_experts."):
+        group = "experts"
+    elif where == "mlp.shared_experts":
+        group = "shared_experts"
+    elif where == "mlp":
+        group = "dense_mlp"
+    else:
+        return None
+    return (group, linear) if linear in LORA_GROUPS[group] else None
+
+
+@dataclass
+class LoRAConfig:
+    """LoRA adapters on megatron-core's linear layers (``model.lora``): the base weights stay frozen
+    (no gradients, no optimizer state) and each targeted layer computes ``W x + scale * B (A x)``,
+    ``scale = alpha / rank``; the reference model is the policy with its adapters off. ``rank`` 0:
+    full-parameter training."""
+
+    rank: int = 0
+    """Adapter rank r (A: [r, in], B: [out, r]); 0 turns LoRA off."""
+    alpha: float = 32.0
+    """Scale numerator: the update is (alpha / rank) * B A, as in PEFT."""
+    dropout: float = 0.0
+    """Dropout on the adapter's input (training passes only); 0 keeps the passes deterministic."""
+    targets: list[str] = field(default_factory=lambda: list(LORA_GROUPS))
+    """Where adapters go: a group (attention, experts, shared_experts, dense_mlp: every linear layer
+    of it) or group.linear (e.g. attention.linear_qkv, experts.linear_fc2); the default: every linear
+    layer of the decoder (not the embedding, router or output layer)."""
+
+    @property
+    def enabled(self) -> bool:
+        return self.rank > 0
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / self.rank
+
+    def targeted(self, group: str, linear: str) -> bool:
+        """Whether ``linear`` (a megatron module name) in ``group`` gets an adapter."""
+        return self.enabled and (group in self.targets or f"{group}.{linear}" in self.targets)
+
+    def validate(self) -> None:
+        errors = []
+        if self.rank < 0:
+            errors.append(f"model.lora.rank={self.rank} must be >= 0 (0 = full-parameter training)")
+        if self.enabled and self.alpha <= 0:
+            errors.append(f"model.lora.alpha={self.alpha} must be > 0 (the update is alpha / rank * B A)")
+        if not 0.0 <= self.dropout < 1.0:
+            errors.append(f"model.lora.dropout={self.dropout} must be in [0, 1)")
+        valid = [*LORA_GROUPS, *(f"{g}.{name}" for g, names in LORA_GROUPS.items() for name in names)]
+        unknown = [t for t in self.targets if t not in valid]
+        if unknown:
+            errors.append(
+                f"model.lora.targets: unknown {unknown}; use groups {list(LORA_GROUPS)} or group.linear, "
+                f"e.g. attention.linear_qkv, experts.linear_fc1"
+            )
+        if self.enabled and not self.targets:
+            errors.append("model.lora.targets is empty: name at least one group, e.g. [attention, experts]")
+        if errors:
+            raise ValueError("\n".join(errors))
+
 
 @dataclass
 class ModelConfig:
@@ -43,6 +126,8 @@ class ModelConfig:
     """Load-balancing auxiliary loss weight; 0 keeps the RL loss pure."""
     recompute: Literal["none", "selective", "full"] = "none"
     """Activation recomputation: trades compute for memory in the backward pass."""
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
+    """LoRA adapters (rank 0, the default: full-parameter training)."""
 
     def config_json_path(self) -> Path:
         return Path(self.hf_path) / "config.json"
@@ -81,6 +166,10 @@ class ModelConfig:
             )
         if self.moe_aux_loss_coeff < 0:
             errors.append(f"model.moe_aux_loss_coeff={self.moe_aux_loss_coeff} must be >= 0 (0 disables it)")
+        try:
+            self.lora.validate()
+        except ValueError as e:
+            errors.append(str(e))
         if errors:
             raise ValueError("\n".join(errors))
 

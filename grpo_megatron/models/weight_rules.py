@@ -70,3 +70,32 @@ def qkv(mcore: str, q: str, k: str, v: str, geometry: QKVGroups) -> WeightRule:
 
 def vocab(mcore: str, hf: str, vocab_size: int, *, export: bool = True) -> WeightRule:
     return WeightRule(mcore, (hf,), "vocab", vocab_size=vocab_size, export=export)
+
+
+# ---- LoRA adapters: their rules follow from the base weight's ------------------------------------
+LORA_SUFFIX = "_lora"
+"""A targeted linear layer ``X`` has a sibling ``X_lora`` holding ``lora_A`` and ``lora_B`` (models/lora.py)."""
+
+
+def lora_hf_name(hf_weight: str, factor: str) -> str:
+    """``model.layers.0.self_attn.q_proj.weight`` -> ``model.layers.0.self_attn.q_proj.lora_A.weight``."""
+    return f"{hf_weight.removesuffix('.weight')}.{factor}.weight"
+
+
+def lora_rules(base: dict[str, WeightRule], present: set[str]) -> dict[str, WeightRule]:
+    """The rules of the adapters in ``present`` (canonical names ``X_lora.lora_A`` / ``lora_B``), in
+    the HF order of their base weights: B's rows are the weight's rows, so B takes the base rule's
+    kind (the QKV and GLU splits are row splits); A is shared by every HF tensor of a fused weight,
+    and travels once, under the first one's name."""
+    rules: dict[str, WeightRule] = {}
+    for rule in base.values():
+        if not rule.mcore.endswith(".weight"):
+            continue
+        stem = rule.mcore.removesuffix(".weight") + LORA_SUFFIX
+        a, b = f"{stem}.lora_A", f"{stem}.lora_B"
+        if a not in present:
+            continue
+        hf_b = tuple(lora_hf_name(h, "lora_B") for h in rule.hf)
+        rules[a] = copy(a, lora_hf_name(rule.hf[0], "lora_A"))
+        rules[b] = WeightRule(b, hf_b, rule.kind, qkv=rule.qkv)
+    return rules

@@ -42,6 +42,7 @@ from grpo_megatron.planner.model_states import (
     ModelDims,
     ParamCounts,
     canonical_tensors,
+    lora_tensors,
     rank_param_counts,
     stage_layers,
     total_params,
@@ -136,6 +137,8 @@ class MemoryPlan:
     seq_len: int
     notes: list[str] = field(default_factory=list)
     suggestions: list[str] = field(default_factory=list)
+    trainable_rank: ParamCounts | None = None
+    """Parameters of the busiest rank that train (model.lora: the adapters'); None: all of them."""
 
     def phase_gib(self, phase: str) -> float:
         return sum(x.gib for x in self.phases.get(phase, []))
@@ -189,6 +192,8 @@ class _Trainer:
     """"params", "grads", "optimizer" (rollout/placement.py TRAINER_PARTS) and "reference"."""
     training: list[Line]
     """Activations and MoE dispatch buffers."""
+    trainable: ParamCounts | None = None
+    """Parameters with gradients and optimizer state (LoRA: the adapters'); None: ``counts``."""
 
     @property
     def total(self) -> float:
@@ -207,6 +212,10 @@ def _stage_lines(cfg: JobConfig, hf: Mapping[str, Any], layout: Layout, opts: Pl
     dense_shards = layout.dp * layout.cp if cfg.parallel.use_distributed_optimizer else 1
     expert_shards = layout.edp if cfg.parallel.use_distributed_optimizer else 1
     counts = rank_param_counts(tensors, layout, d, stage)
+    trainable = counts  # what has gradients and optimizer state: everything, or (LoRA) the adapters
+    if cfg.model.lora.enabled:
+        trainable = rank_param_counts(lora_tensors(tensors, cfg.model.lora), layout, d, stage)
+        counts = ParamCounts(counts.dense + trainable.dense, counts.expert + trainable.expert)
     layers = stage_layers(d.num_layers, layout.pp, stage)
     in_flight = layout.pp - stage  # 1F1B: the first stage holds pp micro-batches, the last one
     per_layer = [
@@ -224,23 +233,24 @@ def _stage_lines(cfg: JobConfig, hf: Mapping[str, Any], layout: Layout, opts: Pl
         act_note = f"{len(layers)} layers x {in_flight} micro-batch(es) in flight, {cfg.model.recompute} recompute"
     if stage == layout.pp - 1:
         act += output_activation_bytes(vp, layout, act_bytes) * tokens
+    lora_note = f" of the LoRA adapters ({human_count(trainable.total)})" if cfg.model.lora.enabled else ""
     state = {
         "params": Line("parameters", counts.total * pbytes / GIB, f"{human_count(counts.total)} on this rank ({cfg.model.dtype})"),
-        "grads": Line("gradients", counts.total * opts.grad_bytes / GIB, f"fp{8 * opts.grad_bytes} main grads"),
+        "grads": Line("gradients", trainable.total * opts.grad_bytes / GIB, f"fp{8 * opts.grad_bytes} main grads" + lora_note),
         "optimizer": Line(
             "optimizer state",
-            (counts.dense * opt_bytes / dense_shards + counts.expert * opt_bytes / expert_shards) / GIB,
-            f"{opt_bytes} B/param, dense / {dense_shards}, experts / {expert_shards}",
+            (trainable.dense * opt_bytes / dense_shards + trainable.expert * opt_bytes / expert_shards) / GIB,
+            f"{opt_bytes} B/param, dense / {dense_shards}, experts / {expert_shards}" + lora_note,
         ),
     }
-    if cfg.algorithm.kl.enabled:
+    if cfg.algorithm.kl.enabled and not cfg.model.lora.enabled:  # LoRA: the reference is the base, no copy
         where = "on the CPU but in the reference pass" if cfg.train.reference_on_cpu else "resident, never offloaded"
         state["reference"] = Line("reference model", counts.total * pbytes / GIB, f"frozen copy, same sharding; {where}")
     training = [Line("activations", act / GIB, act_note)]
     if d.num_experts:
         dispatch = dispatch_buffer_bytes(d, layout, act_bytes, tokens, opts.moe_imbalance)
         training.append(Line("MoE dispatch buffers", dispatch / GIB, "all-to-all send + receive of one layer"))
-    return _Trainer(stage, counts, state, training)
+    return _Trainer(stage, counts, state, training, trainable)
 
 
 def _engine_lines(
@@ -318,8 +328,22 @@ def plan_memory(cfg: JobConfig, hf: Mapping[str, Any], world_size: int, opts: Pl
         phases={p: _phase(p, held[p], trainer, engine, cfg, opts) for p in names},
         kv_tokens=kv_tokens,
         seq_len=cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens,
-        notes=notes,
+        notes=notes + _lora_notes(cfg, trainer),
+        trainable_rank=trainer.trainable,
     )
+
+
+def _lora_notes(cfg: JobConfig, trainer: _Trainer) -> list[str]:
+    """What model.lora changes in the plan, in words."""
+    lora, t = cfg.model.lora, trainer.trainable
+    if not lora.enabled or t is None:
+        return []
+    share = t.total / max(trainer.counts.total, 1)
+    return [
+        f"model.lora rank {lora.rank} on {', '.join(lora.targets)}: {human_count(t.total)} trainable parameters on "
+        f"this rank ({share:.2%}); gradients and optimizer state for them only; "
+        + ("the reference is the policy with its adapters off (no copy)" if cfg.algorithm.kl.enabled else "no KL, no reference")
+    ]
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from grpo_megatron.distributed.config import ParallelConfig
+from grpo_megatron.models.config import LoRAConfig, lora_place
 from grpo_megatron.models.registry import get_adapter
 
 
@@ -266,3 +267,22 @@ def total_params(hf: Mapping[str, Any], *, padded_vocab: int | None = None) -> i
     """Parameters of the whole model (vocabulary unpadded unless ``padded_vocab`` is given)."""
     d = ModelDims.from_hf(hf)
     return sum(s.numel for s in canonical_tensors(hf, padded_vocab=padded_vocab or d.vocab))
+
+
+def lora_tensors(tensors: Sequence[TensorSpec], lora: LoRAConfig) -> list[TensorSpec]:
+    """The LoRA adapters of ``lora`` on ``tensors`` (models/lora.py): per targeted weight [out, in],
+    A [r, in] split as the weight's input columns (row-parallel) and B [out, r] as its output rows
+    (column-parallel); whole where the weight is."""
+    out = []
+    for spec in tensors:
+        place = lora_place(spec.name)
+        if place is None or not lora.targeted(*place):
+            continue
+        rows, cols = spec.shape
+        stem = spec.name.removesuffix(".weight") + "_lora."
+        a_dim, b_dim = (1 if spec.partition_dim == 1 else None), (0 if spec.partition_dim == 0 else None)
+        out += [
+            TensorSpec(stem + "lora_A", (lora.rank, cols), a_dim, is_expert=spec.is_expert, layer=spec.layer),
+            TensorSpec(stem + "lora_B", (rows, lora.rank), b_dim, is_expert=spec.is_expert, layer=spec.layer),
+        ]
+    return out

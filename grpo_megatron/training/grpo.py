@@ -155,9 +155,9 @@ def run_iteration(
     # Every trainer pass takes these; each pass's MoE routing is algorithm.routing_replay's (off, r2, r3).
     passes = PassSettings(ps, job.pad_id, policy.spec.vocab_size, cfg.rollout.temperature,
                           RoutingReplay(cfg.algorithm.routing_replay, ps, policy.spec.num_experts))
-    with timer("ref_logprob"), job.reference_on_device():
-        if job.reference is not None:
-            logprob_pass(job.reference, batch.samples, plan, "ref", passes).store(batch.samples)
+    with timer("ref_logprob"), job.reference_on_device() as reference:
+        if reference is not None:
+            logprob_pass(reference, batch.samples, plan, "ref", passes).store(batch.samples)
     routing_metrics: dict[str, float] = {}  # the first policy pass's: the old-policy pass when it runs
     with timer("old_logprob"):
         if cfg.train.updates_per_iteration > 1 and cfg.train.old_logprobs == "trainer":

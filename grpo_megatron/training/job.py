@@ -130,22 +130,30 @@ class Job(Runtime):
     train_records: list[PromptRecord]
     checkpoints: CheckpointManager
     reference: torch.nn.Module | None = None
-    """Frozen reference model (same layout as the policy); None when the KL penalty is off."""
+    """Frozen reference model (same layout as the policy); None when the KL penalty is off or when
+    the policy is its own reference (``reference_is_base``)."""
+    reference_is_base: bool = False
+    """model.lora with the KL penalty on: the reference is the policy with its adapters off (no copy)."""
 
     def make_sampler(self, num_items: int | None = None) -> PromptSampler:
         """The seeded, resumable order in which training prompts are drawn."""
         return super().make_sampler(len(self.train_records) if num_items is None else num_items)
 
     @contextmanager
-    def reference_on_device(self) -> Iterator[None]:
-        """With train.reference_on_cpu on a GPU, the reference's weights live in host memory and
-        visit the device only for the reference pass; otherwise nothing moves."""
+    def reference_on_device(self) -> Iterator[torch.nn.Module | None]:
+        """The reference model for the reference pass (None: no KL penalty). With model.lora, the
+        policy with its adapters off for the block; with train.reference_on_cpu on a GPU, the
+        reference's weights live in host memory and visit the device only for the block."""
+        if self.reference_is_base:
+            with self.policy.reference():
+                yield self.policy.model
+            return
         swap = self.cfg.train.reference_on_cpu and self.ps.device.type == "cuda"
         reference = self.reference if swap else None
         if reference is not None:
             reference.to(self.ps.device)
         try:
-            yield
+            yield self.reference
         finally:
             if reference is not None:
                 reference.to("cpu")
@@ -213,13 +221,20 @@ def build_reference(model_cfg: ModelConfig, hf: dict, ps: ParallelState, policy:
 
 def export_hf_checkpoint(job: Runtime, out_dir: Path) -> None:
     """Stream the policy's weights into a Hugging Face directory (safetensors, index, config.json and
-    the tokenizer files), written atomically by rank 0; every rank takes part in the stream."""
+    the tokenizer files), written atomically by rank 0; every rank takes part in the stream. With
+    model.lora the weights are merged (W + scale * B A), and the adapters alone go beside them as a
+    PEFT adapter directory, ``<out_dir>/adapter``."""
     from grpo_megatron.bridge.hf_loader import tokenizer_files
     from grpo_megatron.bridge.safetensors_writer import write_hf_checkpoint
 
     tokenizer_dir = Path(job.cfg.data.tokenizer_path or job.cfg.model.hf_path)
     job.memory.to_trainer()  # the export reads the parameters (train.offload_trainer)
     write_hf_checkpoint(job.policy.model, job.ps, job.hf, out_dir, extra_files=tokenizer_files(tokenizer_dir))
+    if job.policy.lora:
+        from grpo_megatron.bridge.peft_export import write_peft_adapter
+
+        write_peft_adapter(job.policy.model, job.ps, job.hf, job.cfg.model.lora, out_dir / "adapter",
+                           base_model=job.cfg.model.hf_path)  # fmt: skip
 
 
 def start_preemption(cfg: CheckpointConfig, install: bool) -> Preemption:
@@ -340,7 +355,8 @@ def _models(
     if ps.rank == 0:
         source = cfg.model.hf_path if loaded else "random initialisation (no *.safetensors in model.hf_path)"
         print(f"[job] {policy.spec.model_type} from {source} | {ps.describe()}", flush=True)
-    reference = build_reference(cfg.model, hf, ps, policy) if with_reference else None
+    # With LoRA the policy with its adapters off is the reference: no copy (Job.reference_is_base).
+    reference = build_reference(cfg.model, hf, ps, policy) if with_reference and not policy.lora else None
     if reference is not None and cfg.train.reference_on_cpu:
         reference.to("cpu")
     start.beat("reference")
@@ -385,7 +401,7 @@ def build_job(cfg: JobConfig, *, with_reference: bool) -> Job:
         checkpoints=CheckpointManager(cfg.checkpoint, run_dir, ps), eval_records=eval_records,
         rewards=start.rewards, memory=memory,
         preemption=start.preemption, watchdog=start.watchdog, train_records=train_records, reference=reference,
-        env=start.env,
+        reference_is_base=with_reference and policy.lora, env=start.env,
     )  # fmt: skip
 
 

@@ -1,6 +1,8 @@
 """The trainable policy: the megatron model wrapped in megatron's DDP, its optimizer and LR schedule.
 
-The reference model is built by the same ``build_gpt_model`` without DDP or optimizer (frozen).
+The reference model is built by the same ``build_gpt_model`` without DDP or optimizer (frozen); with
+``model.lora`` it is the policy itself with its adapters off (``Policy.reference``), and only the
+adapters train (models/lora.py: the base weights get no gradient buffer and no optimizer state).
 
 Learning-rate schedule: megatron's ``OptimizerParamScheduler``, one scheduler step per optimizer
 step. ``train.lr_warmup_iterations`` and ``train.iterations`` count GRPO iterations, each of
@@ -13,6 +15,7 @@ and the last step of the decay uses ``min_lr``.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -36,6 +39,17 @@ class Policy:
     spec: PolicySpec
     scheduler: OptimizerParamScheduler | None = None
     """LR / weight-decay schedule (``build_policy`` always sets one); None = the optimizer's own lr."""
+    lora: bool = False
+    """Only LoRA adapters train (``model.lora``); the frozen base is the reference model."""
+
+    def reference(self) -> AbstractContextManager[None]:
+        """Inside the block the model computes as the reference: with LoRA, the base (adapters off);
+        otherwise it is the policy, and the caller has a reference model of its own."""
+        if not self.lora:
+            raise RuntimeError("a full-parameter policy is not its own reference: build one (training/job.py)")
+        from grpo_megatron.models.lora import adapters_disabled
+
+        return adapters_disabled(self.model)
 
     def zero_grad(self) -> None:
         self.model.zero_grad_buffer()
@@ -65,15 +79,15 @@ def build_policy(
 ) -> Policy:
     """This rank's shard of the policy, with DDP gradient buffers and a (distributed) Adam
     (``parallel.use_distributed_optimizer``) at ``train``'s optimizer settings and LR schedule."""
-    from megatron.core.distributed import (
-        DistributedDataParallel,
-        DistributedDataParallelConfig,
-        finalize_model_grads,
-    )
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
     gpt, spec = build_gpt_model(hf, model, ps)
     tcfg = spec.transformer_config
+    if model.lora.enabled:
+        from grpo_megatron.models.lora import add_lora
+
+        add_lora(gpt, model.lora, train.seed, gated=bool(tcfg.gated_linear_unit))
     use_dist_opt = parallel.use_distributed_optimizer
     ddp = DistributedDataParallel(
         config=tcfg,
@@ -87,9 +101,7 @@ def build_policy(
     )
     # The schedule calls these; without finalize_model_grads no DP/TP gradient reduction happens.
     # num_tokens is dropped on purpose: our loss carries its own global normaliser.
-    tcfg.finalize_model_grads_func = lambda chunks, num_tokens=None, **kw: finalize_model_grads(
-        chunks, num_tokens=None, pg_collection=ps.pg_collection
-    )
+    tcfg.finalize_model_grads_func = lambda chunks, num_tokens=None, **kw: _finalize_grads(chunks, ps, model.lora.enabled)
     tcfg.no_sync_func = ddp.no_sync
     optimizer = get_megatron_optimizer(
         OptimizerConfig(
@@ -112,7 +124,22 @@ def build_policy(
         use_gloo_process_groups=False,
         pg_collection=ps.pg_collection,
     )
-    return Policy(model=ddp, optimizer=optimizer, spec=spec, scheduler=build_scheduler(optimizer, train))
+    return Policy(
+        model=ddp, optimizer=optimizer, spec=spec, scheduler=build_scheduler(optimizer, train), lora=model.lora.enabled
+    )
+
+
+def _finalize_grads(chunks: list[Any], ps: ParallelState, lora: bool) -> None:
+    """megatron's gradient reduction (DP, sequence-parallel norms, embeddings); with LoRA, the adapters'
+    partial gradients are all-reduced first (models/lora.py:reduce_partial_grads)."""
+    from megatron.core.distributed import finalize_model_grads
+
+    if lora:
+        from grpo_megatron.models.lora import reduce_partial_grads
+
+        for chunk in chunks:
+            reduce_partial_grads(chunk)
+    finalize_model_grads(chunks, num_tokens=None, pg_collection=ps.pg_collection)
 
 
 def scheduler_steps(train: TrainConfig) -> tuple[int, int]:
