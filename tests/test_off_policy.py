@@ -81,3 +81,83 @@ def test_the_config_refuses_bad_bands_and_two_corrections_naming_the_field():
     alg.tis.enabled = True
     with pytest.raises(ValueError, match="algorithm.tis.enabled"):
         alg.validate()
+
+
+# ----------------------------------------------------------------------------------------------------
+# train.old_logprobs=engine: the surrogate's ratio already is pi_theta / pi_rollout (issue 36, item 10)
+
+ENGINE_CASES = [
+    ("algorithm.tis.enabled=true", "algorithm.tis.enabled"),
+    ("algorithm.off_policy.correction=seq_tis", "algorithm.off_policy.correction=seq_tis"),
+    ("algorithm.off_policy.correction=mis", "algorithm.off_policy.correction=mis"),
+    ("algorithm.off_policy.correction=icepop", "algorithm.off_policy.correction=icepop"),
+]
+
+
+@pytest.mark.parametrize(("override", "named"), ENGINE_CASES)
+def test_validation_refuses_a_correction_on_top_of_engine_old_logprobs_naming_the_fix(override, named):
+    from grpo_megatron.config import ConfigError, load_config, validate
+    from tests.test_config import EXAMPLE
+
+    with pytest.raises(ConfigError) as exc:
+        validate(load_config(EXAMPLE, ["train.old_logprobs=engine", override]), world_size=1)
+    (error,) = [e for e in exc.value.errors if "train.old_logprobs=engine" in e]
+    assert named in error and "algorithm.tis.enabled=false" in error and "train.old_logprobs=trainer" in error
+    validate(load_config(EXAMPLE, ["train.old_logprobs=trainer", override]), world_size=1)  # the fix: fine
+    validate(load_config(EXAMPLE, ["train.old_logprobs=engine"]), world_size=1)  # and the other fix
+
+
+def _engine_mode_batch():
+    """Two responses (3 and 2 tokens) whose trainer logprobs lie above and below the engine's, one
+    positive and one negative advantage; laid out and collated as the train phase does."""
+    from grpo_megatron.training.batching import collate, make_samples
+
+    rollout = [[-1.2, -0.4, -2.0], [-0.3, -1.5]]
+    trainer = [[-0.6, -0.5, -1.1], [-0.9, -0.7]]  # per-token r = exp(trainer - rollout)
+    samples = make_samples([[5, 6], [7, 8, 9]], [[1, 2, 3], [4, 5]], rollout, [-1.0, 0.5])
+    mb = collate(samples, [0, 1], pad_id=0)
+    logprobs_bs = torch.zeros(mb.labels_bs.shape)
+    logprobs_bs[0, 1:4] = torch.tensor(trainer[0])
+    logprobs_bs[1, 2:4] = torch.tensor(trainer[1])
+    return mb, logprobs_bs.requires_grad_(True), rollout, trainer, [-1.0, 0.5]
+
+
+def _reference_token_mean(rollout, trainer, advantages, eps=0.2):
+    """-min(r A, clip(r, 1-eps, 1+eps) A) averaged over the response tokens, r = pi_theta / pi_rollout
+    (PPO's surrogate with the engine as pi_old: nothing else weighs it), and d loss / d log pi_theta."""
+    losses, grads = [], []
+    for rs, ts, a in zip(rollout, trainer, advantages, strict=True):
+        for lr, lt in zip(rs, ts, strict=True):
+            r = math.exp(lt - lr)
+            unclipped, clipped = r * a, min(max(r, 1 - eps), 1 + eps) * a
+            losses.append(-min(unclipped, clipped))
+            grads.append(-r * a if unclipped <= clipped else 0.0)  # the clipped branch has no gradient
+    return sum(losses) / len(losses), [g / len(grads) for g in grads]
+
+
+def test_engine_old_logprobs_loss_is_the_uncorrected_surrogate_and_tis_would_count_it_twice():
+    from grpo_megatron.algorithm.config import TISConfig
+    from grpo_megatron.algorithm.policy_loss import grpo_policy_loss
+    from grpo_megatron.training.phases.train import GRPOLoss
+
+    alg = AlgorithmConfig(loss_agg_mode="token-mean")
+    mb, logprobs_bs, rollout, trainer, advantages = _engine_mode_batch()
+    want_loss, want_grads = _reference_token_mean(rollout, trainer, advantages)
+    loss, metrics = GRPOLoss(alg, 0.0, 8, old_from_engine=True).loss_fn(normalizer=5.0)(logprobs_bs, None, mb)
+    loss.backward()
+    assert math.isclose(float(loss.detach()), want_loss, rel_tol=1e-6), (float(loss.detach()), want_loss)
+    got_grads = [float(g) for g in logprobs_bs.grad[mb.extras["mask_bs"] > 0]]
+    assert got_grads == pytest.approx(want_grads, rel=1e-5, abs=1e-7)
+    assert float(metrics["off_policy/weight_mean"]) == pytest.approx(5.0)  # every weight 1 (5 tokens' sum)
+
+    # What the same inputs gave before the refusal: TIS weights min(pi_theta/pi_rollout, 2) from the
+    # very ratio the surrogate already applies, so each token's gradient weight became r * min(r, 2).
+    tis = AlgorithmConfig(loss_agg_mode="token-mean", tis=TISConfig(enabled=True, cap=2.0))
+    mask_bs, rollout_bs = mb.extras["mask_bs"], mb.extras["rollout_logprobs_bs"]
+    w_bs = off_policy_weights(tis, logprobs_bs.detach(), rollout_bs, mask_bs)
+    twice, _ = grpo_policy_loss(logprobs_bs, rollout_bs, mb.extras["advantages_b"], mask_bs, tis,
+                                tis_weights_bt=w_bs, normalizer=5.0)  # fmt: skip
+    print(f"token-mean loss, engine old logprobs: uncorrected {want_loss:.4f}, TIS cap 2 on top {float(twice.detach()):.4f}")
+    assert abs(float(twice.detach()) - want_loss) > 0.05
+    with pytest.raises(ValueError, match="counts the ratio twice"):
+        GRPOLoss(tis, 0.0, 8, old_from_engine=True)

@@ -60,6 +60,8 @@ def validate(cfg: JobConfig, world_size: int) -> None:
         errors.extend(overlong_errors(cfg))
     if not failed & {"algorithm", "rollout", "train"}:
         errors.extend(async_errors(cfg))
+    if not failed & {"algorithm", "train"}:
+        errors.extend(off_policy_errors(cfg))
     if hf_config is not None and not failed & {"algorithm", "rollout", "model", "parallel", "train"}:
         errors.extend(routing_replay_errors(cfg, hf_config))
     if hf_config is not None and not failed & {"rollout", "data"}:
@@ -298,6 +300,29 @@ def async_errors(cfg: JobConfig) -> list[str]:
             "rollout.embedded_process=false for multi-turn training"
         )
     return errors
+
+
+def off_policy_errors(cfg: JobConfig) -> list[str]:
+    """train.old_logprobs=engine makes the surrogate's ratio pi_theta / pi_rollout, which already is
+    the importance ratio of the rollout policy; a correction built from the same ratio on top
+    (algorithm.tis, algorithm.off_policy) would weigh each token's gradient r * w(r) instead of r.
+    By the corrections' own definition (pi_old / pi_rollout) their weight is 1 there, so the
+    combination is refused rather than silently ignored (verl refuses it as double counting)."""
+    if cfg.train.old_logprobs != "engine":
+        return []
+    alg = cfg.algorithm
+    on = "algorithm.tis.enabled=true" if alg.tis.enabled else None
+    if alg.off_policy.correction != "none":
+        on = f"algorithm.off_policy.correction={alg.off_policy.correction}"
+    if on is None:
+        return []
+    return [
+        f"{on} with train.old_logprobs=engine corrects the off-policy ratio twice: with the engine's "
+        "logprobs as pi_old the clipped ratio pi_theta/pi_rollout already is the importance ratio, and "
+        "the correction's weight (pi_old/pi_rollout) is 1 by its definition. Either drop the correction "
+        "(algorithm.tis.enabled=false, algorithm.off_policy.correction=none) or keep it with "
+        "train.old_logprobs=trainer"
+    ]
 
 
 def overlong_errors(cfg: JobConfig) -> list[str]:

@@ -52,7 +52,9 @@ class TrainConfig:
     """Where pi_old comes from. trainer = the policy before this iteration's updates (recomputed by a
     forward pass when updates_per_iteration > 1; with one update it equals the detached current
     logprobs, so no pass is needed). engine = the rollout engine's logprobs (only with one on-policy
-    update; the ratio then also corrects the engine/trainer mismatch, as in slime's default)."""
+    update; the ratio then also corrects the engine/trainer mismatch, as in slime's default). It
+    is the importance ratio itself: algorithm.tis / algorithm.off_policy on top are refused (they
+    would weigh each token r * w(r) instead of r; config/validation.py:off_policy_errors)."""
     max_staleness: int = 0
     """How many weight versions a trained sample's policy may lag the policy being trained (needs
     engines that generate the next batches while the trainer trains: rollout.embedded_process=true,

@@ -75,6 +75,14 @@ class GRPOLoss:
     old_from_engine: bool
     """train.old_logprobs == "engine": pi_old is the rollout engine's logprobs."""
 
+    def __post_init__(self) -> None:
+        # config/validation.py:off_policy_errors refuses this for a job; here for any other caller.
+        if self.old_from_engine and (self.alg.tis.enabled or self.alg.off_policy.correction != "none"):
+            raise ValueError(
+                "an off-policy correction (algorithm.tis / algorithm.off_policy) with train.old_logprobs=engine "
+                "counts the ratio twice: drop the correction or use train.old_logprobs=trainer"
+            )
+
     def loss_fn(self, normalizer: float) -> LossFn:
         """The loss of one micro-batch (its share of the mini-batch's GRPO loss, ``normalizer`` being
         the mini-batch's global loss normaliser) and its ``LOSS_METRICS``."""
