@@ -57,6 +57,9 @@ class ParallelState:
     etp_group: dist.ProcessGroup
     edp_group: dist.ProcessGroup  # expert data-parallel: where expert gradients are reduced
     pg_collection: Any  # megatron.core.process_groups_config.ProcessGroupCollection
+    timeout: datetime.timedelta = datetime.timedelta(minutes=30)
+    """parallel.timeout_minutes: every process group our code creates takes it (torch's ``new_group``
+    default is 30 min for gloo, 10 for NCCL, whatever the world group was given)."""
 
     @property
     def is_first_pp_stage(self) -> bool:
@@ -199,6 +202,7 @@ def init_distributed(parallel: ParallelConfig, *, seed: int = 1234) -> ParallelS
         context_parallel_size=parallel.cp,
         expert_model_parallel_size=parallel.ep,
         expert_tensor_parallel_size=parallel.etp,
+        distributed_timeout_minutes=parallel.timeout_minutes,  # megatron's groups, its gloo ones too
     )
     _seed_megatron(seed, use_cuda)
 
@@ -208,15 +212,18 @@ def init_distributed(parallel: ParallelConfig, *, seed: int = 1234) -> ParallelS
         local_rank=local_rank,
         device=device,
         parallel=parallel,
+        timeout=datetime.timedelta(minutes=parallel.timeout_minutes),
     )
 
 
 def parallel_state_from_megatron(
-    *, world_size: int, rank: int, local_rank: int, device: Any, parallel: Any
+    *, world_size: int, rank: int, local_rank: int, device: Any, parallel: Any,
+    timeout: datetime.timedelta | None = None,
 ) -> ParallelState:
     """Our ``ParallelState``, read from megatron's ``parallel_state`` after ``initialize_model_parallel``
     (the bootstrap above, and the planner's fake-process-group dry run). ``parallel``: anything with
-    resolved ``tp, pp, cp, ep, sequence_parallel`` (a ParallelConfig, the planner's Layout)."""
+    resolved ``tp, pp, cp, ep, sequence_parallel`` (a ParallelConfig, the planner's Layout); ``timeout``:
+    the job's collective timeout (None: ParallelState's default, parallel.timeout_minutes' own)."""
     from megatron.core import parallel_state as mpu
     from megatron.core.process_groups_config import ProcessGroupCollection
 
@@ -248,6 +255,7 @@ def parallel_state_from_megatron(
         etp_group=mpu.get_expert_tensor_parallel_group(),
         edp_group=mpu.get_expert_data_parallel_group(),
         pg_collection=ProcessGroupCollection.use_mpu_process_groups(),
+        **({} if timeout is None else {"timeout": timeout}),
     )
 
 

@@ -44,8 +44,10 @@ class ParallelConfig:
     its phase (distributed/watchdog.py). Must exceed the longest single blocking call of a phase
     (a wait for a GPU kernel, a file read); 0 = off."""
     long_phase_timeout_s: float = 3600.0
-    """The same bound for the start-up phases that block in one call for long: loading the initial
-    weights and starting the rollout engines (an SGLang engine of a large model loads for minutes)."""
+    """The same bound for the phases that block in one call for long: loading the initial weights,
+    starting the rollout engines (an SGLang engine of a large model loads for minutes), and every
+    rank's wait for a rollout (an engine's rank blocks until its longest response is done; the
+    others wait in a collective, under timeout_minutes)."""
 
     def validate(self) -> None:
         """Checks that need neither the world size nor the model."""

@@ -247,7 +247,7 @@ class RolloutFleet:
         # rank creates every such group (new_group is collective), in the same order. gloo: they
         # carry only small objects.
         for ranks in sync_groups([r for _, r in flags if r is not None]):
-            group_of = dist.new_group(list(ranks), backend="gloo")
+            group_of = dist.new_group(list(ranks), backend="gloo", timeout=ps.timeout, group_desc="ENGINE_SYNC")
             if sink is not None and ps.rank in ranks:
                 sink.bind_sync_group(group_of)
         if not engine_ranks:
@@ -257,7 +257,7 @@ class RolloutFleet:
             )
         if placement.engines and engine_ranks != placement.leaders():
             raise RuntimeError(f"engines started on ranks {engine_ranks[:8]}, the placement planned {placement.leaders()[:8]}")
-        group = dist.new_group(engine_ranks)  # every rank must call new_group, engine or not
+        group = dist.new_group(engine_ranks, timeout=ps.timeout, group_desc="ROLLOUT_ENGINES")  # every rank calls new_group, engine or not
         return cls(
             ps=ps,
             hf=hf,
@@ -389,7 +389,7 @@ class RolloutFleet:
 
     def _data_group(self) -> Any:
         if self.data_group is None:  # every rank gets here together: generate is collective
-            self.data_group = dist.new_group(backend="gloo")
+            self.data_group = dist.new_group(backend="gloo", timeout=self.ps.timeout, group_desc="ROLLOUT_DATA")
         return self.data_group
 
     # ------------------------------------------------------------------------------ weight sync

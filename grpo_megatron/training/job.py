@@ -77,6 +77,15 @@ class Runtime:
         if self.watchdog is not None:
             self.watchdog.beat(phase)
 
+    def long_phase(self, phase: str) -> AbstractContextManager[None]:
+        """A phase of the loop that blocks in one call for long: a rank waiting for its engine's
+        rollout (an SGLang engine's generation, an engine process's answer) sits on one line for as
+        long as the longest response takes. It waits under the watchdog's long bound
+        (parallel.long_phase_timeout_s), not progress_timeout_s (``ProgressWatchdog.long_phase``)."""
+        if self.watchdog is None:
+            return nullcontext()
+        return self.watchdog.long_phase(phase, self.cfg.parallel.long_phase_timeout_s)
+
     @property
     def eos_id(self) -> int:
         eos = self.tokenizer.eos_token_id
@@ -92,7 +101,7 @@ class Runtime:
         """What the rollout and eval phases act on: the engines and rollout.* sampling settings."""
         from grpo_megatron.training.phases.rollout import Rollout
 
-        return Rollout(self.fleet, self.cfg.rollout, self.eos_id, self.tokenizer, self.env)
+        return Rollout(self.fleet, self.cfg.rollout, self.eos_id, self.tokenizer, self.env, wait=self.long_phase)
 
     @property
     def scorer(self) -> Scorer:

@@ -37,6 +37,7 @@ import tempfile
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
+from datetime import timedelta
 from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING, Any, Literal
@@ -377,6 +378,7 @@ class SGLangEngine(RolloutEngine):
         tokenizer_path: str | None = None,
         tp_size: int = 0,
         ep_size: int = 0,
+        group_timeout: timedelta | None = None,
     ):
         device = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
         if device.type == "cpu":
@@ -441,7 +443,7 @@ class SGLangEngine(RolloutEngine):
         if self.mode == "colocated":
             self.transport = CudaIpcTransport(self.servers, self.tp_size, (flattened_cls, serializer), device)
         else:
-            self.transport = NcclBroadcastTransport(self.servers, rollout, flattened_cls, device)
+            self.transport = NcclBroadcastTransport(self.servers, rollout, flattened_cls, device, group_timeout)
             if servers is None:
                 self.ensure_healthy()
         if servers is None and self.tied_head and self._expected_shapes:
@@ -461,7 +463,8 @@ class SGLangEngine(RolloutEngine):
         if rollout.sglang_mode == "disaggregated":
             if ps.rank != 0:
                 return None
-            return cls(rollout, model.hf_path, dtype=model.dtype, seed=spec.seed, device=ps.device)
+            return cls(rollout, model.hf_path, dtype=model.dtype, seed=spec.seed, device=ps.device,
+                       group_timeout=ps.timeout)  # fmt: skip
         placement = placement or runtime_placement(spec, ps, _read_hf_config(model.hf_path))
         layout, gpus_per_node, local_rank = _layout_of(placement, ps)
         if ps.rank != layout.leader:

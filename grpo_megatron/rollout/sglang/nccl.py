@@ -176,11 +176,15 @@ class NcclBroadcastTransport:
         rollout: RolloutConfig,
         flattened_bucket_cls: type,
         device: torch.device | str,
+        timeout: timedelta | None = None,
     ):
         self.servers = servers
         self.rollout = rollout
         self.flattened_bucket_cls = flattened_bucket_cls
         self.device = device
+        self.timeout = timeout
+        """The weight group's collective timeout: the job's (parallel.timeout_minutes); None: the
+        servers' request timeout (rollout.sglang_request_timeout_s), for a transport made alone."""
         self.group: torch.distributed.ProcessGroup | None = None
 
     def send(self, bucket: Bucket, *, last: bool, version: int) -> None:
@@ -218,9 +222,8 @@ class NcclBroadcastTransport:
                 )  # fmt: skip
                 for s, offset in zip(self.servers, offsets, strict=True)
             ]
-            group = init_trainer_weight_group(
-                addr, port, world_size, WEIGHT_GROUP_NAME, timeout_s=self.rollout.sglang_request_timeout_s
-            )
+            timeout_s = self.timeout.total_seconds() if self.timeout else self.rollout.sglang_request_timeout_s
+            group = init_trainer_weight_group(addr, port, world_size, WEIGHT_GROUP_NAME, timeout_s=timeout_s)
             for f in pending:
                 f.result()
         return group

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -32,6 +33,9 @@ class Rollout:
     """Decodes a turn for the environment (rollout.multiturn only)."""
     env: Environment | None = None
     """rollout.multiturn: rank 0's environment (None on the other ranks)."""
+    wait: Callable[[str], AbstractContextManager[None]] = lambda phase: nullcontext()
+    """Wraps the wait for the engines (``Runtime.long_phase``: the watchdog's long bound, since a
+    rank waiting for its engine's rollout blocks in one call for as long as the rollout takes)."""
 
     def params(self, *, n: int, seed: int, greedy: bool = False) -> SamplingParams:
         r = self.cfg
@@ -53,7 +57,8 @@ class Rollout:
         """``params.n`` completions per prompt, in prompt order, on every rank; with rollout.multiturn,
         multi-turn trajectories (rollout/multiturn.py). With ``keep_routes`` the engines keep their
         routes for ``phases/advantages.py:deliver_engine_routes``."""
-        if self.cfg.multiturn.enabled:
-            runner = EpisodeRunner(self.fleet, self.cfg.multiturn, self.tokenizer, self.env)
-            return [list[Completion](g) for g in runner.run(records, params, keep_routes=keep_routes)]
-        return self.fleet.generate([list(r.prompt_ids) for r in records], params, keep_routes=keep_routes)
+        with self.wait("rollout (waiting for the engines)"):
+            if self.cfg.multiturn.enabled:
+                runner = EpisodeRunner(self.fleet, self.cfg.multiturn, self.tokenizer, self.env)
+                return [list[Completion](g) for g in runner.run(records, params, keep_routes=keep_routes)]
+            return self.fleet.generate([list(r.prompt_ids) for r in records], params, keep_routes=keep_routes)
