@@ -387,10 +387,12 @@ def test_rollout_results_reach_each_rank_as_it_needs_them_at_world_4(tmp_path):
     """TP2 x DP2 on 4 ranks, two engines (ranks 0 and 2): every rank gets every completion's tokens
     and logprobs, bit for bit what its engine sampled; routes travel only after the update's plan,
     and each rank receives exactly the routes of the samples its data-parallel replica trains. When
-    one engine's share fails, every rank raises naming it, and the fleet generates afterwards."""
+    one engine's share fails, every rank raises naming it, and the fleet generates afterwards. With
+    ``payload="owners"`` each replica receives only its responses (``_each_replica_receives_its_share``);
+    and every process group of the job, megatron's included, has parallel.timeout_minutes."""
     moe = _write_config(tmp_path / "moe", tiny_hf_config("qwen3_moe"))
-    per_rank = run_distributed("tests.workers.rollout_workers:rollout_results_at_scale", world_size=4,
-                               timeout_s=380, hf_dir=moe, overrides=["parallel.tp=2", "algorithm.routing_replay=r3"])  # fmt: skip
+    per_rank = run_distributed("tests.workers.rollout_workers:rollout_results_at_scale", world_size=4, timeout_s=380,
+                               hf_dir=moe, overrides=["parallel.tp=2", "algorithm.routing_replay=r3", "parallel.timeout_minutes=97"])  # fmt: skip
     first = per_rank[0]
     held = {rid: t for r in per_rank for rid, t in r["held"].items()}
     assert [bool(r["held"]) for r in per_rank] == [True, False, True, False]  # only the engines' ranks
@@ -408,6 +410,39 @@ def test_rollout_results_reach_each_rank_as_it_needs_them_at_world_4(tmp_path):
         assert res["failure"].startswith("rollout generate failed on 1 rank(s):\n  rank 2: ValueError: generate:"), rank
         assert res["after_failure"] == first["after_failure"] and len(res["after_failure"]) == 2, rank
     assert {r["replica"] for r in per_rank} == {0, 1}
+    _each_replica_receives_its_share(per_rank)
+    for rank, res in enumerate(per_rank):  # issue 36: every group takes parallel.timeout_minutes (97 here)
+        assert {desc: set(minutes) for desc, minutes in res["timeouts"].items()} == {
+            desc: {97.0} for desc in res["timeouts"]}, (rank, res["timeouts"])  # fmt: skip
+        assert {"default_pg", "ROLLOUT_DATA", "EXPERT_DATA_PARALLEL_GROUP_GLOO"} <= set(res["timeouts"]), rank
+        assert ("ROLLOUT_ENGINES" in res["timeouts"]) == (rank in (0, 2)), rank  # NCCL-style: its members only
+        # megatron-core 0.16.1 alone gives this one torch's 30 minutes (megatron_compat.groups_take_timeout)
+        assert res["megatron_missed"] == ["EXPERT_DATA_PARALLEL_GROUP_GLOO"], rank
+
+
+def _each_replica_receives_its_share(per_rank: list[dict]) -> None:
+    """``payload="owners"`` (issue 36): after the rollout rank 0 holds every response whole (it scores
+    and logs them), an engine's rank its engine's, the others headers only (72 bytes each); after the
+    update's plan each rank receives exactly its replica's responses, and its samples and plan equal
+    those made from the whole batch bit for bit. The TCP bytes each rank received (the kernel's
+    count) match: a rank that neither runs an engine nor collects receives the headers and its
+    share, not the batch."""
+    count = len(per_rank[0]["payload_bytes"])
+    engine_of = {0: set(range(count // 2)), 2: set(range(count // 2, count))}  # engines on ranks 0 and 2
+    headers = 72 * count
+    for rank, res in enumerate(per_rank):
+        held = set(range(count)) if rank == 0 else engine_of.get(rank, set())
+        assert res["whole_after_rollout"] == sorted(held), rank
+        assert res["whole_after_delivery"] == sorted(held | set(res["mine"])), rank
+        assert res["plan_same"] and res["samples_same"] and res["sizes_agree"], rank
+        assert res["batch_totals"][:2] == res["batch_totals"][2:] and res["left_held"] == 0, rank
+        payload = res["payload_bytes"]
+        expected = sum(payload[i] for i in res["mine"] if i not in held)
+        assert 0 <= res["bytes_owners_delivery"] - expected <= 512, (rank, res["bytes_owners_delivery"], expected)
+        if rank in (1, 3):  # the whole batch everywhere, headers only with owners (gloo's framing aside)
+            saved = res["bytes_everywhere"] - res["bytes_owners_rollout"]
+            assert abs(saved - (sum(payload) - headers)) <= 512, (rank, saved, sum(payload) - headers)
+            assert res["bytes_owners_rollout"] + res["bytes_owners_delivery"] < res["bytes_everywhere"], rank
 
 
 def test_rollout_results_layout_round_trips_every_field():
@@ -426,3 +461,31 @@ def test_rollout_results_layout_round_trips_every_field():
         assert (a.token_ids, a.logprobs, a.finish_reason) == (b.token_ids, b.logprobs, b.finish_reason)
         assert (a.loss_mask, a.weight_version, b.routed_experts) == (b.loss_mask, b.weight_version, None)
     assert shapes == [((2, 6, 2), torch.int16), None, None]
+    # The headers alone (what every rank but the collector gets with payload="collector"/"owners"):
+    # sizes, finish, version and route shapes; payload_numel sizes a receive buffer of pack's layout.
+    from grpo_megatron.rollout.results import HEADER, fill, payload_numel, unpack_headers
+
+    ints, logprobs = pack(sent)
+    heads, head_shapes = unpack_headers(ints[: len(sent) * HEADER], len(sent))
+    assert head_shapes == shapes
+    for a, h in zip(sent, heads, strict=True):
+        assert (h.token_ids, h.logprobs, h.loss_mask) == ([], [], None)
+        assert (h.num_tokens, h.num_sampled, h.finish_reason, h.weight_version) == (
+            a.num_tokens, a.num_sampled, a.finish_reason, a.weight_version)  # fmt: skip
+    assert [h.sizes for h in heads] == [(3, 2), (0, 0), (1, 1)]
+    rows = ints[: len(sent) * HEADER].view(len(sent), HEADER).tolist()
+    assert payload_numel(rows) == (ints.numel(), logprobs.numel())
+    assert payload_numel(rows[2:]) == tuple(t.numel() for t in pack(sent[2:]))
+    fill(heads[0], got[0])
+    assert (heads[0].token_ids, heads[0].loss_mask, heads[0].sizes) == ([5, 6, 7], [1, 0, 1], None)
+
+
+def test_transfer_pairs_send_each_item_once_to_each_rank_that_lacks_it():
+    from grpo_megatron.rollout.results import transfer_pairs
+
+    needs = {0: [1, 2, 3], 1: [0, 1], 2: [2, 3], 3: [2, 2]}
+    source = {0: 0, 1: 2, 2: 2, 3: 0}
+    assert transfer_pairs(needs, source) == {(0, 1): [0], (0, 2): [0, 3], (0, 3): [0], (2, 0): [1], (2, 1): [1],
+                                             (2, 3): [2]}  # fmt: skip
+    # rank 0 (the collector) holds every item already: nothing is sent to it
+    assert transfer_pairs(needs, source, (0,)) == {(0, 1): [0], (0, 2): [0, 3], (0, 3): [0], (2, 1): [1], (2, 3): [2]}

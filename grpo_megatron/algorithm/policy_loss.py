@@ -15,6 +15,7 @@ global loss. normalizer=None uses the local micro-batch's own count (correct onl
 micro-batch is the whole batch).
 """
 
+from collections.abc import Sequence
 from typing import Literal
 
 import torch
@@ -25,6 +26,7 @@ from grpo_megatron.algorithm.kl import kl_estimate
 
 __all__ = [
     "loss_normalizer",
+    "normalizer_of_counts",
     "aggregate_loss",
     "importance_ratio",
     "clipped_surrogate",
@@ -47,6 +49,18 @@ def loss_normalizer(loss_agg_mode: LossAggMode, response_mask_bt: torch.Tensor) 
         return float(mask_bt.sum())
     if loss_agg_mode in ("seq-mean-token-mean", "seq-mean-token-sum-norm"):
         return float((mask_bt.sum(dim=1) > 0).sum())
+    raise ValueError(f"algorithm.loss_agg_mode={loss_agg_mode!r} is not one of token-mean, "
+                     "seq-mean-token-mean, seq-mean-token-sum-norm")
+
+
+def normalizer_of_counts(loss_agg_mode: LossAggMode, valid_tokens: Sequence[int]) -> float:
+    """`loss_normalizer` from each sequence's count of valid tokens alone (what every rank knows of
+    the samples other replicas train): their sum for `token-mean`, the sequences with any for the
+    `seq-mean-*` modes."""
+    if loss_agg_mode == "token-mean":
+        return float(sum(valid_tokens))
+    if loss_agg_mode in ("seq-mean-token-mean", "seq-mean-token-sum-norm"):
+        return float(sum(1 for n in valid_tokens if n > 0))
     raise ValueError(f"algorithm.loss_agg_mode={loss_agg_mode!r} is not one of token-mean, "
                      "seq-mean-token-mean, seq-mean-token-sum-norm")
 

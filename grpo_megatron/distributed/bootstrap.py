@@ -173,6 +173,11 @@ def init_distributed(parallel: ParallelConfig, *, seed: int = 1234) -> ParallelS
     else:
         device = torch.device("cpu")
     from grpo_megatron.distributed.megatron_compat import apply_megatron_compat
+    from grpo_megatron.distributed.open_files import open_files_needed, raise_open_file_limit
+
+    # Before any group opens its sockets (the whole world's gloo data group: a socket per rank).
+    raise_open_file_limit(open_files_needed(world_size, dp=parallel.dp or 1, cp=parallel.cp, expert_dp=parallel.expert_dp,
+                                            rank=rank, nccl=use_cuda))  # fmt: skip
 
     # By cause, not by device: TE absent and torch's Adam need fixes on a GPU too.
     apply_megatron_compat(device)
@@ -196,14 +201,18 @@ def init_distributed(parallel: ParallelConfig, *, seed: int = 1234) -> ParallelS
 
     from megatron.core import parallel_state as mpu
 
-    mpu.initialize_model_parallel(
-        tensor_model_parallel_size=parallel.tp,
-        pipeline_model_parallel_size=parallel.pp,
-        context_parallel_size=parallel.cp,
-        expert_model_parallel_size=parallel.ep,
-        expert_tensor_parallel_size=parallel.etp,
-        distributed_timeout_minutes=parallel.timeout_minutes,  # megatron's groups, its gloo ones too
-    )
+    from grpo_megatron.distributed.megatron_compat import groups_take_timeout
+
+    timeout = datetime.timedelta(minutes=parallel.timeout_minutes)
+    with groups_take_timeout(timeout):  # the one gloo group megatron creates without it, too
+        mpu.initialize_model_parallel(
+            tensor_model_parallel_size=parallel.tp,
+            pipeline_model_parallel_size=parallel.pp,
+            context_parallel_size=parallel.cp,
+            expert_model_parallel_size=parallel.ep,
+            expert_tensor_parallel_size=parallel.etp,
+            distributed_timeout_minutes=parallel.timeout_minutes,
+        )
     _seed_megatron(seed, use_cuda)
 
     return parallel_state_from_megatron(
@@ -212,7 +221,7 @@ def init_distributed(parallel: ParallelConfig, *, seed: int = 1234) -> ParallelS
         local_rank=local_rank,
         device=device,
         parallel=parallel,
-        timeout=datetime.timedelta(minutes=parallel.timeout_minutes),
+        timeout=timeout,
     )
 
 

@@ -138,6 +138,7 @@ import importlib
 import importlib.metadata
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any, Literal
 
 import torch
@@ -888,6 +889,41 @@ def cpu_model_parallel_seed(
     tracker.add(
         megatron_random.get_expert_parallel_rng_tracker_name(), stage_seed + 1024 + 100 * ep_rank + etp_rank
     )
+
+
+def group_timeouts(group: Any) -> set[timedelta]:
+    """The collective timeout(s) of process group ``group``, read back from torch: a ProcessGroup
+    keeps one backend per device type (gloo for CPU tensors, NCCL or gloo for CUDA ones), each with
+    its own ``options._timeout`` (what ``new_group(timeout=)`` set; torch 2.13's
+    ``distributed_c10d._set_pg_timeout`` writes the same place)."""
+    out = set()
+    for device in group._device_types:
+        with contextlib.suppress(RuntimeError):  # a device type without a backend of its own
+            out.add(group._get_backend(device).options._timeout)
+    return out
+
+
+@contextlib.contextmanager
+def groups_take_timeout(timeout: timedelta) -> Iterator[list[str]]:
+    """Every process group created inside the block ends up with ``timeout``. Yields a list that,
+    on exit, names (by ``group_desc``) the block's groups that were created with another timeout.
+
+    Wraps ``initialize_model_parallel``: megatron-core 0.16.1 passes ``distributed_timeout_minutes``
+    to every group it creates but one, ``EXPERT_DATA_PARALLEL_GROUP_GLOO`` (parallel_state.py: its
+    ``create_group`` call has no ``timeout=``), which then takes torch's gloo default of 30 minutes
+    whatever the job's timeout (the distributed optimizer's expert-state checkpoint gathers over it).
+    Applied where the cause is: only a group whose timeout differs is changed, through torch's own
+    ``_set_pg_timeout`` (tests/test_rollout.py reads every group back, and checks that megatron
+    still leaves that one out)."""
+    from torch.distributed import distributed_c10d as c10d
+
+    before = set(c10d._world.pg_map)
+    missed: list[str] = []
+    yield missed
+    for group in list(c10d._world.pg_map):
+        if group not in before and group_timeouts(group) != {timeout}:
+            missed.append(group.group_desc)
+            c10d._set_pg_timeout(timeout, group)
 
 
 if __name__ == "__main__":

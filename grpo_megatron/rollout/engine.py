@@ -108,6 +108,26 @@ class Completion:
     route_id: int | None = None
     """Set by ``RolloutFleet.generate(keep_routes=True)``: the id under which the engine's rank holds
     this completion's routes until ``RolloutFleet.deliver_routes``; None: no routes held."""
+    payload_id: int | None = None
+    """Set by ``RolloutFleet.generate(payload="owners")``: the id under which the engine's rank holds
+    this completion's tokens, logprobs and loss mask until ``RolloutFleet.deliver_completions``."""
+    sizes: tuple[int, int] | None = None
+    """(response tokens, sampled tokens) of a completion whose tokens, logprobs and loss mask are not
+    on this rank (``RolloutFleet.generate`` with ``payload`` other than "everywhere": they are empty
+    here); None: they are here."""
+
+    @property
+    def num_tokens(self) -> int:
+        """Response tokens, whether or not they are on this rank."""
+        return len(self.token_ids) if self.sizes is None else self.sizes[0]
+
+    @property
+    def num_sampled(self) -> int:
+        """Response tokens the engine sampled (the loss is taken there): all but a multi-turn
+        trajectory's observation tokens."""
+        if self.sizes is not None:
+            return self.sizes[1]
+        return len(self.token_ids) if self.loss_mask is None else sum(self.loss_mask)
 
 
 def stamped(groups: list[list[Completion]], version: int) -> list[list[Completion]]:

@@ -9,9 +9,11 @@ collectives); some ranks also hold an engine (``engine_ranks``):
   placement's width and EP, started by ``SGLangEngine.from_config`` (``rollout/sglang/engine.py``).
 
 ``generate`` splits the prompts into contiguous slices, one per engine in rank order (engine ``i``
-samples with seed ``params.seed + i``), and returns every completion's tokens and logprobs in prompt
-order on every rank, as fixed-layout tensors over a host-side group (``rollout/results.py``); routed
-experts stay on their engine's rank until ``deliver_routes`` sends each to the ranks that train it.
+samples with seed ``params.seed + i``), and returns every completion in prompt order on every rank,
+as fixed-layout tensors over a host-side group (``rollout/results.py``): whole everywhere, or (the
+training rollout, ``payload="owners"``) whole on rank 0 and as headers elsewhere until
+``deliver_completions`` sends each to the data-parallel replica that trains it; routed experts stay
+on their engine's rank until ``deliver_routes`` sends each to the ranks that train it.
 ``sync_weights`` runs the bridge's streaming export with every engine GPU as a destination
 (``sync_ranks``: an embedded engine's rank, and every GPU of a colocated SGLang engine, whose
 non-leader GPUs hold a ``member`` that loads their share): each receives what its engine rank
@@ -45,7 +47,14 @@ from grpo_megatron.rollout.engine import (
     WeightSink,
 )
 from grpo_megatron.rollout.placement import RolloutPlacement, runtime_placement
-from grpo_megatron.rollout.results import HeldRoutes, pack, sizes_of, unpack
+from grpo_megatron.rollout.results import (
+    HeldCompletions,
+    HeldRoutes,
+    Payload,
+    exchange_engine,
+    pack,
+    sizes_of,
+)
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -206,6 +215,8 @@ class RolloutFleet:
     ``deliver_routes``); None: made at the first ``generate`` (collective, every rank calls it)."""
     held_routes: HeldRoutes = dataclasses.field(default_factory=HeldRoutes)
     """Routes of ``generate(keep_routes=True)`` completions until ``deliver_routes``."""
+    held_completions: HeldCompletions = dataclasses.field(default_factory=HeldCompletions)
+    """Completions of ``generate(payload="owners")`` until ``deliver_completions``."""
     dp_rank_of: list[int] | None = None
     """Every global rank's data-parallel rank (``replica_ranks``), gathered on first use."""
 
@@ -279,19 +290,26 @@ class RolloutFleet:
     # ------------------------------------------------------------------------------- generation
 
     def generate(
-        self, prompts: Sequence[Sequence[int]], params: SamplingParams, *, keep_routes: bool = False
+        self, prompts: Sequence[Sequence[int]], params: SamplingParams, *, keep_routes: bool = False,
+        payload: Payload = "everywhere",
     ) -> list[list[Completion]]:
         """Collective: ``params.n`` completions per prompt, in prompt order, on every rank.
 
         Tokens, logprobs, loss masks and weight versions of every completion reach every rank (the
         reward on rank 0, advantages and the data-parallel split everywhere use them) as one int64
         and one float64 tensor per engine, broadcast over ``data_group`` (host memory): per rank, the
-        whole batch's tokens at 16 bytes each plus 64 bytes per completion, whatever the world size;
+        whole batch's tokens at 16 bytes each plus 72 bytes per completion, whatever the world size;
         nothing is pickled. Routed experts never travel here: ``Completion.routed_experts`` is None
         on every rank. With ``keep_routes`` (routing replay needs the engine's routes) each
         completion gets a ``route_id`` and its engine's rank keeps the routes until
-        ``deliver_routes``; without, they are dropped where they were made."""
-        return self.collect(self.submit(prompts, params), keep_routes=keep_routes)
+        ``deliver_routes``; without, they are dropped where they were made.
+
+        ``payload`` (``rollout/results.py``): "everywhere" as above; "collector": every completion
+        whole on global rank 0 only (it scores and logs them), the others get each one's header
+        (``Completion.sizes``, finish, version: 72 bytes); "owners": as "collector", and each
+        completion gets a ``payload_id`` under which its engine's rank keeps it until
+        ``deliver_completions`` sends it to the data-parallel replica that trains it."""
+        return self.collect(self.submit(prompts, params), keep_routes=keep_routes, payload=payload)
 
     def submit(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> PendingRollout:
         """Start generating this rank's share (``RolloutEngine.submit``: an engine process returns at
@@ -308,7 +326,9 @@ class RolloutFleet:
                 pending.error = _describe(exc)
         return pending
 
-    def collect(self, pending: PendingRollout, *, keep_routes: bool = False) -> list[list[Completion]]:
+    def collect(
+        self, pending: PendingRollout, *, keep_routes: bool = False, payload: Payload = "everywhere"
+    ) -> list[list[Completion]]:
         """Collective: the completions of ``submit``, in prompt order, on every rank (each stamped
         with the weight version that sampled it), as ``generate`` returns them."""
         local: list[list[Completion]] = []
@@ -319,7 +339,7 @@ class RolloutFleet:
             except Exception as exc:
                 error = _describe(exc)
         flat = [c for group in local for c in group]
-        exchanged = self._exchange(flat, failed=error is not None)
+        exchanged = self._exchange(flat, failed=error is not None, payload=payload)
         if exchanged is None:  # a rank's share failed: every rank learns which, and raises
             _agree(error, "rollout generate")
             raise RuntimeError("rollout generate failed on a rank that gave no reason")  # unreachable
@@ -330,20 +350,24 @@ class RolloutFleet:
             if len(completions) != (end - start) * pending.n:
                 raise RuntimeError(f"rollout generate: engine {i} returned {len(completions)} completions for "
                                    f"{end - start} prompts x n={pending.n}")  # fmt: skip
-            for c, (shape, mine) in completions:
+            for c, (shape, mine), header in completions:
                 if keep_routes and shape is not None:
                     c.route_id = self.held_routes.add(rank, shape, mine)
-            out += [[c for c, _ in completions[k : k + pending.n]] for k in range(0, len(completions), pending.n)]
+                if payload == "owners":
+                    c.payload_id = self.held_completions.add(rank, header, c if rank == self.ps.rank else None)
+            out += [[c for c, _, _ in completions[k : k + pending.n]] for k in range(0, len(completions), pending.n)]
         if len(out) != pending.num_prompts:
             raise RuntimeError(f"rollout generate: {len(out)} results for {pending.num_prompts} prompts")
         return out
 
     def _exchange(
-        self, flat: list[Completion], *, failed: bool = False
-    ) -> list[list[tuple[Completion, tuple[Any, torch.Tensor | None]]]] | None:
+        self, flat: list[Completion], *, failed: bool = False, payload: Payload = "everywhere"
+    ) -> list[list[tuple[Completion, tuple[Any, torch.Tensor | None], list[int]]]] | None:
         """Collective: every engine's completions (``flat`` on an engine rank), per engine, each with
-        its routes' (shape, dtype) and, on its own engine's rank, its routes. None on every rank if
-        any rank is ``failed`` (the sizes every rank sends first carry the flag: no extra collective)."""
+        its routes' (shape, dtype) and, on its own engine's rank, its routes, and its header row;
+        whole or header only as ``payload`` puts them (``results.exchange_engine``). None on every
+        rank if any rank is ``failed`` (the sizes every rank sends first carry the flag: no extra
+        collective)."""
         group = self._data_group()
         mine = pack(flat)
         sizes = [torch.zeros(4, dtype=torch.int64) for _ in range(self.ps.world_size)]
@@ -352,14 +376,10 @@ class RolloutFleet:
             return None
         per_engine = []
         for rank in self.engine_ranks:
-            count, n_ints, n_logprobs, _ = (int(x) for x in sizes[rank])
-            ints, logprobs = mine if rank == self.ps.rank else (
-                torch.empty(n_ints, dtype=torch.int64), torch.empty(n_logprobs, dtype=torch.float64))  # fmt: skip
-            dist.broadcast(ints, src=rank, group=self.data_group)
-            dist.broadcast(logprobs, src=rank, group=self.data_group)
-            completions, shapes = unpack(ints, logprobs, count)
-            routes = [c.routed_experts for c in flat] if rank == self.ps.rank else [None] * count
-            per_engine.append([(c, (s, r)) for c, s, r in zip(completions, shapes, routes, strict=True)])
+            completions, shapes, headers = exchange_engine(mine if rank == self.ps.rank else None, sizes[rank].tolist(),
+                                                           src=rank, rank=self.ps.rank, payload=payload, group=group)  # fmt: skip
+            routes = [c.routed_experts for c in flat] if rank == self.ps.rank else [None] * len(completions)
+            per_engine.append(list(zip(completions, zip(shapes, routes, strict=True), headers, strict=True)))
         return per_engine
 
     def deliver_routes(
@@ -372,6 +392,17 @@ class RolloutFleet:
         held routes ``release`` names are dropped; None: every held route (the asynchronous loop
         releases only its iteration's: later batches' routes stay held)."""
         return self.held_routes.deliver(owners, self.ps.rank, self._data_group(), release)
+
+    def deliver_completions(
+        self, owners: Mapping[int, Sequence[int]], release: Iterable[int] | None = None
+    ) -> dict[int, Completion]:
+        """Collective: the completions of ``generate(payload="owners")`` to the ranks that train them.
+        ``owners`` (the same on every rank): ``Completion.payload_id`` -> global ranks. Returns the
+        completions this rank received, by payload id: per rank only those of the samples it was
+        named for (its data-parallel replica's), sent from the engine's rank over ``data_group``
+        (global rank 0 and the engine's own rank have them already). Afterwards the held ones
+        ``release`` names are dropped; None: every held one."""
+        return self.held_completions.deliver(owners, self.ps.rank, self._data_group(), release)
 
     def cut_routes(self, route_id: int, positions: int) -> None:
         """Keep only the first ``positions`` input positions of held route ``route_id`` (every rank

@@ -1,13 +1,22 @@
 """Rollout results between ranks as fixed-layout tensors (no pickled objects): the completions of
-each engine to every rank, and the engines' routed experts to the ranks that train them.
+each engine to the ranks that need them, and the engines' routed experts to the ranks that train them.
 
 Per engine, two tensors carry all its completions of one ``generate`` call:
 
-- ``ints`` (int64): a header of 8 numbers per completion — response tokens, finish (1 = stop,
-  0 = length), whether it has a ``loss_mask`` (multi-turn), its ``weight_version``, and the routes'
-  shape ``[M, L, K]`` and dtype code (0: no routes) — then every response's token ids, end to end,
-  then the loss masks of those that have one, end to end;
+- ``ints`` (int64): a header of 9 numbers per completion — response tokens, finish (1 = stop,
+  0 = length), whether it has a ``loss_mask`` (multi-turn), its ``weight_version``, the routes'
+  shape ``[M, L, K]`` and dtype code (0: no routes), and its sampled tokens (the loss tokens) —
+  then every response's token ids, end to end, then the loss masks of those that have one, end to
+  end;
 - ``logprobs`` (float64: the engines' logprobs as Python floats, bit for bit), end to end.
+
+Who receives what (``RolloutFleet.generate``'s ``payload``): "everywhere", every rank the whole
+batch; otherwise every rank only the headers (what the batch-wide decisions read: lengths, finish,
+versions; 72 bytes per completion) and ``COLLECTOR`` (global rank 0: it scores the rewards and logs
+samples) the whole batch, and with "owners" each engine's rank keeps its completions
+(``HeldCompletions``) until the trainer knows which data-parallel replica trains which sample:
+``HeldCompletions.deliver`` then sends each its share, nothing else. Without that, each of 1024
+ranks would receive and unpack every response of the batch.
 
 Routes (``Completion.routed_experts``, ``[M, L, K]`` integers per completion, the largest part of a
 rollout by far) never travel with them: the engine's rank keeps them (``HeldRoutes``) until the
@@ -19,16 +28,19 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
 
 from grpo_megatron.rollout.engine import Completion
 
-HEADER = 8
+HEADER = 9
 """int64 numbers per completion in the header: tokens, finish, has loss mask, weight version, route
-M, L, K, dtype code."""
+M, L, K, dtype code, sampled tokens."""
+COLLECTOR = 0
+"""The global rank that receives every completion whole whatever ``payload`` (reward scoring and
+the sample log run there)."""
 ROUTE_DTYPES: tuple[torch.dtype, ...] = (torch.uint8, torch.int16, torch.int32, torch.int64)
 """Route dtypes by code - 1 (code 0: the completion has no routes)."""
 
@@ -40,6 +52,7 @@ def pack(completions: Sequence[Completion]) -> tuple[torch.Tensor, torch.Tensor]
         ints += (len(c.token_ids), int(c.finish_reason == "stop"), int(c.loss_mask is not None), c.weight_version)
         routes = c.routed_experts
         ints += (*routes.shape, ROUTE_DTYPES.index(routes.dtype) + 1) if routes is not None else (0, 0, 0, 0)
+        ints.append(c.num_sampled)
     for c in completions:
         ints += c.token_ids
     for c in completions:
@@ -54,7 +67,7 @@ def unpack(ints: torch.Tensor, logprobs: torch.Tensor, count: int) -> tuple[list
     header = ints[: count * HEADER].view(count, HEADER).tolist()
     rest, values = ints[count * HEADER :].tolist(), logprobs.tolist()
     out, shapes, at, mask_at = [], [], 0, sum(row[0] for row in header)
-    for n, stop, has_mask, version, m, length, k, code in header:
+    for n, stop, has_mask, version, m, length, k, code, _ in header:
         mask = rest[mask_at : mask_at + n] if has_mask else None
         mask_at += n if has_mask else 0
         out.append(Completion(rest[at : at + n], values[at : at + n], "stop" if stop else "length",
@@ -64,10 +77,135 @@ def unpack(ints: torch.Tensor, logprobs: torch.Tensor, count: int) -> tuple[list
     return out, shapes
 
 
+Payload = Literal["everywhere", "collector", "owners"]
+"""Where ``RolloutFleet.generate`` puts the completions' tokens, logprobs and loss masks: on every rank;
+on ``COLLECTOR`` only (every other rank gets each completion's header: its sizes, finish and
+version); or as "collector" with each engine's rank keeping its own until ``HeldCompletions.deliver``
+sends each to the ranks that train it."""
+
+
+def exchange_engine(
+    mine: tuple[torch.Tensor, torch.Tensor] | None, sizes: Sequence[int], *, src: int, rank: int, payload: Payload,
+    group: Any,
+) -> tuple[list[Completion], list[Any], list[list[int]]]:  # fmt: skip
+    """Collective over ``group``: engine rank ``src``'s completions (``pack``'s tensors, ``mine``, on
+    ``src``; ``sizes``: its ``sizes_of``) on this rank, whole where ``payload`` puts them, else their
+    headers only (``unpack_headers``); with each one's route shape and its header row. "everywhere":
+    one broadcast of each tensor; else one broadcast of the headers and, to ``COLLECTOR``, one
+    send of each tensor."""
+    count, n_ints, n_logprobs = (int(x) for x in sizes[:3])
+    if payload == "everywhere":
+        ints, logprobs = mine if mine is not None else (
+            torch.empty(n_ints, dtype=torch.int64), torch.empty(n_logprobs, dtype=torch.float64))  # fmt: skip
+        dist.broadcast(ints, src=src, group=group)
+        dist.broadcast(logprobs, src=src, group=group)
+        completions, shapes = unpack(ints, logprobs, count)
+        return completions, shapes, ints[: count * HEADER].view(count, HEADER).tolist()
+    header = mine[0][: count * HEADER].clone() if mine is not None else torch.empty(count * HEADER, dtype=torch.int64)
+    dist.broadcast(header, src=src, group=group)
+    rows = header.view(count, HEADER).tolist()
+    if mine is not None and src != COLLECTOR:
+        dist.send(mine[0], COLLECTOR, group=group)
+        dist.send(mine[1], COLLECTOR, group=group)
+    if mine is None and rank == COLLECTOR:
+        mine = (torch.empty(n_ints, dtype=torch.int64), torch.empty(n_logprobs, dtype=torch.float64))
+        dist.recv(mine[0], src, group=group)
+        dist.recv(mine[1], src, group=group)
+    completions, shapes = unpack(*mine, count) if mine is not None else unpack_headers(header, count)
+    return completions, shapes, rows
+
+
+def unpack_headers(header: torch.Tensor, count: int) -> tuple[list[Completion], list[Any]]:
+    """``count`` completions from their headers alone (``pack``'s first ``count * HEADER`` numbers):
+    each with its finish, weight version and ``sizes`` (tokens, sampled tokens) but no tokens,
+    logprobs or loss mask; and each one's route shape and dtype, as ``unpack``."""
+    out, shapes = [], []
+    for n, stop, _, version, m, length, k, code, sampled in header.view(count, HEADER).tolist():
+        out.append(Completion([], [], "stop" if stop else "length", weight_version=version, sizes=(n, sampled)))
+        shapes.append(((m, length, k), ROUTE_DTYPES[code - 1]) if code else None)
+    return out, shapes
+
+
+def payload_numel(headers: Sequence[Sequence[int]]) -> tuple[int, int]:
+    """(ints, logprobs) numbers of ``pack`` of the completions with these header rows."""
+    tokens = sum(row[0] for row in headers)
+    masks = sum(row[0] for row in headers if row[2])
+    return len(headers) * HEADER + tokens + masks, tokens
+
+
+def transfer_pairs(
+    needs: Mapping[int, Iterable[int]], source: Mapping[int, int], have: Iterable[int] = ()
+) -> dict[tuple[int, int], list[int]]:
+    """What moves where: ``needs`` (item id -> ranks that need it) and ``source`` (item id -> the rank
+    holding it) -> ``(source rank, receiving rank)`` -> item ids, in id order; a rank that holds the
+    item already (its source, or one of ``have``: ranks holding every item) receives nothing. The
+    same on every rank, so each knows what it sends and receives without asking."""
+    skip = set(have)
+    pairs: dict[tuple[int, int], list[int]] = {}
+    for item in sorted(needs):
+        for dst in sorted(set(needs[item])):
+            if dst != source[item] and dst not in skip:
+                pairs.setdefault((source[item], dst), []).append(item)
+    return dict(sorted(pairs.items()))
+
+
+def fill(c: Completion, payload: Completion) -> None:
+    """Give ``c`` (header only) the tokens, logprobs and loss mask that ``payload`` carries."""
+    c.token_ids, c.logprobs, c.loss_mask, c.sizes = payload.token_ids, payload.logprobs, payload.loss_mask, None
+
+
 def sizes_of(ints: torch.Tensor, logprobs: torch.Tensor, count: int, *, failed: bool = False) -> torch.Tensor:
     """This rank's ``[completions, ints, logprobs, failed]`` (every rank learns every engine's sizes,
     and whether any rank's share failed, in one gather)."""
     return torch.tensor([count, ints.numel(), logprobs.numel(), int(failed)], dtype=torch.int64)
+
+
+@dataclass
+class HeldCompletions:
+    """Completions of ``generate(payload="owners")``, by payload id, until ``deliver``: whole on their
+    engine's rank, their source rank and header row on every rank."""
+
+    completions: dict[int, Completion] = field(default_factory=dict)
+    source: dict[int, int] = field(default_factory=dict)
+    headers: dict[int, list[int]] = field(default_factory=dict)
+    next_id: int = 0
+
+    def add(self, src: int, header: list[int], completion: Completion | None) -> int:
+        pid, self.next_id = self.next_id, self.next_id + 1
+        self.source[pid], self.headers[pid] = src, header
+        if completion is not None:
+            self.completions[pid] = completion
+        return pid
+
+    def deliver(
+        self, owners: Mapping[int, Sequence[int]], rank: int, group: Any, release: Iterable[int] | None = None
+    ) -> dict[int, Completion]:
+        """Collective over ``group`` (every rank, the same ``owners``: payload id -> the global ranks
+        that train it): the completions this rank receives, by payload id (``COLLECTOR`` and the
+        engine's own rank hold theirs already and receive none). Each engine rank sends each
+        receiving rank the completions it needs in ``pack``'s layout (two tensors per pair). Afterwards
+        the ids ``release`` names are dropped; None: every held one."""
+        ops, receives = [], []
+        for (src, dst), pids in transfer_pairs(owners, self.source, (COLLECTOR,)).items():
+            if src == rank:
+                ints, logprobs = pack([self.completions[p] for p in pids])
+                ops += [dist.P2POp(dist.isend, ints, dst, group), dist.P2POp(dist.isend, logprobs, dst, group)]
+            elif dst == rank:
+                n_ints, n_logprobs = payload_numel([self.headers[p] for p in pids])
+                ints, logprobs = torch.empty(n_ints, dtype=torch.int64), torch.empty(n_logprobs, dtype=torch.float64)
+                ops += [dist.P2POp(dist.irecv, ints, src, group), dist.P2POp(dist.irecv, logprobs, src, group)]
+                receives.append((pids, ints, logprobs))
+        for work in dist.batch_isend_irecv(ops) if ops else []:
+            work.wait()
+        out: dict[int, Completion] = {}
+        for pids, ints, logprobs in receives:
+            completions, _ = unpack(ints, logprobs, len(pids))
+            out |= dict(zip(pids, completions, strict=True))
+        for pid in list(self.source) if release is None else release:
+            self.completions.pop(pid, None)
+            self.source.pop(pid, None)
+            self.headers.pop(pid, None)
+        return out
 
 
 @dataclass
@@ -103,16 +241,11 @@ class HeldRoutes:
         tensor of the routes it needs, in route-id order; nothing else moves. Afterwards the routes
         ``release`` names are dropped; None: every held route (those nobody needs, e.g. groups DAPO
         filtered out or earlier turns of a multi-turn episode, included)."""
-        pairs: dict[tuple[int, int], list[int]] = {}
-        for rid in sorted(owners):
-            for dst in sorted(set(owners[rid])):
-                pairs.setdefault((self.source[rid], dst), []).append(rid)
-        out: dict[int, torch.Tensor] = {}
+        out: dict[int, torch.Tensor] = {rid: self.tensors[rid] for rid in sorted(owners) if rank in owners[rid]
+                                        and self.source[rid] == rank}  # fmt: skip
         ops, receives = [], []
-        for (src, dst), rids in sorted(pairs.items()):
-            if src == dst == rank:
-                out |= {rid: self.tensors[rid] for rid in rids}
-            elif src == rank:
+        for (src, dst), rids in transfer_pairs(owners, self.source).items():
+            if src == rank:
                 flat = torch.cat([self.tensors[rid].reshape(-1) for rid in rids])
                 ops.append(dist.P2POp(dist.isend, flat, dst, group))
             elif dst == rank:

@@ -115,7 +115,8 @@ class GroupProducer:
             assert batch.pending is not None
             keep_routes = self.job.cfg.algorithm.routing_replay == "r3"  # held until the plan (grpo.py)
             with self.job.long_phase("rollout (waiting for the engines)"):  # one call, as long as the batch takes
-                batch.completions, batch.pending = self.job.fleet.collect(batch.pending, keep_routes=keep_routes), None
+                completions = self.job.fleet.collect(batch.pending, keep_routes=keep_routes, payload="owners")
+                batch.completions, batch.pending = completions, None
         return batch.completions
 
     def take(self, iteration: int, timer: Timer) -> tuple[list[Group], dict[str, float]]:

@@ -7,7 +7,8 @@ Every rank runs this loop (SPMD). One iteration, with the module that owns each 
                 (DAPO dynamic sampling: the loop asks DynamicSampling whether it needs another round
                 of rollout+reward, for groups with no reward variance)     algorithm/batch_shaping.py
   onload        (train.offload_trainer) engines release memory, trainer state returns  training/offload.py
-  advantages    group-relative, on every rank; mini-/micro-batch plan      phases/advantages.py (Batch, UpdatePlan)
+  advantages    group-relative, on every rank; mini-/micro-batch plan;    phases/advantages.py (Batch, UpdatePlan)
+                each replica then receives the responses it trains
   ref_logprob   frozen reference model, forward only (skipped when KL is off)  phases/logprob.py
   old_logprob   the policy before the update (only with several updates)  phases/logprob.py
   train         one Adam step per mini-batch of the clipped surrogate      phases/train.py (GRPOLoss)
@@ -51,12 +52,7 @@ from grpo_megatron.rollout.multiturn import trajectory_metrics
 from grpo_megatron.training.async_loop import GroupProducer, give_back_submitted
 from grpo_megatron.training.batching import Sample
 from grpo_megatron.training.job import Job, PhaseTimer, Timer, build_job, export_hf_checkpoint
-from grpo_megatron.training.phases.advantages import (
-    UpdatePlan,
-    build_samples,
-    deliver_engine_routes,
-    plan_update,
-)
+from grpo_megatron.training.phases.advantages import UpdatePlan, prepare_update
 from grpo_megatron.training.phases.bookkeeping import (
     freeze_startup_objects,
     sample_rows,
@@ -82,8 +78,11 @@ class Iteration:
 
     groups: list[Group]
     samples: list[Sample]
+    """This rank's data-parallel replica's samples (``plan`` indexes them)."""
     plan: UpdatePlan
     metrics: dict[str, float]
+    tokens: int = 0
+    """Prompt and response tokens of the whole batch."""
 
 
 @dataclass
@@ -123,8 +122,10 @@ def rollout_and_reward(job: Job, sampler: PromptSampler, it: int, timer: Timer) 
         records = [job.train_records[i] for i in sampler.next_indices(n)]
         seed = rollout_seed(cfg.train.seed, it, dapo.rounds)
         with timer("rollout"):
+            # Rank 0 gets every response (rewards, sample log); the others their sizes, and each
+            # replica its own responses once the update's plan says which (prepare_update).
             completions = rollout.generate(records, rollout.params(n=cfg.rollout.n_samples_per_prompt, seed=seed),
-                                           keep_routes=replay_engine_routes)  # fmt: skip
+                                           keep_routes=replay_engine_routes, payload="owners")  # fmt: skip
         with timer("reward"):
             scored = scorer.score(records, completions)
         reward_metrics = reward_metrics if dapo.rounds else scored.metrics
@@ -147,11 +148,8 @@ def run_iteration(
     with timer("onload"):
         onload_metrics = job.memory.to_trainer()
     with timer("advantages"):
-        batch = build_samples(cfg.algorithm, cfg.rollout.response_budget.tokens, groups)
-        plan = plan_update(cfg.train, cfg.algorithm, ps, batch.samples)
-        if cfg.algorithm.routing_replay == "r3":  # each sample's engine routes to the ranks that train it
-            # the asynchronous producer's later batches keep theirs (held on the engines' ranks)
-            deliver_engine_routes(job.fleet, groups, batch.samples, plan, release_all=producer is None)
+        # this replica's samples only; the asynchronous producer's later batches stay held
+        batch, plan = prepare_update(cfg, ps, job.fleet, groups, release_all=producer is None)
     # Every trainer pass takes these; each pass's MoE routing is algorithm.routing_replay's (off, r2, r3).
     passes = PassSettings(ps, job.pad_id, policy.spec.vocab_size, cfg.rollout.temperature,
                           RoutingReplay(cfg.algorithm.routing_replay, ps, policy.spec.num_experts))
@@ -179,14 +177,14 @@ def run_iteration(
         **train_metrics,
         **routing_metrics,
         "kl_beta": beta,
-        "response_len/mean": sum(len(c.token_ids) for g in groups for c in g.completions) / len(batch.samples),
+        "response_len/mean": sum(c.num_tokens for g in groups for c in g.completions) / batch.size,
         **trajectory_metrics([c for g in groups for c in g.completions]),  # multi-turn: turns/mean, tool/*
         **batch.metrics,
         **sync_metrics,
         **onload_metrics,
     }
     metrics.setdefault("kl", 0.0)
-    return Iteration(groups, batch.samples, plan, metrics)
+    return Iteration(groups, batch.samples, plan, metrics, batch.tokens)
 
 
 def sync_to_engines(job: Job, version: int, probe: ProbeBatch) -> dict[str, float]:
@@ -258,7 +256,7 @@ def train(job: Job) -> dict[str, float]:
                     last_it = it
                     if not eval_metrics.get("eval/accuracy", float("nan")) <= best[1]:  # NaN best: replace
                         best = (it, eval_metrics.get("eval/accuracy", float("nan")))
-        n_tokens = sum(s.length + 1 for s in result.samples)
+        n_tokens = result.tokens
         metrics = {
             **result.metrics,
             **eval_metrics,

@@ -60,6 +60,41 @@ def init_gloo(timeout_s: float = 120.0) -> tuple[int, int]:
     return dist.get_rank(), dist.get_world_size()
 
 
+def tcp_bytes_received() -> int:
+    """Bytes this process has received over its open TCP sockets, as the kernel counts them
+    (``TCP_INFO``'s ``tcpi_bytes_received``: gloo's pairs, the launcher's store): what a rank
+    received in a window is the difference of two readings (sockets closed in between drop out)."""
+    import struct
+
+    total = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            if not os.readlink(f"/proc/self/fd/{fd}").startswith("socket:"):
+                continue
+            sock = socket.socket(fileno=os.dup(int(fd)))
+        except OSError:
+            continue
+        with sock:
+            if sock.family in (socket.AF_INET, socket.AF_INET6) and sock.type == socket.SOCK_STREAM:
+                info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 256)
+                if len(info) >= 136:  # struct tcp_info: tcpi_bytes_received is the u64 at offset 128
+                    total += struct.unpack_from("Q", info, 128)[0]
+    return total
+
+
+def group_timeouts_minutes() -> dict[str, list[float]]:
+    """Every process group of this process (torch's registry), by its description: the timeout of
+    each of its backends in minutes, read back from torch (``megatron_compat.group_timeouts``)."""
+    from torch.distributed import distributed_c10d as c10d
+
+    from grpo_megatron.distributed.megatron_compat import group_timeouts
+
+    out: dict[str, list[float]] = {}
+    for group in c10d._world.pg_map:
+        out.setdefault(group.group_desc, []).extend(sorted(t.total_seconds() / 60 for t in group_timeouts(group)))
+    return out
+
+
 def _tail(text: str, n: int = LOG_TAIL_LINES) -> str:
     return "\n".join(text.splitlines()[-n:])
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from tests.helpers.dist import CPU_JOB
+from tests.helpers.dist import CPU_JOB, group_timeouts_minutes
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "tiny_moe.yaml"
 PROMPTS = [[3, 4, 5], [6, 7, 8, 9, 10, 11], [12, 13], [14, 15, 16, 17]]  # uneven: left padding matters
@@ -242,5 +242,75 @@ def rollout_results_at_scale(hf_dir: str, overrides: list[str]) -> dict:
     except RuntimeError as exc:
         res["failure"] = str(exc)
     res["after_failure"] = _tokens(fleet.generate(PROMPTS[:2], params))
+    res |= _payload_to_owners(cfg, ps, fleet, records)
     fleet.shutdown()
+    res["timeouts"] = group_timeouts_minutes()  # every group made so far: megatron's, the fleet's, the world
+    res["megatron_missed"] = _megatron_groups_without_their_timeout(cfg)
     return res
+
+
+def _payload_to_owners(cfg, ps, fleet, records) -> dict:
+    """The same rollout with the whole batch on every rank (``payload="everywhere"``), then with each
+    replica receiving only what it trains (``payload="owners"`` and ``prepare_update``): the TCP
+    bytes this rank received for each, what it held whole after the rollout, and whether its samples
+    and plan equal those made from the whole batch, bit for bit."""
+    from grpo_megatron.rollout.engine import SamplingParams
+    from grpo_megatron.training.phases.advantages import build_samples, plan_update, prepare_update
+    from grpo_megatron.training.phases.reward import Group
+    from tests.helpers.dist import tcp_bytes_received
+
+    records = records[:4]
+    params = SamplingParams(n=4, temperature=1.0, max_new_tokens=24, seed=11)
+    max_new = cfg.rollout.response_budget.tokens
+
+    def grouped(completions):
+        return [Group(r, cs, [float((i + k) % 3) for i in range(len(cs))], [""] * len(cs))
+                for k, (r, cs) in enumerate(zip(records, completions, strict=True))]  # fmt: skip
+
+    out: dict = {}
+    start = tcp_bytes_received()
+    whole = grouped(fleet.generate([list(r.prompt_ids) for r in records], params))
+    out["bytes_everywhere"] = tcp_bytes_received() - start
+    reference = build_samples(cfg.algorithm, max_new, whole)
+    ref_plan = plan_update(cfg.train, cfg.algorithm, ps, reference.samples)
+    start = tcp_bytes_received()
+    shared = grouped(fleet.generate([list(r.prompt_ids) for r in records], params, payload="owners"))
+    out["bytes_owners_rollout"] = tcp_bytes_received() - start
+    out["whole_after_rollout"] = [k for k, c in enumerate(c for g in shared for c in g.completions) if c.sizes is None]
+    out["sizes_agree"] = [(c.num_tokens, c.num_sampled) for g in shared for c in g.completions] == [
+        (len(c.token_ids), len(c.token_ids)) for g in whole for c in g.completions]  # fmt: skip
+    start = tcp_bytes_received()
+    batch, plan = prepare_update(cfg, ps, fleet, shared)
+    out["bytes_owners_delivery"] = tcp_bytes_received() - start
+    out["whole_after_delivery"] = [k for k, c in enumerate(c for g in shared for c in g.completions) if c.sizes is None]
+    out["mine"] = plan.mine
+    mine_ref = sorted({i for r in ref_plan.all_rows for i in r})
+    out["plan_same"] = (plan.mine == mine_ref and plan.owners == ref_plan.owners and plan.normalizers == ref_plan.normalizers
+                        and plan.rows == [[[mine_ref.index(i) for i in r] for r in mb] for mb in ref_plan.rows])  # fmt: skip
+    out["samples_same"] = len(batch.samples) == len(mine_ref) and all(
+        torch.equal(a.tokens_s, b.tokens_s) and torch.equal(a.labels_s, b.labels_s) and torch.equal(a.mask_s, b.mask_s)
+        and torch.equal(a.rollout_logprobs_s, b.rollout_logprobs_s) and a.advantage == b.advantage
+        for a, b in zip(batch.samples, [reference.samples[i] for i in mine_ref], strict=True)
+    )  # fmt: skip
+    out["batch_totals"] = (batch.size, batch.tokens, reference.size, reference.tokens)
+    out["payload_bytes"] = [16 * c.num_tokens + 72 for g in whole for c in g.completions]  # pack's bytes per completion
+    out["left_held"] = len(fleet.held_completions.completions)
+    return out
+
+
+def _megatron_groups_without_their_timeout(cfg) -> list[str]:
+    """megatron-core's ``initialize_model_parallel`` again, at the same layout and timeout: the groups
+    it creates with another timeout than ``distributed_timeout_minutes`` (what
+    ``megatron_compat.groups_take_timeout`` corrects in the bootstrap)."""
+    from datetime import timedelta
+
+    from megatron.core import parallel_state as mpu
+
+    from grpo_megatron.distributed.megatron_compat import groups_take_timeout
+
+    mpu.destroy_model_parallel()
+    with groups_take_timeout(timedelta(minutes=cfg.parallel.timeout_minutes)) as missed:
+        mpu.initialize_model_parallel(tensor_model_parallel_size=cfg.parallel.tp, expert_model_parallel_size=cfg.parallel.ep,
+                                      distributed_timeout_minutes=cfg.parallel.timeout_minutes)  # fmt: skip
+    mpu.destroy_model_parallel()
+    return missed

@@ -20,11 +20,12 @@ def evaluate(
     if not records:
         return {}
     seed = rollout_seed(train_seed, iteration)
-    greedy = rollout.generate(records, rollout.params(n=1, seed=seed, greedy=True))
+    # Only rank 0 reads the responses (it scores them): the other ranks get their headers.
+    greedy = rollout.generate(records, rollout.params(n=1, seed=seed, greedy=True), payload="collector")
     groups = scorer.score(records, greedy).groups
     metrics = {"eval/accuracy": sum(g.rewards[0] for g in groups) / len(groups)}
     if samples > 0:
-        sampled = rollout.generate(records, rollout.params(n=samples, seed=seed + 1))
+        sampled = rollout.generate(records, rollout.params(n=samples, seed=seed + 1), payload="collector")
         groups = scorer.score(records, sampled).groups
         metrics[f"eval/mean@{samples}"] = sum(sum(g.rewards) / samples for g in groups) / len(groups)
     return metrics

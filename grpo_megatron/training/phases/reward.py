@@ -25,6 +25,7 @@ class Group:
     completions: list[Completion]
     rewards: list[float]
     texts: list[str]
+    """The decoded responses on rank 0 (the sample log); empty strings elsewhere."""
 
 
 @dataclass
@@ -46,8 +47,11 @@ class Scorer:
     cfg: RewardConfig
 
     def score(self, records: Sequence[PromptRecord], completions: list[list[Completion]]) -> Scored:
-        """Rewards of every completion (rank 0's reward pool, broadcast), grouped per prompt."""
-        texts = [[self.tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in cs] for cs in completions]
+        """Rewards of every completion (rank 0's reward pool, broadcast), grouped per prompt. The
+        responses are decoded on rank 0 only (``Group.texts`` is empty elsewhere): the others may hold
+        only the completions' headers (``RolloutFleet.generate``'s ``payload``)."""
+        texts = [[self.tokenizer.decode(c.token_ids, skip_special_tokens=True) if self.pool is not None else ""
+                  for c in cs] for cs in completions]  # fmt: skip
 
         def score_all() -> tuple[list[float], dict[str, float]]:
             assert self.pool is not None  # rank 0 holds the pool

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 from grpo_megatron.rollout.engine import Completion, SamplingParams
 from grpo_megatron.rollout.multiturn import Environment, EpisodeRunner
+from grpo_megatron.rollout.results import Payload
 
 if TYPE_CHECKING:
     from grpo_megatron.data import PromptRecord
@@ -52,13 +53,18 @@ class Rollout:
         )
 
     def generate(
-        self, records: Sequence[PromptRecord], params: SamplingParams, *, keep_routes: bool = False
+        self, records: Sequence[PromptRecord], params: SamplingParams, *, keep_routes: bool = False,
+        payload: Payload = "everywhere",
     ) -> list[list[Completion]]:
         """``params.n`` completions per prompt, in prompt order, on every rank; with rollout.multiturn,
         multi-turn trajectories (rollout/multiturn.py). With ``keep_routes`` the engines keep their
-        routes for ``phases/advantages.py:deliver_engine_routes``."""
+        routes for ``phases/advantages.py:deliver_engine_routes``. ``payload``: where the tokens and
+        logprobs go (``RolloutFleet.generate``; "owners": ``phases/advantages.py:prepare_update``
+        delivers them); multi-turn episodes have them on every rank (each turn's prompts are made
+        there)."""
         with self.wait("rollout (waiting for the engines)"):
             if self.cfg.multiturn.enabled:
                 runner = EpisodeRunner(self.fleet, self.cfg.multiturn, self.tokenizer, self.env)
                 return [list[Completion](g) for g in runner.run(records, params, keep_routes=keep_routes)]
-            return self.fleet.generate([list(r.prompt_ids) for r in records], params, keep_routes=keep_routes)
+            return self.fleet.generate([list(r.prompt_ids) for r in records], params, keep_routes=keep_routes,
+                                       payload=payload)  # fmt: skip
