@@ -106,7 +106,11 @@ class PlanOptions:
     moe_imbalance: float = 1.25
     """Routed tokens on the busiest expert rank relative to a perfect balance (dropless MoE)."""
     reserve_gib: float = 4.0
-    """CUDA context, NCCL buffers and allocator fragmentation, per GPU."""
+    """The trainer's and a colocated engine's CUDA contexts, NCCL buffers and allocator
+    fragmentation, per GPU (SGLang's non-static memory has lines of its own)."""
+    margin: float = 0.05
+    """A plan fits when its peak stays this share of the GPU below the GPU's memory: what the
+    estimate leaves out (docs/planner.md, "Not modelled") needs room. Within it is not fitting."""
 
 
 @dataclass(frozen=True)
@@ -159,10 +163,22 @@ class MemoryPlan:
     def peak_gib(self) -> float:
         return max(self.phase_gib(p) for p in self.phases)
 
+    margin: float = 0.05
+    """``PlanOptions.margin``: the share of the GPU a fitting plan leaves free."""
+
+    @property
+    def limit_gib(self) -> float:
+        """The most a phase may take and the plan still fit: the GPU less the margin."""
+        return self.gpu.memory_gib * (1 - self.margin)
+
+    @property
+    def peak_frac(self) -> float:
+        return self.peak_gib / self.gpu.memory_gib
+
     @property
     def fits(self) -> bool:
         kv_ok = self.kv_tokens is None or self.kv_tokens >= self.seq_len
-        return self.peak_gib <= self.gpu.memory_gib and kv_ok
+        return self.peak_gib <= self.limit_gib and kv_ok
 
 
 def tokens_per_micro_batch(cfg: JobConfig) -> int:
@@ -253,6 +269,102 @@ def _stage_lines(cfg: JobConfig, hf: Mapping[str, Any], layout: Layout, opts: Pl
     return _Trainer(stage, counts, state, training, trainable)
 
 
+@dataclass(frozen=True)
+class EngineWeights:
+    """Parameters on one GPU of a colocated SGLang engine of ``width`` GPUs."""
+
+    per_gpu: float
+    replicated: float
+    """Of which held whole on every GPU, or in more copies than an even split: norms, MoE routers
+    (SGLang's ``ReplicatedLinear`` gate), MLA's down-projections (its ``fused_qkv_a_proj_with_mqa``
+    is a ``ReplicatedLinear``), and KV heads when they are fewer than the GPUs (its
+    ``QKVParallelLinear`` gives each GPU one whole)."""
+
+
+def engine_weight_params(hf: Mapping[str, Any], width: int) -> EngineWeights:
+    """Every canonical tensor split over the engine's ``width`` GPUs as SGLang loads it: column and
+    row parallel layers (and the experts, over EP x MoE-TP = width) by ``width``, the replicated
+    ones whole (the planner's TransformerEngine table duplicates MLA's down-projections, as SGLang does)."""
+    d = ModelDims.from_hf(hf)
+    per_gpu = replicated = 0.0
+    for t in canonical_tensors(hf, padded_vocab=d.vocab, te=True):
+        if t.partition_dim is None:
+            per_gpu, replicated = per_gpu + t.numel, replicated + t.numel * (1 - 1 / width)
+        elif ".linear_qkv." in t.name and d.kv_groups < width:
+            per_head = t.numel // (d.heads + 2 * d.kv_groups)  # one head's rows of Q, K or V
+            kv = 2 * per_head  # each GPU holds one K and one V head whole
+            per_gpu += d.heads * per_head / width + kv
+            replicated += kv - 2 * d.kv_groups * per_head / width
+        else:
+            per_gpu += t.numel / width
+    return EngineWeights(per_gpu, replicated)
+
+
+def sglang_defaults(server_args: Mapping[str, Any], gpu_mib: float, tp: int) -> tuple[int, int]:
+    """(chunked_prefill_size, decode CUDA-graph max batch) an SGLang 0.5.23 engine runs with:
+    ``server_args`` (rollout.sglang_server_args, which the runtime passes on), else SGLang's defaults
+    by GPU memory (``srt/arg_groups/memory_hook.py``: 8192 tokens and 256 (TP < 4) or 512 on an
+    H100 or H200), the graph batch capped by ``max_running_requests``."""
+    table = ((20, 2048, 8, 8), (35, 4096, 48, 160), (60, 4096, 32, 160), (160, 8192, 256, 512), (10**9, 16384, 512, 512))
+    chunk, small, large = next((c, a, b) for below, c, a, b in table if gpu_mib < below * 1024)
+    chunk = int(server_args.get("chunked_prefill_size") or chunk)
+    bs = server_args.get("cuda_graph_max_bs_decode") or (small if tp < 4 else large)
+    if server_args.get("max_running_requests") and not server_args.get("cuda_graph_max_bs_decode"):
+        bs = min(bs, int(server_args["max_running_requests"]))
+    return chunk, int(bs)
+
+
+def sglang_graph_mib(server_args: Mapping[str, Any], chunk: int, decode_bs: int, mla: bool) -> float:
+    """SGLang 0.5.23's own reserve for its CUDA graphs (``memory_hook.reserve_for_graph_mb``): 2 MiB per
+    decode batch size up to the largest captured; the prefill graphs (breakable, the CUDA default):
+    8 MiB per captured token count up to the chunk, 1.5 GiB with an MLA backend."""
+    off = bool(server_args.get("disable_cuda_graph"))
+    mib = 0.0
+    if not (off or server_args.get("disable_decode_cuda_graph")):
+        mib += decode_bs * 2
+    if not (off or server_args.get("disable_prefill_cuda_graph")):
+        top = int(server_args.get("cuda_graph_max_bs_prefill") or (min(8192, chunk) if mla else chunk))
+        sizes = [*range(4, 33, 4), *range(48, 257, 16), *range(288, 513, 32), *range(576, 1025, 64),
+                 *range(1280, 4097, 256), *range(4608, top + 1, 512)]  # fmt: skip
+        mib += 1536 if mla else 8 * sum(1 for x in sizes if x <= top)
+    return mib
+
+
+def _sglang_runtime_lines(
+    cfg: JobConfig, hf: Mapping[str, Any], placement: RolloutPlacement, opts: PlanOptions
+) -> dict[str, Line]:
+    """SGLang's memory outside its static pool (weights + KV cache, ``mem_fraction_static``), which a
+    colocated engine needs beside the trainer: its CUDA graphs (held with the ``cuda_graph`` tag) and
+    what a forward allocates (a prefill chunk's activations, the decode batch's logits, SGLang's own
+    constant buffers)."""
+    d = ModelDims.from_hf(hf)
+    width, args = placement.gpus_per_engine, cfg.rollout.sglang_server_args
+    chunk, decode_bs = sglang_defaults(args, opts.gpu.memory_gib * 1024, width)
+    graphs = sglang_graph_mib(args, chunk, decode_bs, d.mla) * 2**20
+    ep = placement.engine_ep
+    engine = Layout(width, width, 1, 1, 1, ep, 1, 1, False)
+    # The trainer's per-tensor count of one layer (an upper bound: a forward frees as it goes), with
+    # every GPU holding the chunk's tokens (attention split by heads) and its experts only the
+    # 1/ep of the routed copies that reach them (SGLang's EP without DeepEP: no all-to-all buffers).
+    routed = d.topk * opts.moe_imbalance * (d.hidden + 3 * d.moe_ffn) * 2 * (1 - 1 / ep)
+    layer = max(
+        layer_activation_bytes(d, i, engine, 2, seq_len=chunk, flash=True, moe_imbalance=opts.moe_imbalance)
+        - (routed if d.moe_layers[i] else 0.0)
+        for i in range(d.num_layers)
+    )
+    deepep = args.get("moe_a2a_backend") == "deepep"
+    forward = layer * chunk + (dispatch_buffer_bytes(d, engine, 2, chunk / ep, opts.moe_imbalance) if deepep else 0.0)
+    logits = decode_bs * padded_vocab_size(d.vocab, 1, width) / width * 4  # fp32 logits of a decode batch
+    constant = (512 + width / 8 * 1024) * 2**20  # SGLang's reserve: metadata, and its large-TP adjustment
+    return {
+        "graphs": Line("SGLang CUDA graphs", graphs / GIB, f"decode batch <= {decode_bs}, prefill <= {chunk} tokens (SGLang's reserve)"),
+        "runtime": Line(
+            "SGLang activations", (forward + logits + constant) / GIB,
+            f"one layer of a {chunk}-token prefill chunk, decode logits, SGLang's constant buffers",
+        ),
+    }
+
+
 def _engine_lines(
     cfg: JobConfig, hf: Mapping[str, Any], placement: RolloutPlacement, opts: PlanOptions
 ) -> tuple[dict[str, Line], int | None, list[str]]:
@@ -267,12 +379,15 @@ def _engine_lines(
     width, seq_len = placement.gpus_per_engine, cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens
     all_params = total_params(hf)
     pool = cfg.rollout.gpu_memory_utilization * opts.gpu.memory_gib * GIB
-    weights = all_params * opts.rollout_weight_bytes / width
+    on_gpu = engine_weight_params(hf, width)
+    weights = on_gpu.per_gpu * opts.rollout_weight_bytes
     kv = pool - weights
     kv_tokens = max(0, int(kv // kv_bytes_per_token(d, width)))
     lines = {
-        "weights": Line("engine weights", weights / GIB, f"{human_count(all_params)} / {width} GPUs per engine"),
+        "weights": Line("engine weights", weights / GIB, f"{human_count(all_params)} / {width} GPUs per engine, "
+                        f"{on_gpu.replicated * opts.rollout_weight_bytes / GIB:.2f} GiB of it replicated"),  # fmt: skip
         "kv_cache": Line("engine KV cache", max(kv, 0) / GIB, f"{kv_tokens:,} tokens ({kv_tokens // max(seq_len, 1):,} full sequences)"),
+        **_sglang_runtime_lines(cfg, hf, placement, opts),
     }
     notes = []
     if kv <= 0:
@@ -295,11 +410,15 @@ def _phase(
     if phase == "train":
         lines += trainer.training
     lines += [engine[t] for t in ("weights", "kv_cache") if t in held.engine and t in engine]
+    if "graphs" in engine and "cuda_graph" in held.engine:
+        lines.append(engine["graphs"])
+    if "runtime" in engine and phase in ("start-up", "rollout", "probe"):  # the engine runs forwards
+        lines.append(engine["runtime"])
     if phase in ("sync", "probe") and engine:  # a weight sync lands on this GPU
         bucket = cfg.rollout.sync_bucket_mb / 1024
         buffers = bucket * (2 + cfg.rollout.sync_rounds_in_flight / 4)
         lines.append(Line("weight-sync buffers", buffers, f"2 buckets + {cfg.rollout.sync_rounds_in_flight} rounds of a quarter"))
-    lines.append(Line("runtime reserve", opts.reserve_gib, "CUDA context, NCCL, fragmentation"))
+    lines.append(Line("runtime reserve", opts.reserve_gib, "CUDA contexts, NCCL, fragmentation"))
     return lines
 
 
@@ -330,6 +449,7 @@ def plan_memory(cfg: JobConfig, hf: Mapping[str, Any], world_size: int, opts: Pl
         seq_len=cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens,
         notes=notes + _lora_notes(cfg, trainer),
         trainable_rank=trainer.trainable,
+        margin=opts.margin,
     )
 
 
@@ -428,7 +548,7 @@ def _engine_variants(cfg: JobConfig, plan: MemoryPlan, world_size: int) -> list[
         out.append((f"rollout.sglang_tp={more}", _variant(cfg, "rollout", sglang_tp=more)))
     engine = ("engine weights", "engine KV cache")
     resident = max(sum(x.gib for x in plan.phases[p] if x.name not in engine) for p in ("start-up", "rollout"))
-    room = (plan.gpu.memory_gib - resident) / plan.gpu.memory_gib
+    room = (plan.limit_gib - resident) / plan.gpu.memory_gib  # the pool's share that keeps the margin
     if 0 < room < cfg.rollout.gpu_memory_utilization:
         frac = round(room - 0.005, 2)
         out.append((f"rollout.gpu_memory_utilization={frac}", _variant(cfg, "rollout", gpu_memory_utilization=frac)))
@@ -495,13 +615,18 @@ def render(plan: MemoryPlan, cfg: JobConfig, receives_gb: float | None = None) -
     for row, (cells, note) in rows.items():
         table.add_row(row, *(f"{cells[n]:.2f}" if n in cells else "" for n in names), note)
     totals = [plan.phase_gib(n) for n in names]
-    colored = [f"[{'red' if t > plan.gpu.memory_gib else 'green'}]{t:.2f}[/]" for t in totals]
-    table.add_row("total", *colored, f"of {plan.gpu.memory_gib:.1f} GiB")
+    colored = [f"[{'red' if t > plan.limit_gib else 'green'}]{t:.2f}[/]" for t in totals]
+    table.add_row("total", *colored, f"of {plan.gpu.memory_gib:.1f} GiB ({plan.limit_gib:.1f} with the margin)")
     parts.append(table)
     for note in plan.notes:
         parts.append(Text(f"note: {note}"))
     verdict = "FITS" if plan.fits else "DOES NOT FIT"
-    parts.append(Text(f"{verdict} on {plan.gpu.name}", style="bold green" if plan.fits else "bold red"))
+    worst = max(plan.phases, key=plan.phase_gib)
+    parts.append(Text(
+        f"{verdict} on {plan.gpu.name}: peak {plan.peak_gib:.1f} GiB ({worst}) = {plan.peak_frac:.1%} of the GPU; "
+        f"a plan fits up to {1 - plan.margin:.0%} ({plan.limit_gib:.1f} GiB): the rest is for what it does not model",
+        style="bold green" if plan.fits else "bold red",
+    ))  # fmt: skip
     if plan.suggestions:
         parts.append(Text("what to change (one change at a time):"))
         parts += [Text(f"  - {s}") for s in plan.suggestions]
