@@ -219,6 +219,21 @@ def test_healthy_long_phases_are_not_stopped():
     assert r0 == r1 == {"finished": True}
 
 
+def test_a_rollout_longer_than_the_bound_waits_under_the_long_phase():
+    # Issue 36: a rollout longer than progress_timeout_s (a 32k-token response) is not a stuck rank.
+    # Rank 0's engine process is held for 3 bounds; rank 0 waits on its pipe, rank 1 in the collective.
+    (r0, r1) = run_distributed("tests.workers.fault_workers:long_rollout", 2, timeout_s=180, bound_s=2.0,
+                               long_phase=True)  # fmt: skip
+    assert r0["finished"] and r1["finished"] and r0["groups"] == r1["groups"] == 2
+    assert r0["seconds"] >= 6.0, r0  # it did wait the three bounds
+    # The same wait under the short bound (no long phase, as before): the watchdog ends the job,
+    # naming the engine's rank in the rollout phase.
+    with pytest.raises(AssertionError) as failure:
+        run_distributed("tests.workers.fault_workers:long_rollout", 2, timeout_s=180, bound_s=2.0, long_phase=False)
+    log = str(failure.value)
+    assert "stuck: rank 0 on" in log and "in phase 'rollout'" in log, log[-3000:]
+
+
 # ------------------------------------------------------------------------------------------------
 # The trainer end to end (examples/demo.yaml shrunk, 2 ranks): reruns, outputs, NaN, short errors
 

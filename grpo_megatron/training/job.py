@@ -101,7 +101,8 @@ class Runtime:
         """What the rollout and eval phases act on: the engines and rollout.* sampling settings."""
         from grpo_megatron.training.phases.rollout import Rollout
 
-        return Rollout(self.fleet, self.cfg.rollout, self.eos_id, self.tokenizer, self.env, wait=self.long_phase)
+        return Rollout(self.fleet, self.cfg.rollout, self.eos_id, self.tokenizer, self.env, watchdog=self.watchdog,
+                       long_phase_s=self.cfg.parallel.long_phase_timeout_s)  # fmt: skip
 
     @property
     def scorer(self) -> Scorer:

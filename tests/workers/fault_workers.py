@@ -132,3 +132,47 @@ def long_phases(bound_s: float) -> dict[str, Any]:
             dist.all_reduce(torch.ones(1))
     watchdog.stop()
     return {"finished": True}
+
+
+def long_rollout(bound_s: float, long_phase: bool) -> dict[str, Any]:
+    """A rollout that takes three watchdog bounds: rank 0's engine process (rollout.embedded_process)
+    is stopped (SIGSTOP) as the generation is submitted and continued three bounds later, so rank 0
+    blocks on its engine's pipe and rank 1 in the fleet's collective, in the real ``Rollout`` phase.
+    ``long_phase``: the phase gets the job's watchdog (its wait runs under the long bound); else none
+    (the wait under ``progress_timeout_s``, as before issue 36). Returning means the watchdog let it be."""
+    import os
+    import signal
+    import threading
+
+    from grpo_megatron.config import load_config
+    from grpo_megatron.data.records import PromptRecord
+    from grpo_megatron.distributed.bootstrap import init_distributed
+    from grpo_megatron.distributed.watchdog import start_watchdog
+    from grpo_megatron.rollout.fleet import RolloutFleet
+    from grpo_megatron.training.job import PhaseTimer, engine_spec
+    from grpo_megatron.training.phases.rollout import Rollout
+    from tests.helpers.dist import CPU_JOB
+    from tests.workers.rollout_workers import EXAMPLE
+
+    cfg = load_config(EXAMPLE, [*CPU_JOB, "rollout.embedded_process=true", "rollout.max_new_tokens=4",
+                                f"parallel.long_phase_timeout_s={20 * bound_s}"])  # fmt: skip
+    ps = init_distributed(cfg.parallel)
+    fleet = RolloutFleet.build(engine_spec(cfg), cfg.model.load_hf_config(), ps)
+    watchdog = start_watchdog(bound_s, ps.rank, ps.world_size)
+    assert watchdog is not None
+    rollout = Rollout(fleet, cfg.rollout, eos_id=0, watchdog=watchdog if long_phase else None,
+                      long_phase_s=cfg.parallel.long_phase_timeout_s)  # fmt: skip
+    timer = PhaseTimer(beat=watchdog.beat)
+    records = [PromptRecord("", "", {}, (3, 4, 5)), PromptRecord("", "", {}, (6, 7))]
+    if ps.rank == 0:
+        assert fleet.engine is not None
+        pid = fleet.engine.proc.pid  # type: ignore[attr-defined]
+        os.kill(pid, signal.SIGSTOP)
+        threading.Timer(3 * bound_s, os.kill, (pid, signal.SIGCONT)).start()
+    start = time.monotonic()
+    with timer("rollout"):
+        groups = rollout.generate(records, rollout.params(n=2, seed=1))
+    seconds = time.monotonic() - start
+    watchdog.stop()
+    fleet.shutdown()
+    return {"finished": True, "seconds": seconds, "groups": len(groups)}

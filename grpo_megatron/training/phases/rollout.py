@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -13,6 +13,7 @@ from grpo_megatron.rollout.results import Payload
 
 if TYPE_CHECKING:
     from grpo_megatron.data import PromptRecord
+    from grpo_megatron.distributed.watchdog import ProgressWatchdog
     from grpo_megatron.rollout.config import RolloutConfig
     from grpo_megatron.rollout.fleet import RolloutFleet
 
@@ -34,9 +35,16 @@ class Rollout:
     """Decodes a turn for the environment (rollout.multiturn only)."""
     env: Environment | None = None
     """rollout.multiturn: rank 0's environment (None on the other ranks)."""
-    wait: Callable[[str], AbstractContextManager[None]] = lambda phase: nullcontext()
-    """Wraps the wait for the engines (``Runtime.long_phase``: the watchdog's long bound, since a
-    rank waiting for its engine's rollout blocks in one call for as long as the rollout takes)."""
+    watchdog: ProgressWatchdog | None = None
+    """This rank's progress watchdog: the wait for the engines runs under its long phase, since a
+    rank waiting for its engine's rollout blocks in one call for as long as the rollout takes."""
+    long_phase_s: float = 3600.0
+    """The watchdog's bound for that wait (parallel.long_phase_timeout_s), not progress_timeout_s."""
+
+    def _waiting(self) -> AbstractContextManager[None]:
+        if self.watchdog is None:
+            return nullcontext()
+        return self.watchdog.long_phase("rollout (waiting for the engines)", self.long_phase_s)
 
     def params(self, *, n: int, seed: int, greedy: bool = False) -> SamplingParams:
         r = self.cfg
@@ -62,7 +70,7 @@ class Rollout:
         logprobs go (``RolloutFleet.generate``; "owners": ``phases/advantages.py:prepare_update``
         delivers them); multi-turn episodes have them on every rank (each turn's prompts are made
         there)."""
-        with self.wait("rollout (waiting for the engines)"):
+        with self._waiting():
             if self.cfg.multiturn.enabled:
                 runner = EpisodeRunner(self.fleet, self.cfg.multiturn, self.tokenizer, self.env)
                 return [list[Completion](g) for g in runner.run(records, params, keep_routes=keep_routes)]
