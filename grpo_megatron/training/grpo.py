@@ -149,7 +149,8 @@ def run_iteration(
         onload_metrics = job.memory.to_trainer()
     with timer("advantages"):
         # this replica's samples only; the asynchronous producer's later batches stay held
-        batch, plan = prepare_update(cfg, ps, job.fleet, groups, release_all=producer is None)
+        batch, plan = prepare_update(cfg.algorithm, cfg.train, cfg.rollout.response_budget.tokens, ps, job.fleet, groups,
+                                     release_all=producer is None)  # fmt: skip
     # Every trainer pass takes these; each pass's MoE routing is algorithm.routing_replay's (off, r2, r3).
     passes = PassSettings(ps, job.pad_id, policy.spec.vocab_size, cfg.rollout.temperature,
                           RoutingReplay(cfg.algorithm.routing_replay, ps, policy.spec.num_experts))

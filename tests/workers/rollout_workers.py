@@ -280,7 +280,7 @@ def _payload_to_owners(cfg, ps, fleet, records) -> dict:
     out["sizes_agree"] = [(c.num_tokens, c.num_sampled) for g in shared for c in g.completions] == [
         (len(c.token_ids), len(c.token_ids)) for g in whole for c in g.completions]  # fmt: skip
     start = tcp_bytes_received()
-    batch, plan = prepare_update(cfg, ps, fleet, shared)
+    batch, plan = prepare_update(cfg.algorithm, cfg.train, max_new, ps, fleet, shared)
     out["bytes_owners_delivery"] = tcp_bytes_received() - start
     out["whole_after_delivery"] = [k for k, c in enumerate(c for g in shared for c in g.completions) if c.sizes is None]
     out["mine"] = plan.mine

@@ -25,7 +25,6 @@ from grpo_megatron.training.batching import (
 
 if TYPE_CHECKING:
     from grpo_megatron.algorithm.config import AlgorithmConfig
-    from grpo_megatron.config import JobConfig
     from grpo_megatron.distributed.bootstrap import ParallelState
     from grpo_megatron.rollout.fleet import RolloutFleet
     from grpo_megatron.training.config import TrainConfig
@@ -168,18 +167,19 @@ def deliver_completions(fleet: RolloutFleet, groups: Sequence[Group], plan: Upda
 
 
 def prepare_update(
-    cfg: JobConfig, ps: ParallelState, fleet: RolloutFleet, groups: Sequence[Group], *, release_all: bool = True
+    alg: AlgorithmConfig, train: TrainConfig, max_new_tokens: int, ps: ParallelState, fleet: RolloutFleet,
+    groups: Sequence[Group], *, release_all: bool = True,
 ) -> tuple[Batch, UpdatePlan]:
     """The advantages phase: advantages and the update's plan from the rewards and the completions'
     sizes (on every rank), then this replica's completions delivered to it and made into its
     samples, and (``algorithm.routing_replay=r3``) their engine routes. Returns this replica's
-    ``Batch`` and the ``local()`` plan indexing it."""
-    alg = cfg.algorithm
-    advantages = batch_advantages(alg, cfg.rollout.response_budget.tokens, groups)
-    plan = plan_sizes(cfg.train, alg, ps, *sample_sizes(groups))
+    ``Batch`` and the ``local()`` plan indexing it. ``max_new_tokens``: the longest response (DAPO's
+    overlong default)."""
+    advantages = batch_advantages(alg, max_new_tokens, groups)
+    plan = plan_sizes(train, alg, ps, *sample_sizes(groups))
     deliver_completions(fleet, groups, plan, release_all=release_all)
     local = plan.local()
-    batch = build_samples(alg, cfg.rollout.response_budget.tokens, groups, only=local.mine, advantages=advantages)
+    batch = build_samples(alg, max_new_tokens, groups, only=local.mine, advantages=advantages)
     if alg.routing_replay == "r3":  # each sample's engine routes to the ranks that train it
         deliver_engine_routes(fleet, groups, batch.samples, local, release_all=release_all)
     return batch, local
