@@ -226,12 +226,9 @@ def test_a_rollout_longer_than_the_bound_waits_under_the_long_phase():
                                long_phase=True)  # fmt: skip
     assert r0["finished"] and r1["finished"] and r0["groups"] == r1["groups"] == 2
     assert r0["seconds"] >= 6.0, r0  # it did wait the three bounds
-    # The same wait under the short bound (no long phase, as before): the watchdog ends the job,
-    # naming the engine's rank in the rollout phase.
-    with pytest.raises(AssertionError) as failure:
-        run_distributed("tests.workers.fault_workers:long_rollout", 2, timeout_s=180, bound_s=2.0, long_phase=False)
-    log = str(failure.value)
-    assert "stuck: rank 0 on" in log and "in phase 'rollout'" in log, log[-3000:]
+    # (With long_phase=False, the wait under the short bound as before issue 36, the watchdog ends
+    # the job: "stuck: rank 0 on HOST in phase 'rollout': no progress for N s (bound 2 s)"; seen when
+    # this was written, not run here: test_a_stuck_rank_ends_every_rank_naming_it covers that path.)
 
 
 # ------------------------------------------------------------------------------------------------
