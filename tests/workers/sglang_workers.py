@@ -183,6 +183,9 @@ class Scenarios:
             "distinct_samples": distinct,
             "all_logprobs_valid": all(lp <= 0.0 and lp == lp for lp in flat_logprobs(groups)),
             "sampled_vs_own_score": max_diff(flat_logprobs(groups), [x for r in scored for x in r]),
+            "sampled_vs_own_top3": sorted(
+                (abs(x - y) for x, y in zip(flat_logprobs(groups), [x for r in scored for x in r], strict=True)), reverse=True
+            )[:3],
             "sampled_vs_embedded_score": max_diff(flat_logprobs(groups), [x for r in emb for x in r]),
             "sampled_vs_embedded_top3": sorted(
                 (abs(x - y) for x, y in zip(flat_logprobs(groups), [x for r in emb for x in r], strict=True)), reverse=True
