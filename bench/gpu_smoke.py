@@ -345,7 +345,7 @@ def main() -> int:
     if not set(args.routing_replay) <= {"off", "r3"}:
         parser.error(f"--routing-replay {','.join(args.routing_replay)}: choose from off, r3")
 
-    from grpo_megatron.config import load_config
+    from grpo_megatron.config import load_config, validate
     from grpo_megatron.distributed.bootstrap import destroy_distributed, init_distributed
     from grpo_megatron.training.policy import build_policy
 
@@ -358,7 +358,7 @@ def main() -> int:
         *args.override,
     ]
     cfg = load_config(EXAMPLE, overrides)
-    cfg.validate(1)
+    validate(cfg, 1)
     ps = init_distributed(cfg.parallel, seed=cfg.train.seed)
     hf = cfg.model.load_hf_config()
     print(

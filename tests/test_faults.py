@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from grpo_megatron.checkpoint.dist import MARKER
+from grpo_megatron.checkpoint.marker import MARKER
 from tests.helpers.dist import REPO_ROOT, free_port, run_distributed
 
 _WORKERS = "tests.workers.fault_workers:cases"

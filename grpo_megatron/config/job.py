@@ -69,11 +69,6 @@ class JobConfig:
         (train.max_staleness > 0), or in order (rollout.embedded_process with max_staleness 0)."""
         return self.rollout.embedded_process or self.train.max_staleness > 0
 
-    def validate(self, world_size: int) -> None:
-        from grpo_megatron.config.validation import validate
-
-        validate(self, world_size)
-
     def resolve(self, world_size: int) -> JobConfig:
         """A copy whose parallel section has its derived degrees filled in (see ParallelConfig.resolve)."""
         return dataclasses.replace(self, parallel=self.parallel.resolve(world_size))

@@ -18,12 +18,12 @@ PROMPTS = [[3, 4, 5], [6, 7, 8, 9, 10, 11], [12, 13], [14, 15, 16, 17]]  # uneve
 
 
 def _setup(hf_dir: str, overrides: list[str]):
-    from grpo_megatron.config import load_config
+    from grpo_megatron.config import load_config, validate
     from grpo_megatron.distributed.bootstrap import init_distributed, world_size_from_env
     from grpo_megatron.training.policy import build_policy
 
     cfg = load_config(EXAMPLE, [*CPU_JOB, f"model.hf_path={hf_dir}", "train.lr=1e-2", *overrides])
-    cfg.validate(world_size_from_env())
+    validate(cfg, world_size_from_env())
     ps = init_distributed(cfg.parallel, seed=cfg.train.seed)
     hf = cfg.model.load_hf_config()
     policy = build_policy(hf, cfg.model, cfg.parallel, cfg.train, ps)
