@@ -9,7 +9,7 @@ import json
 from pathlib import Path
 
 from grpo_megatron.logging_utils.metrics import read_jsonl
-from tests.test_train import SMALL, comparable, finish, killed_and_resumed, launch
+from tests.helpers.runs import SMALL, comparable, finish, killed_and_resumed, launch
 
 MOVING = [*SMALL, "reward.components=[{name: len, function: length, kwargs: {target_chars: 6}}]", "train.lr=1e-3"]
 ASYNC = ["rollout.embedded_process=true"]

@@ -224,7 +224,7 @@ def test_healthy_long_phases_are_not_stopped():
 
 
 def _demo(command: str, overrides: list[str], timeout_s: float = 300) -> subprocess.CompletedProcess:
-    from tests.test_train import SMALL, launch
+    from tests.helpers.runs import SMALL, launch
 
     proc = launch(command, [*SMALL, *overrides])
     try:

@@ -190,7 +190,7 @@ TOOL_SMALL = [
 def test_multiturn_grpo_on_two_ranks_trains_on_model_tokens_only_and_resumes_exactly(tmp_path):
 
     from grpo_megatron.logging_utils.metrics import read_jsonl
-    from tests.test_train import comparable, finish, killed_and_resumed, launch
+    from tests.helpers.runs import comparable, finish, killed_and_resumed, launch
 
     common = [*TOOL_SMALL, "train.iterations=4", "checkpoint.save_interval=2"]
     full = tmp_path / "full"
@@ -212,7 +212,7 @@ def test_multiturn_grpo_on_two_ranks_trains_on_model_tokens_only_and_resumes_exa
 def test_multiturn_samples_under_context_parallelism(tmp_path):
     # CP2 x EP2 on 2 ranks: packed trajectories split over the CP ranks, observation tokens masked.
     from grpo_megatron.logging_utils.metrics import read_jsonl
-    from tests.test_train import finish, launch
+    from tests.helpers.runs import finish, launch
 
     run = tmp_path / "run"
     small = [o for o in TOOL_SMALL if not o.startswith("algorithm.routing_replay")]  # r3 refuses cp > 1

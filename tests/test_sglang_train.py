@@ -16,8 +16,8 @@ from pathlib import Path
 import psutil
 
 from grpo_megatron.logging_utils.metrics import read_jsonl
+from tests.helpers.runs import SMALL, finish, launch
 from tests.sglang_env import require_sglang_engine
-from tests.test_train import SMALL, finish, launch
 
 PROBE_BOUND = 1e-4
 """The demo trains in fp32 and the engine serves fp32: the mismatch probe sits at float32 rounding
