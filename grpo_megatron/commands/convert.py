@@ -128,12 +128,8 @@ def mcore_to_hf(args: argparse.Namespace) -> Path:
 
     from grpo_megatron.bridge.hf_loader import tokenizer_files
     from grpo_megatron.bridge.safetensors_writer import write_hf_checkpoint
-    from grpo_megatron.checkpoint.dist import (
-        CheckpointError,
-        load_model_checkpoint,
-        read_marker,
-        resolve_checkpoint,
-    )
+    from grpo_megatron.checkpoint.dist import load_model_checkpoint, resolve_checkpoint
+    from grpo_megatron.checkpoint.marker import CheckpointError, read_marker
 
     if not Path(args.ckpt).is_dir():
         raise ConvertError(f"--ckpt {args.ckpt}: no such directory")
