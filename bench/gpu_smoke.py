@@ -228,9 +228,10 @@ def run_loop(label: str, cfg: Any, hf: dict[str, Any], ps: Any, policy: Any, arg
             max_new_tokens=cfg.rollout.max_new_tokens,
             stop_token_ids=(int(hf["eos_token_id"]),),
             seed=it,
+            routes=True,
         )
         with phase(times, "generate", device):
-            completions = fleet.generate(prompts, params, keep_routes=True)
+            completions = fleet.generate(prompts, params)
             # this smoke trains the whole batch on every rank: every route to every rank
             routes = fleet.deliver_routes({c.route_id: range(ps.world_size) for g in completions for c in g
                                            if c.route_id is not None})  # fmt: skip

@@ -118,7 +118,7 @@ def test_the_trainer_sees_the_engine_ids_plus_the_observation_ids_bit_for_bit(to
     cfg = MultiTurnConfig(enabled=True, max_turns=3, max_total_tokens=40)
     records = [PromptRecord(prompt=p, prompt_ids=tuple(tokenizer.encode(p)), answer="0", metadata={})
                for p in ("12*34=", "5+6=")]
-    params = SamplingParams(n=3, max_new_tokens=7, stop_token_ids=(tokenizer.eos_token_id,), seed=5)
+    params = SamplingParams(n=3, max_new_tokens=7, stop_token_ids=(tokenizer.eos_token_id,), seed=5, routes=True)
     groups = EpisodeRunner(engine, cfg, tokenizer, env).run(records, params)  # type: ignore[arg-type]
 
     assert engine.calls[0][0] == [list(r.prompt_ids) for r in records]

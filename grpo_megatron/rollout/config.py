@@ -108,7 +108,7 @@ class RolloutConfig:
     embedded_process: bool = False
     """Run each embedded engine in a process of its own, on CPU (rollout/engine_process.py), so that it
     generates while the trainer trains: the loop becomes a producer of scored groups and a consumer
-    that trains (training/async_loop.py), ahead by at most train.max_staleness weight versions."""
+    that trains (training/groups.py: GroupProducer), ahead by at most train.max_staleness weight versions."""
     embedded_process_threads: int = 1
     """torch threads of each engine process."""
     embedded_max_batch_rows: int = 0

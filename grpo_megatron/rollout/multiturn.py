@@ -157,15 +157,12 @@ class EpisodeRunner:
     env: Environment | None
     """Rank 0's environment; None on the other ranks."""
 
-    def run(
-        self, records: Sequence[PromptRecord], params: SamplingParams, *, keep_routes: bool = False
-    ) -> list[list[Trajectory]]:
-        """With ``keep_routes`` every turn's routes stay held (``RolloutFleet.generate``); a
+    def run(self, records: Sequence[PromptRecord], params: SamplingParams) -> list[list[Trajectory]]:
+        """With ``params.routes`` every turn's routes stay held (``RolloutFleet.generate``); a
         trajectory's ``route_id`` is its last turn's, the earlier turns' are never delivered."""
         limit = self.cfg.max_total_tokens
         first = self.fleet.generate([list(r.prompt_ids) for r in records],
-                                    dataclasses.replace(params, max_new_tokens=min(params.max_new_tokens, limit)),
-                                    keep_routes=keep_routes)  # fmt: skip
+                                    dataclasses.replace(params, max_new_tokens=min(params.max_new_tokens, limit)))
         groups = [[Trajectory([], [], c.finish_reason, None, []) for c in cs] for cs in first]
         for g, cs in zip(groups, first, strict=True):
             for t, c in zip(g, cs, strict=True):
@@ -181,8 +178,8 @@ class EpisodeRunner:
             prompts = [list(flat[i][0].prompt_ids) + flat[i][1].token_ids for i in open_]
             budgets = [min(params.max_new_tokens, limit - len(flat[i][1].token_ids)) for i in open_]
             seed = None if params.seed is None else params.seed + _TURN_SEED_STRIDE * (turn - 1)
-            outs = self.fleet.generate(prompts, dataclasses.replace(params, n=1, seed=seed, max_new_tokens=max(budgets)),
-                                       keep_routes=keep_routes)  # fmt: skip
+            turn_params = dataclasses.replace(params, n=1, seed=seed, max_new_tokens=max(budgets))
+            outs = self.fleet.generate(prompts, turn_params)
             for i, p, b, (c,) in zip(open_, prompts, budgets, outs, strict=True):
                 flat[i][1].add(_cut(c, b, len(p), self.fleet), sampled=True)
                 flat[i][1].turns += 1

@@ -213,8 +213,8 @@ def rollout_results_at_scale(hf_dir: str, overrides: list[str]) -> dict:
     fleet = RolloutFleet.build(engine_spec(cfg), hf, ps)
     fleet.sync_weights(policy.model, version=1)
     prompts = PROMPTS * 2
-    params = SamplingParams(n=2, temperature=1.0, max_new_tokens=6, seed=7)
-    groups_c = fleet.generate(prompts, params, keep_routes=True)
+    params = SamplingParams(n=2, temperature=1.0, max_new_tokens=6, seed=7, routes=True)
+    groups_c = fleet.generate(prompts, params)
     res: dict = {"tokens": _tokens(groups_c), "logprobs": [[c.logprobs for c in g] for g in groups_c]}
     res["routes_in_results"] = any(c.routed_experts is not None for g in groups_c for c in g)
     res["held"] = {rid: t.clone() for rid, t in fleet.held_routes.tensors.items()}
