@@ -133,9 +133,9 @@ def make_sync_member(spec: EngineSpec, ps: ParallelState, placement: RolloutPlac
     SGLang engine's leader) uses this rank's GPU too; None elsewhere."""
     if not placement.colocated_sglang or placement.gpus_per_engine == 1:
         return None
-    from grpo_megatron.rollout.sglang import engine as sglang_engine
+    from grpo_megatron.rollout.sglang.member import SGLangSyncMember
 
-    return sglang_engine.SGLangSyncMember.from_config(spec, ps, placement)
+    return SGLangSyncMember.from_config(spec, ps, placement)
 
 
 def sync_groups(members: Sequence[tuple[int, ...]]) -> list[tuple[int, ...]]:
