@@ -92,6 +92,28 @@ def test_the_tool_environment_answers_calls_in_the_documented_format(tokenizer):
     assert [(s.tool_calls, s.tool_errors) for s in steps] == [(1, 0), (0, 0), (1, 1), (0, 0)]
 
 
+def test_the_episodes_count_tool_timeouts_and_truncated_outputs(tokenizer):
+    """rollout.multiturn.tool_timeout_s and max_tool_output_chars promise tool/timeouts and tool/truncated:
+    each step counts them, each trajectory sums them, the iteration's metrics report them."""
+    from grpo_megatron.rollout.multiturn import Trajectory
+
+    cfg = MultiTurnConfig(enabled=True, error_text="?")
+    counted = {}
+    for tool, chars in (("flood", 5), ("hang", 50)):
+        pool = ToolPool({TOOL_NAME: f"{HELPERS}:{tool}"}, RewardConfig(), timeout_s=1.0, num_workers=1,
+                        max_output_chars=chars, error_text="?", log=None)  # fmt: skip
+        env = ToolEnvironment(cfg, tokenizer, pool)
+        try:
+            (step,) = env.step([None], ["<calc>1</calc>"])
+        finally:
+            env.close()
+        counted[tool] = (step.tool_calls, step.tool_errors, step.tool_timeouts, step.tool_truncated)
+    assert counted == {"flood": (1, 0, 0, 1), "hang": (1, 1, 1, 0)}
+    t = Trajectory([], [], "stop", None, [], turns=2, tool_calls=3, tool_errors=2, tool_timeouts=1, tool_truncated=1)
+    assert trajectory_metrics([t, t]) == {"turns/mean": 2.0, "tool/calls": 6.0, "tool/errors": 4.0,
+                                          "tool/timeouts": 2.0, "tool/truncated": 2.0}  # fmt: skip
+
+
 def test_multiturn_config_names_the_field_and_the_fix():
     with pytest.raises(ValueError, match=r"rollout.multiturn.max_turns=0 must be >= 1"):
         RolloutConfig(multiturn=MultiTurnConfig(max_turns=0)).validate()

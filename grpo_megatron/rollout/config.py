@@ -28,7 +28,8 @@ class MultiTurnConfig:
     the call's argument text and returning the output text. It runs in sandboxed workers (the reward
     sandbox: reward.sandbox, reward.worker_memory_mb), never in the trainer."""
     tool_timeout_s: float = 5.0
-    """A call running longer is killed (with everything it started) and counted in tool/errors."""
+    """A call running longer is killed (with everything it started) and counted in tool/timeouts (and
+    tool/errors)."""
     tool_workers: int = 2
     """Sandboxed tool worker processes on rank 0."""
     max_tool_output_chars: int = 200

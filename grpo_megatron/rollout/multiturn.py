@@ -56,6 +56,12 @@ class StepResult:
     """Added to the episode's reward (``Trajectory.env_reward``); None = no reward from this step."""
     tool_calls: int = 0
     tool_errors: int = 0
+    """Calls that failed (raised, bad output, the worker died, timed out): their observation shows
+    ``error_text``."""
+    tool_timeouts: int = 0
+    """Of the errors, calls killed at ``rollout.multiturn.tool_timeout_s``."""
+    tool_truncated: int = 0
+    """Calls whose output was cut to ``rollout.multiturn.max_tool_output_chars``."""
 
 
 class Environment(abc.ABC):
@@ -106,7 +112,9 @@ class ToolEnvironment(Environment):
                 out.append(StepResult([], done=True))
                 continue
             r = next(results)
-            out.append(StepResult(self.observation_ids(r.output), False, None, 1, int(r.status != "ok")))
+            out.append(StepResult(self.observation_ids(r.output), False, None, tool_calls=1,
+                                  tool_errors=int(r.status != "ok"), tool_timeouts=int(r.status == "timeout"),
+                                  tool_truncated=int(r.truncated)))  # fmt: skip
         return out
 
     def close(self) -> None:
@@ -121,6 +129,8 @@ class Trajectory(Completion):
     """Model turns."""
     tool_calls: int = 0
     tool_errors: int = 0
+    tool_timeouts: int = 0
+    tool_truncated: int = 0
     env_reward: float | None = None
     """Sum of the environment's step rewards; None when it gave none."""
 
@@ -212,6 +222,8 @@ class EpisodeRunner:
             t = flat[i][1]
             t.tool_calls += step.tool_calls
             t.tool_errors += step.tool_errors
+            t.tool_timeouts += step.tool_timeouts
+            t.tool_truncated += step.tool_truncated
             if step.reward is not None:
                 t.env_reward = (t.env_reward or 0.0) + step.reward
             if step.done or len(t.token_ids) + len(step.observation_ids) >= self.cfg.max_total_tokens:
@@ -230,8 +242,9 @@ class EpisodeRunner:
 
 
 def trajectory_metrics(completions: Sequence[Completion]) -> dict[str, float]:
-    """``turns/mean``, ``tool/calls`` and ``tool/errors`` (sums) over multi-turn trajectories; {} for
-    single-turn completions."""
+    """``turns/mean``, and over multi-turn trajectories the sums ``tool/calls``, ``tool/errors`` (failed
+    calls, timeouts included), ``tool/timeouts`` and ``tool/truncated`` (outputs cut to
+    ``rollout.multiturn.max_tool_output_chars``); {} for single-turn completions."""
     ts = [c for c in completions if isinstance(c, Trajectory)]
     if not ts:
         return {}
@@ -239,4 +252,6 @@ def trajectory_metrics(completions: Sequence[Completion]) -> dict[str, float]:
         "turns/mean": sum(t.turns for t in ts) / len(ts),
         "tool/calls": float(sum(t.tool_calls for t in ts)),
         "tool/errors": float(sum(t.tool_errors for t in ts)),
+        "tool/timeouts": float(sum(t.tool_timeouts for t in ts)),
+        "tool/truncated": float(sum(t.tool_truncated for t in ts)),
     }
