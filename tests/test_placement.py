@@ -147,8 +147,8 @@ def test_colocated_memory_moves_by_the_phases_in_the_trainers_order(offload: boo
 SWAPPING = {
     "colocated SGLang": place(placement="per_node").phases(),
     "colocated SGLang, trainer offloaded": place(placement="per_node", offload=True).phases(),
-    "embedded, trainer offloaded": decide_placement(RolloutConfig(), offload_trainer=True, max_staleness=0, world_size=4,
-                                                    gpus_per_node=4, tp=1, pp=1, cp=1, hf=MOE).phases(),
+    "embedded, trainer offloaded": decide_placement(RolloutConfig(), offload_trainer=True, max_staleness=0,
+                                                    world_size=4, gpus_per_node=4, tp=1, pp=1, cp=1, hf=MOE).phases(),
 }  # fmt: skip
 
 
@@ -177,5 +177,6 @@ def test_the_trainers_cache_goes_back_before_the_engines_start_and_before_every_
         for i, call in enumerate(calls):
             if call[0] == "resume":
                 resumes += 1
-                assert i > 0 and calls[i - 1] == ("release_cache", "params" in phases[after].trainer), (before, after, calls)
+                released = ("release_cache", "params" in phases[after].trainer)
+                assert i > 0 and calls[i - 1] == released, (before, after, calls)
     assert resumes > 0
