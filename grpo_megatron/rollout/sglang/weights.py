@@ -5,16 +5,18 @@ The load protocol (``WeightLoad``): each version's buckets are checked (floating
 shape as in the checkpoint the engine started from) before they are sent, and loaded inside one
 weight-update session where the server has them (``begin_weight_update`` / ``end_weight_update``,
 SGLang 0.5.21 on: 0.5.23 refuses a load outside one, 0.5.17 has neither; ``update_sessions``). Its
-states::
+states (``WeightLoad.state``)::
 
-    serving(v)  --first bucket of w-->  loading(w)  --last bucket, every name of v-->  serving(w)
-                                            |  a bad bucket after others, or a last bucket
-                                            v  that leaves out names v had
-                                          stale  --a complete version-->  serving
+    serving(v) --a bucket of w--> loading(w) --the last bucket, with every name v had--> serving(w)
+                                      |  a bad bucket after others of w, or a last bucket
+                                      v  without names v had; a server restarted
+                                    stale --(a version loads, still stale)--> a complete one --> serving
 
-A ``stale`` engine refuses to generate, until a complete version has loaded: it never serves a
-half-updated model silently. A session left open by an abandoned version serves the next one (SGLang refuses a second
-``begin``); a restarted server has none.
+A ``stale`` engine refuses to generate until a complete version has loaded: it never serves a
+half-updated model silently. A bucket refused before anything of its version was loaded leaves the
+engine serving its version. A session left open by an abandoned version serves the next one
+(SGLang refuses a second ``begin``); a restarted server has none. These are the seams a partial
+rollout (generation paused across a load) or an engine restart would extend.
 
 A ``WeightTransport`` moves one bucket of the export stream (Hugging Face names, full tensors) into
 the engine's servers; the engine checks the bucket, keeps the protocol and calls the transport,
