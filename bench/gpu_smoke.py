@@ -12,8 +12,9 @@ iterations runs, and times, the colocated sequence with the trainer's own pieces
 
 ``training/offload.py:ColocatedMemory`` does every memory move, in the trainer's order (the probe runs
 in the probe phase, with the engines' KV cache back, as in the trainer), and the loop prints the
-device memory left after each offload. When ``sglang`` imports (and the device is a
-GPU) the same loop runs again with ``rollout.engine=sglang`` on a copy of the policy saved to disk.
+device memory left after each offload. When ``sglang`` imports (on CPU: with its CPU kernels, SGLang's
+CPU engine) the same loop runs again with ``rollout.engine=sglang`` on a copy of the policy saved to
+disk.
 Not part of the test suite; it must finish in well under 8 minutes on one GPU.
 
 MoE routing (``--routing-replay off,r3``): the train step compares the trainer's own experts with
@@ -23,7 +24,7 @@ without and with replay of the engine's routes (``probe_*`` / ``probe_replay_*``
 last iteration also measures the noise floor (the engine's bf16 logprobs vs an fp32 copy of it).
 
     python bench/gpu_smoke.py                    # the first GPU
-    python bench/gpu_smoke.py --device cpu       # a quick check anywhere
+    python bench/gpu_smoke.py --device cpu       # a quick check anywhere (SGLang's CPU engine too)
     python bench/gpu_smoke.py --override model.hf_overrides.hidden_size=512 --prompts 32
 """
 
@@ -49,11 +50,13 @@ EXAMPLE = REPO / "examples" / "tiny_moe.yaml"
 
 
 def sglang_unavailable(device: torch.device) -> str | None:
-    """Why SGLang's Engine cannot run here, or None when it can (a GPU job and ``sglang.Engine`` imports)."""
-    if device.type != "cuda":
-        return "not on a GPU"
+    """Why SGLang's Engine cannot run here, or None when it can: ``sglang.Engine`` imports, and on CPU
+    SGLang's CPU kernel library (``sgl_kernel``, which ``make setup`` installs from a wheelhouse) is there
+    too (SGLang's CPU engine: no memory saver, so a release frees nothing, but every call is made)."""
     if importlib.util.find_spec("sglang") is None:
         return "sglang is not installed"
+    if device.type != "cuda" and importlib.util.find_spec("sgl_kernel") is None:
+        return "not on a GPU, and SGLang's CPU kernels (sgl_kernel) are not installed"
     try:
         from sglang import Engine  # noqa: F401
     except Exception as exc:  # a broken install (kernels built for another torch, ...) is a skip with its reason
@@ -342,6 +345,11 @@ def main() -> int:
         *args.override,
     ]
     cfg = load_config(EXAMPLE, overrides)
+    if "num_experts_per_tok" in cfg.model.load_hf_config():
+        # The engines report their routes (EngineSpec.record_routes: what r3 asks for), so that the train
+        # step and the probe compare the trainer's experts with the engine's, and r3 can replay them; the
+        # train step's own routing is --routing-replay's (grpo_step).
+        cfg = dataclasses.replace(cfg, algorithm=dataclasses.replace(cfg.algorithm, routing_replay="r3"))
     validate(cfg, 1)
     ps = init_distributed(cfg.parallel, seed=cfg.train.seed)
     hf = cfg.model.load_hf_config()
