@@ -508,7 +508,7 @@ def engine_group(model_dir: str, other_dir: str) -> dict[str, Any]:
     out["leader_fails"] = _timed_update(sink, [(n, weights[n]) for n in thirds[0]], version=2)
     if rank == 0:
         sink.servers[0].end_weight_update()
-        sink._sessions_open.clear()
+        sink.load.sessions.clear()
     dist.barrier()
     bucket = [(n, weights[n]) for n in thirds[0]]
     if rank == 1:
