@@ -133,9 +133,9 @@ def make_sync_member(spec: EngineSpec, ps: ParallelState, placement: RolloutPlac
     SGLang engine's leader) uses this rank's GPU too; None elsewhere."""
     if not placement.colocated_sglang or placement.gpus_per_engine == 1:
         return None
-    from grpo_megatron.rollout.sglang import engine as sglang_engine
+    from grpo_megatron.rollout.sglang.member import SGLangSyncMember
 
-    return sglang_engine.SGLangSyncMember.from_config(spec, ps, placement)
+    return SGLangSyncMember.from_config(spec, ps, placement)
 
 
 def sync_groups(members: Sequence[tuple[int, ...]]) -> list[tuple[int, ...]]:
@@ -151,6 +151,8 @@ class PendingRollout:
 
     num_prompts: int
     n: int = 1
+    routes: bool = False
+    """``SamplingParams.routes``: ``collect`` holds each completion's routes on its engine's rank."""
     local: Callable[[], list[list[Completion]]] | None = None
     error: str | None = None
     """Why this rank's share could not start (``collect`` raises it on every rank)."""
@@ -205,7 +207,10 @@ class RolloutFleet:
     """Host-side (gloo) group of every rank that rollout results travel over (``generate``,
     ``deliver_routes``); None: made at the first ``generate`` (collective, every rank calls it)."""
     held_routes: HeldRoutes = dataclasses.field(default_factory=HeldRoutes)
-    """Routes of ``generate(keep_routes=True)`` completions until ``deliver_routes``."""
+    """Routes of completions generated with ``SamplingParams.routes`` until ``deliver_routes``."""
+    routes: bool = False
+    """The engines were built to report MoE routes (``EngineSpec.record_routes``: routing replay r3):
+    the training rollouts ask for them (``SamplingParams.routes``)."""
     dp_rank_of: list[int] | None = None
     """Every global rank's data-parallel rank (``replica_ranks``), gathered on first use."""
 
@@ -270,6 +275,7 @@ class RolloutFleet:
             member=member,
             sync_ranks=sync_ranks,
             placement=placement,
+            routes=spec.record_routes,
         )
 
     @property
@@ -278,9 +284,7 @@ class RolloutFleet:
 
     # ------------------------------------------------------------------------------- generation
 
-    def generate(
-        self, prompts: Sequence[Sequence[int]], params: SamplingParams, *, keep_routes: bool = False
-    ) -> list[list[Completion]]:
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[list[Completion]]:
         """Collective: ``params.n`` completions per prompt, in prompt order, on every rank.
 
         Tokens, logprobs, loss masks and weight versions of every completion reach every rank (the
@@ -288,16 +292,16 @@ class RolloutFleet:
         and one float64 tensor per engine, broadcast over ``data_group`` (host memory): per rank, the
         whole batch's tokens at 16 bytes each plus 64 bytes per completion, whatever the world size;
         nothing is pickled. Routed experts never travel here: ``Completion.routed_experts`` is None
-        on every rank. With ``keep_routes`` (routing replay needs the engine's routes) each
+        on every rank. With ``params.routes`` (routing replay needs the engine's routes) each
         completion gets a ``route_id`` and its engine's rank keeps the routes until
-        ``deliver_routes``; without, they are dropped where they were made."""
-        return self.collect(self.submit(prompts, params), keep_routes=keep_routes)
+        ``deliver_routes``; without, the engines are not asked for any."""
+        return self.collect(self.submit(prompts, params))
 
     def submit(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> PendingRollout:
         """Start generating this rank's share (``RolloutEngine.submit``: an engine process returns at
         once); ``collect`` (collective) gives the completions, or raises on every rank if any rank's
         share failed, here or while it ran."""
-        pending = PendingRollout(len(prompts), params.n)
+        pending = PendingRollout(len(prompts), params.n, params.routes)
         if self.engine is not None:
             index = self.engine_ranks.index(self.ps.rank)
             start, end = prompt_slices(len(prompts), self.num_engines)[index]
@@ -308,7 +312,7 @@ class RolloutFleet:
                 pending.error = _describe(exc)
         return pending
 
-    def collect(self, pending: PendingRollout, *, keep_routes: bool = False) -> list[list[Completion]]:
+    def collect(self, pending: PendingRollout) -> list[list[Completion]]:
         """Collective: the completions of ``submit``, in prompt order, on every rank (each stamped
         with the weight version that sampled it), as ``generate`` returns them."""
         local: list[list[Completion]] = []
@@ -331,7 +335,7 @@ class RolloutFleet:
                 raise RuntimeError(f"rollout generate: engine {i} returned {len(completions)} completions for "
                                    f"{end - start} prompts x n={pending.n}")  # fmt: skip
             for c, (shape, mine) in completions:
-                if keep_routes and shape is not None:
+                if pending.routes and shape is not None:
                     c.route_id = self.held_routes.add(rank, shape, mine)
             out += [[c for c, _ in completions[k : k + pending.n]] for k in range(0, len(completions), pending.n)]
         if len(out) != pending.num_prompts:
@@ -365,7 +369,7 @@ class RolloutFleet:
     def deliver_routes(
         self, owners: Mapping[int, Sequence[int]], release: Iterable[int] | None = None
     ) -> dict[int, torch.Tensor]:
-        """Collective: the routes of ``generate(keep_routes=True)`` completions to the ranks that need
+        """Collective: the routes of completions generated with ``SamplingParams.routes`` to the ranks that need
         them. ``owners`` (the same on every rank): ``Completion.route_id`` -> global ranks. Returns
         this rank's routes by route id: per rank, only the routes of the samples it was named for
         (its data-parallel share), sent from the engine's rank over ``data_group``. Afterwards the

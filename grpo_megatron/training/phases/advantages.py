@@ -104,20 +104,20 @@ def plan_update(train: TrainConfig, alg: AlgorithmConfig, ps: ParallelState, sam
 
 
 def deliver_engine_routes(
-    fleet: RolloutFleet, groups: Sequence[Group], samples: Sequence[Sample], plan: UpdatePlan, *, release_all: bool = True
+    fleet: RolloutFleet, groups: Sequence[Group], samples: Sequence[Sample], plan: UpdatePlan, *,
+    release: Sequence[int] | None = None,
 ) -> None:
     """Collective (``algorithm.routing_replay=r3``): each sample's engine routes, held on its engine's
-    rank since the rollout (``RolloutFleet.generate(keep_routes=True)``), sent to the ranks of the
-    data-parallel replica that trains it, and set as ``Sample.routes["engine"]`` there only.
-    Afterwards every held route is dropped, or with ``release_all=False`` (the asynchronous loop,
-    whose later batches' routes are held too) only these samples'."""
+    rank since the rollout (``SamplingParams.routes``), sent to the ranks of the data-parallel replica
+    that trains it, and set as ``Sample.routes["engine"]`` there only. Afterwards the held routes
+    ``release`` names are dropped; None: every held route (``groups.py:Produced.release_routes``: the
+    asynchronous producer's later batches' routes stay held)."""
     completions = [c for g in groups for c in g.completions]
     owners = {
         c.route_id: fleet.replica_ranks(plan.owners[k])
         for k, c in enumerate(completions)
         if c.route_id is not None and plan.owners[k] >= 0
     }
-    release = None if release_all else [c.route_id for c in completions if c.route_id is not None]
     routes = fleet.deliver_routes(owners, release)
     for k, c in enumerate(completions):
         if c.route_id in routes:

@@ -12,7 +12,7 @@ from grpo_megatron.rollout.multiturn import Environment, EpisodeRunner
 if TYPE_CHECKING:
     from grpo_megatron.data import PromptRecord
     from grpo_megatron.rollout.config import RolloutConfig
-    from grpo_megatron.rollout.fleet import RolloutFleet
+    from grpo_megatron.rollout.fleet import PendingRollout, RolloutFleet
 
 
 def rollout_seed(train_seed: int, iteration: int, round_index: int = 0) -> int:
@@ -33,7 +33,10 @@ class Rollout:
     env: Environment | None = None
     """rollout.multiturn: rank 0's environment (None on the other ranks)."""
 
-    def params(self, *, n: int, seed: int, greedy: bool = False) -> SamplingParams:
+    def params(self, *, n: int, seed: int, greedy: bool = False, routes: bool = False) -> SamplingParams:
+        """rollout.* sampling for ``n`` responses per prompt; ``routes``: the engines report (and the
+        fleet holds) each response's MoE routes, for the training rollouts of a job that replays them
+        (``RolloutFleet.routes``)."""
         r = self.cfg
         return SamplingParams(
             n=n,
@@ -45,15 +48,26 @@ class Rollout:
             stop_strings=(r.multiturn.call_close,) if r.multiturn.enabled else (),
             seed=seed,
             greedy=greedy,
+            routes=routes,
         )
 
-    def generate(
-        self, records: Sequence[PromptRecord], params: SamplingParams, *, keep_routes: bool = False
-    ) -> list[list[Completion]]:
+    def generate(self, records: Sequence[PromptRecord], params: SamplingParams) -> list[list[Completion]]:
         """``params.n`` completions per prompt, in prompt order, on every rank; with rollout.multiturn,
-        multi-turn trajectories (rollout/multiturn.py). With ``keep_routes`` the engines keep their
+        multi-turn trajectories (rollout/multiturn.py). With ``params.routes`` the engines keep their
         routes for ``phases/advantages.py:deliver_engine_routes``."""
         if self.cfg.multiturn.enabled:
             runner = EpisodeRunner(self.fleet, self.cfg.multiturn, self.tokenizer, self.env)
-            return [list[Completion](g) for g in runner.run(records, params, keep_routes=keep_routes)]
-        return self.fleet.generate([list(r.prompt_ids) for r in records], params, keep_routes=keep_routes)
+            return [list[Completion](g) for g in runner.run(records, params)]
+        return self.collect(self.submit(records, params))
+
+    def submit(self, records: Sequence[PromptRecord], params: SamplingParams) -> PendingRollout:
+        """Start a single-turn rollout and return at once where the engines generate in processes of
+        their own (the asynchronous loop); ``fleet.collect`` (collective) takes its completions."""
+        if self.cfg.multiturn.enabled:
+            raise ValueError("multi-turn episodes are generated turn by turn: they cannot be submitted ahead")
+        return self.fleet.submit([list(r.prompt_ids) for r in records], params)
+
+    def collect(self, pending: PendingRollout) -> list[list[Completion]]:
+        """Collective: the completions of ``submit``, in prompt order, on every rank (the wait for the
+        engines: the asynchronous loop's batches, submitted ahead, end here)."""
+        return self.fleet.collect(pending)
