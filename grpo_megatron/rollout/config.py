@@ -78,7 +78,7 @@ class RolloutConfig:
     engine: Literal["embedded", "sglang"] = "embedded"
     """embedded = generate with the megatron policy itself (CPU and small runs);
     sglang = SGLang engines fed with the trainer's weights (colocated on the trainer's GPUs, or on CPU for a
-    CPU job: rollout/sglang/ipc.py CPU_SERVER_ARGS; or disaggregated servers)."""
+    CPU job: rollout/sglang/launch.py CPU_SERVER_ARGS; or disaggregated servers)."""
     n_samples_per_prompt: int = 8
     """Group size G of GRPO: responses sampled per prompt, compared with each other."""
     temperature: float = 1.0
