@@ -16,17 +16,19 @@ KEEP_TORCH ?= 0
 LOCK_VENV := .lock-venv
 STAMP := $(VENV)/.grpo-megatron-installed
 # SGLang's CPU kernel library (sgl_kernel) is on no package index: a folder of wheels holding
-# sglang_kernel_cpu-*.whl (CI: ../shared/wheels; tools/build_sgl_kernel_cpu.sh builds one). Without it
-# the real-engine tests skip, saying how to get it.
+# sglang_kernel_cpu-*.whl (CI: ../shared/wheels; tools/build_sgl_kernel_cpu.sh builds one). It comes in
+# builds for different CPUs (AVX-512 with avx512_bf16; AVX2): tools/sgl_kernel_wheel.py picks the one
+# this CPU's flags can run, or none. Without one the real-engine tests skip, saying how to get it.
 WHEELHOUSE ?= $(wildcard ../shared/wheels)
-KERNEL_WHEEL := $(firstword $(wildcard $(WHEELHOUSE)/sglang_kernel_cpu-*.whl))
-KERNEL_STAMP := $(VENV)/.sgl-kernel-installed
+KERNEL_WHEEL := $(if $(WHEELHOUSE),$(shell $(PYTHON) tools/sgl_kernel_wheel.py choose $(WHEELHOUSE)))
+# One stamp per wheel: a .venv set up on another CPU (another wheel) gets this CPU's on the next setup.
+KERNEL_STAMP := $(VENV)/.sgl-kernel-installed-$(notdir $(KERNEL_WHEEL))
 # Folders git may not have yet (empty ones are not committed) are left out.
 LINT_PATHS := $(wildcard grpo_megatron tests tools bench examples)
 
-.PHONY: setup test demo lint lock clean distclean
+.PHONY: setup test demo lint lock clean distclean machine drop-unfit-kernel
 
-setup: $(STAMP) $(if $(KERNEL_WHEEL),$(KERNEL_STAMP))
+setup: $(STAMP) $(if $(KERNEL_WHEEL),$(KERNEL_STAMP),drop-unfit-kernel)
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -43,8 +45,16 @@ $(STAMP): $(LOCK) pyproject.toml | $(BIN)/python
 	touch $@
 
 $(KERNEL_STAMP): $(KERNEL_WHEEL) | $(STAMP)
+	rm -f $(VENV)/.sgl-kernel-installed*
 	$(BIN)/python -m pip install --no-deps --force-reinstall $(KERNEL_WHEEL)
 	touch $@
+
+# No wheel fits this CPU: a kernel build installed earlier that cannot run here (a .venv from another
+# machine) would kill every process importing it (SIGILL), so it goes.
+drop-unfit-kernel: $(STAMP)
+	@unfit=$$($(BIN)/python tools/sgl_kernel_wheel.py unfit); if [ -n "$$unfit" ]; then \
+	    echo "removing $$unfit: its build cannot run on this CPU"; \
+	    $(BIN)/python -m pip uninstall -y $$unfit && rm -f $(VENV)/.sgl-kernel-installed*; fi
 
 # Resolve pyproject.toml's ranges (+ the dev extra and SGLang's CPU-importable set) in a throwaway venv
 # with pip's resolver, then freeze it. Platform of the lock: Linux x86-64, CPython 3.11, CPU torch.
@@ -66,10 +76,16 @@ lint: setup
 	$(BIN)/ruff check $(LINT_PATHS)
 	$(BIN)/mypy  # pyproject.toml [tool.mypy] files: grpo_megatron, bench, tools
 
-# With the kernel wheel installed, the real-SGLang tests must run: GRPO_REQUIRE_SGLANG=1 makes a
-# missing piece fail them instead of skipping.
-test: lint
-	TORCH_COMPILE_DISABLE=1 $(if $(KERNEL_WHEEL),GRPO_REQUIRE_SGLANG=1) $(BIN)/python -m pytest -q
+# The machine first (CPU model, ISA level, the kernel wheel chosen), so that a red run reads at once.
+# With a kernel wheel for this CPU installed, the real-SGLang tests must run: GRPO_REQUIRE_SGLANG=1
+# makes a missing piece fail them instead of skipping. Where no wheel fits they skip, and the suite's
+# last lines say so (tests/conftest.py: CPU, kernel, real-engine tests run, wall time).
+test: machine lint
+	TORCH_COMPILE_DISABLE=1 GRPO_KERNEL_WHEELHOUSE=$(WHEELHOUSE) $(if $(KERNEL_WHEEL),GRPO_REQUIRE_SGLANG=1) \
+	    $(BIN)/python -m pytest -q
+
+machine:
+	@$(PYTHON) tools/sgl_kernel_wheel.py machine $(WHEELHOUSE)
 
 # R1-Zero in miniature (examples/demo.yaml): cold-start SFT then GRPO on 2 processes; SEED=N for another seed;
 # TASK=tool: the multi-turn calculator demo (examples/demo_tool.yaml);

@@ -45,7 +45,7 @@ def main() -> int:
     parser.add_argument("--override", action="append", default=[], help="config override section.key=value")
     args = parser.parse_args()
 
-    from grpo_megatron.config import load_config
+    from grpo_megatron.config import load_config, validate
     from grpo_megatron.distributed.bootstrap import destroy_distributed, init_distributed
     from grpo_megatron.rollout.embedded import EmbeddedEngine
     from grpo_megatron.rollout.fleet import RolloutFleet
@@ -57,7 +57,7 @@ def main() -> int:
     backend = "gloo" if args.device == "cpu" else "nccl"
     overrides = ["model.dtype=bfloat16", "parallel.ep=1", f"parallel.backend={backend}", "model.transformer_impl=local"]
     cfg = load_config(args.config, [*overrides, *args.override])
-    cfg.validate(1)
+    validate(cfg, 1)
     ps = init_distributed(cfg.parallel, seed=cfg.train.seed)
     hf = cfg.model.load_hf_config()
     policy = build_policy(hf, cfg.model, cfg.parallel, cfg.train, ps)

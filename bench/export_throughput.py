@@ -197,7 +197,7 @@ def worker(args: argparse.Namespace) -> None:
 
     from grpo_megatron.bridge.export import ExportStream, export_hf_stream
     from grpo_megatron.bridge.export_plan import plan_export
-    from grpo_megatron.config import load_config
+    from grpo_megatron.config import load_config, validate
     from grpo_megatron.distributed.bootstrap import destroy_distributed, init_distributed, world_size_from_env
     from grpo_megatron.models.builder import build_gpt_model
 
@@ -206,7 +206,7 @@ def worker(args: argparse.Namespace) -> None:
         EXAMPLE,
         [f"model.hf_path={args.hf_dir}", "parallel.use_distributed_optimizer=false", *LAYOUTS[world]],
     )
-    cfg.validate(world)
+    validate(cfg, world)
     ps = init_distributed(cfg.parallel, seed=cfg.train.seed)
     hf = cfg.model.load_hf_config()
     model, _ = build_gpt_model(hf, cfg.model, ps)

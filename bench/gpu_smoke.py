@@ -2,16 +2,19 @@
 
 One process, one device. The policy is the tiny Qwen3-MoE of examples/tiny_moe.yaml on megatron's
 local spec; the rollout engine is the embedded transformers engine on the same device. Each of the
-iterations runs, and times, the colocated sequence:
+iterations runs, and times, the colocated sequence with the trainer's own pieces:
 
-    generate -> engine releases memory -> onload trainer -> GRPO train step
-      -> offload grads + optimizer -> engine resumes weights -> weight sync + mismatch probe
-      -> offload parameters -> (next generate)
+    generate -> engine releases memory -> onload trainer      (ColocatedMemory.to_trainer)
+      -> GRPO update                   (phases/advantages.py, phases/train.py:update_policy)
+      -> sync: offload grads + optimizer, engine resumes weights, weight stream; probe: engine caches
+         back, mismatch probe; rollout: offload parameters, caches back   (phases/sync.py:sync_weights)
+      -> (next generate)
 
-with the trainer's own ``ColocatedMemory`` (training/offload.py) doing every memory move, in its order.
-
-and prints the device memory left after each offload. When ``sglang`` imports (and the device is a
-GPU) the same loop runs again with ``rollout.engine=sglang`` on a copy of the policy saved to disk.
+``training/offload.py:ColocatedMemory`` does every memory move, in the trainer's order (the probe runs
+in the probe phase, with the engines' KV cache back, as in the trainer), and the loop prints the
+device memory left after each offload. When ``sglang`` imports (on CPU: with its CPU kernels, SGLang's
+CPU engine) the same loop runs again with ``rollout.engine=sglang`` on a copy of the policy saved to
+disk.
 Not part of the test suite; it must finish in well under 8 minutes on one GPU.
 
 MoE routing (``--routing-replay off,r3``): the train step compares the trainer's own experts with
@@ -21,7 +24,7 @@ without and with replay of the engine's routes (``probe_*`` / ``probe_replay_*``
 last iteration also measures the noise floor (the engine's bf16 logprobs vs an fp32 copy of it).
 
     python bench/gpu_smoke.py                    # the first GPU
-    python bench/gpu_smoke.py --device cpu       # a quick check anywhere
+    python bench/gpu_smoke.py --device cpu       # a quick check anywhere (SGLang's CPU engine too)
     python bench/gpu_smoke.py --override model.hf_overrides.hidden_size=512 --prompts 32
 """
 
@@ -47,11 +50,13 @@ EXAMPLE = REPO / "examples" / "tiny_moe.yaml"
 
 
 def sglang_unavailable(device: torch.device) -> str | None:
-    """Why SGLang's Engine cannot run here, or None when it can (a GPU job and ``sglang.Engine`` imports)."""
-    if device.type != "cuda":
-        return "not on a GPU"
+    """Why SGLang's Engine cannot run here, or None when it can: ``sglang.Engine`` imports, and on CPU
+    SGLang's CPU kernel library (``sgl_kernel``, which ``make setup`` installs from a wheelhouse) is there
+    too (SGLang's CPU engine: no memory saver, so a release frees nothing, but every call is made)."""
     if importlib.util.find_spec("sglang") is None:
         return "sglang is not installed"
+    if device.type != "cuda" and importlib.util.find_spec("sgl_kernel") is None:
+        return "not on a GPU, and SGLang's CPU kernels (sgl_kernel) are not installed"
     try:
         from sglang import Engine  # noqa: F401
     except Exception as exc:  # a broken install (kernels built for another torch, ...) is a skip with its reason
@@ -116,64 +121,41 @@ def active_parameters(model: torch.nn.Module, hf: dict[str, Any]) -> float:
 def grpo_step(
     policy: Any, ps: Any, hf: dict[str, Any], cfg: Any, prompts: Any, completions: Any, *, replay: bool = False
 ) -> dict[str, float]:
-    """One on-policy GRPO update with a toy reward: the share of even token ids in a response. With
-    the engine's routes (an MoE model), the trainer's experts are compared with them and, with
-    ``replay``, the engine's are used (r3)."""
-    from grpo_megatron.algorithm.advantages import group_advantages
-    from grpo_megatron.algorithm.policy_loss import grpo_policy_loss
-    from grpo_megatron.algorithm.routing_metrics import load_metrics
-    from grpo_megatron.models.routing import RoutingPass, reduce_routing_stats
-    from grpo_megatron.training.forward_backward import MicroBatch, forward_backward
+    """One GRPO update through the trainer's own phases (``build_samples``, ``plan_update``,
+    ``update_policy``) with a toy reward: the share of even token ids in a response. With the engine's
+    routes (an MoE model) the trainer's experts are compared with them and, with ``replay``, the
+    engine's are used (r3)."""
+    from grpo_megatron.data.records import PromptRecord
+    from grpo_megatron.training.phases.advantages import build_samples, plan_update
+    from grpo_megatron.training.phases.logprob import PassSettings
+    from grpo_megatron.training.phases.reward import Group
+    from grpo_megatron.training.phases.train import GRPOLoss, update_policy
+    from grpo_megatron.training.route_replay import RoutingReplay
 
-    sequences, prompt_lens, rewards = [], [], []
+    groups = []
     for prompt, group in zip(prompts, completions, strict=True):
-        for c in group:
-            sequences.append(list(prompt) + c.token_ids)
-            prompt_lens.append(len(prompt))
-            rewards.append(sum(t % 2 == 0 for t in c.token_ids) / max(len(c.token_ids), 1))
-    n = len(completions[0])
-    advantages_b = group_advantages(torch.tensor(rewards), n)
-    length = max(len(s) for s in sequences)
-    tokens_bl = torch.zeros((len(sequences), length), dtype=torch.long)
-    mask_bt = torch.zeros((len(sequences), length - 1))
-    for i, (s, p) in enumerate(zip(sequences, prompt_lens, strict=True)):
-        tokens_bl[i, : len(s)] = torch.tensor(s)
-        mask_bt[i, p - 1 : len(s) - 1] = 1
-    normalizer = float(mask_bt.sum())
-    batch = MicroBatch(tokens_bl[:, :-1], tokens_bl[:, 1:], extras={"adv": advantages_b, "mask": mask_bt})
-    routed = [c.routed_experts for group in completions for c in group]
-    routing = None
-    if all(r is not None for r in routed):
-        first = routed[0]
-        batch.routes_lbsk = torch.full((first.shape[0], len(routed), length - 1, first.shape[2]), -1, dtype=first.dtype)
-        for i, r in enumerate(routed):
-            batch.routes_lbsk[:, i, : r.shape[1]] = r
-        routing = RoutingPass(policy.model, ps, replay=replay)
-
-    def loss_fn(
-        logprobs_bt: torch.Tensor, entropy_bt: torch.Tensor | None, mb: Any
-    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        return grpo_policy_loss(
-            logprobs_bt, None, mb.extras["adv"], mb.extras["mask"], cfg.algorithm, normalizer=normalizer
-        )
-
-    policy.zero_grad()
-    forward_backward(
-        policy.model, [batch], ps, loss_fn, vocab_size=hf["vocab_size"], temperature=cfg.rollout.temperature,
-        routing=routing,
-    )  # fmt: skip
-    out = {"reward": sum(rewards) / len(rewards), "train_tokens": float(tokens_bl.numel())}
-    if routing is not None:
-        compare_m2, counts_me = reduce_routing_stats(*routing.stats(), ps)
-        routing.close()
-        out["route_disagreement"] = float(compare_m2[:, 0].sum() / compare_m2[:, 1].sum().clamp(min=1))
-        load = load_metrics(counts_me, per_layer=False)
-        out["load_max_over_mean"] = load.get("routing/load_max_over_mean", float("nan"))
-        out["load_cv"] = load.get("routing/load_cv", float("nan"))
-    return policy.step() | out
+        rewards = [sum(t % 2 == 0 for t in c.token_ids) / max(len(c.token_ids), 1) for c in group]
+        groups.append(Group(PromptRecord("", "", {}, tuple(prompt)), list(group), rewards, [""] * len(group)))
+    batch = build_samples(cfg.algorithm, cfg.rollout.max_new_tokens, groups)
+    plan = plan_update(cfg.train, cfg.algorithm, ps, batch.samples)
+    pad_id = int(hf.get("pad_token_id") or hf["eos_token_id"])
+    passes = PassSettings(ps, pad_id, policy.spec.vocab_size, cfg.rollout.temperature,
+                          RoutingReplay("r3" if replay else "off", ps, policy.spec.num_experts))  # fmt: skip
+    loss = GRPOLoss(cfg.algorithm, 0.0, cfg.algorithm.loss_norm_len or cfg.rollout.max_new_tokens,
+                    old_from_engine=cfg.train.old_logprobs == "engine")  # fmt: skip
+    metrics = update_policy(policy, batch.samples, plan, loss, passes, measure_routing=True)
+    rewards = [r for g in groups for r in g.rewards]
+    out = {"reward": sum(rewards) / len(rewards), "train_tokens": float(sum(s.length + 1 for s in batch.samples)),
+           "grad_norm": metrics["grad_norm"]}  # fmt: skip
+    for key in ("routing/disagreement", "routing/load_max_over_mean", "routing/load_cv"):
+        if key in metrics:
+            out[key.removeprefix("routing/").replace("disagreement", "route_disagreement")] = metrics[key]
+    return out
 
 
-def noise_floor(engine: Any, sequences: list[list[int]], prompt_lens: list[int], temperature: float) -> dict[str, float]:
+def noise_floor(
+    engine: Any, sequences: list[list[int]], prompt_lens: list[int], temperature: float
+) -> dict[str, float]:
     """|engine logprob - the same engine in fp32| on the probe batch: the rounding noise of running the
     model in a narrower dtype at all (an fp32 copy of the engine's own weights)."""
     from grpo_megatron.rollout.embedded import EmbeddedEngine
@@ -187,19 +169,28 @@ def noise_floor(engine: Any, sequences: list[list[int]], prompt_lens: list[int],
     return {"floor_abs_diff_mean": float(diff.mean()), "floor_abs_diff_max": float(diff.max())}
 
 
-def run_loop(label: str, cfg: Any, hf: dict[str, Any], ps: Any, policy: Any, args: argparse.Namespace) -> list[dict[str, float]]:
+def run_loop(
+    label: str, cfg: Any, hf: dict[str, Any], ps: Any, policy: Any, args: argparse.Namespace
+) -> list[dict[str, float]]:
     """The colocated loop above, ``args.iterations`` times; one record of measurements per iteration."""
     from grpo_megatron.rollout.engine import SamplingParams
     from grpo_megatron.rollout.fleet import RolloutFleet
     from grpo_megatron.training.job import engine_spec
     from grpo_megatron.training.offload import ColocatedMemory
-    from grpo_megatron.training.phases.sync import ProbeBatch, mismatch_probe, probe_batch
+    from grpo_megatron.training.phases.sync import ProbeBatch, probe_batch, sync_weights
 
     device = ps.device
     print(f"[{label}] building the rollout fleet ({cfg.rollout.engine} engine) ...", flush=True)
     start = time.perf_counter()
     fleet = RolloutFleet.build(engine_spec(cfg), hf, ps)
-    first_sync = fleet.sync_weights(policy.model, version=0)
+    # The trainer's colocated choreography (train.offload_trainer), the same object and order; gradients
+    # are discarded, not copied: this loop zeroes them before its next step anyway.
+    assert fleet.placement is not None  # RolloutFleet.build decides it
+    offloading = dataclasses.replace(fleet.placement, offload_trainer=True, swaps_engine_memory=True)
+    colocated = ColocatedMemory(policy, fleet, offloading.phases(), discard_grads=True)
+    vocab, temperature = int(hf["vocab_size"]), cfg.rollout.temperature
+    first_sync = sync_weights(policy.model, fleet, colocated, ps, 0, ProbeBatch(), vocab_size=vocab,
+                              temperature=temperature)  # fmt: skip
     print(
         f"[{label}] fleet ready in {time.perf_counter() - start:.2f}s; first sync "
         f"{first_sync['sync/seconds']:.3f}s for {first_sync['sync/bytes'] / 2**20:.2f} MiB; memory {memory(device)}"
@@ -211,11 +202,6 @@ def run_loop(label: str, cfg: Any, hf: dict[str, Any], ps: Any, policy: Any, arg
     active = active_parameters(policy.model, hf)
     gen = torch.Generator().manual_seed(0)
     prompts = torch.randint(3, hf["vocab_size"], (args.prompts, args.prompt_len), generator=gen).tolist()
-    # The trainer's colocated choreography (train.offload_trainer), the same object and order; gradients
-    # are discarded, not copied: this loop zeroes them before its next step anyway.
-    assert fleet.placement is not None  # RolloutFleet.build decides it
-    offloading = dataclasses.replace(fleet.placement, offload_trainer=True, swaps_engine_memory=True)
-    colocated = ColocatedMemory(policy, fleet, offloading.phases(), discard_grads=True)
     records: list[dict[str, float]] = []
     probe: ProbeBatch | None = None
     if on_cuda(device):
@@ -228,9 +214,10 @@ def run_loop(label: str, cfg: Any, hf: dict[str, Any], ps: Any, policy: Any, arg
             max_new_tokens=cfg.rollout.max_new_tokens,
             stop_token_ids=(int(hf["eos_token_id"]),),
             seed=it,
+            routes=True,
         )
         with phase(times, "generate", device):
-            completions = fleet.generate(prompts, params, keep_routes=True)
+            completions = fleet.generate(prompts, params)
             # this smoke trains the whole batch on every rank: every route to every rank
             routes = fleet.deliver_routes({c.route_id: range(ps.world_size) for g in completions for c in g
                                            if c.route_id is not None})  # fmt: skip
@@ -242,20 +229,15 @@ def run_loop(label: str, cfg: Any, hf: dict[str, Any], ps: Any, policy: Any, arg
             colocated.to_trainer()
         with phase(times, "train", device):
             step = grpo_step(policy, ps, hf, cfg, prompts, completions, replay="r3" in args.routing_replay)
-        with phase(times, "offload", device):  # grads + optimizer out, engine weights back
-            colocated.before_sync()
         left_opt = memory(device)
-        with phase(times, "sync", device):
-            sync = fleet.sync_weights(policy.model, version=it + 1)
+        with phase(times, "sync", device):  # the memory phases, the stream and the probe: one function
+            sync = sync_weights(policy.model, fleet, colocated, ps, it + 1, probe, vocab_size=vocab,
+                                temperature=temperature)  # fmt: skip
         copy_s = copy_seconds(int(sync["sync/bytes"]), device)
-        with phase(times, "probe", device):
-            mismatch = mismatch_probe(
-                policy.model, fleet, ps, probe, vocab_size=int(hf["vocab_size"]), temperature=cfg.rollout.temperature
-            )
-        with phase(times, "offload", device):  # params out, engine caches back
-            colocated.after_sync()
+        mismatch = sync
         left_all = torch.cuda.memory_allocated() if on_cuda(device) else None
         moved = sum(r.bytes_moved for r in colocated.offloaded)
+        offload_s = sum(r.seconds for r in colocated.offloaded)
         tokens = sum(len(c.token_ids) for g in completions for c in g)
         record = {
             "iteration": float(it),
@@ -268,12 +250,14 @@ def run_loop(label: str, cfg: Any, hf: dict[str, Any], ps: Any, policy: Any, arg
             # small at these lengths, is left out.
             "train_tflops": 6 * active * step["train_tokens"] / times["train"] / 1e12,
             "sync_bytes": sync["sync/bytes"],
-            "sync_seconds": times["sync"],
-            "sync_gb_per_s": sync["sync/bytes"] / times["sync"] / 1e9,
+            "sync_seconds": sync["sync/seconds"],
+            "sync_gb_per_s": sync["sync/bytes"] / sync["sync/seconds"] / 1e9,
+            "sync_phase_seconds": times["sync"],  # with the memory moves and the probe
             "copy_gb_per_s": sync["sync/bytes"] / copy_s / 1e9,
             "offload_bytes": float(moved),
-            "offload_seconds": times["offload"],
-            "offload_gb_per_s": moved / times["offload"] / 1e9,
+            "offload_seconds": offload_s,
+            "offload_gb_per_s": moved / max(offload_s, 1e-9) / 1e9,
+            "onload_seconds": times["onload"],
             "probe_abs_diff_mean": mismatch["mismatch/probe_abs_diff_mean"],
             "probe_abs_diff_max": mismatch["mismatch/probe_abs_diff_max"],
             "reward": step["reward"],
@@ -289,6 +273,8 @@ def run_loop(label: str, cfg: Any, hf: dict[str, Any], ps: Any, policy: Any, arg
         engine = fleet.engine
         if it == args.iterations - 1 and cfg.model.dtype != "float32" and hasattr(engine, "model"):
             record |= noise_floor(engine, probe.sequences, probe.prompt_lens, cfg.rollout.temperature)
+        if "offload/cached_free_bytes" in sync:  # CUDA: reserved - allocated right before the engine resumed
+            record["trainer_cached_free_bytes_at_resume"] = sync["offload/cached_free_bytes"]
         if left_all is not None:
             record["left_after_offload_bytes"] = float(left_all)
             record["engine_weights_bytes"] = float(engine_bytes)
@@ -302,8 +288,9 @@ def run_loop(label: str, cfg: Any, hf: dict[str, Any], ps: Any, policy: Any, arg
             f"tokens {tokens} | " + " ".join(f"{k} {v:.3f}s" for k, v in times.items())
         )
         print(
-            f"[{label}]   offload moved {moved / 2**20:.2f} MiB; memory left after grads+optimizer offload: "
-            f"{left_opt}; after params offload: {memory(device)} | sync {sync['sync/bytes'] / 2**20:.2f} MiB in "
+            f"[{label}]   offload moved {moved / 2**20:.2f} MiB; memory after the update: "
+            f"{left_opt}; after the sync (params offloaded): {memory(device)} | "
+            f"sync {sync['sync/bytes'] / 2**20:.2f} MiB in "
             f"{sync['sync/buckets']:.0f} buckets | mismatch max {mismatch['mismatch/probe_abs_diff_max']:.2e} "
             f"mean {mismatch['mismatch/probe_abs_diff_mean']:.2e}"
         )
@@ -345,7 +332,7 @@ def main() -> int:
     if not set(args.routing_replay) <= {"off", "r3"}:
         parser.error(f"--routing-replay {','.join(args.routing_replay)}: choose from off, r3")
 
-    from grpo_megatron.config import load_config
+    from grpo_megatron.config import load_config, validate
     from grpo_megatron.distributed.bootstrap import destroy_distributed, init_distributed
     from grpo_megatron.training.policy import build_policy
 
@@ -358,7 +345,12 @@ def main() -> int:
         *args.override,
     ]
     cfg = load_config(EXAMPLE, overrides)
-    cfg.validate(1)
+    if "num_experts_per_tok" in cfg.model.load_hf_config():
+        # The engines report their routes (EngineSpec.record_routes: what r3 asks for), so that the train
+        # step and the probe compare the trainer's experts with the engine's, and r3 can replay them; the
+        # train step's own routing is --routing-replay's (grpo_step).
+        cfg = dataclasses.replace(cfg, algorithm=dataclasses.replace(cfg.algorithm, routing_replay="r3"))
+    validate(cfg, 1)
     ps = init_distributed(cfg.parallel, seed=cfg.train.seed)
     hf = cfg.model.load_hf_config()
     print(

@@ -183,14 +183,14 @@ class WallCpuTimer:
             self.cpu[name] = self.cpu.get(name, 0.0) + time.process_time() - cpu
 
 
-def one_iteration(job: Any, sampler: Any, probe: Any, it: int, timer: WallCpuTimer) -> tuple[Any, Any]:
+def one_iteration(job: Any, source: Any, probe: Any, it: int, timer: WallCpuTimer) -> tuple[Any, Any]:
     """The trainer's own iteration (``training/grpo.py:run_iteration``: evaluation and bookkeeping left
     out), timed by ``timer``; returns (samples, plan). ``timer.wall["sync_stream"]`` is the export
     stream's share of the sync phase (the fleet's own ``sync/seconds``; the rest is the probe)."""
     from grpo_megatron.training.grpo import run_iteration
 
     with timer("iteration"):
-        result = run_iteration(job, sampler, probe, it, timer)
+        result = run_iteration(job, source, probe, it, timer)
     timer.wall["sync_stream"] = result.metrics["sync/seconds"]
     return result.samples, result.plan
 
@@ -202,7 +202,8 @@ def worker(args: argparse.Namespace) -> None:
     from grpo_megatron.distributed.bootstrap import destroy_distributed, world_size_from_env
     from grpo_megatron.planner.model_states import total_params
     from grpo_megatron.training.batching import collate
-    from grpo_megatron.training.grpo import job_probe, sync_to_engines
+    from grpo_megatron.training.groups import group_source
+    from grpo_megatron.training.grpo import job_probe
     from grpo_megatron.training.job import build_job
 
     cfg = load_config(DEMO, job_overrides(args.size, args, args.run_dir))
@@ -211,7 +212,9 @@ def worker(args: argparse.Namespace) -> None:
     try:
         sampler = job.make_sampler()
         probe = job_probe(job)
-        sync_to_engines(job, 0, probe)  # the engines start from the trainer's weights
+        job.sync_engines(0, probe)  # the engines start from the trainer's weights
+        source = group_source(job, sampler, None)  # the run's own source of scored groups
+        source.start(0)
         skipped = [] if job.reference is not None or job.reference_is_base else ["ref_logprob"]
         if job.fleet.placement is None or not job.fleet.placement.swaps_engine_memory:
             skipped.append("onload")  # nothing moves (rollout/placement.py's phases)
@@ -221,7 +224,7 @@ def worker(args: argparse.Namespace) -> None:
         for it in range(1, args.warmup + args.iters + 1):
             timer = WallCpuTimer()
             dist.barrier()
-            samples, plan = one_iteration(job, sampler, probe, it, timer)
+            samples, plan = one_iteration(job, source, probe, it, timer)
             # The same micro-batches as the train phase, collated outside the clock.
             microbatches = [[collate(samples, r, job.pad_id, packed=plan.packed) for r in rows] for rows in plan.rows]
             dist.barrier()

@@ -85,7 +85,7 @@ def _step(policy: Any, ps: Any, tokens: Any) -> tuple[float, float]:
 def worker(size: str, rank: int, steps: int, warmup: int, out: str) -> None:
     import torch
 
-    from grpo_megatron.config import load_config
+    from grpo_megatron.config import load_config, validate
     from grpo_megatron.distributed.bootstrap import destroy_distributed, init_distributed
     from grpo_megatron.models.lora import trainable_parameters
     from grpo_megatron.training.policy import build_policy
@@ -96,7 +96,7 @@ def worker(size: str, rank: int, steps: int, warmup: int, out: str) -> None:
     ps = None
     for name, extra in variants.items():
         cfg = load_config(DEMO, ["parallel.backend=gloo", *SIZES[size], *extra])
-        cfg.validate(2)
+        validate(cfg, 2)
         ps = ps or init_distributed(cfg.parallel, seed=cfg.train.seed)  # one layout, both policies
         built[name] = (ps, build_policy(cfg.model.load_hf_config(), cfg.model, cfg.parallel, cfg.train, ps))
     vocab = built["full"][1].spec.vocab_size

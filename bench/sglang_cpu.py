@@ -82,6 +82,7 @@ def main() -> int:
     from grpo_megatron.rollout.embedded import EmbeddedEngine
     from grpo_megatron.rollout.engine import SamplingParams
     from grpo_megatron.rollout.sglang.engine import SGLangEngine
+    from grpo_megatron.rollout.sglang.launch import EngineLaunch
 
     dtype = getattr(torch, args.dtype)
     work = Path(tempfile.mkdtemp(prefix="sglang_cpu_bench_"))
@@ -90,7 +91,9 @@ def main() -> int:
     hf = json.loads((work / "model" / "config.json").read_text())
     engines = {
         "embedded": EmbeddedEngine(hf, dtype=dtype),
-        "sglang": SGLangEngine(RolloutConfig(engine="sglang"), str(work / "model"), dtype=args.dtype, device="cpu"),
+        "sglang": SGLangEngine(
+            RolloutConfig(engine="sglang"), str(work / "model"), EngineLaunch(args.dtype, device="cpu")
+        ),
     }
     gen = torch.Generator().manual_seed(0)
     prompts = [[1, *torch.randint(4, 24, (8,), generator=gen).tolist()] for _ in range(args.prompts)]

@@ -61,7 +61,7 @@ def server_args(device: str) -> dict:
         return GPU_SERVER_ARGS | COMMON_SERVER_ARGS
     import os
 
-    from grpo_megatron.rollout.sglang.ipc import CPU_SERVER_ARGS
+    from grpo_megatron.rollout.sglang.launch import CPU_SERVER_ARGS
 
     os.environ["SGLANG_USE_CPU_ENGINE"] = "1"  # read when sglang is imported, here and in its children
     return CPU_SERVER_ARGS | COMMON_SERVER_ARGS

@@ -51,7 +51,7 @@ def worker(args: argparse.Namespace) -> None:
     import torch.distributed as dist
 
     from grpo_megatron.bridge.export import export_hf_stream
-    from grpo_megatron.config import load_config
+    from grpo_megatron.config import load_config, validate
     from grpo_megatron.distributed.bootstrap import destroy_distributed, init_distributed, world_size_from_env
     from grpo_megatron.models.builder import build_gpt_model
     from grpo_megatron.rollout.fleet import RolloutFleet
@@ -63,7 +63,7 @@ def worker(args: argparse.Namespace) -> None:
         [f"model.hf_path={args.hf_dir}", "parallel.use_distributed_optimizer=false",
          *(WORLD4[args.world4] if world == 4 else [])],
     )
-    cfg.validate(world)
+    validate(cfg, world)
     ps = init_distributed(cfg.parallel, seed=cfg.train.seed)
     hf = cfg.model.load_hf_config()
     model, _ = build_gpt_model(hf, cfg.model, ps)

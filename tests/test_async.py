@@ -1,4 +1,4 @@
-"""The asynchronous loop end to end (training/async_loop.py): real megatron-core at EP2 on 2 processes,
+"""The asynchronous loop end to end (training/groups.py: GroupProducer): real megatron-core at EP2 on 2 processes,
 each with its embedded engine in a process of its own (rollout/engine_process.py), the reward pool,
 checkpoints on disk. A length reward gives every group reward variance, so the policy really moves
 and a stale sample's ratio is not 1."""
@@ -9,7 +9,7 @@ import json
 from pathlib import Path
 
 from grpo_megatron.logging_utils.metrics import read_jsonl
-from tests.test_train import SMALL, comparable, finish, killed_and_resumed, launch
+from tests.helpers.runs import SMALL, comparable, finish, killed_and_resumed, launch
 
 MOVING = [*SMALL, "reward.components=[{name: len, function: length, kwargs: {target_chars: 6}}]", "train.lr=1e-3"]
 ASYNC = ["rollout.embedded_process=true"]
@@ -73,7 +73,7 @@ def test_engine_process_serves_each_request_with_the_weights_sent_before_it(tmp_
 
     saved, _ = _saved("qwen3_moe", tmp_path)
     remote = EngineProcess(tiny_hf_config("qwen3_moe"), dtype=torch.float32, threads=1)
-    prompts, params = [[3, 5, 7], [11, 2]], SamplingParams(n=2, max_new_tokens=5, seed=3)
+    prompts, params = [[3, 5, 7], [11, 2]], SamplingParams(n=2, max_new_tokens=5, seed=3, routes=True)
     try:
         remote.update_weights(sorted(saved.items()), version=1, last=True)
         first = remote.submit(prompts, params)

@@ -18,8 +18,8 @@ import pytest
 import torch
 
 from grpo_megatron.checkpoint.config import CheckpointConfig
-from grpo_megatron.checkpoint.dist import MARKER, CheckpointError, read_marker
 from grpo_megatron.checkpoint.manager import CheckpointManager, find_latest
+from grpo_megatron.checkpoint.marker import MARKER, CheckpointError, read_marker
 from grpo_megatron.training.config import TrainConfig
 from grpo_megatron.training.policy import build_scheduler
 from tests.helpers.dist import run_distributed

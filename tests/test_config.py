@@ -359,8 +359,8 @@ def test_overlong_buffer_must_fit_inside_max_new_tokens():
         EXAMPLE, ["algorithm.overlong.enabled=true", "algorithm.overlong.buffer_len=64", "rollout.max_new_tokens=16"]
     )
     with pytest.raises(ConfigError, match=r"algorithm.overlong.buffer_len=64 must be < rollout.max_new_tokens=16"):
-        cfg.validate(1)
-    load_config(EXAMPLE, ["algorithm.overlong.enabled=true", "algorithm.overlong.buffer_len=8"]).validate(1)
+        validate(cfg, 1)
+    validate(load_config(EXAMPLE, ["algorithm.overlong.enabled=true", "algorithm.overlong.buffer_len=8"]), 1)
 
 
 def test_routing_replay_and_truncated_sampling_rules(tmp_path):
@@ -387,8 +387,8 @@ def test_routing_replay_and_truncated_sampling_rules(tmp_path):
 
 def test_sglang_requests_must_fit_the_models_context():
     # tiny_moe: max_position_embeddings 512, data.max_prompt_tokens 32; SGLang refuses prompt + new > 512.
-    load_config(EXAMPLE, ["rollout.engine=sglang", "rollout.max_new_tokens=480"]).validate(1)
-    load_config(EXAMPLE, ["rollout.max_new_tokens=481"]).validate(1)  # the embedded engine takes any length
+    validate(load_config(EXAMPLE, ["rollout.engine=sglang", "rollout.max_new_tokens=480"]), 1)
+    validate(load_config(EXAMPLE, ["rollout.max_new_tokens=481"]), 1)  # the embedded engine takes any length
     (error,) = config_errors(["rollout.engine=sglang", "rollout.max_new_tokens=481"], world_size=1)
     assert error.startswith("data.max_prompt_tokens=32 + rollout.max_new_tokens=481 = 513 tokens exceeds the "
                             "model's context of 512 (max_position_embeddings in ") and "lower rollout.max_new_tokens" in error
@@ -402,19 +402,19 @@ def test_sglang_requests_must_fit_the_models_context():
 
 def test_the_asynchronous_loop_needs_engines_generating_apart_and_refuses_what_it_cannot_run():
     with pytest.raises(ConfigError, match=r"train.max_staleness=1 needs .*rollout.embedded_process=true"):
-        load_config(EXAMPLE, ["train.max_staleness=1"]).validate(1)
+        validate(load_config(EXAMPLE, ["train.max_staleness=1"]), 1)
     with pytest.raises(ConfigError, match=r"algorithm.dynamic_sampling.enabled=true"):
-        load_config(EXAMPLE, ["rollout.embedded_process=true", "algorithm.dynamic_sampling.enabled=true"]).validate(1)
+        validate(load_config(EXAMPLE, ["rollout.embedded_process=true", "algorithm.dynamic_sampling.enabled=true"]), 1)
     with pytest.raises(ConfigError, match=r"rollout.multiturn.enabled=true: the asynchronous producer"):
-        load_config(EXAMPLE, ["rollout.embedded_process=true", "rollout.multiturn.enabled=true"]).validate(1)
+        validate(load_config(EXAMPLE, ["rollout.embedded_process=true", "rollout.multiturn.enabled=true"]), 1)
     with pytest.raises(ConfigError, match=r"train.max_staleness=-1 must be >= 0"):
-        load_config(EXAMPLE, ["train.max_staleness=-1"]).validate(1)
-    load_config(EXAMPLE, ["rollout.embedded_process=true", "train.max_staleness=2"]).validate(1)
+        validate(load_config(EXAMPLE, ["train.max_staleness=-1"]), 1)
+    validate(load_config(EXAMPLE, ["rollout.embedded_process=true", "train.max_staleness=2"]), 1)
     sglang = load_config(EXAMPLE, ["rollout.engine=sglang", "train.max_staleness=1"])
-    sglang.validate(1)  # SGLang's schedulers are processes of their own
+    validate(sglang, 1)  # SGLang's schedulers are processes of their own
     assert sglang.producer_loop and not load_config(EXAMPLE, ["rollout.engine=sglang"]).producer_loop
     with pytest.raises(ConfigError, match=r"train.max_staleness=1 with train.offload_trainer=true"):
-        load_config(EXAMPLE, ["rollout.engine=sglang", "train.max_staleness=1", "train.offload_trainer=true"]).validate(1)
+        validate(load_config(EXAMPLE, ["rollout.engine=sglang", "train.max_staleness=1", "train.offload_trainer=true"]), 1)
 
 
 def test_sglang_on_cuda_needs_a_head_size_its_rotary_kernel_has():

@@ -280,8 +280,8 @@ def test_sampler_resume_equals_uninterrupted(shuffle):
 
 def test_sampler_rewind_gives_back_the_last_indices_across_epochs():
     # What an asynchronous checkpoint resumed synchronously does with its submitted batches'
-    # prompts (training/async_loop.py:give_back_submitted).
-    from grpo_megatron.training.async_loop import give_back_submitted
+    # prompts (training/groups.py:give_back_submitted).
+    from grpo_megatron.training.groups import give_back_submitted
 
     sampler = PromptSampler(10, seed=3, shuffle=True)
     drawn = [sampler.next_indices(4) for _ in range(4)]  # the last two batches cross an epoch

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from grpo_megatron.checkpoint.dist import MARKER
+from grpo_megatron.checkpoint.marker import MARKER
 from tests.helpers.dist import REPO_ROOT, free_port, run_distributed
 
 _WORKERS = "tests.workers.fault_workers:cases"
@@ -236,7 +236,7 @@ def test_a_rollout_longer_than_the_bound_waits_under_the_long_phase():
 
 
 def _demo(command: str, overrides: list[str], timeout_s: float = 300) -> subprocess.CompletedProcess:
-    from tests.test_train import SMALL, launch
+    from tests.helpers.runs import SMALL, launch
 
     proc = launch(command, [*SMALL, *overrides])
     try:

@@ -164,7 +164,7 @@ def test_grpo_with_lora_runs_kl_against_the_base_syncs_merged_and_exports(tmp_pa
     import json
 
     from grpo_megatron.logging_utils.metrics import read_jsonl
-    from tests.test_train import SMALL, finish, launch
+    from tests.helpers.runs import SMALL, finish, launch
 
     run = tmp_path / "run"
     extra = ["model.lora.rank=4", "model.lora.alpha=8", "train.lr=5e-3", "algorithm.kl.beta=0.02",

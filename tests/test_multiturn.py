@@ -92,6 +92,28 @@ def test_the_tool_environment_answers_calls_in_the_documented_format(tokenizer):
     assert [(s.tool_calls, s.tool_errors) for s in steps] == [(1, 0), (0, 0), (1, 1), (0, 0)]
 
 
+def test_the_episodes_count_tool_timeouts_and_truncated_outputs(tokenizer):
+    """rollout.multiturn.tool_timeout_s and max_tool_output_chars promise tool/timeouts and tool/truncated:
+    each step counts them, each trajectory sums them, the iteration's metrics report them."""
+    from grpo_megatron.rollout.multiturn import Trajectory
+
+    cfg = MultiTurnConfig(enabled=True, error_text="?")
+    counted = {}
+    for tool, chars in (("flood", 5), ("hang", 50)):
+        pool = ToolPool({TOOL_NAME: f"{HELPERS}:{tool}"}, RewardConfig(), timeout_s=1.0, num_workers=1,
+                        max_output_chars=chars, error_text="?", log=None)  # fmt: skip
+        env = ToolEnvironment(cfg, tokenizer, pool)
+        try:
+            (step,) = env.step([None], ["<calc>1</calc>"])
+        finally:
+            env.close()
+        counted[tool] = (step.tool_calls, step.tool_errors, step.tool_timeouts, step.tool_truncated)
+    assert counted == {"flood": (1, 0, 0, 1), "hang": (1, 1, 1, 0)}
+    t = Trajectory([], [], "stop", None, [], turns=2, tool_calls=3, tool_errors=2, tool_timeouts=1, tool_truncated=1)
+    assert trajectory_metrics([t, t]) == {"turns/mean": 2.0, "tool/calls": 6.0, "tool/errors": 4.0,
+                                          "tool/timeouts": 2.0, "tool/truncated": 2.0}  # fmt: skip
+
+
 def test_multiturn_config_names_the_field_and_the_fix():
     with pytest.raises(ValueError, match=r"rollout.multiturn.max_turns=0 must be >= 1"):
         RolloutConfig(multiturn=MultiTurnConfig(max_turns=0)).validate()
@@ -118,7 +140,7 @@ def test_the_trainer_sees_the_engine_ids_plus_the_observation_ids_bit_for_bit(to
     cfg = MultiTurnConfig(enabled=True, max_turns=3, max_total_tokens=40)
     records = [PromptRecord(prompt=p, prompt_ids=tuple(tokenizer.encode(p)), answer="0", metadata={})
                for p in ("12*34=", "5+6=")]
-    params = SamplingParams(n=3, max_new_tokens=7, stop_token_ids=(tokenizer.eos_token_id,), seed=5)
+    params = SamplingParams(n=3, max_new_tokens=7, stop_token_ids=(tokenizer.eos_token_id,), seed=5, routes=True)
     groups = EpisodeRunner(engine, cfg, tokenizer, env).run(records, params)  # type: ignore[arg-type]
 
     assert engine.calls[0][0] == [list(r.prompt_ids) for r in records]
@@ -190,7 +212,7 @@ TOOL_SMALL = [
 def test_multiturn_grpo_on_two_ranks_trains_on_model_tokens_only_and_resumes_exactly(tmp_path):
 
     from grpo_megatron.logging_utils.metrics import read_jsonl
-    from tests.test_train import comparable, finish, killed_and_resumed, launch
+    from tests.helpers.runs import comparable, finish, killed_and_resumed, launch
 
     common = [*TOOL_SMALL, "train.iterations=4", "checkpoint.save_interval=2"]
     full = tmp_path / "full"
@@ -212,7 +234,7 @@ def test_multiturn_grpo_on_two_ranks_trains_on_model_tokens_only_and_resumes_exa
 def test_multiturn_samples_under_context_parallelism(tmp_path):
     # CP2 x EP2 on 2 ranks: packed trajectories split over the CP ranks, observation tokens masked.
     from grpo_megatron.logging_utils.metrics import read_jsonl
-    from tests.test_train import finish, launch
+    from tests.helpers.runs import finish, launch
 
     run = tmp_path / "run"
     small = [o for o in TOOL_SMALL if not o.startswith("algorithm.routing_replay")]  # r3 refuses cp > 1

@@ -3,13 +3,21 @@ memory, and ColocatedMemory moving a real trainer state (torch module + Adam) by
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
 from grpo_megatron.planner.dry_run import all_groups
 from grpo_megatron.planner.model_states import Layout
 from grpo_megatron.rollout.config import RolloutConfig
-from grpo_megatron.rollout.placement import ENGINE_TAGS, TRAINER_PARTS, decide_placement, embedded_engines
+from grpo_megatron.rollout.placement import (
+    ENGINE_TAGS,
+    PHASES,
+    TRAINER_PARTS,
+    decide_placement,
+    embedded_engines,
+)
 from grpo_megatron.training.offload import ColocatedMemory
 from grpo_megatron.training.policy import Policy
 
@@ -79,8 +87,8 @@ def test_each_phase_holds_what_the_placement_says() -> None:
 class EngineMemory:
     """The fleet's two memory calls, recorded (what RolloutFleet forwards to its engine)."""
 
-    def __init__(self) -> None:
-        self.calls: list[tuple[str, tuple[str, ...]]] = []
+    def __init__(self, calls: list | None = None) -> None:
+        self.calls: list[tuple[str, tuple[str, ...]]] = [] if calls is None else calls
 
     def release_memory(self, tags) -> None:
         self.calls.append(("release", tuple(tags)))
@@ -134,3 +142,41 @@ def test_colocated_memory_moves_by_the_phases_in_the_trainers_order(offload: boo
         assert fleet.calls == []  # the rollout phase's memory is the save's: nothing moves
     memory.trainer_back()
     assert torch.equal(weight, before)
+
+
+SWAPPING = {
+    "colocated SGLang": place(placement="per_node").phases(),
+    "colocated SGLang, trainer offloaded": place(placement="per_node", offload=True).phases(),
+    "embedded, trainer offloaded": decide_placement(RolloutConfig(), offload_trainer=True, max_staleness=0,
+                                                    world_size=4, gpus_per_node=4, tp=1, pp=1, cp=1, hf=MOE).phases(),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", list(SWAPPING))
+def test_the_trainers_cache_goes_back_before_the_engines_start_and_before_every_resume(name: str) -> None:
+    """Issue 36 item 1: every resume of engine memory, from every phase to every other one the placement
+    has, comes right after the trainer's cached device blocks went back to the driver, once the trainer's
+    state is where the new phase wants it (on CPU the release is a no-op; here it is recorded)."""
+    phases = SWAPPING[name]
+    policy, (weight, _) = _policy()
+    calls: list[tuple] = []
+
+    def release_cache() -> dict[str, float]:
+        calls.append(("release_cache", weight.untyped_storage().nbytes() > 0))
+        return {}
+
+    fleet = EngineMemory(calls)
+    memory = ColocatedMemory(policy, None, phases, release_cache=release_cache)
+    memory.start_engines(lambda: calls.append(("engines start",)) or fleet)
+    assert calls[:2] == [("release_cache", "params" in phases["start-up"].trainer), ("engines start",)]
+    resumes = 0
+    for before, after in itertools.permutations([p for p in PHASES if p != "start-up"], 2):
+        memory.enter(before)
+        calls.clear()
+        memory.enter(after)
+        for i, call in enumerate(calls):
+            if call[0] == "resume":
+                resumes += 1
+                released = ("release_cache", "params" in phases[after].trainer)
+                assert i > 0 and calls[i - 1] == released, (before, after, calls)
+    assert resumes > 0

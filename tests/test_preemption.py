@@ -19,7 +19,7 @@ import pytest
 
 from grpo_megatron.distributed.preemption import EXIT_INTERRUPTED, EXIT_PREEMPTED
 from tests.helpers.dist import REPO_ROOT, free_port
-from tests.test_train import DEMO, SMALL, comparable, finish, launch
+from tests.helpers.runs import DEMO, SMALL, comparable, finish, launch
 
 COMMON = [*SMALL, "train.iterations=5", "checkpoint.save_interval=2", "train.eval_interval=0"]
 

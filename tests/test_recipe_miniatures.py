@@ -30,8 +30,8 @@ import yaml
 
 from grpo_megatron.logging_utils.metrics import read_jsonl
 from tests.helpers.dist import REPO_ROOT
+from tests.helpers.runs import finish, launch
 from tests.helpers.tiny_configs import tiny_hf_config
-from tests.test_train import finish, launch
 
 RECIPES = REPO_ROOT / "examples" / "recipes"
 DATA = REPO_ROOT / "tests" / "data"

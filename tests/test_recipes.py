@@ -155,8 +155,7 @@ def test_recipe_runtime_placement_at_scale_is_the_plans(
     from grpo_megatron.planner.dry_run import fake_world, parallel_state_here
     from grpo_megatron.planner.model_states import Layout
     from grpo_megatron.rollout.placement import routed_experts, runtime_placement
-    from grpo_megatron.rollout.sglang.engine import _layout_of
-    from grpo_megatron.rollout.sglang.ipc import colocated_server_args
+    from grpo_megatron.rollout.sglang.launch import EngineLaunch, colocated_server_args, layout_of
     from grpo_megatron.rollout.sglang.shards import rank_needs
     from grpo_megatron.training.job import engine_spec
     from grpo_megatron.training.offload import ColocatedMemory
@@ -177,14 +176,13 @@ def test_recipe_runtime_placement_at_scale_is_the_plans(
         with fake_world(rank, world, layout):
             ps = parallel_state_here(rank, layout, torch.device("meta"))
             runtime = runtime_placement(engine_spec(cfg), ps, hf)
-            here, _, _ = _layout_of(runtime, ps)
+            here, _, _ = layout_of(runtime, ps)
         assert runtime == planned, rank
         assert here.members == planned.engines[planned.engine_of(rank)] and here.nnodes == len(planned.nodes(planned.engine_of(rank)))
-        args = colocated_server_args(
-            cfg.rollout, "/m", base_gpu_id=here.base_gpu_id, dtype=cfg.model.dtype, seed=0, moe=bool(routed_experts(hf)),
-            tp_size=runtime.gpus_per_engine, ep_size=runtime.engine_ep, nnodes=here.nnodes, node_rank=here.node_rank,
-            dist_init_addr="node0:1" if here.multi_node else None,
-        )  # fmt: skip
+        launch = EngineLaunch(cfg.model.dtype, base_gpu_id=here.base_gpu_id, tp_size=runtime.gpus_per_engine,
+                              ep_size=runtime.engine_ep, nnodes=here.nnodes,
+                              dist_init_addr="node0:1" if here.multi_node else None)  # fmt: skip
+        args = colocated_server_args(cfg.rollout, "/m", launch, hf, node_rank=here.node_rank)
         assert (args["tp_size"], args["ep_size"]) == (width, ep)
         needs = rank_needs(hf, width, ep, here.members.index(rank))
         assert (needs.count if needs is not None else routed_experts(hf)) == routed_experts(hf) // ep

@@ -186,7 +186,7 @@ def test_cli_check_imports_the_rewards_in_a_worker(capsys):
 def test_train_stops_on_a_reward_that_cannot_import_or_always_raises(tmp_path):
     # Issue 17 findings 2 and 10: the import ran in the trainer, after the model was built, and only
     # on rank 0. Finding 7: a reward raising on every sample finished with exit 0 and reward 0.0000.
-    from tests.test_train import SMALL, launch
+    from tests.helpers.runs import SMALL, launch
 
     proc = launch("train", [*SMALL, f"logging.run_dir={tmp_path / 'bad'}", "reward.components[0].function=no_such:f"])
     out, _ = proc.communicate(timeout=300)

@@ -3,6 +3,7 @@ a real megatron policy on two processes (TP2, EP2, a dense model, a training ste
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -354,7 +355,7 @@ def test_generate_reports_each_fed_token_routes(model_type, tmp_path):
     assert layout is not None
     n_moe = len(layout.moe_layers)
     assert n_moe == (1 if model_type == "deepseek_v3" else 2)  # first_k_dense_replace=1
-    params = SamplingParams(n=2, temperature=1.0, max_new_tokens=5, seed=3)
+    params = SamplingParams(n=2, temperature=1.0, max_new_tokens=5, seed=3, routes=True)
     groups = engine.generate(PROMPTS, params)
     sequences = [list(p) + c.token_ids for p, cs in zip(PROMPTS, groups, strict=True) for c in cs]
     _, scored = engine.score_with_routes(sequences, [len(p) for p in PROMPTS for _ in range(2)], 1.0)
@@ -368,10 +369,11 @@ def test_generate_reports_each_fed_token_routes(model_type, tmp_path):
 
 
 def test_routes_only_when_asked(moe_engine):
-    """record_routes=False (routing replay off): the same responses without routes; scoring still
-    reports them (the mismatch probe's routing figures)."""
+    """record_routes=False (routing replay off): the same responses without routes, asked or not;
+    scoring still reports them (the mismatch probe's routing figures). An engine that records routes
+    reports them only for requests that ask (SamplingParams.routes: the training rollouts under r3)."""
     engine, saved = moe_engine
-    params = SamplingParams(n=3, temperature=1.0, max_new_tokens=6, seed=5)
+    params = SamplingParams(n=3, temperature=1.0, max_new_tokens=6, seed=5, routes=True)
     quiet = _engine("qwen3_moe", record_routes=False)
     _load(quiet, saved)
     groups = quiet.generate(PROMPTS, params)
@@ -380,6 +382,9 @@ def test_routes_only_when_asked(moe_engine):
     recorded = engine.generate(PROMPTS, params)
     assert all(c.routed_experts is not None for g in recorded for c in g)
     assert [[c.token_ids for c in g] for g in groups] == [[c.token_ids for c in g] for g in recorded]
+    unasked = engine.generate(PROMPTS, dataclasses.replace(params, routes=False))
+    assert all(c.routed_experts is None for g in unasked for c in g)
+    assert [[c.token_ids for c in g] for g in unasked] == [[c.token_ids for c in g] for g in recorded]
 
 
 @pytest.mark.timeout(400)

@@ -21,25 +21,17 @@ from grpo_megatron.config import load_config
 from grpo_megatron.rollout.config import RolloutConfig
 from grpo_megatron.rollout.engine import SamplingParams
 from grpo_megatron.rollout.hf_routes import RouteLayout
-from grpo_megatron.rollout.sglang.engine import (
+from grpo_megatron.rollout.sglang.engine import SGLangEngine
+from grpo_megatron.rollout.sglang.launch import (
     INSTALL_HINT,
-    SGLangEngine,
-    SGLangUnavailableError,
-    bucket_errors,
-    checkpoint_shapes,
-    completion_from_output,
-    decode_routed_experts,
-    sample_seeds,
-    sampling_params_dict,
-    start_node_part,
-    teacher_forced_logprobs,
-)
-from grpo_megatron.rollout.sglang.ipc import (
     ColocatedLayout,
+    EngineLaunch,
+    SGLangUnavailableError,
     colocated_group,
     colocated_layout,
     colocated_server_args,
     engine_address,
+    start_node_part,
 )
 from grpo_megatron.rollout.sglang.nccl import (
     SGLangHttpClient,
@@ -47,12 +39,24 @@ from grpo_megatron.rollout.sglang.nccl import (
     distributed_update_body,
     weight_group_layout,
 )
+from grpo_megatron.rollout.sglang.protocol import (
+    completion_from_output,
+    decode_routed_experts,
+    sample_seeds,
+    sampling_params_dict,
+    teacher_forced_logprobs,
+)
 from grpo_megatron.rollout.sglang.weights import (
     aligned_order,
+    bucket_errors,
+    checkpoint_shapes,
 )
 from grpo_megatron.training.job import engine_spec
 from tests.helpers.dist import REPO_ROOT
 from tests.workers.bridge_workers import EXAMPLE, save_tiny_model
+
+MOE_CONFIG = {"num_experts_per_tok": 2, "architectures": ["Qwen3MoeForCausalLM"]}
+"""An MoE model's config.json, as far as the server arguments read it."""
 
 # ----------------------------------------------------------------------------------------------------
 # Lazy import and the install message
@@ -257,16 +261,16 @@ def test_colocated_groups_and_engine_arguments() -> None:
         gpu_memory_utilization=0.4,
         sglang_server_args={"attention_backend": "fa3", "log_level": "info"},
     )
-    args = colocated_server_args(rollout, "/m", base_gpu_id=2, dtype="bfloat16", seed=5, moe=True, tp_size=2, ep_size=2)
-    assert args["tp_size"] == 2 and args["ep_size"] == 2 and args["base_gpu_id"] == 2 and args["mem_fraction_static"] == 0.4
+    args = colocated_server_args(rollout, "/m", EngineLaunch("bfloat16", 5, base_gpu_id=2, ep_size=2), MOE_CONFIG)
+    assert args["tp_size"] == 2 and args["ep_size"] == 2 and args["base_gpu_id"] == 2  # tp: rollout.sglang_tp
+    assert args["mem_fraction_static"] == 0.4 and args["random_seed"] == 5 and args["dtype"] == "bfloat16"
     assert args["enable_memory_saver"] is True and args["enable_return_routed_experts"] is True
     assert args["attention_backend"] == "fa3" and args["log_level"] == "info"  # the user's args win
-    assert (
-        colocated_server_args(rollout, "/m", base_gpu_id=0, dtype="float32", seed=0, moe=False)[
-            "enable_return_routed_experts"
-        ]
-        is False
-    )
+    dense = colocated_server_args(rollout, "/m", EngineLaunch("float32"), {"model_type": "qwen2"})
+    assert dense["enable_return_routed_experts"] is False
+    assert json.loads(dense["json_model_override_args"]) == {"architectures": ["Qwen2ForCausalLM"]}
+    on_cpu = colocated_server_args(rollout, "/m", EngineLaunch(device="cpu"), MOE_CONFIG, weights_on_disk=False)
+    assert on_cpu["enable_memory_saver"] is False and on_cpu["device"] == "cpu" and on_cpu["load_format"] == "dummy"
 
 
 def test_an_engine_inside_a_node_is_led_by_its_first_rank_on_its_own_gpus() -> None:
@@ -327,22 +331,20 @@ def test_the_engine_address_is_its_first_node_and_the_nodes_must_be_whole_and_no
 
 def test_server_args_of_each_node_of_a_multi_node_engine() -> None:
     rollout = RolloutConfig(sglang_tp=16, gpu_memory_utilization=0.5)
-    common = dict(base_gpu_id=0, dtype="bfloat16", seed=7, moe=True, tp_size=16, ep_size=16, nnodes=2,
-                  dist_init_addr="node-a:41234")  # fmt: skip
-    first = colocated_server_args(rollout, "/m", node_rank=0, **common)
-    second = colocated_server_args(rollout, "/m", node_rank=1, **common)
+    launch = EngineLaunch("bfloat16", 7, tp_size=16, ep_size=16, nnodes=2, dist_init_addr="node-a:41234")
+    first = colocated_server_args(rollout, "/m", launch, MOE_CONFIG, node_rank=0)
+    second = colocated_server_args(rollout, "/m", launch, MOE_CONFIG, node_rank=1)
     assert first["tp_size"] == 16 and first["nnodes"] == 2 and first["dist_init_addr"] == "node-a:41234"
     assert first["node_rank"] == 0 and second["node_rank"] == 1 and first["base_gpu_id"] == 0
     assert {k: v for k, v in first.items() if k != "node_rank"} == {k: v for k, v in second.items() if k != "node_rank"}
     assert first["enable_memory_saver"] is True and first["random_seed"] == 7 and first["ep_size"] == 16
     # inside a node nothing of SGLang's multi-node launch is passed (the arguments are as before)
-    single = colocated_server_args(RolloutConfig(sglang_tp=8), "/m", base_gpu_id=0, dtype="bfloat16", seed=7, moe=True,
-                                   tp_size=8)  # fmt: skip
+    single = colocated_server_args(RolloutConfig(sglang_tp=8), "/m", EngineLaunch("bfloat16", 7), MOE_CONFIG)
     assert not {"nnodes", "node_rank", "dist_init_addr"} & set(single)
     # what the layout decides cannot be overridden across nodes
     clash = RolloutConfig(sglang_tp=16, sglang_server_args={"nnodes": 4, "base_gpu_id": 2})
     with pytest.raises(ValueError, match=r"rollout.sglang_server_args sets \['base_gpu_id', 'nnodes'\]"):
-        colocated_server_args(clash, "/m", node_rank=1, **common)
+        colocated_server_args(clash, "/m", launch, MOE_CONFIG, node_rank=1)
 
 
 def test_from_config_takes_an_engine_across_nodes_and_refuses_one_that_does_not_tile_them(monkeypatch) -> None:
@@ -379,7 +381,70 @@ def test_a_further_node_starts_its_part_of_the_engine_without_blocking(monkeypat
     assert args["ep_size"] == 2  # the placement's engine EP, as on the leader's node
     assert args["dist_init_addr"] == "node-a:41234" and args["base_gpu_id"] == 0
     assert args["random_seed"] == cfg.train.seed  # the leader's (rank 0's) seed on every node
-    assert args["enable_return_routed_experts"] is cfg.rollout.sglang_routed_experts  # an MoE model
+    assert args["enable_return_routed_experts"] is False  # an MoE model, but routing replay is off
+    replayed = load_config(EXAMPLE, ["rollout.engine=sglang", "rollout.sglang_tp=16", f"model.hf_path={tmp_path}",
+                                     "algorithm.routing_replay=r3"])  # fmt: skip
+    start_node_part(engine_spec(replayed), colocated_layout(8, 16, 16, 8, 0), "node-a:41234", 2)
+    assert started[-1]["enable_return_routed_experts"] is True
+
+
+class RequestRecorder:
+    """What an SGLang server is sent: every generate request's options, answered with one token per row
+    (and, when asked, its routes in SGLang's encoding: base64 int32 ``[rows, layers, top_k]``)."""
+
+    def __init__(self, layout: RouteLayout) -> None:
+        self.layout = layout
+        self.requests: list[dict] = []
+
+    def generate(self, input_ids, sampling_params, **options):
+        self.requests.append(options)
+        out = []
+        for ids in input_ids:
+            meta = {"output_token_logprobs": [(-0.5, 5, None)], "finish_reason": {"type": "length"}}
+            if options.get("return_routed_experts"):
+                routes = torch.zeros(len(ids) * self.layout.num_layers * self.layout.top_k, dtype=torch.int32)
+                meta["routed_experts"] = base64.b64encode(routes.numpy().tobytes()).decode()
+            out.append({"output_ids": [5], "meta_info": meta})
+        return out
+
+
+def test_sglang_is_asked_for_routed_experts_only_by_the_rollouts_that_replay_them(tmp_path: Path) -> None:
+    """Issue 36 item 6: routes cost SGLang about 2 KB per token through its detokenizer. They are
+    decided once (``engine_spec``: algorithm.routing_replay=r3): only then is an MoE engine started able
+    to report them, and only the training rollouts' requests (``SamplingParams.routes``, set by
+    ``training/groups.py:training_params`` from ``RolloutFleet.routes``) ask, for every input position
+    (the replay covers the prompt too); evaluation's requests never do."""
+    from grpo_megatron.training.phases.rollout import Rollout
+
+    save_tiny_model("qwen3_moe", tmp_path, seed=0)
+    hf = json.loads((tmp_path / "config.json").read_text())
+    off = load_config(EXAMPLE, ["rollout.engine=sglang", f"model.hf_path={tmp_path}"])
+    r3 = load_config(EXAMPLE, ["rollout.engine=sglang", f"model.hf_path={tmp_path}", "algorithm.routing_replay=r3"])
+    for cfg, replayed in ((off, False), (r3, True)):
+        assert engine_spec(cfg).record_routes is replayed
+        args = colocated_server_args(cfg.rollout, "/m", EngineLaunch(routes=engine_spec(cfg).record_routes), hf)
+        assert args["enable_return_routed_experts"] is replayed
+    layout = RouteLayout.from_hf(hf)
+    assert layout is not None
+    rollout = Rollout(None, r3.rollout, eos_id=2)  # type: ignore[arg-type]  # params only
+    prompts = [[1, 5, 9], [1, 7]]
+    for started_with_routes in (True, False):
+        recorder = RequestRecorder(layout)
+        engine = SGLangEngine(r3.rollout, str(tmp_path), EngineLaunch(device="cpu", routes=started_with_routes),
+                              servers=[recorder])  # fmt: skip
+        train = engine.generate(prompts, rollout.params(n=2, seed=1, routes=True))
+        evaluation = engine.generate(prompts, rollout.params(n=1, seed=1, greedy=True))
+        sampled_eval = engine.generate(prompts, rollout.params(n=2, seed=2))
+        asked, *unasked = recorder.requests
+        assert asked.get("return_routed_experts", False) is started_with_routes
+        assert "routed_experts_start_len" not in asked  # 0: every input position, prompt included
+        assert all("return_routed_experts" not in r for r in unasked) and all(r["return_logprob"] for r in unasked)
+        routed = [c.routed_experts for g in train for c in g]
+        if started_with_routes:
+            assert all(r is not None and r.shape == (len(layout.moe_layers), 3, layout.top_k) for r in routed[:2])
+        else:
+            assert routed == [None] * 4
+        assert all(c.routed_experts is None for g in evaluation + sampled_eval for c in g)
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -16,8 +16,8 @@ from pathlib import Path
 import psutil
 
 from grpo_megatron.logging_utils.metrics import read_jsonl
+from tests.helpers.runs import SMALL, finish, launch
 from tests.sglang_env import require_sglang_engine
-from tests.test_train import SMALL, finish, launch
 
 PROBE_BOUND = 1e-4
 """The demo trains in fp32 and the engine serves fp32: the mismatch probe sits at float32 rounding
@@ -99,6 +99,22 @@ def test_colocated_sglang_train_ends_when_its_engine_dies_and_resumes(tmp_path: 
     probes = [r["mismatch/probe_abs_diff_max"] for r in records if r.get("mismatch/probe_abs_diff_max") is not None]
     assert probes and max(probes) < PROBE_BOUND, probes
     assert (run / "summary.json").is_file()
+
+
+def test_sft_with_the_sglang_engine_syncs_and_evaluates_through_the_memory_phases(tmp_path: Path) -> None:
+    """Issue 36 item 4: ``grpo-megatron sft`` with the real colocated engine. Its engines start, then
+    release their memory for training; every dev evaluation's weight sync must bring it back first
+    (the same function as GRPO's sync: training/phases/sync.py:sync_weights), and the next step must
+    take it again (with the trainer offloaded around them too)."""
+    require_sglang_engine()
+    sft_dir, hf_dir = tmp_path / "sft", tmp_path / "sft" / "hf"
+    finish(launch("sft", [*SMALL, "rollout.engine=sglang", "train.offload_trainer=true", "sft.max_steps=2",
+                          "sft.eval_interval=1", "sft.batch_size=8", f"logging.run_dir={sft_dir}",
+                          f"sft.output_dir={hf_dir}"]), timeout_s=400)  # fmt: skip
+    records = read_jsonl(sft_dir / "metrics.jsonl")
+    assert [r["iteration"] for r in records] == [0, 1, 2]
+    assert all(r["eval/accuracy"] is not None for r in records)
+    assert list(hf_dir.glob("*.safetensors"))
 
 
 def test_colocated_sglang_one_step_off_lags_by_at_most_one_version(tmp_path: Path) -> None:

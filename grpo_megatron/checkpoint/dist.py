@@ -24,24 +24,17 @@ import torch
 import torch.distributed as dist
 
 from grpo_megatron.bridge.layout import unwrap
+from grpo_megatron.checkpoint.marker import LATEST, MARKER, CheckpointError
 from grpo_megatron.distributed.bootstrap import ParallelState
 from grpo_megatron.distributed.collectives import on_rank0
 from grpo_megatron.fileio import TMP_INFIX, write_text_atomic
 
-MARKER = "grpo_checkpoint.json"
-"""Completion marker: its presence makes a checkpoint directory complete."""
-LATEST = "latest"
-"""Text file in a checkpoint directory naming the newest complete checkpoint (written last)."""
 FORMAT_VERSION = 1
 
 # megatron's sharded state dict options, recorded in the checkpoint (content metadata) and used
 # again on load. chained_optim_avoid_prefix: optimizer tensors are keyed by parameter, not by
 # position in the chain of optimizers, so they load at another expert-parallel layout.
 BASE_CONTENT_METADATA: dict[str, Any] = {"singleton_local_shards": False, "chained_optim_avoid_prefix": True}
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that is missing, incomplete or cannot be loaded here; names the path and the fix."""
 
 
 def load_failures() -> tuple[type[BaseException], ...]:
@@ -63,34 +56,6 @@ def layout_of(ps: ParallelState) -> dict[str, int]:
         "ep": ps.ep,
         "etp": ps.etp,
     }
-
-
-def is_temporary(path: Path) -> bool:
-    return TMP_INFIX in path.name
-
-
-def is_complete(path: Path) -> bool:
-    """A checkpoint directory whose save finished: final name and completion marker present."""
-    return path.is_dir() and not is_temporary(path) and (path / MARKER).is_file()
-
-
-def read_marker(path: Path) -> dict[str, Any]:
-    """The completion marker of checkpoint ``path``; CheckpointError when it is not complete."""
-    path = Path(path)
-    if not path.exists():
-        raise CheckpointError(f"checkpoint {path} does not exist: check the path")
-    if is_temporary(path):
-        raise CheckpointError(
-            f"{path} is the temporary directory of a save that did not finish: resume from a "
-            "complete checkpoint (its name has no '.tmp-')"
-        )
-    if not (path / MARKER).is_file():
-        raise CheckpointError(
-            f"{path} has no {MARKER}: it is not a complete grpo-megatron checkpoint (an interrupted "
-            "save, or another tool's directory). Point at an iter_XXXXXXX directory, or at a "
-            f"checkpoint directory holding a '{LATEST}' file"
-        )
-    return json.loads((path / MARKER).read_text())
 
 
 def new_temporary_dir(final: Path) -> Path:

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from grpo_megatron.checkpoint.dist import CheckpointError, read_marker
+from grpo_megatron.checkpoint.marker import CheckpointError, read_marker
 
 DCP_METADATA = ".metadata"
 TRAINER_STATE = "trainer_state.pt"

@@ -36,17 +36,12 @@ from grpo_megatron.checkpoint.config import CheckpointConfig
 from grpo_megatron.checkpoint.dist import (
     BASE_CONTENT_METADATA,
     FORMAT_VERSION,
-    LATEST,
-    MARKER,
-    CheckpointError,
     finish,
-    is_complete,
     layout_of,
     load_failures,
     model_dtype,
     model_sharded_state_dict,
     new_temporary_dir,
-    read_marker,
     resolve_checkpoint,
 )
 from grpo_megatron.checkpoint.integrity import (
@@ -56,6 +51,7 @@ from grpo_megatron.checkpoint.integrity import (
     model_shape,
     verify_checkpoint,
 )
+from grpo_megatron.checkpoint.marker import LATEST, MARKER, CheckpointError, is_complete, read_marker
 from grpo_megatron.checkpoint.rng import capture_rng_state, restore_rng_state
 from grpo_megatron.distributed.bootstrap import ParallelState
 from grpo_megatron.distributed.collectives import collective_device, on_rank0

@@ -173,12 +173,8 @@ def mcore_to_hf(args: argparse.Namespace) -> Path:
 def _load_checkpoint(args: argparse.Namespace) -> tuple[ParallelState, GPTModel, dict[str, Any], Path, dict[str, Any]]:
     """Collective: the model of checkpoint ``args.ckpt`` built at the launch's layout (with the
     adapters its marker records) and loaded; with its HF config, that config's directory and the marker."""
-    from grpo_megatron.checkpoint.dist import (
-        CheckpointError,
-        load_model_checkpoint,
-        read_marker,
-        resolve_checkpoint,
-    )
+    from grpo_megatron.checkpoint.dist import load_model_checkpoint, resolve_checkpoint
+    from grpo_megatron.checkpoint.marker import CheckpointError, read_marker
 
     if not Path(args.ckpt).is_dir():
         raise ConvertError(f"--ckpt {args.ckpt}: no such directory")

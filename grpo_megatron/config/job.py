@@ -64,15 +64,10 @@ class JobConfig:
     @property
     def producer_loop(self) -> bool:
         """Whether the GRPO loop runs as a producer of scored groups and a consumer that trains
-        (training/async_loop.py): its engines generate while the trainer trains (an embedded engine in
+        (training/groups.py: GroupProducer): its engines generate while the trainer trains (an embedded engine in
         a process of its own, or SGLang, whose schedulers are processes of their own) and run ahead
         (train.max_staleness > 0), or in order (rollout.embedded_process with max_staleness 0)."""
         return self.rollout.embedded_process or self.train.max_staleness > 0
-
-    def validate(self, world_size: int) -> None:
-        from grpo_megatron.config.validation import validate
-
-        validate(self, world_size)
 
     def resolve(self, world_size: int) -> JobConfig:
         """A copy whose parallel section has its derived degrees filled in (see ParallelConfig.resolve)."""

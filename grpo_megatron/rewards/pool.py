@@ -23,18 +23,18 @@ even if every sample hangs. A worker sends what it finished at least every _FLUS
 `score`) is a hard bound on the whole call: samples not finished by then get the fallback and
 count as timeouts; by default it is derived from timeout_s and the worker count (config.py).
 
-Containment. The trainer never imports user reward modules (with num_workers >= 1): each worker
-first enters its sandbox (sandbox.py: own session, scrubbed environment, limits, no network,
-read-only file system except a scratch directory, a uid of its own when root), then imports the
-components within `cfg.startup_timeout_s`, reporting which component it is importing so that a
-hang or a failure names its config field. The pool logs the active protections once.
+Containment. The trainer never imports user reward modules (with num_workers >= 1): the workers are
+rewards/workers.py's sandboxed processes (the tool pool's too): each first enters its sandbox
+(sandbox.py), then imports the components within `cfg.startup_timeout_s`, reporting which component
+it is importing so that a hang or a failure names its config field. The pool logs the active
+protections once.
 
 Failures are counted per component (`reward/<component>/error_frac`); `report_failures` (called
 by the trainer on each scoring call) prints the first failure and stops the run when more than
 `cfg.max_error_frac` of the samples fell back.
 
-Processes are started with the `forkserver` (default) or `spawn` method, never a bare `fork`,
-which is unsafe once torch has started threads. With `forkserver` the server preloads the
+Processes are started with the `forkserver` (default) or `spawn` method (rewards/workers.py). With
+`forkserver` the server preloads the
 built-in reward modules (math-verify, sympy) once, so replacing a worker takes milliseconds
 instead of a fresh interpreter's import time; this sets multiprocessing's forkserver preload
 list, which only has an effect if the forkserver has not started yet.
@@ -51,16 +51,10 @@ naming the component being imported.
 
 import json
 import math
-import multiprocessing as mp
 import multiprocessing.connection as mp_conn
-import os
 import pickle
-import shutil
-import signal
-import tempfile
 import time
 import traceback
-import weakref
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
@@ -71,12 +65,14 @@ from grpo_megatron.rewards.base import RewardSample
 from grpo_megatron.rewards.composite import CompositeReward, RewardComponentError
 from grpo_megatron.rewards.config import RewardComponentConfig, RewardConfig
 from grpo_megatron.rewards.loader import build_composite
-from grpo_megatron.rewards.sandbox import (
-    SandboxPlan,
-    SandboxReport,
-    enter_sandbox,
-    kill_worker,
-    set_cpu_backstop,
+from grpo_megatron.rewards.sandbox import SandboxPlan, SandboxReport, set_cpu_backstop
+from grpo_megatron.rewards.workers import (
+    StartFailure,
+    Worker,
+    WorkerKind,
+    WorkerPool,
+    ready_connections,
+    serve_in_sandbox,
 )
 
 __all__ = [
@@ -145,32 +141,18 @@ def default_batch_timeout_s(cfg: RewardConfig, n_samples: int) -> float:
 
 def _worker_main(
     conn: mp_conn.Connection,
-    components: list[RewardComponentConfig],
     plan: SandboxPlan,
+    components: list[RewardComponentConfig],
     timeout_s: float,
-    progress: Any,
     stop_on_error: bool,
+    progress: Any,
 ) -> None:
-    """Worker loop: enter the sandbox, import the components (saying which), say ready with the
-    active protections, then score chunks of samples (``_serve``). Everything it says is a wire.py frame."""
-    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2):
-        signal.signal(signum, signal.SIG_IGN)  # Ctrl-C and preemption are the trainer's to handle
-
-    def say(message: wire.Message) -> None:
-        conn.send_bytes(wire.encode(message))
-
-    try:
-        report = enter_sandbox(plan)
-    except BaseException as err:  # noqa: BLE001 - any failure must reach the parent as a message
-        say(wire.InitError(f"reward sandbox set-up failed: {type(err).__name__}: {err}"))
-        return
-    try:
-        composite = build_composite(components, on_import=lambda i: say(wire.Importing(i)))
-    except BaseException as err:  # noqa: BLE001
-        say(wire.InitError(str(err) if isinstance(err, ValueError) else f"{type(err).__name__}: {err}"))
-        return
-    say(wire.Ready(report.scratch, list(report.active), list(report.inactive)))
-    _serve(conn, composite, timeout_s, progress, stop_on_error)
+    """Worker loop: the sandboxed start (``serve_in_sandbox``: the components imported, saying which),
+    then score chunks of samples (``_serve``). Everything it says is a wire.py frame."""
+    composite = serve_in_sandbox(conn, plan, lambda on_import: build_composite(components, on_import=on_import),
+                                 what="reward")  # fmt: skip
+    if composite is not None:
+        _serve(conn, composite, timeout_s, progress, stop_on_error)
 
 
 def _score_one(composite: CompositeReward, task_id: int, sample: RewardSample) -> wire.Result:
@@ -232,59 +214,9 @@ def _send(conn: mp_conn.Connection, fields: list[dict[str, Any]]) -> bool:
         return False
 
 
-@dataclass(eq=False)
-class _Worker:
-    process: Any  # multiprocessing.process.BaseProcess
-    conn: mp_conn.Connection
-    started_at: float
-    slot: int
-    progress: Any  # shared [task id, start time] of the sample it scores (written by the worker)
-    ready: bool = False
-    importing: int | None = None  # component index being imported at start-up
-    tasks: deque[int] = field(default_factory=deque)  # samples handed over and not answered, in order
-    sent_at: float = 0.0  # when its chunk was handed over
-    hard_deadline: float = math.inf  # sent_at + timeout_s per sample of the chunk
-
-    @property
-    def task(self) -> int | None:
-        """The sample it answers next (None: idle)."""
-        return self.tasks[0] if self.tasks else None
-
-    def running(self, now: float) -> tuple[int | None, float]:
-        """The sample it is scoring (None: not one it still owes) and since when, from its progress
-        record; a start before the chunk was handed over or in the future counts from the hand-over."""
-        raw_task, start = float(self.progress[0]), float(self.progress[1])  # reward code could write anything
-        task = int(raw_task) if math.isfinite(raw_task) else -1
-        start = start if self.sent_at <= start <= now else self.sent_at  # NaN too: from the hand-over
-        return (task if task in self.tasks else None), start
-
-    def deadline(self, timeout_s: float, now: float) -> float:
-        """When its current sample runs out of time (inf: idle); never past the chunk's own bound."""
-        if not self.tasks:
-            return math.inf
-        return min(self.running(now)[1] + timeout_s, self.hard_deadline)
-
-
-def _kill(worker: _Worker) -> None:
-    kill_worker(worker.process, worker.conn)
-
-
-def _shutdown(workers: list[_Worker]) -> None:
-    """Kill every worker and reap it (also run by weakref.finalize if close() was never called)."""
-    for w in workers:
-        _kill(w)
-    for w in workers:
-        try:
-            w.process.join(timeout=1.0)
-        except (OSError, ValueError, AssertionError):
-            pass
-    workers.clear()
-
-
-def _shutdown_all(workers: list[_Worker], scratch_root: str | None) -> None:
-    _shutdown(workers)
-    if scratch_root is not None:
-        shutil.rmtree(scratch_root, ignore_errors=True)
+REWARD_WORKERS = WorkerKind(_worker_main, "reward", "reward", wire.REWARD_KINDS, preload=tuple(_PRELOAD),
+                            progress=True)  # fmt: skip
+"""Reward workers: chunks of samples, each sample's start written to their progress record."""
 
 
 class RewardPool:
@@ -303,73 +235,43 @@ class RewardPool:
         self._components = list(cfg.components)
         self._names = frozenset(c.name for c in cfg.components)
         self._composite: CompositeReward | None = None
-        self._scratch_root: str | None = None
-        self.sandbox: SandboxReport | None = None
-        """What the first worker reported as active (None with num_workers=0)."""
         self._log = log
-        self._workers: list[_Worker] = []
-        self._graveyard: list[Any] = []  # killed processes not yet reaped
-        self._restarts = 0
         self._init_failures = 0
         self._closed = False
+        self.workers: WorkerPool | None = None
+        """The sandboxed workers (None with num_workers=0)."""
         if cfg.num_workers == 0:
             self._composite = build_composite(cfg.components)  # in this process, by request
-            self._finalizer = weakref.finalize(self, _shutdown_all, self._workers, None)
             return
-        self._ctx: mp.context.SpawnContext | mp.context.ForkServerContext = (
-            mp.get_context("spawn") if cfg.mp_context == "spawn" else mp.get_context("forkserver")
+        self.workers = WorkerPool(
+            cfg, REWARD_WORKERS, (self._components, cfg.timeout_s, cfg.replace_worker_on_error),
+            num_workers=cfg.num_workers, imports=len(self._components), component_names=self._names, log=log,
         )
-        if cfg.mp_context == "forkserver":
-            self._ctx.set_forkserver_preload(_PRELOAD)
-        self._scratch_root = tempfile.mkdtemp(prefix="grpo-reward-", dir=cfg.sandbox.scratch_dir)
-        os.chmod(self._scratch_root, 0o711)  # workers with a uid of their own reach their sub-directory
-        self._finalizer = weakref.finalize(self, _shutdown_all, self._workers, self._scratch_root)
-        for slot in range(cfg.num_workers):
-            self._workers.append(self._spawn(slot))
-        self._wait_ready()
+        try:
+            self.workers.wait_ready(time.monotonic() + cfg.startup_timeout_s)
+        except StartFailure as failure:
+            self.close()
+            why = failure.init_error or self._startup_failure(failure.worker, failure.cause)
+            raise RewardStartupError(_one_line(why)) from None
 
-    # ---- process management -------------------------------------------------------------
+    @property
+    def sandbox(self) -> SandboxReport | None:
+        """What the first worker reported as active (None with num_workers=0)."""
+        return self.workers.sandbox if self.workers is not None else None
 
-    def _spawn(self, slot: int) -> _Worker:
-        assert self._scratch_root is not None
-        sb = self.cfg.sandbox
-        plan = SandboxPlan(
-            scratch_root=self._scratch_root,
-            slot=slot,
-            trainer_pid=os.getpid(),
-            isolate=sb.isolate,
-            allow_network=sb.allow_network,
-            memory_mb=self.cfg.worker_memory_mb,
-            file_mb=sb.max_file_mb,
-            max_processes=sb.max_processes,
-            max_open_files=sb.max_open_files,
-            keep_env=tuple(sb.keep_env),
-        )
-        parent_conn, child_conn = self._ctx.Pipe(duplex=True)
-        progress = self._ctx.RawArray("d", 2)
-        progress[0] = -1.0
-        proc = self._ctx.Process(
-            target=_worker_main,
-            args=(child_conn, self._components, plan, self.cfg.timeout_s, progress, self.cfg.replace_worker_on_error),
-            daemon=True,
-            name="grpo-reward-worker",
-        )
-        proc.start()
-        child_conn.close()
-        return _Worker(process=proc, conn=parent_conn, started_at=time.monotonic(), slot=slot, progress=progress)
+    @property
+    def _workers(self) -> list[Worker]:
+        return self.workers.workers if self.workers is not None else []
 
-    def _replace(self, worker: _Worker) -> None:
-        _kill(worker)
-        self._graveyard.append(worker.process)
-        idx = next(i for i, w in enumerate(self._workers) if w is worker)
-        self._workers[idx] = self._spawn(worker.slot)
-        self._restarts += 1
+    def _replace(self, worker: Worker) -> None:
+        assert self.workers is not None
+        self.workers.replace(worker)
 
     def worker_pids(self) -> list[int]:
         """Process ids of the current workers (for tests and diagnostics)."""
         return [w.process.pid for w in self._workers]
 
-    def _startup_failure(self, w: _Worker, cause: str) -> str:
+    def _startup_failure(self, w: Worker, cause: str) -> str:
         timeout = self.cfg.startup_timeout_s
         if w.importing is None:
             return f"reward worker did not set up its sandbox within reward.startup_timeout_s={timeout:g} s ({cause})"
@@ -380,78 +282,26 @@ class RewardPool:
             f"reward.startup_timeout_s={timeout:g} s ({cause}); fix the module or raise the timeout"
         )
 
-    def _reap(self) -> None:
-        """Collect the exit status of killed workers without blocking (no zombies pile up)."""
-        alive = []
-        for proc in self._graveyard:
-            try:
-                proc.join(timeout=0)
-            except (OSError, ValueError, AssertionError):
-                continue
-            if proc.exitcode is None:
-                alive.append(proc)
-        self._graveyard[:] = alive
-
-    def _receive(self, w: _Worker) -> wire.Message:
-        """The next message of ``w`` (its pipe is readable), decoded by wire.py's fixed schema.
-        EOFError/OSError: the worker is gone; wire.ProtocolError: it sent something else, or a
-        message out of turn (an import out of order, a result for another task)."""
-        message = wire.decode(wire.read_frame(w.conn.fileno()), self._names)
-        if isinstance(message, wire.Importing):
-            if w.ready or message.index >= len(self._components) or (-1 if w.importing is None else w.importing) >= message.index:
-                raise wire.ProtocolError(f"an out-of-turn 'importing {message.index}' message")
-        elif isinstance(message, wire.Ready | wire.InitError):
-            if w.ready:
-                raise wire.ProtocolError("a start-up message from a worker that is ready")
-        else:
+    def _receive(self, w: Worker) -> wire.Message:
+        """The next message of ``w`` (its pipe is readable; ``WorkerPool.receive``), results checked
+        against what it owes. EOFError/OSError: the worker is gone; wire.ProtocolError: it sent
+        something else, or a message out of turn (an import out of order, a result for another task)."""
+        assert self.workers is not None
+        message = self.workers.receive(w)
+        if isinstance(message, wire.Result | wire.Results):
             results = message.results if isinstance(message, wire.Results) else (message,)
-            if not w.ready or len(results) > len(w.tasks):
+            if len(results) > len(w.tasks):
                 raise wire.ProtocolError(f"{len(results)} result(s) from a worker owing {len(w.tasks)}")
             for result, task in zip(results, w.tasks, strict=False):  # in the order the samples were handed over
                 if result.task != task:
                     raise wire.ProtocolError(f"a result for task {result.task} from a worker scoring {task}")
         return message
 
-    def _wait_ready(self) -> None:
-        deadline = time.monotonic() + self.cfg.startup_timeout_s
-        while not all(w.ready for w in self._workers):
-            waiting = {w.conn: w for w in self._workers if not w.ready}
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                message = self._startup_failure(next(iter(waiting.values())), "it hangs")
-                self.close()
-                raise RewardStartupError(message)
-            for conn in _ready(list(waiting), remaining):
-                w = waiting[conn]
-                try:
-                    msg = self._receive(w)
-                except (EOFError, OSError):
-                    msg = wire.InitError(self._startup_failure(w, f"worker exited with code {w.process.exitcode}"))
-                except wire.ProtocolError as err:
-                    msg = wire.InitError(self._startup_failure(w, f"the worker sent a malformed message: {err}"))
-                if isinstance(msg, wire.Importing):
-                    w.importing = msg.index
-                    continue
-                if not isinstance(msg, wire.Ready):
-                    self.close()
-                    raise RewardStartupError(_one_line(msg.message if isinstance(msg, wire.InitError) else str(msg)))
-                w.ready = True
-                self._note_sandbox(msg)
-
-    def _note_sandbox(self, ready: wire.Ready) -> None:
-        if self.sandbox is None:  # log once per pool: every worker applies the same plan
-            self.sandbox = SandboxReport(scratch=ready.scratch, active=ready.active, inactive=ready.inactive)
-            if self._log is not None:
-                self._log(f"[reward] {self.sandbox.line()}")
-
     def close(self) -> None:
         """Kill the workers and remove their scratch directories. Idempotent."""
         self._closed = True
-        _shutdown(self._workers)
-        self._reap()
-        self._finalizer.detach()
-        if self._scratch_root is not None:
-            shutil.rmtree(self._scratch_root, ignore_errors=True)
+        if self.workers is not None:
+            self.workers.close()
 
     def __enter__(self) -> "RewardPool":
         return self
@@ -483,7 +333,7 @@ class RewardPool:
         prepared = [replace(s, response=s.response[-limit:]) if len(s.response) > limit else s for s in samples]
         n = len(prepared)
         outcomes: list[Outcome | None] = [None] * n
-        restarts_before = self._restarts
+        restarts_before = self._restarts()
         if self.cfg.num_workers == 0:
             for i, sample in enumerate(prepared):
                 outcomes[i] = self._score_in_process(sample)
@@ -495,8 +345,12 @@ class RewardPool:
             batch_deadline = start + batch_timeout_s
             self._init_failures = 0
             self._run_in_workers(prepared, outcomes, batch_deadline)
-            self._reap()
-        return self._collect(outcomes, truncated, self._restarts - restarts_before)
+            assert self.workers is not None
+            self.workers.reap()
+        return self._collect(outcomes, truncated, self._restarts() - restarts_before)
+
+    def _restarts(self) -> int:
+        return self.workers.restarts if self.workers is not None else 0
 
     def _score_in_process(self, sample: RewardSample) -> Outcome:
         assert self._composite is not None
@@ -540,7 +394,7 @@ class RewardPool:
             next_deadline = min([w.deadline(timeout_s, now) for w in self._workers] + [batch_deadline])
             wait_s = max(0.0, min(next_deadline, now + 1.0) - now)
             by_conn = {w.conn: w for w in self._workers if w.tasks or not w.ready}
-            for conn in _ready(list(by_conn), wait_s):
+            for conn in ready_connections(list(by_conn), wait_s):
                 self._handle_message(by_conn[conn], pending, outcomes)
 
     def _batch_timeout(self, pending: deque[int], outcomes: list[Outcome | None]) -> None:
@@ -557,7 +411,7 @@ class RewardPool:
             i = pending.popleft()
             outcomes[i] = ("timeout", None, None, f"batch timeout before sample {i} was scored", None)
 
-    def _fail(self, w: _Worker, pending: deque[int], culprit: int | None) -> None:
+    def _fail(self, w: Worker, pending: deque[int], culprit: int | None) -> None:
         """Replace ``w``; the samples it still owed but for ``culprit`` (whose outcome is set) go back
         to the front of ``pending``, in order: they were not at fault."""
         pending.extendleft(reversed([i for i in w.tasks if i != culprit]))
@@ -591,7 +445,7 @@ class RewardPool:
                 self._fail(w, pending, None)
 
     @staticmethod
-    def _culprit(w: _Worker, *, protocol: bool) -> int | None:
+    def _culprit(w: Worker, *, protocol: bool) -> int | None:
         """The owed sample a dead or lying worker is blamed for. A death: the sample it was scoring
         (else the next it owes, so that a worker dying on every chunk still settles one sample each time).
         A bad frame: the first owed sample (the frame came where its result was due), unless the
@@ -606,7 +460,7 @@ class RewardPool:
         answered = math.isfinite(progress) and running is None and int(progress) >= 0
         return None if answered else w.tasks[0]
 
-    def _handle_message(self, w: _Worker, pending: deque[int], outcomes: list[Outcome | None]) -> None:
+    def _handle_message(self, w: Worker, pending: deque[int], outcomes: list[Outcome | None]) -> None:
         try:
             msg = self._receive(w)
         except (EOFError, OSError, wire.ProtocolError) as err:  # died (os._exit, segfault, OOM kill ...) or lied
@@ -626,12 +480,14 @@ class RewardPool:
             return
         if isinstance(msg, wire.Ready):
             w.ready = True
-            self._note_sandbox(msg)
+            assert self.workers is not None
+            self.workers.note_sandbox(msg)
             return
         if isinstance(msg, wire.InitError):  # user code imported at start-up but not now: retry, within limits
             self._init_failures += 1
             self._replace(w)
             return
+        assert isinstance(msg, wire.Result | wire.Results)  # wire.REWARD_KINDS: nothing else decodes
         errors = False
         for result in msg.results if isinstance(msg, wire.Results) else (msg,):
             w.tasks.popleft()  # _receive checked the order
@@ -727,9 +583,3 @@ def _picklable(sample: RewardSample) -> bool:
         return True
     except Exception:  # noqa: BLE001 - whatever pickling raises
         return False
-
-
-def _ready(conns: list[mp_conn.Connection], timeout: float) -> list[mp_conn.Connection]:
-    """``multiprocessing.connection.wait`` over pipes, typed: the ones of ``conns`` ready to read."""
-    ready = {id(c) for c in mp_conn.wait(conns, timeout=timeout)}
-    return [c for c in conns if id(c) in ready]

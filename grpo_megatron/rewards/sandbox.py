@@ -89,9 +89,9 @@ class SandboxReport:
     active: list[str] = field(default_factory=list)
     inactive: list[str] = field(default_factory=list)
 
-    def line(self) -> str:
+    def line(self, what: str = "reward") -> str:
         off = "; NOT active: " + ", ".join(self.inactive) if self.inactive else ""
-        return "reward sandbox: " + ", ".join(self.active) + off
+        return f"{what} sandbox: " + ", ".join(self.active) + off
 
 
 def sandbox_uid(trainer_pid: int, slot: int) -> int:

@@ -6,13 +6,17 @@ in worker processes that first enter the reward sandbox (sandbox.py: own session
 environment, resource limits, no network, read-only file system), never in the trainer; the
 model's text reaches a tool as a plain string argument and nothing is evaluated in the trainer.
 
-Failure accounting, per ``ToolPool.run`` call (the ``tool/*`` metrics): a tool that raises or
-returns a non-string is an ``error``; one past ``timeout_s`` (a hang) is killed with everything it
-started and counted as a ``timeout``; a worker that dies or sends anything but a well-formed frame
-(wire.py's bounded JSON frames, never a pickle) is killed and replaced, its call an ``error``. A
-flood is contained twice: the worker's stdout and stderr go to /dev/null, and a result longer than
-``max_output_chars`` is cut in the worker (``truncated`` counts them). Every failed call still
-yields an output text (``ToolResult.output``: ``error_text``), so an episode always continues.
+The workers are rewards/workers.py's sandboxed processes (the reward pool's too): the same start,
+replace-and-reap and close. A call goes to an idle worker as ``(task, tool name, argument)``; the
+worker answers with one ``tool_output`` message of wire.py's bounded schema (never a pickle).
+
+Failure accounting, per call (``ToolResult``; the episodes' ``tool/*`` metrics, rollout/multiturn.py):
+a tool that raises or returns a non-string is an ``error``; one past ``timeout_s`` (a hang) is killed
+with everything it started and counted as a ``timeout`` (an error too); a worker that dies or sends
+anything but a well-formed ``tool_output`` is killed and replaced, its call an ``error``. A flood is
+contained twice: the worker's stdout and stderr go to /dev/null, and a result longer than
+``max_output_chars`` is cut in the worker (``truncated``). Every failed call still yields an output
+text (``ToolResult.output``: ``error_text``), so an episode always continues.
 
 ``calculator`` is the built-in: exact rational arithmetic on integers with + - * / and parentheses,
 by a recursive-descent parser with bounded length, nesting and magnitude (never ``eval``).
@@ -20,14 +24,8 @@ by a recursive-descent parser with bounded length, nesting and magnitude (never 
 
 from __future__ import annotations
 
-import json
 import math
-import multiprocessing as mp
 import multiprocessing.connection as mp_conn
-import os
-import shutil
-import signal
-import tempfile
 import time
 import traceback
 from collections import deque
@@ -39,7 +37,15 @@ from typing import Any, Literal
 from grpo_megatron.rewards import wire
 from grpo_megatron.rewards.config import RewardConfig
 from grpo_megatron.rewards.loader import load_reward_fn
-from grpo_megatron.rewards.sandbox import SandboxPlan, enter_sandbox, kill_worker, set_cpu_backstop
+from grpo_megatron.rewards.sandbox import SandboxPlan, set_cpu_backstop
+from grpo_megatron.rewards.workers import (
+    StartFailure,
+    Worker,
+    WorkerKind,
+    WorkerPool,
+    ready_connections,
+    serve_in_sandbox,
+)
 
 __all__ = ["BUILTIN_TOOLS", "ToolResult", "ToolPool", "calculator", "tool_metrics"]
 
@@ -122,32 +128,21 @@ def resolve_tool(spec: str, field_name: str) -> Callable[..., Any]:
     return load_reward_fn(BUILTIN_TOOLS.get(spec, spec), field_name)
 
 
-def _say(conn: mp_conn.Connection, obj: dict[str, Any] | wire.Message) -> None:
-    data = json.dumps(obj, ensure_ascii=True).encode("ascii") if isinstance(obj, dict) else wire.encode(obj)
-    conn.send_bytes(data)
-
-
 def _tool_worker_main(
-    conn: mp_conn.Connection, tools: dict[str, str], plan: SandboxPlan, timeout_s: float, max_chars: int
+    conn: mp_conn.Connection, plan: SandboxPlan, tools: dict[str, str], timeout_s: float, max_chars: int
 ) -> None:
-    """Worker loop: silence stdout/stderr, enter the sandbox, import the tools, say ready, then run
-    one call per message and reply with a ``tool_output`` frame."""
-    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2):
-        signal.signal(signum, signal.SIG_IGN)
-    devnull = os.open(os.devnull, os.O_WRONLY)
-    os.dup2(devnull, 1)
-    os.dup2(devnull, 2)
-    try:
-        report = enter_sandbox(plan)
+    """Worker loop: the sandboxed start (``serve_in_sandbox``, stdout and stderr silenced; the tools
+    imported, saying which), then one call per message, answered with a ``tool_output`` frame."""
+
+    def load(on_import: Callable[[int], None]) -> dict[str, Callable[..., Any]]:
         fns = {}
         for i, (name, spec) in enumerate(sorted(tools.items())):
-            _say(conn, wire.Importing(i))
+            on_import(i)
             fns[name] = resolve_tool(spec, f"rollout.multiturn.tools.{name}")
-    except BaseException as err:  # noqa: BLE001 - any failure must reach the parent as a message
-        _say(conn, wire.InitError(f"tool worker start-up failed: {type(err).__name__}: {err}"))
-        return
-    _say(conn, wire.Ready(report.scratch, list(report.active), list(report.inactive)))
-    while True:
+        return fns
+
+    fns = serve_in_sandbox(conn, plan, load, what="tool", silence_output=True)
+    while fns is not None:
         try:
             msg = conn.recv()
         except (EOFError, OSError):
@@ -156,40 +151,27 @@ def _tool_worker_main(
             return
         task, name, argument = msg
         set_cpu_backstop(timeout_s)
-        reply: dict[str, Any] = {"kind": "tool_output", "task": task, "status": "ok", "output": None,
-                                 "truncated": False, "message": None}
         try:
-            out = fns[name](argument)
-            if not isinstance(out, str):
-                raise TypeError(f"tool {name!r} returned {type(out).__name__}, not str")
-            reply.update(output=out[:max_chars], truncated=len(out) > max_chars)
-        except BaseException as err:  # noqa: BLE001 - tool code must not stop the worker's protocol
-            text = f"{type(err).__name__}: {err}\n{traceback.format_exc(limit=2)}"
-            reply.update(status="error", message=text[:2000])
-        try:
-            _say(conn, reply)
+            conn.send_bytes(wire.encode(_call(fns[name], name, task, argument, max_chars)))
         except (OSError, ValueError):
             return
 
 
-def _decode(data: bytes) -> wire.Message | dict[str, Any]:
-    """A worker's frame: a start-up message (wire.py's schema) or a checked ``tool_output`` object."""
+def _call(fn: Callable[..., Any], name: str, task: int, argument: str, max_chars: int) -> wire.ToolOutput:
+    """One tool call in the worker: its output cut to ``max_chars``, or the error it raised."""
     try:
-        obj = json.loads(data.decode("ascii"))
-    except (UnicodeDecodeError, ValueError, RecursionError):
-        raise wire.ProtocolError("not a JSON message") from None
-    if type(obj) is not dict or obj.get("kind") != "tool_output":
-        return wire.decode(data, frozenset())
-    if set(obj) != {"kind", "task", "status", "output", "truncated", "message"}:
-        raise wire.ProtocolError("a tool_output message with other keys")
-    if type(obj["task"]) is not int or obj["status"] not in ("ok", "error") or type(obj["truncated"]) is not bool:
-        raise wire.ProtocolError("a malformed tool_output message")
-    for key in ("output", "message"):
-        if obj[key] is not None and (type(obj[key]) is not str or len(obj[key]) > wire.MAX_TEXT_CHARS):
-            raise wire.ProtocolError(f"tool_output {key} is not a string of at most {wire.MAX_TEXT_CHARS} characters")
-    if obj["status"] == "ok" and obj["output"] is None:
-        raise wire.ProtocolError("an ok tool_output without output")
-    return obj
+        out = fn(argument)
+        if not isinstance(out, str):
+            raise TypeError(f"tool {name!r} returned {type(out).__name__}, not str")
+        return wire.ToolOutput(task, "ok", out[:max_chars], len(out) > max_chars, None)
+    except BaseException as err:  # noqa: BLE001 - tool code must not stop the worker's protocol
+        text = f"{type(err).__name__}: {err}\n{traceback.format_exc(limit=2)}"
+        return wire.ToolOutput(task, "error", None, False, text[:2000])
+
+
+TOOL_WORKERS = WorkerKind(_tool_worker_main, "tool", "tools", wire.TOOL_KINDS, first_slot=32)
+"""Tool workers: one call at a time; slots 32 and up (scratch directories and uids of their own beside
+the reward pool's workers)."""
 
 
 # ---------------------------------------------------------------------------------------- pool
@@ -205,24 +187,11 @@ class ToolResult:
     truncated: bool = False
 
 
-@dataclass(eq=False)
-class _Worker:
-    process: Any
-    conn: mp_conn.Connection
-    slot: int
-    ready: bool = False
-    task: int | None = None
-    deadline: float = math.inf
-
-
-def _kill(w: _Worker) -> None:
-    kill_worker(w.process, w.conn)
-
-
 class ToolPool:
-    """Runs tool calls in sandboxed workers (the reward pool's sandbox, ``reward.sandbox`` and
-    ``reward.worker_memory_mb``); only global rank 0 holds one. ``run`` never raises because of tool
-    code and returns within about ``timeout_s`` per wave of ``num_workers`` calls."""
+    """Runs tool calls in sandboxed workers (rewards/workers.py, with the reward pool's sandbox:
+    ``reward.sandbox`` and ``reward.worker_memory_mb``); only global rank 0 holds one. ``run`` never
+    raises because of tool code and returns within about ``timeout_s`` per wave of ``num_workers``
+    calls."""
 
     def __init__(self, tools: Mapping[str, str], reward: RewardConfig, *, timeout_s: float, num_workers: int,
                  max_output_chars: int, error_text: str = "error", log: Callable[[str], None] | None = print):
@@ -230,66 +199,32 @@ class ToolPool:
             raise ValueError(f"tool workers: num_workers={num_workers} must be >= 1 (tools never run in the trainer)")
         self.tools, self.reward, self.timeout_s = dict(tools), reward, timeout_s
         self.num_workers, self.max_output_chars, self.error_text = num_workers, max_output_chars, error_text
-        self.restarts = 0
-        self._ctx: mp.context.SpawnContext | mp.context.ForkServerContext = (
-            mp.get_context("spawn") if reward.mp_context == "spawn" else mp.get_context("forkserver")
-        )
-        self._scratch = tempfile.mkdtemp(prefix="grpo-tools-", dir=reward.sandbox.scratch_dir)
-        os.chmod(self._scratch, 0o711)
-        self._workers = [self._spawn(slot) for slot in range(num_workers)]
-        self._wait_ready(reward.startup_timeout_s, log)
+        self.workers = WorkerPool(reward, TOOL_WORKERS, (self.tools, timeout_s, max_output_chars),
+                                  num_workers=num_workers, imports=len(self.tools), log=log)  # fmt: skip
+        try:
+            self.workers.wait_ready(time.monotonic() + reward.startup_timeout_s)
+        except StartFailure as failure:
+            self.close()
+            if failure.init_error is not None:
+                raise ValueError(failure.init_error) from None
+            if failure.cause == "it hangs":
+                raise RuntimeError(f"a tool worker did not start within reward.startup_timeout_s="
+                                   f"{reward.startup_timeout_s:g} s") from None  # fmt: skip
+            raise RuntimeError(f"a tool worker failed to start: {failure.cause}") from None
 
-    def _spawn(self, slot: int) -> _Worker:
-        sb = self.reward.sandbox
-        plan = SandboxPlan(scratch_root=self._scratch, slot=32 + slot, trainer_pid=os.getpid(), isolate=sb.isolate,
-                           allow_network=sb.allow_network, memory_mb=self.reward.worker_memory_mb,
-                           file_mb=sb.max_file_mb, max_processes=sb.max_processes,
-                           max_open_files=sb.max_open_files, keep_env=tuple(sb.keep_env))
-        parent, child = self._ctx.Pipe(duplex=True)
-        proc = self._ctx.Process(target=_tool_worker_main, daemon=True, name="grpo-tool-worker",
-                                 args=(child, self.tools, plan, self.timeout_s, self.max_output_chars))
-        proc.start()
-        child.close()
-        return _Worker(proc, parent, slot)
+    @property
+    def restarts(self) -> int:
+        return self.workers.restarts
 
-    def _wait_ready(self, timeout_s: float, log: Callable[[str], None] | None) -> None:
-        deadline = time.monotonic() + timeout_s
-        for w in self._workers:
-            while not w.ready:
-                if not w.conn.poll(max(0.0, deadline - time.monotonic())):
-                    self.close()
-                    raise RuntimeError(f"a tool worker did not start within reward.startup_timeout_s={timeout_s:g} s")
-                try:
-                    msg = _decode(wire.read_frame(w.conn.fileno()))
-                except (EOFError, OSError, wire.ProtocolError) as err:
-                    self.close()
-                    raise RuntimeError(f"a tool worker failed to start: {err}") from None
-                if isinstance(msg, wire.InitError):
-                    self.close()
-                    raise ValueError(msg.message)
-                if isinstance(msg, wire.Ready):
-                    w.ready = True
-                    if log is not None and w.slot == 0:
-                        off = "; NOT active: " + ", ".join(msg.inactive) if msg.inactive else ""
-                        log("[tools] sandbox: " + ", ".join(msg.active) + off)
-
-    def _replace(self, w: _Worker) -> None:
-        _kill(w)
-        fresh = self._spawn(w.slot)
-        self._workers[self._workers.index(w)] = fresh
-        self._wait_one(fresh)
-        self.restarts += 1
-
-    def _wait_one(self, w: _Worker) -> None:
-        deadline = time.monotonic() + self.reward.startup_timeout_s
-        while not w.ready and w.conn.poll(max(0.0, deadline - time.monotonic())):
-            try:
-                msg = _decode(wire.read_frame(w.conn.fileno()))
-            except (EOFError, OSError, wire.ProtocolError):
-                return  # it stays not ready: run() gives its calls an error
-            if isinstance(msg, wire.InitError):
-                return
-            w.ready = isinstance(msg, wire.Ready)
+    def _replace(self, w: Worker) -> None:
+        """A fresh worker in ``w``'s slot, waited for (one that does not start stays not ready: the
+        calls it would get fail)."""
+        fresh = self.workers.replace(w)
+        try:
+            self.workers.wait_ready(time.monotonic() + self.reward.startup_timeout_s, [fresh])
+        except StartFailure:
+            pass
+        self.workers.reap()
 
     def run(self, calls: Sequence[tuple[str, str]]) -> list[ToolResult]:
         """One result per ``(tool name, argument)``, in order; unknown tools are errors."""
@@ -298,48 +233,49 @@ class ToolPool:
         for i, (name, _) in enumerate(calls):
             if name not in self.tools:
                 results[i] = ToolResult("error", self.error_text, f"no tool named {name!r}")
-        while pending or any(w.task is not None for w in self._workers):
-            if not any(w.ready for w in self._workers):
+        workers = self.workers.workers
+        while pending or any(w.tasks for w in workers):
+            if not any(w.ready for w in workers):
                 while pending:
                     results[pending.popleft()] = ToolResult("error", self.error_text, "tool workers failed to start")
                 break
             now = time.monotonic()
-            for w in list(self._workers):
-                if w.task is not None and now >= w.deadline:
-                    results[w.task] = ToolResult("timeout", self.error_text, f"call exceeded {self.timeout_s:g} s")
+            for w in list(workers):
+                if w.tasks and now >= w.hard_deadline:
+                    results[w.tasks[0]] = ToolResult("timeout", self.error_text, f"call exceeded {self.timeout_s:g} s")
                     self._replace(w)
-            for w in list(self._workers):
-                if pending and w.ready and w.task is None:
+            for w in list(workers):
+                if pending and w.ready and not w.tasks:
                     i = pending.popleft()
                     w.conn.send((i, *calls[i]))
-                    w.task, w.deadline = i, time.monotonic() + self.timeout_s
-            busy = {w.conn: w for w in self._workers if w.task is not None}
-            wait_s = max(0.0, min([w.deadline for w in busy.values()], default=now) - time.monotonic())
-            for conn in mp_conn.wait(list(busy), timeout=wait_s):
-                self._receive(busy[conn], results)  # type: ignore[index]
+                    w.tasks.append(i)
+                    w.sent_at = time.monotonic()
+                    w.hard_deadline = w.sent_at + self.timeout_s
+            busy = {w.conn: w for w in workers if w.tasks}
+            wait_s = max(0.0, min([w.hard_deadline for w in busy.values()], default=now) - time.monotonic())
+            for conn in ready_connections(list(busy), wait_s):
+                self._receive(busy[conn], results)
         return [r if r is not None else ToolResult("error", self.error_text, "not run") for r in results]
 
-    def _receive(self, w: _Worker, results: list[ToolResult | None]) -> None:
-        assert w.task is not None
+    def _receive(self, w: Worker, results: list[ToolResult | None]) -> None:
+        task = w.tasks[0]
         try:
-            msg = _decode(wire.read_frame(w.conn.fileno()))
-            if not isinstance(msg, dict) or msg["task"] != w.task:
+            msg = self.workers.receive(w)
+            if not isinstance(msg, wire.ToolOutput) or msg.task != task:
                 raise wire.ProtocolError("a message out of turn")
         except (EOFError, OSError, wire.ProtocolError) as err:
-            results[w.task] = ToolResult("error", self.error_text, f"tool worker died or misbehaved: {err}")
+            results[task] = ToolResult("error", self.error_text, f"tool worker died or misbehaved: {err}")
             self._replace(w)
             return
-        if msg["status"] == "ok":
-            results[w.task] = ToolResult("ok", msg["output"], None, msg["truncated"])
+        if msg.status == "ok" and msg.output is not None:
+            results[task] = ToolResult("ok", msg.output, None, msg.truncated)
         else:
-            results[w.task] = ToolResult("error", self.error_text, msg["message"])
-        w.task, w.deadline = None, math.inf
+            results[task] = ToolResult("error", self.error_text, msg.message)
+        w.tasks.clear()
+        w.hard_deadline = math.inf
 
     def close(self) -> None:
-        for w in self._workers:
-            _kill(w)
-        self._workers = []
-        shutil.rmtree(self._scratch, ignore_errors=True)
+        self.workers.close()
 
 
 def tool_metrics(results: Sequence[ToolResult]) -> dict[str, float]:

@@ -1,6 +1,7 @@
-"""What a reward worker may say to the trainer: bytes in a fixed schema, never a pickle.
+"""What a sandboxed worker (a reward or a tool worker, rewards/workers.py) may say to the trainer: bytes in
+a fixed schema, never a pickle.
 
-Reward code, and a reward module's import-time code, runs in the worker and can reach the worker's
+Reward or tool code, and a module's import-time code, runs in the worker and can reach the worker's
 end of the pipe. If the trainer unpickled what arrives there, such code could send an object whose
 ``__reduce__`` runs in the trainer. So every message from a worker is one frame -- multiprocessing's
 framing: a 4-byte big-endian length, then that many bytes -- holding a JSON object that
@@ -18,6 +19,11 @@ Messages (``kind`` and the other keys, all required):
               components: {str: float} | null, message: str | null, component: str | null
   results     results: [result without "kind"] (1 to MAX_ITEMS of them: the samples of a chunk
               scored since the worker's last message, in the order they were handed over)
+  tool_output task: int, status: "ok" | "error", output: str | null (null only on error),
+              truncated: bool (the tool's text was cut to the pool's limit), message: str | null
+
+A reward worker may send the first five, a tool worker the first three and ``tool_output``
+(``decode``'s ``kinds``).
 
 The trainer's messages to a worker (chunks of samples) stay pickles: the trainer is the trusted side.
 """
@@ -42,7 +48,10 @@ __all__ = [
     "Ready",
     "Result",
     "Results",
+    "ToolOutput",
     "Message",
+    "REWARD_KINDS",
+    "TOOL_KINDS",
     "encode",
     "decode",
     "read_frame",
@@ -98,7 +107,19 @@ class Results:
     results: tuple[Result, ...]
 
 
-Message = Importing | InitError | Ready | Result | Results
+@dataclass(frozen=True)
+class ToolOutput:
+    """One tool call's outcome (rewards/tools.py): ``output`` is the tool's text, at most the pool's
+    ``max_output_chars`` (``truncated`` when it was longer); on an error ``message`` says why."""
+
+    task: int
+    status: Literal["ok", "error"]
+    output: str | None
+    truncated: bool
+    message: str | None
+
+
+Message = Importing | InitError | Ready | Result | Results | ToolOutput
 
 _KEYS: dict[str, frozenset[str]] = {
     "importing": frozenset({"kind", "index"}),
@@ -106,7 +127,12 @@ _KEYS: dict[str, frozenset[str]] = {
     "ready": frozenset({"kind", "scratch", "active", "inactive"}),
     "result": frozenset({"kind", "task", "status", "reward", "components", "message", "component"}),
     "results": frozenset({"kind", "results"}),
+    "tool_output": frozenset({"kind", "task", "status", "output", "truncated", "message"}),
 }
+REWARD_KINDS = frozenset({"importing", "init_error", "ready", "result", "results"})
+"""What a reward worker may send."""
+TOOL_KINDS = frozenset({"importing", "init_error", "ready", "tool_output"})
+"""What a tool worker may send."""
 _RESULT_KEYS = _KEYS["result"] - {"kind"}
 
 
@@ -133,6 +159,10 @@ def encode(message: Message) -> bytes:
         obj = {"kind": "ready", "scratch": message.scratch, "active": message.active, "inactive": message.inactive}
     elif isinstance(message, Results):
         return encode_results([result_fields(r) for r in message.results])
+    elif isinstance(message, ToolOutput):
+        text = None if message.message is None else message.message[:MAX_TEXT_CHARS]
+        obj = {"kind": "tool_output", "task": message.task, "status": message.status,
+               "truncated": message.truncated, "output": message.output, "message": text}
     else:
         obj = {"kind": "result", **result_fields(message)}
     return json.dumps(obj, ensure_ascii=True).encode("ascii")
@@ -183,15 +213,18 @@ def _scores(value: object, names: frozenset[str]) -> dict[str, float] | None:
     return out
 
 
-def decode(data: bytes, component_names: frozenset[str]) -> Message:
-    """The message in ``data``, checked against the schema; ProtocolError for anything else.
-    Component scores must be named after ``component_names`` (``name`` or ``name/key``)."""
+def decode(data: bytes, component_names: frozenset[str], kinds: frozenset[str] = REWARD_KINDS) -> Message:
+    """The message in ``data``, checked against the schema; ProtocolError for anything else, a kind
+    outside ``kinds`` included. Component scores must be named after ``component_names`` (``name`` or
+    ``name/key``)."""
     try:
         obj = json.loads(data.decode("ascii"))
     except (UnicodeDecodeError, ValueError, RecursionError) as err:
         raise ProtocolError(f"not a JSON message ({type(err).__name__})") from None
     if type(obj) is not dict or obj.get("kind") not in _KEYS:
         raise ProtocolError("not an object with a known 'kind'")
+    if obj["kind"] not in kinds:
+        raise ProtocolError(f"a {obj['kind']!r} message, which this worker may not send")
     kind = obj["kind"]
     if set(obj) != _KEYS[kind]:
         raise ProtocolError(f"a {kind!r} message needs exactly the keys {sorted(_KEYS[kind])}")
@@ -202,6 +235,8 @@ def decode(data: bytes, component_names: frozenset[str]) -> Message:
     if kind == "ready":
         return Ready(_text(obj["scratch"], "scratch"), _texts(obj["active"], "active"),
                      _texts(obj["inactive"], "inactive"))
+    if kind == "tool_output":
+        return _tool_output(obj)
     if kind == "results":
         items = obj["results"]
         if type(items) is not list or not 0 < len(items) <= MAX_ITEMS:
@@ -224,6 +259,17 @@ def _result(obj: dict[str, Any], component_names: frozenset[str]) -> Result:
     return Result(task=_int(obj["task"], "task"), status=status, reward=_float(obj["reward"], "reward"),
                   components=_scores(obj["components"], component_names),
                   message=_text(obj["message"], "message", optional=True), component=component)
+
+
+def _tool_output(obj: dict[str, Any]) -> ToolOutput:
+    status = obj["status"]
+    if status not in ("ok", "error") or type(obj["truncated"]) is not bool:
+        raise ProtocolError("a malformed tool_output message")
+    output = _text(obj["output"], "tool_output output", optional=True)
+    if status == "ok" and output is None:
+        raise ProtocolError("an ok tool_output without output")
+    return ToolOutput(_int(obj["task"], "task"), status, output, obj["truncated"],
+                      _text(obj["message"], "tool_output message", optional=True))
 
 
 def _readable(fd: int, timeout_s: float) -> bool:

@@ -28,7 +28,8 @@ class MultiTurnConfig:
     the call's argument text and returning the output text. It runs in sandboxed workers (the reward
     sandbox: reward.sandbox, reward.worker_memory_mb), never in the trainer."""
     tool_timeout_s: float = 5.0
-    """A call running longer is killed (with everything it started) and counted in tool/errors."""
+    """A call running longer is killed (with everything it started) and counted in tool/timeouts (and
+    tool/errors)."""
     tool_workers: int = 2
     """Sandboxed tool worker processes on rank 0."""
     max_tool_output_chars: int = 200
@@ -77,7 +78,7 @@ class RolloutConfig:
     engine: Literal["embedded", "sglang"] = "embedded"
     """embedded = generate with the megatron policy itself (CPU and small runs);
     sglang = SGLang engines fed with the trainer's weights (colocated on the trainer's GPUs, or on CPU for a
-    CPU job: rollout/sglang/ipc.py CPU_SERVER_ARGS; or disaggregated servers)."""
+    CPU job: rollout/sglang/launch.py CPU_SERVER_ARGS; or disaggregated servers)."""
     n_samples_per_prompt: int = 8
     """Group size G of GRPO: responses sampled per prompt, compared with each other."""
     temperature: float = 1.0
@@ -108,7 +109,7 @@ class RolloutConfig:
     embedded_process: bool = False
     """Run each embedded engine in a process of its own, on CPU (rollout/engine_process.py), so that it
     generates while the trainer trains: the loop becomes a producer of scored groups and a consumer
-    that trains (training/async_loop.py), ahead by at most train.max_staleness weight versions."""
+    that trains (training/groups.py: GroupProducer), ahead by at most train.max_staleness weight versions."""
     embedded_process_threads: int = 1
     """torch threads of each engine process."""
     embedded_max_batch_rows: int = 0

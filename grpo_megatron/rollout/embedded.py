@@ -200,9 +200,9 @@ class EmbeddedEngine(RolloutEngine):
     ``device``: where the model runs ("cpu" or a CUDA device). ``dtype``: its parameter dtype; the
     weight stream must arrive in it (the fleet exports in this dtype). ``tokenizer``: needed only for
     stop strings. ``max_batch_rows``: rows decoded together (0 = all rows of a call at once).
-    ``record_routes``: whether ``generate`` reports each response's MoE routes
-    (``Completion.routed_experts``; routing replay r3 needs them); ``score_with_routes`` records them
-    either way.
+    ``record_routes``: whether ``generate`` may report each response's MoE routes
+    (``Completion.routed_experts``; routing replay r3 needs them): it does for requests that ask
+    (``SamplingParams.routes``); ``score_with_routes`` records them either way.
     Weights start randomly initialised (without touching the global RNG) until the first update.
     """
 
@@ -454,7 +454,7 @@ class EmbeddedEngine(RolloutEngine):
         positions_rl = (mask_rl.cumsum(-1) - 1).clamp(min=0)
         cache = DynamicCache(config=self.model.config)
         stop_ids = torch.tensor(sorted(set(params.stop_token_ids)), dtype=torch.long, device=self.device)
-        recorder = self.routes if self.record_routes else None
+        recorder = self.routes if self.record_routes and params.routes else None
         routes = _StepRoutes(recorder, n_rows, repeats, params.max_new_tokens) if recorder is not None else None
         texts = _StopStrings(self.tokenizer, params.stop_strings, n_rows) if params.stop_strings else None
         steps: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []  # (rows, token, logprob) per step

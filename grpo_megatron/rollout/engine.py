@@ -1,9 +1,9 @@
 """The rollout engine interface (modelled on SGLang's ``Engine``), shared by every engine module.
 
 One module per engine implements ``RolloutEngine``: ``rollout/embedded.py`` (a transformers model,
-the default on CPU) and ``rollout/sglang/engine.py`` (GPU). The trainer never talks to an engine
-directly; it goes through the fleet (``rollout/fleet.py``), which places engines on ranks, scatters
-prompts, gathers results in order and streams weights into them.
+the default on CPU) and ``rollout/sglang/engine.py`` (SGLang, on GPUs or its CPU engine). The trainer
+never talks to an engine directly; it goes through the fleet (``rollout/fleet.py``), which places
+engines on ranks, scatters prompts, gathers results in order and streams weights into them.
 
 Logprob convention (shared with the trainer, ``models/logprobs.py``): the logprob of a sampled token
 is ``log_softmax(logits / temperature)`` at that token, before top-k / top-p filtering, i.e. the
@@ -49,8 +49,11 @@ class EngineSpec:
     """Where colocated SGLang engines write their logs (``<logging.run_dir>/sglang``); None = the
     system's temporary directory."""
     record_routes: bool = True
-    """Whether the embedded engine's responses carry their MoE routes (``Completion.routed_experts``):
-    ``algorithm.routing_replay=r3``, the one mode that replays them (its scoring reports them always)."""
+    """Whether the engines are built to report MoE routes (``Completion.routed_experts``):
+    ``algorithm.routing_replay=r3``, the one mode that replays them, decided once in
+    ``training/job.py:engine_spec``. The embedded engine records them, an SGLang engine is started with
+    ``enable_return_routed_experts``, and the fleet (``RolloutFleet.routes``) tells the training rollouts
+    to ask for them (``SamplingParams.routes``); an embedded engine's scoring reports them always."""
     offload_trainer: bool = False
     """``train.offload_trainer``: part of the rollout placement's phase table (rollout/placement.py)."""
     max_staleness: int = 0
@@ -78,6 +81,11 @@ class SamplingParams:
     """Seeds the sampler: the same seed, prompts and weights give the same responses."""
     greedy: bool = False
     """Take the argmax token (evaluation); logprobs still follow the temperature convention."""
+    routes: bool = False
+    """Report each completion's MoE routes (``Completion.routed_experts``) and have the fleet hold them
+    for ``RolloutFleet.deliver_routes``: the training rollouts of a job that replays the engine's routes
+    (``EngineSpec.record_routes``, ``algorithm.routing_replay=r3``). An engine built without route
+    recording reports none; an SGLang engine is asked for them only in such requests."""
 
 
 @dataclass
@@ -103,10 +111,12 @@ class Completion:
     observation token (appended by the environment, with logprob 0.0 and never trained on); None = every
     token was sampled (a single-turn response)."""
     weight_version: int = -1
-    """The weight version that sampled it (the fleet stamps the engine's ``weight_version`` where the
-    engine did not): the asynchronous loop's staleness is the trainer's version minus this."""
+    """The weight version that sampled it, stamped by the engine (``RolloutEngine.submit``: its
+    ``weight_version`` when the batch was submitted; an engine process: the version it served the
+    request with); the fleet only carries it. The asynchronous loop's staleness is the trainer's
+    version minus this."""
     route_id: int | None = None
-    """Set by ``RolloutFleet.generate(keep_routes=True)``: the id under which the engine's rank holds
+    """Set by ``RolloutFleet.generate`` for ``SamplingParams.routes``: the id under which the engine's rank holds
     this completion's routes until ``RolloutFleet.deliver_routes``; None: no routes held."""
     payload_id: int | None = None
     """Set by ``RolloutFleet.generate(payload="owners")``: the id under which the engine's rank holds
@@ -143,7 +153,7 @@ def stamped(groups: list[list[Completion]], version: int) -> list[list[Completio
 class WeightSink(Protocol):
     """What the fleet's weight sync feeds on a rank: every ``RolloutEngine``, and on the other GPUs of
     an engine that spans several (a colocated SGLang engine) the object that loads that GPU's share
-    (``rollout/sglang/engine.py:SGLangSyncMember``). Methods as on ``RolloutEngine``."""
+    (``rollout/sglang/member.py:SGLangSyncMember``). Methods as on ``RolloutEngine``."""
 
     weight_version: int
     sync_group_ranks: tuple[int, ...]

@@ -1,5 +1,5 @@
 """An embedded engine in a process of its own (``rollout.embedded_process``): it generates while the
-trainer trains (the asynchronous loop, training/async_loop.py).
+trainer trains (the asynchronous loop, training/groups.py: GroupProducer).
 
 ``EngineProcess`` is the trainer's side: a ``RolloutEngine`` whose ``submit`` returns at once and
 whose result is collected later. ``serve`` is the engine's side (``python -m

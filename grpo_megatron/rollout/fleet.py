@@ -142,9 +142,9 @@ def make_sync_member(spec: EngineSpec, ps: ParallelState, placement: RolloutPlac
     SGLang engine's leader) uses this rank's GPU too; None elsewhere."""
     if not placement.colocated_sglang or placement.gpus_per_engine == 1:
         return None
-    from grpo_megatron.rollout.sglang import engine as sglang_engine
+    from grpo_megatron.rollout.sglang.member import SGLangSyncMember
 
-    return sglang_engine.SGLangSyncMember.from_config(spec, ps, placement)
+    return SGLangSyncMember.from_config(spec, ps, placement)
 
 
 def sync_groups(members: Sequence[tuple[int, ...]]) -> list[tuple[int, ...]]:
@@ -160,6 +160,8 @@ class PendingRollout:
 
     num_prompts: int
     n: int = 1
+    routes: bool = False
+    """``SamplingParams.routes``: ``collect`` holds each completion's routes on its engine's rank."""
     local: Callable[[], list[list[Completion]]] | None = None
     error: str | None = None
     """Why this rank's share could not start (``collect`` raises it on every rank)."""
@@ -214,9 +216,12 @@ class RolloutFleet:
     """Host-side (gloo) group of every rank that rollout results travel over (``generate``,
     ``deliver_routes``); None: made at the first ``generate`` (collective, every rank calls it)."""
     held_routes: HeldRoutes = dataclasses.field(default_factory=HeldRoutes)
-    """Routes of ``generate(keep_routes=True)`` completions until ``deliver_routes``."""
+    """Routes of completions generated with ``SamplingParams.routes`` until ``deliver_routes``."""
     held_completions: HeldCompletions = dataclasses.field(default_factory=HeldCompletions)
     """Completions of ``generate(payload="owners")`` until ``deliver_completions``."""
+    routes: bool = False
+    """The engines were built to report MoE routes (``EngineSpec.record_routes``: routing replay r3):
+    the training rollouts ask for them (``SamplingParams.routes``)."""
     dp_rank_of: list[int] | None = None
     """Every global rank's data-parallel rank (``replica_ranks``), gathered on first use."""
 
@@ -268,7 +273,8 @@ class RolloutFleet:
             )
         if placement.engines and engine_ranks != placement.leaders():
             raise RuntimeError(f"engines started on ranks {engine_ranks[:8]}, the placement planned {placement.leaders()[:8]}")
-        group = dist.new_group(engine_ranks, timeout=ps.timeout, group_desc="ROLLOUT_ENGINES")  # every rank calls new_group, engine or not
+        # every rank calls new_group, engine or not
+        group = dist.new_group(engine_ranks, timeout=ps.timeout, group_desc="ROLLOUT_ENGINES")
         return cls(
             ps=ps,
             hf=hf,
@@ -281,6 +287,7 @@ class RolloutFleet:
             member=member,
             sync_ranks=sync_ranks,
             placement=placement,
+            routes=spec.record_routes,
         )
 
     @property
@@ -290,8 +297,7 @@ class RolloutFleet:
     # ------------------------------------------------------------------------------- generation
 
     def generate(
-        self, prompts: Sequence[Sequence[int]], params: SamplingParams, *, keep_routes: bool = False,
-        payload: Payload = "everywhere",
+        self, prompts: Sequence[Sequence[int]], params: SamplingParams, *, payload: Payload = "everywhere"
     ) -> list[list[Completion]]:
         """Collective: ``params.n`` completions per prompt, in prompt order, on every rank.
 
@@ -300,22 +306,22 @@ class RolloutFleet:
         and one float64 tensor per engine, broadcast over ``data_group`` (host memory): per rank, the
         whole batch's tokens at 16 bytes each plus 72 bytes per completion, whatever the world size;
         nothing is pickled. Routed experts never travel here: ``Completion.routed_experts`` is None
-        on every rank. With ``keep_routes`` (routing replay needs the engine's routes) each
+        on every rank. With ``params.routes`` (routing replay needs the engine's routes) each
         completion gets a ``route_id`` and its engine's rank keeps the routes until
-        ``deliver_routes``; without, they are dropped where they were made.
+        ``deliver_routes``; without, the engines are not asked for any.
 
         ``payload`` (``rollout/results.py``): "everywhere" as above; "collector": every completion
         whole on global rank 0 only (it scores and logs them), the others get each one's header
         (``Completion.sizes``, finish, version: 72 bytes); "owners": as "collector", and each
         completion gets a ``payload_id`` under which its engine's rank keeps it until
         ``deliver_completions`` sends it to the data-parallel replica that trains it."""
-        return self.collect(self.submit(prompts, params), keep_routes=keep_routes, payload=payload)
+        return self.collect(self.submit(prompts, params), payload=payload)
 
     def submit(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> PendingRollout:
         """Start generating this rank's share (``RolloutEngine.submit``: an engine process returns at
         once); ``collect`` (collective) gives the completions, or raises on every rank if any rank's
         share failed, here or while it ran."""
-        pending = PendingRollout(len(prompts), params.n)
+        pending = PendingRollout(len(prompts), params.n, params.routes)
         if self.engine is not None:
             index = self.engine_ranks.index(self.ps.rank)
             start, end = prompt_slices(len(prompts), self.num_engines)[index]
@@ -326,9 +332,7 @@ class RolloutFleet:
                 pending.error = _describe(exc)
         return pending
 
-    def collect(
-        self, pending: PendingRollout, *, keep_routes: bool = False, payload: Payload = "everywhere"
-    ) -> list[list[Completion]]:
+    def collect(self, pending: PendingRollout, *, payload: Payload = "everywhere") -> list[list[Completion]]:
         """Collective: the completions of ``submit``, in prompt order, on every rank (each stamped
         with the weight version that sampled it), as ``generate`` returns them."""
         local: list[list[Completion]] = []
@@ -351,7 +355,7 @@ class RolloutFleet:
                 raise RuntimeError(f"rollout generate: engine {i} returned {len(completions)} completions for "
                                    f"{end - start} prompts x n={pending.n}")  # fmt: skip
             for c, (shape, mine), header in completions:
-                if keep_routes and shape is not None:
+                if pending.routes and shape is not None:
                     c.route_id = self.held_routes.add(rank, shape, mine)
                 if payload == "owners":
                     c.payload_id = self.held_completions.add(rank, header, c if rank == self.ps.rank else None)
@@ -376,8 +380,9 @@ class RolloutFleet:
             return None
         per_engine = []
         for rank in self.engine_ranks:
-            completions, shapes, headers = exchange_engine(mine if rank == self.ps.rank else None, sizes[rank].tolist(),
-                                                           src=rank, rank=self.ps.rank, payload=payload, group=group)  # fmt: skip
+            own = mine if rank == self.ps.rank else None
+            completions, shapes, headers = exchange_engine(own, sizes[rank].tolist(), src=rank, rank=self.ps.rank,
+                                                           payload=payload, group=group)  # fmt: skip
             routes = [c.routed_experts for c in flat] if rank == self.ps.rank else [None] * len(completions)
             per_engine.append(list(zip(completions, zip(shapes, routes, strict=True), headers, strict=True)))
         return per_engine
@@ -385,7 +390,7 @@ class RolloutFleet:
     def deliver_routes(
         self, owners: Mapping[int, Sequence[int]], release: Iterable[int] | None = None
     ) -> dict[int, torch.Tensor]:
-        """Collective: the routes of ``generate(keep_routes=True)`` completions to the ranks that need
+        """Collective: the routes of completions generated with ``SamplingParams.routes`` to the ranks that need
         them. ``owners`` (the same on every rank): ``Completion.route_id`` -> global ranks. Returns
         this rank's routes by route id: per rank, only the routes of the samples it was named for
         (its data-parallel share), sent from the engine's rank over ``data_group``. Afterwards the

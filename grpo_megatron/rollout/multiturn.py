@@ -56,6 +56,12 @@ class StepResult:
     """Added to the episode's reward (``Trajectory.env_reward``); None = no reward from this step."""
     tool_calls: int = 0
     tool_errors: int = 0
+    """Calls that failed (raised, bad output, the worker died, timed out): their observation shows
+    ``error_text``."""
+    tool_timeouts: int = 0
+    """Of the errors, calls killed at ``rollout.multiturn.tool_timeout_s``."""
+    tool_truncated: int = 0
+    """Calls whose output was cut to ``rollout.multiturn.max_tool_output_chars``."""
 
 
 class Environment(abc.ABC):
@@ -106,7 +112,9 @@ class ToolEnvironment(Environment):
                 out.append(StepResult([], done=True))
                 continue
             r = next(results)
-            out.append(StepResult(self.observation_ids(r.output), False, None, 1, int(r.status != "ok")))
+            out.append(StepResult(self.observation_ids(r.output), False, None, tool_calls=1,
+                                  tool_errors=int(r.status != "ok"), tool_timeouts=int(r.status == "timeout"),
+                                  tool_truncated=int(r.truncated)))  # fmt: skip
         return out
 
     def close(self) -> None:
@@ -121,6 +129,8 @@ class Trajectory(Completion):
     """Model turns."""
     tool_calls: int = 0
     tool_errors: int = 0
+    tool_timeouts: int = 0
+    tool_truncated: int = 0
     env_reward: float | None = None
     """Sum of the environment's step rewards; None when it gave none."""
 
@@ -157,15 +167,12 @@ class EpisodeRunner:
     env: Environment | None
     """Rank 0's environment; None on the other ranks."""
 
-    def run(
-        self, records: Sequence[PromptRecord], params: SamplingParams, *, keep_routes: bool = False
-    ) -> list[list[Trajectory]]:
-        """With ``keep_routes`` every turn's routes stay held (``RolloutFleet.generate``); a
+    def run(self, records: Sequence[PromptRecord], params: SamplingParams) -> list[list[Trajectory]]:
+        """With ``params.routes`` every turn's routes stay held (``RolloutFleet.generate``); a
         trajectory's ``route_id`` is its last turn's, the earlier turns' are never delivered."""
         limit = self.cfg.max_total_tokens
         first = self.fleet.generate([list(r.prompt_ids) for r in records],
-                                    dataclasses.replace(params, max_new_tokens=min(params.max_new_tokens, limit)),
-                                    keep_routes=keep_routes)  # fmt: skip
+                                    dataclasses.replace(params, max_new_tokens=min(params.max_new_tokens, limit)))
         groups = [[Trajectory([], [], c.finish_reason, None, []) for c in cs] for cs in first]
         for g, cs in zip(groups, first, strict=True):
             for t, c in zip(g, cs, strict=True):
@@ -181,8 +188,8 @@ class EpisodeRunner:
             prompts = [list(flat[i][0].prompt_ids) + flat[i][1].token_ids for i in open_]
             budgets = [min(params.max_new_tokens, limit - len(flat[i][1].token_ids)) for i in open_]
             seed = None if params.seed is None else params.seed + _TURN_SEED_STRIDE * (turn - 1)
-            outs = self.fleet.generate(prompts, dataclasses.replace(params, n=1, seed=seed, max_new_tokens=max(budgets)),
-                                       keep_routes=keep_routes)  # fmt: skip
+            turn_params = dataclasses.replace(params, n=1, seed=seed, max_new_tokens=max(budgets))
+            outs = self.fleet.generate(prompts, turn_params)
             for i, p, b, (c,) in zip(open_, prompts, budgets, outs, strict=True):
                 flat[i][1].add(_cut(c, b, len(p), self.fleet), sampled=True)
                 flat[i][1].turns += 1
@@ -215,6 +222,8 @@ class EpisodeRunner:
             t = flat[i][1]
             t.tool_calls += step.tool_calls
             t.tool_errors += step.tool_errors
+            t.tool_timeouts += step.tool_timeouts
+            t.tool_truncated += step.tool_truncated
             if step.reward is not None:
                 t.env_reward = (t.env_reward or 0.0) + step.reward
             if step.done or len(t.token_ids) + len(step.observation_ids) >= self.cfg.max_total_tokens:
@@ -233,8 +242,9 @@ class EpisodeRunner:
 
 
 def trajectory_metrics(completions: Sequence[Completion]) -> dict[str, float]:
-    """``turns/mean``, ``tool/calls`` and ``tool/errors`` (sums) over multi-turn trajectories; {} for
-    single-turn completions."""
+    """``turns/mean``, and over multi-turn trajectories the sums ``tool/calls``, ``tool/errors`` (failed
+    calls, timeouts included), ``tool/timeouts`` and ``tool/truncated`` (outputs cut to
+    ``rollout.multiturn.max_tool_output_chars``); {} for single-turn completions."""
     ts = [c for c in completions if isinstance(c, Trajectory)]
     if not ts:
         return {}
@@ -242,4 +252,6 @@ def trajectory_metrics(completions: Sequence[Completion]) -> dict[str, float]:
         "turns/mean": sum(t.turns for t in ts) / len(ts),
         "tool/calls": float(sum(t.tool_calls for t in ts)),
         "tool/errors": float(sum(t.tool_errors for t in ts)),
+        "tool/timeouts": float(sum(t.tool_timeouts for t in ts)),
+        "tool/truncated": float(sum(t.tool_truncated for t in ts)),
     }

@@ -210,7 +210,7 @@ class HeldCompletions:
 
 @dataclass
 class HeldRoutes:
-    """Routes of completions generated with ``keep_routes``, by route id, until ``deliver``: the
+    """Routes of completions generated with ``SamplingParams.routes``, by route id, until ``deliver``: the
     tensors on their engine's rank, their source rank and shape on every rank."""
 
     tensors: dict[int, torch.Tensor] = field(default_factory=dict)

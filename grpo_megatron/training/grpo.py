@@ -17,9 +17,11 @@ Every rank runs this loop (SPMD). One iteration, with the module that owns each 
   bookkeeping   metrics.jsonl, samples, checkpoint                         phases/bookkeeping.py
   safe point    a signal on any rank (SIGTERM, checkpoint.signal): save, exit 75  distributed/preemption.py
 
-With rollout.embedded_process the engines run in processes of their own and the rollout and reward
-phases come from training/async_loop.py's ``GroupProducer``, which submits each batch up to
-train.max_staleness weight versions ahead (0: this loop's order, bit for bit).
+The rollout and reward phases come from a ``GroupSource`` (training/groups.py), called the same way
+in both arrangements: ``RolloutNow`` generates each iteration's rollout when the loop takes it;
+with engines that generate while the trainer trains (``JobConfig.producer_loop``) ``GroupProducer``
+submits each batch up to train.max_staleness weight versions ahead (0: this loop's
+order, bit for bit).
 
 The colocated memory moves (onload; offload around the sync; the checkpoint's visit) are
 ``ColocatedMemory`` (training/offload.py), ``job.memory``.
@@ -42,15 +44,14 @@ from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 
-from grpo_megatron.algorithm.batch_shaping import DynamicSampling
 from grpo_megatron.algorithm.kl import kl_beta
 from grpo_megatron.checkpoint.manager import checkpoint_name
 from grpo_megatron.distributed.collectives import on_rank0
 from grpo_megatron.distributed.preemption import Preempted, report_preempted
 from grpo_megatron.fileio import write_text_atomic
 from grpo_megatron.rollout.multiturn import trajectory_metrics
-from grpo_megatron.training.async_loop import GroupProducer, give_back_submitted
 from grpo_megatron.training.batching import Sample
+from grpo_megatron.training.groups import GroupSource, group_source, source_state
 from grpo_megatron.training.job import Job, PhaseTimer, Timer, build_job, export_hf_checkpoint
 from grpo_megatron.training.phases.advantages import UpdatePlan, prepare_update
 from grpo_megatron.training.phases.bookkeeping import (
@@ -62,14 +63,12 @@ from grpo_megatron.training.phases.bookkeeping import (
 from grpo_megatron.training.phases.eval import evaluate
 from grpo_megatron.training.phases.logprob import PassSettings, logprob_pass
 from grpo_megatron.training.phases.reward import Group
-from grpo_megatron.training.phases.rollout import rollout_seed
-from grpo_megatron.training.phases.sync import ProbeBatch, answer_probe, probe_due, sync_weights
+from grpo_megatron.training.phases.sync import ProbeBatch, answer_probe, probe_due
 from grpo_megatron.training.phases.train import GRPOLoss, update_policy
 from grpo_megatron.training.route_replay import RoutingReplay
 
 if TYPE_CHECKING:
     from grpo_megatron.config import JobConfig
-    from grpo_megatron.data import PromptSampler
 
 
 @dataclass
@@ -110,47 +109,19 @@ class LoopState:
         return cls(saved["iteration"], saved["sampler"], dict(saved["eval"]), tuple(best) if best else None)
 
 
-def rollout_and_reward(job: Job, sampler: PromptSampler, it: int, timer: Timer) -> tuple[list[Group], dict[str, float]]:
-    """The synchronous rollout and reward phases (with DAPO's extra rounds): the groups to train on and
-    the first round's reward metrics (the policy's own reward, before any filtering) + DAPO's."""
-    cfg, rollout, scorer, ds = job.cfg, job.rollout, job.scorer, job.cfg.algorithm.dynamic_sampling
-    dapo = DynamicSampling[Group](cfg.train.prompts_per_iteration, lambda g: g.rewards, enabled=ds.enabled,
-                           max_tries=ds.max_tries, std_threshold=ds.std_threshold)
-    reward_metrics: dict[str, float] = {}
-    replay_engine_routes = cfg.algorithm.routing_replay == "r3"  # only r3 needs the engine's routes
-    while n := dapo.needed():  # one round without DAPO; more while groups lack reward variance
-        records = [job.train_records[i] for i in sampler.next_indices(n)]
-        seed = rollout_seed(cfg.train.seed, it, dapo.rounds)
-        with timer("rollout"):
-            # Rank 0 gets every response (rewards, sample log); the others their sizes, and each
-            # replica its own responses once the update's plan says which (prepare_update).
-            completions = rollout.generate(records, rollout.params(n=cfg.rollout.n_samples_per_prompt, seed=seed),
-                                           keep_routes=replay_engine_routes, payload="owners")  # fmt: skip
-        with timer("reward"):
-            scored = scorer.score(records, completions)
-        reward_metrics = reward_metrics if dapo.rounds else scored.metrics
-        dapo.add(scored.groups)
-    groups, dapo_metrics = dapo.result()
-    return groups, {**reward_metrics, **dapo_metrics}
-
-
-def run_iteration(
-    job: Job, sampler: PromptSampler, probe: ProbeBatch, it: int, timer: Timer, producer: GroupProducer | None = None
-) -> Iteration:
-    """One GRPO iteration, rollout to weight sync, each phase timed as ``time/<phase>``. With a
-    ``producer`` (rollout.embedded_process) the rollout and reward phases are its: the batch was
-    submitted ahead of time (training/async_loop.py)."""
+def run_iteration(job: Job, source: GroupSource, probe: ProbeBatch, it: int, timer: Timer) -> Iteration:
+    """One GRPO iteration, rollout to weight sync, each phase timed as ``time/<phase>``; the rollout and
+    reward phases are ``source``'s (training/groups.py)."""
     cfg, ps, policy = job.cfg, job.ps, job.policy
-    if producer is None:
-        groups, produced_metrics = rollout_and_reward(job, sampler, it, timer)
-    else:
-        groups, produced_metrics = producer.take(it, timer)
+    produced = source.take(it, timer)
+    groups = produced.groups
     with timer("onload"):
         onload_metrics = job.memory.to_trainer()
     with timer("advantages"):
-        # this replica's samples only; the asynchronous producer's later batches stay held
-        batch, plan = prepare_update(cfg.algorithm, cfg.train, cfg.rollout.response_budget.tokens, ps, job.fleet, groups,
-                                     release_all=producer is None)  # fmt: skip
+        # this replica's samples only; the held payloads and routes of the source's later batches stay held
+        batch, plan = prepare_update(cfg.algorithm, cfg.train, cfg.rollout.response_budget.tokens, ps, job.fleet,
+                                     groups, release_payloads=produced.release_payloads,
+                                     release_routes=produced.release_routes)  # fmt: skip
     # Every trainer pass takes these; each pass's MoE routing is algorithm.routing_replay's (off, r2, r3).
     passes = PassSettings(ps, job.pad_id, policy.spec.vocab_size, cfg.rollout.temperature,
                           RoutingReplay(cfg.algorithm.routing_replay, ps, policy.spec.num_experts))
@@ -170,11 +141,10 @@ def run_iteration(
         train_metrics = update_policy(policy, batch.samples, plan, loss, passes, measure_routing=not routing_metrics)
     with timer("sync"):
         due = probe_due(it, cfg.rollout.probe_interval, cfg.train.iterations)
-        sync_metrics = sync_to_engines(job, it, probe if due else ProbeBatch())
-    if producer is not None:
-        producer.after_sync(it)  # the engines have version `it`: the batch that may lag it by N goes out
+        sync_metrics = job.sync_engines(it, probe if due else None)
+    source.after_sync(it)  # the engines have version `it` (asynchronous: the batch that may lag it by N goes out)
     metrics = {
-        **produced_metrics,
+        **produced.metrics,
         **train_metrics,
         **routing_metrics,
         "kl_beta": beta,
@@ -188,12 +158,6 @@ def run_iteration(
     return Iteration(groups, batch.samples, plan, metrics, batch.tokens)
 
 
-def sync_to_engines(job: Job, version: int, probe: ProbeBatch) -> dict[str, float]:
-    """The sync phase with the job's objects: weights as ``version``, then the mismatch probe."""
-    return sync_weights(job.policy.model, job.fleet, job.memory, job.ps, version, probe,
-                        vocab_size=int(job.hf["vocab_size"]), temperature=job.cfg.rollout.temperature)
-
-
 def evaluate_job(job: Job, iteration: int) -> dict[str, float]:
     """The eval phase with the job's objects (also SFT's held-out check)."""
     return evaluate(job.rollout, job.scorer, job.eval_records, train_seed=job.cfg.train.seed,
@@ -203,11 +167,6 @@ def evaluate_job(job: Job, iteration: int) -> dict[str, float]:
 def job_probe(job: Job) -> ProbeBatch:
     """The run's fixed mismatch-probe batch (rollout.probe_batch held-out, else training, prompts)."""
     return answer_probe(job.eval_records or job.train_records, job.tokenizer, job.eos_id, job.cfg.rollout.probe_batch)
-
-
-def with_producer(trainer_state: dict[str, Any], producer: GroupProducer | None) -> dict[str, Any]:
-    """Collective: the checkpoint's trainer state, with the asynchronous producer's submitted batches."""
-    return trainer_state if producer is None else {**trainer_state, "producer": producer.state_dict()}
 
 
 def train(job: Job) -> dict[str, float]:
@@ -224,17 +183,9 @@ def train(job: Job) -> dict[str, float]:
     # its iteration-0 evaluation included.
     job.logger.truncate_from(start + 1 if resumed is not None else 0)
     probe = job_probe(job)
-    sync_to_engines(job, start, probe)  # the engines start from the trainer's weights
-    producer = None  # engines that generate while the trainer trains: rollouts submitted ahead (async_loop.py)
-    if cfg.producer_loop:
-        producer = GroupProducer(job, sampler, cfg.train.max_staleness)
-        if resumed is not None and "producer" in resumed:
-            producer.load_state_dict(resumed["producer"])
-        producer.start(start)
-    elif resumed is not None and (given_back := give_back_submitted(sampler, resumed.get("producer", {}))):
-        if job.ps.rank == 0:
-            print(f"[train] resumed an asynchronous run's checkpoint synchronously: the prompts of its {given_back} "
-                  "submitted batches are generated again, with the weights trained here", flush=True)  # fmt: skip
+    job.sync_engines(start, probe)  # the engines start from the trainer's weights
+    source = group_source(job, sampler, resumed)
+    source.start(start)
     last_eval = dict(state.eval)
     if resumed is None:  # a fresh run: held-out accuracy before any update, logged as iteration 0
         last_eval = evaluate_job(job, start)
@@ -250,7 +201,7 @@ def train(job: Job) -> dict[str, float]:
         timer = PhaseTimer(beat=job.beat)
         eval_metrics: dict[str, float] = {}
         with timer("iteration"):
-            result = run_iteration(job, sampler, probe, it, timer, producer)
+            result = run_iteration(job, source, probe, it, timer)
             with timer("eval"):
                 if it == cfg.train.iterations or (cfg.train.eval_interval and it % cfg.train.eval_interval == 0):
                     eval_metrics = last_eval = evaluate_job(job, it)
@@ -273,11 +224,11 @@ def train(job: Job) -> dict[str, float]:
         trainer_state = LoopState(it, sampler.state_dict(), last_eval, best).to_dict()
         saved = job.checkpoints.should_save(it, final_iteration=cfg.train.iterations)
         if saved:
-            save_checkpoint(job.checkpoints, job.memory, job.policy, it, with_producer(trainer_state, producer))
+            save_checkpoint(job.checkpoints, job.memory, job.policy, it, source_state(trainer_state, source))
         # The safe point: any rank's signal (SIGTERM, checkpoint.signal) stops every rank here, saved.
         if signal_name := job.preemption.requested_anywhere(dist.group.WORLD):
             if not saved:
-                save_checkpoint(job.checkpoints, job.memory, job.policy, it, with_producer(trainer_state, producer))
+                save_checkpoint(job.checkpoints, job.memory, job.policy, it, source_state(trainer_state, source))
             job.preemption.checkpoint_written = True
             raise Preempted(it, signal_name)
     return {

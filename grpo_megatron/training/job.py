@@ -42,6 +42,7 @@ if TYPE_CHECKING:
     from grpo_megatron.training.offload import ColocatedMemory
     from grpo_megatron.training.phases.reward import Scorer
     from grpo_megatron.training.phases.rollout import Rollout
+    from grpo_megatron.training.phases.sync import ProbeBatch
     from grpo_megatron.training.policy import Policy
 
 
@@ -77,15 +78,6 @@ class Runtime:
         if self.watchdog is not None:
             self.watchdog.beat(phase)
 
-    def long_phase(self, phase: str) -> AbstractContextManager[None]:
-        """A phase of the loop that blocks in one call for long: a rank waiting for its engine's
-        rollout (an SGLang engine's generation, an engine process's answer) sits on one line for as
-        long as the longest response takes. It waits under the watchdog's long bound
-        (parallel.long_phase_timeout_s), not progress_timeout_s (``ProgressWatchdog.long_phase``)."""
-        if self.watchdog is None:
-            return nullcontext()
-        return self.watchdog.long_phase(phase, self.cfg.parallel.long_phase_timeout_s)
-
     @property
     def eos_id(self) -> int:
         eos = self.tokenizer.eos_token_id
@@ -110,6 +102,16 @@ class Runtime:
         from grpo_megatron.training.phases.reward import Scorer
 
         return Scorer(self.tokenizer, self.rewards, self.cfg.reward)
+
+    def sync_engines(self, version: int, probe: ProbeBatch | None = None) -> dict[str, float]:
+        """The sync phase with this job's objects, for both loops: the policy's weights into the engines
+        as ``version`` inside the placement's memory phases (``phases/sync.py:sync_weights``, the one
+        way weights reach the engines), then the mismatch probe when ``probe`` has sequences. Leaves the
+        memory in the rollout phase (the engines can generate)."""
+        from grpo_megatron.training.phases.sync import ProbeBatch, sync_weights
+
+        return sync_weights(self.policy.model, self.fleet, self.memory, self.ps, version, probe or ProbeBatch(),
+                            vocab_size=int(self.hf["vocab_size"]), temperature=self.cfg.rollout.temperature)
 
     def make_sampler(self, num_items: int) -> PromptSampler:
         """The seeded, resumable order in which ``num_items`` training items are drawn."""

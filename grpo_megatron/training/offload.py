@@ -25,6 +25,7 @@ region, and this module is the path for the policy.
 
 from __future__ import annotations
 
+import gc
 import time
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 from contextlib import contextmanager
@@ -229,6 +230,19 @@ def _bytes_of(storage: torch.UntypedStorage) -> torch.Tensor:
     return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
 
 
+def release_device_cache() -> dict[str, float]:
+    """Return the trainer process's cached, unused device blocks to the driver (CUDA's caching allocator
+    keeps what training freed reserved for this process: another process, a colocated engine resuming
+    its KV cache, cannot use it). Objects in reference cycles are collected first, so that no tensor
+    only a cycle still holds keeps its block. A no-op where nothing is cached (CPU, or CUDA never used).
+    On CUDA, ``offload/cached_free_bytes``: what stays reserved but unused afterwards."""
+    if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
+        return {}
+    gc.collect()
+    torch.cuda.empty_cache()
+    return {"offload/cached_free_bytes": float(torch.cuda.memory_reserved() - torch.cuda.memory_allocated())}
+
+
 class ColocatedMemory:
     """The colocated memory choreography: moves the trainer's state and the engines' memory so that
     each phase has on the device what ``rollout/placement.py`` planned for it (``phases``, the table
@@ -249,10 +263,20 @@ class ColocatedMemory:
     the device beside the engines' weights (their caches are released); afterwards the phase before
     comes back.
     Without a swapping placement every phase holds everything and every method moves nothing.
+
+    Before the engines start and before every resume of engine memory, in every phase order, the
+    trainer's cached device blocks go back to the driver (``release_cache``): the engines are other
+    processes, and memory the trainer's allocator keeps reserved is not free for them.
     """
 
     def __init__(
-        self, policy: Policy, fleet: Any, phases: Mapping[str, Occupancy], *, discard_grads: bool = False
+        self,
+        policy: Policy,
+        fleet: Any,
+        phases: Mapping[str, Occupancy],
+        *,
+        discard_grads: bool = False,
+        release_cache: Callable[[], dict[str, float]] = release_device_cache,
     ) -> None:
         self.policy = policy
         self.fleet = fleet
@@ -269,6 +293,8 @@ class ColocatedMemory:
         """Engine memory tags the engines hold now."""
         self.phase = "train"
         """The phase whose memory is on the device now."""
+        self.release_cache = release_cache
+        """Returns the trainer's cached device blocks to the driver (``release_device_cache``)."""
 
     def enter(self, phase: str) -> dict[str, float]:
         """Move to ``phase``'s memory; ``offload/*`` of what left and ``offload/onload_seconds`` of
@@ -292,6 +318,7 @@ class ColocatedMemory:
             metrics["offload/onload_seconds"] = sum(onload(self.policy, r) for r in reversed(back))
         resume = [t for t in ENGINE_TAGS if t in want.engine and t not in self.engine_held]
         if resume and self.fleet is not None:
+            metrics |= self.release_cache()  # after the trainer's moves: what they freed goes back too
             self.fleet.resume_memory(resume)
         self.engine_held.update(resume)
         self.phase = phase
@@ -301,6 +328,7 @@ class ColocatedMemory:
         """Start-up: the trainer's state leaves the device as planned, ``build()`` starts the engines
         (they hold all their memory), then the training phase's memory is restored. Returns the fleet."""
         self.enter("start-up")
+        self.release_cache()  # the engines size their memory from what is free
         self.fleet = build()
         self.engine_held = set(ENGINE_TAGS)
         self.enter("train")

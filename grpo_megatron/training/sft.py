@@ -67,7 +67,8 @@ def sft_step(job: SFTJob, samples: list[Sample]) -> dict[str, float]:
 
     job.policy.zero_grad()
     outs = forward_backward(
-        job.policy.model, [collate(samples, r, job.pad_id, packed=cfg.train.packing) for r in rows], ps, nll, vocab_size=job.policy.spec.vocab_size
+        job.policy.model, [collate(samples, r, job.pad_id, packed=cfg.train.packing) for r in rows], ps, nll,
+        vocab_size=job.policy.spec.vocab_size,
     )
     loss_t = torch.tensor([sum(o["loss"] for o in outs)], dtype=torch.float64)
     if ps.dp > 1:
@@ -193,11 +194,15 @@ def run_sft(job: SFTJob) -> dict[str, object]:
     keeper = BandKeeper(*sft.target_accuracy_band) if sft.target_accuracy_band else None
 
     def dev_eval(step: int) -> float:
-        job.fleet.sync_weights(job.policy.model, version=step)
-        return evaluate(
+        """The policy's weights into the engines (through the memory phases, as GRPO's sync), the dev
+        accuracy, then the training phase's memory again (the engines release theirs)."""
+        job.sync_engines(step)
+        accuracy = evaluate(
             job.rollout, job.scorer, job.eval_records, train_seed=job.cfg.train.seed, iteration=step,
             samples=job.cfg.train.eval_samples,
         )["eval/accuracy"]
+        job.memory.to_trainer()
+        return accuracy
 
     accuracy = dev_eval(0)
     job.logger.log(0, {"eval/accuracy": accuracy})

@@ -19,11 +19,9 @@ class RecordingEngine:
         self.engine = engine
         self.calls: list[tuple[list[list[int]], list[list[Completion]]]] = []
 
-    def generate(
-        self, prompts: Sequence[Sequence[int]], params: SamplingParams, *, keep_routes: bool = False
-    ) -> list[list[Completion]]:
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[list[Completion]]:
         """As ``RolloutFleet.generate`` on one rank, except that routes stay on the completions
-        (``keep_routes`` has nothing to hold back)."""
+        (``params.routes`` has nothing to hold back)."""
         out = self.engine.generate(prompts, params)
         self.calls.append(([list(p) for p in prompts], out))
         return out

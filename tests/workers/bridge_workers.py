@@ -57,14 +57,14 @@ def save_tiny_model(model_type: str, out_dir: Path, seed: int = 0) -> dict[str, 
 
 
 def _build(hf_dir: str, overrides: list[str]):
-    from grpo_megatron.config import load_config
+    from grpo_megatron.config import load_config, validate
     from grpo_megatron.distributed.bootstrap import init_distributed, world_size_from_env
     from grpo_megatron.models.builder import build_gpt_model
 
     cfg = load_config(
         EXAMPLE, [*CPU_JOB, f"model.hf_path={hf_dir}", "parallel.use_distributed_optimizer=false", *overrides]
     )
-    cfg.validate(world_size_from_env())
+    validate(cfg, world_size_from_env())
     ps = init_distributed(cfg.parallel, seed=cfg.train.seed)
     hf = cfg.model.load_hf_config()
     model, spec = build_gpt_model(hf, cfg.model, ps)

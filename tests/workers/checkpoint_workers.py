@@ -19,12 +19,12 @@ GLOBAL_ROWS, SEQ_LEN = 4, 16  # one global batch, split over data-parallel ranks
 
 
 def _setup(overrides: list[str]):
-    from grpo_megatron.config import load_config
+    from grpo_megatron.config import load_config, validate
     from grpo_megatron.distributed.bootstrap import init_distributed, world_size_from_env
     from grpo_megatron.training.policy import build_policy
 
     cfg = load_config(EXAMPLE, [*CPU_JOB, *overrides])
-    cfg.validate(world_size_from_env())
+    validate(cfg, world_size_from_env())
     ps = init_distributed(cfg.parallel, seed=cfg.train.seed)
     policy = build_policy(cfg.model.load_hf_config(), cfg.model, cfg.parallel, cfg.train, ps)
     return cfg, ps, policy

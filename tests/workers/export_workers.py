@@ -18,7 +18,7 @@ def stream_to_each_rank(hf_dir: str, layouts: dict[str, list[str]], bucket_bytes
     "buckets": n}`` on rank 0, ``{"dst1": ..., "dst1_bf16": ..., "dst1_planned": ...}`` on rank 1."""
     from grpo_megatron.bridge.export import ExportStream, export_hf_stream
     from grpo_megatron.bridge.export_plan import plan_export
-    from grpo_megatron.config import load_config
+    from grpo_megatron.config import load_config, validate
     from grpo_megatron.distributed.bootstrap import destroy_distributed, init_distributed, world_size_from_env
     from grpo_megatron.models.builder import build_gpt_model
 
@@ -27,7 +27,7 @@ def stream_to_each_rank(hf_dir: str, layouts: dict[str, list[str]], bucket_bytes
         cfg = load_config(
             EXAMPLE, [*CPU_JOB, f"model.hf_path={hf_dir}", "parallel.use_distributed_optimizer=false", *overrides]
         )
-        cfg.validate(world_size_from_env())
+        validate(cfg, world_size_from_env())
         ps = init_distributed(cfg.parallel, seed=cfg.train.seed)
         hf = cfg.model.load_hf_config()
         model, _ = build_gpt_model(hf, cfg.model, ps)
@@ -65,14 +65,14 @@ def router_bias_to_an_engine(hf_dir: str) -> dict:
     (``engine``), by HF name."""
     from grpo_megatron.bridge.export import ExportStream
     from grpo_megatron.bridge.export_plan import plan_export
-    from grpo_megatron.config import load_config
+    from grpo_megatron.config import load_config, validate
     from grpo_megatron.distributed.bootstrap import init_distributed, world_size_from_env
     from grpo_megatron.models.builder import build_gpt_model
     from grpo_megatron.rollout.embedded import EmbeddedEngine
 
     cfg = load_config(EXAMPLE, [*CPU_JOB, f"model.hf_path={hf_dir}", "parallel.use_distributed_optimizer=false",
                                 "parallel.tp=2", "model.dtype=bfloat16"])  # fmt: skip
-    cfg.validate(world_size_from_env())
+    validate(cfg, world_size_from_env())
     ps = init_distributed(cfg.parallel, seed=cfg.train.seed)
     hf = cfg.model.load_hf_config()
     model, _ = build_gpt_model(hf, cfg.model, ps)

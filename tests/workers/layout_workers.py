@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from grpo_megatron.bridge.layout import full_state
-from grpo_megatron.config import load_config
+from grpo_megatron.config import load_config, validate
 from grpo_megatron.distributed.bootstrap import destroy_distributed, init_distributed, world_size_from_env
 from grpo_megatron.models.builder import build_gpt_model
 from grpo_megatron.training.forward_backward import (
@@ -76,7 +76,7 @@ def loss_fn_for(global_tokens: int):
 def run_layout(overrides: list[str], reference: dict | None) -> dict:
     """One layout: logprobs + gradients; with a reference, return the max abs differences."""
     cfg = load_config(EXAMPLE, [*CPU_JOB, "parallel.use_distributed_optimizer=false", *overrides])
-    cfg.validate(world_size_from_env())
+    validate(cfg, world_size_from_env())
     ps = init_distributed(cfg.parallel, seed=cfg.train.seed)
     hf = cfg.model.load_hf_config()
     policy = build_policy(hf, cfg.model, cfg.parallel, cfg.train, ps)

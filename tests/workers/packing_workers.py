@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from grpo_megatron.bridge.layout import full_state
-from grpo_megatron.config import load_config
+from grpo_megatron.config import load_config, validate
 from grpo_megatron.distributed.bootstrap import destroy_distributed, init_distributed, world_size_from_env
 from grpo_megatron.training.batching import collate, make_sample, rank_microbatches
 from grpo_megatron.training.forward_backward import MicroBatch, forward_backward, forward_logprobs
@@ -66,7 +66,7 @@ def row_logprobs(policy, samples, ps, *, packed: bool) -> tuple[list, list, dict
 
 def run_layout(overrides: list[str]) -> dict:
     cfg = load_config(EXAMPLE, [*CPU_JOB, "parallel.use_distributed_optimizer=false", *overrides])
-    cfg.validate(world_size_from_env())
+    validate(cfg, world_size_from_env())
     ps = init_distributed(cfg.parallel, seed=cfg.train.seed)
     policy = build_policy(cfg.model.load_hf_config(), cfg.model, cfg.parallel, cfg.train, ps)
     vocab = policy.spec.vocab_size
@@ -99,7 +99,7 @@ def cp_run(overrides: list[str], reference: dict | None) -> dict:
     """Packed rows at a layout (context parallel or not): per-row logprobs, entropy and gradients;
     with a reference (the one-process run), the weights come from it and the differences are returned."""
     cfg = load_config(EXAMPLE, [*CPU_JOB, "parallel.use_distributed_optimizer=false", *overrides])
-    cfg.validate(world_size_from_env())
+    validate(cfg, world_size_from_env())
     ps = init_distributed(cfg.parallel, seed=cfg.train.seed)
     policy = build_policy(cfg.model.load_hf_config(), cfg.model, cfg.parallel, cfg.train, ps)
     if reference is not None:

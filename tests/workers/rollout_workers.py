@@ -18,12 +18,12 @@ PROMPTS = [[3, 4, 5], [6, 7, 8, 9, 10, 11], [12, 13], [14, 15, 16, 17]]  # uneve
 
 
 def _setup(hf_dir: str, overrides: list[str]):
-    from grpo_megatron.config import load_config
+    from grpo_megatron.config import load_config, validate
     from grpo_megatron.distributed.bootstrap import init_distributed, world_size_from_env
     from grpo_megatron.training.policy import build_policy
 
     cfg = load_config(EXAMPLE, [*CPU_JOB, f"model.hf_path={hf_dir}", "train.lr=1e-2", *overrides])
-    cfg.validate(world_size_from_env())
+    validate(cfg, world_size_from_env())
     ps = init_distributed(cfg.parallel, seed=cfg.train.seed)
     hf = cfg.model.load_hf_config()
     policy = build_policy(hf, cfg.model, cfg.parallel, cfg.train, ps)
@@ -213,8 +213,8 @@ def rollout_results_at_scale(hf_dir: str, overrides: list[str]) -> dict:
     fleet = RolloutFleet.build(engine_spec(cfg), hf, ps)
     fleet.sync_weights(policy.model, version=1)
     prompts = PROMPTS * 2
-    params = SamplingParams(n=2, temperature=1.0, max_new_tokens=6, seed=7)
-    groups_c = fleet.generate(prompts, params, keep_routes=True)
+    params = SamplingParams(n=2, temperature=1.0, max_new_tokens=6, seed=7, routes=True)
+    groups_c = fleet.generate(prompts, params)
     res: dict = {"tokens": _tokens(groups_c), "logprobs": [[c.logprobs for c in g] for g in groups_c]}
     res["routes_in_results"] = any(c.routed_experts is not None for g in groups_c for c in g)
     res["held"] = {rid: t.clone() for rid, t in fleet.held_routes.tensors.items()}

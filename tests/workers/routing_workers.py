@@ -33,7 +33,7 @@ def replay_cases(cases: dict[str, tuple[str, list[str]]]) -> dict:
         reference = build_reference(cfg.model, hf, ps, policy)
         fleet = RolloutFleet.build(engine_spec(cfg), hf, ps)
         fleet.sync_weights(policy.model, version=1)
-        groups = fleet.generate(PROMPTS, SamplingParams(n=3, temperature=1.0, max_new_tokens=6, seed=7), keep_routes=True)
+        groups = fleet.generate(PROMPTS, SamplingParams(n=3, temperature=1.0, max_new_tokens=6, seed=7, routes=True))
         # Every rank runs the whole batch here: every route goes to every rank.
         routes = fleet.deliver_routes({c.route_id: range(ps.world_size) for cs in groups for c in cs})
         samples = [

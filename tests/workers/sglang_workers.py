@@ -86,6 +86,7 @@ class Scenarios:
         from grpo_megatron.rollout.config import RolloutConfig
         from grpo_megatron.rollout.engine import SamplingParams
         from grpo_megatron.rollout.sglang.engine import SGLangEngine
+        from grpo_megatron.rollout.sglang.launch import EngineLaunch
 
         self.a = save_model(workdir / "a", seed=0)
         self.b = save_model(workdir / "b", seed=1)
@@ -93,7 +94,8 @@ class Scenarios:
         self.greedy = SamplingParams(n=1, greedy=True, max_new_tokens=MAX_NEW, temperature=1.0)
         signal.signal(signal.SIGTERM, trainer_sigterm)  # as the trainer's save-on-signal handler would
         start = time.perf_counter()
-        self.engine = SGLangEngine(RolloutConfig(engine="sglang"), str(workdir / "a"), dtype="bfloat16", device="cpu")
+        launch = EngineLaunch("bfloat16", device="cpu")
+        self.engine = SGLangEngine(RolloutConfig(engine="sglang"), str(workdir / "a"), launch)
         self.start_seconds = time.perf_counter() - start
 
     def bucketed(self, weights: dict[str, torch.Tensor], version: int, pieces: int = 3) -> None:
@@ -110,7 +112,7 @@ class Scenarios:
 
     def start(self) -> dict[str, Any]:
         from grpo_megatron.rollout.sglang import compat
-        from grpo_megatron.rollout.sglang.engine import update_sessions
+        from grpo_megatron.rollout.sglang.weights import update_sessions
 
         return {
             "seconds": self.start_seconds,
@@ -183,6 +185,9 @@ class Scenarios:
             "distinct_samples": distinct,
             "all_logprobs_valid": all(lp <= 0.0 and lp == lp for lp in flat_logprobs(groups)),
             "sampled_vs_own_score": max_diff(flat_logprobs(groups), [x for r in scored for x in r]),
+            "sampled_vs_own_top3": sorted(
+                (abs(x - y) for x, y in zip(flat_logprobs(groups), [x for r in scored for x in r], strict=True)), reverse=True
+            )[:3],
             "sampled_vs_embedded_score": max_diff(flat_logprobs(groups), [x for r in emb for x in r]),
             "sampled_vs_embedded_top3": sorted(
                 (abs(x - y) for x, y in zip(flat_logprobs(groups), [x for r in emb for x in r], strict=True)), reverse=True
@@ -465,7 +470,9 @@ def engine_group(model_dir: str, other_dir: str) -> dict[str, Any]:
 
     from grpo_megatron.rollout.config import RolloutConfig
     from grpo_megatron.rollout.engine import SamplingParams
-    from grpo_megatron.rollout.sglang.engine import SGLangEngine, SGLangSyncMember
+    from grpo_megatron.rollout.sglang.engine import SGLangEngine
+    from grpo_megatron.rollout.sglang.launch import EngineLaunch
+    from grpo_megatron.rollout.sglang.member import SGLangSyncMember
     from tests.helpers.dist import init_gloo
 
     rank, _ = init_gloo(timeout_s=300)
@@ -473,7 +480,7 @@ def engine_group(model_dir: str, other_dir: str) -> dict[str, Any]:
     rollout = RolloutConfig(engine="sglang", sglang_tp=2)
     sink: Any
     if rank == 0:
-        sink = SGLangEngine(rollout, model_dir, dtype="bfloat16", device="cpu", rank=0)
+        sink = SGLangEngine(rollout, model_dir, EngineLaunch("bfloat16", device="cpu", rank=0))
         sink.sync_group_ranks = (0, 1)
         sink.bind_sync_group(group)
     else:
@@ -504,7 +511,7 @@ def engine_group(model_dir: str, other_dir: str) -> dict[str, Any]:
     out["leader_fails"] = _timed_update(sink, [(n, weights[n]) for n in thirds[0]], version=2)
     if rank == 0:
         sink.servers[0].end_weight_update()
-        sink._sessions_open.clear()
+        sink.load.sessions.clear()
     dist.barrier()
     bucket = [(n, weights[n]) for n in thirds[0]]
     if rank == 1:

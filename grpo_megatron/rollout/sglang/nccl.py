@@ -15,7 +15,7 @@ import socket
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from typing import Any
@@ -168,17 +168,16 @@ def distributed_update_body(
 
 class NcclBroadcastTransport:
     """``WeightTransport`` into a set of SGLang servers: the process group is created at the first
-    ``send`` (every server joins it) and dropped by ``reset`` (a server restarted)."""
+    ``send`` (every server joins it) and dropped by ``reset`` (a server restarted). Servers that stop
+    answering are restarted here (``restarted_servers``)."""
 
     def __init__(
         self,
-        servers: Sequence[Any],
         rollout: RolloutConfig,
         flattened_bucket_cls: type,
         device: torch.device | str,
         timeout: timedelta | None = None,
     ):
-        self.servers = servers
         self.rollout = rollout
         self.flattened_bucket_cls = flattened_bucket_cls
         self.device = device
@@ -187,9 +186,17 @@ class NcclBroadcastTransport:
         servers' request timeout (rollout.sglang_request_timeout_s), for a transport made alone."""
         self.group: torch.distributed.ProcessGroup | None = None
 
-    def send(self, bucket: Bucket, *, last: bool, version: int) -> None:
+    def bind_group(self, ranks: Sequence[int], group: Any) -> None:
+        return None  # only rank 0 feeds the servers
+
+    def send(self, servers: Sequence[Any], bucket: Bucket, *, last: bool, version: int) -> None:
+        if not bucket:  # nothing to broadcast: the flush the last bucket would have carried
+            if last:
+                for server in servers:
+                    server.flush_cache()
+            return
         if self.group is None:
-            self.group = self._init_weight_group()
+            self.group = self._init_weight_group(servers)
         ordered = aligned_order(bucket)
         body = distributed_update_body(
             ordered,
@@ -199,17 +206,17 @@ class NcclBroadcastTransport:
         )
         flat = flattened_bucket(ordered, self.flattened_bucket_cls, self.device).get_flattened_tensor()
         # Every server's request blocks until the broadcast it waits for has run: send them first.
-        with ThreadPoolExecutor(len(self.servers)) as pool:
-            pending = [pool.submit(s.update_weights_from_distributed, **body) for s in self.servers]
+        with ThreadPoolExecutor(len(servers)) as pool:
+            pending = [pool.submit(s.update_weights_from_distributed, **body) for s in servers]
             torch.distributed.broadcast(flat, src=0, group=self.group)
             for f in pending:
                 f.result()
 
-    def _init_weight_group(self) -> torch.distributed.ProcessGroup:
-        world_size, offsets = weight_group_layout([s.tp_size() for s in self.servers])
+    def _init_weight_group(self, servers: Sequence[Any]) -> torch.distributed.ProcessGroup:
+        world_size, offsets = weight_group_layout([s.tp_size() for s in servers])
         addr = self.rollout.sglang_sync_master_addr or socket.gethostname()
         port = self.rollout.sglang_sync_master_port
-        with ThreadPoolExecutor(len(self.servers)) as pool:
+        with ThreadPoolExecutor(len(servers)) as pool:
             pending = [
                 pool.submit(
                     s.init_weights_update_group,
@@ -220,7 +227,7 @@ class NcclBroadcastTransport:
                     group_name=WEIGHT_GROUP_NAME,
                     backend="nccl",
                 )  # fmt: skip
-                for s, offset in zip(self.servers, offsets, strict=True)
+                for s, offset in zip(servers, offsets, strict=True)
             ]
             timeout_s = self.timeout.total_seconds() if self.timeout else self.rollout.sglang_request_timeout_s
             group = init_trainer_weight_group(addr, port, world_size, WEIGHT_GROUP_NAME, timeout_s=timeout_s)
@@ -231,10 +238,34 @@ class NcclBroadcastTransport:
     def refuse(self, reason: str) -> None:
         return None  # only rank 0 feeds the servers: nobody else waits on this bucket
 
-    def reset(self) -> None:
+    def restarted_servers(
+        self, servers: Sequence[Any], timeout_s: float, restart: Callable[[str], None] | None
+    ) -> list[int]:
+        """Wait until every server answers ``/health_generate``; one that does not in time goes
+        through ``restart(url)`` (or raises naming it) and must answer after it. Returns the restarted
+        servers' indices (they have their checkpoint's weights again and no weight-update session);
+        after a restart the weight group is made again at the next ``send``."""
+        restarted = []
+        for i, server in enumerate(servers):
+            if not hasattr(server, "healthy") or wait_healthy(server, timeout_s):  # custom servers: not asked
+                continue
+            if restart is None:
+                raise SGLangServerError(
+                    f"SGLang server {server.url} is not healthy after {timeout_s:.0f}s "
+                    "(rollout.sglang_request_timeout_s); restart it, or pass restart_server= to SGLangEngine"
+                )
+            restart(server.url)
+            if not wait_healthy(server, timeout_s):
+                raise SGLangServerError(f"SGLang server {server.url} is not healthy after its restart")
+            restarted.append(i)
+        if restarted:
+            self.reset(servers)
+        return restarted
+
+    def reset(self, servers: Sequence[Any]) -> None:
         if self.group is None:
             return
-        for server in self.servers:
+        for server in servers:
             try:  # a restarted server no longer has the group: nothing to destroy there
                 server.destroy_weights_update_group(WEIGHT_GROUP_NAME)
             except SGLangServerError:

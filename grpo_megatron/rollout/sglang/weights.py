@@ -1,9 +1,27 @@
-"""How weights reach a SGLang engine: the interface both transports implement, and the bucket
-layout they share.
+"""How weights reach a SGLang engine: the load protocol (its state in one object), the checks a bucket
+passes before it is sent, the tied output head, and the interface both transports implement.
+
+The load protocol (``WeightLoad``): each version's buckets are checked (floating point; name and
+shape as in the checkpoint the engine started from) before they are sent, and loaded inside one
+weight-update session where the server has them (``begin_weight_update`` / ``end_weight_update``,
+SGLang 0.5.21 on: 0.5.23 refuses a load outside one, 0.5.17 has neither; ``update_sessions``). Its
+states (``WeightLoad.state``)::
+
+    serving(v) --a bucket of w--> loading(w) --the last bucket, with every name v had--> serving(w)
+                                      |  a bad bucket after others of w, or a last bucket
+                                      v  without names v had; a server restarted
+                                    stale --(a version loads, still stale)--> a complete one --> serving
+
+A ``stale`` engine refuses to generate until a complete version has loaded: it never serves a
+half-updated model silently. A bucket refused before anything of its version was loaded leaves the
+engine serving its version. A session left open by an abandoned version serves the next one
+(SGLang refuses a second ``begin``); a restarted server has none. These are the seams a partial
+rollout (generation paused across a load) or an engine restart would extend.
 
 A ``WeightTransport`` moves one bucket of the export stream (Hugging Face names, full tensors) into
-the engine's servers; ``SGLangEngine`` checks the bucket, opens and closes the weight-update
-sessions and tracks versions, whatever the transport. One module per transport:
+the engine's servers; the engine checks the bucket, keeps the protocol and calls the transport,
+whatever it is. One module per transport, each with its own differences (what an empty bucket
+means, who else takes part in a round, what a restarted server needs):
 
 - ``rollout/sglang/ipc.py``: colocated engines, CUDA IPC handles through ``update_weights_from_tensor``;
 - ``rollout/sglang/nccl.py``: disaggregated servers, an NCCL broadcast through
@@ -15,6 +33,11 @@ class is passed in, so this module never imports SGLang.
 
 from __future__ import annotations
 
+import enum
+import os
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Protocol
 
 import torch
@@ -23,10 +46,11 @@ from grpo_megatron.rollout.engine import Bucket
 
 
 class WeightTransport(Protocol):
-    """One way of loading buckets into an engine's servers (inside the session the engine opened)."""
+    """One way of loading buckets into an engine's servers (inside the session the engine opened).
+    Every call comes from the engine inside its ``ServerGuard``, with the servers it guards."""
 
-    def send(self, bucket: Bucket, *, last: bool, version: int) -> None:
-        """Load ``bucket`` (non-empty, already checked); ``last`` closes the version (the servers
+    def send(self, servers: Sequence[Any], bucket: Bucket, *, last: bool, version: int) -> None:
+        """Load ``bucket`` (already checked; may be empty); ``last`` closes the version (the servers
         flush their caches and, where the endpoint takes one, record ``version``)."""
         ...
 
@@ -35,8 +59,19 @@ class WeightTransport(Protocol):
         (the other GPUs of a colocated engine) fail with ``reason`` too, instead of waiting."""
         ...
 
-    def reset(self) -> None:
-        """Forget any connection to the servers (one restarted): the next ``send`` opens a new one."""
+    def bind_group(self, ranks: Sequence[int], group: Any) -> None:
+        """The process group of the trainer ranks that feed the engine together (one per engine GPU)."""
+        ...
+
+    def restarted_servers(
+        self, servers: Sequence[Any], timeout_s: float, restart: Callable[[str], None] | None
+    ) -> list[int]:
+        """Make every server answer again (restarting those that do not, where the transport can);
+        the indices of the servers restarted (their checkpoint's weights again, no session)."""
+        ...
+
+    def reset(self, servers: Sequence[Any]) -> None:
+        """Forget any connection to the servers: the next ``send`` opens a new one."""
         ...
 
 
@@ -66,3 +101,181 @@ def flattened_bucket(
         raise ValueError("an empty weight bucket cannot be sent")
     named = [(name, t.detach().to(device or t.device).contiguous()) for name, t in aligned_order(bucket)]
     return flattened_bucket_cls(named_tensors=named)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Checks of a bucket before it is sent, and the tied output head (pure)
+
+
+def checkpoint_shapes(model_path: str | os.PathLike) -> dict[str, tuple[int, ...]]:
+    """Name -> shape of every tensor in the safetensors files of ``model_path`` (headers only);
+    empty when there are none."""
+    from safetensors import safe_open
+
+    shapes: dict[str, tuple[int, ...]] = {}
+    for path in sorted(Path(model_path).glob("*.safetensors")):
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                shapes[name] = tuple(f.get_slice(name).get_shape())
+    return shapes
+
+
+def bucket_errors(bucket: Bucket, shapes: Mapping[str, tuple[int, ...]], source: str) -> list[str]:
+    """Why ``bucket`` cannot be loaded into a model whose checkpoint has ``shapes`` (empty = fine)."""
+    errors = []
+    for name, t in bucket:
+        if not t.is_floating_point():
+            errors.append(f"{name}: dtype {t.dtype} is not a floating-point weight")
+        elif shapes and name not in shapes:
+            errors.append(f"{name}: no such tensor in {source}")
+        elif shapes and tuple(t.shape) != shapes[name]:
+            errors.append(f"{name}: shape {tuple(t.shape)}, {source} has {shapes[name]}")
+    return errors
+
+
+OUTPUT_HEAD, INPUT_EMBEDDING = "lm_head.weight", "model.embed_tokens.weight"
+
+
+def tied_output_head(hf_config: Mapping[str, Any]) -> bool:
+    """Whether the model ties its output head to its input embedding (``tie_word_embeddings``)."""
+    return bool(hf_config.get("tie_word_embeddings", False))
+
+
+def with_output_head(bucket: Bucket, tied: bool) -> list[tuple[str, torch.Tensor]]:
+    """``bucket``, plus the input embedding once more as ``lm_head.weight`` for a tied model.
+
+    SGLang's Qwen3-MoE (and other models of its) ignore ``tie_word_embeddings`` and always keep an
+    ``lm_head`` of their own, which a tied checkpoint never fills: they would serve all-zero logits.
+    The models of SGLang's that do tie (Qwen2, Qwen3) have no ``lm_head.weight`` parameter and skip
+    the name, so sending it is right for both kinds."""
+    out = list(bucket)
+    if tied:
+        out += [(OUTPUT_HEAD, t) for name, t in bucket if name == INPUT_EMBEDDING]
+    return out
+
+
+def checkpoint_output_head(model_path: str | os.PathLike) -> list[tuple[str, torch.Tensor]]:
+    """A tied checkpoint's input embedding as ``lm_head.weight`` (what ``with_output_head`` adds), read
+    from its safetensors files; empty when it has none."""
+    from safetensors import safe_open
+
+    for path in sorted(Path(model_path).glob("*.safetensors")):
+        with safe_open(str(path), framework="pt") as f:
+            if INPUT_EMBEDDING in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                return with_output_head([(INPUT_EMBEDDING, f.get_tensor(INPUT_EMBEDDING))], True)[1:]
+    return []
+
+
+def update_sessions(server: Any) -> bool:
+    """Whether ``server`` loads weights inside ``begin_weight_update`` / ``end_weight_update``
+    sessions: SGLang's Engine from 0.5.21 on (0.5.23 refuses a load outside one; 0.5.17 has
+    neither method). An HTTP client says for its server (``SGLangHttpClient.update_sessions``)."""
+    ask = getattr(server, "update_sessions", None)
+    return bool(ask()) if callable(ask) else callable(getattr(server, "begin_weight_update", None))
+
+
+# ----------------------------------------------------------------------------------------------------
+# The load protocol
+
+
+class LoadState(enum.Enum):
+    SERVING = "serving"
+    """Every tensor of ``WeightLoad.version`` (-1: the checkpoint's weights) is loaded."""
+    LOADING = "loading"
+    """Some buckets of ``WeightLoad.loading`` are loaded, the last has not come."""
+    STALE = "stale"
+    """A mix of versions (``WeightLoad.stale_reason``): generation is refused until a complete
+    version arrives, while one loads too."""
+
+
+@dataclass
+class WeightLoad:
+    """The load protocol of one engine (see the module docstring): the version it serves, the version
+    arriving and its names, the open sessions, and why its weights are stale. The engine calls it
+    around each bucket: ``accept`` (before sending), ``open_sessions``, ``loaded``, and ``finish``
+    after the last."""
+
+    shapes: Mapping[str, tuple[int, ...]]
+    """The checkpoint's tensor shapes (``checkpoint_shapes``); empty: only dtypes are checked."""
+    source: str
+    """What the shapes come from, for messages."""
+    version: int = -1
+    """The last complete version (-1: the weights the engine started with)."""
+    loading: int | None = None
+    """The version whose buckets are arriving; None: none since the last complete one."""
+    names: set[str] = field(default_factory=set)
+    """Names loaded of ``loading``."""
+    last_names: set[str] | None = None
+    """The names the last complete version had: the next must carry them all."""
+    stale_reason: str | None = None
+    """Why the weights are a mix of versions; None: they are not."""
+    sessions: set[int] = field(default_factory=set)
+    """Servers (by index) with a weight-update session open."""
+
+    @property
+    def state(self) -> LoadState:
+        if self.stale_reason is not None:
+            return LoadState.STALE
+        return LoadState.SERVING if self.loading is None else LoadState.LOADING
+
+    def accept(self, bucket: Bucket, version: int) -> None:
+        """Check ``bucket`` of ``version`` before anything is sent: raises ValueError naming every
+        problem (the engine then stays on its version, or goes stale if this version's earlier
+        buckets are already loaded)."""
+        if self.names and version != self.loading:
+            self.names = set()  # an earlier version was abandoned half-way
+        errors = bucket_errors(bucket, self.shapes, self.source)
+        if errors:
+            if self.names:  # earlier buckets of this version are already loaded
+                self._stale(f"version {version} had a bad bucket after {len(self.names)} tensors")
+            raise ValueError(
+                f"weight sync of version {version} refused before sending this bucket ({len(errors)} "
+                "problems; the export and the engine's model disagree):\n  " + "\n  ".join(errors[:10])
+            )
+        self.loading = version
+
+    def open_sessions(self, servers: Sequence[Any]) -> None:
+        """Open a weight-update session on every server that has them and has none open (an
+        abandoned version's session stays open and serves the next version)."""
+        for i, server in enumerate(servers):
+            if i not in self.sessions and update_sessions(server):
+                raise_on_failure(server.begin_weight_update(), "begin_weight_update")
+                self.sessions.add(i)
+
+    def close_sessions(self, servers: Sequence[Any]) -> None:
+        for i in sorted(self.sessions):
+            raise_on_failure(servers[i].end_weight_update(), "end_weight_update")
+            self.sessions.discard(i)
+
+    def loaded(self, bucket: Bucket) -> None:
+        self.names |= {name for name, _ in bucket}
+
+    def finish(self, servers: Sequence[Any], version: int) -> None:
+        """The last bucket of ``version`` was loaded: close the sessions, then serve it if it carried
+        every name the last complete version had (else stale, raising)."""
+        self.close_sessions(servers)
+        names, self.names = self.names, set()
+        missing = sorted((self.last_names or set()) - names)
+        if missing:
+            self._stale(f"version {version} left out {len(missing)} tensors")
+            raise RuntimeError(
+                f"weight sync of version {version} ended without {len(missing)} tensors that version "
+                f"{self.version} had, e.g. {missing[:5]}: the engine holds a mix of versions"
+            )
+        self.last_names, self.version, self.loading, self.stale_reason = names, version, None, None
+
+    def server_restarted(self, index: int, url: str) -> None:
+        """Server ``index`` came back with its checkpoint's weights and without a session."""
+        self.sessions.discard(index)
+        if self.version >= 0:
+            self._stale(f"server {url} restarted with its checkpoint's weights")
+
+    def refusal(self) -> str | None:
+        """Why the engine must not generate now (None: it may)."""
+        if self.stale_reason is None:
+            return None
+        return (f"the SGLang engine's weights are incomplete ({self.stale_reason}): finish a full weight "
+                "sync (update_weights ... last=True) before generating")  # fmt: skip
+
+    def _stale(self, reason: str) -> None:
+        self.stale_reason, self.names = reason, set()

@@ -45,7 +45,9 @@ class Batch:
     """Prompt and response tokens of the whole batch."""
 
 
-def batch_advantages(alg: AlgorithmConfig, max_new_tokens: int, groups: Sequence[Group]) -> tuple[list[float], dict[str, float]]:
+def batch_advantages(
+    alg: AlgorithmConfig, max_new_tokens: int, groups: Sequence[Group]
+) -> tuple[list[float], dict[str, float]]:
     """Rewards (+ DAPO overlong penalty, whose default length is ``max_new_tokens``) -> group-relative
     advantages, one per response in group order; and their metrics. Reads only the rewards and the
     responses' lengths (a completion's header is enough)."""
@@ -152,14 +154,20 @@ def sample_sizes(groups: Sequence[Group]) -> tuple[list[int], list[int]]:
     return lengths, loss_tokens
 
 
-def deliver_completions(fleet: RolloutFleet, groups: Sequence[Group], plan: UpdatePlan, *, release_all: bool = True) -> None:
+def deliver_completions(
+    fleet: RolloutFleet, groups: Sequence[Group], plan: UpdatePlan, *, release: Sequence[int] | None = None
+) -> None:
     """Collective: the tokens, logprobs and loss masks of the completions this rank's data-parallel
     replica trains (held on their engines' ranks since ``generate(payload="owners")``), filled into
-    them here; the other completions stay headers. Afterwards every held completion is dropped, or
-    with ``release_all=False`` (the asynchronous loop) only these."""
+    them here; the other completions stay headers. Afterwards the held completions ``release`` names
+    are dropped; None: every held one (``groups.py:Produced.release_payloads``: the asynchronous
+    producer's later batches stay held)."""
     completions = [c for g in groups for c in g.completions]
-    owners = {c.payload_id: fleet.replica_ranks(plan.owners[k]) for k, c in enumerate(completions) if c.payload_id is not None}
-    release = None if release_all else [c.payload_id for c in completions if c.payload_id is not None]
+    owners = {
+        c.payload_id: fleet.replica_ranks(plan.owners[k])
+        for k, c in enumerate(completions)
+        if c.payload_id is not None
+    }
     got = fleet.deliver_completions(owners, release)
     for c in completions:
         if c.payload_id in got:
@@ -168,39 +176,41 @@ def deliver_completions(fleet: RolloutFleet, groups: Sequence[Group], plan: Upda
 
 def prepare_update(
     alg: AlgorithmConfig, train: TrainConfig, max_new_tokens: int, ps: ParallelState, fleet: RolloutFleet,
-    groups: Sequence[Group], *, release_all: bool = True,
+    groups: Sequence[Group], *, release_payloads: Sequence[int] | None = None,
+    release_routes: Sequence[int] | None = None,
 ) -> tuple[Batch, UpdatePlan]:
     """The advantages phase: advantages and the update's plan from the rewards and the completions'
     sizes (on every rank), then this replica's completions delivered to it and made into its
-    samples, and (``algorithm.routing_replay=r3``) their engine routes. Returns this replica's
-    ``Batch`` and the ``local()`` plan indexing it. ``max_new_tokens``: the longest response (DAPO's
-    overlong default)."""
+    samples, and (``RolloutFleet.routes``: routing replay r3) their engine routes. Returns this
+    replica's ``Batch`` and the ``local()`` plan indexing it. ``max_new_tokens``: the longest response
+    (DAPO's overlong default). ``release_payloads`` / ``release_routes``: the held completions and
+    routes to drop afterwards (``Produced``'s); None: every held one."""
     advantages = batch_advantages(alg, max_new_tokens, groups)
     plan = plan_sizes(train, alg, ps, *sample_sizes(groups))
-    deliver_completions(fleet, groups, plan, release_all=release_all)
+    deliver_completions(fleet, groups, plan, release=release_payloads)
     local = plan.local()
     batch = build_samples(alg, max_new_tokens, groups, only=local.mine, advantages=advantages)
-    if alg.routing_replay == "r3":  # each sample's engine routes to the ranks that train it
-        deliver_engine_routes(fleet, groups, batch.samples, local, release_all=release_all)
+    if fleet.routes:  # each sample's engine routes (r3) to the ranks that train it
+        deliver_engine_routes(fleet, groups, batch.samples, local, release=release_routes)
     return batch, local
 
 
 def deliver_engine_routes(
-    fleet: RolloutFleet, groups: Sequence[Group], samples: Sequence[Sample], plan: UpdatePlan, *, release_all: bool = True
+    fleet: RolloutFleet, groups: Sequence[Group], samples: Sequence[Sample], plan: UpdatePlan, *,
+    release: Sequence[int] | None = None,
 ) -> None:
     """Collective (``algorithm.routing_replay=r3``): each sample's engine routes, held on its engine's
-    rank since the rollout (``RolloutFleet.generate(keep_routes=True)``), sent to the ranks of the
-    data-parallel replica that trains it, and set as ``Sample.routes["engine"]`` there only
-    (``samples``: every sample of the batch, or with a ``local()`` plan its ``mine``).
-    Afterwards every held route is dropped, or with ``release_all=False`` (the asynchronous loop,
-    whose later batches' routes are held too) only these samples'."""
+    rank since the rollout (``SamplingParams.routes``), sent to the ranks of the data-parallel replica
+    that trains it, and set as ``Sample.routes["engine"]`` there only (``samples``: every sample of the
+    batch, or with a ``local()`` plan its ``mine``). Afterwards the held routes ``release`` names are
+    dropped; None: every held route (``groups.py:Produced.release_routes``: the asynchronous
+    producer's later batches' routes stay held)."""
     completions = [c for g in groups for c in g.completions]
     owners = {
         c.route_id: fleet.replica_ranks(plan.owners[k])
         for k, c in enumerate(completions)
         if c.route_id is not None and plan.owners[k] >= 0
     }
-    release = None if release_all else [c.route_id for c in completions if c.route_id is not None]
     routes = fleet.deliver_routes(owners, release)
     at = {i: i for i in range(len(completions))} if plan.mine is None else {i: k for k, i in enumerate(plan.mine)}
     for k, c in enumerate(completions):

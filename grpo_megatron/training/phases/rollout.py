@@ -15,7 +15,7 @@ if TYPE_CHECKING:
     from grpo_megatron.data import PromptRecord
     from grpo_megatron.distributed.watchdog import ProgressWatchdog
     from grpo_megatron.rollout.config import RolloutConfig
-    from grpo_megatron.rollout.fleet import RolloutFleet
+    from grpo_megatron.rollout.fleet import PendingRollout, RolloutFleet
 
 
 def rollout_seed(train_seed: int, iteration: int, round_index: int = 0) -> int:
@@ -46,7 +46,10 @@ class Rollout:
             return nullcontext()
         return self.watchdog.long_phase("rollout (waiting for the engines)", self.long_phase_s)
 
-    def params(self, *, n: int, seed: int, greedy: bool = False) -> SamplingParams:
+    def params(self, *, n: int, seed: int, greedy: bool = False, routes: bool = False) -> SamplingParams:
+        """rollout.* sampling for ``n`` responses per prompt; ``routes``: the engines report (and the
+        fleet holds) each response's MoE routes, for the training rollouts of a job that replays them
+        (``RolloutFleet.routes``)."""
         r = self.cfg
         return SamplingParams(
             n=n,
@@ -58,21 +61,36 @@ class Rollout:
             stop_strings=(r.multiturn.call_close,) if r.multiturn.enabled else (),
             seed=seed,
             greedy=greedy,
+            routes=routes,
         )
 
     def generate(
-        self, records: Sequence[PromptRecord], params: SamplingParams, *, keep_routes: bool = False,
-        payload: Payload = "everywhere",
+        self, records: Sequence[PromptRecord], params: SamplingParams, *, payload: Payload = "everywhere"
     ) -> list[list[Completion]]:
         """``params.n`` completions per prompt, in prompt order, on every rank; with rollout.multiturn,
-        multi-turn trajectories (rollout/multiturn.py). With ``keep_routes`` the engines keep their
+        multi-turn trajectories (rollout/multiturn.py). With ``params.routes`` the engines keep their
         routes for ``phases/advantages.py:deliver_engine_routes``. ``payload``: where the tokens and
         logprobs go (``RolloutFleet.generate``; "owners": ``phases/advantages.py:prepare_update``
         delivers them); multi-turn episodes have them on every rank (each turn's prompts are made
         there)."""
-        with self._waiting():
-            if self.cfg.multiturn.enabled:
+        if self.cfg.multiturn.enabled:
+            with self._waiting():  # every turn's generation (submit and collect wait under it alike)
                 runner = EpisodeRunner(self.fleet, self.cfg.multiturn, self.tokenizer, self.env)
-                return [list[Completion](g) for g in runner.run(records, params, keep_routes=keep_routes)]
-            return self.fleet.generate([list(r.prompt_ids) for r in records], params, keep_routes=keep_routes,
-                                       payload=payload)  # fmt: skip
+                return [list[Completion](g) for g in runner.run(records, params)]
+        return self.collect(self.submit(records, params), payload=payload)
+
+    def submit(self, records: Sequence[PromptRecord], params: SamplingParams) -> PendingRollout:
+        """Start a single-turn rollout and return at once where the engines generate in processes of
+        their own (the asynchronous loop); ``collect`` (collective) takes its completions."""
+        if self.cfg.multiturn.enabled:
+            raise ValueError("multi-turn episodes are generated turn by turn: they cannot be submitted ahead")
+        with self._waiting():  # an engine in this process (``RolloutEngine.submit``'s default) generates here
+            return self.fleet.submit([list(r.prompt_ids) for r in records], params)
+
+    def collect(self, pending: PendingRollout, *, payload: Payload = "everywhere") -> list[list[Completion]]:
+        """Collective: the completions of ``submit``, in prompt order, on every rank, placed as
+        ``payload`` says (``RolloutFleet.collect``). The wait for the engines (the asynchronous loop's
+        batches, submitted ahead, end here) runs under the watchdog's long phase: a rank blocks in
+        one call for as long as the rollout takes."""
+        with self._waiting():
+            return self.fleet.collect(pending, payload=payload)

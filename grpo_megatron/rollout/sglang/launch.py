@@ -1,0 +1,432 @@
+"""How an SGLang engine is started: its server arguments, where its processes run, their environment.
+
+- **Colocated** engines (``rollout.sglang_mode=colocated``): one ``sglang.Engine`` per group of
+  ``rollout.sglang_tp`` consecutive trainer ranks (``colocated_layout``), started by the group's first
+  rank (the leader) on the group's GPUs (``colocated_server_args``: ``enable_memory_saver`` on a GPU,
+  so that it can give its memory to the trainer and take it back; on CPU the arguments of SGLang's
+  CPU engine, ``CPU_SERVER_ARGS``), its processes watched (``rollout/sglang/health.py``) and started
+  without the launcher's variables (``engine_environment``). ``start_colocated`` starts one.
+- **Disaggregated** servers (``rollout.sglang_mode=disaggregated``) are not started here: they run
+  already (``rollout.sglang_server_urls``) and are driven over HTTP (``rollout/sglang/nccl.py``).
+
+What an engine is started with beside the rollout section and the model is one ``EngineLaunch``
+(``SGLangEngine.from_config`` fills it from the job's placement). SGLang is imported only inside
+functions (``import_sglang``, after ``compat.install``).
+
+An engine wider than a node (``rollout.sglang_tp`` a multiple of the GPUs per node) uses SGLang's
+own multi-node launch (facts from SGLang 0.5.23's source, paths under ``python/sglang/srt/``):
+
+- ``ServerArgs`` fields ``nnodes``, ``node_rank``, ``dist_init_addr`` (``arg_groups/fields/parallel.py``)
+  and ``base_gpu_id`` (``arg_groups/fields/device.py``). ``sglang.Engine`` is started once per node,
+  each with the same ``tp_size`` and its ``node_rank``; node ``k`` runs the schedulers of TP ranks
+  ``[k * tp / nnodes, (k + 1) * tp / nnodes)``, TP rank ``i`` on GPU ``base_gpu_id + i % (tp /
+  nnodes)`` (``entrypoints/engine.py``: ``_calculate_rank_ranges``, ``_launch_scheduler_processes``).
+  With ``base_gpu_id=0`` and ranks laid out node-major, SGLang TP rank ``i`` runs on trainer rank
+  ``leader + i``'s GPU, as on one node.
+- ``dist_init_addr`` (``host:port``) is the TCP init method of SGLang's own torch.distributed group
+  (``distributed/bootstrap.py:_resolve_dist_init_method``): every node must name the same address,
+  on the first node's host. The group's ranks agree on it over torch.distributed
+  (``agree_engine_address``): the leader picks a free port on its host.
+- An Engine with ``node_rank >= 1`` launches only its node's schedulers, no tokenizer manager and
+  no detokenizer (``entrypoints/engine.py:_launch_subprocesses``: "Non-zero-rank nodes do not run
+  tokenizer processes"), and by default blocks in its constructor until the schedulers exit unless
+  the environment has ``SGLANG_BLOCK_NONZERO_RANK_CHILDREN=0`` (then it returns, with
+  ``tokenizer_manager`` None): so the starters on other nodes set it, keep their Engine alive, and
+  call nothing on it but ``shutdown``.
+- Every request goes through the first node: the tokenizer manager sends it to TP rank 0's
+  scheduler, which broadcasts it to every TP rank over the TP group's CPU (gloo) group, across
+  nodes (``managers/scheduler_components/request_receiver.py:_broadcast_reqs_across_ranks``). That
+  holds for ``update_weights_from_tensor``: the leader's list of per-TP-rank payloads reaches every
+  scheduler, and each deserializes only its own entry (``managers/tp_worker.py:deserialize_own_rank``),
+  a CUDA IPC handle made by the trainer rank on its own GPU and node: only the small handle strings
+  cross nodes, the bytes stay on each GPU. It holds as well for ``release_memory_occupation`` /
+  ``resume_memory_occupation`` and ``flush_cache``, scheduler requests handled on every TP rank
+  (``managers/scheduler_components/weight_updater.py``): the leader alone releases and resumes the
+  memory of every node of its engine.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import socket
+import tempfile
+import threading
+from collections.abc import Mapping, Sequence
+from datetime import timedelta
+from pathlib import Path
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from grpo_megatron.distributed.bootstrap import free_port
+from grpo_megatron.rollout.config import RolloutConfig
+from grpo_megatron.rollout.placement import RolloutPlacement, width_choices
+from grpo_megatron.rollout.sglang import compat
+from grpo_megatron.rollout.sglang.health import EngineProcesses, SignalState
+
+if TYPE_CHECKING:
+    from grpo_megatron.distributed.bootstrap import ParallelState
+    from grpo_megatron.rollout.engine import EngineSpec
+
+INSTALL_HINT = (
+    "rollout.engine=sglang needs SGLang: on a CUDA machine pip install 'grpo-megatron[gpu]'; on CPU "
+    "`make setup` installs SGLang's engine from the lock and its CPU kernels from WHEELHOUSE "
+    "(README: SGLang on CPU)"
+)
+class SGLangUnavailableError(ImportError):
+    """SGLang is not importable here: the message says how to install it."""
+
+
+def import_sglang() -> tuple[ModuleType, type, type]:
+    """``(sglang, FlattenedTensorBucket, MultiprocessingSerializer)``, imported now, or
+    ``SGLangUnavailableError`` naming the install command."""
+    compat.install()  # before SGLang's first import: it imports torchvision and registers configs
+    try:
+        import sglang
+        from sglang.srt.utils.common import MultiprocessingSerializer
+        from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
+    except ImportError as e:
+        raise SGLangUnavailableError(f"{INSTALL_HINT} (import failed: {e})") from e
+    return sglang, FlattenedTensorBucket, MultiprocessingSerializer
+
+
+LAUNCHER_VARIABLES = (
+    "TORCHELASTIC_USE_AGENT_STORE", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT",
+    "TORCHELASTIC_MAX_RESTARTS", "MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME",
+)  # fmt: skip
+"""torchrun's variables, kept from an engine's processes: with ``TORCHELASTIC_USE_AGENT_STORE=True``
+torch.distributed in SGLang's scheduler connects to the trainer's launcher store instead of its own
+rendezvous and waits there for good (seen: a colocated engine under torchrun never started)."""
+
+
+def engine_environment(device: torch.device) -> dict[str, str | None]:
+    """The environment an engine's processes start with, over the trainer's: no launcher variables
+    (``LAUNCHER_VARIABLES``); on CPU its schedulers' cores, one group per trainer rank of this node
+    (``cpu_threads_bind``; a binding the user set is kept)."""
+    env: dict[str, str | None] = dict.fromkeys(LAUNCHER_VARIABLES)
+    if device.type == "cpu" and not os.environ.get("SGLANG_CPU_OMP_THREADS_BIND"):
+        env["SGLANG_CPU_OMP_THREADS_BIND"] = cpu_threads_bind(int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    return env
+
+
+def engine_overrides(hf_config: Mapping[str, Any], hf_overrides: Mapping[str, Any] | None) -> dict[str, Any]:
+    """What SGLang's copy of the model config needs over the file: ``model.hf_overrides``, and
+    ``architectures`` when the file has none (SGLang picks its model class by it and fails on a config
+    without it; transformers needs only ``model_type``): transformers' causal-LM class for the type."""
+    out = dict(hf_overrides or {})
+    if not hf_config.get("architectures") and hf_config.get("model_type"):
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+        name = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(str(hf_config["model_type"]))
+        if name:
+            out["architectures"] = [name]
+    return out
+
+
+def colocated_group(rank: int, tp: int) -> tuple[int, list[int]]:
+    """``(leader, members)`` of the colocated engine group that trainer ``rank`` belongs to."""
+    leader = rank - rank % tp
+    return leader, list(range(leader, leader + tp))
+
+
+@dataclasses.dataclass(frozen=True)
+class ColocatedLayout:
+    """Where trainer ``rank`` stands in its colocated SGLang engine (``colocated_layout``)."""
+
+    leader: int
+    """The engine's first global rank: it starts the engine's first node and drives it (generation,
+    ``update_weights_from_tensor``, memory release/resume)."""
+    members: tuple[int, ...]
+    """The engine's ``rollout.sglang_tp`` consecutive global ranks; SGLang TP rank ``i`` is on
+    ``members[i]``'s GPU. Every one is a weight-sync destination."""
+    nnodes: int
+    """Nodes the engine spans (1: inside one node)."""
+    node_rank: int
+    """This rank's node within the engine (SGLang's ``node_rank``), 0 .. nnodes - 1."""
+    starter: bool
+    """This rank calls ``sglang.Engine``: the leader, and on a multi-node engine also local rank 0
+    of each further node (which only keeps its node's schedulers alive)."""
+    base_gpu_id: int
+    """SGLang's ``base_gpu_id`` on this rank's node: the engine's first GPU there."""
+
+    @property
+    def multi_node(self) -> bool:
+        return self.nnodes > 1
+
+
+def colocated_layout(rank: int, world_size: int, tp: int, gpus_per_node: int, local_rank: int) -> ColocatedLayout:
+    """Trainer ``rank``'s place in its colocated engine of ``tp`` (``rollout.sglang_tp``) GPUs.
+
+    Inside a node (``tp <= gpus_per_node``): ``tp`` must divide the GPUs per node and the world
+    size; the leader starts the engine with ``base_gpu_id`` its local rank. Across nodes: ``tp``
+    must be a multiple of the GPUs per node and divide the world size; the engine is ``tp``
+    consecutive global ranks, i.e. ``tp / gpus_per_node`` whole nodes when ranks are laid out
+    node-major (local rank = rank % gpus_per_node, as torchrun and the launchers here assign them;
+    ``engine_address`` checks it with every rank's host and local rank), and local rank 0 of each of
+    its nodes starts that node's part with ``base_gpu_id=0``. Depends only on the configuration and
+    the launch (the same verdict on every rank, so no rank raises alone before the collective
+    ``agree_engine_address``). Raises ``ValueError`` naming ``rollout.sglang_tp`` and the values
+    that would work."""
+    choices = width_choices(gpus_per_node, world_size)
+    if world_size % tp or (gpus_per_node % tp if tp <= gpus_per_node else tp % gpus_per_node):
+        raise ValueError(
+            f"rollout.sglang_tp={tp} does not fit {world_size} ranks with {gpus_per_node} GPUs per node "
+            f"(LOCAL_WORLD_SIZE): an engine spans a divisor of the GPUs per node, or whole nodes (a "
+            f"multiple of the GPUs per node), and the engines must tile the world size; set "
+            f"rollout.sglang_tp to one of {choices}"
+        )
+    leader, members = colocated_group(rank, tp)
+    if tp <= gpus_per_node:
+        return ColocatedLayout(leader, tuple(members), 1, 0, rank == leader, local_rank - (rank - leader))
+    node_rank = (rank - leader) // gpus_per_node
+    return ColocatedLayout(leader, tuple(members), tp // gpus_per_node, node_rank, rank % gpus_per_node == 0, 0)
+
+
+def engine_address(
+    layout: ColocatedLayout, ranks: Sequence[tuple[str, int]], port: int, gpus_per_node: int
+) -> str:
+    """SGLang's ``dist_init_addr`` of ``layout``'s engine, ``host:port`` of its first node, after
+    checking with every rank's ``(host name, LOCAL_RANK)`` (``ranks``, by global rank) that each
+    ``gpus_per_node`` block of the engine's ranks is one host with local ranks ``0 ..
+    gpus_per_node - 1`` in order, and the blocks are different hosts."""
+    tp = len(layout.members)
+    blocks = [layout.members[k : k + gpus_per_node] for k in range(0, tp, gpus_per_node)]
+    hosts = [sorted({ranks[r][0] for r in block}) for block in blocks]
+    node_major = all(ranks[r][1] == r % gpus_per_node for r in layout.members)
+    if not node_major or any(len(h) != 1 for h in hosts) or len({h[0] for h in hosts}) != len(blocks):
+        seen = "; ".join(
+            f"ranks {b[0]}-{b[-1]} on {h} with LOCAL_RANK {[ranks[r][1] for r in b]}"
+            for b, h in zip(blocks, hosts, strict=True)
+        )
+        raise ValueError(
+            f"rollout.sglang_tp={tp} makes ranks {layout.members[0]}-{layout.members[-1]} one SGLang engine "
+            f"over {len(blocks)} whole nodes of {gpus_per_node} GPUs (LOCAL_WORLD_SIZE), but {seen}: every "
+            f"node must run {gpus_per_node} consecutive ranks on local GPUs 0..{gpus_per_node - 1} (torchrun "
+            f"--nnodes N --nproc-per-node {gpus_per_node}, or srun one task per GPU with block distribution), "
+            f"or set rollout.sglang_tp to at most {gpus_per_node}"
+        )
+    return f"{hosts[0][0]}:{port}"
+
+
+def agree_engine_address(layout: ColocatedLayout, gpus_per_node: int, local_rank: int) -> str:
+    """Collective over the world: the ``dist_init_addr`` of this rank's multi-node engine, from every
+    rank's host name and local rank and the port its leader picked (``engine_address``). Every rank
+    calls it once while the fleet is built (the leader from ``SGLangEngine.from_config``, the other
+    ranks from ``SGLangSyncMember.from_config``), before anything that can fail on one rank alone."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    mine = (socket.gethostname(), local_rank, free_port("") if rank == layout.leader else None)
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    return engine_address(layout, [(h, lr) for h, lr, _ in everyone], everyone[layout.leader][2], gpus_per_node)
+
+
+_SET_BY_LAYOUT = ("tp_size", "nnodes", "node_rank", "dist_init_addr", "base_gpu_id")
+
+CPU_SERVER_ARGS: dict[str, Any] = {
+    "device": "cpu",
+    "attention_backend": "torch_native",  # triton fails on CPU; the CPU kernels' "intel_amx" needs AMX
+    "disable_cuda_graph": True,
+    "enable_memory_saver": False,  # torch_memory_saver needs libcuda: release/resume then free nothing
+    "enable_return_routed_experts": False,  # its host buffer is pinned memory, which needs CUDA
+    "max_total_tokens": 16384,  # else the KV pool is sized from free host memory
+}
+"""What SGLang's engine needs on CPU (seen with SGLang 0.5.23, ``SGLANG_USE_CPU_ENGINE=1``;
+../shared/GUIDE.md section 9). ``rollout.sglang_server_args`` still win over each."""
+
+
+def cpu_threads_bind(slots: int, cores: Sequence[int] | None = None) -> str:
+    """SGLang's ``SGLANG_CPU_OMP_THREADS_BIND`` for CPU engines colocated with ``slots`` trainer ranks
+    on this node: the cores split into ``slots`` contiguous groups, one per rank, ``|``-separated.
+    SGLang binds the scheduler of "GPU" ``i`` (``base_gpu_id`` + its TP rank, which is the local
+    rank of the trainer rank it sits beside) to group ``i``, as a GPU engine uses that rank's GPU.
+    With more ranks than cores, ranks share cores round-robin."""
+    cores = sorted(cores if cores is not None else os.sched_getaffinity(0))
+    groups = []
+    for i in range(slots):
+        mine = cores[i * len(cores) // slots : (i + 1) * len(cores) // slots] or [cores[i % len(cores)]]
+        contiguous = len(mine) > 1 and mine[-1] - mine[0] == len(mine) - 1
+        groups.append(f"{mine[0]}-{mine[-1]}" if contiguous else ",".join(map(str, mine)))
+    return "|".join(groups)
+
+
+def colocated_server_args(
+    rollout: RolloutConfig,
+    model_path: str,
+    launch: EngineLaunch,
+    hf_config: Mapping[str, Any],
+    *,
+    node_rank: int = 0,
+    weights_on_disk: bool = True,
+) -> dict[str, Any]:
+    """``sglang.Engine`` keyword arguments of a colocated engine of the model ``hf_config`` describes
+    (``rollout.sglang_server_args`` win), of ``launch``'s width and expert parallelism
+    (``rollout/placement.py``'s decision), on node ``node_rank`` of the ``launch.nnodes`` it spans; a
+    multi-node engine also gets SGLang's ``nnodes``, ``node_rank`` and ``dist_init_addr`` (the same on
+    every node, seed included).
+
+    Follows from the job, so that ``rollout.engine=sglang`` needs no other setting:
+    - a CPU ``launch.device``: the arguments SGLang's CPU engine requires (``CPU_SERVER_ARGS``); an
+      unset one is a GPU's (a plan's, a further node's);
+    - no weight files at ``model_path`` (a model the trainer initialises, like the demo's): SGLang
+      starts with random weights (``load_format="dummy"``); the run's first weight sync, before any
+      generation, replaces them;
+    - ``model.hf_overrides`` (``launch.hf_overrides``) reach SGLang's copy of the config
+      (``json_model_override_args``, ``engine_overrides``);
+    - routed experts are reported only by a MoE engine whose routes are replayed (``launch.routes``)."""
+    tp_size, ep_size = launch.shape(rollout)
+    nnodes, dist_init_addr = launch.nnodes, launch.dist_init_addr
+    device = torch.device(launch.device).type if launch.device else "cuda"
+    moe = "num_experts_per_tok" in hf_config
+    hf_overrides = engine_overrides(hf_config, launch.hf_overrides)
+    if nnodes > 1:
+        fixed = sorted(k for k in _SET_BY_LAYOUT if k in rollout.sglang_server_args)
+        if fixed:
+            raise ValueError(
+                f"rollout.sglang_server_args sets {fixed}: an engine across nodes gets them from "
+                f"its width ({tp_size} GPUs, rollout.sglang_tp) and the ranks' layout; remove them"
+            )
+        if dist_init_addr is None:
+            raise ValueError("an SGLang engine across nodes needs dist_init_addr (agree_engine_address)")
+    args: dict[str, Any] = {
+        "model_path": model_path,
+        "tp_size": tp_size,
+        "ep_size": ep_size,
+        "base_gpu_id": launch.base_gpu_id,
+        "mem_fraction_static": rollout.gpu_memory_utilization,
+        "enable_memory_saver": True,
+        "dtype": launch.dtype,
+        "random_seed": launch.seed,
+        # Routed experts only where they are replayed (algorithm.routing_replay=r3): each request that
+        # asks gets about 2 KB per token through SGLang's detokenizer (protocol.py:generate_request).
+        "enable_return_routed_experts": moe and launch.routes and rollout.sglang_routed_experts,
+        "log_level": "error",
+        # Idle, SGLang's scheduler polls its sockets without pause: a host core per engine spent while
+        # the trainer trains beside it (on CPU, the trainer's own cores: seen 75% of each of 2).
+        "sleep_on_idle": True,
+    }
+    if device == "cpu":
+        args.update(CPU_SERVER_ARGS)
+    if not weights_on_disk:
+        args["load_format"] = "dummy"
+    if hf_overrides:
+        args["json_model_override_args"] = json.dumps(hf_overrides)
+    if nnodes > 1:
+        args.update(nnodes=nnodes, node_rank=node_rank, dist_init_addr=dist_init_addr)
+    else:
+        # The TCP port of the engine's own torch.distributed group. SGLang draws it from Python's
+        # `random`, which every trainer rank seeds alike: engines starting together on one host
+        # drew the same port and their schedulers waited on each other's rendezvous for good.
+        args["nccl_port"] = free_port("")
+    return {**args, **rollout.sglang_server_args}
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineLaunch:
+    """What a colocated engine is started with beside the rollout section and the model path
+    (``SGLangEngine.from_config`` fills it from the job's ``EngineSpec`` and placement; tests and
+    benches give what they need). An engine over given servers, or disaggregated servers, uses only
+    ``device``, ``dtype``, ``seed``, ``routes`` and (disaggregated) ``group_timeout``."""
+
+    dtype: str = "bfloat16"
+    seed: int = 0
+    """SGLang's ``random_seed``, and the base of the sampling seeds drawn for unseeded requests."""
+    device: str = ""
+    """A torch device ("cuda", "cuda:1", "cpu": SGLang's CPU engine); "" = cuda where available, else cpu."""
+    base_gpu_id: int = 0
+    tp_size: int = 0
+    """The engine's GPUs (SGLang's ``tp_size``): the placement's width; 0 = ``rollout.sglang_tp`` or 1."""
+    ep_size: int = 0
+    """Expert parallelism inside the engine: the placement's; 0 = ``rollout.sglang_ep`` or 1."""
+    nnodes: int = 1
+    dist_init_addr: str | None = None
+    """A multi-node engine's address (``agree_engine_address``)."""
+    hf_overrides: Mapping[str, Any] | None = None
+    """``model.hf_overrides``: SGLang's copy of the config gets them too."""
+    rank: int = 0
+    """The trainer rank that starts (leads) the engine: its log file's name."""
+    log_dir: str | os.PathLike | None = None
+    """Where its processes log; None = the system's temporary directory."""
+    tokenizer_path: str | None = None
+    """``data.tokenizer_path``, beside the model's; None = the model's."""
+    routes: bool = True
+    """Start a MoE engine able to report routed experts (``enable_return_routed_experts``): only when
+    the job replays them (``EngineSpec.record_routes``: ``algorithm.routing_replay=r3``)."""
+    group_timeout: timedelta | None = None
+    """Disaggregated servers: the collective timeout of the weight group the trainer joins them in,
+    the job's (``parallel.timeout_minutes``); None: ``rollout.sglang_request_timeout_s``."""
+
+    def torch_device(self) -> torch.device:
+        return torch.device(self.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+
+    def shape(self, rollout: RolloutConfig) -> tuple[int, int]:
+        """(tp_size, ep_size): as given (``from_config`` passes the placement's), else for an engine
+        built directly ``rollout.sglang_tp`` / ``rollout.sglang_ep`` (0 = 1)."""
+        return self.tp_size or rollout.sglang_tp or 1, self.ep_size or rollout.sglang_ep or 1
+
+
+def start_colocated(
+    rollout: RolloutConfig,
+    model_path: str,
+    launch: EngineLaunch,
+    hf_config: Mapping[str, Any],
+    *,
+    weights_on_disk: bool,
+) -> tuple[Any, EngineProcesses, dict[str, Any]]:
+    """Start this leader's ``sglang.Engine`` (its first node's part): ``(engine, its processes, the server
+    arguments it got)``. Its processes log to ``<log_dir>/engine-rank<R>-<pid>.log``, start with SIGTERM
+    ignored and without the launcher's variables; from the main thread, the trainer's signal handlers
+    that SGLang replaces are taken back."""
+    sglang, _, _ = import_sglang()
+    device = launch.torch_device()
+    launch = dataclasses.replace(launch, device=str(device))
+    server_args = colocated_server_args(rollout, model_path, launch, hf_config, weights_on_disk=weights_on_disk)
+    if launch.tokenizer_path and "tokenizer_path" not in rollout.sglang_server_args:
+        server_args["tokenizer_path"] = str(launch.tokenizer_path)  # data.tokenizer_path, beside the model's
+    log_path = Path(launch.log_dir or tempfile.gettempdir()) / f"engine-rank{launch.rank}-{os.getpid()}.log"
+    health = EngineProcesses(launch.rank, log_path)
+    signals = SignalState() if threading.current_thread() is threading.main_thread() else None
+    with compat.child_environment(engine_environment(device)), health.start():
+        engine = sglang.Engine(**server_args)
+    if signals is not None:
+        health.take_back_signals(engine, signals)
+    print(f"[rollout] SGLang engine of rank {launch.rank}: its processes log to {log_path}", flush=True)
+    return engine, health, server_args
+
+
+def start_node_part(spec: EngineSpec, layout: ColocatedLayout, address: str, ep_size: int) -> Any:
+    """``sglang.Engine`` for node ``layout.node_rank`` >= 1 of a multi-node colocated engine: the same
+    arguments as the leader's (seed included) but this node's rank. SGLang's Engine on such a node
+    runs only the schedulers and by default never returns from its constructor; with
+    ``SGLANG_BLOCK_NONZERO_RANK_CHILDREN=0`` it returns once they are up (see the module docstring)."""
+    sglang, _, _ = import_sglang()
+    rollout, model = spec.rollout, spec.model
+    launch = EngineLaunch(
+        model.dtype, spec.seed + layout.leader, "cuda", base_gpu_id=layout.base_gpu_id, tp_size=len(layout.members),
+        ep_size=ep_size, nnodes=layout.nnodes, dist_init_addr=address, hf_overrides=model.hf_overrides,
+        routes=spec.record_routes,
+    )  # fmt: skip
+    hf_config = {**read_hf_config(model.hf_path), **(model.hf_overrides or {})}
+    args = colocated_server_args(rollout, str(model.hf_path), launch, hf_config, node_rank=layout.node_rank)
+    os.environ["SGLANG_BLOCK_NONZERO_RANK_CHILDREN"] = "0"  # read by SGLang in this process only
+    with compat.child_environment(engine_environment(torch.device("cuda"))):
+        return sglang.Engine(**args)
+
+
+def layout_of(placement: RolloutPlacement, ps: ParallelState) -> tuple[ColocatedLayout, int, int]:
+    """(this rank's ``ColocatedLayout``, GPUs per node, local rank) for the placement's engine width
+    (the launcher's LOCAL_RANK; torchrun and the launch scripts set it)."""
+    gpus_per_node = placement.gpus_per_node
+    local_rank = int(os.environ.get("LOCAL_RANK", ps.rank % gpus_per_node))
+    layout = colocated_layout(ps.rank, ps.world_size, placement.gpus_per_engine, gpus_per_node, local_rank)
+    return layout, gpus_per_node, local_rank
+
+
+def read_hf_config(model_path: str | os.PathLike) -> dict[str, Any]:
+    path = Path(model_path) / "config.json"
+    return json.loads(path.read_text()) if path.is_file() else {}

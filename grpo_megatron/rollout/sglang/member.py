@@ -1,0 +1,132 @@
+"""The other GPUs of a colocated SGLang engine: each is a destination of the weight sync of its own.
+
+An engine of ``rollout.sglang_tp`` GPUs is led from its first trainer rank (``rollout/sglang/engine.py``);
+every other rank of the group holds an ``SGLangSyncMember``, which receives exactly what its SGLang TP
+rank loads and hands it to the leader as one payload per round (``rollout/sglang/ipc.py``). On the first
+GPU of each further node of a multi-node engine it also keeps that node's part of the engine alive.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from grpo_megatron.rollout.config import RolloutConfig
+from grpo_megatron.rollout.engine import Bucket, EngineSpec, Manifest
+from grpo_megatron.rollout.placement import RolloutPlacement, runtime_placement
+from grpo_megatron.rollout.sglang.ipc import EngineGroupFeed, contribution
+from grpo_megatron.rollout.sglang.launch import (
+    agree_engine_address,
+    import_sglang,
+    layout_of,
+    read_hf_config,
+    start_node_part,
+)
+from grpo_megatron.rollout.sglang.shards import rank_needs
+from grpo_megatron.rollout.sglang.weights import (
+    bucket_errors,
+    checkpoint_shapes,
+    tied_output_head,
+    with_output_head,
+)
+
+if TYPE_CHECKING:
+    from grpo_megatron.distributed.bootstrap import ParallelState
+    from grpo_megatron.rollout.sglang.shards import ExpertBlock
+
+
+class SGLangSyncMember:
+    """The weight sync on a GPU of a colocated SGLang engine other than its leader's (SGLang TP rank
+    ``tp_rank`` runs on it): it receives exactly what that rank loads (``weight_needs``), makes each
+    round's bucket one payload on this GPU and hands it to the leader, which loads every GPU's
+    payload in one ``update_weights_from_tensor`` call (``rollout/sglang/ipc.py``). It generates
+    nothing (generation goes through the leader). A ``WeightSink`` (``rollout/engine.py``).
+
+    On the first GPU of a further node of an engine that spans several nodes it also holds
+    ``node_engine``, the ``sglang.Engine`` of that node's part (``node_rank`` >= 1): SGLang's
+    schedulers of the node's GPUs, driven from the leader's Engine (requests, weight loads and
+    memory release/resume reach them through SGLang's own TP group), so it is only kept alive and
+    shut down."""
+
+    weight_version: int = -1
+
+    def __init__(
+        self,
+        rollout: RolloutConfig,
+        model_path: str,
+        members: Sequence[int],
+        tp_rank: int,
+        device: torch.device | str,
+        node_engine: Any = None,
+        ep_size: int = 1,
+    ):
+        _, flattened_cls, serializer = import_sglang()
+        self.rollout = rollout
+        self.model_path = str(model_path)
+        self.sync_group_ranks = tuple(members)
+        self.tp_rank = tp_rank
+        self.device = device
+        self.node_engine = node_engine
+        self._classes = (flattened_cls, serializer)
+        self._hf_config = read_hf_config(model_path)
+        self.tied_head = tied_output_head(self._hf_config)
+        self.tp_size = len(self.sync_group_ranks)
+        self.ep_size = ep_size  # rollout/placement.py's engine EP
+        self._expected_shapes = checkpoint_shapes(model_path)
+        self.feed = EngineGroupFeed(members)
+
+    @classmethod
+    def from_config(
+        cls, spec: EngineSpec, ps: ParallelState, placement: RolloutPlacement | None = None
+    ) -> SGLangSyncMember | None:
+        """This rank's member, when a colocated engine led from another rank uses its GPU; on a
+        multi-node engine (collective: every non-leader rank calls it once while the fleet is built),
+        the first rank of each further node also starts that node's part of the engine."""
+        rollout = spec.rollout
+        placement = placement or runtime_placement(spec, ps, read_hf_config(spec.model.hf_path))
+        layout, gpus_per_node, local_rank = layout_of(placement, ps)
+        if ps.rank == layout.leader:
+            return None
+        node_engine = None
+        if layout.multi_node:
+            address = agree_engine_address(layout, gpus_per_node, local_rank)
+            if layout.starter:
+                node_engine = start_node_part(spec, layout, address, placement.engine_ep)
+        return cls(rollout, spec.model.hf_path, layout.members, ps.rank - layout.leader, ps.device, node_engine,
+                   ep_size=placement.engine_ep)  # fmt: skip
+
+    def shutdown(self) -> None:
+        """Stop this node's part of the engine, if this rank started one."""
+        if self.node_engine is not None:
+            self.node_engine.shutdown()
+            self.node_engine = None
+
+    def weight_needs(self) -> ExpertBlock | None:
+        return rank_needs(self._hf_config, self.tp_size, self.ep_size, self.tp_rank)
+
+    def bind_sync_group(self, group: Any) -> None:
+        self.feed.group = group
+
+    def check_manifest(self, manifest: Manifest, version: int) -> list[str]:
+        return []  # as the leader: SGLang judges a tensor when it loads it
+
+    def load_target(self, name: str) -> torch.Tensor | None:
+        return None  # SGLang's loader copies from the payload
+
+    def abort_update(self, version: int) -> None:
+        return None
+
+    def update_weights(self, bucket: Bucket, *, version: int, last: bool) -> None:
+        try:
+            errors = bucket_errors(bucket, self._expected_shapes, f"the checkpoint at {self.model_path}")
+            if errors:
+                raise ValueError(f"weight sync of version {version}: {'; '.join(errors[:5])}")
+            mine = contribution(with_output_head(bucket, self.tied_head), self._classes, self.device)
+        except Exception as exc:  # handed to the leader like a payload: every GPU fails this round together
+            self.feed.contribute((None, False, f"{type(exc).__name__}: {exc}"))
+            raise
+        self.feed.contribute(mine)
+        if last:
+            self.weight_version = version

@@ -1,0 +1,82 @@
+"""Launching the CLI on several processes as a user would (torchrun), and comparing what runs wrote:
+the helpers of every end-to-end test (tests/test_train.py and the tests of async, preemption, faults,
+multi-turn, SGLang and the recipes)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from grpo_megatron.logging_utils.metrics import read_jsonl
+from tests.helpers.dist import REPO_ROOT, free_port
+
+DEMO = REPO_ROOT / "examples" / "demo.yaml"
+SMALL = [
+    "train.prompts_per_iteration=4",
+    "rollout.n_samples_per_prompt=4",
+    "data.num_train_prompts=256",
+    "data.num_eval_prompts=8",
+    "train.micro_batch_size=8",
+    "logging.wandb_mode=disabled",
+    "logging.progress_bar=false",
+    "parallel.backend=gloo",  # CPU on any machine
+    "parallel.timeout_minutes=3",  # a rank stuck in a collective fails the test instead of hanging it
+]
+# Keys that measure wall time differ between any two runs; everything else must match bitwise.
+TIMING_PREFIXES = ("time/", "throughput/", "sync/")
+
+
+def launch(command: str, overrides: list[str], *, world_size: int = 2, config: Path = DEMO) -> subprocess.Popen:
+    env = dict(os.environ, OMP_NUM_THREADS="1", TORCH_COMPILE_DISABLE="1", WANDB_SILENT="true")
+    args = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(world_size),
+        "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
+        "-m", "grpo_megatron", command, str(config), *overrides,
+    ]
+    return subprocess.Popen(
+        args, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        start_new_session=True,
+    )
+
+
+def kill_after_checkpoint(proc: subprocess.Popen, run_dir: Path, iteration: int = 2) -> None:
+    """SIGKILL the whole job (its session: engine and reward processes too), as a scheduler's
+    preemption would, once its checkpoint of ``iteration`` is the latest."""
+    latest = run_dir / "checkpoints" / "latest"
+    deadline = time.monotonic() + 300
+    while not (latest.is_file() and latest.read_text().strip().endswith(str(iteration))):
+        assert proc.poll() is None or latest.is_file(), proc.stdout.read()[-4000:]
+        assert time.monotonic() < deadline, f"no checkpoint at iteration {iteration}"
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.communicate()
+
+
+def killed_and_resumed(overrides: list[str], run_dir: Path, *, config: Path = DEMO) -> list[dict]:
+    """Train into ``run_dir``, kill the job after its checkpoint of iteration 2, resume it to the end:
+    its metrics rows, wall times left out (``comparable``)."""
+    proc = launch("train", [*overrides, f"logging.run_dir={run_dir}"], config=config)
+    kill_after_checkpoint(proc, run_dir)
+    finish(launch("train", [*overrides, f"logging.run_dir={run_dir}", "checkpoint.resume=auto"], config=config))
+    return [comparable(r) for r in read_jsonl(run_dir / "metrics.jsonl")]
+
+
+def finish(proc: subprocess.Popen, timeout_s: float = 300) -> str:
+    try:
+        out, _ = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        pytest.fail(f"timed out after {timeout_s} s:\n{out[-4000:]}")
+    assert proc.returncode == 0, out[-6000:]
+    return out
+
+
+def comparable(record: dict) -> dict:
+    return {k: v for k, v in record.items() if not k.startswith(TIMING_PREFIXES)}
