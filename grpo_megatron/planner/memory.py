@@ -235,8 +235,12 @@ def _stage_lines(cfg: JobConfig, hf: Mapping[str, Any], layout: Layout, opts: Pl
         act += output_activation_bytes(vp, layout, act_bytes) * tokens
     lora_note = f" of the LoRA adapters ({human_count(trainable.total)})" if cfg.model.lora.enabled else ""
     state = {
-        "params": Line("parameters", counts.total * pbytes / GIB, f"{human_count(counts.total)} on this rank ({cfg.model.dtype})"),
-        "grads": Line("gradients", trainable.total * opts.grad_bytes / GIB, f"fp{8 * opts.grad_bytes} main grads" + lora_note),
+        "params": Line(
+            "parameters", counts.total * pbytes / GIB, f"{human_count(counts.total)} on this rank ({cfg.model.dtype})"
+        ),
+        "grads": Line(
+            "gradients", trainable.total * opts.grad_bytes / GIB, f"fp{8 * opts.grad_bytes} main grads" + lora_note
+        ),
         "optimizer": Line(
             "optimizer state",
             (trainable.dense * opt_bytes / dense_shards + trainable.expert * opt_bytes / expert_shards) / GIB,
@@ -245,7 +249,9 @@ def _stage_lines(cfg: JobConfig, hf: Mapping[str, Any], layout: Layout, opts: Pl
     }
     if cfg.algorithm.kl.enabled and not cfg.model.lora.enabled:  # LoRA: the reference is the base, no copy
         where = "on the CPU but in the reference pass" if cfg.train.reference_on_cpu else "resident, never offloaded"
-        state["reference"] = Line("reference model", counts.total * pbytes / GIB, f"frozen copy, same sharding; {where}")
+        state["reference"] = Line(
+            "reference model", counts.total * pbytes / GIB, f"frozen copy, same sharding; {where}"
+        )
     training = [Line("activations", act / GIB, act_note)]
     if d.num_experts:
         dispatch = dispatch_buffer_bytes(d, layout, act_bytes, tokens, opts.moe_imbalance)
@@ -260,7 +266,11 @@ def _engine_lines(
     if placement.engine == "embedded":
         copy = total_params(hf) * DTYPE_BYTES[cfg.model.dtype] / GIB
         note = "rollout.engine=embedded: its KV cache lives inside a generate call and is not planned"
-        return {"weights": Line("engine weights", copy, f"the embedded engine's copy of the model ({cfg.model.dtype})")}, None, [note]
+        return (
+            {"weights": Line("engine weights", copy, f"the embedded engine's copy of the model ({cfg.model.dtype})")},
+            None,
+            [note],
+        )
     if not placement.colocated_sglang:
         return {}, None, ["disaggregated SGLang servers: no engine on the trainer's GPUs"]
     d = ModelDims.from_hf(hf)
@@ -272,7 +282,11 @@ def _engine_lines(
     kv_tokens = max(0, int(kv // kv_bytes_per_token(d, width)))
     lines = {
         "weights": Line("engine weights", weights / GIB, f"{human_count(all_params)} / {width} GPUs per engine"),
-        "kv_cache": Line("engine KV cache", max(kv, 0) / GIB, f"{kv_tokens:,} tokens ({kv_tokens // max(seq_len, 1):,} full sequences)"),
+        "kv_cache": Line(
+            "engine KV cache",
+            max(kv, 0) / GIB,
+            f"{kv_tokens:,} tokens ({kv_tokens // max(seq_len, 1):,} full sequences)",
+        ),
     }
     notes = []
     if kv <= 0:
@@ -298,7 +312,11 @@ def _phase(
     if phase in ("sync", "probe") and engine:  # a weight sync lands on this GPU
         bucket = cfg.rollout.sync_bucket_mb / 1024
         buffers = bucket * (2 + cfg.rollout.sync_rounds_in_flight / 4)
-        lines.append(Line("weight-sync buffers", buffers, f"2 buckets + {cfg.rollout.sync_rounds_in_flight} rounds of a quarter"))
+        lines.append(
+            Line(
+                "weight-sync buffers", buffers, f"2 buckets + {cfg.rollout.sync_rounds_in_flight} rounds of a quarter"
+            )
+        )
     lines.append(Line("runtime reserve", opts.reserve_gib, "CUDA context, NCCL, fragmentation"))
     return lines
 
@@ -342,7 +360,11 @@ def _lora_notes(cfg: JobConfig, trainer: _Trainer) -> list[str]:
     return [
         f"model.lora rank {lora.rank} on {', '.join(lora.targets)}: {human_count(t.total)} trainable parameters on "
         f"this rank ({share:.2%}); gradients and optimizer state for them only; "
-        + ("the reference is the policy with its adapters off (no copy)" if cfg.algorithm.kl.enabled else "no KL, no reference")
+        + (
+            "the reference is the policy with its adapters off (no copy)"
+            if cfg.algorithm.kl.enabled
+            else "no KL, no reference"
+        )
     ]
 
 
@@ -404,7 +426,9 @@ def _trainer_variants(cfg: JobConfig, plan: MemoryPlan, world_size: int) -> list
     mb = tokens_per_micro_batch(cfg)
     if mb >= 2 * plan.seq_len or cfg.train.max_tokens_per_micro_batch is None and cfg.train.micro_batch_size > 1:
         half = max(mb // 2, plan.seq_len)
-        out.append((f"train.max_tokens_per_micro_batch={half}", _variant(cfg, "train", max_tokens_per_micro_batch=half)))
+        out.append(
+            (f"train.max_tokens_per_micro_batch={half}", _variant(cfg, "train", max_tokens_per_micro_batch=half))
+        )
     if plan.params_rank.expert:
         ep = _next_multiple(par.ep, world_size, lambda x: True)
         if ep:
@@ -414,7 +438,9 @@ def _trainer_variants(cfg: JobConfig, plan: MemoryPlan, world_size: int) -> list
         if value:
             out.append((f"parallel.{name}={value}", _variant(cfg, "parallel", **{name: value})))
     if not par.use_distributed_optimizer:
-        out.append(("parallel.use_distributed_optimizer=true", _variant(cfg, "parallel", use_distributed_optimizer=True)))
+        out.append(
+            ("parallel.use_distributed_optimizer=true", _variant(cfg, "parallel", use_distributed_optimizer=True))
+        )
     return out
 
 
@@ -481,7 +507,9 @@ def render(plan: MemoryPlan, cfg: JobConfig, receives_gb: float | None = None) -
         + f" | {plan.gpu.name} ({plan.gpu.memory_gib:.1f} GiB) | micro-batch {plan.tokens_per_micro_batch:,} tokens"
     )
     parts: list[Any] = [head] + [Text(line) for line in placement_lines(plan.placement, receives_gb)]
-    table = Table(title=f"memory per GPU by phase, GiB (busiest rank: pipeline stage {plan.peak_stage})", title_justify="left")
+    table = Table(
+        title=f"memory per GPU by phase, GiB (busiest rank: pipeline stage {plan.peak_stage})", title_justify="left"
+    )
     table.add_column("per GPU")
     names = list(plan.phases)
     for name in names:
