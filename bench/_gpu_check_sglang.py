@@ -116,10 +116,14 @@ def stage_sglang_engine(args: argparse.Namespace, out: Path, stage: Any, env: di
     steps = data.get("steps", {})
     gen, sync = steps.get("generate", {}), steps.get("sync", {})
     stage.status = "FAILED" if problems else "ok"
+    nan = float("nan")
+    start_s = steps.get("engine_start", {}).get("seconds", nan)
+    score = steps.get("score", {}).get("max_abs_vs_hf", nan)
+    release_s = steps.get("release", {}).get("seconds", nan)
     stage.summary = (
-        f"SGLang {data.get('sglang', '?')}: start {steps.get('engine_start', {}).get('seconds', float('nan')):.0f} s, "
-        f"{gen.get('tokens_per_s', 0)} tokens/s, score vs transformers max {steps.get('score', {}).get('max_abs_vs_hf', float('nan')):.1e}, "
-        f"sync {sync.get('bytes', 0) / 2**20:.1f} MiB at {sync.get('gb_per_s', 0):.3g} GB/s, release {steps.get('release', {}).get('seconds', float('nan')):.3f} s"
+        f"SGLang {data.get('sglang', '?')}: start {start_s:.0f} s, "
+        f"{gen.get('tokens_per_s', 0)} tokens/s, score vs transformers max {score:.1e}, "
+        f"sync {sync.get('bytes', 0) / 2**20:.1f} MiB at {sync.get('gb_per_s', 0):.3g} GB/s, release {release_s:.3f} s"
     )
     if problems:
         stage.summary += " - " + "; ".join(problems) + "\n" + _tail(log)
@@ -149,7 +153,9 @@ def engine_problems(data: dict[str, Any], rc: int) -> list[str]:
 class TrainRun:
     """One train CLI run (torchrun, one rank) with colocated SGLang, in ``root/<name>``."""
 
-    def __init__(self, args: argparse.Namespace, root: Path, name: str, extra: list[str], env: dict[str, str]) -> None:
+    def __init__(
+        self, args: argparse.Namespace, root: Path, name: str, extra: list[str], env: dict[str, str]
+    ) -> None:
         self.args, self.run_dir, self.extra, self.env = args, root / name, extra, env
         self.log = root / f"{name}.log"
 
@@ -163,7 +169,9 @@ class TrainRun:
             *self.extra, *more,
         ]  # fmt: skip
         with self.log.open("a") as f:
-            return subprocess.Popen(cmd, cwd=REPO, env=self.env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+            return subprocess.Popen(
+                cmd, cwd=REPO, env=self.env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True
+            )
 
     def metrics(self) -> list[dict[str, Any]]:
         path = self.run_dir / "metrics.jsonl"
@@ -240,5 +248,7 @@ def train_problems(details: dict[str, Any]) -> list[str]:
         problems.append(f"the r3 run logged {details['replay_iterations']} iterations, not 3")
     cached = details["cached_at_resume_gib"]
     if cached == cached and cached > CACHED_AT_RESUME_LIMIT_GIB:  # NaN: not measured (CPU)
-        problems.append(f"the trainer held {cached:.2f} GiB of cached blocks at an engine resume (> {CACHED_AT_RESUME_LIMIT_GIB})")
+        problems.append(
+            f"the trainer held {cached:.2f} GiB of cached blocks at an engine resume (> {CACHED_AT_RESUME_LIMIT_GIB})"
+        )
     return problems

@@ -236,7 +236,11 @@ def stage_resume(args: argparse.Namespace, out: Path, stage: Stage) -> None:
     stage.summary = (
         f"train CLI, fp32, offload + checkpoints: killed after the iteration-2 checkpoint ({killed_at} "
         f"records logged), resumed; {len(got)} records "
-        + ("equal to the uninterrupted run's (every key but times and device memory left)" if equal else f"DIFFER in {differing[:8]}")
+        + (
+            "equal to the uninterrupted run's (every key but times and device memory left)"
+            if equal
+            else f"DIFFER in {differing[:8]}"
+        )
     )
 
 
@@ -300,7 +304,10 @@ def stage_pytest(args: argparse.Namespace, out: Path, stage: Stage) -> None:
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs", "--durations=0", *tests]
     rc = run(cmd, out / "pytest.log", python_env(args.device), timeout_s=args.pytest_timeout)
     lines = [line for line in out.joinpath("pytest.log").read_text(errors="replace").splitlines() if line.strip()]
-    result = next((line.strip("= ") for line in reversed(lines) if " in " in line and ("passed" in line or "failed" in line)), "")
+    result = next(
+        (line.strip("= ") for line in reversed(lines) if " in " in line and ("passed" in line or "failed" in line)),
+        "",
+    )
     stage.status = "ok" if rc == 0 else "FAILED"
     stage.summary = f"{', '.join(t.removeprefix('tests/') for t in tests)}: {result or f'exit {rc}'}"
     if rc != 0:
@@ -312,12 +319,27 @@ def stage_te(args: argparse.Namespace, out: Path, stage: Stage) -> None:
     machine: ../shared/GUIDE.md section 10)."""
     if importlib.util.find_spec("transformer_engine") is None:
         stage.status = "skipped"
-        stage.summary = "TransformerEngine is not importable here (no wheel fits the lent machine's torch: GUIDE section 10)"
+        stage.summary = (
+            "TransformerEngine is not importable here (no wheel fits the lent machine's torch: GUIDE section 10)"
+        )
         return
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs", "tests/test_gpu.py", "-k", "transformer_engine"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        "-rs",
+        "tests/test_gpu.py",
+        "-k",
+        "transformer_engine",
+    ]
     rc = run(cmd, out / "te.log", python_env(args.device), timeout_s=240)
     stage.status = "ok" if rc == 0 else "FAILED"
-    stage.summary = f"tests/test_gpu.py -k transformer_engine: exit {rc}" + ("" if rc == 0 else "\n" + tail(out / "te.log"))
+    stage.summary = f"tests/test_gpu.py -k transformer_engine: exit {rc}" + (
+        "" if rc == 0 else "\n" + tail(out / "te.log")
+    )
 
 
 def sglang_env(device: str) -> dict[str, str]:
@@ -358,7 +380,17 @@ def stage_sglang(args: argparse.Namespace, out: Path, stage: Stage) -> None:
         stage.status, stage.summary = "skipped", "sglang is not installed in this Python"
         return
     result = out / "sglang.json"
-    cmd = [sys.executable, str(SMOKE), "--device", "cuda", "--sglang-only", "--iterations", "2", "--json", str(result)]
+    cmd = [
+        sys.executable,
+        str(SMOKE),
+        "--device",
+        "cuda",
+        "--sglang-only",
+        "--iterations",
+        "2",
+        "--json",
+        str(result),
+    ]
     rc = run(cmd, out / "sglang.log", python_env(args.device), timeout_s=240)
     data = json.loads(result.read_text()) if result.is_file() else {}
     if "sglang_skipped" in data:
@@ -396,7 +428,9 @@ def table_rows(details: dict[str, Any], device: str) -> list[tuple[str, str]]:
     mfu = (
         f"MFU {d['mfu'] * 100:.1f}%"
         if d.get("mfu") is not None
-        else "MFU n/a (CPU)" if device == "cpu" else "MFU n/a (no bf16 peak known for this device)"
+        else "MFU n/a (CPU)"
+        if device == "cpu"
+        else "MFU n/a (no bf16 peak known for this device)"
     )
     rows = [
         ("model", d["model"]),
@@ -499,8 +533,12 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=None, help="output folder (default runs/gpu_check/<time>)")
     parser.add_argument("--stages", default=",".join(STAGES), help=f"comma-separated subset of {','.join(STAGES)}")
     parser.add_argument("--pytest-timeout", type=float, default=150.0, help="seconds for the pytest stage")
-    parser.add_argument("--budget-s", type=float, default=BUDGET_S,
-                        help="stages that would start after this many seconds are skipped (the device call's limit)")
+    parser.add_argument(
+        "--budget-s",
+        type=float,
+        default=BUDGET_S,
+        help="stages that would start after this many seconds are skipped (the device call's limit)",
+    )
     args = parser.parse_args()
     wanted = [s.strip() for s in args.stages.split(",") if s.strip()]
     unknown = sorted(set(wanted) - set(STAGES))
@@ -533,8 +571,13 @@ def main() -> int:
     text = report(stages, args, device_name, total)
     (out / "gpu_check.md").write_text(text)
     (out / "gpu_check.json").write_text(
-        json.dumps([{"name": s.name, "status": s.status, "seconds": s.seconds, "summary": s.summary,
-                     "details": s.details} for s in stages], indent=1)  # fmt: skip
+        json.dumps(
+            [
+                {"name": s.name, "status": s.status, "seconds": s.seconds, "summary": s.summary, "details": s.details}
+                for s in stages
+            ],
+            indent=1,
+        )  # fmt: skip
     )
     print("\n" + text)
     return 1 if any(s.status == "FAILED" for s in stages) else 0

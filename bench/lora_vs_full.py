@@ -147,10 +147,12 @@ def main() -> None:
     print("| variant | trainable / all params | step wall (median) | step CPU | optimizer state | gradient buffers |")
     print("|---|---|---|---|---|---|")
     for name, r in result.items():
-        print(f"| {name} | {r['trainable']:,} / {r['params']:,} | {r['wall_s'] * 1e3:.0f} ms | {r['cpu_s'] * 1e3:.0f} ms "
+        print(f"| {name} | {r['trainable']:,} / {r['params']:,} | {r['wall_s'] * 1e3:.0f} ms "
+              f"| {r['cpu_s'] * 1e3:.0f} ms "
               f"| {r['optimizer_bytes'] / 2**20:.2f} MiB | {r['grad_buffer_bytes'] / 2**20:.2f} MiB |")  # fmt: skip
     full, lora = result["full"], result["lora"]
-    print(f"LoRA / full: step wall {lora['wall_s'] / full['wall_s']:.2f}, step CPU {lora['cpu_s'] / full['cpu_s']:.2f}, "
+    print(f"LoRA / full: step wall {lora['wall_s'] / full['wall_s']:.2f}, "
+          f"step CPU {lora['cpu_s'] / full['cpu_s']:.2f}, "
           f"optimizer bytes {lora['optimizer_bytes'] / full['optimizer_bytes']:.3f}, "
           f"gradient bytes {lora['grad_buffer_bytes'] / full['grad_buffer_bytes']:.3f}")  # fmt: skip
 

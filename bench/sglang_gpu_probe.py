@@ -164,7 +164,8 @@ class Probe:
             seconds = time.perf_counter() - t0
             self.step(name, t0, bytes=total, tensors=len(named), gb_per_s=float(f"{total / seconds / 1e9:.4g}"))
         self.out["resync_max_abs"] = float((self.score(seq) - before).abs().max())
-        print(f"[probe] score after re-sending the same weights: max |change| {self.out['resync_max_abs']:.1e}", flush=True)
+        change = self.out["resync_max_abs"]
+        print(f"[probe] score after re-sending the same weights: max |change| {change:.1e}", flush=True)
 
     def memory(self) -> None:
         for name in ("release", "resume"):

@@ -67,7 +67,9 @@ def missing_piece(cpuinfo: str | None = None, folder: str | None = None) -> Miss
     """Why the real engine cannot start here (this CPU, the installed kernel, ``folder``'s wheels), or None."""
     for module in ("sglang", "uvloop", "torchvision", "xgrammar"):
         if importlib.util.find_spec(module) is None:
-            return Missing(f"SGLang's engine dependency {module} is not installed: run `make setup` (the lock has it)", False)
+            return Missing(
+                f"SGLang's engine dependency {module} is not installed: run `make setup` (the lock has it)", False
+            )
     cpuinfo = kernel_wheel.read_cpuinfo() if cpuinfo is None else cpuinfo
     folder = wheelhouse() if folder is None else folder
     flags = kernel_wheel.cpu_flags(cpuinfo)

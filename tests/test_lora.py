@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from grpo_megatron.config import ConfigError, load_config
+from grpo_megatron.config import ConfigError, load_config, validate
 from tests.helpers.dist import CPU_JOB, REPO_ROOT, run_distributed
 from tests.workers.layout_workers import EXAMPLE
 
@@ -21,10 +21,11 @@ LOGIT_TOL = 1e-4  # fp32 logits of transformers vs megatron (tests/test_bridge.p
 
 def test_config_names_the_bad_field() -> None:
     with pytest.raises(ConfigError) as err:
-        load_config(EXAMPLE, [*CPU_JOB, "model.lora.rank=4", "model.lora.targets=[attention,experts.linear_fc3]"]).validate(1)
+        targets = "model.lora.targets=[attention,experts.linear_fc3]"
+        validate(load_config(EXAMPLE, [*CPU_JOB, "model.lora.rank=4", targets]), 1)
     assert "model.lora.targets" in str(err.value) and "experts.linear_fc3" in str(err.value)
     with pytest.raises(ConfigError, match=r"model.lora.dropout=1.5"):
-        load_config(EXAMPLE, [*CPU_JOB, "model.lora.rank=4", "model.lora.dropout=1.5"]).validate(1)
+        validate(load_config(EXAMPLE, [*CPU_JOB, "model.lora.rank=4", "model.lora.dropout=1.5"]), 1)
     cfg = load_config(EXAMPLE, [*CPU_JOB, "model.lora.rank=8", "model.lora.alpha=16"])
     assert cfg.model.lora.scale == 2.0 and cfg.model.lora.targeted("experts", "linear_fc1")
     assert not load_config(EXAMPLE, CPU_JOB).model.lora.enabled
@@ -122,7 +123,9 @@ def test_peft_adapter_loads_in_peft_and_gives_the_trainers_logits(tiny_moe: Path
             failures.append(f"{case}: peft loaded other tensors: {r['keys_differ'][:4]} {r['values_differ'][:4]}")
         for key in ("peft_diff", "merged_diff"):
             if not r[key] <= LOGIT_TOL:
-                failures.append(f"{case}: {key}={r[key]:.3g} > {LOGIT_TOL} (adapters move logits by {r['adapter_effect']:.3g})")
+                failures.append(
+                    f"{case}: {key}={r[key]:.3g} > {LOGIT_TOL} (adapters move logits by {r['adapter_effect']:.3g})"
+                )
         if not r["adapter_effect"] > 100 * LOGIT_TOL:
             failures.append(f"{case}: the adapters barely change the model ({r['adapter_effect']:.3g})")
     assert not failures, "\n".join(failures)
@@ -141,8 +144,9 @@ def test_planner_counts_adapters_only_for_gradients_and_optimizer() -> None:
         cfg = load_config(path, overrides)
         cfg.validate(world)
         p = memory.plan_memory(cfg, cfg.model.load_hf_config(), world, options)
-        return {line.name: line.gib for line in p.train} | {"peak": p.peak_gib, "fits": float(p.fits),
-                                                            "trainable": float((p.trainable_rank or p.params_rank).total)}  # fmt: skip
+        trainable = float((p.trainable_rank or p.params_rank).total)
+        totals = {"peak": p.peak_gib, "fits": float(p.fits), "trainable": trainable}
+        return {line.name: line.gib for line in p.train} | totals
 
     lora_yaml = recipes / "qwen3_30b_a3b_lora.yaml"
     lora = plan(lora_yaml, 4, ["algorithm.kl.beta=0.01"])
@@ -151,7 +155,10 @@ def test_planner_counts_adapters_only_for_gradients_and_optimizer() -> None:
     assert lora["fits"] and not full_here["fits"] and full_recipe["fits"]
     assert "reference model" not in lora and "reference model" in full_here
     assert lora["trainable"] < 0.05 * full_here["trainable"]
-    assert lora["gradients"] < 0.05 * full_here["gradients"] and lora["optimizer state"] < 0.05 * full_here["optimizer state"]
+    assert (
+        lora["gradients"] < 0.05 * full_here["gradients"]
+        and lora["optimizer state"] < 0.05 * full_here["optimizer state"]
+    )
     assert full_here["parameters"] < lora["parameters"] < 1.05 * full_here["parameters"]
 
 

@@ -228,7 +228,8 @@ def test_sglang_defaults_are_the_installed_sglang_memory_hooks() -> None:
         pytest.skip("sglang is not installed (pip install -e '.[sglang-cpu]', see README)")
     source = (Path(spec.origin).parent / "srt" / "arg_groups" / "memory_hook.py").read_text()
     for line in ("elif gpu_mem < 90 * 1024:", "chunked_prefill_size=8192,", "decode_cuda_graph_config.max_bs = 512",
-                 "reserved_mem += decode_cuda_graph_config.max_bs * 2", "reserved_mem += len(prefill_cuda_graph_config.bs) * 8",
+                 "reserved_mem += decode_cuda_graph_config.max_bs * 2",
+                 "reserved_mem += len(prefill_cuda_graph_config.bs) * 8",
                  "reserved_mem += 1.5 * 1024", "reserved_mem += cfg.tp_size * cfg.pp_size / 8 * 1024"):  # fmt: skip
         assert line in source, line
     h100 = memory.GPUS["h100"].memory_gib * 1024

@@ -19,7 +19,10 @@ PY = f"cp{sys.version_info.major}{sys.version_info.minor}"
 AVX512 = f"sglang_kernel_cpu-0.4.6.post1-{PY}-{PY}-linux_x86_64.whl"
 AVX2 = f"sglang_kernel_cpu-0.4.6.post1+avx2-{PY}-{PY}-linux_x86_64.whl"
 
-V2 = "fpu vme de pse tsc msr pae mce cx8 apic sep cmov clflush mmx fxsr sse sse2 pni ssse3 cx16 sse4_1 sse4_2 popcnt lahf_lm"
+V2 = (
+    "fpu vme de pse tsc msr pae mce cx8 apic sep cmov clflush mmx fxsr sse sse2 pni ssse3 cx16 sse4_1 sse4_2 popcnt"
+    " lahf_lm"
+)
 EPYC_AVX2 = V2 + " fma movbe xsave avx f16c abm bmi1 avx2 bmi2 sha_ni"  # AMD EPYC (Rome/Milan): no AVX-512
 XEON_NO_BF16 = (  # this workplace's Intel Xeon (Cascade Lake class), copied from its /proc/cpuinfo
     "fpu vme de pse tsc msr pae mce cx8 apic sep mtrr pge mca cmov pat pse36 clflush mmx fxsr sse sse2 ss ht "
@@ -94,7 +97,9 @@ def test_the_newest_version_of_the_fitting_build_wins(tmp_path) -> None:
 
 
 def test_isa_levels_name_what_the_kernels_care_about() -> None:
-    level = {f: kw.isa_level(kw.cpu_flags(cpuinfo(f))) for f in (SAPPHIRE_RAPIDS, ZEN4, XEON_NO_BF16, EPYC_AVX2, V2, "")}
+    level = {
+        f: kw.isa_level(kw.cpu_flags(cpuinfo(f))) for f in (SAPPHIRE_RAPIDS, ZEN4, XEON_NO_BF16, EPYC_AVX2, V2, "")
+    }
     assert level[SAPPHIRE_RAPIDS] == "x86-64-v4 (avx512_bf16, AMX)"
     assert level[ZEN4] == "x86-64-v4 (avx512_bf16, no AMX)"
     assert level[XEON_NO_BF16] == "x86-64-v4 (no avx512_bf16, no AMX)"
@@ -123,7 +128,9 @@ def test_the_installed_build_is_read_from_its_version(flags, version, fits) -> N
 
 
 def test_a_cuda_sgl_kernel_is_not_a_cpu_build_and_is_never_removed() -> None:
-    assert "not SGLang's CPU kernel build" in kw.installed_problem(kw.cpu_flags(cpuinfo(ZEN4)), "sgl-kernel", "0.3.21")
+    assert "not SGLang's CPU kernel build" in kw.installed_problem(
+        kw.cpu_flags(cpuinfo(ZEN4)), "sgl-kernel", "0.3.21"
+    )
 
 
 def test_the_skip_line_names_the_cpu_the_wheels_and_how_to_build_one(tmp_path, monkeypatch) -> None:
@@ -153,7 +160,11 @@ def test_the_skip_line_names_the_cpu_the_wheels_and_how_to_build_one(tmp_path, m
     assert f"`make setup WHEELHOUSE={both}` installs {AVX512}" in missing.why
 
     missing = sglang_env.missing_piece(cpuinfo(V2, "Old CPU"), str(both))
-    assert missing is not None and missing.cpu_cannot and "no build of SGLang's CPU kernels runs on this CPU" in missing.why
+    assert (
+        missing is not None
+        and missing.cpu_cannot
+        and "no build of SGLang's CPU kernels runs on this CPU" in missing.why
+    )
 
 
 def test_require_sglang_fails_only_where_a_kernel_for_this_cpu_is_at_hand(monkeypatch) -> None:
@@ -185,7 +196,9 @@ def test_the_closing_note_counts_the_real_engine_tests(monkeypatch) -> None:
 
 
 def run_make(*args: str) -> str:
-    proc = subprocess.run(["make", "--no-print-directory", *args], cwd=REPO, capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        ["make", "--no-print-directory", *args], cwd=REPO, capture_output=True, text=True, timeout=60
+    )
     assert proc.returncode == 0, proc.stderr
     return proc.stdout
 
@@ -198,7 +211,9 @@ def test_the_makefile_installs_the_wheel_chosen_for_this_cpu(tmp_path) -> None:
     expected = kw.choose(kw.cpu_flags(kw.read_cpuinfo()), kw.wheels_in(both))
     plan = run_make("-n", "setup", f"WHEELHOUSE={both}", venv)
     installs = [line for line in plan.splitlines() if "pip install --no-deps --force-reinstall" in line]
-    assert installs == ([f"{tmp_path}/venv/bin/python -m pip install --no-deps --force-reinstall {expected.path}"] if expected else [])
+    assert installs == (
+        [f"{tmp_path}/venv/bin/python -m pip install --no-deps --force-reinstall {expected.path}"] if expected else []
+    )
     empty = tmp_path / "empty"
     empty.mkdir()
     plan = run_make("-n", "setup", f"WHEELHOUSE={empty}", venv)

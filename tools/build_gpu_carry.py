@@ -165,7 +165,8 @@ def check_manifest(manifest: str, pins: dict[str, str], max_bytes: int = MAX_BYT
     for name, version in sorted(pins.items()):
         if built.get(name) != version:
             problems.append(f"{name}=={version} listed, the carry has {built.get(name, 'none')}")
-    problems += [f"{name}=={built[name]} in the carry but not in {LIST.name}" for name in sorted(set(built) - set(pins))]
+    extra = sorted(set(built) - set(pins))
+    problems += [f"{name}=={built[name]} in the carry but not in {LIST.name}" for name in extra]
     return problems
 
 
@@ -187,7 +188,8 @@ def main(argv: list[str] | None = None) -> int:
     manifest = OUT / MANIFEST_NAME
     if args.check:
         if not manifest.is_file():
-            print(f"gpu carry: {len(pins)} pins resolve against the lock; none built yet (python {LIST.parent.name}/build_gpu_carry.py)")
+            build = f"python {LIST.parent.name}/build_gpu_carry.py"
+            print(f"gpu carry: {len(pins)} pins resolve against the lock; none built yet ({build})")
             return 0
         problems = check_manifest(manifest.read_text(), pins)
         for problem in problems:

@@ -6,8 +6,10 @@ builds, told apart by the version's local tag; ``BUILDS`` says what each needs:
 
 | build | version | compiled with | runs where | never where |
 |---|---|---|---|---|
-| AVX-512 | ``0.4.6.post1`` | ``-march=x86-64-v4 -mavx512bf16 -mavx512vnni`` (SGLang's default flags) | avx512_bf16 | - |
-| AVX2 | ``0.4.6.post1+avx2`` | ``-march=x86-64-v3`` (``ISA=avx2 tools/build_sgl_kernel_cpu.sh``) | x86-64-v3 | AMX, avx512_bf16 |
+| AVX-512 | ``0.4.6.post1`` | ``-march=x86-64-v4 -mavx512bf16 -mavx512vnni`` (SGLang's defaults) | avx512_bf16 | - |
+| AVX2 | ``0.4.6.post1+avx2`` | ``-march=x86-64-v3`` (``ISA=avx2 BUILD_SCRIPT``) | x86-64-v3 | AMX, avx512_bf16 |
+
+(``BUILD_SCRIPT``: ``tools/build_sgl_kernel_cpu.sh``.)
 
 The AVX-512 build dies with SIGILL on ``import sgl_kernel`` without AVX-512. The AVX2 build has no
 scalar path for the ops SGLang calls only where it sees AMX (``weight_packed_linear`` aborts), so it
@@ -31,12 +33,29 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 X86_64_V3 = frozenset(
-    {"cx16", "lahf_lm", "popcnt", "sse4_1", "sse4_2", "ssse3", "avx", "avx2", "bmi1", "bmi2", "f16c", "fma", "movbe", "abm"}
+    {
+        "cx16",
+        "lahf_lm",
+        "popcnt",
+        "sse4_1",
+        "sse4_2",
+        "ssse3",
+        "avx",
+        "avx2",
+        "bmi1",
+        "bmi2",
+        "f16c",
+        "fma",
+        "movbe",
+        "abm",
+    }
 )
 """The x86-64-v3 level (v2's flags and v3's; LZCNT is ``abm`` in /proc/cpuinfo)."""
 X86_64_V4 = X86_64_V3 | {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"}
 AMX = frozenset({"amx_tile", "amx_bf16", "amx_int8"})
-WHEEL_PATTERN = re.compile(r"^sglang_kernel_cpu-(?P<version>[^-]+)-(?P<python>[^-]+)-(?P<abi>[^-]+)-(?P<platform>[^-]+)\.whl$")
+WHEEL_PATTERN = re.compile(
+    r"^sglang_kernel_cpu-(?P<version>[^-]+)-(?P<python>[^-]+)-(?P<abi>[^-]+)-(?P<platform>[^-]+)\.whl$"
+)
 DISTRIBUTION = "sglang-kernel-cpu"
 BUILD_SCRIPT = "tools/build_sgl_kernel_cpu.sh"
 
@@ -126,7 +145,9 @@ class Wheel:
         if not self.platform.endswith("x86_64"):
             return f"built for {self.platform}"
         if self.build is None:
-            return f"an unknown build '+{self.version.partition('+')[2]}' (known: {', '.join(b.name for b in BUILDS)})"
+            return (
+                f"an unknown build '+{self.version.partition('+')[2]}' (known: {', '.join(b.name for b in BUILDS)})"
+            )
         return self.build.problem(flags)
 
 

@@ -76,7 +76,9 @@ def write_peft_adapter(
         tmp = out.with_name(out.name + TMP_INFIX + "peft")
         tmp.mkdir(parents=True)
         # A fused weight's projections share one A: each key gets a copy of its own (safetensors refuses shared memory).
-        save_file({k: v.clone().contiguous() for k, v in state.items()}, str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
+        save_file(
+            {k: v.clone().contiguous() for k, v in state.items()}, str(tmp / WEIGHTS_NAME), metadata={"format": "pt"}
+        )
         (tmp / CONFIG_NAME).write_text(json.dumps(adapter_config(lora, targets, base_model), indent=2) + "\n")
         if out.exists():
             out.rmdir()  # empty: checked above

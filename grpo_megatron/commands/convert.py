@@ -164,13 +164,21 @@ def mcore_to_hf(args: argparse.Namespace) -> Path:
     dtype = marker.get("dtype", "float32") if args.dtype == "auto" else args.dtype
     hf_out = {**hf, "dtype": dtype}
     write_hf_checkpoint(
-        model, ps, hf, Path(args.out), hf_config=hf_out, extra_files=tokenizer_files(hf_dir), bucket_bytes=args.bucket_mb << 20
+        model,
+        ps,
+        hf,
+        Path(args.out),
+        hf_config=hf_out,
+        extra_files=tokenizer_files(hf_dir),
+        bucket_bytes=args.bucket_mb << 20,
     )
     dist.barrier()
     return Path(args.out)
 
 
-def _load_checkpoint(args: argparse.Namespace) -> tuple[ParallelState, GPTModel, dict[str, Any], Path, dict[str, Any]]:
+def _load_checkpoint(
+    args: argparse.Namespace,
+) -> tuple[ParallelState, GPTModel, dict[str, Any], Path, dict[str, Any]]:
     """Collective: the model of checkpoint ``args.ckpt`` built at the launch's layout (with the
     adapters its marker records) and loaded; with its HF config, that config's directory and the marker."""
     from grpo_megatron.checkpoint.dist import load_model_checkpoint, resolve_checkpoint
@@ -191,7 +199,9 @@ def _load_checkpoint(args: argparse.Namespace) -> tuple[ParallelState, GPTModel,
     dtype = marker.get("dtype", "float32") if args.dtype == "auto" else args.dtype
     ps, model, vocab_size = _start(hf_dir, hf, args, dtype, lora=(marker.get("model") or {}).get("lora"))
     try:
-        load_model_checkpoint(model, ps, ckpt, vocab_size=vocab_size, model_source=f"--hf-config {hf_dir / 'config.json'}")
+        load_model_checkpoint(
+            model, ps, ckpt, vocab_size=vocab_size, model_source=f"--hf-config {hf_dir / 'config.json'}"
+        )
     except (CheckpointError, RuntimeError) as exc:  # RuntimeError: rank 0's CheckpointError, on the others
         raise ConvertError(str(exc)) from exc
     return ps, model, hf, hf_dir, marker
@@ -212,9 +222,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="megatron checkpoint (converted or training iter_XXXXXXX) -> HF safetensors",
         description="megatron checkpoint (converted or training iter_XXXXXXX) -> HF safetensors",
     )
-    to_hf.add_argument(
-        "--ckpt", required=True, metavar="DIR", help="checkpoint directory (or one with `latest`)"
-    )
+    to_hf.add_argument("--ckpt", required=True, metavar="DIR", help="checkpoint directory (or one with `latest`)")
     to_hf.add_argument(
         "--hf-config",
         metavar="DIR",
@@ -222,9 +230,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="directory with config.json and tokenizer files (default: --ckpt, where hf-to-mcore put them)",
     )
     to_hf.add_argument("--out", required=True, metavar="DIR", help="new HF model directory")
-    to_hf.add_argument(
-        "--bucket-mb", type=int, default=512, help="safetensors shard size in MiB (default 512)"
-    )
+    to_hf.add_argument("--bucket-mb", type=int, default=512, help="safetensors shard size in MiB (default 512)")
     to_peft = sub.add_parser(
         "mcore-to-peft",
         help="a LoRA run's checkpoint -> PEFT adapter (adapter_config.json + adapter_model.safetensors)",

@@ -263,7 +263,11 @@ def sglang_rotary_errors(cfg: JobConfig, hf_config: dict[str, Any]) -> list[str]
     head_dim = hf_config.get("head_dim") or hf_config["hidden_size"] // hf_config["num_attention_heads"]
     if head_dim in SGLANG_CUDA_ROTARY_HEAD_SIZES:
         return []
-    source = "model.hf_overrides.head_dim" if "head_dim" in cfg.model.hf_overrides else display_path(cfg.model.config_json_path())
+    source = (
+        "model.hf_overrides.head_dim"
+        if "head_dim" in cfg.model.hf_overrides
+        else display_path(cfg.model.config_json_path())
+    )
     return [
         f"head_dim={head_dim} ({source}) with rollout.engine=sglang on CUDA and a bfloat16 KV cache: SGLang's "
         f"CUDA rotary embedding writes the KV cache only for head sizes {', '.join(map(str, SGLANG_CUDA_ROTARY_HEAD_SIZES))} "
@@ -282,7 +286,11 @@ def async_errors(cfg: JobConfig) -> list[str]:
         )
     if not cfg.producer_loop:
         return errors
-    why = "rollout.embedded_process=true" if cfg.rollout.embedded_process else f"train.max_staleness={cfg.train.max_staleness}"
+    why = (
+        "rollout.embedded_process=true"
+        if cfg.rollout.embedded_process
+        else f"train.max_staleness={cfg.train.max_staleness}"
+    )
     if cfg.algorithm.dynamic_sampling.enabled:
         errors.append(
             f"{why} with algorithm.dynamic_sampling.enabled=true: the asynchronous producer submits one "
@@ -371,8 +379,11 @@ def preflight_errors(cfg: JobConfig, command: str) -> list[str]:
         if value and not Path(value).is_file():
             errors.append(f"data.{name}={value}: no such file; check the path (relative to the config file)")
     tokenizer_dir = Path(data.tokenizer_path or cfg.model.hf_path)
-    field = f"data.tokenizer_path={data.tokenizer_path}" if data.tokenizer_path else (
-        f"data.tokenizer_path (unset: model.hf_path={cfg.model.hf_path})")
+    field = (
+        f"data.tokenizer_path={data.tokenizer_path}"
+        if data.tokenizer_path
+        else (f"data.tokenizer_path (unset: model.hf_path={cfg.model.hf_path})")
+    )
     tokenizer_problem = tokenizer_files_problem(tokenizer_dir)
     if tokenizer_problem:  # train and sft would stop on it after starting every rank
         errors.append(f"{field}: {tokenizer_problem}")

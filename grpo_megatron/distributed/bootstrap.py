@@ -176,8 +176,9 @@ def init_distributed(parallel: ParallelConfig, *, seed: int = 1234) -> ParallelS
     from grpo_megatron.distributed.open_files import open_files_needed, raise_open_file_limit
 
     # Before any group opens its sockets (the whole world's gloo data group: a socket per rank).
-    raise_open_file_limit(open_files_needed(world_size, dp=parallel.dp or 1, cp=parallel.cp, expert_dp=parallel.expert_dp,
-                                            rank=rank, nccl=use_cuda))  # fmt: skip
+    needed = open_files_needed(world_size, dp=parallel.dp or 1, cp=parallel.cp, expert_dp=parallel.expert_dp,
+                               rank=rank, nccl=use_cuda)  # fmt: skip
+    raise_open_file_limit(needed)
 
     # By cause, not by device: TE absent and torch's Adam need fixes on a GPU too.
     apply_megatron_compat(device)

@@ -251,8 +251,12 @@ def _stage_lines(cfg: JobConfig, hf: Mapping[str, Any], layout: Layout, opts: Pl
         act += output_activation_bytes(vp, layout, act_bytes) * tokens
     lora_note = f" of the LoRA adapters ({human_count(trainable.total)})" if cfg.model.lora.enabled else ""
     state = {
-        "params": Line("parameters", counts.total * pbytes / GIB, f"{human_count(counts.total)} on this rank ({cfg.model.dtype})"),
-        "grads": Line("gradients", trainable.total * opts.grad_bytes / GIB, f"fp{8 * opts.grad_bytes} main grads" + lora_note),
+        "params": Line(
+            "parameters", counts.total * pbytes / GIB, f"{human_count(counts.total)} on this rank ({cfg.model.dtype})"
+        ),
+        "grads": Line(
+            "gradients", trainable.total * opts.grad_bytes / GIB, f"fp{8 * opts.grad_bytes} main grads" + lora_note
+        ),
         "optimizer": Line(
             "optimizer state",
             (trainable.dense * opt_bytes / dense_shards + trainable.expert * opt_bytes / expert_shards) / GIB,
@@ -261,7 +265,9 @@ def _stage_lines(cfg: JobConfig, hf: Mapping[str, Any], layout: Layout, opts: Pl
     }
     if cfg.algorithm.kl.enabled and not cfg.model.lora.enabled:  # LoRA: the reference is the base, no copy
         where = "on the CPU but in the reference pass" if cfg.train.reference_on_cpu else "resident, never offloaded"
-        state["reference"] = Line("reference model", counts.total * pbytes / GIB, f"frozen copy, same sharding; {where}")
+        state["reference"] = Line(
+            "reference model", counts.total * pbytes / GIB, f"frozen copy, same sharding; {where}"
+        )
     training = [Line("activations", act / GIB, act_note)]
     if d.num_experts:
         dispatch = dispatch_buffer_bytes(d, layout, act_bytes, tokens, opts.moe_imbalance)
@@ -305,7 +311,8 @@ def sglang_defaults(server_args: Mapping[str, Any], gpu_mib: float, tp: int) -> 
     ``server_args`` (rollout.sglang_server_args, which the runtime passes on), else SGLang's defaults
     by GPU memory (``srt/arg_groups/memory_hook.py``: 8192 tokens and 256 (TP < 4) or 512 on an
     H100 or H200), the graph batch capped by ``max_running_requests``."""
-    table = ((20, 2048, 8, 8), (35, 4096, 48, 160), (60, 4096, 32, 160), (160, 8192, 256, 512), (10**9, 16384, 512, 512))
+    table = ((20, 2048, 8, 8), (35, 4096, 48, 160), (60, 4096, 32, 160), (160, 8192, 256, 512),
+             (10**9, 16384, 512, 512))  # fmt: skip
     chunk, small, large = next((c, a, b) for below, c, a, b in table if gpu_mib < below * 1024)
     chunk = int(server_args.get("chunked_prefill_size") or chunk)
     bs = server_args.get("cuda_graph_max_bs_decode") or (small if tp < 4 else large)
@@ -357,7 +364,8 @@ def _sglang_runtime_lines(
     logits = decode_bs * padded_vocab_size(d.vocab, 1, width) / width * 4  # fp32 logits of a decode batch
     constant = (512 + width / 8 * 1024) * 2**20  # SGLang's reserve: metadata, and its large-TP adjustment
     return {
-        "graphs": Line("SGLang CUDA graphs", graphs / GIB, f"decode batch <= {decode_bs}, prefill <= {chunk} tokens (SGLang's reserve)"),
+        "graphs": Line("SGLang CUDA graphs", graphs / GIB,
+                       f"decode batch <= {decode_bs}, prefill <= {chunk} tokens (SGLang's reserve)"),  # fmt: skip
         "runtime": Line(
             "SGLang activations", (forward + logits + constant) / GIB,
             f"one layer of a {chunk}-token prefill chunk, decode logits, SGLang's constant buffers",
@@ -372,7 +380,11 @@ def _engine_lines(
     if placement.engine == "embedded":
         copy = total_params(hf) * DTYPE_BYTES[cfg.model.dtype] / GIB
         note = "rollout.engine=embedded: its KV cache lives inside a generate call and is not planned"
-        return {"weights": Line("engine weights", copy, f"the embedded engine's copy of the model ({cfg.model.dtype})")}, None, [note]
+        return (
+            {"weights": Line("engine weights", copy, f"the embedded engine's copy of the model ({cfg.model.dtype})")},
+            None,
+            [note],
+        )
     if not placement.colocated_sglang:
         return {}, None, ["disaggregated SGLang servers: no engine on the trainer's GPUs"]
     d = ModelDims.from_hf(hf)
@@ -386,7 +398,11 @@ def _engine_lines(
     lines = {
         "weights": Line("engine weights", weights / GIB, f"{human_count(all_params)} / {width} GPUs per engine, "
                         f"{on_gpu.replicated * opts.rollout_weight_bytes / GIB:.2f} GiB of it replicated"),  # fmt: skip
-        "kv_cache": Line("engine KV cache", max(kv, 0) / GIB, f"{kv_tokens:,} tokens ({kv_tokens // max(seq_len, 1):,} full sequences)"),
+        "kv_cache": Line(
+            "engine KV cache",
+            max(kv, 0) / GIB,
+            f"{kv_tokens:,} tokens ({kv_tokens // max(seq_len, 1):,} full sequences)",
+        ),
         **_sglang_runtime_lines(cfg, hf, placement, opts),
     }
     notes = []
@@ -417,7 +433,11 @@ def _phase(
     if phase in ("sync", "probe") and engine:  # a weight sync lands on this GPU
         bucket = cfg.rollout.sync_bucket_mb / 1024
         buffers = bucket * (2 + cfg.rollout.sync_rounds_in_flight / 4)
-        lines.append(Line("weight-sync buffers", buffers, f"2 buckets + {cfg.rollout.sync_rounds_in_flight} rounds of a quarter"))
+        lines.append(
+            Line(
+                "weight-sync buffers", buffers, f"2 buckets + {cfg.rollout.sync_rounds_in_flight} rounds of a quarter"
+            )
+        )
     lines.append(Line("runtime reserve", opts.reserve_gib, "CUDA contexts, NCCL, fragmentation"))
     return lines
 
@@ -462,7 +482,11 @@ def _lora_notes(cfg: JobConfig, trainer: _Trainer) -> list[str]:
     return [
         f"model.lora rank {lora.rank} on {', '.join(lora.targets)}: {human_count(t.total)} trainable parameters on "
         f"this rank ({share:.2%}); gradients and optimizer state for them only; "
-        + ("the reference is the policy with its adapters off (no copy)" if cfg.algorithm.kl.enabled else "no KL, no reference")
+        + (
+            "the reference is the policy with its adapters off (no copy)"
+            if cfg.algorithm.kl.enabled
+            else "no KL, no reference"
+        )
     ]
 
 
@@ -524,7 +548,9 @@ def _trainer_variants(cfg: JobConfig, plan: MemoryPlan, world_size: int) -> list
     mb = tokens_per_micro_batch(cfg)
     if mb >= 2 * plan.seq_len or cfg.train.max_tokens_per_micro_batch is None and cfg.train.micro_batch_size > 1:
         half = max(mb // 2, plan.seq_len)
-        out.append((f"train.max_tokens_per_micro_batch={half}", _variant(cfg, "train", max_tokens_per_micro_batch=half)))
+        out.append(
+            (f"train.max_tokens_per_micro_batch={half}", _variant(cfg, "train", max_tokens_per_micro_batch=half))
+        )
     if plan.params_rank.expert:
         ep = _next_multiple(par.ep, world_size, lambda x: True)
         if ep:
@@ -534,7 +560,9 @@ def _trainer_variants(cfg: JobConfig, plan: MemoryPlan, world_size: int) -> list
         if value:
             out.append((f"parallel.{name}={value}", _variant(cfg, "parallel", **{name: value})))
     if not par.use_distributed_optimizer:
-        out.append(("parallel.use_distributed_optimizer=true", _variant(cfg, "parallel", use_distributed_optimizer=True)))
+        out.append(
+            ("parallel.use_distributed_optimizer=true", _variant(cfg, "parallel", use_distributed_optimizer=True))
+        )
     return out
 
 
@@ -601,7 +629,9 @@ def render(plan: MemoryPlan, cfg: JobConfig, receives_gb: float | None = None) -
         + f" | {plan.gpu.name} ({plan.gpu.memory_gib:.1f} GiB) | micro-batch {plan.tokens_per_micro_batch:,} tokens"
     )
     parts: list[Any] = [head] + [Text(line) for line in placement_lines(plan.placement, receives_gb)]
-    table = Table(title=f"memory per GPU by phase, GiB (busiest rank: pipeline stage {plan.peak_stage})", title_justify="left")
+    table = Table(
+        title=f"memory per GPU by phase, GiB (busiest rank: pipeline stage {plan.peak_stage})", title_justify="left"
+    )
     table.add_column("per GPU")
     names = list(plan.phases)
     for name in names:

@@ -101,7 +101,9 @@ def build_policy(
     )
     # The schedule calls these; without finalize_model_grads no DP/TP gradient reduction happens.
     # num_tokens is dropped on purpose: our loss carries its own global normaliser.
-    tcfg.finalize_model_grads_func = lambda chunks, num_tokens=None, **kw: _finalize_grads(chunks, ps, model.lora.enabled)
+    tcfg.finalize_model_grads_func = lambda chunks, num_tokens=None, **kw: _finalize_grads(
+        chunks, ps, model.lora.enabled
+    )
     tcfg.no_sync_func = ddp.no_sync
     optimizer = get_megatron_optimizer(
         OptimizerConfig(
@@ -125,7 +127,11 @@ def build_policy(
         pg_collection=ps.pg_collection,
     )
     return Policy(
-        model=ddp, optimizer=optimizer, spec=spec, scheduler=build_scheduler(optimizer, train), lora=model.lora.enabled
+        model=ddp,
+        optimizer=optimizer,
+        spec=spec,
+        scheduler=build_scheduler(optimizer, train),
+        lora=model.lora.enabled,
     )
 
 

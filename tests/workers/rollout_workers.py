@@ -285,8 +285,10 @@ def _payload_to_owners(cfg, ps, fleet, records) -> dict:
     out["whole_after_delivery"] = [k for k, c in enumerate(c for g in shared for c in g.completions) if c.sizes is None]
     out["mine"] = plan.mine
     mine_ref = sorted({i for r in ref_plan.all_rows for i in r})
-    out["plan_same"] = (plan.mine == mine_ref and plan.owners == ref_plan.owners and plan.normalizers == ref_plan.normalizers
-                        and plan.rows == [[[mine_ref.index(i) for i in r] for r in mb] for mb in ref_plan.rows])  # fmt: skip
+    out["plan_same"] = (plan.mine == mine_ref and plan.owners == ref_plan.owners
+                        and plan.normalizers == ref_plan.normalizers
+                        and plan.rows == [[[mine_ref.index(i) for i in r] for r in mb]
+                                          for mb in ref_plan.rows])  # fmt: skip
     out["samples_same"] = len(batch.samples) == len(mine_ref) and all(
         torch.equal(a.tokens_s, b.tokens_s) and torch.equal(a.labels_s, b.labels_s) and torch.equal(a.mask_s, b.mask_s)
         and torch.equal(a.rollout_logprobs_s, b.rollout_logprobs_s) and a.advantage == b.advantage
@@ -310,7 +312,8 @@ def _megatron_groups_without_their_timeout(cfg) -> list[str]:
 
     mpu.destroy_model_parallel()
     with groups_take_timeout(timedelta(minutes=cfg.parallel.timeout_minutes)) as missed:
-        mpu.initialize_model_parallel(tensor_model_parallel_size=cfg.parallel.tp, expert_model_parallel_size=cfg.parallel.ep,
+        mpu.initialize_model_parallel(tensor_model_parallel_size=cfg.parallel.tp,
+                                      expert_model_parallel_size=cfg.parallel.ep,
                                       distributed_timeout_minutes=cfg.parallel.timeout_minutes)  # fmt: skip
     mpu.destroy_model_parallel()
     return missed

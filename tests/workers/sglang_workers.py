@@ -186,11 +186,13 @@ class Scenarios:
             "all_logprobs_valid": all(lp <= 0.0 and lp == lp for lp in flat_logprobs(groups)),
             "sampled_vs_own_score": max_diff(flat_logprobs(groups), [x for r in scored for x in r]),
             "sampled_vs_own_top3": sorted(
-                (abs(x - y) for x, y in zip(flat_logprobs(groups), [x for r in scored for x in r], strict=True)), reverse=True
+                (abs(x - y) for x, y in zip(flat_logprobs(groups), [x for r in scored for x in r], strict=True)),
+                reverse=True,
             )[:3],
             "sampled_vs_embedded_score": max_diff(flat_logprobs(groups), [x for r in emb for x in r]),
             "sampled_vs_embedded_top3": sorted(
-                (abs(x - y) for x, y in zip(flat_logprobs(groups), [x for r in emb for x in r], strict=True)), reverse=True
+                (abs(x - y) for x, y in zip(flat_logprobs(groups), [x for r in emb for x in r], strict=True)),
+                reverse=True,
             )[:3],
         }
 
@@ -233,8 +235,11 @@ class Scenarios:
         self.bucketed(self.a, version=3)
         restored = self.run_greedy()
         return {
-            "zero_head_uniform": max_diff(flat_logprobs(uniform), [-float(torch.log(torch.tensor(float(vocab))))] * len(flat_logprobs(uniform))),
-            "restored_bitwise": flat_logprobs(restored) == flat_logprobs(before) and tokens(restored) == tokens(before),
+            "zero_head_uniform": max_diff(
+                flat_logprobs(uniform), [-float(torch.log(torch.tensor(float(vocab))))] * len(flat_logprobs(uniform))
+            ),
+            "restored_bitwise": flat_logprobs(restored) == flat_logprobs(before)
+            and tokens(restored) == tokens(before),
         }
 
     def rejected_version(self) -> dict[str, Any]:
@@ -279,7 +284,8 @@ class Scenarios:
         return {
             "released": released,
             "generate_refused_while_released": "released" in refused,
-            "first_sync_bitwise": tokens(first_sync) == tokens(before) and flat_logprobs(first_sync) == flat_logprobs(before),
+            "first_sync_bitwise": tokens(first_sync) == tokens(before)
+            and flat_logprobs(first_sync) == flat_logprobs(before),
             "after_cycle_bitwise": tokens(after) == tokens(before) and flat_logprobs(after) == flat_logprobs(before),
             "nothing_left_released": not self.engine.released,
         }
@@ -299,7 +305,10 @@ class Scenarios:
         out: dict[str, Any] = {}
         for offload in (False, True):
             cycle = self._phase_cycle(fleet, offload)
-            same = [tokens(g) == tokens(before) and flat_logprobs(g) == flat_logprobs(before) for g in cycle.pop("generated")]
+            same = [
+                tokens(g) == tokens(before) and flat_logprobs(g) == flat_logprobs(before)
+                for g in cycle.pop("generated")
+            ]
             out["offload" if offload else "resident"] = {**cycle, "bitwise": all(same)}
         return out
 
@@ -374,7 +383,6 @@ class Scenarios:
         return {"ok": True, "bystander_alive": alive, "engine_procs": len(engine_procs),
                 "engine_left": [p.pid for p in engine_procs if p.is_running() and p.status() != "zombie"]}  # fmt: skip
 
-
     def multiturn(self) -> dict[str, Any]:
         """Multi-turn episodes on the real engine (rollout/multiturn.py): each later turn continues from
         the exact ids as ``input_ids``; each trajectory rebuilt from the engine's recorded calls and the
@@ -395,10 +403,15 @@ class Scenarios:
         groups = EpisodeRunner(engine, cfg, tokenizer, env).run(records, params)  # type: ignore[arg-type]
         got = [(t.token_ids, t.loss_mask, t.logprobs) for g in groups for t in g]
         flat = [(r, t) for r, g in zip(records, groups, strict=True) for t in g]
-        scored = self.engine.score([list(r.prompt_ids) + t.token_ids for r, t in flat],
-                                   [len(r.prompt_ids) for r, _ in flat], 1.0)
-        model = [(lp[i], t.logprobs[i]) for (_, t), lp in zip(flat, scored, strict=True)
-                 for i, m in enumerate(t.loss_mask or []) if m]
+        scored = self.engine.score(
+            [list(r.prompt_ids) + t.token_ids for r, t in flat], [len(r.prompt_ids) for r, _ in flat], 1.0
+        )
+        model = [
+            (lp[i], t.logprobs[i])
+            for (_, t), lp in zip(flat, scored, strict=True)
+            for i, m in enumerate(t.loss_mask or [])
+            if m
+        ]
         return {
             "exact": got == [tuple(w) for w in rebuild(records, groups, engine, env)],
             "trajectories": len(flat),
