@@ -142,7 +142,7 @@ def test_planner_counts_adapters_only_for_gradients_and_optimizer() -> None:
 
     def plan(path: Path, world: int, overrides: list[str], options: memory.PlanOptions = opts) -> dict[str, float]:
         cfg = load_config(path, overrides)
-        cfg.validate(world)
+        validate(cfg, world)
         p = memory.plan_memory(cfg, cfg.model.load_hf_config(), world, options)
         trainable = float((p.trainable_rank or p.params_rank).total)
         totals = {"peak": p.peak_gib, "fits": float(p.fits), "trainable": trainable}

@@ -26,12 +26,12 @@ LORA = ["model.lora.rank=4", "model.lora.alpha=8"]
 
 
 def _policy(overrides: list[str]):
-    from grpo_megatron.config import load_config
+    from grpo_megatron.config import load_config, validate
     from grpo_megatron.distributed.bootstrap import init_distributed, world_size_from_env
     from grpo_megatron.training.policy import build_policy
 
     cfg = load_config(EXAMPLE, [*CPU_JOB, "parallel.use_distributed_optimizer=false", *LORA, *overrides])
-    cfg.validate(world_size_from_env())
+    validate(cfg, world_size_from_env())
     ps = init_distributed(cfg.parallel, seed=cfg.train.seed)
     hf = cfg.model.load_hf_config()
     return cfg, ps, hf, build_policy(hf, cfg.model, cfg.parallel, cfg.train, ps)
