@@ -373,25 +373,23 @@ def sglang_missing(device: str) -> str | None:
 
 
 def stage_sglang(args: argparse.Namespace, out: Path, stage: Stage) -> None:
-    if args.device != "cuda":
-        stage.status, stage.summary = "skipped", "SGLang runs only on a GPU"
-        return
-    if importlib.util.find_spec("sglang") is None:
-        stage.status, stage.summary = "skipped", "sglang is not installed in this Python"
+    """bench/gpu_smoke.py's colocated loop with ``rollout.engine=sglang`` (on CPU: SGLang's CPU engine)."""
+    if (why := sglang_missing(args.device)) is not None:
+        stage.status, stage.summary = "skipped", why
         return
     result = out / "sglang.json"
     cmd = [
         sys.executable,
         str(SMOKE),
         "--device",
-        "cuda",
+        args.device,
         "--sglang-only",
         "--iterations",
         "2",
         "--json",
         str(result),
     ]
-    rc = run(cmd, out / "sglang.log", python_env(args.device), timeout_s=240)
+    rc = run(cmd, out / "sglang.log", sglang_env(args.device), timeout_s=240)
     data = json.loads(result.read_text()) if result.is_file() else {}
     if "sglang_skipped" in data:
         stage.status, stage.summary = "skipped", data["sglang_skipped"]

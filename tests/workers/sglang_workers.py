@@ -106,6 +106,13 @@ class Scenarios:
         self.engine.update_weights([], version=version, last=True)
 
     def run_greedy(self) -> list[list[Any]]:
+        """Greedy completions of ``PROMPTS`` from an empty prefix cache, so that runs compared bitwise
+        compute alike: a prompt found in SGLang's radix cache is prefilled as an extension of its
+        cached prefix, which the AVX2 kernel build rounds otherwise (a second run of the same weights
+        differed by 0.0105 in a logprob; the AVX-512 build gave equal bits). A weight load flushes
+        the cache too. While the engine's memory is released nothing is flushed (generate refuses)."""
+        if not self.engine.released:
+            self.engine.servers[0].flush_cache()
         return self.engine.generate(PROMPTS, self.greedy)
 
     # -- scenarios
