@@ -642,3 +642,46 @@ def test_sigquit_ends_the_rank_unless_it_is_shutting_the_engine_down(tmp_path: P
         assert proc.returncode == 0 and "survived" in proc.stdout, proc.stderr
     else:
         assert proc.returncode == EXIT_ENGINE_DIED and "scheduler line" in proc.stderr, proc.stderr
+
+
+_START_SCRIPT = """
+import os, signal, sys, time
+from pathlib import Path
+from grpo_megatron.rollout.sglang.health import EngineProcesses, EngineStartError, sigquit_while_starting
+health = EngineProcesses(0, Path(sys.argv[1]))
+signal.signal(signal.SIGQUIT, sigquit_while_starting)  # what SGLang installs from custom_sigquit_handler
+try:
+    with health.start():
+        print("scheduler: Traceback ... AssertionError: save kv cache", flush=True)  # into the log
+        if sys.argv[2] == "sigquit":
+            os.kill(os.getpid(), signal.SIGQUIT)
+            time.sleep(5)
+        raise RuntimeError("Rank 0 scheduler died during initialization (exit code: 1)")
+except EngineStartError as exc:
+    print(f"raised: {exc}", file=sys.stderr)
+    os.kill(os.getpid(), signal.SIGQUIT)  # a late SIGQUIT, after the start: nothing more happens
+    time.sleep(0.2)
+    sys.exit(3)
+"""
+
+
+@pytest.mark.parametrize("first", ["sigquit", "exception"])
+def test_an_engine_that_fails_while_it_starts_is_named_on_the_console(tmp_path: Path, first: str) -> None:
+    """While an engine starts, the rank's output goes to the engine's log; a failure then must still
+    reach the console naming the engine, rank, host and log tail, whichever comes first: the
+    scheduler's SIGQUIT (``sigquit_while_starting``: exit EXIT_ENGINE_DIED) or SGLang's exception
+    (``EngineStartError``)."""
+    import socket
+
+    from grpo_megatron.rollout.sglang.health import EXIT_ENGINE_DIED
+
+    log = tmp_path / "engine.log"
+    proc = subprocess.run(
+        [sys.executable, "-c", _START_SCRIPT, str(log), first], capture_output=True, text=True, timeout=60,
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])},
+    )  # fmt: skip
+    assert proc.returncode == (EXIT_ENGINE_DIED if first == "sigquit" else 3), proc.stderr
+    assert f"SGLang engine of rank 0 on {socket.gethostname()} failed to start" in proc.stderr, proc.stderr
+    assert str(log) in proc.stderr and "save kv cache" in proc.stderr, proc.stderr  # the log and its tail
+    if first == "exception":
+        assert "scheduler died during initialization" in proc.stderr

@@ -205,3 +205,32 @@ def test_multi_turn_episodes_continue_from_the_exact_ids(scenarios) -> None:
     assert got["multi_turn"] > 0 and got["generate_calls"] >= 2
     top = got["sampled_vs_own_top3"]
     assert top[1] <= FLOOR_FACTOR * floor and top[0] < 2.0, got
+
+
+def test_an_engine_that_fails_while_it_starts_is_named_with_its_log(tmp_path) -> None:
+    """A scheduler that fails at start (here: its weight file cut short after the header, which the
+    adapter reads and SGLang's loader does not get past) ends the rank with the engine, rank, host,
+    cause and the log's last lines on the console, not SGLang's silent SIGKILL of the rank's tree
+    (on an H200 torchrun reported only "Signal 9"). Either path may come first: the start's
+    exception (``EngineStartError``, exit 3 in the worker) or the scheduler's SIGQUIT
+    (``health.sigquit_while_starting``, ``EXIT_ENGINE_DIED``)."""
+    require_sglang_engine()
+    import socket
+
+    from grpo_megatron.rollout.sglang.health import EXIT_ENGINE_DIED
+
+    proc = subprocess.run(
+        [sys.executable, "-m", "tests.workers.sglang_start_failure", str(tmp_path)],
+        cwd=ROOT, capture_output=True, text=True, timeout=ENGINE_TIMEOUT_S,
+    )  # fmt: skip
+    assert proc.returncode in (3, EXIT_ENGINE_DIED), (proc.returncode, proc.stderr[-3000:])
+    lines = proc.stderr.splitlines()
+    first = next((i for i, x in enumerate(lines) if x.startswith("grpo-megatron: error")), None)
+    assert first is not None, proc.stderr[-3000:]
+    message = "\n".join(lines[first:])
+    logs = list((tmp_path / "logs").glob("engine-rank0-*.log"))
+    assert len(logs) == 1, logs
+    assert f"SGLang engine of rank 0 on {socket.gethostname()} failed to start" in lines[first], message
+    assert str(logs[0]) in message, message  # the log named ...
+    assert "Traceback" in logs[0].read_text()  # ... holds the scheduler's traceback
+    assert "safetensors" in message.lower() or "Scheduler hit an exception" in message, message  # its tail

@@ -17,6 +17,10 @@ engine without that watchdog (0.5.17) leaves the next request waiting forever. H
 - ``on_sigquit`` replaces SGLang's handler: it prints the same message and exits the rank with
   ``EXIT_ENGINE_DIED``, so torchrun ends the job and the last checkpoint (written atomically) stays
   the one a rerun resumes from;
+- an engine that fails while it starts is named the same way (``EngineStartError``, or
+  ``sigquit_while_starting`` when its scheduler's SIGQUIT comes first): SGLang's launch-phase
+  handler would SIGKILL the rank's whole tree, torchrun then reporting only "Signal 9" (seen on an
+  H200 with 0.5.17: a rotary-embedding assertion in the scheduler; the traceback was in the log only);
 - ``engine_only_shutdown``: ``sglang.Engine.shutdown`` ends by killing every child of the rank
   (``kill_process_tree(os.getpid(), include_parent=False)``): the reward pool's workers, wandb's
   service, megatron's checkpoint writer, before they close. Around it, that one call kills only the
@@ -46,6 +50,29 @@ class EngineDiedError(RuntimeError):
     """A process of this rank's SGLang engine is gone; the message names it and its last log lines."""
 
 
+class EngineStartError(EngineDiedError):
+    """This rank's SGLang engine failed while it started; the message names the engine, the rank, the
+    host, the cause and its log's last lines."""
+
+
+STARTING: list[EngineProcesses] = []
+"""The engine this process is starting now (``EngineProcesses.start``; at most one), for
+``sigquit_while_starting``. SGLang pickles its server arguments, a SIGQUIT handler among them, into
+every process it spawns: the handler must be a module-level function, so it finds its engine here."""
+
+
+def sigquit_while_starting(signum: int, frame: Any) -> None:
+    """SGLang's ``custom_sigquit_handler`` (a server argument in 0.5.17 and 0.5.23) while an engine
+    starts: a scheduler that fails sends SIGQUIT to this rank, whose launch-phase handler would
+    SIGKILL the rank's whole process tree without a word. Name the engine and its log's last lines
+    (on the console: the rank's own output goes to the log while the engine starts) and exit the rank
+    ``EXIT_ENGINE_DIED``. Outside a start (the engine's own error already on its way) it does
+    nothing; once the engine runs, ``take_back_signals`` puts ``on_sigquit`` in its place."""
+    if STARTING:
+        engine = STARTING[-1]
+        engine.exit_rank(engine.start_report("one of its processes failed (SGLang's SIGQUIT)"))
+
+
 @contextlib.contextmanager
 def sigterm_ignored() -> Iterator[bool]:
     """While inside, this process ignores SIGTERM, so the processes it starts keep it ignored through
@@ -63,9 +90,10 @@ def sigterm_ignored() -> Iterator[bool]:
 
 
 @contextlib.contextmanager
-def output_to(log_path: Path) -> Iterator[None]:
+def output_to(log_path: Path) -> Iterator[int]:
     """While inside, this process's stdout and stderr (file descriptors 1 and 2, which the processes
-    it starts inherit) write to ``log_path`` (appended); they come back after."""
+    it starts inherit) write to ``log_path`` (appended); they come back after. Yields a descriptor of
+    the stderr from before (the console), valid while inside."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
     sys.stdout.flush()
     sys.stderr.flush()
@@ -74,7 +102,7 @@ def output_to(log_path: Path) -> Iterator[None]:
         os.dup2(log.fileno(), 1)
         os.dup2(log.fileno(), 2)
     try:
-        yield
+        yield saved[1]
     finally:
         sys.stdout.flush()
         sys.stderr.flush()
@@ -97,19 +125,28 @@ class EngineProcesses:
         """Set when this rank shuts the engine down: from then on its processes' deaths are expected."""
         self.loop_handlers_removed: list[bool] = []
         """Whether SGLang's own SIGTERM and SIGQUIT handlers came off its event loop (``take_back_signals``)."""
+        self.console: int | None = None
+        """While the engine starts: a descriptor of the rank's own stderr (fd 2 writes to the log then)."""
 
     @contextlib.contextmanager
     def start(self) -> Iterator[None]:
         """Around ``sglang.Engine(...)``: the processes it spawns write to ``log_path`` (this process's
         stdout and stderr point there while it starts; they come back after), inherit SIGTERM
         ignored (``sigterm_ignored``: a SIGTERM during the start is lost, when there is nothing new
-        to save), and are recorded."""
+        to save), and are recorded. A failure inside is raised as ``EngineStartError``; a SIGQUIT
+        inside ends the rank naming the engine (``sigquit_while_starting``)."""
         me = psutil.Process()
         before = {p.pid for p in me.children(recursive=True)}
+        STARTING.append(self)
         try:
-            with sigterm_ignored(), output_to(self.log_path):
+            with sigterm_ignored(), output_to(self.log_path) as console:
+                self.console = console
                 yield
+        except Exception as exc:
+            raise EngineStartError(self.start_report(f"{type(exc).__name__}: {exc}")) from exc
         finally:
+            self.console = None
+            STARTING.remove(self)
             self.procs = [p for p in me.children(recursive=True) if p.pid not in before]
             self.names = {p.pid: _name(p) for p in self.procs}
 
@@ -137,6 +174,28 @@ class EngineProcesses:
             "again to resume from it."
         )
 
+    def start_report(self, cause: str) -> str:
+        return (
+            f"the SGLang engine of rank {self.rank} on {self.host} failed to start: {cause}. Last lines of "
+            f"its log {self.log_path}:\n{tail(self.log_path)}"
+        )
+
+    def exit_rank(self, message: str) -> None:
+        """Print ``message`` on the rank's console, stop every process this rank started, exit
+        ``EXIT_ENGINE_DIED`` (from a signal handler: no clean-up runs)."""
+        line = f"grpo-megatron: error (rank {self.rank}): {message}\n"
+        if self.console is not None:
+            os.write(self.console, line.encode(errors="replace"))
+        else:
+            print(line, end="", file=sys.stderr, flush=True)
+        # Everything this rank started goes with it: what is left of the engine, the reward
+        # workers, megatron's checkpoint writer's manager process (an exit that skips Python's
+        # clean-up would leave it running, holding the job's output open).
+        for child in psutil.Process().children(recursive=True):
+            with contextlib.suppress(psutil.NoSuchProcess):
+                child.kill()
+        os._exit(EXIT_ENGINE_DIED)
+
     def check(self) -> None:
         """Raise ``EngineDiedError`` if a process of the engine is gone."""
         dead = self.dead()
@@ -151,14 +210,7 @@ class EngineProcesses:
         def handler(signum: int, frame: Any) -> None:
             if self.stopping:  # a scheduler that saw its peer killed first, while we shut it down
                 return
-            print(f"grpo-megatron: error (rank {self.rank}): {self.report()}", file=sys.stderr, flush=True)
-            # Everything this rank started goes with it: what is left of the engine, the reward
-            # workers, megatron's checkpoint writer's manager process (an exit that skips Python's
-            # clean-up would leave it running, holding the job's output open).
-            for child in psutil.Process().children(recursive=True):
-                with contextlib.suppress(psutil.NoSuchProcess):
-                    child.kill()
-            os._exit(EXIT_ENGINE_DIED)
+            self.exit_rank(self.report())
 
         return handler
 

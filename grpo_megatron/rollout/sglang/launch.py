@@ -48,6 +48,7 @@ own multi-node launch (facts from SGLang 0.5.23's source, paths under ``python/s
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import json
 import os
 import socket
@@ -65,7 +66,7 @@ from grpo_megatron.distributed.bootstrap import free_port
 from grpo_megatron.rollout.config import RolloutConfig
 from grpo_megatron.rollout.placement import RolloutPlacement, width_choices
 from grpo_megatron.rollout.sglang import compat
-from grpo_megatron.rollout.sglang.health import EngineProcesses, SignalState
+from grpo_megatron.rollout.sglang.health import EngineProcesses, SignalState, sigquit_while_starting
 
 if TYPE_CHECKING:
     from grpo_megatron.distributed.bootstrap import ParallelState
@@ -392,11 +393,22 @@ def start_colocated(
     health = EngineProcesses(launch.rank, log_path)
     signals = SignalState() if threading.current_thread() is threading.main_thread() else None
     with compat.child_environment(engine_environment(device)), health.start():
-        engine = sglang.Engine(**server_args)
+        engine = sglang.Engine(**server_args, **start_signal_handler(signals is not None))
     if signals is not None:
         health.take_back_signals(engine, signals)
     print(f"[rollout] SGLang engine of rank {launch.rank}: its processes log to {log_path}", flush=True)
     return engine, health, server_args
+
+
+def start_signal_handler(main_thread: bool) -> dict[str, Any]:
+    """The server argument that makes a scheduler failing at start name its engine
+    (``custom_sigquit_handler=health.sigquit_while_starting``; SGLang sets it from the main thread
+    only), where this SGLang's ``ServerArgs`` has the field (0.5.17 and 0.5.23 do); else none."""
+    from sglang.srt.server_args import ServerArgs
+
+    if not main_thread or "custom_sigquit_handler" not in inspect.signature(ServerArgs).parameters:
+        return {}
+    return {"custom_sigquit_handler": sigquit_while_starting}
 
 
 def start_node_part(spec: EngineSpec, layout: ColocatedLayout, address: str, ep_size: int) -> Any:
