@@ -208,8 +208,8 @@ def test_multi_turn_episodes_continue_from_the_exact_ids(scenarios) -> None:
 
 
 def test_an_engine_that_fails_while_it_starts_is_named_with_its_log(tmp_path) -> None:
-    """A scheduler that fails at start (here: its weight file cut short after the header, which the
-    adapter reads and SGLang's loader does not get past) ends the rank with the engine, rank, host,
+    """A scheduler that fails at start (here: SGLang's weight loader on a checkpoint whose final norm
+    has half its width) ends the rank with the engine, rank, host,
     cause and the log's last lines on the console, not SGLang's silent SIGKILL of the rank's tree
     (on an H200 torchrun reported only "Signal 9"). Either path may come first: the start's
     exception (``EngineStartError``, exit 3 in the worker) or the scheduler's SIGQUIT
@@ -233,4 +233,4 @@ def test_an_engine_that_fails_while_it_starts_is_named_with_its_log(tmp_path) ->
     assert f"SGLang engine of rank 0 on {socket.gethostname()} failed to start" in lines[first], message
     assert str(logs[0]) in message, message  # the log named ...
     assert "Traceback" in logs[0].read_text()  # ... holds the scheduler's traceback
-    assert "safetensors" in message.lower() or "Scheduler hit an exception" in message, message  # its tail
+    assert "Traceback" in message or "Error" in message, message  # and its tail is on the console
