@@ -112,7 +112,7 @@ class Scenarios:
         differed by 0.0105 in a logprob; the AVX-512 build gave equal bits). A weight load flushes
         the cache too. While the engine's memory is released nothing is flushed (generate refuses)."""
         if not self.engine.released:
-            self.engine.servers[0].flush_cache()
+            self.engine.flush_cache()
         return self.engine.generate(PROMPTS, self.greedy)
 
     # -- scenarios
