@@ -4,6 +4,7 @@ Qwen3-MoE); tools run in the real sandboxed workers."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from typing import Any
 
@@ -190,6 +191,30 @@ def test_limits_on_turns_and_tokens_hold(tokenizer):
     (group,) = EpisodeRunner(engine, cfg, tokenizer, CountingEnvironment(tokenizer, 99)).run(records, params)  # type: ignore[arg-type]
     assert all(t.turns <= 2 and len(t.token_ids) <= 12 for t in group)
     assert all(t.loss_mask is not None and t.loss_mask[-1] == 1 for t in group)  # ends with a model turn
+    # each open episode of a later turn is asked for its own budget left, not the largest
+    p = len(records[0].prompt_ids)
+    for (rows, outs), budgets in zip(engine.calls[1:], engine.budgets[1:], strict=True):
+        assert budgets == [min(5, 12 - (len(row) - p)) for row in rows]
+        assert all(len(c.token_ids) <= b for (c,), b in zip(outs, budgets, strict=True))
+
+
+def test_each_prompt_stops_at_its_own_budget_and_unbound_budgets_change_nothing(tokenizer):
+    # The embedded engine's per-prompt max_new_tokens (SamplingParams.max_new_tokens_each): a row leaves
+    # the batch at its limit ("length"); limits that do not bind give the same bits as none.
+    engine = embedded_engine(tokenizer).engine
+    prompts = [tokenizer.encode(p) for p in ("12*34=", "5+6=", "7*8=")]
+    free = SamplingParams(n=2, max_new_tokens=6, greedy=True)
+    unbound = engine.generate(prompts, dataclasses.replace(free, max_new_tokens_each=(6, 6, 6)))
+    whole = engine.generate(prompts, free)
+    def bits(groups: list[list[Any]]) -> list[tuple[list[int], list[float]]]:
+        return [(c.token_ids, c.logprobs) for g in groups for c in g]
+
+    assert bits(unbound) == bits(whole)
+    limited = engine.generate(prompts, dataclasses.replace(free, max_new_tokens_each=(2, 6, 4)))
+    for g_whole, g_limited, limit in zip(whole, limited, (2, 6, 4), strict=True):
+        for w, c in zip(g_whole, g_limited, strict=True):
+            assert c.token_ids == w.token_ids[:limit] and c.finish_reason == "length"
+            assert max(abs(a - b) for a, b in zip(c.logprobs, w.logprobs[:limit], strict=True)) < 1e-5
 
 
 # ------------------------------------------------------------------ GRPO on real megatron-core

@@ -207,6 +207,19 @@ def test_multi_turn_episodes_continue_from_the_exact_ids(scenarios) -> None:
     assert top[1] <= FLOOR_FACTOR * floor and top[0] < 2.0, got
 
 
+def test_each_episode_is_asked_for_its_own_budget_at_the_context_edge(scenarios) -> None:
+    # rollout/multiturn.py: turn 2 of an episode with 13 tokens left beside one with 24; asking both for
+    # 24 passes the first's context (64), and SGLang refuses that request (before: the whole batch).
+    got = scenario(scenarios, "multiturn_context_edge")
+    assert got["context"] == 64 and got["turns"] == [2, 2], got
+    assert got["budgets"] == [13, 24] and got["inputs"][0] + got["budgets"][0] == 64, got
+    assert got["inputs"][0] + max(got["budgets"]) > 64 and "context length" in got["refused_uniform"], got
+    # SGLang's scheduler stops a request 2 tokens short of the context (max_req_len - input - 1)
+    assert all(s <= b for s, b in zip(got["sampled"], got["budgets"], strict=True)), got
+    assert got["sampled"][0] >= 11 or got["finish"][0] == "stop", got
+    assert 1 <= got["edge_prompt_sampled"] <= 7, got  # 57 + 8 > 64: the adapter asked for 7, SGLang took it
+
+
 def test_an_engine_that_fails_while_it_starts_is_named_with_its_log(tmp_path) -> None:
     """A scheduler that fails at start (here: SGLang's weight loader on a checkpoint whose final norm
     has half its width) ends the rank with the engine, rank, host,

@@ -422,24 +422,29 @@ class EmbeddedEngine(RolloutEngine):
         else:
             generator.seed()  # fresh entropy, still not the global RNG
         n = params.n
+        limits = [b for b in params.budgets(len(prompts)) for _ in range(n)]  # each row's max_new_tokens
         if self.max_batch_rows and self.max_batch_rows < n:  # one prompt's samples do not fit one batch
             rows = [list(p) for p in prompts for _ in range(n)]
-            units = [(rows[s : s + self.max_batch_rows], 1) for s in range(0, len(rows), self.max_batch_rows)]
+            units = [(rows[s : s + self.max_batch_rows], 1, limits[s : s + self.max_batch_rows])
+                     for s in range(0, len(rows), self.max_batch_rows)]  # fmt: skip
         else:  # whole prompts per batch, each prompt's prefill computed once for its n samples
             per = max(1, self.max_batch_rows // n if self.max_batch_rows else len(prompts))
-            units = [([list(p) for p in prompts[s : s + per]], n) for s in range(0, len(prompts), per)]
+            units = [([list(p) for p in prompts[s : s + per]], n, limits[s * n : (s + per) * n])
+                     for s in range(0, len(prompts), per)]  # fmt: skip
         done: list[Completion] = []
-        for unique, repeats in units:
-            done.extend(self._generate_rows(unique, repeats, params, generator))
+        for unique, repeats, unit_limits in units:
+            done.extend(self._generate_rows(unique, repeats, params, generator, unit_limits))
         return [done[i * n : (i + 1) * n] for i in range(len(prompts))]
 
     def _generate_rows(
-        self, prompts: list[list[int]], repeats: int, params: SamplingParams, generator: torch.Generator
+        self, prompts: list[list[int]], repeats: int, params: SamplingParams, generator: torch.Generator,
+        limits: list[int],
     ) -> list[Completion]:
-        """Each of ``prompts`` sampled ``repeats`` times (rows prompt-major). The prompts' prefill runs
-        once per prompt, then its KV cache, mask and positions are repeated for the prompt's rows;
-        each step keeps its tokens and logprobs as tensors of the rows still active, turned into
-        lists once at the end (no per-row Python per step unless stop strings need the text)."""
+        """Each of ``prompts`` sampled ``repeats`` times (rows prompt-major), row ``r`` at most
+        ``limits[r]`` tokens. The prompts' prefill runs once per prompt, then its KV cache, mask and
+        positions are repeated for the prompt's rows; each step keeps its tokens and logprobs as
+        tensors of the rows still active, turned into lists once at the end (no per-row Python per
+        step unless stop strings need the text). A row leaves the batch at a stop or at its limit."""
         from transformers import DynamicCache
 
         n_rows = len(prompts) * repeats
@@ -460,10 +465,12 @@ class EmbeddedEngine(RolloutEngine):
         steps: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []  # (rows, token, logprob) per step
         stopped_r = torch.zeros(n_rows, dtype=torch.bool, device=self.device)
         active = torch.arange(n_rows, device=self.device)  # original row of each batch row
+        last_step_r = torch.tensor(limits, dtype=torch.long, device=self.device) - 1  # a row's last step
+        steps_total = max(limits)
         if self.routes is not None and recorder is None:
             self.routes.active = False  # routing replay is off: no route is copied out of the routers
         try:
-            for step in range(params.max_new_tokens):
+            for step in range(steps_total):
                 logits = self.model(
                     input_ids=inputs_rl,
                     attention_mask=mask_rl,
@@ -484,13 +491,14 @@ class EmbeddedEngine(RolloutEngine):
                 if texts is not None:
                     stop_r |= texts.add(active, token_r)
                 stopped_r[active[stop_r]] = True
-                if step == params.max_new_tokens - 1 or bool(stop_r.all()):
+                leave_r = stop_r | (last_step_r[active] == step)  # stopped, or at its limit ("length")
+                if step == steps_total - 1 or bool(leave_r.all()):
                     break
                 positions_rl = positions_rl[:, -1:] + 1
                 mask_rl = torch.cat([mask_rl, torch.ones_like(mask_rl[:, :1])], dim=1)
                 inputs_rl = token_r[:, None]
-                if bool(stop_r.any()):  # finished rows leave the batch (and the KV cache)
-                    keep_idx = (~stop_r).nonzero()[:, 0]
+                if bool(leave_r.any()):  # finished rows leave the batch (and the KV cache)
+                    keep_idx = (~leave_r).nonzero()[:, 0]
                     cache.batch_select_indices(keep_idx)
                     active, mask_rl = active[keep_idx], mask_rl[keep_idx]
                     positions_rl, inputs_rl = positions_rl[keep_idx], inputs_rl[keep_idx]

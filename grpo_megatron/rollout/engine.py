@@ -13,6 +13,7 @@ distribution the trainer's forward computes with the same temperature.
 from __future__ import annotations
 
 import abc
+import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -63,7 +64,8 @@ class EngineSpec:
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How to sample the responses of one ``generate`` call (the same for every prompt in it)."""
+    """How to sample the responses of one ``generate`` call (the same for every prompt in it, but for
+    ``max_new_tokens_each``)."""
 
     n: int = 1
     """Responses per prompt (GRPO's group size G)."""
@@ -73,6 +75,10 @@ class SamplingParams:
     top_k: int = -1
     """-1 disables it."""
     max_new_tokens: int = 128
+    max_new_tokens_each: tuple[int, ...] | None = None
+    """Each prompt's own limit, in prompt order (at most ``max_new_tokens``, at least 1): the turns of
+    multi-turn episodes, whose budgets left differ (rollout/multiturn.py); None = ``max_new_tokens``
+    for every prompt. ``budgets`` reads it."""
     stop_token_ids: tuple[int, ...] = ()
     """Generation of a response ends after any of these tokens (it is kept in the response)."""
     stop_strings: tuple[str, ...] = ()
@@ -86,6 +92,24 @@ class SamplingParams:
     for ``RolloutFleet.deliver_routes``: the training rollouts of a job that replays the engine's routes
     (``EngineSpec.record_routes``, ``algorithm.routing_replay=r3``). An engine built without route
     recording reports none; an SGLang engine is asked for them only in such requests."""
+
+    def budgets(self, num_prompts: int) -> list[int]:
+        """Each of ``num_prompts`` prompts' ``max_new_tokens`` (``max_new_tokens_each``, else the same)."""
+        if self.max_new_tokens_each is None:
+            return [self.max_new_tokens] * num_prompts
+        each = list(self.max_new_tokens_each)
+        if len(each) != num_prompts or not all(1 <= b <= self.max_new_tokens for b in each):
+            raise ValueError(
+                f"SamplingParams.max_new_tokens_each has {len(each)} limits for {num_prompts} prompts "
+                f"(each must be in [1, max_new_tokens={self.max_new_tokens}]): {each[:8]}"
+            )
+        return each
+
+    def sliced(self, start: int, end: int) -> SamplingParams:
+        """These params for prompts ``start:end`` of the call (their own limits)."""
+        if self.max_new_tokens_each is None:
+            return self
+        return dataclasses.replace(self, max_new_tokens_each=self.max_new_tokens_each[start:end])
 
 
 @dataclass

@@ -91,6 +91,8 @@ def params_from_json(data: Mapping[str, Any]) -> SamplingParams:
     fields = dict(data)
     fields["stop_token_ids"] = tuple(fields["stop_token_ids"])
     fields["stop_strings"] = tuple(fields["stop_strings"])
+    if fields.get("max_new_tokens_each") is not None:
+        fields["max_new_tokens_each"] = tuple(fields["max_new_tokens_each"])
     return SamplingParams(**fields)
 
 

@@ -321,11 +321,13 @@ class RolloutFleet:
         """Start generating this rank's share (``RolloutEngine.submit``: an engine process returns at
         once); ``collect`` (collective) gives the completions, or raises on every rank if any rank's
         share failed, here or while it ran."""
+        params.budgets(len(prompts))  # misfit per-prompt limits are refused on every rank alike
         pending = PendingRollout(len(prompts), params.n, params.routes)
         if self.engine is not None:
             index = self.engine_ranks.index(self.ps.rank)
             start, end = prompt_slices(len(prompts), self.num_engines)[index]
-            seeded = params if params.seed is None else dataclasses.replace(params, seed=params.seed + index)
+            seeded = params.sliced(start, end)  # each prompt keeps its own limit (max_new_tokens_each)
+            seeded = seeded if params.seed is None else dataclasses.replace(seeded, seed=params.seed + index)
             try:
                 pending.local = self.engine.submit(prompts[start:end], seeded) if end > start else lambda: []
             except Exception as exc:
@@ -408,11 +410,6 @@ class RolloutFleet:
         (global rank 0 and the engine's own rank have them already). Afterwards the held ones
         ``release`` names are dropped; None: every held one."""
         return self.held_completions.deliver(owners, self.ps.rank, self._data_group(), release)
-
-    def cut_routes(self, route_id: int, positions: int) -> None:
-        """Keep only the first ``positions`` input positions of held route ``route_id`` (every rank
-        alike; the engine's rank slices its tensor)."""
-        self.held_routes.cut(route_id, positions)
 
     def replica_ranks(self, dp_rank: int) -> list[int]:
         """Collective on first use: the global ranks of data-parallel replica ``dp_rank`` (its TP,

@@ -9,8 +9,10 @@ How a trajectory is made (``EpisodeRunner.run``, every rank; ``rollout.multiturn
 3. an episode goes on unless the environment said done, its last turn ended with a stop token (EOS),
    it has had ``max_turns`` turns, or the observation would leave no room in ``max_total_tokens``;
 4. the observation ids are appended, then the fleet continues every open episode from its token ids
-   (prompt + everything so far: the engines take ids, SGLang as ``input_ids``), n = 1 each, at most the
-   budget left; back to 2.
+   (prompt + everything so far: the engines take ids, SGLang as ``input_ids``), n = 1 each, each at
+   most its own budget left (``SamplingParams.max_new_tokens_each``: asking every episode for the
+   largest would pass the context of the ones furthest along, and SGLang refuses the whole batch;
+   SGLang's adapter also keeps each within the engine's context); back to 2.
 
 A trajectory (``Trajectory``, a ``Completion``) is therefore exactly the ids the engine sampled with the
 observation ids between them; ``loss_mask`` is 1 at sampled tokens and 0 at observation tokens, whose
@@ -144,19 +146,6 @@ class Trajectory(Completion):
             self.route_id = c.route_id
 
 
-def _cut(c: Completion, budget: int, prompt_len: int, fleet: RolloutFleet) -> Completion:
-    """The first ``budget`` tokens of ``c`` (sampled one by one, so the prefix is exactly what a
-    shorter limit would have sampled), routes cut to the same input positions (held routes too:
-    ``RolloutFleet.cut_routes``)."""
-    if len(c.token_ids) <= budget:
-        return c
-    routes = None if c.routed_experts is None else c.routed_experts[:, : prompt_len + budget - 1]
-    if c.route_id is not None:
-        fleet.cut_routes(c.route_id, prompt_len + budget - 1)
-    return Completion(c.token_ids[:budget], c.logprobs[:budget], "length", routes,
-                      weight_version=c.weight_version, route_id=c.route_id)  # fmt: skip
-
-
 @dataclass
 class EpisodeRunner:
     """Runs multi-turn episodes on every rank (see the module docstring)."""
@@ -186,12 +175,13 @@ class EpisodeRunner:
             if not open_:
                 break
             prompts = [list(flat[i][0].prompt_ids) + flat[i][1].token_ids for i in open_]
-            budgets = [min(params.max_new_tokens, limit - len(flat[i][1].token_ids)) for i in open_]
+            budgets = tuple(min(params.max_new_tokens, limit - len(flat[i][1].token_ids)) for i in open_)
             seed = None if params.seed is None else params.seed + _TURN_SEED_STRIDE * (turn - 1)
-            turn_params = dataclasses.replace(params, n=1, seed=seed, max_new_tokens=max(budgets))
+            turn_params = dataclasses.replace(params, n=1, seed=seed, max_new_tokens=max(budgets),
+                                              max_new_tokens_each=budgets)  # fmt: skip
             outs = self.fleet.generate(prompts, turn_params)
-            for i, p, b, (c,) in zip(open_, prompts, budgets, outs, strict=True):
-                flat[i][1].add(_cut(c, b, len(p), self.fleet), sampled=True)
+            for i, (c,) in zip(open_, outs, strict=True):
+                flat[i][1].add(c, sampled=True)
                 flat[i][1].turns += 1
             open_ = [i for i in open_ if not self._stopped(flat[i][1], params)]
         return groups

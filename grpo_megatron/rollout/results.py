@@ -225,14 +225,6 @@ class HeldRoutes:
             self.tensors[rid] = tensor
         return rid
 
-    def cut(self, rid: int, positions: int) -> None:
-        """Keep the routes of only the first ``positions`` input positions of route ``rid`` (a
-        multi-turn turn cut to its budget, ``rollout/multiturn.py``); every rank calls it alike."""
-        (m, _, k), dtype = self.shapes[rid]
-        self.shapes[rid] = ((m, positions, k), dtype)
-        if rid in self.tensors:
-            self.tensors[rid] = self.tensors[rid][:, :positions]
-
     def deliver(
         self, owners: Mapping[int, Sequence[int]], rank: int, group: Any, release: Iterable[int] | None = None
     ) -> dict[int, torch.Tensor]:

@@ -18,12 +18,15 @@ class RecordingEngine:
     def __init__(self, engine: Any):
         self.engine = engine
         self.calls: list[tuple[list[list[int]], list[list[Completion]]]] = []
+        self.budgets: list[list[int]] = []
+        """Each call's per-prompt ``max_new_tokens`` (``SamplingParams.budgets``)."""
 
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[list[Completion]]:
         """As ``RolloutFleet.generate`` on one rank, except that routes stay on the completions
         (``params.routes`` has nothing to hold back)."""
         out = self.engine.generate(prompts, params)
         self.calls.append(([list(p) for p in prompts], out))
+        self.budgets.append(params.budgets(len(prompts)))
         return out
 
 

@@ -428,6 +428,72 @@ class Scenarios:
             "sampled_vs_own_top3": sorted((abs(a - b) for a, b in model), reverse=True)[:3],
         }
 
+    def multiturn_context_edge(self) -> dict[str, Any]:
+        """Turn 2 of two episodes at the edge of the engine's context (the demo's 64 tokens): one got
+        a long observation and has 13 tokens of ``max_total_tokens`` left, the other a short one and
+        the whole ``max_new_tokens``. Each is asked for its own budget (rollout/multiturn.py), the
+        first right up to the context; asking both for the largest (as before) passes the first's
+        context, which SGLang refuses (``refused_uniform``, that one request alone). Greedy, so the
+        turn lengths are the model's, not the sampler's."""
+        from grpo_megatron.data import PromptRecord, load_tokenizer
+        from grpo_megatron.rollout.config import MultiTurnConfig
+        from grpo_megatron.rollout.engine import SamplingParams
+        from grpo_megatron.rollout.multiturn import EpisodeRunner
+        from tests.helpers.episodes import RecordingEngine
+
+        tokenizer = load_tokenizer(DEMO)
+        engine = RecordingEngine(self.engine)
+        env = LopsidedEnvironment({0: 20, 1: 2})
+        records = [PromptRecord(prompt="", prompt_ids=tuple(p), answer="", metadata={"episode": i})
+                   for i, p in enumerate((PROMPTS[2], PROMPTS[3]))]  # fmt: skip
+        params = SamplingParams(n=1, greedy=True, max_new_tokens=24, temperature=1.0)
+        cfg = MultiTurnConfig(enabled=True, max_turns=2, max_total_tokens=64 - len(PROMPTS[2]))
+        groups = EpisodeRunner(engine, cfg, tokenizer, env).run(records, params)  # type: ignore[arg-type]
+        out: dict[str, Any] = {"context": self.engine.context, "turns": [t.turns for g in groups for t in g]}
+        if len(engine.calls) < 2:
+            return out
+        inputs, outs = engine.calls[1]
+        budgets = engine.budgets[1]
+        out.update(inputs=[len(p) for p in inputs], budgets=budgets,
+                   sampled=[len(c.token_ids) for (c,) in outs], finish=[c.finish_reason for (c,) in outs])  # fmt: skip
+        longest = max(range(len(inputs)), key=lambda i: len(inputs[i]))
+        uniform = SamplingParams(n=1, greedy=True, max_new_tokens=max(budgets), temperature=1.0)
+        context, self.engine.context = self.engine.context, None  # SGLang's own check, unbounded here
+        try:
+            self.engine.generate([inputs[longest]], uniform)
+            out["refused_uniform"] = ""
+        except Exception as exc:
+            out["refused_uniform"] = f"{type(exc).__name__}: {exc}"
+        finally:
+            self.engine.context = context
+        # the adapter keeps a request within the context by itself: a prompt of 57 of 64 tokens (SGLang's
+        # longest input: context - 6, tp_worker.py) asked for 8 goes in asking for 7
+        (edge,) = self.engine.generate([(PROMPTS[0] * 12)[:57]], self.greedy)
+        out["edge_prompt_sampled"] = len(edge[0].token_ids)
+        return out
+
+
+class LopsidedEnvironment:
+    """Answers each episode's first turn with ``lengths[record's episode]`` copies of token 5, then ends."""
+
+    def __init__(self, lengths: dict[int, int]):
+        self.lengths = lengths
+
+    def start(self, record: Any) -> dict[str, int]:
+        return {"episode": record.metadata["episode"], "turn": 0}
+
+    def step(self, states: Any, turn_texts: Any) -> list[Any]:
+        from grpo_megatron.rollout.multiturn import StepResult
+
+        out = []
+        for s in states:
+            s["turn"] += 1
+            out.append(StepResult([5] * self.lengths[s["episode"]], done=s["turn"] >= 2))
+        return out
+
+    def close(self) -> None:
+        return None
+
 
 SCENARIOS: tuple[str, ...] = (
     "start",
@@ -435,6 +501,7 @@ SCENARIOS: tuple[str, ...] = (
     "signals_kept",
     "sampled_and_scored",
     "multiturn",
+    "multiturn_context_edge",
     "flattened_bucket_update",
     "named_tensor_head",
     "rejected_version",

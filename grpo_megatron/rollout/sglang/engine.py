@@ -223,6 +223,9 @@ class SGLangEngine(RolloutEngine):
         else:
             self.transport = NcclBroadcastTransport(rollout, flattened_cls, device, launch.group_timeout)
         self.guard = ServerGuard(servers or [])
+        self.context = context_tokens(servers or [])
+        """Tokens one sequence may hold (prompt and response): each request's ``max_new_tokens`` stays
+        within it (``protocol.request_budgets``); None where the servers do not say (HTTP)."""
         if started_here:
             self.ensure_healthy()  # disaggregated servers answer before use (colocated: a no-op)
             if self.tied_head and shapes:
@@ -310,7 +313,8 @@ class SGLangEngine(RolloutEngine):
     def _generate(
         self, servers: list[Any], prompts: Sequence[Sequence[int]], params: SamplingParams
     ) -> list[list[Completion]]:
-        request = protocol.generate_request(prompts, params, self._rng, routes_enabled=self._route_layout is not None)
+        request = protocol.generate_request(prompts, params, self._rng, routes_enabled=self._route_layout is not None,
+                                            context=self.context)  # fmt: skip
         return protocol.completions(_scatter(servers, request), request, params.n, self._route_layout)
 
     def score(
@@ -414,6 +418,19 @@ class SGLangEngine(RolloutEngine):
         for server in servers:
             with self.health.engine_only_shutdown() if self.health is not None else contextlib.nullcontext():
                 server.shutdown()
+
+
+def context_tokens(servers: Sequence[Any]) -> int | None:
+    """The tokens a sequence may hold on every in-process server (``sglang.Engine``): its tokenizer
+    manager's ``context_len`` less its reserved tokens (SGLang's own request check); None when no
+    server says (HTTP clients)."""
+    known = []
+    for server in servers:
+        manager = getattr(server, "tokenizer_manager", None)
+        context = getattr(manager, "context_len", None)
+        if isinstance(context, int):
+            known.append(context - int(getattr(manager, "num_reserved_tokens", 0) or 0))
+    return min(known) if known else None
 
 
 def _scatter(servers: Sequence[Any], request: protocol.Request) -> list[Any]:

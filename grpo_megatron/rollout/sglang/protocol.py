@@ -46,8 +46,9 @@ def sample_seeds(seed: int | None, num_prompts: int, n: int, rng: random.Random)
     return [(base * 1_000_003 + i) % _SEED_MODULUS for i in range(num_prompts * n)]
 
 
-def sampling_params_dict(params: SamplingParams, seed: int) -> dict[str, Any]:
-    """SGLang's sampling_params for one sample of ``params`` (``n`` is expanded by the caller).
+def sampling_params_dict(params: SamplingParams, seed: int, max_new_tokens: int | None = None) -> dict[str, Any]:
+    """SGLang's sampling_params for one sample of ``params`` (``n`` is expanded by the caller), at most
+    ``max_new_tokens`` tokens (its request's own: ``request_budgets``; None = ``params.max_new_tokens``).
 
     ``no_stop_trim`` keeps a matched stop string in the response, as the interface requires
     (stop tokens are kept by SGLang anyway). SGLang also stops at the model's own EOS tokens.
@@ -55,7 +56,7 @@ def sampling_params_dict(params: SamplingParams, seed: int) -> dict[str, Any]:
     temperature), which equals the interface's convention only when ``temperature == 1``.
     """
     return {
-        "max_new_tokens": params.max_new_tokens,
+        "max_new_tokens": params.max_new_tokens if max_new_tokens is None else max_new_tokens,
         "temperature": params.temperature,
         "top_p": params.top_p,
         "top_k": 1 if params.greedy else params.top_k,
@@ -66,20 +67,38 @@ def sampling_params_dict(params: SamplingParams, seed: int) -> dict[str, Any]:
     }
 
 
+def request_budgets(prompts: Sequence[Sequence[int]], params: SamplingParams, context: int | None) -> list[int]:
+    """Each prompt's ``max_new_tokens``: its own limit (``SamplingParams.budgets``), and at most what
+    the engine's context leaves after it (``context - len(prompt)``; None = no bound). SGLang refuses
+    a request whose input and ``max_new_tokens`` pass its context (``_validate_one_request`` in its
+    tokenizer manager, unless it auto-truncates), and with it the whole batch; its scheduler then stops
+    a response 2 tokens short of the context (``max_req_len - input_len - 1``, finish "length"). A
+    prompt that fills the context keeps its limit: SGLang refuses it, naming its length."""
+    limits = params.budgets(len(prompts))
+    if context is None:
+        return limits
+    return [min(b, context - len(p)) if len(p) < context else b for p, b in zip(prompts, limits, strict=True)]
+
+
 def generate_request(
-    prompts: Sequence[Sequence[int]], params: SamplingParams, rng: random.Random, *, routes_enabled: bool
+    prompts: Sequence[Sequence[int]], params: SamplingParams, rng: random.Random, *, routes_enabled: bool,
+    context: int | None = None,
 ) -> Request:
-    """The request for ``params.n`` samples of each prompt, with their logprobs. Routed experts are
-    asked for only when the request wants them (``params.routes``: the training rollouts of a job that
-    replays them) and the engine was started to report them (``routes_enabled``); then for every input
-    position (``routed_experts_start_len`` left at 0: replay covers the prompt too). SGLang ships them
-    as text through its detokenizer (about 2 KB per token of a Qwen3-MoE), so nothing else asks."""
+    """The request for ``params.n`` samples of each prompt, with their logprobs, each prompt's at most
+    ``request_budgets`` tokens (``context``: the tokens the engine takes in one sequence). Routed
+    experts are asked for only when the request wants them (``params.routes``: the training rollouts
+    of a job that replays them) and the engine was started to report them (``routes_enabled``); then
+    for every input position (``routed_experts_start_len`` left at 0: replay covers the prompt too).
+    SGLang ships them as text through its detokenizer (about 2 KB per token of a Qwen3-MoE), so
+    nothing else asks."""
     seeds = sample_seeds(params.seed, len(prompts), params.n, rng)
+    budgets = [b for b in request_budgets(prompts, params, context) for _ in range(params.n)]
     options: dict[str, Any] = {"return_logprob": True}
     if params.routes and routes_enabled:
         options["return_routed_experts"] = True
     return Request([list(p) for p in prompts for _ in range(params.n)],
-                   [sampling_params_dict(params, s) for s in seeds], options)  # fmt: skip
+                   [sampling_params_dict(params, s, b) for s, b in zip(seeds, budgets, strict=True)],
+                   options)  # fmt: skip
 
 
 def score_request(sequences: Sequence[Sequence[int]], temperature: float) -> Request:
