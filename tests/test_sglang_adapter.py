@@ -5,11 +5,15 @@ The data path through SGLang's own classes is tests/test_sglang_contract.py."""
 from __future__ import annotations
 
 import base64
+import dataclasses
 import json
 import os
+import random
+import signal
 import subprocess
 import sys
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from types import SimpleNamespace
@@ -22,6 +26,7 @@ from grpo_megatron.rollout.config import RolloutConfig
 from grpo_megatron.rollout.engine import SamplingParams
 from grpo_megatron.rollout.hf_routes import RouteLayout
 from grpo_megatron.rollout.sglang.engine import SGLangEngine
+from grpo_megatron.rollout.sglang.health import EngineDiedError, sigquit_while_starting
 from grpo_megatron.rollout.sglang.launch import (
     INSTALL_HINT,
     ColocatedLayout,
@@ -42,6 +47,8 @@ from grpo_megatron.rollout.sglang.nccl import (
 from grpo_megatron.rollout.sglang.protocol import (
     completion_from_output,
     decode_routed_experts,
+    generate_request,
+    request_budgets,
     sample_seeds,
     sampling_params_dict,
     teacher_forced_logprobs,
@@ -142,6 +149,24 @@ def test_sampling_params_follow_the_interface() -> None:
     }  # fmt: skip
     assert "n" not in sp  # samples are separate requests (each with its own seed)
     assert sampling_params_dict(SamplingParams(greedy=True), seed=0)["top_k"] == 1
+
+
+def test_each_request_gets_its_own_budget_within_the_context() -> None:
+    # Multi-turn turns ask each episode for its own budget left (rollout/multiturn.py); SGLang refuses a
+    # request whose input + max_new_tokens passes its context, so each row stays within it too.
+    prompts = [[1] * 30, [1] * 5, [1] * 60, [1] * 64]
+    params = SamplingParams(n=2, max_new_tokens=40, max_new_tokens_each=(27, 40, 40, 3))
+    assert request_budgets(prompts, params, context=None) == [27, 40, 40, 3]
+    # 60 + 40 > 64: cut to 4; a prompt that fills the context keeps its limit (SGLang names its length)
+    assert request_budgets(prompts, params, context=64) == [27, 40, 4, 3]
+    request = generate_request(prompts, params, random.Random(0), routes_enabled=False, context=64)
+    assert [sp["max_new_tokens"] for sp in request.sampling_params] == [27, 27, 40, 40, 4, 4, 3, 3]
+    uniform = SamplingParams(n=1, max_new_tokens=8)  # no per-prompt limits: every row max_new_tokens
+    assert request_budgets(prompts, uniform, context=None) == [8] * 4
+    assert SamplingParams(max_new_tokens=8, max_new_tokens_each=(3, 8)).sliced(1, 2).max_new_tokens_each == (8,)
+    for bad in ((3,), (0, 8), (9, 1)):
+        with pytest.raises(ValueError, match=r"max_new_tokens_each has \d limits for 2 prompts"):
+            SamplingParams(max_new_tokens=8, max_new_tokens_each=bad).budgets(2)
 
 
 def _routed(rows: int, layers: int, top_k: int) -> tuple[str, torch.Tensor]:
@@ -359,33 +384,79 @@ def test_from_config_takes_an_engine_across_nodes_and_refuses_one_that_does_not_
     assert SGLangEngine.from_config(engine_spec(cfg), ps) is None
 
 
-def test_a_further_node_starts_its_part_of_the_engine_without_blocking(monkeypatch, tmp_path: Path) -> None:
-    """``start_node_part`` against SGLang's real entry point name (``sglang.Engine``), whose constructor
-    cannot run without GPUs: the arguments it is given, and the environment SGLang reads on node_rank
-    >= 1 to return instead of blocking."""
+def _sigterm_ignored(pid: int) -> bool:
+    """Whether process ``pid`` ignores SIGTERM (its ``SigIgn`` mask in /proc)."""
+    status = Path(f"/proc/{pid}/status").read_text()
+    mask = int(next(line.split()[1] for line in status.splitlines() if line.startswith("SigIgn:")), 16)
+    return bool(mask & (1 << (signal.SIGTERM - 1)))
+
+
+def test_a_further_node_starts_its_part_like_the_leader_without_blocking(monkeypatch, tmp_path: Path) -> None:
+    """``start_node_part`` against SGLang's real entry point name (``sglang.Engine``), whose multi-node
+    constructor cannot run here (see bench/gpu_check.sh): the arguments it is given, the environment
+    SGLang reads on node_rank >= 1 to return instead of blocking, and the leader's protections
+    (``start_colocated``), seen in a process the constructor spawns as SGLang spawns its schedulers:
+    SIGTERM ignored there, its output in the rank's engine log, recorded for the health checks, and
+    the trainer's SIGTERM handler back in place afterwards."""
     import sglang
 
     save_tiny_model("qwen3_moe", tmp_path, seed=0)
     started: list[dict] = []
+    children: list[subprocess.Popen] = []
 
     class Recorder:
         def __init__(self, **kwargs) -> None:
+            script = "import time; print('scheduler of node 1 up', flush=True); time.sleep(60)"
+            children.append(subprocess.Popen([sys.executable, "-c", script]))
             started.append({**kwargs, "env": os.environ.get("SGLANG_BLOCK_NONZERO_RANK_CHILDREN")})
+
+        def shutdown(self) -> None:
+            children[-1].kill()
+
+    def trainer_sigterm(signum, frame) -> None:  # stands for distributed/preemption.py's handler
+        return None
 
     monkeypatch.setattr(sglang, "Engine", Recorder)
     monkeypatch.delenv("SGLANG_BLOCK_NONZERO_RANK_CHILDREN", raising=False)
+    saved = signal.signal(signal.SIGTERM, trainer_sigterm), signal.getsignal(signal.SIGQUIT)
     cfg = load_config(EXAMPLE, ["rollout.engine=sglang", "rollout.sglang_tp=16", f"model.hf_path={tmp_path}"])
-    start_node_part(engine_spec(cfg), colocated_layout(8, 16, 16, 8, 0), "node-a:41234", 2)
-    (args,) = started
+    spec = dataclasses.replace(engine_spec(cfg), log_dir=tmp_path / "logs")
+    ps = SimpleNamespace(rank=8, device="cuda:0")  # a GPU node's arguments (nothing here touches CUDA)
+    layout = colocated_layout(8, 16, 16, 8, 0)
+    try:
+        _, health = start_node_part(spec, layout, "node-a:41234", 2, ps, weights_on_disk=True)  # type: ignore[arg-type]
+        proc = children[-1]
+        ignored = _sigterm_ignored(proc.pid)
+        handlers = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGQUIT)
+        time.sleep(0.5)
+        proc.kill()
+        proc.wait()
+        replayed = load_config(EXAMPLE, ["rollout.engine=sglang", "rollout.sglang_tp=16",
+                                         f"model.hf_path={tmp_path}", "algorithm.routing_replay=r3"])  # fmt: skip
+        again = dataclasses.replace(engine_spec(replayed), log_dir=tmp_path / "logs")
+        start_node_part(again, layout, "node-a:41234", 2, ps, weights_on_disk=True)  # type: ignore[arg-type]
+    finally:
+        for child in children:
+            child.kill()
+            child.wait()
+        signal.signal(signal.SIGTERM, saved[0])
+        signal.signal(signal.SIGQUIT, saved[1])
+    args = started[0]
     assert args["env"] == "0" and args["nnodes"] == 2 and args["node_rank"] == 1 and args["tp_size"] == 16
     assert args["ep_size"] == 2  # the placement's engine EP, as on the leader's node
     assert args["dist_init_addr"] == "node-a:41234" and args["base_gpu_id"] == 0
     assert args["random_seed"] == cfg.train.seed  # the leader's (rank 0's) seed on every node
     assert args["enable_return_routed_experts"] is False  # an MoE model, but routing replay is off
-    replayed = load_config(EXAMPLE, ["rollout.engine=sglang", "rollout.sglang_tp=16", f"model.hf_path={tmp_path}",
-                                     "algorithm.routing_replay=r3"])  # fmt: skip
-    start_node_part(engine_spec(replayed), colocated_layout(8, 16, 16, 8, 0), "node-a:41234", 2)
     assert started[-1]["enable_return_routed_experts"] is True
+    # the leader's protections, from the same start (launch.py:start_colocated)
+    assert args["custom_sigquit_handler"] is sigquit_while_starting  # a scheduler failing at start names the engine
+    assert ignored, "the node part's scheduler does not ignore SIGTERM: a preemption would kill it mid-save"
+    assert handlers[0] is trainer_sigterm and handlers[1] is not saved[1]  # SIGTERM back; SIGQUIT names the engine
+    assert [p.pid for p in health.procs] == [children[0].pid] and health.rank == 8
+    assert health.log_path.parent == tmp_path / "logs" and health.log_path.name.startswith("engine-rank8-")
+    assert "scheduler of node 1 up" in health.log_path.read_text()
+    with pytest.raises(EngineDiedError, match=r"the SGLang engine of rank 8 on .* died: process .* is gone"):
+        health.check()  # the member checks it before each weight load (member.py)
 
 
 class RequestRecorder:

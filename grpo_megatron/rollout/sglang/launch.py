@@ -378,15 +378,20 @@ def start_colocated(
     hf_config: Mapping[str, Any],
     *,
     weights_on_disk: bool,
+    node_rank: int = 0,
 ) -> tuple[Any, EngineProcesses, dict[str, Any]]:
-    """Start this leader's ``sglang.Engine`` (its first node's part): ``(engine, its processes, the server
-    arguments it got)``. Its processes log to ``<log_dir>/engine-rank<R>-<pid>.log``, start with SIGTERM
-    ignored and without the launcher's variables; from the main thread, the trainer's signal handlers
-    that SGLang replaces are taken back."""
+    """Start this rank's part of a colocated ``sglang.Engine``: the leader's (``node_rank`` 0, the
+    whole engine on one node), or node ``node_rank``'s of an engine across nodes (``start_node_part``);
+    ``(engine, its processes, the server arguments it got)``. Every part is started alike: its
+    processes log to ``<log_dir>/engine-rank<R>-<pid>.log``, start with SIGTERM ignored (a Slurm
+    preemption's SIGTERM reaches the trainer, which saves first) and without the launcher's variables,
+    are recorded for the health checks; from the main thread, the trainer's signal handlers that
+    SGLang replaces are taken back and SIGQUIT names the engine (``rollout/sglang/health.py``)."""
     sglang, _, _ = import_sglang()
     device = launch.torch_device()
     launch = dataclasses.replace(launch, device=str(device))
-    server_args = colocated_server_args(rollout, model_path, launch, hf_config, weights_on_disk=weights_on_disk)
+    server_args = colocated_server_args(rollout, model_path, launch, hf_config, node_rank=node_rank,
+                                        weights_on_disk=weights_on_disk)  # fmt: skip
     if launch.tokenizer_path and "tokenizer_path" not in rollout.sglang_server_args:
         server_args["tokenizer_path"] = str(launch.tokenizer_path)  # data.tokenizer_path, beside the model's
     log_path = Path(launch.log_dir or tempfile.gettempdir()) / f"engine-rank{launch.rank}-{os.getpid()}.log"
@@ -396,7 +401,8 @@ def start_colocated(
         engine = sglang.Engine(**server_args, **start_signal_handler(signals is not None))
     if signals is not None:
         health.take_back_signals(engine, signals)
-    print(f"[rollout] SGLang engine of rank {launch.rank}: its processes log to {log_path}", flush=True)
+    part = f" (node {node_rank} of {launch.nnodes})" if launch.nnodes > 1 else ""
+    print(f"[rollout] SGLang engine of rank {launch.rank}{part}: its processes log to {log_path}", flush=True)
     return engine, health, server_args
 
 
@@ -411,23 +417,27 @@ def start_signal_handler(main_thread: bool) -> dict[str, Any]:
     return {"custom_sigquit_handler": sigquit_while_starting}
 
 
-def start_node_part(spec: EngineSpec, layout: ColocatedLayout, address: str, ep_size: int) -> Any:
-    """``sglang.Engine`` for node ``layout.node_rank`` >= 1 of a multi-node colocated engine: the same
-    arguments as the leader's (seed included) but this node's rank. SGLang's Engine on such a node
-    runs only the schedulers and by default never returns from its constructor; with
+def start_node_part(
+    spec: EngineSpec, layout: ColocatedLayout, address: str, ep_size: int, ps: ParallelState, *, weights_on_disk: bool
+) -> tuple[Any, EngineProcesses]:
+    """Node ``layout.node_rank`` >= 1's part of a multi-node colocated engine, started by this rank (the
+    node's first of the engine) through ``start_colocated``, as the leader's part is: the same
+    arguments (seed included) but this node's rank, and the same protections (SIGTERM ignored in its
+    schedulers, their log, their health, the trainer's signals taken back). SGLang's Engine on such a
+    node runs only the schedulers and by default never returns from its constructor; with
     ``SGLANG_BLOCK_NONZERO_RANK_CHILDREN=0`` it returns once they are up (see the module docstring)."""
-    sglang, _, _ = import_sglang()
     rollout, model = spec.rollout, spec.model
     launch = EngineLaunch(
-        model.dtype, spec.seed + layout.leader, "cuda", base_gpu_id=layout.base_gpu_id, tp_size=len(layout.members),
-        ep_size=ep_size, nnodes=layout.nnodes, dist_init_addr=address, hf_overrides=model.hf_overrides,
+        model.dtype, spec.seed + layout.leader, str(ps.device), base_gpu_id=layout.base_gpu_id,
+        tp_size=len(layout.members), ep_size=ep_size, nnodes=layout.nnodes, dist_init_addr=address,
+        hf_overrides=model.hf_overrides, rank=ps.rank, log_dir=spec.log_dir, tokenizer_path=spec.tokenizer_path,
         routes=spec.record_routes,
     )  # fmt: skip
     hf_config = {**read_hf_config(model.hf_path), **(model.hf_overrides or {})}
-    args = colocated_server_args(rollout, str(model.hf_path), launch, hf_config, node_rank=layout.node_rank)
     os.environ["SGLANG_BLOCK_NONZERO_RANK_CHILDREN"] = "0"  # read by SGLang in this process only
-    with compat.child_environment(engine_environment(torch.device("cuda"))):
-        return sglang.Engine(**args)
+    engine, health, _ = start_colocated(rollout, str(model.hf_path), launch, hf_config,
+                                        weights_on_disk=weights_on_disk, node_rank=layout.node_rank)  # fmt: skip
+    return engine, health
 
 
 def layout_of(placement: RolloutPlacement, ps: ParallelState) -> tuple[ColocatedLayout, int, int]:

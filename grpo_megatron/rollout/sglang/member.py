@@ -16,6 +16,7 @@ import torch
 from grpo_megatron.rollout.config import RolloutConfig
 from grpo_megatron.rollout.engine import Bucket, EngineSpec, Manifest
 from grpo_megatron.rollout.placement import RolloutPlacement, runtime_placement
+from grpo_megatron.rollout.sglang.health import EngineProcesses
 from grpo_megatron.rollout.sglang.ipc import EngineGroupFeed, contribution
 from grpo_megatron.rollout.sglang.launch import (
     agree_engine_address,
@@ -61,6 +62,7 @@ class SGLangSyncMember:
         device: torch.device | str,
         node_engine: Any = None,
         ep_size: int = 1,
+        health: EngineProcesses | None = None,
     ):
         _, flattened_cls, serializer = import_sglang()
         self.rollout = rollout
@@ -69,6 +71,8 @@ class SGLangSyncMember:
         self.tp_rank = tp_rank
         self.device = device
         self.node_engine = node_engine
+        self.health = health
+        """The node part's processes (``start_node_part``), watched as the leader's are; None without one."""
         self._classes = (flattened_cls, serializer)
         self._hf_config = read_hf_config(model_path)
         self.tied_head = tied_output_head(self._hf_config)
@@ -89,18 +93,22 @@ class SGLangSyncMember:
         layout, gpus_per_node, local_rank = layout_of(placement, ps)
         if ps.rank == layout.leader:
             return None
-        node_engine = None
+        node_engine, health = None, None
         if layout.multi_node:
             address = agree_engine_address(layout, gpus_per_node, local_rank)
             if layout.starter:
-                node_engine = start_node_part(spec, layout, address, placement.engine_ep)
+                node_engine, health = start_node_part(spec, layout, address, placement.engine_ep, ps,
+                                                      weights_on_disk=bool(checkpoint_shapes(spec.model.hf_path)))
         return cls(rollout, spec.model.hf_path, layout.members, ps.rank - layout.leader, ps.device, node_engine,
-                   ep_size=placement.engine_ep)  # fmt: skip
+                   ep_size=placement.engine_ep, health=health)  # fmt: skip
 
     def shutdown(self) -> None:
-        """Stop this node's part of the engine, if this rank started one."""
+        """Stop this node's part of the engine, if this rank started one: its own processes only
+        (``EngineProcesses.engine_only_shutdown``), not the rank's other children."""
         if self.node_engine is not None:
-            self.node_engine.shutdown()
+            assert self.health is not None
+            with self.health.engine_only_shutdown():
+                self.node_engine.shutdown()
             self.node_engine = None
 
     def weight_needs(self) -> ExpertBlock | None:
@@ -120,6 +128,8 @@ class SGLangSyncMember:
 
     def update_weights(self, bucket: Bucket, *, version: int, last: bool) -> None:
         try:
+            if self.health is not None:  # this node's part of the engine died: named, with its log
+                self.health.check()
             errors = bucket_errors(bucket, self._expected_shapes, f"the checkpoint at {self.model_path}")
             if errors:
                 raise ValueError(f"weight sync of version {version}: {'; '.join(errors[:5])}")
