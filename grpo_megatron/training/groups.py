@@ -97,6 +97,7 @@ class GroupSource(Protocol):
 
     def start(self, version: int) -> None: ...
     def take(self, iteration: int, timer: Timer) -> Produced: ...
+    def before_sync(self) -> dict[str, float]: ...
     def after_sync(self, version: int) -> None: ...
     def state_dict(self) -> dict[str, Any] | None: ...
 
@@ -152,6 +153,9 @@ class RolloutNow:
 
     def take(self, iteration: int, timer: Timer) -> Produced:
         return fill_groups(self.job, self.sampler, iteration, timer)
+
+    def before_sync(self) -> dict[str, float]:
+        return {}  # nothing is in flight between two iterations
 
     def after_sync(self, version: int) -> None:
         return None
@@ -215,6 +219,19 @@ class GroupProducer:
         version+1+N, all sampled by ``version`` (those a resume restored are kept)."""
         for iteration in range(version + 1, version + 2 + self.max_staleness):
             self._submit(iteration)
+
+    def before_sync(self) -> dict[str, float]:
+        """Collective: where a weight load waits for the generation in flight
+        (``RolloutFleet.sync_waits_for_generation``: SGLang), collect every submitted batch now, under
+        the watchdog's long phase (``Rollout.collect``), so the sync stream starts with idle engines
+        and no rank waits for a rollout inside it. The batches keep the version they were submitted
+        under: this moves the wait, not what is generated. ``async/drained_batches``: how many."""
+        in_flight = sorted(it for it, b in self.batches.items() if b.pending is not None)
+        if not self.job.fleet.sync_waits_for_generation:
+            in_flight = []
+        for iteration in in_flight:
+            self._completions(iteration)
+        return {"async/drained_batches": float(len(in_flight))}
 
     def after_sync(self, version: int) -> None:
         """The engines were sent ``version``: submit the batch that may lag it by N."""

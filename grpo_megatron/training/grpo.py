@@ -139,12 +139,15 @@ def run_iteration(job: Job, source: GroupSource, probe: ProbeBatch, it: int, tim
                     old_from_engine=cfg.train.old_logprobs == "engine")
     with timer("train"):
         train_metrics = update_policy(policy, batch.samples, plan, loss, passes, measure_routing=not routing_metrics)
+    with timer("rollout"):  # asynchronous with SGLang: the batches in flight end before the sync stream
+        drain_metrics = source.before_sync()
     with timer("sync"):
         due = probe_due(it, cfg.rollout.probe_interval, cfg.train.iterations)
         sync_metrics = job.sync_engines(it, probe if due else None)
     source.after_sync(it)  # the engines have version `it` (asynchronous: the batch that may lag it by N goes out)
     metrics = {
         **produced.metrics,
+        **drain_metrics,
         **train_metrics,
         **routing_metrics,
         "kl_beta": beta,
