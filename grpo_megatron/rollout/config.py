@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Literal, NamedTuple
 
 
@@ -152,6 +153,16 @@ class RolloutConfig:
     sglang_server_args: dict[str, Any] = field(default_factory=dict)
     """Extra sglang ServerArgs of colocated engines, over ours (e.g. {attention_backend: fa3,
     enable_deterministic_inference: true} for seeded, reproducible sampling)."""
+    dump_dir: str = ""
+    """Write each iteration's rollout batch, as the trainer takes it, into this directory (rank 0;
+    safetensors + JSON, nothing pickled; training/rollout_dump.py): prompt and response token ids,
+    behaviour logprobs, rewards, weight versions, engine routes under routing replay r3, the rollout
+    metrics. slime's --save-debug-rollout-data. Empty = no dump."""
+    replay_dir: str = ""
+    """Train from a dump (``dump_dir`` of an earlier run) instead of generating: no engine starts, no
+    weight sync, no held-out evaluation; each iteration's scored groups are read from the dump. On the
+    dumped run's layout and config the losses and gradient norms equal its own bit for bit. slime's
+    --load-debug-rollout-data with --debug-train-only. Empty = generate."""
 
     @property
     def response_budget(self) -> ResponseBudget:
@@ -225,6 +236,11 @@ class RolloutConfig:
                 f"rollout.temperature={self.temperature} with rollout.engine=sglang and rollout.probe_batch="
                 f"{self.probe_batch}: SGLang scores sequences (the mismatch probe) from unscaled logits, "
                 "i.e. at temperature 1 only; sample at temperature 1.0, or set rollout.probe_batch=0"
+            )
+        if self.dump_dir and self.replay_dir and Path(self.dump_dir).resolve() == Path(self.replay_dir).resolve():
+            errors.append(
+                f"rollout.dump_dir and rollout.replay_dir are both {self.dump_dir}: a replay would write over "
+                "the dump it reads; choose another rollout.dump_dir (or leave it empty)"
             )
         errors += self._sglang_errors()
         if errors:

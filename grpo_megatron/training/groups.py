@@ -60,6 +60,7 @@ import dataclasses
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from grpo_megatron.algorithm.batch_shaping import DynamicSampling
@@ -285,9 +286,26 @@ class GroupProducer:
 
 
 def group_source(job: Job, sampler: PromptSampler, resumed: Mapping[str, Any] | None) -> GroupSource:
-    """Where a run's scored groups come from, decided once (``JobConfig.producer_loop``), with what a
-    resumed checkpoint kept of its source (``source_state``): an asynchronous run's submitted batches,
-    or, resumed synchronously, their prompts given back to the sampler."""
+    """Where a run's scored groups come from, decided once: a dump (rollout.replay_dir: ``ReplaySource``,
+    training/rollout_dump.py), else the engines (``engine_source``), their batches also written to a
+    dump with rollout.dump_dir (``DumpingSource``)."""
+    from grpo_megatron.training.rollout_dump import DumpingSource, ReplaySource, RolloutDump, run_identity
+
+    rollout = job.cfg.rollout
+    if rollout.replay_dir or rollout.dump_dir:
+        identity = run_identity(job.hf, job.tokenizer.get_vocab(), job.ps)
+    if rollout.replay_dir:
+        return ReplaySource(Path(rollout.replay_dir), identity, job.cfg.train.iterations)
+    source = engine_source(job, sampler, resumed)
+    if rollout.dump_dir:
+        return DumpingSource(source, RolloutDump(Path(rollout.dump_dir), identity, job.ps), job.fleet)
+    return source
+
+
+def engine_source(job: Job, sampler: PromptSampler, resumed: Mapping[str, Any] | None) -> GroupSource:
+    """The engines' source, decided once (``JobConfig.producer_loop``), with what a resumed checkpoint
+    kept of its source (``source_state``): an asynchronous run's submitted batches, or, resumed
+    synchronously, their prompts given back to the sampler."""
     saved = (resumed or {}).get(SOURCE_STATE)
     if job.cfg.producer_loop:  # engines that generate while the trainer trains: rollouts submitted ahead
         producer = GroupProducer(job, sampler, job.cfg.train.max_staleness)
