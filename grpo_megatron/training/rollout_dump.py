@@ -282,6 +282,9 @@ class ReplaySource:
             groups, metrics = read_iteration(self.directory, iteration)
         return Produced(groups, metrics)
 
+    def before_sync(self) -> dict[str, float]:
+        return {}  # no engine generates
+
     def after_sync(self, version: int) -> None:
         return None
 
@@ -334,6 +337,9 @@ class DumpingSource:
         with timer("dump"):
             self.dump.write(iteration, produced, self.fleet)
         return produced
+
+    def before_sync(self) -> dict[str, float]:
+        return self.inner.before_sync()
 
     def after_sync(self, version: int) -> None:
         self.inner.after_sync(version)
