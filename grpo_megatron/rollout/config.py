@@ -122,6 +122,13 @@ class RolloutConfig:
     """Iterations between mismatch probes (a probe costs about a tenth of a demo iteration): the sync
     of every ``probe_interval``-th iteration probes, and so do the run's first sync (its start or
     resume) and its last iteration; 1 = after every sync."""
+    probe_max_abs: float = 5.0
+    """Stop the run (a clear error, after the sync that showed it) when the mismatch probe's largest
+    |trainer - engine| logprob difference (``mismatch/probe_abs_diff_max``) exceeds this many nats;
+    0 = never stop. The default sits far above honest bf16 noise (seen: 0.07 on an H200, 0.15 on
+    CPU's AVX2 kernels) and MoE routing flips, and below an engine serving wrong weights (e.g. bf16
+    tensors cast into float8 parameters beside stale scales), which misjudges most tokens by several
+    nats (about ln(vocab) at a token the trainer is sure of)."""
     sglang_mode: Literal["colocated", "disaggregated"] = "colocated"
     """engine=sglang only. colocated = an sglang.Engine on the trainer's GPUs (memory swapped with the
     trainer, weights by CUDA IPC); disaggregated = running SGLang servers (sglang_server_urls) on their
@@ -229,6 +236,8 @@ class RolloutConfig:
             )
         if self.probe_interval < 1:
             errors.append(f"rollout.probe_interval={self.probe_interval} must be >= 1 (1 probes after every sync)")
+        if not self.probe_max_abs >= 0:
+            errors.append(f"rollout.probe_max_abs={self.probe_max_abs} must be >= 0 (0 never stops the run)")
         if self.probe_batch < 0:
             errors.append(f"rollout.probe_batch={self.probe_batch} must be >= 0 (0 disables the mismatch probe)")
         if self.engine == "sglang" and self.probe_batch > 0 and self.temperature != 1.0:

@@ -118,7 +118,8 @@ class Runtime:
         if not self.has_engines:
             return {}
         return sync_weights(self.policy.model, self.fleet, self.memory, self.ps, version, probe or ProbeBatch(),
-                            vocab_size=int(self.hf["vocab_size"]), temperature=self.cfg.rollout.temperature)
+                            vocab_size=int(self.hf["vocab_size"]), temperature=self.cfg.rollout.temperature,
+                            max_abs=self.cfg.rollout.probe_max_abs)  # fmt: skip
 
     def make_sampler(self, num_items: int) -> PromptSampler:
         """The seeded, resumable order in which ``num_items`` training items are drawn."""
