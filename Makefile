@@ -82,7 +82,7 @@ lint: setup
 # last lines say so (tests/conftest.py: CPU, kernel, real-engine tests run, wall time).
 test: machine lint
 	TORCH_COMPILE_DISABLE=1 GRPO_KERNEL_WHEELHOUSE=$(WHEELHOUSE) $(if $(KERNEL_WHEEL),GRPO_REQUIRE_SGLANG=1) \
-	    $(BIN)/python -m pytest -q
+	    $(BIN)/python -m pytest -q --durations=40
 
 machine:
 	@$(PYTHON) tools/sgl_kernel_wheel.py machine $(WHEELHOUSE)

@@ -45,3 +45,23 @@ def test_the_probe_runs_every_interval_and_at_the_last_iteration():
 
     assert [it for it in range(1, 13) if probe_due(it, 5, 12)] == [5, 10, 12]
     assert [it for it in range(1, 4) if probe_due(it, 1, 3)] == [1, 2, 3]
+
+
+def test_a_probe_beyond_rollout_probe_max_abs_stops_the_run_naming_the_field():
+    from grpo_megatron.rollout.config import RolloutConfig
+    from grpo_megatron.training.phases.sync import ProbeMismatchError, check_probe
+
+    honest = {"mismatch/probe_abs_diff_max": 0.15, "mismatch/probe_abs_diff_mean": 0.01, "mismatch/probe_tokens": 40.0}
+    garbage = {**honest, "mismatch/probe_abs_diff_max": 7.3, "mismatch/probe_abs_diff_mean": 3.1}
+    bound = RolloutConfig().probe_max_abs
+    assert bound == 5.0  # the stated default
+    check_probe(honest, bound, version=3)  # bf16 noise passes
+    check_probe({}, bound, version=3)  # no probe this sync: nothing to judge
+    check_probe(garbage, 0.0, version=3)  # 0 disables the bound
+    refusal = r"up to 7\.3 nats \(mean 3\.1\) over 40 tokens, above rollout\.probe_max_abs=5"
+    with pytest.raises(ProbeMismatchError, match=refusal):
+        check_probe(garbage, bound, version=3)
+    with pytest.raises(ValueError, match=r"rollout\.probe_max_abs=-1\.0 must be >= 0"):
+        RolloutConfig(probe_max_abs=-1.0).validate()
+    with pytest.raises(ValueError, match=r"rollout\.probe_max_abs=nan must be >= 0"):
+        RolloutConfig(probe_max_abs=float("nan")).validate()

@@ -219,3 +219,17 @@ def test_recipe_plans_at_most_90_percent_and_its_header_gives_that_peak(recipe: 
     said = re.search(r"Peak (\d+\.\d) GiB per GPU \((\d+\.\d)%", header)
     assert said is not None, header
     assert (float(said[1]), float(said[2])) == (round(plan.peak_gib, 1), round(100 * plan.peak_frac, 1))
+
+
+def test_asynchronous_colocated_plan_says_the_gpus_are_time_sliced(capsys: pytest.CaptureFixture[str]) -> None:
+    """train.max_staleness=1 with colocated SGLang (issue 40): the runtime puts the engines on the
+    trainer's GPUs, so `plan` says so and plans the step as time-sliced, not as engine GPUs of their own."""
+    recipe = REPO_ROOT / "examples" / "recipes" / "countdown_qwen25_3b.yaml"
+    args = plan_line(recipe)
+    args[0] = str(recipe)
+    times = "--phase-times=rollout=2,reward=0.5,train=1.5,sync=0.25"
+    cli_main(["plan", args[0], "train.max_staleness=1", *args[1:], times])
+    out = capsys.readouterr().out
+    assert "the engines share the trainer's" in out and "time-sliced" in out, out[-2000:]
+    assert "expected step: 4.25 s, as the synchronous colocated step" in out
+    assert "of their own, " not in out

@@ -756,3 +756,109 @@ def test_an_engine_that_fails_while_it_starts_is_named_on_the_console(tmp_path: 
     assert str(log) in proc.stderr and "save kv cache" in proc.stderr, proc.stderr  # the log and its tail
     if first == "exception":
         assert "scheduler died during initialization" in proc.stderr
+
+
+# ----------------------------------------------------------------------------------------------------
+# Quantized checkpoints and DeepSeek-V3 configs written by transformers (issue 36 items 2 and 11)
+
+
+def test_a_quantized_deepseek_engine_starts_unquantized_on_dummy_weights_from_a_config_sglang_reads(
+    tmp_path: Path,
+) -> None:
+    from grpo_megatron.rollout.sglang.launch import engine_config, engine_model_path
+    from tests.helpers.fp8_deepseek import save_fp8_deepseek
+    from tests.helpers.tiny_configs import tiny_hf_config
+
+    path = save_fp8_deepseek(tmp_path / "fp8")
+    hf = json.loads((path / "config.json").read_text())
+    assert not {"moe_layer_freq", "topk_method", "scoring_func"} & set(hf)  # as transformers writes it
+    config, changes = engine_config(hf)
+    assert "quantization_config" not in config and len(changes) == 5
+    assert (config["moe_layer_freq"], config["topk_method"], config["scoring_func"]) == (1, "noaux_tc", "sigmoid")
+    rope = config.get("rope_parameters") or config["rope_scaling"]
+    assert rope["rope_type"] == "yarn" and rope["factor"] == 1.0  # the plain rotary embedding, as a scaling
+    args = colocated_server_args(RolloutConfig(engine="sglang"), str(path), EngineLaunch(device="cpu"), hf)
+    assert args["load_format"] == "dummy"  # the float8 files are never read; the first sync fills the weights
+    folder, _ = engine_model_path(str(path), hf, EngineLaunch(log_dir=tmp_path / "logs", rank=3))
+    assert Path(folder).parent == tmp_path / "logs" and Path(folder).name.startswith("engine-model-rank3-")
+    assert json.loads((Path(folder) / "config.json").read_text()) == config
+    assert (Path(folder) / "tokenizer.json").resolve() == (path / "tokenizer.json").resolve()
+    for plain in (tiny_hf_config("qwen3_moe"), {**config}):  # nothing to change: the checkpoint's folder
+        assert engine_config(plain)[1] == []
+        assert engine_model_path("/m", plain, EngineLaunch())[0] == "/m"
+
+
+def test_the_manifest_check_refuses_a_wrong_dtype_or_shape_naming_the_tensor_before_any_byte_moves(
+    tmp_path: Path,
+) -> None:
+    """The engine's view (checkpoint shapes without the quantization's scales, the engine's dtype)
+    against the sync's manifest, on the leader (``SGLangEngine.check_manifest``) as on a member."""
+    from grpo_megatron.rollout.sglang.member import SGLangSyncMember
+    from grpo_megatron.rollout.sglang.weights import engine_tensors, manifest_errors
+    from tests.helpers.fp8_deepseek import save_fp8_deepseek
+
+    path = save_fp8_deepseek(tmp_path)
+    hf = json.loads((path / "config.json").read_text())
+    held = engine_tensors(checkpoint_shapes(path), hf, torch.bfloat16, dummy=True)
+    assert "model.layers.0.self_attn.q_b_proj.weight_scale_inv" in checkpoint_shapes(path)
+    assert not any(n.endswith("_scale_inv") for n in held.shapes)
+    good = [(n, s, torch.bfloat16) for n, s in sorted(held.shapes.items())]
+    assert manifest_errors(good, held, None, "ckpt") == []
+    bias = "model.layers.1.mlp.gate.e_score_correction_bias"  # SGLang holds it in float32: any float loads exactly
+    assert manifest_errors([(n, s, torch.float32 if n == bias else d) for n, s, d in good], held, None, "ckpt") == []
+    q, o = "model.layers.0.self_attn.q_b_proj.weight", "model.layers.1.self_attn.o_proj.weight"
+    bad = [(n, (3, 3) if n == o else s, torch.float8_e4m3fn if n == q else d) for n, s, d in good]
+    assert manifest_errors(bad, held, None, "ckpt") == [
+        f"{q}: dtype torch.float8_e4m3fn, the engine holds it as torch.bfloat16 (the sync would cast it)",
+        f"{o}: shape (3, 3), ckpt has {held.shapes[o]}",
+    ]
+    short = [m for m in good if m[0] != q]
+    assert manifest_errors(short, held, None, "ckpt") == [f"1 tensors of ckpt are never sent and the engine "
+                                                         f"started on dummy weights, e.g. {[q]}"]  # fmt: skip
+    assert manifest_errors(short, held, lambda n: n != q, "ckpt") == []  # another GPU's share
+    engine = SGLangEngine(RolloutConfig(engine="sglang"), str(path), EngineLaunch(device="cpu"), servers=[])
+    assert engine.check_manifest(good, 1) == []
+    (refusal,) = engine.check_manifest(bad, 2)
+    assert refusal.startswith("weight sync of version 2 refused by the SGLang engine (2 problems)")
+    assert q in refusal and o in refusal and engine.weight_version == -1
+    member = SGLangSyncMember(RolloutConfig(engine="sglang"), str(path), (0, 1), 1, "cpu")
+    assert member.check_manifest(good, 1) == []
+    (refusal,) = member.check_manifest(bad, 2)
+    assert refusal.startswith("weight sync of version 2 refused by SGLang TP rank 1 (2 problems)") and q in refusal
+    disaggregated = RolloutConfig(engine="sglang", sglang_mode="disaggregated", sglang_server_urls=["http://h:1"])
+    engine = SGLangEngine(disaggregated, str(path), EngineLaunch(device="cpu"), servers=[])
+    (refusal,) = engine.check_manifest(good, 1)
+    assert "quantized" in refusal and "--load-format dummy" in refusal
+
+
+def test_disaggregated_servers_are_told_the_version_with_the_streams_empty_last_bucket(fake_server) -> None:
+    """The fleet's stream sends every data bucket with last=False and closes with an empty last one:
+    that is where the servers learn the version (``/update_weight_version``), not on a data bucket."""
+    from grpo_megatron.rollout.sglang.nccl import NcclBroadcastTransport
+
+    url, handler = fake_server
+    transport = NcclBroadcastTransport(RolloutConfig(engine="sglang"), object, "cpu", None)
+    transport.send([SGLangHttpClient(url, timeout_s=10)], [], last=True, version=3)
+    posted = [(path, body) for method, path, body in handler.requests if method == "POST"]
+    version = {"new_version": "3", "abort_all_requests": False}
+    assert posted == [("/flush_cache", {}), ("/update_weight_version", version)]
+
+
+def test_deepseeks_fused_a_projections_reach_sglang_in_one_load_call_whatever_the_buckets() -> None:
+    """SGLang's DeepSeek loader fuses q_a_proj and kv_a_proj_with_mqa only when both come in one call:
+    the one of a pair that a bucket boundary separates is held and sent with its partner."""
+    from grpo_megatron.rollout.sglang.weights import PairedLoads
+
+    q, kv = "model.layers.3.self_attn.q_a_proj.weight", "model.layers.3.self_attn.kv_a_proj_with_mqa.weight"
+    pairs, buffer = PairedLoads(), torch.ones(2, 2)
+    first = pairs.arrange([("a", torch.zeros(1)), (q, buffer)], version=1, last=False)
+    buffer.zero_()  # the sender reuses its buffer after the call: what was held is a copy
+    assert [n for n, _ in first] == ["a"]
+    second = pairs.arrange([(kv, torch.zeros(3, 2)), ("b", torch.zeros(1))], version=1, last=False)
+    assert [n for n, _ in second] == [q, kv, "b"] and bool(second[0][1].eq(1).all())
+    assert [n for n, _ in pairs.arrange([(q, buffer), (kv, buffer)], version=2, last=False)] == [q, kv]
+    pairs.arrange([(q, buffer)], version=3, last=False)
+    with pytest.raises(ValueError, match=r"ended without the partners of \['model\.layers\.3\.self_attn\.q_a_proj"):
+        pairs.arrange([], version=3, last=True)
+    pairs.arrange([(q, buffer)], version=4, last=False)  # abandoned: the next version starts clean
+    assert pairs.arrange([], version=5, last=True) == []

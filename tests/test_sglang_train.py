@@ -119,7 +119,7 @@ def test_sft_with_the_sglang_engine_syncs_and_evaluates_through_the_memory_phase
 
 def test_colocated_sglang_one_step_off_lags_by_at_most_one_version(tmp_path: Path) -> None:
     """train.max_staleness=1 with the real engine: SGLang's schedulers generate the next batch while
-    the trainer trains (the engine's weight load waits for it), nothing swaps, and every trained
+    the trainer trains (collected before each weight sync, which would wait for it), nothing swaps, and every trained
     sample lags the trained policy by exactly the bound once the pipeline is full."""
     require_sglang_engine()
     from tests.test_async import MOVING
@@ -132,6 +132,9 @@ def test_colocated_sglang_one_step_off_lags_by_at_most_one_version(tmp_path: Pat
     records = read_jsonl(run / "metrics.jsonl")[1:]
     assert [r["async/staleness/max"] for r in records] == [0, 1, 1, 1], out[-3000:]
     assert [r["async/staleness/min"] for r in records] == [0, 1, 1, 1]
+    # SGLang's weight load waits for the generation in flight: the next batch (in flight at each sync
+    # but the last) is collected before the sync stream starts, under the rollout's long phase
+    assert [r["async/drained_batches"] for r in records] == [1, 1, 1, 0]
     assert not any(k.startswith("offload/") for r in records for k in r)  # the engines kept their memory
     stale = records[-1]
     assert stale["off_policy/ratio_max"] > 1 > stale["off_policy/ratio_min"]

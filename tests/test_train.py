@@ -13,6 +13,11 @@ from grpo_megatron.logging_utils.metrics import read_jsonl
 from tests.helpers.metrics import missing_required_keys
 from tests.helpers.runs import SMALL, comparable, finish, killed_and_resumed, launch
 
+REPLAYED = ("loss/", "grad_norm", "lr", "kl", "clip_frac", "entropy", "reward/", "advantage/", "routing/",
+            "response_len/", "batch/", "dynamic_sampling/", "mismatch/logprob", "tis/")
+"""The metrics of an iteration that a replay of its dump gives again (not the evaluation, sync, probe,
+offload or wall times: the replay has no engines)."""
+
 
 def test_two_grpo_iterations_at_ep2_write_every_required_metric(tmp_path):
     # Every phase on: reference model (KL), old-logprob pass (two updates), TIS, DAPO dynamic sampling,
@@ -30,7 +35,8 @@ def test_two_grpo_iterations_at_ep2_write_every_required_metric(tmp_path):
         "checkpoint.save_interval=2",  # a save while the trainer's state is offloaded
         "algorithm.routing_replay=r3",  # the engine's experts replayed in the ref, old and train passes
     ]
-    out = finish(launch("train", [*SMALL, *extra, "train.iterations=2", f"logging.run_dir={run}"]))
+    dump = f"rollout.dump_dir={tmp_path / 'dump'}"  # each batch as trained: replayed below
+    out = finish(launch("train", [*SMALL, *extra, "train.iterations=2", f"logging.run_dir={run}", dump]))
     records = read_jsonl(run / "metrics.jsonl")
     assert [r["iteration"] for r in records] == [0, 1, 2]  # 0: the evaluation before training
     assert missing_required_keys(records) == []
@@ -54,6 +60,20 @@ def test_two_grpo_iterations_at_ep2_write_every_required_metric(tmp_path):
     assert summary["best"] == max(evals.values()) == evals[summary["best_iteration"]]
     assert (run / "plot.png").is_file()
     assert (run / "config.yaml").is_file()
+
+    # Train-only replay of the dump (no engine starts): every loss, gradient norm and training metric
+    # equals the original run's bit for bit, on the same layout and config.
+    replay = tmp_path / "replay"
+    out = finish(launch("train", [*SMALL, *extra, "train.iterations=2", f"logging.run_dir={replay}",
+                                  f"rollout.replay_dir={tmp_path / 'dump'}",  # no save or export: faster
+                                  "checkpoint.save_interval=0", "checkpoint.export_hf_dir="]))  # fmt: skip
+    assert "[train] held-out accuracy nan%" in out  # no engines: nothing evaluated
+    replayed = read_jsonl(replay / "metrics.jsonl")
+    assert [r["iteration"] for r in replayed] == [0, 1, 2] and replayed[1]["time/sync"] < 0.05
+    for got, want in zip(replayed[1:], records[1:], strict=True):
+        trained = {k for k in want if k.startswith(REPLAYED) and "probe" not in k and want[k] is not None}
+        assert {"loss/policy", "loss/kl", "grad_norm", "entropy", "reward/mean", "routing/disagreement"} <= trained
+        assert {k: got[k] for k in trained} == {k: want[k] for k in trained}
 
 
 def test_context_parallel_training_matches_the_engine(tmp_path):

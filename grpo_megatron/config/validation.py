@@ -398,6 +398,12 @@ def preflight_errors(cfg: JobConfig, command: str) -> list[str]:
                 read_weight_map(model_dir / "model.safetensors.index.json")
             except ValueError as exc:
                 errors.append(f"model.hf_path: {exc}")
+    replay = cfg.rollout.replay_dir
+    if replay and command in ("train", "check") and not (Path(replay) / "dump.json").is_file():
+        errors.append(
+            f"rollout.replay_dir={replay}: no dump.json there; point it at a directory a run with "
+            "rollout.dump_dir wrote (or leave it empty to generate)"
+        )
     resume = cfg.checkpoint.resume
     if resume not in ("auto", "none") and not Path(resume).exists():
         errors.append(f"checkpoint.resume={resume}: no such checkpoint; use auto, none or an existing path")

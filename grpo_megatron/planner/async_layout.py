@@ -10,6 +10,12 @@ rollout * W / E, and the step is the slower of the two sides plus the sync (take
 
     step_async = max(rollout * W / E, reward + train + other) + sync
 
+Asynchronous and colocated (SGLang engines on the trainer's own GPUs, rollout.sglang_mode=colocated),
+the engines and the trainer are two processes on each GPU: their kernels take turns rather than
+overlap, so generating while training gains little, and the step is planned as the synchronous one:
+
+    step_time_sliced = rollout + reward + train + sync + other
+
 Phase times come from a synchronous run (metrics.jsonl's ``time/<phase>``, or given by hand).
 """
 
@@ -82,7 +88,26 @@ def estimate(times: PhaseTimes, trainer_gpus: int, engine_gpus: int) -> AsyncEst
     )  # fmt: skip
 
 
+def time_sliced(times: PhaseTimes, gpus: int) -> AsyncEstimate:
+    """Colocated engines (module docstring): the asynchronous step as the synchronous one."""
+    step = times.rollout + times.reward + times.train + times.other + times.sync
+    return AsyncEstimate(gpus, 0, step_sync_s=step, step_async_s=step, bound="time-sliced")
+
+
+COLOCATED = (
+    "the engines share the trainer's {gpus} GPUs (rollout.sglang_mode=colocated): two processes per GPU, "
+    "time-sliced, so generating while training overlaps little; both keep their memory in every phase (the "
+    "phases above add them up; the KV pool is sized at start-up, the trainer's state offloaded meanwhile). "
+    "Engine GPUs of their own: rollout.sglang_mode=disaggregated"
+)
+
+
 def render(e: AsyncEstimate, max_staleness: int) -> str:
+    if e.bound == "time-sliced":
+        return "\n".join([
+            f"Asynchronous layout (train.max_staleness={max_staleness}): " + COLOCATED.format(gpus=e.trainer_gpus),
+            f"  expected step: {e.step_async_s:.2f} s, as the synchronous colocated step (time-sliced)",
+        ])  # fmt: skip
     gpus = e.trainer_gpus + e.engine_gpus
     return "\n".join([
         f"Asynchronous layout (train.max_staleness={max_staleness}): trainer GPUs {e.trainer_gpus} "

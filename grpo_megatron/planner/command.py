@@ -139,7 +139,7 @@ def run(cfg: JobConfig, args: argparse.Namespace) -> int:
     if estimates:
         console.print(sync.render(estimates, links), markup=False)
     if args.phase_times or cfg.train.max_staleness > 0:
-        console.print(async_section(cfg, args), markup=False)
+        console.print(async_section(cfg, args, colocated=placement.colocated_sglang), markup=False)
     rc = 0 if plan.fits else EXIT_DOES_NOT_FIT
     if args.dry_run:
         from grpo_megatron.planner.dry_run import dry_run
@@ -151,12 +151,17 @@ def run(cfg: JobConfig, args: argparse.Namespace) -> int:
     return rc
 
 
-def async_section(cfg: JobConfig, args: argparse.Namespace) -> str:
-    """The asynchronous layout (engine GPUs vs trainer GPUs) and its expected step time (planner/async_layout.py)."""
+def async_section(cfg: JobConfig, args: argparse.Namespace, *, colocated: bool) -> str:
+    """The asynchronous layout (engine GPUs vs trainer GPUs, or ``colocated``: the engines on the
+    trainer's GPUs, as the runtime places them) and its expected step time (planner/async_layout.py)."""
     from pathlib import Path
 
     from grpo_megatron.planner import async_layout
 
+    staleness = max(cfg.train.max_staleness, 1)
+    if colocated and not args.phase_times:
+        return (f"Asynchronous layout (train.max_staleness={staleness}): "
+                + async_layout.COLOCATED.format(gpus=args.world_size))  # fmt: skip
     if not args.phase_times:
         return (
             f"Asynchronous layout (train.max_staleness={cfg.train.max_staleness}): trainer GPUs {args.world_size}, "
@@ -167,5 +172,7 @@ def async_section(cfg: JobConfig, args: argparse.Namespace) -> str:
     times = (
         async_layout.PhaseTimes.from_metrics(path) if path.is_file() else async_layout.PhaseTimes.parse(args.phase_times)
     )
+    if colocated:
+        return async_layout.render(async_layout.time_sliced(times, args.world_size), staleness)
     estimate = async_layout.estimate(times, args.world_size, args.engine_gpus or args.world_size)
-    return async_layout.render(estimate, max(cfg.train.max_staleness, 1))
+    return async_layout.render(estimate, staleness)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Literal, NamedTuple
 
 
@@ -121,6 +122,13 @@ class RolloutConfig:
     """Iterations between mismatch probes (a probe costs about a tenth of a demo iteration): the sync
     of every ``probe_interval``-th iteration probes, and so do the run's first sync (its start or
     resume) and its last iteration; 1 = after every sync."""
+    probe_max_abs: float = 5.0
+    """Stop the run (a clear error, after the sync that showed it) when the mismatch probe's largest
+    |trainer - engine| logprob difference (``mismatch/probe_abs_diff_max``) exceeds this many nats;
+    0 = never stop. The default sits far above honest bf16 noise (seen: 0.07 on an H200, 0.15 on
+    CPU's AVX2 kernels) and MoE routing flips, and below an engine serving wrong weights (e.g. bf16
+    tensors cast into float8 parameters beside stale scales), which misjudges most tokens by several
+    nats (about ln(vocab) at a token the trainer is sure of)."""
     sglang_mode: Literal["colocated", "disaggregated"] = "colocated"
     """engine=sglang only. colocated = an sglang.Engine on the trainer's GPUs (memory swapped with the
     trainer, weights by CUDA IPC); disaggregated = running SGLang servers (sglang_server_urls) on their
@@ -152,6 +160,16 @@ class RolloutConfig:
     sglang_server_args: dict[str, Any] = field(default_factory=dict)
     """Extra sglang ServerArgs of colocated engines, over ours (e.g. {attention_backend: fa3,
     enable_deterministic_inference: true} for seeded, reproducible sampling)."""
+    dump_dir: str = ""
+    """Write each iteration's rollout batch, as the trainer takes it, into this directory (rank 0;
+    safetensors + JSON, nothing pickled; training/rollout_dump.py): prompt and response token ids,
+    behaviour logprobs, rewards, weight versions, engine routes under routing replay r3, the rollout
+    metrics. slime's --save-debug-rollout-data. Empty = no dump."""
+    replay_dir: str = ""
+    """Train from a dump (``dump_dir`` of an earlier run) instead of generating: no engine starts, no
+    weight sync, no held-out evaluation; each iteration's scored groups are read from the dump. On the
+    dumped run's layout and config the losses and gradient norms equal its own bit for bit. slime's
+    --load-debug-rollout-data with --debug-train-only. Empty = generate."""
 
     @property
     def response_budget(self) -> ResponseBudget:
@@ -218,6 +236,8 @@ class RolloutConfig:
             )
         if self.probe_interval < 1:
             errors.append(f"rollout.probe_interval={self.probe_interval} must be >= 1 (1 probes after every sync)")
+        if not self.probe_max_abs >= 0:
+            errors.append(f"rollout.probe_max_abs={self.probe_max_abs} must be >= 0 (0 never stops the run)")
         if self.probe_batch < 0:
             errors.append(f"rollout.probe_batch={self.probe_batch} must be >= 0 (0 disables the mismatch probe)")
         if self.engine == "sglang" and self.probe_batch > 0 and self.temperature != 1.0:
@@ -225,6 +245,11 @@ class RolloutConfig:
                 f"rollout.temperature={self.temperature} with rollout.engine=sglang and rollout.probe_batch="
                 f"{self.probe_batch}: SGLang scores sequences (the mismatch probe) from unscaled logits, "
                 "i.e. at temperature 1 only; sample at temperature 1.0, or set rollout.probe_batch=0"
+            )
+        if self.dump_dir and self.replay_dir and Path(self.dump_dir).resolve() == Path(self.replay_dir).resolve():
+            errors.append(
+                f"rollout.dump_dir and rollout.replay_dir are both {self.dump_dir}: a replay would write over "
+                "the dump it reads; choose another rollout.dump_dir (or leave it empty)"
             )
         errors += self._sglang_errors()
         if errors:

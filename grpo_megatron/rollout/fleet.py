@@ -222,6 +222,14 @@ class RolloutFleet:
     routes: bool = False
     """The engines were built to report MoE routes (``EngineSpec.record_routes``: routing replay r3):
     the training rollouts ask for them (``SamplingParams.routes``)."""
+    sync_waits_for_generation: bool = False
+    """A weight load waits for the generation in flight (SGLang: its tokenizer manager takes the
+    model-update writer lock, which waits for every running request, and ``ServerGuard`` waits
+    too), so a batch submitted ahead must be collected before the sync stream starts
+    (``GroupSource.before_sync``): else the engine's leader waits inside the stream while the other
+    ranks wait in its collectives under the sync's bounds. An engine process loads between two
+    requests (rollout/engine_process.py): its sync never waits. Decided from the config, so every
+    rank agrees."""
     dp_rank_of: list[int] | None = None
     """Every global rank's data-parallel rank (``replica_ranks``), gathered on first use."""
 
@@ -288,6 +296,7 @@ class RolloutFleet:
             sync_ranks=sync_ranks,
             placement=placement,
             routes=spec.record_routes,
+            sync_waits_for_generation=spec.rollout.engine == "sglang",
         )
 
     @property

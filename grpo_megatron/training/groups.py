@@ -60,6 +60,7 @@ import dataclasses
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from grpo_megatron.algorithm.batch_shaping import DynamicSampling
@@ -97,6 +98,7 @@ class GroupSource(Protocol):
 
     def start(self, version: int) -> None: ...
     def take(self, iteration: int, timer: Timer) -> Produced: ...
+    def before_sync(self) -> dict[str, float]: ...
     def after_sync(self, version: int) -> None: ...
     def state_dict(self) -> dict[str, Any] | None: ...
 
@@ -152,6 +154,9 @@ class RolloutNow:
 
     def take(self, iteration: int, timer: Timer) -> Produced:
         return fill_groups(self.job, self.sampler, iteration, timer)
+
+    def before_sync(self) -> dict[str, float]:
+        return {}  # nothing is in flight between two iterations
 
     def after_sync(self, version: int) -> None:
         return None
@@ -216,6 +221,19 @@ class GroupProducer:
         for iteration in range(version + 1, version + 2 + self.max_staleness):
             self._submit(iteration)
 
+    def before_sync(self) -> dict[str, float]:
+        """Collective: where a weight load waits for the generation in flight
+        (``RolloutFleet.sync_waits_for_generation``: SGLang), collect every submitted batch now, under
+        the watchdog's long phase (``Rollout.collect``), so the sync stream starts with idle engines
+        and no rank waits for a rollout inside it. The batches keep the version they were submitted
+        under: this moves the wait, not what is generated. ``async/drained_batches``: how many."""
+        in_flight = sorted(it for it, b in self.batches.items() if b.pending is not None)
+        if not self.job.fleet.sync_waits_for_generation:
+            in_flight = []
+        for iteration in in_flight:
+            self._completions(iteration)
+        return {"async/drained_batches": float(len(in_flight))}
+
     def after_sync(self, version: int) -> None:
         """The engines were sent ``version``: submit the batch that may lag it by N."""
         self._submit(version + 1 + self.max_staleness)
@@ -268,9 +286,26 @@ class GroupProducer:
 
 
 def group_source(job: Job, sampler: PromptSampler, resumed: Mapping[str, Any] | None) -> GroupSource:
-    """Where a run's scored groups come from, decided once (``JobConfig.producer_loop``), with what a
-    resumed checkpoint kept of its source (``source_state``): an asynchronous run's submitted batches,
-    or, resumed synchronously, their prompts given back to the sampler."""
+    """Where a run's scored groups come from, decided once: a dump (rollout.replay_dir: ``ReplaySource``,
+    training/rollout_dump.py), else the engines (``engine_source``), their batches also written to a
+    dump with rollout.dump_dir (``DumpingSource``)."""
+    from grpo_megatron.training.rollout_dump import DumpingSource, ReplaySource, RolloutDump, run_identity
+
+    rollout = job.cfg.rollout
+    if rollout.replay_dir or rollout.dump_dir:
+        identity = run_identity(job.hf, job.tokenizer.get_vocab(), job.ps)
+    if rollout.replay_dir:
+        return ReplaySource(Path(rollout.replay_dir), identity, job.cfg.train.iterations)
+    source = engine_source(job, sampler, resumed)
+    if rollout.dump_dir:
+        return DumpingSource(source, RolloutDump(Path(rollout.dump_dir), identity, job.ps), job.fleet)
+    return source
+
+
+def engine_source(job: Job, sampler: PromptSampler, resumed: Mapping[str, Any] | None) -> GroupSource:
+    """The engines' source, decided once (``JobConfig.producer_loop``), with what a resumed checkpoint
+    kept of its source (``source_state``): an asynchronous run's submitted batches, or, resumed
+    synchronously, their prompts given back to the sampler."""
     saved = (resumed or {}).get(SOURCE_STATE)
     if job.cfg.producer_loop:  # engines that generate while the trainer trains: rollouts submitted ahead
         producer = GroupProducer(job, sampler, job.cfg.train.max_staleness)

@@ -21,7 +21,9 @@ The rollout and reward phases come from a ``GroupSource`` (training/groups.py), 
 in both arrangements: ``RolloutNow`` generates each iteration's rollout when the loop takes it;
 with engines that generate while the trainer trains (``JobConfig.producer_loop``) ``GroupProducer``
 submits each batch up to train.max_staleness weight versions ahead (0: this loop's
-order, bit for bit).
+order, bit for bit). A replay (``rollout.replay_dir``) takes them from an earlier run's dump instead
+(``ReplaySource``, training/rollout_dump.py): no engine starts, the sync and eval phases do nothing;
+``rollout.dump_dir`` writes that dump as the loop takes each batch (``DumpingSource``).
 
 The colocated memory moves (onload; offload around the sync; the checkpoint's visit) are
 ``ColocatedMemory`` (training/offload.py), ``job.memory``.
@@ -139,12 +141,15 @@ def run_iteration(job: Job, source: GroupSource, probe: ProbeBatch, it: int, tim
                     old_from_engine=cfg.train.old_logprobs == "engine")
     with timer("train"):
         train_metrics = update_policy(policy, batch.samples, plan, loss, passes, measure_routing=not routing_metrics)
+    with timer("rollout"):  # asynchronous with SGLang: the batches in flight end before the sync stream
+        drain_metrics = source.before_sync()
     with timer("sync"):
         due = probe_due(it, cfg.rollout.probe_interval, cfg.train.iterations)
         sync_metrics = job.sync_engines(it, probe if due else None)
     source.after_sync(it)  # the engines have version `it` (asynchronous: the batch that may lag it by N goes out)
     metrics = {
         **produced.metrics,
+        **drain_metrics,
         **train_metrics,
         **routing_metrics,
         "kl_beta": beta,
@@ -159,7 +164,9 @@ def run_iteration(job: Job, source: GroupSource, probe: ProbeBatch, it: int, tim
 
 
 def evaluate_job(job: Job, iteration: int) -> dict[str, float]:
-    """The eval phase with the job's objects (also SFT's held-out check)."""
+    """The eval phase with the job's objects (also SFT's held-out check); none in a replay (no engines)."""
+    if not job.has_engines:
+        return {}
     return evaluate(job.rollout, job.scorer, job.eval_records, train_seed=job.cfg.train.seed,
                     iteration=iteration, samples=job.cfg.train.eval_samples)
 

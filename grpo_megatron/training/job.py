@@ -103,6 +103,11 @@ class Runtime:
 
         return Scorer(self.tokenizer, self.rewards, self.cfg.reward)
 
+    @property
+    def has_engines(self) -> bool:
+        """False in a replay (rollout.replay_dir): no engine was started, nothing to sync or evaluate."""
+        return bool(self.fleet.engine_ranks)
+
     def sync_engines(self, version: int, probe: ProbeBatch | None = None) -> dict[str, float]:
         """The sync phase with this job's objects, for both loops: the policy's weights into the engines
         as ``version`` inside the placement's memory phases (``phases/sync.py:sync_weights``, the one
@@ -110,8 +115,11 @@ class Runtime:
         memory in the rollout phase (the engines can generate)."""
         from grpo_megatron.training.phases.sync import ProbeBatch, sync_weights
 
+        if not self.has_engines:
+            return {}
         return sync_weights(self.policy.model, self.fleet, self.memory, self.ps, version, probe or ProbeBatch(),
-                            vocab_size=int(self.hf["vocab_size"]), temperature=self.cfg.rollout.temperature)
+                            vocab_size=int(self.hf["vocab_size"]), temperature=self.cfg.rollout.temperature,
+                            max_abs=self.cfg.rollout.probe_max_abs)  # fmt: skip
 
     def make_sampler(self, num_items: int) -> PromptSampler:
         """The seeded, resumable order in which ``num_items`` training items are drawn."""
@@ -336,10 +344,12 @@ def _start(cfg: JobConfig, *, install_preemption: bool) -> _Startup:
     # import costs seconds, and through on_rank0, so that the failure stops every rank at once instead
     # of leaving the others in the next collective until the process-group timeout.
     pools: list[RewardPool] = []
-    on_rank0(lambda: pools.append(RewardPool(cfg.reward)), "starting the reward workers")
+    if not cfg.rollout.replay_dir:  # a replay's rewards come from its dump
+        on_rank0(lambda: pools.append(RewardPool(cfg.reward)), "starting the reward workers")
     tokenizer = load_tokenizer(cfg.data.tokenizer_path or cfg.model.hf_path)
     envs: list[Environment] = []
-    if cfg.rollout.multiturn.enabled:  # rank 0's tool workers, started (and failing) like the reward pool
+    # rank 0's tool workers (none in a replay), started (and failing) like the reward pool
+    if cfg.rollout.multiturn.enabled and not cfg.rollout.replay_dir:
         on_rank0(lambda: envs.append(build_environment(cfg.rollout.multiturn, cfg.reward, tokenizer)),
                  "starting the tool workers")
     return _Startup(ps, preemption, watchdog, hf, run_dir, pools[0] if pools else None, tokenizer,
@@ -347,12 +357,13 @@ def _start(cfg: JobConfig, *, install_preemption: bool) -> _Startup:
 
 
 def _models(
-    cfg: JobConfig, start: _Startup, *, with_reference: bool
+    cfg: JobConfig, start: _Startup, *, with_reference: bool, engines: bool = True
 ) -> tuple[Policy, torch.nn.Module | None, RolloutFleet, ColocatedMemory]:
     """The policy (with model.hf_path's weights when it has any), the frozen reference when asked
     for, and the rollout engines, in this order (each draws from the seeded generators); the
     colocated memory choreography, which started the engines as rollout/placement.py says (colocated
-    SGLang engines while the trainer's state is in host memory)."""
+    SGLang engines while the trainer's state is in host memory). ``engines`` False (a replay,
+    rollout.replay_dir): a fleet of no engines, and memory that never moves."""
     from grpo_megatron.rollout.fleet import RolloutFleet
     from grpo_megatron.rollout.placement import runtime_placement
     from grpo_megatron.training.offload import ColocatedMemory
@@ -372,6 +383,13 @@ def _models(
     if reference is not None and cfg.train.reference_on_cpu:
         reference.to("cpu")
     start.beat("reference")
+    if not engines:
+        from grpo_megatron.rollout.placement import PHASES, TRAINER_PARTS, Occupancy
+
+        fleet = RolloutFleet(ps=ps, hf=hf, engine=None, engine_ranks=[], group=None,
+                             export_dtype=torch.float32, bucket_bytes=0)  # fmt: skip
+        resident = dict.fromkeys(PHASES, Occupancy(TRAINER_PARTS, frozenset()))  # nothing ever moves
+        return policy, reference, fleet, ColocatedMemory(policy, None, resident)
     spec = engine_spec(cfg)
     placement = runtime_placement(spec, ps, hf)
     memory = ColocatedMemory(policy, None, placement.phases())
@@ -405,7 +423,8 @@ def build_job(cfg: JobConfig, *, with_reference: bool) -> Job:
     start = _start(cfg, install_preemption=True)
     train_records, eval_records = build_prompt_datasets(cfg.data, start.tokenizer, cfg.train.seed)
     start.beat("data")
-    policy, reference, fleet, memory = _models(cfg, start, with_reference=with_reference)
+    engines = not cfg.rollout.replay_dir  # a replay trains from a dump: no engine starts
+    policy, reference, fleet, memory = _models(cfg, start, with_reference=with_reference, engines=engines)
     ps, run_dir = start.ps, start.run_dir
     return Job(
         cfg=cfg, ps=ps, hf=start.hf, run_dir=run_dir, tokenizer=start.tokenizer, policy=policy, fleet=fleet,

@@ -527,8 +527,93 @@ def main(out: Path, workdir: Path) -> None:
         record(name, getattr(scenarios, name))
 
 
+# -- a quantized DeepSeek-V3 written by transformers (issue 36 items 2 and 11): its own engine
+
+
+def fp8_deepseek(out: Path, workdir: Path) -> None:
+    """Start SGLang through the adapter from the tiny FP8 DeepSeek-V3 of ``tests/helpers/fp8_deepseek.py``
+    (config.json as transformers writes it, plus ``quantization_config``), read back what the engine was
+    given, check manifests, sync the trainer's weights (the checkpoint dequantized by the trainer's own
+    reader, ``bridge/hf_loader.py``) and compare the engine's logprobs with the embedded engine's;
+    writes what it measured to ``out``."""
+    from grpo_megatron.bridge.hf_loader import HFCheckpoint, fp8_block_size
+    from grpo_megatron.rollout.config import RolloutConfig
+    from grpo_megatron.rollout.embedded import EmbeddedEngine
+    from grpo_megatron.rollout.sglang.engine import SGLangEngine
+    from grpo_megatron.rollout.sglang.launch import EngineLaunch
+    from grpo_megatron.rollout.sglang.weights import checkpoint_shapes, raise_on_failure
+    from tests.helpers.fp8_deepseek import save_fp8_deepseek
+
+    results: dict[str, Any] = {}
+    path = save_fp8_deepseek(workdir / "fp8")
+    hf = json.loads((path / "config.json").read_text())
+    with HFCheckpoint(path, fp8_block=fp8_block_size(hf)) as ckpt:
+        names = sorted(n for n in checkpoint_shapes(path) if not n.endswith("_scale_inv"))
+        weights = {n: ckpt.read(n, None, 0, 0).to(torch.bfloat16) for n in names}
+    try:
+        start = time.perf_counter()
+        engine = SGLangEngine(RolloutConfig(engine="sglang"), str(path),
+                              EngineLaunch("bfloat16", device="cpu", log_dir=str(workdir / "logs")))  # fmt: skip
+        results["start_seconds"] = time.perf_counter() - start
+        args = engine.servers[0].server_args
+        engine_config = json.loads((Path(args.model_path) / "config.json").read_text())
+        results["server_args"] = {"model_path": args.model_path, "load_format": args.load_format,
+                                  "quantization": args.quantization, "dtype": args.dtype}  # fmt: skip
+        results["engine_config"] = {k: engine_config.get(k) for k in ("moe_layer_freq", "topk_method", "scoring_func")}
+        results["engine_config"]["quantized"] = "quantization_config" in engine_config
+        results["engine_config"]["rope"] = engine_config.get("rope_parameters") or engine_config.get("rope_scaling")
+        manifest = [(n, tuple(t.shape), t.dtype) for n, t in sorted(weights.items())]
+        q, o = "model.layers.0.self_attn.q_b_proj.weight", "model.layers.1.self_attn.o_proj.weight"
+        bad = [(n, (3, 3) if n == o else s, torch.float8_e4m3fn if n == q else d) for n, s, d in manifest]
+        results["refused"] = engine.check_manifest(bad, 1)
+        results["version_after_refusal"] = engine.weight_version
+        results["accepted"] = engine.check_manifest(manifest, 1)
+        seqs = [p + [(7 * i + j) % 29 + 3 for j in range(6)] for i, p in enumerate(PROMPTS)]
+        lens = [len(p) for p in PROMPTS]
+        emb16, emb32 = (EmbeddedEngine({k: v for k, v in hf.items() if k != "quantization_config"}, dtype=d)
+                        for d in (torch.bfloat16, torch.float32))  # fmt: skip
+        for emb in (emb16, emb32):
+            emb.update_weights([(n, t.to(emb.dtype)) for n, t in sorted(weights.items())], version=0, last=True)
+        s16, s32 = emb16.score(seqs, lens, 1.0), emb32.score(seqs, lens, 1.0)
+        flat16, flat32 = [x for r in s16 for x in r], [x for r in s32 for x in r]
+        dummy = [x for r in engine.score(seqs, lens, 1.0) for x in r]
+        # The sync one tensor per bucket, so every fused pair (q_a_proj + kv_a_proj_with_mqa) is split
+        # across load calls (weights.py:PairedLoads keeps each pair in one call).
+        for name in sorted(weights):
+            engine.update_weights([(name, weights[name])], version=1, last=False)
+        engine.update_weights([], version=1, last=True)
+        results["version"] = engine.weight_version
+        engine.flush_cache()  # each score from an empty prefix cache (see Scenarios.run_greedy)
+        synced = [x for r in engine.score(seqs, lens, 1.0) for x in r]
+        # The same weights read by SGLang itself from a bf16 checkpoint: what the sync must equal.
+        from safetensors.torch import save_file
+
+        save_file(weights, str(workdir / "bf16.safetensors"))
+        (workdir / "bf16").mkdir()
+        (workdir / "bf16.safetensors").rename(workdir / "bf16" / "model.safetensors")
+        (workdir / "bf16" / "config.json").write_text(json.dumps(engine_config))  # as the engine reads it
+        server = engine.servers[0]
+        server.begin_weight_update()
+        raise_on_failure(server.update_weights_from_disk(str(workdir / "bf16"), load_format="auto"), "from disk")
+        server.end_weight_update()
+        engine.flush_cache()
+        from_disk = [x for r in engine.score(seqs, lens, 1.0) for x in r]
+        results["synced_vs_disk"] = max_diff(synced, from_disk)
+        results["dummy_vs_disk"] = max_diff(dummy, from_disk)
+        results["bf16_floor"] = max_diff(flat16, flat32)
+        results["sglang_vs_fp32"] = max_diff(synced, flat32)
+        results["sglang_vs_bf16"] = max_diff(synced, flat16)
+        engine.shutdown()
+    except Exception as exc:  # recorded, so the test names what failed and why
+        results["error"] = f"{type(exc).__name__}: {exc}"
+    out.write_text(json.dumps(results, indent=1))
+
+
 if __name__ == "__main__":
-    main(Path(sys.argv[1]), Path(sys.argv[2]))
+    if sys.argv[1] == "fp8_deepseek":
+        fp8_deepseek(Path(sys.argv[2]), Path(sys.argv[3]))
+    else:
+        main(Path(sys.argv[1]), Path(sys.argv[2]))
 
 
 # -- the engine group protocol: one SGLang engine of 2 "GPUs" (TP2 on CPU) fed by 2 trainer ranks

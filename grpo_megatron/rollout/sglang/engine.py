@@ -46,6 +46,7 @@ from grpo_megatron.rollout.engine import (
     Bucket,
     Completion,
     EngineSpec,
+    Manifest,
     MemoryTag,
     RolloutEngine,
     SamplingParams,
@@ -62,16 +63,22 @@ from grpo_megatron.rollout.sglang.launch import (
     agree_engine_address,
     import_sglang,
     layout_of,
+    quantized,
     read_hf_config,
     start_colocated,
+    torch_dtype,
 )
 from grpo_megatron.rollout.sglang.nccl import NcclBroadcastTransport, SGLangHttpClient
 from grpo_megatron.rollout.sglang.shards import check_expert_placement, rank_needs
 from grpo_megatron.rollout.sglang.weights import (
+    EngineTensors,
+    PairedLoads,
     WeightLoad,
     WeightTransport,
     checkpoint_output_head,
     checkpoint_shapes,
+    engine_tensors,
+    manifest_errors,
     raise_on_failure,
     tied_output_head,
     with_output_head,
@@ -207,6 +214,12 @@ class SGLangEngine(RolloutEngine):
         moe = "num_experts_per_tok" in self._hf_config
         self.transport: WeightTransport
         started_here = servers is None
+        # A colocated engine started here from a quantized checkpoint, or from none, holds dummy weights.
+        dummy = started_here and self.mode == "colocated" and (not shapes or quantized(self._hf_config))
+        self.held: EngineTensors = engine_tensors(shapes, self._hf_config, torch_dtype(launch.dtype), dummy=dummy)
+        """What the engine holds per tensor (``check_manifest`` judges each sync's manifest against it)."""
+        self._accepted: Manifest | None = None
+        self._pairs = PairedLoads()
         if started_here and self.mode == "colocated":
             server, self.health, args = start_colocated(rollout, self.model_path, launch, self._hf_config,
                                                         weights_on_disk=bool(shapes))  # fmt: skip
@@ -228,7 +241,7 @@ class SGLangEngine(RolloutEngine):
         within it (``protocol.request_budgets``); None where the servers do not say (HTTP)."""
         if started_here:
             self.ensure_healthy()  # disaggregated servers answer before use (colocated: a no-op)
-            if self.tied_head and shapes:
+            if self.tied_head and shapes and not dummy:
                 self._load_tied_head_from_disk()
 
     @classmethod
@@ -289,6 +302,29 @@ class SGLangEngine(RolloutEngine):
     def bind_sync_group(self, group: Any) -> None:
         self.transport.bind_group(self.sync_group_ranks, group)
 
+    def check_manifest(self, manifest: Manifest, version: int) -> list[str]:
+        """Every tensor the sync will send this GPU (``manifest``) against what the engine holds
+        (``weights.py:manifest_errors``: name, full shape, dtype; completeness on dummy weights), before
+        any byte moves. The manifest accepted last (the fleet passes the same one each sync) passes
+        again without another look. Disaggregated servers of a quantized checkpoint are refused:
+        they were started from its config, so they hold float8 weights the sync's tensors would be
+        cast into beside stale scales."""
+        if manifest is self._accepted:
+            return []
+        if self.mode == "disaggregated" and quantized(self._hf_config):
+            return [
+                f"weight sync of version {version}: {self.model_path} is quantized (quantization_config) and the "
+                "disaggregated SGLang servers started from it hold its float8 weights, which the sync's "
+                "unquantized tensors cannot replace; start the servers from a copy of the folder whose "
+                "config.json has no quantization_config, with --load-format dummy (the first sync fills them)"
+            ]
+        errors = manifest_errors(manifest, self.held, self.weight_needs(), f"the checkpoint at {self.model_path}")
+        if errors:
+            return [f"weight sync of version {version} refused by the SGLang engine ({len(errors)} problems): "
+                    + "; ".join(errors[:10])]  # fmt: skip
+        self._accepted = manifest
+        return []
+
     # -- generation and scores
 
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[list[Completion]]:
@@ -342,14 +378,15 @@ class SGLangEngine(RolloutEngine):
         with self.guard as servers:  # a submitted batch finishes under the weights it was submitted with
             try:
                 self.load.accept(bucket, version)
+                arranged = self._pairs.arrange(bucket, version=version, last=last)  # SGLang loads some in pairs
                 self.check_alive()
                 self.load.open_sessions(servers)
             except Exception as exc:
                 # The engine's other GPUs are in this round too: they fail with the reason, not wait.
                 self.transport.refuse(f"{type(exc).__name__}: {exc}")
                 raise
-            self.transport.send(servers, with_output_head(bucket, self.tied_head), last=last, version=version)
-            self.load.loaded(bucket)
+            self.transport.send(servers, with_output_head(arranged, self.tied_head), last=last, version=version)
+            self.load.loaded(arranged)
             if last:
                 self.load.finish(servers, version)
 

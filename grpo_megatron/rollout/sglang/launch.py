@@ -274,9 +274,10 @@ def colocated_server_args(
     Follows from the job, so that ``rollout.engine=sglang`` needs no other setting:
     - a CPU ``launch.device``: the arguments SGLang's CPU engine requires (``CPU_SERVER_ARGS``); an
       unset one is a GPU's (a plan's, a further node's);
-    - no weight files at ``model_path`` (a model the trainer initialises, like the demo's): SGLang
-      starts with random weights (``load_format="dummy"``); the run's first weight sync, before any
-      generation, replaces them;
+    - no weight files at ``model_path`` (a model the trainer initialises, like the demo's), or a
+      quantized checkpoint (``quantization_config``: the engine starts from ``engine_config``'s
+      unquantized config, ``start_colocated``): SGLang starts with random weights
+      (``load_format="dummy"``); the run's first weight sync, before any generation, replaces them;
     - ``model.hf_overrides`` (``launch.hf_overrides``) reach SGLang's copy of the config
       (``json_model_override_args``, ``engine_overrides``);
     - routed experts are reported only by a MoE engine whose routes are replayed (``launch.routes``)."""
@@ -313,8 +314,8 @@ def colocated_server_args(
     }
     if device == "cpu":
         args.update(CPU_SERVER_ARGS)
-    if not weights_on_disk:
-        args["load_format"] = "dummy"
+    if not weights_on_disk or quantized(hf_config):
+        args["load_format"] = "dummy"  # the run's first sync, before any generation, fills them
     if hf_overrides:
         args["json_model_override_args"] = json.dumps(hf_overrides)
     if nnodes > 1:
@@ -392,6 +393,9 @@ def start_colocated(
     launch = dataclasses.replace(launch, device=str(device))
     server_args = colocated_server_args(rollout, model_path, launch, hf_config, node_rank=node_rank,
                                         weights_on_disk=weights_on_disk)  # fmt: skip
+    server_args["model_path"], changes = engine_model_path(model_path, hf_config, launch)
+    if "tokenizer_path" not in server_args and changes:
+        server_args["tokenizer_path"] = model_path
     if launch.tokenizer_path and "tokenizer_path" not in rollout.sglang_server_args:
         server_args["tokenizer_path"] = str(launch.tokenizer_path)  # data.tokenizer_path, beside the model's
     log_path = Path(launch.log_dir or tempfile.gettempdir()) / f"engine-rank{launch.rank}-{os.getpid()}.log"
@@ -403,6 +407,8 @@ def start_colocated(
         health.take_back_signals(engine, signals)
     part = f" (node {node_rank} of {launch.nnodes})" if launch.nnodes > 1 else ""
     print(f"[rollout] SGLang engine of rank {launch.rank}{part}: its processes log to {log_path}", flush=True)
+    if changes:
+        print(f"[rollout] SGLang engine of rank {launch.rank} reads {server_args['model_path']}: {'; '.join(changes)}")
     return engine, health, server_args
 
 
@@ -447,6 +453,102 @@ def layout_of(placement: RolloutPlacement, ps: ParallelState) -> tuple[Colocated
     local_rank = int(os.environ.get("LOCAL_RANK", ps.rank % gpus_per_node))
     layout = colocated_layout(ps.rank, ps.world_size, placement.gpus_per_engine, gpus_per_node, local_rank)
     return layout, gpus_per_node, local_rank
+
+
+# ----------------------------------------------------------------------------------------------------
+# The config.json SGLang reads: the checkpoint's, made something SGLang starts from (pure, then written)
+
+DEEPSEEK_PUBLISHED_DEFAULTS: dict[str, Any] = {
+    "moe_layer_freq": 1,
+    "topk_method": "noaux_tc",
+    "scoring_func": "sigmoid",
+}
+"""Fields of DeepSeek-V3's published config.json (deepseek-ai/DeepSeek-V3) that SGLang's DeepSeek model
+reads as attributes (``srt/models/deepseek_v2.py``: ``config.moe_layer_freq``, ``config.topk_method``,
+``config.scoring_func``) but transformers' ``DeepseekV3Config`` does not write (its routing is always
+that: sigmoid scores, top-k with the ``e_score_correction_bias``, every layer after the dense ones MoE)."""
+
+DEEPSEEK_MODEL_TYPES = ("deepseek_v3",)
+
+def identity_yarn(max_position: int) -> dict[str, Any]:
+    """A YaRN rope scaling of factor 1: the plain rotary embedding, as a scaling (factor 1 makes YaRN's
+    interpolated and extrapolated frequencies equal and both of its mscales 1). SGLang's CPU MLA
+    rotary embedding (``srt/layers/rotary_embedding/factory.py:get_rope_cpu``) asserts a
+    ``rope_scaling`` and supports only DeepSeek's YaRN; a DeepSeek-V3 config written by transformers
+    without one would not start there."""
+    return {"rope_type": "yarn", "factor": 1.0, "original_max_position_embeddings": max_position,
+            "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}  # fmt: skip
+
+
+def engine_config(hf_config: Mapping[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    """``(the config.json SGLang is started from, what differs from the checkpoint's and why)``:
+
+    - a ``quantization_config`` is removed: SGLang would build float8 layers from it and the weight
+      sync's bf16 tensors would be cast into them beside the checkpoint's stale scales; the engine
+      starts unquantized, with dummy weights that the first sync fills (``colocated_server_args``);
+    - DeepSeek-V3: the published fields transformers does not write (``DEEPSEEK_PUBLISHED_DEFAULTS``)
+      and, without any rope scaling, ``identity_yarn``.
+    Empty list: the checkpoint's config serves as it is."""
+    config, changes = dict(hf_config), []
+    if config.pop("quantization_config", None) is not None:
+        changes.append("quantization_config removed (the engine holds the trainer's dequantized weights)")
+    if config.get("model_type") in DEEPSEEK_MODEL_TYPES:
+        for key, value in DEEPSEEK_PUBLISHED_DEFAULTS.items():
+            if key not in config:
+                config[key] = value
+                changes.append(f"{key}={value!r} (DeepSeek-V3's published value; SGLang reads it)")
+        rope = config.get("rope_parameters") or {}
+        if not config.get("rope_scaling") and rope.get("rope_type", "default") == "default":
+            yarn = identity_yarn(int(config.get("max_position_embeddings", 4096)))
+            if "rope_parameters" in config:
+                config["rope_parameters"] = {**rope, **yarn}
+            else:
+                config["rope_scaling"] = yarn
+            changes.append("rope scaling: YaRN of factor 1, the plain rotary embedding (SGLang's CPU MLA needs one)")
+    return config, changes
+
+
+def quantized(hf_config: Mapping[str, Any]) -> bool:
+    return hf_config.get("quantization_config") is not None
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype of SGLang's ``dtype`` argument (``EngineLaunch.dtype``: "bfloat16", "float32",
+    "float16")."""
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"SGLang engine dtype {name!r} is not a torch dtype (bfloat16, float16, float32)")
+    return dtype
+
+
+def write_engine_model(model_path: str | os.PathLike, config: Mapping[str, Any], directory: Path) -> Path:
+    """``directory`` made the model folder SGLang reads: ``config`` as its config.json, every other file
+    of ``model_path`` linked (tokenizer, weights, code; not ``hf_quant_config.json``). Returns it."""
+    directory.mkdir(parents=True, exist_ok=True)
+    for source in Path(model_path).resolve().iterdir():
+        if source.name in ("config.json", "hf_quant_config.json") or not source.is_file():
+            continue
+        link = directory / source.name
+        if link.is_symlink() or link.exists():
+            link.unlink()
+        link.symlink_to(source)
+    tmp = directory / "config.json.tmp"
+    tmp.write_text(json.dumps(dict(config), indent=1))
+    tmp.replace(directory / "config.json")
+    return directory
+
+
+def engine_model_path(
+    model_path: str, hf_config: Mapping[str, Any], launch: EngineLaunch
+) -> tuple[str, list[str]]:
+    """Where SGLang reads the model from: ``model_path`` itself, or an engine-side folder beside the
+    engine's logs when its config needs ``engine_config``'s changes; and those changes."""
+    config, changes = engine_config(hf_config)
+    if not changes:
+        return model_path, []
+    base = Path(launch.log_dir or tempfile.gettempdir())
+    folder = write_engine_model(model_path, config, base / f"engine-model-rank{launch.rank}-{os.getpid()}")
+    return str(folder), changes
 
 
 def read_hf_config(model_path: str | os.PathLike) -> dict[str, Any]:

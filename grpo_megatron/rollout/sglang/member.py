@@ -22,13 +22,18 @@ from grpo_megatron.rollout.sglang.launch import (
     agree_engine_address,
     import_sglang,
     layout_of,
+    quantized,
     read_hf_config,
     start_node_part,
+    torch_dtype,
 )
 from grpo_megatron.rollout.sglang.shards import rank_needs
 from grpo_megatron.rollout.sglang.weights import (
+    PairedLoads,
     bucket_errors,
     checkpoint_shapes,
+    engine_tensors,
+    manifest_errors,
     tied_output_head,
     with_output_head,
 )
@@ -63,6 +68,7 @@ class SGLangSyncMember:
         node_engine: Any = None,
         ep_size: int = 1,
         health: EngineProcesses | None = None,
+        dtype: str = "bfloat16",
     ):
         _, flattened_cls, serializer = import_sglang()
         self.rollout = rollout
@@ -79,6 +85,10 @@ class SGLangSyncMember:
         self.tp_size = len(self.sync_group_ranks)
         self.ep_size = ep_size  # rollout/placement.py's engine EP
         self._expected_shapes = checkpoint_shapes(model_path)
+        dummy = not self._expected_shapes or quantized(self._hf_config)  # as its leader's (SGLangEngine)
+        self.held = engine_tensors(self._expected_shapes, self._hf_config, torch_dtype(dtype), dummy=dummy)
+        self._accepted: Manifest | None = None
+        self._pairs = PairedLoads()
         self.feed = EngineGroupFeed(members)
 
     @classmethod
@@ -100,7 +110,7 @@ class SGLangSyncMember:
                 node_engine, health = start_node_part(spec, layout, address, placement.engine_ep, ps,
                                                       weights_on_disk=bool(checkpoint_shapes(spec.model.hf_path)))
         return cls(rollout, spec.model.hf_path, layout.members, ps.rank - layout.leader, ps.device, node_engine,
-                   ep_size=placement.engine_ep, health=health)  # fmt: skip
+                   ep_size=placement.engine_ep, dtype=spec.model.dtype, health=health)  # fmt: skip
 
     def shutdown(self) -> None:
         """Stop this node's part of the engine, if this rank started one: its own processes only
@@ -118,7 +128,16 @@ class SGLangSyncMember:
         self.feed.group = group
 
     def check_manifest(self, manifest: Manifest, version: int) -> list[str]:
-        return []  # as the leader: SGLang judges a tensor when it loads it
+        """This GPU's share of the sync against what its SGLang TP rank holds, as the leader's
+        (``SGLangEngine.check_manifest``)."""
+        if manifest is self._accepted:
+            return []
+        errors = manifest_errors(manifest, self.held, self.weight_needs(), f"the checkpoint at {self.model_path}")
+        if errors:
+            return [f"weight sync of version {version} refused by SGLang TP rank {self.tp_rank} ({len(errors)} "
+                    "problems): " + "; ".join(errors[:10])]  # fmt: skip
+        self._accepted = manifest
+        return []
 
     def load_target(self, name: str) -> torch.Tensor | None:
         return None  # SGLang's loader copies from the payload
@@ -133,7 +152,8 @@ class SGLangSyncMember:
             errors = bucket_errors(bucket, self._expected_shapes, f"the checkpoint at {self.model_path}")
             if errors:
                 raise ValueError(f"weight sync of version {version}: {'; '.join(errors[:5])}")
-            mine = contribution(with_output_head(bucket, self.tied_head), self._classes, self.device)
+            arranged = self._pairs.arrange(bucket, version=version, last=last)  # as SGLangEngine.update_weights
+            mine = contribution(with_output_head(arranged, self.tied_head), self._classes, self.device)
         except Exception as exc:  # handed to the leader like a payload: every GPU fails this round together
             self.feed.contribute((None, False, f"{type(exc).__name__}: {exc}"))
             raise

@@ -41,6 +41,7 @@ class SGLangHttpClient:
         self.url = url.rstrip("/")
         self.timeout_s = timeout_s
         self._sessions: bool | None = None
+        self._versioned: bool | None = None  # has /update_weight_version; None: not asked yet
 
     def _call(self, path: str, body: Mapping[str, Any] | None = None, timeout_s: float | None = None) -> Any:
         data = None if body is None else json.dumps(body).encode()
@@ -88,6 +89,20 @@ class SGLangHttpClient:
 
     def update_weights_from_distributed(self, **body: Any) -> None:
         self._call("/update_weights_from_distributed", body)
+
+    def update_weight_version(self, version: str) -> None:
+        """Record ``version`` as the server's weight version (``/update_weight_version``; what its
+        outputs' ``meta_info.weight_version`` then report). Requests are not aborted: the engine's
+        guard lets none run during a sync. A server without the route (404) is left as it is."""
+        if self._versioned is False:
+            return
+        try:
+            self._call("/update_weight_version", {"new_version": version, "abort_all_requests": False})
+            self._versioned = True
+        except SGLangServerError as e:
+            if " answered 404" not in str(e):
+                raise
+            self._versioned = False
 
     def update_sessions(self) -> bool:
         """Whether the server has weight-update sessions (``/begin_weight_update``: SGLang 0.5.21 on),
@@ -190,10 +205,11 @@ class NcclBroadcastTransport:
         return None  # only rank 0 feeds the servers
 
     def send(self, servers: Sequence[Any], bucket: Bucket, *, last: bool, version: int) -> None:
-        if not bucket:  # nothing to broadcast: the flush the last bucket would have carried
-            if last:
+        if not bucket:  # nothing to broadcast: what the last bucket would have carried
+            if last:  # the fleet's stream ends with an empty last bucket: the version is told here
                 for server in servers:
                     server.flush_cache()
+                    server.update_weight_version(str(version))
             return
         if self.group is None:
             self.group = self._init_weight_group(servers)

@@ -42,7 +42,7 @@ from typing import Any, Protocol
 
 import torch
 
-from grpo_megatron.rollout.engine import Bucket
+from grpo_megatron.rollout.engine import Bucket, Manifest
 
 
 class WeightTransport(Protocol):
@@ -133,6 +133,87 @@ def bucket_errors(bucket: Bucket, shapes: Mapping[str, tuple[int, ...]], source:
     return errors
 
 
+ENGINE_FLOAT32 = ("mlp.gate.e_score_correction_bias",)
+"""Tensors SGLang keeps in float32 whatever its ``dtype`` (DeepSeek-V3's routing bias with
+``topk_method=noaux_tc``, ``srt/models/deepseek_v2.py``): any floating dtype loads into them exactly."""
+
+
+@dataclass(frozen=True)
+class EngineTensors:
+    """What an SGLang engine holds, per Hugging Face name, as the weight sync addresses it: the full
+    (unsharded) shape of every tensor of the checkpoint it starts from, its scales left out when the
+    engine starts unquantized (``launch.py:engine_config``), and the dtype it holds them in."""
+
+    shapes: Mapping[str, tuple[int, ...]]
+    """Name -> full shape; empty: unknown (no weight files), then only dtypes are judged."""
+    dtype: torch.dtype
+    """The engine's ``dtype`` (server argument), which every weight is loaded in (float8 ones too,
+    once the quantization is removed); ``ENGINE_FLOAT32`` ones excepted."""
+    dummy: bool
+    """Started from dummy weights (``load_format=dummy``): a sync must bring every tensor."""
+    num_layers: int = 0
+    """``num_hidden_layers``: tensors of layers past it (DeepSeek-V3's multi-token-prediction layer)
+    are in the checkpoint but not in the engine's model; 0: no such cut."""
+
+    def held_dtype(self, name: str) -> torch.dtype:
+        return torch.float32 if name.endswith(ENGINE_FLOAT32) else self.dtype
+
+    def expected(self) -> dict[str, tuple[int, ...]]:
+        """The tensors a complete sync must bring (its layers' only)."""
+        return {n: s for n, s in self.shapes.items() if self.num_layers <= 0 or _layer(n) < self.num_layers}
+
+
+def _layer(name: str) -> int:
+    parts = name.split(".")
+    for i, part in enumerate(parts[:-1]):
+        if part == "layers" and parts[i + 1].isdigit():
+            return int(parts[i + 1])
+    return -1
+
+
+def engine_tensors(
+    shapes: Mapping[str, tuple[int, ...]], hf_config: Mapping[str, Any], dtype: torch.dtype, *, dummy: bool
+) -> EngineTensors:
+    """``EngineTensors`` of an engine of ``dtype`` started from a checkpoint of ``shapes`` and config
+    ``hf_config`` (a quantized one's scale tensors dropped, as the engine starts without them)."""
+    if hf_config.get("quantization_config") is not None:
+        shapes = {n: s for n, s in shapes.items() if not n.endswith(SCALE_SUFFIXES)}
+    return EngineTensors(dict(shapes), dtype, dummy, int(hf_config.get("num_hidden_layers") or 0))
+
+
+SCALE_SUFFIXES = ("weight_scale_inv", "weight_scale", "input_scale")
+"""Tensors of a quantized checkpoint that hold its scales: an engine started unquantized has none."""
+
+
+def manifest_errors(
+    manifest: Manifest, held: EngineTensors, needs: Callable[[str], bool] | None, source: str
+) -> list[str]:
+    """Why a weight sync of exactly ``manifest``'s tensors (to the engine GPU whose share ``needs``
+    selects; None: every tensor) cannot load into the engine ``held`` describes, one line per tensor
+    (empty: it can). Judged before any byte moves (``RolloutEngine.check_manifest``): a name the
+    engine does not hold, a full shape other than the checkpoint's, a dtype other than the one it
+    holds (a float8 tensor sent into an unquantized engine; ``ENGINE_FLOAT32`` tensors take any
+    floating dtype), and, for an engine on dummy weights, tensors the sync would leave random."""
+    errors: list[str] = []
+    for name, shape, dtype in manifest:
+        want = held.held_dtype(name)
+        if held.shapes and name not in held.shapes:
+            errors.append(f"{name}: no such tensor in {source}")
+        elif held.shapes and tuple(shape) != held.shapes[name]:
+            errors.append(f"{name}: shape {tuple(shape)}, {source} has {held.shapes[name]}")
+        elif not dtype.is_floating_point or (dtype != want and not (want == torch.float32 and dtype.itemsize > 1)):
+            errors.append(f"{name}: dtype {dtype}, the engine holds it as {want} (the sync would cast it)")
+    if held.dummy and held.shapes:
+        sent = {name for name, _, _ in manifest}
+        missing = sorted(n for n in held.expected() if n not in sent and (needs is None or needs(n)))
+        if missing:
+            errors.append(
+                f"{len(missing)} tensors of {source} are never sent and the engine started on dummy weights, "
+                f"e.g. {missing[:5]}"
+            )
+    return errors
+
+
 OUTPUT_HEAD, INPUT_EMBEDDING = "lm_head.weight", "model.embed_tokens.weight"
 
 
@@ -152,6 +233,55 @@ def with_output_head(bucket: Bucket, tied: bool) -> list[tuple[str, torch.Tensor
     if tied:
         out += [(OUTPUT_HEAD, t) for name, t in bucket if name == INPUT_EMBEDDING]
     return out
+
+
+LOADED_TOGETHER = (("self_attn.q_a_proj.weight", "self_attn.kv_a_proj_with_mqa.weight"),)
+"""Pairs of tensors SGLang loads only when both come in the same load call: its DeepSeek model fuses a
+layer's ``q_a_proj`` and ``kv_a_proj_with_mqa`` into one parameter and caches the first it sees until
+the second arrives, in a cache local to one ``load_weights`` call
+(``srt/models/deepseek_common/deepseek_weight_loader.py``, ``cached_a_proj``): one of them alone in a
+bucket is silently never loaded."""
+
+
+class PairedLoads:
+    """Keeps each ``LOADED_TOGETHER`` pair in one bucket: a tensor whose partner is neither in its
+    bucket nor held is held (copied: bucket tensors may be views valid only during the call) and sent
+    with the bucket that brings the partner."""
+
+    def __init__(self) -> None:
+        self.held: dict[str, torch.Tensor] = {}
+        self.version: int | None = None
+
+    @staticmethod
+    def partner(name: str) -> str | None:
+        for a, b in LOADED_TOGETHER:
+            if name.endswith(a):
+                return name[: -len(a)] + b
+            if name.endswith(b):
+                return name[: -len(b)] + a
+        return None
+
+    def arrange(self, bucket: Bucket, *, version: int, last: bool) -> list[tuple[str, torch.Tensor]]:
+        """``bucket`` of ``version`` with the tensors held for it added and the unpaired ones taken out
+        (held; a new version drops what an abandoned one left); ``last``: nothing may stay held
+        (ValueError naming the tensors whose partner never came)."""
+        if version != self.version:
+            self.held, self.version = {}, version
+        names = {name for name, _ in bucket}
+        out: list[tuple[str, torch.Tensor]] = []
+        for name, t in bucket:
+            partner = self.partner(name)
+            if partner is None or partner in names:
+                out.append((name, t))
+            elif partner in self.held:
+                out += [(partner, self.held.pop(partner)), (name, t)]
+            else:
+                self.held[name] = t.detach().clone()
+        if last and self.held:
+            missing = sorted(self.held)
+            self.held = {}
+            raise ValueError(f"the weight sync ended without the partners of {missing[:5]} ({LOADED_TOGETHER})")
+        return out
 
 
 def checkpoint_output_head(model_path: str | os.PathLike) -> list[tuple[str, torch.Tensor]]:
