@@ -33,7 +33,7 @@ import torch
 
 from grpo_megatron.rollout.engine import Bucket
 from grpo_megatron.rollout.sglang.health import sigterm_ignored
-from grpo_megatron.rollout.sglang.weights import flattened_bucket, raise_on_failure
+from grpo_megatron.rollout.sglang.weights import aligned_order, flattened_bucket, raise_on_failure
 
 
 def rank_payload(bucket: Bucket, sglang_classes: tuple[type, Any], device: torch.device | str | None = None) -> str:
@@ -45,13 +45,34 @@ def rank_payload(bucket: Bucket, sglang_classes: tuple[type, Any], device: torch
     an empty list of tensors, not from a flat tensor with empty metadata; a zero-byte CUDA tensor
     would have no IPC handle)."""
     flattened_cls, serializer = sglang_classes
-    if bucket:
-        flat = flattened_bucket(bucket, flattened_cls, device)
-        payload = {"flattened_tensor": flat.get_flattened_tensor(), "metadata": flat.get_metadata()}
-    else:
-        payload = {"flattened_tensor": torch.zeros(1, dtype=torch.uint8, device=device), "metadata": []}
-    with cpu_tensors_shared_by_name(payload["flattened_tensor"].device):
+    on_cpu = torch.device(device if device is not None else "cpu").type == "cpu"
+    with cpu_tensors_shared_by_name(torch.device("cpu") if on_cpu else torch.device("cuda")):
+        if bucket and on_cpu:
+            payload = shared_memory_bucket(bucket, flattened_cls)
+        elif bucket:
+            flat = flattened_bucket(bucket, flattened_cls, device)
+            payload = {"flattened_tensor": flat.get_flattened_tensor(), "metadata": flat.get_metadata()}
+        else:
+            payload = {"flattened_tensor": torch.zeros(1, dtype=torch.uint8, device=device), "metadata": []}
         return serializer.serialize(payload, output_str=True)
+
+
+def shared_memory_bucket(bucket: Bucket, flattened_cls: type) -> dict[str, Any]:
+    """A CPU payload written once, straight into shared memory: ``FlattenedTensorBucket``'s layout and
+    metadata (computed by the class itself on meta tensors, so every SGLang release lays it out its
+    own way), its bytes copied from each tensor into one shared-memory buffer. Flattening on the
+    heap first (``torch.cat``) and then sharing (``share_memory_()`` copies into a new shared file)
+    writes every byte twice, and the engine's load reads it a third time: seen 3x the embedded
+    engine's copy for a 400 MiB version (``bench/sglang_cpu.py``). Call inside
+    ``cpu_tensors_shared_by_name`` (the buffer is a named shared-memory file)."""
+    named = aligned_order(bucket)
+    layout = flattened_cls(named_tensors=[(name, t.detach().to("meta")) for name, t in named])
+    metadata = layout.get_metadata()
+    flat = torch.empty(0, dtype=torch.uint8)
+    flat.set_(torch.UntypedStorage._new_shared(max(m.end_idx for m in metadata)))
+    for (_, t), m in zip(named, metadata, strict=True):
+        flat[m.start_idx : m.end_idx].view(t.dtype).view(t.shape).copy_(t.detach())
+    return {"flattened_tensor": flat, "metadata": metadata}
 
 
 @contextlib.contextmanager
@@ -156,7 +177,14 @@ class CudaIpcTransport:
     """``WeightTransport`` into one colocated ``sglang.Engine`` (``servers`` holds exactly it), on
     the engine's leader. With a group bound (``bind_group``: the fleet's engine group), every call is a
     round of the group, empty buckets too: one payload per GPU, each made on its own GPU. Without one,
-    the leader's full bucket goes to every TP rank, and an empty one carries only the last flush."""
+    the leader's full bucket goes to every TP rank.
+
+    An empty last bucket still makes a load call, of empty payloads, to carry the version's one cache
+    flush (``flush_cache=True``), never a ``flush_cache()`` call: SGLang's own ``flush_cache`` also
+    empties the device allocator's cache, which on CPU is a full ``gc.collect()`` of the scheduler's
+    heap (``platforms/cpu.py``; seen 410-510 ms of a 520 ms version of the demo's 3.5 MiB, against
+    ~3 ms for an empty load call: ``bench/sglang_profile.py``), while the flush a load carries skips
+    it (its ``torch_empty_cache`` defaults to False, SGLang 0.5.23 ``io_struct.py``)."""
 
     def __init__(self, tp_size: int, sglang_classes: tuple[type, Any], device: torch.device | str):
         self.tp_size = tp_size
@@ -172,9 +200,7 @@ class CudaIpcTransport:
     def send(self, servers: Sequence[Any], bucket: Bucket, *, last: bool, version: int) -> None:
         (engine,) = servers
         if self.feed is None or self.feed.group is None:
-            if not bucket:
-                if last:
-                    engine.flush_cache()
+            if not bucket and not last:
                 return
             payloads = flattened_bucket_payloads(bucket, self.tp_size, self.sglang_classes, self.device)
             result = engine.update_weights_from_tensor(payloads, load_format="flattened_bucket", flush_cache=last)
@@ -184,13 +210,11 @@ class CudaIpcTransport:
         error = "; ".join(f"engine GPU {i}: {e}" for i, (_, _, e) in enumerate(everyone) if e is not None) or None
         if error is None:
             try:
-                if any(full for _, full, _ in everyone):
+                if last or any(full for _, full, _ in everyone):
                     result = engine.update_weights_from_tensor(
                         [p for p, _, _ in everyone], load_format="flattened_bucket", flush_cache=last
                     )
                     raise_on_failure(result, "update_weights_from_tensor")
-                elif last:  # nothing left to load: the flush the last payloads would have carried
-                    engine.flush_cache()
             except Exception as exc:
                 error = f"{type(exc).__name__}: {exc}"
         self.feed.verdict(error)
