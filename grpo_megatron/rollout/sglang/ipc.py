@@ -33,25 +33,78 @@ import torch
 
 from grpo_megatron.rollout.engine import Bucket
 from grpo_megatron.rollout.sglang.health import sigterm_ignored
-from grpo_megatron.rollout.sglang.weights import flattened_bucket, raise_on_failure
+from grpo_megatron.rollout.sglang.weights import aligned_order, flattened_bucket, raise_on_failure
 
 
-def rank_payload(bucket: Bucket, sglang_classes: tuple[type, Any], device: torch.device | str | None = None) -> str:
+def rank_payload(
+    bucket: Bucket,
+    sglang_classes: tuple[type, Any],
+    device: torch.device | str | None = None,
+    staging: SharedStaging | None = None,
+) -> str:
     """One TP rank's element of ``update_weights_from_tensor(payloads, load_format="flattened_bucket")``:
     ``bucket`` as one ``FlattenedTensorBucket`` on ``device``, serialized (base64 string, which every
     0.5.x release accepts; on a GPU the tensor travels as a CUDA IPC handle). An empty bucket (this
     rank has nothing in this round) is still a valid payload: a one-byte tensor with no metadata,
     which SGLang's updater turns into no tensors (``FlattenedTensorBucket`` refuses to be built from
     an empty list of tensors, not from a flat tensor with empty metadata; a zero-byte CUDA tensor
-    would have no IPC handle)."""
+    would have no IPC handle). A CPU payload is written into ``staging``'s buffer when given (else a
+    new shared-memory file)."""
     flattened_cls, serializer = sglang_classes
-    if bucket:
-        flat = flattened_bucket(bucket, flattened_cls, device)
-        payload = {"flattened_tensor": flat.get_flattened_tensor(), "metadata": flat.get_metadata()}
-    else:
-        payload = {"flattened_tensor": torch.zeros(1, dtype=torch.uint8, device=device), "metadata": []}
-    with cpu_tensors_shared_by_name(payload["flattened_tensor"].device):
+    on_cpu = torch.device(device if device is not None else "cpu").type == "cpu"
+    with cpu_tensors_shared_by_name(torch.device("cpu") if on_cpu else torch.device("cuda")):
+        if bucket and on_cpu:
+            payload = shared_memory_bucket(bucket, flattened_cls, staging)
+        elif bucket:
+            flat = flattened_bucket(bucket, flattened_cls, device)
+            payload = {"flattened_tensor": flat.get_flattened_tensor(), "metadata": flat.get_metadata()}
+        else:
+            payload = {"flattened_tensor": torch.zeros(1, dtype=torch.uint8, device=device), "metadata": []}
         return serializer.serialize(payload, output_str=True)
+
+
+class SharedStaging:
+    """One shared-memory buffer that a CPU rank writes its payloads into, kept across calls (grown to
+    the largest bucket, never shrunk). A new shared-memory file per payload costs its page faults on
+    every call: writing 100 MiB took ~75 ms into a new file against ~21 ms into one already written
+    (2 cores, ``bench/sglang_profile.py``'s ``serialize`` row). Reusing it is safe because every load
+    is synchronous: ``update_weights_from_tensor`` returns (and an engine group's verdict arrives)
+    after the engine copied the payload into its weights, before the next payload is written."""
+
+    def __init__(self) -> None:
+        self._flat: torch.Tensor | None = None
+
+    def buffer(self, nbytes: int) -> torch.Tensor:
+        """``nbytes`` of the buffer, as uint8 (call inside ``cpu_tensors_shared_by_name``)."""
+        if self._flat is None or self._flat.numel() < nbytes:
+            self._flat = None  # the old file goes before the new one is made
+            self._flat = new_shared_bytes(nbytes)
+        return self._flat[:nbytes]
+
+
+def new_shared_bytes(nbytes: int) -> torch.Tensor:
+    """A uint8 tensor of ``nbytes`` in a new shared-memory file (no copy, unlike ``share_memory_()``)."""
+    flat = torch.empty(0, dtype=torch.uint8)
+    return flat.set_(torch.UntypedStorage._new_shared(nbytes))
+
+
+def shared_memory_bucket(bucket: Bucket, flattened_cls: type, staging: SharedStaging | None = None) -> dict[str, Any]:
+    """A CPU payload written once, straight into shared memory: ``FlattenedTensorBucket``'s layout and
+    metadata (computed by the class itself on meta tensors, so every SGLang release lays it out its
+    own way), its bytes copied from each tensor into one shared-memory buffer. Flattening on the
+    heap first (``torch.cat``) and then sharing (``share_memory_()`` copies into a new shared file)
+    writes every byte twice, and the engine's load reads it a third time: seen 3x the embedded
+    engine's copy for a 400 MiB version (``bench/sglang_cpu.py``). Call inside
+    ``cpu_tensors_shared_by_name`` (the buffer is a named shared-memory file; ``staging``'s, reused,
+    when given)."""
+    named = aligned_order(bucket)
+    layout = flattened_cls(named_tensors=[(name, t.detach().to("meta")) for name, t in named])
+    metadata = layout.get_metadata()
+    nbytes = max(m.end_idx for m in metadata)
+    flat = staging.buffer(nbytes) if staging is not None else new_shared_bytes(nbytes)
+    for (_, t), m in zip(named, metadata, strict=True):
+        flat[m.start_idx : m.end_idx].view(t.dtype).view(t.shape).copy_(t.detach())
+    return {"flattened_tensor": flat, "metadata": metadata}
 
 
 @contextlib.contextmanager
@@ -95,12 +148,21 @@ def _start_shared_memory_manager_once() -> None:
 
 
 def flattened_bucket_payloads(
-    bucket: Bucket, tp_size: int, sglang_classes: tuple[type, Any], device: torch.device | str | None = None
+    bucket: Bucket,
+    tp_size: int,
+    sglang_classes: tuple[type, Any],
+    device: torch.device | str | None = None,
+    staging: SharedStaging | None = None,
 ) -> list[str]:
     """An engine fed through one rank (no engine group bound, e.g. an engine driven outside the
     fleet): the same full bucket for every TP rank, serialized once per rank so the producer's IPC
-    reference counts drop as each rank loads."""
-    return [rank_payload(bucket, sglang_classes, device) for _ in range(tp_size)]
+    reference counts drop as each rank loads (on CPU, with ``staging``, the ranks' payloads share its
+    one buffer, written once)."""
+    if staging is not None and tp_size > 1 and torch.device(device or "cpu").type == "cpu" and bucket:
+        with cpu_tensors_shared_by_name(torch.device("cpu")):
+            payload = shared_memory_bucket(bucket, sglang_classes[0], staging)
+            return [sglang_classes[1].serialize(payload, output_str=True) for _ in range(tp_size)]
+    return [rank_payload(bucket, sglang_classes, device, staging) for _ in range(tp_size)]
 
 
 Contribution = tuple[str | None, bool, str | None]
@@ -109,11 +171,13 @@ error is set. A payload without tensors is made anyway: when any GPU of the engi
 the round, SGLang takes one payload per TP rank, each opened on that rank's own GPU."""
 
 
-def contribution(bucket: Bucket, sglang_classes: tuple[type, Any], device: torch.device | str) -> Contribution:
+def contribution(
+    bucket: Bucket, sglang_classes: tuple[type, Any], device: torch.device | str, staging: SharedStaging | None = None
+) -> Contribution:
     """One GPU's part of a round: its payload, or the error making it raised (handed to the leader
     like a payload, so the group's round still completes and fails on every GPU together)."""
     try:
-        return rank_payload(bucket, sglang_classes, device), bool(bucket), None
+        return rank_payload(bucket, sglang_classes, device, staging), bool(bucket), None
     except Exception as exc:
         return None, False, f"{type(exc).__name__}: {exc}"
 
@@ -156,13 +220,22 @@ class CudaIpcTransport:
     """``WeightTransport`` into one colocated ``sglang.Engine`` (``servers`` holds exactly it), on
     the engine's leader. With a group bound (``bind_group``: the fleet's engine group), every call is a
     round of the group, empty buckets too: one payload per GPU, each made on its own GPU. Without one,
-    the leader's full bucket goes to every TP rank, and an empty one carries only the last flush."""
+    the leader's full bucket goes to every TP rank.
+
+    An empty last bucket still makes a load call, of empty payloads, to carry the version's one cache
+    flush (``flush_cache=True``), never a ``flush_cache()`` call: SGLang's own ``flush_cache`` also
+    empties the device allocator's cache, which on CPU is a full ``gc.collect()`` of the scheduler's
+    heap (``platforms/cpu.py``; seen 410-510 ms of a 520 ms version of the demo's 3.5 MiB, against
+    ~3 ms for an empty load call: ``bench/sglang_profile.py``), while the flush a load carries skips
+    it (its ``torch_empty_cache`` defaults to False, SGLang 0.5.23 ``io_struct.py``)."""
 
     def __init__(self, tp_size: int, sglang_classes: tuple[type, Any], device: torch.device | str):
         self.tp_size = tp_size
         self.sglang_classes = sglang_classes
         self.device = device
         self.feed: EngineGroupFeed | None = None
+        self.staging = SharedStaging()
+        """This rank's reused shared-memory buffer, on CPU (``SharedStaging``)."""
 
     def bind_group(self, ranks: Sequence[int], group: Any) -> None:
         if len(ranks) > 1:
@@ -172,25 +245,21 @@ class CudaIpcTransport:
     def send(self, servers: Sequence[Any], bucket: Bucket, *, last: bool, version: int) -> None:
         (engine,) = servers
         if self.feed is None or self.feed.group is None:
-            if not bucket:
-                if last:
-                    engine.flush_cache()
+            if not bucket and not last:
                 return
-            payloads = flattened_bucket_payloads(bucket, self.tp_size, self.sglang_classes, self.device)
+            payloads = flattened_bucket_payloads(bucket, self.tp_size, self.sglang_classes, self.device, self.staging)
             result = engine.update_weights_from_tensor(payloads, load_format="flattened_bucket", flush_cache=last)
             raise_on_failure(result, "update_weights_from_tensor")
             return
-        everyone = self.feed.gather(contribution(bucket, self.sglang_classes, self.device)) or []
+        everyone = self.feed.gather(contribution(bucket, self.sglang_classes, self.device, self.staging)) or []
         error = "; ".join(f"engine GPU {i}: {e}" for i, (_, _, e) in enumerate(everyone) if e is not None) or None
         if error is None:
             try:
-                if any(full for _, full, _ in everyone):
+                if last or any(full for _, full, _ in everyone):
                     result = engine.update_weights_from_tensor(
                         [p for p, _, _ in everyone], load_format="flattened_bucket", flush_cache=last
                     )
                     raise_on_failure(result, "update_weights_from_tensor")
-                elif last:  # nothing left to load: the flush the last payloads would have carried
-                    engine.flush_cache()
             except Exception as exc:
                 error = f"{type(exc).__name__}: {exc}"
         self.feed.verdict(error)
@@ -207,4 +276,4 @@ class CudaIpcTransport:
         return []  # the engine's processes are watched by rollout/sglang/health.py, not restarted
 
     def reset(self, servers: Sequence[Any]) -> None:
-        return None  # no connection: every bucket carries its own IPC handles
+        self.staging = SharedStaging()  # no connection (every bucket carries its own handles); the buffer goes

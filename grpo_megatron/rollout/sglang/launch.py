@@ -372,6 +372,30 @@ class EngineLaunch:
         return self.tp_size or rollout.sglang_tp or 1, self.ep_size or rollout.sglang_ep or 1
 
 
+def freeze_engine_gc(engine: Any) -> bool:
+    """Move what the engine's scheduler and detokenizer processes hold after start-up (modules, the
+    model, the pools) out of Python's cyclic garbage collector (``sglang.Engine.freeze_gc``, where the
+    engine has it; True if it did). SGLang's CPU platform "empties the device cache" with a full
+    ``gc.collect()``, which walks that heap: in every ``flush_cache()`` call and in each release of
+    ``kv_cache`` (``weight_updater.py``), seen ~400 ms of a 0.4 s ``release_memory`` on the demo's
+    model (``bench/sglang_profile.py``). Objects created later are still collected. The call also
+    freezes the process that drives the engine (its tokenizer manager lives here): that process's
+    collector is given back as it was (unfrozen unless it already was, its thresholds)."""
+    import gc
+
+    freeze = getattr(engine, "freeze_gc", None)
+    if not callable(freeze):
+        return False
+    frozen_before, thresholds = gc.get_freeze_count() > 0, gc.get_threshold()
+    try:
+        freeze()
+    finally:
+        if not frozen_before:
+            gc.unfreeze()
+        gc.set_threshold(*thresholds)
+    return True
+
+
 def start_colocated(
     rollout: RolloutConfig,
     model_path: str,
@@ -405,6 +429,7 @@ def start_colocated(
         engine = sglang.Engine(**server_args, **start_signal_handler(signals is not None))
     if signals is not None:
         health.take_back_signals(engine, signals)
+    freeze_engine_gc(engine)
     part = f" (node {node_rank} of {launch.nnodes})" if launch.nnodes > 1 else ""
     print(f"[rollout] SGLang engine of rank {launch.rank}{part}: its processes log to {log_path}", flush=True)
     if changes:
