@@ -19,10 +19,15 @@ TMP_INFIX = ".tmp-"
 
 def write_text_atomic(path: Path, text: str) -> None:
     """Write ``text`` to ``path`` through a temporary sibling and a rename (fsynced)."""
+    write_bytes_atomic(path, text.encode("utf-8"))
+
+
+def write_bytes_atomic(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` through a temporary sibling and a rename (fsynced)."""
     tmp = path.with_name(f"{path.name}{TMP_INFIX}{secrets.token_hex(4)}")
     try:
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.write(text)
+        with open(tmp, "wb") as f:
+            f.write(data)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)

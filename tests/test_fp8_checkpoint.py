@@ -18,24 +18,8 @@ from safetensors.torch import load_file, save_file
 
 from grpo_megatron.bridge.hf_loader import CheckpointError, HFCheckpoint, fp8_block_size
 from tests.helpers.dist import run_distributed
+from tests.helpers.fp8_deepseek import quantize_blockwise
 from tests.workers.bridge_workers import save_tiny_model
-
-E4M3_MAX = 448.0
-
-
-def quantize_blockwise(weight: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """float8 e4m3 weights and fp32 scale_inv per block (amax / 448), as DeepSeek-V3's files hold."""
-    br, bc = block
-    rows, cols = -(-weight.shape[0] // br), -(-weight.shape[1] // bc)
-    scale_inv = torch.empty(rows, cols)
-    q = torch.empty(weight.shape, dtype=torch.float8_e4m3fn)
-    for i in range(rows):
-        for j in range(cols):
-            tile = weight[i * br : (i + 1) * br, j * bc : (j + 1) * bc].float()
-            s = tile.abs().max().clamp(min=1e-12) / E4M3_MAX
-            scale_inv[i, j] = s
-            q[i * br : (i + 1) * br, j * bc : (j + 1) * bc] = (tile / s).to(torch.float8_e4m3fn)
-    return q, scale_inv
 
 
 def dequantize_by_loops(q: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:

@@ -30,8 +30,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import secrets
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,7 +38,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from grpo_megatron.data import PromptRecord
-from grpo_megatron.fileio import TMP_INFIX, write_text_atomic
+from grpo_megatron.fileio import write_bytes_atomic, write_text_atomic
 from grpo_megatron.rollout.engine import Completion
 from grpo_megatron.training.phases.reward import Group
 
@@ -67,20 +65,6 @@ def run_identity(hf: Mapping[str, Any], vocab: Mapping[str, int], ps: ParallelSt
     layout = {"world_size": ps.world_size, "tp": ps.tp, "pp": ps.pp, "cp": ps.cp, "ep": ps.ep, "dp": ps.dp}
     return {"format": FORMAT, "model_type": hf.get("model_type"), "model_config_sha256": model,
             "tokenizer_vocab_sha256": tokens, "vocab_size": len(vocab), "layout": layout}  # fmt: skip
-
-
-def write_bytes_atomic(path: Path, data: bytes) -> None:
-    """``write_text_atomic`` for bytes: a temporary sibling, fsynced, renamed over ``path``."""
-    tmp = path.with_name(f"{path.name}{TMP_INFIX}{secrets.token_hex(4)}")
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
 
 
 def _flat(rows: Sequence[Sequence[float]] | Sequence[Sequence[int]], dtype: torch.dtype) -> torch.Tensor:

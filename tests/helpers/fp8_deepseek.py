@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from tests.helpers.tiny_configs import TINY_CONFIGS
+from tests.workers.sglang_workers import peaked_weights_
 
 DEMO = Path(__file__).resolve().parents[2] / "examples" / "demo"
 FP8_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
@@ -51,12 +52,7 @@ def save_fp8_deepseek(out: Path, seed: int = 0) -> Path:
     torch.manual_seed(seed)
     config = AutoConfig.for_model(**(TINY_CONFIGS["deepseek_v3"] | {"vocab_size": VOCAB}))
     model = AutoModelForCausalLM.from_config(config).to(torch.bfloat16)
-    with torch.no_grad():
-        for name, t in model.state_dict().items():
-            if "norm" in name:
-                t.copy_(torch.rand_like(t) * 0.5 + 0.75)
-            elif t.dim() >= 2:
-                t.copy_(torch.randn_like(t) * (2.0 / t.shape[-1] ** 0.5))
+    peaked_weights_(model)
     model.save_pretrained(out, safe_serialization=True)
     tensors = {}
     for name, t in load_file(str(out / "model.safetensors")).items():

@@ -29,6 +29,17 @@ PROMPTS = [[1, 5, 9, 3, 11], [1, 7, 7, 20], [1, 30, 2, 14, 8, 6, 5], [1, 12], [1
 MAX_NEW = 8
 
 
+def peaked_weights_(model: torch.nn.Module) -> None:
+    """Random weights of a useful scale, in place: norms near 1, matrices with peaked next-token
+    distributions (so greedy and sampled runs are not ties)."""
+    with torch.no_grad():
+        for name, t in model.state_dict().items():
+            if "norm" in name:
+                t.copy_(torch.rand_like(t) * 0.5 + 0.75)
+            elif t.dim() >= 2:
+                t.copy_(torch.randn_like(t) * (2.0 / t.shape[-1] ** 0.5))
+
+
 def save_model(out: Path, seed: int, dtype: torch.dtype = torch.bfloat16) -> dict[str, torch.Tensor]:
     """The demo's architecture with random weights of a useful scale (peaked, not uniform, next-token
     distributions, so greedy choices are clear), saved with save_pretrained in ``dtype`` beside the
@@ -39,12 +50,7 @@ def save_model(out: Path, seed: int, dtype: torch.dtype = torch.bfloat16) -> dic
     torch.manual_seed(seed)
     config = AutoConfig.from_pretrained(DEMO)
     model = AutoModelForCausalLM.from_config(config).to(dtype)
-    with torch.no_grad():
-        for name, t in model.state_dict().items():
-            if "norm" in name:
-                t.copy_(torch.rand_like(t) * 0.5 + 0.75)
-            elif t.dim() >= 2:
-                t.copy_(torch.randn_like(t) * (2.0 / t.shape[-1] ** 0.5))
+    peaked_weights_(model)
     model.save_pretrained(out, safe_serialization=True)
     for f in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(DEMO / f, out / f)
