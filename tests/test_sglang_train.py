@@ -14,9 +14,11 @@ import time
 from pathlib import Path
 
 import psutil
+import pytest
 
 from grpo_megatron.logging_utils.metrics import read_jsonl
-from tests.helpers.runs import SMALL, finish, launch
+from tests.helpers.dist import free_port
+from tests.helpers.runs import SMALL, can_name_hosts, finish, launch, launch_node
 from tests.sglang_env import require_sglang_engine
 
 PROBE_BOUND = 1e-4
@@ -173,3 +175,58 @@ def test_a_slurm_preemption_sigterm_to_every_process_saves_with_sglang_engines(t
     saved = re.search(r"\[preempt\] SIGTERM: checkpoint \S+(iter_\d+) written", out)
     assert saved and (run / "checkpoints" / "latest").read_text().strip() == saved.group(1), out[-4000:]
     assert "died" not in out, out[-4000:]
+
+
+def _sigterm_every_rank_process(agents: list[subprocess.Popen]) -> None:
+    """Slurm's preemption: SIGTERM to every rank of each torchrun agent and to everything under them
+    (engine processes included); the agents themselves are left out, as Slurm's job step reaches the ranks."""
+    ranks = [r for agent in agents for r in psutil.Process(agent.pid).children()]
+    for p in [q for r in ranks for q in (r, *r.children(recursive=True))]:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            p.send_signal(signal.SIGTERM)
+
+
+def test_a_two_node_engine_part_is_started_like_the_leader_and_saves_on_a_slurm_sigterm(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """Issue 36 item 8, as a cluster runs it: one SGLang engine (rollout.sglang_tp=2) over two one-GPU
+    "nodes", each its own torchrun agent with a host name of its own (tests/helpers/runs.py:
+    ``launch_node``). Rank 1 starts node 1's part of the engine as the leader starts its own (its log,
+    its health, SIGTERM ignored in its processes); the engine serves the run across the two parts; a
+    Slurm preemption's SIGTERM to every process of both nodes saves one checkpoint and both nodes exit
+    75. (Before: node 1's schedulers took SGLang's CUDA paths on a CPU job, and its part failed at
+    ``freeze_gc``, which only the leader's part can take.)"""
+    require_sglang_engine()
+    if (why := can_name_hosts()) is not None:
+        pytest.skip(f"two nodes on one host need host names of their own: {why}")
+    from grpo_megatron.distributed.preemption import EXIT_FILE_ENV, EXIT_PREEMPTED
+
+    run, exit_file = tmp_path / "run", tmp_path / "exit_code"
+    monkeypatch.setenv(EXIT_FILE_ENV, str(exit_file))  # what launch/slurm/node.sh reads: rank 0's verdict
+    # sglang_ep=1: SGLang's CPU MoE (moe_forward_native) cannot take expert parallelism's -1 expert ids
+    overrides = [*SMALL, "rollout.engine=sglang", "rollout.sglang_tp=2", "rollout.sglang_ep=1",
+                 "train.iterations=40", "checkpoint.save_interval=20", f"logging.run_dir={run}"]  # fmt: skip
+    port = free_port()
+    nodes = [launch_node("train", overrides, node_rank=k, nnodes=2, port=port) for k in (0, 1)]
+    deadline = time.monotonic() + 400
+    while not (run / "metrics.jsonl").is_file() or len(read_jsonl(run / "metrics.jsonl")) < 3:
+        if any(n.poll() is not None for n in nodes) or time.monotonic() > deadline:
+            outs = [(kill_tree(n.pid), n.stdout.read()[-3000:])[1] for n in nodes]
+            raise AssertionError("no second iteration:\n" + "\n=====\n".join(outs))
+        time.sleep(0.5)
+    assert list((run / "sglang").glob("engine-rank1-*.log")), "node 1's part of the engine logs beside the leader's"
+    _sigterm_every_rank_process(nodes)
+    outs = []
+    for node in nodes:
+        try:
+            outs.append(node.communicate(timeout=300)[0])
+        except subprocess.TimeoutExpired:
+            for n in nodes:
+                kill_tree(n.pid)
+            raise AssertionError("the job did not stop within 300 s of the SIGTERM") from None
+    assert "[rollout] SGLang engine of rank 1 (node 1 of 2)" in outs[1], outs[1][-4000:]
+    for out in outs:
+        assert f"exitcode  : {EXIT_PREEMPTED}" in out and "died" not in out, out[-4000:]
+    assert exit_file.read_text().strip() == str(EXIT_PREEMPTED)
+    saved = re.search(r"\[preempt\] SIGTERM: checkpoint \S+(iter_\d+) written", outs[0])
+    assert saved and (run / "checkpoints" / "latest").read_text().strip() == saved.group(1), outs[0][-4000:]

@@ -605,7 +605,21 @@ class RolloutFleet:
         if self.engine is not None:
             self.engine.resume_memory(tags)
 
-    def shutdown(self) -> None:
+    def shutdown(self, *, together: bool = False) -> None:
+        """Stop this rank's engine, and its part of a multi-node SGLang engine if it started one.
+
+        ``together``: every rank calls this at the same point of a run that ends in order (its end,
+        or a preemption's safe point). Each rank first stops treating its engine processes' deaths as
+        fatal (``EngineProcesses.stopping``), and no part stops before every rank has (a barrier over
+        the data group): the parts of a multi-node engine fail with whichever stops first, and each
+        failing scheduler SIGQUITs its own rank (seen: a two-node engine's first rank exited
+        ``EXIT_ENGINE_DIED`` while it closed its loggers, its peer having stopped its part)."""
+        if together:
+            for part in (self.engine, self.member):
+                health = getattr(part, "health", None)  # the SGLang parts' processes (rollout/sglang/health.py)
+                if health is not None:
+                    health.stopping = True
+            dist.barrier(group=self._data_group())
         if self.engine is not None:
             self.engine.shutdown()
             self.engine = None

@@ -254,14 +254,16 @@ def main(cfg: JobConfig) -> int:
     start = time.perf_counter()
     job = build_job(cfg, with_reference=cfg.algorithm.kl.enabled)
     preempted: Preempted | None = None
+    in_order = False  # every rank reached the run's end (or the safe point) together
     try:
         result = train(job)
         if cfg.checkpoint.export_hf_dir:
             export_hf_checkpoint(job, job.run_dir / cfg.checkpoint.export_hf_dir)
+        in_order = True
     except Preempted as stop:
-        preempted = stop
+        preempted, in_order = stop, True
     finally:
-        job.close()
+        job.close(together=in_order)
     if preempted is not None:
         checkpoint = job.checkpoints.dir / checkpoint_name(preempted.iteration)
         code = report_preempted(preempted, checkpoint, job.ps.rank, dist.group.WORLD)

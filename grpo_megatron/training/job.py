@@ -127,7 +127,9 @@ class Runtime:
 
         return PromptSampler(num_items, seed=self.cfg.train.seed, shuffle=self.cfg.data.shuffle)
 
-    def close(self) -> None:
+    def close(self, *, together: bool = False) -> None:
+        """Stop what the job started. ``together``: every rank closes at this point of a run that ends
+        in order (``RolloutFleet.shutdown``); False after an error, where a rank may be gone."""
         if self.preemption.received is None:  # after a signal, the grace keeps bounding the exit
             self.preemption.uninstall()
         if self.watchdog is not None:
@@ -139,7 +141,7 @@ class Runtime:
         if self.env is not None:
             self.env.close()
         self.logger.close()
-        self.fleet.shutdown()
+        self.fleet.shutdown(together=together)
 
 
 @dataclass(kw_only=True)

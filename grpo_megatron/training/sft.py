@@ -290,11 +290,13 @@ def main(cfg: JobConfig) -> int:
     start = time.perf_counter()
     job = build_sft_job(sft_job_config(cfg))
     ((_, out_dir),) = output_dirs(cfg, "sft")  # the directory the CLI's preflight checked
+    in_order = False  # every rank reached the end together
     try:
         result = run_sft(job)
         export_hf_checkpoint(job, out_dir)
+        in_order = True
     finally:
-        job.close()
+        job.close(together=in_order)
     seconds = time.perf_counter() - start
     _say(
         job,

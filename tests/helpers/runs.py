@@ -45,6 +45,37 @@ def launch(command: str, overrides: list[str], *, world_size: int = 2, config: P
     )
 
 
+def can_name_hosts() -> str | None:
+    """None if this process may give a child a host name of its own (``unshare --uts``: root, or
+    user namespaces), else why not (``launch_node`` needs it)."""
+    try:
+        done = subprocess.run(["unshare", "--uts", "true"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"`unshare --uts` cannot run here ({exc})"
+    return None if done.returncode == 0 else f"`unshare --uts` is refused here: {done.stderr.strip()[-200:]}"
+
+
+def launch_node(
+    command: str, overrides: list[str], *, node_rank: int, nnodes: int, port: int, nproc: int = 1, config: Path = DEMO
+) -> subprocess.Popen:
+    """Node ``node_rank`` of an ``nnodes``-node job on this host, as a cluster starts one torchrun per
+    node: in a UTS namespace of its own whose host name is the loopback address 127.0.0.<node_rank + 1>,
+    so that whatever the job derives from host names (ranks grouped into nodes, an SGLang engine's
+    ``dist_init_addr`` across nodes) sees distinct hosts that still resolve. Node 0's address is the
+    rendezvous'."""
+    torchrun = [
+        sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nnodes), "--node-rank", str(node_rank),
+        "--nproc-per-node", str(nproc), "--master-addr", "127.0.0.1", "--master-port", str(port),
+        "-m", "grpo_megatron", command, str(config), *overrides,
+    ]  # fmt: skip
+    script = f'hostname 127.0.0.{node_rank + 1} && exec "$@"'
+    env = dict(os.environ, OMP_NUM_THREADS="1", TORCH_COMPILE_DISABLE="1", WANDB_SILENT="true")
+    return subprocess.Popen(
+        ["unshare", "--uts", "sh", "-c", script, "node", *torchrun], cwd=REPO_ROOT, env=env,
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+    )  # fmt: skip
+
+
 def kill_after_checkpoint(proc: subprocess.Popen, run_dir: Path, iteration: int = 2) -> None:
     """SIGKILL the whole job (its session: engine and reward processes too), as a scheduler's
     preemption would, once its checkpoint of ``iteration`` is the latest."""

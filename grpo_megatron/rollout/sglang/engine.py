@@ -34,7 +34,6 @@ same for every engine; the adapter releases and resumes only what it holds.
 from __future__ import annotations
 
 import contextlib
-import os
 import random
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
@@ -191,9 +190,7 @@ class SGLangEngine(RolloutEngine):
     ):
         launch = launch or EngineLaunch()
         device = launch.torch_device()
-        if device.type == "cpu":
-            os.environ["SGLANG_USE_CPU_ENGINE"] = "1"  # read when SGLang is imported, here and in its children
-        _, flattened_cls, serializer = import_sglang()
+        _, flattened_cls, serializer = import_sglang(device)
         self.rollout = rollout
         self.model_path = str(model_path)
         self.mode = rollout.sglang_mode

@@ -81,9 +81,14 @@ class SGLangUnavailableError(ImportError):
     """SGLang is not importable here: the message says how to install it."""
 
 
-def import_sglang() -> tuple[ModuleType, type, type]:
+def import_sglang(device: torch.device | None = None) -> tuple[ModuleType, type, type]:
     """``(sglang, FlattenedTensorBucket, MultiprocessingSerializer)``, imported now, or
-    ``SGLangUnavailableError`` naming the install command."""
+    ``SGLangUnavailableError`` naming the install command. For an engine on a CPU ``device`` SGLang's
+    CPU engine is switched on first (``SGLANG_USE_CPU_ENGINE``, read when SGLang is imported, here and
+    in the engine's processes, which inherit it): every rank that starts a part of an engine passes its
+    device (a multi-node engine's further parts too: without it their schedulers took the CUDA paths)."""
+    if device is not None and device.type == "cpu":
+        os.environ["SGLANG_USE_CPU_ENGINE"] = "1"
     compat.install()  # before SGLang's first import: it imports torchvision and registers configs
     try:
         import sglang
@@ -412,8 +417,8 @@ def start_colocated(
     preemption's SIGTERM reaches the trainer, which saves first) and without the launcher's variables,
     are recorded for the health checks; from the main thread, the trainer's signal handlers that
     SGLang replaces are taken back and SIGQUIT names the engine (``rollout/sglang/health.py``)."""
-    sglang, _, _ = import_sglang()
     device = launch.torch_device()
+    sglang, _, _ = import_sglang(device)
     launch = dataclasses.replace(launch, device=str(device))
     server_args = colocated_server_args(rollout, model_path, launch, hf_config, node_rank=node_rank,
                                         weights_on_disk=weights_on_disk)  # fmt: skip
@@ -429,7 +434,8 @@ def start_colocated(
         engine = sglang.Engine(**server_args, **start_signal_handler(signals is not None))
     if signals is not None:
         health.take_back_signals(engine, signals)
-    freeze_engine_gc(engine)
+    if node_rank == 0:  # a further node's part has no tokenizer manager; the leader's call reaches its schedulers
+        freeze_engine_gc(engine)
     part = f" (node {node_rank} of {launch.nnodes})" if launch.nnodes > 1 else ""
     print(f"[rollout] SGLang engine of rank {launch.rank}{part}: its processes log to {log_path}", flush=True)
     if changes:
