@@ -254,3 +254,16 @@ def test_engine_weights_count_what_every_engine_gpu_holds_whole() -> None:
     d = model_states.ModelDims.from_hf(qwen)
     kv_extra = d.num_layers * 2 * d.head_dim * d.hidden * (1 - d.kv_groups / 8)
     assert memory.engine_weight_params(qwen, 8).replicated > kv_extra
+
+
+def test_the_deepseek_engine_is_planned_in_the_trainers_dtype_not_fp8() -> None:
+    """The published DeepSeek-V3 checkpoint is FP8 (the recipe's copy of its config.json leaves the
+    quantization_config out), but its engine starts unquantized and holds what
+    the sync sends (model.dtype, issue 36 item 2): the plan's engine weights are that dtype's bytes
+    (``plan`` had a ``--rollout-weight-bytes 1`` that described an fp8 engine the runtime never starts)."""
+    plan, hf = _recipe_plan("deepseek_v3_671b", 256)
+    width = plan.placement.gpus_per_engine
+    weights = next(x for x in plan.phases["rollout"] if x.name == "engine weights")
+    per_gpu = memory.engine_weight_params(hf, width).per_gpu
+    assert weights.gib == pytest.approx(per_gpu * memory.engine_weight_bytes("bfloat16") / memory.GIB)
+    assert memory.engine_weight_bytes("bfloat16") == 2 and memory.engine_weight_bytes("float32") == 4

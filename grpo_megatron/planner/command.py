@@ -43,9 +43,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="override rollout.sglang_ep (expert parallelism inside one SGLang engine); printed as an override",
     )
     parser.add_argument(
-        "--rollout-weight-bytes", type=int, choices=(1, 2), default=2, help="engine weight bytes: 2 bf16, 1 fp8"
-    )
-    parser.add_argument(
         "--offload-trainer",
         action="store_true",
         help="override train.offload_trainer=true; printed as an override",
@@ -114,7 +111,7 @@ def run(cfg: JobConfig, args: argparse.Namespace) -> int:
     else:
         gpu = memory.GPUS[args.gpu]
     cfg, overrides = apply_overrides(cfg, args)
-    opts = memory.PlanOptions(gpus_per_node=args.gpus_per_node, gpu=gpu, rollout_weight_bytes=args.rollout_weight_bytes)
+    opts = memory.PlanOptions(gpus_per_node=args.gpus_per_node, gpu=gpu)
     hf = cfg.model.load_hf_config()
     console = Console(width=160)
     for line in overrides:
@@ -132,7 +129,7 @@ def run(cfg: JobConfig, args: argparse.Namespace) -> int:
     if placement.engines:
         estimates = sync.plan_sync(
             hf, plan.layout, gpus_per_node=args.gpus_per_node, gpus_per_engine=args.world_size // len(placement.engines),
-            export_bytes=args.rollout_weight_bytes, links=links, engine_ep=placement.engine_ep,
+            export_bytes=memory.engine_weight_bytes(cfg.model.dtype), links=links, engine_ep=placement.engine_ep,
         )  # fmt: skip
     receives = min((e.engine_gpu.received for e in estimates), default=None)
     console.print(memory.render(plan, cfg, receives / sync.GB if receives is not None else None))

@@ -91,6 +91,14 @@ def custom_gpu(memory_gib: float) -> GPU:
 # The plan
 
 
+def engine_weight_bytes(dtype: str) -> int:
+    """Bytes per weight in a colocated engine, and per element of the weight sync: the trained model's
+    ``model.dtype``. The engine starts in it and the sync sends it, whatever the checkpoint holds (an
+    FP8 checkpoint's engine starts unquantized and the first sync fills it: rollout/sglang/launch.py
+    ``engine_config``), so no engine of ours holds fp8 weights."""
+    return {"float32": 4, "bfloat16": 2, "float16": 2}[dtype]
+
+
 @dataclass(frozen=True)
 class PlanOptions:
     """Knobs of the estimate that the job config does not hold (the cluster and the assumptions)."""
@@ -99,8 +107,6 @@ class PlanOptions:
     """GPUs per node (the world size is nodes x gpus_per_node)."""
     gpu: GPU = GPUS["h100"]
     """The GPU the job runs on."""
-    rollout_weight_bytes: int = 2
-    """Bytes per weight in the rollout engine (2 = bf16; 1 for fp8 engines)."""
     grad_bytes: int = 4
     """Bytes per main gradient: 4, because training/policy.py reduces gradients in fp32."""
     moe_imbalance: float = 1.25
@@ -392,12 +398,13 @@ def _engine_lines(
     all_params = total_params(hf)
     pool = cfg.rollout.gpu_memory_utilization * opts.gpu.memory_gib * GIB
     on_gpu = engine_weight_params(hf, width)
-    weights = on_gpu.per_gpu * opts.rollout_weight_bytes
+    weight_bytes = engine_weight_bytes(cfg.model.dtype)
+    weights = on_gpu.per_gpu * weight_bytes
     kv = pool - weights
     kv_tokens = max(0, int(kv // kv_bytes_per_token(d, width)))
     lines = {
         "weights": Line("engine weights", weights / GIB, f"{human_count(all_params)} / {width} GPUs per engine, "
-                        f"{on_gpu.replicated * opts.rollout_weight_bytes / GIB:.2f} GiB of it replicated"),  # fmt: skip
+                        f"{on_gpu.replicated * weight_bytes / GIB:.2f} GiB of it replicated"),  # fmt: skip
         "kv_cache": Line(
             "engine KV cache",
             max(kv, 0) / GIB,
