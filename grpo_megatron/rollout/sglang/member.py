@@ -17,7 +17,7 @@ from grpo_megatron.rollout.config import RolloutConfig
 from grpo_megatron.rollout.engine import Bucket, EngineSpec, Manifest
 from grpo_megatron.rollout.placement import RolloutPlacement, runtime_placement
 from grpo_megatron.rollout.sglang.health import EngineProcesses
-from grpo_megatron.rollout.sglang.ipc import EngineGroupFeed, contribution
+from grpo_megatron.rollout.sglang.ipc import EngineGroupFeed, SharedStaging, contribution
 from grpo_megatron.rollout.sglang.launch import (
     agree_engine_address,
     import_sglang,
@@ -90,6 +90,9 @@ class SGLangSyncMember:
         self._accepted: Manifest | None = None
         self._pairs = PairedLoads()
         self.feed = EngineGroupFeed(members)
+        self.staging = SharedStaging()
+        """This GPU's reused shared-memory buffer on CPU, as the leader's (``ipc.SharedStaging``: safe
+        because ``feed.contribute`` returns only after the leader's load of the round is done)."""
 
     @classmethod
     def from_config(
@@ -153,7 +156,7 @@ class SGLangSyncMember:
             if errors:
                 raise ValueError(f"weight sync of version {version}: {'; '.join(errors[:5])}")
             arranged = self._pairs.arrange(bucket, version=version, last=last)  # as SGLangEngine.update_weights
-            mine = contribution(with_output_head(arranged, self.tied_head), self._classes, self.device)
+            mine = contribution(with_output_head(arranged, self.tied_head), self._classes, self.device, self.staging)
         except Exception as exc:  # handed to the leader like a payload: every GPU fails this round together
             self.feed.contribute((None, False, f"{type(exc).__name__}: {exc}"))
             raise
