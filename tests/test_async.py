@@ -15,16 +15,43 @@ MOVING = [*SMALL, "reward.components=[{name: len, function: length, kwargs: {tar
 ASYNC = ["rollout.embedded_process=true"]
 
 
-def test_max_staleness_zero_in_engine_processes_equals_the_synchronous_run_bitwise(tmp_path):
-    runs = {"sync": [], "async0": [*ASYNC, "train.max_staleness=0"]}
+def test_max_staleness_zero_in_engine_processes_equals_the_synchronous_run_bitwise(tmp_path, monkeypatch):
+    # Issue 41, the third run: rank 1's engine process is SIGKILLed as it takes its 3rd generate request and
+    # rank 0's SIGSTOPped at its 4th (rollouts of iterations 2 and 3); each is restarted in place, given the
+    # current weights, its share generated again: the run equals the uninterrupted one bitwise.
+    faults = ["rollout.max_engine_restarts=2", "rollout.engine_health_timeout_s=5"]
+    runs = {"sync": [], "async0": [*ASYNC, "train.max_staleness=0"],
+            "lost": [*ASYNC, "train.max_staleness=0", *faults]}  # fmt: skip
+    outs = {}
     for name, extra in runs.items():
-        finish(launch("train", [*MOVING, *extra, "train.iterations=3", f"logging.run_dir={tmp_path / name}"]))
+        if name == "lost":
+            monkeypatch.setenv("GRPO_ENGINE_FAULT", "kill:3@1,stop:4@0")
+        run = [*MOVING, *extra, "train.iterations=3", f"logging.run_dir={tmp_path / name}"]
+        outs[name] = finish(launch("train", run))
     want = [comparable(r) for r in read_jsonl(tmp_path / "sync" / "metrics.jsonl")]
-    got = [comparable(r) for r in read_jsonl(tmp_path / "async0" / "metrics.jsonl")]
-    for r in got[1:]:
-        assert r.pop("async/staleness/max") == r.pop("async/staleness/min") == r.pop("async/staleness/mean") == 0
-        assert r.pop("async/drained_batches") == 0
-    assert got == want, json.dumps([got[-1], want[-1]], indent=1)
+    for name in ("async0", "lost"):
+        got = [comparable(r) for r in read_jsonl(tmp_path / name / "metrics.jsonl")]
+        restarts = [(r.pop("engine/restarts", 0), r.pop("engine/restart_s", 0)) for r in got]
+        assert sum(n for n, _ in restarts) == (2 if name == "lost" else 0), restarts
+        for r in got[1:]:
+            assert r.pop("async/staleness/max") == r.pop("async/staleness/min") == r.pop("async/staleness/mean") == 0
+            assert r.pop("async/drained_batches") == 0
+        assert got == want, json.dumps([name, got[-1], want[-1]], indent=1)
+    out = outs["lost"]
+    assert "[engine] engine 1 (rank 1 on" in out and "exited with code -9" in out, out[-4000:]
+    assert "[engine] engine 0 (rank 0 on" in out and "(it is stopped: state T)" in out, out[-4000:]
+
+
+def test_more_engine_losses_than_the_bound_end_the_run_naming_them(tmp_path, monkeypatch):
+    monkeypatch.setenv("GRPO_ENGINE_FAULT", "kill:1")  # both engines, at the first rollout
+    proc = launch("train", [*MOVING, *ASYNC, "rollout.max_engine_restarts=1", "train.iterations=2",
+                            f"logging.run_dir={tmp_path / 'run'}"])  # fmt: skip
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode != 0
+    assert "2 engine(s) lost, past rollout.max_engine_restarts=1 (0 restart(s) so far)" in out, out[-4000:]
+    for engine in (0, 1):
+        assert f"engine {engine} (rank {engine} on" in out
+    assert "exited with code -9" in out and "its log (" in out
 
 
 def test_one_step_off_lags_by_at_most_one_version_and_resumes_with_the_same_rules(tmp_path):
@@ -100,3 +127,41 @@ def test_engine_process_serves_each_request_with_the_weights_sent_before_it(tmp_
             assert (c.token_ids, c.logprobs, c.finish_reason) == (w.token_ids, w.logprobs, w.finish_reason)
             assert w.routed_experts is not None and torch.equal(c.routed_experts, w.routed_experts)
     assert [c.logprobs for g in got_2 for c in g] != [c.logprobs for g in got_1 for c in g]
+
+
+def test_a_lost_engine_process_is_named_and_restarts_serving_the_same_completions(tmp_path, monkeypatch):
+    # Issue 41: GRPO_ENGINE_FAULT stops (SIGSTOP) the engine at its 2nd generate request, first life only;
+    # past the health deadline the handle names it (rank, state T, log tail); restarted and given the same
+    # weights, it serves that request exactly as the first life served the 1st. Then a killed one (SIGKILL).
+    import pytest
+    import torch
+
+    from grpo_megatron.rollout.engine import SamplingParams
+    from grpo_megatron.rollout.engine_process import EngineLost, EngineProcess
+    from tests.helpers.tiny_configs import tiny_hf_config
+    from tests.test_rollout import _saved
+
+    saved, _ = _saved("qwen3_moe", tmp_path)
+    prompts, params = [[3, 5, 7], [11, 2]], SamplingParams(n=2, max_new_tokens=5, seed=3)
+    for fault, why in (("stop:2@4", "(it is stopped: state T)"), ("kill:1@4", "exited with code -9")):
+        monkeypatch.setenv("GRPO_ENGINE_FAULT", fault)
+        remote = EngineProcess(tiny_hf_config("qwen3_moe"), dtype=torch.float32, rank=4,
+                               health_timeout_s=2.0)  # fmt: skip
+        try:
+            remote.update_weights(sorted(saved.items()), version=1, last=True)
+            first = remote.generate(prompts, params) if fault.startswith("stop") else None
+            with pytest.raises(EngineLost, match=r"rank 4 on ") as lost:
+                remote.generate(prompts, params)
+            assert why in str(lost.value) and "the last lines of its log" in str(lost.value)
+            remote.restart()  # the fault is the first life's only
+            assert remote.weight_version == -1
+            remote.update_weights(sorted(saved.items()), version=1, last=True)
+            again = remote.generate(prompts, params)
+            assert {c.weight_version for g in again for c in g} == {1}
+            if first is not None:
+                assert [[(c.token_ids, c.logprobs) for c in g] for g in again] == [
+                    [(c.token_ids, c.logprobs) for c in g] for g in first
+                ]
+        finally:
+            remote.shutdown()
+        assert not remote.folder.exists()
