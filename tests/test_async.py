@@ -165,3 +165,19 @@ def test_a_lost_engine_process_is_named_and_restarts_serving_the_same_completion
         finally:
             remote.shutdown()
         assert not remote.folder.exists()
+
+
+def test_the_fleet_restarts_engines_lost_before_or_during_a_sync_or_a_rollout(tmp_path):
+    from tests.helpers.dist import run_distributed
+    from tests.helpers.tiny_configs import tiny_hf_config
+    from tests.test_rollout import _write_config
+
+    moe = _write_config(tmp_path / "moe", tiny_hf_config("qwen3_moe"))
+    per_rank = run_distributed("tests.workers.rollout_workers:engines_lost_and_restarted", 2, timeout_s=300,
+                               hf_dir=moe)  # fmt: skip
+    for res in per_rank:
+        assert res["after_sync_restart"] == 1 and res["restarts"] == 3, res
+        assert res["same"] and res["versions"] == [2] and res["versions_3"] == [3], res
+        assert res["metrics"]["engine/restarts"] == 3 and res["metrics"]["engine/restart_s"] > 0
+        assert "past rollout.max_engine_restarts=3 (3 restart(s) so far)" in res["past_bound"]
+        assert "code -9" in res["past_bound"] and "its log (" in res["past_bound"]  # the kill, named

@@ -476,6 +476,9 @@ class EngineProcess(RolloutEngine):
     def check_manifest(self, manifest: Manifest, version: int) -> list[str]:
         """Names and shapes against what the engine reported at start (completeness, where tied aliases
         count once, and dtypes it checks on load)."""
+        if self.proc.poll() is not None:  # lost since its last request: the fleet may restart it (EngineLost)
+            raise self._lost(f"the process exited with code {self.proc.returncode} before the weight sync of "
+                             f"version {version}")  # fmt: skip
         sent = {name: tuple(shape) for name, shape, _ in manifest}
         problems = [f"{n}: unknown to the engine" for n in sent if n not in self._expected][:5]
         problems += [

@@ -220,6 +220,8 @@ class _Transfer:
     received: int = 0
     buckets: int = 0
     error: str | None = None
+    lost: EngineLost | None = None
+    """The failure was this rank's engine lost (``error`` says so too)."""
 
 
 @dataclasses.dataclass
@@ -454,11 +456,15 @@ class RolloutFleet:
             raise RuntimeError(f"rollout generate: {len(out)} results for {pending.num_prompts} prompts")
         return out
 
-    def recover(self, error: str | None, lost: EngineLost | None, recovery: EngineRecovery | None, what: str) -> None:
+    def recover(
+        self, error: str | None, lost: EngineLost | None, recovery: EngineRecovery | None, what: str,
+        *, version: int | None = None, resync: bool = True,
+    ) -> None:
         """Collective, after a step that failed somewhere: the ranks agree on every rank's ``error``
         and ``lost`` engine. Any error, or a loss without ``recovery`` or past its bound: every rank
         raises with them (lost engines named with rank, host, why and their log's tail). Else the lost
-        engines are restarted and given ``synced_version`` (``restart_engines``)."""
+        engines are restarted and (``resync``) given ``version`` (None: ``synced_version``,
+        ``restart_engines``)."""
         mine = None if lost is None else {"host": lost.host, "why": lost.why, "tail": lost.log_tail,
                                           "log": lost.log_path}  # fmt: skip
         reports: list[Any] = [None] * self.ps.world_size
@@ -480,18 +486,20 @@ class RolloutFleet:
                 f"{what}: {len(losses)} engine(s) lost, past rollout.max_engine_restarts={bound} ({done} restart(s) "
                 f"so far); resume from the last checkpoint (or raise the bound):\n{named}"
             )
-        seconds = self.restart_engines(sorted(losses), recovery)
+        version = self.synced_version if version is None else version
+        seconds = self.restart_engines(sorted(losses), recovery, version, resync=resync)
         if self.ps.rank == 0:
             for rank, info in losses.items():
                 print(f"[engine] engine {self.engine_ranks.index(rank)} (rank {rank} on {info['host']}) lost during "
-                      f"{what}: {info['why']}; restarted with weights version {self.synced_version} in {seconds:.1f} s "
+                      f"{what}: {info['why']}; restarted for weights version {version} in {seconds:.1f} s "
                       f"(restart {recovery.restarts} of at most {recovery.max_restarts}); its log ended:\n"
                       + "\n".join(f"    {line}" for line in info["tail"].splitlines()), flush=True)  # fmt: skip
 
-    def restart_engines(self, ranks: Sequence[int], recovery: EngineRecovery) -> float:
+    def restart_engines(self, ranks: Sequence[int], recovery: EngineRecovery, version: int, *, resync: bool) -> float:
         """Collective: the engines of ``ranks`` restart (each owner kills what is left and starts it
-        again from the same spec) and every rank streams ``synced_version`` from ``recovery.model``
-        into them only. Returns the seconds it took (also kept in ``recovery``)."""
+        again from the same spec) and (``resync``; not when the sync that found them lost goes on)
+        every rank streams ``version`` from ``recovery.model`` into them only. Returns the seconds
+        it took (also kept in ``recovery``)."""
         start = time.perf_counter()
         error = None
         if self.ps.rank in ranks:
@@ -505,9 +513,10 @@ class RolloutFleet:
             except Exception as exc:
                 error = _describe(exc)
         _agree(error, "restarting the lost rollout engine(s)")
-        self.sync_weights(recovery.model, self.synced_version, targets=ranks)
-        seconds = time.perf_counter() - start
         recovery.restarts += len(ranks)
+        if resync:
+            self.sync_weights(recovery.model, version, targets=ranks, recovery=recovery)
+        seconds = time.perf_counter() - start
         recovery.seconds += [seconds] * len(ranks)
         return seconds
 
@@ -574,7 +583,7 @@ class RolloutFleet:
 
     def sync_weights(
         self, model: torch.nn.Module, version: int, *, bucket_bytes: int | None = None,
-        targets: Sequence[int] | None = None,
+        targets: Sequence[int] | None = None, recovery: EngineRecovery | None = None,
     ) -> dict[str, float]:
         """Collective: stream the trainer's weights into every engine as ``version``, all engines fed
         at once, each from the ranks holding its slices (``bridge/export.py``).
@@ -598,16 +607,19 @@ class RolloutFleet:
 
         ``targets``: only the engines of these ranks take the version (a restarted engine,
         ``restart_engines``); the stream runs as always, the others drop what they receive.
+        ``recovery``: an engine found lost (``EngineLost``) in phase one is restarted and takes part
+        in this sync; one lost in phase two is restarted and sent ``version`` once more, alone (the
+        others received all of it: an engine process loads a version only once it has all of it).
         """
         bucket_bytes = bucket_bytes or self.bucket_bytes
         sink = self.sink if targets is None or self.ps.rank in targets else None
         start = time.perf_counter()
         plan = self._plan(model, bucket_bytes)
-        self._check_manifests(version, sink)
+        self._check_manifests(version, sink, recovery)
         check_s = time.perf_counter() - start
         start = time.perf_counter()
         outcome = self._transfer(plan, version, sink)
-        totals = self._verdict(outcome, version)
+        totals = self._verdict(outcome, version, recovery)
         transfer_s = time.perf_counter() - start
         if targets is None:
             self.synced_version = version
@@ -641,17 +653,27 @@ class RolloutFleet:
             self.manifest = self.export_plan.manifest(self.ps.rank if sink is not None else None)
         return self.export_plan
 
-    def _check_manifests(self, version: int, sink: WeightSink | None) -> None:
+    def _check_manifests(self, version: int, sink: WeightSink | None, recovery: EngineRecovery | None) -> None:
         """Phase one: every engine (``sink`` on this rank) judges the manifest; the ranks agree (one
         small all-reduce; the messages are gathered only when some engine rejected). A rejection
-        anywhere: every engine keeps its previous version and every rank raises."""
+        anywhere: every engine keeps its previous version and every rank raises. Only lost engines
+        (``EngineLost``) and a ``recovery``: they restart, then judge again."""
         problems: list[str] = []
+        lost: EngineLost | None = None
         if sink is not None:
             try:
                 problems = sink.check_manifest(self.manifest, version)
+            except EngineLost as exc:
+                lost = exc
             except Exception as exc:
                 problems = [_describe(exc)]
-        if not _any_rank(bool(problems), self.ps):
+        flags = torch.tensor([int(bool(problems)), int(lost is not None)], dtype=torch.int64, device=self.ps.device)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        if not flags[0] and flags[1] and recovery is not None:
+            self.recover(None, lost, recovery, f"the weight sync of version {version}", version=version, resync=False)
+            return self._check_manifests(version, sink, recovery)
+        problems = problems or ([str(lost)] if lost is not None else [])
+        if not flags.any():
             return
         if sink is not None:
             sink.abort_update(version)
@@ -686,18 +708,19 @@ class RolloutFleet:
             try:
                 sink.update_weights(bucket, version=version, last=False)
             except Exception as exc:
-                out.error = _describe(exc)
+                out.error, out.lost = _describe(exc), exc if isinstance(exc, EngineLost) else None
         if sink is not None and out.error is None:
             try:
                 sink.update_weights([], version=version, last=True)
             except Exception as exc:
-                out.error = _describe(exc)
+                out.error, out.lost = _describe(exc), exc if isinstance(exc, EngineLost) else None
         return out
 
-    def _verdict(self, outcome: _Transfer, version: int) -> torch.Tensor:
+    def _verdict(self, outcome: _Transfer, version: int, recovery: EngineRecovery | None) -> torch.Tensor:
         """One all-reduce (max) carries the verdict and the metrics (bytes and buckets: the busiest
         destination's; with per-GPU needs an engine's GPUs receive different shares): [failed,
-        bytes, buckets, peak buffer bytes, in-place bytes]. A failure anywhere: every rank raises."""
+        bytes, buckets, peak buffer bytes, in-place bytes]. A failure anywhere: every rank raises;
+        with ``recovery``, lost engines only: they restart and are sent ``version`` alone."""
         stats = outcome.stats
         totals = torch.tensor(
             [outcome.error is not None, outcome.received, outcome.buckets, stats.peak_bytes, stats.in_place_bytes],
@@ -705,7 +728,10 @@ class RolloutFleet:
             device=self.ps.device,
         )
         dist.all_reduce(totals, op=dist.ReduceOp.MAX)
-        if totals[0]:
+        if totals[0] and recovery is not None:
+            error = None if outcome.lost is not None else outcome.error
+            self.recover(error, outcome.lost, recovery, f"the weight sync of version {version}", version=version)
+        elif totals[0]:
             reports: list[Any] = [None] * self.ps.world_size
             dist.all_gather_object(reports, outcome.error)
             failed = [(rank, e) for rank, e in enumerate(reports) if e is not None]

@@ -122,7 +122,7 @@ class Runtime:
             return {}
         return sync_weights(self.policy.model, self.fleet, self.memory, self.ps, version, probe or ProbeBatch(),
                             vocab_size=int(self.hf["vocab_size"]), temperature=self.cfg.rollout.temperature,
-                            max_abs=self.cfg.rollout.probe_max_abs)  # fmt: skip
+                            max_abs=self.cfg.rollout.probe_max_abs, recovery=self.recovery)  # fmt: skip
 
     def make_sampler(self, num_items: int) -> PromptSampler:
         """The seeded, resumable order in which ``num_items`` training items are drawn."""
