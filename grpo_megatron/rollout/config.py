@@ -121,7 +121,8 @@ class RolloutConfig:
     it. Engine processes only (rollout.embedded_process=true)."""
     engine_health_timeout_s: float = 120.0
     """An engine process awaited for a result that sends nothing (no reply, no heartbeat: it beats
-    every second while it generates) for this long is lost (a stopped process counts)."""
+    every eighth of this, at most every 10 s, while it generates) for this long is lost (a stopped
+    process counts)."""
     embedded_max_batch_rows: int = 0
     """Rows (prompts x samples) an embedded engine decodes at once; 0 = all of a generate call together."""
     probe_batch: int = 4

@@ -18,7 +18,8 @@ folder (``/dev/shm`` where it exists), announced by one short JSON line on the e
 pipe ever fills while its reader is busy.
 
 Health (issue 41): while it serves a request the engine sends a heartbeat line every ``heartbeat_s``
-(a thread of its own, so a long generation is not a hang). The trainer's handle raises ``EngineLost``
+(an eighth of the health deadline, at most 10 s; a thread of its own, so a long generation is not
+a hang). The trainer's handle raises ``EngineLost``
 (engine rank, host, why, the last lines of the engine's log ``engine.log`` in its folder) when the
 process has exited, or sent nothing for ``health_timeout_s`` while a result is awaited (a stopped
 process, SIGSTOP, counts: its state is named), or its pipe broke. ``EngineProcess.restart`` kills
@@ -296,7 +297,8 @@ class EngineProcess(RolloutEngine):
     """The trainer's handle of an engine process (an ``EmbeddedEngine`` on CPU with ``threads``
     threads). ``weight_version`` is the version last sent; requests are served with it. ``rank``:
     the trainer rank that owns it (named when it is lost); ``health_timeout_s``: how long a result
-    may be awaited with no line from the engine (it beats every ``heartbeat_s`` while it serves)."""
+    may be awaited with no line from the engine (it beats every eighth of it, at most every 10 s,
+    while it serves)."""
 
     def __init__(
         self,
@@ -311,7 +313,7 @@ class EngineProcess(RolloutEngine):
         health_timeout_s: float = 120.0,
     ) -> None:
         name = {v: k for k, v in _DTYPES.items()}[dtype]
-        heartbeat_s = min(1.0, health_timeout_s / 4)
+        heartbeat_s = min(10.0, health_timeout_s / 8)  # unread beats fill the pipe's 64 KiB in hours only
         self.spec: dict[str, Any] = {
             "hf": dict(hf), "dtype": name, "max_batch_rows": max_batch_rows, "threads": threads,
             "record_routes": record_routes, "rank": rank, "heartbeat_s": heartbeat_s, "life": 0,
