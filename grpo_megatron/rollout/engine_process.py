@@ -19,10 +19,10 @@ pipe ever fills while its reader is busy.
 
 Health (issue 41): while it serves a request the engine sends a heartbeat line every ``heartbeat_s``
 (an eighth of the health deadline, at most 10 s; a thread of its own, so a long generation is not
-a hang). The trainer's handle raises ``EngineLost``
-(engine rank, host, why, the last lines of the engine's log ``engine.log`` in its folder) when the
-process has exited, or sent nothing for ``health_timeout_s`` while a result is awaited (a stopped
-process, SIGSTOP, counts: its state is named), or its pipe broke. ``EngineProcess.restart`` kills
+a hang). The trainer's handle raises ``EngineLost`` (engine rank, host, why, the last lines of the
+engine's log ``engine.log`` in its folder) when the process has exited, or sent nothing for
+``health_timeout_s`` while a result is awaited (a stopped process, SIGSTOP, counts: its state is
+named), or its pipe broke. ``EngineProcess.restart`` kills
 what is left, cleans its folder and starts it again from the same spec (the fleet then syncs the
 current weights into it and resubmits its share: rollout/fleet.py, ``EngineRecovery``).
 
