@@ -410,6 +410,12 @@ def test_the_asynchronous_loop_needs_engines_generating_apart_and_refuses_what_i
     with pytest.raises(ConfigError, match=r"train.max_staleness=-1 must be >= 0"):
         validate(load_config(EXAMPLE, ["train.max_staleness=-1"]), 1)
     validate(load_config(EXAMPLE, ["rollout.embedded_process=true", "train.max_staleness=2"]), 1)
+    # issue 41: engines are restarted in place as engine processes only; the bound and deadline are checked
+    with pytest.raises(ConfigError, match=r"rollout.max_engine_restarts=2: .*set rollout.embedded_process=true"):
+        validate(load_config(EXAMPLE, ["rollout.max_engine_restarts=2"]), 1)
+    with pytest.raises(ConfigError, match=r"rollout.engine_health_timeout_s=0.0 must be > 0"):
+        validate(load_config(EXAMPLE, ["rollout.embedded_process=true", "rollout.engine_health_timeout_s=0"]), 1)
+    validate(load_config(EXAMPLE, ["rollout.embedded_process=true", "rollout.max_engine_restarts=2"]), 1)
     sglang = load_config(EXAMPLE, ["rollout.engine=sglang", "train.max_staleness=1"])
     validate(sglang, 1)  # SGLang's schedulers are processes of their own
     assert sglang.producer_loop and not load_config(EXAMPLE, ["rollout.engine=sglang"]).producer_loop

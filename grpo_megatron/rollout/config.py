@@ -113,6 +113,16 @@ class RolloutConfig:
     that trains (training/groups.py: GroupProducer), ahead by at most train.max_staleness weight versions."""
     embedded_process_threads: int = 1
     """torch threads of each engine process."""
+    max_engine_restarts: int = 0
+    """Engines lost during a rollout (exited, stopped, or silent past ``engine_health_timeout_s``) that
+    are restarted in place per run (per launch of the job): each is started again, given the current
+    weights and its share of the batch generated again (rollout/fleet.py: ``EngineRecovery``); one
+    more loss ends the run naming the engine, rank, host and its log's tail. 0: the first loss ends
+    it. Engine processes only (rollout.embedded_process=true)."""
+    engine_health_timeout_s: float = 120.0
+    """An engine process awaited for a result that sends nothing (no reply, no heartbeat: it beats
+    every eighth of this, at most every 10 s, while it generates) for this long is lost (a stopped
+    process counts)."""
     embedded_max_batch_rows: int = 0
     """Rows (prompts x samples) an embedded engine decodes at once; 0 = all of a generate call together."""
     probe_batch: int = 4
@@ -227,6 +237,18 @@ class RolloutConfig:
                 f"rollout.embedded_process=true is for rollout.engine=embedded (it is {self.engine}): "
                 "SGLang engines already run in processes of their own"
             )
+        if self.max_engine_restarts < 0:
+            errors.append(f"rollout.max_engine_restarts={self.max_engine_restarts} must be >= 0 (0: a lost engine "
+                          "ends the run)")  # fmt: skip
+        if self.max_engine_restarts > 0 and not self.embedded_process:
+            errors.append(
+                f"rollout.max_engine_restarts={self.max_engine_restarts}: engines are restarted in place only as "
+                "engine processes; set rollout.embedded_process=true, or rollout.max_engine_restarts=0 (SGLang: "
+                "a lost engine ends the run, resume from the last checkpoint)"
+            )
+        if not self.engine_health_timeout_s > 0:
+            errors.append(f"rollout.engine_health_timeout_s={self.engine_health_timeout_s} must be > 0 (120 is a "
+                          "good start)")  # fmt: skip
         if self.embedded_process_threads < 1:
             errors.append(f"rollout.embedded_process_threads={self.embedded_process_threads} must be >= 1")
         if self.embedded_max_batch_rows < 0:

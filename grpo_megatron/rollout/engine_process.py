@@ -16,6 +16,19 @@ Wire (nothing is unpickled in either direction): requests are JSON lines on the 
 weights go through a safetensors file, results through a JSON file, both in a private temporary
 folder (``/dev/shm`` where it exists), announced by one short JSON line on the engine's stdout, so no
 pipe ever fills while its reader is busy.
+
+Health (issue 41): while it serves a request the engine sends a heartbeat line every ``heartbeat_s``
+(an eighth of the health deadline, at most 10 s; a thread of its own, so a long generation is not
+a hang). The trainer's handle raises ``EngineLost`` (engine rank, host, why, the last lines of the
+engine's log ``engine.log`` in its folder) when the process has exited, or sent nothing for
+``health_timeout_s`` while a result is awaited (a stopped process, SIGSTOP, counts: its state is
+named), or its pipe broke. ``EngineProcess.restart`` kills
+what is left, cleans its folder and starts it again from the same spec (the fleet then syncs the
+current weights into it and resubmits its share: rollout/fleet.py, ``EngineRecovery``).
+
+Fault injection for tests: ``GRPO_ENGINE_FAULT="kill:N"`` (or ``"stop:N"``; ``"kill:N@R"``: only the
+engine of trainer rank R; several, comma-separated) makes the engine process SIGKILL (SIGSTOP) itself
+when it takes its N-th generate request, in its first life only (a restarted engine serves normally).
 """
 
 from __future__ import annotations
@@ -26,9 +39,11 @@ import os
 import select
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
@@ -40,6 +55,31 @@ import torch
 from grpo_megatron.rollout.engine import Bucket, Completion, Manifest, RolloutEngine, SamplingParams
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+FAULT_ENV = "GRPO_ENGINE_FAULT"
+"""Fault injection for tests (see the module docstring)."""
+LOG_TAIL_LINES = 20
+
+
+class EngineLost(RuntimeError):
+    """An engine process that exited, stopped answering past its health deadline, or broke its pipe:
+    which (trainer ``rank``, ``host``), ``why``, and the last lines of its log."""
+
+    def __init__(self, rank: int, host: str, why: str, log_tail: str, log_path: str) -> None:
+        self.rank, self.host, self.why, self.log_tail, self.log_path = rank, host, why, log_tail, log_path
+        super().__init__(f"the engine process of rank {rank} on {host} was lost: {why}; the last lines of its log "
+                         f"({log_path}):\n{log_tail}")  # fmt: skip
+
+
+def _fault(spec: Mapping[str, Any]) -> tuple[str, int] | None:
+    """(action, generate request number) of ``GRPO_ENGINE_FAULT`` for this engine, first life only."""
+    if int(spec.get("life", 0)) != 0:
+        return None
+    for item in filter(None, os.environ.get(FAULT_ENV, "").split(",")):
+        action, _, rest = item.partition(":")
+        number, _, rank = rest.partition("@")
+        if action in ("kill", "stop") and (not rank or int(rank) == int(spec.get("rank", 0))):
+            return action, int(number)
+    return None
 
 
 # ---------------------------------------------------------------------------------------------- wire
@@ -139,6 +179,9 @@ class _Server:
     folder: Path
     loads: dict[int, str] = dataclasses.field(default_factory=dict)
     requests: deque[dict[str, Any]] = dataclasses.field(default_factory=deque)
+    fault: tuple[str, int] | None = None
+    """``GRPO_ENGINE_FAULT`` for this engine: (kill or stop, at which generate request)."""
+    generated: int = 0
 
     def take(self, message: dict[str, Any]) -> bool:
         """File one message; False on ``stop``."""
@@ -175,6 +218,9 @@ class _Server:
         try:
             self.use_version(int(request["version"]))
             if request["op"] == "generate":
+                self.generated += 1
+                if self.fault is not None and self.fault[1] == self.generated:
+                    os.kill(os.getpid(), signal.SIGKILL if self.fault[0] == "kill" else signal.SIGSTOP)
                 out: Any = completions_to_json(
                     self.engine.generate(request["prompts"], params_from_json(request["params"]))
                 )
@@ -214,8 +260,19 @@ def serve(spec_path: str) -> None:
         record_routes=bool(spec["record_routes"]),
     )
     expected = [[n, list(shape), str(dtype)] for n, (shape, dtype) in engine.expected_tensors().items()]
+    lock = threading.Lock()  # the replies' channel is shared with the heartbeat thread
+    busy = threading.Event()
+
+    def heartbeat() -> None:
+        while True:
+            time.sleep(float(spec["heartbeat_s"]))
+            if busy.is_set():
+                with lock:
+                    _send(out, {"beat": True})
+
+    threading.Thread(target=heartbeat, name="heartbeat", daemon=True).start()
     _send(out, {"ready": True, "expected": expected})
-    server = _Server(engine, Path(spec["folder"]))
+    server = _Server(engine, Path(spec["folder"]), fault=_fault(spec))
     reader = LineReader(sys.stdin.fileno())
     while True:
         message = reader.read(0.0)  # file whatever has arrived, without waiting
@@ -225,7 +282,11 @@ def serve(spec_path: str) -> None:
             if not server.take(message):
                 break
             continue
-        _send(out, server.serve_one())
+        busy.set()
+        reply = server.serve_one()
+        busy.clear()
+        with lock:
+            _send(out, reply)
     engine.shutdown()
 
 
@@ -234,7 +295,10 @@ def serve(spec_path: str) -> None:
 
 class EngineProcess(RolloutEngine):
     """The trainer's handle of an engine process (an ``EmbeddedEngine`` on CPU with ``threads``
-    threads). ``weight_version`` is the version last sent; requests are served with it."""
+    threads). ``weight_version`` is the version last sent; requests are served with it. ``rank``:
+    the trainer rank that owns it (named when it is lost); ``health_timeout_s``: how long a result
+    may be awaited with no line from the engine (it beats every eighth of it, at most every 10 s,
+    while it serves)."""
 
     def __init__(
         self,
@@ -245,60 +309,135 @@ class EngineProcess(RolloutEngine):
         threads: int = 1,
         record_routes: bool = True,
         startup_timeout_s: float = 600.0,
+        rank: int = 0,
+        health_timeout_s: float = 120.0,
     ) -> None:
+        name = {v: k for k, v in _DTYPES.items()}[dtype]
+        heartbeat_s = min(10.0, health_timeout_s / 8)  # unread beats fill the pipe's 64 KiB in hours only
+        self.spec: dict[str, Any] = {
+            "hf": dict(hf), "dtype": name, "max_batch_rows": max_batch_rows, "threads": threads,
+            "record_routes": record_routes, "rank": rank, "heartbeat_s": heartbeat_s, "life": 0,
+        }  # fmt: skip
+        self.threads, self.startup_timeout_s, self.health_timeout_s = threads, startup_timeout_s, health_timeout_s
+        self.rank, self.host = rank, socket.gethostname()
+        self._start()
+
+    def _start(self) -> None:
+        """Start the process of ``self.spec`` in a new folder and wait for its hello."""
         shm = Path("/dev/shm")
         self.folder = Path(tempfile.mkdtemp(prefix="grpo-engine-", dir=shm if shm.is_dir() else None))
-        name = {v: k for k, v in _DTYPES.items()}[dtype]
-        spec = {"hf": dict(hf), "dtype": name, "max_batch_rows": max_batch_rows, "threads": threads,
-                "record_routes": record_routes, "folder": str(self.folder)}  # fmt: skip
-        (self.folder / "spec.json").write_text(json.dumps(spec))
-        env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "grpo_megatron.rollout.engine_process", str(self.folder / "spec.json")],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, text=True,
-        )  # fmt: skip
+        self.spec["folder"] = str(self.folder)
+        (self.folder / "spec.json").write_text(json.dumps(self.spec))
+        env = dict(os.environ, OMP_NUM_THREADS=str(self.threads), MKL_NUM_THREADS=str(self.threads))
+        with open(self.folder / "engine.log", "wb") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "grpo_megatron.rollout.engine_process", str(self.folder / "spec.json")],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, env=env, text=True,
+            )  # fmt: skip
         assert self.proc.stdout is not None
         self._reader = LineReader(self.proc.stdout.fileno())
         self._replies: dict[int, dict[str, Any]] = {}
         self._next_id = 0
         self._staged: dict[str, torch.Tensor] = {}
-        hello = self._wait(lambda: self._ready, startup_timeout_s, "start")
+        self._ready = None
+        hello = self._wait(lambda: self._ready, "start", self.startup_timeout_s)
         self._expected = {n: (tuple(shape), dtype) for n, shape, dtype in hello["expected"]}
         self.weight_version = -1
 
     _ready: dict[str, Any] | None = None
 
-    def _wait(self, ready: Callable[[], dict[str, Any] | None], timeout_s: float | None, what: str) -> dict[str, Any]:
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    def log_tail(self, lines: int = LOG_TAIL_LINES) -> str:
+        try:
+            text = (self.folder / "engine.log").read_text(errors="replace")
+        except OSError:
+            return "(no log)"
+        return "\n".join(text.splitlines()[-lines:]) or "(empty)"
+
+    def _lost(self, why: str) -> EngineLost:
+        return EngineLost(self.rank, self.host, why, self.log_tail(), str(self.folder / "engine.log"))
+
+    def _state(self) -> str:
+        """The process's state letter from /proc (T: stopped), or '?' where there is none."""
+        try:
+            return Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            return "?"
+
+    def _wait(
+        self, ready: Callable[[], dict[str, Any] | None], what: str, timeout_s: float | None = None
+    ) -> dict[str, Any]:
+        """Read the engine's lines until ``ready`` gives one. Raises ``EngineLost`` if the process
+        exits, or (``timeout_s`` None: waiting for a result) sends nothing for ``health_timeout_s``;
+        ``TimeoutError`` past ``timeout_s`` (the start)."""
+        start = last = time.monotonic()
         while (got := ready()) is None:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"the engine process exited with code {self.proc.returncode} during {what}")
-            if deadline is not None and time.monotonic() > deadline:
-                raise TimeoutError(f"the engine process did not {what} within {timeout_s} s")
-            message = self._reader.read(1.0)
+                raise self._lost(f"the process exited with code {self.proc.returncode} during {what}")
+            now = time.monotonic()
+            if timeout_s is not None and now - start > timeout_s:
+                raise TimeoutError(f"the engine process did not {what} within {timeout_s} s; its log "
+                                   f"({self.folder / 'engine.log'}) ends:\n{self.log_tail()}")  # fmt: skip
+            if timeout_s is None and now - last > self.health_timeout_s:
+                stopped = " (it is stopped: state T)" if self._state() == "T" else ""
+                raise self._lost(f"no reply or heartbeat for {now - last:.1f} s during {what}{stopped}, "
+                                 f"past rollout.engine_health_timeout_s={self.health_timeout_s:g}")  # fmt: skip
+            try:
+                message = self._reader.read(min(1.0, self.health_timeout_s / 4))
+            except EOFError:  # its end of the pipe closed: it exited (or is about to)
+                try:
+                    self.proc.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    raise self._lost(f"it closed its pipe during {what} and is still running") from None
+                continue
             if message is None:
                 continue
+            last = time.monotonic()
             if "ready" in message:
                 self._ready = message
-            else:
+            elif "beat" not in message:
                 self._replies[int(message["id"])] = message
         return got
+
+    def _send(self, message: dict[str, Any]) -> None:
+        try:
+            assert self.proc.stdin is not None
+            _send(self.proc.stdin, message)
+        except OSError as exc:  # a broken pipe: the process is gone
+            raise self._lost(f"its pipe broke ({type(exc).__name__}: {exc}); exit code {self.proc.poll()}") from exc
 
     def _request(self, message: dict[str, Any]) -> int:
         ticket = self._next_id
         self._next_id += 1
-        assert self.proc.stdin is not None
-        _send(self.proc.stdin, {**message, "id": ticket, "version": self.weight_version})
+        self._send({**message, "id": ticket, "version": self.weight_version})
         return ticket
 
     def _result(self, ticket: int) -> Any:
-        reply = self._wait(lambda: self._replies.pop(ticket, None), None, f"request {ticket}")
+        reply = self._wait(lambda: self._replies.pop(ticket, None), f"request {ticket}")
         if "error" in reply:
             raise RuntimeError(f"engine process: {reply['error']}")
         path = Path(reply["path"])
         data = json.loads(path.read_text())
         path.unlink(missing_ok=True)
         return data
+
+    def restart(self) -> None:
+        """Kill what is left of the process, clean its folder, start it again from the same spec (no
+        fault injection: ``life`` counts up); its weights are -1 until the next ``update_weights``."""
+        self._kill()
+        self.spec["life"] = int(self.spec["life"]) + 1
+        self._start()
+
+    def _kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()  # SIGKILL ends a stopped process too
+            self.proc.wait()
+        for stream in (self.proc.stdin, self.proc.stdout):
+            try:
+                if stream is not None:
+                    stream.close()
+            except OSError:
+                pass
+        shutil.rmtree(self.folder, ignore_errors=True)
 
     # --------------------------------------------------------------------------- generation
 
@@ -308,7 +447,14 @@ class EngineProcess(RolloutEngine):
         """Send the request and return at once; calling the result waits for the completions."""
         ticket = self._request({"op": "generate", "prompts": [list(p) for p in prompts],
                                 "params": params_to_json(params)})  # fmt: skip
-        return lambda: completions_from_json(self._result(ticket))
+        life = self.spec["life"]
+
+        def result() -> list[list[Completion]]:
+            if self.spec["life"] != life:  # restarted since: the request went with the lost process
+                raise self._lost(f"request {ticket} was sent to its process before a restart")
+            return completions_from_json(self._result(ticket))
+
+        return result
 
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[list[Completion]]:
         return self.submit(prompts, params)()
@@ -332,6 +478,9 @@ class EngineProcess(RolloutEngine):
     def check_manifest(self, manifest: Manifest, version: int) -> list[str]:
         """Names and shapes against what the engine reported at start (completeness, where tied aliases
         count once, and dtypes it checks on load)."""
+        if self.proc.poll() is not None:  # lost since its last request: the fleet may restart it (EngineLost)
+            raise self._lost(f"the process exited with code {self.proc.returncode} before the weight sync of "
+                             f"version {version}")  # fmt: skip
         sent = {name: tuple(shape) for name, shape, _ in manifest}
         problems = [f"{n}: unknown to the engine" for n in sent if n not in self._expected][:5]
         problems += [
@@ -353,23 +502,21 @@ class EngineProcess(RolloutEngine):
         staged, self._staged = self._staged, {}
         path = self.folder / f"weights-{version}.safetensors"
         save_file(staged, str(path))
-        assert self.proc.stdin is not None
-        _send(self.proc.stdin, {"op": "load", "version": version, "path": str(path)})
+        self._send({"op": "load", "version": version, "path": str(path)})
         self.weight_version = version
 
     def abort_update(self, version: int) -> None:
         self._staged = {}
 
     def shutdown(self) -> None:
-        if self.proc.poll() is None:
+        if self.proc.poll() is None and self._state() != "T":
             try:
                 assert self.proc.stdin is not None
                 _send(self.proc.stdin, {"op": "stop"})
                 self.proc.wait(timeout=30)
             except (OSError, subprocess.TimeoutExpired):
-                self.proc.kill()
-                self.proc.wait()
-        shutil.rmtree(self.folder, ignore_errors=True)
+                pass
+        self._kill()
 
 
 if __name__ == "__main__":

@@ -26,6 +26,16 @@ do the bytes move, straight into the engines' live weights (no staged version). 
 rejects, nobody transfers, every engine keeps its previous version and every rank raises with the
 engines' messages. A failure during the transfer leaves that engine's weights partial
 (``weight_version`` -1) and every rank raises: see ``RolloutFleet.sync_weights``.
+
+Engines lost during a rollout (issue 41; an engine process, ``EngineLost``: exited, stopped or silent
+past ``rollout.engine_health_timeout_s``) are restarted in place when ``collect`` is given an
+``EngineRecovery`` (the job's, with ``rollout.max_engine_restarts`` > 0): the ranks agree which engines
+were lost (over the exchange every ``collect`` does anyway: nothing extra while all is well), each
+owner restarts its engine from the same spec, every rank streams the version last synced
+(``synced_version``, from the recovery's policy model, which holds it whenever a rollout is
+collected) into the restarted engines only, and each restarted engine's share of the batch (the
+same prompts and per-engine seed) is submitted again and collected; live engines' results are kept.
+Past the bound every rank raises, naming each lost engine, its rank, host, why and its log's tail.
 """
 
 from __future__ import annotations
@@ -46,6 +56,7 @@ from grpo_megatron.rollout.engine import (
     SamplingParams,
     WeightSink,
 )
+from grpo_megatron.rollout.engine_process import EngineLost
 from grpo_megatron.rollout.placement import RolloutPlacement, runtime_placement
 from grpo_megatron.rollout.results import (
     HeldCompletions,
@@ -122,7 +133,8 @@ def make_engine(
 
         return EngineProcess(
             hf, dtype=_DTYPES[spec.model.dtype], max_batch_rows=rollout.embedded_max_batch_rows,
-            threads=rollout.embedded_process_threads, record_routes=spec.record_routes,
+            threads=rollout.embedded_process_threads, record_routes=spec.record_routes, rank=ps.rank,
+            health_timeout_s=rollout.engine_health_timeout_s,
         )  # fmt: skip
     from grpo_megatron.rollout.embedded import EmbeddedEngine
 
@@ -165,6 +177,38 @@ class PendingRollout:
     local: Callable[[], list[list[Completion]]] | None = None
     error: str | None = None
     """Why this rank's share could not start (``collect`` raises it on every rank)."""
+    share: tuple[list[list[int]], SamplingParams] | None = None
+    """On an engine rank: its share's prompts and seeded sampling, to submit again after a restart."""
+    life: int = 0
+    """``RolloutFleet.engine_life`` when the share was submitted: an older one is submitted again."""
+    lost: EngineLost | None = None
+    """The engine was found lost when the share was submitted."""
+    done: list[list[Completion]] | None = None
+    """This rank's completions once collected (kept while a lost engine elsewhere is redone)."""
+
+
+@dataclasses.dataclass
+class EngineRecovery:
+    """What restarting lost engines in place needs (``RolloutFleet.collect``), built by the job: the
+    policy ``model`` whose weights the fleet synced last (streamed into a restarted engine as
+    ``synced_version``) and the bound ``max_restarts`` (rollout.max_engine_restarts, per run: per
+    launch of the job). Counts the restarts and keeps each one's seconds until ``metrics`` takes them."""
+
+    model: torch.nn.Module
+    max_restarts: int
+    restarts: int = 0
+    seconds: list[float] = dataclasses.field(default_factory=list)
+    """Seconds from the ranks' agreement that engines were lost to their serving again, per restart
+    not yet reported."""
+
+    def metrics(self) -> dict[str, float]:
+        """``engine/restarts`` (since the last call) and ``engine/restart_s`` (their seconds, summed);
+        empty when there was none."""
+        if not self.seconds:
+            return {}
+        out = {"engine/restarts": float(len(self.seconds)), "engine/restart_s": sum(self.seconds)}
+        self.seconds = []
+        return out
 
 
 @dataclasses.dataclass
@@ -176,6 +220,8 @@ class _Transfer:
     received: int = 0
     buckets: int = 0
     error: str | None = None
+    lost: EngineLost | None = None
+    """The failure was this rank's engine lost (``error`` says so too)."""
 
 
 @dataclasses.dataclass
@@ -232,6 +278,10 @@ class RolloutFleet:
     rank agrees."""
     dp_rank_of: list[int] | None = None
     """Every global rank's data-parallel rank (``replica_ranks``), gathered on first use."""
+    synced_version: int = -1
+    """The version of the last weight sync that reached every engine (what a restarted one is given)."""
+    engine_life: int = 0
+    """How often this rank's engine was restarted (a share submitted in an earlier life goes again)."""
 
     def __post_init__(self) -> None:
         if not self.sync_ranks:
@@ -306,7 +356,8 @@ class RolloutFleet:
     # ------------------------------------------------------------------------------- generation
 
     def generate(
-        self, prompts: Sequence[Sequence[int]], params: SamplingParams, *, payload: Payload = "everywhere"
+        self, prompts: Sequence[Sequence[int]], params: SamplingParams, *, payload: Payload = "everywhere",
+        recovery: EngineRecovery | None = None,
     ) -> list[list[Completion]]:
         """Collective: ``params.n`` completions per prompt, in prompt order, on every rank.
 
@@ -323,8 +374,9 @@ class RolloutFleet:
         whole on global rank 0 only (it scores and logs them), the others get each one's header
         (``Completion.sizes``, finish, version: 72 bytes); "owners": as "collector", and each
         completion gets a ``payload_id`` under which its engine's rank keeps it until
-        ``deliver_completions`` sends it to the data-parallel replica that trains it."""
-        return self.collect(self.submit(prompts, params), payload=payload)
+        ``deliver_completions`` sends it to the data-parallel replica that trains it. ``recovery``:
+        lost engines are restarted (``collect``)."""
+        return self.collect(self.submit(prompts, params), payload=payload, recovery=recovery)
 
     def submit(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> PendingRollout:
         """Start generating this rank's share (``RolloutEngine.submit``: an engine process returns at
@@ -337,27 +389,56 @@ class RolloutFleet:
             start, end = prompt_slices(len(prompts), self.num_engines)[index]
             seeded = params.sliced(start, end)  # each prompt keeps its own limit (max_new_tokens_each)
             seeded = seeded if params.seed is None else dataclasses.replace(seeded, seed=params.seed + index)
-            try:
-                pending.local = self.engine.submit(prompts[start:end], seeded) if end > start else lambda: []
-            except Exception as exc:
-                pending.error = _describe(exc)
+            pending.share = ([list(p) for p in prompts[start:end]], seeded)
+            self._start_share(pending)
         return pending
 
-    def collect(self, pending: PendingRollout, *, payload: Payload = "everywhere") -> list[list[Completion]]:
+    def _start_share(self, pending: PendingRollout) -> None:
+        """Submit this rank's share to its engine (again, after a restart)."""
+        assert self.engine is not None and pending.share is not None
+        prompts, seeded = pending.share
+        pending.life, pending.lost, pending.error = self.engine_life, None, None
+        try:
+            pending.local = self.engine.submit(prompts, seeded) if prompts else lambda: []
+        except EngineLost as exc:
+            pending.lost = exc
+        except Exception as exc:
+            pending.error = _describe(exc)
+
+    def _local_share(self, pending: PendingRollout) -> tuple[list[list[Completion]], str | None, EngineLost | None]:
+        """This rank's completions, or why not: (completions, error, lost engine)."""
+        if self.engine is None or pending.share is None:
+            return [], pending.error, None
+        if pending.done is not None:
+            return pending.done, None, None
+        if pending.life != self.engine_life:  # submitted to the engine before its restart
+            self._start_share(pending)
+        if pending.error is not None or pending.lost is not None:
+            return [], pending.error, pending.lost
+        assert pending.local is not None
+        try:
+            pending.done = pending.local()
+            return pending.done, None, None
+        except EngineLost as exc:
+            return [], None, exc
+        except Exception as exc:
+            return [], _describe(exc), None
+
+    def collect(
+        self, pending: PendingRollout, *, payload: Payload = "everywhere", recovery: EngineRecovery | None = None
+    ) -> list[list[Completion]]:
         """Collective: the completions of ``submit``, in prompt order, on every rank (each stamped
-        with the weight version that sampled it), as ``generate`` returns them."""
-        local: list[list[Completion]] = []
-        error = pending.error
-        if error is None and pending.local is not None:
-            try:
-                local = pending.local()
-            except Exception as exc:
-                error = _describe(exc)
-        flat = [c for group in local for c in group]
-        exchanged = self._exchange(flat, failed=error is not None, payload=payload)
-        if exchanged is None:  # a rank's share failed: every rank learns which, and raises
-            _agree(error, "rollout generate")
-            raise RuntimeError("rollout generate failed on a rank that gave no reason")  # unreachable
+        with the weight version that sampled it), as ``generate`` returns them. Engines lost on the
+        way are restarted and their shares generated again while ``recovery`` allows (``recover``);
+        else every rank raises, naming them."""
+        while True:
+            local, error, lost = self._local_share(pending)
+            flat = [c for group in local for c in group]
+            failed = error is not None or lost is not None
+            exchanged = self._exchange(flat, failed=failed, payload=payload)
+            if exchanged is not None:
+                break
+            self.recover(error, lost, recovery, "rollout generate")  # raises unless every failure was a loss
         out: list[list[Completion]] = []
         slices = prompt_slices(pending.num_prompts, self.num_engines)
         for i, (rank, completions) in enumerate(zip(self.engine_ranks, exchanged, strict=True)):
@@ -374,6 +455,70 @@ class RolloutFleet:
         if len(out) != pending.num_prompts:
             raise RuntimeError(f"rollout generate: {len(out)} results for {pending.num_prompts} prompts")
         return out
+
+    def recover(
+        self, error: str | None, lost: EngineLost | None, recovery: EngineRecovery | None, what: str,
+        *, version: int | None = None, resync: bool = True,
+    ) -> None:
+        """Collective, after a step that failed somewhere: the ranks agree on every rank's ``error``
+        and ``lost`` engine. Any error, or a loss without ``recovery`` or past its bound: every rank
+        raises with them (lost engines named with rank, host, why and their log's tail). Else the lost
+        engines are restarted and (``resync``) given ``version`` (None: ``synced_version``,
+        ``restart_engines``)."""
+        mine = None if lost is None else {"host": lost.host, "why": lost.why, "tail": lost.log_tail,
+                                          "log": lost.log_path}  # fmt: skip
+        reports: list[Any] = [None] * self.ps.world_size
+        dist.all_gather_object(reports, (error, mine))
+        errors = [(rank, e) for rank, (e, _) in enumerate(reports) if e is not None]
+        losses = {rank: info for rank, (_, info) in enumerate(reports) if info is not None}
+        named = "\n".join(
+            f"  engine {self.engine_ranks.index(rank)} (rank {rank} on {info['host']}) was lost: {info['why']}; "
+            f"its log ({info['log']}) ends:\n" + "\n".join(f"    {line}" for line in info["tail"].splitlines())
+            for rank, info in losses.items()
+        )
+        if errors or not losses:
+            lines = "\n".join(f"  rank {rank}: {e}" for rank, e in errors[:8])
+            raise RuntimeError(f"{what} failed on {len(errors) + len(losses)} rank(s):\n{lines}\n{named}".rstrip())
+        if recovery is None or recovery.restarts + len(losses) > recovery.max_restarts:
+            bound = 0 if recovery is None else recovery.max_restarts
+            done = 0 if recovery is None else recovery.restarts
+            raise RuntimeError(
+                f"{what}: {len(losses)} engine(s) lost, past rollout.max_engine_restarts={bound} ({done} restart(s) "
+                f"so far); resume from the last checkpoint (or raise the bound):\n{named}"
+            )
+        version = self.synced_version if version is None else version
+        seconds = self.restart_engines(sorted(losses), recovery, version, resync=resync)
+        if self.ps.rank == 0:
+            for rank, info in losses.items():
+                print(f"[engine] engine {self.engine_ranks.index(rank)} (rank {rank} on {info['host']}) lost during "
+                      f"{what}: {info['why']}; restarted for weights version {version} in {seconds:.1f} s "
+                      f"(restart {recovery.restarts} of at most {recovery.max_restarts}); its log ended:\n"
+                      + "\n".join(f"    {line}" for line in info["tail"].splitlines()), flush=True)  # fmt: skip
+
+    def restart_engines(self, ranks: Sequence[int], recovery: EngineRecovery, version: int, *, resync: bool) -> float:
+        """Collective: the engines of ``ranks`` restart (each owner kills what is left and starts it
+        again from the same spec) and (``resync``; not when the sync that found them lost goes on)
+        every rank streams ``version`` from ``recovery.model`` into them only. Returns the seconds
+        it took (also kept in ``recovery``)."""
+        start = time.perf_counter()
+        error = None
+        if self.ps.rank in ranks:
+            assert self.engine is not None
+            try:
+                restart = getattr(self.engine, "restart", None)
+                if restart is None:
+                    raise RuntimeError(f"{type(self.engine).__name__} cannot be restarted in place")
+                restart()
+                self.engine_life += 1
+            except Exception as exc:
+                error = _describe(exc)
+        _agree(error, "restarting the lost rollout engine(s)")
+        recovery.restarts += len(ranks)
+        if resync:
+            self.sync_weights(recovery.model, version, targets=ranks, recovery=recovery)
+        seconds = time.perf_counter() - start
+        recovery.seconds += [seconds] * len(ranks)
+        return seconds
 
     def _exchange(
         self, flat: list[Completion], *, failed: bool = False, payload: Payload = "everywhere"
@@ -437,7 +582,8 @@ class RolloutFleet:
     # ------------------------------------------------------------------------------ weight sync
 
     def sync_weights(
-        self, model: torch.nn.Module, version: int, *, bucket_bytes: int | None = None
+        self, model: torch.nn.Module, version: int, *, bucket_bytes: int | None = None,
+        targets: Sequence[int] | None = None, recovery: EngineRecovery | None = None,
     ) -> dict[str, float]:
         """Collective: stream the trainer's weights into every engine as ``version``, all engines fed
         at once, each from the ranks holding its slices (``bridge/export.py``).
@@ -458,16 +604,25 @@ class RolloutFleet:
 
         The steps: ``_plan`` (once), ``_check_manifests`` (phase one), ``_transfer`` (phase two on
         this rank), ``_verdict`` (the ranks agree on phase two's outcome and its metrics).
+
+        ``targets``: only the engines of these ranks take the version (a restarted engine,
+        ``restart_engines``); the stream runs as always, the others drop what they receive.
+        ``recovery``: an engine found lost (``EngineLost``) in phase one is restarted and takes part
+        in this sync; one lost in phase two is restarted and sent ``version`` once more, alone (the
+        others received all of it: an engine process loads a version only once it has all of it).
         """
         bucket_bytes = bucket_bytes or self.bucket_bytes
+        sink = self.sink if targets is None or self.ps.rank in targets else None
         start = time.perf_counter()
         plan = self._plan(model, bucket_bytes)
-        self._check_manifests(version)
+        self._check_manifests(version, sink, recovery)
         check_s = time.perf_counter() - start
         start = time.perf_counter()
-        outcome = self._transfer(plan, version)
-        totals = self._verdict(outcome, version)
+        outcome = self._transfer(plan, version, sink)
+        totals = self._verdict(outcome, version, recovery)
         transfer_s = time.perf_counter() - start
+        if targets is None:
+            self.synced_version = version
         return {
             "sync/check_seconds": check_s,
             "sync/transfer_seconds": transfer_s,
@@ -498,18 +653,27 @@ class RolloutFleet:
             self.manifest = self.export_plan.manifest(self.ps.rank if sink is not None else None)
         return self.export_plan
 
-    def _check_manifests(self, version: int) -> None:
-        """Phase one: every engine judges the manifest; the ranks agree (one small all-reduce; the
-        messages are gathered only when some engine rejected). A rejection anywhere: every engine
-        keeps its previous version and every rank raises."""
-        sink = self.sink
+    def _check_manifests(self, version: int, sink: WeightSink | None, recovery: EngineRecovery | None) -> None:
+        """Phase one: every engine (``sink`` on this rank) judges the manifest; the ranks agree (one
+        small all-reduce; the messages are gathered only when some engine rejected). A rejection
+        anywhere: every engine keeps its previous version and every rank raises. Only lost engines
+        (``EngineLost``) and a ``recovery``: they restart, then judge again."""
         problems: list[str] = []
+        lost: EngineLost | None = None
         if sink is not None:
             try:
                 problems = sink.check_manifest(self.manifest, version)
+            except EngineLost as exc:
+                lost = exc
             except Exception as exc:
                 problems = [_describe(exc)]
-        if not _any_rank(bool(problems), self.ps):
+        flags = torch.tensor([int(bool(problems)), int(lost is not None)], dtype=torch.int64, device=self.ps.device)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        if not flags[0] and flags[1] and recovery is not None:
+            self.recover(None, lost, recovery, f"the weight sync of version {version}", version=version, resync=False)
+            return self._check_manifests(version, sink, recovery)
+        problems = problems or ([str(lost)] if lost is not None else [])
+        if not flags.any():
             return
         if sink is not None:
             sink.abort_update(version)
@@ -522,14 +686,13 @@ class RolloutFleet:
             f"every engine keeps its previous version:\n{lines}"
         )
 
-    def _transfer(self, plan: ExportPlan, version: int) -> _Transfer:
+    def _transfer(self, plan: ExportPlan, version: int, sink: WeightSink | None) -> _Transfer:
         """Phase two on this rank: run the plan's stream to its end (every rank sends from inside it),
-        feeding this rank's sink, if any, and committing it; the first failure is kept, not raised."""
+        feeding ``sink``, if any, and committing it; the first failure is kept, not raised."""
         from grpo_megatron.bridge.assemble import Landing
         from grpo_megatron.bridge.export import ExportStream
         from grpo_megatron.bridge.export_plan import TransferStats
 
-        sink = self.sink
         out = _Transfer(TransferStats())
         landing = Landing(
             self.ps.device,  # engines sit on the trainer's devices
@@ -545,18 +708,19 @@ class RolloutFleet:
             try:
                 sink.update_weights(bucket, version=version, last=False)
             except Exception as exc:
-                out.error = _describe(exc)
+                out.error, out.lost = _describe(exc), exc if isinstance(exc, EngineLost) else None
         if sink is not None and out.error is None:
             try:
                 sink.update_weights([], version=version, last=True)
             except Exception as exc:
-                out.error = _describe(exc)
+                out.error, out.lost = _describe(exc), exc if isinstance(exc, EngineLost) else None
         return out
 
-    def _verdict(self, outcome: _Transfer, version: int) -> torch.Tensor:
+    def _verdict(self, outcome: _Transfer, version: int, recovery: EngineRecovery | None) -> torch.Tensor:
         """One all-reduce (max) carries the verdict and the metrics (bytes and buckets: the busiest
         destination's; with per-GPU needs an engine's GPUs receive different shares): [failed,
-        bytes, buckets, peak buffer bytes, in-place bytes]. A failure anywhere: every rank raises."""
+        bytes, buckets, peak buffer bytes, in-place bytes]. A failure anywhere: every rank raises;
+        with ``recovery``, lost engines only: they restart and are sent ``version`` alone."""
         stats = outcome.stats
         totals = torch.tensor(
             [outcome.error is not None, outcome.received, outcome.buckets, stats.peak_bytes, stats.in_place_bytes],
@@ -564,7 +728,10 @@ class RolloutFleet:
             device=self.ps.device,
         )
         dist.all_reduce(totals, op=dist.ReduceOp.MAX)
-        if totals[0]:
+        if totals[0] and recovery is not None:
+            error = None if outcome.lost is not None else outcome.error
+            self.recover(error, outcome.lost, recovery, f"the weight sync of version {version}", version=version)
+        elif totals[0]:
             reports: list[Any] = [None] * self.ps.world_size
             dist.all_gather_object(reports, outcome.error)
             failed = [(rank, e) for rank, e in enumerate(reports) if e is not None]

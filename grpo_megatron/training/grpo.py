@@ -219,6 +219,7 @@ def train(job: Job) -> dict[str, float]:
         metrics = {
             **result.metrics,
             **eval_metrics,
+            **(job.recovery.metrics() if job.recovery is not None else {}),  # engine/restarts, engine/restart_s
             **timer.seconds,
             "throughput/tokens_per_s": n_tokens / timer.seconds["time/iteration"],
         }

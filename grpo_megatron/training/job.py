@@ -37,7 +37,7 @@ if TYPE_CHECKING:
     from grpo_megatron.rewards.pool import RewardPool
     from grpo_megatron.rollout.config import MultiTurnConfig
     from grpo_megatron.rollout.engine import EngineSpec
-    from grpo_megatron.rollout.fleet import RolloutFleet
+    from grpo_megatron.rollout.fleet import EngineRecovery, RolloutFleet
     from grpo_megatron.rollout.multiturn import Environment
     from grpo_megatron.training.offload import ColocatedMemory
     from grpo_megatron.training.phases.reward import Scorer
@@ -72,6 +72,9 @@ class Runtime:
     """This rank's progress watchdog (parallel.progress_timeout_s); None when off or on one rank."""
     env: Environment | None = None
     """rollout.multiturn: the episodes' environment (its tool workers), on global rank 0 only."""
+    recovery: EngineRecovery | None = None
+    """rollout.max_engine_restarts > 0: what restarting a lost engine in place needs (the policy model,
+    the bound) and the restarts' metrics (``engine/*``); None: a lost engine ends the run."""
 
     def beat(self, phase: str) -> None:
         """A progress point of the main loop (see distributed/watchdog.py)."""
@@ -94,7 +97,7 @@ class Runtime:
         from grpo_megatron.training.phases.rollout import Rollout
 
         return Rollout(self.fleet, self.cfg.rollout, self.eos_id, self.tokenizer, self.env, watchdog=self.watchdog,
-                       long_phase_s=self.cfg.parallel.long_phase_timeout_s)  # fmt: skip
+                       long_phase_s=self.cfg.parallel.long_phase_timeout_s, recovery=self.recovery)  # fmt: skip
 
     @property
     def scorer(self) -> Scorer:
@@ -119,7 +122,7 @@ class Runtime:
             return {}
         return sync_weights(self.policy.model, self.fleet, self.memory, self.ps, version, probe or ProbeBatch(),
                             vocab_size=int(self.hf["vocab_size"]), temperature=self.cfg.rollout.temperature,
-                            max_abs=self.cfg.rollout.probe_max_abs)  # fmt: skip
+                            max_abs=self.cfg.rollout.probe_max_abs, recovery=self.recovery)  # fmt: skip
 
     def make_sampler(self, num_items: int) -> PromptSampler:
         """The seeded, resumable order in which ``num_items`` training items are drawn."""
@@ -421,6 +424,7 @@ def build_job(cfg: JobConfig, *, with_reference: bool) -> Job:
     from grpo_megatron.checkpoint.manager import CheckpointManager
     from grpo_megatron.data import build_prompt_datasets
     from grpo_megatron.logging_utils.metrics import REQUIRED_KEYS
+    from grpo_megatron.rollout.fleet import EngineRecovery
 
     start = _start(cfg, install_preemption=True)
     train_records, eval_records = build_prompt_datasets(cfg.data, start.tokenizer, cfg.train.seed)
@@ -428,13 +432,15 @@ def build_job(cfg: JobConfig, *, with_reference: bool) -> Job:
     engines = not cfg.rollout.replay_dir  # a replay trains from a dump: no engine starts
     policy, reference, fleet, memory = _models(cfg, start, with_reference=with_reference, engines=engines)
     ps, run_dir = start.ps, start.run_dir
+    restarts = cfg.rollout.max_engine_restarts
+    recovery = EngineRecovery(policy.model, restarts) if engines and restarts > 0 else None
     return Job(
         cfg=cfg, ps=ps, hf=start.hf, run_dir=run_dir, tokenizer=start.tokenizer, policy=policy, fleet=fleet,
         logger=_logger(cfg, start, cfg.train.iterations, REQUIRED_KEYS),
         checkpoints=CheckpointManager(cfg.checkpoint, run_dir, ps), eval_records=eval_records,
         rewards=start.rewards, memory=memory,
         preemption=start.preemption, watchdog=start.watchdog, train_records=train_records, reference=reference,
-        reference_is_base=with_reference and policy.lora, env=start.env,
+        reference_is_base=with_reference and policy.lora, env=start.env, recovery=recovery,
     )  # fmt: skip
 
 

@@ -18,7 +18,7 @@ from grpo_megatron.training.forward_backward import MicroBatch, forward_logprobs
 
 if TYPE_CHECKING:
     from grpo_megatron.data import PromptRecord
-    from grpo_megatron.rollout.fleet import RolloutFleet
+    from grpo_megatron.rollout.fleet import EngineRecovery, RolloutFleet
     from grpo_megatron.training.offload import ColocatedMemory
 
 
@@ -150,14 +150,16 @@ def sync_weights(
     vocab_size: int,
     temperature: float,
     max_abs: float = 0.0,
+    recovery: EngineRecovery | None = None,
 ) -> dict[str, float]:
     """Weight sync as ``version`` (``sync/*``) and the mismatch probe (``mismatch/probe_*``), between
     the colocated memory's ``before_sync`` and ``after_sync`` (``offload/*`` when it is on); the probe
     runs once the engines have their caches back (``engines_serve``: a released KV cache cannot
     score) and before the trainer's parameters leave. A probe beyond ``max_abs`` (``rollout.
-    probe_max_abs``; 0: no bound) stops the run on every rank alike (``check_probe``)."""
+    probe_max_abs``; 0: no bound) stops the run on every rank alike (``check_probe``). ``recovery``:
+    engines the sync finds lost are restarted inside it (``RolloutFleet.sync_weights``)."""
     memory.before_sync()
-    metrics = fleet.sync_weights(model, version=version)
+    metrics = fleet.sync_weights(model, version=version, recovery=recovery)
     if probe.sequences:  # the engines score with their KV cache, the trainer with its parameters
         memory.engines_serve()
         metrics |= mismatch_probe(model, fleet, ps, probe, vocab_size=vocab_size, temperature=temperature)
