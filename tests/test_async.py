@@ -53,6 +53,8 @@ def test_more_engine_losses_than_the_bound_end_the_run_naming_them(tmp_path, mon
     for engine in (0, 1):
         assert f"engine {engine} (rank {engine} on" in out
     assert "exited with code -9" in out and "its log (" in out
+    log = tmp_path / "run" / "engines" / "engine-process-rank1.log"  # kept in the run directory
+    assert f"its log ({log})" in out and "--- engine process of rank 1, life 0 ---" in log.read_text()
 
 
 def test_one_step_off_lags_by_at_most_one_version_and_resumes_with_the_same_rules(tmp_path):

@@ -47,8 +47,9 @@ class EngineSpec:
     tokenizer_path: str | None = None
     """``data.tokenizer_path`` when set; None = the model's directory."""
     log_dir: Path | None = None
-    """Where colocated SGLang engines write their logs (``<logging.run_dir>/sglang``); None = the
-    system's temporary directory."""
+    """Where the engines' processes write their logs: ``<logging.run_dir>/sglang`` for colocated
+    SGLang engines, ``<logging.run_dir>/engines`` for embedded engine processes; None = the system's
+    temporary directory (an engine process: its own folder)."""
     record_routes: bool = True
     """Whether the engines are built to report MoE routes (``Completion.routed_experts``):
     ``algorithm.routing_replay=r3``, the one mode that replays them, decided once in

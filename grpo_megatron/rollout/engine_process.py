@@ -20,7 +20,8 @@ pipe ever fills while its reader is busy.
 Health (issue 41): while it serves a request the engine sends a heartbeat line every ``heartbeat_s``
 (an eighth of the health deadline, at most 10 s; a thread of its own, so a long generation is not
 a hang). The trainer's handle raises ``EngineLost`` (engine rank, host, why, the last lines of the
-engine's log ``engine.log`` in its folder) when the process has exited, or sent nothing for
+engine's log: ``<logging.run_dir>/engines/engine-process-rank<R>.log`` in a job, every life appended
+with a header line) when the process has exited, or sent nothing for
 ``health_timeout_s`` while a result is awaited (a stopped process, SIGSTOP, counts: its state is
 named), or its pipe broke. ``EngineProcess.restart`` kills
 what is left, cleans its folder and starts it again from the same spec (the fleet then syncs the
@@ -311,6 +312,7 @@ class EngineProcess(RolloutEngine):
         startup_timeout_s: float = 600.0,
         rank: int = 0,
         health_timeout_s: float = 120.0,
+        log_path: Path | None = None,
     ) -> None:
         name = {v: k for k, v in _DTYPES.items()}[dtype]
         heartbeat_s = min(10.0, health_timeout_s / 8)  # unread beats fill the pipe's 64 KiB in hours only
@@ -320,6 +322,10 @@ class EngineProcess(RolloutEngine):
         }  # fmt: skip
         self.threads, self.startup_timeout_s, self.health_timeout_s = threads, startup_timeout_s, health_timeout_s
         self.rank, self.host = rank, socket.gethostname()
+        self._log_given = log_path
+        self.log_path = log_path
+        """Where the engine's stderr goes, every life appended; None given: ``engine.log`` in each
+        life's folder (removed with it)."""
         self._start()
 
     def _start(self) -> None:
@@ -329,7 +335,11 @@ class EngineProcess(RolloutEngine):
         self.spec["folder"] = str(self.folder)
         (self.folder / "spec.json").write_text(json.dumps(self.spec))
         env = dict(os.environ, OMP_NUM_THREADS=str(self.threads), MKL_NUM_THREADS=str(self.threads))
-        with open(self.folder / "engine.log", "wb") as log:
+        self.log_path = self._log_given or self.folder / "engine.log"
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "ab") as log:
+            log.write(f"--- engine process of rank {self.rank}, life {self.spec['life']} ---\n".encode())
+            log.flush()
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "grpo_megatron.rollout.engine_process", str(self.folder / "spec.json")],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, env=env, text=True,
@@ -348,13 +358,14 @@ class EngineProcess(RolloutEngine):
 
     def log_tail(self, lines: int = LOG_TAIL_LINES) -> str:
         try:
-            text = (self.folder / "engine.log").read_text(errors="replace")
+            assert self.log_path is not None
+            text = self.log_path.read_text(errors="replace")
         except OSError:
             return "(no log)"
         return "\n".join(text.splitlines()[-lines:]) or "(empty)"
 
     def _lost(self, why: str) -> EngineLost:
-        return EngineLost(self.rank, self.host, why, self.log_tail(), str(self.folder / "engine.log"))
+        return EngineLost(self.rank, self.host, why, self.log_tail(), str(self.log_path))
 
     def _state(self) -> str:
         """The process's state letter from /proc (T: stopped), or '?' where there is none."""
@@ -376,7 +387,7 @@ class EngineProcess(RolloutEngine):
             now = time.monotonic()
             if timeout_s is not None and now - start > timeout_s:
                 raise TimeoutError(f"the engine process did not {what} within {timeout_s} s; its log "
-                                   f"({self.folder / 'engine.log'}) ends:\n{self.log_tail()}")  # fmt: skip
+                                   f"({self.log_path}) ends:\n{self.log_tail()}")  # fmt: skip
             if timeout_s is None and now - last > self.health_timeout_s:
                 stopped = " (it is stopped: state T)" if self._state() == "T" else ""
                 raise self._lost(f"no reply or heartbeat for {now - last:.1f} s during {what}{stopped}, "

@@ -135,6 +135,7 @@ def make_engine(
             hf, dtype=_DTYPES[spec.model.dtype], max_batch_rows=rollout.embedded_max_batch_rows,
             threads=rollout.embedded_process_threads, record_routes=spec.record_routes, rank=ps.rank,
             health_timeout_s=rollout.engine_health_timeout_s,
+            log_path=spec.log_dir / f"engine-process-rank{ps.rank}.log" if spec.log_dir else None,
         )  # fmt: skip
     from grpo_megatron.rollout.embedded import EmbeddedEngine
 

@@ -278,8 +278,8 @@ def start_preemption(cfg: CheckpointConfig, install: bool) -> Preemption:
 
 def engine_spec(cfg: JobConfig) -> EngineSpec:
     """What the rollout engines are built from: the rollout and model sections, train.seed, the
-    tokenizer (data.tokenizer_path), where SGLang logs (logging.run_dir/sglang) and whether responses
-    carry their routes (algorithm.routing_replay=r3)."""
+    tokenizer (data.tokenizer_path), where engines log (logging.run_dir/sglang or /engines) and
+    whether responses carry their routes (algorithm.routing_replay=r3)."""
     from grpo_megatron.rollout.engine import EngineSpec
 
     return EngineSpec(
@@ -287,7 +287,7 @@ def engine_spec(cfg: JobConfig) -> EngineSpec:
         model=cfg.model,
         seed=cfg.train.seed,
         tokenizer_path=cfg.data.tokenizer_path or None,
-        log_dir=Path(cfg.logging.run_dir) / "sglang",
+        log_dir=Path(cfg.logging.run_dir) / ("sglang" if cfg.rollout.engine == "sglang" else "engines"),
         record_routes=cfg.algorithm.routing_replay == "r3",
         offload_trainer=cfg.train.offload_trainer,
         max_staleness=cfg.train.max_staleness,
