@@ -278,6 +278,8 @@ def sglang_rotary_errors(cfg: JobConfig, hf_config: dict[str, Any]) -> list[str]
 
 def async_errors(cfg: JobConfig) -> list[str]:
     """The asynchronous loop (train.max_staleness, rollout.embedded_process) and what it cannot run with."""
+    if cfg.train.partial_rollout:
+        return partial_rollout_errors(cfg)
     errors = []
     if cfg.train.max_staleness > 0 and not (cfg.rollout.embedded_process or cfg.rollout.engine == "sglang"):
         errors.append(
@@ -307,6 +309,41 @@ def async_errors(cfg: JobConfig) -> list[str]:
             "batches ahead of time, episodes are not run there yet; set train.max_staleness=0 and "
             "rollout.embedded_process=false for multi-turn training"
         )
+    return errors
+
+
+def partial_rollout_errors(cfg: JobConfig) -> list[str]:
+    """train.partial_rollout (training/partial.py) and what it cannot run with."""
+    r, t, errors = cfg.rollout, cfg.train, []
+    k = r.partial_segment_tokens
+    if (t.max_staleness + 1) * k < r.max_new_tokens:
+        need = -(-r.max_new_tokens // k) - 1
+        errors.append(
+            f"train.partial_rollout=true with train.max_staleness={t.max_staleness} and "
+            f"rollout.partial_segment_tokens={k}: a response of rollout.max_new_tokens={r.max_new_tokens} tokens "
+            f"takes up to {-(-r.max_new_tokens // k)} segments, one weight version each at least, so its first "
+            f"token would lag more than max_staleness before it ends; set train.max_staleness>={need} or "
+            f"rollout.partial_segment_tokens>={-(-r.max_new_tokens // (t.max_staleness + 1))}"
+        )
+    if r.partial_groups_in_flight and r.partial_groups_in_flight < t.prompts_per_iteration:
+        errors.append(
+            f"rollout.partial_groups_in_flight={r.partial_groups_in_flight} is below train.prompts_per_iteration="
+            f"{t.prompts_per_iteration}: an iteration could never take its groups; raise it (0 = twice as many)"
+        )
+    refused = {
+        "algorithm.dynamic_sampling.enabled=true": cfg.algorithm.dynamic_sampling.enabled,
+        "rollout.multiturn.enabled=true": r.multiturn.enabled,
+        "algorithm.routing_replay=r3": cfg.algorithm.routing_replay == "r3",
+    }
+    why = {
+        "algorithm.dynamic_sampling.enabled=true": "a DAPO round would draw prompts outside the pool",
+        "rollout.multiturn.enabled=true": "episodes are generated turn by turn, not in segments",
+        "algorithm.routing_replay=r3": "a continued response's earlier tokens are re-routed by newer weights",
+    }
+    for name, on in refused.items():
+        if on:
+            errors.append(f"train.partial_rollout=true with {name}: {why[name]}; set train.partial_rollout=false "
+                          f"or turn {name.split('=')[0]} off")  # fmt: skip
     return errors
 
 

@@ -135,7 +135,7 @@ def run(cfg: JobConfig, args: argparse.Namespace) -> int:
     console.print(memory.render(plan, cfg, receives / sync.GB if receives is not None else None))
     if estimates:
         console.print(sync.render(estimates, links), markup=False)
-    if args.phase_times or cfg.train.max_staleness > 0:
+    if args.phase_times or cfg.generation_overlaps_training > 0:
         console.print(async_section(cfg, args, colocated=placement.colocated_sglang), markup=False)
     rc = 0 if plan.fits else EXIT_DOES_NOT_FIT
     if args.dry_run:

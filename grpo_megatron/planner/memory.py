@@ -454,7 +454,7 @@ def plan_memory(cfg: JobConfig, hf: Mapping[str, Any], world_size: int, opts: Pl
     that size), with the rollout placement the runtime computes from the same config."""
     layout = Layout.from_config(cfg.parallel, world_size)
     placement = decide_placement(
-        cfg.rollout, offload_trainer=cfg.train.offload_trainer, max_staleness=cfg.train.max_staleness,
+        cfg.rollout, offload_trainer=cfg.train.offload_trainer, max_staleness=cfg.generation_overlaps_training,
         world_size=world_size,
         gpus_per_node=opts.gpus_per_node, tp=layout.tp, pp=layout.pp, cp=layout.cp, hf=hf,
     )  # fmt: skip

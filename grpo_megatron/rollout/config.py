@@ -107,6 +107,12 @@ class RolloutConfig:
     overlaps more of the transfer with packing and assembly, at a quarter bucket of memory per round."""
     engine_device: Literal["auto", "cpu"] = "auto"
     """Where an embedded engine runs: auto = this rank's device (its GPU, else CPU); cpu = always CPU."""
+    partial_segment_tokens: int = 64
+    """train.partial_rollout: the most new tokens a response gets per segment (one engine request);
+    between two segments the weights may change, so its later tokens may be sampled by a newer version."""
+    partial_groups_in_flight: int = 0
+    """train.partial_rollout: groups in the pool (each iteration tops it up with new prompts);
+    0 = 2 x train.prompts_per_iteration."""
     embedded_process: bool = False
     """Run each embedded engine in a process of its own, on CPU (rollout/engine_process.py), so that it
     generates while the trainer trains: the loop becomes a producer of scored groups and a consumer
@@ -249,6 +255,13 @@ class RolloutConfig:
         if not self.engine_health_timeout_s > 0:
             errors.append(f"rollout.engine_health_timeout_s={self.engine_health_timeout_s} must be > 0 (120 is a "
                           "good start)")  # fmt: skip
+        if self.partial_segment_tokens < 1:
+            errors.append(f"rollout.partial_segment_tokens={self.partial_segment_tokens} must be >= 1")
+        if self.partial_groups_in_flight < 0:
+            errors.append(
+                f"rollout.partial_groups_in_flight={self.partial_groups_in_flight} must be >= 0 "
+                "(0 = 2 x train.prompts_per_iteration)"
+            )
         if self.embedded_process_threads < 1:
             errors.append(f"rollout.embedded_process_threads={self.embedded_process_threads} must be >= 1")
         if self.embedded_max_batch_rows < 0:

@@ -140,6 +140,11 @@ class Completion:
     ``weight_version`` when the batch was submitted; an engine process: the version it served the
     request with); the fleet only carries it. The asynchronous loop's staleness is the trainer's
     version minus this."""
+    token_versions: list[int] | None = None
+    """Per response token, the weight version that sampled it (``len == len(token_ids)``): a response
+    continued across weight updates (``train.partial_rollout``, training/partial.py) mixes versions,
+    and each of its ``logprobs`` is its token's under that token's version; ``weight_version`` is then
+    its oldest token's. None: every token has ``weight_version`` (``versions`` reads either)."""
     route_id: int | None = None
     """Set by ``RolloutFleet.generate`` for ``SamplingParams.routes``: the id under which the engine's rank holds
     this completion's routes until ``RolloutFleet.deliver_routes``; None: no routes held."""
@@ -155,6 +160,13 @@ class Completion:
     def num_tokens(self) -> int:
         """Response tokens, whether or not they are on this rank."""
         return len(self.token_ids) if self.sizes is None else self.sizes[0]
+
+    @property
+    def versions(self) -> list[int]:
+        """Each response token's weight version (``token_versions``, else ``weight_version`` each)."""
+        if self.token_versions is not None:
+            return list(self.token_versions)
+        return [self.weight_version] * self.num_tokens
 
     @property
     def num_sampled(self) -> int:

@@ -96,6 +96,7 @@ def completions_to_json(batch: Sequence[Sequence[Completion]]) -> list[list[dict
             "logprobs": [float(x) for x in c.logprobs],
             "finish_reason": c.finish_reason,
             "weight_version": c.weight_version,
+            "token_versions": None if c.token_versions is None else list(c.token_versions),
             "loss_mask": None if c.loss_mask is None else list(c.loss_mask),
             "routes": None if routes is None else {
                 "shape": list(routes.shape), "dtype": str(routes.dtype).removeprefix("torch."),
@@ -115,10 +116,11 @@ def completions_from_json(data: Sequence[Sequence[Mapping[str, Any]]]) -> list[l
         if routes is not None:
             dtype = {"int64": torch.int64, "int32": torch.int32, "int16": torch.int16, "uint8": torch.uint8}
             tensor = torch.tensor(routes["data"], dtype=dtype[routes["dtype"]]).reshape(routes["shape"])
-        mask = d.get("loss_mask")
+        mask, versions = d.get("loss_mask"), d.get("token_versions")
         return Completion(
             list(d["token_ids"]), list(d["logprobs"]), d["finish_reason"], tensor,
             loss_mask=None if mask is None else [int(m) for m in mask], weight_version=int(d["weight_version"]),
+            token_versions=None if versions is None else [int(v) for v in versions],
         )
 
     return [[one(d) for d in group] for group in data]

@@ -307,9 +307,21 @@ def engine_source(job: Job, sampler: PromptSampler, resumed: Mapping[str, Any] |
     kept of its source (``source_state``): an asynchronous run's submitted batches, or, resumed
     synchronously, their prompts given back to the sampler."""
     saved = (resumed or {}).get(SOURCE_STATE)
+    if job.cfg.train.partial_rollout:  # continuous generation: a pool of partial rollouts
+        from grpo_megatron.training.partial import PartialRollouts
+
+        partial = PartialRollouts(job, sampler)
+        if saved and "partial_pool" in saved:
+            partial.load_state_dict(saved)
+        elif saved:  # an asynchronous run's checkpoint: its submitted prompts are drawn again
+            give_back_submitted(sampler, saved)
+        return partial
+    if saved and "partial_pool" in saved and job.ps.rank == 0:
+        print("[train] resumed a partial-rollout run's checkpoint without train.partial_rollout: its groups in "
+              "flight are dropped and their prompts not drawn again", flush=True)  # fmt: skip
     if job.cfg.producer_loop:  # engines that generate while the trainer trains: rollouts submitted ahead
         producer = GroupProducer(job, sampler, job.cfg.train.max_staleness)
-        if saved is not None:
+        if saved is not None and "batches" in saved:
             producer.load_state_dict(saved)
         return producer
     if saved and (given_back := give_back_submitted(sampler, saved)) and job.ps.rank == 0:

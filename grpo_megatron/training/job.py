@@ -290,7 +290,7 @@ def engine_spec(cfg: JobConfig) -> EngineSpec:
         log_dir=Path(cfg.logging.run_dir) / ("sglang" if cfg.rollout.engine == "sglang" else "engines"),
         record_routes=cfg.algorithm.routing_replay == "r3",
         offload_trainer=cfg.train.offload_trainer,
-        max_staleness=cfg.train.max_staleness,
+        max_staleness=cfg.generation_overlaps_training,
     )
 
 

@@ -5,7 +5,8 @@ debugging a loss spike without the engines.
 The cut is the rollout phase's output: each iteration's scored groups as the loop takes them from its
 ``GroupSource`` (training/groups.py), after the reward phase (and DAPO's rounds) and before the
 advantages phase. A dump holds exactly what the trainer consumes from there: the prompts' token ids,
-each response's token ids, behaviour logprobs, loss mask, weight version and, under
+each response's token ids, behaviour logprobs, loss mask, weight version (and, for partial rollouts,
+each token's version: ``token_versions``) and, under
 ``algorithm.routing_replay=r3``, its engine routes; each response's reward; the rollout phase's
 metrics (``reward/*``, ``dynamic_sampling/*``, ``async/staleness/*``). Advantages are not stored: the
 advantages phase computes them from the rewards (a pure function of the rewards, the lengths and
@@ -96,6 +97,8 @@ def encode_groups(
         "has_loss_mask": torch.tensor([c.loss_mask is not None for c in completions], dtype=torch.int64),
         "loss_masks": _flat(masked, torch.int64),
     }
+    if any(c.token_versions is not None for c in completions):  # partial rollouts: versions per token
+        tensors["token_versions"] = _flat([c.versions for c in completions], torch.int64)
     for k, c in enumerate(completions):
         routed = (routes or {}).get(k, c.routed_experts)
         if routed is not None:
@@ -136,6 +139,8 @@ def decode_groups(tensors: Mapping[str, torch.Tensor], meta: Mapping[str, Any], 
             "finish_reasons": (len(meta["finish_reasons"]), n),
             "texts": (len(meta["texts"]), n),
         }
+        if "token_versions" in tensors:
+            checks["token_versions"] = (len(tensors["token_versions"]), sum(lengths))
     except KeyError as exc:
         raise ValueError(f"{where}: no {exc} in the dump; it is damaged or not a rollout dump: dump that "
                          "iteration again (rollout.dump_dir)") from None  # fmt: skip
@@ -152,6 +157,9 @@ def decode_groups(tensors: Mapping[str, torch.Tensor], meta: Mapping[str, Any], 
             _split(tensors["response_ids"], lengths), _split(tensors["logprobs"], lengths),
             meta["finish_reasons"], tensors["weight_versions"].tolist(), strict=True))
     ]  # fmt: skip
+    if "token_versions" in tensors:
+        for c, versions in zip(completions, _split(tensors["token_versions"], lengths), strict=True):
+            c.token_versions = versions
     rewards, texts = tensors["rewards"].tolist(), list(meta["texts"])
     prompts = _split(tensors["prompt_ids"], tensors["prompt_lengths"].tolist())
     groups, k = [], 0

@@ -1,0 +1,257 @@
+"""Continuous generation with partial rollouts (``train.partial_rollout``): the ``GroupSource``
+(training/groups.py) whose responses continue across weight updates, so an iteration never waits
+for the longest response of its batch.
+
+A pool of in-flight groups (``rollout.partial_groups_in_flight``, default twice
+``train.prompts_per_iteration``) is kept between iterations; per response it holds the tokens so far,
+each token's behaviour logprob and the weight version that sampled it, and whether it has finished.
+Iteration ``it``, with the engines at version ``v`` (= ``it - 1``, the policy it trains)::
+
+    1. staleness:  every response whose oldest token lags v by more than train.max_staleness is
+                   regenerated from scratch (its tokens dropped; it stays in its group and pool slot)
+    2. top up:     new prompts from the sampler until the pool holds its size
+    3. segments:   every unfinished response gets one request, prompt + its tokens so far with
+                   max_new_tokens = min(K, budget left) (K = rollout.partial_segment_tokens), seeded
+                   by (train.seed, it, round); its new tokens get version v; one round at least,
+                   repeated until at least train.prompts_per_iteration groups are complete (each
+                   round adds a token to every unfinished response: the rounds end)
+    4. take:       the OLDEST complete groups (submission order, never the quickest: no bias toward
+                   short responses), scored by the Scorer and trained; the rest wait in the pool and
+                   their unfinished responses continue under v + 1 at the next iteration
+
+In time (K tokens a segment, the long response of group A spans two versions)::
+
+    it k   (v = k-1):  [seg A1 B1 C1][seg A2 C2][reward B C][train k][sync v=k]
+    it k+1 (v = k):    [seg A3 D1 ..]...[reward A D][train k+1][sync v=k+1]
+
+Semantics. A token's lag is the trainer's version minus the version that sampled it; no trained
+token lags more than train.max_staleness (step 1 runs before every take; validation asks for
+``(max_staleness + 1) * K >= rollout.max_new_tokens``, so a response taken as soon as it completes
+never needs regenerating). A response's behaviour logprobs are each token's under the version that
+sampled it (``Completion.token_versions``; ``weight_version`` is its oldest token's): the
+off-policy corrections (token TIS, IcePop, sequence TIS/MIS) read them per token already. Continuing
+a response is one more request whose prompt ends with the response so far: the engine recomputes the
+KV of those tokens under its current weights (prefix caching may reuse it within one version), which
+works the same for the embedded engine, an engine process and SGLang, with no engine-specific pause.
+Metrics: ``partial/staleness/{mean,max}`` (token-weighted over the trained responses),
+``partial/mixed_versions_frac``, ``partial/segments`` (rounds this iteration),
+``partial/carried`` (unfinished responses paused at the weight update), ``partial/regenerated``,
+``partial/pool_groups``.
+
+Resume: the pool (tokens, logprobs, versions, finish, prompt indices, submission order) goes into the
+checkpoint as JSON text (``state_dict``; nothing is unpickled), so a resumed run trains exactly what
+the uninterrupted run would have.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal
+
+from grpo_megatron.rollout.engine import Completion
+from grpo_megatron.training.groups import Produced, fill_groups
+from grpo_megatron.training.phases.rollout import rollout_seed
+
+if TYPE_CHECKING:
+    from grpo_megatron.data import PromptSampler
+    from grpo_megatron.training.job import Job, Timer
+
+
+@dataclass
+class PartialResponse:
+    """One response in flight: its tokens so far, each one's logprob and version, and its finish
+    (None: unfinished)."""
+
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    finish_reason: Literal["stop", "length"] | None = None
+
+    def restart(self) -> None:
+        """Regenerate from scratch: every token dropped."""
+        self.token_ids, self.logprobs, self.versions, self.finish_reason = [], [], [], None
+
+    def completion(self) -> Completion:
+        assert self.finish_reason is not None
+        return Completion(list(self.token_ids), list(self.logprobs), self.finish_reason,
+                          weight_version=min(self.versions), token_versions=list(self.versions))  # fmt: skip
+
+
+@dataclass
+class PartialGroup:
+    """One prompt's group in flight: the prompt (an index into the training records), its place in
+    submission order and its responses."""
+
+    index: int
+    serial: int
+    responses: list[PartialResponse]
+
+    @property
+    def complete(self) -> bool:
+        return all(r.finish_reason is not None for r in self.responses)
+
+
+@dataclass
+class PartialPool:
+    """The groups in flight, in submission order, and the rules of their segments (module docstring)."""
+
+    n: int
+    """Responses per group."""
+    segment_tokens: int
+    max_new_tokens: int
+    max_staleness: int
+    size: int
+    """Groups the pool is topped up to."""
+    groups: list[PartialGroup] = field(default_factory=list)
+    next_serial: int = 0
+
+    def regenerate_stale(self, version: int) -> int:
+        """Step 1: restart every response whose oldest token lags ``version`` by more than
+        ``max_staleness``; how many."""
+        lags = [(version - min(r.versions), r) for g in self.groups for r in g.responses if r.versions]
+        stale = [r for lag, r in lags if lag > self.max_staleness]
+        for r in stale:
+            r.restart()
+        return len(stale)
+
+    def missing(self) -> int:
+        return max(self.size - len(self.groups), 0)
+
+    def top_up(self, indices: list[int]) -> None:
+        """Step 2: new groups for the prompts ``indices``, after every group in flight."""
+        for index in indices:
+            responses = [PartialResponse() for _ in range(self.n)]
+            self.groups.append(PartialGroup(index, self.next_serial, responses))
+            self.next_serial += 1
+
+    def unfinished(self) -> list[tuple[int, PartialResponse]]:
+        """(prompt index, response) of every unfinished response, in pool order."""
+        return [(g.index, r) for g in self.groups for r in g.responses if r.finish_reason is None]
+
+    def requests(
+        self, prompt_ids: Callable[[int], Sequence[int]]
+    ) -> tuple[list[tuple[int, PartialResponse]], list[list[int]], tuple[int, ...]]:
+        """One round of step 3: every unfinished response with its prompt index (``unfinished``), its
+        request's input (its prompt's ids, ``prompt_ids(index)``, then its tokens so far) and its
+        max_new_tokens (min(K, budget left)). ``extend`` each with its segment."""
+        todo = self.unfinished()
+        inputs = [[*prompt_ids(index), *r.token_ids] for index, r in todo]
+        budgets = tuple(min(self.segment_tokens, self.max_new_tokens - len(r.token_ids)) for _, r in todo)
+        return todo, inputs, budgets
+
+    def extend(self, response: PartialResponse, segment: Completion) -> None:
+        """Append one segment's tokens (each with the segment's version); the response finishes on a
+        stop, or when it has used the whole budget."""
+        response.token_ids += segment.token_ids
+        response.logprobs += segment.logprobs
+        response.versions += [segment.weight_version] * len(segment.token_ids)
+        if segment.finish_reason == "stop":
+            response.finish_reason = "stop"
+        elif len(response.token_ids) >= self.max_new_tokens:
+            response.finish_reason = "length"
+
+    def complete(self) -> int:
+        return sum(g.complete for g in self.groups)
+
+    def take(self, count: int) -> list[PartialGroup]:
+        """Step 4: the ``count`` oldest complete groups, out of the pool."""
+        taken = [g for g in self.groups if g.complete][:count]
+        self.groups = [g for g in self.groups if all(g is not t for t in taken)]
+        return taken
+
+    def to_json(self) -> dict[str, Any]:
+        """The pool as plain data (float logprobs round-trip exactly through JSON)."""
+        return {
+            "next_serial": self.next_serial,
+            "groups": [{"index": g.index, "serial": g.serial,
+                        "responses": [dataclasses.asdict(r) for r in g.responses]} for g in self.groups],
+        }  # fmt: skip
+
+    def load_json(self, data: dict[str, Any]) -> None:
+        self.next_serial = int(data["next_serial"])
+        self.groups = [
+            PartialGroup(int(g["index"]), int(g["serial"]), [
+                PartialResponse([int(t) for t in r["token_ids"]], [float(x) for x in r["logprobs"]],
+                                [int(v) for v in r["versions"]], r["finish_reason"]) for r in g["responses"]])
+            for g in data["groups"]
+        ]  # fmt: skip
+
+
+def take_metrics(version: int, groups: list[PartialGroup]) -> dict[str, float]:
+    """``partial/staleness/{mean,max}`` (token-weighted lag of the taken responses behind ``version``)
+    and ``partial/mixed_versions_frac`` (responses sampled by more than one version)."""
+    lags = [version - v for g in groups for r in g.responses for v in r.versions]
+    responses = [r for g in groups for r in g.responses]
+    mixed = sum(len(set(r.versions)) > 1 for r in responses)
+    return {
+        "partial/staleness/mean": sum(lags) / max(len(lags), 1),
+        "partial/staleness/max": float(max(lags, default=0)),
+        "partial/mixed_versions_frac": mixed / max(len(responses), 1),
+    }
+
+
+class PartialRollouts:
+    """The continuous ``GroupSource`` (module docstring); every rank holds the same pool (every
+    segment's completions reach every rank) and calls it together."""
+
+    def __init__(self, job: Job, sampler: PromptSampler) -> None:
+        cfg = job.cfg
+        self.job, self.sampler, self.version = job, sampler, 0
+        self.pool = PartialPool(
+            cfg.rollout.n_samples_per_prompt, cfg.rollout.partial_segment_tokens, cfg.rollout.max_new_tokens,
+            cfg.train.max_staleness, cfg.rollout.partial_groups_in_flight or 2 * cfg.train.prompts_per_iteration,
+        )  # fmt: skip
+
+    def start(self, version: int) -> None:
+        self.version = version
+
+    def _segment(self, iteration: int, round_index: int) -> None:
+        """One round of step 3: every unfinished response gets its next segment under ``self.version``."""
+        job = self.job
+        todo, inputs, budgets = self.pool.requests(lambda index: job.train_records[index].prompt_ids)
+        records = [dataclasses.replace(job.train_records[index], prompt_ids=tuple(ids))
+                   for (index, _), ids in zip(todo, inputs, strict=True)]  # fmt: skip
+        params = job.rollout.params(n=1, seed=rollout_seed(job.cfg.train.seed, iteration, round_index))
+        params = dataclasses.replace(params, max_new_tokens=max(budgets), max_new_tokens_each=budgets)
+        for (_, response), (segment,) in zip(todo, job.rollout.generate(records, params), strict=True):
+            self.pool.extend(response, segment)
+
+    def take(self, iteration: int, timer: Timer) -> Produced:
+        need, pool = self.job.cfg.train.prompts_per_iteration, self.pool
+        with timer("rollout"):
+            regenerated = pool.regenerate_stale(self.version)
+            if missing := pool.missing():
+                pool.top_up(self.sampler.next_indices(missing))
+            rounds = 0  # at least one: every response in flight advances each iteration
+            while pool.unfinished() and (rounds == 0 or pool.complete() < need):
+                self._segment(iteration, rounds)
+                rounds += 1
+            taken = pool.take(need)
+        records = [self.job.train_records[g.index] for g in taken]
+        completions = [[r.completion() for r in g.responses] for g in taken]
+        produced = fill_groups(self.job, self.sampler, iteration, timer, first=(records, completions))
+        produced.metrics |= take_metrics(self.version, taken) | {
+            "partial/segments": float(rounds),
+            "partial/regenerated": float(regenerated),
+            "partial/carried": float(sum(bool(r.token_ids) for _, r in pool.unfinished())),
+            "partial/pool_groups": float(len(pool.groups)),
+        }
+        # every segment's completions are on every rank: nothing held to release
+        produced.release_routes, produced.release_payloads = [], []
+        return produced
+
+    def before_sync(self) -> dict[str, float]:
+        return {}  # nothing is in flight between two iterations: the pool waits on the trainer's side
+
+    def after_sync(self, version: int) -> None:
+        self.version = version
+
+    def state_dict(self) -> dict[str, Any]:
+        """The pool as JSON text (the same on every rank: nothing to gather)."""
+        return {"partial_pool": json.dumps(self.pool.to_json())}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.pool.load_json(json.loads(state["partial_pool"]))
