@@ -13,7 +13,12 @@ The loop (training/grpo.py) calls a ``GroupSource`` the same way whatever the ar
   DAPO dynamic sampling repeats rollout + reward for the groups still missing;
 - ``GroupProducer`` (the asynchronous arrangement, ``JobConfig.producer_loop``: ``rollout.embedded_process``,
   or ``train.max_staleness`` > 0): the rollout of iteration ``it`` was submitted to the engines up to
-  ``train.max_staleness`` versions ahead; ``take`` collects and scores it.
+  ``train.max_staleness`` versions ahead; ``take`` collects and scores it;
+- ``PartialRollouts`` (continuous generation, ``train.partial_rollout``, training/partial.py): ``take``
+  advances a pool of groups in flight by segments of ``rollout.partial_segment_tokens`` tokens until
+  enough are complete and scores the oldest complete ones; responses left unfinished continue under
+  the next weight version, each token keeping its version (``Completion.token_versions``) and its
+  behaviour logprob, no token lagging more than ``train.max_staleness`` (else regenerated).
 
 Both go through the same ``Rollout`` (phases/rollout.py), ``Scorer`` (phases/reward.py) and
 ``fill_groups`` (DAPO's ``DynamicSampling``, one round when it is off): round 0 is the batch the source

@@ -18,10 +18,12 @@ Every rank runs this loop (SPMD). One iteration, with the module that owns each 
   safe point    a signal on any rank (SIGTERM, checkpoint.signal): save, exit 75  distributed/preemption.py
 
 The rollout and reward phases come from a ``GroupSource`` (training/groups.py), called the same way
-in both arrangements: ``RolloutNow`` generates each iteration's rollout when the loop takes it;
+in every arrangement: ``RolloutNow`` generates each iteration's rollout when the loop takes it;
 with engines that generate while the trainer trains (``JobConfig.producer_loop``) ``GroupProducer``
 submits each batch up to train.max_staleness weight versions ahead (0: this loop's
-order, bit for bit). A replay (``rollout.replay_dir``) takes them from an earlier run's dump instead
+order, bit for bit); with train.partial_rollout ``PartialRollouts`` (training/partial.py) advances a
+pool of partial responses by segments, across weight updates, and takes the oldest complete groups.
+A replay (``rollout.replay_dir``) takes them from an earlier run's dump instead
 (``ReplaySource``, training/rollout_dump.py): no engine starts, the sync and eval phases do nothing;
 ``rollout.dump_dir`` writes that dump as the loop takes each batch (``DumpingSource``).
 
