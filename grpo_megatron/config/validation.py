@@ -321,8 +321,8 @@ def partial_rollout_errors(cfg: JobConfig) -> list[str]:
         errors.append(
             f"train.partial_rollout=true with train.max_staleness={t.max_staleness} and "
             f"rollout.partial_segment_tokens={k}: a response of rollout.max_new_tokens={r.max_new_tokens} tokens "
-            f"takes up to {-(-r.max_new_tokens // k)} segments, one weight version each at least, so its first "
-            f"token would lag more than max_staleness before it ends; set train.max_staleness>={need} or "
+            f"needs up to {need + 1} segments and only one is sure to run per iteration, so its first token "
+            f"could lag more than max_staleness before it ends; set train.max_staleness>={need} or "
             f"rollout.partial_segment_tokens>={-(-r.max_new_tokens // (t.max_staleness + 1))}"
         )
     if r.partial_groups_in_flight and r.partial_groups_in_flight < t.prompts_per_iteration:

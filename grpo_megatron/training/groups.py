@@ -1,5 +1,5 @@
-"""Where the GRPO loop's scored groups come from: one small interface, two arrangements of the rollout
-and reward phases.
+"""Where the GRPO loop's scored groups come from: one small interface, three arrangements of the
+rollout and reward phases.
 
 The loop (training/grpo.py) calls a ``GroupSource`` the same way whatever the arrangement::
 
@@ -20,13 +20,13 @@ The loop (training/grpo.py) calls a ``GroupSource`` the same way whatever the ar
   the next weight version, each token keeping its version (``Completion.token_versions``) and its
   behaviour logprob, no token lagging more than ``train.max_staleness`` (else regenerated).
 
-Both go through the same ``Rollout`` (phases/rollout.py), ``Scorer`` (phases/reward.py) and
+All go through the same ``Rollout`` (phases/rollout.py), ``Scorer`` (phases/reward.py) and
 ``fill_groups`` (DAPO's ``DynamicSampling``, one round when it is off): round 0 is the batch the source
 has, further rounds are generated now. Which MoE routes the engines report and the fleet holds is
 decided once, when the engines are built (``EngineSpec.record_routes``, ``RolloutFleet.routes``); every
 training rollout asks for them through ``training_params``.
 
-The two arrangements in time. Synchronous (``RolloutNow``)::
+The first two arrangements in time (the third: training/partial.py). Synchronous (``RolloutNow``)::
 
     it k:  [rollout k][reward k][train k][sync v_k]
     it k+1:                                        [rollout k+1][reward k+1][train k+1][sync v_k+1]
