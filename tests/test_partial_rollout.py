@@ -149,6 +149,7 @@ def test_partial_rollout_dump_keeps_each_tokens_version():
          "with algorithm.dynamic_sampling.enabled=true"),
         (["train.max_staleness=2", "rollout.partial_segment_tokens=2", "rollout.partial_groups_in_flight=3"],
          "is below train.prompts_per_iteration=4"),
+        (["rollout.partial_segment_tokens=0"], "rollout.partial_segment_tokens=0 must be >= 1"),
     ],
 )  # fmt: skip
 def test_partial_rollout_config_is_refused_with_the_fix(overrides, message):

@@ -316,6 +316,9 @@ def partial_rollout_errors(cfg: JobConfig) -> list[str]:
     """train.partial_rollout (training/partial.py) and what it cannot run with."""
     r, t, errors = cfg.rollout, cfg.train, []
     k = r.partial_segment_tokens
+    if k < 1 or r.partial_groups_in_flight < 0:
+        return [f"rollout.partial_segment_tokens={k} must be >= 1 and rollout.partial_groups_in_flight="
+                f"{r.partial_groups_in_flight} >= 0 (0 = 2 x train.prompts_per_iteration)"]  # fmt: skip
     if (t.max_staleness + 1) * k < r.max_new_tokens:
         need = -(-r.max_new_tokens // k) - 1
         errors.append(

@@ -255,13 +255,6 @@ class RolloutConfig:
         if not self.engine_health_timeout_s > 0:
             errors.append(f"rollout.engine_health_timeout_s={self.engine_health_timeout_s} must be > 0 (120 is a "
                           "good start)")  # fmt: skip
-        if self.partial_segment_tokens < 1:
-            errors.append(f"rollout.partial_segment_tokens={self.partial_segment_tokens} must be >= 1")
-        if self.partial_groups_in_flight < 0:
-            errors.append(
-                f"rollout.partial_groups_in_flight={self.partial_groups_in_flight} must be >= 0 "
-                "(0 = 2 x train.prompts_per_iteration)"
-            )
         if self.embedded_process_threads < 1:
             errors.append(f"rollout.embedded_process_threads={self.embedded_process_threads} must be >= 1")
         if self.embedded_max_batch_rows < 0:
