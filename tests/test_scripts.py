@@ -24,7 +24,8 @@ def test_every_script_is_listed() -> None:
 @pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: f"{p.parent.name}/{p.name}")
 def test_script_help(script: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(sys, "argv", [str(script), "--help"])
-    monkeypatch.setattr(sys, "path", list(sys.path))  # scripts put their own folder first
+    # as `python bench/x.py` runs it: its own folder first (its sibling modules import from there)
+    monkeypatch.setattr(sys, "path", [str(script.parent), *sys.path])
     out = io.StringIO()
     with contextlib.redirect_stdout(out), pytest.raises(SystemExit) as exit_:
         runpy.run_path(str(script), run_name="__main__")
