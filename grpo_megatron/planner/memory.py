@@ -96,7 +96,7 @@ def engine_weight_bytes(dtype: str) -> int:
     ``model.dtype``. The engine starts in it and the sync sends it, whatever the checkpoint holds (an
     FP8 checkpoint's engine starts unquantized and the first sync fills it: rollout/sglang/launch.py
     ``engine_config``), so no engine of ours holds fp8 weights."""
-    return {"float32": 4, "bfloat16": 2, "float16": 2}[dtype]
+    return DTYPE_BYTES[dtype]
 
 
 @dataclass(frozen=True)
