@@ -333,19 +333,17 @@ def partial_rollout_errors(cfg: JobConfig) -> list[str]:
             f"rollout.partial_groups_in_flight={r.partial_groups_in_flight} is below train.prompts_per_iteration="
             f"{t.prompts_per_iteration}: an iteration could never take its groups; raise it (0 = twice as many)"
         )
-    refused = {
-        "algorithm.dynamic_sampling.enabled=true": cfg.algorithm.dynamic_sampling.enabled,
-        "rollout.multiturn.enabled=true": r.multiturn.enabled,
-        "algorithm.routing_replay=r3": cfg.algorithm.routing_replay == "r3",
-    }
-    why = {
-        "algorithm.dynamic_sampling.enabled=true": "a DAPO round would draw prompts outside the pool",
-        "rollout.multiturn.enabled=true": "episodes are generated turn by turn, not in segments",
-        "algorithm.routing_replay=r3": "a continued response's earlier tokens are re-routed by newer weights",
-    }
-    for name, on in refused.items():
+    refused = {  # setting: (whether it is on, why the mode cannot run with it)
+        "algorithm.dynamic_sampling.enabled=true": (cfg.algorithm.dynamic_sampling.enabled,
+                                                    "a DAPO round would draw prompts outside the pool"),
+        "rollout.multiturn.enabled=true": (r.multiturn.enabled,
+                                           "episodes are generated turn by turn, not in segments"),
+        "algorithm.routing_replay=r3": (cfg.algorithm.routing_replay == "r3",
+                                        "a continued response's earlier tokens are re-routed by newer weights"),
+    }  # fmt: skip
+    for name, (on, why) in refused.items():
         if on:
-            errors.append(f"train.partial_rollout=true with {name}: {why[name]}; set train.partial_rollout=false "
+            errors.append(f"train.partial_rollout=true with {name}: {why}; set train.partial_rollout=false "
                           f"or turn {name.split('=')[0]} off")  # fmt: skip
     return errors
 
