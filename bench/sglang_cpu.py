@@ -20,6 +20,9 @@ Per model, each timing the median of ``--repeats`` rounds after a warm-up round,
   flushed before each, untimed), and SGLang's generated tokens/s / the embedded engine's
   (temperature 1; demo: 16 prompts x 16 samples, 6 new tokens; wide: ``--wide-prompts`` (64) x
   ``--wide-samples`` (8), ``--wide-new-tokens`` new tokens);
+- a process boundary's floor: the copies alone that any engine in another process needs on CPU (into
+  shared memory, then out of a new mapping of it) against the embedded engine's one copy, with no
+  call made (``boundary_floor``): what "a full version" cannot go below on CPU;
 - the colocated memory calls: ``release_memory`` and ``resume_memory`` of every tag (on CPU they
   free nothing: their own cost, the calls' round trips).
 
@@ -33,6 +36,7 @@ ratios; ``bench/sglang_profile.py`` splits one load call and one generate call i
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import shutil
 import statistics
@@ -108,6 +112,41 @@ def direct_calls(adapter: Any, parts: list[list[tuple[str, torch.Tensor]]], stag
     return calls
 
 
+def boundary_floor(parts: list[list[tuple[str, torch.Tensor]]]) -> dict[str, float]:
+    """What any engine in another process must pay for a version on CPU, before a call is made: the
+    embedded engine's one copy (each tensor into a tensor of its own) against the two a process
+    boundary takes: the sender's copy into its reused shared-memory buffer (``SharedStaging``) and
+    the receiver's copy out of that file mapped afresh, as SGLang's scheduler maps each payload at
+    every call (torch rebuilds its storage from the file's name; the new mapping's pages fault in as
+    the copy reads them). Seconds per version, every bucket once."""
+    from grpo_megatron.rollout.sglang.ipc import SharedStaging, cpu_tensors_shared_by_name
+
+    staging = SharedStaging()
+    out = {"one_copy_s": 0.0, "into_shared_s": 0.0, "out_of_new_mapping_s": 0.0}
+    with cpu_tensors_shared_by_name(torch.device("cpu")):
+        for part in parts:
+            tensors = [t for _, t in part]
+            dests = [torch.empty_like(t) for t in tensors]
+            spans = list(itertools.accumulate((t.numel() * t.element_size() for t in tensors), initial=0))
+            flat = staging.buffer(spans[-1])
+            shared = [flat[a:b].view(t.dtype).view(t.shape) for a, b, t in zip(spans[:-1], spans[1:], tensors, strict=True)]
+            copy_all(dests, tensors)  # each destination written once before (the engines' weights are)
+            copy_all(shared, tensors)
+            out["one_copy_s"] += seconds(partial(copy_all, dests, tensors))[0]
+            out["into_shared_s"] += seconds(partial(copy_all, shared, tensors))[0]
+            manager, handle, size = flat.untyped_storage()._share_filename_cpu_()
+            mapped = torch.empty(0, dtype=torch.uint8).set_(
+                torch.UntypedStorage._new_shared_filename_cpu(manager, handle, size))  # fmt: skip
+            read = [mapped[a:b].view(t.dtype).view(t.shape) for a, b, t in zip(spans[:-1], spans[1:], tensors, strict=True)]
+            out["out_of_new_mapping_s"] += seconds(partial(copy_all, dests, read))[0]
+    return out
+
+
+def copy_all(dests: list[torch.Tensor], sources: list[torch.Tensor]) -> None:
+    for dest, source in zip(dests, sources, strict=True):
+        dest.copy_(source)
+
+
 def rollout_pair(adapter: Any, prompts: list[list[int]], params: Any) -> dict[str, float]:
     """The adapter's generate and ``sglang.Engine.generate`` on the same request, each after a flush
     (no prefix cached from the other): seconds each, and the adapter's tokens."""
@@ -164,6 +203,7 @@ def measure(name: str, args: argparse.Namespace, size: dict[str, Any], shape: tu
             rows["sglang_sync_s"], calls = sync_version(adapter, parts, repeat)
             rows["adapter_call_s"] = statistics.median(calls)
             rows["direct_call_s"] = statistics.median(direct_calls(adapter, parts, staging))
+            rows.update(boundary_floor(parts))
             rows["release_s"], _ = seconds(adapter.release_memory)
             rows["resume_s"], _ = seconds(adapter.resume_memory)
             if repeat < args.rollout_repeats + 1:
@@ -192,6 +232,10 @@ def report(name: str, m: dict[str, Any], shape: tuple[int, int, int]) -> None:
           f"{m['direct_call_s'] * 1e3:.2f} ms = {m['adapter_call_s'] / m['direct_call_s']:.2f}")  # fmt: skip
     print(f"  full version: SGLang {m['sglang_sync_s'] * 1e3:.1f} ms / embedded {m['embedded_sync_s'] * 1e3:.1f} ms "
           f"= {m['sglang_sync_s'] / m['embedded_sync_s']:.2f}")  # fmt: skip
+    floor = (m["into_shared_s"] + m["out_of_new_mapping_s"]) / m["one_copy_s"]
+    print(f"  a process boundary's floor on CPU (copies alone, no call): into shared memory "
+          f"{m['into_shared_s'] * 1e3:.1f} ms + out of a new mapping {m['out_of_new_mapping_s'] * 1e3:.1f} ms / "
+          f"one copy {m['one_copy_s'] * 1e3:.1f} ms = {floor:.2f}")  # fmt: skip
     print(f"  rollout: adapter / SGLang direct (speed) = {m['adapter_over_direct_rollout']:.2f}; "
           f"SGLang {m['sglang_tps']:.0f} tok/s / embedded {m['embedded_tps']:.0f} tok/s = "
           f"{m['sglang_tps'] / m['embedded_tps']:.2f}")  # fmt: skip
