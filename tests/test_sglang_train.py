@@ -240,14 +240,17 @@ def test_colocated_sglang_engines_killed_or_stopped_in_a_rollout_restart_in_plac
     first evaluation) rank 1's scheduler is SIGKILLed and rank 0's SIGSTOPped as the request goes to them
     (GRPO_ENGINE_FAULT, read by SGLangEngine, first life only). Each engine is shut down, started again in
     its rank's process (the two at once), given the last synced version and its share generated again
-    (same prompts and seeds): the run trains every iteration on its whole batch, the samples' logprobs and
-    the mismatch probe (engine vs trainer) stay at float32 rounding, and no checkpoint is restored."""
+    (same prompts and seeds). Then rank 1's restarted scheduler is SIGKILLed between the 1st and 2nd of
+    the buckets of version 1's sync: it restarts inside the sync and is sent that version alone. The run
+    trains every iteration on its whole batch, the samples' logprobs and the mismatch probe (engine vs
+    trainer, after the last sync) stay at float32 rounding, and no checkpoint is restored."""
     require_sglang_engine()
-    monkeypatch.setenv("GRPO_ENGINE_FAULT", "kill:2@1,stop:2@0")
+    monkeypatch.setenv("GRPO_ENGINE_FAULT", "kill:2@1,stop:2@0,killsync:1@1")
     run = tmp_path / "run"
     out = finish(launch("train", [
         *SMALL, "rollout.engine=sglang", "train.offload_trainer=true", "train.iterations=2",
-        "rollout.max_engine_restarts=2", "rollout.engine_health_timeout_s=3", "logging.samples_interval=1",
+        "rollout.max_engine_restarts=3", "rollout.sync_bucket_mb=1", "rollout.engine_health_timeout_s=3",
+        "logging.samples_interval=1",
         f"logging.run_dir={run}",
     ]), timeout_s=500)  # fmt: skip
     records = read_jsonl(run / "metrics.jsonl")
@@ -257,11 +260,15 @@ def test_colocated_sglang_engines_killed_or_stopped_in_a_rollout_restart_in_plac
     assert [samples.count(i) for i in (1, 2)] == [4, 4]
     # the restarted engines sampled with the trained weights (the last synced version, streamed into them)
     assert max(r["mismatch/logprob_abs_diff_max"] for r in records[1:]) < PROBE_BOUND
-    assert [r.get("engine/restarts", 0) for r in records] == [0, 2, 0], out[-4000:]
+    assert [r.get("engine/restarts", 0) for r in records] == [0, 3, 0], out[-4000:]
+    assert records[1]["sync/buckets"] > 2  # the kill came between its 1st and 2nd bucket
     assert re.search(r"\[engine\] engine 1 \(rank 1 on \S+\) lost during rollout generate: process "
                      r"sglang::scheduler\S* \(pid \d+\) (exited with status -9|is gone)", out), out[-4000:]
     assert re.search(r"\[engine\] engine 0 \(rank 0 on \S+\) lost during rollout generate: process "
                      r"sglang::scheduler\S* \(pid \d+\) stopped \(state T\)", out), out[-4000:]
+    assert re.search(r"\[engine\] engine 1 \(rank 1 on \S+\) lost during the weight sync of version 1: "
+                     r"process sglang::scheduler\S* \(pid \d+\) (exited with status -9|is gone); restarted "
+                     r"for weights version 1", out), out[-4000:]
     assert "resumed from" not in out
     probes = [r.get("mismatch/probe_abs_diff_max") for r in records]
     probes = [p for p in probes if p is not None]

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import concurrent.futures
 import contextlib
 import os
 import random
@@ -55,7 +56,7 @@ from grpo_megatron.rollout.engine import (
     SamplingParams,
     stamped,
 )
-from grpo_megatron.rollout.engine_process import fault_for
+from grpo_megatron.rollout.engine_process import FAULT_ENV, fault_for
 from grpo_megatron.rollout.hf_routes import RouteLayout
 from grpo_megatron.rollout.placement import RolloutPlacement, runtime_placement
 from grpo_megatron.rollout.sglang import protocol
@@ -100,6 +101,7 @@ WATCH_S = 0.5
 """How often a wait for the generation in flight looks at the engine's processes (``ServerGuard``)."""
 ABORT_S = 10.0
 """How long a lost engine's generation thread is given to end once its requests are cancelled."""
+CANCELLED = (asyncio.CancelledError, concurrent.futures.CancelledError)
 
 
 class ServerGuard:
@@ -129,8 +131,17 @@ class ServerGuard:
         self._settle()
         return self._servers
 
-    def __exit__(self, *exc: object) -> None:
-        return None
+    def __exit__(self, kind: type[BaseException] | None, *exc: object) -> None:
+        # A call blocked on a lost engine (``cancel``, from the SIGQUIT of SGLang's watchdog) ends with
+        # CancelledError: ``watch`` names the loss instead.
+        if kind is not None and issubclass(kind, CANCELLED) and self._watch is not None:
+            self._watch()
+
+    def cancel(self) -> None:
+        """Cancel whatever waits on the servers now (a lost engine's: ``health.on_lost``), from a
+        signal handler or another thread."""
+        if self._cancel is not None:
+            self._cancel(self._servers)
 
     def start(self, work: Callable[[list[Any]], T]) -> Future[T]:
         """Run ``work(servers)`` in the generation thread once the one before it is done; its error is
@@ -145,7 +156,12 @@ class ServerGuard:
     def result(self, future: Future[T]) -> T:
         """``future``'s result (a generation ``start`` began), waited for under ``watch``."""
         self._wait(future)
-        return future.result()
+        try:
+            return future.result()
+        except CANCELLED:
+            if self._watch is not None:
+                self._watch()  # the engine was lost: named (EngineLost)
+            raise
 
     def close(self) -> list[Any]:
         """Wait for the generation in flight, stop the thread; the servers, handed over (the guard
@@ -260,6 +276,9 @@ class SGLangEngine(RolloutEngine):
         life 0 only."""
         self._generated = 0
         """Generations submitted in this life (``GRPO_ENGINE_FAULT`` counts them)."""
+        self._buckets = (-1, 0)
+        """(version, buckets of it received so far): ``GRPO_ENGINE_FAULT``'s ``killsync``."""
+        self._sync_faults_done: set[int] = set()
         # Width and EP: rollout/placement.py's (from_config passes them; EngineLaunch.shape when built directly).
         # The EP decides which experts each GPU loads; server args placing experts otherwise are refused.
         self.tp_size, self.ep_size = launch.shape(rollout)
@@ -319,7 +338,9 @@ class SGLangEngine(RolloutEngine):
     def _guard(self, servers: Sequence[Any]) -> ServerGuard:
         if self.health is None:
             return ServerGuard(servers)
-        return ServerGuard(servers, watch=self._watch, cancel=cancel_requests)
+        guard = ServerGuard(servers, watch=self._watch, cancel=cancel_requests)
+        self.health.on_lost = guard.cancel  # a call blocked on a dead scheduler ends (recoverable only)
+        return guard
 
     @classmethod
     def from_config(
@@ -462,6 +483,7 @@ class SGLangEngine(RolloutEngine):
 
     def update_weights(self, bucket: Bucket, *, version: int, last: bool) -> None:
         with self.guard as servers:  # a submitted batch finishes under the weights it was submitted with
+            self._inject_sync_fault(bucket, version)
             try:
                 self.load.accept(bucket, version)
                 arranged = self._pairs.arrange(bucket, version=version, last=last)  # SGLang loads some in pairs
@@ -514,16 +536,35 @@ class SGLangEngine(RolloutEngine):
         """``GRPO_ENGINE_FAULT`` (tests; the engine process's variable, rollout/engine_process.py:
         ``kill:N``, ``stop:N``, ``@R`` for trainer rank R's engine only): at this engine's N-th
         submitted generation, in its first life only, SIGKILL (SIGSTOP) its scheduler just before the
-        request goes to it."""
+        request goes to it. ``killsync:V``: ``_inject_sync_fault``."""
         if self.health is None:
             return
         self._generated += 1
         fault = fault_for({"life": self.life, "rank": self.health.rank})
-        if fault is None or fault[1] != self._generated:
+        if fault is not None and fault[1] == self._generated:
+            self._kill_scheduler(signal.SIGKILL if fault[0] == "kill" else signal.SIGSTOP)
+
+    def _inject_sync_fault(self, bucket: Bucket, version: int) -> None:
+        """``GRPO_ENGINE_FAULT``'s ``killsync:V`` (``@R``): SIGKILL the scheduler as the second bucket of
+        weight version V arrives (a death between two buckets), once per engine, in whichever life."""
+        if self.health is None or not bucket:
             return
+        seen = self._buckets[1] + 1 if self._buckets[0] == version else 1
+        self._buckets = (version, seen)
+        for item in filter(None, os.environ.get(FAULT_ENV, "").split(",")):
+            action, _, rest = item.partition(":")
+            number, _, rank = rest.partition("@")
+            wanted = action == "killsync" and int(number) == version and seen == 2
+            wanted = wanted and (not rank or int(rank) == self.health.rank)
+            if wanted and version not in self._sync_faults_done:
+                self._sync_faults_done.add(version)
+                self._kill_scheduler(signal.SIGKILL)
+
+    def _kill_scheduler(self, signum: int) -> None:
+        assert self.health is not None
         for proc in self.health.procs:
             if "scheduler" in self.health.names.get(proc.pid, ""):
-                os.kill(proc.pid, signal.SIGKILL if fault[0] == "kill" else signal.SIGSTOP)
+                os.kill(proc.pid, signum)
                 return
 
     def restart(self) -> None:

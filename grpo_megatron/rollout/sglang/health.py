@@ -136,6 +136,9 @@ class EngineProcesses:
         self.recoverable = False
         """A lost engine is restarted in place (``rollout.max_engine_restarts`` > 0): SIGQUIT no longer
         ends the rank, ``check`` raises ``EngineLost``."""
+        self.on_lost: Callable[[], None] | None = None
+        """Called by the SIGQUIT handler when ``recoverable``: ends a call blocked on the dead process
+        (``ServerGuard.cancel``), which then raises ``EngineLost``."""
         self.stopped_since: dict[int, float] = {}
         """When each process was first seen stopped (state T), by pid; forgotten once it runs again."""
 
@@ -274,6 +277,8 @@ class EngineProcesses:
             if self.stopping:  # a scheduler that saw its peer killed first, while we shut it down
                 return
             if self.recoverable:  # the wait for the engine finds it lost (check) and the fleet restarts it
+                if self.on_lost is not None:
+                    self.on_lost()
                 return
             self.exit_rank(self.report())
 
