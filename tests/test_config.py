@@ -410,9 +410,15 @@ def test_the_asynchronous_loop_needs_engines_generating_apart_and_refuses_what_i
     with pytest.raises(ConfigError, match=r"train.max_staleness=-1 must be >= 0"):
         validate(load_config(EXAMPLE, ["train.max_staleness=-1"]), 1)
     validate(load_config(EXAMPLE, ["rollout.embedded_process=true", "train.max_staleness=2"]), 1)
-    # issue 41: engines are restarted in place as engine processes only; the bound and deadline are checked
-    with pytest.raises(ConfigError, match=r"rollout.max_engine_restarts=2: .*set rollout.embedded_process=true"):
+    # issue 41: engines are restarted in place as engine processes or colocated SGLang engines; the bound and
+    # deadline are checked
+    with pytest.raises(ConfigError, match=r"rollout.max_engine_restarts=2: .*rollout.embedded_process=true"):
         validate(load_config(EXAMPLE, ["rollout.max_engine_restarts=2"]), 1)
+    with pytest.raises(ConfigError, match=r"rollout.max_engine_restarts=1: disaggregated SGLang servers"):
+        validate(load_config(EXAMPLE, ["rollout.engine=sglang", "rollout.max_engine_restarts=1",
+                                       "rollout.sglang_mode=disaggregated",
+                                       "rollout.sglang_server_urls=[http://h:1]"]), 1)  # fmt: skip
+    validate(load_config(EXAMPLE, ["rollout.engine=sglang", "rollout.max_engine_restarts=1"]), 1)
     with pytest.raises(ConfigError, match=r"rollout.engine_health_timeout_s=0.0 must be > 0"):
         validate(load_config(EXAMPLE, ["rollout.embedded_process=true", "rollout.engine_health_timeout_s=0"]), 1)
     validate(load_config(EXAMPLE, ["rollout.embedded_process=true", "rollout.max_engine_restarts=2"]), 1)

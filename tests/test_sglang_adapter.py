@@ -651,6 +651,8 @@ from pathlib import Path
 from grpo_megatron.rollout.sglang.health import EngineProcesses
 health = EngineProcesses(0, Path(sys.argv[1]))
 signal.signal(signal.SIGQUIT, health.on_sigquit())
+if sys.argv[2] == "recoverable":  # rollout.max_engine_restarts > 0: what waits is cancelled, the rank lives
+    health.recoverable, health.on_lost = True, lambda: print("cancelled", flush=True)
 if sys.argv[2] == "stopping":
     with health.engine_only_shutdown():
         os.kill(os.getpid(), signal.SIGQUIT)
@@ -696,23 +698,71 @@ def test_sigterm_ignored_while_engine_processes_start_then_the_handler_is_back(t
     assert (tmp_path / "logs" / "engine.log").read_text() == "from the engine\n"
 
 
-@pytest.mark.parametrize("stopping", [False, True])
-def test_sigquit_ends_the_rank_unless_it_is_shutting_the_engine_down(tmp_path: Path, stopping: bool) -> None:
+@pytest.mark.parametrize("mode", ["running", "stopping", "recoverable"])
+def test_sigquit_ends_the_rank_unless_it_is_shutting_the_engine_down(tmp_path: Path, mode: str) -> None:
     """A scheduler's SIGQUIT ends the rank with EXIT_ENGINE_DIED while the engine runs; once the rank
     shuts the engine down (a TP2 engine's schedulers are killed one after the other, and the last
-    one sends SIGQUIT from its broken collective) it is expected and the rank goes on."""
+    one sends SIGQUIT from its broken collective) it is expected and the rank goes on. With
+    rollout.max_engine_restarts > 0 (issue 41) it only cancels what waits on the engine."""
     from grpo_megatron.rollout.sglang.health import EXIT_ENGINE_DIED
 
     (tmp_path / "engine.log").write_text("scheduler line\n")
     proc = subprocess.run(
-        [sys.executable, "-c", _SIGQUIT_SCRIPT, str(tmp_path / "engine.log"), "stopping" if stopping else "running"],
+        [sys.executable, "-c", _SIGQUIT_SCRIPT, str(tmp_path / "engine.log"), mode],
         capture_output=True, text=True, timeout=60,
         env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])},
     )  # fmt: skip
-    if stopping:
-        assert proc.returncode == 0 and "survived" in proc.stdout, proc.stderr
-    else:
+    if mode == "running":
         assert proc.returncode == EXIT_ENGINE_DIED and "scheduler line" in proc.stderr, proc.stderr
+    else:
+        assert proc.returncode == 0 and "survived" in proc.stdout, proc.stderr
+        assert ("cancelled" in proc.stdout) == (mode == "recoverable")
+
+
+@pytest.mark.parametrize("fault", ["kill", "stop"])
+def test_a_generation_waiting_on_a_dead_or_stopped_scheduler_ends_in_engine_lost(
+    tmp_path: Path, fault: str
+) -> None:
+    """Issue 41: SGLang's tokenizer manager awaits a lost scheduler's answer with no deadline. The wait
+    for the generation (ServerGuard, every WATCH_S) finds the process dead, or stopped past the health
+    deadline, cancels the tasks on the engine's event loop (the generation thread's run_until_complete
+    ends) and raises EngineLost naming the process and the log. A real process and a real loop."""
+    import asyncio
+
+    import psutil
+
+    from grpo_megatron.rollout.engine import EngineLost
+    from grpo_megatron.rollout.sglang.engine import ServerGuard, cancel_requests
+    from grpo_megatron.rollout.sglang.health import EngineProcesses
+
+    (tmp_path / "engine.log").write_text("scheduler line\n")
+    health = EngineProcesses(0, tmp_path / "engine.log")
+    scheduler = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    health.procs, health.names = [psutil.Process(scheduler.pid)], {scheduler.pid: "sched"}
+    health.recoverable = True
+
+    def watch() -> None:  # SGLangEngine._watch with a 0.3 s deadline
+        health.check()
+        why = health.stopped(0.3)
+        if why is not None:
+            raise health.failure(why)
+
+    server = SimpleNamespace(loop=asyncio.new_event_loop())
+    guard = ServerGuard([server], watch=watch, cancel=cancel_requests)
+    try:
+        future = guard.start(lambda servers: servers[0].loop.run_until_complete(asyncio.Event().wait()))
+        os.kill(scheduler.pid, signal.SIGKILL if fault == "kill" else signal.SIGSTOP)
+        start = time.monotonic()
+        with pytest.raises(EngineLost, match="process sched") as lost:
+            guard.result(future)
+        assert time.monotonic() - start < 5 and future.done()  # the generation thread ended
+        assert ("stopped (state T)" in str(lost.value)) == (fault == "stop")
+        assert "scheduler line" in str(lost.value)  # the log's tail
+    finally:
+        scheduler.kill()
+        scheduler.wait()
+        guard.abandon()
+        server.loop.close()
 
 
 _START_SCRIPT = """

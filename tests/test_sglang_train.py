@@ -7,6 +7,7 @@ job the engine's device and CPU arguments follow from the job."""
 from __future__ import annotations
 
 import contextlib
+import json
 import re
 import signal
 import subprocess
@@ -230,3 +231,48 @@ def test_a_two_node_engine_part_is_started_like_the_leader_and_saves_on_a_slurm_
     assert exit_file.read_text().strip() == str(EXIT_PREEMPTED)
     saved = re.search(r"\[preempt\] SIGTERM: checkpoint \S+(iter_\d+) written", outs[0])
     assert saved and (run / "checkpoints" / "latest").read_text().strip() == saved.group(1), outs[0][-4000:]
+
+
+def test_colocated_sglang_engines_killed_or_stopped_in_a_rollout_restart_in_place(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """Issue 41 with the real engine: in iteration 1's rollout (each engine's 2nd generation, after the
+    first evaluation) rank 1's scheduler is SIGKILLed and rank 0's SIGSTOPped as the request goes to them
+    (GRPO_ENGINE_FAULT, read by SGLangEngine, first life only). Each engine is shut down, started again in
+    its rank's process (the two at once), given the last synced version and its share generated again
+    (same prompts and seeds). Then rank 1's restarted scheduler is SIGKILLed between the 1st and 2nd of
+    the buckets of version 1's sync: it restarts inside the sync and is sent that version alone. The run
+    trains every iteration on its whole batch, the samples' logprobs and the mismatch probe (engine vs
+    trainer, after the last sync) stay at float32 rounding, and no checkpoint is restored."""
+    require_sglang_engine()
+    monkeypatch.setenv("GRPO_ENGINE_FAULT", "kill:2@1,stop:2@0,killsync:1@1")
+    run = tmp_path / "run"
+    out = finish(launch("train", [
+        *SMALL, "rollout.engine=sglang", "train.offload_trainer=true", "train.iterations=2",
+        "rollout.max_engine_restarts=3", "rollout.sync_bucket_mb=1", "rollout.engine_health_timeout_s=3",
+        "logging.samples_interval=1",
+        f"logging.run_dir={run}",
+    ]), timeout_s=500)  # fmt: skip
+    records = read_jsonl(run / "metrics.jsonl")
+    assert [r["iteration"] for r in records] == [0, 1, 2]
+    # every prompt of each batch trained (4 x 4 samples: collect refuses a batch short of a share)
+    samples = [r["iteration"] for r in read_jsonl(run / "samples.jsonl")]
+    assert [samples.count(i) for i in (1, 2)] == [4, 4]
+    # the restarted engines sampled with the trained weights (the last synced version, streamed into them)
+    assert max(r["mismatch/logprob_abs_diff_max"] for r in records[1:]) < PROBE_BOUND
+    assert [r.get("engine/restarts", 0) for r in records] == [0, 3, 0], out[-4000:]
+    assert records[1]["sync/buckets"] > 2  # the kill came between its 1st and 2nd bucket
+    assert re.search(r"\[engine\] engine 1 \(rank 1 on \S+\) lost during rollout generate: process "
+                     r"sglang::scheduler\S* \(pid \d+\) (exited with status -9|is gone)", out), out[-4000:]
+    assert re.search(r"\[engine\] engine 0 \(rank 0 on \S+\) lost during rollout generate: process "
+                     r"sglang::scheduler\S* \(pid \d+\) stopped \(state T\)", out), out[-4000:]
+    assert re.search(r"\[engine\] engine 1 \(rank 1 on \S+\) lost during the weight sync of version 1: "
+                     r"process sglang::scheduler\S* \(pid \d+\) (exited with status -9|is gone); restarted "
+                     r"for weights version 1", out), out[-4000:]
+    assert "resumed from" not in out
+    probes = [r.get("mismatch/probe_abs_diff_max") for r in records]
+    probes = [p for p in probes if p is not None]
+    assert probes and max(probes) < PROBE_BOUND, probes
+    log = next((run / "sglang").glob("engine-rank1-*.log")).read_text()
+    assert "--- SGLang engine of rank 1, life 1 (restarted in place) ---" in log
+    print(json.dumps([{k: r.get(k) for k in ("engine/restart_s", "time/iteration")} for r in records]))

@@ -124,11 +124,13 @@ class RolloutConfig:
     are restarted in place per run (per launch of the job): each is started again, given the current
     weights and its share of the batch generated again (rollout/fleet.py: ``EngineRecovery``); one
     more loss ends the run naming the engine, rank, host and its log's tail. 0: the first loss ends
-    it. Engine processes only (rollout.embedded_process=true)."""
+    it. Engine processes (rollout.embedded_process=true) and colocated SGLang engines of one GPU each
+    (rollout.sglang_tp=1; a lost SGLang engine is shut down and started again in the rank's process)."""
     engine_health_timeout_s: float = 120.0
     """An engine process awaited for a result that sends nothing (no reply, no heartbeat: it beats
     every eighth of this, at most every 10 s, while it generates) for this long is lost (a stopped
-    process counts)."""
+    process counts). A colocated SGLang engine: a process of it stopped (state T) this long while a
+    generation is awaited is lost (a dead one at once: SGLang's watchdog notices within a second)."""
     embedded_max_batch_rows: int = 0
     """Rows (prompts x samples) an embedded engine decodes at once; 0 = all of a generate call together."""
     probe_batch: int = 4
@@ -195,6 +197,29 @@ class RolloutConfig:
             return ResponseBudget("rollout.multiturn.max_total_tokens", self.multiturn.max_total_tokens)
         return ResponseBudget("rollout.max_new_tokens", self.max_new_tokens)
 
+    def restart_errors(self) -> list[str]:
+        """Engines restarted in place (issue 41): the bound, the health deadline, and which engines can."""
+        errors: list[str] = []
+        bound = f"rollout.max_engine_restarts={self.max_engine_restarts}"
+        if self.max_engine_restarts < 0:
+            errors.append(f"{bound} must be >= 0 (0: a lost engine ends the run)")
+        if self.max_engine_restarts > 0 and not (self.embedded_process or self.engine == "sglang"):
+            errors.append(
+                f"{bound}: engines are restarted in place as engine processes "
+                "(rollout.embedded_process=true) or colocated SGLang engines; in-process embedded "
+                "engines cannot be lost alone: set one of those, or rollout.max_engine_restarts=0"
+            )
+        if self.max_engine_restarts > 0 and self.engine == "sglang" and self.sglang_mode != "colocated":
+            errors.append(
+                f"{bound}: disaggregated SGLang servers are not started by the job, so it cannot "
+                "restart them; set rollout.max_engine_restarts=0 (a failed server goes through its "
+                "own restart hook and a full sync)"
+            )
+        if not self.engine_health_timeout_s > 0:
+            errors.append(f"rollout.engine_health_timeout_s={self.engine_health_timeout_s} must be > 0 "
+                          "(120 is a good start)")  # fmt: skip
+        return errors
+
     def validate(self) -> None:
         self.multiturn.validate()
         errors = []
@@ -243,18 +268,7 @@ class RolloutConfig:
                 f"rollout.embedded_process=true is for rollout.engine=embedded (it is {self.engine}): "
                 "SGLang engines already run in processes of their own"
             )
-        if self.max_engine_restarts < 0:
-            errors.append(f"rollout.max_engine_restarts={self.max_engine_restarts} must be >= 0 (0: a lost engine "
-                          "ends the run)")  # fmt: skip
-        if self.max_engine_restarts > 0 and not self.embedded_process:
-            errors.append(
-                f"rollout.max_engine_restarts={self.max_engine_restarts}: engines are restarted in place only as "
-                "engine processes; set rollout.embedded_process=true, or rollout.max_engine_restarts=0 (SGLang: "
-                "a lost engine ends the run, resume from the last checkpoint)"
-            )
-        if not self.engine_health_timeout_s > 0:
-            errors.append(f"rollout.engine_health_timeout_s={self.engine_health_timeout_s} must be > 0 (120 is a "
-                          "good start)")  # fmt: skip
+        errors += self.restart_errors()
         if self.embedded_process_threads < 1:
             errors.append(f"rollout.embedded_process_threads={self.embedded_process_threads} must be >= 1")
         if self.embedded_max_batch_rows < 0:

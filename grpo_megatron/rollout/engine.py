@@ -34,6 +34,20 @@ MemoryTag = Literal["weights", "kv_cache", "cuda_graph"]
 ALL_MEMORY_TAGS: tuple[MemoryTag, ...] = ("weights", "kv_cache", "cuda_graph")
 
 
+class EngineLost(RuntimeError):
+    """An engine lost while the run needs it (issue 41): an engine process that exited, stopped
+    answering past its health deadline, or broke its pipe; an SGLang engine whose process died or
+    stopped (``rollout.max_engine_restarts`` > 0). Which (trainer ``rank``, ``host``), ``why``, and
+    the last lines of its log: the fleet restarts it in place (rollout/fleet.py) or names it."""
+
+    def __init__(
+        self, rank: int, host: str, why: str, log_tail: str, log_path: str, what: str = "engine process"
+    ) -> None:
+        self.rank, self.host, self.why, self.log_tail, self.log_path = rank, host, why, log_tail, log_path
+        super().__init__(f"the {what} of rank {rank} on {host} was lost: {why}; the last lines of its log "
+                         f"({log_path}):\n{log_tail}")  # fmt: skip
+
+
 @dataclass(frozen=True)
 class EngineSpec:
     """What the engines of a job are built from: their config sections and the job settings they read

@@ -53,7 +53,16 @@ from typing import Any
 
 import torch
 
-from grpo_megatron.rollout.engine import Bucket, Completion, Manifest, RolloutEngine, SamplingParams
+from grpo_megatron.rollout.engine import (
+    Bucket,
+    Completion,
+    EngineLost,
+    Manifest,
+    RolloutEngine,
+    SamplingParams,
+)
+
+__all__ = ["FAULT_ENV", "EngineLost", "EngineProcess", "fault_for", "serve"]
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 FAULT_ENV = "GRPO_ENGINE_FAULT"
@@ -61,17 +70,7 @@ FAULT_ENV = "GRPO_ENGINE_FAULT"
 LOG_TAIL_LINES = 20
 
 
-class EngineLost(RuntimeError):
-    """An engine process that exited, stopped answering past its health deadline, or broke its pipe:
-    which (trainer ``rank``, ``host``), ``why``, and the last lines of its log."""
-
-    def __init__(self, rank: int, host: str, why: str, log_tail: str, log_path: str) -> None:
-        self.rank, self.host, self.why, self.log_tail, self.log_path = rank, host, why, log_tail, log_path
-        super().__init__(f"the engine process of rank {rank} on {host} was lost: {why}; the last lines of its log "
-                         f"({log_path}):\n{log_tail}")  # fmt: skip
-
-
-def _fault(spec: Mapping[str, Any]) -> tuple[str, int] | None:
+def fault_for(spec: Mapping[str, Any]) -> tuple[str, int] | None:
     """(action, generate request number) of ``GRPO_ENGINE_FAULT`` for this engine, first life only."""
     if int(spec.get("life", 0)) != 0:
         return None
@@ -275,7 +274,7 @@ def serve(spec_path: str) -> None:
 
     threading.Thread(target=heartbeat, name="heartbeat", daemon=True).start()
     _send(out, {"ready": True, "expected": expected})
-    server = _Server(engine, Path(spec["folder"]), fault=_fault(spec))
+    server = _Server(engine, Path(spec["folder"]), fault=fault_for(spec))
     reader = LineReader(sys.stdin.fileno())
     while True:
         message = reader.read(0.0)  # file whatever has arrived, without waiting

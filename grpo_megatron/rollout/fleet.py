@@ -40,9 +40,11 @@ Past the bound every rank raises, naming each lost engine, its rank, host, why a
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -50,13 +52,13 @@ import torch.distributed as dist
 
 from grpo_megatron.rollout.engine import (
     Completion,
+    EngineLost,
     EngineSpec,
     MemoryTag,
     RolloutEngine,
     SamplingParams,
     WeightSink,
 )
-from grpo_megatron.rollout.engine_process import EngineLost
 from grpo_megatron.rollout.placement import RolloutPlacement, runtime_placement
 from grpo_megatron.rollout.results import (
     HeldCompletions,
@@ -197,6 +199,9 @@ class EngineRecovery:
 
     model: torch.nn.Module
     max_restarts: int
+    sync_visit: Callable[[], AbstractContextManager[None]] | None = None
+    """A context inside which ``model``'s parameters are on the device for the resync (the job's
+    ``ColocatedMemory.sync_visit``: a colocated rollout phase has them offloaded); None: they always are."""
     restarts: int = 0
     seconds: list[float] = dataclasses.field(default_factory=list)
     """Seconds from the ranks' agreement that engines were lost to their serving again, per restart
@@ -516,7 +521,8 @@ class RolloutFleet:
         _agree(error, "restarting the lost rollout engine(s)")
         recovery.restarts += len(ranks)
         if resync:
-            self.sync_weights(recovery.model, version, targets=ranks, recovery=recovery)
+            with recovery.sync_visit() if recovery.sync_visit is not None else contextlib.nullcontext():
+                self.sync_weights(recovery.model, version, targets=ranks, recovery=recovery)
         seconds = time.perf_counter() - start
         recovery.seconds += [seconds] * len(ranks)
         return seconds

@@ -433,7 +433,7 @@ def build_job(cfg: JobConfig, *, with_reference: bool) -> Job:
     policy, reference, fleet, memory = _models(cfg, start, with_reference=with_reference, engines=engines)
     ps, run_dir = start.ps, start.run_dir
     restarts = cfg.rollout.max_engine_restarts
-    recovery = EngineRecovery(policy.model, restarts) if engines and restarts > 0 else None
+    recovery = EngineRecovery(policy.model, restarts, memory.sync_visit) if engines and restarts > 0 else None
     return Job(
         cfg=cfg, ps=ps, hf=start.hf, run_dir=run_dir, tokenizer=start.tokenizer, policy=policy, fleet=fleet,
         logger=_logger(cfg, start, cfg.train.iterations, REQUIRED_KEYS),

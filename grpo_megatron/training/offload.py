@@ -360,6 +360,20 @@ class ColocatedMemory:
         yield
         self.enter(before)
 
+    @contextmanager
+    def sync_visit(self) -> Iterator[None]:
+        """The sync phase's memory for the body, then the phase before it again: an engine restarted
+        in place during a rollout (issue 41, ``RolloutFleet.restart_engines``) is streamed the last
+        synced version, and the export reads the parameters the rollout phase offloads. Inside a sync
+        already: nothing moves."""
+        before = self.phase
+        if before == "sync":
+            yield
+            return
+        self.enter("sync")
+        yield
+        self.enter(before)
+
     def trainer_back(self) -> None:
         """Bring the trainer's state back for good (the final export reads the parameters; the end of
         a loop); the engines' memory is not touched."""

@@ -33,8 +33,13 @@ same for every engine; the adapter releases and resumes only what it holds.
 
 from __future__ import annotations
 
+import asyncio
+import atexit
+import concurrent.futures
 import contextlib
+import os
 import random
+import signal
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -51,6 +56,7 @@ from grpo_megatron.rollout.engine import (
     SamplingParams,
     stamped,
 )
+from grpo_megatron.rollout.engine_process import FAULT_ENV, fault_for
 from grpo_megatron.rollout.hf_routes import RouteLayout
 from grpo_megatron.rollout.placement import RolloutPlacement, runtime_placement
 from grpo_megatron.rollout.sglang import protocol
@@ -91,6 +97,12 @@ __all__ = ["ReleasedMemory", "SGLangEngine", "SGLangUnavailableError", "ServerGu
 
 T = TypeVar("T")
 
+WATCH_S = 0.5
+"""How often a wait for the generation in flight looks at the engine's processes (``ServerGuard``)."""
+ABORT_S = 10.0
+"""How long a lost engine's generation thread is given to end once its requests are cancelled."""
+CANCELLED = (asyncio.CancelledError, concurrent.futures.CancelledError)
+
 
 class ServerGuard:
     """The engine's servers, reachable only through here, and the one generation that may run in a
@@ -98,19 +110,38 @@ class ServerGuard:
     processes). ``sglang.Engine`` drives its requests on one asyncio loop, which one thread may run at
     a time, and a submitted batch must finish under the weights it was submitted with: so
     ``with guard as servers:`` first waits for that generation, whatever the call (weights, scores,
-    memory, health, shutdown). ``start(work)`` runs ``work(servers)`` as the generation in flight."""
+    memory, health, shutdown). ``start(work)`` runs ``work(servers)`` as the generation in flight.
 
-    def __init__(self, servers: Sequence[Any]) -> None:
+    Every wait for that generation looks at the engine every ``WATCH_S`` (``watch``: raises when the
+    engine is lost, e.g. a scheduler killed or stopped, whose requests would never answer); the wait
+    then cancels the generation (``cancel(servers)``: its requests on the engine's loop), gives its
+    thread ``ABORT_S`` to end, and raises what ``watch`` raised."""
+
+    def __init__(
+        self, servers: Sequence[Any], *, watch: Callable[[], None] | None = None,
+        cancel: Callable[[list[Any]], None] | None = None,
+    ) -> None:
         self._servers = list(servers)
         self._pool: ThreadPoolExecutor | None = None
         self._running: Future[Any] | None = None
+        self._watch = watch
+        self._cancel = cancel
 
     def __enter__(self) -> list[Any]:
         self._settle()
         return self._servers
 
-    def __exit__(self, *exc: object) -> None:
-        return None
+    def __exit__(self, kind: type[BaseException] | None, *exc: object) -> None:
+        # A call blocked on a lost engine (``cancel``, from the SIGQUIT of SGLang's watchdog) ends with
+        # CancelledError: ``watch`` names the loss instead.
+        if kind is not None and issubclass(kind, CANCELLED) and self._watch is not None:
+            self._watch()
+
+    def cancel(self) -> None:
+        """Cancel whatever waits on the servers now (a lost engine's: ``health.on_lost``), from a
+        signal handler or another thread."""
+        if self._cancel is not None:
+            self._cancel(self._servers)
 
     def start(self, work: Callable[[list[Any]], T]) -> Future[T]:
         """Run ``work(servers)`` in the generation thread once the one before it is done; its error is
@@ -122,6 +153,16 @@ class ServerGuard:
         self._running = running
         return running
 
+    def result(self, future: Future[T]) -> T:
+        """``future``'s result (a generation ``start`` began), waited for under ``watch``."""
+        self._wait(future)
+        try:
+            return future.result()
+        except CANCELLED:
+            if self._watch is not None:
+                self._watch()  # the engine was lost: named (EngineLost)
+            raise
+
     def close(self) -> list[Any]:
         """Wait for the generation in flight, stop the thread; the servers, handed over (the guard
         holds none afterwards)."""
@@ -132,10 +173,40 @@ class ServerGuard:
         servers, self._servers = self._servers, []
         return servers
 
+    def abandon(self) -> list[Any]:
+        """A lost engine's servers, handed over without waiting on them: the generation in flight is
+        cancelled and given ``ABORT_S``; a thread still stuck after that is left behind."""
+        ended = self._abort()
+        if self._pool is not None:
+            self._pool.shutdown(wait=ended, cancel_futures=True)
+            self._pool = None
+        self._running = None
+        servers, self._servers = self._servers, []
+        return servers
+
     def _settle(self) -> None:
-        running, self._running = self._running, None
-        if running is not None:
-            wait([running])
+        if self._running is not None:
+            self._wait(self._running)
+            self._running = None
+
+    def _wait(self, future: Future[Any]) -> None:
+        while wait([future], timeout=WATCH_S).not_done:
+            if self._watch is None:
+                continue
+            try:
+                self._watch()
+            except BaseException:
+                self._abort()
+                raise
+
+    def _abort(self) -> bool:
+        """Cancel the generation in flight; whether its thread ended within ``ABORT_S``."""
+        running = self._running
+        if running is None or running.done():
+            return True
+        if self._cancel is not None:
+            self._cancel(self._servers)
+        return not wait([running], timeout=ABORT_S).not_done
 
 
 class ReleasedMemory:
@@ -198,10 +269,16 @@ class SGLangEngine(RolloutEngine):
         self._restart_server = restart_server
         self._hf_config = {**read_hf_config(model_path), **(launch.hf_overrides or {})}
         self.tied_head = tied_output_head(self._hf_config)
-        shapes = checkpoint_shapes(model_path)
-        self.load = WeightLoad(shapes, f"the checkpoint at {self.model_path}")
-        """The weight-load protocol's state (version, sessions, staleness)."""
-        self.released = ReleasedMemory()
+        self._shapes = shapes = checkpoint_shapes(model_path)
+        self._launch = launch
+        self.life = 0
+        """How often this engine was restarted in place (``restart``); ``GRPO_ENGINE_FAULT`` acts in
+        life 0 only."""
+        self._generated = 0
+        """Generations submitted in this life (``GRPO_ENGINE_FAULT`` counts them)."""
+        self._buckets = (-1, 0)
+        """(version, buckets of it received so far): ``GRPO_ENGINE_FAULT``'s ``killsync``."""
+        self._sync_faults_done: set[int] = set()
         # Width and EP: rollout/placement.py's (from_config passes them; EngineLaunch.shape when built directly).
         # The EP decides which experts each GPU loads; server args placing experts otherwise are refused.
         self.tp_size, self.ep_size = launch.shape(rollout)
@@ -213,13 +290,10 @@ class SGLangEngine(RolloutEngine):
         started_here = servers is None
         # A colocated engine started here from a quantized checkpoint, or from none, holds dummy weights.
         dummy = started_here and self.mode == "colocated" and (not shapes or quantized(self._hf_config))
-        self.held: EngineTensors = engine_tensors(shapes, self._hf_config, torch_dtype(launch.dtype), dummy=dummy)
-        """What the engine holds per tensor (``check_manifest`` judges each sync's manifest against it)."""
-        self._accepted: Manifest | None = None
-        self._pairs = PairedLoads()
+        self._dummy = dummy
+        self._fresh_state()
         if started_here and self.mode == "colocated":
-            server, self.health, args = start_colocated(rollout, self.model_path, launch, self._hf_config,
-                                                        weights_on_disk=bool(shapes))  # fmt: skip
+            server, args = self._start_colocated()
             servers, routes = [server], bool(args["enable_return_routed_experts"])
         elif started_here:
             servers = [SGLangHttpClient(u, rollout.sglang_request_timeout_s) for u in rollout.sglang_server_urls]
@@ -232,7 +306,7 @@ class SGLangEngine(RolloutEngine):
             self.transport = CudaIpcTransport(self.tp_size, (flattened_cls, serializer), device)
         else:
             self.transport = NcclBroadcastTransport(rollout, flattened_cls, device, launch.group_timeout)
-        self.guard = ServerGuard(servers or [])
+        self.guard = self._guard(servers or [])
         self.context = context_tokens(servers or [])
         """Tokens one sequence may hold (prompt and response): each request's ``max_new_tokens`` stays
         within it (``protocol.request_budgets``); None where the servers do not say (HTTP)."""
@@ -240,6 +314,33 @@ class SGLangEngine(RolloutEngine):
             self.ensure_healthy()  # disaggregated servers answer before use (colocated: a no-op)
             if self.tied_head and shapes and not dummy:
                 self._load_tied_head_from_disk()
+
+    def _fresh_state(self) -> None:
+        """What the adapter knows of a freshly started engine: its weights, memory and load protocol."""
+        self.load = WeightLoad(self._shapes, f"the checkpoint at {self.model_path}")
+        """The weight-load protocol's state (version, sessions, staleness)."""
+        self.released = ReleasedMemory()
+        dtype = torch_dtype(self._launch.dtype)
+        self.held: EngineTensors = engine_tensors(self._shapes, self._hf_config, dtype, dummy=self._dummy)
+        """What the engine holds per tensor (``check_manifest`` judges each sync's manifest against it)."""
+        self._accepted: Manifest | None = None
+        self._pairs = PairedLoads()
+
+    def _start_colocated(self) -> tuple[Any, dict[str, Any]]:
+        """Start the colocated ``sglang.Engine`` (``launch.start_colocated``): (the engine, its server
+        arguments); its processes watched in ``health``, restartable with ``rollout.max_engine_restarts``."""
+        server, self.health, args = start_colocated(
+            self.rollout, self.model_path, self._launch, self._hf_config, weights_on_disk=bool(self._shapes)
+        )
+        self.health.recoverable = self.rollout.max_engine_restarts > 0
+        return server, args
+
+    def _guard(self, servers: Sequence[Any]) -> ServerGuard:
+        if self.health is None:
+            return ServerGuard(servers)
+        guard = ServerGuard(servers, watch=self._watch, cancel=cancel_requests)
+        self.health.on_lost = guard.cancel  # a call blocked on a dead scheduler ends (recoverable only)
+        return guard
 
     @classmethod
     def from_config(
@@ -260,6 +361,13 @@ class SGLangEngine(RolloutEngine):
             return cls(rollout, model.hf_path, launch)
         placement = placement or runtime_placement(spec, ps, read_hf_config(model.hf_path))
         layout, gpus_per_node, local_rank = layout_of(placement, ps)
+        if rollout.max_engine_restarts > 0 and placement.gpus_per_engine > 1:
+            raise ValueError(
+                f"rollout.max_engine_restarts={rollout.max_engine_restarts}: SGLang engines restart "
+                f"in place on one GPU each only, and these span {placement.gpus_per_engine} "
+                "(rollout.sglang_tp, rollout.placement); set rollout.sglang_tp=1, or "
+                "rollout.max_engine_restarts=0"
+            )
         if ps.rank != layout.leader:
             return None  # a multi-node engine's other ranks agree on its address in SGLangSyncMember
         address = agree_engine_address(layout, gpus_per_node, local_rank) if layout.multi_node else None
@@ -306,6 +414,7 @@ class SGLangEngine(RolloutEngine):
         again without another look. Disaggregated servers of a quantized checkpoint are refused:
         they were started from its config, so they hold float8 weights the sync's tensors would be
         cast into beside stale scales."""
+        self.check_alive()  # a lost engine raises EngineLost here: the fleet restarts it before the sync
         if manifest is self._accepted:
             return []
         if self.mode == "disaggregated" and quantized(self._hf_config):
@@ -339,9 +448,10 @@ class SGLangEngine(RolloutEngine):
         with exactly the weights it was submitted under."""
         with self.guard:
             self._refuse_if_unable()
+            self._inject_fault()
             version = self.weight_version
             future = self.guard.start(lambda servers: self._generate(servers, prompts, params))
-        return lambda: stamped(future.result(), version)
+        return lambda: stamped(self.guard.result(future), version)
 
     def _generate(
         self, servers: list[Any], prompts: Sequence[Sequence[int]], params: SamplingParams
@@ -373,6 +483,7 @@ class SGLangEngine(RolloutEngine):
 
     def update_weights(self, bucket: Bucket, *, version: int, last: bool) -> None:
         with self.guard as servers:  # a submitted batch finishes under the weights it was submitted with
+            self._inject_sync_fault(bucket, version)
             try:
                 self.load.accept(bucket, version)
                 arranged = self._pairs.arrange(bucket, version=version, last=last)  # SGLang loads some in pairs
@@ -403,9 +514,100 @@ class SGLangEngine(RolloutEngine):
 
     def check_alive(self) -> None:
         """Raise ``EngineDiedError`` naming the engine, rank, host and last log lines if one of its
-        processes is gone (cheap: the process table)."""
+        processes is gone or stopped (state T) (cheap: the process table); ``EngineLost`` with
+        ``rollout.max_engine_restarts`` > 0 (the fleet restarts it)."""
         if self.health is not None:
             self.health.check()
+            why = self.health.stopped(0.0)
+            if why is not None:
+                raise self.health.failure(why)
+
+    def _watch(self) -> None:
+        """While a generation is awaited (``ServerGuard``): raise if a process of the engine died
+        (SGLang's watchdog also SIGQUITs the rank: ``health.on_sigquit``) or has been stopped for
+        ``rollout.engine_health_timeout_s``; the guard then cancels the generation."""
+        assert self.health is not None
+        self.health.check()
+        why = self.health.stopped(self.rollout.engine_health_timeout_s)
+        if why is not None:
+            raise self.health.failure(why)
+
+    def _inject_fault(self) -> None:
+        """``GRPO_ENGINE_FAULT`` (tests; the engine process's variable, rollout/engine_process.py:
+        ``kill:N``, ``stop:N``, ``@R`` for trainer rank R's engine only): at this engine's N-th
+        submitted generation, in its first life only, SIGKILL (SIGSTOP) its scheduler just before the
+        request goes to it. ``killsync:V``: ``_inject_sync_fault``."""
+        if self.health is None:
+            return
+        self._generated += 1
+        fault = fault_for({"life": self.life, "rank": self.health.rank})
+        if fault is not None and fault[1] == self._generated:
+            self._kill_scheduler(signal.SIGKILL if fault[0] == "kill" else signal.SIGSTOP)
+
+    def _inject_sync_fault(self, bucket: Bucket, version: int) -> None:
+        """``GRPO_ENGINE_FAULT``'s ``killsync:V`` (``@R``): SIGKILL the scheduler as the second bucket of
+        weight version V arrives (a death between two buckets), once per engine, in whichever life."""
+        if self.health is None or not bucket:
+            return
+        seen = self._buckets[1] + 1 if self._buckets[0] == version else 1
+        self._buckets = (version, seen)
+        for item in filter(None, os.environ.get(FAULT_ENV, "").split(",")):
+            action, _, rest = item.partition(":")
+            number, _, rank = rest.partition("@")
+            wanted = action == "killsync" and int(number) == version and seen == 2
+            wanted = wanted and (not rank or int(rank) == self.health.rank)
+            if wanted and version not in self._sync_faults_done:
+                self._sync_faults_done.add(version)
+                self._kill_scheduler(signal.SIGKILL)
+
+    def _kill_scheduler(self, signum: int) -> None:
+        assert self.health is not None
+        for proc in self.health.procs:
+            if "scheduler" in self.health.names.get(proc.pid, ""):
+                os.kill(proc.pid, signum)
+                return
+
+    def restart(self) -> None:
+        """Restart a lost colocated engine in place (issue 41; ``RolloutFleet.restart_engines``): the
+        generation in flight is cancelled, the engine shut down (its own processes only), what is
+        left of them SIGKILLed (a stopped one too), then ``sglang.Engine`` starts again in this
+        process with the same arguments (fresh ports and IPC names; the trainer's signal handlers taken
+        back again) on a fresh event loop. It holds the checkpoint's (or dummy) weights: the fleet
+        then streams the last synced version into it. It comes back in the memory phase of the
+        moment: the tags its predecessor had released are released again right after the start (on a
+        GPU its KV pool needs its room while it starts: the rollout phase, where the fleet finds most
+        losses, has the trainer offloaded). One-GPU engines only (``from_config`` refuses others)."""
+        if self.health is None or self.tp_size > 1 or self._launch.nnodes > 1:
+            raise RuntimeError("only a one-GPU colocated SGLang engine started by this adapter restarts "
+                               "in place")  # fmt: skip
+        released = sorted(self.released.tags)
+        servers = self.guard.abandon()
+        for server in servers:
+            atexit.unregister(server.shutdown)  # SGLang's own at-exit shutdown kills every child of the rank
+            try:
+                with self.health.engine_only_shutdown():
+                    server.shutdown()
+            except Exception as exc:  # a half-dead engine: what is left is killed below
+                print(f"[engine] shutting the lost SGLang engine down: {type(exc).__name__}: {exc}",
+                      flush=True)  # fmt: skip
+        self.health.kill_all()
+        self.transport.reset(servers)
+        for server in servers:
+            close_loop(server)
+        asyncio.set_event_loop(asyncio.new_event_loop())  # SGLang's Engine takes the thread's current loop
+        self.life += 1
+        self._generated = 0
+        with open(self.health.log_path, "a") as log:  # this process's file again: each life under a header
+            log.write(f"--- SGLang engine of rank {self.health.rank}, life {self.life} "
+                      "(restarted in place) ---\n")  # fmt: skip
+        self._fresh_state()
+        server, _ = self._start_colocated()
+        self.guard = self._guard([server])
+        self.context = context_tokens([server])
+        if self.tied_head and self._shapes and not self._dummy:
+            self._load_tied_head_from_disk()
+        if released:
+            self.release_memory(released)  # type: ignore[arg-type]
 
     def ensure_healthy(self, timeout_s: float | None = None) -> None:
         """Wait until every server answers (disaggregated: ``/health_generate``). A server that does
@@ -452,6 +654,36 @@ class SGLangEngine(RolloutEngine):
         for server in servers:
             with self.health.engine_only_shutdown() if self.health is not None else contextlib.nullcontext():
                 server.shutdown()
+
+
+def cancel_requests(servers: Sequence[Any]) -> None:
+    """Cancel every task on each in-process server's event loop (``sglang.Engine.loop``), from any
+    thread: a generation waiting on a lost scheduler (its tokenizer manager awaits an answer with no
+    deadline) then ends with ``CancelledError`` in its thread."""
+    for server in servers:
+        loop = getattr(server, "loop", None)
+        if loop is not None and not loop.is_closed():
+            loop.call_soon_threadsafe(_cancel_tasks, loop)
+
+
+def _cancel_tasks(loop: asyncio.AbstractEventLoop) -> None:
+    for task in asyncio.all_tasks(loop):
+        task.cancel()
+
+
+def close_loop(server: Any) -> None:
+    """A shut-down in-process server's event loop, closed: its tasks (the tokenizer manager's
+    receivers) cancelled and given a second to end. Skipped while a generation thread left behind
+    still runs it (``ServerGuard.abandon``)."""
+    loop = getattr(server, "loop", None)
+    if not isinstance(loop, asyncio.AbstractEventLoop) or loop.is_running() or loop.is_closed():
+        return
+    tasks = asyncio.all_tasks(loop)
+    for task in tasks:
+        task.cancel()
+    if tasks:
+        loop.run_until_complete(asyncio.wait(tasks, timeout=1.0))
+    loop.close()
 
 
 def context_tokens(servers: Sequence[Any]) -> int | None:

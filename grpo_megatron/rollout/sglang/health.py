@@ -16,7 +16,10 @@ engine without that watchdog (0.5.17) leaves the next request waiting forever. H
   every rank;
 - ``on_sigquit`` replaces SGLang's handler: it prints the same message and exits the rank with
   ``EXIT_ENGINE_DIED``, so torchrun ends the job and the last checkpoint (written atomically) stays
-  the one a rerun resumes from;
+  the one a rerun resumes from; with ``recoverable`` (``rollout.max_engine_restarts`` > 0) it only
+  notes the loss, and ``check`` raises ``EngineLost`` instead, which the fleet answers with a restart
+  in place (``SGLangEngine.restart``; past the bound, the fleet's own clean exit naming the engine);
+- ``stopped`` names processes stopped (state T, e.g. SIGSTOP) past a deadline: they count as lost;
 - an engine that fails while it starts is named the same way (``EngineStartError``, or
   ``sigquit_while_starting`` when its scheduler's SIGQUIT comes first): SGLang's launch-phase
   handler would SIGKILL the rank's whole tree, torchrun then reporting only "Signal 9" (seen on an
@@ -35,11 +38,14 @@ import signal
 import socket
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import psutil
+
+from grpo_megatron.rollout.engine import EngineLost
 
 EXIT_ENGINE_DIED = 70
 """A rank's exit status when its SGLang engine died (EX_SOFTWARE)."""
@@ -127,6 +133,14 @@ class EngineProcesses:
         """Whether SGLang's own SIGTERM and SIGQUIT handlers came off its event loop (``take_back_signals``)."""
         self.console: int | None = None
         """While the engine starts: a descriptor of the rank's own stderr (fd 2 writes to the log then)."""
+        self.recoverable = False
+        """A lost engine is restarted in place (``rollout.max_engine_restarts`` > 0): SIGQUIT no longer
+        ends the rank, ``check`` raises ``EngineLost``."""
+        self.on_lost: Callable[[], None] | None = None
+        """Called by the SIGQUIT handler when ``recoverable``: ends a call blocked on the dead process
+        (``ServerGuard.cancel``), which then raises ``EngineLost``."""
+        self.stopped_since: dict[int, float] = {}
+        """When each process was first seen stopped (state T), by pid; forgotten once it runs again."""
 
     @contextlib.contextmanager
     def start(self) -> Iterator[None]:
@@ -197,18 +211,74 @@ class EngineProcesses:
         os._exit(EXIT_ENGINE_DIED)
 
     def check(self) -> None:
-        """Raise ``EngineDiedError`` if a process of the engine is gone."""
+        """Raise ``EngineDiedError`` if a process of the engine is gone (``recoverable``: ``EngineLost``)."""
         dead = self.dead()
+        if dead and self.recoverable:
+            raise self.lost("; ".join(f"process {self.names.get(p.pid, 'of the engine')} (pid {p.pid}) {how}"
+                                      for p, how in dead))  # fmt: skip
         if dead:
             raise EngineDiedError(self.report(dead))
 
+    def failure(self, why: str) -> RuntimeError:
+        """The error for an engine lost because ``why``: ``EngineLost`` when ``recoverable``, else
+        ``EngineDiedError`` (the run ends naming it)."""
+        if self.recoverable:
+            return self.lost(why)
+        return EngineDiedError(
+            f"the SGLang engine of rank {self.rank} on {self.host} died: {why}. Last lines of its log "
+            f"{self.log_path}:\n{tail(self.log_path)}\nThe last checkpoint is intact: run the same command "
+            "again to resume from it."
+        )
+
+    def lost(self, why: str) -> EngineLost:
+        log = str(self.log_path)
+        return EngineLost(self.rank, self.host, why, tail(self.log_path), log, what="SGLang engine")
+
+    def stopped(self, deadline_s: float) -> str | None:
+        """Which processes have been stopped (state T: SIGSTOP, a debugger) for ``deadline_s`` or longer
+        (``rollout.engine_health_timeout_s``); None: none. A stopped scheduler answers nothing, and
+        SGLang's watchdog sees it alive: the wait for its generation would never end."""
+        now, late = time.monotonic(), []
+        for proc in self.procs:
+            try:
+                state = proc.status()
+            except psutil.NoSuchProcess:
+                continue
+            if state not in (psutil.STATUS_STOPPED, psutil.STATUS_TRACING_STOP):
+                self.stopped_since.pop(proc.pid, None)
+                continue
+            since = self.stopped_since.setdefault(proc.pid, now)
+            if now - since >= deadline_s:
+                late.append(f"process {self.names.get(proc.pid, 'of the engine')} (pid {proc.pid})")
+        if not late:
+            return None
+        return (f"{'; '.join(late)} stopped (state T) for {deadline_s:g} s or more, past "
+                "rollout.engine_health_timeout_s")  # fmt: skip
+
+    def kill_all(self) -> None:
+        """SIGKILL what is left of the engine's processes and their children (a stopped one too) and
+        reap them: after a shutdown of a lost engine, before it starts again."""
+        procs = []
+        for proc in self.procs:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                procs += [*proc.children(recursive=True), proc]
+        for proc in procs:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                proc.kill()
+        psutil.wait_procs(procs, timeout=30)
+
     def on_sigquit(self) -> Callable[[int, Any], None]:
         """A SIGQUIT handler (SGLang's processes send SIGQUIT to this one when one of them fails):
-        name the engine, stop every process this rank started, exit ``EXIT_ENGINE_DIED``. Installed by the caller
+        name the engine, stop every process this rank started, exit ``EXIT_ENGINE_DIED``; with
+        ``recoverable`` only note it (``check`` then raises ``EngineLost``). Installed by the caller
         after the engine started (signal handlers belong to the main thread)."""
 
         def handler(signum: int, frame: Any) -> None:
             if self.stopping:  # a scheduler that saw its peer killed first, while we shut it down
+                return
+            if self.recoverable:  # the wait for the engine finds it lost (check) and the fleet restarts it
+                if self.on_lost is not None:
+                    self.on_lost()
                 return
             self.exit_rank(self.report())
 
