@@ -57,6 +57,7 @@ from grpo_megatron.training.phases.rollout import rollout_seed
 
 if TYPE_CHECKING:
     from grpo_megatron.data import PromptSampler
+    from grpo_megatron.rollout.fleet import PendingRollout
     from grpo_megatron.training.job import Job, Timer
 
 
@@ -193,9 +194,19 @@ def take_metrics(version: int, groups: list[PartialGroup]) -> dict[str, float]:
     }
 
 
+@dataclass
+class _Round:
+    """A segment round submitted to the engines: its responses, in request order, and the generation."""
+
+    todo: list[tuple[int, PartialResponse]]
+    pending: PendingRollout
+
+
 class PartialRollouts:
     """The continuous ``GroupSource`` (module docstring); every rank holds the same pool (every
-    segment's completions reach every rank) and calls it together."""
+    segment's completions reach every rank) and calls it together. With ``rollout.partial_overlap``
+    the next iteration's first round is submitted at the end of ``take`` and generates while the
+    trainer trains (``in_flight``); ``ahead`` counts the rounds of the next iteration already applied."""
 
     def __init__(self, job: Job, sampler: PromptSampler) -> None:
         cfg = job.cfg
@@ -204,39 +215,62 @@ class PartialRollouts:
             cfg.rollout.n_samples_per_prompt, cfg.rollout.partial_segment_tokens, cfg.rollout.max_new_tokens,
             cfg.train.max_staleness, cfg.rollout.partial_groups_in_flight or 2 * cfg.train.prompts_per_iteration,
         )  # fmt: skip
+        self.overlap = cfg.rollout.partial_overlap
+        self.in_flight: _Round | None = None
+        self.ahead = 0
 
     def start(self, version: int) -> None:
         self.version = version
 
-    def _segment(self, iteration: int, round_index: int) -> None:
-        """One round of step 3: every unfinished response gets its next segment under ``self.version``."""
+    def _submit(self, iteration: int, round_index: int) -> _Round:
+        """Submit one round of step 3: every unfinished response's next segment, under the engines'
+        weights when they generate it (``Completion.weight_version`` stamps each segment)."""
         job = self.job
         todo, inputs, budgets = self.pool.requests(lambda index: job.train_records[index].prompt_ids)
         records = [dataclasses.replace(job.train_records[index], prompt_ids=tuple(ids))
                    for (index, _), ids in zip(todo, inputs, strict=True)]  # fmt: skip
         params = job.rollout.params(n=1, seed=rollout_seed(job.cfg.train.seed, iteration, round_index))
         params = dataclasses.replace(params, max_new_tokens=max(budgets), max_new_tokens_each=budgets)
-        for (_, response), (segment,) in zip(todo, job.rollout.generate(records, params), strict=True):
+        return _Round(todo, job.rollout.submit(records, params))
+
+    def _collect(self, round_: _Round) -> None:
+        """Collective: the round's segments, appended to their responses."""
+        for (_, response), (segment,) in zip(round_.todo, self.job.rollout.collect(round_.pending), strict=True):
             self.pool.extend(response, segment)
+
+    def _collect_ahead(self) -> None:
+        """Collective: the round submitted ahead, if one is in flight, applied to the pool."""
+        if self.in_flight is not None:
+            round_, self.in_flight = self.in_flight, None
+            self._collect(round_)
+            self.ahead += 1
 
     def take(self, iteration: int, timer: Timer) -> Produced:
         need, pool = self.job.cfg.train.prompts_per_iteration, self.pool
         with timer("rollout"):
+            self._collect_ahead()  # rollout.partial_overlap: generated while the last iteration trained
             regenerated = pool.regenerate_stale(self.version)
             if missing := pool.missing():
                 pool.top_up(self.sampler.next_indices(missing))
-            rounds = 0  # at least one: every response in flight advances each iteration
+            rounds, self.ahead = self.ahead, 0  # at least one: every response in flight advances each iteration
             while pool.unfinished() and (rounds == 0 or pool.complete() < need):
-                self._segment(iteration, rounds)
+                self._collect(self._submit(iteration, rounds))
                 rounds += 1
             taken = pool.take(need)
         records = [self.job.train_records[g.index] for g in taken]
         completions = [[r.completion() for r in g.responses] for g in taken]
+        carried = float(sum(bool(r.token_ids) for _, r in pool.unfinished()))
+        if self.overlap and iteration < self.job.cfg.train.iterations:
+            with timer("rollout"):  # the next iteration's first round, generated while this one trains
+                if missing := pool.missing():
+                    pool.top_up(self.sampler.next_indices(missing))
+                if pool.unfinished():
+                    self.in_flight = self._submit(iteration + 1, 0)
         produced = fill_groups(self.job, self.sampler, iteration, timer, first=(records, completions))
         produced.metrics |= take_metrics(self.version, taken) | {
             "partial/segments": float(rounds),
             "partial/regenerated": float(regenerated),
-            "partial/carried": float(sum(bool(r.token_ids) for _, r in pool.unfinished())),
+            "partial/carried": carried,
             "partial/pool_groups": float(len(pool.groups)),
         }
         # every segment's completions are on every rank: nothing held to release
@@ -244,14 +278,29 @@ class PartialRollouts:
         return produced
 
     def before_sync(self) -> dict[str, float]:
-        return {}  # nothing is in flight between two iterations: the pool waits on the trainer's side
+        """Collective. Without rollout.partial_overlap nothing is in flight between two iterations (the
+        pool waits on the trainer's side). With it, where a weight load waits for the generation in
+        flight (``RolloutFleet.sync_waits_for_generation``: SGLang) the round submitted ahead is
+        collected now, so the sync stream starts with idle engines; an engine process loads the new
+        weights after it by itself. ``partial/drained``: 1 when a round was collected here."""
+        if not self.overlap:
+            return {}
+        drained = self.in_flight is not None and self.job.fleet.sync_waits_for_generation
+        if drained:
+            self._collect_ahead()
+        return {"partial/drained": float(drained)}
 
     def after_sync(self, version: int) -> None:
         self.version = version
 
     def state_dict(self) -> dict[str, Any]:
-        """The pool as JSON text (the same on every rank: nothing to gather)."""
-        return {"partial_pool": json.dumps(self.pool.to_json())}
+        """Collective: the pool as JSON text (the same on every rank: nothing to gather), a round in
+        flight collected into it first (what the next ``take`` would do: the same tokens, seeds and
+        versions) and counted in ``ahead``."""
+        self._collect_ahead()
+        return {"partial_pool": json.dumps(self.pool.to_json() | ({"ahead": self.ahead} if self.ahead else {}))}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.pool.load_json(json.loads(state["partial_pool"]))
+        data = json.loads(state["partial_pool"])
+        self.pool.load_json(data)
+        self.ahead = int(data.get("ahead", 0))
