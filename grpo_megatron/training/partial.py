@@ -24,6 +24,24 @@ In time (K tokens a segment, the long response of group A spans two versions)::
     it k   (v = k-1):  [seg A1 B1 C1][seg A2 C2][reward B C][train k][sync v=k]
     it k+1 (v = k):    [seg A3 D1 ..]...[reward A D][train k+1][sync v=k+1]
 
+Overlapped (``rollout.partial_overlap``; engines in processes of their own: rollout.embedded_process
+or SGLang; validation asks ``max_staleness * K >= rollout.max_new_tokens``). The same steps, one
+round moved: at the end of ``take`` the pool is topped up and the NEXT iteration's first round is
+submitted (``submit`` returns at once, seeded by (train.seed, it + 1, 0)), so the engines generate it
+while the trainer trains; the next ``take`` collects it first, then runs steps 1-4 (further rounds
+only if fewer than train.prompts_per_iteration groups are complete)::
+
+    engine:  [seg A1 B1 C1 (v=k-1)]        [load v=k][seg A2 C2 D1 (v=k)]        [load v=k+1] ...
+    trainer: [take k][reward][train k  ][sync v=k][take k+1][reward][train k+1][sync v=k+1]
+
+Its tokens carry the version that sampled them, exactly: an engine process serves the round before
+the weights sent after it, and where a weight load waits for the generation in flight (SGLang)
+``before_sync`` collects the round first (``partial/drained``). Taken one iteration later, they lag
+one version more. A checkpoint collects a round in flight into the pool it saves (``ahead`` counts
+it), which is what the next ``take`` would do: the resumed run redoes nothing and trains exactly what
+the uninterrupted one would. The engines then keep their memory in every phase
+(``JobConfig.generation_overlaps_training`` is 1).
+
 Semantics. A token's lag is the trainer's version minus the version that sampled it; no trained
 token lags more than train.max_staleness (step 1 runs before every take; validation asks for
 ``(max_staleness + 1) * K >= rollout.max_new_tokens``, so a response taken as soon as it completes
