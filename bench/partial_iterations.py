@@ -87,7 +87,8 @@ def impose_lengths(args: argparse.Namespace) -> None:
             prompt_len[r.prompt] = min(prompt_len.get(r.prompt, len(r.prompt_ids)), len(r.prompt_ids))
             targets.append((drawn_length(r.prompt, args), len(r.prompt_ids) - prompt_len[r.prompt]))
         limits = params.budgets(len(records))
-        budgets = tuple(max(1, min(limit, want - done)) for limit, (want, done) in zip(limits, targets, strict=True))
+        budgets = tuple(max(1, min(limit, want - done))
+                        for limit, (want, done) in zip(limits, targets, strict=True))  # fmt: skip
         params = dataclasses.replace(params, max_new_tokens=max(budgets), max_new_tokens_each=budgets)
         pending = submit(self, records, params)
         targets_of[id(pending)] = targets
@@ -117,11 +118,13 @@ def decode_step_cost(args: argparse.Namespace) -> dict[int, float]:
 
     torch.set_num_threads(1)
     hf = json.loads((REPO / "examples" / "demo" / "config.json").read_text())
-    hf |= {"hidden_size": args.hidden, "intermediate_size": 2 * args.hidden, "moe_intermediate_size": 2 * args.hidden,
-           "num_hidden_layers": args.layers, "max_position_embeddings": 16 + args.max_new_tokens + 8}  # fmt: skip
+    hf |= {"hidden_size": args.hidden, "intermediate_size": 2 * args.hidden,
+           "moe_intermediate_size": 2 * args.hidden, "num_hidden_layers": args.layers,
+           "max_position_embeddings": 16 + args.max_new_tokens + 8}  # fmt: skip
     torch.manual_seed(0)
     engine = EmbeddedEngine(hf, device="cpu", dtype=torch.float32)
-    weights = [(n, 0.05 * torch.randn(shape, dtype=dtype)) for n, (shape, dtype) in sorted(engine.expected_tensors().items())]
+    expected = sorted(engine.expected_tensors().items())
+    weights = [(n, 0.05 * torch.randn(shape, dtype=dtype)) for n, (shape, dtype) in expected]
     engine.update_weights(weights, version=1, last=True)
     cost = {}
     for rows in (1, 8, args.prompts * args.samples):
@@ -151,14 +154,18 @@ def run_arm(run_dir: Path, name: str, args: argparse.Namespace) -> list[dict[str
         f"train.iterations={args.iterations}", f"train.prompts_per_iteration={args.prompts}",
         f"rollout.n_samples_per_prompt={args.samples}", f"rollout.max_new_tokens={args.max_new_tokens}",
         f"train.micro_batch_size={args.prompts * args.samples}", "algorithm.off_policy.correction=icepop",
-        f"model.hf_overrides.hidden_size={args.hidden}", f"model.hf_overrides.intermediate_size={2 * args.hidden}",
-        f"model.hf_overrides.moe_intermediate_size={2 * args.hidden}", f"model.hf_overrides.num_hidden_layers={args.layers}",
+        f"model.hf_overrides.hidden_size={args.hidden}",
+        f"model.hf_overrides.intermediate_size={2 * args.hidden}",
+        f"model.hf_overrides.moe_intermediate_size={2 * args.hidden}",
+        f"model.hf_overrides.num_hidden_layers={args.layers}",
         f"model.hf_overrides.max_position_embeddings={context}", "data.num_train_prompts=4096",
         "data.num_eval_prompts=4", "rollout.probe_interval=100000", "checkpoint.save_interval=0",
     ]  # fmt: skip
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", TORCH_COMPILE_DISABLE="1",
-               WANDB_SILENT="true", PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")  # fmt: skip
-    lengths = ["--median", str(args.median), "--sigma", str(args.sigma), "--max-new-tokens", str(args.max_new_tokens)]
+               WANDB_SILENT="true",
+               PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")  # fmt: skip
+    lengths = ["--median", str(args.median), "--sigma", str(args.sigma),
+               "--max-new-tokens", str(args.max_new_tokens)]  # fmt: skip
     command = [
         sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1", "--master-addr", "127.0.0.1",
         "--master-port", str(free_port()), str(Path(__file__).resolve()), "--worker", *lengths, "--",
@@ -167,7 +174,8 @@ def run_arm(run_dir: Path, name: str, args: argparse.Namespace) -> list[dict[str
     done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=args.timeout_s)
     if done.returncode != 0:
         raise SystemExit(f"the {name} run failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    records = [json.loads(line) for line in lines if line.strip()]
     return [r for r in records if r["iteration"] >= 1]
 
 
@@ -179,7 +187,8 @@ def summarize(records: list[dict[str, float]], warmup: int) -> dict[str, float]:
     out = {p: mean(r.get(f"time/{p}") or 0.0 for r in steady) for p in PHASES}
     out["iteration"] = mean(r["time/iteration"] - (r.get("time/eval") or 0.0) for r in steady)
     out["response_len"] = mean(r["response_len/mean"] for r in steady)
-    out["staleness_max"] = max(r.get("partial/staleness/max", r.get("async/staleness/max", 0.0)) for r in steady)
+    out["staleness_max"] = max(r.get("partial/staleness/max", r.get("async/staleness/max", 0.0))
+                               for r in steady)  # fmt: skip
     out["segments"] = mean(r.get("partial/segments", 0.0) for r in steady)
     return out
 
@@ -195,7 +204,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--sigma", type=float, default=1.1, help="lognormal sigma")
     parser.add_argument("--max-new-tokens", type=int, default=192)
     parser.add_argument("--segment", type=int, default=48, help="rollout.partial_segment_tokens")
-    parser.add_argument("--pool", type=int, default=0, help="rollout.partial_groups_in_flight (0: 2 x --prompts)")
+    parser.add_argument("--pool", type=int, default=0,
+                        help="rollout.partial_groups_in_flight (0: 2 x --prompts)")
     parser.add_argument("--hidden", type=int, default=256, help="the model's hidden size (training's share)")
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=1, help="runs of each arm, interleaved (default 1)")
@@ -224,9 +234,10 @@ def main() -> int:
                 runs[name].append(summarize(run_arm(Path(tmp) / f"{name}-{repeat}", name, args), args.warmup))
     result = {name: {k: mean(s[k] for s in rs) for k in rs[0]} for name, rs in runs.items()}
     columns = (*PHASES, "iteration", "response_len", "segments")
-    print(f"lengths per prompt: lognormal median {args.median:g} sigma {args.sigma:g} cap {args.max_new_tokens}: "
-          f"p50 {p50:g}, p99 {p99:g} (p99/p50 {p99 / p50:.1f}); engine {args.engine}; {args.prompts} prompts x "
-          f"{args.samples}; segments of {args.segment}; hidden {args.hidden}, {args.layers} layers")  # fmt: skip
+    print(f"lengths per prompt: lognormal median {args.median:g} sigma {args.sigma:g} cap "
+          f"{args.max_new_tokens}: p50 {p50:g}, p99 {p99:g} (p99/p50 {p99 / p50:.1f}); engine "
+          f"{args.engine}; {args.prompts} prompts x {args.samples}; segments of {args.segment}; "
+          f"hidden {args.hidden}, {args.layers} layers")  # fmt: skip
     print(f"{'seconds':<12}" + "".join(f"{c:>13}" for c in columns))
     for name, row in result.items():
         print(f"{name:<12}" + "".join(f"{row[c]:>13.3f}" for c in columns))
@@ -242,8 +253,9 @@ def main() -> int:
     else:
         steps = {}
     if args.out is not None:
-        args.out.write_text(json.dumps({"ratios": ratios, **result, "decode_step_ms": steps, "args": {k: str(v) for k, v in vars(args).items()},
-                                        "lengths": {"p50": p50, "p99": p99}}, indent=1) + "\n")  # fmt: skip
+        saved = {"ratios": ratios, **result, "decode_step_ms": steps, "lengths": {"p50": p50, "p99": p99},
+                 "args": {k: str(v) for k, v in vars(args).items()}}
+        args.out.write_text(json.dumps(saved, indent=1) + "\n")
     return 0
 
 

@@ -10,9 +10,10 @@ Iteration ``it``, with the engines at version ``v`` (= ``it - 1``, the policy it
     1. staleness:  every response whose oldest token lags v by more than train.max_staleness is
                    regenerated from scratch (its tokens dropped; it stays in its group and pool slot)
     2. top up:     new prompts from the sampler until the pool holds its size
-    3. segments:   every unfinished response gets one request, prompt + its tokens so far with
+    3. segments:   every unfinished response gets one row, prompt + its tokens so far with
                    max_new_tokens = min(K, budget left) (K = rollout.partial_segment_tokens), seeded
-                   by (train.seed, it, round); its new tokens get version v; one round at least,
+                   by (train.seed, it, round) (new and continued responses: two engine requests,
+                   the second's seed + CONTINUED_SEED); its new tokens get version v; one round at least,
                    repeated until at least train.prompts_per_iteration groups are complete (each
                    round adds a token to every unfinished response: the rounds end)
     4. take:       the OLDEST complete groups (submission order, never the quickest: no bias toward
@@ -214,10 +215,14 @@ def take_metrics(version: int, groups: list[PartialGroup]) -> dict[str, float]:
 
 @dataclass
 class _Round:
-    """A segment round submitted to the engines: its responses, in request order, and the generation."""
+    """A segment round submitted to the engines: per request, its responses (in request order) and
+    the generation in flight."""
 
-    todo: list[tuple[int, PartialResponse]]
-    pending: PendingRollout
+    parts: list[tuple[list[tuple[int, PartialResponse]], PendingRollout]]
+
+
+CONTINUED_SEED = 104_729
+"""Added to a round's seed for its request of continued responses (its new responses keep the seed)."""
 
 
 class PartialRollouts:
@@ -242,19 +247,32 @@ class PartialRollouts:
 
     def _submit(self, iteration: int, round_index: int) -> _Round:
         """Submit one round of step 3: every unfinished response's next segment, under the engines'
-        weights when they generate it (``Completion.weight_version`` stamps each segment)."""
+        weights when they generate it (``Completion.weight_version`` stamps each segment). New
+        responses and continued ones go as two requests: an engine pads a request's prompts to its
+        longest, and a continued response's prompt holds its tokens so far (bench/partial_iterations.py
+        measures what padding the new ones to it costs)."""
         job = self.job
         todo, inputs, budgets = self.pool.requests(lambda index: job.train_records[index].prompt_ids)
-        records = [dataclasses.replace(job.train_records[index], prompt_ids=tuple(ids))
-                   for (index, _), ids in zip(todo, inputs, strict=True)]  # fmt: skip
-        params = job.rollout.params(n=1, seed=rollout_seed(job.cfg.train.seed, iteration, round_index))
-        params = dataclasses.replace(params, max_new_tokens=max(budgets), max_new_tokens_each=budgets)
-        return _Round(todo, job.rollout.submit(records, params))
+        rows = list(zip(todo, inputs, budgets, strict=True))
+        parts = []
+        for offset, part in ((0, [x for x in rows if not x[0][1].token_ids]),
+                             (CONTINUED_SEED, [x for x in rows if x[0][1].token_ids])):  # fmt: skip
+            if not part:
+                continue
+            records = [dataclasses.replace(job.train_records[index], prompt_ids=tuple(ids))
+                       for (index, _), ids, _ in part]  # fmt: skip
+            seed = rollout_seed(job.cfg.train.seed, iteration, round_index) + offset
+            each = tuple(b for _, _, b in part)
+            params = dataclasses.replace(job.rollout.params(n=1, seed=seed), max_new_tokens=max(each),
+                                         max_new_tokens_each=each)  # fmt: skip
+            parts.append(([t for t, _, _ in part], job.rollout.submit(records, params)))
+        return _Round(parts)
 
     def _collect(self, round_: _Round) -> None:
         """Collective: the round's segments, appended to their responses."""
-        for (_, response), (segment,) in zip(round_.todo, self.job.rollout.collect(round_.pending), strict=True):
-            self.pool.extend(response, segment)
+        for todo, pending in round_.parts:
+            for (_, response), (segment,) in zip(todo, self.job.rollout.collect(pending), strict=True):
+                self.pool.extend(response, segment)
 
     def _collect_ahead(self) -> None:
         """Collective: the round submitted ahead, if one is in flight, applied to the pool."""
@@ -270,7 +288,7 @@ class PartialRollouts:
             regenerated = pool.regenerate_stale(self.version)
             if missing := pool.missing():
                 pool.top_up(self.sampler.next_indices(missing))
-            rounds, self.ahead = self.ahead, 0  # at least one: every response in flight advances each iteration
+            rounds, self.ahead = self.ahead, 0  # at least one: every response in flight advances each time
             while pool.unfinished() and (rounds == 0 or pool.complete() < need):
                 self._collect(self._submit(iteration, rounds))
                 rounds += 1
@@ -316,7 +334,8 @@ class PartialRollouts:
         flight collected into it first (what the next ``take`` would do: the same tokens, seeds and
         versions) and counted in ``ahead``."""
         self._collect_ahead()
-        return {"partial_pool": json.dumps(self.pool.to_json() | ({"ahead": self.ahead} if self.ahead else {}))}
+        ahead = {"ahead": self.ahead} if self.ahead else {}
+        return {"partial_pool": json.dumps(self.pool.to_json() | ahead)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         data = json.loads(state["partial_pool"])
