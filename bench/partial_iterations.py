@@ -30,15 +30,16 @@ Measured (2026-11-28, 2 shared cores, defaults, ``--repeats 2``; lengths p50 21,
 9.1): embedded engine process, seconds per iteration sync 1.408 (rollout 0.819, train 0.562), one-off
 0.844, continuous 0.749 (rollout wait 0.157, one round per iteration): continuous / sync 0.532
 (repeats 0.49, 0.57), continuous / one-off 0.888, one-off / sync 0.599. ``--engine sglang`` (one
-repeat): sync 2.076 (rollout 1.500), one-off 1.642, continuous 1.823: 0.878, 1.110, 0.791. Why not
+repeat): sync 2.076 (rollout 1.500), one-off 1.642, continuous 1.823: 0.878, 1.110, 0.791.
+``--segment 32`` (embedded, two repeats): sync 1.675, one-off 0.918, continuous 0.894: 0.534, 0.974. Why not
 <= 0.5 (issue 40's target): the overlapped iteration cannot be shorter than its train phase (0.57 s,
 0.40 of sync) and a segment round still costs about a whole synchronous batch: it generates as many
 tokens over twice the rows (the pool) and recomputes every continued prefix (a new request; the
 embedded engine keeps no KV across requests, SGLang's prefix cache is flushed by each weight update).
 The decode step's cost is not proportional to its rows here (5.1 ms at 1 row, 8.1 at 8, 12.9 at 64):
 the tail a synchronous batch waits for is expensive, which is what continuous generation recovers.
-Before new and continued responses went as two requests, padding the new ones to the continued
-prefixes made a round cost 1.2 s and continuous / sync 0.79 (continuous / one-off 1.34).
+Before new and continued responses went as two requests (training/partial.py), padding the new ones
+to the continued prefixes made a round cost 1.2 s and continuous / sync 0.79 (continuous / one-off 1.34).
 
     python bench/partial_iterations.py                      # ~7 minutes on 2 cores
     python bench/partial_iterations.py --engine sglang      # the real SGLang engine on CPU

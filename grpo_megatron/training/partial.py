@@ -12,8 +12,9 @@ Iteration ``it``, with the engines at version ``v`` (= ``it - 1``, the policy it
     2. top up:     new prompts from the sampler until the pool holds its size
     3. segments:   every unfinished response gets one row, prompt + its tokens so far with
                    max_new_tokens = min(K, budget left) (K = rollout.partial_segment_tokens), seeded
-                   by (train.seed, it, round) (new and continued responses: two engine requests,
-                   the second's seed + CONTINUED_SEED); its new tokens get version v; one round at least,
+                   by (train.seed, it, round) (new and continued responses: two engine requests
+                   where a continued one holds more than K tokens, the second's seed +
+                   CONTINUED_SEED); its new tokens get version v; one round at least,
                    repeated until at least train.prompts_per_iteration groups are complete (each
                    round adds a token to every unfinished response: the rounds end)
     4. take:       the OLDEST complete groups (submission order, never the quickest: no bias toward
@@ -247,16 +248,18 @@ class PartialRollouts:
 
     def _submit(self, iteration: int, round_index: int) -> _Round:
         """Submit one round of step 3: every unfinished response's next segment, under the engines'
-        weights when they generate it (``Completion.weight_version`` stamps each segment). New
-        responses and continued ones go as two requests: an engine pads a request's prompts to its
-        longest, and a continued response's prompt holds its tokens so far (bench/partial_iterations.py
-        measures what padding the new ones to it costs)."""
+        weights when they generate it (``Completion.weight_version`` stamps each segment). Where a
+        continued response holds more than K tokens, new responses and continued ones go as two
+        requests: an engine pads a request's prompts to its longest, and padding the new ones to
+        the continued prefixes costs more than the K steps they decode (bench/partial_iterations.py
+        measures it); shorter prefixes (the demo's) cost less than a second request."""
         job = self.job
         todo, inputs, budgets = self.pool.requests(lambda index: job.train_records[index].prompt_ids)
         rows = list(zip(todo, inputs, budgets, strict=True))
+        split = max((len(r.token_ids) for _, r in todo), default=0) > self.pool.segment_tokens
         parts = []
-        for offset, part in ((0, [x for x in rows if not x[0][1].token_ids]),
-                             (CONTINUED_SEED, [x for x in rows if x[0][1].token_ids])):  # fmt: skip
+        for offset, part in ((0, [x for x in rows if not (split and x[0][1].token_ids)]),
+                             (CONTINUED_SEED, [x for x in rows if split and x[0][1].token_ids])):  # fmt: skip
             if not part:
                 continue
             records = [dataclasses.replace(job.train_records[index], prompt_ids=tuple(ids))
