@@ -1,7 +1,8 @@
 """Continuous generation with partial rollouts (training/partial.py): the pool's segments, per-token
 versions and behaviour logprobs with the real embedded engine on a tiny random model, the staleness
 policy, oldest-first taking, the pool's JSON round trip and the config's refusals. The job-level
-run (per-token versions in the dump, resume equal to the uninterrupted run) is the last test."""
+run (overlapped rounds, per-token versions in the dump, resume equal to the uninterrupted run) is the
+last test."""
 
 from __future__ import annotations
 
@@ -150,40 +151,52 @@ def test_partial_rollout_dump_keeps_each_tokens_version():
         (["train.max_staleness=2", "rollout.partial_segment_tokens=2", "rollout.partial_groups_in_flight=3"],
          "is below train.prompts_per_iteration=4"),
         (["rollout.partial_segment_tokens=0"], "rollout.partial_segment_tokens=0 must be >= 1"),
+        (["train.max_staleness=2", "rollout.partial_segment_tokens=2", "rollout.partial_overlap=true",
+          "rollout.embedded_process=true"],
+         "set train.max_staleness>=3 or rollout.partial_segment_tokens>=3"),
+        (["train.max_staleness=3", "rollout.partial_segment_tokens=2", "rollout.partial_overlap=true"],
+         "rollout.partial_overlap=true needs engines that generate while the trainer trains"),
+        (["rollout.partial_overlap=true"], "without train.partial_rollout=true"),
     ],
 )  # fmt: skip
 def test_partial_rollout_config_is_refused_with_the_fix(overrides, message):
     from grpo_megatron.config import ConfigError, load_config, validate
     from tests.helpers.runs import DEMO, SMALL
 
-    cfg = load_config(DEMO, [*SMALL, "train.partial_rollout=true", *overrides])
+    partial = [] if "rollout.partial_overlap=true" in overrides[:1] else ["train.partial_rollout=true"]
+    cfg = load_config(DEMO, [*SMALL, *partial, *overrides])
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace("+", r"\+")):
         validate(cfg, 2)
 
 
 def test_partial_rollouts_train_with_per_token_versions_and_resume_bitwise(tmp_path):
     """2 ranks (EP2, the demo's tiny MoE, each engine a process of its own, as issue 40 asks the
-    resume to be bitwise with), 3 iterations of 4 groups, segments of 2 of the 6 new tokens, a pool
-    of 8 groups: iteration 3 trains responses begun under version 1 and ended under version 2
-    (the dump and the metrics say so); killed after the checkpoint of iteration 2 (4 groups in flight,
-    half-generated) and resumed, the run's metrics equal the uninterrupted run's bitwise."""
+    resume to be bitwise with), 3 iterations of 4 groups, segments of 3 of the 6 new tokens, a pool
+    of 8 groups, rollout.partial_overlap (each iteration's first round submitted before it trains):
+    iteration 1 ends by submitting the next 4 groups' first segments under version 0, iteration 2
+    takes the 4 groups left complete and submits their second segments under version 1, so
+    iteration 3 trains responses begun under version 0 and ended under version 1 (lag 2, the dump
+    and the metrics say so); killed after the checkpoint of iteration 2 (a round in flight, collected
+    into the pool it saves) and resumed, the run's metrics equal the uninterrupted run's bitwise."""
     from grpo_megatron.logging_utils.metrics import read_jsonl
     from grpo_megatron.training.rollout_dump import read_iteration
     from tests.helpers.runs import SMALL, comparable, finish, killed_and_resumed, launch
 
     common = [*SMALL, "reward.components=[{name: len, function: length, kwargs: {target_chars: 6}}]",
               "train.lr=1e-3", "train.partial_rollout=true", "train.max_staleness=2",
-              "rollout.partial_segment_tokens=2", "train.iterations=3", "checkpoint.save_interval=2",
-              "algorithm.off_policy.correction=icepop", "rollout.embedded_process=true"]  # fmt: skip
+              "rollout.partial_segment_tokens=3", "rollout.partial_overlap=true", "train.iterations=3",
+              "checkpoint.save_interval=2", "algorithm.off_policy.correction=icepop",
+              "rollout.embedded_process=true"]  # fmt: skip
     full = tmp_path / "full"
     finish(launch("train", [*common, f"logging.run_dir={full}", f"rollout.dump_dir={tmp_path / 'dump'}"]))
     records = read_jsonl(full / "metrics.jsonl")[1:]
     assert all(r["partial/staleness/max"] <= 2 for r in records)
     assert [r["partial/regenerated"] for r in records] == [0, 0, 0]
-    assert records[-1]["partial/mixed_versions_frac"] > 0 and records[-1]["partial/staleness/max"] == 1
+    assert [r["partial/segments"] >= 1 for r in records] == [True, True, True]
+    assert records[-1]["partial/mixed_versions_frac"] > 0 and records[-1]["partial/staleness/max"] == 2
     groups, _ = read_iteration(tmp_path / "dump", 3)
     versions = [c.token_versions for g in groups for c in g.completions]
-    assert [1, 1, 2, 2] == [v for v in versions if v is not None and len(set(v)) > 1][0][:4]
+    assert [0, 0, 0, 1] == [v for v in versions if v is not None and len(set(v)) > 1][0][:4]
 
     got = killed_and_resumed(common, tmp_path / "cut")
     want = [comparable(r) for r in read_jsonl(full / "metrics.jsonl")]

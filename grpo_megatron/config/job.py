@@ -76,8 +76,11 @@ class JobConfig:
         """How many versions ahead the engines generate while the trainer trains (the placement's
         phase table: above 0 nothing swaps): train.max_staleness in the producer loop; 0 with
         train.partial_rollout, whose engines generate in the rollout phase only (max_staleness there
-        bounds a token's lag, not how far ahead batches are submitted)."""
-        return 0 if self.train.partial_rollout else self.train.max_staleness
+        bounds a token's lag, not how far ahead batches are submitted), 1 with rollout.partial_overlap
+        (one segment round in flight while the trainer trains)."""
+        if self.train.partial_rollout:
+            return int(self.rollout.partial_overlap)
+        return self.train.max_staleness
 
     def resolve(self, world_size: int) -> JobConfig:
         """A copy whose parallel section has its derived degrees filled in (see ParallelConfig.resolve)."""

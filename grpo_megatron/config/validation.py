@@ -281,6 +281,10 @@ def async_errors(cfg: JobConfig) -> list[str]:
     if cfg.train.partial_rollout:
         return partial_rollout_errors(cfg)
     errors = []
+    if cfg.rollout.partial_overlap:
+        errors.append("rollout.partial_overlap=true without train.partial_rollout=true: it overlaps the "
+                      "segment rounds of partial rollouts; set train.partial_rollout=true or "
+                      "rollout.partial_overlap=false")
     if cfg.train.max_staleness > 0 and not (cfg.rollout.embedded_process or cfg.rollout.engine == "sglang"):
         errors.append(
             f"train.max_staleness={cfg.train.max_staleness} needs engines that generate while the trainer "
@@ -328,6 +332,8 @@ def partial_rollout_errors(cfg: JobConfig) -> list[str]:
             f"could lag more than max_staleness before it ends; set train.max_staleness>={need} or "
             f"rollout.partial_segment_tokens>={-(-r.max_new_tokens // (t.max_staleness + 1))}"
         )
+    if r.partial_overlap:
+        errors += partial_overlap_errors(cfg)
     if r.partial_groups_in_flight and r.partial_groups_in_flight < t.prompts_per_iteration:
         errors.append(
             f"rollout.partial_groups_in_flight={r.partial_groups_in_flight} is below train.prompts_per_iteration="
@@ -345,6 +351,28 @@ def partial_rollout_errors(cfg: JobConfig) -> list[str]:
         if on:
             errors.append(f"train.partial_rollout=true with {name}: {why}; set train.partial_rollout=false "
                           f"or turn {name.split('=')[0]} off")  # fmt: skip
+    return errors
+
+
+def partial_overlap_errors(cfg: JobConfig) -> list[str]:
+    """rollout.partial_overlap: a segment round in flight while the trainer trains (training/partial.py)."""
+    r, t, errors = cfg.rollout, cfg.train, []
+    if not (r.embedded_process or r.engine == "sglang"):
+        errors.append("rollout.partial_overlap=true needs engines that generate while the trainer trains: "
+                      "set rollout.embedded_process=true, or use rollout.engine=sglang (or "
+                      "rollout.partial_overlap=false)")
+    if t.max_staleness * r.partial_segment_tokens < r.max_new_tokens:
+        errors.append(
+            f"rollout.partial_overlap=true with train.max_staleness={t.max_staleness} and "
+            f"rollout.partial_segment_tokens={r.partial_segment_tokens}: the round generated while the "
+            "trainer trains lags one version when taken, so a response of rollout.max_new_tokens="
+            f"{r.max_new_tokens} tokens could lag more than max_staleness before it ends; set "
+            f"train.max_staleness>={max(1, -(-r.max_new_tokens // r.partial_segment_tokens))} or "
+            f"rollout.partial_segment_tokens>={-(-r.max_new_tokens // max(t.max_staleness, 1))}"
+        )
+    if t.offload_trainer:
+        errors.append("rollout.partial_overlap=true with train.offload_trainer=true: the engines generate "
+                      "while the trainer trains, so both stay on the device; set train.offload_trainer=false")
     return errors
 
 

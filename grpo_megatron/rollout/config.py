@@ -113,6 +113,11 @@ class RolloutConfig:
     partial_groups_in_flight: int = 0
     """train.partial_rollout: groups in the pool (each iteration tops it up with new prompts);
     0 = 2 x train.prompts_per_iteration."""
+    partial_overlap: bool = False
+    """train.partial_rollout with engines in processes of their own (rollout.embedded_process, or
+    rollout.engine=sglang): each iteration submits the pool's next segment round before it trains, so
+    the engines generate while the trainer trains (training/partial.py); those tokens lag one version
+    more, so it needs train.max_staleness * partial_segment_tokens >= max_new_tokens."""
     embedded_process: bool = False
     """Run each embedded engine in a process of its own, on CPU (rollout/engine_process.py), so that it
     generates while the trainer trains: the loop becomes a producer of scored groups and a consumer

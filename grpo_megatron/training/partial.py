@@ -10,9 +10,11 @@ Iteration ``it``, with the engines at version ``v`` (= ``it - 1``, the policy it
     1. staleness:  every response whose oldest token lags v by more than train.max_staleness is
                    regenerated from scratch (its tokens dropped; it stays in its group and pool slot)
     2. top up:     new prompts from the sampler until the pool holds its size
-    3. segments:   every unfinished response gets one request, prompt + its tokens so far with
+    3. segments:   every unfinished response gets one row, prompt + its tokens so far with
                    max_new_tokens = min(K, budget left) (K = rollout.partial_segment_tokens), seeded
-                   by (train.seed, it, round); its new tokens get version v; one round at least,
+                   by (train.seed, it, round) (new and continued responses: two engine requests
+                   where a continued one holds more than K tokens, the second's seed +
+                   CONTINUED_SEED); its new tokens get version v; one round at least,
                    repeated until at least train.prompts_per_iteration groups are complete (each
                    round adds a token to every unfinished response: the rounds end)
     4. take:       the OLDEST complete groups (submission order, never the quickest: no bias toward
@@ -23,6 +25,24 @@ In time (K tokens a segment, the long response of group A spans two versions)::
 
     it k   (v = k-1):  [seg A1 B1 C1][seg A2 C2][reward B C][train k][sync v=k]
     it k+1 (v = k):    [seg A3 D1 ..]...[reward A D][train k+1][sync v=k+1]
+
+Overlapped (``rollout.partial_overlap``; engines in processes of their own: rollout.embedded_process
+or SGLang; validation asks ``max_staleness * K >= rollout.max_new_tokens``). The same steps, one
+round moved: at the end of ``take`` the pool is topped up and the NEXT iteration's first round is
+submitted (``submit`` returns at once, seeded by (train.seed, it + 1, 0)), so the engines generate it
+while the trainer trains; the next ``take`` collects it first, then runs steps 1-4 (further rounds
+only if fewer than train.prompts_per_iteration groups are complete)::
+
+    engine:  [seg A1 B1 C1 (v=k-1)]        [load v=k][seg A2 C2 D1 (v=k)]        [load v=k+1] ...
+    trainer: [take k][reward][train k  ][sync v=k][take k+1][reward][train k+1][sync v=k+1]
+
+Its tokens carry the version that sampled them, exactly: an engine process serves the round before
+the weights sent after it, and where a weight load waits for the generation in flight (SGLang)
+``before_sync`` collects the round first (``partial/drained``). Taken one iteration later, they lag
+one version more. A checkpoint collects a round in flight into the pool it saves (``ahead`` counts
+it), which is what the next ``take`` would do: the resumed run redoes nothing and trains exactly what
+the uninterrupted one would. The engines then keep their memory in every phase
+(``JobConfig.generation_overlaps_training`` is 1).
 
 Semantics. A token's lag is the trainer's version minus the version that sampled it; no trained
 token lags more than train.max_staleness (step 1 runs before every take; validation asks for
@@ -57,6 +77,7 @@ from grpo_megatron.training.phases.rollout import rollout_seed
 
 if TYPE_CHECKING:
     from grpo_megatron.data import PromptSampler
+    from grpo_megatron.rollout.fleet import PendingRollout
     from grpo_megatron.training.job import Job, Timer
 
 
@@ -193,9 +214,23 @@ def take_metrics(version: int, groups: list[PartialGroup]) -> dict[str, float]:
     }
 
 
+@dataclass
+class _Round:
+    """A segment round submitted to the engines: per request, its responses (in request order) and
+    the generation in flight."""
+
+    parts: list[tuple[list[tuple[int, PartialResponse]], PendingRollout]]
+
+
+CONTINUED_SEED = 104_729
+"""Added to a round's seed for its request of continued responses (its new responses keep the seed)."""
+
+
 class PartialRollouts:
     """The continuous ``GroupSource`` (module docstring); every rank holds the same pool (every
-    segment's completions reach every rank) and calls it together."""
+    segment's completions reach every rank) and calls it together. With ``rollout.partial_overlap``
+    the next iteration's first round is submitted at the end of ``take`` and generates while the
+    trainer trains (``in_flight``); ``ahead`` counts the rounds of the next iteration already applied."""
 
     def __init__(self, job: Job, sampler: PromptSampler) -> None:
         cfg = job.cfg
@@ -204,39 +239,77 @@ class PartialRollouts:
             cfg.rollout.n_samples_per_prompt, cfg.rollout.partial_segment_tokens, cfg.rollout.max_new_tokens,
             cfg.train.max_staleness, cfg.rollout.partial_groups_in_flight or 2 * cfg.train.prompts_per_iteration,
         )  # fmt: skip
+        self.overlap = cfg.rollout.partial_overlap
+        self.in_flight: _Round | None = None
+        self.ahead = 0
 
     def start(self, version: int) -> None:
         self.version = version
 
-    def _segment(self, iteration: int, round_index: int) -> None:
-        """One round of step 3: every unfinished response gets its next segment under ``self.version``."""
+    def _submit(self, iteration: int, round_index: int) -> _Round:
+        """Submit one round of step 3: every unfinished response's next segment, under the engines'
+        weights when they generate it (``Completion.weight_version`` stamps each segment). Where a
+        continued response holds more than K tokens, new responses and continued ones go as two
+        requests: an engine pads a request's prompts to its longest, and padding the new ones to
+        the continued prefixes costs more than the K steps they decode (bench/partial_iterations.py
+        measures it); shorter prefixes (the demo's) cost less than a second request."""
         job = self.job
         todo, inputs, budgets = self.pool.requests(lambda index: job.train_records[index].prompt_ids)
-        records = [dataclasses.replace(job.train_records[index], prompt_ids=tuple(ids))
-                   for (index, _), ids in zip(todo, inputs, strict=True)]  # fmt: skip
-        params = job.rollout.params(n=1, seed=rollout_seed(job.cfg.train.seed, iteration, round_index))
-        params = dataclasses.replace(params, max_new_tokens=max(budgets), max_new_tokens_each=budgets)
-        for (_, response), (segment,) in zip(todo, job.rollout.generate(records, params), strict=True):
-            self.pool.extend(response, segment)
+        rows = list(zip(todo, inputs, budgets, strict=True))
+        split = max((len(r.token_ids) for _, r in todo), default=0) > self.pool.segment_tokens
+        parts = []
+        for offset, part in ((0, [x for x in rows if not (split and x[0][1].token_ids)]),
+                             (CONTINUED_SEED, [x for x in rows if split and x[0][1].token_ids])):  # fmt: skip
+            if not part:
+                continue
+            records = [dataclasses.replace(job.train_records[index], prompt_ids=tuple(ids))
+                       for (index, _), ids, _ in part]  # fmt: skip
+            seed = rollout_seed(job.cfg.train.seed, iteration, round_index) + offset
+            each = tuple(b for _, _, b in part)
+            params = dataclasses.replace(job.rollout.params(n=1, seed=seed), max_new_tokens=max(each),
+                                         max_new_tokens_each=each)  # fmt: skip
+            parts.append(([t for t, _, _ in part], job.rollout.submit(records, params)))
+        return _Round(parts)
+
+    def _collect(self, round_: _Round) -> None:
+        """Collective: the round's segments, appended to their responses."""
+        for todo, pending in round_.parts:
+            for (_, response), (segment,) in zip(todo, self.job.rollout.collect(pending), strict=True):
+                self.pool.extend(response, segment)
+
+    def _collect_ahead(self) -> None:
+        """Collective: the round submitted ahead, if one is in flight, applied to the pool."""
+        if self.in_flight is not None:
+            round_, self.in_flight = self.in_flight, None
+            self._collect(round_)
+            self.ahead += 1
 
     def take(self, iteration: int, timer: Timer) -> Produced:
         need, pool = self.job.cfg.train.prompts_per_iteration, self.pool
         with timer("rollout"):
+            self._collect_ahead()  # rollout.partial_overlap: generated while the last iteration trained
             regenerated = pool.regenerate_stale(self.version)
             if missing := pool.missing():
                 pool.top_up(self.sampler.next_indices(missing))
-            rounds = 0  # at least one: every response in flight advances each iteration
+            rounds, self.ahead = self.ahead, 0  # at least one: every response in flight advances each time
             while pool.unfinished() and (rounds == 0 or pool.complete() < need):
-                self._segment(iteration, rounds)
+                self._collect(self._submit(iteration, rounds))
                 rounds += 1
             taken = pool.take(need)
         records = [self.job.train_records[g.index] for g in taken]
         completions = [[r.completion() for r in g.responses] for g in taken]
+        carried = float(sum(bool(r.token_ids) for _, r in pool.unfinished()))
+        if self.overlap and iteration < self.job.cfg.train.iterations:
+            with timer("rollout"):  # the next iteration's first round, generated while this one trains
+                if missing := pool.missing():
+                    pool.top_up(self.sampler.next_indices(missing))
+                if pool.unfinished():
+                    self.in_flight = self._submit(iteration + 1, 0)
         produced = fill_groups(self.job, self.sampler, iteration, timer, first=(records, completions))
         produced.metrics |= take_metrics(self.version, taken) | {
             "partial/segments": float(rounds),
             "partial/regenerated": float(regenerated),
-            "partial/carried": float(sum(bool(r.token_ids) for _, r in pool.unfinished())),
+            "partial/carried": carried,
             "partial/pool_groups": float(len(pool.groups)),
         }
         # every segment's completions are on every rank: nothing held to release
@@ -244,14 +317,30 @@ class PartialRollouts:
         return produced
 
     def before_sync(self) -> dict[str, float]:
-        return {}  # nothing is in flight between two iterations: the pool waits on the trainer's side
+        """Collective. Without rollout.partial_overlap nothing is in flight between two iterations (the
+        pool waits on the trainer's side). With it, where a weight load waits for the generation in
+        flight (``RolloutFleet.sync_waits_for_generation``: SGLang) the round submitted ahead is
+        collected now, so the sync stream starts with idle engines; an engine process loads the new
+        weights after it by itself. ``partial/drained``: 1 when a round was collected here."""
+        if not self.overlap:
+            return {}
+        drained = self.in_flight is not None and self.job.fleet.sync_waits_for_generation
+        if drained:
+            self._collect_ahead()
+        return {"partial/drained": float(drained)}
 
     def after_sync(self, version: int) -> None:
         self.version = version
 
     def state_dict(self) -> dict[str, Any]:
-        """The pool as JSON text (the same on every rank: nothing to gather)."""
-        return {"partial_pool": json.dumps(self.pool.to_json())}
+        """Collective: the pool as JSON text (the same on every rank: nothing to gather), a round in
+        flight collected into it first (what the next ``take`` would do: the same tokens, seeds and
+        versions) and counted in ``ahead``."""
+        self._collect_ahead()
+        ahead = {"ahead": self.ahead} if self.ahead else {}
+        return {"partial_pool": json.dumps(self.pool.to_json() | ahead)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.pool.load_json(json.loads(state["partial_pool"]))
+        data = json.loads(state["partial_pool"])
+        self.pool.load_json(data)
+        self.ahead = int(data.get("ahead", 0))
