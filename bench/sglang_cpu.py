@@ -129,7 +129,7 @@ def boundary_floor(parts: list[list[tuple[str, torch.Tensor]]]) -> dict[str, flo
             dests = [torch.empty_like(t) for t in tensors]
             spans = list(itertools.accumulate((t.numel() * t.element_size() for t in tensors), initial=0))
             flat = staging.buffer(spans[-1])
-            shared = [flat[a:b].view(t.dtype).view(t.shape) for a, b, t in zip(spans[:-1], spans[1:], tensors, strict=True)]
+            shared = views_of(flat, spans, tensors)
             copy_all(dests, tensors)  # each destination written once before (the engines' weights are)
             copy_all(shared, tensors)
             out["one_copy_s"] += seconds(partial(copy_all, dests, tensors))[0]
@@ -137,9 +137,13 @@ def boundary_floor(parts: list[list[tuple[str, torch.Tensor]]]) -> dict[str, flo
             manager, handle, size = flat.untyped_storage()._share_filename_cpu_()
             mapped = torch.empty(0, dtype=torch.uint8).set_(
                 torch.UntypedStorage._new_shared_filename_cpu(manager, handle, size))  # fmt: skip
-            read = [mapped[a:b].view(t.dtype).view(t.shape) for a, b, t in zip(spans[:-1], spans[1:], tensors, strict=True)]
-            out["out_of_new_mapping_s"] += seconds(partial(copy_all, dests, read))[0]
+            out["out_of_new_mapping_s"] += seconds(partial(copy_all, dests, views_of(mapped, spans, tensors)))[0]
     return out
+
+
+def views_of(flat: torch.Tensor, spans: list[int], like: list[torch.Tensor]) -> list[torch.Tensor]:
+    """``flat``'s bytes ``spans[i]:spans[i + 1]`` as a tensor shaped like ``like[i]``."""
+    return [flat[a:b].view(t.dtype).view(t.shape) for a, b, t in zip(spans[:-1], spans[1:], like, strict=True)]
 
 
 def copy_all(dests: list[torch.Tensor], sources: list[torch.Tensor]) -> None:
