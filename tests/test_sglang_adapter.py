@@ -384,6 +384,73 @@ def test_from_config_takes_an_engine_across_nodes_and_refuses_one_that_does_not_
     assert SGLangEngine.from_config(engine_spec(cfg), ps) is None
 
 
+def test_engines_of_several_gpus_restart_in_place_inside_a_node_only(monkeypatch) -> None:
+    """Issue 41: rollout.max_engine_restarts > 0 takes an engine of several GPUs of one node (its other
+    ranks get None, as always) and refuses one across nodes, on every rank of it, naming the fix."""
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    ps = SimpleNamespace(rank=1, world_size=16, device="cpu", tp=1, pp=1, cp=1)
+    restarts = ["rollout.engine=sglang", "rollout.max_engine_restarts=2", "rollout.sglang_ep=1"]
+    assert SGLangEngine.from_config(engine_spec(load_config(EXAMPLE, [*restarts, "rollout.sglang_tp=8"])), ps) is None
+    for rank in (1, 8):
+        ps.rank = rank
+        with pytest.raises(ValueError, match=r"max_engine_restarts=2: SGLang engines restart in place inside one "
+                                             r"node only, and these span 2 nodes \(16 GPUs, 8 per node.*"
+                                             r"rollout.sglang_tp to at most 8"):  # fmt: skip
+            SGLangEngine.from_config(engine_spec(load_config(EXAMPLE, [*restarts, "rollout.sglang_tp=16"])), ps)
+
+
+def test_the_fault_injection_signals_the_last_tp_ranks_scheduler() -> None:
+    from grpo_megatron.rollout.sglang.engine import _tp_rank
+
+    titles = ["sglang::scheduler", "sglang::scheduler_TP0", "sglang::scheduler_TP1", "sglang::scheduler_DP0_TP3_EP1",
+              "sglang::detokenizer"]  # fmt: skip
+    assert [_tp_rank(t) for t in titles] == [0, 0, 1, 3, 0]
+
+
+def test_a_lost_engine_of_several_gpus_is_resynced_on_every_gpu_and_restarts_report_wall_seconds() -> None:
+    """The fleet's side of issue 41 for an engine of several GPUs: the ranks a restart resyncs (every
+    rank of each lost engine, ``RolloutFleet.engine_groups``), and ``engine/restart_s`` as the wall
+    seconds of each restart event (two engines restarted together once, a restart found inside another
+    one's resync within it), ``engine/restarts`` the engines."""
+    from grpo_megatron.rollout import fleet as fleet_module
+    from grpo_megatron.rollout.fleet import EngineRecovery, RolloutFleet
+
+    class Member:
+        aborted: list[int] = []
+
+        def abort_update(self, version: int) -> None:
+            self.aborted.append(version)
+
+    # Rank 1: a member of the engine led from rank 0; the engines of ranks 0 and 2 are lost together,
+    # and rank 2's again inside their resync (a weight-sync death). No collective runs here (_agree).
+    fleet = RolloutFleet.__new__(RolloutFleet)
+    fleet.ps, fleet.engine, fleet.member = SimpleNamespace(rank=1), None, Member()  # type: ignore[assignment]
+    fleet.engine_groups = {0: (0, 1), 2: (2, 3), 4: (4,)}
+    assert fleet._engine_ranks_of([4, 6]) == [4, 6]
+    synced: list[tuple[int, list[int]]] = []
+
+    def sync_weights(model, version, *, targets, recovery):  # noqa: ANN001, ANN202
+        synced.append((version, list(targets)))
+        if len(synced) == 1:
+            time.sleep(0.2)
+            fleet.restart_engines([2], recovery, version, resync=True)
+
+    fleet.sync_weights = sync_weights  # type: ignore[method-assign]
+    original = fleet_module._agree
+    fleet_module._agree = lambda error, what: None
+    try:
+        recovery = EngineRecovery(torch.nn.Linear(1, 1), max_restarts=5)
+        assert recovery.metrics() == {}
+        seconds = fleet.restart_engines([0, 2], recovery, 7, resync=True)
+    finally:
+        fleet_module._agree = original
+    assert synced == [(7, [0, 1, 2, 3]), (7, [2, 3])] and Member.aborted == [7]
+    assert recovery.restarts == 3 and recovery.seconds == [seconds] and seconds >= 0.2
+    assert recovery.metrics() == {"engine/restarts": 3.0, "engine/restart_s": seconds}
+    assert recovery.metrics() == {}
+
+
 def _sigterm_ignored(pid: int) -> bool:
     """Whether process ``pid`` ignores SIGTERM (its ``SigIgn`` mask in /proc)."""
     status = Path(f"/proc/{pid}/status").read_text()

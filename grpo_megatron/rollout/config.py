@@ -129,8 +129,9 @@ class RolloutConfig:
     are restarted in place per run (per launch of the job): each is started again, given the current
     weights and its share of the batch generated again (rollout/fleet.py: ``EngineRecovery``); one
     more loss ends the run naming the engine, rank, host and its log's tail. 0: the first loss ends
-    it. Engine processes (rollout.embedded_process=true) and colocated SGLang engines of one GPU each
-    (rollout.sglang_tp=1; a lost SGLang engine is shut down and started again in the rank's process)."""
+    it. Engine processes (rollout.embedded_process=true) and colocated SGLang engines inside one node
+    (rollout.sglang_tp up to the GPUs per node; a lost SGLang engine is shut down and started again,
+    whole, in its leader's process, and every GPU of it resynced); an engine across nodes is refused."""
     engine_health_timeout_s: float = 120.0
     """An engine process awaited for a result that sends nothing (no reply, no heartbeat: it beats
     every eighth of this, at most every 10 s, while it generates) for this long is lost (a stopped

@@ -33,7 +33,8 @@ past ``rollout.engine_health_timeout_s``) are restarted in place when ``collect`
 were lost (over the exchange every ``collect`` does anyway: nothing extra while all is well), each
 owner restarts its engine from the same spec, every rank streams the version last synced
 (``synced_version``, from the recovery's policy model, which holds it whenever a rollout is
-collected) into the restarted engines only, and each restarted engine's share of the batch (the
+collected) into the restarted engines only (every GPU of one: its leader and its members, which
+hold nothing the restart invalidates), and each restarted engine's share of the batch (the
 same prompts and per-engine seed) is submitted again and collected; live engines' results are kept.
 Past the bound every rank raises, naming each lost engine, its rank, host, why and its log's tail.
 """
@@ -195,7 +196,8 @@ class EngineRecovery:
     """What restarting lost engines in place needs (``RolloutFleet.collect``), built by the job: the
     policy ``model`` whose weights the fleet synced last (streamed into a restarted engine as
     ``synced_version``) and the bound ``max_restarts`` (rollout.max_engine_restarts, per run: per
-    launch of the job). Counts the restarts and keeps each one's seconds until ``metrics`` takes them."""
+    launch of the job). Counts the restarts and keeps each restart event's wall seconds until
+    ``metrics`` takes them."""
 
     model: torch.nn.Module
     max_restarts: int
@@ -203,17 +205,23 @@ class EngineRecovery:
     """A context inside which ``model``'s parameters are on the device for the resync (the job's
     ``ColocatedMemory.sync_visit``: a colocated rollout phase has them offloaded); None: they always are."""
     restarts: int = 0
+    """Engines restarted so far in this run (the bound counts them)."""
+    unreported: int = 0
+    """Engines restarted since the last ``metrics``."""
     seconds: list[float] = dataclasses.field(default_factory=list)
-    """Seconds from the ranks' agreement that engines were lost to their serving again, per restart
-    not yet reported."""
+    """Wall seconds of each restart event not yet reported: from the ranks' agreement that engines
+    were lost to every one of them serving again (engines lost together restart at once: one event)."""
+    depth: int = 0
+    """Restarts in progress on this rank (one found inside another's resync belongs to its wall time)."""
 
     def metrics(self) -> dict[str, float]:
-        """``engine/restarts`` (since the last call) and ``engine/restart_s`` (their seconds, summed);
+        """``engine/restarts`` (engines restarted since the last call) and ``engine/restart_s`` (the
+        wall seconds of their restart events, summed: two engines restarted at once count once);
         empty when there was none."""
-        if not self.seconds:
+        if not self.unreported:
             return {}
-        out = {"engine/restarts": float(len(self.seconds)), "engine/restart_s": sum(self.seconds)}
-        self.seconds = []
+        out = {"engine/restarts": float(self.unreported), "engine/restart_s": sum(self.seconds)}
+        self.unreported, self.seconds = 0, []
         return out
 
 
@@ -288,6 +296,9 @@ class RolloutFleet:
     """The version of the last weight sync that reached every engine (what a restarted one is given)."""
     engine_life: int = 0
     """How often this rank's engine was restarted (a share submitted in an earlier life goes again)."""
+    engine_groups: dict[int, tuple[int, ...]] = dataclasses.field(default_factory=dict)
+    """Every rank of each engine led from a rank (its ``sync_group_ranks``: a colocated SGLang engine
+    of several GPUs, its leader first), by leader rank; an engine absent here is its rank alone."""
 
     def __post_init__(self) -> None:
         if not self.sync_ranks:
@@ -353,6 +364,7 @@ class RolloutFleet:
             placement=placement,
             routes=spec.record_routes,
             sync_waits_for_generation=spec.rollout.engine == "sglang",
+            engine_groups={rank: tuple(flags[rank][1]) for rank in engine_ranks if flags[rank][1]},
         )
 
     @property
@@ -470,13 +482,15 @@ class RolloutFleet:
         and ``lost`` engine. Any error, or a loss without ``recovery`` or past its bound: every rank
         raises with them (lost engines named with rank, host, why and their log's tail). Else the lost
         engines are restarted and (``resync``) given ``version`` (None: ``synced_version``,
-        ``restart_engines``)."""
+        ``restart_engines``). The error of another GPU of a lost engine (its weight round failed with
+        the engine) is the loss's, not one of its own."""
         mine = None if lost is None else {"host": lost.host, "why": lost.why, "tail": lost.log_tail,
                                           "log": lost.log_path}  # fmt: skip
         reports: list[Any] = [None] * self.ps.world_size
         dist.all_gather_object(reports, (error, mine))
-        errors = [(rank, e) for rank, (e, _) in enumerate(reports) if e is not None]
         losses = {rank: info for rank, (_, info) in enumerate(reports) if info is not None}
+        with_lost = set(self._engine_ranks_of(losses))
+        errors = [(rank, e) for rank, (e, _) in enumerate(reports) if e is not None and rank not in with_lost]
         named = "\n".join(
             f"  engine {self.engine_ranks.index(rank)} (rank {rank} on {info['host']}) was lost: {info['why']}; "
             f"its log ({info['log']}) ends:\n" + "\n".join(f"    {line}" for line in info["tail"].splitlines())
@@ -501,13 +515,20 @@ class RolloutFleet:
                       f"(restart {recovery.restarts} of at most {recovery.max_restarts}); its log ended:\n"
                       + "\n".join(f"    {line}" for line in info["tail"].splitlines()), flush=True)  # fmt: skip
 
+    def _engine_ranks_of(self, leaders: Iterable[int]) -> list[int]:
+        """Every rank of the engines led from ``leaders`` (an engine of several GPUs: its leader and
+        its members, ``engine_groups``), in rank order."""
+        return sorted({r for leader in leaders for r in self.engine_groups.get(leader, (leader,))})
+
     def restart_engines(self, ranks: Sequence[int], recovery: EngineRecovery, version: int, *, resync: bool) -> float:
-        """Collective: the engines of ``ranks`` restart (each owner kills what is left and starts it
-        again from the same spec) and (``resync``; not when the sync that found them lost goes on)
-        every rank streams ``version`` from ``recovery.model`` into them only. Returns the seconds
-        it took (also kept in ``recovery``)."""
+        """Collective: the engines of ``ranks`` (their leaders) restart (each owner kills what is left
+        and starts it again, same spec and width) and (``resync``; not when the sync that found them
+        lost goes on) every rank streams ``version`` from ``recovery.model`` into them only: into
+        every GPU of each (its members drop what they staged of an abandoned version first). Returns
+        the wall seconds it took (kept in ``recovery`` unless it runs inside another restart)."""
         start = time.perf_counter()
         error = None
+        everyone = self._engine_ranks_of(ranks)
         if self.ps.rank in ranks:
             assert self.engine is not None
             try:
@@ -518,13 +539,21 @@ class RolloutFleet:
                 self.engine_life += 1
             except Exception as exc:
                 error = _describe(exc)
+        elif self.ps.rank in everyone and self.member is not None:
+            self.member.abort_update(version)
         _agree(error, "restarting the lost rollout engine(s)")
         recovery.restarts += len(ranks)
-        if resync:
-            with recovery.sync_visit() if recovery.sync_visit is not None else contextlib.nullcontext():
-                self.sync_weights(recovery.model, version, targets=ranks, recovery=recovery)
+        recovery.unreported += len(ranks)
+        recovery.depth += 1
+        try:
+            if resync:
+                with recovery.sync_visit() if recovery.sync_visit is not None else contextlib.nullcontext():
+                    self.sync_weights(recovery.model, version, targets=everyone, recovery=recovery)
+        finally:
+            recovery.depth -= 1
         seconds = time.perf_counter() - start
-        recovery.seconds += [seconds] * len(ranks)
+        if recovery.depth == 0:
+            recovery.seconds.append(seconds)
         return seconds
 
     def _exchange(
@@ -612,7 +641,7 @@ class RolloutFleet:
         The steps: ``_plan`` (once), ``_check_manifests`` (phase one), ``_transfer`` (phase two on
         this rank), ``_verdict`` (the ranks agree on phase two's outcome and its metrics).
 
-        ``targets``: only the engines of these ranks take the version (a restarted engine,
+        ``targets``: only the sinks of these ranks take the version (every GPU of a restarted engine,
         ``restart_engines``); the stream runs as always, the others drop what they receive.
         ``recovery``: an engine found lost (``EngineLost``) in phase one is restarted and takes part
         in this sync; one lost in phase two is restarted and sent ``version`` once more, alone (the

@@ -361,12 +361,12 @@ class SGLangEngine(RolloutEngine):
             return cls(rollout, model.hf_path, launch)
         placement = placement or runtime_placement(spec, ps, read_hf_config(model.hf_path))
         layout, gpus_per_node, local_rank = layout_of(placement, ps)
-        if rollout.max_engine_restarts > 0 and placement.gpus_per_engine > 1:
+        if rollout.max_engine_restarts > 0 and layout.multi_node:
             raise ValueError(
-                f"rollout.max_engine_restarts={rollout.max_engine_restarts}: SGLang engines restart "
-                f"in place on one GPU each only, and these span {placement.gpus_per_engine} "
-                "(rollout.sglang_tp, rollout.placement); set rollout.sglang_tp=1, or "
-                "rollout.max_engine_restarts=0"
+                f"rollout.max_engine_restarts={rollout.max_engine_restarts}: SGLang engines restart in place "
+                f"inside one node only, and these span {layout.nnodes} nodes ({placement.gpus_per_engine} "
+                f"GPUs, {gpus_per_node} per node: rollout.sglang_tp, rollout.placement); set rollout.sglang_tp "
+                f"to at most {gpus_per_node}, or rollout.max_engine_restarts=0"
             )
         if ps.rank != layout.leader:
             return None  # a multi-node engine's other ranks agree on its address in SGLangSyncMember
@@ -489,11 +489,15 @@ class SGLangEngine(RolloutEngine):
                 arranged = self._pairs.arrange(bucket, version=version, last=last)  # SGLang loads some in pairs
                 self.check_alive()
                 self.load.open_sessions(servers)
-            except Exception as exc:
+            except BaseException as exc:  # a call cancelled on a lost engine too (ServerGuard)
                 # The engine's other GPUs are in this round too: they fail with the reason, not wait.
                 self.transport.refuse(f"{type(exc).__name__}: {exc}")
                 raise
-            self.transport.send(servers, with_output_head(arranged, self.tied_head), last=last, version=version)
+            try:
+                self.transport.send(servers, with_output_head(arranged, self.tied_head), last=last, version=version)
+            except Exception:
+                self.check_alive()  # a load that failed because a process of the engine died: EngineLost
+                raise
             self.load.loaded(arranged)
             if last:
                 self.load.finish(servers, version)
@@ -561,11 +565,13 @@ class SGLangEngine(RolloutEngine):
                 self._kill_scheduler(signal.SIGKILL)
 
     def _kill_scheduler(self, signum: int) -> None:
+        """Signal the scheduler of the engine's last TP rank (``sglang::scheduler_TP<i>``): on an engine
+        of several GPUs, one on a member's GPU, which the leader's processes watch too."""
         assert self.health is not None
-        for proc in self.health.procs:
-            if "scheduler" in self.health.names.get(proc.pid, ""):
-                os.kill(proc.pid, signum)
-                return
+        names = self.health.names
+        schedulers = [p for p in self.health.procs if "scheduler" in names.get(p.pid, "")]
+        if schedulers:
+            os.kill(max(schedulers, key=lambda p: _tp_rank(names[p.pid])).pid, signum)
 
     def restart(self) -> None:
         """Restart a lost colocated engine in place (issue 41; ``RolloutFleet.restart_engines``): the
@@ -576,10 +582,13 @@ class SGLangEngine(RolloutEngine):
         then streams the last synced version into it. It comes back in the memory phase of the
         moment: the tags its predecessor had released are released again right after the start (on a
         GPU its KV pool needs its room while it starts: the rollout phase, where the fleet finds most
-        losses, has the trainer offloaded). One-GPU engines only (``from_config`` refuses others)."""
-        if self.health is None or self.tp_size > 1 or self._launch.nnodes > 1:
-            raise RuntimeError("only a one-GPU colocated SGLang engine started by this adapter restarts "
-                               "in place")  # fmt: skip
+        losses, has the trainer offloaded). An engine of several GPUs of one node restarts whole, with
+        the same width (its schedulers are all this process's children; its members' sinks hold
+        nothing a restart invalidates, the fleet resyncs every GPU); one across nodes does not
+        (``from_config`` refuses it with ``rollout.max_engine_restarts`` > 0)."""
+        if self.health is None or self._launch.nnodes > 1:
+            raise RuntimeError("only a colocated SGLang engine inside one node, started by this adapter, "
+                               "restarts in place")  # fmt: skip
         released = sorted(self.released.tags)
         servers = self.guard.abandon()
         for server in servers:
@@ -654,6 +663,13 @@ class SGLangEngine(RolloutEngine):
         for server in servers:
             with self.health.engine_only_shutdown() if self.health is not None else contextlib.nullcontext():
                 server.shutdown()
+
+
+def _tp_rank(name: str) -> int:
+    """The TP rank in an SGLang scheduler's process title (``sglang::scheduler_TP1``, ``..._TP1_EP1``); 0
+    when it names none."""
+    digits = name.partition("_TP")[2].split("_")[0]
+    return int(digits) if digits.isdigit() else 0
 
 
 def cancel_requests(servers: Sequence[Any]) -> None:

@@ -253,6 +253,7 @@ class CudaIpcTransport:
             return
         everyone = self.feed.gather(contribution(bucket, self.sglang_classes, self.device, self.staging)) or []
         error = "; ".join(f"engine GPU {i}: {e}" for i, (_, _, e) in enumerate(everyone) if e is not None) or None
+        cancelled: BaseException | None = None
         if error is None:
             try:
                 if last or any(full for _, full, _ in everyone):
@@ -262,7 +263,11 @@ class CudaIpcTransport:
                     raise_on_failure(result, "update_weights_from_tensor")
             except Exception as exc:
                 error = f"{type(exc).__name__}: {exc}"
+            except BaseException as exc:  # the load cancelled (a lost engine, ServerGuard): the group still hears
+                error, cancelled = f"{type(exc).__name__}: the engine was lost during the load", exc
         self.feed.verdict(error)
+        if cancelled is not None:
+            raise cancelled
         if error is not None:
             raise RuntimeError(f"SGLang update_weights_from_tensor of version {version}: {error}")
 

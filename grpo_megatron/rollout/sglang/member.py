@@ -146,7 +146,11 @@ class SGLangSyncMember:
         return None  # SGLang's loader copies from the payload
 
     def abort_update(self, version: int) -> None:
-        return None
+        """A version abandoned (rejected elsewhere, or its engine lost and restarted: the fleet
+        resends it from its first bucket): drop the tensors held for a partner that has not come.
+        Nothing else here depends on the engine's life: the accepted manifest judges this GPU's
+        checkpoint shapes, the feed only the group, the staging buffer is written afresh each round."""
+        self._pairs = PairedLoads()
 
     def update_weights(self, bucket: Bucket, *, version: int, last: bool) -> None:
         try:
