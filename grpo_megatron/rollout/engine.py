@@ -48,6 +48,23 @@ class EngineLost(RuntimeError):
                          f"({log_path}):\n{log_tail}")  # fmt: skip
 
 
+LOG_TAIL_LINES = 20
+"""Lines of an engine's log quoted when it is lost or fails to start."""
+
+
+def log_tail(path: Path | None, lines: int = LOG_TAIL_LINES, indent: str = "") -> str:
+    """The last ``lines`` lines of an engine's log at ``path`` (Python's repeated ``UserWarning``
+    lines left out), each prefixed with ``indent``: what ``EngineLost`` and the start errors quote."""
+    try:
+        if path is None:
+            raise OSError("no log")
+        text = path.read_text(errors="replace").splitlines()
+    except OSError as exc:
+        return f"{indent}(unreadable: {exc})"
+    kept = [line for line in text if "UserWarning" not in line and not line.strip().startswith("warnings.warn")]
+    return "\n".join(f"{indent}{line}" for line in kept[-lines:]) or f"{indent}(empty)"
+
+
 @dataclass(frozen=True)
 class EngineSpec:
     """What the engines of a job are built from: their config sections and the job settings they read

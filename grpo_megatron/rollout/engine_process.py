@@ -54,12 +54,14 @@ from typing import Any
 import torch
 
 from grpo_megatron.rollout.engine import (
+    LOG_TAIL_LINES,
     Bucket,
     Completion,
     EngineLost,
     Manifest,
     RolloutEngine,
     SamplingParams,
+    log_tail,
 )
 
 __all__ = ["FAULT_ENV", "EngineLost", "EngineProcess", "fault_for", "serve"]
@@ -67,7 +69,6 @@ __all__ = ["FAULT_ENV", "EngineLost", "EngineProcess", "fault_for", "serve"]
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 FAULT_ENV = "GRPO_ENGINE_FAULT"
 """Fault injection for tests (see the module docstring)."""
-LOG_TAIL_LINES = 20
 
 
 def fault_for(spec: Mapping[str, Any]) -> tuple[str, int] | None:
@@ -358,12 +359,7 @@ class EngineProcess(RolloutEngine):
     _ready: dict[str, Any] | None = None
 
     def log_tail(self, lines: int = LOG_TAIL_LINES) -> str:
-        try:
-            assert self.log_path is not None
-            text = self.log_path.read_text(errors="replace")
-        except OSError:
-            return "(no log)"
-        return "\n".join(text.splitlines()[-lines:]) or "(empty)"
+        return log_tail(self.log_path, lines)
 
     def _lost(self, why: str) -> EngineLost:
         return EngineLost(self.rank, self.host, why, self.log_tail(), str(self.log_path))

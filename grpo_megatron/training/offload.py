@@ -28,7 +28,7 @@ from __future__ import annotations
 import gc
 import time
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -353,26 +353,26 @@ class ColocatedMemory:
         return {k: v for k, v in self.enter("rollout").items() if k != "offload/onload_seconds"}
 
     @contextmanager
-    def trainer_visit(self) -> Iterator[None]:
-        """The save phase for the body (a checkpoint save), then the phase before it again."""
+    def visit(self, phase: str) -> Iterator[None]:
+        """``phase``'s memory for the body, then the phase before it again; inside ``phase`` already,
+        nothing moves. ``visit("save")``: a checkpoint save. ``visit("sync")``: an engine restarted in
+        place during a rollout (issue 41, ``RolloutFleet.restart_engines``) is streamed the last synced
+        version, and the export reads the parameters the rollout phase offloads."""
         before = self.phase
-        self.enter("save")
+        if before == phase:
+            yield
+            return
+        self.enter(phase)
         yield
         self.enter(before)
 
-    @contextmanager
-    def sync_visit(self) -> Iterator[None]:
-        """The sync phase's memory for the body, then the phase before it again: an engine restarted
-        in place during a rollout (issue 41, ``RolloutFleet.restart_engines``) is streamed the last
-        synced version, and the export reads the parameters the rollout phase offloads. Inside a sync
-        already: nothing moves."""
-        before = self.phase
-        if before == "sync":
-            yield
-            return
-        self.enter("sync")
-        yield
-        self.enter(before)
+    def trainer_visit(self) -> AbstractContextManager[None]:
+        """The save phase for the body (a checkpoint save): ``visit("save")``."""
+        return self.visit("save")
+
+    def sync_visit(self) -> AbstractContextManager[None]:
+        """The sync phase for the body (an engine's resync during a rollout): ``visit("sync")``."""
+        return self.visit("sync")
 
     def trainer_back(self) -> None:
         """Bring the trainer's state back for good (the final export reads the parameters; the end of

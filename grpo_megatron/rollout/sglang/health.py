@@ -45,11 +45,11 @@ from typing import Any
 
 import psutil
 
-from grpo_megatron.rollout.engine import EngineLost
+from grpo_megatron.rollout.engine import LOG_TAIL_LINES, EngineLost, log_tail
 
 EXIT_ENGINE_DIED = 70
 """A rank's exit status when its SGLang engine died (EX_SOFTWARE)."""
-LOG_LINES = 20
+LOG_LINES = LOG_TAIL_LINES
 
 
 class EngineDiedError(RuntimeError):
@@ -361,10 +361,5 @@ def _name(proc: psutil.Process) -> str:
 
 
 def tail(path: Path, lines: int = LOG_LINES) -> str:
-    """The last ``lines`` lines of ``path`` (without SGLang's repeated warnings), indented."""
-    try:
-        text = path.read_text(errors="replace").splitlines()
-    except OSError as exc:
-        return f"  (unreadable: {exc})"
-    kept = [line for line in text if "UserWarning" not in line and not line.strip().startswith("warnings.warn")]
-    return "\n".join(f"  {line}" for line in kept[-lines:]) or "  (empty)"
+    """The last ``lines`` lines of the engine's log at ``path``, indented (``rollout.engine.log_tail``)."""
+    return log_tail(path, lines, indent="  ")
