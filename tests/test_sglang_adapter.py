@@ -395,7 +395,7 @@ def test_engines_of_several_gpus_restart_in_place_inside_a_node_only(monkeypatch
     for rank in (1, 8):
         ps.rank = rank
         with pytest.raises(ValueError, match=r"max_engine_restarts=2: SGLang engines restart in place inside one "
-                                             r"node only, and these span 2 nodes \(16 GPUs, 8 per node.*"
+                                             r"node only, and engines of 16 GPUs span 2 nodes of 8 GPUs.*"
                                              r"rollout.sglang_tp to at most 8"):  # fmt: skip
             SGLangEngine.from_config(engine_spec(load_config(EXAMPLE, [*restarts, "rollout.sglang_tp=16"])), ps)
 
@@ -727,6 +727,10 @@ if sys.argv[2] == "stopping":
 os.kill(os.getpid(), signal.SIGQUIT)  # after the engine's shutdown: still one of its schedulers
 time.sleep(0.2)
 print("survived")
+try:  # with every process alive (SGLang's scheduler watchdog: a forward without progress), recoverable: lost
+    health.check()
+except Exception as exc:
+    print(type(exc).__name__, exc)
 """
 
 
@@ -784,6 +788,7 @@ def test_sigquit_ends_the_rank_unless_it_is_shutting_the_engine_down(tmp_path: P
     else:
         assert proc.returncode == 0 and "survived" in proc.stdout, proc.stderr
         assert ("cancelled" in proc.stdout) == (mode == "recoverable")
+        assert ("EngineLost" in proc.stdout and "watchdog_timeout" in proc.stdout) == (mode == "recoverable")
 
 
 @pytest.mark.parametrize("fault", ["kill", "stop"])
@@ -830,6 +835,68 @@ def test_a_generation_waiting_on_a_dead_or_stopped_scheduler_ends_in_engine_lost
         scheduler.wait()
         guard.abandon()
         server.loop.close()
+
+
+@pytest.mark.parametrize("answer_s", [0.2, None])
+def test_a_scheduler_that_leaves_a_state_request_unanswered_past_the_deadline_is_lost(answer_s: float | None) -> None:
+    """Issue 41: a scheduler alive but hung. While a generation is awaited, the guard's SchedulerProbe
+    sends a state request on the engine's loop (TokenizerManager.get_internal_state) every eighth of the
+    deadline; answered (here within 0.2 s), a generation longer than the deadline is no loss; never
+    answered, the wait raises the health's failure past the deadline and cancels the generation."""
+    import asyncio
+
+    from grpo_megatron.rollout.engine import EngineLost
+    from grpo_megatron.rollout.sglang.engine import SchedulerProbe, ServerGuard, cancel_requests, close_loop
+
+    class Manager:
+        asked = 0
+
+        async def get_internal_state(self) -> list[dict[str, int]]:
+            Manager.asked += 1
+            await asyncio.sleep(3600 if answer_s is None else answer_s)
+            return [{}]
+
+    def lost(why: str) -> EngineLost:
+        return EngineLost(0, "host", why, "  tail", "log", what="SGLang engine")
+
+    server = SimpleNamespace(loop=asyncio.new_event_loop(), tokenizer_manager=Manager())
+    guard = ServerGuard([server], watch=lambda: None, cancel=cancel_requests, probe=lambda: SchedulerProbe(1.0, lost))
+    try:
+        future = guard.start(lambda servers: servers[0].loop.run_until_complete(asyncio.sleep(2.5)) or "done")
+        start = time.monotonic()
+        if answer_s is not None:
+            assert guard.result(future) == "done" and Manager.asked >= 3
+        else:
+            with pytest.raises(EngineLost, match=r"left a state request unanswered for 1.\d s, past "
+                                                 r"rollout.engine_health_timeout_s=1 \(hung\)"):  # fmt: skip
+                guard.result(future)
+            assert 1.0 <= time.monotonic() - start < 2.5 and future.done() and Manager.asked == 1
+    finally:
+        guard.abandon()
+        close_loop(server)  # a request left pending when the wait ended: cancelled with the loop
+
+
+def test_abandon_stops_the_loop_under_a_generation_its_cancel_did_not_end_and_joins_the_thread(monkeypatch) -> None:
+    """ServerGuard.abandon (a lost engine's restart): a generation thread still on the engine's event loop
+    after its requests were cancelled has the loop stopped under it; the thread is joined and the loop
+    can be closed (close_loop), nothing left behind."""
+    import asyncio
+
+    from grpo_megatron.rollout.sglang import engine as engine_module
+    from grpo_megatron.rollout.sglang.engine import ServerGuard, close_loop
+
+    monkeypatch.setattr(engine_module, "ABORT_S", 0.5)
+    server = SimpleNamespace(loop=asyncio.new_event_loop())
+    guard = ServerGuard([server], watch=lambda: None, cancel=lambda servers: None)  # a cancel that ends nothing
+    future = guard.start(lambda servers: servers[0].loop.run_until_complete(asyncio.Event().wait()))
+    while not server.loop.is_running():
+        time.sleep(0.01)
+    start = time.monotonic()
+    assert guard.abandon() == [server]
+    assert time.monotonic() - start < 3 and future.done() and isinstance(future.exception(), RuntimeError)
+    assert not [t for t in threading.enumerate() if t.name.startswith("sglang-generate")]
+    close_loop(server)
+    assert server.loop.is_closed()
 
 
 _START_SCRIPT = """

@@ -143,6 +143,18 @@ def test_colocated_memory_moves_the_real_engine_by_the_placements_phases(scenari
         assert run["bitwise"], mode
 
 
+def test_a_hung_scheduler_is_lost_past_the_health_deadline_and_the_engine_restarts(scenarios) -> None:
+    """Issue 41: a scheduler alive but hung (neither dead nor stopped) while a generation is awaited:
+    its state request unanswered past rollout.engine_health_timeout_s (2 s) is the engine lost; the
+    engine restarts in place and generates again, and the scenarios after this one run on the restarted
+    engine."""
+    got = scenario(scenarios, "hang_restart")
+    assert "left a state request unanswered" in got["lost"] and "rollout.engine_health_timeout_s=2" in got["lost"]
+    assert all(state in ("sleeping", "running", "disk-sleep") for state in got["states"]), got["states"]
+    assert 2.0 <= got["lost_s"] < 2.0 + 3.0 + 1.0, got  # the deadline, a probe interval, a watch tick
+    assert len(got["tokens"]) == 6 and got["old_gone"], got
+
+
 def test_the_engines_processes_survive_a_preemption_sigterm(scenarios) -> None:
     got = scenario(scenarios, "sigterm_survived")
     assert got["procs"] > 0 and got["all_alive"] and got["generates"] and got["trainer_handler_kept"]

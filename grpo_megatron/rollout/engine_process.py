@@ -64,22 +64,32 @@ from grpo_megatron.rollout.engine import (
     log_tail,
 )
 
-__all__ = ["FAULT_ENV", "EngineLost", "EngineProcess", "fault_for", "serve"]
+__all__ = ["FAULT_ENV", "EngineLost", "EngineProcess", "fault_for", "fault_items", "serve"]
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 FAULT_ENV = "GRPO_ENGINE_FAULT"
 """Fault injection for tests (see the module docstring)."""
 
 
-def fault_for(spec: Mapping[str, Any]) -> tuple[str, int] | None:
-    """(action, generate request number) of ``GRPO_ENGINE_FAULT`` for this engine, first life only."""
-    if int(spec.get("life", 0)) != 0:
-        return None
+def fault_items() -> list[tuple[str, int, int | None]]:
+    """``GRPO_ENGINE_FAULT`` parsed, the one parser of it: (action, number, trainer rank or None: every
+    engine) per comma-separated ``action:N`` or ``action:N@R``."""
+    items = []
     for item in filter(None, os.environ.get(FAULT_ENV, "").split(",")):
         action, _, rest = item.partition(":")
         number, _, rank = rest.partition("@")
-        if action in ("kill", "stop") and (not rank or int(rank) == int(spec.get("rank", 0))):
-            return action, int(number)
+        items.append((action, int(number), int(rank) if rank else None))
+    return items
+
+
+def fault_for(spec: Mapping[str, Any], actions: Sequence[str] = ("kill", "stop")) -> tuple[str, int] | None:
+    """(action, generate request number) of ``GRPO_ENGINE_FAULT`` for this engine, first life only: the
+    first item whose action is one of ``actions`` (the SGLang adapter adds ``hang``)."""
+    if int(spec.get("life", 0)) != 0:
+        return None
+    for action, number, rank in fault_items():
+        if action in actions and (rank is None or rank == int(spec.get("rank", 0))):
+            return action, number
     return None
 
 

@@ -487,7 +487,7 @@ class RolloutFleet:
         mine = None if lost is None else {"host": lost.host, "why": lost.why, "tail": lost.log_tail,
                                           "log": lost.log_path}  # fmt: skip
         reports: list[Any] = [None] * self.ps.world_size
-        dist.all_gather_object(reports, (error, mine))
+        dist.all_gather_object(reports, (error, mine), group=self._data_group())  # every rank is here
         losses = {rank: info for rank, (_, info) in enumerate(reports) if info is not None}
         with_lost = set(self._engine_ranks_of(losses))
         errors = [(rank, e) for rank, (e, _) in enumerate(reports) if e is not None and rank not in with_lost]

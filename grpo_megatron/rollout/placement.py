@@ -135,15 +135,7 @@ def routed_experts(hf: Mapping[str, Any]) -> int:
 def _sglang_width(
     rollout: RolloutConfig, world_size: int, gpus_per_node: int, replica: int
 ) -> tuple[int, str]:
-    if rollout.sglang_tp > 0:
-        width, why = rollout.sglang_tp, f"rollout.sglang_tp={rollout.sglang_tp}"
-    elif rollout.placement == "per_node":
-        width, why = gpus_per_node, f"rollout.placement=per_node: the {gpus_per_node} GPUs of a node"
-    else:
-        width, why = (
-            replica,
-            f"rollout.placement={rollout.placement}: one model replica (tp x pp x cp = {replica})",
-        )
+    width, why = rollout.sglang_width(gpus_per_node, replica)
     if world_size % width or (gpus_per_node % width if width <= gpus_per_node else width % gpus_per_node):
         raise ValueError(
             f"SGLang engines of {width} GPUs ({why}) do not fit {world_size} ranks with {gpus_per_node} GPUs "
@@ -227,6 +219,8 @@ def decide_placement(
         return RolloutPlacement("sglang", "disaggregated", gpus_per_engine=0, engine_ep=1, engines=(),
                                 swaps_engine_memory=offload_trainer, why=why, **common)  # fmt: skip
     width, why["width"] = _sglang_width(rollout, world_size, gpus_per_node, tp * pp * cp)
+    for error in rollout.restart_width_errors(width, gpus_per_node):  # validate's rule too
+        raise ValueError(error)
     ep, why["ep"] = _sglang_ep(rollout, width, hf)
     engines = tuple(tuple(range(start, start + width)) for start in range(0, world_size, width))
     swaps = max_staleness == 0

@@ -370,6 +370,48 @@ class Scenarios:
         memory.trainer_back()
         return {"steps": steps, **seen}
 
+    def hang_restart(self) -> dict[str, Any]:
+        """Issue 41: a scheduler alive but hung (``GRPO_ENGINE_FAULT=hang:N``: it sleeps in a signal
+        handler, state S, neither dead nor stopped) while a generation is awaited is found by the
+        wait's state request unanswered past rollout.engine_health_timeout_s (2 s here), the generation
+        cancelled, EngineLost raised; the engine restarts in place and serves. The engine, restarted,
+        then serves the scenarios after this one."""
+        import dataclasses
+
+        import psutil
+
+        from grpo_megatron.rollout.engine import EngineLost
+        from grpo_megatron.rollout.engine_process import FAULT_ENV
+
+        engine = self.engine
+        assert engine.health is not None
+        kept = engine.rollout
+        engine.rollout = dataclasses.replace(kept, max_engine_restarts=1, engine_health_timeout_s=2.0)
+        engine.health.recoverable = True
+        names = engine.health.names
+        schedulers = [p for p in engine.health.procs if "scheduler" in names.get(p.pid, "")]
+        os.environ[FAULT_ENV] = f"hang:{engine._generated + 1}"  # this generation
+        out: dict[str, Any] = {"lost": ""}
+        start = time.perf_counter()
+        try:
+            engine.submit(PROMPTS, self.greedy)()
+        except EngineLost as exc:
+            out["lost"] = str(exc)
+        out["lost_s"] = time.perf_counter() - start
+        out["states"] = [p.status() for p in schedulers]  # alive, not stopped: hung
+        try:
+            engine.restart()
+            out["tokens"] = tokens(engine.submit(PROMPTS, self.greedy)())
+            out["restart_s"] = time.perf_counter() - start - out["lost_s"]
+            out["serving_s"] = time.perf_counter() - start
+            out["old_gone"] = not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in schedulers)
+        finally:
+            os.environ[FAULT_ENV] = "hang:0"
+            engine.rollout = kept
+            if engine.health is not None:
+                engine.health.recoverable = False
+        return out
+
     def sigterm_survived(self) -> dict[str, Any]:
         """Slurm's preemption SIGTERM reaches every process of the job: the engine's must live on (the
         trainer saves, then shuts them down); the trainer itself does not block SIGTERM."""
@@ -513,6 +555,7 @@ SCENARIOS: tuple[str, ...] = (
     "rejected_version",
     "memory_in_trainer_order",
     "phases_in_trainer_order",
+    "hang_restart",
     "sigterm_survived",
     "shutdown",
 )
@@ -528,6 +571,8 @@ def main(out: Path, workdir: Path) -> None:
             results[name] = {"error": f"{type(exc).__name__}: {exc}"}
         out.write_text(json.dumps(results, indent=1))
 
+    # Arms SGLang's processes for hang_restart (compat.arm_hang_fault); no generation is number 0.
+    os.environ["GRPO_ENGINE_FAULT"] = "hang:0"
     scenarios = Scenarios(workdir)
     for name in SCENARIOS:
         record(name, getattr(scenarios, name))

@@ -40,6 +40,7 @@ import contextlib
 import os
 import random
 import signal
+import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -56,10 +57,11 @@ from grpo_megatron.rollout.engine import (
     SamplingParams,
     stamped,
 )
-from grpo_megatron.rollout.engine_process import FAULT_ENV, fault_for
+from grpo_megatron.rollout.engine_process import fault_for, fault_items
 from grpo_megatron.rollout.hf_routes import RouteLayout
 from grpo_megatron.rollout.placement import RolloutPlacement, runtime_placement
 from grpo_megatron.rollout.sglang import protocol
+from grpo_megatron.rollout.sglang.compat import HANG_SIGNAL
 from grpo_megatron.rollout.sglang.health import EngineProcesses
 from grpo_megatron.rollout.sglang.ipc import CudaIpcTransport
 from grpo_megatron.rollout.sglang.launch import (
@@ -115,17 +117,19 @@ class ServerGuard:
     Every wait for that generation looks at the engine every ``WATCH_S`` (``watch``: raises when the
     engine is lost, e.g. a scheduler killed or stopped, whose requests would never answer); the wait
     then cancels the generation (``cancel(servers)``: its requests on the engine's loop), gives its
-    thread ``ABORT_S`` to end, and raises what ``watch`` raised."""
+    thread ``ABORT_S`` to end, and raises what ``watch`` raised. ``probe()``, where given, makes each
+    wait's ``SchedulerProbe``: the engine alive but not answering (a hung scheduler) is lost too."""
 
     def __init__(
         self, servers: Sequence[Any], *, watch: Callable[[], None] | None = None,
-        cancel: Callable[[list[Any]], None] | None = None,
+        cancel: Callable[[list[Any]], None] | None = None, probe: Callable[[], SchedulerProbe] | None = None,
     ) -> None:
         self._servers = list(servers)
         self._pool: ThreadPoolExecutor | None = None
         self._running: Future[Any] | None = None
         self._watch = watch
         self._cancel = cancel
+        self._probe = probe
 
     def __enter__(self) -> list[Any]:
         self._settle()
@@ -175,11 +179,20 @@ class ServerGuard:
 
     def abandon(self) -> list[Any]:
         """A lost engine's servers, handed over without waiting on them: the generation in flight is
-        cancelled and given ``ABORT_S``; a thread still stuck after that is left behind."""
+        cancelled and given ``ABORT_S``; a thread still on the servers' event loop after that has the
+        loop stopped under it (``stop_loops``: its ``run_until_complete`` returns) and ``ABORT_S``
+        more. The thread is joined once it ended (bounded: a thread stuck outside the loop, which
+        Python cannot end, is named and left behind); the loop is then the caller's to close
+        (``close_loop``, after the shutdown)."""
         ended = self._abort()
+        if not ended and self._running is not None:
+            stop_loops(self._servers)
+            ended = not wait([self._running], timeout=ABORT_S).not_done
         if self._pool is not None:
             self._pool.shutdown(wait=ended, cancel_futures=True)
             self._pool = None
+        if not ended:
+            print("[engine] the lost SGLang engine's generation thread did not end; left behind", flush=True)
         self._running = None
         servers, self._servers = self._servers, []
         return servers
@@ -190,11 +203,14 @@ class ServerGuard:
             self._running = None
 
     def _wait(self, future: Future[Any]) -> None:
+        probe = self._probe() if self._probe is not None else None
         while wait([future], timeout=WATCH_S).not_done:
             if self._watch is None:
                 continue
             try:
                 self._watch()
+                if probe is not None:
+                    probe.poll(self._servers)
             except BaseException:
                 self._abort()
                 raise
@@ -207,6 +223,39 @@ class ServerGuard:
         if self._cancel is not None:
             self._cancel(self._servers)
         return not wait([running], timeout=ABORT_S).not_done
+
+
+class SchedulerProbe:
+    """Whether an in-process engine's schedulers still answer, while one wait for its generation lasts
+    (issue 41: a scheduler alive but hung, neither dead nor stopped, answers nothing and SGLang's
+    tokenizer manager awaits it with no deadline). Every ``every_s`` of the wait it sends one state
+    request (``TokenizerManager.get_internal_state``: a ``GetInternalStateReq`` the scheduler answers
+    from its event loop between two batches, so a healthy one answers within one forward step, whatever
+    the generation's length); one unanswered for ``deadline_s`` (``rollout.engine_health_timeout_s``)
+    is the engine lost: ``fail(why)`` is raised. One request at a time, never cancelled (SGLang's
+    communicator serializes them: a late answer completes its own request); a request left unanswered
+    when the wait ends is answered on the loop's next run, and the next wait starts its own count."""
+
+    def __init__(self, deadline_s: float, fail: Callable[[str], BaseException], every_s: float | None = None):
+        self.deadline_s = deadline_s
+        self.every_s = min(deadline_s / 8, 10.0) if every_s is None else every_s
+        self._fail = fail
+        self._pending: list[concurrent.futures.Future[Any]] = []
+        self._sent = time.monotonic()
+        """When the request in flight (or the last one) was sent; the wait's start before the first."""
+
+    def poll(self, servers: Sequence[Any]) -> None:
+        """Look at the request in flight (raise if it is past the deadline), or send the next one."""
+        now = time.monotonic()
+        if self._pending and not all(f.done() for f in self._pending):
+            if now - self._sent >= self.deadline_s:
+                raise self._fail(
+                    f"its scheduler, alive, left a state request unanswered for {now - self._sent:.1f} s, past "
+                    f"rollout.engine_health_timeout_s={self.deadline_s:g} (hung)"
+                )
+            return
+        if now - self._sent >= self.every_s:
+            self._pending, self._sent = ask_state(servers), now
 
 
 class ReleasedMemory:
@@ -338,7 +387,12 @@ class SGLangEngine(RolloutEngine):
     def _guard(self, servers: Sequence[Any]) -> ServerGuard:
         if self.health is None:
             return ServerGuard(servers)
-        guard = ServerGuard(servers, watch=self._watch, cancel=cancel_requests)
+        health = self.health
+
+        def probe() -> SchedulerProbe:  # each wait's: rollout.engine_health_timeout_s of the moment
+            return SchedulerProbe(self.rollout.engine_health_timeout_s, health.failure)
+
+        guard = ServerGuard(servers, watch=self._watch, cancel=cancel_requests, probe=probe)
         self.health.on_lost = guard.cancel  # a call blocked on a dead scheduler ends (recoverable only)
         return guard
 
@@ -361,13 +415,6 @@ class SGLangEngine(RolloutEngine):
             return cls(rollout, model.hf_path, launch)
         placement = placement or runtime_placement(spec, ps, read_hf_config(model.hf_path))
         layout, gpus_per_node, local_rank = layout_of(placement, ps)
-        if rollout.max_engine_restarts > 0 and layout.multi_node:
-            raise ValueError(
-                f"rollout.max_engine_restarts={rollout.max_engine_restarts}: SGLang engines restart in place "
-                f"inside one node only, and these span {layout.nnodes} nodes ({placement.gpus_per_engine} "
-                f"GPUs, {gpus_per_node} per node: rollout.sglang_tp, rollout.placement); set rollout.sglang_tp "
-                f"to at most {gpus_per_node}, or rollout.max_engine_restarts=0"
-            )
         if ps.rank != layout.leader:
             return None  # a multi-node engine's other ranks agree on its address in SGLangSyncMember
         address = agree_engine_address(layout, gpus_per_node, local_rank) if layout.multi_node else None
@@ -529,7 +576,8 @@ class SGLangEngine(RolloutEngine):
     def _watch(self) -> None:
         """While a generation is awaited (``ServerGuard``): raise if a process of the engine died
         (SGLang's watchdog also SIGQUITs the rank: ``health.on_sigquit``) or has been stopped for
-        ``rollout.engine_health_timeout_s``; the guard then cancels the generation."""
+        ``rollout.engine_health_timeout_s``; the guard then cancels the generation. A scheduler alive
+        but hung is the guard's ``SchedulerProbe``'s to find."""
         assert self.health is not None
         self.health.check()
         why = self.health.stopped(self.rollout.engine_health_timeout_s)
@@ -538,15 +586,18 @@ class SGLangEngine(RolloutEngine):
 
     def _inject_fault(self) -> None:
         """``GRPO_ENGINE_FAULT`` (tests; the engine process's variable, rollout/engine_process.py:
-        ``kill:N``, ``stop:N``, ``@R`` for trainer rank R's engine only): at this engine's N-th
-        submitted generation, in its first life only, SIGKILL (SIGSTOP) its scheduler just before the
-        request goes to it. ``killsync:V``: ``_inject_sync_fault``."""
+        ``kill:N``, ``stop:N``, ``hang:N``, ``@R`` for trainer rank R's engine only): at this engine's
+        N-th submitted generation, in its first life only, SIGKILL (SIGSTOP) its scheduler just before
+        the request goes to it; ``hang``: send it ``compat.HANG_SIGNAL``, on which a scheduler started
+        with the variable set hangs alive (``compat.arm_hang_fault``). ``killsync:V``:
+        ``_inject_sync_fault``."""
         if self.health is None:
             return
         self._generated += 1
-        fault = fault_for({"life": self.life, "rank": self.health.rank})
+        fault = fault_for({"life": self.life, "rank": self.health.rank}, ("kill", "stop", "hang"))
         if fault is not None and fault[1] == self._generated:
-            self._kill_scheduler(signal.SIGKILL if fault[0] == "kill" else signal.SIGSTOP)
+            signals = {"kill": signal.SIGKILL, "stop": signal.SIGSTOP, "hang": HANG_SIGNAL}
+            self._kill_scheduler(signals[fault[0]])
 
     def _inject_sync_fault(self, bucket: Bucket, version: int) -> None:
         """``GRPO_ENGINE_FAULT``'s ``killsync:V`` (``@R``): SIGKILL the scheduler as the second bucket of
@@ -555,11 +606,9 @@ class SGLangEngine(RolloutEngine):
             return
         seen = self._buckets[1] + 1 if self._buckets[0] == version else 1
         self._buckets = (version, seen)
-        for item in filter(None, os.environ.get(FAULT_ENV, "").split(",")):
-            action, _, rest = item.partition(":")
-            number, _, rank = rest.partition("@")
-            wanted = action == "killsync" and int(number) == version and seen == 2
-            wanted = wanted and (not rank or int(rank) == self.health.rank)
+        for action, number, rank in fault_items():
+            wanted = action == "killsync" and number == version and seen == 2
+            wanted = wanted and rank in (None, self.health.rank)
             if wanted and version not in self._sync_faults_done:
                 self._sync_faults_done.add(version)
                 self._kill_scheduler(signal.SIGKILL)
@@ -585,7 +634,7 @@ class SGLangEngine(RolloutEngine):
         losses, has the trainer offloaded). An engine of several GPUs of one node restarts whole, with
         the same width (its schedulers are all this process's children; its members' sinks hold
         nothing a restart invalidates, the fleet resyncs every GPU); one across nodes does not
-        (``from_config`` refuses it with ``rollout.max_engine_restarts`` > 0)."""
+        (``rollout/placement.py:restart_errors`` refuses it with ``rollout.max_engine_restarts`` > 0)."""
         if self.health is None or self._launch.nnodes > 1:
             raise RuntimeError("only a colocated SGLang engine inside one node, started by this adapter, "
                                "restarts in place")  # fmt: skip
@@ -682,9 +731,32 @@ def cancel_requests(servers: Sequence[Any]) -> None:
             loop.call_soon_threadsafe(_cancel_tasks, loop)
 
 
+def ask_state(servers: Sequence[Any]) -> list[concurrent.futures.Future[Any]]:
+    """A state request to each in-process server's schedulers (``SchedulerProbe``), on the server's event
+    loop from this thread: ``TokenizerManager.get_internal_state`` (0.5.17 and 0.5.23:
+    ``managers/tokenizer_control_mixin.py``), the request ``Engine.get_server_info`` makes. Servers
+    without a loop (HTTP clients) are not asked."""
+    futures = []
+    for server in servers:
+        loop, manager = getattr(server, "loop", None), getattr(server, "tokenizer_manager", None)
+        ask = getattr(manager, "get_internal_state", None)
+        if isinstance(loop, asyncio.AbstractEventLoop) and not loop.is_closed() and callable(ask):
+            futures.append(asyncio.run_coroutine_threadsafe(ask(), loop))
+    return futures
+
+
 def _cancel_tasks(loop: asyncio.AbstractEventLoop) -> None:
     for task in asyncio.all_tasks(loop):
         task.cancel()
+
+
+def stop_loops(servers: Sequence[Any]) -> None:
+    """Stop each in-process server's event loop from any thread (``ServerGuard.abandon``): a thread
+    running it returns from ``run_until_complete`` with RuntimeError."""
+    for server in servers:
+        loop = getattr(server, "loop", None)
+        if isinstance(loop, asyncio.AbstractEventLoop) and not loop.is_closed():
+            loop.call_soon_threadsafe(loop.stop)
 
 
 def close_loop(server: Any) -> None:
@@ -698,7 +770,8 @@ def close_loop(server: Any) -> None:
     for task in tasks:
         task.cancel()
     if tasks:
-        loop.run_until_complete(asyncio.wait(tasks, timeout=1.0))
+        with contextlib.suppress(RuntimeError):  # a stop left pending by stop_loops ends this run early
+            loop.run_until_complete(asyncio.wait(tasks, timeout=1.0))
     loop.close()
 
 

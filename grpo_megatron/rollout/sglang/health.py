@@ -20,6 +20,10 @@ engine without that watchdog (0.5.17) leaves the next request waiting forever. H
   notes the loss, and ``check`` raises ``EngineLost`` instead, which the fleet answers with a restart
   in place (``SGLangEngine.restart``; past the bound, the fleet's own clean exit naming the engine);
 - ``stopped`` names processes stopped (state T, e.g. SIGSTOP) past a deadline: they count as lost;
+  a scheduler alive but hung (state S or R, answering nothing) is found by the wait for a generation
+  (``engine.py:SchedulerProbe``: a state request unanswered past the deadline), or by SGLang's own
+  scheduler watchdog (a forward without progress past its ``watchdog_timeout``, 300 s by default),
+  whose SIGQUIT ``check`` then reports as the engine lost;
 - an engine that fails while it starts is named the same way (``EngineStartError``, or
   ``sigquit_while_starting`` when its scheduler's SIGQUIT comes first): SGLang's launch-phase
   handler would SIGKILL the rank's whole tree, torchrun then reporting only "Signal 9" (seen on an
@@ -141,6 +145,10 @@ class EngineProcesses:
         (``ServerGuard.cancel``), which then raises ``EngineLost``."""
         self.stopped_since: dict[int, float] = {}
         """When each process was first seen stopped (state T), by pid; forgotten once it runs again."""
+        self.quit_received = False
+        """A SIGQUIT came while ``recoverable`` (``on_sigquit``): the engine is lost even with every
+        process alive (SGLang's scheduler watchdog: a forward that made no progress past its
+        ``watchdog_timeout``)."""
 
     @contextlib.contextmanager
     def start(self) -> Iterator[None]:
@@ -211,13 +219,17 @@ class EngineProcesses:
         os._exit(EXIT_ENGINE_DIED)
 
     def check(self) -> None:
-        """Raise ``EngineDiedError`` if a process of the engine is gone (``recoverable``: ``EngineLost``)."""
+        """Raise ``EngineDiedError`` if a process of the engine is gone (``recoverable``: ``EngineLost``,
+        also after a SIGQUIT with every process alive)."""
         dead = self.dead()
         if dead and self.recoverable:
             raise self.lost("; ".join(f"process {self.names.get(p.pid, 'of the engine')} (pid {p.pid}) {how}"
                                       for p, how in dead))  # fmt: skip
         if dead:
             raise EngineDiedError(self.report(dead))
+        if self.quit_received and self.recoverable:
+            raise self.lost("SGLang sent SIGQUIT with every process alive (its scheduler watchdog: a forward "
+                            "made no progress past its watchdog_timeout)")  # fmt: skip
 
     def failure(self, why: str) -> RuntimeError:
         """The error for an engine lost because ``why``: ``EngineLost`` when ``recoverable``, else
@@ -277,6 +289,7 @@ class EngineProcesses:
             if self.stopping:  # a scheduler that saw its peer killed first, while we shut it down
                 return
             if self.recoverable:  # the wait for the engine finds it lost (check) and the fleet restarts it
+                self.quit_received = True
                 if self.on_lost is not None:
                     self.on_lost()
                 return

@@ -1,7 +1,8 @@
 """Run at the start of every process an SGLang engine spawns (``compat.child_environment`` puts this
 folder first on PYTHONPATH while the engine starts): arms ``rollout/sglang/compat.py``'s fixes there
-too. compat.py is loaded by its path, so nothing else of grpo_megatron is imported into SGLang's
-processes. (A sitecustomize of the user's own further down PYTHONPATH is not run in those processes.)"""
+too (and, in tests only, ``GRPO_ENGINE_FAULT``'s hang: ``arm_hang_fault``). compat.py is loaded by its
+path, so nothing else of grpo_megatron is imported into SGLang's processes. (A sitecustomize of the
+user's own further down PYTHONPATH is not run in those processes.)"""
 
 import importlib.util
 import os
@@ -14,3 +15,4 @@ if _spec is not None and _spec.loader is not None:
     sys.modules[_spec.name] = _compat
     _spec.loader.exec_module(_compat)
     _compat.install()
+    _compat.arm_hang_fault()  # tests only: GRPO_ENGINE_FAULT's hang:N (compat.py)
