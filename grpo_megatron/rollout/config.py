@@ -136,7 +136,9 @@ class RolloutConfig:
     """An engine process awaited for a result that sends nothing (no reply, no heartbeat: it beats
     every eighth of this, at most every 10 s, while it generates) for this long is lost (a stopped
     process counts). A colocated SGLang engine: a process of it stopped (state T) this long while a
-    generation is awaited is lost (a dead one at once: SGLang's watchdog notices within a second)."""
+    generation is awaited is lost (a dead one at once: SGLang's watchdog notices within a second), and
+    so is one alive that leaves a state request unanswered this long (a hung scheduler: the wait's
+    ``SchedulerProbe``, rollout/sglang/engine.py)."""
     embedded_max_batch_rows: int = 0
     """Rows (prompts x samples) an embedded engine decodes at once; 0 = all of a generate call together."""
     probe_batch: int = 4
