@@ -70,13 +70,12 @@ ENGINES = {
 
 def arms(args: argparse.Namespace) -> dict[str, list[str]]:
     staleness = max(1, -(-args.max_new_tokens // args.segment))  # the overlap's validation
-    return {
-        "sync": ["train.max_staleness=0"],
-        "one-off": ["train.max_staleness=1"],
-        "continuous": ["train.partial_rollout=true", "rollout.partial_overlap=true",
-                       f"train.max_staleness={staleness}", f"rollout.partial_segment_tokens={args.segment}",
-                       f"rollout.partial_groups_in_flight={args.pool}"],
-    }  # fmt: skip
+    continuous = ["train.partial_rollout=true", "rollout.partial_overlap=true", f"train.max_staleness={staleness}",
+                  f"rollout.partial_segment_tokens={args.segment}", f"rollout.partial_groups_in_flight={args.pool}"]
+    out = {"sync": ["train.max_staleness=0"], "one-off": ["train.max_staleness=1"], "continuous": continuous}
+    if args.engine == "sglang":  # continued prefixes' KV kept across weight updates
+        out["continuous-kv"] = [*continuous, "rollout.partial_keep_kv=true"]
+    return out  # fmt: skip
 
 
 def drawn_length(text: str, args: argparse.Namespace) -> int:
@@ -118,6 +117,67 @@ def impose_lengths(args: argparse.Namespace) -> None:
         return out
 
     Rollout.submit, Rollout.collect = bench_submit, bench_collect  # type: ignore[method-assign]
+
+
+def trace_rounds(path: Path) -> None:
+    """Worker side, ``--trace``: one JSON line per event of the continuous loop (a round submitted:
+    its rows and prefix tokens; a round collected: the seconds waited, and where; ``before_sync``'s
+    drain; on SGLang each generate call's span in its thread and its prompts' ``cached_tokens``)."""
+    import time
+
+    from grpo_megatron.training.partial import PartialRollouts
+
+    def log(**fields: object) -> None:
+        with open(path, "a") as out:
+            out.write(json.dumps({"t": time.perf_counter(), **fields}) + "\n")
+
+    submit, collect = PartialRollouts._submit, PartialRollouts._collect
+    before_sync = PartialRollouts.before_sync
+    where = {"at": "take"}
+
+    def traced_submit(self, iteration, round_index):  # type: ignore[no-untyped-def]
+        todo, _, _ = self.pool.requests(lambda index: self.job.train_records[index].prompt_ids)
+        log(event="submit", iteration=iteration, round=round_index, rows=len(todo),
+            continued=sum(bool(r.token_ids) for _, r in todo), prefix=sum(len(r.token_ids) for _, r in todo))
+        return submit(self, iteration, round_index)
+
+    def traced_collect(self, round_):  # type: ignore[no-untyped-def]
+        start = time.perf_counter()
+        collect(self, round_)
+        log(event="collect", at=where["at"], wait_s=time.perf_counter() - start)
+
+    def traced_before_sync(self):  # type: ignore[no-untyped-def]
+        where["at"] = "before_sync"
+        try:
+            return before_sync(self)
+        finally:
+            where["at"] = "take"
+
+    PartialRollouts._submit = traced_submit  # type: ignore[method-assign]
+    PartialRollouts._collect = traced_collect  # type: ignore[method-assign]
+    PartialRollouts.before_sync = traced_before_sync  # type: ignore[method-assign]
+    try:
+        from grpo_megatron.rollout.sglang import engine as sglang_engine
+        from grpo_megatron.rollout.sglang import protocol
+    except ImportError:
+        return
+    completions, generate = protocol.completions, sglang_engine.SGLangEngine._generate
+
+    def traced_completions(outputs, request, n, layout=None):  # type: ignore[no-untyped-def]
+        metas = [o["meta_info"] for o in outputs]
+        log(event="sglang_outputs", rows=len(metas),
+            prompt_tokens=sum(m.get("prompt_tokens", 0) for m in metas),
+            cached_tokens=sum(m.get("cached_tokens", 0) for m in metas))
+        return completions(outputs, request, n, layout)
+
+    def traced_generate(self, servers, prompts, params):  # type: ignore[no-untyped-def]
+        start = time.perf_counter()
+        out = generate(self, servers, prompts, params)
+        log(event="sglang_generate", start=start, s=time.perf_counter() - start, rows=len(prompts))
+        return out
+
+    protocol.completions = traced_completions
+    sglang_engine.SGLangEngine._generate = traced_generate  # type: ignore[method-assign]
 
 
 def decode_step_cost(args: argparse.Namespace) -> dict[int, float]:
@@ -181,6 +241,9 @@ def run_arm(run_dir: Path, name: str, args: argparse.Namespace) -> list[dict[str
                PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")  # fmt: skip
     lengths = ["--median", str(args.median), "--sigma", str(args.sigma),
                "--max-new-tokens", str(args.max_new_tokens)]  # fmt: skip
+    if args.keep is not None:
+        args.keep.mkdir(parents=True, exist_ok=True)
+        lengths += ["--trace", str(args.keep / f"{run_dir.name}.trace.jsonl")]
     command = [
         sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1", "--master-addr", "127.0.0.1",
         "--master-port", str(free_port()), str(Path(__file__).resolve()), "--worker", *lengths, "--",
@@ -190,6 +253,9 @@ def run_arm(run_dir: Path, name: str, args: argparse.Namespace) -> list[dict[str
     if done.returncode != 0:
         raise SystemExit(f"the {name} run failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
     lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    if args.keep is not None:  # every iteration's metrics, for a closer look
+        args.keep.mkdir(parents=True, exist_ok=True)
+        (args.keep / f"{run_dir.name}.jsonl").write_text("\n".join(lines) + "\n")
     records = [json.loads(line) for line in lines if line.strip()]
     return [r for r in records if r["iteration"] >= 1]
 
@@ -227,6 +293,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--only", nargs="*", default=None, help="arms to run (default all)")
     parser.add_argument("--timeout-s", type=float, default=900.0)
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--keep", type=Path, default=None,
+                        help="a folder for each run's metrics.jsonl and trace of its rounds")
+    parser.add_argument("--trace", type=Path, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     return parser.parse_args(argv)
 
@@ -234,7 +303,10 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
 def main() -> int:
     if "--worker" in sys.argv:  # one arm's training process, under torchrun
         split = sys.argv.index("--")
-        impose_lengths(parse(sys.argv[1:split]))
+        worker = parse(sys.argv[1:split])
+        impose_lengths(worker)
+        if worker.trace is not None:
+            trace_rounds(worker.trace)
         from grpo_megatron.cli import main as cli
 
         return cli(sys.argv[split + 1 :])
@@ -253,11 +325,12 @@ def main() -> int:
           f"{args.max_new_tokens}: p50 {p50:g}, p99 {p99:g} (p99/p50 {p99 / p50:.1f}); engine "
           f"{args.engine}; {args.prompts} prompts x {args.samples}; segments of {args.segment}; "
           f"hidden {args.hidden}, {args.layers} layers")  # fmt: skip
-    print(f"{'seconds':<12}" + "".join(f"{c:>13}" for c in columns))
+    print(f"{'seconds':<14}" + "".join(f"{c:>13}" for c in columns))
     for name, row in result.items():
-        print(f"{name:<12}" + "".join(f"{row[c]:>13.3f}" for c in columns))
+        print(f"{name:<14}" + "".join(f"{row[c]:>13.3f}" for c in columns))
     ratios = {f"{a} / {b}": result[a]["iteration"] / result[b]["iteration"]
-              for a, b in (("continuous", "sync"), ("continuous", "one-off"), ("one-off", "sync"))
+              for a, b in (("continuous", "sync"), ("continuous", "one-off"), ("one-off", "sync"),
+                           ("continuous-kv", "sync"), ("continuous-kv", "one-off"))
               if a in result and b in result}  # fmt: skip
     print("iteration time " + "; ".join(f"{k} = {v:.3f}" for k, v in ratios.items()))
     if args.engine == "embedded":

@@ -15,7 +15,7 @@ from __future__ import annotations
 import abc
 import dataclasses
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
@@ -169,6 +169,10 @@ class Completion:
     """(response tokens, sampled tokens) of a completion whose tokens, logprobs and loss mask are not
     on this rank (``RolloutFleet.generate`` with ``payload`` other than "everywhere": they are empty
     here); None: they are here."""
+    cached_tokens: int | None = field(default=None, compare=False)
+    """Prompt tokens whose KV the engine took from its prefix cache instead of computing them (SGLang's
+    ``meta_info["cached_tokens"]``), as the engine's own adapter returns it; None: not reported (the
+    embedded engine; a completion that crossed ranks: the fleet does not carry it)."""
 
     @property
     def num_tokens(self) -> int:

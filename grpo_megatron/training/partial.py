@@ -53,6 +53,11 @@ off-policy corrections (token TIS, IcePop, sequence TIS/MIS) read them per token
 a response is one more request whose prompt ends with the response so far: the engine recomputes the
 KV of those tokens under its current weights (prefix caching may reuse it within one version), which
 works the same for the embedded engine, an engine process and SGLang, with no engine-specific pause.
+``rollout.partial_keep_kv`` (SGLang) keeps that KV instead: weight loads leave SGLang's prefix cache
+as it is while the KV in it lags the new weights by at most max_staleness versions
+(``rollout/sglang/weights.py:KeptPrefixes``), so a continued request reads its prefix's KV as computed
+under the versions that fed it (what an in-place pause keeps); each token's version and behaviour
+logprob are still those of the weights whose logits sampled it.
 Metrics: ``partial/staleness/{mean,max}`` (token-weighted over the trained responses),
 ``partial/mixed_versions_frac``, ``partial/segments`` (rounds this iteration),
 ``partial/carried`` (unfinished responses paused at the weight update), ``partial/regenerated``,
