@@ -72,9 +72,11 @@ def arms(args: argparse.Namespace) -> dict[str, list[str]]:
     staleness = max(1, -(-args.max_new_tokens // args.segment))  # the overlap's validation
     continuous = ["train.partial_rollout=true", "rollout.partial_overlap=true", f"train.max_staleness={staleness}",
                   f"rollout.partial_segment_tokens={args.segment}", f"rollout.partial_groups_in_flight={args.pool}"]
-    out = {"sync": ["train.max_staleness=0"], "one-off": ["train.max_staleness=1"], "continuous": continuous}
+    one, kv = "rollout.partial_one_request=true", "rollout.partial_keep_kv=true"
+    out = {"sync": ["train.max_staleness=0"], "one-off": ["train.max_staleness=1"], "continuous": continuous,
+           "cont-1req": [*continuous, one]}
     if args.engine == "sglang":  # continued prefixes' KV kept across weight updates
-        out["continuous-kv"] = [*continuous, "rollout.partial_keep_kv=true"]
+        out |= {"cont-kv": [*continuous, kv], "cont-kv-1req": [*continuous, kv, one]}
     return out  # fmt: skip
 
 
@@ -328,10 +330,9 @@ def main() -> int:
     print(f"{'seconds':<14}" + "".join(f"{c:>13}" for c in columns))
     for name, row in result.items():
         print(f"{name:<14}" + "".join(f"{row[c]:>13.3f}" for c in columns))
+    pairs = [("one-off", "sync"), *((a, b) for a in result if a.startswith("cont") for b in ("sync", "one-off"))]
     ratios = {f"{a} / {b}": result[a]["iteration"] / result[b]["iteration"]
-              for a, b in (("continuous", "sync"), ("continuous", "one-off"), ("one-off", "sync"),
-                           ("continuous-kv", "sync"), ("continuous-kv", "one-off"))
-              if a in result and b in result}  # fmt: skip
+              for a, b in pairs if a in result and b in result}  # fmt: skip
     print("iteration time " + "; ".join(f"{k} = {v:.3f}" for k, v in ratios.items()))
     if args.engine == "embedded":
         cost = decode_step_cost(args)

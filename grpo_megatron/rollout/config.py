@@ -118,6 +118,13 @@ class RolloutConfig:
     rollout.engine=sglang): each iteration submits the pool's next segment round before it trains, so
     the engines generate while the trainer trains (training/partial.py); those tokens lag one version
     more, so it needs train.max_staleness * partial_segment_tokens >= max_new_tokens."""
+    partial_one_request: bool = False
+    """train.partial_rollout: each segment round goes to the engines as one request, new and continued
+    responses together (the embedded engine prefills them in batches of similar lengths and decodes
+    them as one batch: ``SamplingParams.ragged_prefill``; SGLang batches them by itself), instead of
+    two requests where a continued response holds more than partial_segment_tokens (the default: the
+    engine pads a request's prompts to its longest, and the second request's steps run after the
+    first's). Its rows share one seed."""
     partial_keep_kv: bool = False
     """train.partial_rollout with rollout.engine=sglang: a weight update keeps the engine's prefix
     (radix) cache instead of flushing it, so a continued response's next segment reuses the KV of its

@@ -107,6 +107,12 @@ class SamplingParams:
     for ``RolloutFleet.deliver_routes``: the training rollouts of a job that replays the engine's routes
     (``EngineSpec.record_routes``, ``algorithm.routing_replay=r3``). An engine built without route
     recording reports none; an SGLang engine is asked for them only in such requests."""
+    ragged_prefill: bool = False
+    """The embedded engine (n=1, no routes): prefill prompts of very different lengths in batches of
+    similar lengths (a new batch where a prompt is over twice its batch's shortest), then decode every
+    row as one batch, instead of left-padding every prompt to the longest for one prefill: a continuous
+    round's new responses beside long continued ones (``rollout.partial_one_request``). Rows are then
+    sampled in length order. SGLang batches ragged prompts by itself and ignores it."""
 
     def budgets(self, num_prompts: int) -> list[int]:
         """Each of ``num_prompts`` prompts' ``max_new_tokens`` (``max_new_tokens_each``, else the same)."""
