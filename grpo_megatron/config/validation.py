@@ -281,10 +281,11 @@ def async_errors(cfg: JobConfig) -> list[str]:
     if cfg.train.partial_rollout:
         return partial_rollout_errors(cfg)
     errors = []
-    if cfg.rollout.partial_keep_kv:
-        errors.append("rollout.partial_keep_kv=true without train.partial_rollout=true: it keeps the KV of "
-                      "continued responses across weight updates; set train.partial_rollout=true or "
-                      "rollout.partial_keep_kv=false")
+    for name, what in (("partial_keep_kv", "keeps the KV of continued responses across weight updates"),
+                       ("partial_one_request", "sends each segment round as one request")):
+        if getattr(cfg.rollout, name):
+            errors.append(f"rollout.{name}=true without train.partial_rollout=true: it {what}; set "
+                          f"train.partial_rollout=true or rollout.{name}=false")
     if cfg.rollout.partial_overlap:
         errors.append("rollout.partial_overlap=true without train.partial_rollout=true: it overlaps the "
                       "segment rounds of partial rollouts; set train.partial_rollout=true or "
