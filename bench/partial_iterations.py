@@ -26,20 +26,38 @@ the last, with its evaluation, left out; evaluation time subtracted), and the ra
 sync, continuous / one-off and one-off / sync. Timings on a shared machine are distorted by whatever
 else runs there: read the ratios of arms measured back to back.
 
-Measured (2026-11-28, 2 shared cores, defaults, ``--repeats 2``; lengths p50 21, p99 192, p99/p50
-9.1): embedded engine process, seconds per iteration sync 1.408 (rollout 0.819, train 0.562), one-off
-0.844, continuous 0.749 (rollout wait 0.157, one round per iteration): continuous / sync 0.532
-(repeats 0.49, 0.57), continuous / one-off 0.888, one-off / sync 0.599. ``--engine sglang`` (one
-repeat): sync 2.076 (rollout 1.500), one-off 1.642, continuous 1.823: 0.878, 1.110, 0.791.
-``--segment 32`` (embedded, two repeats): sync 1.675, one-off 0.918, continuous 0.894: 0.534, 0.974. Why not
-<= 0.5 (issue 40's target): the overlapped iteration cannot be shorter than its train phase (0.57 s,
-0.40 of sync) and a segment round still costs about a whole synchronous batch: it generates as many
-tokens over twice the rows (the pool) and recomputes every continued prefix (a new request; the
-embedded engine keeps no KV across requests, SGLang's prefix cache is flushed by each weight update).
-The decode step's cost is not proportional to its rows here (5.1 ms at 1 row, 8.1 at 8, 12.9 at 64):
-the tail a synchronous batch waits for is expensive, which is what continuous generation recovers.
-Before new and continued responses went as two requests (training/partial.py), padding the new ones
-to the continued prefixes made a round cost 1.2 s and continuous / sync 0.79 (continuous / one-off 1.34).
+Arms beyond the three: ``cont-1req`` (``rollout.partial_one_request``: a round as one request, the
+embedded engine prefilling its ragged prompts apart and decoding them as one batch), and with
+``--engine sglang`` ``cont-kv`` (``rollout.partial_keep_kv``: weight loads keep SGLang's prefix cache,
+so continued requests read their prefix's KV) and ``cont-kv-1req`` (both). ``--keep DIR`` keeps each
+run's metrics and a trace of its rounds (rows, continued rows, waits, SGLang's ``cached_tokens``).
+
+Measured (2026-11-28, 2 shared cores, defaults: lengths p50 21, p99 192, p99/p50 9.1), seconds per
+iteration, ratios per repeat:
+
+| engine (repeats) | sync | one-off | continuous | cont-1req | cont-kv | cont-kv-1req | best/sync | /one-off |
+|---|---|---|---|---|---|---|---|---|
+| engine process (2) | 1.179 | 0.734 | 0.669 (0.560, 0.575) | 0.626 (0.529, 0.531) | - | - | 0.530 | 0.853 |
+| SGLang on CPU (1) | 1.919 | 1.277 | 1.237 (0.645) | - | 1.248 (0.651) | 0.945 (0.492) | 0.492 | 0.740 |
+
+Where the time goes (``--keep`` traces; one thread, idle core, this model). Engine process: the
+trainer's floor is train 0.49 + reward/advantages/sync 0.02 s (0.43 of sync); a round (64 new rows
+of at most K=48 tokens and ~5 continued rows) costs the engine about 0.63 s, so the next ``take``
+waits 0.12-0.18 s for it. Its parts, timed alone: the 64 new rows 0.55 s; the continued rows as a
+second request, after them, 0.23 s (1 row) to 0.49 s (8 rows) of K decode steps at ~5 ms each; their
+prefix recompute (prefill) only 0.01-0.08 s, so keeping KV across rounds would save little there.
+One ragged batch (``cont-1req``) takes the continued rows' steps along with the new rows' (0.65 s
+for 64 + 1, but 1.0 s for 64 + 8: the new rows' KV padded to the continued prefixes makes each step
+copy more): 0.04 s per iteration. SGLang: its round runs 0.72 s per request, and the round submitted
+ahead is drained before each sync (its weight load waits for the generation in flight: 0.14-0.15 s
+there); with kept KV the continued requests read 2642 of 8487 prompt tokens from the cache (737 when
+flushed) but that prefill was not the cost (1.248 vs 1.237 s); one request lets SGLang's continuous
+batching decode the continued rows with the new ones (0.945 s; drained 0.42 s before the sync).
+Why the engine process stays above 0.5: the iteration cannot drop below the trainer's 0.50 s and the
+round is longer than that; ``--segment 32`` (``cont-1req``, two repeats, disturbed: the trainer
+slowed to 0.69 s beside the engine) gave 0.625, no better. Before new and continued responses went as
+two requests (training/partial.py), padding the new ones to the continued prefixes made a round cost
+1.2 s and continuous / sync 0.79.
 
     python bench/partial_iterations.py                      # ~7 minutes on 2 cores
     python bench/partial_iterations.py --engine sglang      # the real SGLang engine on CPU
@@ -70,8 +88,9 @@ ENGINES = {
 
 def arms(args: argparse.Namespace) -> dict[str, list[str]]:
     staleness = max(1, -(-args.max_new_tokens // args.segment))  # the overlap's validation
-    continuous = ["train.partial_rollout=true", "rollout.partial_overlap=true", f"train.max_staleness={staleness}",
-                  f"rollout.partial_segment_tokens={args.segment}", f"rollout.partial_groups_in_flight={args.pool}"]
+    continuous = ["train.partial_rollout=true", "rollout.partial_overlap=true",
+                  f"train.max_staleness={staleness}", f"rollout.partial_segment_tokens={args.segment}",
+                  f"rollout.partial_groups_in_flight={args.pool}"]
     one, kv = "rollout.partial_one_request=true", "rollout.partial_keep_kv=true"
     out = {"sync": ["train.max_staleness=0"], "one-off": ["train.max_staleness=1"], "continuous": continuous,
            "cont-1req": [*continuous, one]}
@@ -330,7 +349,8 @@ def main() -> int:
     print(f"{'seconds':<14}" + "".join(f"{c:>13}" for c in columns))
     for name, row in result.items():
         print(f"{name:<14}" + "".join(f"{row[c]:>13.3f}" for c in columns))
-    pairs = [("one-off", "sync"), *((a, b) for a in result if a.startswith("cont") for b in ("sync", "one-off"))]
+    pairs = [("one-off", "sync"),
+             *((a, b) for a in result if a.startswith("cont") for b in ("sync", "one-off"))]
     ratios = {f"{a} / {b}": result[a]["iteration"] / result[b]["iteration"]
               for a, b in pairs if a in result and b in result}  # fmt: skip
     print("iteration time " + "; ".join(f"{k} = {v:.3f}" for k, v in ratios.items()))
