@@ -35,10 +35,15 @@ run's metrics and a trace of its rounds (rows, continued rows, waits, SGLang's `
 Measured (2026-11-28, 2 shared cores, defaults: lengths p50 21, p99 192, p99/p50 9.1), seconds per
 iteration, ratios per repeat:
 
-| engine (repeats) | sync | one-off | continuous | cont-1req | cont-kv | cont-kv-1req | best/sync | /one-off |
+| engine, run (n) | sync | one-off | continuous | cont-1req | cont-kv | cont-kv-1req | best/sync | /one-off |
 |---|---|---|---|---|---|---|---|---|
 | engine process (2) | 1.179 | 0.734 | 0.669 (0.560, 0.575) | 0.626 (0.529, 0.531) | - | - | 0.530 | 0.853 |
-| SGLang on CPU (1) | 1.919 | 1.277 | 1.237 (0.645) | - | 1.248 (0.651) | 0.945 (0.492) | 0.492 | 0.740 |
+| SGLang on CPU, A (1) | 1.919 | 1.277 | 1.237 (0.645) | - | 1.248 (0.651) | 0.945 (0.492) | 0.492 | 0.740 |
+| SGLang on CPU, B (2) | 1.799 | 1.325 | - | 0.975 (0.517, 0.567) | - | 1.004 (0.530, 0.587) | 0.542 | 0.736 |
+
+(A third SGLang run, ``sync one-off cont-1req cont-kv-1req`` x 2, measured while another helper's
+processes ran outside the shared lock, is left out: its one-off / sync was 0.98 and the train phase of
+every overlapped arm doubled.)
 
 Where the time goes (``--keep`` traces; one thread, idle core, this model). Engine process: the
 trainer's floor is train 0.49 + reward/advantages/sync 0.02 s (0.43 of sync); a round (64 new rows
@@ -51,8 +56,12 @@ for 64 + 1, but 1.0 s for 64 + 8: the new rows' KV padded to the continued prefi
 copy more): 0.04 s per iteration. SGLang: its round runs 0.72 s per request, and the round submitted
 ahead is drained before each sync (its weight load waits for the generation in flight: 0.14-0.15 s
 there); with kept KV the continued requests read 2642 of 8487 prompt tokens from the cache (737 when
-flushed) but that prefill was not the cost (1.248 vs 1.237 s); one request lets SGLang's continuous
-batching decode the continued rows with the new ones (0.945 s; drained 0.42 s before the sync).
+flushed; B: 2536 against 712) but that prefill was not the cost (A: 1.248 vs 1.237 s; B: 1.004 vs
+0.975 s, within the noise); one request lets SGLang's continuous batching decode the continued rows
+with the new ones (A 0.945 s, B 0.975 s). What is left on SGLang is the round itself: 0.94-1.0 s of
+generation (48 steps over ~68 rows, ~19 ms a step on CPU) against a 0.48 s train phase, so the
+trainer waits 0.42-0.49 s for it before the sync (drained: SGLang's weight load waits for it); an
+in-place pause across the update would not shorten that, the next take needs the round anyway.
 Why the engine process stays above 0.5: the iteration cannot drop below the trainer's 0.50 s and the
 round is longer than that; ``--segment 32`` (``cont-1req``, two repeats, disturbed: the trainer
 slowed to 0.69 s beside the engine) gave 0.625, no better. Before new and continued responses went as
