@@ -26,20 +26,47 @@ the last, with its evaluation, left out; evaluation time subtracted), and the ra
 sync, continuous / one-off and one-off / sync. Timings on a shared machine are distorted by whatever
 else runs there: read the ratios of arms measured back to back.
 
-Measured (2026-11-28, 2 shared cores, defaults, ``--repeats 2``; lengths p50 21, p99 192, p99/p50
-9.1): embedded engine process, seconds per iteration sync 1.408 (rollout 0.819, train 0.562), one-off
-0.844, continuous 0.749 (rollout wait 0.157, one round per iteration): continuous / sync 0.532
-(repeats 0.49, 0.57), continuous / one-off 0.888, one-off / sync 0.599. ``--engine sglang`` (one
-repeat): sync 2.076 (rollout 1.500), one-off 1.642, continuous 1.823: 0.878, 1.110, 0.791.
-``--segment 32`` (embedded, two repeats): sync 1.675, one-off 0.918, continuous 0.894: 0.534, 0.974. Why not
-<= 0.5 (issue 40's target): the overlapped iteration cannot be shorter than its train phase (0.57 s,
-0.40 of sync) and a segment round still costs about a whole synchronous batch: it generates as many
-tokens over twice the rows (the pool) and recomputes every continued prefix (a new request; the
-embedded engine keeps no KV across requests, SGLang's prefix cache is flushed by each weight update).
-The decode step's cost is not proportional to its rows here (5.1 ms at 1 row, 8.1 at 8, 12.9 at 64):
-the tail a synchronous batch waits for is expensive, which is what continuous generation recovers.
-Before new and continued responses went as two requests (training/partial.py), padding the new ones
-to the continued prefixes made a round cost 1.2 s and continuous / sync 0.79 (continuous / one-off 1.34).
+Arms beyond the three: ``cont-1req`` (``rollout.partial_one_request``: a round as one request, the
+embedded engine prefilling its ragged prompts apart and decoding them as one batch), and with
+``--engine sglang`` ``cont-kv`` (``rollout.partial_keep_kv``: weight loads keep SGLang's prefix cache,
+so continued requests read their prefix's KV) and ``cont-kv-1req`` (both). ``--keep DIR`` keeps each
+run's metrics and a trace of its rounds (rows, continued rows, waits, SGLang's ``cached_tokens``).
+
+Measured (2026-11-28, 2 shared cores, defaults: lengths p50 21, p99 192, p99/p50 9.1), seconds per
+iteration, ratios per repeat:
+
+| engine, run (n) | sync | one-off | continuous | cont-1req | cont-kv | cont-kv-1req | best/sync | /one-off |
+|---|---|---|---|---|---|---|---|---|
+| engine process (2) | 1.179 | 0.734 | 0.669 (0.560, 0.575) | 0.626 (0.529, 0.531) | - | - | 0.530 | 0.853 |
+| SGLang on CPU, A (1) | 1.919 | 1.277 | 1.237 (0.645) | - | 1.248 (0.651) | 0.945 (0.492) | 0.492 | 0.740 |
+| SGLang on CPU, B (2) | 1.799 | 1.325 | - | 0.975 (0.517, 0.567) | - | 1.004 (0.530, 0.587) | 0.542 | 0.736 |
+
+(A third SGLang run, ``sync one-off cont-1req cont-kv-1req`` x 2, measured while another helper's
+processes ran outside the shared lock, is left out: its one-off / sync was 0.98 and the train phase of
+every overlapped arm doubled.)
+
+Where the time goes (``--keep`` traces; one thread, idle core, this model). Engine process: the
+trainer's floor is train 0.49 + reward/advantages/sync 0.02 s (0.43 of sync); a round (64 new rows
+of at most K=48 tokens and ~5 continued rows) costs the engine about 0.63 s, so the next ``take``
+waits 0.12-0.18 s for it. Its parts, timed alone: the 64 new rows 0.55 s; the continued rows as a
+second request, after them, 0.23 s (1 row) to 0.49 s (8 rows) of K decode steps at ~5 ms each; their
+prefix recompute (prefill) only 0.01-0.08 s, so keeping KV across rounds would save little there.
+One ragged batch (``cont-1req``) takes the continued rows' steps along with the new rows' (0.65 s
+for 64 + 1, but 1.0 s for 64 + 8: the new rows' KV padded to the continued prefixes makes each step
+copy more): 0.04 s per iteration. SGLang: its round runs 0.72 s per request, and the round submitted
+ahead is drained before each sync (its weight load waits for the generation in flight: 0.14-0.15 s
+there); with kept KV the continued requests read 2642 of 8487 prompt tokens from the cache (737 when
+flushed; B: 2536 against 712) but that prefill was not the cost (A: 1.248 vs 1.237 s; B: 1.004 vs
+0.975 s, within the noise); one request lets SGLang's continuous batching decode the continued rows
+with the new ones (A 0.945 s, B 0.975 s). What is left on SGLang is the round itself: 0.94-1.0 s of
+generation (48 steps over ~68 rows, ~19 ms a step on CPU) against a 0.48 s train phase, so the
+trainer waits 0.42-0.49 s for it before the sync (drained: SGLang's weight load waits for it); an
+in-place pause across the update would not shorten that, the next take needs the round anyway.
+Why the engine process stays above 0.5: the iteration cannot drop below the trainer's 0.50 s and the
+round is longer than that; ``--segment 32`` (``cont-1req``, two repeats, disturbed: the trainer
+slowed to 0.69 s beside the engine) gave 0.625, no better. Before new and continued responses went as
+two requests (training/partial.py), padding the new ones to the continued prefixes made a round cost
+1.2 s and continuous / sync 0.79.
 
     python bench/partial_iterations.py                      # ~7 minutes on 2 cores
     python bench/partial_iterations.py --engine sglang      # the real SGLang engine on CPU
@@ -70,13 +97,15 @@ ENGINES = {
 
 def arms(args: argparse.Namespace) -> dict[str, list[str]]:
     staleness = max(1, -(-args.max_new_tokens // args.segment))  # the overlap's validation
-    return {
-        "sync": ["train.max_staleness=0"],
-        "one-off": ["train.max_staleness=1"],
-        "continuous": ["train.partial_rollout=true", "rollout.partial_overlap=true",
-                       f"train.max_staleness={staleness}", f"rollout.partial_segment_tokens={args.segment}",
-                       f"rollout.partial_groups_in_flight={args.pool}"],
-    }  # fmt: skip
+    continuous = ["train.partial_rollout=true", "rollout.partial_overlap=true",
+                  f"train.max_staleness={staleness}", f"rollout.partial_segment_tokens={args.segment}",
+                  f"rollout.partial_groups_in_flight={args.pool}"]
+    one, kv = "rollout.partial_one_request=true", "rollout.partial_keep_kv=true"
+    out = {"sync": ["train.max_staleness=0"], "one-off": ["train.max_staleness=1"], "continuous": continuous,
+           "cont-1req": [*continuous, one]}
+    if args.engine == "sglang":  # continued prefixes' KV kept across weight updates
+        out |= {"cont-kv": [*continuous, kv], "cont-kv-1req": [*continuous, kv, one]}
+    return out  # fmt: skip
 
 
 def drawn_length(text: str, args: argparse.Namespace) -> int:
@@ -118,6 +147,67 @@ def impose_lengths(args: argparse.Namespace) -> None:
         return out
 
     Rollout.submit, Rollout.collect = bench_submit, bench_collect  # type: ignore[method-assign]
+
+
+def trace_rounds(path: Path) -> None:
+    """Worker side, ``--trace``: one JSON line per event of the continuous loop (a round submitted:
+    its rows and prefix tokens; a round collected: the seconds waited, and where; ``before_sync``'s
+    drain; on SGLang each generate call's span in its thread and its prompts' ``cached_tokens``)."""
+    import time
+
+    from grpo_megatron.training.partial import PartialRollouts
+
+    def log(**fields: object) -> None:
+        with open(path, "a") as out:
+            out.write(json.dumps({"t": time.perf_counter(), **fields}) + "\n")
+
+    submit, collect = PartialRollouts._submit, PartialRollouts._collect
+    before_sync = PartialRollouts.before_sync
+    where = {"at": "take"}
+
+    def traced_submit(self, iteration, round_index):  # type: ignore[no-untyped-def]
+        todo, _, _ = self.pool.requests(lambda index: self.job.train_records[index].prompt_ids)
+        log(event="submit", iteration=iteration, round=round_index, rows=len(todo),
+            continued=sum(bool(r.token_ids) for _, r in todo), prefix=sum(len(r.token_ids) for _, r in todo))
+        return submit(self, iteration, round_index)
+
+    def traced_collect(self, round_):  # type: ignore[no-untyped-def]
+        start = time.perf_counter()
+        collect(self, round_)
+        log(event="collect", at=where["at"], wait_s=time.perf_counter() - start)
+
+    def traced_before_sync(self):  # type: ignore[no-untyped-def]
+        where["at"] = "before_sync"
+        try:
+            return before_sync(self)
+        finally:
+            where["at"] = "take"
+
+    PartialRollouts._submit = traced_submit  # type: ignore[method-assign]
+    PartialRollouts._collect = traced_collect  # type: ignore[method-assign]
+    PartialRollouts.before_sync = traced_before_sync  # type: ignore[method-assign]
+    try:
+        from grpo_megatron.rollout.sglang import engine as sglang_engine
+        from grpo_megatron.rollout.sglang import protocol
+    except ImportError:
+        return
+    completions, generate = protocol.completions, sglang_engine.SGLangEngine._generate
+
+    def traced_completions(outputs, request, n, layout=None):  # type: ignore[no-untyped-def]
+        metas = [o["meta_info"] for o in outputs]
+        log(event="sglang_outputs", rows=len(metas),
+            prompt_tokens=sum(m.get("prompt_tokens", 0) for m in metas),
+            cached_tokens=sum(m.get("cached_tokens", 0) for m in metas))
+        return completions(outputs, request, n, layout)
+
+    def traced_generate(self, servers, prompts, params):  # type: ignore[no-untyped-def]
+        start = time.perf_counter()
+        out = generate(self, servers, prompts, params)
+        log(event="sglang_generate", start=start, s=time.perf_counter() - start, rows=len(prompts))
+        return out
+
+    protocol.completions = traced_completions
+    sglang_engine.SGLangEngine._generate = traced_generate  # type: ignore[method-assign]
 
 
 def decode_step_cost(args: argparse.Namespace) -> dict[int, float]:
@@ -181,6 +271,9 @@ def run_arm(run_dir: Path, name: str, args: argparse.Namespace) -> list[dict[str
                PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")  # fmt: skip
     lengths = ["--median", str(args.median), "--sigma", str(args.sigma),
                "--max-new-tokens", str(args.max_new_tokens)]  # fmt: skip
+    if args.keep is not None:
+        args.keep.mkdir(parents=True, exist_ok=True)
+        lengths += ["--trace", str(args.keep / f"{run_dir.name}.trace.jsonl")]
     command = [
         sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1", "--master-addr", "127.0.0.1",
         "--master-port", str(free_port()), str(Path(__file__).resolve()), "--worker", *lengths, "--",
@@ -190,6 +283,9 @@ def run_arm(run_dir: Path, name: str, args: argparse.Namespace) -> list[dict[str
     if done.returncode != 0:
         raise SystemExit(f"the {name} run failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
     lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    if args.keep is not None:  # every iteration's metrics, for a closer look
+        args.keep.mkdir(parents=True, exist_ok=True)
+        (args.keep / f"{run_dir.name}.jsonl").write_text("\n".join(lines) + "\n")
     records = [json.loads(line) for line in lines if line.strip()]
     return [r for r in records if r["iteration"] >= 1]
 
@@ -227,6 +323,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--only", nargs="*", default=None, help="arms to run (default all)")
     parser.add_argument("--timeout-s", type=float, default=900.0)
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--keep", type=Path, default=None,
+                        help="a folder for each run's metrics.jsonl and trace of its rounds")
+    parser.add_argument("--trace", type=Path, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     return parser.parse_args(argv)
 
@@ -234,7 +333,10 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
 def main() -> int:
     if "--worker" in sys.argv:  # one arm's training process, under torchrun
         split = sys.argv.index("--")
-        impose_lengths(parse(sys.argv[1:split]))
+        worker = parse(sys.argv[1:split])
+        impose_lengths(worker)
+        if worker.trace is not None:
+            trace_rounds(worker.trace)
         from grpo_megatron.cli import main as cli
 
         return cli(sys.argv[split + 1 :])
@@ -253,12 +355,13 @@ def main() -> int:
           f"{args.max_new_tokens}: p50 {p50:g}, p99 {p99:g} (p99/p50 {p99 / p50:.1f}); engine "
           f"{args.engine}; {args.prompts} prompts x {args.samples}; segments of {args.segment}; "
           f"hidden {args.hidden}, {args.layers} layers")  # fmt: skip
-    print(f"{'seconds':<12}" + "".join(f"{c:>13}" for c in columns))
+    print(f"{'seconds':<14}" + "".join(f"{c:>13}" for c in columns))
     for name, row in result.items():
-        print(f"{name:<12}" + "".join(f"{row[c]:>13.3f}" for c in columns))
+        print(f"{name:<14}" + "".join(f"{row[c]:>13.3f}" for c in columns))
+    pairs = [("one-off", "sync"),
+             *((a, b) for a in result if a.startswith("cont") for b in ("sync", "one-off"))]
     ratios = {f"{a} / {b}": result[a]["iteration"] / result[b]["iteration"]
-              for a, b in (("continuous", "sync"), ("continuous", "one-off"), ("one-off", "sync"))
-              if a in result and b in result}  # fmt: skip
+              for a, b in pairs if a in result and b in result}  # fmt: skip
     print("iteration time " + "; ".join(f"{k} = {v:.3f}" for k, v in ratios.items()))
     if args.engine == "embedded":
         cost = decode_step_cost(args)

@@ -157,13 +157,19 @@ def test_partial_rollout_dump_keeps_each_tokens_version():
         (["train.max_staleness=3", "rollout.partial_segment_tokens=2", "rollout.partial_overlap=true"],
          "rollout.partial_overlap=true needs engines that generate while the trainer trains"),
         (["rollout.partial_overlap=true"], "without train.partial_rollout=true"),
+        (["rollout.partial_keep_kv=true"], "rollout.partial_keep_kv=true without train.partial_rollout=true"),
+        (["rollout.partial_one_request=true"], "rollout.partial_one_request=true without train.partial_rollout"),
+        (["train.max_staleness=2", "rollout.partial_segment_tokens=2", "rollout.partial_keep_kv=true"],
+         "only an SGLang engine keeps its prefix cache"),
     ],
 )  # fmt: skip
 def test_partial_rollout_config_is_refused_with_the_fix(overrides, message):
     from grpo_megatron.config import ConfigError, load_config, validate
     from tests.helpers.runs import DEMO, SMALL
 
-    partial = [] if "rollout.partial_overlap=true" in overrides[:1] else ["train.partial_rollout=true"]
+    flags = ("rollout.partial_overlap=true", "rollout.partial_keep_kv=true", "rollout.partial_one_request=true")
+    alone = overrides[0] in flags
+    partial = [] if alone else ["train.partial_rollout=true"]
     cfg = load_config(DEMO, [*SMALL, *partial, *overrides])
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace("+", r"\+")):
         validate(cfg, 2)

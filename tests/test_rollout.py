@@ -116,6 +116,26 @@ def test_sampled_logprobs_equal_teacher_forced_scores(moe_engine, temperature):
         assert torch.allclose(torch.tensor(got), torch.tensor(want), atol=1e-5)
 
 
+def test_ragged_prefill_samples_what_an_unpadded_forward_scores(moe_engine):
+    """SamplingParams.ragged_prefill (a continuous round: short new prompts beside long continued ones):
+    prefilled in batches of similar lengths, decoded as one batch; each row's sampled logprobs are
+    still those of an unpadded forward, its budget kept, and greedy tokens those of the plain path."""
+    engine, _ = moe_engine
+    prompts = [[3, 5], [7, 7, 20], [9] * 30 + [4], [2, 8] * 12, [11]]
+    budgets = (4, 6, 3, 5, 6)
+    params = SamplingParams(n=1, temperature=1.0, max_new_tokens=6, max_new_tokens_each=budgets, seed=3,
+                            ragged_prefill=True)  # fmt: skip
+    completions = engine.generate(prompts, params)
+    assert [len(c.token_ids) for (c,) in completions] == list(budgets)
+    probe = probe_batch(prompts, [[c.token_ids] for (c,) in completions], size=100)
+    scored = engine.score(probe.sequences, probe.prompt_lens, 1.0)
+    for (c,), want in zip(completions, scored, strict=True):
+        assert torch.allclose(torch.tensor(c.logprobs), torch.tensor(want), atol=1e-5)
+    greedy = SamplingParams(n=1, greedy=True, max_new_tokens=6)
+    ragged = engine.generate(prompts, dataclasses.replace(greedy, ragged_prefill=True))
+    assert [g[0].token_ids for g in ragged] == [engine.generate([p], greedy)[0][0].token_ids for p in prompts]
+
+
 def test_greedy_ignores_seed_and_stops_at_stop_token(moe_engine):
     engine, _ = moe_engine
     greedy = SamplingParams(n=2, max_new_tokens=10, greedy=True, seed=1)

@@ -1046,3 +1046,26 @@ def test_deepseeks_fused_a_projections_reach_sglang_in_one_load_call_whatever_th
         pairs.arrange([], version=3, last=True)
     pairs.arrange([(q, buffer)], version=4, last=False)  # abandoned: the next version starts clean
     assert pairs.arrange([], version=5, last=True) == []
+
+
+def test_kept_prefixes_flush_where_the_oldest_cached_kv_would_lag_more_than_max_staleness(fake_server) -> None:
+    """rollout.partial_keep_kv: a load keeps the prefix cache while every KV in it lags the new version
+    by at most train.max_staleness (the first load always flushes: the cache's versions are unknown);
+    off, every load flushes. The disaggregated stream's closing bucket then skips ``/flush_cache``."""
+    from grpo_megatron.rollout.sglang.nccl import NcclBroadcastTransport
+    from grpo_megatron.rollout.sglang.weights import KeptPrefixes
+
+    kept, off = KeptPrefixes(True, 2), KeptPrefixes(False, 2)
+    flushes = []
+    for version in range(1, 8):
+        flushes.append(kept.due(version))
+        if flushes[-1]:
+            kept.flushed(version)
+    assert flushes == [True, False, False, True, False, False, True]
+    assert all(off.due(v) for v in range(1, 8)) and not off.older_than(5)
+    assert kept.older_than(8) and not kept.older_than(7)
+    url, handler = fake_server
+    transport = NcclBroadcastTransport(RolloutConfig(engine="sglang"), object, "cpu", None)
+    transport.send([SGLangHttpClient(url, timeout_s=10)], [], last=True, version=3, flush=False)
+    posted = [path for method, path, _ in handler.requests if method == "POST"]
+    assert posted == ["/update_weight_version"]

@@ -297,6 +297,11 @@ def async_errors(cfg: JobConfig) -> list[str]:
     if cfg.train.partial_rollout:
         return partial_rollout_errors(cfg)
     errors = []
+    for name, what in (("partial_keep_kv", "keeps the KV of continued responses across weight updates"),
+                       ("partial_one_request", "sends each segment round as one request")):
+        if getattr(cfg.rollout, name):
+            errors.append(f"rollout.{name}=true without train.partial_rollout=true: it {what}; set "
+                          f"train.partial_rollout=true or rollout.{name}=false")
     if cfg.rollout.partial_overlap:
         errors.append("rollout.partial_overlap=true without train.partial_rollout=true: it overlaps the "
                       "segment rounds of partial rollouts; set train.partial_rollout=true or "
@@ -350,6 +355,10 @@ def partial_rollout_errors(cfg: JobConfig) -> list[str]:
         )
     if r.partial_overlap:
         errors += partial_overlap_errors(cfg)
+    if r.partial_keep_kv and r.engine != "sglang":
+        errors.append(f"rollout.partial_keep_kv=true with rollout.engine={r.engine}: only an SGLang engine "
+                      "keeps its prefix cache across a weight update (the embedded engine keeps no KV "
+                      "between requests); use rollout.engine=sglang or set rollout.partial_keep_kv=false")
     if r.partial_groups_in_flight and r.partial_groups_in_flight < t.prompts_per_iteration:
         errors.append(
             f"rollout.partial_groups_in_flight={r.partial_groups_in_flight} is below train.prompts_per_iteration="

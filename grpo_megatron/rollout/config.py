@@ -118,6 +118,24 @@ class RolloutConfig:
     rollout.engine=sglang): each iteration submits the pool's next segment round before it trains, so
     the engines generate while the trainer trains (training/partial.py); those tokens lag one version
     more, so it needs train.max_staleness * partial_segment_tokens >= max_new_tokens."""
+    partial_one_request: bool = False
+    """train.partial_rollout: each segment round goes to the engines as one request, new and continued
+    responses together (the embedded engine prefills them in batches of similar lengths and decodes
+    them as one batch: ``SamplingParams.ragged_prefill``; SGLang batches them by itself), instead of
+    two requests where a continued response holds more than partial_segment_tokens (the default: the
+    engine pads a request's prompts to its longest, and the second request's steps run after the
+    first's). Its rows share one seed."""
+    partial_keep_kv: bool = False
+    """train.partial_rollout with rollout.engine=sglang: a weight update keeps the engine's prefix
+    (radix) cache instead of flushing it, so a continued response's next segment reuses the KV of its
+    prompt and tokens so far, computed under the weights of the moment they were fed, instead of
+    recomputing it (what SGLang's in-place pause keeps: NeMo-RL's in-flight weight updates, miles'
+    ``--pause-generation-mode``). Its tokens, and new requests whose prompts share a cached prefix,
+    then attend to keys and values up to train.max_staleness versions older than the weights that
+    sample them: the cache is flushed at the update to version v whenever it may hold KV of a version
+    below v - max_staleness. Each token's version is still the one whose logits sampled it and its
+    behaviour logprob the one it was sampled from, so the off-policy corrections stay right. Scoring
+    (the mismatch probe) flushes an older cache first; evaluation may reuse it like rollouts do."""
     embedded_process: bool = False
     """Run each embedded engine in a process of its own, on CPU (rollout/engine_process.py), so that it
     generates while the trainer trains: the loop becomes a producer of scored groups and a consumer

@@ -469,16 +469,24 @@ class EmbeddedEngine(RolloutEngine):
         steps_total = max(limits)
         if self.routes is not None and recorder is None:
             self.routes.active = False  # routing replay is off: no route is copied out of the routers
+        ragged = None
+        if params.ragged_prefill and repeats == 1 and routes is None:
+            ragged = self._ragged_prefill(prompts, cache)
+        if ragged is not None:
+            first_logits, mask_rl, positions_rl, active = ragged
         try:
             for step in range(steps_total):
-                logits = self.model(
-                    input_ids=inputs_rl,
-                    attention_mask=mask_rl,
-                    position_ids=positions_rl,
-                    use_cache=True,
-                    **{self._cache_kwarg: cache},
-                    logits_to_keep=1,
-                ).logits[:, -1]
+                if ragged is not None and step == 0:
+                    logits = first_logits
+                else:
+                    logits = self.model(
+                        input_ids=inputs_rl,
+                        attention_mask=mask_rl,
+                        position_ids=positions_rl,
+                        use_cache=True,
+                        **{self._cache_kwarg: cache},
+                        logits_to_keep=1,
+                    ).logits[:, -1]
                 if step == 0 and repeats > 1:  # one prefill per prompt: its rows share it
                     logits = logits.repeat_interleave(repeats, dim=0)
                     cache.batch_repeat_interleave(repeats)
@@ -506,6 +514,50 @@ class EmbeddedEngine(RolloutEngine):
             if self.routes is not None:
                 self.routes.active = True
         return _completions(steps, stopped_r, n_rows, routes, [len(r) for r in prompts for _ in range(repeats)])
+
+    def _ragged_prefill(
+        self, prompts: list[list[int]], cache: Any
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """``SamplingParams.ragged_prefill``: the prompts prefilled in batches of similar lengths (by
+        length; a new batch where a prompt is over twice its batch's shortest), their KV left-padded
+        to the longest and written into ``cache``: (first logits, mask, positions, original row of
+        each batch row), rows in length order. None where one batch holds them all (the plain path)."""
+        order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+        batches, start = [], 0
+        for j in range(1, len(order) + 1):
+            if j == len(order) or len(prompts[order[j]]) > 2 * len(prompts[order[start]]):
+                batches.append(order[start:j])
+                start = j
+        if len(batches) == 1:
+            return None
+        from transformers import DynamicCache
+
+        length = len(prompts[order[-1]])
+        logits, masks, kv = [], [], []
+        for rows in batches:
+            mask = torch.zeros((len(rows), length), dtype=torch.long)
+            tokens = torch.full((len(rows), length), self.pad_token_id, dtype=torch.long)
+            for i, r in enumerate(rows):
+                tokens[i, length - len(prompts[r]) :] = torch.tensor(prompts[r])
+                mask[i, length - len(prompts[r]) :] = 1
+            own = max(len(prompts[r]) for r in rows)  # this batch's columns: the rest is padding only
+            mask_rl = mask[:, length - own :].to(self.device)
+            tokens_rl = tokens[:, length - own :].to(self.device)
+            part = DynamicCache(config=self.model.config)
+            logits.append(self.model(input_ids=tokens_rl, attention_mask=mask_rl,
+                                     position_ids=(mask_rl.cumsum(-1) - 1).clamp(min=0), use_cache=True,
+                                     **{self._cache_kwarg: part}, logits_to_keep=1).logits[:, -1])  # fmt: skip
+            masks.append(mask.to(self.device))
+            layers: list[Any] = list(part.layers)  # full-attention layers (DynamicLayer): keys, values
+            kv.append([(layer.keys, layer.values) for layer in layers])
+        for index in range(len(kv[0])):  # each layer's keys and values, left-padded to ``length``, stacked
+            padded = [_left_pad(*part[index], length) for part in kv]
+            keys, values = zip(*padded, strict=True)
+            cache.update(torch.cat(keys), torch.cat(values), index)
+        mask_rl = torch.cat(masks)
+        positions_rl = (mask_rl.cumsum(-1) - 1).clamp(min=0)
+        rows_r = torch.tensor([r for b in batches for r in b], device=self.device)
+        return torch.cat(logits), mask_rl, positions_rl, rows_r
 
     def score(
         self, sequences: Sequence[Sequence[int]], prompt_lens: Sequence[int], temperature: float
@@ -572,6 +624,12 @@ class EmbeddedEngine(RolloutEngine):
         self.model = None
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
+
+
+def _left_pad(keys: torch.Tensor, values: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """One layer's ``[rows, heads, L, dim]`` keys and values with zeros before them up to ``length``."""
+    pad = (0, 0, length - keys.shape[-2], 0)
+    return torch.nn.functional.pad(keys, pad), torch.nn.functional.pad(values, pad)
 
 
 class _StepRoutes:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import abc
 import dataclasses
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
@@ -124,6 +124,12 @@ class SamplingParams:
     for ``RolloutFleet.deliver_routes``: the training rollouts of a job that replays the engine's routes
     (``EngineSpec.record_routes``, ``algorithm.routing_replay=r3``). An engine built without route
     recording reports none; an SGLang engine is asked for them only in such requests."""
+    ragged_prefill: bool = False
+    """The embedded engine (n=1, no routes): prefill prompts of very different lengths in batches of
+    similar lengths (a new batch where a prompt is over twice its batch's shortest), then decode every
+    row as one batch, instead of left-padding every prompt to the longest for one prefill: a continuous
+    round's new responses beside long continued ones (``rollout.partial_one_request``). Rows are then
+    sampled in length order. SGLang batches ragged prompts by itself and ignores it."""
 
     def budgets(self, num_prompts: int) -> list[int]:
         """Each of ``num_prompts`` prompts' ``max_new_tokens`` (``max_new_tokens_each``, else the same)."""
@@ -186,6 +192,10 @@ class Completion:
     """(response tokens, sampled tokens) of a completion whose tokens, logprobs and loss mask are not
     on this rank (``RolloutFleet.generate`` with ``payload`` other than "everywhere": they are empty
     here); None: they are here."""
+    cached_tokens: int | None = field(default=None, compare=False)
+    """Prompt tokens whose KV the engine took from its prefix cache instead of computing them (SGLang's
+    ``meta_info["cached_tokens"]``), as the engine's own adapter returns it; None: not reported (the
+    embedded engine; a completion that crossed ranks: the fleet does not carry it)."""
 
     @property
     def num_tokens(self) -> int:

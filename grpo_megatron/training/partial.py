@@ -14,7 +14,8 @@ Iteration ``it``, with the engines at version ``v`` (= ``it - 1``, the policy it
                    max_new_tokens = min(K, budget left) (K = rollout.partial_segment_tokens), seeded
                    by (train.seed, it, round) (new and continued responses: two engine requests
                    where a continued one holds more than K tokens, the second's seed +
-                   CONTINUED_SEED); its new tokens get version v; one round at least,
+                   CONTINUED_SEED; one with rollout.partial_one_request); its new tokens get
+                   version v; one round at least,
                    repeated until at least train.prompts_per_iteration groups are complete (each
                    round adds a token to every unfinished response: the rounds end)
     4. take:       the OLDEST complete groups (submission order, never the quickest: no bias toward
@@ -53,6 +54,11 @@ off-policy corrections (token TIS, IcePop, sequence TIS/MIS) read them per token
 a response is one more request whose prompt ends with the response so far: the engine recomputes the
 KV of those tokens under its current weights (prefix caching may reuse it within one version), which
 works the same for the embedded engine, an engine process and SGLang, with no engine-specific pause.
+``rollout.partial_keep_kv`` (SGLang) keeps that KV instead: weight loads leave SGLang's prefix cache
+as it is while the KV in it lags the new weights by at most max_staleness versions
+(``rollout/sglang/weights.py:KeptPrefixes``), so a continued request reads its prefix's KV as computed
+under the versions that fed it (what an in-place pause keeps); each token's version and behaviour
+logprob are still those of the weights whose logits sampled it.
 Metrics: ``partial/staleness/{mean,max}`` (token-weighted over the trained responses),
 ``partial/mixed_versions_frac``, ``partial/segments`` (rounds this iteration),
 ``partial/carried`` (unfinished responses paused at the weight update), ``partial/regenerated``,
@@ -252,11 +258,14 @@ class PartialRollouts:
         continued response holds more than K tokens, new responses and continued ones go as two
         requests: an engine pads a request's prompts to its longest, and padding the new ones to
         the continued prefixes costs more than the K steps they decode (bench/partial_iterations.py
-        measures it); shorter prefixes (the demo's) cost less than a second request."""
+        measures it); shorter prefixes (the demo's) cost less than a second request. With
+        rollout.partial_one_request they go as one request whose ragged prompts the engine prefills
+        apart (``SamplingParams.ragged_prefill``) and decodes together."""
         job = self.job
         todo, inputs, budgets = self.pool.requests(lambda index: job.train_records[index].prompt_ids)
         rows = list(zip(todo, inputs, budgets, strict=True))
-        split = max((len(r.token_ids) for _, r in todo), default=0) > self.pool.segment_tokens
+        one = job.cfg.rollout.partial_one_request  # one request, ragged prompts prefilled apart
+        split = not one and max((len(r.token_ids) for _, r in todo), default=0) > self.pool.segment_tokens
         parts = []
         for offset, part in ((0, [x for x in rows if not (split and x[0][1].token_ids)]),
                              (CONTINUED_SEED, [x for x in rows if split and x[0][1].token_ids])):  # fmt: skip
@@ -267,7 +276,7 @@ class PartialRollouts:
             seed = rollout_seed(job.cfg.train.seed, iteration, round_index) + offset
             each = tuple(b for _, _, b in part)
             params = dataclasses.replace(job.rollout.params(n=1, seed=seed), max_new_tokens=max(each),
-                                         max_new_tokens_each=each)  # fmt: skip
+                                         max_new_tokens_each=each, ragged_prefill=one)  # fmt: skip
             parts.append(([t for t, _, _ in part], job.rollout.submit(records, params)))
         return _Round(parts)
 

@@ -370,6 +370,69 @@ class Scenarios:
         memory.trainer_back()
         return {"steps": steps, **seen}
 
+    def kept_prefix_kv(self) -> dict[str, Any]:
+        """``rollout.partial_keep_kv`` (the adapter's ``KeptPrefixes``, max_staleness 1, swapped in on
+        this engine): a first segment sampled under version 20 (weights a), version 21 (weights b)
+        loaded without a flush, each response continued (its prompt and tokens as the next request's
+        input, as training/partial.py sends it). Measured: the continued requests' ``cached_tokens``
+        (and, as a control, the same continuation after a load that flushes), the versions the
+        segments are stamped with, and the continued tokens' logprobs against two float32
+        references of weights b: over the cached prefix's KV computed by weights a (what keeping
+        states), and over KV recomputed by b (a flush)."""
+        from grpo_megatron.rollout.engine import SamplingParams
+        from grpo_megatron.rollout.sglang.weights import KeptPrefixes
+
+        self.engine.resume_memory(None)
+        kept, self.engine.prefixes = self.engine.prefixes, KeptPrefixes(True, 1)
+        params = SamplingParams(n=1, max_new_tokens=6, temperature=1.0, seed=21)
+        try:
+            self.bucketed(self.a, version=20)  # the first load of the run flushes
+            first = self.engine.submit(PROMPTS, params)()
+            self.bucketed(self.b, version=21)  # kept: 21 - 20 <= max_staleness
+            flushed_after_21 = self.engine.prefixes.oldest
+            inputs = [p + c.token_ids for p, (c,) in zip(PROMPTS, first, strict=True)]
+            second = self.engine.submit(inputs, params)()
+            self.bucketed(self.b, version=22)  # 22 - 20 > 1: this load flushes
+            control = self.engine.submit(inputs, params)()
+        finally:
+            self.engine.prefixes = kept
+        stale, fresh = self._continued_references(inputs, second, [c.cached_tokens or 0 for (c,) in second])
+        sampled = flat_logprobs(second)
+        return {
+            "prompt_tokens": [len(i) for i in inputs],
+            "cached_tokens": [c.cached_tokens for (c,) in second],
+            "cached_after_flush": [c.cached_tokens for (c,) in control],
+            "oldest_after_21": flushed_after_21,
+            "versions": [[c.weight_version for (c,) in g] for g in (first, second)],
+            "vs_stale_top3": sorted((abs(a - b) for a, b in zip(sampled, stale, strict=True)), reverse=True)[:3],
+            "vs_stale_mean": sum(abs(a - b) for a, b in zip(sampled, stale, strict=True)) / len(sampled),
+            "vs_fresh_mean": sum(abs(a - b) for a, b in zip(sampled, fresh, strict=True)) / len(sampled),
+        }
+
+    def _continued_references(
+        self, inputs: list[list[int]], second: list[list[Any]], cached: list[int]
+    ) -> tuple[list[float], list[float]]:
+        """Float32 logprobs of each continued segment under weights b: over KV of its first
+        ``cached`` input tokens computed by weights a (then b for the rest), and over KV all by b."""
+        from transformers import DynamicCache
+
+        engine_a, engine_b = embedded(self.a, torch.float32), embedded(self.b, torch.float32)
+        model_a, model_b, kwarg = engine_a.model, engine_b.model, engine_a._cache_kwarg
+        stale: list[float] = []
+        fresh: list[float] = []
+        with torch.no_grad():
+            for ids, (c,), hit in zip(inputs, second, cached, strict=True):
+                sequence = torch.tensor([ids + c.token_ids[:-1]])
+                rest = sequence[:, hit:]
+                past = DynamicCache(config=model_a.config)
+                if hit:
+                    model_a(input_ids=sequence[:, :hit], use_cache=True, **{kwarg: past})
+                for out, logits in ((stale, model_b(input_ids=rest, use_cache=True, **{kwarg: past}).logits[0]),
+                                    (fresh, model_b(input_ids=sequence).logits[0, hit:])):  # fmt: skip
+                    picked = torch.log_softmax(logits[len(ids) - 1 - hit :].float(), -1)
+                    out += [float(picked[i, t]) for i, t in enumerate(c.token_ids)]
+        return stale, fresh
+
     def hang_restart(self) -> dict[str, Any]:
         """Issue 41: a scheduler alive but hung (``GRPO_ENGINE_FAULT=hang:N``: it sleeps in a signal
         handler, state S, neither dead nor stopped) while a generation is awaited is found by the
@@ -555,6 +618,7 @@ SCENARIOS: tuple[str, ...] = (
     "rejected_version",
     "memory_in_trainer_order",
     "phases_in_trainer_order",
+    "kept_prefix_kv",
     "hang_restart",
     "sigterm_survived",
     "shutdown",

@@ -79,6 +79,7 @@ from grpo_megatron.rollout.sglang.nccl import NcclBroadcastTransport, SGLangHttp
 from grpo_megatron.rollout.sglang.shards import check_expert_placement, rank_needs
 from grpo_megatron.rollout.sglang.weights import (
     EngineTensors,
+    KeptPrefixes,
     PairedLoads,
     WeightLoad,
     WeightTransport,
@@ -369,6 +370,8 @@ class SGLangEngine(RolloutEngine):
         self.load = WeightLoad(self._shapes, f"the checkpoint at {self.model_path}")
         """The weight-load protocol's state (version, sessions, staleness)."""
         self.released = ReleasedMemory()
+        self.prefixes = KeptPrefixes(self.rollout.partial_keep_kv, self._launch.max_staleness)
+        """Which weight loads flush the prefix cache (``rollout.partial_keep_kv``; off: every one)."""
         dtype = torch_dtype(self._launch.dtype)
         self.held: EngineTensors = engine_tensors(self._shapes, self._hf_config, dtype, dummy=self._dummy)
         """What the engine holds per tensor (``check_manifest`` judges each sync's manifest against it)."""
@@ -411,7 +414,8 @@ class SGLangEngine(RolloutEngine):
         if rollout.sglang_mode == "disaggregated":
             if ps.rank != 0:
                 return None
-            launch = EngineLaunch(model.dtype, spec.seed, device, routes=spec.record_routes, group_timeout=ps.timeout)
+            launch = EngineLaunch(model.dtype, spec.seed, device, routes=spec.record_routes,
+                                  group_timeout=ps.timeout, max_staleness=spec.max_staleness)  # fmt: skip
             return cls(rollout, model.hf_path, launch)
         placement = placement or runtime_placement(spec, ps, read_hf_config(model.hf_path))
         layout, gpus_per_node, local_rank = layout_of(placement, ps)
@@ -422,6 +426,7 @@ class SGLangEngine(RolloutEngine):
             model.dtype, spec.seed + ps.rank, device, base_gpu_id=layout.base_gpu_id, tp_size=placement.gpus_per_engine,
             ep_size=placement.engine_ep, nnodes=layout.nnodes, dist_init_addr=address, hf_overrides=model.hf_overrides,
             rank=ps.rank, log_dir=spec.log_dir, tokenizer_path=spec.tokenizer_path, routes=spec.record_routes,
+            max_staleness=spec.max_staleness,
         )  # fmt: skip
         engine = cls(rollout, model.hf_path, launch)
         engine.sync_group_ranks = layout.members  # every GPU of the engine receives its own share
@@ -513,6 +518,8 @@ class SGLangEngine(RolloutEngine):
         request = protocol.score_request(sequences, temperature)
         with self.guard as servers:
             self._refuse_if_unable()
+            if self.prefixes.older_than(self.weight_version):  # kept KV of older weights: not for a score
+                self._flush(servers)
             outputs = _scatter(servers, request)
         vocab = self._hf_config.get("vocab_size")
         return [
@@ -540,14 +547,18 @@ class SGLangEngine(RolloutEngine):
                 # The engine's other GPUs are in this round too: they fail with the reason, not wait.
                 self.transport.refuse(f"{type(exc).__name__}: {exc}")
                 raise
+            flush = self.prefixes.due(version)
             try:
-                self.transport.send(servers, with_output_head(arranged, self.tied_head), last=last, version=version)
+                self.transport.send(servers, with_output_head(arranged, self.tied_head), last=last,
+                                    version=version, flush=flush)  # fmt: skip
             except Exception:
                 self.check_alive()  # a load that failed because a process of the engine died: EngineLost
                 raise
             self.load.loaded(arranged)
             if last:
                 self.load.finish(servers, version)
+                if flush:
+                    self.prefixes.flushed(version)
 
     def _load_tied_head_from_disk(self) -> None:
         """A tied checkpoint just loaded by SGLang: give its own ``lm_head`` the input embedding
@@ -701,8 +712,12 @@ class SGLangEngine(RolloutEngine):
 
     def flush_cache(self) -> None:
         with self.guard as servers:
-            for server in servers:
-                server.flush_cache()
+            self._flush(servers)
+
+    def _flush(self, servers: Sequence[Any]) -> None:
+        for server in servers:
+            server.flush_cache()
+        self.prefixes.flushed(self.weight_version)
 
     def shutdown(self) -> None:
         """Stop the engine: its own processes only (``EngineProcesses.engine_only_shutdown``), not

@@ -242,13 +242,16 @@ class CudaIpcTransport:
             self.feed = EngineGroupFeed(ranks)
             self.feed.group = group
 
-    def send(self, servers: Sequence[Any], bucket: Bucket, *, last: bool, version: int) -> None:
+    def send(
+        self, servers: Sequence[Any], bucket: Bucket, *, last: bool, version: int, flush: bool = True
+    ) -> None:
         (engine,) = servers
         if self.feed is None or self.feed.group is None:
             if not bucket and not last:
                 return
             payloads = flattened_bucket_payloads(bucket, self.tp_size, self.sglang_classes, self.device, self.staging)
-            result = engine.update_weights_from_tensor(payloads, load_format="flattened_bucket", flush_cache=last)
+            result = engine.update_weights_from_tensor(payloads, load_format="flattened_bucket",
+                                                       flush_cache=last and flush)  # fmt: skip
             raise_on_failure(result, "update_weights_from_tensor")
             return
         everyone = self.feed.gather(contribution(bucket, self.sglang_classes, self.device, self.staging)) or []
@@ -258,7 +261,8 @@ class CudaIpcTransport:
             try:
                 if last or any(full for _, full, _ in everyone):
                     result = engine.update_weights_from_tensor(
-                        [p for p, _, _ in everyone], load_format="flattened_bucket", flush_cache=last
+                        [p for p, _, _ in everyone], load_format="flattened_bucket",
+                        flush_cache=last and flush,
                     )
                     raise_on_failure(result, "update_weights_from_tensor")
             except Exception as exc:

@@ -338,7 +338,7 @@ class EngineLaunch:
     """What a colocated engine is started with beside the rollout section and the model path
     (``SGLangEngine.from_config`` fills it from the job's ``EngineSpec`` and placement; tests and
     benches give what they need). An engine over given servers, or disaggregated servers, uses only
-    ``device``, ``dtype``, ``seed``, ``routes`` and (disaggregated) ``group_timeout``."""
+    ``device``, ``dtype``, ``seed``, ``routes``, ``max_staleness`` and (disaggregated) ``group_timeout``."""
 
     dtype: str = "bfloat16"
     seed: int = 0
@@ -367,6 +367,9 @@ class EngineLaunch:
     group_timeout: timedelta | None = None
     """Disaggregated servers: the collective timeout of the weight group the trainer joins them in,
     the job's (``parallel.timeout_minutes``); None: ``rollout.sglang_request_timeout_s``."""
+    max_staleness: int = 0
+    """``train.max_staleness``: with ``rollout.partial_keep_kv``, how many versions the KV in the prefix
+    cache may lag the weights that read it (``weights.py:KeptPrefixes``)."""
 
     def torch_device(self) -> torch.device:
         return torch.device(self.device or ("cuda" if torch.cuda.is_available() else "cpu"))

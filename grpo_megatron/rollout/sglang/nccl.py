@@ -204,11 +204,14 @@ class NcclBroadcastTransport:
     def bind_group(self, ranks: Sequence[int], group: Any) -> None:
         return None  # only rank 0 feeds the servers
 
-    def send(self, servers: Sequence[Any], bucket: Bucket, *, last: bool, version: int) -> None:
+    def send(
+        self, servers: Sequence[Any], bucket: Bucket, *, last: bool, version: int, flush: bool = True
+    ) -> None:
         if not bucket:  # nothing to broadcast: what the last bucket would have carried
             if last:  # the fleet's stream ends with an empty last bucket: the version is told here
                 for server in servers:
-                    server.flush_cache()
+                    if flush:
+                        server.flush_cache()
                     server.update_weight_version(str(version))
             return
         if self.group is None:
@@ -217,7 +220,7 @@ class NcclBroadcastTransport:
         body = distributed_update_body(
             ordered,
             group_name=WEIGHT_GROUP_NAME,
-            flush_cache=last,
+            flush_cache=last and flush,
             weight_version=str(version) if last else None,
         )
         flat = flattened_bucket(ordered, self.flattened_bucket_cls, self.device).get_flattened_tensor()

@@ -167,7 +167,9 @@ def completion_from_output(
         raise RuntimeError(f"SGLang ended a request with finish_reason={reason!r} (aborted or failed)")
     finish: Literal["stop", "length"] = "stop" if kind == "stop" else "length"
     routed = decode_routed_experts(meta.get("routed_experts"), prompt_len + len(token_ids) - 1, layout)
-    return Completion(token_ids, [float(e[0]) for e in entries], finish, routed)
+    cached = meta.get("cached_tokens")
+    return Completion(token_ids, [float(e[0]) for e in entries], finish, routed,
+                      cached_tokens=None if cached is None else int(cached))  # fmt: skip
 
 
 def completions(

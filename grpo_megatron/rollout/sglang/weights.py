@@ -49,9 +49,12 @@ class WeightTransport(Protocol):
     """One way of loading buckets into an engine's servers (inside the session the engine opened).
     Every call comes from the engine inside its ``ServerGuard``, with the servers it guards."""
 
-    def send(self, servers: Sequence[Any], bucket: Bucket, *, last: bool, version: int) -> None:
+    def send(
+        self, servers: Sequence[Any], bucket: Bucket, *, last: bool, version: int, flush: bool = True
+    ) -> None:
         """Load ``bucket`` (already checked; may be empty); ``last`` closes the version (the servers
-        flush their caches and, where the endpoint takes one, record ``version``)."""
+        flush their prefix caches unless ``flush`` is False (``KeptPrefixes``) and, where the endpoint
+        takes one, record ``version``)."""
         ...
 
     def refuse(self, reason: str) -> None:
@@ -73,6 +76,30 @@ class WeightTransport(Protocol):
     def reset(self, servers: Sequence[Any]) -> None:
         """Forget any connection to the servers: the next ``send`` opens a new one."""
         ...
+
+
+class KeptPrefixes:
+    """``rollout.partial_keep_kv``: which weight loads flush the engine's prefix (radix) cache. The
+    cache may hold KV computed under any version since the last flush (``oldest``); a load of version
+    ``v`` keeps it while ``v - oldest <= max_staleness`` and flushes it otherwise, so no cached KV lags
+    the weights that read it by more than ``train.max_staleness`` (the bound a token's own lag has).
+    Off (``keep`` False), every load flushes, as SGLang's default does."""
+
+    def __init__(self, keep: bool, max_staleness: int) -> None:
+        self.keep, self.max_staleness = keep, max_staleness
+        self.oldest: int | None = None
+        """The oldest version whose KV the cache may hold; None: unknown (the engine's first weights)."""
+
+    def due(self, version: int) -> bool:
+        """Whether the load that completes ``version`` flushes the cache (``flushed`` once it did)."""
+        return not (self.keep and self.oldest is not None and version - self.oldest <= self.max_staleness)
+
+    def older_than(self, version: int) -> bool:
+        """Whether the cache may hold KV of a version before ``version`` (a score must not read it)."""
+        return self.keep and (self.oldest is None or self.oldest < version)
+
+    def flushed(self, version: int) -> None:
+        self.oldest = version
 
 
 def raise_on_failure(result: Any, what: str) -> None:
