@@ -1,7 +1,8 @@
 """Save on signal (issue 26): SIGTERM at any point of an iteration -- rollout, train, sync, during a
 save -- on one rank makes every rank finish the iteration, write a checkpoint that verifies, and exit
-75; rerunning resumes bit-exactly (the chained reruns' metrics equal an uninterrupted run's). A
-second signal, or the grace running out, exits at once without touching ``latest``. Real processes:
+75; rerunning resumes bit-exactly (the chained reruns' metrics equal an uninterrupted run's, the chain
+starting with a job SIGKILLed after a checkpoint). A second signal, or the grace running out, exits at
+once without touching ``latest``. Real processes:
 the trainer under torchrun (2 ranks, gloo), signals sent by the ranks to themselves at the named
 points (tests/workers/preempt_workers.py) or by this test."""
 
@@ -19,9 +20,10 @@ import pytest
 
 from grpo_megatron.distributed.preemption import EXIT_INTERRUPTED, EXIT_PREEMPTED
 from tests.helpers.dist import REPO_ROOT, free_port
-from tests.helpers.runs import DEMO, SMALL, comparable, finish, launch
+from tests.helpers.runs import DEMO, SMALL, comparable, finish, kill_after_checkpoint, launch
 
-COMMON = [*SMALL, "train.iterations=5", "checkpoint.save_interval=2", "train.eval_interval=0"]
+COMMON = [*SMALL, "train.iterations=7", "checkpoint.save_interval=2"]
+"""The chain's runs (eval_interval left at the demo's 50: evaluations at iterations 0 and 7 only)."""
 
 # ------------------------------------------------------------------------------------------------
 # The flag object alone, in a process whose main thread never reaches a safe point
@@ -94,7 +96,7 @@ def test_a_second_signal_exits_at_once_and_latest_stays_whole(tmp_path: Path):
 # The trainer: one signal at each point, each rerun resuming from the checkpoint the last one wrote
 
 
-def _run(run_dir: Path, point: str, rank: int) -> tuple[int, str, str]:
+def _run(run_dir: Path, point: str, rank: int, extra: list[str] | None = None) -> tuple[int, str, str]:
     """One launch of the trainer whose rank ``rank`` signals itself at ``point``: (torchrun's exit
     code, the code in $GRPO_EXIT_FILE, the output)."""
     exit_file = run_dir.parent / f"exit-{point}"
@@ -102,7 +104,7 @@ def _run(run_dir: Path, point: str, rank: int) -> tuple[int, str, str]:
                GRPO_EXIT_FILE=str(exit_file))
     args = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
             "--master-port", str(free_port()), "-m", "tests.workers.preempt_workers", point, str(rank), "train",
-            str(DEMO), *COMMON, f"logging.run_dir={run_dir}"]
+            str(DEMO), *COMMON, *(extra or []), f"logging.run_dir={run_dir}"]
     proc = subprocess.run(args, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                           text=True, timeout=400)
     code = exit_file.read_text().strip() if exit_file.exists() else ""
@@ -114,7 +116,11 @@ def _latest(run_dir: Path) -> str:
     return (run_dir / "checkpoints" / "latest").read_text().strip()
 
 
-def test_sigterm_at_each_point_saves_and_the_reruns_resume_bit_exactly(tmp_path: Path):
+def test_sigkill_then_sigterm_at_each_point_saves_and_the_reruns_resume_bit_exactly(tmp_path: Path):
+    """One chain of launches into one run directory, each resuming from the checkpoint the one before
+    left: a job SIGKILLed (its whole session, as a scheduler's preemption) once its checkpoint of
+    iteration 2 is the latest; then a SIGTERM at each point; then a second signal during a save; then a
+    plain rerun to the end. The chain's metrics equal an uninterrupted run's bitwise."""
     from grpo_megatron.checkpoint.integrity import verify_checkpoint
     from grpo_megatron.logging_utils.metrics import read_jsonl
 
@@ -122,12 +128,16 @@ def test_sigterm_at_each_point_saves_and_the_reruns_resume_bit_exactly(tmp_path:
     finish(launch("train", [*COMMON, f"logging.run_dir={full}"]))
 
     cut = tmp_path / "cut"
+    # SIGKILL after the checkpoint of iteration 2 (maybe during iteration 3, whose rows the resume drops)
+    kill_after_checkpoint(launch("train", [*COMMON, f"logging.run_dir={cut}"]), cut, iteration=2)
+    assert _latest(cut) == "iter_0000002"
     # (point, signalled rank, the iteration whose checkpoint it leaves): rollout and sync are followed
-    # by a checkpoint of their own iteration; 2 and 4 are periodic saves (train.save_interval=2), which
-    # the safe point does not repeat; the SIGTERM during iteration 4's save lets the save finish.
-    for point, rank, saved in (("rollout:1", 1, 1), ("train:1", 0, 2), ("sync:1", 1, 3), ("save:1", 0, 4)):
+    # by a checkpoint of their own iteration; 4 and 6 are periodic saves (train.save_interval=2), which
+    # the safe point does not repeat; the SIGTERM during iteration 6's save lets the save finish.
+    for point, rank, saved in (("rollout:1", 1, 3), ("train:1", 0, 4), ("sync:1", 1, 5), ("save:1", 0, 6)):
         started = time.monotonic()
-        rc, code, out = _run(cut, point, rank)
+        # the first rerun resumes the SIGKILLed job as tests/helpers/runs.py:killed_and_resumed does
+        rc, code, out = _run(cut, point, rank, extra=["checkpoint.resume=auto"] if saved == 3 else [])
         assert code == str(EXIT_PREEMPTED) and f"exitcode  : {EXIT_PREEMPTED}" in out, (point, rc, out[-4000:])
         assert f"[preempt] SIGTERM: checkpoint {cut / 'checkpoints' / f'iter_{saved:07d}'} written" in out, out[-4000:]
         assert _latest(cut) == f"iter_{saved:07d}", point
@@ -135,18 +145,18 @@ def test_sigterm_at_each_point_saves_and_the_reruns_resume_bit_exactly(tmp_path:
         assert f"SIGTERM at the start of {point.split(':')[0]}" in out
         print(f"{point}: {time.monotonic() - started:.0f} s")
 
-    # SIGTERM, then SIGUSR1, as iteration 5's save starts: rank 1 exits at once; `latest` still names 4
+    # SIGTERM, then SIGUSR1, as iteration 7's save starts: rank 1 exits at once; `latest` still names 6
     rc, code, out = _run(cut, "save2:1", 1)
     assert rc != 0 and code == "" and f"exitcode  : {EXIT_INTERRUPTED}" in out, out[-4000:]
     assert "a second signal (SIGUSR1): exiting now" in out
-    assert _latest(cut) == "iter_0000004"
+    assert _latest(cut) == "iter_0000006"
 
     finish(launch("train", [*COMMON, f"logging.run_dir={cut}"]))
     want = [comparable(r) for r in read_jsonl(full / "metrics.jsonl")]
     got = [comparable(r) for r in read_jsonl(cut / "metrics.jsonl")]
-    assert [r["iteration"] for r in got] == [0, 1, 2, 3, 4, 5]
+    assert [r["iteration"] for r in got] == [0, 1, 2, 3, 4, 5, 6, 7]
     assert got == want, json.dumps([got[-1], want[-1]], indent=1)
-    assert _latest(cut) == "iter_0000005"
+    assert _latest(cut) == "iter_0000007"
 
 
 def test_signal_fields_are_validated_naming_them():

@@ -4,13 +4,14 @@ multi-turn, SGLang and the recipes)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
-import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 from grpo_megatron.logging_utils.metrics import read_jsonl
@@ -76,17 +77,31 @@ def launch_node(
     )  # fmt: skip
 
 
+def kill_job(proc: subprocess.Popen) -> None:
+    """SIGKILL the whole job at once: torchrun's agent and every process under it. Torchrun starts
+    each rank in a session of its own, so a kill of the agent's process group (its session) alone
+    leaves the ranks running on to the end of the run."""
+    root = psutil.Process(proc.pid)
+    tree = [root, *root.children(recursive=True)]
+    for p in tree:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            p.kill()
+    psutil.wait_procs(tree, timeout=30)
+
+
 def kill_after_checkpoint(proc: subprocess.Popen, run_dir: Path, iteration: int = 2) -> None:
-    """SIGKILL the whole job (its session: engine and reward processes too), as a scheduler's
-    preemption would, once its checkpoint of ``iteration`` is the latest."""
+    """SIGKILL the whole job (every rank, engine and reward processes too: ``kill_job``), as a
+    scheduler's preemption would, once its checkpoint of ``iteration`` is the latest; the checkpoint
+    of ``iteration`` stays the latest."""
     latest = run_dir / "checkpoints" / "latest"
     deadline = time.monotonic() + 300
-    while not (latest.is_file() and latest.read_text().strip().endswith(str(iteration))):
-        assert proc.poll() is None or latest.is_file(), proc.stdout.read()[-4000:]
+    while not (latest.is_file() and latest.read_text().strip() == f"iter_{iteration:07d}"):
+        assert proc.poll() is None, proc.stdout.read()[-4000:]
         assert time.monotonic() < deadline, f"no checkpoint at iteration {iteration}"
         time.sleep(0.05)
-    os.killpg(proc.pid, signal.SIGKILL)
+    kill_job(proc)
     proc.communicate()
+    assert latest.read_text().strip() == f"iter_{iteration:07d}", "the job went on after its SIGKILL"
 
 
 def killed_and_resumed(overrides: list[str], run_dir: Path, *, config: Path = DEMO) -> list[dict]:
@@ -102,7 +117,7 @@ def finish(proc: subprocess.Popen, timeout_s: float = 300) -> str:
     try:
         out, _ = proc.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
+        kill_job(proc)  # every rank too: they hold the output pipe open
         out, _ = proc.communicate()
         pytest.fail(f"timed out after {timeout_s} s:\n{out[-4000:]}")
     assert proc.returncode == 0, out[-6000:]
