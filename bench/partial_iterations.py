@@ -32,7 +32,24 @@ embedded engine prefilling its ragged prompts apart and decoding them as one bat
 so continued requests read their prefix's KV) and ``cont-kv-1req`` (both). ``--keep DIR`` keeps each
 run's metrics and a trace of its rounds (rows, continued rows, waits, SGLang's ``cached_tokens``).
 
-Measured (2026-11-28, 2 shared cores, defaults: lengths p50 21, p99 192, p99/p50 9.1), seconds per
+Measured with segments of 24 (the default since; 2026-11-28, after the clean-clone test run, nothing
+else running on the 2 cores; lengths p50 21, p99 192, p99/p50 9.1; train.max_staleness 8 as the
+overlap's validation asks for K=24; seconds per iteration, ratio to sync of the arms run together):
+
+| engine, run (repeats) | sync | one-off | continuous | cont-1req | cont-kv-1req | best/sync | best/one-off |
+|---|---|---|---|---|---|---|---|
+| engine process, C (1) | 1.706 | - | 0.813 (0.477) | 0.892 (0.523) | - | 0.477 | - |
+| engine process, D (3) | 1.550 | 0.950 | 0.768 (0.496) | - | - | 0.496 | 0.809 |
+| SGLang on CPU, E (1) | 2.404 | 1.673 | 1.327 (0.552) | 1.358 (0.565) | 1.202 (0.500) | 0.500 | 0.718 |
+| SGLang on CPU, F (2) | 2.638 | 1.749 | - | - | 1.247 (0.473) | 0.473 | 0.713 |
+
+With K=24 a round (one per iteration; measured staleness max 5 on the engine process) fits inside
+the train phase, so the iteration is the trainer's: continuous / sync <= 0.5 on both engines (engine
+process: plain continuous; SGLang: with rollout.partial_keep_kv and rollout.partial_one_request,
+where kept KV now pays: 0.457 vs 0.604 s of rollout in E, twice the rounds per response re-reading
+their prefixes). The earlier runs below, with segments of 48, were measured beside other work:
+
+Measured (2026-11-28, 2 shared cores, segments of 48: lengths p50 21, p99 192, p99/p50 9.1), seconds per
 iteration, ratios per repeat:
 
 | engine, run (n) | sync | one-off | continuous | cont-1req | cont-kv | cont-kv-1req | best/sync | /one-off |
@@ -314,7 +331,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--median", type=float, default=20.0, help="median response length (tokens)")
     parser.add_argument("--sigma", type=float, default=1.1, help="lognormal sigma")
     parser.add_argument("--max-new-tokens", type=int, default=192)
-    parser.add_argument("--segment", type=int, default=48, help="rollout.partial_segment_tokens")
+    parser.add_argument("--segment", type=int, default=24, help="rollout.partial_segment_tokens")
     parser.add_argument("--pool", type=int, default=0,
                         help="rollout.partial_groups_in_flight (0: 2 x --prompts)")
     parser.add_argument("--hidden", type=int, default=256, help="the model's hidden size (training's share)")
