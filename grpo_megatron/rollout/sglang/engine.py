@@ -645,7 +645,7 @@ class SGLangEngine(RolloutEngine):
         losses, has the trainer offloaded). An engine of several GPUs of one node restarts whole, with
         the same width (its schedulers are all this process's children; its members' sinks hold
         nothing a restart invalidates, the fleet resyncs every GPU); one across nodes does not
-        (``rollout/placement.py:restart_errors`` refuses it with ``rollout.max_engine_restarts`` > 0)."""
+        (``RolloutConfig.restart_width_errors`` refuses it with ``rollout.max_engine_restarts`` > 0)."""
         if self.health is None or self._launch.nnodes > 1:
             raise RuntimeError("only a colocated SGLang engine inside one node, started by this adapter, "
                                "restarts in place")  # fmt: skip
