@@ -49,16 +49,6 @@ def _world_size_from_env() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
-def _gpus_per_node(args: argparse.Namespace) -> int | None:
-    """GPUs per node for ``validate``: plan's --gpus-per-node, else the launcher's LOCAL_WORLD_SIZE
-    (torchrun and launch/ set it; the runtime's placement reads it too); None where neither says."""
-    given = getattr(args, "gpus_per_node", None)
-    if given is not None:
-        return int(given)
-    local = os.environ.get("LOCAL_WORLD_SIZE")
-    return int(local) if local else None
-
-
 def _add_world_size(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--world-size",
@@ -249,7 +239,7 @@ def _dispatch(args: argparse.Namespace) -> int:
 
     try:
         cfg = load_config(args.config, args.overrides)
-        validate(cfg, args.world_size, _gpus_per_node(args))
+        validate(cfg, args.world_size)
         # Jobs that read data and write outputs (plan, sanity and verify need neither).
         problems = preflight_errors(cfg, args.command) if args.command in PREFLIGHT_COMMANDS else []
         if problems:

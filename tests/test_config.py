@@ -429,32 +429,21 @@ def test_the_asynchronous_loop_needs_engines_generating_apart_and_refuses_what_i
         validate(load_config(EXAMPLE, ["rollout.engine=sglang", "train.max_staleness=1", "train.offload_trainer=true"]), 1)
 
 
-def test_engines_restarted_in_place_across_nodes_are_refused_by_validation_plan_and_runtime(monkeypatch, capsys):
-    """Issue 41: colocated SGLang engines restart in place inside one node only. With the GPUs per node
-    known (plan's --gpus-per-node, a launcher's LOCAL_WORLD_SIZE) validation refuses an engine across
-    nodes with rollout.max_engine_restarts > 0, naming both fixes; the placement the runtime and plan
-    compute applies the same rule (RolloutConfig.restart_width_errors)."""
+def test_engines_across_nodes_with_restarts_pass_validation_plan_and_the_placement(capsys):
+    """Issue 41: colocated SGLang engines across nodes restart in place too (each further node's part
+    restarts with its leader, at the leader's fresh address: SGLangSyncMember.restart), so
+    rollout.max_engine_restarts > 0 with engines of 16 GPUs over nodes of 8 passes validation, the
+    placement the runtime computes, and plan (which refused it before)."""
     from grpo_megatron.rollout.placement import decide_placement
 
     restarts = ["rollout.engine=sglang", "rollout.max_engine_restarts=2", "rollout.sglang_ep=1"]
     across = load_config(EXAMPLE, [*restarts, "rollout.sglang_tp=16"])
-    fix = r"rollout.sglang_tp to at most 8, or rollout.max_engine_restarts=0"
-    refusal = r"max_engine_restarts=2: .* engines of 16 GPUs span 2 nodes of 8 GPUs.*" + fix
-    with pytest.raises(ConfigError, match=refusal):
-        validate(across, 16, gpus_per_node=8)
-    validate(across, 16)  # the nodes unknown: the placement decides when they are
-    validate(load_config(EXAMPLE, [*restarts, "rollout.sglang_tp=8"]), 16, gpus_per_node=8)
-    no_restarts = [*restarts[:1], "rollout.sglang_ep=1", "rollout.sglang_tp=16"]
-    validate(load_config(EXAMPLE, no_restarts), 16, gpus_per_node=8)
-    hf = across.model.load_hf_config()
-    with pytest.raises(ValueError, match=fix):
-        decide_placement(across.rollout, offload_trainer=False, max_staleness=0, world_size=16, gpus_per_node=8,
-                         tp=1, pp=1, cp=1, hf=hf)  # fmt: skip
-    assert main(["plan", str(EXAMPLE), *restarts, "rollout.sglang_tp=16", "--nodes", "2", "--gpus-per-node", "8"]) == 2
-    assert "span 2 nodes of 8 GPUs" in capsys.readouterr().err
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")  # a launcher's: check (and train) refuse it before anything starts
-    assert main(["check", str(EXAMPLE), *restarts, "rollout.sglang_tp=16", "--world-size", "16"]) == 2
-    assert "span 2 nodes of 8 GPUs" in capsys.readouterr().err
+    validate(across, 16)
+    placement = decide_placement(across.rollout, offload_trainer=False, max_staleness=0, world_size=16, gpus_per_node=8,
+                                 tp=1, pp=1, cp=1, hf=across.model.load_hf_config())  # fmt: skip
+    assert placement.gpus_per_engine == 16 and placement.engines == (tuple(range(16)),)
+    assert main(["plan", str(EXAMPLE), *restarts, "rollout.sglang_tp=16", "--nodes", "2", "--gpus-per-node", "8"]) == 0
+    assert "max_engine_restarts" not in capsys.readouterr().err
 
 
 def test_sglang_on_cuda_needs_a_head_size_its_rotary_kernel_has():

@@ -384,20 +384,17 @@ def test_from_config_takes_an_engine_across_nodes_and_refuses_one_that_does_not_
     assert SGLangEngine.from_config(engine_spec(cfg), ps) is None
 
 
-def test_engines_of_several_gpus_restart_in_place_inside_a_node_only(monkeypatch) -> None:
-    """Issue 41: rollout.max_engine_restarts > 0 takes an engine of several GPUs of one node (its other
-    ranks get None, as always) and refuses one across nodes, on every rank of it, naming the fix."""
+def test_engines_of_several_gpus_with_restarts_are_led_from_their_first_rank(monkeypatch) -> None:
+    """Issue 41: rollout.max_engine_restarts > 0 takes an engine of several GPUs as it takes one without
+    (its other ranks get None: they hold members, which restart with it); an engine across nodes is no
+    longer refused (tests/test_sglang_train.py restarts one over two nodes with the real engine)."""
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
     monkeypatch.delenv("LOCAL_RANK", raising=False)
     ps = SimpleNamespace(rank=1, world_size=16, device="cpu", tp=1, pp=1, cp=1)
     restarts = ["rollout.engine=sglang", "rollout.max_engine_restarts=2", "rollout.sglang_ep=1"]
-    assert SGLangEngine.from_config(engine_spec(load_config(EXAMPLE, [*restarts, "rollout.sglang_tp=8"])), ps) is None
-    for rank in (1, 8):
-        ps.rank = rank
-        with pytest.raises(ValueError, match=r"max_engine_restarts=2: SGLang engines restart in place inside one "
-                                             r"node only, and engines of 16 GPUs span 2 nodes of 8 GPUs.*"
-                                             r"rollout.sglang_tp to at most 8"):  # fmt: skip
-            SGLangEngine.from_config(engine_spec(load_config(EXAMPLE, [*restarts, "rollout.sglang_tp=16"])), ps)
+    for tp in (8, 16):
+        spec = engine_spec(load_config(EXAMPLE, [*restarts, f"rollout.sglang_tp={tp}"]))
+        assert SGLangEngine.from_config(spec, ps) is None
 
 
 def test_the_fault_injection_signals_the_last_tp_ranks_scheduler() -> None:
@@ -416,18 +413,21 @@ def test_a_lost_engine_of_several_gpus_is_resynced_on_every_gpu_and_restarts_rep
     from grpo_megatron.rollout import fleet as fleet_module
     from grpo_megatron.rollout.fleet import EngineRecovery, RolloutFleet
 
-    class Member:
-        aborted: list[int] = []
+    class Member:  # SGLangSyncMember's side: restarted with its leader, at the leader's fresh address
+        restarted: list[str | None] = []
 
-        def abort_update(self, version: int) -> None:
-            self.aborted.append(version)
+        def restart(self, address: str | None) -> None:
+            self.restarted.append(address)
 
-    # Rank 1: a member of the engine led from rank 0; the engines of ranks 0 and 2 are lost together,
-    # and rank 2's again inside their resync (a weight-sync death). No collective runs here (_agree).
+    # Rank 1: a member of the engine led from rank 0 (its further node's part, say); the engines of ranks 0
+    # and 2 are lost together, and rank 2's again inside their resync (a weight-sync death). No collective
+    # runs here (_agree, _restart_addresses).
     fleet = RolloutFleet.__new__(RolloutFleet)
     fleet.ps, fleet.engine, fleet.member = SimpleNamespace(rank=1), None, Member()  # type: ignore[assignment]
     fleet.engine_groups = {0: (0, 1), 2: (2, 3), 4: (4,)}
     assert fleet._engine_ranks_of([4, 6]) == [4, 6]
+    assert [fleet._leader_of(rank) for rank in (0, 1, 3, 4, 6)] == [0, 0, 2, 4, 6]  # a loss counts for its engine
+    fleet._restart_addresses = lambda leaders: {0: "node-a:41234", 2: None, 4: None}  # type: ignore[method-assign]
     synced: list[tuple[int, list[int]]] = []
 
     def sync_weights(model, version, *, targets, recovery):  # noqa: ANN001, ANN202
@@ -445,7 +445,7 @@ def test_a_lost_engine_of_several_gpus_is_resynced_on_every_gpu_and_restarts_rep
         seconds = fleet.restart_engines([0, 2], recovery, 7, resync=True)
     finally:
         fleet_module._agree = original
-    assert synced == [(7, [0, 1, 2, 3]), (7, [2, 3])] and Member.aborted == [7]
+    assert synced == [(7, [0, 1, 2, 3]), (7, [2, 3])] and Member.restarted == ["node-a:41234"]
     assert recovery.restarts == 3 and recovery.seconds == [seconds] and seconds >= 0.2
     assert recovery.metrics() == {"engine/restarts": 3.0, "engine/restart_s": seconds}
     assert recovery.metrics() == {}
@@ -846,7 +846,8 @@ def test_a_scheduler_that_leaves_a_state_request_unanswered_past_the_deadline_is
     import asyncio
 
     from grpo_megatron.rollout.engine import EngineLost
-    from grpo_megatron.rollout.sglang.engine import SchedulerProbe, ServerGuard, cancel_requests, close_loop
+    from grpo_megatron.rollout.sglang.engine import SchedulerProbe, ServerGuard, cancel_requests
+    from grpo_megatron.rollout.sglang.launch import close_loop
 
     class Manager:
         asked = 0
@@ -883,7 +884,8 @@ def test_abandon_stops_the_loop_under_a_generation_its_cancel_did_not_end_and_jo
     import asyncio
 
     from grpo_megatron.rollout.sglang import engine as engine_module
-    from grpo_megatron.rollout.sglang.engine import ServerGuard, close_loop
+    from grpo_megatron.rollout.sglang.engine import ServerGuard
+    from grpo_megatron.rollout.sglang.launch import close_loop
 
     monkeypatch.setattr(engine_module, "ABORT_S", 0.5)
     server = SimpleNamespace(loop=asyncio.new_event_loop())

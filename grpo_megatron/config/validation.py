@@ -25,10 +25,8 @@ from grpo_megatron.models.config import (
 # Validation: every section's own rules, then the rules that span sections or need config.json.
 
 
-def validate(cfg: JobConfig, world_size: int, gpus_per_node: int | None = None) -> None:
+def validate(cfg: JobConfig, world_size: int) -> None:
     """Check `cfg` for a job of `world_size` ranks; raise one ConfigError listing every problem.
-    `gpus_per_node` (the launcher's, or plan's --gpus-per-node; None: unknown) adds the rules that
-    depend on the nodes (colocated SGLang engines restarted in place stay inside one).
 
     Runs before any process group exists, so a bad layout fails in a second, not after a cluster
     allocation and a model load.
@@ -58,8 +56,6 @@ def validate(cfg: JobConfig, world_size: int, gpus_per_node: int | None = None) 
 
     if not layout_errors and not failed & {"parallel", "train", "rollout"}:
         errors.extend(batch_layout_errors(cfg, parallel.resolve(world_size)))
-    if gpus_per_node is not None and not layout_errors and not failed & {"parallel", "rollout"}:
-        errors.extend(restart_node_errors(cfg, world_size, gpus_per_node))
     if not failed & {"algorithm", "rollout"}:
         errors.extend(overlong_errors(cfg))
     if not failed & {"algorithm", "rollout", "train"}:
@@ -253,18 +249,6 @@ SGLANG_CUDA_ROTARY_HEAD_SIZES = (64, 128, 256, 512)
 bf16 KV cache on CUDA always asks it to (``models/utils.py`` ``enable_fused_set_kv_buffer``): the
 scheduler fails its first forward (``AssertionError: save kv cache is not supported for
 fallback_rotary_embedding``; seen on an H200 with SGLang 0.5.17) and SGLang kills the rank."""
-
-
-def restart_node_errors(cfg: JobConfig, world_size: int, gpus_per_node: int) -> list[str]:
-    """``rollout.max_engine_restarts`` > 0 with colocated SGLang engines across nodes
-    (``RolloutConfig.restart_width_errors``, the rule ``decide_placement`` applies at run time and in
-    plan), found before anything starts."""
-    rollout = cfg.rollout
-    if rollout.engine != "sglang" or rollout.sglang_mode != "colocated" or rollout.max_engine_restarts <= 0:
-        return []
-    gpus_per_node = min(gpus_per_node, world_size)
-    width, _ = rollout.sglang_width(gpus_per_node, cfg.parallel.tp * cfg.parallel.pp * cfg.parallel.cp)
-    return rollout.restart_width_errors(width, gpus_per_node)
 
 
 def sglang_rotary_errors(cfg: JobConfig, hf_config: dict[str, Any]) -> list[str]:

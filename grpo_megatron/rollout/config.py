@@ -256,20 +256,6 @@ class RolloutConfig:
             return gpus_per_node, f"rollout.placement=per_node: the {gpus_per_node} GPUs of a node"
         return replica, f"rollout.placement={self.placement}: one model replica (tp x pp x cp = {replica})"
 
-    def restart_width_errors(self, width: int, gpus_per_node: int) -> list[str]:
-        """Colocated SGLang engines of ``width`` GPUs that ``max_engine_restarts`` > 0 cannot restart in
-        place: engines across nodes (their other nodes' schedulers are not the leader's children). One
-        rule for ``config/validation.py:validate`` (given the launcher's GPUs per node), ``grpo-megatron
-        plan`` and the runtime (both through ``rollout/placement.py:decide_placement``)."""
-        if self.max_engine_restarts <= 0 or self.engine != "sglang" or width <= gpus_per_node:
-            return []
-        return [
-            f"rollout.max_engine_restarts={self.max_engine_restarts}: SGLang engines restart in place inside "
-            f"one node only, and engines of {width} GPUs span {-(-width // gpus_per_node)} nodes of "
-            f"{gpus_per_node} GPUs (rollout.sglang_tp, rollout.placement); set rollout.sglang_tp to at most "
-            f"{gpus_per_node}, or rollout.max_engine_restarts=0"
-        ]
-
     def validate(self) -> None:
         self.multiturn.validate()
         errors = []

@@ -438,9 +438,11 @@ class EngineProcess(RolloutEngine):
         path.unlink(missing_ok=True)
         return data
 
-    def restart(self) -> None:
+    def restart(self, address: str | None = None) -> None:
         """Kill what is left of the process, clean its folder, start it again from the same spec (no
-        fault injection: ``life`` counts up); its weights are -1 until the next ``update_weights``."""
+        fault injection: ``life`` counts up); its weights are -1 until the next ``update_weights``.
+        ``address`` (``RolloutFleet.restart_engines``'s, for engines across nodes) is None here: an
+        engine process serves one GPU."""
         self._kill()
         self.spec["life"] = int(self.spec["life"]) + 1
         self._start()

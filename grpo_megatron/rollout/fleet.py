@@ -107,6 +107,11 @@ def _any_rank(flag: bool, ps: ParallelState) -> bool:
     return bool(flag_t.item())
 
 
+def _indented(text: str) -> str:
+    """``text``'s lines, each indented by four spaces (an engine's log tail in a message)."""
+    return "\n".join(f"    {line}" for line in text.splitlines())
+
+
 def _describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
 
@@ -484,41 +489,72 @@ class RolloutFleet:
         engines are restarted and (``resync``) given ``version`` (None: ``synced_version``,
         ``restart_engines``). The error of another GPU of a lost engine (its weight round failed with
         the engine) is the loss's, not one of its own."""
+        lost = lost or self._member_loss()
         mine = None if lost is None else {"host": lost.host, "why": lost.why, "tail": lost.log_tail,
                                           "log": lost.log_path}  # fmt: skip
         reports: list[Any] = [None] * self.ps.world_size
         dist.all_gather_object(reports, (error, mine), group=self._data_group())  # every rank is here
         losses = {rank: info for rank, (_, info) in enumerate(reports) if info is not None}
-        with_lost = set(self._engine_ranks_of(losses))
+        lost_engines = sorted({self._leader_of(rank) for rank in losses})  # a further node's part: its engine's
+        with_lost = set(self._engine_ranks_of(lost_engines))
         errors = [(rank, e) for rank, (e, _) in enumerate(reports) if e is not None and rank not in with_lost]
         named = "\n".join(
-            f"  engine {self.engine_ranks.index(rank)} (rank {rank} on {info['host']}) was lost: {info['why']}; "
-            f"its log ({info['log']}) ends:\n" + "\n".join(f"    {line}" for line in info["tail"].splitlines())
+            f"  engine {self.engine_ranks.index(self._leader_of(rank))} (rank {rank} on {info['host']}) was lost: "
+            f"{info['why']}; its log ({info['log']}) ends:\n{_indented(info['tail'])}"
             for rank, info in losses.items()
         )
         if errors or not losses:
             lines = "\n".join(f"  rank {rank}: {e}" for rank, e in errors[:8])
             raise RuntimeError(f"{what} failed on {len(errors) + len(losses)} rank(s):\n{lines}\n{named}".rstrip())
-        if recovery is None or recovery.restarts + len(losses) > recovery.max_restarts:
+        if recovery is None or recovery.restarts + len(lost_engines) > recovery.max_restarts:
             bound = 0 if recovery is None else recovery.max_restarts
             done = 0 if recovery is None else recovery.restarts
             raise RuntimeError(
-                f"{what}: {len(losses)} engine(s) lost, past rollout.max_engine_restarts={bound} ({done} restart(s) "
-                f"so far); resume from the last checkpoint (or raise the bound):\n{named}"
+                f"{what}: {len(lost_engines)} engine(s) lost, past rollout.max_engine_restarts={bound} ({done} "
+                f"restart(s) so far); resume from the last checkpoint (or raise the bound):\n{named}"
             )
         version = self.synced_version if version is None else version
-        seconds = self.restart_engines(sorted(losses), recovery, version, resync=resync)
+        seconds = self.restart_engines(lost_engines, recovery, version, resync=resync)
         if self.ps.rank == 0:
             for rank, info in losses.items():
-                print(f"[engine] engine {self.engine_ranks.index(rank)} (rank {rank} on {info['host']}) lost during "
-                      f"{what}: {info['why']}; restarted for weights version {version} in {seconds:.1f} s "
-                      f"(restart {recovery.restarts} of at most {recovery.max_restarts}); its log ended:\n"
-                      + "\n".join(f"    {line}" for line in info["tail"].splitlines()), flush=True)  # fmt: skip
+                print(f"[engine] engine {self.engine_ranks.index(self._leader_of(rank))} (rank {rank} on "
+                      f"{info['host']}) lost during {what}: {info['why']}; restarted for weights version {version} "
+                      f"in {seconds:.1f} s (restart {recovery.restarts} of at most {recovery.max_restarts}); its "
+                      f"log ended:\n{_indented(info['tail'])}", flush=True)  # fmt: skip
+
+    def _member_loss(self) -> EngineLost | None:
+        """This rank's part of an engine led from another rank, lost (a further node's part of an
+        SGLang engine across nodes: ``SGLangSyncMember.check_alive``); None when alive or none."""
+        check = getattr(self.member, "check_alive", None)
+        try:
+            if check is not None:
+                check()
+        except EngineLost as exc:
+            return exc
+        except Exception:  # not recoverable (no restarts): the failure that brought us here is reported
+            return None
+        return None
 
     def _engine_ranks_of(self, leaders: Iterable[int]) -> list[int]:
         """Every rank of the engines led from ``leaders`` (an engine of several GPUs: its leader and
         its members, ``engine_groups``), in rank order."""
         return sorted({r for leader in leaders for r in self.engine_groups.get(leader, (leader,))})
+
+    def _leader_of(self, rank: int) -> int:
+        """The leader of the engine whose GPUs include ``rank``'s (``engine_groups``); itself elsewhere."""
+        return next((leader for leader, ranks in self.engine_groups.items() if rank in ranks), rank)
+
+    def _restart_addresses(self, leaders: Sequence[int]) -> dict[int, str | None]:
+        """Collective (over the data group): where each restarting engine's parts meet again, by its
+        leader (``SGLangEngine.restart_address``: an engine across nodes needs a fresh one; None
+        elsewhere), so that each further node's part restarts at its leader's."""
+        mine = None
+        if self.ps.rank in leaders and self.engine is not None:
+            fresh = getattr(self.engine, "restart_address", None)
+            mine = fresh() if fresh is not None else None
+        everyone: list[Any] = [None] * self.ps.world_size
+        dist.all_gather_object(everyone, mine, group=self._data_group())
+        return {leader: everyone[leader] for leader in leaders}
 
     def restart_engines(self, ranks: Sequence[int], recovery: EngineRecovery, version: int, *, resync: bool) -> float:
         """Collective: the engines of ``ranks`` (their leaders) restart (each owner kills what is left
@@ -529,18 +565,26 @@ class RolloutFleet:
         start = time.perf_counter()
         error = None
         everyone = self._engine_ranks_of(ranks)
+        addresses = self._restart_addresses(ranks)
         if self.ps.rank in ranks:
             assert self.engine is not None
             try:
                 restart = getattr(self.engine, "restart", None)
                 if restart is None:
                     raise RuntimeError(f"{type(self.engine).__name__} cannot be restarted in place")
-                restart()
+                restart(addresses[self.ps.rank])
                 self.engine_life += 1
             except Exception as exc:
                 error = _describe(exc)
         elif self.ps.rank in everyone and self.member is not None:
-            self.member.abort_update(version)
+            try:  # a further node's part of an engine across nodes restarts with its leader (SGLangSyncMember)
+                restart = getattr(self.member, "restart", None)
+                if restart is not None:
+                    restart(addresses[self._leader_of(self.ps.rank)])
+                else:
+                    self.member.abort_update(version)
+            except Exception as exc:
+                error = _describe(exc)
         _agree(error, "restarting the lost rollout engine(s)")
         recovery.restarts += len(ranks)
         recovery.unreported += len(ranks)
@@ -781,19 +825,29 @@ class RolloutFleet:
     # -------------------------------------------------------------------------- mismatch probe
 
     def score(
-        self, sequences: Sequence[Sequence[int]], prompt_lens: Sequence[int], temperature: float
+        self, sequences: Sequence[Sequence[int]], prompt_lens: Sequence[int], temperature: float,
+        *, recovery: EngineRecovery | None = None,
     ) -> tuple[list[list[float]] | None, list[torch.Tensor] | None]:
         """Collective: this rank's engine's teacher-forced logprobs of each sequence's tokens after its
         prompt (the mismatch probe, training/phases/sync.py; None on ranks without an engine), and on
         every rank the first engine's routed experts of each sequence (``Completion.routed_experts``
-        layout; None for a dense model). An engine that fails makes every rank raise with its message."""
-        scored, routes, error = None, None, None
-        if self.engine is not None:
-            try:
-                scored, routes = self.engine.score_with_routes(sequences, prompt_lens, temperature)
-            except Exception as exc:
-                error = _describe(exc)
-        _agree(error, "mismatch probe")
+        layout; None for a dense model). An engine that fails makes every rank raise with its message;
+        engines lost on the way are restarted and every engine scores again while ``recovery`` allows
+        (``recover``)."""
+        while True:
+            scored, routes, error, lost = None, None, None, None
+            if self.engine is not None:
+                try:
+                    scored, routes = self.engine.score_with_routes(sequences, prompt_lens, temperature)
+                except EngineLost as exc:
+                    lost = exc
+                except Exception as exc:
+                    error = _describe(exc)
+            failed = torch.tensor([int(error is not None or lost is not None)], dtype=torch.int64)
+            dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=self._data_group())
+            if not failed.item():
+                break
+            self.recover(error, lost, recovery, "mismatch probe")  # raises unless every failure was a loss
         box = [routes if self.ps.rank == self.engine_ranks[0] else None]
         dist.broadcast_object_list(box, src=self.engine_ranks[0])
         return scored, box[0]

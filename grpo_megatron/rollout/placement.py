@@ -219,8 +219,6 @@ def decide_placement(
         return RolloutPlacement("sglang", "disaggregated", gpus_per_engine=0, engine_ep=1, engines=(),
                                 swaps_engine_memory=offload_trainer, why=why, **common)  # fmt: skip
     width, why["width"] = _sglang_width(rollout, world_size, gpus_per_node, tp * pp * cp)
-    for error in rollout.restart_width_errors(width, gpus_per_node):  # validate's rule too
-        raise ValueError(error)
     ep, why["ep"] = _sglang_ep(rollout, width, hf)
     engines = tuple(tuple(range(start, start + width)) for start in range(0, world_size, width))
     swaps = max_staleness == 0

@@ -34,9 +34,9 @@ same for every engine; the adapter releases and resumes only what it holds.
 from __future__ import annotations
 
 import asyncio
-import atexit
 import concurrent.futures
 import contextlib
+import dataclasses
 import os
 import random
 import signal
@@ -45,11 +45,13 @@ from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from grpo_megatron.distributed.bootstrap import free_port
 from grpo_megatron.rollout.config import RolloutConfig
 from grpo_megatron.rollout.engine import (
     ALL_MEMORY_TAGS,
     Bucket,
     Completion,
+    EngineLost,
     EngineSpec,
     Manifest,
     MemoryTag,
@@ -73,6 +75,7 @@ from grpo_megatron.rollout.sglang.launch import (
     quantized,
     read_hf_config,
     start_colocated,
+    stop_lost_part,
     torch_dtype,
 )
 from grpo_megatron.rollout.sglang.nccl import NcclBroadcastTransport, SGLangHttpClient
@@ -579,10 +582,7 @@ class SGLangEngine(RolloutEngine):
         processes is gone or stopped (state T) (cheap: the process table); ``EngineLost`` with
         ``rollout.max_engine_restarts`` > 0 (the fleet restarts it)."""
         if self.health is not None:
-            self.health.check()
-            why = self.health.stopped(0.0)
-            if why is not None:
-                raise self.health.failure(why)
+            self.health.check_now()
 
     def _watch(self) -> None:
         """While a generation is awaited (``ServerGuard``): raise if a process of the engine died
@@ -633,42 +633,34 @@ class SGLangEngine(RolloutEngine):
         if schedulers:
             os.kill(max(schedulers, key=lambda p: _tp_rank(names[p.pid])).pid, signum)
 
-    def restart(self) -> None:
+    def restart(self, address: str | None = None) -> None:
         """Restart a lost colocated engine in place (issue 41; ``RolloutFleet.restart_engines``): the
-        generation in flight is cancelled, the engine shut down (its own processes only), what is
-        left of them SIGKILLed (a stopped one too), then ``sglang.Engine`` starts again in this
-        process with the same arguments (fresh ports and IPC names; the trainer's signal handlers taken
-        back again) on a fresh event loop. It holds the checkpoint's (or dummy) weights: the fleet
-        then streams the last synced version into it. It comes back in the memory phase of the
-        moment: the tags its predecessor had released are released again right after the start (on a
-        GPU its KV pool needs its room while it starts: the rollout phase, where the fleet finds most
-        losses, has the trainer offloaded). An engine of several GPUs of one node restarts whole, with
-        the same width (its schedulers are all this process's children; its members' sinks hold
-        nothing a restart invalidates, the fleet resyncs every GPU); one across nodes does not
-        (``RolloutConfig.restart_width_errors`` refuses it with ``rollout.max_engine_restarts`` > 0)."""
-        if self.health is None or self._launch.nnodes > 1:
-            raise RuntimeError("only a colocated SGLang engine inside one node, started by this adapter, "
-                               "restarts in place")  # fmt: skip
+        generation in flight is cancelled, the engine stopped (``launch.stop_lost_part``: its own
+        processes only, what is left of them SIGKILLed, a stopped one too), then ``sglang.Engine``
+        starts again in this process with the same arguments (fresh ports and IPC names; the trainer's
+        signal handlers taken back again) on a fresh event loop. It holds the checkpoint's (or dummy)
+        weights: the fleet then streams the last synced version into it. It comes back in the memory
+        phase of the moment: the tags its predecessor had released are released again right after the
+        start (on a GPU its KV pool needs its room while it starts: the rollout phase, where the fleet
+        finds most losses, has the trainer offloaded). An engine of several GPUs restarts whole, with
+        the same width: inside a node its schedulers are all this process's children; across nodes
+        the first rank of each further node restarts that node's part at the same time
+        (``SGLangSyncMember.restart``), all parts meeting at ``address``, a fresh ``dist_init_addr``
+        (``restart_address``; the old one's port may still be held). Its members' sinks hold nothing
+        a restart invalidates: the fleet resyncs every GPU."""
+        if self.health is None:
+            raise RuntimeError("only a colocated SGLang engine started by this adapter restarts in place")
+        if self._launch.nnodes > 1:
+            if address is None:
+                raise RuntimeError("an SGLang engine across nodes restarts at a fresh address (restart_address)")
+            self._launch = dataclasses.replace(self._launch, dist_init_addr=address)
         released = sorted(self.released.tags)
         servers = self.guard.abandon()
-        for server in servers:
-            atexit.unregister(server.shutdown)  # SGLang's own at-exit shutdown kills every child of the rank
-            try:
-                with self.health.engine_only_shutdown():
-                    server.shutdown()
-            except Exception as exc:  # a half-dead engine: what is left is killed below
-                print(f"[engine] shutting the lost SGLang engine down: {type(exc).__name__}: {exc}",
-                      flush=True)  # fmt: skip
-        self.health.kill_all()
-        self.transport.reset(servers)
-        for server in servers:
-            close_loop(server)
-        asyncio.set_event_loop(asyncio.new_event_loop())  # SGLang's Engine takes the thread's current loop
         self.life += 1
+        for server in servers:
+            stop_lost_part(server, self.health, self.life)
+        self.transport.reset(servers)
         self._generated = 0
-        with open(self.health.log_path, "a") as log:  # this process's file again: each life under a header
-            log.write(f"--- SGLang engine of rank {self.health.rank}, life {self.life} "
-                      "(restarted in place) ---\n")  # fmt: skip
         self._fresh_state()
         server, _ = self._start_colocated()
         self.guard = self._guard([server])
@@ -677,6 +669,14 @@ class SGLangEngine(RolloutEngine):
             self._load_tied_head_from_disk()
         if released:
             self.release_memory(released)  # type: ignore[arg-type]
+
+    def restart_address(self) -> str | None:
+        """Where the parts of this engine meet when it restarts across nodes (``restart``): its first
+        node's host with a port free there now; None inside one node (no address needed)."""
+        if self._launch.nnodes <= 1 or self._launch.dist_init_addr is None:
+            return None
+        host = self._launch.dist_init_addr.rpartition(":")[0]
+        return f"{host}:{free_port('')}"
 
     def ensure_healthy(self, timeout_s: float | None = None) -> None:
         """Wait until every server answers (disaggregated: ``/health_generate``). A server that does
@@ -691,24 +691,28 @@ class SGLangEngine(RolloutEngine):
 
     def release_memory(self, tags: Sequence[MemoryTag] | None = None) -> None:
         """Release ``tags`` (None: all) that the engine still holds; the others are left alone."""
-        with self.guard as servers:
-            wanted = self.released.to_release(tags)
-            if not wanted:
-                return
-            for server in servers:
-                server.release_memory_occupation(tags=list(wanted))
-            self.released.tags.update(wanted)
+        wanted = self.released.to_release(tags)
+        self._memory_call("release_memory_occupation", wanted)
+        self.released.tags.update(wanted)
 
     def resume_memory(self, tags: Sequence[MemoryTag] | None = None) -> None:
         """Take back ``tags`` (None: all) that the engine released; asking for one it holds (e.g.
         the run's first sync resuming ``weights``) does nothing, by construction."""
-        with self.guard as servers:
-            wanted = self.released.to_resume(tags)
-            if not wanted:
-                return
+        wanted = self.released.to_resume(tags)
+        self._memory_call("resume_memory_occupation", wanted)
+        self.released.tags.difference_update(wanted)
+
+    def _memory_call(self, method: str, tags: Sequence[MemoryTag]) -> None:
+        """SGLang's ``method`` with ``tags`` on every server, once no generation is in flight; no tags:
+        nothing. An engine lost on the way (``EngineLost``: ``rollout.max_engine_restarts`` > 0; a
+        death lands in a memory phase as often as anywhere) raises nothing here: the phase counts as
+        done, and the fleet's next recoverable call (the sync's manifest check, a generation, the
+        mismatch probe) finds the engine lost and restarts it, in that phase (``restart``)."""
+        if not tags:
+            return
+        with contextlib.suppress(EngineLost), self.guard as servers:
             for server in servers:
-                server.resume_memory_occupation(tags=list(wanted))
-            self.released.tags.difference_update(wanted)
+                getattr(server, method)(tags=list(tags))
 
     def flush_cache(self) -> None:
         with self.guard as servers:
@@ -772,22 +776,6 @@ def stop_loops(servers: Sequence[Any]) -> None:
         loop = getattr(server, "loop", None)
         if isinstance(loop, asyncio.AbstractEventLoop) and not loop.is_closed():
             loop.call_soon_threadsafe(loop.stop)
-
-
-def close_loop(server: Any) -> None:
-    """A shut-down in-process server's event loop, closed: its tasks (the tokenizer manager's
-    receivers) cancelled and given a second to end. Skipped while a generation thread left behind
-    still runs it (``ServerGuard.abandon``)."""
-    loop = getattr(server, "loop", None)
-    if not isinstance(loop, asyncio.AbstractEventLoop) or loop.is_running() or loop.is_closed():
-        return
-    tasks = asyncio.all_tasks(loop)
-    for task in tasks:
-        task.cancel()
-    if tasks:
-        with contextlib.suppress(RuntimeError):  # a stop left pending by stop_loops ends this run early
-            loop.run_until_complete(asyncio.wait(tasks, timeout=1.0))
-    loop.close()
 
 
 def context_tokens(servers: Sequence[Any]) -> int | None:

@@ -228,8 +228,16 @@ class EngineProcesses:
         if dead:
             raise EngineDiedError(self.report(dead))
         if self.quit_received and self.recoverable:
-            raise self.lost("SGLang sent SIGQUIT with every process alive (its scheduler watchdog: a forward "
-                            "made no progress past its watchdog_timeout)")  # fmt: skip
+            raise self.lost("SGLang sent SIGQUIT with every process of this rank's part alive (a scheduler "
+                            "failed: a peer of its TP group lost, on this node or another, or its watchdog: a "
+                            "forward made no progress past its watchdog_timeout)")  # fmt: skip
+
+    def check_now(self) -> None:
+        """``check``, and a process stopped (state T) counts as lost at once (a call about to go to it)."""
+        self.check()
+        why = self.stopped(0.0)
+        if why is not None:
+            raise self.failure(why)
 
     def failure(self, why: str) -> RuntimeError:
         """The error for an engine lost because ``why``: ``EngineLost`` when ``recoverable``, else

@@ -47,6 +47,9 @@ own multi-node launch (facts from SGLang 0.5.23's source, paths under ``python/s
 
 from __future__ import annotations
 
+import asyncio
+import atexit
+import contextlib
 import dataclasses
 import inspect
 import json
@@ -478,6 +481,42 @@ def start_node_part(
     engine, health, _ = start_colocated(rollout, str(model.hf_path), launch, hf_config,
                                         weights_on_disk=weights_on_disk, node_rank=layout.node_rank)  # fmt: skip
     return engine, health
+
+
+def close_loop(server: Any) -> None:
+    """A shut-down in-process server's event loop, closed: its tasks (the tokenizer manager's
+    receivers) cancelled and given a second to end. Skipped while a generation thread left behind
+    still runs it (``ServerGuard.abandon``)."""
+    loop = getattr(server, "loop", None)
+    if not isinstance(loop, asyncio.AbstractEventLoop) or loop.is_running() or loop.is_closed():
+        return
+    tasks = asyncio.all_tasks(loop)
+    for task in tasks:
+        task.cancel()
+    if tasks:
+        with contextlib.suppress(RuntimeError):  # a stop left pending by stop_loops ends this run early
+            loop.run_until_complete(asyncio.wait(tasks, timeout=1.0))
+    loop.close()
+
+
+def stop_lost_part(server: Any, health: EngineProcesses, life: int) -> None:
+    """A lost engine part (a leader's engine, or a further node's part of one across nodes) stopped
+    before it starts again in this process: shut down (its own processes only; ``sglang.Engine``'s
+    at-exit shutdown, which kills every child of the rank, taken back), what is left of its processes
+    SIGKILLed (a stopped one too), its event loop closed and a fresh one made current (SGLang's Engine
+    takes the thread's current loop), and its log given a header for life ``life``."""
+    atexit.unregister(server.shutdown)
+    try:
+        with health.engine_only_shutdown():
+            server.shutdown()
+    except Exception as exc:  # a half-dead engine: what is left is killed below
+        print(f"[engine] shutting the lost SGLang engine of rank {health.rank} down: {type(exc).__name__}: {exc}",
+              flush=True)  # fmt: skip
+    health.kill_all()
+    close_loop(server)
+    asyncio.set_event_loop(asyncio.new_event_loop())
+    with open(health.log_path, "a") as log:  # this process's file again: each life under a header
+        log.write(f"--- SGLang engine of rank {health.rank}, life {life} (restarted in place) ---\n")
 
 
 def layout_of(placement: RolloutPlacement, ps: ParallelState) -> tuple[ColocatedLayout, int, int]:

@@ -3,11 +3,13 @@
 An engine of ``rollout.sglang_tp`` GPUs is led from its first trainer rank (``rollout/sglang/engine.py``);
 every other rank of the group holds an ``SGLangSyncMember``, which receives exactly what its SGLang TP
 rank loads and hands it to the leader as one payload per round (``rollout/sglang/ipc.py``). On the first
-GPU of each further node of a multi-node engine it also keeps that node's part of the engine alive.
+GPU of each further node of a multi-node engine it also starts, watches, restarts (with its leader, at
+the leader's fresh address) and stops that node's part of the engine (``NodePart``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -19,12 +21,14 @@ from grpo_megatron.rollout.placement import RolloutPlacement, runtime_placement
 from grpo_megatron.rollout.sglang.health import EngineProcesses
 from grpo_megatron.rollout.sglang.ipc import EngineGroupFeed, SharedStaging, contribution
 from grpo_megatron.rollout.sglang.launch import (
+    ColocatedLayout,
     agree_engine_address,
     import_sglang,
     layout_of,
     quantized,
     read_hf_config,
     start_node_part,
+    stop_lost_part,
     torch_dtype,
 )
 from grpo_megatron.rollout.sglang.shards import rank_needs
@@ -43,6 +47,47 @@ if TYPE_CHECKING:
     from grpo_megatron.rollout.sglang.shards import ExpertBlock
 
 
+@dataclasses.dataclass
+class NodePart:
+    """Node ``layout.node_rank`` >= 1's part of a colocated SGLang engine across nodes, on that node's
+    first GPU of the engine: SGLang's schedulers of the node's GPUs (``launch.start_node_part``), driven
+    from the leader's Engine (requests, weight loads and memory release/resume reach them through
+    SGLang's own TP group), so only started, watched (``health``), restarted and shut down here."""
+
+    spec: EngineSpec
+    layout: ColocatedLayout
+    ep_size: int
+    ps: ParallelState
+    engine: Any = None
+    health: EngineProcesses | None = None
+    life: int = 0
+
+    def start(self, address: str) -> None:
+        """Start the part, meeting the other parts at ``address`` (SGLang's ``dist_init_addr``);
+        recoverable with ``rollout.max_engine_restarts`` > 0, as the leader's: a SIGQUIT from a
+        scheduler that saw a peer die is noted, and the fleet restarts the engine whole."""
+        on_disk = bool(checkpoint_shapes(self.spec.model.hf_path))
+        self.engine, self.health = start_node_part(self.spec, self.layout, address, self.ep_size, self.ps,
+                                                   weights_on_disk=on_disk)  # fmt: skip
+        self.health.recoverable = self.spec.rollout.max_engine_restarts > 0
+
+    def restart(self, address: str) -> None:
+        """Stop what is left of the part (``launch.stop_lost_part``) and start it again at
+        ``address``, the leader's fresh one: called while the leader restarts its own part."""
+        assert self.health is not None
+        self.life += 1
+        stop_lost_part(self.engine, self.health, self.life)
+        self.start(address)
+
+    def shutdown(self) -> None:
+        """Stop the part: its own processes only (``EngineProcesses.engine_only_shutdown``), not the
+        rank's other children."""
+        if self.engine is not None and self.health is not None:
+            with self.health.engine_only_shutdown():
+                self.engine.shutdown()
+        self.engine = None
+
+
 class SGLangSyncMember:
     """The weight sync on a GPU of a colocated SGLang engine other than its leader's (SGLang TP rank
     ``tp_rank`` runs on it): it receives exactly what that rank loads (``weight_needs``), makes each
@@ -50,11 +95,8 @@ class SGLangSyncMember:
     payload in one ``update_weights_from_tensor`` call (``rollout/sglang/ipc.py``). It generates
     nothing (generation goes through the leader). A ``WeightSink`` (``rollout/engine.py``).
 
-    On the first GPU of a further node of an engine that spans several nodes it also holds
-    ``node_engine``, the ``sglang.Engine`` of that node's part (``node_rank`` >= 1): SGLang's
-    schedulers of the node's GPUs, driven from the leader's Engine (requests, weight loads and
-    memory release/resume reach them through SGLang's own TP group), so it is only kept alive and
-    shut down."""
+    On the first GPU of a further node of an engine that spans several nodes it also holds ``node``,
+    that node's part of the engine (``NodePart``)."""
 
     weight_version: int = -1
 
@@ -65,9 +107,8 @@ class SGLangSyncMember:
         members: Sequence[int],
         tp_rank: int,
         device: torch.device | str,
-        node_engine: Any = None,
+        node: NodePart | None = None,
         ep_size: int = 1,
-        health: EngineProcesses | None = None,
         dtype: str = "bfloat16",
     ):
         _, flattened_cls, serializer = import_sglang()
@@ -76,9 +117,7 @@ class SGLangSyncMember:
         self.sync_group_ranks = tuple(members)
         self.tp_rank = tp_rank
         self.device = device
-        self.node_engine = node_engine
-        self.health = health
-        """The node part's processes (``start_node_part``), watched as the leader's are; None without one."""
+        self.node = node
         self._classes = (flattened_cls, serializer)
         self._hf_config = read_hf_config(model_path)
         self.tied_head = tied_output_head(self._hf_config)
@@ -106,23 +145,44 @@ class SGLangSyncMember:
         layout, gpus_per_node, local_rank = layout_of(placement, ps)
         if ps.rank == layout.leader:
             return None
-        node_engine, health = None, None
+        node = None
         if layout.multi_node:
             address = agree_engine_address(layout, gpus_per_node, local_rank)
             if layout.starter:
-                node_engine, health = start_node_part(spec, layout, address, placement.engine_ep, ps,
-                                                      weights_on_disk=bool(checkpoint_shapes(spec.model.hf_path)))
-        return cls(rollout, spec.model.hf_path, layout.members, ps.rank - layout.leader, ps.device, node_engine,
-                   ep_size=placement.engine_ep, dtype=spec.model.dtype, health=health)  # fmt: skip
+                node = NodePart(spec, layout, placement.engine_ep, ps)
+                node.start(address)
+        return cls(rollout, spec.model.hf_path, layout.members, ps.rank - layout.leader, ps.device, node,
+                   ep_size=placement.engine_ep, dtype=spec.model.dtype)  # fmt: skip
+
+    @property
+    def health(self) -> EngineProcesses | None:
+        """This node's part's processes (``NodePart``), watched as the leader's are; None without one."""
+        return self.node.health if self.node is not None else None
+
+    def check_alive(self) -> None:
+        """Raise ``EngineLost`` (``EngineDiedError`` without restarts) if this node's part of the engine
+        lost a process or has one stopped (``EngineProcesses.check_now``); nothing on other members.
+        The fleet asks when some engine was lost (``RolloutFleet.recover``), so that a further node's
+        loss is named with its own log."""
+        if self.health is not None:
+            self.health.check_now()
+
+    def restart(self, address: str | None) -> None:
+        """The engine this GPU belongs to restarts in place (``RolloutFleet.restart_engines``): on a
+        further node's first GPU of an engine across nodes, that node's part restarts at ``address``
+        (the leader's ``SGLangEngine.restart_address``) while the leader restarts its own; and, as on
+        every member, what was staged of an abandoned version is dropped (``abort_update``)."""
+        self._pairs = PairedLoads()
+        if self.node is not None:
+            if address is None:
+                raise RuntimeError(f"SGLang TP rank {self.tp_rank}'s node part needs its leader's fresh address")
+            self.node.restart(address)
 
     def shutdown(self) -> None:
-        """Stop this node's part of the engine, if this rank started one: its own processes only
-        (``EngineProcesses.engine_only_shutdown``), not the rank's other children."""
-        if self.node_engine is not None:
-            assert self.health is not None
-            with self.health.engine_only_shutdown():
-                self.node_engine.shutdown()
-            self.node_engine = None
+        """Stop this node's part of the engine, if this rank started one (``NodePart.shutdown``)."""
+        if self.node is not None:
+            self.node.shutdown()
+            self.node = None
 
     def weight_needs(self) -> ExpertBlock | None:
         return rank_needs(self._hf_config, self.tp_size, self.ep_size, self.tp_rank)

@@ -69,6 +69,7 @@ def mismatch_probe(
     *,
     vocab_size: int,
     temperature: float,
+    recovery: EngineRecovery | None = None,
 ) -> dict[str, float]:
     """Collective: trainer ``forward_logprobs`` vs every engine's ``score`` on ``probe``, over the tokens
     after each prompt; max and mean absolute difference over all engines (an empty probe, e.g.
@@ -80,7 +81,7 @@ def mismatch_probe(
     sequences, prompt_lens = probe.sequences, probe.prompt_lens
     if not sequences:
         return {}
-    scored, routes = fleet.score(sequences, prompt_lens, temperature)
+    scored, routes = fleet.score(sequences, prompt_lens, temperature, recovery=recovery)  # lost engines: restarted
     if ps.cp > 1:  # routes are not split over context-parallel ranks (the config refuses replay there)
         routes = None
     length = max(len(s) for s in sequences)
@@ -157,12 +158,13 @@ def sync_weights(
     runs once the engines have their caches back (``engines_serve``: a released KV cache cannot
     score) and before the trainer's parameters leave. A probe beyond ``max_abs`` (``rollout.
     probe_max_abs``; 0: no bound) stops the run on every rank alike (``check_probe``). ``recovery``:
-    engines the sync finds lost are restarted inside it (``RolloutFleet.sync_weights``)."""
+    engines the sync (or the probe) finds lost are restarted inside it (``RolloutFleet.sync_weights``)."""
     memory.before_sync()
     metrics = fleet.sync_weights(model, version=version, recovery=recovery)
     if probe.sequences:  # the engines score with their KV cache, the trainer with its parameters
         memory.engines_serve()
-        metrics |= mismatch_probe(model, fleet, ps, probe, vocab_size=vocab_size, temperature=temperature)
+        metrics |= mismatch_probe(model, fleet, ps, probe, vocab_size=vocab_size, temperature=temperature,
+                                  recovery=recovery)  # fmt: skip
         check_probe(metrics, max_abs, version)
     metrics |= memory.after_sync()
     return metrics
