@@ -17,12 +17,13 @@ ASYNC = ["rollout.embedded_process=true"]
 
 
 def test_max_staleness_zero_in_engine_processes_equals_the_synchronous_run_bitwise(tmp_path, monkeypatch):
-    # Issue 41, the third run: rank 1's engine process is SIGKILLed as it takes its 3rd generate request and
-    # rank 0's SIGSTOPped at its 4th (rollouts of iterations 2 and 3); each is restarted in place, given the
-    # current weights, its share generated again: the run equals the uninterrupted one bitwise.
+    # The asynchronous loop with max_staleness=0 in engine processes, which issue 41 also faults: rank 1's
+    # engine process is SIGKILLed as it takes its 3rd generate request and rank 0's SIGSTOPped at its 4th
+    # (rollouts of iterations 2 and 3); each is restarted in place, given the current weights, its share
+    # generated again: the run equals the synchronous one bitwise. (A run of the same loop without the
+    # faults, which this one covers with two restarts more, was dropped to keep the suite's time.)
     faults = ["rollout.max_engine_restarts=2", "rollout.engine_health_timeout_s=5"]
-    runs = {"sync": [], "async0": [*ASYNC, "train.max_staleness=0"],
-            "lost": [*ASYNC, "train.max_staleness=0", *faults]}  # fmt: skip
+    runs = {"sync": [], "lost": [*ASYNC, "train.max_staleness=0", *faults]}
     outs = {}
     for name, extra in runs.items():
         if name == "lost":
@@ -30,14 +31,13 @@ def test_max_staleness_zero_in_engine_processes_equals_the_synchronous_run_bitwi
         run = [*MOVING, *extra, "train.iterations=3", f"logging.run_dir={tmp_path / name}"]
         outs[name] = finish(launch("train", run))
     want = [comparable(r) for r in read_jsonl(tmp_path / "sync" / "metrics.jsonl")]
-    for name in ("async0", "lost"):
-        got = [comparable(r) for r in read_jsonl(tmp_path / name / "metrics.jsonl")]
-        restarts = [(r.pop("engine/restarts", 0), r.pop("engine/restart_s", 0)) for r in got]
-        assert sum(n for n, _ in restarts) == (2 if name == "lost" else 0), restarts
-        for r in got[1:]:
-            assert r.pop("async/staleness/max") == r.pop("async/staleness/min") == r.pop("async/staleness/mean") == 0
-            assert r.pop("async/drained_batches") == 0
-        assert got == want, json.dumps([name, got[-1], want[-1]], indent=1)
+    got = [comparable(r) for r in read_jsonl(tmp_path / "lost" / "metrics.jsonl")]
+    restarts = [(r.pop("engine/restarts", 0), r.pop("engine/restart_s", 0)) for r in got]
+    assert sum(n for n, _ in restarts) == 2, restarts
+    for r in got[1:]:
+        assert r.pop("async/staleness/max") == r.pop("async/staleness/min") == r.pop("async/staleness/mean") == 0
+        assert r.pop("async/drained_batches") == 0
+    assert got == want, json.dumps([got[-1], want[-1]], indent=1)
     out = outs["lost"]
     assert "[engine] engine 1 (rank 1 on" in out and "exited with code -9" in out, out[-4000:]
     assert "[engine] engine 0 (rank 0 on" in out and "(it is stopped: state T)" in out, out[-4000:]

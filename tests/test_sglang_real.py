@@ -163,13 +163,15 @@ def test_kept_kv_serves_a_continued_response_from_the_prefix_cache_across_a_weig
 
 def test_a_hung_scheduler_is_lost_past_the_health_deadline_and_the_engine_restarts(scenarios) -> None:
     """Issue 41: a scheduler alive but hung (neither dead nor stopped) while a generation is awaited:
-    its state request unanswered past rollout.engine_health_timeout_s (2 s) is the engine lost; the
-    engine restarts in place and generates again, and the scenarios after this one run on the restarted
-    engine."""
+    its state request unanswered past rollout.engine_health_timeout_s (2 s) is the engine lost; a memory
+    release sent to it then is watched the same way, ends past the deadline without raising and keeps
+    the loss for the next call (check_alive); the engine restarts in place and generates again, and the
+    scenarios after this one run on the restarted engine."""
     got = scenario(scenarios, "hang_restart")
     assert "left a state request unanswered" in got["lost"] and "rollout.engine_health_timeout_s=2" in got["lost"]
     assert all(state in ("sleeping", "running", "disk-sleep") for state in got["states"]), got["states"]
     assert 2.0 <= got["lost_s"] < 2.0 + 3.0 + 1.0, got  # the deadline, a probe interval, a watch tick
+    assert 2.0 <= got["memory_s"] < 2.0 + 3.0 + 1.0 and "left a state request unanswered" in got["kept"], got
     assert len(got["tokens"]) == 6 and got["old_gone"], got
 
 

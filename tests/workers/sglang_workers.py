@@ -437,8 +437,9 @@ class Scenarios:
         """Issue 41: a scheduler alive but hung (``GRPO_ENGINE_FAULT=hang:N``: it sleeps in a signal
         handler, state S, neither dead nor stopped) while a generation is awaited is found by the
         wait's state request unanswered past rollout.engine_health_timeout_s (2 s here), the generation
-        cancelled, EngineLost raised; the engine restarts in place and serves. The engine, restarted,
-        then serves the scenarios after this one."""
+        cancelled, EngineLost raised; a memory release then meets the same hang and keeps the loss; the
+        engine restarts in place (its kv_cache released, as the last phase asked) and serves. The engine,
+        restarted, then serves the scenarios after this one."""
         import dataclasses
 
         import psutil
@@ -462,10 +463,21 @@ class Scenarios:
             out["lost"] = str(exc)
         out["lost_s"] = time.perf_counter() - start
         out["states"] = [p.status() for p in schedulers]  # alive, not stopped: hung
+        # A memory call to the still-hung engine is waited for under the same probe: it ends past the
+        # deadline without raising (a memory phase meets a loss as often as anything), the loss kept
+        # for the next call that the fleet would recover (check_alive).
+        memory_start = time.perf_counter()
+        engine.release_memory(["kv_cache"])
+        out["memory_s"] = time.perf_counter() - memory_start
+        try:
+            engine.check_alive()
+        except EngineLost as exc:
+            out["kept"] = str(exc)
         try:
             engine.restart()
+            engine.resume_memory(["kv_cache"])  # the restart came back with kv_cache released, as asked
             out["tokens"] = tokens(engine.submit(PROMPTS, self.greedy)())
-            out["restart_s"] = time.perf_counter() - start - out["lost_s"]
+            out["restart_s"] = time.perf_counter() - start - out["lost_s"] - out["memory_s"]
             out["serving_s"] = time.perf_counter() - start
             out["old_gone"] = not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in schedulers)
         finally:

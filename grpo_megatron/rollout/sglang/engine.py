@@ -380,6 +380,8 @@ class SGLangEngine(RolloutEngine):
         """What the engine holds per tensor (``check_manifest`` judges each sync's manifest against it)."""
         self._accepted: Manifest | None = None
         self._pairs = PairedLoads()
+        self.lost: EngineLost | None = None
+        """The loss a memory call met (``_memory_call``), until the restart."""
 
     def _start_colocated(self) -> tuple[Any, dict[str, Any]]:
         """Start the colocated ``sglang.Engine`` (``launch.start_colocated``): (the engine, its server
@@ -581,6 +583,8 @@ class SGLangEngine(RolloutEngine):
         """Raise ``EngineDiedError`` naming the engine, rank, host and last log lines if one of its
         processes is gone or stopped (state T) (cheap: the process table); ``EngineLost`` with
         ``rollout.max_engine_restarts`` > 0 (the fleet restarts it)."""
+        if self.lost is not None:
+            raise self.lost
         if self.health is not None:
             self.health.check_now()
 
@@ -703,16 +707,25 @@ class SGLangEngine(RolloutEngine):
         self.released.tags.difference_update(wanted)
 
     def _memory_call(self, method: str, tags: Sequence[MemoryTag]) -> None:
-        """SGLang's ``method`` with ``tags`` on every server, once no generation is in flight; no tags:
-        nothing. An engine lost on the way (``EngineLost``: ``rollout.max_engine_restarts`` > 0; a
-        death lands in a memory phase as often as anywhere) raises nothing here: the phase counts as
-        done, and the fleet's next recoverable call (the sync's manifest check, a generation, the
-        mismatch probe) finds the engine lost and restarts it, in that phase (``restart``)."""
+        """SGLang's ``method`` with ``tags`` on every server (no tags: nothing), run as a generation is
+        (``ServerGuard.start``, once none is in flight) so that its wait is watched the same way: a
+        process dead or stopped past the deadline, or schedulers that leave a state request unanswered
+        past it (a peer of the TP group stopped on another node leaves TP rank 0 waiting on it), end it.
+        An engine lost on the way (``EngineLost``: ``rollout.max_engine_restarts`` > 0; a death lands
+        in a memory phase as often as anywhere) raises nothing here: the phase counts as done, and the
+        fleet's next recoverable call (the sync's manifest check, a generation, the mismatch probe)
+        finds the engine lost and restarts it, in that phase (``restart``)."""
         if not tags:
             return
-        with contextlib.suppress(EngineLost), self.guard as servers:
+
+        def call(servers: list[Any]) -> None:
             for server in servers:
                 getattr(server, method)(tags=list(tags))
+
+        try:
+            self.guard.result(self.guard.start(call))
+        except EngineLost as exc:
+            self.lost = exc  # check_alive raises it again (a hung scheduler's processes still look alive)
 
     def flush_cache(self) -> None:
         with self.guard as servers:
