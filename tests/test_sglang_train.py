@@ -221,29 +221,32 @@ def test_a_two_node_engine_restarts_both_parts_in_place_and_saves_on_a_slurm_sig
     assert saved and (run / "checkpoints" / "latest").read_text().strip() == saved.group(1), outs[0][-4000:]
 
 
-def test_a_colocated_sglang_engine_of_two_gpus_killed_in_a_rollout_or_a_sync_restarts_in_place(
+def test_a_colocated_sglang_engine_of_two_gpus_killed_or_stopped_in_a_rollout_or_a_sync_restarts_in_place(
     tmp_path: Path, monkeypatch
 ) -> None:
     """Issue 41 with the real engine, on an engine of two "GPUs" (rollout.sglang_tp=2 over the 2 ranks:
     rank 0 leads it, rank 1 is its member; the one-GPU engine's path is the same with groups of one).
     In iteration 1's rollout (the engine's 2nd generation, after the first evaluation) its TP rank 1
     scheduler, on the member's GPU, is SIGKILLed as the request goes to it (GRPO_ENGINE_FAULT, read by
-    SGLangEngine, first life only; the last TP rank's scheduler). The leader, whose processes include
-    every TP rank's scheduler, finds it lost; the whole engine is shut down and started again with both
+    SGLangEngine, generations counted over the engine's lives; the last TP rank's scheduler). The
+    leader, whose processes include every TP rank's scheduler, finds it lost; the whole engine is shut down and started again with both
     TP ranks in rank 0's process, the last synced version streamed into both GPUs (the member feeds its
     share) and the engine's share generated again (same prompts and seeds). Then the restarted TP rank 1
     scheduler is SIGKILLed between the 1st and 2nd of the buckets of version 1's sync: the member's
     failed round counts as the engine's loss, which restarts inside the sync and is sent that version
-    alone. The run trains every iteration on its whole batch, the samples' logprobs and the mismatch
+    alone. In iteration 2's rollout (the 4th generation) the scheduler is SIGSTOPped: past
+    rollout.engine_health_timeout_s (3 s) the engine is lost (stopped, or its TP rank 0 left waiting on
+    it and a state request unanswered) and restarts the same way. The run trains every iteration on its
+    whole batch, the samples' logprobs and the mismatch
     probe (engine vs trainer, after the last sync) stay at float32 rounding, and no checkpoint is
     restored."""
     require_sglang_engine()
-    monkeypatch.setenv("GRPO_ENGINE_FAULT", "kill:2@0,killsync:1@0")
+    monkeypatch.setenv("GRPO_ENGINE_FAULT", "kill:2@0,killsync:1@0,stop:4@0")
     run = tmp_path / "run"
     # sglang_ep=1: SGLang's CPU MoE (moe_forward_native) cannot take expert parallelism's -1 expert ids
     out = finish(launch("train", [
         *SMALL, "rollout.engine=sglang", "rollout.sglang_tp=2", "rollout.sglang_ep=1", "train.offload_trainer=true",
-        "train.iterations=2", "rollout.max_engine_restarts=2", "rollout.sync_bucket_mb=1",
+        "train.iterations=2", "rollout.max_engine_restarts=3", "rollout.sync_bucket_mb=1",
         "rollout.engine_health_timeout_s=3", "logging.samples_interval=1", f"logging.run_dir={run}",
     ]), timeout_s=500)  # fmt: skip
     records = read_jsonl(run / "metrics.jsonl")
@@ -253,18 +256,20 @@ def test_a_colocated_sglang_engine_of_two_gpus_killed_in_a_rollout_or_a_sync_res
     assert [samples.count(i) for i in (1, 2)] == [4, 4]
     # the restarted engine sampled with the trained weights (the last synced version, streamed into both GPUs)
     assert max(r["mismatch/logprob_abs_diff_max"] for r in records[1:]) < PROBE_BOUND
-    assert [r.get("engine/restarts", 0) for r in records] == [0, 2, 0], out[-4000:]
+    assert [r.get("engine/restarts", 0) for r in records] == [0, 2, 1], out[-4000:]
     # the kill came as its 2nd bucket arrived (each GPU receives its share: 2 buckets of 1 MiB on the leader)
     assert records[1]["sync/buckets"] >= 2
     lost = r"\[engine\] engine 0 \(rank 0 on \S+\) lost during {}: [^\n]*process sglang::scheduler_TP1 \(pid \d+\) "
     assert re.search(lost.format("rollout generate") + "(exited with status -9|is gone)", out), out[-4000:]
     assert re.search(lost.format("the weight sync of version 1") + r"(exited with status -9|is gone)[^\n]*; "
                      r"restarted for weights version 1", out), out[-4000:]  # fmt: skip
+    stopped = lost.format("rollout generate").split(": ")[0] + r": [^\n]*(stopped \(state T\)|unanswered)"
+    assert re.search(stopped, out), out[-4000:]
     assert "resumed from" not in out
     probes = [r.get("mismatch/probe_abs_diff_max") for r in records]
     probes = [p for p in probes if p is not None]
     assert probes and max(probes) < PROBE_BOUND, probes
     log = next((run / "sglang").glob("engine-rank0-*.log")).read_text()
-    assert "--- SGLang engine of rank 0, life 2 (restarted in place) ---" in log
+    assert "--- SGLang engine of rank 0, life 3 (restarted in place) ---" in log
     print(json.dumps([{k: r.get(k) for k in ("engine/restart_s", "time/iteration")} for r in records]))
     print("\n".join(line[:200] for line in out.splitlines() if "[engine]" in line))

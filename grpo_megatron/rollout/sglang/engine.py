@@ -59,7 +59,7 @@ from grpo_megatron.rollout.engine import (
     SamplingParams,
     stamped,
 )
-from grpo_megatron.rollout.engine_process import fault_for, fault_items
+from grpo_megatron.rollout.engine_process import fault_items
 from grpo_megatron.rollout.hf_routes import RouteLayout
 from grpo_megatron.rollout.placement import RolloutPlacement, runtime_placement
 from grpo_megatron.rollout.sglang import protocol
@@ -325,10 +325,9 @@ class SGLangEngine(RolloutEngine):
         self._shapes = shapes = checkpoint_shapes(model_path)
         self._launch = launch
         self.life = 0
-        """How often this engine was restarted in place (``restart``); ``GRPO_ENGINE_FAULT`` acts in
-        life 0 only."""
+        """How often this engine was restarted in place (``restart``)."""
         self._generated = 0
-        """Generations submitted in this life (``GRPO_ENGINE_FAULT`` counts them)."""
+        """Generations submitted, over every life (``GRPO_ENGINE_FAULT`` counts them)."""
         self._buckets = (-1, 0)
         """(version, buckets of it received so far): ``GRPO_ENGINE_FAULT``'s ``killsync``."""
         self._sync_faults_done: set[int] = set()
@@ -601,18 +600,20 @@ class SGLangEngine(RolloutEngine):
 
     def _inject_fault(self) -> None:
         """``GRPO_ENGINE_FAULT`` (tests; the engine process's variable, rollout/engine_process.py:
-        ``kill:N``, ``stop:N``, ``hang:N``, ``@R`` for trainer rank R's engine only): at this engine's
-        N-th submitted generation, in its first life only, SIGKILL (SIGSTOP) its scheduler just before
-        the request goes to it; ``hang``: send it ``compat.HANG_SIGNAL``, on which a scheduler started
+        ``kill:N``, ``stop:N``, ``hang:N``, ``@R`` for trainer rank R's engine only): as this engine's
+        N-th generation is submitted, counted over its lives (a restart does not reset the count, so
+        faults can follow each other, each once), SIGKILL (SIGSTOP) its scheduler just before the
+        request goes to it; ``hang``: send it ``compat.HANG_SIGNAL``, on which a scheduler started
         with the variable set hangs alive (``compat.arm_hang_fault``). ``killsync:V``:
         ``_inject_sync_fault``."""
         if self.health is None:
             return
         self._generated += 1
-        fault = fault_for({"life": self.life, "rank": self.health.rank}, ("kill", "stop", "hang"))
-        if fault is not None and fault[1] == self._generated:
-            signals = {"kill": signal.SIGKILL, "stop": signal.SIGSTOP, "hang": HANG_SIGNAL}
-            self._kill_scheduler(signals[fault[0]])
+        signals = {"kill": signal.SIGKILL, "stop": signal.SIGSTOP, "hang": HANG_SIGNAL}
+        for action, number, rank in fault_items():
+            if action in signals and number == self._generated and rank in (None, self.health.rank):
+                self._kill_scheduler(signals[action])
+                return
 
     def _inject_sync_fault(self, bucket: Bucket, version: int) -> None:
         """``GRPO_ENGINE_FAULT``'s ``killsync:V`` (``@R``): SIGKILL the scheduler as the second bucket of
@@ -664,7 +665,6 @@ class SGLangEngine(RolloutEngine):
         for server in servers:
             stop_lost_part(server, self.health, self.life)
         self.transport.reset(servers)
-        self._generated = 0
         self._fresh_state()
         server, _ = self._start_colocated()
         self.guard = self._guard([server])
