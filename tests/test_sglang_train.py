@@ -229,8 +229,8 @@ def test_a_colocated_sglang_engine_of_two_gpus_killed_or_stopped_in_a_rollout_or
     In iteration 1's rollout (the engine's 2nd generation, after the first evaluation) its TP rank 1
     scheduler, on the member's GPU, is SIGKILLed as the request goes to it (GRPO_ENGINE_FAULT, read by
     SGLangEngine, generations counted over the engine's lives; the last TP rank's scheduler). The
-    leader, whose processes include every TP rank's scheduler, finds it lost; the whole engine is shut down and started again with both
-    TP ranks in rank 0's process, the last synced version streamed into both GPUs (the member feeds its
+    leader, whose processes include every TP rank's scheduler, finds it lost; the whole engine is shut
+    down and started again with both TP ranks in rank 0's process, the last synced version streamed into both GPUs (the member feeds its
     share) and the engine's share generated again (same prompts and seeds). Then the restarted TP rank 1
     scheduler is SIGKILLed between the 1st and 2nd of the buckets of version 1's sync: the member's
     failed round counts as the engine's loss, which restarts inside the sync and is sent that version
