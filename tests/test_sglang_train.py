@@ -226,20 +226,21 @@ def test_a_colocated_sglang_engine_of_two_gpus_killed_or_stopped_in_a_rollout_or
 ) -> None:
     """Issue 41 with the real engine, on an engine of two "GPUs" (rollout.sglang_tp=2 over the 2 ranks:
     rank 0 leads it, rank 1 is its member; the one-GPU engine's path is the same with groups of one).
-    In iteration 1's rollout (the engine's 2nd generation, after the first evaluation) its TP rank 1
-    scheduler, on the member's GPU, is SIGKILLed as the request goes to it (GRPO_ENGINE_FAULT, read by
-    SGLangEngine, generations counted over the engine's lives; the last TP rank's scheduler). The
-    leader, whose processes include every TP rank's scheduler, finds it lost; the whole engine is shut
-    down and started again with both TP ranks in rank 0's process, the last synced version streamed into both GPUs (the member feeds its
-    share) and the engine's share generated again (same prompts and seeds). Then the restarted TP rank 1
-    scheduler is SIGKILLed between the 1st and 2nd of the buckets of version 1's sync: the member's
-    failed round counts as the engine's loss, which restarts inside the sync and is sent that version
-    alone. In iteration 2's rollout (the 4th generation) the scheduler is SIGSTOPped: past
-    rollout.engine_health_timeout_s (3 s) the engine is lost (stopped, or its TP rank 0 left waiting on
-    it and a state request unanswered) and restarts the same way. The run trains every iteration on its
-    whole batch, the samples' logprobs and the mismatch
-    probe (engine vs trainer, after the last sync) stay at float32 rounding, and no checkpoint is
-    restored."""
+    Faults from GRPO_ENGINE_FAULT (read by SGLangEngine, generations counted over the engine's lives,
+    each fault once; always the last TP rank's scheduler, on the member's GPU):
+    - in iteration 1's rollout (the 2nd generation, after the first evaluation) it is SIGKILLed as the
+      request goes to it. The leader, whose processes include every TP rank's scheduler, finds it
+      lost; the whole engine is shut down and started again with both TP ranks in rank 0's process,
+      the last synced version streamed into both GPUs (the member feeds its share) and the engine's
+      share generated again (same prompts and seeds);
+    - the restarted one is SIGKILLed between the 1st and 2nd of the buckets of version 1's sync: the
+      member's failed round counts as the engine's loss, which restarts inside the sync and is sent
+      that version alone;
+    - in iteration 2's rollout (the 4th generation) it is SIGSTOPped: past
+      rollout.engine_health_timeout_s (3 s) the engine is lost (stopped, or its TP rank 0 left waiting
+      on it and a state request unanswered) and restarts the same way.
+    The run trains every iteration on its whole batch, the samples' logprobs and the mismatch probe
+    (engine vs trainer, after the last sync) stay at float32 rounding, and no checkpoint is restored."""
     require_sglang_engine()
     monkeypatch.setenv("GRPO_ENGINE_FAULT", "kill:2@0,killsync:1@0,stop:4@0")
     run = tmp_path / "run"
