@@ -82,13 +82,14 @@ def fault_items() -> list[tuple[str, int, int | None]]:
     return items
 
 
-def fault_for(spec: Mapping[str, Any], actions: Sequence[str] = ("kill", "stop")) -> tuple[str, int] | None:
-    """(action, generate request number) of ``GRPO_ENGINE_FAULT`` for this engine, first life only: the
-    first item whose action is one of ``actions`` (the SGLang adapter adds ``hang``)."""
+def fault_for(spec: Mapping[str, Any]) -> tuple[str, int] | None:
+    """(action, generate request number) of ``GRPO_ENGINE_FAULT`` for this engine process, first life
+    only: the first ``kill`` or ``stop`` item for its rank (the SGLang adapter reads ``fault_items``
+    itself, counting generations over its lives)."""
     if int(spec.get("life", 0)) != 0:
         return None
     for action, number, rank in fault_items():
-        if action in actions and (rank is None or rank == int(spec.get("rank", 0))):
+        if action in ("kill", "stop") and (rank is None or rank == int(spec.get("rank", 0))):
             return action, number
     return None
 

@@ -532,7 +532,7 @@ class RolloutFleet:
         except EngineLost as exc:
             return exc
         except Exception:  # not recoverable (no restarts): the failure that brought us here is reported
-            return None
+            pass
         return None
 
     def _engine_ranks_of(self, leaders: Iterable[int]) -> list[int]:

@@ -593,10 +593,7 @@ class SGLangEngine(RolloutEngine):
         ``rollout.engine_health_timeout_s``; the guard then cancels the generation. A scheduler alive
         but hung is the guard's ``SchedulerProbe``'s to find."""
         assert self.health is not None
-        self.health.check()
-        why = self.health.stopped(self.rollout.engine_health_timeout_s)
-        if why is not None:
-            raise self.health.failure(why)
+        self.health.check_now(self.rollout.engine_health_timeout_s)
 
     def _inject_fault(self) -> None:
         """``GRPO_ENGINE_FAULT`` (tests; the engine process's variable, rollout/engine_process.py:

@@ -232,10 +232,11 @@ class EngineProcesses:
                             "failed: a peer of its TP group lost, on this node or another, or its watchdog: a "
                             "forward made no progress past its watchdog_timeout)")  # fmt: skip
 
-    def check_now(self) -> None:
-        """``check``, and a process stopped (state T) counts as lost at once (a call about to go to it)."""
+    def check_now(self, stopped_s: float = 0.0) -> None:
+        """``check``, and a process stopped (state T) for ``stopped_s`` counts as lost (0: at once, a call
+        about to go to it; a wait for a generation gives it ``rollout.engine_health_timeout_s``)."""
         self.check()
-        why = self.stopped(0.0)
+        why = self.stopped(stopped_s)
         if why is not None:
             raise self.failure(why)
 
