@@ -97,7 +97,7 @@ TASK ?=
 ASYNC ?= 0
 PARTIAL ?= 0
 LORA ?= 0
-PARTIAL_ARGS := train.partial_rollout=true train.max_staleness=1 rollout.partial_segment_tokens=3 \
+PARTIAL_ARGS := rollout.partial.enabled=true train.max_staleness=1 rollout.partial.segment_tokens=3 \
     algorithm.off_policy.correction=icepop
 LORA_ARGS := model.lora.rank=16 model.lora.alpha=32 train.lr=2.0e-3 train.min_lr=1.0e-4
 demo: setup

@@ -25,7 +25,7 @@ behind the longest response wastes little, while every continuation recomputes i
 partial rollouts promise comes where a decode step costs about the same for few rows as for many
 (GPUs, memory-bound) and the tail leaves slots idle; issue 40's target (continuous / synchronous
 <= 0.5) is not met by this bench. bench/partial_iterations.py times whole iterations with the
-rounds overlapped with training (rollout.partial_overlap), and measures the demo MoE's decode step
+rounds overlapped with training (rollout.partial.overlap), and measures the demo MoE's decode step
 at 5.1 ms for 1 row vs 12.9 ms for 64: not proportional to rows.
 
     python bench/partial_rollout.py            # ~15 s on 2 cores
@@ -130,7 +130,7 @@ def main() -> int:
     parser.add_argument("--median", type=float, default=16.0, help="median response length (tokens)")
     parser.add_argument("--sigma", type=float, default=1.0, help="lognormal sigma (1.0: p99/p50 about 10)")
     parser.add_argument("--max-new-tokens", type=int, default=256)
-    parser.add_argument("--segment", type=int, default=16, help="rollout.partial_segment_tokens")
+    parser.add_argument("--segment", type=int, default=16, help="rollout.partial.segment_tokens")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     torch.set_num_threads(1)

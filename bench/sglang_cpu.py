@@ -170,7 +170,7 @@ def rollout_pair(adapter: Any, prompts: list[list[int]], params: Any) -> dict[st
 
 def measure(name: str, args: argparse.Namespace, size: dict[str, Any], shape: tuple[int, int, int]) -> dict[str, Any]:
     """Every figure of one model (``size``: config overrides; ``shape``: prompts, samples, new tokens)."""
-    from grpo_megatron.rollout.config import RolloutConfig
+    from grpo_megatron.rollout.config import RolloutConfig, SGLangConfig
     from grpo_megatron.rollout.embedded import EmbeddedEngine
     from grpo_megatron.rollout.engine import SamplingParams
     from grpo_megatron.rollout.sglang.engine import SGLangEngine
@@ -189,7 +189,7 @@ def measure(name: str, args: argparse.Namespace, size: dict[str, Any], shape: tu
     # A KV pool holding every sequence of the rollout at once (the adapter's CPU default, 16384 tokens,
     # would run a wide rollout's 512 sequences ~120 at a time): the embedded engine runs them all.
     kv_tokens = max(16384, n_prompts * n_samples * (9 + new_tokens + 8))
-    rollout = RolloutConfig(engine="sglang", sglang_server_args={"max_total_tokens": kv_tokens})
+    rollout = RolloutConfig(engine="sglang", sglang=SGLangConfig(server_args={"max_total_tokens": kv_tokens}))
     adapter = SGLangEngine(rollout, str(work / "model"), EngineLaunch(args.dtype, device="cpu"))
     gen = torch.Generator().manual_seed(0)
     prompts = [[1, *torch.randint(4, 24, (8,), generator=gen).tolist()] for _ in range(n_prompts)]

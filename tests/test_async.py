@@ -2,7 +2,7 @@
 each with its embedded engine in a process of its own (rollout/engine_process.py), the reward pool,
 checkpoints on disk. A length reward gives every group reward variance, so the policy really moves
 and a stale sample's ratio is not 1. Issue 41: engine processes lost (GRPO_ENGINE_FAULT, or a kill) during
-a rollout or a weight sync are restarted in place, and past rollout.max_engine_restarts the run ends naming them."""
+a rollout or a weight sync are restarted in place, and past rollout.recovery.max_restarts the run ends naming them."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ def test_max_staleness_zero_in_engine_processes_equals_the_synchronous_run_bitwi
     # (rollouts of iterations 2 and 3); each is restarted in place, given the current weights, its share
     # generated again: the run equals the synchronous one bitwise. (A run of the same loop without the
     # faults, which this one covers with two restarts more, was dropped to keep the suite's time.)
-    faults = ["rollout.max_engine_restarts=2", "rollout.engine_health_timeout_s=5"]
+    faults = ["rollout.recovery.max_restarts=2", "rollout.recovery.health_timeout_s=5"]
     runs = {"sync": [], "lost": [*ASYNC, "train.max_staleness=0", *faults]}
     outs = {}
     for name, extra in runs.items():
@@ -45,11 +45,11 @@ def test_max_staleness_zero_in_engine_processes_equals_the_synchronous_run_bitwi
 
 def test_more_engine_losses_than_the_bound_end_the_run_naming_them(tmp_path, monkeypatch):
     monkeypatch.setenv("GRPO_ENGINE_FAULT", "kill:1")  # both engines, at the first rollout
-    proc = launch("train", [*MOVING, *ASYNC, "rollout.max_engine_restarts=1", "train.iterations=2",
+    proc = launch("train", [*MOVING, *ASYNC, "rollout.recovery.max_restarts=1", "train.iterations=2",
                             f"logging.run_dir={tmp_path / 'run'}"])  # fmt: skip
     out, _ = proc.communicate(timeout=300)
     assert proc.returncode != 0
-    assert "2 engine(s) lost, past rollout.max_engine_restarts=1 (0 restart(s) so far)" in out, out[-4000:]
+    assert "2 engine(s) lost, past rollout.recovery.max_restarts=1 (0 restart(s) so far)" in out, out[-4000:]
     for engine in (0, 1):
         assert f"engine {engine} (rank {engine} on" in out
     assert "exited with code -9" in out and "its log (" in out
@@ -144,5 +144,5 @@ def test_the_fleet_restarts_engines_lost_before_or_during_a_sync_or_a_rollout(tm
         assert res["after_sync_restart"] == 1 and res["restarts"] == 3, res
         assert res["same"] and res["versions"] == [2] and res["versions_3"] == [3], res
         assert res["metrics"]["engine/restarts"] == 3 and res["metrics"]["engine/restart_s"] > 0
-        assert "past rollout.max_engine_restarts=3 (3 restart(s) so far)" in res["past_bound"]
+        assert "past rollout.recovery.max_restarts=3 (3 restart(s) so far)" in res["past_bound"]
         assert "code -9" in res["past_bound"] and "its log (" in res["past_bound"]  # the kill, named

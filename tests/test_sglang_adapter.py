@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from grpo_megatron.config import load_config
-from grpo_megatron.rollout.config import RolloutConfig
+from grpo_megatron.rollout.config import RolloutConfig, SGLangConfig
 from grpo_megatron.rollout.engine import SamplingParams
 from grpo_megatron.rollout.hf_routes import RouteLayout
 from grpo_megatron.rollout.sglang.engine import SGLangEngine
@@ -89,23 +89,23 @@ def test_constructing_without_sglang_says_how_to_install_it(monkeypatch, tmp_pat
 
 
 def test_sglang_config_fields_are_validated() -> None:
-    cfg = load_config(EXAMPLE, ["rollout.engine=sglang", "rollout.sglang_mode=disaggregated"])
-    with pytest.raises(ValueError, match="sglang_mode=disaggregated needs rollout.sglang_server_urls"):
+    cfg = load_config(EXAMPLE, ["rollout.engine=sglang", "rollout.sglang.mode=disaggregated"])
+    with pytest.raises(ValueError, match="sglang.mode=disaggregated needs rollout.sglang.server_urls"):
         cfg.rollout.validate()
-    bad = RolloutConfig(sglang_tp=-1, sglang_ep=-2, sglang_server_urls=["node1:30000"], sglang_sync_master_port=0,
-                        sglang_server_args={"tp_size": 2, "ep_size": 2})  # fmt: skip
+    bad = RolloutConfig(sglang=SGLangConfig(tp=-1, ep=-2, server_urls=["node1:30000"], sync_master_port=0,
+                                            server_args={"tp_size": 2, "ep_size": 2}))  # fmt: skip
     with pytest.raises(ValueError) as info:
         bad.validate()
-    for field in ("sglang_tp=-1", "sglang_ep=-2", "sglang_server_urls", "sglang_sync_master_port=0",
-                  "sets tp_size: set rollout.sglang_tp", "sets ep_size: set rollout.sglang_ep"):  # fmt: skip
+    for field in ("sglang.tp=-1", "sglang.ep=-2", "sglang.server_urls", "sglang.sync_master_port=0",
+                  "sets tp_size: set rollout.sglang.tp", "sets ep_size: set rollout.sglang.ep"):  # fmt: skip
         assert field in str(info.value)
     good = load_config(
         EXAMPLE,
-        ["rollout.engine=sglang", "rollout.sglang_mode=disaggregated",
-         "rollout.sglang_server_urls=[http://a:30000,http://b:30000]", "rollout.sglang_tp=2"],
+        ["rollout.engine=sglang", "rollout.sglang.mode=disaggregated",
+         "rollout.sglang.server_urls=[http://a:30000,http://b:30000]", "rollout.sglang.tp=2"],
     )  # fmt: skip
     good.rollout.validate()
-    assert good.rollout.sglang_server_urls == ["http://a:30000", "http://b:30000"]
+    assert good.rollout.sglang.server_urls == ["http://a:30000", "http://b:30000"]
 
 
 def test_check_refuses_what_sglang_would_refuse_naming_the_field() -> None:
@@ -282,12 +282,11 @@ def test_weight_group_layout_and_update_request_body() -> None:
 def test_colocated_groups_and_engine_arguments() -> None:
     assert colocated_group(5, 4) == (4, [4, 5, 6, 7]) and colocated_group(0, 1) == (0, [0])
     rollout = RolloutConfig(
-        sglang_tp=2,
+        sglang=SGLangConfig(tp=2, server_args={"attention_backend": "fa3", "log_level": "info"}),
         gpu_memory_utilization=0.4,
-        sglang_server_args={"attention_backend": "fa3", "log_level": "info"},
     )
     args = colocated_server_args(rollout, "/m", EngineLaunch("bfloat16", 5, base_gpu_id=2, ep_size=2), MOE_CONFIG)
-    assert args["tp_size"] == 2 and args["ep_size"] == 2 and args["base_gpu_id"] == 2  # tp: rollout.sglang_tp
+    assert args["tp_size"] == 2 and args["ep_size"] == 2 and args["base_gpu_id"] == 2  # tp: rollout.sglang.tp
     assert args["mem_fraction_static"] == 0.4 and args["random_seed"] == 5 and args["dtype"] == "bfloat16"
     assert args["enable_memory_saver"] is True and args["enable_return_routed_experts"] is True
     assert args["attention_backend"] == "fa3" and args["log_level"] == "info"  # the user's args win
@@ -333,8 +332,8 @@ def test_an_engine_width_that_does_not_tile_the_nodes_is_refused_with_the_choice
     with pytest.raises(ValueError) as info:
         colocated_layout(0, world, tp, 8, 0)
     message = str(info.value)
-    assert f"rollout.sglang_tp={tp}" in message and "8 GPUs per node (LOCAL_WORLD_SIZE)" in message
-    assert f"set rollout.sglang_tp to one of {choices}" in message
+    assert f"rollout.sglang.tp={tp}" in message and "8 GPUs per node (LOCAL_WORLD_SIZE)" in message
+    assert f"set rollout.sglang.tp to one of {choices}" in message
 
 
 def test_the_engine_address_is_its_first_node_and_the_nodes_must_be_whole_and_node_major() -> None:
@@ -350,12 +349,12 @@ def test_the_engine_address_is_its_first_node_and_the_nodes_must_be_whole_and_no
         with pytest.raises(ValueError) as info:
             engine_address(lay, bad, 41234, 8)
         message = str(info.value)
-        assert "rollout.sglang_tp=16" in message and "ranks 0-7 on" in message, case
+        assert "rollout.sglang.tp=16" in message and "ranks 0-7 on" in message, case
         assert "torchrun --nnodes N --nproc-per-node 8" in message and "at most 8" in message, case
 
 
 def test_server_args_of_each_node_of_a_multi_node_engine() -> None:
-    rollout = RolloutConfig(sglang_tp=16, gpu_memory_utilization=0.5)
+    rollout = RolloutConfig(sglang=SGLangConfig(tp=16), gpu_memory_utilization=0.5)
     launch = EngineLaunch("bfloat16", 7, tp_size=16, ep_size=16, nnodes=2, dist_init_addr="node-a:41234")
     first = colocated_server_args(rollout, "/m", launch, MOE_CONFIG, node_rank=0)
     second = colocated_server_args(rollout, "/m", launch, MOE_CONFIG, node_rank=1)
@@ -364,11 +363,12 @@ def test_server_args_of_each_node_of_a_multi_node_engine() -> None:
     assert {k: v for k, v in first.items() if k != "node_rank"} == {k: v for k, v in second.items() if k != "node_rank"}
     assert first["enable_memory_saver"] is True and first["random_seed"] == 7 and first["ep_size"] == 16
     # inside a node nothing of SGLang's multi-node launch is passed (the arguments are as before)
-    single = colocated_server_args(RolloutConfig(sglang_tp=8), "/m", EngineLaunch("bfloat16", 7), MOE_CONFIG)
+    eight = RolloutConfig(sglang=SGLangConfig(tp=8))
+    single = colocated_server_args(eight, "/m", EngineLaunch("bfloat16", 7), MOE_CONFIG)
     assert not {"nnodes", "node_rank", "dist_init_addr"} & set(single)
     # what the layout decides cannot be overridden across nodes
-    clash = RolloutConfig(sglang_tp=16, sglang_server_args={"nnodes": 4, "base_gpu_id": 2})
-    with pytest.raises(ValueError, match=r"rollout.sglang_server_args sets \['base_gpu_id', 'nnodes'\]"):
+    clash = RolloutConfig(sglang=SGLangConfig(tp=16, server_args={"nnodes": 4, "base_gpu_id": 2}))
+    with pytest.raises(ValueError, match=r"rollout.sglang.server_args sets \['base_gpu_id', 'nnodes'\]"):
         colocated_server_args(clash, "/m", launch, MOE_CONFIG, node_rank=1)
 
 
@@ -376,24 +376,24 @@ def test_from_config_takes_an_engine_across_nodes_and_refuses_one_that_does_not_
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
     monkeypatch.delenv("LOCAL_RANK", raising=False)
     ps = SimpleNamespace(rank=8, world_size=16, device="cpu", tp=1, pp=1, cp=1)
-    cfg = load_config(EXAMPLE, ["rollout.engine=sglang", "rollout.sglang_tp=12"])
-    with pytest.raises(ValueError, match=r"engines of 12 GPUs \(rollout.sglang_tp=12\) do not fit 16 ranks with 8 GPUs"):
+    cfg = load_config(EXAMPLE, ["rollout.engine=sglang", "rollout.sglang.tp=12"])
+    with pytest.raises(ValueError, match=r"engines of 12 GPUs \(rollout.sglang.tp=12\) do not fit 16 ranks with 8 GPUs"):
         SGLangEngine.from_config(engine_spec(cfg), ps)
     # 16 over two nodes of 8 is a valid layout: rank 8 is not its leader (rank 0 drives the engine)
-    cfg = load_config(EXAMPLE, ["rollout.engine=sglang", "rollout.sglang_tp=16"])
+    cfg = load_config(EXAMPLE, ["rollout.engine=sglang", "rollout.sglang.tp=16"])
     assert SGLangEngine.from_config(engine_spec(cfg), ps) is None
 
 
 def test_engines_of_several_gpus_with_restarts_are_led_from_their_first_rank(monkeypatch) -> None:
-    """Issue 41: rollout.max_engine_restarts > 0 takes an engine of several GPUs as it takes one without
+    """Issue 41: rollout.recovery.max_restarts > 0 takes an engine of several GPUs as it takes one without
     (its other ranks get None: they hold members, which restart with it); an engine across nodes is no
     longer refused (tests/test_sglang_train.py restarts one over two nodes with the real engine)."""
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
     monkeypatch.delenv("LOCAL_RANK", raising=False)
     ps = SimpleNamespace(rank=1, world_size=16, device="cpu", tp=1, pp=1, cp=1)
-    restarts = ["rollout.engine=sglang", "rollout.max_engine_restarts=2", "rollout.sglang_ep=1"]
+    restarts = ["rollout.engine=sglang", "rollout.recovery.max_restarts=2", "rollout.sglang.ep=1"]
     for tp in (8, 16):
-        spec = engine_spec(load_config(EXAMPLE, [*restarts, f"rollout.sglang_tp={tp}"]))
+        spec = engine_spec(load_config(EXAMPLE, [*restarts, f"rollout.sglang.tp={tp}"]))
         assert SGLangEngine.from_config(spec, ps) is None
 
 
@@ -486,7 +486,7 @@ def test_a_further_node_starts_its_part_like_the_leader_without_blocking(monkeyp
     monkeypatch.setattr(sglang, "Engine", Recorder)
     monkeypatch.delenv("SGLANG_BLOCK_NONZERO_RANK_CHILDREN", raising=False)
     saved = signal.signal(signal.SIGTERM, trainer_sigterm), signal.getsignal(signal.SIGQUIT)
-    cfg = load_config(EXAMPLE, ["rollout.engine=sglang", "rollout.sglang_tp=16", f"model.hf_path={tmp_path}"])
+    cfg = load_config(EXAMPLE, ["rollout.engine=sglang", "rollout.sglang.tp=16", f"model.hf_path={tmp_path}"])
     spec = dataclasses.replace(engine_spec(cfg), log_dir=tmp_path / "logs")
     ps = SimpleNamespace(rank=8, device="cuda:0")  # a GPU node's arguments (nothing here touches CUDA)
     layout = colocated_layout(8, 16, 16, 8, 0)
@@ -498,7 +498,7 @@ def test_a_further_node_starts_its_part_like_the_leader_without_blocking(monkeyp
         time.sleep(0.5)
         proc.kill()
         proc.wait()
-        replayed = load_config(EXAMPLE, ["rollout.engine=sglang", "rollout.sglang_tp=16",
+        replayed = load_config(EXAMPLE, ["rollout.engine=sglang", "rollout.sglang.tp=16",
                                          f"model.hf_path={tmp_path}", "algorithm.routing_replay=r3"])  # fmt: skip
         again = dataclasses.replace(engine_spec(replayed), log_dir=tmp_path / "logs")
         start_node_part(again, layout, "node-a:41234", 2, ps, weights_on_disk=True)  # type: ignore[arg-type]
@@ -702,7 +702,7 @@ def test_each_engine_gpu_needs_dense_tensors_and_the_experts_of_its_ep_block() -
     ):
         with pytest.raises(ValueError, match=match) as err:
             check_expert_placement(args)
-        assert "rollout.sglang_server_args" in str(err.value)
+        assert "rollout.sglang.server_args" in str(err.value)
 
 
 def test_sync_groups_are_the_distinct_multi_gpu_engines_in_one_order() -> None:
@@ -718,7 +718,7 @@ from pathlib import Path
 from grpo_megatron.rollout.sglang.health import EngineProcesses
 health = EngineProcesses(0, Path(sys.argv[1]))
 signal.signal(signal.SIGQUIT, health.on_sigquit())
-if sys.argv[2] == "recoverable":  # rollout.max_engine_restarts > 0: what waits is cancelled, the rank lives
+if sys.argv[2] == "recoverable":  # rollout.recovery.max_restarts > 0: what waits is cancelled, the rank lives
     health.recoverable, health.on_lost = True, lambda: print("cancelled", flush=True)
 if sys.argv[2] == "stopping":
     with health.engine_only_shutdown():
@@ -774,7 +774,7 @@ def test_sigquit_ends_the_rank_unless_it_is_shutting_the_engine_down(tmp_path: P
     """A scheduler's SIGQUIT ends the rank with EXIT_ENGINE_DIED while the engine runs; once the rank
     shuts the engine down (a TP2 engine's schedulers are killed one after the other, and the last
     one sends SIGQUIT from its broken collective) it is expected and the rank goes on. With
-    rollout.max_engine_restarts > 0 (issue 41) it only cancels what waits on the engine."""
+    rollout.recovery.max_restarts > 0 (issue 41) it only cancels what waits on the engine."""
     from grpo_megatron.rollout.sglang.health import EXIT_ENGINE_DIED
 
     (tmp_path / "engine.log").write_text("scheduler line\n")
@@ -869,7 +869,7 @@ def test_a_scheduler_that_leaves_a_state_request_unanswered_past_the_deadline_is
             assert guard.result(future) == "done" and Manager.asked >= 3
         else:
             with pytest.raises(EngineLost, match=r"left a state request unanswered for 1.\d s, past "
-                                                 r"rollout.engine_health_timeout_s=1 \(hung\)"):  # fmt: skip
+                                                 r"rollout.recovery.health_timeout_s=1 \(hung\)"):  # fmt: skip
                 guard.result(future)
             assert 1.0 <= time.monotonic() - start < 2.5 and future.done() and Manager.asked == 1
     finally:
@@ -1011,7 +1011,8 @@ def test_the_manifest_check_refuses_a_wrong_dtype_or_shape_naming_the_tensor_bef
     assert member.check_manifest(good, 1) == []
     (refusal,) = member.check_manifest(bad, 2)
     assert refusal.startswith("weight sync of version 2 refused by SGLang TP rank 1 (2 problems)") and q in refusal
-    disaggregated = RolloutConfig(engine="sglang", sglang_mode="disaggregated", sglang_server_urls=["http://h:1"])
+    servers = SGLangConfig(mode="disaggregated", server_urls=["http://h:1"])
+    disaggregated = RolloutConfig(engine="sglang", sglang=servers)
     engine = SGLangEngine(disaggregated, str(path), EngineLaunch(device="cpu"), servers=[])
     (refusal,) = engine.check_manifest(good, 1)
     assert "quantized" in refusal and "--load-format dummy" in refusal
@@ -1051,7 +1052,7 @@ def test_deepseeks_fused_a_projections_reach_sglang_in_one_load_call_whatever_th
 
 
 def test_kept_prefixes_flush_where_the_oldest_cached_kv_would_lag_more_than_max_staleness(fake_server) -> None:
-    """rollout.partial_keep_kv: a load keeps the prefix cache while every KV in it lags the new version
+    """rollout.partial.keep_kv: a load keeps the prefix cache while every KV in it lags the new version
     by at most train.max_staleness (the first load always flushes: the cache's versions are unknown);
     off, every load flushes. The disaggregated stream's closing bucket then skips ``/flush_cache``."""
     from grpo_megatron.rollout.sglang.nccl import NcclBroadcastTransport

@@ -32,7 +32,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from grpo_megatron.rollout.config import RolloutConfig
+from grpo_megatron.rollout.config import RolloutConfig, SGLangConfig
 from grpo_megatron.rollout.engine import SamplingParams
 from grpo_megatron.rollout.sglang.engine import SGLangEngine
 from grpo_megatron.rollout.sglang.ipc import (
@@ -268,7 +268,8 @@ def test_engine_streams_a_version_and_refuses_bad_or_partial_ones(exported) -> N
     stream = buckets["float32"]
     stub = LoadingEngine(tp_size=2)
     engine = SGLangEngine(
-        RolloutConfig(engine="sglang", sglang_tp=2), str(hf_dir), EngineLaunch(device="cpu"), servers=[stub]
+        RolloutConfig(engine="sglang", sglang=SGLangConfig(tp=2)), str(hf_dir), EngineLaunch(device="cpu"),
+        servers=[stub],
     )
     for i, bucket in enumerate(stream):
         engine.update_weights(bucket, version=1, last=i == len(stream) - 1)

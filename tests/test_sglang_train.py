@@ -73,7 +73,7 @@ def test_colocated_sglang_one_step_off_lags_by_one_version_ends_when_its_engine_
     """train.max_staleness=1 with the real engine: SGLang's schedulers generate the next batch while
     the trainer trains (collected before each weight sync, which would wait for it), nothing swaps, and
     every trained sample lags the trained policy by exactly the bound once the pipeline is full. One engine's
-    scheduler is killed after the checkpoint of iteration 3 (as by the OOM killer; rollout.max_engine_restarts
+    scheduler is killed after the checkpoint of iteration 3 (as by the OOM killer; rollout.recovery.max_restarts
     is 0): the job ends within a minute naming the engine, its rank, host and last log lines, leaving no
     process behind; the same command again resumes it (the submitted batches kept in the checkpoint)
     and finishes it by the same rules. A save waits for the batch in flight (to keep it), so the sync
@@ -155,12 +155,12 @@ def _sigterm_every_rank_process(agents: list[subprocess.Popen]) -> None:
 def test_a_two_node_engine_restarts_both_parts_in_place_and_saves_on_a_slurm_sigterm(
     tmp_path: Path, monkeypatch
 ) -> None:
-    """Issues 36 (item 8) and 41, as a cluster runs them: one SGLang engine (rollout.sglang_tp=2) over two
+    """Issues 36 (item 8) and 41, as a cluster runs them: one SGLang engine (rollout.sglang.tp=2) over two
     one-GPU "nodes", each its own torchrun agent with a host name of its own (tests/helpers/runs.py:
     ``launch_node``). Rank 1 starts node 1's part of the engine as the leader starts its own (its log,
     its health, SIGTERM ignored in its processes). After two iterations node 1's scheduler (SGLang TP
     rank 1, a child of rank 1, which the leader's processes do not include) is SIGKILLed from outside,
-    wherever the run is: the engine is lost, and with rollout.max_engine_restarts=1 both parts restart
+    wherever the run is: the engine is lost, and with rollout.recovery.max_restarts=1 both parts restart
     in place at a fresh address (the leader's, SGLangEngine.restart_address), are given the last synced
     version and the run goes on without a restore. Then a Slurm preemption's SIGTERM to every process
     of both nodes saves one checkpoint and both nodes exit 75 (SGLang's own SIGTERM handling neither
@@ -174,9 +174,9 @@ def test_a_two_node_engine_restarts_both_parts_in_place_and_saves_on_a_slurm_sig
 
     run, exit_file = tmp_path / "run", tmp_path / "exit_code"
     monkeypatch.setenv(EXIT_FILE_ENV, str(exit_file))  # what launch/slurm/node.sh reads: rank 0's verdict
-    # sglang_ep=1: SGLang's CPU MoE (moe_forward_native) cannot take expert parallelism's -1 expert ids
-    overrides = [*SMALL, "rollout.engine=sglang", "rollout.sglang_tp=2", "rollout.sglang_ep=1",
-                 "rollout.max_engine_restarts=1", "rollout.engine_health_timeout_s=60",
+    # rollout.sglang.ep=1: SGLang's CPU MoE (moe_forward_native) cannot take expert parallelism's -1 expert ids
+    overrides = [*SMALL, "rollout.engine=sglang", "rollout.sglang.tp=2", "rollout.sglang.ep=1",
+                 "rollout.recovery.max_restarts=1", "rollout.recovery.health_timeout_s=60",
                  "train.iterations=40", "checkpoint.save_interval=20", f"logging.run_dir={run}"]  # fmt: skip
     port = free_port()
     nodes = [launch_node("train", overrides, node_rank=k, nnodes=2, port=port) for k in (0, 1)]
@@ -224,7 +224,7 @@ def test_a_two_node_engine_restarts_both_parts_in_place_and_saves_on_a_slurm_sig
 def test_a_colocated_sglang_engine_of_two_gpus_killed_or_stopped_in_a_rollout_or_a_sync_restarts_in_place(
     tmp_path: Path, monkeypatch
 ) -> None:
-    """Issue 41 with the real engine, on an engine of two "GPUs" (rollout.sglang_tp=2 over the 2 ranks:
+    """Issue 41 with the real engine, on an engine of two "GPUs" (rollout.sglang.tp=2 over the 2 ranks:
     rank 0 leads it, rank 1 is its member; the one-GPU engine's path is the same with groups of one).
     Faults from GRPO_ENGINE_FAULT (read by SGLangEngine, generations counted over the engine's lives,
     each fault once; always the last TP rank's scheduler, on the member's GPU):
@@ -237,18 +237,18 @@ def test_a_colocated_sglang_engine_of_two_gpus_killed_or_stopped_in_a_rollout_or
       member's failed round counts as the engine's loss, which restarts inside the sync and is sent
       that version alone;
     - in iteration 2's rollout (the 4th generation) it is SIGSTOPped: past
-      rollout.engine_health_timeout_s (3 s) the engine is lost (stopped, or its TP rank 0 left waiting
+      rollout.recovery.health_timeout_s (3 s) the engine is lost (stopped, or its TP rank 0 left waiting
       on it and a state request unanswered) and restarts the same way.
     The run trains every iteration on its whole batch, the samples' logprobs and the mismatch probe
     (engine vs trainer, after the last sync) stay at float32 rounding, and no checkpoint is restored."""
     require_sglang_engine()
     monkeypatch.setenv("GRPO_ENGINE_FAULT", "kill:2@0,killsync:1@0,stop:4@0")
     run = tmp_path / "run"
-    # sglang_ep=1: SGLang's CPU MoE (moe_forward_native) cannot take expert parallelism's -1 expert ids
+    # rollout.sglang.ep=1: SGLang's CPU MoE (moe_forward_native) cannot take expert parallelism's -1 expert ids
     out = finish(launch("train", [
-        *SMALL, "rollout.engine=sglang", "rollout.sglang_tp=2", "rollout.sglang_ep=1", "train.offload_trainer=true",
-        "train.iterations=2", "rollout.max_engine_restarts=3", "rollout.sync_bucket_mb=1",
-        "rollout.engine_health_timeout_s=3", "logging.samples_interval=1", f"logging.run_dir={run}",
+        *SMALL, "rollout.engine=sglang", "rollout.sglang.tp=2", "rollout.sglang.ep=1", "train.offload_trainer=true",
+        "train.iterations=2", "rollout.recovery.max_restarts=3", "rollout.sync_bucket_mb=1",
+        "rollout.recovery.health_timeout_s=3", "logging.samples_interval=1", f"logging.run_dir={run}",
     ]), timeout_s=500)  # fmt: skip
     records = read_jsonl(run / "metrics.jsonl")
     assert [r["iteration"] for r in records] == [0, 1, 2]

@@ -194,10 +194,10 @@ def routing_replay_errors(cfg: JobConfig, hf_config: dict[str, Any]) -> list[str
             f"{where} with parallel.cp={cfg.parallel.cp}: routes are not split over context-parallel ranks "
             "yet; set parallel.cp=1"
         )
-    if mode == "r3" and cfg.rollout.engine == "sglang" and not cfg.rollout.sglang_routed_experts:
+    if mode == "r3" and cfg.rollout.engine == "sglang" and not cfg.rollout.sglang.routed_experts:
         errors.append(
-            f"{where} replays the engine's experts, but rollout.sglang_routed_experts=false asks SGLang not "
-            "to report them: set rollout.sglang_routed_experts=true"
+            f"{where} replays the engine's experts, but rollout.sglang.routed_experts=false asks SGLang not "
+            "to report them: set rollout.sglang.routed_experts=true"
         )
     if mode == "r3" and cfg.rollout.engine == "sglang" and job_backend(cfg.parallel.backend) != "nccl":
         errors.append(
@@ -222,12 +222,12 @@ def routing_replay_errors(cfg: JobConfig, hf_config: dict[str, Any]) -> list[str
 
 def context_length_errors(cfg: JobConfig, hf_config: dict[str, Any]) -> list[str]:
     """SGLang refuses a request whose prompt and ``max_new_tokens`` together exceed its context
-    length (``context_length`` in rollout.sglang_server_args, else the model's
+    length (``context_length`` in rollout.sglang.server_args, else the model's
     ``max_position_embeddings``; SGLang's tokenizer manager, ``_validate_one_request``): the longest
     prompt and the longest response must fit, or the first rollout fails. The embedded engine and the
     trainer take any length (rotary positions)."""
     rollout = cfg.rollout
-    given = rollout.sglang_server_args.get("context_length")
+    given = rollout.sglang.server_args.get("context_length")
     context = given or hf_config.get("max_position_embeddings")
     if rollout.engine != "sglang" or context is None:
         return []
@@ -235,7 +235,7 @@ def context_length_errors(cfg: JobConfig, hf_config: dict[str, Any]) -> list[str
     total = cfg.data.max_prompt_tokens + response.tokens
     if total <= int(context):
         return []
-    source = "rollout.sglang_server_args.context_length" if given else f"max_position_embeddings in {cfg.model.hf_path}/config.json"
+    source = "rollout.sglang.server_args.context_length" if given else f"max_position_embeddings in {cfg.model.hf_path}/config.json"
     return [
         f"data.max_prompt_tokens={cfg.data.max_prompt_tokens} + {response.field}={response.tokens} = {total} tokens "
         f"exceeds the model's context of {int(context)} ({source}): SGLang refuses such a request; lower "
@@ -257,7 +257,7 @@ def sglang_rotary_errors(cfg: JobConfig, hf_config: dict[str, Any]) -> list[str]
     their own embedding and are not concerned; neither are CPU engines."""
     if cfg.rollout.engine != "sglang" or job_backend(cfg.parallel.backend) != "nccl" or "kv_lora_rank" in hf_config:
         return []
-    kv_dtype = cfg.rollout.sglang_server_args.get("kv_cache_dtype", "auto")
+    kv_dtype = cfg.rollout.sglang.server_args.get("kv_cache_dtype", "auto")
     if cfg.model.dtype != "bfloat16" or kv_dtype not in ("auto", "bfloat16", "bf16"):
         return []
     head_dim = hf_config.get("head_dim") or hf_config["hidden_size"] // hf_config["num_attention_heads"]
@@ -278,18 +278,9 @@ def sglang_rotary_errors(cfg: JobConfig, hf_config: dict[str, Any]) -> list[str]
 
 def async_errors(cfg: JobConfig) -> list[str]:
     """The asynchronous loop (train.max_staleness, rollout.embedded_process) and what it cannot run with."""
-    if cfg.train.partial_rollout:
+    if cfg.rollout.partial.enabled:
         return partial_rollout_errors(cfg)
     errors = []
-    for name, what in (("partial_keep_kv", "keeps the KV of continued responses across weight updates"),
-                       ("partial_one_request", "sends each segment round as one request")):
-        if getattr(cfg.rollout, name):
-            errors.append(f"rollout.{name}=true without train.partial_rollout=true: it {what}; set "
-                          f"train.partial_rollout=true or rollout.{name}=false")
-    if cfg.rollout.partial_overlap:
-        errors.append("rollout.partial_overlap=true without train.partial_rollout=true: it overlaps the "
-                      "segment rounds of partial rollouts; set train.partial_rollout=true or "
-                      "rollout.partial_overlap=false")
     if cfg.train.max_staleness > 0 and not (cfg.rollout.embedded_process or cfg.rollout.engine == "sglang"):
         errors.append(
             f"train.max_staleness={cfg.train.max_staleness} needs engines that generate while the trainer "
@@ -322,30 +313,27 @@ def async_errors(cfg: JobConfig) -> list[str]:
 
 
 def partial_rollout_errors(cfg: JobConfig) -> list[str]:
-    """train.partial_rollout (training/partial.py) and what it cannot run with."""
+    """rollout.partial (training/partial.py) and what it cannot run with."""
     r, t, errors = cfg.rollout, cfg.train, []
-    k = r.partial_segment_tokens
-    if k < 1 or r.partial_groups_in_flight < 0:
-        return [f"rollout.partial_segment_tokens={k} must be >= 1 and rollout.partial_groups_in_flight="
-                f"{r.partial_groups_in_flight} >= 0 (0 = 2 x train.prompts_per_iteration)"]  # fmt: skip
+    k, partial = r.partial.segment_tokens, r.partial
     if (t.max_staleness + 1) * k < r.max_new_tokens:
         need = -(-r.max_new_tokens // k) - 1
         errors.append(
-            f"train.partial_rollout=true with train.max_staleness={t.max_staleness} and "
-            f"rollout.partial_segment_tokens={k}: a response of rollout.max_new_tokens={r.max_new_tokens} tokens "
+            f"rollout.partial.enabled=true with train.max_staleness={t.max_staleness} and "
+            f"rollout.partial.segment_tokens={k}: a response of rollout.max_new_tokens={r.max_new_tokens} tokens "
             f"needs up to {need + 1} segments and only one is sure to run per iteration, so its first token "
             f"could lag more than max_staleness before it ends; set train.max_staleness>={need} or "
-            f"rollout.partial_segment_tokens>={-(-r.max_new_tokens // (t.max_staleness + 1))}"
+            f"rollout.partial.segment_tokens>={-(-r.max_new_tokens // (t.max_staleness + 1))}"
         )
-    if r.partial_overlap:
+    if partial.overlap:
         errors += partial_overlap_errors(cfg)
-    if r.partial_keep_kv and r.engine != "sglang":
-        errors.append(f"rollout.partial_keep_kv=true with rollout.engine={r.engine}: only an SGLang engine "
+    if partial.keep_kv and r.engine != "sglang":
+        errors.append(f"rollout.partial.keep_kv=true with rollout.engine={r.engine}: only an SGLang engine "
                       "keeps its prefix cache across a weight update (the embedded engine keeps no KV "
-                      "between requests); use rollout.engine=sglang or set rollout.partial_keep_kv=false")
-    if r.partial_groups_in_flight and r.partial_groups_in_flight < t.prompts_per_iteration:
+                      "between requests); use rollout.engine=sglang or set rollout.partial.keep_kv=false")
+    if partial.groups_in_flight and partial.groups_in_flight < t.prompts_per_iteration:
         errors.append(
-            f"rollout.partial_groups_in_flight={r.partial_groups_in_flight} is below train.prompts_per_iteration="
+            f"rollout.partial.groups_in_flight={partial.groups_in_flight} is below train.prompts_per_iteration="
             f"{t.prompts_per_iteration}: an iteration could never take its groups; raise it (0 = twice as many)"
         )
     refused = {  # setting: (whether it is on, why the mode cannot run with it)
@@ -358,29 +346,30 @@ def partial_rollout_errors(cfg: JobConfig) -> list[str]:
     }  # fmt: skip
     for name, (on, why) in refused.items():
         if on:
-            errors.append(f"train.partial_rollout=true with {name}: {why}; set train.partial_rollout=false "
+            errors.append(f"rollout.partial.enabled=true with {name}: {why}; set rollout.partial.enabled=false "
                           f"or turn {name.split('=')[0]} off")  # fmt: skip
     return errors
 
 
 def partial_overlap_errors(cfg: JobConfig) -> list[str]:
-    """rollout.partial_overlap: a segment round in flight while the trainer trains (training/partial.py)."""
+    """rollout.partial.overlap: a segment round in flight while the trainer trains (training/partial.py)."""
     r, t, errors = cfg.rollout, cfg.train, []
+    k = r.partial.segment_tokens
     if not (r.embedded_process or r.engine == "sglang"):
-        errors.append("rollout.partial_overlap=true needs engines that generate while the trainer trains: "
+        errors.append("rollout.partial.overlap=true needs engines that generate while the trainer trains: "
                       "set rollout.embedded_process=true, or use rollout.engine=sglang (or "
-                      "rollout.partial_overlap=false)")
-    if t.max_staleness * r.partial_segment_tokens < r.max_new_tokens:
+                      "rollout.partial.overlap=false)")
+    if t.max_staleness * k < r.max_new_tokens:
         errors.append(
-            f"rollout.partial_overlap=true with train.max_staleness={t.max_staleness} and "
-            f"rollout.partial_segment_tokens={r.partial_segment_tokens}: the round generated while the "
+            f"rollout.partial.overlap=true with train.max_staleness={t.max_staleness} and "
+            f"rollout.partial.segment_tokens={k}: the round generated while the "
             "trainer trains lags one version when taken, so a response of rollout.max_new_tokens="
             f"{r.max_new_tokens} tokens could lag more than max_staleness before it ends; set "
-            f"train.max_staleness>={max(1, -(-r.max_new_tokens // r.partial_segment_tokens))} or "
-            f"rollout.partial_segment_tokens>={-(-r.max_new_tokens // max(t.max_staleness, 1))}"
+            f"train.max_staleness>={max(1, -(-r.max_new_tokens // k))} or "
+            f"rollout.partial.segment_tokens>={-(-r.max_new_tokens // max(t.max_staleness, 1))}"
         )
     if t.offload_trainer:
-        errors.append("rollout.partial_overlap=true with train.offload_trainer=true: the engines generate "
+        errors.append("rollout.partial.overlap=true with train.offload_trainer=true: the engines generate "
                       "while the trainer trains, so both stay on the device; set train.offload_trainer=false")
     return errors
 

@@ -37,7 +37,7 @@ ALL_MEMORY_TAGS: tuple[MemoryTag, ...] = ("weights", "kv_cache", "cuda_graph")
 class EngineLost(RuntimeError):
     """An engine lost while the run needs it (issue 41): an engine process that exited, stopped
     answering past its health deadline, or broke its pipe; an SGLang engine whose process died or
-    stopped (``rollout.max_engine_restarts`` > 0). Which (trainer ``rank``, ``host``), ``why``, and
+    stopped (``rollout.recovery.max_restarts`` > 0). Which (trainer ``rank``, ``host``), ``why``, and
     the last lines of its log: the fleet restarts it in place (rollout/fleet.py) or names it."""
 
     def __init__(
@@ -128,7 +128,7 @@ class SamplingParams:
     """The embedded engine (n=1, no routes): prefill prompts of very different lengths in batches of
     similar lengths (a new batch where a prompt is over twice its batch's shortest), then decode every
     row as one batch, instead of left-padding every prompt to the longest for one prefill: a continuous
-    round's new responses beside long continued ones (``rollout.partial_one_request``). Rows are then
+    round's new responses beside long continued ones (``rollout.partial.one_request``). Rows are then
     sampled in length order. SGLang batches ragged prompts by itself and ignores it."""
 
     def budgets(self, num_prompts: int) -> list[int]:
@@ -179,7 +179,7 @@ class Completion:
     version minus this."""
     token_versions: list[int] | None = None
     """Per response token, the weight version that sampled it (``len == len(token_ids)``): a response
-    continued across weight updates (``train.partial_rollout``, training/partial.py) mixes versions,
+    continued across weight updates (``rollout.partial.enabled``, training/partial.py) mixes versions,
     and each of its ``logprobs`` is its token's under that token's version; ``weight_version`` is then
     its oldest token's. None: every token has ``weight_version`` (``versions`` reads either)."""
     route_id: int | None = None

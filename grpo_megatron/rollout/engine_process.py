@@ -399,7 +399,7 @@ class EngineProcess(RolloutEngine):
             if timeout_s is None and now - last > self.health_timeout_s:
                 stopped = " (it is stopped: state T)" if self._state() == "T" else ""
                 raise self._lost(f"no reply or heartbeat for {now - last:.1f} s during {what}{stopped}, "
-                                 f"past rollout.engine_health_timeout_s={self.health_timeout_s:g}")  # fmt: skip
+                                 f"past rollout.recovery.health_timeout_s={self.health_timeout_s:g}")  # fmt: skip
             try:
                 message = self._reader.read(min(1.0, self.health_timeout_s / 4))
             except EOFError:  # its end of the pipe closed: it exited (or is about to)

@@ -28,8 +28,8 @@ engines' messages. A failure during the transfer leaves that engine's weights pa
 (``weight_version`` -1) and every rank raises: see ``RolloutFleet.sync_weights``.
 
 Engines lost during a rollout (issue 41; an engine process, ``EngineLost``: exited, stopped or silent
-past ``rollout.engine_health_timeout_s``) are restarted in place when ``collect`` is given an
-``EngineRecovery`` (the job's, with ``rollout.max_engine_restarts`` > 0): the ranks agree which engines
+past ``rollout.recovery.health_timeout_s``) are restarted in place when ``collect`` is given an
+``EngineRecovery`` (the job's, with ``rollout.recovery.max_restarts`` > 0): the ranks agree which engines
 were lost (over the exchange every ``collect`` does anyway: nothing extra while all is well), each
 owner restarts its engine from the same spec, every rank streams the version last synced
 (``synced_version``, from the recovery's policy model, which holds it whenever a rollout is
@@ -142,7 +142,7 @@ def make_engine(
         return EngineProcess(
             hf, dtype=_DTYPES[spec.model.dtype], max_batch_rows=rollout.embedded_max_batch_rows,
             threads=rollout.embedded_process_threads, record_routes=spec.record_routes, rank=ps.rank,
-            health_timeout_s=rollout.engine_health_timeout_s,
+            health_timeout_s=rollout.recovery.health_timeout_s,
             log_path=spec.log_dir / f"engine-process-rank{ps.rank}.log" if spec.log_dir else None,
         )  # fmt: skip
     from grpo_megatron.rollout.embedded import EmbeddedEngine
@@ -200,7 +200,7 @@ class PendingRollout:
 class EngineRecovery:
     """What restarting lost engines in place needs (``RolloutFleet.collect``), built by the job: the
     policy ``model`` whose weights the fleet synced last (streamed into a restarted engine as
-    ``synced_version``) and the bound ``max_restarts`` (rollout.max_engine_restarts, per run: per
+    ``synced_version``) and the bound ``max_restarts`` (rollout.recovery.max_restarts, per run: per
     launch of the job). Counts the restarts and keeps each restart event's wall seconds until
     ``metrics`` takes them."""
 
@@ -510,7 +510,7 @@ class RolloutFleet:
             bound = 0 if recovery is None else recovery.max_restarts
             done = 0 if recovery is None else recovery.restarts
             raise RuntimeError(
-                f"{what}: {len(lost_engines)} engine(s) lost, past rollout.max_engine_restarts={bound} ({done} "
+                f"{what}: {len(lost_engines)} engine(s) lost, past rollout.recovery.max_restarts={bound} ({done} "
                 f"restart(s) so far); resume from the last checkpoint (or raise the bound):\n{named}"
             )
         version = self.synced_version if version is None else version

@@ -14,8 +14,8 @@ The loop (training/grpo.py) calls a ``GroupSource`` the same way whatever the ar
 - ``GroupProducer`` (the asynchronous arrangement, ``JobConfig.producer_loop``: ``rollout.embedded_process``,
   or ``train.max_staleness`` > 0): the rollout of iteration ``it`` was submitted to the engines up to
   ``train.max_staleness`` versions ahead; ``take`` collects and scores it;
-- ``PartialRollouts`` (continuous generation, ``train.partial_rollout``, training/partial.py): ``take``
-  advances a pool of groups in flight by segments of ``rollout.partial_segment_tokens`` tokens until
+- ``PartialRollouts`` (continuous generation, ``rollout.partial.enabled``, training/partial.py): ``take``
+  advances a pool of groups in flight by segments of ``rollout.partial.segment_tokens`` tokens until
   enough are complete and scores the oldest complete ones; responses left unfinished continue under
   the next weight version, each token keeping its version (``Completion.token_versions``) and its
   behaviour logprob, no token lagging more than ``train.max_staleness`` (else regenerated).
@@ -312,7 +312,7 @@ def engine_source(job: Job, sampler: PromptSampler, resumed: Mapping[str, Any] |
     kept of its source (``source_state``): an asynchronous run's submitted batches, or, resumed
     synchronously, their prompts given back to the sampler."""
     saved = (resumed or {}).get(SOURCE_STATE)
-    if job.cfg.train.partial_rollout:  # continuous generation: a pool of partial rollouts
+    if job.cfg.rollout.partial.enabled:  # continuous generation: a pool of partial rollouts
         from grpo_megatron.training.partial import PartialRollouts
 
         partial = PartialRollouts(job, sampler)
@@ -322,7 +322,7 @@ def engine_source(job: Job, sampler: PromptSampler, resumed: Mapping[str, Any] |
             give_back_submitted(sampler, saved)
         return partial
     if saved and "partial_pool" in saved and job.ps.rank == 0:
-        print("[train] resumed a partial-rollout run's checkpoint without train.partial_rollout: its groups in "
+        print("[train] resumed a partial-rollout run's checkpoint without rollout.partial.enabled: its groups in "
               "flight are dropped and their prompts not drawn again", flush=True)  # fmt: skip
     if job.cfg.producer_loop:  # engines that generate while the trainer trains: rollouts submitted ahead
         producer = GroupProducer(job, sampler, job.cfg.train.max_staleness)

@@ -21,7 +21,7 @@ The rollout and reward phases come from a ``GroupSource`` (training/groups.py), 
 in every arrangement: ``RolloutNow`` generates each iteration's rollout when the loop takes it;
 with engines that generate while the trainer trains (``JobConfig.producer_loop``) ``GroupProducer``
 submits each batch up to train.max_staleness weight versions ahead (0: this loop's
-order, bit for bit); with train.partial_rollout ``PartialRollouts`` (training/partial.py) advances a
+order, bit for bit); with rollout.partial.enabled ``PartialRollouts`` (training/partial.py) advances a
 pool of partial responses by segments, across weight updates, and takes the oldest complete groups.
 A replay (``rollout.replay_dir``) takes them from an earlier run's dump instead
 (``ReplaySource``, training/rollout_dump.py): no engine starts, the sync and eval phases do nothing;

@@ -73,7 +73,7 @@ class Runtime:
     env: Environment | None = None
     """rollout.multiturn: the episodes' environment (its tool workers), on global rank 0 only."""
     recovery: EngineRecovery | None = None
-    """rollout.max_engine_restarts > 0: what restarting a lost engine in place needs (the policy model,
+    """rollout.recovery.max_restarts > 0: what restarting a lost engine in place needs (the policy model,
     the bound) and the restarts' metrics (``engine/*``); None: a lost engine ends the run."""
 
     def beat(self, phase: str) -> None:
@@ -432,7 +432,7 @@ def build_job(cfg: JobConfig, *, with_reference: bool) -> Job:
     engines = not cfg.rollout.replay_dir  # a replay trains from a dump: no engine starts
     policy, reference, fleet, memory = _models(cfg, start, with_reference=with_reference, engines=engines)
     ps, run_dir = start.ps, start.run_dir
-    restarts = cfg.rollout.max_engine_restarts
+    restarts = cfg.rollout.recovery.max_restarts
     recovery = EngineRecovery(policy.model, restarts, memory.sync_visit) if engines and restarts > 0 else None
     return Job(
         cfg=cfg, ps=ps, hf=start.hf, run_dir=run_dir, tokenizer=start.tokenizer, policy=policy, fleet=fleet,

@@ -1,8 +1,8 @@
-"""Continuous generation with partial rollouts (``train.partial_rollout``): the ``GroupSource``
+"""Continuous generation with partial rollouts (``rollout.partial.enabled``): the ``GroupSource``
 (training/groups.py) whose responses continue across weight updates, so an iteration never waits
 for the longest response of its batch.
 
-A pool of in-flight groups (``rollout.partial_groups_in_flight``, default twice
+A pool of in-flight groups (``rollout.partial.groups_in_flight``, default twice
 ``train.prompts_per_iteration``) is kept between iterations; per response it holds the tokens so far,
 each token's behaviour logprob and the weight version that sampled it, and whether it has finished.
 Iteration ``it``, with the engines at version ``v`` (= ``it - 1``, the policy it trains)::
@@ -11,10 +11,10 @@ Iteration ``it``, with the engines at version ``v`` (= ``it - 1``, the policy it
                    regenerated from scratch (its tokens dropped; it stays in its group and pool slot)
     2. top up:     new prompts from the sampler until the pool holds its size
     3. segments:   every unfinished response gets one row, prompt + its tokens so far with
-                   max_new_tokens = min(K, budget left) (K = rollout.partial_segment_tokens), seeded
+                   max_new_tokens = min(K, budget left) (K = rollout.partial.segment_tokens), seeded
                    by (train.seed, it, round) (new and continued responses: two engine requests
                    where a continued one holds more than K tokens, the second's seed +
-                   CONTINUED_SEED; one with rollout.partial_one_request); its new tokens get
+                   CONTINUED_SEED; one with rollout.partial.one_request); its new tokens get
                    version v; one round at least,
                    repeated until at least train.prompts_per_iteration groups are complete (each
                    round adds a token to every unfinished response: the rounds end)
@@ -27,7 +27,7 @@ In time (K tokens a segment, the long response of group A spans two versions)::
     it k   (v = k-1):  [seg A1 B1 C1][seg A2 C2][reward B C][train k][sync v=k]
     it k+1 (v = k):    [seg A3 D1 ..]...[reward A D][train k+1][sync v=k+1]
 
-Overlapped (``rollout.partial_overlap``; engines in processes of their own: rollout.embedded_process
+Overlapped (``rollout.partial.overlap``; engines in processes of their own: rollout.embedded_process
 or SGLang; validation asks ``max_staleness * K >= rollout.max_new_tokens``). The same steps, one
 round moved: at the end of ``take`` the pool is topped up and the NEXT iteration's first round is
 submitted (``submit`` returns at once, seeded by (train.seed, it + 1, 0)), so the engines generate it
@@ -54,7 +54,7 @@ off-policy corrections (token TIS, IcePop, sequence TIS/MIS) read them per token
 a response is one more request whose prompt ends with the response so far: the engine recomputes the
 KV of those tokens under its current weights (prefix caching may reuse it within one version), which
 works the same for the embedded engine, an engine process and SGLang, with no engine-specific pause.
-``rollout.partial_keep_kv`` (SGLang) keeps that KV instead: weight loads leave SGLang's prefix cache
+``rollout.partial.keep_kv`` (SGLang) keeps that KV instead: weight loads leave SGLang's prefix cache
 as it is while the KV in it lags the new weights by at most max_staleness versions
 (``rollout/sglang/weights.py:KeptPrefixes``), so a continued request reads its prefix's KV as computed
 under the versions that fed it (what an in-place pause keeps); each token's version and behaviour
@@ -234,7 +234,7 @@ CONTINUED_SEED = 104_729
 
 class PartialRollouts:
     """The continuous ``GroupSource`` (module docstring); every rank holds the same pool (every
-    segment's completions reach every rank) and calls it together. With ``rollout.partial_overlap``
+    segment's completions reach every rank) and calls it together. With ``rollout.partial.overlap``
     the next iteration's first round is submitted at the end of ``take`` and generates while the
     trainer trains (``in_flight``); ``ahead`` counts the rounds of the next iteration already applied."""
 
@@ -242,10 +242,10 @@ class PartialRollouts:
         cfg = job.cfg
         self.job, self.sampler, self.version = job, sampler, 0
         self.pool = PartialPool(
-            cfg.rollout.n_samples_per_prompt, cfg.rollout.partial_segment_tokens, cfg.rollout.max_new_tokens,
-            cfg.train.max_staleness, cfg.rollout.partial_groups_in_flight or 2 * cfg.train.prompts_per_iteration,
+            cfg.rollout.n_samples_per_prompt, cfg.rollout.partial.segment_tokens, cfg.rollout.max_new_tokens,
+            cfg.train.max_staleness, cfg.rollout.partial.groups_in_flight or 2 * cfg.train.prompts_per_iteration,
         )  # fmt: skip
-        self.overlap = cfg.rollout.partial_overlap
+        self.overlap = cfg.rollout.partial.overlap
         self.in_flight: _Round | None = None
         self.ahead = 0
 
@@ -259,12 +259,12 @@ class PartialRollouts:
         requests: an engine pads a request's prompts to its longest, and padding the new ones to
         the continued prefixes costs more than the K steps they decode (bench/partial_iterations.py
         measures it); shorter prefixes (the demo's) cost less than a second request. With
-        rollout.partial_one_request they go as one request whose ragged prompts the engine prefills
+        rollout.partial.one_request they go as one request whose ragged prompts the engine prefills
         apart (``SamplingParams.ragged_prefill``) and decodes together."""
         job = self.job
         todo, inputs, budgets = self.pool.requests(lambda index: job.train_records[index].prompt_ids)
         rows = list(zip(todo, inputs, budgets, strict=True))
-        one = job.cfg.rollout.partial_one_request  # one request, ragged prompts prefilled apart
+        one = job.cfg.rollout.partial.one_request  # one request, ragged prompts prefilled apart
         split = not one and max((len(r.token_ids) for _, r in todo), default=0) > self.pool.segment_tokens
         parts = []
         for offset, part in ((0, [x for x in rows if not (split and x[0][1].token_ids)]),
@@ -296,7 +296,7 @@ class PartialRollouts:
     def take(self, iteration: int, timer: Timer) -> Produced:
         need, pool = self.job.cfg.train.prompts_per_iteration, self.pool
         with timer("rollout"):
-            self._collect_ahead()  # rollout.partial_overlap: generated while the last iteration trained
+            self._collect_ahead()  # rollout.partial.overlap: generated while the last iteration trained
             regenerated = pool.regenerate_stale(self.version)
             if missing := pool.missing():
                 pool.top_up(self.sampler.next_indices(missing))
@@ -326,7 +326,7 @@ class PartialRollouts:
         return produced
 
     def before_sync(self) -> dict[str, float]:
-        """Collective. Without rollout.partial_overlap nothing is in flight between two iterations (the
+        """Collective. Without rollout.partial.overlap nothing is in flight between two iterations (the
         pool waits on the trainer's side). With it, where a weight load waits for the generation in
         flight (``RolloutFleet.sync_waits_for_generation``: SGLang) the round submitted ahead is
         collected now, so the sync stream starts with idle engines; an engine process loads the new

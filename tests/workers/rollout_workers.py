@@ -323,7 +323,7 @@ def engines_lost_and_restarted(hf_dir: str) -> dict:
     """Issue 41 at the fleet: the last engine process SIGKILLed (and reaped) before a weight sync (phase one
     finds it: restarted inside the sync), during a rollout (``collect``: restarted, the version resynced, its
     share redone), in phase two of a sync (its manifest check skipped here, so the dead pipe shows on the
-    closing bucket: restarted and sent the version alone), then once more than rollout.max_engine_restarts."""
+    closing bucket: restarted and sent the version alone), then once more than rollout.recovery.max_restarts."""
     import os
     import signal
 
@@ -331,9 +331,9 @@ def engines_lost_and_restarted(hf_dir: str) -> dict:
     from grpo_megatron.rollout.fleet import EngineRecovery, RolloutFleet
     from grpo_megatron.training.job import engine_spec
 
-    cfg, ps, hf, policy = _setup(hf_dir, ["rollout.embedded_process=true", "rollout.max_engine_restarts=3"])
+    cfg, ps, hf, policy = _setup(hf_dir, ["rollout.embedded_process=true", "rollout.recovery.max_restarts=3"])
     fleet = RolloutFleet.build(engine_spec(cfg), hf, ps)
-    recovery = EngineRecovery(policy.model, cfg.rollout.max_engine_restarts)
+    recovery = EngineRecovery(policy.model, cfg.rollout.recovery.max_restarts)
     fleet.sync_weights(policy.model, version=1)
     params = SamplingParams(n=2, temperature=1.0, max_new_tokens=6, seed=7)
     owner = ps.rank == fleet.engine_ranks[-1]

@@ -371,7 +371,7 @@ class Scenarios:
         return {"steps": steps, **seen}
 
     def kept_prefix_kv(self) -> dict[str, Any]:
-        """``rollout.partial_keep_kv`` (the adapter's ``KeptPrefixes``, max_staleness 1, swapped in on
+        """``rollout.partial.keep_kv`` (the adapter's ``KeptPrefixes``, max_staleness 1, swapped in on
         this engine): a first segment sampled under version 20 (weights a), version 21 (weights b)
         loaded without a flush, each response continued (its prompt and tokens as the next request's
         input, as training/partial.py sends it). Measured: the continued requests' ``cached_tokens``
@@ -436,7 +436,7 @@ class Scenarios:
     def hang_restart(self) -> dict[str, Any]:
         """Issue 41: a scheduler alive but hung (``GRPO_ENGINE_FAULT=hang:N``: it sleeps in a signal
         handler, state S, neither dead nor stopped) while a generation is awaited is found by the
-        wait's state request unanswered past rollout.engine_health_timeout_s (2 s here), the generation
+        wait's state request unanswered past rollout.recovery.health_timeout_s (2 s here), the generation
         cancelled, EngineLost raised; a memory release then meets the same hang and keeps the loss; the
         engine restarts in place (its kv_cache released, as the last phase asked) and serves. The engine,
         restarted, then serves the scenarios after this one."""
@@ -444,13 +444,14 @@ class Scenarios:
 
         import psutil
 
+        from grpo_megatron.rollout.config import RecoveryConfig
         from grpo_megatron.rollout.engine import EngineLost
         from grpo_megatron.rollout.engine_process import FAULT_ENV
 
         engine = self.engine
         assert engine.health is not None
         kept = engine.rollout
-        engine.rollout = dataclasses.replace(kept, max_engine_restarts=1, engine_health_timeout_s=2.0)
+        engine.rollout = dataclasses.replace(kept, recovery=RecoveryConfig(max_restarts=1, health_timeout_s=2.0))
         engine.health.recoverable = True
         names = engine.health.names
         schedulers = [p for p in engine.health.procs if "scheduler" in names.get(p.pid, "")]
@@ -767,7 +768,7 @@ def engine_group(model_dir: str, other_dir: str) -> dict[str, Any]:
     import torch.distributed as dist
     from safetensors.torch import load_file
 
-    from grpo_megatron.rollout.config import RolloutConfig
+    from grpo_megatron.rollout.config import RolloutConfig, SGLangConfig
     from grpo_megatron.rollout.engine import SamplingParams
     from grpo_megatron.rollout.sglang.engine import SGLangEngine
     from grpo_megatron.rollout.sglang.launch import EngineLaunch
@@ -776,7 +777,7 @@ def engine_group(model_dir: str, other_dir: str) -> dict[str, Any]:
 
     rank, _ = init_gloo(timeout_s=300)
     group = dist.new_group([0, 1], backend="gloo")
-    rollout = RolloutConfig(engine="sglang", sglang_tp=2)
+    rollout = RolloutConfig(engine="sglang", sglang=SGLangConfig(tp=2))
     sink: Any
     if rank == 0:
         sink = SGLangEngine(rollout, model_dir, EngineLaunch("bfloat16", device="cpu", rank=0))

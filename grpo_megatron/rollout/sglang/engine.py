@@ -12,9 +12,9 @@ The adapter's rooms, one module each (this one is the engine: generate, score, m
 | member | ``member.py`` | the other GPUs of a colocated engine (``SGLangSyncMember``) |
 | health | ``health.py`` | the engine's processes watched; a dead one named |
 
-Two modes (``rollout.sglang_mode``), decided once when the engine is built (its servers and transport):
+Two modes (``rollout.sglang.mode``), decided once when the engine is built (its servers and transport):
 
-- **colocated**: one ``sglang.Engine`` per group of ``rollout.sglang_tp`` consecutive trainer ranks, on
+- **colocated**: one ``sglang.Engine`` per group of ``rollout.sglang.tp`` consecutive trainer ranks, on
   the group's GPUs; weights travel by CUDA IPC (on CPU: shared memory). A group of several whole nodes
   is one SGLang multi-node engine (one ``sglang.Engine`` per node, driven from the first). Its
   processes are watched (``health.py``).
@@ -235,7 +235,7 @@ class SchedulerProbe:
     tokenizer manager awaits it with no deadline). Every ``every_s`` of the wait it sends one state
     request (``TokenizerManager.get_internal_state``: a ``GetInternalStateReq`` the scheduler answers
     from its event loop between two batches, so a healthy one answers within one forward step, whatever
-    the generation's length); one unanswered for ``deadline_s`` (``rollout.engine_health_timeout_s``)
+    the generation's length); one unanswered for ``deadline_s`` (``rollout.recovery.health_timeout_s``)
     is the engine lost: ``fail(why)`` is raised. One request at a time, never cancelled (SGLang's
     communicator serializes them: a late answer completes its own request); a request left unanswered
     when the wait ends is answered on the loop's next run, and the next wait starts its own count."""
@@ -255,7 +255,7 @@ class SchedulerProbe:
             if now - self._sent >= self.deadline_s:
                 raise self._fail(
                     f"its scheduler, alive, left a state request unanswered for {now - self._sent:.1f} s, past "
-                    f"rollout.engine_health_timeout_s={self.deadline_s:g} (hung)"
+                    f"rollout.recovery.health_timeout_s={self.deadline_s:g} (hung)"
                 )
             return
         if now - self._sent >= self.every_s:
@@ -317,7 +317,7 @@ class SGLangEngine(RolloutEngine):
         _, flattened_cls, serializer = import_sglang(device)
         self.rollout = rollout
         self.model_path = str(model_path)
-        self.mode = rollout.sglang_mode
+        self.mode = rollout.sglang.mode
         self._rng = random.Random(launch.seed)
         self._restart_server = restart_server
         self._hf_config = {**read_hf_config(model_path), **(launch.hf_overrides or {})}
@@ -334,7 +334,7 @@ class SGLangEngine(RolloutEngine):
         # Width and EP: rollout/placement.py's (from_config passes them; EngineLaunch.shape when built directly).
         # The EP decides which experts each GPU loads; server args placing experts otherwise are refused.
         self.tp_size, self.ep_size = launch.shape(rollout)
-        check_expert_placement(rollout.sglang_server_args)
+        check_expert_placement(rollout.sglang.server_args)
         self.health: EngineProcesses | None = None
         """The engine's processes when this adapter started them (a colocated engine), else None."""
         moe = "num_experts_per_tok" in self._hf_config
@@ -348,10 +348,10 @@ class SGLangEngine(RolloutEngine):
             server, args = self._start_colocated()
             servers, routes = [server], bool(args["enable_return_routed_experts"])
         elif started_here:
-            servers = [SGLangHttpClient(u, rollout.sglang_request_timeout_s) for u in rollout.sglang_server_urls]
-            routes = launch.routes and rollout.sglang_routed_experts
+            servers = [SGLangHttpClient(u, rollout.sglang.request_timeout_s) for u in rollout.sglang.server_urls]
+            routes = launch.routes and rollout.sglang.routed_experts
         else:
-            routes = launch.routes and rollout.sglang_routed_experts
+            routes = launch.routes and rollout.sglang.routed_experts
         self._route_layout = RouteLayout.from_hf(self._hf_config) if moe and routes else None
         """Where the servers report routed experts (asked per request, ``SamplingParams.routes``); None: they do not."""
         if self.mode == "colocated":
@@ -372,8 +372,8 @@ class SGLangEngine(RolloutEngine):
         self.load = WeightLoad(self._shapes, f"the checkpoint at {self.model_path}")
         """The weight-load protocol's state (version, sessions, staleness)."""
         self.released = ReleasedMemory()
-        self.prefixes = KeptPrefixes(self.rollout.partial_keep_kv, self._launch.max_staleness)
-        """Which weight loads flush the prefix cache (``rollout.partial_keep_kv``; off: every one)."""
+        self.prefixes = KeptPrefixes(self.rollout.partial.keep_kv, self._launch.max_staleness)
+        """Which weight loads flush the prefix cache (``rollout.partial.keep_kv``; off: every one)."""
         dtype = torch_dtype(self._launch.dtype)
         self.held: EngineTensors = engine_tensors(self._shapes, self._hf_config, dtype, dummy=self._dummy)
         """What the engine holds per tensor (``check_manifest`` judges each sync's manifest against it)."""
@@ -384,11 +384,11 @@ class SGLangEngine(RolloutEngine):
 
     def _start_colocated(self) -> tuple[Any, dict[str, Any]]:
         """Start the colocated ``sglang.Engine`` (``launch.start_colocated``): (the engine, its server
-        arguments); its processes watched in ``health``, restartable with ``rollout.max_engine_restarts``."""
+        arguments); its processes watched in ``health``, restartable with ``rollout.recovery.max_restarts``."""
         server, self.health, args = start_colocated(
             self.rollout, self.model_path, self._launch, self._hf_config, weights_on_disk=bool(self._shapes)
         )
-        self.health.recoverable = self.rollout.max_engine_restarts > 0
+        self.health.recoverable = self.rollout.recovery.max_restarts > 0
         return server, args
 
     def _guard(self, servers: Sequence[Any]) -> ServerGuard:
@@ -396,8 +396,8 @@ class SGLangEngine(RolloutEngine):
             return ServerGuard(servers)
         health = self.health
 
-        def probe() -> SchedulerProbe:  # each wait's: rollout.engine_health_timeout_s of the moment
-            return SchedulerProbe(self.rollout.engine_health_timeout_s, health.failure)
+        def probe() -> SchedulerProbe:  # each wait's: rollout.recovery.health_timeout_s of the moment
+            return SchedulerProbe(self.rollout.recovery.health_timeout_s, health.failure)
 
         guard = ServerGuard(servers, watch=self._watch, cancel=cancel_requests, probe=probe)
         self.health.on_lost = guard.cancel  # a call blocked on a dead scheduler ends (recoverable only)
@@ -408,14 +408,14 @@ class SGLangEngine(RolloutEngine):
         cls, spec: EngineSpec, ps: ParallelState, placement: RolloutPlacement | None = None
     ) -> SGLangEngine | None:
         """The engine this rank drives, from the job's ``EngineSpec`` and ``ParallelState``: colocated, one per
-        ``rollout.sglang_tp`` consecutive ranks (inside a node, or whole nodes: ``colocated_layout``),
+        ``rollout.sglang.tp`` consecutive ranks (inside a node, or whole nodes: ``colocated_layout``),
         on the first of them (others get ``None``; on a multi-node engine the first rank of each
         further node starts that node's part in ``SGLangSyncMember.from_config``); disaggregated, one
         over all servers on rank 0."""
         import_sglang()
         rollout, model = spec.rollout, spec.model
         device = str(ps.device)
-        if rollout.sglang_mode == "disaggregated":
+        if rollout.sglang.mode == "disaggregated":
             if ps.rank != 0:
                 return None
             launch = EngineLaunch(model.dtype, spec.seed, device, routes=spec.record_routes,
@@ -581,7 +581,7 @@ class SGLangEngine(RolloutEngine):
     def check_alive(self) -> None:
         """Raise ``EngineDiedError`` naming the engine, rank, host and last log lines if one of its
         processes is gone or stopped (state T) (cheap: the process table); ``EngineLost`` with
-        ``rollout.max_engine_restarts`` > 0 (the fleet restarts it)."""
+        ``rollout.recovery.max_restarts`` > 0 (the fleet restarts it)."""
         if self.lost is not None:
             raise self.lost
         if self.health is not None:
@@ -590,10 +590,10 @@ class SGLangEngine(RolloutEngine):
     def _watch(self) -> None:
         """While a generation is awaited (``ServerGuard``): raise if a process of the engine died
         (SGLang's watchdog also SIGQUITs the rank: ``health.on_sigquit``) or has been stopped for
-        ``rollout.engine_health_timeout_s``; the guard then cancels the generation. A scheduler alive
+        ``rollout.recovery.health_timeout_s``; the guard then cancels the generation. A scheduler alive
         but hung is the guard's ``SchedulerProbe``'s to find."""
         assert self.health is not None
-        self.health.check_now(self.rollout.engine_health_timeout_s)
+        self.health.check_now(self.rollout.recovery.health_timeout_s)
 
     def _inject_fault(self) -> None:
         """``GRPO_ENGINE_FAULT`` (tests; the engine process's variable, rollout/engine_process.py:
@@ -683,7 +683,7 @@ class SGLangEngine(RolloutEngine):
         """Wait until every server answers (disaggregated: ``/health_generate``). A server that does
         not in time goes through ``restart_server(url)`` (or raises naming it); a restarted server has
         its checkpoint's weights again, so the engine then needs a full sync before it generates."""
-        timeout_s = timeout_s or self.rollout.sglang_request_timeout_s
+        timeout_s = timeout_s or self.rollout.sglang.request_timeout_s
         with self.guard as servers:
             for i in self.transport.restarted_servers(servers, timeout_s, self._restart_server):
                 self.load.server_restarted(i, getattr(servers[i], "url", str(i)))
@@ -708,7 +708,7 @@ class SGLangEngine(RolloutEngine):
         (``ServerGuard.start``, once none is in flight) so that its wait is watched the same way: a
         process dead or stopped past the deadline, or schedulers that leave a state request unanswered
         past it (a peer of the TP group stopped on another node leaves TP rank 0 waiting on it), end it.
-        An engine lost on the way (``EngineLost``: ``rollout.max_engine_restarts`` > 0; a death lands
+        An engine lost on the way (``EngineLost``: ``rollout.recovery.max_restarts`` > 0; a death lands
         in a memory phase as often as anywhere) raises nothing here: the phase counts as done, and the
         fleet's next recoverable call (the sync's manifest check, a generation, the mismatch probe)
         finds the engine lost and restarts it, in that phase (``restart``)."""

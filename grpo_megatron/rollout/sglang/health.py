@@ -16,7 +16,7 @@ engine without that watchdog (0.5.17) leaves the next request waiting forever. H
   every rank;
 - ``on_sigquit`` replaces SGLang's handler: it prints the same message and exits the rank with
   ``EXIT_ENGINE_DIED``, so torchrun ends the job and the last checkpoint (written atomically) stays
-  the one a rerun resumes from; with ``recoverable`` (``rollout.max_engine_restarts`` > 0) it only
+  the one a rerun resumes from; with ``recoverable`` (``rollout.recovery.max_restarts`` > 0) it only
   notes the loss, and ``check`` raises ``EngineLost`` instead, which the fleet answers with a restart
   in place (``SGLangEngine.restart``; past the bound, the fleet's own clean exit naming the engine);
 - ``stopped`` names processes stopped (state T, e.g. SIGSTOP) past a deadline: they count as lost;
@@ -138,7 +138,7 @@ class EngineProcesses:
         self.console: int | None = None
         """While the engine starts: a descriptor of the rank's own stderr (fd 2 writes to the log then)."""
         self.recoverable = False
-        """A lost engine is restarted in place (``rollout.max_engine_restarts`` > 0): SIGQUIT no longer
+        """A lost engine is restarted in place (``rollout.recovery.max_restarts`` > 0): SIGQUIT no longer
         ends the rank, ``check`` raises ``EngineLost``."""
         self.on_lost: Callable[[], None] | None = None
         """Called by the SIGQUIT handler when ``recoverable``: ends a call blocked on the dead process
@@ -234,7 +234,7 @@ class EngineProcesses:
 
     def check_now(self, stopped_s: float = 0.0) -> None:
         """``check``, and a process stopped (state T) for ``stopped_s`` counts as lost (0: at once, a call
-        about to go to it; a wait for a generation gives it ``rollout.engine_health_timeout_s``)."""
+        about to go to it; a wait for a generation gives it ``rollout.recovery.health_timeout_s``)."""
         self.check()
         why = self.stopped(stopped_s)
         if why is not None:
@@ -257,7 +257,7 @@ class EngineProcesses:
 
     def stopped(self, deadline_s: float) -> str | None:
         """Which processes have been stopped (state T: SIGSTOP, a debugger) for ``deadline_s`` or longer
-        (``rollout.engine_health_timeout_s``); None: none. A stopped scheduler answers nothing, and
+        (``rollout.recovery.health_timeout_s``); None: none. A stopped scheduler answers nothing, and
         SGLang's watchdog sees it alive: the wait for its generation would never end."""
         now, late = time.monotonic(), []
         for proc in self.procs:
@@ -274,7 +274,7 @@ class EngineProcesses:
         if not late:
             return None
         return (f"{'; '.join(late)} stopped (state T) for {deadline_s:g} s or more, past "
-                "rollout.engine_health_timeout_s")  # fmt: skip
+                "rollout.recovery.health_timeout_s")  # fmt: skip
 
     def kill_all(self) -> None:
         """SIGKILL what is left of the engine's processes and their children (a stopped one too) and

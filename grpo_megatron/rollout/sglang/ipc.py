@@ -1,6 +1,6 @@
 """Colocated SGLang engines and their weight transport: CUDA IPC, one payload per GPU.
 
-One ``sglang.Engine`` per group of ``rollout.sglang_tp`` consecutive trainer ranks, started by the
+One ``sglang.Engine`` per group of ``rollout.sglang.tp`` consecutive trainer ranks, started by the
 group's first rank (the leader) on the group's GPUs with ``enable_memory_saver`` so that it can give
 its memory to the trainer and take it back; SGLang's TP rank ``i`` runs on trainer rank
 ``leader + i``'s GPU. Every GPU of the group is a destination of the weight sync and receives

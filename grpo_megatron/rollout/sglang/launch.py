@@ -1,19 +1,19 @@
 """How an SGLang engine is started: its server arguments, where its processes run, their environment.
 
-- **Colocated** engines (``rollout.sglang_mode=colocated``): one ``sglang.Engine`` per group of
-  ``rollout.sglang_tp`` consecutive trainer ranks (``colocated_layout``), started by the group's first
+- **Colocated** engines (``rollout.sglang.mode=colocated``): one ``sglang.Engine`` per group of
+  ``rollout.sglang.tp`` consecutive trainer ranks (``colocated_layout``), started by the group's first
   rank (the leader) on the group's GPUs (``colocated_server_args``: ``enable_memory_saver`` on a GPU,
   so that it can give its memory to the trainer and take it back; on CPU the arguments of SGLang's
   CPU engine, ``CPU_SERVER_ARGS``), its processes watched (``rollout/sglang/health.py``) and started
   without the launcher's variables (``engine_environment``). ``start_colocated`` starts one.
-- **Disaggregated** servers (``rollout.sglang_mode=disaggregated``) are not started here: they run
-  already (``rollout.sglang_server_urls``) and are driven over HTTP (``rollout/sglang/nccl.py``).
+- **Disaggregated** servers (``rollout.sglang.mode=disaggregated``) are not started here: they run
+  already (``rollout.sglang.server_urls``) and are driven over HTTP (``rollout/sglang/nccl.py``).
 
 What an engine is started with beside the rollout section and the model is one ``EngineLaunch``
 (``SGLangEngine.from_config`` fills it from the job's placement). SGLang is imported only inside
 functions (``import_sglang``, after ``compat.install``).
 
-An engine wider than a node (``rollout.sglang_tp`` a multiple of the GPUs per node) uses SGLang's
+An engine wider than a node (``rollout.sglang.tp`` a multiple of the GPUs per node) uses SGLang's
 own multi-node launch (facts from SGLang 0.5.23's source, paths under ``python/sglang/srt/``):
 
 - ``ServerArgs`` fields ``nnodes``, ``node_rank``, ``dist_init_addr`` (``arg_groups/fields/parallel.py``)
@@ -150,7 +150,7 @@ class ColocatedLayout:
     """The engine's first global rank: it starts the engine's first node and drives it (generation,
     ``update_weights_from_tensor``, memory release/resume)."""
     members: tuple[int, ...]
-    """The engine's ``rollout.sglang_tp`` consecutive global ranks; SGLang TP rank ``i`` is on
+    """The engine's ``rollout.sglang.tp`` consecutive global ranks; SGLang TP rank ``i`` is on
     ``members[i]``'s GPU. Every one is a weight-sync destination."""
     nnodes: int
     """Nodes the engine spans (1: inside one node)."""
@@ -168,7 +168,7 @@ class ColocatedLayout:
 
 
 def colocated_layout(rank: int, world_size: int, tp: int, gpus_per_node: int, local_rank: int) -> ColocatedLayout:
-    """Trainer ``rank``'s place in its colocated engine of ``tp`` (``rollout.sglang_tp``) GPUs.
+    """Trainer ``rank``'s place in its colocated engine of ``tp`` (``rollout.sglang.tp``) GPUs.
 
     Inside a node (``tp <= gpus_per_node``): ``tp`` must divide the GPUs per node and the world
     size; the leader starts the engine with ``base_gpu_id`` its local rank. Across nodes: ``tp``
@@ -178,15 +178,15 @@ def colocated_layout(rank: int, world_size: int, tp: int, gpus_per_node: int, lo
     ``engine_address`` checks it with every rank's host and local rank), and local rank 0 of each of
     its nodes starts that node's part with ``base_gpu_id=0``. Depends only on the configuration and
     the launch (the same verdict on every rank, so no rank raises alone before the collective
-    ``agree_engine_address``). Raises ``ValueError`` naming ``rollout.sglang_tp`` and the values
+    ``agree_engine_address``). Raises ``ValueError`` naming ``rollout.sglang.tp`` and the values
     that would work."""
     choices = width_choices(gpus_per_node, world_size)
     if world_size % tp or (gpus_per_node % tp if tp <= gpus_per_node else tp % gpus_per_node):
         raise ValueError(
-            f"rollout.sglang_tp={tp} does not fit {world_size} ranks with {gpus_per_node} GPUs per node "
+            f"rollout.sglang.tp={tp} does not fit {world_size} ranks with {gpus_per_node} GPUs per node "
             f"(LOCAL_WORLD_SIZE): an engine spans a divisor of the GPUs per node, or whole nodes (a "
             f"multiple of the GPUs per node), and the engines must tile the world size; set "
-            f"rollout.sglang_tp to one of {choices}"
+            f"rollout.sglang.tp to one of {choices}"
         )
     leader, members = colocated_group(rank, tp)
     if tp <= gpus_per_node:
@@ -212,11 +212,11 @@ def engine_address(
             for b, h in zip(blocks, hosts, strict=True)
         )
         raise ValueError(
-            f"rollout.sglang_tp={tp} makes ranks {layout.members[0]}-{layout.members[-1]} one SGLang engine "
+            f"rollout.sglang.tp={tp} makes ranks {layout.members[0]}-{layout.members[-1]} one SGLang engine "
             f"over {len(blocks)} whole nodes of {gpus_per_node} GPUs (LOCAL_WORLD_SIZE), but {seen}: every "
             f"node must run {gpus_per_node} consecutive ranks on local GPUs 0..{gpus_per_node - 1} (torchrun "
             f"--nnodes N --nproc-per-node {gpus_per_node}, or srun one task per GPU with block distribution), "
-            f"or set rollout.sglang_tp to at most {gpus_per_node}"
+            f"or set rollout.sglang.tp to at most {gpus_per_node}"
         )
     return f"{hosts[0][0]}:{port}"
 
@@ -246,7 +246,7 @@ CPU_SERVER_ARGS: dict[str, Any] = {
     "max_total_tokens": 16384,  # else the KV pool is sized from free host memory
 }
 """What SGLang's engine needs on CPU (seen with SGLang 0.5.23, ``SGLANG_USE_CPU_ENGINE=1``;
-../shared/GUIDE.md section 9). ``rollout.sglang_server_args`` still win over each."""
+../shared/GUIDE.md section 9). ``rollout.sglang.server_args`` still win over each."""
 
 
 def cpu_threads_bind(slots: int, cores: Sequence[int] | None = None) -> str:
@@ -274,7 +274,7 @@ def colocated_server_args(
     weights_on_disk: bool = True,
 ) -> dict[str, Any]:
     """``sglang.Engine`` keyword arguments of a colocated engine of the model ``hf_config`` describes
-    (``rollout.sglang_server_args`` win), of ``launch``'s width and expert parallelism
+    (``rollout.sglang.server_args`` win), of ``launch``'s width and expert parallelism
     (``rollout/placement.py``'s decision), on node ``node_rank`` of the ``launch.nnodes`` it spans; a
     multi-node engine also gets SGLang's ``nnodes``, ``node_rank`` and ``dist_init_addr`` (the same on
     every node, seed included).
@@ -295,11 +295,11 @@ def colocated_server_args(
     moe = "num_experts_per_tok" in hf_config
     hf_overrides = engine_overrides(hf_config, launch.hf_overrides)
     if nnodes > 1:
-        fixed = sorted(k for k in _SET_BY_LAYOUT if k in rollout.sglang_server_args)
+        fixed = sorted(k for k in _SET_BY_LAYOUT if k in rollout.sglang.server_args)
         if fixed:
             raise ValueError(
-                f"rollout.sglang_server_args sets {fixed}: an engine across nodes gets them from "
-                f"its width ({tp_size} GPUs, rollout.sglang_tp) and the ranks' layout; remove them"
+                f"rollout.sglang.server_args sets {fixed}: an engine across nodes gets them from "
+                f"its width ({tp_size} GPUs, rollout.sglang.tp) and the ranks' layout; remove them"
             )
         if dist_init_addr is None:
             raise ValueError("an SGLang engine across nodes needs dist_init_addr (agree_engine_address)")
@@ -314,7 +314,7 @@ def colocated_server_args(
         "random_seed": launch.seed,
         # Routed experts only where they are replayed (algorithm.routing_replay=r3): each request that
         # asks gets about 2 KB per token through SGLang's detokenizer (protocol.py:generate_request).
-        "enable_return_routed_experts": moe and launch.routes and rollout.sglang_routed_experts,
+        "enable_return_routed_experts": moe and launch.routes and rollout.sglang.routed_experts,
         "log_level": "error",
         # Idle, SGLang's scheduler polls its sockets without pause: a host core per engine spent while
         # the trainer trains beside it (on CPU, the trainer's own cores: seen 75% of each of 2).
@@ -333,7 +333,7 @@ def colocated_server_args(
         # `random`, which every trainer rank seeds alike: engines starting together on one host
         # drew the same port and their schedulers waited on each other's rendezvous for good.
         args["nccl_port"] = free_port("")
-    return {**args, **rollout.sglang_server_args}
+    return {**args, **rollout.sglang.server_args}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -350,9 +350,9 @@ class EngineLaunch:
     """A torch device ("cuda", "cuda:1", "cpu": SGLang's CPU engine); "" = cuda where available, else cpu."""
     base_gpu_id: int = 0
     tp_size: int = 0
-    """The engine's GPUs (SGLang's ``tp_size``): the placement's width; 0 = ``rollout.sglang_tp`` or 1."""
+    """The engine's GPUs (SGLang's ``tp_size``): the placement's width; 0 = ``rollout.sglang.tp`` or 1."""
     ep_size: int = 0
-    """Expert parallelism inside the engine: the placement's; 0 = ``rollout.sglang_ep`` or 1."""
+    """Expert parallelism inside the engine: the placement's; 0 = ``rollout.sglang.ep`` or 1."""
     nnodes: int = 1
     dist_init_addr: str | None = None
     """A multi-node engine's address (``agree_engine_address``)."""
@@ -369,9 +369,9 @@ class EngineLaunch:
     the job replays them (``EngineSpec.record_routes``: ``algorithm.routing_replay=r3``)."""
     group_timeout: timedelta | None = None
     """Disaggregated servers: the collective timeout of the weight group the trainer joins them in,
-    the job's (``parallel.timeout_minutes``); None: ``rollout.sglang_request_timeout_s``."""
+    the job's (``parallel.timeout_minutes``); None: ``rollout.sglang.request_timeout_s``."""
     max_staleness: int = 0
-    """``train.max_staleness``: with ``rollout.partial_keep_kv``, how many versions the KV in the prefix
+    """``train.max_staleness``: with ``rollout.partial.keep_kv``, how many versions the KV in the prefix
     cache may lag the weights that read it (``weights.py:KeptPrefixes``)."""
 
     def torch_device(self) -> torch.device:
@@ -379,8 +379,8 @@ class EngineLaunch:
 
     def shape(self, rollout: RolloutConfig) -> tuple[int, int]:
         """(tp_size, ep_size): as given (``from_config`` passes the placement's), else for an engine
-        built directly ``rollout.sglang_tp`` / ``rollout.sglang_ep`` (0 = 1)."""
-        return self.tp_size or rollout.sglang_tp or 1, self.ep_size or rollout.sglang_ep or 1
+        built directly ``rollout.sglang.tp`` / ``rollout.sglang.ep`` (0 = 1)."""
+        return self.tp_size or rollout.sglang.tp or 1, self.ep_size or rollout.sglang.ep or 1
 
 
 def freeze_engine_gc(engine: Any) -> bool:
@@ -431,7 +431,7 @@ def start_colocated(
     server_args["model_path"], changes = engine_model_path(model_path, hf_config, launch)
     if "tokenizer_path" not in server_args and changes:
         server_args["tokenizer_path"] = model_path
-    if launch.tokenizer_path and "tokenizer_path" not in rollout.sglang_server_args:
+    if launch.tokenizer_path and "tokenizer_path" not in rollout.sglang.server_args:
         server_args["tokenizer_path"] = str(launch.tokenizer_path)  # data.tokenizer_path, beside the model's
     log_path = Path(launch.log_dir or tempfile.gettempdir()) / f"engine-rank{launch.rank}-{os.getpid()}.log"
     health = EngineProcesses(launch.rank, log_path)

@@ -1,6 +1,6 @@
 """The other GPUs of a colocated SGLang engine: each is a destination of the weight sync of its own.
 
-An engine of ``rollout.sglang_tp`` GPUs is led from its first trainer rank (``rollout/sglang/engine.py``);
+An engine of ``rollout.sglang.tp`` GPUs is led from its first trainer rank (``rollout/sglang/engine.py``);
 every other rank of the group holds an ``SGLangSyncMember``, which receives exactly what its SGLang TP
 rank loads and hands it to the leader as one payload per round (``rollout/sglang/ipc.py``). On the first
 GPU of each further node of a multi-node engine it also starts, watches, restarts (with its leader, at
@@ -64,12 +64,12 @@ class NodePart:
 
     def start(self, address: str) -> None:
         """Start the part, meeting the other parts at ``address`` (SGLang's ``dist_init_addr``);
-        recoverable with ``rollout.max_engine_restarts`` > 0, as the leader's: a SIGQUIT from a
+        recoverable with ``rollout.recovery.max_restarts`` > 0, as the leader's: a SIGQUIT from a
         scheduler that saw a peer die is noted, and the fleet restarts the engine whole."""
         on_disk = bool(checkpoint_shapes(self.spec.model.hf_path))
         self.engine, self.health = start_node_part(self.spec, self.layout, address, self.ep_size, self.ps,
                                                    weights_on_disk=on_disk)  # fmt: skip
-        self.health.recoverable = self.spec.rollout.max_engine_restarts > 0
+        self.health.recoverable = self.spec.rollout.recovery.max_restarts > 0
 
     def restart(self, address: str) -> None:
         """Stop what is left of the part (``launch.stop_lost_part``) and start it again at

@@ -1,6 +1,6 @@
 """Disaggregated SGLang servers and their weight transport: an NCCL broadcast.
 
-Servers already running on other GPUs or nodes (``rollout.sglang_server_urls``) are driven over
+Servers already running on other GPUs or nodes (``rollout.sglang.server_urls``) are driven over
 HTTP (``SGLangHttpClient``, the endpoints that mirror ``sglang.Engine``'s methods). The trainer's
 first rank joins one process group with every server's TP ranks (``/init_weights_update_group``)
 and broadcasts each bucket as one flat byte tensor (``/update_weights_from_distributed`` with
@@ -198,7 +198,7 @@ class NcclBroadcastTransport:
         self.device = device
         self.timeout = timeout
         """The weight group's collective timeout: the job's (parallel.timeout_minutes); None: the
-        servers' request timeout (rollout.sglang_request_timeout_s), for a transport made alone."""
+        servers' request timeout (rollout.sglang.request_timeout_s), for a transport made alone."""
         self.group: torch.distributed.ProcessGroup | None = None
 
     def bind_group(self, ranks: Sequence[int], group: Any) -> None:
@@ -233,8 +233,8 @@ class NcclBroadcastTransport:
 
     def _init_weight_group(self, servers: Sequence[Any]) -> torch.distributed.ProcessGroup:
         world_size, offsets = weight_group_layout([s.tp_size() for s in servers])
-        addr = self.rollout.sglang_sync_master_addr or socket.gethostname()
-        port = self.rollout.sglang_sync_master_port
+        addr = self.rollout.sglang.sync_master_addr or socket.gethostname()
+        port = self.rollout.sglang.sync_master_port
         with ThreadPoolExecutor(len(servers)) as pool:
             pending = [
                 pool.submit(
@@ -248,7 +248,7 @@ class NcclBroadcastTransport:
                 )  # fmt: skip
                 for s, offset in zip(servers, offsets, strict=True)
             ]
-            timeout_s = self.timeout.total_seconds() if self.timeout else self.rollout.sglang_request_timeout_s
+            timeout_s = self.timeout.total_seconds() if self.timeout else self.rollout.sglang.request_timeout_s
             group = init_trainer_weight_group(addr, port, world_size, WEIGHT_GROUP_NAME, timeout_s=timeout_s)
             for f in pending:
                 f.result()
@@ -271,7 +271,7 @@ class NcclBroadcastTransport:
             if restart is None:
                 raise SGLangServerError(
                     f"SGLang server {server.url} is not healthy after {timeout_s:.0f}s "
-                    "(rollout.sglang_request_timeout_s); restart it, or pass restart_server= to SGLangEngine"
+                    "(rollout.sglang.request_timeout_s); restart it, or pass restart_server= to SGLangEngine"
                 )
             restart(server.url)
             if not wait_healthy(server, timeout_s):

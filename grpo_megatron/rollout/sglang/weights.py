@@ -79,7 +79,7 @@ class WeightTransport(Protocol):
 
 
 class KeptPrefixes:
-    """``rollout.partial_keep_kv``: which weight loads flush the engine's prefix (radix) cache. The
+    """``rollout.partial.keep_kv``: which weight loads flush the engine's prefix (radix) cache. The
     cache may hold KV computed under any version since the last flush (``oldest``); a load of version
     ``v`` keeps it while ``v - oldest <= max_staleness`` and flushes it otherwise, so no cached KV lags
     the weights that read it by more than ``train.max_staleness`` (the bound a token's own lag has).

@@ -42,7 +42,7 @@ class Rollout:
     """The watchdog's bound for that wait (parallel.long_phase_timeout_s), not progress_timeout_s."""
     recovery: EngineRecovery | None = None
     """The job's: engines lost during a rollout are restarted and their share redone
-    (rollout.max_engine_restarts > 0, ``RolloutFleet.collect``); None: a loss ends the run."""
+    (rollout.recovery.max_restarts > 0, ``RolloutFleet.collect``); None: a loss ends the run."""
 
     def _waiting(self) -> AbstractContextManager[None]:
         if self.watchdog is None:
