@@ -155,7 +155,8 @@ def test_recipe_runtime_placement_at_scale_is_the_plans(
     from grpo_megatron.planner.dry_run import fake_world, parallel_state_here
     from grpo_megatron.planner.model_states import Layout
     from grpo_megatron.rollout.placement import routed_experts, runtime_placement
-    from grpo_megatron.rollout.sglang.launch import EngineLaunch, colocated_server_args, layout_of
+    from grpo_megatron.rollout.sglang.launch import EngineLaunch, colocated_server_args
+    from grpo_megatron.rollout.sglang.layout import layout_of
     from grpo_megatron.rollout.sglang.shards import rank_needs
     from grpo_megatron.training.job import engine_spec
     from grpo_megatron.training.offload import ColocatedMemory

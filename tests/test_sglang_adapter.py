@@ -23,20 +23,22 @@ import torch
 
 from grpo_megatron.config import load_config
 from grpo_megatron.rollout.config import RolloutConfig, SGLangConfig
-from grpo_megatron.rollout.engine import SamplingParams
+from grpo_megatron.rollout.engine import EngineLost, SamplingParams
 from grpo_megatron.rollout.hf_routes import RouteLayout
 from grpo_megatron.rollout.sglang.engine import SGLangEngine
-from grpo_megatron.rollout.sglang.health import EngineDiedError, sigquit_while_starting
+from grpo_megatron.rollout.sglang.health import sigquit_while_starting
 from grpo_megatron.rollout.sglang.launch import (
     INSTALL_HINT,
-    ColocatedLayout,
     EngineLaunch,
     SGLangUnavailableError,
+    colocated_server_args,
+    start_node_part,
+)
+from grpo_megatron.rollout.sglang.layout import (
+    ColocatedLayout,
     colocated_group,
     colocated_layout,
-    colocated_server_args,
     engine_address,
-    start_node_part,
 )
 from grpo_megatron.rollout.sglang.nccl import (
     SGLangHttpClient,
@@ -406,49 +408,69 @@ def test_the_fault_injection_signals_the_last_tp_ranks_scheduler() -> None:
 
 
 def test_a_lost_engine_of_several_gpus_is_resynced_on_every_gpu_and_restarts_report_wall_seconds() -> None:
-    """The fleet's side of issue 41 for an engine of several GPUs: the ranks a restart resyncs (every
-    rank of each lost engine, ``RolloutFleet.engine_groups``), and ``engine/restart_s`` as the wall
-    seconds of each restart event (two engines restarted together once, a restart found inside another
-    one's resync within it), ``engine/restarts`` the engines."""
-    from grpo_megatron.rollout import fleet as fleet_module
-    from grpo_megatron.rollout.fleet import EngineRecovery, RolloutFleet
+    """The engine recovery for an engine of several GPUs (rollout/recovery.py), built over fakes of the
+    engine contract (``WeightSink``) and of the ranks' agreement: the ranks a restart resyncs (every rank
+    of each lost engine), a further node's part restarted at its leader's fresh address, and
+    ``engine/restart_s`` as the wall seconds of each restart event (two engines restarted together
+    once, a restart found inside another one's resync within it), ``engine/restarts`` the engines."""
+    from grpo_megatron.rollout.engine import WeightSink
+    from grpo_megatron.rollout.recovery import EngineRecovery
 
-    class Member:  # SGLangSyncMember's side: restarted with its leader, at the leader's fresh address
-        restarted: list[str | None] = []
+    class Member(WeightSink):  # SGLangSyncMember's side: restarted with its leader, at the leader's fresh address
+        def __init__(self) -> None:
+            self.restarted: list[str | None] = []
 
-        def restart(self, address: str | None) -> None:
+        def restart(self, address: str | None = None) -> None:
             self.restarted.append(address)
 
-    # Rank 1: a member of the engine led from rank 0 (its further node's part, say); the engines of ranks 0
-    # and 2 are lost together, and rank 2's again inside their resync (a weight-sync death). No collective
-    # runs here (_agree, _restart_addresses).
-    fleet = RolloutFleet.__new__(RolloutFleet)
-    fleet.ps, fleet.engine, fleet.member = SimpleNamespace(rank=1), None, Member()  # type: ignore[assignment]
-    fleet.engine_groups = {0: (0, 1), 2: (2, 3), 4: (4,)}
-    assert fleet._engine_ranks_of([4, 6]) == [4, 6]
-    assert [fleet._leader_of(rank) for rank in (0, 1, 3, 4, 6)] == [0, 0, 2, 4, 6]  # a loss counts for its engine
-    fleet._restart_addresses = lambda leaders: {0: "node-a:41234", 2: None, 4: None}  # type: ignore[method-assign]
+        def check_manifest(self, manifest, version):  # noqa: ANN001, ANN202
+            return []
+
+        def update_weights(self, bucket, *, version, last):  # noqa: ANN001, ANN202
+            return None
+
+        def shutdown(self) -> None:
+            return None
+
+    # Rank 1 of 5: a member of the engine led from rank 0 (its further node's part, say); the engines of
+    # ranks 0 and 2 are lost together, and rank 2's again inside their resync (a weight-sync death).
+    # The agreement answers for every rank: a restart asks for the leaders' fresh addresses (rank 0's), then
+    # for errors (none).
+    calls: list[object] = []
+
+    def gather(obj):  # noqa: ANN001, ANN202
+        calls.append(obj)
+        return ["node-a:41234", obj, None, None, None] if len(calls) % 2 else [None] * 5
+
     synced: list[tuple[int, list[int]]] = []
 
-    def sync_weights(model, version, *, targets, recovery):  # noqa: ANN001, ANN202
-        synced.append((version, list(targets)))
+    def resync(version: int, ranks: list[int]) -> None:
+        synced.append((version, list(ranks)))
         if len(synced) == 1:
             time.sleep(0.2)
-            fleet.restart_engines([2], recovery, version, resync=True)
+            recovery.restart_engines([2], version, resync=True)
 
-    fleet.sync_weights = sync_weights  # type: ignore[method-assign]
-    original = fleet_module._agree
-    fleet_module._agree = lambda error, what: None
-    try:
-        recovery = EngineRecovery(torch.nn.Linear(1, 1), max_restarts=5)
-        assert recovery.metrics() == {}
-        seconds = fleet.restart_engines([0, 2], recovery, 7, resync=True)
-    finally:
-        fleet_module._agree = original
-    assert synced == [(7, [0, 1, 2, 3]), (7, [2, 3])] and Member.restarted == ["node-a:41234"]
+    member = Member()
+    recovery = EngineRecovery(5, 1, [0, 2, 4], {0: (0, 1), 2: (2, 3), 4: (4,)}, None, member, gather, resync)
+    assert recovery.ranks_of([4, 6]) == [4, 6]
+    assert [recovery.leader_of(rank) for rank in (0, 1, 3, 4, 6)] == [0, 0, 2, 4, 6]  # a loss counts for its engine
+    assert recovery.metrics() == {}
+    seconds = recovery.restart_engines([0, 2], 7, resync=True)
+    assert synced == [(7, [0, 1, 2, 3]), (7, [2, 3])] and member.restarted == ["node-a:41234"]
+    assert member.life == 0  # the fake counts nothing; SGLangSyncMember.restart counts its lives
     assert recovery.restarts == 3 and recovery.seconds == [seconds] and seconds >= 0.2
     assert recovery.metrics() == {"engine/restarts": 3.0, "engine/restart_s": seconds}
     assert recovery.metrics() == {}
+    # past the bound: every rank raises naming the lost engine (rank 1's loss counts for engine 0)
+    lost = EngineLost(1, "node-b", "process sglang::scheduler_TP1 (pid 7) is gone", "its last line", "/log")
+    recovery.max_restarts = 3
+    recovery.gather = lambda report: [(None, None), report, (None, None), (None, None), (None, None)]
+    with pytest.raises(RuntimeError, match=r"rollout generate: 1 engine\(s\) lost, past rollout.recovery.max_restarts=3 "
+                                           r"\(3 restart\(s\) so far\).*\n  engine 0 \(rank 1 on node-b\) was lost"):
+        recovery.recover(None, lost, "rollout generate", version=7)
+    zero = EngineRecovery(3, 1, [0, 2, 4], {0: (0, 1)}, None, member, recovery.gather)  # no resync: bound 0
+    with pytest.raises(RuntimeError, match=r"engine 0 \(rank 1 on node-b\) was lost: process sglang::scheduler_TP1"):
+        zero.recover(None, lost, "rollout generate", version=7)
 
 
 def _sigterm_ignored(pid: int) -> bool:
@@ -522,7 +544,7 @@ def test_a_further_node_starts_its_part_like_the_leader_without_blocking(monkeyp
     assert [p.pid for p in health.procs] == [children[0].pid] and health.rank == 8
     assert health.log_path.parent == tmp_path / "logs" and health.log_path.name.startswith("engine-rank8-")
     assert "scheduler of node 1 up" in health.log_path.read_text()
-    with pytest.raises(EngineDiedError, match=r"the SGLang engine of rank 8 on .* died: process .* is gone"):
+    with pytest.raises(EngineLost, match=r"the SGLang engine of rank 8 on .* was lost: process .* is gone"):
         health.check()  # the member checks it before each weight load (member.py)
 
 
@@ -706,7 +728,7 @@ def test_each_engine_gpu_needs_dense_tensors_and_the_experts_of_its_ep_block() -
 
 
 def test_sync_groups_are_the_distinct_multi_gpu_engines_in_one_order() -> None:
-    from grpo_megatron.rollout.fleet import sync_groups
+    from grpo_megatron.rollout.weight_sync import sync_groups
 
     assert sync_groups([(0, 1), (0, 1), (2, 3), (2, 3), ()]) == [(0, 1), (2, 3)]
     assert sync_groups([(), ()]) == []
@@ -804,8 +826,8 @@ def test_a_generation_waiting_on_a_dead_or_stopped_scheduler_ends_in_engine_lost
     import psutil
 
     from grpo_megatron.rollout.engine import EngineLost
-    from grpo_megatron.rollout.sglang.engine import ServerGuard, cancel_requests
     from grpo_megatron.rollout.sglang.health import EngineProcesses
+    from grpo_megatron.rollout.sglang.watch import ServerGuard, cancel_requests
 
     (tmp_path / "engine.log").write_text("scheduler line\n")
     health = EngineProcesses(0, tmp_path / "engine.log")
@@ -817,7 +839,7 @@ def test_a_generation_waiting_on_a_dead_or_stopped_scheduler_ends_in_engine_lost
         health.check()
         why = health.stopped(0.3)
         if why is not None:
-            raise health.failure(why)
+            raise health.lost(why)
 
     server = SimpleNamespace(loop=asyncio.new_event_loop())
     guard = ServerGuard([server], watch=watch, cancel=cancel_requests)
@@ -846,8 +868,8 @@ def test_a_scheduler_that_leaves_a_state_request_unanswered_past_the_deadline_is
     import asyncio
 
     from grpo_megatron.rollout.engine import EngineLost
-    from grpo_megatron.rollout.sglang.engine import SchedulerProbe, ServerGuard, cancel_requests
     from grpo_megatron.rollout.sglang.launch import close_loop
+    from grpo_megatron.rollout.sglang.watch import SchedulerProbe, ServerGuard, cancel_requests
 
     class Manager:
         asked = 0
@@ -883,11 +905,11 @@ def test_abandon_stops_the_loop_under_a_generation_its_cancel_did_not_end_and_jo
     can be closed (close_loop), nothing left behind."""
     import asyncio
 
-    from grpo_megatron.rollout.sglang import engine as engine_module
-    from grpo_megatron.rollout.sglang.engine import ServerGuard
+    from grpo_megatron.rollout.sglang import watch
     from grpo_megatron.rollout.sglang.launch import close_loop
+    from grpo_megatron.rollout.sglang.watch import ServerGuard
 
-    monkeypatch.setattr(engine_module, "ABORT_S", 0.5)
+    monkeypatch.setattr(watch, "ABORT_S", 0.5)
     server = SimpleNamespace(loop=asyncio.new_event_loop())
     guard = ServerGuard([server], watch=lambda: None, cancel=lambda servers: None)  # a cancel that ends nothing
     future = guard.start(lambda servers: servers[0].loop.run_until_complete(asyncio.Event().wait()))
@@ -951,7 +973,7 @@ def test_an_engine_that_fails_while_it_starts_is_named_on_the_console(tmp_path: 
 def test_a_quantized_deepseek_engine_starts_unquantized_on_dummy_weights_from_a_config_sglang_reads(
     tmp_path: Path,
 ) -> None:
-    from grpo_megatron.rollout.sglang.launch import engine_config, engine_model_path
+    from grpo_megatron.rollout.sglang.model_config import engine_config, engine_model_path
     from tests.helpers.fp8_deepseek import save_fp8_deepseek
     from tests.helpers.tiny_configs import tiny_hf_config
 
@@ -965,13 +987,13 @@ def test_a_quantized_deepseek_engine_starts_unquantized_on_dummy_weights_from_a_
     assert rope["rope_type"] == "yarn" and rope["factor"] == 1.0  # the plain rotary embedding, as a scaling
     args = colocated_server_args(RolloutConfig(engine="sglang"), str(path), EngineLaunch(device="cpu"), hf)
     assert args["load_format"] == "dummy"  # the float8 files are never read; the first sync fills the weights
-    folder, _ = engine_model_path(str(path), hf, EngineLaunch(log_dir=tmp_path / "logs", rank=3))
+    folder, _ = engine_model_path(str(path), hf, tmp_path / "logs", 3)
     assert Path(folder).parent == tmp_path / "logs" and Path(folder).name.startswith("engine-model-rank3-")
     assert json.loads((Path(folder) / "config.json").read_text()) == config
     assert (Path(folder) / "tokenizer.json").resolve() == (path / "tokenizer.json").resolve()
     for plain in (tiny_hf_config("qwen3_moe"), {**config}):  # nothing to change: the checkpoint's folder
         assert engine_config(plain)[1] == []
-        assert engine_model_path("/m", plain, EngineLaunch())[0] == "/m"
+        assert engine_model_path("/m", plain, None, 0)[0] == "/m"
 
 
 def test_the_manifest_check_refuses_a_wrong_dtype_or_shape_naming_the_tensor_before_any_byte_moves(

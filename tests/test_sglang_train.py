@@ -211,7 +211,7 @@ def test_a_two_node_engine_restarts_both_parts_in_place_and_saves_on_a_slurm_sig
     assert sum(r.get("engine/restarts", 0) for r in records) == 1 and len(restarted) >= 6
     assert outs[1].count("[rollout] SGLang engine of rank 1 (node 1 of 2)") == 2, outs[1][-4000:]
     assert outs[0].count("[rollout] SGLang engine of rank 0 (node 0 of 2)") == 2, outs[0][-4000:]
-    # node 1's loss is named with its own process and log (fleet.recover asks each further node's part),
+    # node 1's loss is named with its own process and log (the recovery asks each further node's part),
     # beside the leader's when its TP rank 0 scheduler failed on the broken TP group first (every run seen)
     assert re.search(r"\[engine\] engine 0 \(rank 1 on \S+\) lost during .*scheduler_TP1 .*restarted", outs[0])
     for out in outs:

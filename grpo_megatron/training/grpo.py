@@ -221,7 +221,7 @@ def train(job: Job) -> dict[str, float]:
         metrics = {
             **result.metrics,
             **eval_metrics,
-            **(job.recovery.metrics() if job.recovery is not None else {}),  # engine/restarts, engine/restart_s
+            **job.fleet.recovery.metrics(),  # engine/restarts, engine/restart_s (only after a restart)
             **timer.seconds,
             "throughput/tokens_per_s": n_tokens / timer.seconds["time/iteration"],
         }

@@ -356,7 +356,7 @@ class ColocatedMemory:
     def visit(self, phase: str) -> Iterator[None]:
         """``phase``'s memory for the body, then the phase before it again; inside ``phase`` already,
         nothing moves. ``visit("save")``: a checkpoint save. ``visit("sync")``: an engine restarted in
-        place during a rollout (issue 41, ``RolloutFleet.restart_engines``) is streamed the last synced
+        place during a rollout (issue 41, ``EngineRecovery.restart_engines``) is streamed the last synced
         version, and the export reads the parameters the rollout phase offloads."""
         before = self.phase
         if before == phase:

@@ -328,12 +328,13 @@ def engines_lost_and_restarted(hf_dir: str) -> dict:
     import signal
 
     from grpo_megatron.rollout.engine import SamplingParams
-    from grpo_megatron.rollout.fleet import EngineRecovery, RolloutFleet
+    from grpo_megatron.rollout.fleet import RolloutFleet
+    from grpo_megatron.rollout.recovery import Resync
     from grpo_megatron.training.job import engine_spec
 
     cfg, ps, hf, policy = _setup(hf_dir, ["rollout.embedded_process=true", "rollout.recovery.max_restarts=3"])
-    fleet = RolloutFleet.build(engine_spec(cfg), hf, ps)
-    recovery = EngineRecovery(policy.model, cfg.rollout.recovery.max_restarts)
+    fleet = RolloutFleet.build(engine_spec(cfg), hf, ps, resync=Resync(policy.model))
+    recovery = fleet.recovery
     fleet.sync_weights(policy.model, version=1)
     params = SamplingParams(n=2, temperature=1.0, max_new_tokens=6, seed=7)
     owner = ps.rank == fleet.engine_ranks[-1]
@@ -352,23 +353,23 @@ def engines_lost_and_restarted(hf_dir: str) -> dict:
 
     res: dict = {}
     kill_last_engine()
-    fleet.sync_weights(policy.model, version=2, recovery=recovery)
-    first = fleet.generate(PROMPTS, params, recovery=recovery)
+    fleet.sync_weights(policy.model, version=2)
+    first = fleet.generate(PROMPTS, params)
     res["after_sync_restart"] = recovery.restarts
     kill_last_engine()
-    again = fleet.generate(PROMPTS, params, recovery=recovery)
+    again = fleet.generate(PROMPTS, params)
     res["same"] = _tokens(first) == _tokens(again) and [[c.logprobs for c in g] for g in first] == [
         [c.logprobs for c in g] for g in again
     ]
     res["versions"] = sorted({c.weight_version for g in [*first, *again] for c in g})
     kill_last_engine(skip_check=True)
-    fleet.sync_weights(policy.model, version=3, recovery=recovery)
+    fleet.sync_weights(policy.model, version=3)
     restore_check()
     res["versions_3"] = sorted({c.weight_version for g in fleet.generate(PROMPTS, params) for c in g})
     res["restarts"], res["metrics"] = recovery.restarts, recovery.metrics()
     kill_last_engine()
     try:
-        fleet.generate(PROMPTS, params, recovery=recovery)
+        fleet.generate(PROMPTS, params)
     except RuntimeError as exc:
         res["past_bound"] = str(exc)
     fleet.shutdown()

@@ -309,15 +309,11 @@ class Scenarios:
         offload: which memory the engine holds after each step, whether the trainer's state was off
         the device while the engines were built (the engine's start itself is this worker's one
         start, shared), and whether generation after each cycle equals the engine's own before."""
-        from grpo_megatron.rollout.fleet import RolloutFleet
-
         self.engine.resume_memory(None)
         before = self.run_greedy()
-        fleet = RolloutFleet(ps=None, hf={}, engine=self.engine, engine_ranks=[0], group=None,  # type: ignore[arg-type]
-                             export_dtype=torch.bfloat16, bucket_bytes=1 << 20)  # fmt: skip
         out: dict[str, Any] = {}
         for offload in (False, True):
-            cycle = self._phase_cycle(fleet, offload)
+            cycle = self._phase_cycle(offload)
             same = [
                 tokens(g) == tokens(before) and flat_logprobs(g) == flat_logprobs(before)
                 for g in cycle.pop("generated")
@@ -325,7 +321,7 @@ class Scenarios:
             out["offload" if offload else "resident"] = {**cycle, "bitwise": all(same)}
         return out
 
-    def _phase_cycle(self, fleet: Any, offload: bool) -> dict[str, Any]:
+    def _phase_cycle(self, offload: bool) -> dict[str, Any]:
         from grpo_megatron.rollout.config import RolloutConfig
         from grpo_megatron.rollout.placement import decide_placement
         from grpo_megatron.training.offload import ColocatedMemory
@@ -341,9 +337,9 @@ class Scenarios:
         steps: list[tuple[str, list[str]]] = []
         seen: dict[str, Any] = {"generated": []}
 
-        def build() -> Any:
+        def build() -> Any:  # what ColocatedMemory asks of the fleet (release_memory, resume_memory): its one engine's
             seen["trainer_bytes_while_engines_start"] = model.weight.untyped_storage().nbytes()
-            return fleet
+            return self.engine
 
         memory.start_engines(build)
         steps.append(("start-up, then train", sorted(self.engine.released)))
@@ -446,7 +442,7 @@ class Scenarios:
 
         from grpo_megatron.rollout.config import RecoveryConfig
         from grpo_megatron.rollout.engine import EngineLost
-        from grpo_megatron.rollout.engine_process import FAULT_ENV
+        from grpo_megatron.rollout.faults import FAULT_ENV
 
         engine = self.engine
         assert engine.health is not None
@@ -455,7 +451,7 @@ class Scenarios:
         engine.health.recoverable = True
         names = engine.health.names
         schedulers = [p for p in engine.health.procs if "scheduler" in names.get(p.pid, "")]
-        os.environ[FAULT_ENV] = f"hang:{engine._generated + 1}"  # this generation
+        os.environ[FAULT_ENV] = f"hang:{engine.faults.generated + 1}"  # this generation
         out: dict[str, Any] = {"lost": ""}
         start = time.perf_counter()
         try:
@@ -648,7 +644,7 @@ def main(out: Path, workdir: Path) -> None:
             results[name] = {"error": f"{type(exc).__name__}: {exc}"}
         out.write_text(json.dumps(results, indent=1))
 
-    # Arms SGLang's processes for hang_restart (compat.arm_hang_fault); no generation is number 0.
+    # Arms SGLang's processes for hang_restart (faults.arm_hang); no generation is number 0.
     os.environ["GRPO_ENGINE_FAULT"] = "hang:0"
     scenarios = Scenarios(workdir)
     for name in SCENARIOS:

@@ -23,9 +23,7 @@ import glob
 import importlib.abc
 import importlib.util
 import os
-import signal
 import sys
-import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -160,30 +158,6 @@ def applied() -> list[str]:
     """Names of the fixes applied in this process."""
     hook = next((f for f in sys.meta_path if isinstance(f, _BeforeImport)), None)
     return list(hook.applied) if hook is not None else []
-
-
-HANG_SIGNAL = signal.SIGUSR2
-"""What makes an SGLang process armed by ``arm_hang_fault`` hang (tests only)."""
-
-
-def arm_hang_fault() -> bool:
-    """Test-only fault injection (issue 41), by environment variable: when ``GRPO_ENGINE_FAULT`` holds a
-    ``hang`` item (``hang:N`` or ``hang:N@R``: ``rollout/engine_process.py:fault_items`` reads the
-    numbers), this process hangs alive on ``HANG_SIGNAL``: its main thread sleeps in the handler for
-    good (state S, not T: neither dead nor stopped), as a scheduler stuck in a collective or outside
-    its loop would. SGLang's processes call it at their start (``boot/sitecustomize.py``); the
-    trainer's side sends the signal to the scheduler at its N-th generation
-    (``SGLangEngine._inject_fault``). Without the variable (every real run) nothing is armed."""
-    items = os.environ.get("GRPO_ENGINE_FAULT", "").split(",")
-    if not any(item.partition(":")[0] == "hang" for item in items):
-        return False
-    signal.signal(HANG_SIGNAL, _hang)
-    return True
-
-
-def _hang(signum: int, frame: Any) -> None:
-    while True:
-        time.sleep(3600)
 
 
 @contextlib.contextmanager

@@ -286,3 +286,6 @@ class CudaIpcTransport:
 
     def reset(self, servers: Sequence[Any]) -> None:
         self.staging = SharedStaging()  # no connection (every bucket carries its own handles); the buffer goes
+
+    def manifest_refusal(self, quantized: bool, model_path: str, version: int) -> str | None:
+        return None  # started here from an unquantized config (model_config.py), on dummy weights if need be

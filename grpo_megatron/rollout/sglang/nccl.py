@@ -292,6 +292,18 @@ class NcclBroadcastTransport:
         torch.distributed.destroy_process_group(self.group)
         self.group = None
 
+    def manifest_refusal(self, quantized: bool, model_path: str, version: int) -> str | None:
+        """Servers started from a quantized checkpoint hold its float8 weights, which the sync's
+        unquantized tensors would be cast into beside stale scales: refused."""
+        if not quantized:
+            return None
+        return (
+            f"weight sync of version {version}: {model_path} is quantized (quantization_config) and the "
+            "disaggregated SGLang servers started from it hold its float8 weights, which the sync's "
+            "unquantized tensors cannot replace; start the servers from a copy of the folder whose "
+            "config.json has no quantization_config, with --load-format dummy (the first sync fills them)"
+        )
+
 
 def wait_healthy(server: SGLangHttpClient, timeout_s: float) -> bool:
     deadline = time.monotonic() + timeout_s

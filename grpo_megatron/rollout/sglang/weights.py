@@ -77,6 +77,11 @@ class WeightTransport(Protocol):
         """Forget any connection to the servers: the next ``send`` opens a new one."""
         ...
 
+    def manifest_refusal(self, quantized: bool, model_path: str, version: int) -> str | None:
+        """Why servers this transport feeds cannot take a version at all (from a ``quantized``
+        checkpoint at ``model_path``), before any byte moves; None: they can."""
+        ...
+
 
 class KeptPrefixes:
     """``rollout.partial.keep_kv``: which weight loads flush the engine's prefix (radix) cache. The
