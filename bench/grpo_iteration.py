@@ -202,9 +202,9 @@ def worker(args: argparse.Namespace) -> None:
     from grpo_megatron.distributed.bootstrap import destroy_distributed, world_size_from_env
     from grpo_megatron.planner.model_states import total_params
     from grpo_megatron.training.batching import collate
-    from grpo_megatron.training.groups import group_source
     from grpo_megatron.training.grpo import job_probe
     from grpo_megatron.training.job import build_job
+    from grpo_megatron.training.sources import group_source
 
     cfg = load_config(DEMO, job_overrides(args.size, args, args.run_dir))
     validate(cfg, world_size_from_env())

@@ -167,42 +167,18 @@ def impose_lengths(args: argparse.Namespace) -> None:
 
 
 def trace_rounds(path: Path) -> None:
-    """Worker side, ``--trace``: one JSON line per event of the continuous loop (a round submitted:
-    its rows and prefix tokens; a round collected: the seconds waited, and where; ``before_sync``'s
-    drain; on SGLang each generate call's span in its thread and its prompts' ``cached_tokens``)."""
+    """Worker side, ``--trace``: one JSON line per event of the continuous loop (a round submitted: its
+    rows and prefix tokens; a round collected: the seconds waited, and where, ``take`` or
+    ``before_sync``'s drain: the source's own trace, ``GRPO_ROUND_TRACE``; on SGLang each generate
+    call's span in its thread and its prompts' ``cached_tokens``)."""
     import time
 
-    from grpo_megatron.training.partial import PartialRollouts
+    os.environ["GRPO_ROUND_TRACE"] = str(path)  # training/sources.py: PartialRollouts(trace=...)
 
     def log(**fields: object) -> None:
         with open(path, "a") as out:
             out.write(json.dumps({"t": time.perf_counter(), **fields}) + "\n")
 
-    submit, collect = PartialRollouts._submit, PartialRollouts._collect
-    before_sync = PartialRollouts.before_sync
-    where = {"at": "take"}
-
-    def traced_submit(self, iteration, round_index):  # type: ignore[no-untyped-def]
-        todo, _, _ = self.pool.requests(lambda index: self.job.train_records[index].prompt_ids)
-        log(event="submit", iteration=iteration, round=round_index, rows=len(todo),
-            continued=sum(bool(r.token_ids) for _, r in todo), prefix=sum(len(r.token_ids) for _, r in todo))
-        return submit(self, iteration, round_index)
-
-    def traced_collect(self, round_):  # type: ignore[no-untyped-def]
-        start = time.perf_counter()
-        collect(self, round_)
-        log(event="collect", at=where["at"], wait_s=time.perf_counter() - start)
-
-    def traced_before_sync(self):  # type: ignore[no-untyped-def]
-        where["at"] = "before_sync"
-        try:
-            return before_sync(self)
-        finally:
-            where["at"] = "take"
-
-    PartialRollouts._submit = traced_submit  # type: ignore[method-assign]
-    PartialRollouts._collect = traced_collect  # type: ignore[method-assign]
-    PartialRollouts.before_sync = traced_before_sync  # type: ignore[method-assign]
     try:
         from grpo_megatron.rollout.sglang import engine as sglang_engine
         from grpo_megatron.rollout.sglang import protocol

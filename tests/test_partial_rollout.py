@@ -14,7 +14,13 @@ import torch
 
 from grpo_megatron.rollout.engine import Completion, SamplingParams
 from grpo_megatron.rollout.engine_process import completions_from_json, completions_to_json
-from grpo_megatron.training.partial import PartialPool, PartialResponse, take_metrics
+from grpo_megatron.training.partial import (
+    PartialPool,
+    PartialResponse,
+    collect_round,
+    submit_round,
+    take_metrics,
+)
 from tests.helpers.tiny_configs import tiny_hf_config
 
 PROMPTS = [[3, 4, 5], [6, 7, 8, 9, 10]]
@@ -42,11 +48,9 @@ def _load(engine, weights: dict[str, torch.Tensor], version: int) -> None:
 
 
 def _round(pool: PartialPool, engine, seed: int) -> None:
-    """One segment round, as ``PartialRollouts._segment`` sends it (each request one response)."""
-    todo, inputs, budgets = pool.requests(lambda index: PROMPTS[index])
-    params = SamplingParams(n=1, max_new_tokens=max(budgets), max_new_tokens_each=budgets, seed=seed)
-    for (_, response), (segment,) in zip(todo, engine.submit(inputs, params)(), strict=True):
-        pool.extend(response, segment)
+    """One segment round, as the source runs it (``submit_round``), straight to the engine."""
+    submit = lambda rows, inputs, params: engine.submit(inputs, params)  # noqa: E731
+    collect_round(pool, submit_round(pool, lambda index: PROMPTS[index], submit, SamplingParams(n=1, seed=seed)))
 
 
 def test_responses_continue_across_versions_with_each_tokens_version_and_logprob(engine_and_weights):

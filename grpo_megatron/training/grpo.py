@@ -55,7 +55,7 @@ from grpo_megatron.distributed.preemption import Preempted, report_preempted
 from grpo_megatron.fileio import write_text_atomic
 from grpo_megatron.rollout.multiturn import trajectory_metrics
 from grpo_megatron.training.batching import Sample
-from grpo_megatron.training.groups import GroupSource, group_source, source_state
+from grpo_megatron.training.groups import GroupSource
 from grpo_megatron.training.job import Job, PhaseTimer, Timer, build_job, export_hf_checkpoint
 from grpo_megatron.training.phases.advantages import UpdatePlan, prepare_update
 from grpo_megatron.training.phases.bookkeeping import (
@@ -70,6 +70,7 @@ from grpo_megatron.training.phases.reward import Group
 from grpo_megatron.training.phases.sync import ProbeBatch, answer_probe, probe_due
 from grpo_megatron.training.phases.train import GRPOLoss, update_policy
 from grpo_megatron.training.route_replay import RoutingReplay
+from grpo_megatron.training.sources import group_source, source_state
 
 if TYPE_CHECKING:
     from grpo_megatron.config import JobConfig
