@@ -26,7 +26,7 @@ KERNEL_STAMP := $(VENV)/.sgl-kernel-installed-$(notdir $(KERNEL_WHEEL))
 # Folders git may not have yet (empty ones are not committed) are left out.
 LINT_PATHS := $(wildcard grpo_megatron tests tools bench examples)
 
-.PHONY: setup test demo lint lock clean distclean machine drop-unfit-kernel
+.PHONY: setup test test-fast demo lint lock clean distclean machine drop-unfit-kernel
 
 setup: $(STAMP) $(if $(KERNEL_WHEEL),$(KERNEL_STAMP),drop-unfit-kernel)
 
@@ -74,6 +74,7 @@ lock:
 
 lint: setup
 	$(BIN)/ruff check $(LINT_PATHS)
+	$(BIN)/ruff format --check $(LINT_PATHS)  # one width: pyproject.toml's line-length (tests/test_line_width.py)
 	$(BIN)/mypy  # pyproject.toml [tool.mypy] files: grpo_megatron, bench, tools
 
 # The machine first (CPU model, ISA level, the kernel wheel chosen), so that a red run reads at once.
@@ -86,6 +87,12 @@ test: machine lint
 
 machine:
 	@$(PYTHON) tools/sgl_kernel_wheel.py machine $(WHEELHOUSE)
+
+# The fast tier (README: under 5 minutes on 2 cores): every test but those marked `launches` (a training
+# job, SGLang's real engine, or ranks of their own under torchrun: pyproject.toml's markers). `make test`
+# runs them all, and so does CI (.ci/run).
+test-fast: setup
+	TORCH_COMPILE_DISABLE=1 GRPO_KERNEL_WHEELHOUSE=$(WHEELHOUSE) $(BIN)/python -m pytest -q -m "not launches" --durations=15
 
 # R1-Zero in miniature (examples/demo.yaml): cold-start SFT then GRPO on 2 processes; SEED=N for another seed;
 # TASK=tool: the multi-turn calculator demo (examples/demo_tool.yaml);

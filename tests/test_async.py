@@ -9,13 +9,15 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from grpo_megatron.logging_utils.metrics import read_jsonl
-from tests.helpers.runs import SMALL, comparable, finish, killed_and_resumed, launch
+import pytest
 
-MOVING = [*SMALL, "reward.components=[{name: len, function: length, kwargs: {target_chars: 6}}]", "train.lr=1e-3"]
+from grpo_megatron.logging_utils.metrics import read_jsonl
+from tests.helpers.runs import MOVING, comparable, finish, killed_and_resumed, launch
+
 ASYNC = ["rollout.embedded_process=true"]
 
 
+@pytest.mark.launches
 def test_max_staleness_zero_in_engine_processes_equals_the_synchronous_run_bitwise(tmp_path, monkeypatch):
     # The asynchronous loop with max_staleness=0 in engine processes, which issue 41 also faults: rank 1's
     # engine process is SIGKILLed as it takes its 3rd generate request and rank 0's SIGSTOPped at its 4th
@@ -43,6 +45,7 @@ def test_max_staleness_zero_in_engine_processes_equals_the_synchronous_run_bitwi
     assert "[engine] engine 0 (rank 0 on" in out and "(it is stopped: state T)" in out, out[-4000:]
 
 
+@pytest.mark.launches
 def test_more_engine_losses_than_the_bound_end_the_run_naming_them(tmp_path, monkeypatch):
     monkeypatch.setenv("GRPO_ENGINE_FAULT", "kill:1")  # both engines, at the first rollout
     proc = launch("train", [*MOVING, *ASYNC, "rollout.recovery.max_restarts=1", "train.iterations=2",
@@ -57,6 +60,7 @@ def test_more_engine_losses_than_the_bound_end_the_run_naming_them(tmp_path, mon
     assert f"its log ({log})" in out and "--- engine process of rank 1, life 0 ---" in log.read_text()
 
 
+@pytest.mark.launches
 def test_one_step_off_lags_by_at_most_one_version_and_resumes_with_the_same_rules(tmp_path):
     # r3: each batch's routes stay held on the engines' ranks until its iteration's plan, while the next
     # batch's are held too; the checkpoint at iteration 2 copies a submitted batch's held routes.
@@ -101,8 +105,10 @@ def test_engine_process_serves_each_request_with_the_weights_sent_before_it(tmp_
 
     from grpo_megatron.rollout.engine import SamplingParams
     from grpo_megatron.rollout.engine_process import EngineProcess
+    from tests.helpers.engines import load_weights as _load
+    from tests.helpers.engines import saved_model as _saved
+    from tests.helpers.engines import tiny_engine as _engine
     from tests.helpers.tiny_configs import tiny_hf_config
-    from tests.test_rollout import _engine, _load, _saved
 
     saved, _ = _saved("qwen3_moe", tmp_path)
     remote = EngineProcess(tiny_hf_config("qwen3_moe"), dtype=torch.float32, threads=1)
@@ -132,10 +138,11 @@ def test_engine_process_serves_each_request_with_the_weights_sent_before_it(tmp_
     assert [c.logprobs for g in got_2 for c in g] != [c.logprobs for g in got_1 for c in g]
 
 
+@pytest.mark.launches
 def test_the_fleet_restarts_engines_lost_before_or_during_a_sync_or_a_rollout(tmp_path):
     from tests.helpers.dist import run_distributed
+    from tests.helpers.engines import write_config as _write_config
     from tests.helpers.tiny_configs import tiny_hf_config
-    from tests.test_rollout import _write_config
 
     moe = _write_config(tmp_path / "moe", tiny_hf_config("qwen3_moe"))
     per_rank = run_distributed("tests.workers.rollout_workers:engines_lost_and_restarted", 2, timeout_s=300,

@@ -76,6 +76,7 @@ def ckpts(tmp_path_factory: pytest.TempPathFactory) -> dict:
             "rank1": dict(zip(names, results[1], strict=True)), "dirs": variants}
 
 
+@pytest.mark.launches
 @pytest.mark.parametrize(
     ("case", "named"),
     [
@@ -92,28 +93,33 @@ def test_damaged_newest_checkpoint_falls_back_to_the_previous_one_naming_it(ckpt
     assert ckpts["rank1"][case]["iteration"] == 1
 
 
+@pytest.mark.launches
 def test_crafted_metadata_never_runs_its_command(ckpts: dict):
     assert ckpts["crafted"]["iteration"] == 1
     assert not ckpts["pwned"].exists()
 
 
+@pytest.mark.launches
 def test_every_checkpoint_damaged_stops_naming_them(ckpts: dict):
     error = ckpts["all_bad"]["error"]
     assert "every checkpoint in" in error, error
     assert "iter_0000002" in error and "iter_0000001" in error and "checkpoint.resume=none" in error
 
 
+@pytest.mark.launches
 def test_stale_temporaries_are_pruned_at_start_up(ckpts: dict):
     assert ckpts["stale_tmp"]["iteration"] == 2
     assert not list(ckpts["dirs"]["stale_tmp"].glob("*.tmp-*"))
 
 
+@pytest.mark.launches
 def test_checkpoint_of_another_model_names_both(ckpts: dict):
     error = ckpts["mismatch"]["error"]
     assert "holds another model" in error and "hidden_size 128 in the checkpoint vs 64" in error, error
     assert str(ckpts["good"] / "iter_0000002") in error
 
 
+@pytest.mark.launches
 def test_non_finite_weights_are_never_saved(ckpts: dict):
     result = ckpts["nan"]
     assert "hold inf/NaN" in result["error"] and "not saved" in result["error"], result
@@ -121,6 +127,7 @@ def test_non_finite_weights_are_never_saved(ckpts: dict):
     assert (ckpts["dirs"]["nan"] / "latest").read_text().strip() == "iter_0000002"
 
 
+@pytest.mark.launches
 def test_failed_save_on_a_full_disk_removes_its_temporary(ckpts: dict):
     result = ckpts["disk_full"]
     assert result["error"], result
@@ -188,6 +195,7 @@ def test_convert_names_a_truncated_safetensors_file(converted: dict, tmp_path: P
 # A stuck (not dead) rank
 
 
+@pytest.mark.launches
 def test_a_stuck_rank_ends_every_rank_naming_it():
     start = time.monotonic()
     with pytest.raises(AssertionError) as failure:
@@ -201,6 +209,7 @@ def test_a_stuck_rank_ends_every_rank_naming_it():
     assert elapsed < 60, elapsed  # the bound (3 s) plus start-up, not the 120 s hang timeout
 
 
+@pytest.mark.launches
 def test_a_rank_blocked_outside_c10d_is_named_with_its_phase():
     # NCCL-like: rank 1 blocks in one call; rank 0 waits for it in work.wait() of an asynchronous
     # collective (outside distributed_c10d.py, as a GPU rank waits on an NCCL kernel).
@@ -212,6 +221,7 @@ def test_a_rank_blocked_outside_c10d_is_named_with_its_phase():
     assert "rank 1 on" in log and "in phase 'step 3': no progress for" in log
 
 
+@pytest.mark.launches
 def test_healthy_long_phases_are_not_stopped():
     # rank 0 computes (torch steps) for 3 bounds (its stack moves), rank 1 blocks in one call for 3
     # bounds inside long_phase (an engine's start-up), while the other waits in a collective.
@@ -219,6 +229,7 @@ def test_healthy_long_phases_are_not_stopped():
     assert r0 == r1 == {"finished": True}
 
 
+@pytest.mark.launches
 def test_a_rollout_longer_than_the_bound_waits_under_the_long_phase():
     # Issue 36: a rollout longer than progress_timeout_s (a 32k-token response) is not a stuck rank.
     # Rank 0's engine process is held for 3 bounds; rank 0 waits on its pipe, rank 1 in the collective.
@@ -253,6 +264,7 @@ def _our_traceback(out: str) -> list[str]:
     return [line for line in out.splitlines() if line.strip().startswith("File ") and "grpo_megatron" in line]
 
 
+@pytest.mark.launches
 def test_rerun_before_the_first_checkpoint_starts_over(tmp_path: Path):
     from grpo_megatron.logging_utils.metrics import read_jsonl
 
@@ -264,6 +276,7 @@ def test_rerun_before_the_first_checkpoint_starts_over(tmp_path: Path):
     assert [r["iteration"] for r in read_jsonl(tmp_path / "run" / "metrics.jsonl")] == [0, 1]
 
 
+@pytest.mark.launches
 def test_full_output_directories_fail_before_any_training(tmp_path: Path):
     full = tmp_path / "hf"
     full.mkdir()

@@ -179,6 +179,7 @@ def test_partial_rollout_config_is_refused_with_the_fix(overrides, message):
         validate(cfg, 2)
 
 
+@pytest.mark.launches
 def test_partial_rollouts_train_with_per_token_versions_and_resume_bitwise(tmp_path):
     """2 ranks (EP2, the demo's tiny MoE, each engine a process of its own, as issue 40 asks the
     resume to be bitwise with), 3 iterations of 4 groups, segments of 3 of the 6 new tokens, a pool

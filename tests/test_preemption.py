@@ -116,6 +116,7 @@ def _latest(run_dir: Path) -> str:
     return (run_dir / "checkpoints" / "latest").read_text().strip()
 
 
+@pytest.mark.launches
 def test_sigkill_then_sigterm_at_each_point_saves_and_the_reruns_resume_bit_exactly(tmp_path: Path):
     """One chain of launches into one run directory, each resuming from the checkpoint the one before
     left: a job SIGKILLed (its whole session, as a scheduler's preemption) once its checkpoint of
@@ -193,6 +194,7 @@ def _sbatch_until_preempted(env: dict[str, str], run_dir: Path) -> tuple[int, st
     return saved, out
 
 
+@pytest.mark.launches
 @pytest.mark.parametrize("branch", ["local", "slurm"])
 def test_train_sbatch_forwards_the_early_warning_and_requeues(tmp_path: Path, branch: str):
     # launch/slurm/train.sbatch gets SIGUSR1; node.sh passes it to the ranks past torchrun, which exits 1
@@ -201,7 +203,7 @@ def test_train_sbatch_forwards_the_early_warning_and_requeues(tmp_path: Path, br
     # fake srun (which passes the signal to each task's process group, as Slurm signals a step) on two
     # "nodes" of one rank, and the job is requeued.
     from grpo_megatron.checkpoint.integrity import verify_checkpoint
-    from tests.test_launch import slurm_env
+    from tests.helpers.slurm import slurm_env
 
     run_dir = tmp_path / "run"
     if branch == "local":

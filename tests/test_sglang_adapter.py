@@ -413,7 +413,7 @@ def test_a_lost_engine_of_several_gpus_is_resynced_on_every_gpu_and_restarts_rep
     of each lost engine), a further node's part restarted at its leader's fresh address, and
     ``engine/restart_s`` as the wall seconds of each restart event (two engines restarted together
     once, a restart found inside another one's resync within it), ``engine/restarts`` the engines."""
-    from grpo_megatron.rollout.engine import WeightSink
+    from grpo_megatron.rollout.engine import EngineParts, WeightSink
     from grpo_megatron.rollout.recovery import EngineRecovery
 
     class Member(WeightSink):  # SGLangSyncMember's side: restarted with its leader, at the leader's fresh address
@@ -451,7 +451,8 @@ def test_a_lost_engine_of_several_gpus_is_resynced_on_every_gpu_and_restarts_rep
             recovery.restart_engines([2], version, resync=True)
 
     member = Member()
-    recovery = EngineRecovery(5, 1, [0, 2, 4], {0: (0, 1), 2: (2, 3), 4: (4,)}, None, member, gather, resync)
+    parts = EngineParts(member=member)
+    recovery = EngineRecovery(5, 1, [0, 2, 4], {0: (0, 1), 2: (2, 3), 4: (4,)}, parts, gather, resync)
     assert recovery.ranks_of([4, 6]) == [4, 6]
     assert [recovery.leader_of(rank) for rank in (0, 1, 3, 4, 6)] == [0, 0, 2, 4, 6]  # a loss counts for its engine
     assert recovery.metrics() == {}
@@ -468,7 +469,7 @@ def test_a_lost_engine_of_several_gpus_is_resynced_on_every_gpu_and_restarts_rep
     with pytest.raises(RuntimeError, match=r"rollout generate: 1 engine\(s\) lost, past rollout.recovery.max_restarts=3 "
                                            r"\(3 restart\(s\) so far\).*\n  engine 0 \(rank 1 on node-b\) was lost"):
         recovery.recover(None, lost, "rollout generate", version=7)
-    zero = EngineRecovery(3, 1, [0, 2, 4], {0: (0, 1)}, None, member, recovery.gather)  # no resync: bound 0
+    zero = EngineRecovery(3, 1, [0, 2, 4], {0: (0, 1)}, parts, recovery.gather)  # no resync: bound 0
     with pytest.raises(RuntimeError, match=r"engine 0 \(rank 1 on node-b\) was lost: process sglang::scheduler_TP1"):
         zero.recover(None, lost, "rollout generate", version=7)
 

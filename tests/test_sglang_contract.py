@@ -51,6 +51,8 @@ from grpo_megatron.rollout.sglang.weights import (
 )
 from tests.helpers.dist import free_port, run_distributed
 
+pytestmark = pytest.mark.launches  # every test here: a job, the real engine or ranks of their own
+
 try:
     sglang, FlattenedTensorBucket, MultiprocessingSerializer = import_sglang()
     SGLANG_DIR = Path(sglang.__file__).parent

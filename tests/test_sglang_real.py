@@ -18,6 +18,8 @@ import pytest
 
 from tests.sglang_env import ENGINE_TIMEOUT_S, require_sglang_engine
 
+pytestmark = pytest.mark.launches  # every test here: a job, the real engine or ranks of their own
+
 ROOT = Path(__file__).resolve().parents[1]
 FLOOR_FACTOR = 2.0
 """Two bf16 implementations of one model differ from the fp32 reference by different roundings: the

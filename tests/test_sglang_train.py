@@ -23,6 +23,8 @@ from tests.helpers.dist import free_port
 from tests.helpers.runs import SMALL, can_name_hosts, finish, launch, launch_node
 from tests.sglang_env import require_sglang_engine
 
+pytestmark = pytest.mark.launches  # every test here: a job, the real engine or ranks of their own
+
 PROBE_BOUND = 1e-4
 """The demo trains in fp32 and the engine serves fp32: the mismatch probe sits at float32 rounding
 (seen: 5e-7), far inside the bf16 floor (3.7e-2, tests/test_sglang_real.py)."""
@@ -80,7 +82,7 @@ def test_colocated_sglang_one_step_off_lags_by_one_version_ends_when_its_engine_
     after a save finds none to drain; iterations 4 to 6 leave the kill time to land before the engine's
     last use (a kill during the last save would go unnoticed)."""
     require_sglang_engine()
-    from tests.test_async import MOVING
+    from tests.helpers.runs import MOVING
 
     run = tmp_path / "run"
     overrides = [

@@ -1,0 +1,17 @@
+"""The test tiers: a test that launches a training job, SGLang's real engine or ranks of its own under
+torchrun must carry ``@pytest.mark.launches`` (``make test-fast`` leaves those out). The helpers that
+launch (``dist.run_distributed``, ``runs.launch``, ``sglang_env.require_sglang_engine``) ask
+``require_mark``; ``tests/conftest.py`` says, before each test's fixtures, whether it carries the mark."""
+
+from __future__ import annotations
+
+import pytest
+
+MARKED: list[bool] = [True]
+"""Whether the test being set up or run carries the mark (True outside a test: scripts, workers)."""
+
+
+def require_mark(what: str) -> None:
+    """Fail the test being run unless it is marked ``launches``: it is about to launch ``what``."""
+    if not MARKED[0]:
+        pytest.fail(f"this test launches {what}: mark it @pytest.mark.launches (make test-fast leaves those out)")
