@@ -199,6 +199,10 @@ class RolloutConfig:
     """disaggregated: seconds an HTTP request to a server (and a wait for it to be healthy) may take."""
     sglang_routed_experts: bool = True
     """Ask SGLang for each token's routed experts (MoE models only), kept for routing replay."""
+    sglang_cpu_path: Literal["auto", "torch_native"] = "auto"
+    """SGLang engines on CPU: auto = the path SGLang takes on this CPU (intel_amx where the CPU has AMX:
+    bf16/fp16 models only; torch_native elsewhere); torch_native = its torch-native path on every CPU
+    (an fp32 model on an AMX machine). rollout/sglang/cpu_path.py."""
     multiturn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
     """Multi-turn, tool-using episodes (off by default)."""
     sglang_server_args: dict[str, Any] = field(default_factory=dict)
