@@ -84,7 +84,8 @@ def test_constructing_without_sglang_says_how_to_install_it(monkeypatch, tmp_pat
     with pytest.raises(SGLangUnavailableError) as info:
         SGLangEngine(cfg.rollout, str(tmp_path))
     assert INSTALL_HINT in str(info.value)
-    assert "pip install 'grpo-megatron[gpu]'" in str(info.value) and "CUDA machine" in str(info.value)
+    assert "pip install --no-deps -r requirements/gpu.txt" in str(info.value)
+    assert "CUDA machine" in str(info.value)
     with pytest.raises(SGLangUnavailableError, match="rollout.engine=sglang needs SGLang"):
         SGLangEngine.from_config(engine_spec(cfg), ps=None)
 

@@ -82,9 +82,9 @@ if TYPE_CHECKING:
     from grpo_megatron.rollout.engine import EngineSpec
 
 INSTALL_HINT = (
-    "rollout.engine=sglang needs SGLang: on a CUDA machine pip install 'grpo-megatron[gpu]'; on CPU "
-    "`make setup` installs SGLang's engine from the lock and its CPU kernels from WHEELHOUSE "
-    "(README: SGLang on CPU)"
+    "rollout.engine=sglang needs SGLang: on a CUDA machine pip install --no-deps -r requirements/gpu.txt "
+    "(the set the GPU check ran: docs/getting-started/gpu.md); on CPU `make setup` installs SGLang's "
+    "engine from the lock and its CPU kernels from WHEELHOUSE (docs/getting-started/cpu.md)"
 )
 class SGLangUnavailableError(ImportError):
     """SGLang is not importable here: the message says how to install it."""
