@@ -38,7 +38,7 @@ CONFIG_PAGE = REPO / "docs" / "reference" / "config.md"
 CLI_PAGE = REPO / "docs" / "reference" / "cli.md"
 REGENERATE = "make reference"
 """The one command that rewrites both pages (``python tools/docs_reference.py`` without make)."""
-RULE_MODULES = ("grpo_megatron.config.validation",)
+RULE_MODULES = ("grpo_megatron.config.validation", "grpo_megatron.rollout.sglang.cpu_path")
 """Modules of cross-section rules, scanned beside the modules that define the sections."""
 LIST_ITEM = "[i]"
 """How a list of sections' item is written in a dotted path: ``reward.components[i].weight``."""
