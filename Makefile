@@ -2,7 +2,8 @@
 # (requirements.lock: every package, transitive ones too, at the exact version the suite and the demo
 # were last green with); again only when the lock or pyproject.toml changes. `make lock` refreshes the
 # lock on purpose (run `make test` before committing a new one). On a GPU cluster install by hand
-# instead: see README.md.
+# instead: see docs/getting-started/gpu.md. `make docs` builds the docs site (docs/, mkdocs.yml) into
+# site/; `make reference` regenerates its pages generated from the code (docs/reference/).
 
 PYTHON ?= python3
 VENV ?= .venv
@@ -14,6 +15,8 @@ TORCH_SPEC ?= torch==2.13.0
 # KEEP_TORCH=1 keeps the torch already in $(VENV) (e.g. a CUDA build) and installs the rest of the lock.
 KEEP_TORCH ?= 0
 LOCK_VENV := .lock-venv
+DOCS_SITE ?= site
+DOCS_CHECK_DIR := build/docs-check
 STAMP := $(VENV)/.grpo-megatron-installed
 # SGLang's CPU kernel library (sgl_kernel) is on no package index: a folder of wheels holding
 # sglang_kernel_cpu-*.whl (CI: ../shared/wheels; tools/build_sgl_kernel_cpu.sh builds one). It comes in
@@ -26,7 +29,7 @@ KERNEL_STAMP := $(VENV)/.sgl-kernel-installed-$(notdir $(KERNEL_WHEEL))
 # Folders git may not have yet (empty ones are not committed) are left out.
 LINT_PATHS := $(wildcard grpo_megatron tests tools bench examples)
 
-.PHONY: setup test test-fast demo lint lock clean distclean machine drop-unfit-kernel
+.PHONY: setup test test-fast demo lint lock clean distclean machine drop-unfit-kernel docs reference
 
 setup: $(STAMP) $(if $(KERNEL_WHEEL),$(KERNEL_STAMP),drop-unfit-kernel)
 
@@ -76,6 +79,17 @@ lint: setup
 	$(BIN)/ruff check $(LINT_PATHS)
 	$(BIN)/ruff format --check $(LINT_PATHS)  # one width: pyproject.toml's line-length (tests/test_line_width.py)
 	$(BIN)/mypy  # pyproject.toml [tool.mypy] files: grpo_megatron, bench, tools
+	$(BIN)/python tools/docs_reference.py --check  # docs/reference/ as the code generates it
+	$(BIN)/mkdocs build --strict --quiet --site-dir $(DOCS_CHECK_DIR)  # a broken link or unlisted page fails
+	rm -rf $(DOCS_CHECK_DIR)
+
+# The docs site, into site/ (strict: any warning, e.g. a broken link or anchor, fails the build).
+docs: setup
+	$(BIN)/mkdocs build --strict --site-dir $(DOCS_SITE)
+
+# Rewrite docs/reference/config.md and cli.md from the config dataclasses and the CLI's parsers.
+reference: setup
+	$(BIN)/python tools/docs_reference.py
 
 # The machine first (CPU model, ISA level, the kernel wheel chosen), so that a red run reads at once.
 # With a kernel wheel for this CPU installed, the real-SGLang tests must run: GRPO_REQUIRE_SGLANG=1
@@ -116,7 +130,7 @@ demo: setup
 	    $(if $(filter 1,$(LORA)),$(LORA_ARGS))
 
 clean:
-	rm -rf build dist *.egg-info .pytest_cache .ruff_cache $(LOCK_VENV)
+	rm -rf build dist *.egg-info .pytest_cache .ruff_cache $(LOCK_VENV) $(DOCS_SITE)
 	find . -path ./$(VENV) -prune -o -name __pycache__ -type d -exec rm -rf {} +
 
 distclean: clean

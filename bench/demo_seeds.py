@@ -1,4 +1,4 @@
-"""`make demo` for several seeds, measured: the README's results table.
+"""`make demo` for several seeds, measured: the results table of docs/performance.md.
 
 Runs ``examples/demo.sh`` once per seed (cold-start SFT, then GRPO, each a 2-process torchrun), one
 seed after another, and reads what each phase wrote: ``<run>/sft/summary.json`` (the step whose
@@ -12,12 +12,13 @@ CPU time hardly moves.
 Prints a markdown table (one row per seed, then the acceptance figures: cold starts in the band,
 median and minimum lift, largest drop from the best evaluation to the last, longest demo) with the
 machine it ran on (CPU model, cores, memory, load), and writes it to ``--markdown``; ``--readme``
-also replaces the part of README.md between the ``<!-- demo_seeds:begin -->`` and
+also replaces the part of that file (docs/performance.md) between the ``<!-- demo_seeds:begin -->`` and
 ``<!-- demo_seeds:end -->`` markers with it. Both are rewritten after every seed, and ``results.json``
 keeps every row, so an interrupted run keeps what it measured: ``--from-results [MORE.json ...]``
 redraws the table from ``<out>/results.json`` (and other runs' files) without running anything.
 
-    .venv/bin/python bench/demo_seeds.py [--seeds 1234 7 3 11 42] [--out runs/demo_seeds] [--readme README.md]
+    .venv/bin/python bench/demo_seeds.py [--seeds 1234 7 3 11 42] [--out runs/demo_seeds] \
+        [--readme docs/performance.md]
 
 About 3-7 minutes a seed on an idle 2-core machine.
 """

@@ -28,6 +28,12 @@ Per model, each timing the median of ``--repeats`` rounds after a warm-up round,
 
     python bench/sglang_cpu.py                       # both models
     python bench/sglang_cpu.py --skip-wide           # the demo's only (about a minute)
+    python bench/sglang_cpu.py --cpu-path torch_native --dtype bfloat16   # on an AMX Xeon: the other path
+
+SGLang's CPU engine takes its intel_amx path on a CPU with AMX (bf16 there: it serves no fp32), its
+torch_native path elsewhere (``grpo_megatron/rollout/sglang/cpu_path.py``); the first line printed
+names the path and dtype. On an AMX Xeon run it twice, the second with ``--cpu-path torch_native
+--dtype bfloat16``, for both paths' ratios on the same machine.
 
 Needs SGLang's CPU kernels (``make setup WHEELHOUSE=...``). Prints one JSON line per model and the
 ratios; ``bench/sglang_profile.py`` splits one load call and one generate call into their parts.
@@ -189,7 +195,8 @@ def measure(name: str, args: argparse.Namespace, size: dict[str, Any], shape: tu
     # A KV pool holding every sequence of the rollout at once (the adapter's CPU default, 16384 tokens,
     # would run a wide rollout's 512 sequences ~120 at a time): the embedded engine runs them all.
     kv_tokens = max(16384, n_prompts * n_samples * (9 + new_tokens + 8))
-    rollout = RolloutConfig(engine="sglang", sglang=SGLangConfig(server_args={"max_total_tokens": kv_tokens}))
+    sglang = SGLangConfig(server_args={"max_total_tokens": kv_tokens}, cpu_path=args.cpu_path)
+    rollout = RolloutConfig(engine="sglang", sglang=sglang)
     adapter = SGLangEngine(rollout, str(work / "model"), EngineLaunch(args.dtype, device="cpu"))
     gen = torch.Generator().manual_seed(0)
     prompts = [[1, *torch.randint(4, 24, (8,), generator=gen).tolist()] for _ in range(n_prompts)]
@@ -248,7 +255,10 @@ def report(name: str, m: dict[str, Any], shape: tuple[int, int, int]) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
+                        help="default: bfloat16 on SGLang's intel_amx path (it serves no fp32), else float32")
+    parser.add_argument("--cpu-path", choices=["auto", "torch_native"], default="auto",
+                        help="rollout.sglang.cpu_path: torch_native takes that path on an AMX CPU too")
     parser.add_argument("--buckets", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--rollout-repeats", type=int, default=0,
@@ -263,6 +273,11 @@ def main() -> int:
                         help="128 is the issue's; 32 keeps the run near 5 minutes on 2 cores")
     args = parser.parse_args()
 
+    from grpo_megatron.rollout.sglang.cpu_path import sglang_cpu_path
+
+    path = sglang_cpu_path(args.cpu_path)
+    args.dtype = args.dtype or ("bfloat16" if path == "intel_amx" else "float32")
+    print(f"SGLang CPU path: {path}, {args.dtype}", flush=True)
     demo_shape = (16, 16, 6)
     args.rollout_repeats = args.rollout_repeats or args.repeats
     results = {"demo": measure("demo", args, {}, demo_shape)}

@@ -30,8 +30,24 @@ ENGINE_TIMEOUT_S = 420
 """One worker process: an engine start (15-30 s idle on 2 cores, several times that under load)
 and its scenarios."""
 
-REAL_ENGINE_TESTS = ("tests/test_sglang_real.py", "tests/test_sglang_train.py")
-"""The modules that start SGLang's real engine (the closing note of tests/conftest.py counts them)."""
+REAL_ENGINE_TESTS = (
+    "tests/test_sglang_real.py",
+    "tests/test_sglang_train.py",
+    "tests/test_gpu_check.py::test_the_sglang_engine_stage",
+)
+"""The tests that start SGLang's real engine (the closing note of tests/conftest.py counts them)."""
+
+
+def cpu_path_of(nodeid: str, machine: str) -> str:
+    """The SGLang CPU path a real-engine test runs on a machine whose engines take ``machine``
+    (rollout/sglang/cpu_path.py): test_sglang_train.py's fp32 jobs take torch_native everywhere; the
+    AMX layout test takes intel_amx everywhere, where the CPU has no AMX only as far as a CPU without
+    it can (``GRPO_SGLANG_AMX=pretend``: weight layouts, no forward)."""
+    if nodeid.startswith("tests/test_sglang_train.py"):
+        return "torch_native"
+    if "intel_amx_path" in nodeid and machine != "intel_amx":
+        return "intel_amx layouts (pretend)"
+    return machine
 
 
 def _load_wheel_tool() -> ModuleType:
@@ -128,9 +144,16 @@ def closing_note(stats: dict[str, list], seconds: float, cpuinfo: str | None = N
     kernel = f"{found[0]} {found[1]} ({build.name if build else 'unknown'} build)" if found else "no kernel installed"
     counts = {k: sum(1 for v in outcomes.values() if v == k) for k in ("passed", "failed", "error", "skipped")}
     ran = counts["passed"] + counts["failed"] + counts["error"]
+    machine = kernel_wheel.sglang_cpu_path(flags) if found else "none"
+    paths: dict[str, int] = {}
+    for nodeid, outcome in outcomes.items():
+        if outcome != "skipped":
+            path = cpu_path_of(nodeid, machine)
+            paths[path] = paths.get(path, 0) + 1
+    on = ", ".join(f"{n} on {p}" for p, n in sorted(paths.items(), key=lambda item: -item[1])) or "none run"
     note = (
         f"real SGLang engine on {kernel_wheel.cpu_model(cpuinfo)} ({kernel_wheel.isa_level(flags)}), {kernel}: "
         f"{ran} of {len(outcomes)} tests run ({counts['passed']} passed, {counts['failed'] + counts['error']} failed), "
-        f"{counts['skipped']} skipped; suite {seconds:.0f} s"
+        f"{counts['skipped']} skipped; SGLang CPU path {machine} ({on}); suite {seconds:.0f} s"
     )
     return note + (f". Skipped: {skip_reason}" if skip_reason else "")

@@ -2,7 +2,7 @@
 input, a full disk and a stuck rank do. Real processes, real megatron-core (gloo, 2 ranks), real
 checkpoints on disk, damaged the way disks and people damage them.
 
-Each test names the fault; README.md's "Reliability" section lists what the program does for each.
+Each test names the fault; docs/fault-tolerance.md's table lists what the program does for each.
 """
 
 from __future__ import annotations

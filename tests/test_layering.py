@@ -17,9 +17,11 @@ import pytest
 PACKAGE = Path(__file__).resolve().parent.parent / "grpo_megatron"
 
 LAYERS: tuple[tuple[str, ...], ...] = (
-    # package root, file helpers, every <package>/config.py, and the one module a section validates
-    # against (the problem generators' names and arguments: pure Python, used by data.generator's check)
-    ("grpo_megatron", "fileio", "<section>", "data.generators"),
+    # package root, file helpers, every <package>/config.py, and the modules a section validates
+    # against (the problem generators' names and arguments: pure Python, used by data.generator's check;
+    # the SGLang CPU path a CPU job's engines take, and the compatibility module it reads, which imports
+    # nothing of the package)
+    ("grpo_megatron", "fileio", "<section>", "data.generators", "rollout.sglang.cpu_path", "rollout.sglang.compat"),
     ("distributed", "logging_utils", "algorithm", "rewards", "data"),
     ("models",),
     ("bridge",),
@@ -54,8 +56,9 @@ def unit_of(module: str) -> str:
         return "grpo_megatron"
     if len(parts) == 3 and parts[2] == "config" and (PACKAGE / parts[1]).is_dir():
         return "<section>"
-    if ".".join(parts[1:3]) in RANK:
-        return ".".join(parts[1:3])
+    for depth in (4, 3):
+        if ".".join(parts[1:depth]) in RANK:
+            return ".".join(parts[1:depth])
     return parts[1]
 
 

@@ -15,7 +15,7 @@ import check_lock  # noqa: E402
 
 def test_lock_pins_every_line_exactly() -> None:
     pins = check_lock.read_lock(REPO / "requirements.lock")
-    # The packages whose versions the README names as tested.
+    # The packages whose versions docs/getting-started/cpu.md names as tested.
     for name in ("torch", "megatron-core", "transformers", "sglang", "math-verify"):
         assert name in pins, name
     assert pins["megatron-core"] == "0.16.1"

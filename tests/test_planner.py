@@ -225,7 +225,7 @@ def test_sglang_defaults_are_the_installed_sglang_memory_hooks() -> None:
 
     spec = importlib.util.find_spec("sglang")
     if spec is None or spec.origin is None:
-        pytest.skip("sglang is not installed (pip install -e '.[sglang-cpu]', see README)")
+        pytest.skip("sglang is not installed (`make setup` installs it: docs/getting-started/cpu.md)")
     source = (Path(spec.origin).parent / "srt" / "arg_groups" / "memory_hook.py").read_text()
     for line in ("elif gpu_mem < 90 * 1024:", "chunked_prefill_size=8192,", "decode_cuda_graph_config.max_bs = 512",
                  "reserved_mem += decode_cuda_graph_config.max_bs * 2",

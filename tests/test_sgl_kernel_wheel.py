@@ -96,6 +96,13 @@ def test_the_newest_version_of_the_fitting_build_wins(tmp_path) -> None:
     assert chosen(ZEN4, tmp_path) == AVX512
 
 
+def test_each_cpu_kind_names_the_sglang_cpu_path_it_runs() -> None:
+    """SGLang's intel_amx path on AMX Xeons only; torch_native on every other CPU a kernel fits."""
+    path = {name: kw.sglang_cpu_path(kw.cpu_flags(cpuinfo(f))) for name, f in
+            (("sapphire", SAPPHIRE_RAPIDS), ("zen4", ZEN4), ("xeon", XEON_NO_BF16), ("epyc", EPYC_AVX2))}  # fmt: skip
+    assert path == {"sapphire": "intel_amx", "zen4": "torch_native", "xeon": "torch_native", "epyc": "torch_native"}
+
+
 def test_isa_levels_name_what_the_kernels_care_about() -> None:
     level = {
         f: kw.isa_level(kw.cpu_flags(cpuinfo(f))) for f in (SAPPHIRE_RAPIDS, ZEN4, XEON_NO_BF16, EPYC_AVX2, V2, "")
@@ -190,8 +197,19 @@ def test_the_closing_note_counts_the_real_engine_tests(monkeypatch) -> None:
     note = sglang_env.closing_note(stats, 1234.4, cpuinfo(EPYC_AVX2, "AMD EPYC 7B13"))
     assert note == (
         "real SGLang engine on AMD EPYC 7B13 (x86-64-v3 (AVX2, no AVX-512)), sglang-kernel-cpu 0.4.6.post1+avx2 "
-        "(AVX2 build): 3 of 4 tests run (2 passed, 1 failed), 1 skipped; suite 1234 s. Skipped: no kernel for this CPU"
+        "(AVX2 build): 3 of 4 tests run (2 passed, 1 failed), 1 skipped; SGLang CPU path torch_native "
+        "(3 on torch_native); suite 1234 s. Skipped: no kernel for this CPU"
     )
+    # On an AMX Xeon: the bf16 engine tests on intel_amx, test_sglang_train.py's fp32 jobs on torch_native
+    monkeypatch.setattr(kw, "installed", lambda: ("sglang-kernel-cpu", "0.4.6.post1"))
+    amx_test = "tests/test_sglang_real.py::test_weight_updates_on_sglangs_intel_amx_path_leave_the_layouts"
+    stats["passed"].append(report(amx_test))
+    note = sglang_env.closing_note(stats, 1.0, cpuinfo(SAPPHIRE_RAPIDS, "Intel Xeon Platinum 8480+"))
+    assert "4 of 5 tests run (3 passed, 1 failed), 1 skipped; SGLang CPU path intel_amx (3 on intel_amx, " in note
+    assert "1 on torch_native)" in note
+    # Elsewhere the AMX layout test runs as far as a CPU without AMX can
+    note = sglang_env.closing_note(stats, 1.0, cpuinfo(EPYC_AVX2, "AMD EPYC 7B13"))
+    assert "(3 on torch_native, 1 on intel_amx layouts (pretend))" in note
     assert sglang_env.closing_note({"passed": [report("tests/test_kl.py::test_x")]}, 1.0) is None
 
 
@@ -221,3 +239,5 @@ def test_the_makefile_installs_the_wheel_chosen_for_this_cpu(tmp_path) -> None:
     line = run_make("machine", f"WHEELHOUSE={both}")
     assert line.startswith(f"machine: {kw.cpu_model(kw.read_cpuinfo())} | ISA ") and line.count("\n") == 1
     assert (expected.path.name in line) if expected else ("none fits" in line)
+    if expected:
+        assert line.rstrip().endswith(f"| SGLang CPU path: {kw.sglang_cpu_path(kw.cpu_flags(kw.read_cpuinfo()))}")

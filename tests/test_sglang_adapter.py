@@ -18,6 +18,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from types import SimpleNamespace
 
+import psutil
 import pytest
 import torch
 
@@ -85,7 +86,8 @@ def test_constructing_without_sglang_says_how_to_install_it(monkeypatch, tmp_pat
     with pytest.raises(SGLangUnavailableError) as info:
         SGLangEngine(cfg.rollout, str(tmp_path))
     assert INSTALL_HINT in str(info.value)
-    assert "pip install 'grpo-megatron[gpu]'" in str(info.value) and "CUDA machine" in str(info.value)
+    assert "pip install --no-deps -r requirements/gpu.txt" in str(info.value)
+    assert "CUDA machine" in str(info.value)
     with pytest.raises(SGLangUnavailableError, match="rollout.engine=sglang needs SGLang"):
         SGLangEngine.from_config(engine_spec(cfg), ps=None)
 
@@ -1095,3 +1097,41 @@ def test_kept_prefixes_flush_where_the_oldest_cached_kv_would_lag_more_than_max_
     transport.send([SGLangHttpClient(url, timeout_s=10)], [], last=True, version=3, flush=False)
     posted = [path for method, path, _ in handler.requests if method == "POST"]
     assert posted == ["/update_weight_version"]
+
+
+SCHEDULER_TRACEBACK = """[2026-12-05 10:01:02] Scheduler hit an exception: Traceback (most recent call last):
+  File "/x/sglang/srt/layers/layernorm.py", line 1094, in forward_cpu
+    return torch.ops.sgl_kernel.rmsnorm_cpu(x, self.weight.data, self.variance_epsilon)
+NotImplementedError: "rmsnorm_kernel" not implemented for 'Float'
+
+[2026-12-05 10:01:02] Received sigquit from a child process. It usually means the child failed.
+"""
+
+
+def test_an_engine_death_names_its_reason_even_before_any_process_exited(tmp_path) -> None:
+    """Issue 50 item 3: a scheduler that fails sends SGLang's SIGQUIT before it exits, so the report
+    made in the SIGQUIT handler found no dead process and read "died: ." with an empty reason. The
+    reason now says so and quotes the exception's last line from the engine's log; once a process
+    has exited, how it ended comes first."""
+    from grpo_megatron.rollout.engine import last_error_line
+    from grpo_megatron.rollout.sglang.health import EngineProcesses
+
+    log = tmp_path / "engine-rank0.log"
+    log.write_text(SCHEDULER_TRACEBACK)
+    health = EngineProcesses(0, log)
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        health.procs = [psutil.Process(child.pid)]
+        alive = health.report()
+        child.kill()
+        child.wait()
+        gone = health.report()
+    finally:
+        child.kill()
+    error = "NotImplementedError: \"rmsnorm_kernel\" not implemented for 'Float'"
+    assert last_error_line(log) == error
+    assert f"died: SGLang sent SIGQUIT (a process of the engine failed); its log's last error: {error}." in alive
+    assert f"died: process of the engine (pid {child.pid}) " in gone and f"; its log's last error: {error}." in gone
+    assert "died: ." not in alive + gone
+    log.write_text("[2026-12-05] starting\nall well\n")
+    assert health.cause([]) == "SGLang sent SIGQUIT (a process of the engine failed)"

@@ -53,3 +53,68 @@ def test_a_config_type_transformers_has_may_be_registered_again() -> None:
         """
     )
     assert out == "refused"
+
+
+def test_amx_packed_weights_take_an_update_as_a_fresh_load_packs_it() -> None:
+    """SGLang's intel_amx path repacks weights after loading and cannot undo it: an update then meets
+    the packed layout (a router of 4 experts transposed to fp32: the AssertionError seen on an AMX
+    Xeon). With ``amx_packed_weights_reload`` the session's restore puts the loaded parameters back,
+    the update loads into them, and packing again gives exactly what a fresh load of the new weights
+    packs; a module packed already is not packed twice. Real SGLang layers and kernel packing, in a
+    process that sees AMX (``GRPO_SGLANG_AMX=pretend``: packing runs on any CPU; no forward)."""
+    out = _run(
+        """
+        import os, torch
+        os.environ["SGLANG_USE_CPU_ENGINE"] = "1"
+        os.environ["GRPO_SGLANG_AMX"] = "pretend"
+        from grpo_megatron.rollout.sglang import compat
+        compat.install()
+        from sglang.srt.layers import amx_utils
+        from sglang.srt.layers.linear import ReplicatedLinear
+        from sglang.srt.model_loader.loader import DefaultModelLoader
+        from sglang.srt.utils.common import cpu_has_amx_support
+
+        def fresh(out_features, weight, bias):
+            layer = ReplicatedLinear(128, out_features, bias=True, params_dtype=torch.bfloat16)
+            layer.weight.weight_loader(layer.weight, weight)
+            layer.bias.weight_loader(layer.bias, bias)
+            layer.quant_method.process_weights_after_loading(layer)
+            return layer
+
+        torch.manual_seed(0)
+        checks = []
+        for out_features in (4, 32):  # fewer than 16 rows: transposed to fp32; else VNNI blocks
+            w0, b0 = torch.randn(out_features, 128).bfloat16(), torch.randn(out_features).bfloat16()
+            w1, b1 = torch.randn(out_features, 128).bfloat16(), torch.randn(out_features).bfloat16()
+            layer = fresh(out_features, w0, b0)
+            packed = layer.weight
+            try:  # what SGLang does without the fix: the update meets the packed layout
+                layer.weight.weight_loader(layer.weight, w1)
+                unfixed = "loaded"
+            except AssertionError:
+                unfixed = "refused"
+            if out_features == 32:  # same shape: it loaded, into the packed layout, silently wrong
+                unfixed = "wrong" if not torch.equal(layer.weight, fresh(32, w1, b0).weight) else unfixed
+                layer = fresh(out_features, w0, b0)
+                packed = layer.weight
+            layer.quant_method.process_weights_after_loading(layer)  # end_weight_update packs again
+            twice = layer.weight is packed
+            model = torch.nn.Sequential(layer)
+            DefaultModelLoader.restore_weights_before_loading(model, torch.device("cpu"))  # begin
+            restored = (tuple(layer.weight.shape), layer.weight.dtype, layer.use_intel_amx_backend)
+            for name, value in (("weight", w1), ("bias", b1)):
+                param = dict(model.named_parameters())[f"0.{name}"]
+                param.weight_loader(param, value)
+            DefaultModelLoader.postprocess_weights(model, torch.device("cpu"))  # end
+            again = fresh(out_features, w1, b1)
+            checks.append((
+                out_features, unfixed, twice, restored[0] == (out_features, 128) and restored[2] is False,
+                torch.equal(layer.weight, again.weight) and layer.weight.dtype == again.weight.dtype,
+                torch.equal(layer.bias, again.bias), layer.use_intel_amx_backend,
+            ))
+        print(cpu_has_amx_support(), "amx_packed_weights_reload" in compat.applied(), checks)
+        """
+    )
+    assert out == (
+        "True True [(4, 'refused', True, True, True, True, True), (32, 'wrong', True, True, True, True, True)]"
+    )

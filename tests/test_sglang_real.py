@@ -85,11 +85,13 @@ def test_sampled_logprobs_equal_the_engines_and_the_embedded_scores(scenarios) -
     # token of 0.204).
     own = got["sampled_vs_own_top3"]
     assert own[1] <= FLOOR_FACTOR * floor and own[0] < 2.0, got
-    # Against the embedded engine: every token but at most one within the bf16 floor. One sampled
-    # token whose router sits on a near-tie may take another expert in each engine (what routing
-    # replay exists for) and move by about 1: seen under load, when SGLang batched the requests
-    # otherwise and sampled such a token (logprob -2.53 vs -3.68, every other token within 0.12).
-    top = got["sampled_vs_embedded_top3"]
+    # Against the embedded engine's fp32 score of the same sequences (as the greedy test: the engine's
+    # distance to fp32): every token but at most one within twice the bf16 floor's bound. One sampled
+    # token whose router sits on a near-tie may take another expert (what routing replay exists for)
+    # and move by about 1. Not against the embedded engine in bf16, a second bf16 implementation with
+    # near-ties of its own: on an AVX2 EPYC its bf16 scores sat 1.16 and 0.30 from SGLang's on two
+    # tokens, deterministically, where SGLang's stayed within 0.106 of fp32 on every token.
+    top = got["sampled_vs_fp32_top3"]
     assert top[1] <= 2 * FLOOR_FACTOR * floor and top[0] < 2.0, got
 
 
@@ -320,3 +322,25 @@ def test_a_quantized_deepseek_v3_written_by_transformers_starts_unquantized_and_
     assert got["synced_vs_disk"] == 0.0, got  # the sync lands exactly what SGLang's own loader reads
     assert got["dummy_vs_disk"] > 0.1, got  # and it replaced the dummy weights
     assert got["bf16_floor"] > 0 and got["sglang_vs_fp32"] >= 0  # reported (the docstring's gap)
+
+
+def test_weight_updates_on_sglangs_intel_amx_path_leave_the_layouts_a_fresh_start_packs(tmp_path) -> None:
+    """Issue 50, one engine start of its own: SGLang's intel_amx CPU path repacks weights after
+    loading (VNNI blocks, a small router transposed to fp32, fp32 biases), which an update met in the
+    checkpoint's layout (seen on an AMX Xeon: the router's AssertionError). A DeepSeek-V3 engine on that
+    path (``GRPO_SGLANG_AMX=pretend`` where the CPU has no AMX: packing and updates run on any CPU, a
+    forward only on AMX) started from checkpoint A takes B through the adapter's bucketed sync and A
+    again by named tensors: every parameter, as the engine holds it (packed), is then bit for bit what
+    the fresh start from A packed (SGLang's own per-parameter checksums)."""
+    require_sglang_engine()
+    out = tmp_path / "results.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "tests.workers.sglang_workers", "amx_layouts", str(out), str(tmp_path)],
+        cwd=ROOT, capture_output=True, text=True, timeout=ENGINE_TIMEOUT_S,
+    )  # fmt: skip
+    got = json.loads(out.read_text()) if out.is_file() else {}
+    assert proc.returncode == 0 and got, f"the worker exited {proc.returncode}:\n{proc.stderr[-4000:]}"
+    assert "error" not in got, got["error"]
+    assert got["amx"] and "amx_packed_weights_reload" in got["compat_applied"], got
+    assert len(got["b_differs"]) >= got["parameters"] - 1, got  # B reached every parameter (a zero bias twice)
+    assert got["back_differs"] == [], got

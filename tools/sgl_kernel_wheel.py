@@ -11,6 +11,12 @@ builds, told apart by the version's local tag; ``BUILDS`` says what each needs:
 
 (``BUILD_SCRIPT``: ``tools/build_sgl_kernel_cpu.sh``.)
 
+SGLang's CPU engine takes its intel_amx path where the CPU has AMX (its kernels for linear layers,
+norms and MoE; bf16/fp16 models), its torch_native path elsewhere (no kernel op called):
+``sglang_cpu_path`` here, ``grpo_megatron/rollout/sglang/cpu_path.py`` for an engine. So a Sapphire
+Rapids (or later) Xeon runs intel_amx; a Xeon with avx512_bf16 but no AMX, a Xeon without
+avx512_bf16 and an AMD EPYC with AVX2 only run torch_native.
+
 The AVX-512 build dies with SIGILL on ``import sgl_kernel`` without AVX-512. The AVX2 build has no
 scalar path for the ops SGLang calls only where it sees AMX (``weight_packed_linear`` aborts), so it
 never goes beside AMX; nor beside avx512_bf16, where the AVX-512 build is the one that fits.
@@ -196,13 +202,20 @@ def wheels_line(folder: str | Path | None, flags: frozenset[str]) -> str:
     return f"wheels in {folder}: {'; '.join(shown)}"
 
 
+def sglang_cpu_path(flags: frozenset[str]) -> str:
+    """The path SGLang's CPU engine takes on a CPU with ``flags`` and a kernel build that fits it."""
+    return "intel_amx" if "amx_tile" in flags else "torch_native"
+
+
 def machine_line(cpuinfo: str, folder: str | Path | None) -> str:
-    """CPU model, ISA level and the kernel wheel chosen from ``folder``: the first line of make test."""
+    """CPU model, ISA level and the kernel wheel chosen from ``folder`` (with the SGLang CPU path it
+    gives): the first line of make test."""
     flags = cpu_flags(cpuinfo)
     chosen = choose(flags, wheels_in(folder))
     head = f"machine: {cpu_model(cpuinfo)} | ISA {isa_level(flags)} | SGLang CPU kernel: "
     if chosen is not None:
-        return head + f"{chosen.path.name} ({chosen.build.name if chosen.build else '?'} build, from {folder})"
+        build = chosen.build.name if chosen.build else "?"
+        return head + f"{chosen.path.name} ({build} build, from {folder}) | SGLang CPU path: {sglang_cpu_path(flags)}"
     return head + f"none fits ({wheels_line(folder, flags)}; {how_to_build(flags)}): the real-engine tests will skip"
 
 

@@ -40,7 +40,7 @@ MOVED_KEYS: dict[str, str] = {
        for k in ("segment_tokens", "groups_in_flight", "overlap", "one_request", "keep_kv")},
     **{f"rollout.sglang_{k}": f"rollout.sglang.{k}"
        for k in ("mode", "tp", "ep", "server_urls", "sync_master_addr", "sync_master_port", "request_timeout_s",
-                 "routed_experts", "server_args")},
+                 "routed_experts", "cpu_path", "server_args")},
     "rollout.max_engine_restarts": "rollout.recovery.max_restarts",
     "rollout.engine_health_timeout_s": "rollout.recovery.health_timeout_s",
 }  # fmt: skip

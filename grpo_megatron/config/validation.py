@@ -68,6 +68,8 @@ def validate(cfg: JobConfig, world_size: int) -> None:
         errors.extend(context_length_errors(cfg, hf_config))
     if hf_config is not None and not failed & {"rollout", "model", "parallel"}:
         errors.extend(sglang_rotary_errors(cfg, hf_config))
+    if not failed & {"rollout", "model", "parallel"}:
+        errors.extend(sglang_cpu_errors(cfg))
 
     if errors:
         raise ConfigError(errors)
@@ -274,6 +276,17 @@ def sglang_rotary_errors(cfg: JobConfig, hf_config: dict[str, Any]) -> list[str]
         "and its scheduler fails the first forward otherwise; use a model with one of them (a test model: "
         "model.hf_overrides.head_dim=64), or rollout.engine=embedded"
     ]
+
+
+def sglang_cpu_errors(cfg: JobConfig) -> list[str]:
+    """Colocated SGLang engines on CPU: the path SGLang takes on this CPU must serve ``model.dtype``
+    (``rollout/sglang/cpu_path.py``: intel_amx, where the CPU has AMX, serves no fp32)."""
+    r = cfg.rollout
+    if r.engine != "sglang" or r.sglang.mode != "colocated" or job_backend(cfg.parallel.backend) != "gloo":
+        return []
+    from grpo_megatron.rollout.sglang.cpu_path import cpu_path_errors, sglang_cpu_path
+
+    return cpu_path_errors(sglang_cpu_path(r.sglang.cpu_path), cfg.model.dtype)
 
 
 def async_errors(cfg: JobConfig) -> list[str]:

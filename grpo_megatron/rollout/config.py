@@ -151,6 +151,10 @@ class SGLangConfig:
     """disaggregated: seconds an HTTP request to a server (and a wait for it to be healthy) may take."""
     routed_experts: bool = True
     """Ask SGLang for each token's routed experts (MoE models only), kept for routing replay."""
+    cpu_path: Literal["auto", "torch_native"] = "auto"
+    """SGLang engines on CPU: auto = the path SGLang takes on this CPU (intel_amx where the CPU has AMX:
+    bf16/fp16 models only; torch_native elsewhere); torch_native = its torch-native path on every CPU
+    (an fp32 model on an AMX machine). rollout/sglang/cpu_path.py."""
     server_args: dict[str, Any] = field(default_factory=dict)
     """Extra sglang ServerArgs of colocated engines, over ours (e.g. {attention_backend: fa3,
     enable_deterministic_inference: true} for seeded, reproducible sampling)."""

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -50,6 +51,23 @@ class EngineLost(RuntimeError):
 
 LOG_TAIL_LINES = 20
 """Lines of an engine's log quoted when it is lost or fails to start."""
+
+
+_ERROR_LINE = re.compile(r"^\s*((?:[A-Za-z_][\w.]*\.)?[A-Z]\w*(?:Error|Exception|Exit|Interrupt)\b(?::.*)?)$")
+"""A traceback's last line: ``NotImplementedError: "rmsnorm_kernel" not implemented for 'Float'``."""
+
+
+def last_error_line(path: Path | None) -> str | None:
+    """The last exception line (a traceback's last line) in an engine's log at ``path``, or None."""
+    try:
+        lines = path.read_text(errors="replace").splitlines() if path is not None else []
+    except OSError:
+        return None
+    for line in reversed(lines):
+        match = _ERROR_LINE.match(line)
+        if match:
+            return match.group(1).strip()
+    return None
 
 
 def log_tail(path: Path | None, lines: int = LOG_TAIL_LINES, indent: str = "") -> str:

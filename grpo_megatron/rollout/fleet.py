@@ -104,7 +104,7 @@ def make_engine(
             raise RuntimeError(
                 f"rollout.engine=sglang: the SGLang adapter grpo_megatron.rollout.sglang.engine cannot be "
                 f"imported ({exc}); use rollout.engine=embedded, or install SGLang on a CUDA machine "
-                "(pip install 'grpo-megatron[gpu]')"
+                "(pip install --no-deps -r requirements/gpu.txt: docs/getting-started/gpu.md)"
             ) from exc
         return sglang_engine.SGLangEngine.from_config(spec, ps, placement)
     if ps.rank not in placement.leaders():

@@ -191,6 +191,7 @@ class Scenarios:
         lens = [len(p) for p, g in zip(PROMPTS, groups, strict=True) for _ in g]
         scored = self.engine.score(seqs, lens, 1.0)
         emb = embedded(self.a, torch.bfloat16).score(seqs, lens, 1.0)
+        emb32 = embedded(self.a, torch.float32).score(seqs, lens, 1.0)
         distinct = sum(len({tuple(c.token_ids) for c in g}) for g in groups)
         return {
             "groups": len(groups),
@@ -205,6 +206,10 @@ class Scenarios:
             "sampled_vs_embedded_score": max_diff(flat_logprobs(groups), [x for r in emb for x in r]),
             "sampled_vs_embedded_top3": sorted(
                 (abs(x - y) for x, y in zip(flat_logprobs(groups), [x for r in emb for x in r], strict=True)),
+                reverse=True,
+            )[:3],
+            "sampled_vs_fp32_top3": sorted(
+                (abs(x - y) for x, y in zip(flat_logprobs(groups), [x for r in emb32 for x in r], strict=True)),
                 reverse=True,
             )[:3],
         }
@@ -733,9 +738,88 @@ def fp8_deepseek(out: Path, workdir: Path) -> None:
     out.write_text(json.dumps(results, indent=1))
 
 
+# -- SGLang's intel_amx weight layouts on any CPU (issue 50): GRPO_SGLANG_AMX=pretend, no forward
+
+
+def save_deepseek(out: Path, seed: int) -> dict[str, torch.Tensor]:
+    """A tiny bf16 DeepSeek-V3 (``TINY_CONFIGS``' with the demo's 32-id vocabulary and tokenizer: MLA,
+    group routing, a shared expert, a dense first layer, an untied head), random weights of a useful
+    scale; returns the tensors as saved."""
+    from safetensors.torch import load_file
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from tests.helpers.tiny_configs import TINY_CONFIGS
+
+    torch.manual_seed(seed)
+    config = AutoConfig.for_model(**(TINY_CONFIGS["deepseek_v3"] | {"vocab_size": 32}))
+    model = AutoModelForCausalLM.from_config(config).to(torch.bfloat16)
+    peaked_weights_(model)
+    model.save_pretrained(out, safe_serialization=True)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(DEMO / f, out / f)
+    return load_file(str(out / "model.safetensors"))
+
+
+def weight_checksums(server: Any) -> dict[str, str]:
+    """Every parameter of the engine as it holds it (after SGLang's post-load processing: on the AMX
+    path, the packed layouts), one checksum each: SGLang's own ``check_weights(action="checksum")``."""
+    from sglang.srt.managers.io_struct import CheckWeightsReqInput
+
+    ok, message, ranks, _ = server.loop.run_until_complete(
+        server.tokenizer_manager.check_weights(CheckWeightsReqInput(action="checksum"), None)
+    )
+    assert ok and ranks, message
+    return dict(ranks[0]["checksums"])
+
+
+def amx_layouts(out: Path, workdir: Path) -> None:
+    """A DeepSeek-V3 engine on SGLang's intel_amx path (``GRPO_SGLANG_AMX=pretend`` where the CPU has
+    no AMX: loading, packing and weight updates run, a forward could not), started through the adapter
+    from checkpoint A: the adapter's bucketed sync of B, then A by name (named tensors), must
+    leave every parameter as the fresh start from A packed it (checksums of the engine's own
+    parameters, packed layouts included)."""
+    os.environ["GRPO_SGLANG_AMX"] = "pretend"
+    from grpo_megatron.rollout.config import RolloutConfig
+    from grpo_megatron.rollout.sglang import compat
+    from grpo_megatron.rollout.sglang.engine import SGLangEngine
+    from grpo_megatron.rollout.sglang.launch import EngineLaunch
+    from grpo_megatron.rollout.sglang.weights import raise_on_failure
+
+    results: dict[str, Any] = {}
+    a, b = save_deepseek(workdir / "a", seed=0), save_deepseek(workdir / "b", seed=1)
+    try:
+        engine = SGLangEngine(RolloutConfig(engine="sglang"), str(workdir / "a"),
+                              EngineLaunch("bfloat16", device="cpu", log_dir=str(workdir / "logs")))  # fmt: skip
+        server = engine.servers[0]
+        from sglang.srt.utils.common import cpu_has_amx_support
+
+        results["amx"] = bool(cpu_has_amx_support())
+        results["compat_applied"] = compat.applied()
+        fresh = weight_checksums(server)
+        names = sorted(b)
+        step = -(-len(names) // 3)
+        for i in range(0, len(names), step):  # the adapter's transport, 3 buckets
+            engine.update_weights([(n, b[n]) for n in names[i : i + step]], version=1, last=False)
+        engine.update_weights([], version=1, last=True)
+        synced_b = weight_checksums(server)
+        server.begin_weight_update()  # SGLang's named-tensor path (a fused pair needs both halves in one call)
+        raise_on_failure(server.update_weights_from_tensor(sorted(a.items())), "named tensors")
+        server.end_weight_update()
+        back = weight_checksums(server)
+        results["parameters"] = len(fresh)
+        results["b_differs"] = sorted(n for n in fresh if synced_b.get(n) != fresh[n])
+        results["back_differs"] = sorted(n for n in fresh if back.get(n) != fresh[n])
+        engine.shutdown()
+    except Exception as exc:  # recorded, so the test names what failed and why
+        results["error"] = f"{type(exc).__name__}: {exc}"
+    out.write_text(json.dumps(results, indent=1))
+
+
+WORKERS: dict[str, Callable[[Path, Path], None]] = {"fp8_deepseek": fp8_deepseek, "amx_layouts": amx_layouts}
+
 if __name__ == "__main__":
-    if sys.argv[1] == "fp8_deepseek":
-        fp8_deepseek(Path(sys.argv[2]), Path(sys.argv[3]))
+    if sys.argv[1] in WORKERS:
+        WORKERS[sys.argv[1]](Path(sys.argv[2]), Path(sys.argv[3]))
     else:
         main(Path(sys.argv[1]), Path(sys.argv[2]))
 

@@ -49,7 +49,7 @@ from typing import Any
 
 import psutil
 
-from grpo_megatron.rollout.engine import LOG_TAIL_LINES, EngineLost, log_tail
+from grpo_megatron.rollout.engine import LOG_TAIL_LINES, EngineLost, last_error_line, log_tail
 
 EXIT_ENGINE_DIED = 70
 """A rank's exit status when its SGLang engine died (EX_SOFTWARE)."""
@@ -184,10 +184,19 @@ class EngineProcesses:
         return out
 
     def report(self, dead: list[tuple[psutil.Process, str]] | None = None) -> str:
-        dead = self.dead() if dead is None else dead
+        return self.died(self.cause(self.dead() if dead is None else dead))
+
+    def cause(self, dead: list[tuple[psutil.Process, str]]) -> str:
+        """Why the engine is gone, never empty: each dead process and how it ended (none yet: SGLang's
+        SIGQUIT, sent by a failing process before it exits), and the last exception line of its log."""
         what = "; ".join(f"process {self.names.get(p.pid, 'of the engine')} (pid {p.pid}) {how}" for p, how in dead)
+        what = what or "SGLang sent SIGQUIT (a process of the engine failed)"
+        error = last_error_line(self.log_path)
+        return f"{what}; its log's last error: {error}" if error else what
+
+    def died(self, why: str) -> str:
         return (
-            f"the SGLang engine of rank {self.rank} on {self.host} died: {what}. Last lines of its log "
+            f"the SGLang engine of rank {self.rank} on {self.host} died: {why}. Last lines of its log "
             f"{self.log_path}:\n{tail(self.log_path)}\nThe last checkpoint is intact: run the same command "
             "again to resume from it."
         )
@@ -219,8 +228,7 @@ class EngineProcesses:
         process alive (``recoverable``)."""
         dead = self.dead()
         if dead:
-            raise self.lost("; ".join(f"process {self.names.get(p.pid, 'of the engine')} (pid {p.pid}) {how}"
-                                      for p, how in dead))  # fmt: skip
+            raise self.lost(self.cause(dead))
         if self.quit_received:
             raise self.lost("SGLang sent SIGQUIT with every process of this rank's part alive (a scheduler "
                             "failed: a peer of its TP group lost, on this node or another, or its watchdog: a "

@@ -39,7 +39,13 @@ import torch
 from grpo_megatron.distributed.bootstrap import free_port
 from grpo_megatron.rollout.config import RolloutConfig
 from grpo_megatron.rollout.sglang import compat
-from grpo_megatron.rollout.sglang.health import EngineProcesses, SignalState, sigquit_while_starting
+from grpo_megatron.rollout.sglang.cpu_path import cpu_path_errors, engine_amx_environment, sglang_cpu_path
+from grpo_megatron.rollout.sglang.health import (
+    EngineProcesses,
+    EngineStartError,
+    SignalState,
+    sigquit_while_starting,
+)
 from grpo_megatron.rollout.sglang.ipc import CudaIpcTransport
 from grpo_megatron.rollout.sglang.layout import ColocatedLayout
 from grpo_megatron.rollout.sglang.model_config import engine_model_path, quantized, read_hf_config
@@ -51,9 +57,9 @@ if TYPE_CHECKING:
     from grpo_megatron.rollout.engine import EngineSpec
 
 INSTALL_HINT = (
-    "rollout.engine=sglang needs SGLang: on a CUDA machine pip install 'grpo-megatron[gpu]'; on CPU "
-    "`make setup` installs SGLang's engine from the lock and its CPU kernels from WHEELHOUSE "
-    "(README: SGLang on CPU)"
+    "rollout.engine=sglang needs SGLang: on a CUDA machine pip install --no-deps -r requirements/gpu.txt "
+    "(the set the GPU check ran: docs/getting-started/gpu.md); on CPU `make setup` installs SGLang's "
+    "engine from the lock and its CPU kernels from WHEELHOUSE (docs/getting-started/cpu.md)"
 )
 class SGLangUnavailableError(ImportError):
     """SGLang is not importable here: the message says how to install it."""
@@ -87,13 +93,16 @@ torch.distributed in SGLang's scheduler connects to the trainer's launcher store
 rendezvous and waits there for good (seen: a colocated engine under torchrun never started)."""
 
 
-def engine_environment(device: torch.device) -> dict[str, str | None]:
+def engine_environment(device: torch.device, cpu_path: str = "auto") -> dict[str, str | None]:
     """The environment an engine's processes start with, over the trainer's: no launcher variables
     (``LAUNCHER_VARIABLES``); on CPU its schedulers' cores, one group per trainer rank of this node
-    (``cpu_threads_bind``; a binding the user set is kept)."""
+    (``cpu_threads_bind``; a binding the user set is kept), and SGLang's CPU path where
+    ``rollout.sglang.cpu_path`` (``cpu_path``) chooses one (``cpu_path.engine_amx_environment``)."""
     env: dict[str, str | None] = dict.fromkeys(LAUNCHER_VARIABLES)
-    if device.type == "cpu" and not os.environ.get("SGLANG_CPU_OMP_THREADS_BIND"):
-        env["SGLANG_CPU_OMP_THREADS_BIND"] = cpu_threads_bind(int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    if device.type == "cpu":
+        if not os.environ.get("SGLANG_CPU_OMP_THREADS_BIND"):
+            env["SGLANG_CPU_OMP_THREADS_BIND"] = cpu_threads_bind(int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+        env.update(engine_amx_environment(cpu_path))
     return env
 
 
@@ -115,14 +124,16 @@ _SET_BY_LAYOUT = ("tp_size", "nnodes", "node_rank", "dist_init_addr", "base_gpu_
 
 CPU_SERVER_ARGS: dict[str, Any] = {
     "device": "cpu",
-    "attention_backend": "torch_native",  # triton fails on CPU; the CPU kernels' "intel_amx" needs AMX
+    "attention_backend": "torch_native",  # triton fails on CPU; intel_amx: see rollout/sglang/cpu_path.py
     "disable_cuda_graph": True,
     "enable_memory_saver": False,  # torch_memory_saver needs libcuda: release/resume then free nothing
     "enable_return_routed_experts": False,  # its host buffer is pinned memory, which needs CUDA
     "max_total_tokens": 16384,  # else the KV pool is sized from free host memory
 }
 """What SGLang's engine needs on CPU (seen with SGLang 0.5.23, ``SGLANG_USE_CPU_ENGINE=1``;
-../shared/GUIDE.md section 9). ``rollout.sglang.server_args`` still win over each."""
+../shared/GUIDE.md section 9), on both of its CPU paths (``rollout/sglang/cpu_path.py``: on the
+intel_amx path linear layers, norms and MoE run SGLang's kernels, attention stays torch_native).
+``rollout.sglang.server_args`` still win over each."""
 
 
 def cpu_threads_bind(slots: int, cores: Sequence[int] | None = None) -> str:
@@ -301,6 +312,8 @@ def start_colocated(
     SGLang replaces are taken back and SIGQUIT names the engine (``rollout/sglang/health.py``)."""
     device = launch.torch_device()
     sglang, _, _ = import_sglang(device)
+    if device.type == "cpu":
+        refuse_cpu_path(rollout.sglang.cpu_path, launch, sglang)
     launch = dataclasses.replace(launch, device=str(device))
     server_args = colocated_server_args(rollout, model_path, launch, hf_config, node_rank=node_rank,
                                         weights_on_disk=weights_on_disk)  # fmt: skip
@@ -312,7 +325,7 @@ def start_colocated(
     log_path = Path(launch.log_dir or tempfile.gettempdir()) / f"engine-rank{launch.rank}-{os.getpid()}.log"
     health = EngineProcesses(launch.rank, log_path)
     signals = SignalState() if threading.current_thread() is threading.main_thread() else None
-    with compat.child_environment(engine_environment(device)), health.start():
+    with compat.child_environment(engine_environment(device, rollout.sglang.cpu_path)), health.start():
         engine = sglang.Engine(**server_args, **start_signal_handler(signals is not None))
     health.recoverable = rollout.recovery.max_restarts > 0  # a lost part is restarted, not the rank ended
     if signals is not None:
@@ -366,6 +379,24 @@ def launch_servers(
     server, health, args = start_colocated(rollout, model_path, launch, hf_config, weights_on_disk=weights_on_disk)
     dummy = not weights_on_disk or quantized(hf_config)
     return Launched([server], transport, bool(args["enable_return_routed_experts"]), health, dummy)
+
+
+def refuse_cpu_path(setting: str, launch: EngineLaunch, sglang: ModuleType) -> None:
+    """Raise ``EngineStartError`` naming the fix where the path SGLang's CPU engine takes here
+    (``rollout/sglang/cpu_path.py``) cannot serve this engine: an fp32 model on the intel_amx path,
+    or the intel_amx path in an SGLang without weight-update sessions (before 0.5.21: its packed
+    weights cannot take an update, ``compat.amx_packed_weights_reload``)."""
+    path = sglang_cpu_path(setting)
+    refused = cpu_path_errors(path, launch.dtype)
+    if path == "intel_amx" and not callable(getattr(sglang.Engine, "begin_weight_update", None)):
+        refused.append(
+            f"SGLang {getattr(sglang, '__version__', '?')} has no weight-update sessions (begin_weight_update, "
+            "0.5.21 on), and on this CPU (AMX: SGLang's intel_amx path) the weights it packs after loading "
+            "cannot take the trainer's updates without them; install SGLang >= 0.5.21, or set "
+            "rollout.sglang.cpu_path=torch_native"
+        )
+    if refused:
+        raise EngineStartError(f"the SGLang engine of rank {launch.rank} cannot start: {'; '.join(refused)}")
 
 
 def start_signal_handler(main_thread: bool) -> dict[str, Any]:
