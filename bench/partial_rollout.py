@@ -58,9 +58,20 @@ def make_engine() -> object:
     from grpo_megatron.rollout.embedded import EmbeddedEngine
 
     demo = json.loads((REPO / "examples" / "demo" / "config.json").read_text())
-    dense = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-             "num_key_value_heads", "rms_norm_eps", "rope_theta", "tie_word_embeddings", "bos_token_id",
-             "eos_token_id", "pad_token_id")  # fmt: skip
+    dense = (
+        "vocab_size",
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "rms_norm_eps",
+        "rope_theta",
+        "tie_word_embeddings",
+        "bos_token_id",
+        "eos_token_id",
+        "pad_token_id",
+    )
     hf = {k: demo[k] for k in dense} | {"model_type": "qwen2", "max_position_embeddings": 512}
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**hf))
@@ -101,13 +112,16 @@ def synchronous(engine: object, lengths: Lengths, args: argparse.Namespace) -> l
 
 def drawn_lengths(
     engine: object, want: dict[int, int], segment: int
-) -> Callable[[list[tuple[int, PartialResponse]], list[list[int]], SamplingParams], Callable[[], list[list[Completion]]]]:
+) -> Callable[
+    [list[tuple[int, PartialResponse]], list[list[int]], SamplingParams], Callable[[], list[list[Completion]]]
+]:
     """A segment round's ``Submit`` straight to ``engine`` where each response's drawn length (``want``,
     by its id) stands in for a stop token: each row's budget is min(segment, what is left of it), and
     its segment ends with "stop" once it is reached."""
 
-    def submit(rows: list[tuple[int, PartialResponse]], inputs: list[list[int]],
-               params: SamplingParams) -> Callable[[], list[list[Completion]]]:  # fmt: skip
+    def submit(
+        rows: list[tuple[int, PartialResponse]], inputs: list[list[int]], params: SamplingParams
+    ) -> Callable[[], list[list[Completion]]]:
         budgets = tuple(min(segment, want[id(r)] - len(r.token_ids)) for _, r in rows)
         params = dataclasses.replace(params, max_new_tokens=max(budgets), max_new_tokens_each=budgets)
         segments = engine.generate(inputs, params)  # type: ignore[attr-defined]
@@ -120,17 +134,22 @@ def drawn_lengths(
 
 
 def continuous(engine: object, lengths: Lengths, args: argparse.Namespace) -> tuple[list[float], list[int]]:
-    pool = PartialPool(args.samples, args.segment, args.max_new_tokens, max_staleness=1_000_000,
-                       size=2 * args.prompts)  # fmt: skip
+    pool = PartialPool(
+        args.samples, args.segment, args.max_new_tokens, max_staleness=1_000_000, size=2 * args.prompts
+    )
     seconds, rounds_per_it = [], []
     for it in range(args.iterations):
         start = time.perf_counter()
         pool.top_up(list(range(pool.next_serial, pool.next_serial + pool.missing())))  # index = serial
-        want = {id(g.responses[j]): lengths.length(g.serial, j) for g in pool.groups for j in range(args.samples)}
+        want = {
+            id(g.responses[j]): lengths.length(g.serial, j) for g in pool.groups for j in range(args.samples)
+        }
         rounds = 0
         while pool.unfinished() and (rounds == 0 or pool.complete() < args.prompts):
             params = SamplingParams(n=1, seed=it * 1000 + rounds)
-            collect_round(pool, submit_round(pool, lengths.prompt, drawn_lengths(engine, want, args.segment), params))
+            collect_round(
+                pool, submit_round(pool, lengths.prompt, drawn_lengths(engine, want, args.segment), params)
+            )
             rounds += 1
         pool.take(args.prompts)
         seconds.append(time.perf_counter() - start)
@@ -151,7 +170,9 @@ def main() -> int:
     args = parser.parse_args()
     torch.set_num_threads(1)
     lengths = Lengths(args)
-    drawn = sorted(lengths.length(s, j) for s in range(args.iterations * args.prompts) for j in range(args.samples))
+    drawn = sorted(
+        lengths.length(s, j) for s in range(args.iterations * args.prompts) for j in range(args.samples)
+    )
     p50, p99 = median(drawn), drawn[min(len(drawn) - 1, int(0.99 * len(drawn)))]
     engine = make_engine()
     sync = synchronous(engine, lengths, args)

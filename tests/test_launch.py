@@ -64,20 +64,26 @@ def test_sbatch_two_local_nodes(tmp_path: Path) -> None:
 # The real Slurm branch under a shim: fake `scontrol` and `srun` executables on PATH that do what Slurm
 # does for this script, so that its own `srun` line runs (not the GRPO_LOCAL_TEST branch).
 
+
 def _run_sbatch_under_slurm(
     tmp_path: Path, *args: str, python: str | None = None
 ) -> subprocess.CompletedProcess:
     """train.sbatch as sbatch would run it on a 2-node allocation (the job's environment), with the
     fake srun/scontrol first on PATH."""
     cmd = ["bash", str(REPO_ROOT / "launch/slurm/train.sbatch"), "examples/tiny_moe.yaml", *args]
-    return subprocess.run(cmd, cwd=tmp_path, env=slurm_env(tmp_path, python), capture_output=True, text=True,
-                          timeout=240)
+    return subprocess.run(
+        cmd, cwd=tmp_path, env=slurm_env(tmp_path, python), capture_output=True, text=True, timeout=240
+    )
 
 
 def test_fake_scontrol_expands_slurm_hostlists(tmp_path: Path) -> None:
     scontrol = shim(tmp_path) / "scontrol"
-    out = subprocess.run([scontrol, "show", "hostnames", "gpu[001-003,010],login1,rack2-n[8-9]x"],
-                         capture_output=True, text=True, check=True)  # fmt: skip
+    out = subprocess.run(
+        [scontrol, "show", "hostnames", "gpu[001-003,010],login1,rack2-n[8-9]x"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     assert out.stdout.split() == ["gpu001", "gpu002", "gpu003", "gpu010", "login1", "rack2-n8x", "rack2-n9x"]
 
 

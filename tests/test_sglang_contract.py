@@ -270,7 +270,9 @@ def test_engine_streams_a_version_and_refuses_bad_or_partial_ones(exported) -> N
     stream = buckets["float32"]
     stub = LoadingEngine(tp_size=2)
     engine = SGLangEngine(
-        RolloutConfig(engine="sglang", sglang=SGLangConfig(tp=2)), str(hf_dir), EngineLaunch(device="cpu"),
+        RolloutConfig(engine="sglang", sglang=SGLangConfig(tp=2)),
+        str(hf_dir),
+        EngineLaunch(device="cpu"),
         servers=[stub],
     )
     for i, bucket in enumerate(stream):
@@ -372,8 +374,14 @@ def test_every_http_request_goes_to_an_sglang_endpoint_with_declared_fields(expo
     client.flush_cache()
     client.release_memory_occupation(["weights"])
     client.resume_memory_occupation(None)
-    client.init_weights_update_group(master_address="h", master_port=1, rank_offset=1, world_size=3,
-                                     group_name=WEIGHT_GROUP_NAME, backend="nccl")  # fmt: skip
+    client.init_weights_update_group(
+        master_address="h",
+        master_port=1,
+        rank_offset=1,
+        world_size=3,
+        group_name=WEIGHT_GROUP_NAME,
+        backend="nccl",
+    )
     client.begin_weight_update()
     client.update_weights_from_distributed(
         **distributed_update_body(ordered, group_name=WEIGHT_GROUP_NAME, flush_cache=True, weight_version="3")
@@ -404,7 +412,7 @@ def test_distributed_update_metadata_lays_out_the_senders_bytes_in_sglangs_recei
                 json.dumps(
                     distributed_update_body(ordered, group_name=GROUP, flush_cache=False, weight_version=None)
                 )
-            )  # fmt: skip  (what travels is JSON)
+            )  # what travels is JSON
             assert body["load_format"] == "flattened_bucket" and "weight_version" not in body
             assert [getattr(torch, d) for d in body["dtypes"]] == [t.dtype for _, t in ordered]
             flat = flattened_bucket(ordered, FlattenedTensorBucket, "cpu").get_flattened_tensor()
@@ -422,7 +430,11 @@ def test_per_gpu_payloads_and_an_empty_one_survive_sglangs_tensor_path(exported)
     _, buckets = exported
     bucket = buckets["bfloat16"][0]
     classes = (FlattenedTensorBucket, MultiprocessingSerializer)
-    payloads = [rank_payload(bucket[:1], classes), rank_payload([], classes), rank_payload(bucket[1:], classes)]
+    payloads = [
+        rank_payload(bucket[:1], classes),
+        rank_payload([], classes),
+        rank_payload(bucket[1:], classes),
+    ]
     assert not _differences(bucket[:1], _sglang_load(payloads, 0))
     assert _sglang_load(payloads, 1) == []
     assert not _differences(bucket[1:], _sglang_load(payloads, 2))

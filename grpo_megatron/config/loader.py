@@ -36,14 +36,28 @@ _INVALID = object()  # returned by the converters after they recorded an error
 
 MOVED_KEYS: dict[str, str] = {
     "train.partial_rollout": "rollout.partial.enabled",
-    **{f"rollout.partial_{k}": f"rollout.partial.{k}"
-       for k in ("segment_tokens", "groups_in_flight", "overlap", "one_request", "keep_kv")},
-    **{f"rollout.sglang_{k}": f"rollout.sglang.{k}"
-       for k in ("mode", "tp", "ep", "server_urls", "sync_master_addr", "sync_master_port", "request_timeout_s",
-                 "routed_experts", "cpu_path", "server_args")},
+    **{
+        f"rollout.partial_{k}": f"rollout.partial.{k}"
+        for k in ("segment_tokens", "groups_in_flight", "overlap", "one_request", "keep_kv")
+    },
+    **{
+        f"rollout.sglang_{k}": f"rollout.sglang.{k}"
+        for k in (
+            "mode",
+            "tp",
+            "ep",
+            "server_urls",
+            "sync_master_addr",
+            "sync_master_port",
+            "request_timeout_s",
+            "routed_experts",
+            "cpu_path",
+            "server_args",
+        )
+    },
     "rollout.max_engine_restarts": "rollout.recovery.max_restarts",
     "rollout.engine_health_timeout_s": "rollout.recovery.health_timeout_s",
-}  # fmt: skip
+}
 """Keys that moved into nested sections (issue 52): a config that still names one fails with its new
 name instead of a guess."""
 
@@ -204,7 +218,9 @@ def _apply_override(raw: dict[str, Any], override: str, origins: _Origins, error
             # edits the default list instead of replacing it.
             default = defaults[depth]
             child = container[key] = _to_raw(default) if isinstance(default, list) else {}
-        if not isinstance(child, dict | list) or (isinstance(path[depth + 1], int) and not isinstance(child, list)):
+        if not isinstance(child, dict | list) or (
+            isinstance(path[depth + 1], int) and not isinstance(child, list)
+        ):
             errors.append(
                 f"{where}: {_dotted(path[: depth + 1])} is {child!r}, which has no entry {path[depth + 1]!r}"
             )
@@ -254,7 +270,9 @@ def _parse_override_value(text: str, tp: Any) -> Any:
 # Type checking and conversion of raw YAML values
 
 
-def _convert(value: Any, tp: Any, path: KeyPath, origins: _Origins, errors: list[str], expected: str = "") -> Any:
+def _convert(
+    value: Any, tp: Any, path: KeyPath, origins: _Origins, errors: list[str], expected: str = ""
+) -> Any:
     """`value` converted to `tp`, or _INVALID after appending the reason to `errors`."""
     expected = expected or _describe(tp)
     origin = _origin(tp)
@@ -378,11 +396,15 @@ def _unknown_key_message(path: KeyPath, valid: list[str]) -> str:
     if moved is not None:
         *sections, key = moved.split(".")
         nested = "".join(f"{name}: " for name in sections)
-        return f"'{_dotted(path)}' has moved to '{moved}' ({nested}{key}: in YAML); rename it, the value stays"
+        return (
+            f"'{_dotted(path)}' has moved to '{moved}' ({nested}{key}: in YAML); rename it, the value stays"
+        )
     name = str(path[-1])
     close = difflib.get_close_matches(name, valid, n=1, cutoff=0.6)
     where = f"in '{_dotted(path[:-1])}'" if len(path) > 1 else "at the top level"
-    hint = f"did you mean '{_dotted((*path[:-1], close[0]))}'?" if close else f"valid keys: {', '.join(valid)}"
+    hint = (
+        f"did you mean '{_dotted((*path[:-1], close[0]))}'?" if close else f"valid keys: {', '.join(valid)}"
+    )
     return f"unknown key '{_dotted(path)}' {where}: {hint}"
 
 

@@ -176,4 +176,3 @@ def build_gpt_model(
         use_te=use_te,
     )
     return model, spec
-

@@ -52,12 +52,16 @@ class MultiTurnConfig:
         if not 0 < self.tool_timeout_s < float("inf"):
             errors.append(f"{p}.tool_timeout_s={self.tool_timeout_s} must be a finite number of seconds > 0")
         if self.tool_workers < 1:
-            errors.append(f"{p}.tool_workers={self.tool_workers} must be >= 1 (tools never run in the trainer)")
+            errors.append(
+                f"{p}.tool_workers={self.tool_workers} must be >= 1 (tools never run in the trainer)"
+            )
         if not 1 <= self.max_tool_output_chars <= 4096:
             errors.append(f"{p}.max_tool_output_chars={self.max_tool_output_chars} must be in [1, 4096]")
         module, sep, attr = self.tool.partition(":")
         if self.tool != "calculator" and not (sep and module and attr):
-            errors.append(f"{p}.tool={self.tool!r} is neither the built-in calculator nor 'package.module:function'")
+            errors.append(
+                f"{p}.tool={self.tool!r} is neither the built-in calculator nor 'package.module:function'"
+            )
         for name in ("call_open", "call_close", "result_open", "result_close"):
             if not getattr(self, name):
                 errors.append(f"{p}.{name} must be a non-empty string (the documented call format)")
@@ -107,15 +111,21 @@ class PartialConfig:
     def validate(self, p: str = "rollout.partial") -> None:
         errors = []
         if self.segment_tokens < 1 or self.groups_in_flight < 0:
-            errors.append(f"{p}.segment_tokens={self.segment_tokens} must be >= 1 and {p}.groups_in_flight="
-                          f"{self.groups_in_flight} >= 0 (0 = 2 x train.prompts_per_iteration)")  # fmt: skip
+            errors.append(
+                f"{p}.segment_tokens={self.segment_tokens} must be >= 1 and {p}.groups_in_flight="
+                f"{self.groups_in_flight} >= 0 (0 = 2 x train.prompts_per_iteration)"
+            )
         if not self.enabled:
-            for name, what in (("keep_kv", "keeps the KV of continued responses across weight updates"),
-                               ("one_request", "sends each segment round as one request"),
-                               ("overlap", "overlaps the segment rounds of partial rollouts")):  # fmt: skip
+            for name, what in (
+                ("keep_kv", "keeps the KV of continued responses across weight updates"),
+                ("one_request", "sends each segment round as one request"),
+                ("overlap", "overlaps the segment rounds of partial rollouts"),
+            ):
                 if getattr(self, name):
-                    errors.append(f"{p}.{name}=true without {p}.enabled=true: it {what}; set {p}.enabled=true "
-                                  f"or {p}.{name}=false")  # fmt: skip
+                    errors.append(
+                        f"{p}.{name}=true without {p}.enabled=true: it {what}; set {p}.enabled=true "
+                        f"or {p}.{name}=false"
+                    )
         if errors:
             raise ValueError("\n".join(errors))
 
@@ -173,7 +183,9 @@ class SGLangConfig:
                 )
         bad_urls = [u for u in self.server_urls if not u.startswith(("http://", "https://"))]
         if bad_urls:
-            errors.append(f"{p}.server_urls has {bad_urls[:3]}: each must be a base URL like http://host:30000")
+            errors.append(
+                f"{p}.server_urls has {bad_urls[:3]}: each must be a base URL like http://host:30000"
+            )
         if not 0 < self.sync_master_port < 65536:
             errors.append(f"{p}.sync_master_port={self.sync_master_port} must be in 1..65535")
         if self.request_timeout_s <= 0:
@@ -206,7 +218,9 @@ class RecoveryConfig:
     def validate(self, p: str = "rollout.recovery") -> None:
         errors = []
         if self.max_restarts < 0:
-            errors.append(f"{p}.max_restarts={self.max_restarts} must be >= 0 (0: a lost engine ends the run)")
+            errors.append(
+                f"{p}.max_restarts={self.max_restarts} must be >= 0 (0: a lost engine ends the run)"
+            )
         if not self.health_timeout_s > 0:
             errors.append(f"{p}.health_timeout_s={self.health_timeout_s} must be > 0 (120 is a good start)")
         if errors:
@@ -393,18 +407,26 @@ class RolloutConfig:
                 "(0 = decode all rows of a generate call at once)"
             )
         if self.probe_interval < 1:
-            errors.append(f"rollout.probe_interval={self.probe_interval} must be >= 1 (1 probes after every sync)")
+            errors.append(
+                f"rollout.probe_interval={self.probe_interval} must be >= 1 (1 probes after every sync)"
+            )
         if not self.probe_max_abs >= 0:
             errors.append(f"rollout.probe_max_abs={self.probe_max_abs} must be >= 0 (0 never stops the run)")
         if self.probe_batch < 0:
-            errors.append(f"rollout.probe_batch={self.probe_batch} must be >= 0 (0 disables the mismatch probe)")
+            errors.append(
+                f"rollout.probe_batch={self.probe_batch} must be >= 0 (0 disables the mismatch probe)"
+            )
         if self.engine == "sglang" and self.probe_batch > 0 and self.temperature != 1.0:
             errors.append(
                 f"rollout.temperature={self.temperature} with rollout.engine=sglang and rollout.probe_batch="
                 f"{self.probe_batch}: SGLang scores sequences (the mismatch probe) from unscaled logits, "
                 "i.e. at temperature 1 only; sample at temperature 1.0, or set rollout.probe_batch=0"
             )
-        if self.dump_dir and self.replay_dir and Path(self.dump_dir).resolve() == Path(self.replay_dir).resolve():
+        if (
+            self.dump_dir
+            and self.replay_dir
+            and Path(self.dump_dir).resolve() == Path(self.replay_dir).resolve()
+        ):
             errors.append(
                 f"rollout.dump_dir and rollout.replay_dir are both {self.dump_dir}: a replay would write over "
                 "the dump it reads; choose another rollout.dump_dir (or leave it empty)"

@@ -63,7 +63,9 @@ class EngineFaults:
     engine can act on (an engine process: kill and stop). ``armed`` False: none (an engine process
     after its first life)."""
 
-    def __init__(self, rank: int | None, actions: Sequence[str] = tuple(SIGNALS), *, armed: bool = True) -> None:
+    def __init__(
+        self, rank: int | None, actions: Sequence[str] = tuple(SIGNALS), *, armed: bool = True
+    ) -> None:
         self.rank = rank
         self.actions = tuple(actions)
         self.armed = armed

@@ -47,6 +47,7 @@ from grpo_megatron.rollout.engine import (
     SamplingParams,
     WeightSink,
 )
+from grpo_megatron.rollout.factory import DTYPES, make_engine, make_sync_member
 from grpo_megatron.rollout.placement import RolloutPlacement, runtime_placement
 from grpo_megatron.rollout.recovery import EngineRecovery, Resync, describe
 from grpo_megatron.rollout.results import (
@@ -64,8 +65,6 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
     from grpo_megatron.distributed.bootstrap import ParallelState
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def prompt_slices(num_prompts: int, num_engines: int) -> list[tuple[int, int]]:
@@ -87,58 +86,6 @@ def _agree(error: str | None, what: str) -> None:
     if failed:
         lines = "\n".join(f"  rank {rank}: {e}" for rank, e in failed[:8])
         raise RuntimeError(f"{what} failed on {len(failed)} rank(s):\n{lines}")
-
-
-def make_engine(
-    spec: EngineSpec, hf: Mapping[str, Any], ps: ParallelState, tokenizer: PreTrainedTokenizerBase | None = None,
-    placement: RolloutPlacement | None = None,
-) -> RolloutEngine | None:
-    """This rank's engine where ``placement`` puts it (rollout/placement.py; None: decided here from
-    the spec), or None if it hosts none."""
-    rollout = spec.rollout
-    placement = placement or runtime_placement(spec, ps, hf)
-    if rollout.engine == "sglang":
-        try:
-            from grpo_megatron.rollout.sglang import engine as sglang_engine
-        except ImportError as exc:
-            raise RuntimeError(
-                f"rollout.engine=sglang: the SGLang adapter grpo_megatron.rollout.sglang.engine cannot be "
-                f"imported ({exc}); use rollout.engine=embedded, or install SGLang on a CUDA machine "
-                "(pip install --no-deps -r requirements/gpu.txt: docs/getting-started/gpu.md)"
-            ) from exc
-        return sglang_engine.SGLangEngine.from_config(spec, ps, placement)
-    if ps.rank not in placement.leaders():
-        return None
-    if rollout.embedded_process:
-        from grpo_megatron.rollout.engine_process import EngineProcess
-
-        return EngineProcess(
-            hf, dtype=_DTYPES[spec.model.dtype], max_batch_rows=rollout.embedded_max_batch_rows,
-            threads=rollout.embedded_process_threads, record_routes=spec.record_routes, rank=ps.rank,
-            health_timeout_s=rollout.recovery.health_timeout_s,
-            log_path=spec.log_dir / f"engine-process-rank{ps.rank}.log" if spec.log_dir else None,
-        )  # fmt: skip
-    from grpo_megatron.rollout.embedded import EmbeddedEngine
-
-    device = ps.device if rollout.engine_device == "auto" else torch.device("cpu")
-    return EmbeddedEngine(
-        hf,
-        device=device,
-        dtype=_DTYPES[spec.model.dtype],
-        tokenizer=tokenizer,
-        max_batch_rows=rollout.embedded_max_batch_rows,
-        record_routes=spec.record_routes,
-    )
-
-
-def make_sync_member(spec: EngineSpec, ps: ParallelState, placement: RolloutPlacement) -> WeightSink | None:
-    """What loads this rank's share of the weights when an engine on another rank (a colocated
-    SGLang engine's leader) uses this rank's GPU too; None elsewhere."""
-    if not placement.colocated_sglang or placement.gpus_per_engine == 1:
-        return None
-    from grpo_megatron.rollout.sglang.member import SGLangSyncMember
-
-    return SGLangSyncMember.from_config(spec, ps, placement)
 
 
 @dataclasses.dataclass
@@ -235,7 +182,9 @@ class RolloutFleet:
         _agree(error, f"building the {spec.rollout.engine} rollout engines")
         sink: WeightSink | None = engine if engine is not None else member
         flags: list[Any] = [None] * ps.world_size
-        dist.all_gather_object(flags, (engine is not None, sink.sync_group_ranks if sink is not None else None))
+        dist.all_gather_object(
+            flags, (engine is not None, sink.sync_group_ranks if sink is not None else None)
+        )
         engine_ranks = [rank for rank, (has, _) in enumerate(flags) if has]
         sync_ranks = [rank for rank, (_, ranks) in enumerate(flags) if ranks is not None]
         bind_sync_groups(sink, [ranks for _, ranks in flags], ps)
@@ -245,7 +194,9 @@ class RolloutFleet:
                 "on any rank"
             )
         if placement.engines and engine_ranks != placement.leaders():
-            raise RuntimeError(f"engines started on ranks {engine_ranks[:8]}, the placement planned {placement.leaders()[:8]}")
+            raise RuntimeError(
+                f"engines started on ranks {engine_ranks[:8]}, the placement planned {placement.leaders()[:8]}"
+            )
         # every rank calls new_group, engine or not
         group = dist.new_group(engine_ranks, timeout=ps.timeout, group_desc="ROLLOUT_ENGINES")
         data = DataGroup(ps)
@@ -260,29 +211,64 @@ class RolloutFleet:
 
         parts = EngineParts(engine, member)
         recovery = EngineRecovery(
-            spec.rollout.recovery.max_restarts, ps.rank, engine_ranks, engine_groups, parts, data.gather,
+            spec.rollout.recovery.max_restarts,
+            ps.rank,
+            engine_ranks,
+            engine_groups,
+            parts,
+            data.gather,
             resync=resync_from(resync) if resync is not None else None,
-        )  # fmt: skip
+        )
         weights = WeightSync(
-            ps, hf, parts, sync_ranks, every_round=len(sync_ranks) > len(engine_ranks), recovery=recovery,
-            export_dtype=_DTYPES[spec.model.dtype], bucket_bytes=spec.rollout.sync_bucket_mb << 20,
+            ps,
+            hf,
+            parts,
+            sync_ranks,
+            every_round=len(sync_ranks) > len(engine_ranks),
+            recovery=recovery,
+            export_dtype=DTYPES[spec.model.dtype],
+            bucket_bytes=spec.rollout.sync_bucket_mb << 20,
             rounds_in_flight=spec.rollout.sync_rounds_in_flight,
-        )  # fmt: skip
+        )
         return cls(
-            ps=ps, hf=hf, parts=parts, engine_ranks=engine_ranks, group=group, weights=weights, recovery=recovery,
-            data=data, placement=placement, routes=spec.record_routes,
+            ps=ps,
+            hf=hf,
+            parts=parts,
+            engine_ranks=engine_ranks,
+            group=group,
+            weights=weights,
+            recovery=recovery,
+            data=data,
+            placement=placement,
+            routes=spec.record_routes,
             sync_waits_for_generation=spec.rollout.engine == "sglang",
-        )  # fmt: skip
+        )
 
     @classmethod
     def without_engines(cls, ps: ParallelState, hf: Mapping[str, Any]) -> RolloutFleet:
         """A fleet of no engines (a replay, rollout.replay_dir: the sync and eval phases do nothing)."""
         data, parts = DataGroup(ps), EngineParts()
         recovery = EngineRecovery(0, ps.rank, [], {}, parts, data.gather)
-        weights = WeightSync(ps, hf, parts, [], every_round=False, recovery=recovery, export_dtype=torch.float32,
-                             bucket_bytes=0)  # fmt: skip
-        return cls(ps=ps, hf=hf, parts=parts, engine_ranks=[], group=None, weights=weights, recovery=recovery,
-                   data=data)  # fmt: skip
+        weights = WeightSync(
+            ps,
+            hf,
+            parts,
+            [],
+            every_round=False,
+            recovery=recovery,
+            export_dtype=torch.float32,
+            bucket_bytes=0,
+        )
+        return cls(
+            ps=ps,
+            hf=hf,
+            parts=parts,
+            engine_ranks=[],
+            group=None,
+            weights=weights,
+            recovery=recovery,
+            data=data,
+        )
 
     @property
     def num_engines(self) -> int:
@@ -339,7 +325,9 @@ class RolloutFleet:
         except Exception as exc:
             pending.error = describe(exc)
 
-    def _local_share(self, pending: PendingRollout) -> tuple[list[list[Completion]], str | None, EngineLost | None]:
+    def _local_share(
+        self, pending: PendingRollout
+    ) -> tuple[list[list[Completion]], str | None, EngineLost | None]:
         """This rank's completions, or why not: (completions, error, lost engine)."""
         if self.engine is None or pending.share is None:
             return [], pending.error, None
@@ -376,14 +364,21 @@ class RolloutFleet:
         for i, (rank, completions) in enumerate(zip(self.engine_ranks, exchanged, strict=True)):
             start, end = slices[i]
             if len(completions) != (end - start) * pending.n:
-                raise RuntimeError(f"rollout generate: engine {i} returned {len(completions)} completions for "
-                                   f"{end - start} prompts x n={pending.n}")  # fmt: skip
+                raise RuntimeError(
+                    f"rollout generate: engine {i} returned {len(completions)} completions for "
+                    f"{end - start} prompts x n={pending.n}"
+                )
             for c, (shape, mine), header in completions:
                 if pending.routes and shape is not None:
                     c.route_id = self.held_routes.add(rank, shape, mine)
                 if payload == "owners":
-                    c.payload_id = self.held_completions.add(rank, header, c if rank == self.ps.rank else None)
-            out += [[c for c, _, _ in completions[k : k + pending.n]] for k in range(0, len(completions), pending.n)]
+                    c.payload_id = self.held_completions.add(
+                        rank, header, c if rank == self.ps.rank else None
+                    )
+            out += [
+                [c for c, _, _ in completions[k : k + pending.n]]
+                for k in range(0, len(completions), pending.n)
+            ]
         if len(out) != pending.num_prompts:
             raise RuntimeError(f"rollout generate: {len(out)} results for {pending.num_prompts} prompts")
         return out
@@ -410,8 +405,9 @@ class RolloutFleet:
         per_engine = []
         for rank in self.engine_ranks:
             own = mine if rank == self.ps.rank else None
-            completions, shapes, headers = exchange_engine(own, sizes[rank].tolist(), src=rank, rank=self.ps.rank,
-                                                           payload=payload, group=group)  # fmt: skip
+            completions, shapes, headers = exchange_engine(
+                own, sizes[rank].tolist(), src=rank, rank=self.ps.rank, payload=payload, group=group
+            )
             routes = [c.routed_experts for c in flat] if rank == self.ps.rank else [None] * len(completions)
             per_engine.append(list(zip(completions, zip(shapes, routes, strict=True), headers, strict=True)))
         return per_engine
@@ -450,7 +446,11 @@ class RolloutFleet:
     # ------------------------------------------------------------------------------ weight sync
 
     def sync_weights(
-        self, model: torch.nn.Module, version: int, *, bucket_bytes: int | None = None,
+        self,
+        model: torch.nn.Module,
+        version: int,
+        *,
+        bucket_bytes: int | None = None,
         targets: Sequence[int] | None = None,
     ) -> dict[str, float]:
         """Collective: stream the trainer's weights into every engine as ``version``, all engines fed

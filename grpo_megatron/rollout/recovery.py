@@ -107,7 +107,13 @@ class EngineRecovery:
         return out
 
     def recover(
-        self, error: str | None, lost: EngineLost | None, what: str, *, version: int, resync: bool = True,
+        self,
+        error: str | None,
+        lost: EngineLost | None,
+        what: str,
+        *,
+        version: int,
+        resync: bool = True,
         consequence: str = "",
     ) -> None:
         """Collective, after a step that failed somewhere: the ranks agree on every rank's ``error`` and
@@ -117,35 +123,43 @@ class EngineRecovery:
         another GPU of a lost engine (its weight round failed with the engine) is the loss's, not one of
         its own."""
         lost = lost or self._member_loss()
-        mine = None if lost is None else {"host": lost.host, "why": lost.why, "tail": lost.log_tail,
-                                          "log": lost.log_path}  # fmt: skip
+        mine = (
+            None
+            if lost is None
+            else {"host": lost.host, "why": lost.why, "tail": lost.log_tail, "log": lost.log_path}
+        )
         reports = self.gather((error, mine))
         losses = {rank: info for rank, (_, info) in enumerate(reports) if info is not None}
-        lost_engines = sorted({self.leader_of(rank) for rank in losses})  # a further node's part: its engine's
+        lost_engines = sorted(
+            {self.leader_of(rank) for rank in losses}
+        )  # a further node's part: its engine's
         with_lost = set(self.ranks_of(lost_engines))
         errors = [(rank, e) for rank, (e, _) in enumerate(reports) if e is not None and rank not in with_lost]
         named = "\n".join(
-            f"  engine {self.engine_ranks.index(self.leader_of(rank))} (rank {rank} on {info['host']}) was lost: "
-            f"{info['why']}; its log ({info['log']}) ends:\n{_indented(info['tail'])}"
+            f"  engine {self.engine_ranks.index(self.leader_of(rank))} (rank {rank} on {info['host']}) "
+            f"was lost: {info['why']}; its log ({info['log']}) ends:\n{_indented(info['tail'])}"
             for rank, info in losses.items()
         )
         if errors or not losses:
             lines = "\n".join(f"  rank {rank}: {e}" for rank, e in errors[:8])
-            raise RuntimeError(
-                f"{what} failed on {len(errors) + len(losses)} rank(s){consequence}:\n{lines}\n{named}".rstrip()
-            )
+            count = len(errors) + len(losses)
+            raise RuntimeError(f"{what} failed on {count} rank(s){consequence}:\n{lines}\n{named}".rstrip())
         if self.restarts + len(lost_engines) > self.max_restarts:
             raise RuntimeError(
-                f"{what}: {len(lost_engines)} engine(s) lost, past rollout.recovery.max_restarts={self.max_restarts} "
-                f"({self.restarts} restart(s) so far); resume from the last checkpoint (or raise the bound):\n{named}"
+                f"{what}: {len(lost_engines)} engine(s) lost, past rollout.recovery.max_restarts="
+                f"{self.max_restarts} ({self.restarts} restart(s) so far); resume from the last checkpoint "
+                f"(or raise the bound):\n{named}"
             )
         seconds = self.restart_engines(lost_engines, version, resync=resync)
         if self.rank == 0:
             for rank, info in losses.items():
-                print(f"[engine] engine {self.engine_ranks.index(self.leader_of(rank))} (rank {rank} on "
-                      f"{info['host']}) lost during {what}: {info['why']}; restarted for weights version {version} "
-                      f"in {seconds:.1f} s (restart {self.restarts} of at most {self.max_restarts}); its "
-                      f"log ended:\n{_indented(info['tail'])}", flush=True)  # fmt: skip
+                print(
+                    f"[engine] engine {self.engine_ranks.index(self.leader_of(rank))} (rank {rank} on "
+                    f"{info['host']}) lost during {what}: {info['why']}; restarted for weights version "
+                    f"{version} in {seconds:.1f} s (restart {self.restarts} of at most {self.max_restarts}); "
+                    f"its log ended:\n{_indented(info['tail'])}",
+                    flush=True,
+                )
 
     def _member_loss(self) -> EngineLost | None:
         """This rank's part of an engine led from another rank, lost (a further node's part of an SGLang
@@ -198,7 +212,9 @@ class EngineRecovery:
         failed = [(rank, e) for rank, e in enumerate(self.gather(error)) if e is not None]
         if failed:
             lines = "\n".join(f"  rank {rank}: {e}" for rank, e in failed[:8])
-            raise RuntimeError(f"restarting the lost rollout engine(s) failed on {len(failed)} rank(s):\n{lines}")
+            raise RuntimeError(
+                f"restarting the lost rollout engine(s) failed on {len(failed)} rank(s):\n{lines}"
+            )
         self.restarts += len(leaders)
         self.unreported += len(leaders)
         self.depth += 1

@@ -48,7 +48,9 @@ def sync_groups(members: Sequence[tuple[int, ...]]) -> list[tuple[int, ...]]:
     return sorted({tuple(sorted(m)) for m in members if len(m) > 1})
 
 
-def bind_sync_groups(sink: WeightSink | None, members: Sequence[tuple[int, ...] | None], ps: ParallelState) -> None:
+def bind_sync_groups(
+    sink: WeightSink | None, members: Sequence[tuple[int, ...] | None], ps: ParallelState
+) -> None:
     """Collective: the gloo group of each engine of several GPUs (its ``sync_group_ranks``; ``members``:
     every rank's, None without a sink), made by every rank in the same order, handed to the sink of
     each rank in it: its GPUs hand their payloads to its leader over it (small objects only)."""
@@ -105,7 +107,11 @@ class WeightSync:
     """The version of the last sync that reached every engine (what a restarted one is given)."""
 
     def run(
-        self, model: torch.nn.Module, version: int, *, bucket_bytes: int | None = None,
+        self,
+        model: torch.nn.Module,
+        version: int,
+        *,
+        bucket_bytes: int | None = None,
         targets: Sequence[int] | None = None,
     ) -> dict[str, float]:
         """Collective: stream ``model``'s weights into every engine as ``version`` (module docstring).
@@ -148,9 +154,15 @@ class WeightSync:
             needs: list[Any] = [None] * self.ps.world_size
             dist.all_gather_object(needs, sink.weight_needs() if sink is not None else None)
             self.export_plan = plan_export(
-                model, self.ps, self.hf, bucket_bytes=bucket_bytes, dst_ranks=dsts, dtype=self.export_dtype,
-                rounds_in_flight=self.rounds_in_flight, needs={d: needs[d] for d in dsts if needs[d] is not None},
-            )  # fmt: skip
+                model,
+                self.ps,
+                self.hf,
+                bucket_bytes=bucket_bytes,
+                dst_ranks=dsts,
+                dtype=self.export_dtype,
+                rounds_in_flight=self.rounds_in_flight,
+                needs={d: needs[d] for d in dsts if needs[d] is not None},
+            )
             self.planned_for = (id(model), bucket_bytes)
             self.manifest = self.export_plan.manifest(self.ps.rank if sink is not None else None)
         return self.export_plan
@@ -169,10 +181,14 @@ class WeightSync:
                 lost = exc
             except Exception as exc:
                 problems = [describe(exc)]
-        flags = torch.tensor([int(bool(problems)), int(lost is not None)], dtype=torch.int64, device=self.ps.device)
+        flags = torch.tensor(
+            [int(bool(problems)), int(lost is not None)], dtype=torch.int64, device=self.ps.device
+        )
         dist.all_reduce(flags, op=dist.ReduceOp.MAX)
         if not flags[0] and flags[1]:
-            self.recovery.recover(None, lost, f"the weight sync of version {version}", version=version, resync=False)
+            self.recovery.recover(
+                None, lost, f"the weight sync of version {version}", version=version, resync=False
+            )
             return self.check_manifests(version, sink)
         problems = problems or ([str(lost)] if lost is not None else [])
         if not flags.any():
@@ -224,7 +240,13 @@ class WeightSync:
         lost engines only: the recovery restarts them and every rank sends them ``version`` alone."""
         stats = outcome.stats
         totals = torch.tensor(
-            [outcome.error is not None, outcome.received, outcome.buckets, stats.peak_bytes, stats.in_place_bytes],
+            [
+                outcome.error is not None,
+                outcome.received,
+                outcome.buckets,
+                stats.peak_bytes,
+                stats.in_place_bytes,
+            ],
             dtype=torch.int64,
             device=self.ps.device,
         )
@@ -232,8 +254,11 @@ class WeightSync:
         if totals[0]:
             error = None if outcome.lost is not None else outcome.error
             self.recovery.recover(
-                error, outcome.lost, f"the weight sync of version {version}", version=version,
-                consequence=" during the transfer; their weights are partial (weight_version -1), resume from the "
-                "last checkpoint",
-            )  # fmt: skip
+                error,
+                outcome.lost,
+                f"the weight sync of version {version}",
+                version=version,
+                consequence=" during the transfer; their weights are partial (weight_version -1), "
+                "resume from the last checkpoint",
+            )
         return totals

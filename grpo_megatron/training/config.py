@@ -54,7 +54,7 @@ class TrainConfig:
     logprobs, so no pass is needed). engine = the rollout engine's logprobs (only with one on-policy
     update; the ratio then also corrects the engine/trainer mismatch, as in slime's default). It
     is the importance ratio itself: algorithm.tis / algorithm.off_policy on top are refused (they
-    would weigh each token r * w(r) instead of r; config/validation.py:off_policy_errors)."""
+    would weigh each token r * w(r) instead of r; config/loop_rules.py:off_policy_errors)."""
     max_staleness: int = 0
     """How many weight versions a trained sample's policy may lag the policy being trained (needs
     engines that generate the next batches while the trainer trains: rollout.embedded_process=true,
@@ -165,7 +165,9 @@ class SFTConfig:
         if self.lr <= 0:
             errors.append(f"sft.lr={self.lr} must be > 0")
         if self.stop_accuracy is not None and not 0 < self.stop_accuracy <= 1:
-            errors.append(f"sft.stop_accuracy={self.stop_accuracy} must be in (0, 1], or null to run max_steps")
+            errors.append(
+                f"sft.stop_accuracy={self.stop_accuracy} must be in (0, 1], or null to run max_steps"
+            )
         band = self.target_accuracy_band
         if band is not None:
             if len(band) != 2 or not 0 <= band[0] < band[1] <= 1:

@@ -78,9 +78,9 @@ if TYPE_CHECKING:
     from grpo_megatron.rollout.engine import Completion, SamplingParams
     from grpo_megatron.rollout.fleet import PendingRollout
     from grpo_megatron.training.config import TrainConfig
-    from grpo_megatron.training.job import Timer
     from grpo_megatron.training.phases.reward import Scorer
     from grpo_megatron.training.phases.rollout import Rollout
+    from grpo_megatron.training.timing import Timer
 
 
 @dataclass
@@ -132,8 +132,11 @@ def training_params(parts: SourceParts, iteration: int, round_index: int = 0) ->
     """The sampling of one training rollout round: rollout.n_samples_per_prompt responses per prompt,
     seeded by ``rollout_seed``, with the engines' MoE routes where the job replays them."""
     rollout = parts.rollout
-    return rollout.params(n=rollout.cfg.n_samples_per_prompt, seed=rollout_seed(parts.train.seed, iteration, round_index),
-                          routes=rollout.fleet.routes)  # fmt: skip
+    return rollout.params(
+        n=rollout.cfg.n_samples_per_prompt,
+        seed=rollout_seed(parts.train.seed, iteration, round_index),
+        routes=rollout.fleet.routes,
+    )
 
 
 def fill_groups(
@@ -146,8 +149,13 @@ def fill_groups(
     enough (one round when it is off). Round 0 is ``first`` (records and their completions, already
     generated) when given, else generated now from the sampler's next prompts like every later round."""
     ds = parts.dynamic_sampling
-    dapo = DynamicSampling[Group](parts.train.prompts_per_iteration, lambda g: g.rewards, enabled=ds.enabled,
-                                  max_tries=ds.max_tries, std_threshold=ds.std_threshold)  # fmt: skip
+    dapo = DynamicSampling[Group](
+        parts.train.prompts_per_iteration,
+        lambda g: g.rewards,
+        enabled=ds.enabled,
+        max_tries=ds.max_tries,
+        std_threshold=ds.std_threshold,
+    )
     reward_metrics: dict[str, float] = {}
     while n := dapo.needed():
         if first is not None and dapo.rounds == 0:
@@ -266,7 +274,10 @@ class GroupProducer:
         if batch.completions is None:
             assert batch.pending is not None  # under r3 its routes stay held until its plan (grpo.py)
             # the wait runs under the watchdog's long phase (Rollout.collect); the tokens as in fill_groups
-            batch.completions, batch.pending = self.parts.rollout.collect(batch.pending, payload="owners"), None
+            batch.completions, batch.pending = (
+                self.parts.rollout.collect(batch.pending, payload="owners"),
+                None,
+            )
         return batch.completions
 
     def take(self, iteration: int, timer: Timer) -> Produced:
@@ -292,8 +303,9 @@ class GroupProducer:
         def with_routes(cs: list[list[Completion]]) -> list[list[Completion]]:
             def one(c: Completion) -> Completion:
                 delivered = routes.get(c.route_id) if c.route_id is not None else None
-                return dataclasses.replace(c, routed_experts=c.routed_experts if delivered is None else delivered,
-                                           route_id=None)  # fmt: skip
+                return dataclasses.replace(
+                    c, routed_experts=c.routed_experts if delivered is None else delivered, route_id=None
+                )
 
             return [[one(c) for c in g] for g in cs]
 

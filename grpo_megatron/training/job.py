@@ -9,10 +9,8 @@ the whole `JobConfig`.
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable
 from contextlib import AbstractContextManager, contextmanager, nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -93,8 +91,15 @@ class Runtime:
         """What the rollout and eval phases act on: the engines and rollout.* sampling settings."""
         from grpo_megatron.training.phases.rollout import Rollout
 
-        return Rollout(self.fleet, self.cfg.rollout, self.eos_id, self.tokenizer, self.env, watchdog=self.watchdog,
-                       long_phase_s=self.cfg.parallel.long_phase_timeout_s)  # fmt: skip
+        return Rollout(
+            self.fleet,
+            self.cfg.rollout,
+            self.eos_id,
+            self.tokenizer,
+            self.env,
+            watchdog=self.watchdog,
+            long_phase_s=self.cfg.parallel.long_phase_timeout_s,
+        )
 
     @property
     def scorer(self) -> Scorer:
@@ -117,9 +122,17 @@ class Runtime:
 
         if not self.has_engines:
             return {}
-        return sync_weights(self.policy.model, self.fleet, self.memory, self.ps, version, probe or ProbeBatch(),
-                            vocab_size=int(self.hf["vocab_size"]), temperature=self.cfg.rollout.temperature,
-                            max_abs=self.cfg.rollout.probe_max_abs)  # fmt: skip
+        return sync_weights(
+            self.policy.model,
+            self.fleet,
+            self.memory,
+            self.ps,
+            version,
+            probe or ProbeBatch(),
+            vocab_size=int(self.hf["vocab_size"]),
+            temperature=self.cfg.rollout.temperature,
+            max_abs=self.cfg.rollout.probe_max_abs,
+        )
 
     def make_sampler(self, num_items: int) -> PromptSampler:
         """The seeded, resumable order in which ``num_items`` training items are drawn."""
@@ -188,32 +201,6 @@ class SFTJob(Runtime):
     sft_records: list[SFTRecord]
 
 
-Timer = Callable[[str], AbstractContextManager[None]]
-"""What times the phases of an iteration: ``with timer(name):`` (``PhaseTimer``; benches bring their own)."""
-
-
-@dataclass
-class PhaseTimer:
-    """Wall time per named phase, accumulated over an iteration (``time/<name>`` metrics)."""
-
-    seconds: dict[str, float] = field(default_factory=dict)
-    beat: Callable[[str], None] | None = None
-    """Called with the phase's name as it starts and ends (Job.beat: the progress watchdog)."""
-
-    @contextmanager
-    def __call__(self, name: str) -> Iterator[None]:
-        if self.beat is not None:
-            self.beat(name)
-        start = time.perf_counter()
-        try:
-            yield
-        finally:
-            key = f"time/{name}"
-            self.seconds[key] = self.seconds.get(key, 0.0) + time.perf_counter() - start
-            if self.beat is not None:
-                self.beat(f"{name} (done)")
-
-
 def has_safetensors(hf_path: str | Path) -> bool:
     return any(Path(hf_path).glob("*.safetensors"))
 
@@ -255,8 +242,14 @@ def export_hf_checkpoint(job: Runtime, out_dir: Path) -> None:
     if job.policy.lora:
         from grpo_megatron.bridge.peft_export import write_peft_adapter
 
-        write_peft_adapter(job.policy.model, job.ps, job.hf, job.cfg.model.lora, out_dir / "adapter",
-                           base_model=job.cfg.model.hf_path)  # fmt: skip
+        write_peft_adapter(
+            job.policy.model,
+            job.ps,
+            job.hf,
+            job.cfg.model.lora,
+            out_dir / "adapter",
+            base_model=job.cfg.model.hf_path,
+        )
 
 
 def start_preemption(cfg: CheckpointConfig, install: bool) -> Preemption:
@@ -320,8 +313,14 @@ def build_environment(mt: MultiTurnConfig, reward: RewardConfig, tokenizer: Any)
     from grpo_megatron.rewards.tools import ToolPool
     from grpo_megatron.rollout.multiturn import TOOL_NAME, ToolEnvironment
 
-    pool = ToolPool({TOOL_NAME: mt.tool}, reward, timeout_s=mt.tool_timeout_s, num_workers=mt.tool_workers,
-                    max_output_chars=mt.max_tool_output_chars, error_text=mt.error_text)
+    pool = ToolPool(
+        {TOOL_NAME: mt.tool},
+        reward,
+        timeout_s=mt.tool_timeout_s,
+        num_workers=mt.tool_workers,
+        max_output_chars=mt.max_tool_output_chars,
+        error_text=mt.error_text,
+    )
     return ToolEnvironment(mt, tokenizer, pool)
 
 
@@ -352,10 +351,20 @@ def _start(cfg: JobConfig, *, install_preemption: bool) -> _Startup:
     envs: list[Environment] = []
     # rank 0's tool workers (none in a replay), started (and failing) like the reward pool
     if cfg.rollout.multiturn.enabled and not cfg.rollout.replay_dir:
-        on_rank0(lambda: envs.append(build_environment(cfg.rollout.multiturn, cfg.reward, tokenizer)),
-                 "starting the tool workers")
-    return _Startup(ps, preemption, watchdog, hf, run_dir, pools[0] if pools else None, tokenizer,
-                    envs[0] if envs else None)
+        on_rank0(
+            lambda: envs.append(build_environment(cfg.rollout.multiturn, cfg.reward, tokenizer)),
+            "starting the tool workers",
+        )
+    return _Startup(
+        ps,
+        preemption,
+        watchdog,
+        hf,
+        run_dir,
+        pools[0] if pools else None,
+        tokenizer,
+        envs[0] if envs else None,
+    )
 
 
 def _models(
@@ -398,15 +407,21 @@ def _models(
     placement = runtime_placement(spec, ps, hf)
     memory = ColocatedMemory(policy, None, placement.phases())
     resync = Resync(policy.model, memory.sync_visit) if restarts else None  # what a restarted engine is given
-    with start.long_phase("engines", cfg.parallel.long_phase_timeout_s):  # an engine's start blocks in one call
+    with start.long_phase(
+        "engines", cfg.parallel.long_phase_timeout_s
+    ):  # an engine's start blocks in one call
         fleet = memory.start_engines(
-            lambda: RolloutFleet.build(spec, hf, ps, tokenizer=start.tokenizer, placement=placement, resync=resync)
+            lambda: RolloutFleet.build(
+                spec, hf, ps, tokenizer=start.tokenizer, placement=placement, resync=resync
+            )
         )
     start.beat("engines")
     return policy, reference, fleet, memory
 
 
-def _logger(cfg: JobConfig, start: _Startup, total_iterations: int, required_keys: Sequence[str]) -> MetricsLogger:
+def _logger(
+    cfg: JobConfig, start: _Startup, total_iterations: int, required_keys: Sequence[str]
+) -> MetricsLogger:
     from grpo_megatron.logging_utils.metrics import MetricsLogger
 
     return MetricsLogger(
@@ -432,13 +447,25 @@ def build_job(cfg: JobConfig, *, with_reference: bool) -> Job:
     policy, reference, fleet, memory = _models(cfg, start, with_reference=with_reference, engines=engines)
     ps, run_dir = start.ps, start.run_dir
     return Job(
-        cfg=cfg, ps=ps, hf=start.hf, run_dir=run_dir, tokenizer=start.tokenizer, policy=policy, fleet=fleet,
+        cfg=cfg,
+        ps=ps,
+        hf=start.hf,
+        run_dir=run_dir,
+        tokenizer=start.tokenizer,
+        policy=policy,
+        fleet=fleet,
         logger=_logger(cfg, start, cfg.train.iterations, REQUIRED_KEYS),
-        checkpoints=CheckpointManager(cfg.checkpoint, run_dir, ps), eval_records=eval_records,
-        rewards=start.rewards, memory=memory,
-        preemption=start.preemption, watchdog=start.watchdog, train_records=train_records, reference=reference,
-        reference_is_base=with_reference and policy.lora, env=start.env,
-    )  # fmt: skip
+        checkpoints=CheckpointManager(cfg.checkpoint, run_dir, ps),
+        eval_records=eval_records,
+        rewards=start.rewards,
+        memory=memory,
+        preemption=start.preemption,
+        watchdog=start.watchdog,
+        train_records=train_records,
+        reference=reference,
+        reference_is_base=with_reference and policy.lora,
+        env=start.env,
+    )
 
 
 def build_sft_job(cfg: JobConfig) -> SFTJob:
@@ -451,9 +478,19 @@ def build_sft_job(cfg: JobConfig) -> SFTJob:
     start.beat("data")
     policy, _, fleet, memory = _models(cfg, start, with_reference=False, restarts=False)
     return SFTJob(
-        cfg=cfg, ps=start.ps, hf=start.hf, run_dir=start.run_dir, tokenizer=start.tokenizer, policy=policy,
-        fleet=fleet, logger=_logger(cfg, start, cfg.sft.max_steps, ("iteration", "sft/loss", "eval/accuracy")),
-        eval_records=eval_records[: cfg.sft.dev_prompts], rewards=start.rewards,
-        memory=memory, preemption=start.preemption,
-        watchdog=start.watchdog, sft_records=sft_records, env=start.env,
-    )  # fmt: skip
+        cfg=cfg,
+        ps=start.ps,
+        hf=start.hf,
+        run_dir=start.run_dir,
+        tokenizer=start.tokenizer,
+        policy=policy,
+        fleet=fleet,
+        logger=_logger(cfg, start, cfg.sft.max_steps, ("iteration", "sft/loss", "eval/accuracy")),
+        eval_records=eval_records[: cfg.sft.dev_prompts],
+        rewards=start.rewards,
+        memory=memory,
+        preemption=start.preemption,
+        watchdog=start.watchdog,
+        sft_records=sft_records,
+        env=start.env,
+    )

@@ -85,7 +85,7 @@ from grpo_megatron.training.groups import Produced, SourceParts, fill_groups
 from grpo_megatron.training.phases.rollout import rollout_seed
 
 if TYPE_CHECKING:
-    from grpo_megatron.training.job import Timer
+    from grpo_megatron.training.timing import Timer
 
 
 @dataclass
@@ -104,8 +104,13 @@ class PartialResponse:
 
     def completion(self) -> Completion:
         assert self.finish_reason is not None
-        return Completion(list(self.token_ids), list(self.logprobs), self.finish_reason,
-                          weight_version=min(self.versions), token_versions=list(self.versions))  # fmt: skip
+        return Completion(
+            list(self.token_ids),
+            list(self.logprobs),
+            self.finish_reason,
+            weight_version=min(self.versions),
+            token_versions=list(self.versions),
+        )
 
 
 @dataclass
@@ -194,18 +199,34 @@ class PartialPool:
         """The pool as plain data (float logprobs round-trip exactly through JSON)."""
         return {
             "next_serial": self.next_serial,
-            "groups": [{"index": g.index, "serial": g.serial,
-                        "responses": [dataclasses.asdict(r) for r in g.responses]} for g in self.groups],
-        }  # fmt: skip
+            "groups": [
+                {
+                    "index": g.index,
+                    "serial": g.serial,
+                    "responses": [dataclasses.asdict(r) for r in g.responses],
+                }
+                for g in self.groups
+            ],
+        }
 
     def load_json(self, data: dict[str, Any]) -> None:
         self.next_serial = int(data["next_serial"])
         self.groups = [
-            PartialGroup(int(g["index"]), int(g["serial"]), [
-                PartialResponse([int(t) for t in r["token_ids"]], [float(x) for x in r["logprobs"]],
-                                [int(v) for v in r["versions"]], r["finish_reason"]) for r in g["responses"]])
+            PartialGroup(
+                int(g["index"]),
+                int(g["serial"]),
+                [
+                    PartialResponse(
+                        [int(t) for t in r["token_ids"]],
+                        [float(x) for x in r["logprobs"]],
+                        [int(v) for v in r["versions"]],
+                        r["finish_reason"],
+                    )
+                    for r in g["responses"]
+                ],
+            )
             for g in data["groups"]
-        ]  # fmt: skip
+        ]
 
 
 def take_metrics(version: int, groups: list[PartialGroup]) -> dict[str, float]:
@@ -222,7 +243,8 @@ def take_metrics(version: int, groups: list[PartialGroup]) -> dict[str, float]:
 
 
 Submit = Callable[
-    [list[tuple[int, "PartialResponse"]], list[list[int]], SamplingParams], Callable[[], list[list[Completion]]]
+    [list[tuple[int, "PartialResponse"]], list[list[int]], SamplingParams],
+    Callable[[], list[list[Completion]]],
 ]
 """How a segment round's request reaches the engines: (its rows: each one's prompt index and response;
 their inputs: prompt and tokens so far; its sampling) -> what collects its completions, one per row
@@ -243,8 +265,13 @@ class SegmentRound:
 
 
 def submit_round(
-    pool: PartialPool, prompt_ids: Callable[[int], Sequence[int]], submit: Submit, params: SamplingParams, *,
-    one_request: bool = False, trace: Trace | None = None,
+    pool: PartialPool,
+    prompt_ids: Callable[[int], Sequence[int]],
+    submit: Submit,
+    params: SamplingParams,
+    *,
+    one_request: bool = False,
+    trace: Trace | None = None,
 ) -> SegmentRound:
     """Submit one round of step 3 (the module docstring): every unfinished response's next segment, with
     ``params`` (n=1, the round's seed) but each row's own max_new_tokens, min(K, budget left). Where a
@@ -257,19 +284,26 @@ def submit_round(
     the source, its test and the partial benches."""
     todo, inputs, budgets = pool.requests(prompt_ids)
     if trace is not None:
-        trace("submit", rows=len(todo), continued=sum(bool(r.token_ids) for _, r in todo),
-              prefix=sum(len(r.token_ids) for _, r in todo))  # fmt: skip
+        trace(
+            "submit",
+            rows=len(todo),
+            continued=sum(bool(r.token_ids) for _, r in todo),
+            prefix=sum(len(r.token_ids) for _, r in todo),
+        )
     rows = list(zip(todo, inputs, budgets, strict=True))
     split = not one_request and max((len(r.token_ids) for _, r in todo), default=0) > pool.segment_tokens
     parts = []
-    for offset, part in ((0, [x for x in rows if not (split and x[0][1].token_ids)]),
-                         (CONTINUED_SEED, [x for x in rows if split and x[0][1].token_ids])):  # fmt: skip
+    for offset, part in (
+        (0, [x for x in rows if not (split and x[0][1].token_ids)]),
+        (CONTINUED_SEED, [x for x in rows if split and x[0][1].token_ids]),
+    ):
         if not part:
             continue
         each = tuple(b for _, _, b in part)
         seed = None if params.seed is None else params.seed + offset
-        sampling = dataclasses.replace(params, seed=seed, max_new_tokens=max(each), max_new_tokens_each=each,
-                                       ragged_prefill=one_request)  # fmt: skip
+        sampling = dataclasses.replace(
+            params, seed=seed, max_new_tokens=max(each), max_new_tokens_each=each, ragged_prefill=one_request
+        )
         todo_part = [t for t, _, _ in part]
         parts.append((todo_part, submit(todo_part, [x for _, x, _ in part], sampling)))
     return SegmentRound(parts)
@@ -306,9 +340,12 @@ class PartialRollouts:
         rollout, train = parts.rollout.cfg, parts.train
         self.parts, self.version, self.trace = parts, 0, trace
         self.pool = PartialPool(
-            rollout.n_samples_per_prompt, rollout.partial.segment_tokens, rollout.max_new_tokens,
-            train.max_staleness, rollout.partial.groups_in_flight or 2 * train.prompts_per_iteration,
-        )  # fmt: skip
+            rollout.n_samples_per_prompt,
+            rollout.partial.segment_tokens,
+            rollout.max_new_tokens,
+            train.max_staleness,
+            rollout.partial.groups_in_flight or 2 * train.prompts_per_iteration,
+        )
         self.overlap = rollout.partial.overlap
         self.in_flight: SegmentRound | None = None
         self.ahead = 0
@@ -325,16 +362,24 @@ class PartialRollouts:
         def submit(
             rows: list[tuple[int, PartialResponse]], inputs: list[list[int]], sampling: SamplingParams
         ) -> Callable[[], Any]:
-            records = [dataclasses.replace(parts.records[i], prompt_ids=tuple(ids))
-                       for (i, _), ids in zip(rows, inputs, strict=True)]  # fmt: skip
+            records = [
+                dataclasses.replace(parts.records[i], prompt_ids=tuple(ids))
+                for (i, _), ids in zip(rows, inputs, strict=True)
+            ]
             pending = parts.rollout.submit(records, sampling)
             return lambda: parts.rollout.collect(pending)
 
         trace, traced = None, self.trace
         if traced is not None:  # each event names its round
             trace = functools.partial(traced, iteration=iteration, round=round_index)
-        return submit_round(self.pool, lambda index: parts.records[index].prompt_ids, submit, params,
-                            one_request=parts.rollout.cfg.partial.one_request, trace=trace)  # fmt: skip
+        return submit_round(
+            self.pool,
+            lambda index: parts.records[index].prompt_ids,
+            submit,
+            params,
+            one_request=parts.rollout.cfg.partial.one_request,
+            trace=trace,
+        )
 
     def _collect_ahead(self, at: str = "take") -> None:
         """Collective: the round submitted ahead, if one is in flight, applied to the pool."""

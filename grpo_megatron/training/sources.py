@@ -47,7 +47,9 @@ def group_source(job: Job, sampler: PromptSampler, resumed: Mapping[str, Any] | 
 def source_parts(job: Job, sampler: PromptSampler) -> SourceParts:
     """What the engines' sources act on, from the job."""
     cfg = job.cfg
-    return SourceParts(job.rollout, job.scorer, job.train_records, sampler, cfg.train, cfg.algorithm.dynamic_sampling)
+    return SourceParts(
+        job.rollout, job.scorer, job.train_records, sampler, cfg.train, cfg.algorithm.dynamic_sampling
+    )
 
 
 def engine_source(job: Job, sampler: PromptSampler, resumed: Mapping[str, Any] | None) -> GroupSource:
@@ -66,16 +68,22 @@ def engine_source(job: Job, sampler: PromptSampler, resumed: Mapping[str, Any] |
             give_back_submitted(sampler, saved)
         return partial
     if saved and "partial_pool" in saved and job.ps.rank == 0:
-        print("[train] resumed a partial-rollout run's checkpoint without rollout.partial.enabled: its groups in "
-              "flight are dropped and their prompts not drawn again", flush=True)  # fmt: skip
+        print(
+            "[train] resumed a partial-rollout run's checkpoint without rollout.partial.enabled: its groups "
+            "in flight are dropped and their prompts not drawn again",
+            flush=True,
+        )
     if job.cfg.producer_loop:  # engines that generate while the trainer trains: rollouts submitted ahead
         producer = GroupProducer(parts)
         if saved is not None and "batches" in saved:
             producer.load_state_dict(saved)
         return producer
     if saved and (given_back := give_back_submitted(sampler, saved)) and job.ps.rank == 0:
-        print(f"[train] resumed an asynchronous run's checkpoint synchronously: the prompts of its {given_back} "
-              "submitted batches are generated again, with the weights trained here", flush=True)  # fmt: skip
+        print(
+            f"[train] resumed an asynchronous run's checkpoint synchronously: the prompts of its "
+            f"{given_back} submitted batches are generated again, with the weights trained here",
+            flush=True,
+        )
     return RolloutNow(parts)
 
 

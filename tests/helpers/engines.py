@@ -1,4 +1,5 @@
-"""Tiny embedded engines and the transformers weights they load (tests/test_rollout.py, tests/test_async.py)."""
+"""Tiny embedded engines and the transformers weights they load (tests/test_rollout.py,
+tests/test_async.py)."""
 
 from __future__ import annotations
 

@@ -30,25 +30,47 @@ SMALL = [
     "parallel.backend=gloo",  # CPU on any machine
     "parallel.timeout_minutes=3",  # a rank stuck in a collective fails the test instead of hanging it
 ]
-MOVING = [*SMALL, "reward.components=[{name: len, function: length, kwargs: {target_chars: 6}}]", "train.lr=1e-3"]
+MOVING = [
+    *SMALL,
+    "reward.components=[{name: len, function: length, kwargs: {target_chars: 6}}]",
+    "train.lr=1e-3",
+]
 """SMALL with a reward the demo model earns from the start, and a learning rate that moves it: runs whose
 weights change every iteration (tests/test_async.py, tests/test_sglang_train.py)."""
 # Keys that measure wall time differ between any two runs; everything else must match bitwise.
 TIMING_PREFIXES = ("time/", "throughput/", "sync/")
 
 
-def launch(command: str, overrides: list[str], *, world_size: int = 2, config: Path = DEMO) -> subprocess.Popen:
+def launch(
+    command: str, overrides: list[str], *, world_size: int = 2, config: Path = DEMO
+) -> subprocess.Popen:
     """``grpo-megatron COMMAND CONFIG OVERRIDES`` on ``world_size`` processes under torchrun, output
     piped; its own session (``kill_job`` ends it all)."""
     tier.require_mark(f"a training job (grpo-megatron {command})")
     env = dict(os.environ, OMP_NUM_THREADS="1", TORCH_COMPILE_DISABLE="1", WANDB_SILENT="true")
     args = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(world_size),
-        "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
-        "-m", "grpo_megatron", command, str(config), *overrides,
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        str(world_size),
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        str(free_port()),
+        "-m",
+        "grpo_megatron",
+        command,
+        str(config),
+        *overrides,
     ]
     return subprocess.Popen(
-        args, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        args,
+        cwd=REPO_ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
         start_new_session=True,
     )
 
@@ -64,7 +86,14 @@ def can_name_hosts() -> str | None:
 
 
 def launch_node(
-    command: str, overrides: list[str], *, node_rank: int, nnodes: int, port: int, nproc: int = 1, config: Path = DEMO
+    command: str,
+    overrides: list[str],
+    *,
+    node_rank: int,
+    nnodes: int,
+    port: int,
+    nproc: int = 1,
+    config: Path = DEMO,
 ) -> subprocess.Popen:
     """Node ``node_rank`` of an ``nnodes``-node job on this host, as a cluster starts one torchrun per
     node: in a UTS namespace of its own whose host name is the loopback address 127.0.0.<node_rank + 1>,
@@ -73,16 +102,36 @@ def launch_node(
     rendezvous'."""
     tier.require_mark("a node of a training job")
     torchrun = [
-        sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nnodes), "--node-rank", str(node_rank),
-        "--nproc-per-node", str(nproc), "--master-addr", "127.0.0.1", "--master-port", str(port),
-        "-m", "grpo_megatron", command, str(config), *overrides,
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes",
+        str(nnodes),
+        "--node-rank",
+        str(node_rank),
+        "--nproc-per-node",
+        str(nproc),
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        str(port),
+        "-m",
+        "grpo_megatron",
+        command,
+        str(config),
+        *overrides,
+    ]
     script = f'hostname 127.0.0.{node_rank + 1} && exec "$@"'
     env = dict(os.environ, OMP_NUM_THREADS="1", TORCH_COMPILE_DISABLE="1", WANDB_SILENT="true")
     return subprocess.Popen(
-        ["unshare", "--uts", "sh", "-c", script, "node", *torchrun], cwd=REPO_ROOT, env=env,
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
-    )  # fmt: skip
+        ["unshare", "--uts", "sh", "-c", script, "node", *torchrun],
+        cwd=REPO_ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
 
 
 def kill_job(proc: subprocess.Popen) -> None:
@@ -117,7 +166,9 @@ def killed_and_resumed(overrides: list[str], run_dir: Path, *, config: Path = DE
     its metrics rows, wall times left out (``comparable``)."""
     proc = launch("train", [*overrides, f"logging.run_dir={run_dir}"], config=config)
     kill_after_checkpoint(proc, run_dir)
-    finish(launch("train", [*overrides, f"logging.run_dir={run_dir}", "checkpoint.resume=auto"], config=config))
+    finish(
+        launch("train", [*overrides, f"logging.run_dir={run_dir}", "checkpoint.resume=auto"], config=config)
+    )
     return [comparable(r) for r in read_jsonl(run_dir / "metrics.jsonl")]
 
 
@@ -142,5 +193,9 @@ def cli(args: list[str], world_size: int) -> subprocess.CompletedProcess:
     launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world_size)]
     return subprocess.run(
         [sys.executable, *launcher, "-m", "grpo_megatron", *args, "--backend", "gloo"],  # CPU on any machine
-        cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=240,
-    )  # fmt: skip
+        cwd=REPO_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )

@@ -112,8 +112,11 @@ def shim(tmp_path: Path) -> Path:
 def slurm_env(tmp_path: Path, python: str | None = None) -> dict[str, str]:
     """The environment of a batch script on a 2-node allocation (job 4242, one process per node),
     with the fake srun/scontrol first on PATH; `scontrol requeue` is noted in $FAKE_SLURM_LOG."""
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("SLURM", "GRPO_LOCAL_TEST", "MASTER_", "GRPO_EXIT_FILE"))}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("SLURM", "GRPO_LOCAL_TEST", "MASTER_", "GRPO_EXIT_FILE"))
+    }
     env.update(
         PATH=f"{shim(tmp_path)}:{os.environ['PATH']}",
         SLURM_JOB_ID="4242",

@@ -14,4 +14,6 @@ MARKED: list[bool] = [True]
 def require_mark(what: str) -> None:
     """Fail the test being run unless it is marked ``launches``: it is about to launch ``what``."""
     if not MARKED[0]:
-        pytest.fail(f"this test launches {what}: mark it @pytest.mark.launches (make test-fast leaves those out)")
+        pytest.fail(
+            f"this test launches {what}: mark it @pytest.mark.launches (make test-fast leaves those out)"
+        )

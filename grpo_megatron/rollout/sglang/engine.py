@@ -50,13 +50,12 @@ from grpo_megatron.rollout.sglang.launch import (
     import_sglang,
     launch_servers,
     start_colocated,
-    stop_lost_part,
     torch_dtype,
 )
 from grpo_megatron.rollout.sglang.layout import agree_engine_address, layout_of
 from grpo_megatron.rollout.sglang.model_config import quantized, read_hf_config
 from grpo_megatron.rollout.sglang.shards import check_expert_placement, rank_needs
-from grpo_megatron.rollout.sglang.watch import SchedulerProbe, ServerGuard, cancel_requests
+from grpo_megatron.rollout.sglang.watch import SchedulerProbe, ServerGuard, cancel_requests, stop_lost_part
 from grpo_megatron.rollout.sglang.weights import (
     EngineTensors,
     KeptPrefixes,
@@ -103,8 +102,10 @@ class ReleasedMemory:
     def refusal(self) -> str | None:
         """Why the engine cannot generate now (None: it can)."""
         if self.tags & {"weights", "kv_cache"}:
-            return (f"the SGLang engine has released its {sorted(self.tags)} memory (to the trainer): "
-                    "resume_memory before generating")  # fmt: skip
+            return (
+                f"the SGLang engine has released its {sorted(self.tags)} memory (to the trainer): "
+                "resume_memory before generating"
+            )
         return None
 
 
@@ -141,8 +142,14 @@ class SGLangEngine(RolloutEngine):
         # The EP decides which experts each GPU loads; server args placing experts otherwise are refused.
         self.tp_size, self.ep_size = launch.shape(rollout)
         check_expert_placement(rollout.sglang.server_args)
-        launched = launch_servers(rollout, self.model_path, launch, self._hf_config,
-                                  weights_on_disk=bool(self._shapes), given=servers)  # fmt: skip
+        launched = launch_servers(
+            rollout,
+            self.model_path,
+            launch,
+            self._hf_config,
+            weights_on_disk=bool(self._shapes),
+            given=servers,
+        )
         self.transport: WeightTransport = launched.transport
         self.health: EngineProcesses | None = launched.health
         """The engine's processes when this adapter started them (a colocated engine), else None."""
@@ -204,8 +211,14 @@ class SGLangEngine(RolloutEngine):
         if rollout.sglang.mode == "disaggregated":
             if ps.rank != 0:
                 return None
-            launch = EngineLaunch(model.dtype, spec.seed, device, routes=spec.record_routes,
-                                  group_timeout=ps.timeout, max_staleness=spec.max_staleness)  # fmt: skip
+            launch = EngineLaunch(
+                model.dtype,
+                spec.seed,
+                device,
+                routes=spec.record_routes,
+                group_timeout=ps.timeout,
+                max_staleness=spec.max_staleness,
+            )
             return cls(rollout, model.hf_path, launch)
         placement = placement or runtime_placement(spec, ps, read_hf_config(model.hf_path))
         layout, gpus_per_node, local_rank = layout_of(placement, ps)
@@ -213,11 +226,21 @@ class SGLangEngine(RolloutEngine):
             return None  # a multi-node engine's other ranks agree on its address in SGLangSyncMember
         address = agree_engine_address(layout, gpus_per_node, local_rank) if layout.multi_node else None
         launch = EngineLaunch(
-            model.dtype, spec.seed + ps.rank, device, base_gpu_id=layout.base_gpu_id, tp_size=placement.gpus_per_engine,
-            ep_size=placement.engine_ep, nnodes=layout.nnodes, dist_init_addr=address, hf_overrides=model.hf_overrides,
-            rank=ps.rank, log_dir=spec.log_dir, tokenizer_path=spec.tokenizer_path, routes=spec.record_routes,
+            model.dtype,
+            spec.seed + ps.rank,
+            device,
+            base_gpu_id=layout.base_gpu_id,
+            tp_size=placement.gpus_per_engine,
+            ep_size=placement.engine_ep,
+            nnodes=layout.nnodes,
+            dist_init_addr=address,
+            hf_overrides=model.hf_overrides,
+            rank=ps.rank,
+            log_dir=spec.log_dir,
+            tokenizer_path=spec.tokenizer_path,
+            routes=spec.record_routes,
             max_staleness=spec.max_staleness,
-        )  # fmt: skip
+        )
         engine = cls(rollout, model.hf_path, launch)
         engine.sync_group_ranks = layout.members  # every GPU of the engine receives its own share
         return engine
@@ -261,10 +284,14 @@ class SGLangEngine(RolloutEngine):
         refusal = self.transport.manifest_refusal(quantized(self._hf_config), self.model_path, version)
         if refusal is not None:
             return [refusal]
-        errors = manifest_errors(manifest, self.held, self.weight_needs(), f"the checkpoint at {self.model_path}")
+        errors = manifest_errors(
+            manifest, self.held, self.weight_needs(), f"the checkpoint at {self.model_path}"
+        )
         if errors:
-            return [f"weight sync of version {version} refused by the SGLang engine ({len(errors)} problems): "
-                    + "; ".join(errors[:10])]  # fmt: skip
+            return [
+                f"weight sync of version {version} refused by the SGLang engine ({len(errors)} problems): "
+                + "; ".join(errors[:10])
+            ]
         self._accepted = manifest
         return []
 
@@ -294,8 +321,9 @@ class SGLangEngine(RolloutEngine):
     def _generate(
         self, servers: list[Any], prompts: Sequence[Sequence[int]], params: SamplingParams
     ) -> list[list[Completion]]:
-        request = protocol.generate_request(prompts, params, self._rng, routes_enabled=self._route_layout is not None,
-                                            context=self.context)  # fmt: skip
+        request = protocol.generate_request(
+            prompts, params, self._rng, routes_enabled=self._route_layout is not None, context=self.context
+        )
         return protocol.completions(_scatter(servers, request), request, params.n, self._route_layout)
 
     def score(
@@ -327,7 +355,9 @@ class SGLangEngine(RolloutEngine):
                 self._signal_scheduler(signum)  # tests only (rollout/faults.py)
             try:
                 self.load.accept(bucket, version)
-                arranged = self._pairs.arrange(bucket, version=version, last=last)  # SGLang loads some in pairs
+                arranged = self._pairs.arrange(
+                    bucket, version=version, last=last
+                )  # SGLang loads some in pairs
                 self.check_alive()
                 self.load.open_sessions(servers)
             except BaseException as exc:  # a call cancelled on a lost engine too (ServerGuard)
@@ -336,8 +366,13 @@ class SGLangEngine(RolloutEngine):
                 raise
             flush = self.prefixes.due(version)
             try:
-                self.transport.send(servers, with_output_head(arranged, self.tied_head), last=last,
-                                    version=version, flush=flush)  # fmt: skip
+                self.transport.send(
+                    servers,
+                    with_output_head(arranged, self.tied_head),
+                    last=last,
+                    version=version,
+                    flush=flush,
+                )
             except Exception:
                 self.check_alive()  # a load that failed because a process of the engine died: EngineLost
                 raise
@@ -393,7 +428,7 @@ class SGLangEngine(RolloutEngine):
 
     def restart(self, address: str | None = None) -> None:
         """Restart a lost colocated engine in place (issue 41; ``EngineRecovery.restart_engines``): the
-        generation in flight is cancelled, the engine stopped (``launch.stop_lost_part``: its own
+        generation in flight is cancelled, the engine stopped (``watch.stop_lost_part``: its own
         processes only, what is left of them SIGKILLed, a stopped one too), then ``sglang.Engine``
         starts again in this process with the same arguments (fresh ports and IPC names; the trainer's
         signal handlers taken back again) on a fresh event loop. It holds the checkpoint's (or dummy)
@@ -410,7 +445,9 @@ class SGLangEngine(RolloutEngine):
             raise RuntimeError("only a colocated SGLang engine started by this adapter restarts in place")
         if self._launch.nnodes > 1:
             if address is None:
-                raise RuntimeError("an SGLang engine across nodes restarts at a fresh address (restart_address)")
+                raise RuntimeError(
+                    "an SGLang engine across nodes restarts at a fresh address (restart_address)"
+                )
             self._launch = dataclasses.replace(self._launch, dist_init_addr=address)
         released = sorted(self.released.tags)
         servers = self.guard.abandon()
@@ -419,8 +456,9 @@ class SGLangEngine(RolloutEngine):
             stop_lost_part(server, self.health, self.life)
         self.transport.reset(servers)
         self._fresh_state()
-        server, self.health, _ = start_colocated(self.rollout, self.model_path, self._launch, self._hf_config,
-                                                 weights_on_disk=bool(self._shapes))  # fmt: skip
+        server, self.health, _ = start_colocated(
+            self.rollout, self.model_path, self._launch, self._hf_config, weights_on_disk=bool(self._shapes)
+        )
         self.guard = self._guard([server])
         self.context = context_tokens([server])
         if self.tied_head and self._shapes and not self._dummy:
@@ -530,8 +568,11 @@ def _scatter(servers: Sequence[Any], request: protocol.Request) -> list[Any]:
 
     def run(chunk: tuple[Any, int, int]) -> list[Any]:
         server, lo, hi = chunk
-        out = server.generate(input_ids=request.input_ids[lo:hi], sampling_params=request.sampling_params[lo:hi],
-                              **request.options)  # fmt: skip
+        out = server.generate(
+            input_ids=request.input_ids[lo:hi],
+            sampling_params=request.sampling_params[lo:hi],
+            **request.options,
+        )
         return out if isinstance(out, list) else [out]
 
     if len(chunks) == 1:

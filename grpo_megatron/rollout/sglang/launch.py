@@ -19,9 +19,6 @@ own multi-node launch: which ranks form it and where its parts meet is ``layout.
 
 from __future__ import annotations
 
-import asyncio
-import atexit
-import contextlib
 import dataclasses
 import inspect
 import json
@@ -61,6 +58,8 @@ INSTALL_HINT = (
     "(the set the GPU check ran: docs/getting-started/gpu.md); on CPU `make setup` installs SGLang's "
     "engine from the lock and its CPU kernels from WHEELHOUSE (docs/getting-started/cpu.md)"
 )
+
+
 class SGLangUnavailableError(ImportError):
     """SGLang is not importable here: the message says how to install it."""
 
@@ -84,10 +83,22 @@ def import_sglang(device: torch.device | None = None) -> tuple[ModuleType, type,
 
 
 LAUNCHER_VARIABLES = (
-    "TORCHELASTIC_USE_AGENT_STORE", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT",
-    "TORCHELASTIC_MAX_RESTARTS", "MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK",
-    "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME",
-)  # fmt: skip
+    "TORCHELASTIC_USE_AGENT_STORE",
+    "TORCHELASTIC_RUN_ID",
+    "TORCHELASTIC_RESTART_COUNT",
+    "TORCHELASTIC_MAX_RESTARTS",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "GROUP_WORLD_SIZE",
+    "ROLE_RANK",
+    "ROLE_WORLD_SIZE",
+    "ROLE_NAME",
+)
 """torchrun's variables, kept from an engine's processes: with ``TORCHELASTIC_USE_AGENT_STORE=True``
 torch.distributed in SGLang's scheduler connects to the trainer's launcher store instead of its own
 rendezvous and waits there for good (seen: a colocated engine under torchrun never started)."""
@@ -101,7 +112,9 @@ def engine_environment(device: torch.device, cpu_path: str = "auto") -> dict[str
     env: dict[str, str | None] = dict.fromkeys(LAUNCHER_VARIABLES)
     if device.type == "cpu":
         if not os.environ.get("SGLANG_CPU_OMP_THREADS_BIND"):
-            env["SGLANG_CPU_OMP_THREADS_BIND"] = cpu_threads_bind(int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+            env["SGLANG_CPU_OMP_THREADS_BIND"] = cpu_threads_bind(
+                int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+            )
         env.update(engine_amx_environment(cpu_path))
     return env
 
@@ -315,8 +328,9 @@ def start_colocated(
     if device.type == "cpu":
         refuse_cpu_path(rollout.sglang.cpu_path, launch, sglang)
     launch = dataclasses.replace(launch, device=str(device))
-    server_args = colocated_server_args(rollout, model_path, launch, hf_config, node_rank=node_rank,
-                                        weights_on_disk=weights_on_disk)  # fmt: skip
+    server_args = colocated_server_args(
+        rollout, model_path, launch, hf_config, node_rank=node_rank, weights_on_disk=weights_on_disk
+    )
     server_args["model_path"], changes = engine_model_path(model_path, hf_config, launch.log_dir, launch.rank)
     if "tokenizer_path" not in server_args and changes:
         server_args["tokenizer_path"] = model_path
@@ -330,12 +344,16 @@ def start_colocated(
     health.recoverable = rollout.recovery.max_restarts > 0  # a lost part is restarted, not the rank ended
     if signals is not None:
         health.take_back_signals(engine, signals)
-    if node_rank == 0:  # a further node's part has no tokenizer manager; the leader's call reaches its schedulers
+    if (
+        node_rank == 0
+    ):  # a further node's part has no tokenizer manager; the leader's call reaches its schedulers
         freeze_engine_gc(engine)
     part = f" (node {node_rank} of {launch.nnodes})" if launch.nnodes > 1 else ""
     print(f"[rollout] SGLang engine of rank {launch.rank}{part}: its processes log to {log_path}", flush=True)
     if changes:
-        print(f"[rollout] SGLang engine of rank {launch.rank} reads {server_args['model_path']}: {'; '.join(changes)}")
+        print(
+            f"[rollout] SGLang engine of rank {launch.rank} reads {server_args['model_path']}: {'; '.join(changes)}"
+        )
     return engine, health, server_args
 
 
@@ -356,8 +374,13 @@ class Launched:
 
 
 def launch_servers(
-    rollout: RolloutConfig, model_path: str, launch: EngineLaunch, hf_config: Mapping[str, Any], *,
-    weights_on_disk: bool, given: Sequence[Any] | None = None,
+    rollout: RolloutConfig,
+    model_path: str,
+    launch: EngineLaunch,
+    hf_config: Mapping[str, Any],
+    *,
+    weights_on_disk: bool,
+    given: Sequence[Any] | None = None,
 ) -> Launched:
     """The engine's servers and weight transport by ``rollout.sglang.mode``, decided here once:
     colocated, this rank's ``sglang.Engine`` (``start_colocated``) fed by CUDA IPC (on CPU: shared
@@ -376,7 +399,9 @@ def launch_servers(
     if rollout.sglang.mode != "colocated":
         clients = [SGLangHttpClient(u, rollout.sglang.request_timeout_s) for u in rollout.sglang.server_urls]
         return Launched(clients, transport, routes)
-    server, health, args = start_colocated(rollout, model_path, launch, hf_config, weights_on_disk=weights_on_disk)
+    server, health, args = start_colocated(
+        rollout, model_path, launch, hf_config, weights_on_disk=weights_on_disk
+    )
     dummy = not weights_on_disk or quantized(hf_config)
     return Launched([server], transport, bool(args["enable_return_routed_experts"]), health, dummy)
 
@@ -411,7 +436,13 @@ def start_signal_handler(main_thread: bool) -> dict[str, Any]:
 
 
 def start_node_part(
-    spec: EngineSpec, layout: ColocatedLayout, address: str, ep_size: int, ps: ParallelState, *, weights_on_disk: bool
+    spec: EngineSpec,
+    layout: ColocatedLayout,
+    address: str,
+    ep_size: int,
+    ps: ParallelState,
+    *,
+    weights_on_disk: bool,
 ) -> tuple[Any, EngineProcesses]:
     """Node ``layout.node_rank`` >= 1's part of a multi-node colocated engine, started by this rank (the
     node's first of the engine) through ``start_colocated``, as the leader's part is: the same
@@ -421,52 +452,31 @@ def start_node_part(
     ``SGLANG_BLOCK_NONZERO_RANK_CHILDREN=0`` it returns once they are up (see the module docstring)."""
     rollout, model = spec.rollout, spec.model
     launch = EngineLaunch(
-        model.dtype, spec.seed + layout.leader, str(ps.device), base_gpu_id=layout.base_gpu_id,
-        tp_size=len(layout.members), ep_size=ep_size, nnodes=layout.nnodes, dist_init_addr=address,
-        hf_overrides=model.hf_overrides, rank=ps.rank, log_dir=spec.log_dir, tokenizer_path=spec.tokenizer_path,
+        model.dtype,
+        spec.seed + layout.leader,
+        str(ps.device),
+        base_gpu_id=layout.base_gpu_id,
+        tp_size=len(layout.members),
+        ep_size=ep_size,
+        nnodes=layout.nnodes,
+        dist_init_addr=address,
+        hf_overrides=model.hf_overrides,
+        rank=ps.rank,
+        log_dir=spec.log_dir,
+        tokenizer_path=spec.tokenizer_path,
         routes=spec.record_routes,
-    )  # fmt: skip
+    )
     hf_config = {**read_hf_config(model.hf_path), **(model.hf_overrides or {})}
     os.environ["SGLANG_BLOCK_NONZERO_RANK_CHILDREN"] = "0"  # read by SGLang in this process only
-    engine, health, _ = start_colocated(rollout, str(model.hf_path), launch, hf_config,
-                                        weights_on_disk=weights_on_disk, node_rank=layout.node_rank)  # fmt: skip
+    engine, health, _ = start_colocated(
+        rollout,
+        str(model.hf_path),
+        launch,
+        hf_config,
+        weights_on_disk=weights_on_disk,
+        node_rank=layout.node_rank,
+    )
     return engine, health
-
-
-def close_loop(server: Any) -> None:
-    """A shut-down in-process server's event loop, closed: its tasks (the tokenizer manager's
-    receivers) cancelled and given a second to end. Skipped while a generation thread left behind
-    still runs it (``ServerGuard.abandon``)."""
-    loop = getattr(server, "loop", None)
-    if not isinstance(loop, asyncio.AbstractEventLoop) or loop.is_running() or loop.is_closed():
-        return
-    tasks = asyncio.all_tasks(loop)
-    for task in tasks:
-        task.cancel()
-    if tasks:
-        with contextlib.suppress(RuntimeError):  # a stop left pending by stop_loops ends this run early
-            loop.run_until_complete(asyncio.wait(tasks, timeout=1.0))
-    loop.close()
-
-
-def stop_lost_part(server: Any, health: EngineProcesses, life: int) -> None:
-    """A lost engine part (a leader's engine, or a further node's part of one across nodes) stopped
-    before it starts again in this process: shut down (its own processes only; ``sglang.Engine``'s
-    at-exit shutdown, which kills every child of the rank, taken back), what is left of its processes
-    SIGKILLed (a stopped one too), its event loop closed and a fresh one made current (SGLang's Engine
-    takes the thread's current loop), and its log given a header for life ``life``."""
-    atexit.unregister(server.shutdown)
-    try:
-        with health.engine_only_shutdown():
-            server.shutdown()
-    except Exception as exc:  # a half-dead engine: what is left is killed below
-        print(f"[engine] shutting the lost SGLang engine of rank {health.rank} down: {type(exc).__name__}: {exc}",
-              flush=True)  # fmt: skip
-    health.kill_all()
-    close_loop(server)
-    asyncio.set_event_loop(asyncio.new_event_loop())
-    with open(health.log_path, "a") as log:  # this process's file again: each life under a header
-        log.write(f"--- SGLang engine of rank {health.rank}, life {life} (restarted in place) ---\n")
 
 
 def torch_dtype(name: str) -> torch.dtype:

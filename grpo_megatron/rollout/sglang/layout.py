@@ -80,7 +80,9 @@ class ColocatedLayout:
         return self.nnodes > 1
 
 
-def colocated_layout(rank: int, world_size: int, tp: int, gpus_per_node: int, local_rank: int) -> ColocatedLayout:
+def colocated_layout(
+    rank: int, world_size: int, tp: int, gpus_per_node: int, local_rank: int
+) -> ColocatedLayout:
     """Trainer ``rank``'s place in its colocated engine of ``tp`` (``rollout.sglang.tp``) GPUs.
 
     Inside a node (``tp <= gpus_per_node``): ``tp`` must divide the GPUs per node and the world
@@ -105,7 +107,9 @@ def colocated_layout(rank: int, world_size: int, tp: int, gpus_per_node: int, lo
     if tp <= gpus_per_node:
         return ColocatedLayout(leader, tuple(members), 1, 0, rank == leader, local_rank - (rank - leader))
     node_rank = (rank - leader) // gpus_per_node
-    return ColocatedLayout(leader, tuple(members), tp // gpus_per_node, node_rank, rank % gpus_per_node == 0, 0)
+    return ColocatedLayout(
+        leader, tuple(members), tp // gpus_per_node, node_rank, rank % gpus_per_node == 0, 0
+    )
 
 
 def engine_address(
@@ -145,7 +149,9 @@ def agree_engine_address(layout: ColocatedLayout, gpus_per_node: int, local_rank
     mine = (socket.gethostname(), local_rank, free_port("") if rank == layout.leader else None)
     everyone: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
-    return engine_address(layout, [(h, lr) for h, lr, _ in everyone], everyone[layout.leader][2], gpus_per_node)
+    return engine_address(
+        layout, [(h, lr) for h, lr, _ in everyone], everyone[layout.leader][2], gpus_per_node
+    )
 
 
 def layout_of(placement: RolloutPlacement, ps: ParallelState) -> tuple[ColocatedLayout, int, int]:

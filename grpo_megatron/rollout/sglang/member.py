@@ -20,10 +20,11 @@ from grpo_megatron.rollout.engine import Bucket, EngineSpec, Manifest, WeightSin
 from grpo_megatron.rollout.placement import RolloutPlacement, runtime_placement
 from grpo_megatron.rollout.sglang.health import EngineProcesses
 from grpo_megatron.rollout.sglang.ipc import EngineGroupFeed, SharedStaging, contribution
-from grpo_megatron.rollout.sglang.launch import import_sglang, start_node_part, stop_lost_part, torch_dtype
+from grpo_megatron.rollout.sglang.launch import import_sglang, start_node_part, torch_dtype
 from grpo_megatron.rollout.sglang.layout import ColocatedLayout, agree_engine_address, layout_of
 from grpo_megatron.rollout.sglang.model_config import quantized, read_hf_config
 from grpo_megatron.rollout.sglang.shards import rank_needs
+from grpo_megatron.rollout.sglang.watch import stop_lost_part
 from grpo_megatron.rollout.sglang.weights import (
     PairedLoads,
     bucket_errors,
@@ -58,11 +59,12 @@ class NodePart:
         recoverable with ``rollout.recovery.max_restarts`` > 0, as the leader's: a SIGQUIT from a
         scheduler that saw a peer die is noted, and the fleet restarts the engine whole."""
         on_disk = bool(checkpoint_shapes(self.spec.model.hf_path))
-        self.engine, self.health = start_node_part(self.spec, self.layout, address, self.ep_size, self.ps,
-                                                   weights_on_disk=on_disk)  # fmt: skip
+        self.engine, self.health = start_node_part(
+            self.spec, self.layout, address, self.ep_size, self.ps, weights_on_disk=on_disk
+        )
 
     def restart(self, address: str, life: int) -> None:
-        """Stop what is left of the part (``launch.stop_lost_part``; its log's header names ``life``)
+        """Stop what is left of the part (``watch.stop_lost_part``; its log's header names ``life``)
         and start it again at ``address``, the leader's fresh one: called while the leader restarts
         its own part."""
         assert self.health is not None
@@ -140,8 +142,16 @@ class SGLangSyncMember(WeightSink):
             if layout.starter:
                 node = NodePart(spec, layout, placement.engine_ep, ps)
                 node.start(address)
-        return cls(rollout, spec.model.hf_path, layout.members, ps.rank - layout.leader, ps.device, node,
-                   ep_size=placement.engine_ep, dtype=spec.model.dtype)  # fmt: skip
+        return cls(
+            rollout,
+            spec.model.hf_path,
+            layout.members,
+            ps.rank - layout.leader,
+            ps.device,
+            node,
+            ep_size=placement.engine_ep,
+            dtype=spec.model.dtype,
+        )
 
     @property
     def health(self) -> EngineProcesses | None:
@@ -165,7 +175,9 @@ class SGLangSyncMember(WeightSink):
         self.life += 1
         if self.node is not None:
             if address is None:
-                raise RuntimeError(f"SGLang TP rank {self.tp_rank}'s node part needs its leader's fresh address")
+                raise RuntimeError(
+                    f"SGLang TP rank {self.tp_rank}'s node part needs its leader's fresh address"
+                )
             self.node.restart(address, self.life)
 
     def stop_watching(self) -> None:
@@ -189,10 +201,14 @@ class SGLangSyncMember(WeightSink):
         (``SGLangEngine.check_manifest``)."""
         if manifest is self._accepted:
             return []
-        errors = manifest_errors(manifest, self.held, self.weight_needs(), f"the checkpoint at {self.model_path}")
+        errors = manifest_errors(
+            manifest, self.held, self.weight_needs(), f"the checkpoint at {self.model_path}"
+        )
         if errors:
-            return [f"weight sync of version {version} refused by SGLang TP rank {self.tp_rank} ({len(errors)} "
-                    "problems): " + "; ".join(errors[:10])]  # fmt: skip
+            return [
+                f"weight sync of version {version} refused by SGLang TP rank {self.tp_rank} ({len(errors)} "
+                "problems): " + "; ".join(errors[:10])
+            ]
         self._accepted = manifest
         return []
 
@@ -213,8 +229,12 @@ class SGLangSyncMember(WeightSink):
             errors = bucket_errors(bucket, self._expected_shapes, f"the checkpoint at {self.model_path}")
             if errors:
                 raise ValueError(f"weight sync of version {version}: {'; '.join(errors[:5])}")
-            arranged = self._pairs.arrange(bucket, version=version, last=last)  # as SGLangEngine.update_weights
-            mine = contribution(with_output_head(arranged, self.tied_head), self._classes, self.device, self.staging)
+            arranged = self._pairs.arrange(
+                bucket, version=version, last=last
+            )  # as SGLangEngine.update_weights
+            mine = contribution(
+                with_output_head(arranged, self.tied_head), self._classes, self.device, self.staging
+            )
         except Exception as exc:  # handed to the leader like a payload: every GPU fails this round together
             self.feed.contribute((None, False, f"{type(exc).__name__}: {exc}"))
             raise

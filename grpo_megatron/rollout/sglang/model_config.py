@@ -29,14 +29,22 @@ that: sigmoid scores, top-k with the ``e_score_correction_bias``, every layer af
 
 DEEPSEEK_MODEL_TYPES = ("deepseek_v3",)
 
+
 def identity_yarn(max_position: int) -> dict[str, Any]:
     """A YaRN rope scaling of factor 1: the plain rotary embedding, as a scaling (factor 1 makes YaRN's
     interpolated and extrapolated frequencies equal and both of its mscales 1). SGLang's CPU MLA
     rotary embedding (``srt/layers/rotary_embedding/factory.py:get_rope_cpu``) asserts a
     ``rope_scaling`` and supports only DeepSeek's YaRN; a DeepSeek-V3 config written by transformers
     without one would not start there."""
-    return {"rope_type": "yarn", "factor": 1.0, "original_max_position_embeddings": max_position,
-            "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}  # fmt: skip
+    return {
+        "rope_type": "yarn",
+        "factor": 1.0,
+        "original_max_position_embeddings": max_position,
+        "beta_fast": 32,
+        "beta_slow": 1,
+        "mscale": 1.0,
+        "mscale_all_dim": 1.0,
+    }
 
 
 def engine_config(hf_config: Mapping[str, Any]) -> tuple[dict[str, Any], list[str]]:
@@ -63,7 +71,9 @@ def engine_config(hf_config: Mapping[str, Any]) -> tuple[dict[str, Any], list[st
                 config["rope_parameters"] = {**rope, **yarn}
             else:
                 config["rope_scaling"] = yarn
-            changes.append("rope scaling: YaRN of factor 1, the plain rotary embedding (SGLang's CPU MLA needs one)")
+            changes.append(
+                "rope scaling: YaRN of factor 1, the plain rotary embedding (SGLang's CPU MLA needs one)"
+            )
     return config, changes
 
 

@@ -9,17 +9,23 @@ that generation is watched: a dead or stopped process of the engine (``health.py
 alive but silent (``SchedulerProbe``: a state request unanswered past
 ``rollout.recovery.health_timeout_s``: a hung scheduler), end the wait with ``EngineLost`` after the
 generation's requests are cancelled on the engine's loop (``cancel_requests``); a lost engine's
-generation thread is abandoned (``ServerGuard.abandon``, ``stop_loops``) before it restarts.
+generation thread is abandoned (``ServerGuard.abandon``, ``stop_loops``) and what is left of it stopped
+(``stop_lost_part``) before it restarts.
 """
 
 from __future__ import annotations
 
 import asyncio
+import atexit
 import concurrent.futures
+import contextlib
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
+
+if TYPE_CHECKING:
+    from grpo_megatron.rollout.sglang.health import EngineProcesses
 
 T = TypeVar("T")
 
@@ -45,8 +51,12 @@ class ServerGuard:
     wait's ``SchedulerProbe``: the engine alive but not answering (a hung scheduler) is lost too."""
 
     def __init__(
-        self, servers: Sequence[Any], *, watch: Callable[[], None] | None = None,
-        cancel: Callable[[list[Any]], None] | None = None, probe: Callable[[], SchedulerProbe] | None = None,
+        self,
+        servers: Sequence[Any],
+        *,
+        watch: Callable[[], None] | None = None,
+        cancel: Callable[[list[Any]], None] | None = None,
+        probe: Callable[[], SchedulerProbe] | None = None,
     ) -> None:
         self._servers = list(servers)
         self._pool: ThreadPoolExecutor | None = None
@@ -220,3 +230,39 @@ def stop_loops(servers: Sequence[Any]) -> None:
             loop.call_soon_threadsafe(loop.stop)
 
 
+def close_loop(server: Any) -> None:
+    """A shut-down in-process server's event loop, closed: its tasks (the tokenizer manager's
+    receivers) cancelled and given a second to end. Skipped while a generation thread left behind
+    still runs it (``ServerGuard.abandon``)."""
+    loop = getattr(server, "loop", None)
+    if not isinstance(loop, asyncio.AbstractEventLoop) or loop.is_running() or loop.is_closed():
+        return
+    tasks = asyncio.all_tasks(loop)
+    for task in tasks:
+        task.cancel()
+    if tasks:
+        with contextlib.suppress(RuntimeError):  # a stop left pending by stop_loops ends this run early
+            loop.run_until_complete(asyncio.wait(tasks, timeout=1.0))
+    loop.close()
+
+
+def stop_lost_part(server: Any, health: EngineProcesses, life: int) -> None:
+    """A lost engine part (a leader's engine, or a further node's part of one across nodes) stopped
+    before it starts again in this process: shut down (its own processes only; ``sglang.Engine``'s
+    at-exit shutdown, which kills every child of the rank, taken back), what is left of its processes
+    SIGKILLed (a stopped one too), its event loop closed and a fresh one made current (SGLang's Engine
+    takes the thread's current loop), and its log given a header for life ``life``."""
+    atexit.unregister(server.shutdown)
+    try:
+        with health.engine_only_shutdown():
+            server.shutdown()
+    except Exception as exc:  # a half-dead engine: what is left is killed below
+        print(
+            f"[engine] shutting the lost SGLang engine of rank {health.rank} down: {type(exc).__name__}: {exc}",
+            flush=True,
+        )
+    health.kill_all()
+    close_loop(server)
+    asyncio.set_event_loop(asyncio.new_event_loop())
+    with open(health.log_path, "a") as log:  # this process's file again: each life under a header
+        log.write(f"--- SGLang engine of rank {health.rank}, life {life} (restarted in place) ---\n")

@@ -9,8 +9,10 @@ import os
 import sys
 
 _sglang = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-for _name, _path in (("grpo_megatron_sglang_compat", os.path.join(_sglang, "compat.py")),
-                     ("grpo_megatron_engine_faults", os.path.join(os.path.dirname(_sglang), "faults.py"))):
+for _name, _path in (
+    ("grpo_megatron_sglang_compat", os.path.join(_sglang, "compat.py")),
+    ("grpo_megatron_engine_faults", os.path.join(os.path.dirname(_sglang), "faults.py")),
+):
     _spec = importlib.util.spec_from_file_location(_name, _path)
     if _spec is not None and _spec.loader is not None:
         _module = importlib.util.module_from_spec(_spec)
