@@ -102,9 +102,9 @@ test: machine lint
 machine:
 	@$(PYTHON) tools/sgl_kernel_wheel.py machine $(WHEELHOUSE)
 
-# The fast tier (README: under 5 minutes on 2 cores): every test but those marked `launches` (a training
-# job, SGLang's real engine, or ranks of their own under torchrun: pyproject.toml's markers). `make test`
-# runs them all, and so does CI (.ci/run).
+# The fast tier (README): every test but those marked `launches` (a training job, an engine, ranks of their
+# own under torchrun, the CLI or SGLang in a process of their own: pyproject.toml's markers), in-process
+# tests on real parts. `make test` runs them all, and so does CI (.ci/run).
 test-fast: setup
 	TORCH_COMPILE_DISABLE=1 GRPO_KERNEL_WHEELHOUSE=$(WHEELHOUSE) $(BIN)/python -m pytest -q -m "not launches" --durations=15
 

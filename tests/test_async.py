@@ -126,6 +126,7 @@ def test_one_step_off_lags_by_at_most_one_version_and_resumes_with_the_same_rule
     assert prompts(sync, 3) != prompts(full, 4)
 
 
+@pytest.mark.launches
 def test_engine_process_serves_each_request_with_the_weights_sent_before_it(tmp_path):
     # Two requests in flight around a weight update: the first is served with version 1, the second
     # with version 2, whatever the timing; version 1's completions equal an in-process engine's bitwise.

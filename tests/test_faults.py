@@ -188,6 +188,7 @@ def converted(tmp_path_factory: pytest.TempPathFactory) -> dict:
     return {"root": root, "hf": root / "hf", "mcore": root / "mcore"}
 
 
+@pytest.mark.launches
 def test_convert_names_the_wrong_hf_config(converted: dict, tmp_path: Path):
     wrong = tmp_path / "wrong"
     wrong.mkdir()
@@ -208,6 +209,7 @@ def test_convert_names_the_wrong_hf_config(converted: dict, tmp_path: Path):
     assert str(wrong / "config.json") in run.stderr and str(converted["mcore"]) in run.stderr
 
 
+@pytest.mark.launches
 def test_convert_refuses_crafted_metadata_without_running_it(converted: dict, tmp_path: Path):
     crafted = tmp_path / "crafted"
     shutil.copytree(converted["mcore"], crafted)
@@ -218,6 +220,7 @@ def test_convert_refuses_crafted_metadata_without_running_it(converted: dict, tm
     assert not pwned.exists() and not (tmp_path / "out").exists()
 
 
+@pytest.mark.launches
 def test_convert_names_a_truncated_safetensors_file(converted: dict, tmp_path: Path):
     damaged = tmp_path / "hf"
     shutil.copytree(converted["hf"], damaged)
@@ -385,6 +388,7 @@ def _check(*overrides: str) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.mark.launches
 def test_check_finds_missing_data_damaged_weights_and_resume_paths(tmp_path: Path):
     from tests.workers.bridge_workers import save_tiny_model
 
@@ -402,6 +406,7 @@ def test_check_finds_missing_data_damaged_weights_and_resume_paths(tmp_path: Pat
     assert f"checkpoint.resume={tmp_path / 'nope'}: no such checkpoint" in run.stderr
 
 
+@pytest.mark.launches
 def test_check_refuses_what_train_would_refuse_a_missing_tokenizer():
     # examples/tiny_moe/ holds only config.json: train and sft would stop at load_tokenizer after
     # starting every rank, so check (and their start-up check) says so in a second
@@ -413,6 +418,7 @@ def test_check_refuses_what_train_would_refuse_a_missing_tokenizer():
     assert _check(f"data.tokenizer_path={REPO_ROOT / 'examples' / 'demo'}").returncode == 0
 
 
+@pytest.mark.launches
 @pytest.mark.parametrize("shard", ["../outside.safetensors", "/etc/passwd", "sub/model.safetensors", ".."])
 def test_a_safetensors_index_may_name_only_files_beside_it(tmp_path: Path, shard: str):
     from grpo_megatron.bridge.hf_loader import CheckpointError, HFCheckpoint
@@ -436,6 +442,7 @@ def test_a_safetensors_index_may_name_only_files_beside_it(tmp_path: Path, shard
     assert run.returncode == 2 and f"model.hf_path: {index}: {named}" in run.stderr, run.stderr
 
 
+@pytest.mark.launches
 def test_failures_after_start_up_print_one_line_unless_debug():
     short = subprocess.run(
         [sys.executable, "-m", "grpo_megatron", "verify", str(TINY)],

@@ -120,6 +120,7 @@ def _fresh_interpreter(script: str) -> None:
     assert proc.returncode == 0, proc.stderr[-3000:]
 
 
+@pytest.mark.launches
 def test_opt_in_and_applied_by_cause_not_by_device() -> None:
     """In fresh interpreters: importing patches nothing; "TE absent" alone (a CUDA job) applies the
     router fix and no CUDA-absent fix, and the router then runs (on CPU tensors, with torch's own
@@ -163,6 +164,7 @@ def test_opt_in_and_applied_by_cause_not_by_device() -> None:
     )
 
 
+@pytest.mark.launches
 def test_torch_adam_fixes_are_applied_by_that_condition() -> None:
     """megatron's Adam here is torch's (no TE, no apex), on any device: a CUDA job gets the
     distributed-optimizer fixes; with a fused Adam reported, a CPU job gets none of them (the CPU
@@ -338,6 +340,7 @@ def test_moe_router_gemm_name(monkeypatch: pytest.MonkeyPatch) -> None:
     )
 
 
+@pytest.mark.launches
 def test_mla_te_flag() -> None:
     """Without TransformerEngine megatron still believes MLA has TE; the fix clears the flag
     (tests/test_models.py builds and trains DeepSeek-V3's MLA with it)."""

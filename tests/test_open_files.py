@@ -38,6 +38,7 @@ def test_the_deepseek_recipe_needs_more_than_the_usual_soft_limit():
     assert open_files_needed(2, dp=2, cp=1, expert_dp=1, rank=0, nccl=False).total < 1100
 
 
+@pytest.mark.launches
 def test_the_bootstrap_raises_the_soft_limit_to_the_hard_one():
     _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if hard != resource.RLIM_INFINITY and hard < 2048:
@@ -59,6 +60,7 @@ def test_the_bootstrap_raises_the_soft_limit_to_the_hard_one():
     assert new_hard == hard and soft == (hard if hard != resource.RLIM_INFINITY else 1 << 20), out.stdout
 
 
+@pytest.mark.launches
 def test_a_hard_limit_below_the_need_is_refused_with_the_numbers_and_the_fix():
     out = _run(
         """

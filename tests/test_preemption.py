@@ -77,6 +77,7 @@ def _exit_within(proc: subprocess.Popen, bound_s: float) -> tuple[int, float, st
     return proc.returncode, time.monotonic() - start, out + err
 
 
+@pytest.mark.launches
 def test_grace_bounds_a_rank_that_never_reaches_the_safe_point(tmp_path: Path):
     for written, code in ((False, EXIT_INTERRUPTED), (True, EXIT_PREEMPTED)):
         proc = _child(tmp_path, 1.0, written, "blocked")
@@ -87,6 +88,7 @@ def test_grace_bounds_a_rank_that_never_reaches_the_safe_point(tmp_path: Path):
         assert "the grace of checkpoint.signal_grace_s=1 s ran out: exiting now" in out, out
 
 
+@pytest.mark.launches
 def test_a_second_signal_exits_at_once_and_latest_stays_whole(tmp_path: Path):
     proc = _child(tmp_path, 60.0, False, "publishing")
     time.sleep(0.3)

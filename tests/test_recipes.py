@@ -74,6 +74,7 @@ def _tool(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, *args], cwd=REPO_ROOT, capture_output=True, text=True, timeout=60)
 
 
+@pytest.mark.launches
 def test_prepare_math(tmp_path: Path) -> None:
     # MATH's layout: one JSON file per problem, level as "Level N", answer inside \boxed{} of the solution
     src = tmp_path / "MATH" / "train" / "algebra"
@@ -119,6 +120,7 @@ def test_prepare_math(tmp_path: Path) -> None:
     assert json.loads(out2.read_text()) == {"prompt": "q?", "answer": "34", "source": str(dapo)}
 
 
+@pytest.mark.launches
 def test_prepare_countdown(tmp_path: Path) -> None:
     import pyarrow as pa
     import pyarrow.parquet as pq

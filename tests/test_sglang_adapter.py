@@ -72,6 +72,7 @@ MOE_CONFIG = {"num_experts_per_tok": 2, "architectures": ["Qwen3MoeForCausalLM"]
 # Lazy import and the install message
 
 
+@pytest.mark.launches
 def test_importing_the_module_does_not_import_sglang() -> None:
     code = "import sys, grpo_megatron.rollout.sglang.engine; print('sglang' in sys.modules)"
     out = subprocess.run(
@@ -129,6 +130,7 @@ def test_sglang_config_fields_are_validated() -> None:
     assert good.rollout.sglang.server_urls == ["http://a:30000", "http://b:30000"]
 
 
+@pytest.mark.launches
 def test_check_refuses_what_sglang_would_refuse_naming_the_field() -> None:
     """SGLang scores (the mismatch probe) at temperature 1 only: check says so before any rank starts."""
     import subprocess
@@ -575,6 +577,7 @@ def _sigterm_ignored(pid: int) -> bool:
     return bool(mask & (1 << (signal.SIGTERM - 1)))
 
 
+@pytest.mark.launches
 def test_a_further_node_starts_its_part_like_the_leader_without_blocking(monkeypatch, tmp_path: Path) -> None:
     """``start_node_part`` against SGLang's real entry point name (``sglang.Engine``), whose multi-node
     constructor cannot run here (see bench/gpu_check.sh): the arguments it is given, the environment
@@ -913,6 +916,7 @@ def test_sigterm_ignored_while_engine_processes_start_then_the_handler_is_back(t
     assert (tmp_path / "logs" / "engine.log").read_text() == "from the engine\n"
 
 
+@pytest.mark.launches
 @pytest.mark.parametrize("mode", ["running", "stopping", "recoverable"])
 def test_sigquit_ends_the_rank_unless_it_is_shutting_the_engine_down(tmp_path: Path, mode: str) -> None:
     """A scheduler's SIGQUIT ends the rank with EXIT_ENGINE_DIED while the engine runs; once the rank
@@ -937,6 +941,7 @@ def test_sigquit_ends_the_rank_unless_it_is_shutting_the_engine_down(tmp_path: P
         assert ("EngineLost" in proc.stdout and "watchdog_timeout" in proc.stdout) == (mode == "recoverable")
 
 
+@pytest.mark.launches
 @pytest.mark.parametrize("fault", ["kill", "stop"])
 def test_a_generation_waiting_on_a_dead_or_stopped_scheduler_ends_in_engine_lost(
     tmp_path: Path, fault: str
@@ -1077,6 +1082,7 @@ except EngineStartError as exc:
 """
 
 
+@pytest.mark.launches
 @pytest.mark.parametrize("first", ["sigquit", "exception"])
 def test_an_engine_that_fails_while_it_starts_is_named_on_the_console(tmp_path: Path, first: str) -> None:
     """While an engine starts, the rank's output goes to the engine's log; a failure then must still
@@ -1256,6 +1262,7 @@ NotImplementedError: "rmsnorm_kernel" not implemented for 'Float'
 """
 
 
+@pytest.mark.launches
 def test_an_engine_death_names_its_reason_even_before_any_process_exited(tmp_path) -> None:
     """Issue 50 item 3: a scheduler that fails sends SGLang's SIGQUIT before it exits, so the report
     made in the SIGQUIT handler found no dead process and read "died: ." with an empty reason. The

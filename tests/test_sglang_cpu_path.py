@@ -42,6 +42,7 @@ def test_the_path_follows_what_sglang_sees_and_the_setting(monkeypatch) -> None:
     )
 
 
+@pytest.mark.launches
 @pytest.mark.skipif(
     not KERNEL, reason="SGLang takes its AMX path only with sgl_kernel: `make setup WHEELHOUSE=DIR`"
 )
@@ -99,6 +100,7 @@ def test_the_torch_native_setting_hides_amx_from_the_engines_processes() -> None
     )
 
 
+@pytest.mark.launches
 @pytest.mark.skipif(
     not KERNEL, reason="SGLang takes its AMX path only with sgl_kernel: `make setup WHEELHOUSE=DIR`"
 )

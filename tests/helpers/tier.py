@@ -1,7 +1,8 @@
-"""The test tiers: a test that launches a training job, SGLang's real engine or ranks of its own under
-torchrun must carry ``@pytest.mark.launches`` (``make test-fast`` leaves those out). The helpers that
-launch (``dist.run_distributed``, ``runs.launch``, ``sglang_env.require_sglang_engine``) ask
-``require_mark``; ``tests/conftest.py`` says, before each test's fixtures, whether it carries the mark."""
+"""The test tiers: a test that starts processes of its own that take seconds (a training job, an engine,
+ranks under torchrun, the CLI or SGLang in a Python process of its own) carries ``@pytest.mark.launches``
+(``make test-fast`` leaves those out). The helpers that launch a job, SGLang's real engine or ranks
+(``dist.run_distributed``, ``runs.launch``, ``sglang_env.require_sglang_engine``) ask ``require_mark``;
+``tests/conftest.py`` says, before each test's fixtures, whether it carries the mark."""
 
 from __future__ import annotations
 
