@@ -113,6 +113,9 @@ class Miniature:
     resumes: bool = True
     """Whether the test also resumes it to iteration 3. Off where another miniature resumes the same
     model kind and layout (a job start each, on a suite kept under 45 minutes)."""
+    teacher: bool = False
+    """A distillation recipe: a tiny teacher of its ``distill.teacher_path``'s ``model_type`` (random
+    weights saved by transformers, the student's tokenizer) stands in for the teacher."""
 
 
 MINIATURES = [
@@ -135,6 +138,16 @@ MINIATURES = [
         prepare_dapo,
         ("parallel.tp=2", "parallel.ep=2"),
         ("train.prompts_per_iteration=4", "algorithm.overlong.buffer_len=2", "train.lr_warmup_iterations=1"),
+    ),
+    # On-policy distillation: a dense Qwen3 student at TP2 learns from a Qwen3-MoE teacher built at its
+    # layout (every expert split over the 2 TP ranks); the 10-iteration warm-up shrinks with the run.
+    Miniature(
+        "distill_qwen3_30b_a3b_to_8b",
+        prepare_dapo,
+        ("parallel.tp=2",),
+        ("train.lr_warmup_iterations=1",),
+        resumes=False,  # r1_zero resumes a dense model at TP2
+        teacher=True,
     ),
     Miniature(
         "deepseek_v3_671b",
@@ -181,6 +194,27 @@ def tiny_model_dir(recipe: dict, recipe_dir: Path, prompt_files: list[Path], out
     return out
 
 
+def tiny_teacher_dir(recipe: dict, student_dir: Path, out: Path) -> Path:
+    """A tiny model of the recipe's teacher's ``model_type``, random weights saved by transformers,
+    with the student's tokenizer (a distillation teacher must share it)."""
+    import shutil
+
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    teacher_config = RECIPES / recipe["distill"]["teacher_path"] / "config.json"
+    model_type = json.loads(teacher_config.read_text())["model_type"]
+    student = json.loads((student_dir / "config.json").read_text())
+    config = tiny_hf_config(model_type, vocab_size=student["vocab_size"], max_position_embeddings=4096)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**config))
+    model.save_pretrained(out, safe_serialization=True)
+    for path in student_dir.iterdir():
+        if path.name.startswith("tokenizer") or path.name == "special_tokens_map.json":
+            shutil.copy(path, out / path.name)
+    return out
+
+
 def _leaves(tree: dict, prefix: str = "") -> dict[str, object]:
     """``{"section.key": value}`` of every leaf of a YAML mapping; a list of mappings (reward
     components) is indexed, ``reward.components.0.name``."""
@@ -217,6 +251,8 @@ def test_recipe_miniature_trains_and_resumes(mini: Miniature, tmp_path: Path) ->
     model = tiny_model_dir(recipe, RECIPES / mini.recipe, prompt_files, tmp_path / "model")
     run = tmp_path / "run"
     overrides = [*SIZES, *mini.sizes, *mini.layout, *data, f"model.hf_path={model}", f"logging.run_dir={run}"]
+    if mini.teacher:
+        overrides.append(f"distill.teacher_path={tiny_teacher_dir(recipe, model, tmp_path / 'teacher')}")
 
     out = finish(launch("train", overrides, config=recipe_path), timeout_s=600)
     records = read_jsonl(run / "metrics.jsonl")
@@ -224,6 +260,9 @@ def test_recipe_miniature_trains_and_resumes(mini: Miniature, tmp_path: Path) ->
     assert_only_overrides_changed(recipe, yaml.safe_load((run / "config.yaml").read_text()), overrides)
     for component in recipe["reward"]["components"]:  # the recipe's reward scored every iteration
         assert all(f"reward/{component['name']}" in r for r in records if r["iteration"] > 0), component
+    if mini.teacher:  # the teacher scored every iteration's samples
+        trained = [r for r in records if r["iteration"] > 0]
+        assert all(r["distill/reverse_kl"] is not None and r["time/teacher_logprob"] > 0 for r in trained)
     latest = run / "checkpoints" / "latest"
     assert latest.read_text().strip().endswith("2"), "the last iteration is always saved"
     if not mini.resumes:

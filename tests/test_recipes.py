@@ -22,6 +22,7 @@ RECIPES = sorted((REPO_ROOT / "examples" / "recipes").glob("*.yaml"))
 # Published total parameter counts (model cards / papers; DeepSeek-V3 without its MTP module).
 PUBLISHED_PARAMS = {
     "deepseek_v3_671b": 671e9,
+    "distill_qwen3_30b_a3b_to_8b": 8.19e9,  # the student, Qwen3-8B (its teacher: qwen3_30b_a3b)
     "qwen3_30b_a3b": 30.5e9,
     "qwen3_30b_a3b_lora": 30.5e9,
     "r1_zero_qwen25_math_7b": 7.61e9,
@@ -57,11 +58,32 @@ def test_recipe_validates_and_plans(recipe: Path, capsys: pytest.CaptureFixture[
         if data.get(key):
             (tmp_path / key).write_text("")
             stand_ins.append(f"data.{key}={tmp_path / key}")
+    teacher = ((yaml.safe_load(recipe.read_text()) or {}).get("distill") or {}).get("teacher_path")
+    if (
+        teacher
+    ):  # its config.json, the stand-in tokenizer and a (tiny) safetensors file stand in for the model
+        stand_ins.append(
+            f"distill.teacher_path={_teacher_stand_in(recipe.parent / teacher, tmp_path / 'teacher')}"
+        )
     assert cli_main(["check", str(recipe), *stand_ins, "--world-size", str(nodes * gpus)]) == 0
     rc = cli_main(["plan", *args])
     out = capsys.readouterr().out
     assert rc == 0, out
     assert "FITS" in out
+
+
+def _teacher_stand_in(config_dir: Path, out: Path) -> Path:
+    import shutil
+
+    import torch
+    from safetensors.torch import save_file
+
+    out.mkdir()
+    shutil.copy(config_dir / "config.json", out / "config.json")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(REPO_ROOT / "examples" / "demo" / name, out / name)
+    save_file({"stand_in": torch.zeros(1)}, str(out / "model.safetensors"))
+    return out
 
 
 @pytest.mark.parametrize("name", sorted(PUBLISHED_PARAMS))

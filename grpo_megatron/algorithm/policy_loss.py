@@ -210,6 +210,7 @@ def grpo_policy_loss(
     tis_weights_bt: torch.Tensor | None = None,
     normalizer: float | None = None,
     norm_len: int | None = None,
+    token_advantages_bt: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The GRPO objective (DeepSeekMath eq. 3, negated to a loss) with the configured fixes:
 
@@ -224,6 +225,8 @@ def grpo_policy_loss(
       kl_beta == 0 (then `ref_logprobs_bt` may be None: no reference model is needed).
     aggregate: `aggregate_loss`; see the module docstring for `normalizer` under
       micro-batching and data parallelism. `norm_len` defaults to cfg.loss_norm_len.
+    token_advantages_bt: per-token advantages A_{i,t} in place of A_i on every token of response i
+      (on-policy distillation: algorithm/distill.py:mixed_advantages); None = A_i.
 
     old_logprobs_bt=None means a single on-policy update: pi_old = sg[pi] (ratio 1, gradient
     A * grad log pi). Returns (loss, metrics); metrics are detached scalar tensors computed
@@ -249,7 +252,10 @@ def grpo_policy_loss(
         norm_len = cfg.loss_norm_len
 
     ratio_bt = importance_ratio(logprobs_bt, old_logprobs_bt, mask_bt, cfg.ratio_level)
-    advantages_bt = token_advantages(advantages_b.detach(), mask_bt)
+    if token_advantages_bt is None:
+        advantages_bt = token_advantages(advantages_b.detach(), mask_bt)
+    else:
+        advantages_bt = token_advantages_bt.detach().float() * mask_bt
     pg_loss_bt, clip_masks = clipped_surrogate(
         ratio_bt, advantages_bt, clip_low=cfg.clip_low, clip_high=cfg.clip_high, dual_clip=cfg.dual_clip
     )

@@ -22,7 +22,7 @@ from grpo_megatron.models.config import (
 )
 from grpo_megatron.rewards.config import RewardConfig
 from grpo_megatron.rollout.config import RolloutConfig
-from grpo_megatron.training.config import SFTConfig, TrainConfig
+from grpo_megatron.training.config import DistillConfig, SFTConfig, TrainConfig
 
 
 class ConfigError(ValueError):
@@ -56,6 +56,8 @@ class JobConfig:
     """Iterations, batch sizes, optimizer."""
     sft: SFTConfig = field(default_factory=SFTConfig)
     """Supervised cold start (`grpo-megatron sft`)."""
+    distill: DistillConfig = field(default_factory=DistillConfig)
+    """On-policy distillation from a frozen teacher (off by default)."""
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     """Saving and resuming."""
     logging: LoggingConfig = field(default_factory=LoggingConfig)
@@ -105,4 +107,5 @@ FILE_RELATIVE_PATHS: tuple[tuple[str, str], ...] = (
     ("data", "train_path"),
     ("data", "eval_path"),
     ("data", "tokenizer_path"),
+    ("distill", "teacher_path"),
 )

@@ -71,13 +71,19 @@ def validate(cfg: JobConfig, world_size: int) -> None:
         errors.extend(sglang_rotary_errors(cfg, hf_config))
     if not failed & {"rollout", "model", "parallel"}:
         errors.extend(sglang_cpu_errors(cfg))
+    if not failed & {"distill", "model", "parallel", "algorithm"}:
+        errors.extend(distill_errors(cfg))
 
     if errors:
         raise ConfigError(errors)
 
 
-def model_layout_errors(model: ModelConfig, hf_config: dict[str, Any], parallel: ParallelConfig) -> list[str]:
-    """Rules between the parallel layout and the model architecture in `hf_config`."""
+def model_layout_errors(
+    model: ModelConfig, hf_config: dict[str, Any], parallel: ParallelConfig, *, dense_ep_ok: bool = False
+) -> list[str]:
+    """Rules between the parallel layout and the model architecture in `hf_config`. ``dense_ep_ok``:
+    a dense model under parallel.ep > 1 is not refused (the distillation teacher: EP is the
+    student's, and a dense teacher has no experts to spread)."""
     errors: list[str] = []
 
     def source(key: str) -> str:
@@ -135,12 +141,12 @@ def model_layout_errors(model: ModelConfig, hf_config: dict[str, Any], parallel:
 
     experts = num_routed_experts(hf_config)
     if experts == 0:
-        if ep > 1:
+        if ep > 1 and not dense_ep_ok:
             errors.append(
                 f"parallel.ep={ep} but the model is dense (none of {', '.join(EXPERT_COUNT_KEYS)} is set "
                 f"in {display_path(model.config_json_path())} or model.hf_overrides): set parallel.ep=1"
             )
-        if parallel.etp not in (None, tp):
+        if parallel.etp not in (None, tp) and not dense_ep_ok:
             errors.append(f"parallel.etp={parallel.etp} but the model is dense: remove parallel.etp")
     else:
         key = next(k for k in EXPERT_COUNT_KEYS if hf_config.get(k))
@@ -300,6 +306,39 @@ def sglang_cpu_errors(cfg: JobConfig) -> list[str]:
     return cpu_path_errors(sglang_cpu_path(r.sglang.cpu_path), cfg.model.dtype)
 
 
+def distill_errors(cfg: JobConfig) -> list[str]:
+    """The distillation teacher (``distill:``, training/teacher.py): its config.json, an architecture
+    the builder knows, sizes the student's layout can split, and no layout of its own (megatron-core's
+    model-parallel state is one per process); pure distillation without DAPO's dynamic sampling,
+    which would drop groups of equal rewards that still carry the teacher's signal."""
+    distill = cfg.distill
+    if not distill.enabled:
+        return []
+    errors = []
+    for name in ("tp", "pp", "ep"):
+        value, student = getattr(distill, name), getattr(cfg.parallel, name)
+        if value is not None and value != student:
+            errors.append(
+                f"distill.{name}={value} differs from parallel.{name}={student}: a teacher in the trainer takes "
+                "the student's layout (megatron-core keeps one model-parallel state per process, which every "
+                f"layer reads when built and run); set distill.{name}=null (or {student})"
+            )
+    if distill.reward_coef == 0 and cfg.algorithm.dynamic_sampling.enabled:
+        errors.append(
+            "distill.reward_coef=0 (pure distillation) with algorithm.dynamic_sampling.enabled=true: dynamic "
+            "sampling drops groups of equal rewards, which still carry the teacher's signal; turn it off"
+        )
+    teacher = distill.teacher_model(cfg.model)
+    try:
+        hf = teacher.load_hf_config()
+    except ValueError as e:
+        return [*errors, str(e).replace("model.hf_path=", "distill.teacher_path=", 1)]
+    layout = model_layout_errors(teacher, hf, cfg.parallel, dense_ep_ok=True)
+    where = f"the distillation teacher (distill.teacher_path={distill.teacher_path})"
+    errors += [f"{where}: " + e.replace("model.hf_overrides", "distill.hf_overrides") for e in layout]
+    return errors
+
+
 def overlong_errors(cfg: JobConfig) -> list[str]:
     """DAPO's overlong ramp must fit inside the longest response the rollout can produce."""
     overlong = cfg.algorithm.overlong
@@ -365,6 +404,7 @@ def preflight_errors(cfg: JobConfig, command: str) -> list[str]:
                 read_weight_map(model_dir / "model.safetensors.index.json")
             except ValueError as exc:
                 errors.append(f"model.hf_path: {exc}")
+    errors += teacher_file_errors(cfg)
     replay = cfg.rollout.replay_dir
     if replay and command in ("train", "check") and not (Path(replay) / "dump.json").is_file():
         errors.append(
@@ -380,4 +420,33 @@ def preflight_errors(cfg: JobConfig, command: str) -> list[str]:
                 f"{field_name}: {directory} exists and is not empty, and is never overwritten: "
                 f"choose a new {field_name} or move it aside (found before training, so nothing is lost)"
             )
+    return errors
+
+
+def teacher_file_errors(cfg: JobConfig) -> list[str]:
+    """The distillation teacher's files: intact safetensors (a teacher without weights is refused),
+    and its tokenizer the student's, token for token (data/tokenizer.py:vocabulary_mismatch)."""
+    from grpo_megatron.data.tokenizer import load_tokenizer, tokenizer_files_problem, vocabulary_mismatch
+    from grpo_megatron.fileio import safetensors_problem
+
+    distill = cfg.distill
+    if not distill.enabled or not Path(distill.teacher_path).is_dir():
+        return []  # no teacher, or its missing config.json was reported by distill_errors
+    where = f"distill.teacher_path={distill.teacher_path}"
+    weights = sorted(Path(distill.teacher_path).glob("*.safetensors"))
+    errors = [f"{where}: {p}" for p in map(safetensors_problem, weights) if p]
+    if not weights:
+        errors.append(f"{where} holds no *.safetensors: a teacher needs its trained weights")
+    student_dir = cfg.data.tokenizer_path or cfg.model.hf_path
+    problems = [tokenizer_files_problem(Path(d)) for d in (student_dir, distill.teacher_path)]
+    if problems[1]:
+        errors.append(f"{where}: {problems[1]} (the teacher must ship the student's tokenizer)")
+    if not any(problems):
+        mismatch = vocabulary_mismatch(
+            load_tokenizer(student_dir),
+            student_dir,
+            load_tokenizer(distill.teacher_path),
+            distill.teacher_path,
+        )
+        errors += [mismatch] if mismatch else []
     return errors

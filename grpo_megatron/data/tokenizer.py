@@ -21,6 +21,7 @@ if TYPE_CHECKING:
 __all__ = [
     "load_tokenizer",
     "tokenizer_files_problem",
+    "vocabulary_mismatch",
     "build_char_tokenizer",
     "SPECIAL_TOKENS",
     "DEMO_CHARS",
@@ -129,3 +130,24 @@ def _save_atomically(tokenizer: PreTrainedTokenizerFast, out: Path) -> None:
         tokenizer.save_pretrained(tmp)
         for item in sorted(Path(tmp).iterdir()):
             os.replace(item, out / item.name)
+
+
+def vocabulary_mismatch(
+    student: PreTrainedTokenizerFast, student_dir: str, teacher: PreTrainedTokenizerFast, teacher_dir: str
+) -> str | None:
+    """Why the teacher's tokenizer is not the student's (a token's id differs, or one has tokens the
+    other lacks), naming both directories; None when they agree token for token. The teacher's
+    logprob of a sampled token id is only the student's token's when both map ids alike."""
+    s_vocab: dict[str, int] = student.get_vocab()
+    t_vocab: dict[str, int] = teacher.get_vocab()
+    if s_vocab == t_vocab:
+        return None
+    differ = sorted(tok for tok in s_vocab.keys() | t_vocab.keys() if s_vocab.get(tok) != t_vocab.get(tok))
+    shown = ", ".join(
+        f"{tok!r}: student {s_vocab.get(tok)}, teacher {t_vocab.get(tok)}" for tok in differ[:3]
+    )
+    return (
+        f"the teacher's vocabulary ({len(t_vocab)} tokens, distill.teacher_path={teacher_dir}) is not the "
+        f"student's ({len(s_vocab)} tokens, {student_dir}): {len(differ)} tokens differ ({shown}); "
+        "on-policy distillation needs one tokenizer: choose a teacher of the student's family"
+    )

@@ -211,7 +211,7 @@ class _Trainer:
     stage: int
     counts: ParamCounts
     state: dict[str, Line]
-    """"params", "grads", "optimizer" (rollout/placement.py TRAINER_PARTS) and "reference"."""
+    """"params", "grads", "optimizer" (rollout/placement.py TRAINER_PARTS), "reference" and "teacher"."""
     training: list[Line]
     """Activations and MoE dispatch buffers."""
     trainable: ParamCounts | None = None
@@ -288,6 +288,8 @@ def _stage_lines(
         state["reference"] = Line(
             "reference model", counts.total * pbytes / GIB, f"frozen copy, same sharding; {where}"
         )
+    if cfg.distill.enabled:
+        state["teacher"] = _teacher_line(cfg, layout, stage, te)
     training = [Line("activations", act / GIB, act_note)]
     if d.num_experts:
         dispatch = dispatch_buffer_bytes(d, layout, act_bytes, tokens, opts.moe_imbalance)
@@ -295,6 +297,22 @@ def _stage_lines(
             Line("MoE dispatch buffers", dispatch / GIB, "all-to-all send + receive of one layer")
         )
     return _Trainer(stage, counts, state, training, trainable)
+
+
+def _teacher_line(cfg: JobConfig, layout: Layout, stage: int, te: bool) -> Line:
+    """The distillation teacher's shard on a rank of pipeline stage ``stage`` (training/teacher.py:
+    built at the student's layout from distill.teacher_path, in distill.dtype or model.dtype)."""
+    hf = cfg.distill.teacher_model(cfg.model).load_hf_config()
+    d = ModelDims.from_hf(hf)
+    vp = padded_vocab_size(d.vocab, cfg.model.make_vocab_size_divisible_by, layout.tp)
+    counts = rank_param_counts(canonical_tensors(hf, padded_vocab=vp, pp=layout.pp, te=te), layout, d, stage)
+    dtype = cfg.distill.dtype or cfg.model.dtype
+    where = "on the CPU but in the teacher pass" if cfg.distill.on_cpu else "resident, never offloaded"
+    return Line(
+        "distillation teacher",
+        counts.total * DTYPE_BYTES[dtype] / GIB,
+        f"{human_count(counts.total)} of {human_count(total_params(hf))} on this rank ({dtype}), frozen; {where}",
+    )
 
 
 @dataclass(frozen=True)
@@ -471,6 +489,9 @@ def _phase(
     reference = trainer.state.get("reference")
     if reference is not None and (phase == "train" or not cfg.train.reference_on_cpu):
         lines.append(reference)
+    teacher = trainer.state.get("teacher")
+    if teacher is not None and (phase == "train" or not cfg.distill.on_cpu):
+        lines.append(teacher)
     if phase == "train":
         lines += trainer.training
     lines += [engine[t] for t in ("weights", "kv_cache") if t in held.engine and t in engine]
@@ -633,6 +654,8 @@ def _trainer_variants(cfg: JobConfig, plan: MemoryPlan, world_size: int) -> list
                 _variant(cfg, "parallel", use_distributed_optimizer=True),
             )
         )
+    if cfg.distill.enabled and not cfg.distill.on_cpu:
+        out.append(("distill.on_cpu=true", _variant(cfg, "distill", on_cpu=True)))
     return out
 
 

@@ -51,6 +51,8 @@ class Sample:
     """The frozen reference's logprobs (ref_logprob phase; None when the KL penalty is off)."""
     old_logprobs_s: torch.Tensor | None = None
     """pi_old's logprobs before this iteration's first update (old_logprob phase; None when skipped)."""
+    teacher_logprobs_s: torch.Tensor | None = None
+    """The distillation teacher's logprobs (teacher_logprob phase; None without distill)."""
     routes: dict[str, torch.Tensor] = field(default_factory=dict)
     """MoE routes ``[moe_layers, S, top_k]`` at the input positions: "engine" (the rollout engine's,
     ``Completion.routed_experts``), "old" (the old-policy pass's own, for R2; -1 on layers of other
@@ -276,6 +278,8 @@ class LossInputs:
     """None unless every row has ``Sample.old_logprobs_s``."""
     ref_logprobs_bs: torch.Tensor | None = None
     """None unless every row has ``Sample.ref_logprobs_s``."""
+    teacher_logprobs_bs: torch.Tensor | None = None
+    """None unless every row has ``Sample.teacher_logprobs_s``."""
 
     def to_extras(self) -> dict[str, torch.Tensor]:
         return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None}
@@ -339,6 +343,8 @@ def collate(
         inputs.old_logprobs_bs = stack(lambda x: x.old_logprobs_s, 0.0)
     if all(samples[i].ref_logprobs_s is not None for i in rows):
         inputs.ref_logprobs_bs = stack(lambda x: x.ref_logprobs_s, 0.0)
+    if all(samples[i].teacher_logprobs_s is not None for i in rows):
+        inputs.teacher_logprobs_bs = stack(lambda x: x.teacher_logprobs_s, 0.0)
     routes_lbsk = None
     if routes is not None and all(routes in samples[i].routes for i in rows):
         routes_lbsk = pad_routes([samples[i].routes[routes] for i in rows], s)
@@ -360,8 +366,9 @@ def collate(
     )
 
 
-LogprobKind = Literal["ref", "old"]
-"""Which trainer-side logprobs a forward pass fills in: the reference's or pi_old's."""
+LogprobKind = Literal["ref", "old", "teacher"]
+"""Which trainer-side logprobs a forward pass fills in: the reference's, pi_old's or the
+distillation teacher's."""
 
 
 def scatter_logprobs(
@@ -370,14 +377,16 @@ def scatter_logprobs(
     outputs_bs: Sequence[torch.Tensor],
     kind: LogprobKind,
 ) -> None:
-    """Store each row of the forward pass's ``[B, S]`` outputs on its sample as ``ref_logprobs_s`` or
-    ``old_logprobs_s`` (masked to the response positions; padding rows of placeholder micro-batches
-    are skipped)."""
+    """Store each row of the forward pass's ``[B, S]`` outputs on its sample as ``ref_logprobs_s``,
+    ``old_logprobs_s`` or ``teacher_logprobs_s`` (masked to the response positions; padding rows of
+    placeholder micro-batches are skipped)."""
     for rows, out_bs in zip(plan, outputs_bs, strict=True):
         for b, i in enumerate(rows):
             sample = samples[i]
             logprobs_s = out_bs[b, : sample.length].detach().float().cpu() * sample.mask_s
             if kind == "ref":
                 sample.ref_logprobs_s = logprobs_s
+            elif kind == "teacher":
+                sample.teacher_logprobs_s = logprobs_s
             else:
                 sample.old_logprobs_s = logprobs_s

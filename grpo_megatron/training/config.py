@@ -1,9 +1,13 @@
-"""Train section of the job config: iterations, batch sizes and the optimizer."""
+"""Train section of the job config: iterations, batch sizes and the optimizer; the supervised cold
+start (``sft:``) and on-policy distillation (``distill:``)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Literal
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from grpo_megatron.models.config import LoRAConfig, ModelConfig
 
 
 @dataclass
@@ -180,5 +184,83 @@ class SFTConfig:
                     f"sft.stop_accuracy={self.stop_accuracy} and sft.target_accuracy_band={list(band)} are "
                     "exclusive: set one of them to null"
                 )
+        if errors:
+            raise ValueError("\n".join(errors))
+
+
+@dataclass
+class DistillConfig:
+    """On-policy distillation (``distill:``): a frozen teacher scores every token the policy sampled,
+    and each token's advantage gains ``coef * (log pi_teacher(y_t) - log pi_old(y_t))``, the
+    sampled-token estimate of the per-token reverse KL with discount 0 (Agarwal et al. 2024, GKD;
+    Thinking Machines, "On-Policy Distillation", 2025; algorithm/distill.py). The teacher is a Hugging
+    Face directory of any supported architecture and size sharing the student's tokenizer, built
+    frozen like the reference model at the student's parallel layout (training/teacher.py). Off
+    (``coef: 0``, the default) builds no teacher and leaves the GRPO loop as it was, bit for bit."""
+
+    teacher_path: str = ""
+    """The teacher's Hugging Face directory (config.json, safetensors, tokenizer files). A relative
+    path in a YAML file resolves against that file's directory."""
+    coef: float = 0.0
+    """Weight of the distillation advantage beside GRPO's; 0 = plain GRPO (no teacher is built)."""
+    reward_coef: float = 1.0
+    """Weight of GRPO's group-relative (reward) advantage: 1 adds distillation to GRPO, 0 is pure
+    on-policy distillation (rewards are still computed, for the metrics and evaluation)."""
+    hf_overrides: dict[str, Any] = field(default_factory=dict)
+    """Values that replace keys of the teacher's config.json (as model.hf_overrides does)."""
+    dtype: Literal["float32", "bfloat16", "float16"] | None = None
+    """The teacher's parameter and compute dtype; None = model.dtype."""
+    on_cpu: bool = False
+    """On a GPU, keep the teacher's weights in host memory and move them to the device only for the
+    teacher pass (as train.reference_on_cpu does for the reference)."""
+    tp: int | None = None
+    """The teacher's tensor parallelism; None = parallel.tp (the only layout it can have: see
+    ``pp``)."""
+    pp: int | None = None
+    """The teacher's pipeline stages; None = parallel.pp. megatron-core keeps one model-parallel
+    state per process, read by every layer it builds and runs, so a teacher in the trainer takes the
+    student's TP, PP, CP and EP; other values are refused by ``grpo-megatron check``."""
+    ep: int | None = None
+    """The teacher's expert parallelism; None = parallel.ep (see ``pp``)."""
+
+    @property
+    def enabled(self) -> bool:
+        """Whether a teacher is built and scores the rollouts."""
+        return self.coef > 0
+
+    def teacher_model(self, student: ModelConfig) -> ModelConfig:
+        """The teacher's model section: its directory, overrides and dtype (default the student's);
+        the student's build switches (layer implementation, MoE dispatcher, vocabulary padding); no
+        LoRA, no recompute (it never runs backward), no auxiliary loss."""
+        return dataclasses.replace(
+            student,
+            hf_path=self.teacher_path,
+            hf_overrides=dict(self.hf_overrides),
+            dtype=self.dtype or student.dtype,
+            recompute="none",
+            moe_aux_loss_coeff=0.0,
+            lora=LoRAConfig(),
+        )
+
+    def validate(self) -> None:
+        errors = []
+        if self.coef < 0:
+            errors.append(f"distill.coef={self.coef} must be >= 0 (0 = plain GRPO, no teacher)")
+        if self.reward_coef < 0:
+            errors.append(f"distill.reward_coef={self.reward_coef} must be >= 0 (0 = pure distillation)")
+        if self.enabled and not self.teacher_path:
+            errors.append(
+                f"distill.coef={self.coef} but distill.teacher_path is empty: point it at the teacher's "
+                "Hugging Face directory, or set distill.coef=0"
+            )
+        if not self.enabled and self.reward_coef != 1.0:
+            errors.append(
+                f"distill.reward_coef={self.reward_coef} without distillation (distill.coef=0) would only "
+                "rescale GRPO's advantages: set distill.coef > 0 or leave reward_coef at 1"
+            )
+        for name in ("tp", "pp", "ep"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                errors.append(f"distill.{name}={value} must be >= 1, or null for parallel.{name}")
         if errors:
             raise ValueError("\n".join(errors))

@@ -10,6 +10,8 @@ Every rank runs this loop (SPMD). One iteration, with the module that owns each 
   advantages    group-relative, on every rank; mini-/micro-batch plan;    phases/advantages.py (Batch, UpdatePlan)
                 each replica then receives the responses it trains
   ref_logprob   frozen reference model, forward only (skipped when KL is off)  phases/logprob.py
+  teacher_logprob  the distillation teacher, forward only (distill.coef > 0)  phases/logprob.py,
+                training/teacher.py; its logprobs enter the advantages in the loss  algorithm/distill.py
   old_logprob   the policy before the update (only with several updates)  phases/logprob.py
   train         one Adam step per mini-batch of the clipped surrogate      phases/train.py (GRPOLoss)
   sync          export stream -> engines, then a mismatch probe            phases/sync.py
@@ -65,7 +67,7 @@ from grpo_megatron.training.phases.bookkeeping import (
     stop_if_not_finite,
 )
 from grpo_megatron.training.phases.eval import evaluate
-from grpo_megatron.training.phases.logprob import PassSettings, logprob_pass
+from grpo_megatron.training.phases.logprob import PassSettings, logprob_pass, teacher_pass
 from grpo_megatron.training.phases.reward import Group
 from grpo_megatron.training.phases.sync import ProbeBatch, answer_probe, probe_due
 from grpo_megatron.training.phases.train import GRPOLoss, update_policy
@@ -146,6 +148,11 @@ def run_iteration(job: Job, source: GroupSource, probe: ProbeBatch, it: int, tim
     with timer("ref_logprob"), job.reference_on_device() as reference:
         if reference is not None:
             logprob_pass(reference, batch.samples, plan, "ref", passes).store(batch.samples)
+    teacher_metrics: dict[str, float] = {}
+    if job.teacher is not None:
+        with timer("teacher_logprob"), job.teacher_on_device() as teacher:
+            assert teacher is not None
+            teacher_metrics = teacher_pass(teacher, batch.samples, plan, passes)
     routing_metrics: dict[str, float] = {}  # the first policy pass's: the old-policy pass when it runs
     with timer("old_logprob"):
         if cfg.train.updates_per_iteration > 1 and cfg.train.old_logprobs == "trainer":
@@ -158,6 +165,7 @@ def run_iteration(job: Job, source: GroupSource, probe: ProbeBatch, it: int, tim
         beta,
         cfg.algorithm.loss_norm_len or cfg.rollout.response_budget.tokens,
         old_from_engine=cfg.train.old_logprobs == "engine",
+        distill=cfg.distill if job.teacher is not None else None,
     )
     with timer("train"):
         train_metrics = update_policy(
@@ -176,6 +184,7 @@ def run_iteration(job: Job, source: GroupSource, probe: ProbeBatch, it: int, tim
         **drain_metrics,
         **train_metrics,
         **routing_metrics,
+        **teacher_metrics,
         "kl_beta": beta,
         "response_len/mean": sum(c.num_tokens for g in groups for c in g.completions) / batch.size,
         **trajectory_metrics([c for g in groups for c in g.completions]),  # multi-turn: turns/mean, tool/*

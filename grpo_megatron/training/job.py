@@ -42,6 +42,7 @@ if TYPE_CHECKING:
     from grpo_megatron.training.phases.rollout import Rollout
     from grpo_megatron.training.phases.sync import ProbeBatch
     from grpo_megatron.training.policy import Policy
+    from grpo_megatron.training.teacher import Teacher
 
 
 @dataclass(kw_only=True)
@@ -169,6 +170,8 @@ class Job(Runtime):
     the policy is its own reference (``reference_is_base``)."""
     reference_is_base: bool = False
     """model.lora with the KL penalty on: the reference is the policy with its adapters off (no copy)."""
+    teacher: Teacher | None = None
+    """The frozen distillation teacher (``distill:``, training/teacher.py); None without distillation."""
 
     def make_sampler(self, num_items: int | None = None) -> PromptSampler:
         """The seeded, resumable order in which training prompts are drawn."""
@@ -192,6 +195,16 @@ class Job(Runtime):
         finally:
             if reference is not None:
                 reference.to("cpu")
+
+    @contextmanager
+    def teacher_on_device(self) -> Iterator[Teacher | None]:
+        """The teacher for the teacher pass (None without distillation); with distill.on_cpu on a GPU,
+        its weights visit the device for the block only."""
+        if self.teacher is None:
+            yield None
+            return
+        with self.teacher.on_device(self.ps.device):
+            yield self.teacher
 
 
 @dataclass(kw_only=True)
@@ -368,11 +381,17 @@ def _start(cfg: JobConfig, *, install_preemption: bool) -> _Startup:
 
 
 def _models(
-    cfg: JobConfig, start: _Startup, *, with_reference: bool, engines: bool = True, restarts: bool = True
-) -> tuple[Policy, torch.nn.Module | None, RolloutFleet, ColocatedMemory]:
-    """The policy (with model.hf_path's weights when it has any), the frozen reference when asked
-    for, and the rollout engines, in this order (each draws from the seeded generators); the
-    colocated memory choreography, which started the engines as rollout/placement.py says (colocated
+    cfg: JobConfig,
+    start: _Startup,
+    *,
+    with_reference: bool,
+    engines: bool = True,
+    restarts: bool = True,
+    with_teacher: bool = False,
+) -> tuple[Policy, torch.nn.Module | None, Teacher | None, RolloutFleet, ColocatedMemory]:
+    """The policy (with model.hf_path's weights when it has any), the frozen reference and the
+    distillation teacher when asked for, and the rollout engines, in this order (each draws from the
+    seeded generators); the colocated memory choreography, which started the engines as rollout/placement.py says (colocated
     SGLang engines while the trainer's state is in host memory). ``engines`` False (a replay,
     rollout.replay_dir): a fleet of no engines, and memory that never moves. ``restarts``: lost engines
     are restarted in place up to rollout.recovery.max_restarts, resynced from the policy (GRPO; SFT
@@ -397,12 +416,17 @@ def _models(
     if reference is not None and cfg.train.reference_on_cpu:
         reference.to("cpu")
     start.beat("reference")
+    teacher = None
+    if with_teacher:
+        with start.long_phase("teacher", cfg.parallel.long_phase_timeout_s):
+            teacher = _teacher(cfg, start)
+        start.beat("teacher")
     if not engines:
         from grpo_megatron.rollout.placement import PHASES, TRAINER_PARTS, Occupancy
 
         fleet = RolloutFleet.without_engines(ps, hf)
         resident = dict.fromkeys(PHASES, Occupancy(TRAINER_PARTS, frozenset()))  # nothing ever moves
-        return policy, reference, fleet, ColocatedMemory(policy, None, resident)
+        return policy, reference, teacher, fleet, ColocatedMemory(policy, None, resident)
     spec = engine_spec(cfg)
     placement = runtime_placement(spec, ps, hf)
     memory = ColocatedMemory(policy, None, placement.phases())
@@ -416,7 +440,33 @@ def _models(
             )
         )
     start.beat("engines")
-    return policy, reference, fleet, memory
+    return policy, reference, teacher, fleet, memory
+
+
+def _teacher(cfg: JobConfig, start: _Startup) -> Teacher:
+    """The distillation teacher (training/teacher.py), once its tokenizer is found to be the
+    student's: a mismatch stops every rank before any weight is read."""
+    from grpo_megatron.data.tokenizer import load_tokenizer, vocabulary_mismatch
+    from grpo_megatron.training.teacher import build_teacher
+
+    distill = cfg.distill
+    mismatch = vocabulary_mismatch(
+        start.tokenizer,
+        cfg.data.tokenizer_path or cfg.model.hf_path,
+        load_tokenizer(distill.teacher_path),
+        distill.teacher_path,
+    )
+    if mismatch:
+        raise ValueError(mismatch)
+    on_cpu = distill.on_cpu and start.ps.device.type == "cuda"
+    teacher = build_teacher(distill, cfg.model, start.ps, on_cpu=on_cpu)
+    if start.ps.rank == 0:
+        print(
+            f"[job] distillation teacher {teacher.spec.model_type} from {distill.teacher_path} "
+            f"(coef {distill.coef}, reward_coef {distill.reward_coef})",
+            flush=True,
+        )
+    return teacher
 
 
 def _logger(
@@ -444,7 +494,9 @@ def build_job(cfg: JobConfig, *, with_reference: bool) -> Job:
     train_records, eval_records = build_prompt_datasets(cfg.data, start.tokenizer, cfg.train.seed)
     start.beat("data")
     engines = not cfg.rollout.replay_dir  # a replay trains from a dump: no engine starts
-    policy, reference, fleet, memory = _models(cfg, start, with_reference=with_reference, engines=engines)
+    policy, reference, teacher, fleet, memory = _models(
+        cfg, start, with_reference=with_reference, engines=engines, with_teacher=cfg.distill.enabled
+    )
     ps, run_dir = start.ps, start.run_dir
     return Job(
         cfg=cfg,
@@ -464,6 +516,7 @@ def build_job(cfg: JobConfig, *, with_reference: bool) -> Job:
         train_records=train_records,
         reference=reference,
         reference_is_base=with_reference and policy.lora,
+        teacher=teacher,
         env=start.env,
     )
 
@@ -476,7 +529,7 @@ def build_sft_job(cfg: JobConfig) -> SFTJob:
     start = _start(cfg, install_preemption=False)
     sft_records, eval_records = build_sft_dataset(cfg.data, start.tokenizer, cfg.train.seed)
     start.beat("data")
-    policy, _, fleet, memory = _models(cfg, start, with_reference=False, restarts=False)
+    policy, _, _, fleet, memory = _models(cfg, start, with_reference=False, restarts=False)
     return SFTJob(
         cfg=cfg,
         ps=start.ps,

@@ -30,7 +30,7 @@ from grpo_megatron.distributed.bootstrap import ParallelState
 from grpo_megatron.models.routing import RoutingPass, reduce_routing_stats
 from grpo_megatron.training.batching import Sample
 
-Role = Literal["ref", "old", "train"]
+Role = Literal["ref", "old", "teacher", "train"]
 
 # Per-layer load keys only for models with at most this many MoE layers (metrics.jsonl stays readable).
 PER_LAYER_MAX = 16

@@ -1,12 +1,15 @@
-"""Logprob phases (``time/ref_logprob``, ``time/old_logprob``): forward-only logprobs of this rank's
-samples under the frozen reference or under pi_old (the policy before this iteration's update).
+"""Logprob phases (``time/ref_logprob``, ``time/teacher_logprob``, ``time/old_logprob``): forward-only
+logprobs of this rank's samples under the frozen reference, the distillation teacher or pi_old (the
+policy before this iteration's update).
 
 ``PassSettings`` is what every trainer pass of an iteration shares (reference, old policy and the
 training passes of phases/train.py): each pass is one call taking it."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -15,6 +18,9 @@ from grpo_megatron.training.batching import LogprobKind, Sample, collate, scatte
 from grpo_megatron.training.forward_backward import forward_logprobs
 from grpo_megatron.training.phases.advantages import UpdatePlan
 from grpo_megatron.training.route_replay import RoutingReplay
+
+if TYPE_CHECKING:
+    from grpo_megatron.training.teacher import Teacher
 
 
 @dataclass(frozen=True)
@@ -67,3 +73,26 @@ def logprob_pass(
     )
     routing_metrics = settings.replay.end(routing, samples, rows, measure=kind == "old")
     return Logprobs(kind, rows, [o.logprobs_bs for o in outputs], routing_metrics)
+
+
+def teacher_pass(
+    teacher: Teacher, samples: list[Sample], plan: UpdatePlan, settings: PassSettings
+) -> dict[str, float]:
+    """Collective, the teacher_logprob phase: the distillation teacher's logprobs of this rank's
+    samples as ``Sample.teacher_logprobs_s`` (training/teacher.py), at the rollout's temperature over
+    the teacher's own vocabulary, with its own routing (nothing replayed: the engine's routes are
+    the student's experts). Returns ``distill/teacher_bytes`` (this rank's teacher parameters) and,
+    on a GPU, ``distill/peak_memory_bytes`` (the device's peak during the pass)."""
+    on_cuda = settings.ps.device.type == "cuda"
+    if on_cuda:
+        torch.cuda.reset_peak_memory_stats()
+    own = dataclasses.replace(
+        settings,
+        vocab_size=teacher.spec.vocab_size,
+        replay=RoutingReplay("off", settings.ps, None),
+    )
+    logprob_pass(teacher.model, samples, plan, "teacher", own).store(samples)
+    metrics = {"distill/teacher_bytes": float(teacher.param_bytes)}
+    if on_cuda:
+        metrics["distill/peak_memory_bytes"] = float(torch.cuda.max_memory_allocated())
+    return metrics

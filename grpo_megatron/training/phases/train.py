@@ -11,12 +11,14 @@ import torch
 import torch.distributed as dist
 
 from grpo_megatron.algorithm.config import AlgorithmConfig
+from grpo_megatron.algorithm.distill import distill_advantages, mixed_advantages, sampled_reverse_kl
 from grpo_megatron.algorithm.mismatch import mismatch_metrics, tis_weights
 from grpo_megatron.algorithm.off_policy import OffPolicyStats, icepop_weights, mis_weights, seq_tis_weights
 from grpo_megatron.algorithm.policy_loss import grpo_policy_loss
 from grpo_megatron.distributed.bootstrap import ParallelState
 from grpo_megatron.distributed.collectives import collective_device
 from grpo_megatron.training.batching import LossInputs, Sample, collate
+from grpo_megatron.training.config import DistillConfig
 from grpo_megatron.training.forward_backward import LossFn, MicroBatch, forward_backward
 from grpo_megatron.training.phases.advantages import UpdatePlan
 from grpo_megatron.training.phases.logprob import PassSettings
@@ -58,6 +60,7 @@ LOSS_METRICS: dict[str, Reduction] = {
     "off_policy/ratio_min": Reduction.MIN,
     "off_policy/weight_mean": Reduction.TOKEN_MEAN,
     "off_policy/masked_frac": Reduction.TOKEN_MEAN,
+    "distill/reverse_kl": Reduction.TOKEN_MEAN,
     "tokens": Reduction.TOKENS,
 }
 """Every metric the GRPO loss function reports, with its reduction."""
@@ -74,6 +77,8 @@ class GRPOLoss:
     """Dr.GRPO's constant length (algorithm.loss_norm_len, else rollout.max_new_tokens)."""
     old_from_engine: bool
     """train.old_logprobs == "engine": pi_old is the rollout engine's logprobs."""
+    distill: DistillConfig | None = None
+    """On-policy distillation (``distill:``); None or ``coef: 0``: GRPO's advantages alone."""
 
     def __post_init__(self) -> None:
         # config/loop_rules.py:off_policy_errors refuses this for a job; here for any other caller.
@@ -99,6 +104,7 @@ class GRPOLoss:
             )
             old_bs = rollout_bs if self.old_from_engine else inputs.old_logprobs_bs
             tis_bs = off_policy_weights(alg, trainer_old_bs, rollout_bs, mask_bs)
+            token_advantages_bs, distill_metrics = self.distill_advantages(inputs, trainer_old_bs)
             loss, m = grpo_policy_loss(
                 logprobs_bs,
                 old_bs,
@@ -110,9 +116,10 @@ class GRPOLoss:
                 tis_weights_bt=tis_bs,
                 normalizer=normalizer,
                 norm_len=self.norm_len,
+                token_advantages_bt=token_advantages_bs,
             )
             n_tokens = mask_bs.sum()
-            out: dict[str, torch.Tensor] = {}
+            out: dict[str, torch.Tensor] = {k: v * n_tokens for k, v in distill_metrics.items()}
             for key, value in m.items():
                 kind = LOSS_METRICS.get(key)
                 if kind is Reduction.MINIBATCH_MEAN:
@@ -134,6 +141,26 @@ class GRPOLoss:
             return loss, out
 
         return loss_fn
+
+    def distill_advantages(
+        self, inputs: LossInputs, student_bs: torch.Tensor
+    ) -> tuple[torch.Tensor | None, dict[str, torch.Tensor]]:
+        """With distillation, each token's advantage (algorithm/distill.py:mixed_advantages: the
+        teacher's logprobs against ``student_bs``, pi_old on the trainer's side) and
+        ``distill/reverse_kl`` as this micro-batch's token mean; without it (None, {})."""
+        d = self.distill
+        if d is None or not d.enabled:
+            return None, {}
+        mask_bs, teacher_bs = inputs.mask_bs, inputs.teacher_logprobs_bs
+        if teacher_bs is None:
+            if mask_bs.any():
+                raise RuntimeError("distill.coef > 0 but the micro-batch has no teacher logprobs")
+            teacher_bs = torch.zeros_like(mask_bs)  # a placeholder micro-batch: no token counts
+        distill_bs = distill_advantages(teacher_bs, student_bs, mask_bs)
+        advantages_bs = mixed_advantages(
+            inputs.advantages_b, distill_bs, mask_bs, reward_coef=d.reward_coef, coef=d.coef
+        )
+        return advantages_bs, {"distill/reverse_kl": sampled_reverse_kl(teacher_bs, student_bs, mask_bs)}
 
 
 def off_policy_weights(
