@@ -101,7 +101,10 @@ def build_transformer_config(
         tensor_model_parallel_size=ps.tp,
         pipeline_model_parallel_size=ps.pp,
         context_parallel_size=ps.cp,
-        expert_model_parallel_size=ps.ep,
+        # A dense model has no experts to spread: megatron refuses EP > 1 without them. Only a
+        # distillation teacher meets this (a dense teacher of a MoE student at its EP; check refuses a
+        # dense student with parallel.ep > 1); the process's expert groups stay unused by its layers.
+        expert_model_parallel_size=ps.ep if arch.get("num_moe_experts") else 1,
         expert_tensor_parallel_size=ps.etp,
         sequence_parallel=ps.sequence_parallel,
         params_dtype=dtype,
