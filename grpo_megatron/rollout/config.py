@@ -136,6 +136,14 @@ class RolloutConfig:
     below v - max_staleness. Each token's version is still the one whose logits sampled it and its
     behaviour logprob the one it was sampled from, so the off-policy corrections stay right. Scoring
     (the mismatch probe) flushes an older cache first; evaluation may reuse it like rollouts do."""
+    true_on_policy: bool = False
+    """The trainer's own megatron-core model generates (training/policy_engine.py: every rank together,
+    each data-parallel replica its prompts), with batch-invariant numerics in it and in every trainer
+    pass (models/batch_invariant.py): each behaviour logprob then equals, bit for bit, the trainer's
+    logprob of that token at the same weights, so the first mini-batch's importance ratio is exactly 1
+    and every ``mismatch/*`` metric exactly 0, MoE routes agreeing without replay. Costs a full forward
+    of every prefix per decoded token (no KV cache). Needs rollout.engine=embedded in this process, no
+    asynchronous or partial rollouts, PP 1, CP 1, TP at most 2 (``config/validation.py``)."""
     embedded_process: bool = False
     """Run each embedded engine in a process of its own, on CPU (rollout/engine_process.py), so that it
     generates while the trainer trains: the loop becomes a producer of scored groups and a consumer

@@ -266,6 +266,9 @@ class WeightSink(Protocol):
 class RolloutEngine(abc.ABC):
     """A generator of responses that takes Hugging Face-named weights from the trainer."""
 
+    collective: bool = False
+    """Every rank's engine takes part in every call (the policy engine of ``rollout.true_on_policy``:
+    its decode steps are collectives), so the fleet calls it with an empty share too."""
     weight_version: int = -1
     """Version of the weights last committed by ``update_weights``; -1 = never updated."""
     sync_group_ranks: tuple[int, ...] = ()
