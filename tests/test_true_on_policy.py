@@ -51,10 +51,13 @@ def test_the_policy_engine_samples_the_trainers_logprobs_bitwise_in_one_process(
 def test_the_policy_engine_samples_the_trainers_logprobs_bitwise_at_tp2_and_ep2() -> None:
     """DeepSeek-V3 (MLA, group routing, a shared expert) and Mixtral at TP2 (sequence parallel, the
     vocabulary split) and EP2 (two data-parallel replicas generating their own prompts in lockstep
-    through the MoE all-to-all); Qwen3-MoE at both in the job tests below."""
-    runs = {
+    through the MoE all-to-all); Qwen3-MoE at both in the job tests below; Mixtral at TP2 once more
+    with top-k and top-p sampling at temperature 0.8."""
+    runs: dict[str, tuple] = {
         f"{t}/{lay}": (t, [f"parallel.{lay[:2]}=2"], True) for t in ("deepseek_v3", "mixtral") for lay in ("tp2", "ep2")
     }
+    # truncated sampling (issue 53 item 4): the trainer's pass takes the same top-k / top-p, across TP
+    runs["mixtral/tp2/truncated"] = ("mixtral", ["parallel.tp=2"], True, {"top_k": 8, "top_p": 0.9, "temperature": 0.8})
     ranks = run_distributed("tests.workers.true_on_policy_workers:compare_all", world_size=2, timeout_s=500, runs=runs)
     for got in ranks:
         for name, run in got.items():

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 import torch.distributed as dist
 
+from grpo_megatron.algorithm.truncation import keep_mask
 from grpo_megatron.models.batch_invariant import BatchInvariantMode
 from grpo_megatron.models.logprobs import vocab_parallel_logprobs
 from grpo_megatron.rollout.engine import Bucket, Completion, RolloutEngine, SamplingParams
@@ -81,14 +82,17 @@ def sample_next(
     """(next token, its logprob) of each row from its last-token logits: sampled in fp32 from
     ``softmax(logits / T)`` (greedy: the argmax), the logprob by the trainer's function."""
     z_rv = _gather_vocab(logits_rvt, ps).float()[:, :vocab_size]
+    truncation = None if params.greedy or not params.truncation.active else params.truncation
     if params.greedy:
         tokens_r = z_rv.argmax(dim=-1)
     else:
-        probs_rv = torch.softmax(z_rv / params.temperature, dim=-1)
-        tokens_r = torch.multinomial(probs_rv, 1, generator=generator).squeeze(-1)
+        z_rv = z_rv / params.temperature
+        kept_rv = z_rv if truncation is None else z_rv.masked_fill(~keep_mask(z_rv, truncation), float("-inf"))
+        tokens_r = torch.multinomial(torch.softmax(kept_rv, dim=-1), 1, generator=generator).squeeze(-1)
     logprobs_r, _ = vocab_parallel_logprobs(
         logits_rvt[:, None], tokens_r[:, None].to(logits_rvt.device), tp_group=ps.tp_group,
         vocab_start=ps.tp_rank * logits_rvt.shape[-1], temperature=params.temperature, vocab_size=vocab_size,
+        truncation=truncation,
     )  # fmt: skip
     return tokens_r.tolist(), logprobs_r[:, 0].tolist()
 

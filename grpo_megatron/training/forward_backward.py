@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from grpo_megatron.algorithm.truncation import Truncation
 from grpo_megatron.distributed.bootstrap import ParallelState
 from grpo_megatron.distributed.collectives import collective_device
 from grpo_megatron.distributed.context_parallel import gather_outputs, local_index
@@ -209,11 +210,13 @@ class _Runner:
         temperature: float,
         with_entropy: bool,
         routing: RoutingPass | None = None,
+        truncation: Truncation | None = None,
     ) -> None:
         self.chunks = model if isinstance(model, list) else [model]
         self.ps = ps
         self.vocab_size = vocab_size
         self.temperature = temperature
+        self.truncation = truncation
         self.with_entropy = with_entropy
         self.routing = routing
 
@@ -227,6 +230,7 @@ class _Runner:
             tp_group=self.ps.tp_group,
             vocab_start=vocab_start,
             temperature=self.temperature,
+            truncation=self.truncation,
             with_entropy=self.with_entropy,
             vocab_size=self.vocab_size,
         )
@@ -312,12 +316,15 @@ def forward_logprobs(
     temperature: float = 1.0,
     with_entropy: bool = False,
     routing: RoutingPass | None = None,
+    truncation: Truncation | None = None,
 ) -> list[LogprobOutput]:
     """Forward-only logprobs (and entropy) of each micro-batch's labels, on every rank. ``routing``:
-    the MoE routing of the pass (replay, recording), see ``models/routing.py``."""
+    the MoE routing of the pass (replay, recording), see ``models/routing.py``. ``truncation``: the
+    logprobs of the sampler's truncated distribution (``algorithm/truncation.py``)."""
     runner = _Runner(
-        model, ps, vocab_size=vocab_size, temperature=temperature, with_entropy=with_entropy, routing=routing
-    )
+        model, ps, vocab_size=vocab_size, temperature=temperature, with_entropy=with_entropy, routing=routing,
+        truncation=truncation,
+    )  # fmt: skip
 
     def loss_func(p: _Padded, logits_bsvt: torch.Tensor, non_loss_data: bool = True) -> dict[str, torch.Tensor]:
         logprobs_bs, entropy_bs = runner.logprobs(logits_bsvt, p)
@@ -389,13 +396,16 @@ def forward_backward(
     temperature: float = 1.0,
     with_entropy: bool = False,
     routing: RoutingPass | None = None,
+    truncation: Truncation | None = None,
 ) -> list[dict[str, float]]:
     """Forward and backward of ``loss_fn`` over all micro-batches; gradients accumulate in the model
     (``param.main_grad`` under megatron's DDP). Returns each micro-batch's metrics on every rank.
-    ``routing``: the MoE routing of the pass (replay, recording), see ``models/routing.py``."""
+    ``routing``: the MoE routing of the pass (replay, recording), see ``models/routing.py``.
+    ``truncation``: the logprobs of the sampler's truncated distribution (``algorithm/truncation.py``)."""
     runner = _Runner(
-        model, ps, vocab_size=vocab_size, temperature=temperature, with_entropy=with_entropy, routing=routing
-    )
+        model, ps, vocab_size=vocab_size, temperature=temperature, with_entropy=with_entropy, routing=routing,
+        truncation=truncation,
+    )  # fmt: skip
 
     def loss_func(p: _Padded, logits_bsvt: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
         logprobs_bs, entropy_bs = runner.logprobs(logits_bsvt, p)

@@ -51,7 +51,8 @@ def _step_(model: torch.nn.Module, seed: int) -> None:
 
 
 def _trainer_logprobs(
-    model: torch.nn.Module, ps, sequences: list[list[int]], vocab: int, *, invariant: bool = True
+    model: torch.nn.Module, ps, sequences: list[list[int]], vocab: int, *, invariant: bool = True,
+    params: SamplingParams | None = None,
 ) -> torch.Tensor:
     """The trainer's logprobs ``[B, S]`` of each sequence's tokens after its first, all sequences
     packed into one micro-batch (a training pass's layout)."""
@@ -60,14 +61,22 @@ def _trainer_logprobs(
     labels_t = torch.tensor([t for s in sequences for t in s[1:]])
     mb = MicroBatch(tokens_t[None], labels_t[None], position_ids_bs=rows.position_ids()[None], packed=rows)
     with BatchInvariantMode() if invariant else contextlib.nullcontext():
-        (out,) = forward_logprobs(model, [mb], ps, vocab_size=vocab)
+        (out,) = forward_logprobs(model, [mb], ps, vocab_size=vocab, temperature=params.temperature if params else 1.0,
+                                  truncation=params.truncation if params else None)  # fmt: skip
     return out.logprobs_bs
 
 
-def compare(model_type: str, overrides: list[str], temperature: float = 1.0, invariant: bool = True) -> dict:
+def compare(
+    model_type: str,
+    overrides: list[str],
+    temperature: float = 1.0,
+    invariant: bool = True,
+    sampling: dict | None = None,
+) -> dict:
     """Generate, then score with the trainer, twice (two sets of weights): bitwise mismatches.
     ``invariant`` False (the control): the trainer's pass in the model's plain numerics (SDPA, plain
-    products), as without the switch."""
+    products), as without the switch. ``sampling``: more ``SamplingParams`` (top-k / top-p / min-p: the
+    trainer's pass then takes the same truncation)."""
     cfg = load_config(EXAMPLE, [*CPU_JOB, "model.dtype=bfloat16", "parallel.use_distributed_optimizer=false",
                                 *overrides])  # fmt: skip
     ps = init_distributed(cfg.parallel, seed=1)
@@ -81,15 +90,16 @@ def compare(model_type: str, overrides: list[str], temperature: float = 1.0, inv
     for version in range(2):  # random weights, then a step away from them
         if version:
             _step_(model, seed=1000)
-        params = SamplingParams(n=N, temperature=temperature, max_new_tokens=NEW_TOKENS, seed=11 + ps.dp_rank,
-                                stop_token_ids=(2,))  # fmt: skip
+        base = {"n": N, "temperature": temperature, "max_new_tokens": NEW_TOKENS, "seed": 11 + ps.dp_rank,
+                "stop_token_ids": (2,)}  # fmt: skip
+        params = SamplingParams(**(base | (sampling or {})))
         forward = TrainerForward(model, ps, spec.vocab_size)
         groups = policy_generate(forward.last_logits, ps, prompts, params, vocab_size=spec.vocab_size)
         completions = [(p, c) for p, g in zip(prompts, groups, strict=True) for c in g]
         if plain is not None:
             plain.load_state_dict(model.state_dict())
         trainer_bs = _trainer_logprobs(plain or model, ps, [p + c.token_ids for p, c in completions], spec.vocab_size,
-                                       invariant=invariant)  # fmt: skip
+                                       invariant=invariant, params=params)  # fmt: skip
         bad = 0
         for b, (p, c) in enumerate(completions):
             mine = trainer_bs[b, len(p) - 1 : len(p) - 1 + len(c.token_ids)].tolist()
@@ -102,6 +112,7 @@ def compare(model_type: str, overrides: list[str], temperature: float = 1.0, inv
     return out
 
 
-def compare_all(runs: dict[str, tuple[str, list[str], bool]]) -> dict:
-    """Several (model type, layout, invariant) runs in one launch."""
-    return {name: compare(model_type, overrides, invariant=inv) for name, (model_type, overrides, inv) in runs.items()}
+def compare_all(runs: dict[str, tuple]) -> dict:
+    """Several (model type, layout, invariant[, sampling]) runs in one launch."""
+    return {name: compare(run[0], run[1], invariant=run[2], sampling=run[3] if len(run) > 3 else None)
+            for name, run in runs.items()}  # fmt: skip
