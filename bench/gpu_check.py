@@ -119,7 +119,9 @@ def _pythonpath() -> str:
 def run(cmd: list[str], log: Path, env: dict[str, str], timeout_s: float) -> int:
     """Run ``cmd`` (its own session, so a timeout ends every process it started); output to ``log``."""
     with log.open("w") as out:
-        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(
+            cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
         try:
             return proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
@@ -158,8 +160,17 @@ def _mean(records: list[dict[str, float]], key: str) -> float:
 
 def stage_smoke(args: argparse.Namespace, out: Path, stage: Stage) -> None:
     result = out / "smoke.json"
-    cmd = [sys.executable, str(SMOKE), "--device", args.device, "--no-sglang", "--iterations", "2",
-           "--json", str(result)]  # fmt: skip
+    cmd = [
+        sys.executable,
+        str(SMOKE),
+        "--device",
+        args.device,
+        "--no-sglang",
+        "--iterations",
+        "2",
+        "--json",
+        str(result),
+    ]
     rc = run(cmd, out / "smoke.log", python_env(args.device), timeout_s=150)
     if rc != 0 or not result.is_file():
         stage.status, stage.summary = "FAILED", f"exit {rc}:\n{tail(out / 'smoke.log')}"
@@ -174,14 +185,33 @@ def stage_smoke(args: argparse.Namespace, out: Path, stage: Stage) -> None:
 def _train(args: argparse.Namespace, run_dir: Path, extra: list[str]) -> subprocess.Popen:
     backend = "gloo" if args.device == "cpu" else "nccl"
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1",
-        "--master-addr", "127.0.0.1", "--master-port", str(_free_port()),
-        "-m", "grpo_megatron", "train", "--debug", str(DEMO), *RESUME, f"parallel.backend={backend}",
-        f"logging.run_dir={run_dir}", *extra,
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "1",
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        str(_free_port()),
+        "-m",
+        "grpo_megatron",
+        "train",
+        "--debug",
+        str(DEMO),
+        *RESUME,
+        f"parallel.backend={backend}",
+        f"logging.run_dir={run_dir}",
+        *extra,
+    ]
     log = (run_dir.parent / f"{run_dir.name}.log").open("a")
     return subprocess.Popen(
-        cmd, cwd=REPO, env=python_env(args.device), stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        cmd,
+        cwd=REPO,
+        env=python_env(args.device),
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
     )
 
 
@@ -197,7 +227,11 @@ def _finish(proc: subprocess.Popen, timeout_s: float) -> int:
 def _comparable(path: Path) -> list[dict[str, Any]]:
     records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     return [
-        {k: v for k, v in r.items() if not k.startswith(TIMING_PREFIXES) and not k.endswith(UNCOMPARED_SUFFIXES)}
+        {
+            k: v
+            for k, v in r.items()
+            if not k.startswith(TIMING_PREFIXES) and not k.endswith(UNCOMPARED_SUFFIXES)
+        }
         for r in records
     ]
 
@@ -252,8 +286,19 @@ def stage_table(args: argparse.Namespace, out: Path, stage: Stage) -> None:
     else:  # the same code on the tiny model, in bf16
         size = ["--prompts", "8", "--n", "4", "--max-new-tokens", "16", "--iterations", "2"]
         overrides = ["model.dtype=bfloat16"]
-    cmd = [sys.executable, str(SMOKE), "--device", args.device, "--no-sglang", *size, "--json", str(result),
-           "--routing-replay", "off,r3", *(f"--override={o}" for o in overrides)]  # fmt: skip
+    cmd = [
+        sys.executable,
+        str(SMOKE),
+        "--device",
+        args.device,
+        "--no-sglang",
+        *size,
+        "--json",
+        str(result),
+        "--routing-replay",
+        "off,r3",
+        *(f"--override={o}" for o in overrides),
+    ]
     rc = run(cmd, out / "table.log", python_env(args.device), timeout_s=300)
     if rc != 0 or not result.is_file():
         stage.status, stage.summary = "FAILED", f"exit {rc}:\n{tail(out / 'table.log')}"
@@ -280,12 +325,19 @@ def stage_table(args: argparse.Namespace, out: Path, stage: Stage) -> None:
         "trainer_left_bytes": _mean(records, "trainer_left_bytes"),
         "engine_weights_bytes": _mean(records, "engine_weights_bytes"),
         "peak_bytes": max((r.get("peak_bytes", 0.0) for r in data["embedded"]), default=0.0),
-        "peak_host_rss_bytes": max((r.get("peak_host_rss_bytes", 0.0) for r in data["embedded"]), default=0.0),
+        "peak_host_rss_bytes": max(
+            (r.get("peak_host_rss_bytes", 0.0) for r in data["embedded"]), default=0.0
+        ),
         "probe_abs_diff_mean": _mean(records, "probe_abs_diff_mean"),
         "probe_abs_diff_max": max(r["probe_abs_diff_max"] for r in records),
     }
-    routing_keys = ("route_disagreement", "probe_route_disagreement", "probe_replay_abs_diff_mean",
-                    "load_max_over_mean", "load_cv")  # fmt: skip
+    routing_keys = (
+        "route_disagreement",
+        "probe_route_disagreement",
+        "probe_replay_abs_diff_mean",
+        "load_max_over_mean",
+        "load_cv",
+    )
     if all(k in r for r in records for k in routing_keys):
         stage.details |= {k: _mean(records, k) for k in routing_keys}
         stage.details["probe_replay_abs_diff_max"] = max(r["probe_replay_abs_diff_max"] for r in records)
@@ -303,9 +355,15 @@ def stage_pytest(args: argparse.Namespace, out: Path, stage: Stage) -> None:
     tests = ["tests/test_gpu.py", "tests/test_offload.py"]
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs", "--durations=0", *tests]
     rc = run(cmd, out / "pytest.log", python_env(args.device), timeout_s=args.pytest_timeout)
-    lines = [line for line in out.joinpath("pytest.log").read_text(errors="replace").splitlines() if line.strip()]
+    lines = [
+        line for line in out.joinpath("pytest.log").read_text(errors="replace").splitlines() if line.strip()
+    ]
     result = next(
-        (line.strip("= ") for line in reversed(lines) if " in " in line and ("passed" in line or "failed" in line)),
+        (
+            line.strip("= ")
+            for line in reversed(lines)
+            if " in " in line and ("passed" in line or "failed" in line)
+        ),
         "",
     )
     stage.status = "ok" if rc == 0 else "FAILED"
@@ -319,9 +377,7 @@ def stage_te(args: argparse.Namespace, out: Path, stage: Stage) -> None:
     machine: ../shared/GUIDE.md section 10)."""
     if importlib.util.find_spec("transformer_engine") is None:
         stage.status = "skipped"
-        stage.summary = (
-            "TransformerEngine is not importable here (no wheel fits the lent machine's torch: GUIDE section 10)"
-        )
+        stage.summary = "TransformerEngine is not importable here (no wheel fits the lent machine's torch: GUIDE section 10)"
         return
     cmd = [
         sys.executable,
@@ -432,7 +488,10 @@ def table_rows(details: dict[str, Any], device: str) -> list[tuple[str, str]]:
     )
     rows = [
         ("model", d["model"]),
-        ("rollout, embedded engine", f"{d['rollout_tokens']:.0f} tokens: {d['rollout_tokens_per_s']:.0f} tokens/s"),
+        (
+            "rollout, embedded engine",
+            f"{d['rollout_tokens']:.0f} tokens: {d['rollout_tokens_per_s']:.0f} tokens/s",
+        ),
         (
             "train step (one micro-batch)",
             f"{d['train_tokens']:.0f} tokens in {d['train_seconds']:.2f} s: {d['train_tokens_per_s']:.0f} tokens/s, "
@@ -443,7 +502,10 @@ def table_rows(details: dict[str, Any], device: str) -> list[tuple[str, str]]:
             f"{d['sync_bytes'] / 2**20:.1f} MiB: {d['sync_gb_per_s']:.2f} GB/s; a device-to-device copy of the same "
             f"bytes in this run: {d['copy_gb_per_s']:.1f} GB/s",
         ),
-        ("offload grads+optimizer+params", f"{d['offload_bytes'] / 1e9:.3f} GB: {d['offload_gb_per_s']:.2f} GB/s"),
+        (
+            "offload grads+optimizer+params",
+            f"{d['offload_bytes'] / 1e9:.3f} GB: {d['offload_gb_per_s']:.2f} GB/s",
+        ),
     ]
     if device == "cuda":
         rows += [
@@ -457,7 +519,10 @@ def table_rows(details: dict[str, Any], device: str) -> list[tuple[str, str]]:
             ("peak host memory (process RSS)", _gib(d["peak_host_rss_bytes"])),
         ]
     rows.append(
-        ("mismatch probe after sync", f"mean {d['probe_abs_diff_mean']:.1e}, max {d['probe_abs_diff_max']:.1e}")
+        (
+            "mismatch probe after sync",
+            f"mean {d['probe_abs_diff_mean']:.1e}, max {d['probe_abs_diff_max']:.1e}",
+        )
     )
     if "probe_replay_abs_diff_mean" in d:
         rows += [
@@ -526,10 +591,16 @@ def _device_name(device: str) -> str:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
-    parser.add_argument("--out", type=Path, default=None, help="output folder (default runs/gpu_check/<time>)")
-    parser.add_argument("--stages", default=",".join(STAGES), help=f"comma-separated subset of {','.join(STAGES)}")
+    parser.add_argument(
+        "--out", type=Path, default=None, help="output folder (default runs/gpu_check/<time>)"
+    )
+    parser.add_argument(
+        "--stages", default=",".join(STAGES), help=f"comma-separated subset of {','.join(STAGES)}"
+    )
     parser.add_argument("--pytest-timeout", type=float, default=150.0, help="seconds for the pytest stage")
     parser.add_argument(
         "--budget-s",
@@ -562,8 +633,10 @@ def main() -> int:
         except Exception as exc:  # one stage's crash is its failure; the others still run
             stage.status, stage.summary = "FAILED", f"{type(exc).__name__}: {exc}"
         stage.seconds = time.perf_counter() - t0
-        print(f"[{name}] {stage.status} in {stage.seconds:.0f} s: {stage.summary.splitlines()[0] if stage.summary else ''}",
-              flush=True)  # fmt: skip
+        print(
+            f"[{name}] {stage.status} in {stage.seconds:.0f} s: {stage.summary.splitlines()[0] if stage.summary else ''}",
+            flush=True,
+        )
         stages.append(stage)
     total = time.perf_counter() - start
     text = report(stages, args, device_name, total)
@@ -571,11 +644,17 @@ def main() -> int:
     (out / "gpu_check.json").write_text(
         json.dumps(
             [
-                {"name": s.name, "status": s.status, "seconds": s.seconds, "summary": s.summary, "details": s.details}
+                {
+                    "name": s.name,
+                    "status": s.status,
+                    "seconds": s.seconds,
+                    "summary": s.summary,
+                    "details": s.details,
+                }
                 for s in stages
             ],
             indent=1,
-        )  # fmt: skip
+        )
     )
     print("\n" + text)
     return 1 if any(s.status == "FAILED" for s in stages) else 0

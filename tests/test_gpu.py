@@ -35,9 +35,13 @@ def moe_dir(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, t
 def _roundtrip(moe_dir, overrides: list[str]) -> dict:
     hf_dir, refs = moe_dir
     (result,) = run_distributed(
-        "tests.workers.bridge_workers:roundtrip", 1, timeout_s=240,
-        cases={"case": (str(hf_dir), overrides)}, refs={"case": refs}, bucket_bytes=1 << 16,
-    )  # fmt: skip
+        "tests.workers.bridge_workers:roundtrip",
+        1,
+        timeout_s=240,
+        cases={"case": (str(hf_dir), overrides)},
+        refs={"case": refs},
+        bucket_bytes=1 << 16,
+    )
     return result["case"]
 
 

@@ -18,8 +18,16 @@ import _gpu_check_sglang as stages  # noqa: E402
 
 def test_the_sglang_engine_stage_passes_on_the_cpu_engine(tmp_path: Path) -> None:
     require_sglang_engine()
-    cmd = [sys.executable, str(REPO / "bench" / "gpu_check.py"), "--device", "cpu", "--stages", "sglang_engine",
-           "--out", str(tmp_path)]  # fmt: skip
+    cmd = [
+        sys.executable,
+        str(REPO / "bench" / "gpu_check.py"),
+        "--device",
+        "cpu",
+        "--stages",
+        "sglang_engine",
+        "--out",
+        str(tmp_path),
+    ]
     done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=ENGINE_TIMEOUT_S)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     (stage,) = json.loads((tmp_path / "gpu_check.json").read_text())
@@ -52,13 +60,19 @@ def test_engine_stage_rules() -> None:
 
 def test_train_stage_rules() -> None:
     resident = [{"iteration": i, "mismatch/probe_abs_diff_max": 0.01} for i in (1, 2, 3)]
-    replay = [{"iteration": i, "mismatch/probe_replay_abs_diff_max": 0.0, "offload/cached_free_bytes": 0.1 * 2**30}
-              for i in (1, 2, 3)]  # fmt: skip
+    replay = [
+        {"iteration": i, "mismatch/probe_replay_abs_diff_max": 0.0, "offload/cached_free_bytes": 0.1 * 2**30}
+        for i in (1, 2, 3)
+    ]
     details = stages.train_details(resident, replay)
     assert details["resident_last"] == 3 and details["replay_iterations"] == 3
     assert stages.train_problems(details) == []
-    assert math.isnan(stages.train_details(resident, resident)["cached_at_resume_gib"])  # not measured: no rule
-    held = stages.train_details(resident[:2], [r | {"offload/cached_free_bytes": 22.8 * 2**30} for r in replay])
+    assert math.isnan(
+        stages.train_details(resident, resident)["cached_at_resume_gib"]
+    )  # not measured: no rule
+    held = stages.train_details(
+        resident[:2], [r | {"offload/cached_free_bytes": 22.8 * 2**30} for r in replay]
+    )
     problems = stages.train_problems(held)
     assert "the resumed run ended at iteration 2, not 3" in problems
     assert any("22.80 GiB of cached blocks" in p for p in problems)

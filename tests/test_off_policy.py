@@ -155,10 +155,13 @@ def test_engine_old_logprobs_loss_is_the_uncorrected_surrogate_and_tis_would_cou
     tis = AlgorithmConfig(loss_agg_mode="token-mean", tis=TISConfig(enabled=True, cap=2.0))
     mask_bs, rollout_bs = mb.extras["mask_bs"], mb.extras["rollout_logprobs_bs"]
     w_bs = off_policy_weights(tis, logprobs_bs.detach(), rollout_bs, mask_bs)
-    twice, _ = grpo_policy_loss(logprobs_bs, rollout_bs, mb.extras["advantages_b"], mask_bs, tis,
-                                tis_weights_bt=w_bs, normalizer=5.0)  # fmt: skip
-    print(f"token-mean loss, engine old logprobs: uncorrected {want_loss:.4f}, "
-          f"TIS cap 2 on top {float(twice.detach()):.4f}")  # fmt: skip
+    twice, _ = grpo_policy_loss(
+        logprobs_bs, rollout_bs, mb.extras["advantages_b"], mask_bs, tis, tis_weights_bt=w_bs, normalizer=5.0
+    )
+    print(
+        f"token-mean loss, engine old logprobs: uncorrected {want_loss:.4f}, "
+        f"TIS cap 2 on top {float(twice.detach()):.4f}"
+    )
     assert abs(float(twice.detach()) - want_loss) > 0.05
     with pytest.raises(ValueError, match="counts the ratio twice"):
         GRPOLoss(tis, 0.0, 8, old_from_engine=True)

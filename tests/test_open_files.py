@@ -20,9 +20,13 @@ def _run(code: str, soft: int, hard: int | None = None) -> subprocess.CompletedP
     _, our_hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     limits = (soft, our_hard if hard is None else hard)
     return subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(code)], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120,
+        [sys.executable, "-c", textwrap.dedent(code)],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
         preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, limits),
-    )  # fmt: skip
+    )
 
 
 def test_the_deepseek_recipe_needs_more_than_the_usual_soft_limit():
@@ -68,4 +72,6 @@ def test_a_hard_limit_below_the_need_is_refused_with_the_numbers_and_the_fix():
     assert out.returncode == 1
     error = out.stderr.strip().splitlines()[-1]
     assert "RuntimeError: this rank needs about 4552 = 1023 for the rollout data group" in error, error
-    assert "its hard limit is 2000 (soft 256)" in error and "at least 4552" in error and "limits.conf" in error
+    assert (
+        "its hard limit is 2000 (soft 256)" in error and "at least 4552" in error and "limits.conf" in error
+    )

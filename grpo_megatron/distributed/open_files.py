@@ -54,7 +54,9 @@ class OpenFiles:
         )
 
 
-def open_files_needed(world_size: int, *, dp: int, cp: int, expert_dp: int, rank: int, nccl: bool) -> OpenFiles:
+def open_files_needed(
+    world_size: int, *, dp: int, cp: int, expert_dp: int, rank: int, nccl: bool
+) -> OpenFiles:
     """Rank ``rank``'s estimated peak of open files in a job of ``world_size`` ranks whose
     data-parallel size is ``dp``, context-parallel ``cp`` and expert data-parallel ``expert_dp``
     (a resolved ``ParallelConfig``'s); ``nccl``: the job's backend is NCCL (else gloo)."""

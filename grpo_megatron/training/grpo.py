@@ -123,13 +123,25 @@ def run_iteration(job: Job, source: GroupSource, probe: ProbeBatch, it: int, tim
         onload_metrics = job.memory.to_trainer()
     with timer("advantages"):
         # this replica's samples only; the held payloads and routes of the source's later batches stay held
-        batch, plan = prepare_update(cfg.algorithm, cfg.train, cfg.rollout.response_budget.tokens, ps, job.fleet,
-                                     groups, release_payloads=produced.release_payloads,
-                                     release_routes=produced.release_routes)  # fmt: skip
+        batch, plan = prepare_update(
+            cfg.algorithm,
+            cfg.train,
+            cfg.rollout.response_budget.tokens,
+            ps,
+            job.fleet,
+            groups,
+            release_payloads=produced.release_payloads,
+            release_routes=produced.release_routes,
+        )
     # Every trainer pass takes these; each pass's MoE routing is algorithm.routing_replay's (off, r2, r3).
-    passes = PassSettings(ps, job.pad_id, policy.spec.vocab_size, cfg.rollout.temperature,
-                          RoutingReplay(cfg.algorithm.routing_replay, ps, policy.spec.num_experts),
-                          cfg.rollout.truncation)  # fmt: skip
+    passes = PassSettings(
+        ps,
+        job.pad_id,
+        policy.spec.vocab_size,
+        cfg.rollout.temperature,
+        RoutingReplay(cfg.algorithm.routing_replay, ps, policy.spec.num_experts),
+        cfg.rollout.truncation,
+    )
     with timer("ref_logprob"), job.reference_on_device() as reference:
         if reference is not None:
             logprob_pass(reference, batch.samples, plan, "ref", passes).store(batch.samples)
@@ -140,16 +152,24 @@ def run_iteration(job: Job, source: GroupSource, probe: ProbeBatch, it: int, tim
             old.store(batch.samples)
             routing_metrics = old.routing_metrics
     beta = kl_beta(cfg.algorithm.kl, it - 1, cfg.train.iterations)
-    loss = GRPOLoss(cfg.algorithm, beta, cfg.algorithm.loss_norm_len or cfg.rollout.response_budget.tokens,
-                    old_from_engine=cfg.train.old_logprobs == "engine")
+    loss = GRPOLoss(
+        cfg.algorithm,
+        beta,
+        cfg.algorithm.loss_norm_len or cfg.rollout.response_budget.tokens,
+        old_from_engine=cfg.train.old_logprobs == "engine",
+    )
     with timer("train"):
-        train_metrics = update_policy(policy, batch.samples, plan, loss, passes, measure_routing=not routing_metrics)
+        train_metrics = update_policy(
+            policy, batch.samples, plan, loss, passes, measure_routing=not routing_metrics
+        )
     with timer("rollout"):  # asynchronous with SGLang: the batches in flight end before the sync stream
         drain_metrics = source.before_sync()
     with timer("sync"):
         due = probe_due(it, cfg.rollout.probe_interval, cfg.train.iterations)
         sync_metrics = job.sync_engines(it, probe if due else None)
-    source.after_sync(it)  # the engines have version `it` (asynchronous: the batch that may lag it by N goes out)
+    source.after_sync(
+        it
+    )  # the engines have version `it` (asynchronous: the batch that may lag it by N goes out)
     metrics = {
         **produced.metrics,
         **drain_metrics,
@@ -170,13 +190,21 @@ def evaluate_job(job: Job, iteration: int) -> dict[str, float]:
     """The eval phase with the job's objects (also SFT's held-out check); none in a replay (no engines)."""
     if not job.has_engines:
         return {}
-    return evaluate(job.rollout, job.scorer, job.eval_records, train_seed=job.cfg.train.seed,
-                    iteration=iteration, samples=job.cfg.train.eval_samples)
+    return evaluate(
+        job.rollout,
+        job.scorer,
+        job.eval_records,
+        train_seed=job.cfg.train.seed,
+        iteration=iteration,
+        samples=job.cfg.train.eval_samples,
+    )
 
 
 def job_probe(job: Job) -> ProbeBatch:
     """The run's fixed mismatch-probe batch (rollout.probe_batch held-out, else training, prompts)."""
-    return answer_probe(job.eval_records or job.train_records, job.tokenizer, job.eos_id, job.cfg.rollout.probe_batch)
+    return answer_probe(
+        job.eval_records or job.train_records, job.tokenizer, job.eos_id, job.cfg.rollout.probe_batch
+    )
 
 
 def train(job: Job) -> dict[str, float]:
@@ -213,7 +241,9 @@ def train(job: Job) -> dict[str, float]:
         with timer("iteration"):
             result = run_iteration(job, source, probe, it, timer)
             with timer("eval"):
-                if it == cfg.train.iterations or (cfg.train.eval_interval and it % cfg.train.eval_interval == 0):
+                if it == cfg.train.iterations or (
+                    cfg.train.eval_interval and it % cfg.train.eval_interval == 0
+                ):
                     eval_metrics = last_eval = evaluate_job(job, it)
                     last_it = it
                     if not eval_metrics.get("eval/accuracy", float("nan")) <= best[1]:  # NaN best: replace
@@ -222,7 +252,9 @@ def train(job: Job) -> dict[str, float]:
         metrics = {
             **result.metrics,
             **eval_metrics,
-            **(job.recovery.metrics() if job.recovery is not None else {}),  # engine/restarts, engine/restart_s
+            **(
+                job.recovery.metrics() if job.recovery is not None else {}
+            ),  # engine/restarts, engine/restart_s
             **timer.seconds,
             "throughput/tokens_per_s": n_tokens / timer.seconds["time/iteration"],
         }
@@ -239,7 +271,9 @@ def train(job: Job) -> dict[str, float]:
         # The safe point: any rank's signal (SIGTERM, checkpoint.signal) stops every rank here, saved.
         if signal_name := job.preemption.requested_anywhere(dist.group.WORLD):
             if not saved:
-                save_checkpoint(job.checkpoints, job.memory, job.policy, it, source_state(trainer_state, source))
+                save_checkpoint(
+                    job.checkpoints, job.memory, job.policy, it, source_state(trainer_state, source)
+                )
             job.preemption.checkpoint_written = True
             raise Preempted(it, signal_name)
     return {
