@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from grpo_megatron.algorithm.truncation import Truncation
 from grpo_megatron.distributed.bootstrap import ParallelState
 from grpo_megatron.training.batching import LogprobKind, Sample, collate, scatter_logprobs
 from grpo_megatron.training.forward_backward import forward_logprobs
@@ -35,6 +36,9 @@ class PassSettings:
     """The rollout's sampling temperature: logprobs are of the logits divided by it."""
     replay: RoutingReplay
     """Each pass's MoE routing (training/route_replay.py)."""
+    truncation: Truncation = Truncation()
+    """The rollout's top-k / top-p / min-p: logprobs are of the truncated distribution it samples from
+    (``algorithm/truncation.py``); inactive by default."""
 
 
 @dataclass
@@ -69,6 +73,7 @@ def logprob_pass(
         settings.ps,
         vocab_size=settings.vocab_size,
         temperature=settings.temperature,
+        truncation=settings.truncation,
         routing=routing,
     )
     routing_metrics = settings.replay.end(routing, samples, rows, measure=kind == "old")
@@ -81,7 +86,9 @@ def teacher_pass(
     """Collective, the teacher_logprob phase: the distillation teacher's logprobs of this rank's
     samples as ``Sample.teacher_logprobs_s`` (training/teacher.py), at the rollout's temperature over
     the teacher's own vocabulary, with its own routing (nothing replayed: the engine's routes are
-    the student's experts). Returns ``distill/teacher_bytes`` (this rank's teacher parameters) and,
+    the student's experts) and its full distribution (no top-k/top-p/min-p: the rollout's truncation
+    shapes what the student samples, while the teacher grades every token, and a token outside the
+    teacher's own kept set would score -inf). Returns ``distill/teacher_bytes`` (this rank's teacher parameters) and,
     on a GPU, ``distill/peak_memory_bytes`` (the device's peak during the pass)."""
     on_cuda = settings.ps.device.type == "cuda"
     if on_cuda:
@@ -90,6 +97,7 @@ def teacher_pass(
         settings,
         vocab_size=teacher.spec.vocab_size,
         replay=RoutingReplay("off", settings.ps, None),
+        truncation=Truncation(),
     )
     logprob_pass(teacher.model, samples, plan, "teacher", own).store(samples)
     metrics = {"distill/teacher_bytes": float(teacher.param_bytes)}
