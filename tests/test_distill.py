@@ -272,6 +272,11 @@ def test_check_refuses_a_teacher_without_weights_and_another_layout(tmp_path: Pa
     )
     with pytest.raises(ConfigError, match="distill.teacher_path is empty"):
         validate(_demo_config("distill.coef=1.0"), world_size=2)
+    served = _demo_config(f"distill.teacher_path={teacher}", "distill.coef=1.0", "distill.engine=sglang")
+    with pytest.raises(
+        ConfigError, match=r"distill.engine=sglang \(a teacher served by an SGLang engine\) is not"
+    ):
+        validate(served, world_size=2)
     with pytest.raises(ConfigError, match="drops groups of equal rewards"):
         validate(
             _demo_config(

@@ -198,6 +198,20 @@ def _clip_and_ratio_metrics(
     }
 
 
+def _check_shapes(
+    logprobs_bt: torch.Tensor, advantages_b: torch.Tensor, response_mask_bt: torch.Tensor
+) -> None:
+    if logprobs_bt.dim() != 2 or response_mask_bt.shape != logprobs_bt.shape:
+        raise ValueError(
+            f"logprobs_bt {tuple(logprobs_bt.shape)} and response_mask_bt "
+            f"{tuple(response_mask_bt.shape)} must both be [B, T]"
+        )
+    if advantages_b.shape != logprobs_bt.shape[:1]:
+        raise ValueError(
+            f"advantages_b {tuple(advantages_b.shape)} must be [B] = {tuple(logprobs_bt.shape[:1])}"
+        )
+
+
 def grpo_policy_loss(
     logprobs_bt: torch.Tensor,
     old_logprobs_bt: torch.Tensor | None,
@@ -236,15 +250,7 @@ def grpo_policy_loss(
       ratio/mean, ratio/max, ratio/min, kl (token mean of KL_est), ppo_kl (mean log pi_old - log pi)
       num_tokens, num_seqs
     """
-    if logprobs_bt.dim() != 2 or response_mask_bt.shape != logprobs_bt.shape:
-        raise ValueError(
-            f"logprobs_bt {tuple(logprobs_bt.shape)} and response_mask_bt "
-            f"{tuple(response_mask_bt.shape)} must both be [B, T]"
-        )
-    if advantages_b.shape != logprobs_bt.shape[:1]:
-        raise ValueError(
-            f"advantages_b {tuple(advantages_b.shape)} must be [B] = {tuple(logprobs_bt.shape[:1])}"
-        )
+    _check_shapes(logprobs_bt, advantages_b, response_mask_bt)
     if old_logprobs_bt is None:
         old_logprobs_bt = logprobs_bt.detach()
     mask_bt = response_mask_bt.to(torch.float32)

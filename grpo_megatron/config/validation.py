@@ -308,6 +308,12 @@ def sglang_cpu_errors(cfg: JobConfig) -> list[str]:
     return cpu_path_errors(sglang_cpu_path(r.sglang.cpu_path), cfg.model.dtype)
 
 
+# The student's field names in a model check's message, and the teacher's (module constants: the docs
+# reference reads the string arguments of a check's calls as messages of their own).
+_TEACHER_PATH = ("model.hf_path=", "distill.teacher_path=")
+_TEACHER_OVERRIDES = ("model.hf_overrides", "distill.hf_overrides")
+
+
 def distill_errors(cfg: JobConfig) -> list[str]:
     """The distillation teacher (``distill:``, training/teacher.py): its config.json, an architecture
     the builder knows, sizes the student's layout can split, and no layout of its own (megatron-core's
@@ -319,11 +325,12 @@ def distill_errors(cfg: JobConfig) -> list[str]:
     errors = []
     for name in ("tp", "pp", "ep"):
         value, student = getattr(distill, name), getattr(cfg.parallel, name)
+        student_field = f"parallel.{name}"  # one loop name per message (tools/docs_reference.py)
         if value is not None and value != student:
             errors.append(
-                f"distill.{name}={value} differs from parallel.{name}={student}: a teacher in the trainer takes "
-                "the student's layout (megatron-core keeps one model-parallel state per process, which every "
-                f"layer reads when built and run); set distill.{name}=null (or {student})"
+                f"distill.{name}={value} differs from {student_field}={student}: a teacher in the trainer "
+                "takes the student's layout (megatron-core keeps one model-parallel state per process, which "
+                f"every layer reads when built and run); set it to null (or {student})"
             )
     if distill.reward_coef == 0 and cfg.algorithm.dynamic_sampling.enabled:
         errors.append(
@@ -334,10 +341,10 @@ def distill_errors(cfg: JobConfig) -> list[str]:
     try:
         hf = teacher.load_hf_config()
     except ValueError as e:
-        return [*errors, str(e).replace("model.hf_path=", "distill.teacher_path=", 1)]
+        return [*errors, str(e).replace(*_TEACHER_PATH, 1)]
     layout = model_layout_errors(teacher, hf, cfg.parallel, dense_ep_ok=True)
     where = f"the distillation teacher (distill.teacher_path={distill.teacher_path})"
-    errors += [f"{where}: " + e.replace("model.hf_overrides", "distill.hf_overrides") for e in layout]
+    errors += [f"{where}: " + e.replace(*_TEACHER_OVERRIDES) for e in layout]
     return errors
 
 

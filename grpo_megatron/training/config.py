@@ -203,6 +203,10 @@ class DistillConfig:
     path in a YAML file resolves against that file's directory."""
     coef: float = 0.0
     """Weight of the distillation advantage beside GRPO's; 0 = plain GRPO (no teacher is built)."""
+    engine: Literal["trainer", "sglang"] = "trainer"
+    """Where the teacher runs: ``trainer``, built frozen in the trainer's processes (the only one
+    supported yet). ``sglang``, a teacher served by an SGLang engine scoring prompt + response (for a
+    teacher too large to sit beside the trainer), is not implemented: ``check`` refuses it."""
     reward_coef: float = 1.0
     """Weight of GRPO's group-relative (reward) advantage: 1 adds distillation to GRPO, 0 is pure
     on-policy distillation (rewards are still computed, for the metrics and evaluation)."""
@@ -258,9 +262,15 @@ class DistillConfig:
                 f"distill.reward_coef={self.reward_coef} without distillation (distill.coef=0) would only "
                 "rescale GRPO's advantages: set distill.coef > 0 or leave reward_coef at 1"
             )
+        if self.engine == "sglang":
+            errors.append(
+                "distill.engine=sglang (a teacher served by an SGLang engine) is not supported yet: the "
+                "teacher runs in the trainer's processes; set distill.engine=trainer (distill.on_cpu=true "
+                "keeps it in host memory outside its pass)"
+            )
         for name in ("tp", "pp", "ep"):
             value = getattr(self, name)
             if value is not None and value < 1:
-                errors.append(f"distill.{name}={value} must be >= 1, or null for parallel.{name}")
+                errors.append(f"distill.{name}={value} must be >= 1, or null for the student's")
         if errors:
             raise ValueError("\n".join(errors))
