@@ -17,6 +17,12 @@ from pathlib import Path
 from typing import Any
 
 FRACTION = 0.9
+FRACTIONS = (0.5, 0.7, 0.8, 0.9, 0.95)
+"""The other fractions of the teacher's accuracy the report names the first iteration of."""
+
+
+def _show(iteration: int | None) -> str:
+    return "-" if iteration is None else str(iteration)
 
 
 def evaluations(run: Path) -> list[tuple[int, float]]:
@@ -60,10 +66,17 @@ def report(grpo: Path, distill: Path) -> tuple[str, dict[str, list[tuple[int, fl
             f"| {name} | {curve[0][1]:.1%} | {where} | every {step} | {curve[-1][1]:.1%} (it {curve[-1][0]}) "
             f"| {max(a for _, a in curve):.1%} | {f'{wall:.0f} s' if wall is not None else '-'} |"
         )
-    reached = [first_reaching(c, target) for c in curves.values()]
-    if all(r is not None for r in reached) and reached[1]:
-        assert reached[0] is not None and reached[1] is not None
-        lines += ["", f"Distillation reached the target in {reached[1] / reached[0]:.2f}x GRPO's iterations."]
+    lines += [
+        "",
+        "| fraction of the teacher | GRPO (iteration) | distillation (iteration) |",
+        "|---|---|---|",
+    ]
+    for fraction in FRACTIONS:
+        at = [first_reaching(c, fraction * teacher) for c in curves.values()]
+        lines.append(f"| {fraction:.0%} ({fraction * teacher:.1%}) | " + " | ".join(map(_show, at)) + " |")
+    grpo_at, distill_at = (first_reaching(c, target) for c in curves.values())
+    if grpo_at and distill_at:
+        lines += ["", f"Distillation reached the target in {distill_at / grpo_at:.2f}x GRPO's iterations."]
     return "\n".join(lines) + "\n", curves, target
 
 
