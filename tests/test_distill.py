@@ -321,7 +321,8 @@ def _replace_distill(cfg, **changes):  # type: ignore[no-untyped-def]
 def test_distillation_job_with_lora_partial_rollouts_and_context_parallelism(tmp_path: Path) -> None:
     # One job, every arrangement the distillation advantage must pass through: a dense teacher of the
     # MoE demo student at CP2 x EP2 (packed sequences split over the CP ranks), a LoRA student, partial
-    # rollouts one version off (IcePop weighting the advantage like any other). Two iterations.
+    # rollouts one version off (IcePop weighting the advantage like any other), top-k sampling (the
+    # teacher unscathed by it). Two iterations.
     from grpo_megatron.logging_utils.metrics import read_jsonl
     from tests.helpers.runs import SMALL, finish, launch
 
@@ -337,6 +338,7 @@ def test_distillation_job_with_lora_partial_rollouts_and_context_parallelism(tmp
         "rollout.partial.segment_tokens=3",
         "train.max_staleness=1",
         "algorithm.off_policy.correction=icepop",
+        "rollout.top_k=4",  # the student samples from its top 4; the teacher grades with all 32 tokens
     ]
     out = finish(launch("train", [*SMALL, *extra, "train.iterations=2", f"logging.run_dir={run}"]))
     assert "distillation teacher qwen3" in out
@@ -346,3 +348,6 @@ def test_distillation_job_with_lora_partial_rollouts_and_context_parallelism(tmp
         assert r["time/teacher_logprob"] > 0 and r["distill/teacher_bytes"] > 0
         # a random student and a random teacher: the estimate of their KL, finite and not 0
         assert math.isfinite(r["distill/reverse_kl"]) and r["distill/reverse_kl"] != 0.0
+        # the teacher's full distribution: a token outside its own top 4 would score the truncation
+        # floor (-100: models/logprobs.py) and the estimate would be near 100
+        assert abs(r["distill/reverse_kl"]) < 10.0
