@@ -311,7 +311,8 @@ def _teacher_line(cfg: JobConfig, layout: Layout, stage: int, te: bool) -> Line:
     return Line(
         "distillation teacher",
         counts.total * DTYPE_BYTES[dtype] / GIB,
-        f"{human_count(counts.total)} of {human_count(total_params(hf))} on this rank ({dtype}), frozen; {where}",
+        f"{human_count(counts.total)} of {human_count(total_params(hf))} on this rank ({dtype}), "
+        f"frozen; {where}",
     )
 
 

@@ -391,11 +391,11 @@ def _models(
 ) -> tuple[Policy, torch.nn.Module | None, Teacher | None, RolloutFleet, ColocatedMemory]:
     """The policy (with model.hf_path's weights when it has any), the frozen reference and the
     distillation teacher when asked for, and the rollout engines, in this order (each draws from the
-    seeded generators); the colocated memory choreography, which started the engines as rollout/placement.py says (colocated
-    SGLang engines while the trainer's state is in host memory). ``engines`` False (a replay,
-    rollout.replay_dir): a fleet of no engines, and memory that never moves. ``restarts``: lost engines
-    are restarted in place up to rollout.recovery.max_restarts, resynced from the policy (GRPO; SFT
-    restarts none)."""
+    seeded generators); the colocated memory choreography, which started the engines as
+    rollout/placement.py says (colocated SGLang engines while the trainer's state is in host memory).
+    ``engines`` False (a replay, rollout.replay_dir): a fleet of no engines, and memory that never
+    moves. ``restarts``: lost engines are restarted in place up to rollout.recovery.max_restarts,
+    resynced from the policy (GRPO; SFT restarts none)."""
     from grpo_megatron.rollout.fleet import RolloutFleet
     from grpo_megatron.rollout.placement import runtime_placement
     from grpo_megatron.rollout.recovery import Resync

@@ -88,8 +88,8 @@ def teacher_pass(
     the teacher's own vocabulary, with its own routing (nothing replayed: the engine's routes are
     the student's experts) and its full distribution (no top-k/top-p/min-p: the rollout's truncation
     shapes what the student samples, while the teacher grades every token, and a token outside the
-    teacher's own kept set would score -inf). Returns ``distill/teacher_bytes`` (this rank's teacher parameters) and,
-    on a GPU, ``distill/peak_memory_bytes`` (the device's peak during the pass)."""
+    teacher's own kept set would score -inf). Returns ``distill/teacher_bytes`` (this rank's teacher
+    parameters) and, on a GPU, ``distill/peak_memory_bytes`` (the device's peak during the pass)."""
     on_cuda = settings.ps.device.type == "cuda"
     if on_cuda:
         torch.cuda.reset_peak_memory_stats()
