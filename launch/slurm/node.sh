@@ -49,6 +49,27 @@ export TORCH_COMPILE_DISABLE=${TORCH_COMPILE_DISABLE:-1}
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 
 echo "[node $NODE_RANK/$NNODES on $(hostname)] ${COMMAND:-train} $* | $GPUS_PER_NODE procs, rendezvous $MASTER_ADDR:$MASTER_PORT id $RDZV_ID"
+
+# Open files of torchrun's agent: node 0's serves the c10d store to every rank (two connections each:
+# its process group's and its progress watchdog's) and every node's agent, about 2,200 connections at
+# 1024 ranks (grpo_megatron/distributed/open_files.py:store_open_files); the usual soft limit is 1024.
+# The soft limit goes up to the hard one on every node (the ranks inherit it and raise their own), and
+# node 0 stops here, naming the fix, when even the hard limit is below what its agent needs.
+hard_files=$(ulimit -Hn)
+if [ "$hard_files" = unlimited ]; then
+    ulimit -Sn 1048576 2>/dev/null || true
+else
+    ulimit -Sn "$hard_files"
+fi
+if [ "$NODE_RANK" = 0 ]; then
+    store_files=$("$PYTHON" -m grpo_megatron.distributed.open_files store "$((NNODES * GPUS_PER_NODE))" "$NNODES")
+    if [ "$(ulimit -Sn)" != unlimited ] && [ "$(ulimit -Sn)" -lt "$store_files" ]; then
+        echo "[node 0] torchrun's agent here serves the c10d store to $((NNODES * GPUS_PER_NODE)) ranks and $NNODES" \
+             "agents: it needs about $store_files open files, but the hard limit is $hard_files: raise nofile in" \
+             "/etc/security/limits.conf (and Slurm's PropagateResourceLimits) on the first node" >&2
+        exit 1
+    fi
+fi
 TORCHRUN=("$PYTHON" -m torch.distributed.run
     --nnodes "$NNODES"
     --nproc-per-node "$GPUS_PER_NODE"
