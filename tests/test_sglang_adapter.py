@@ -1111,3 +1111,27 @@ def test_an_engine_death_names_its_reason_even_before_any_process_exited(tmp_pat
     assert "died: ." not in alive + gone
     log.write_text("[2026-12-05] starting\nall well\n")
     assert health.cause([]) == "SGLang sent SIGQUIT (a process of the engine failed)"
+
+
+def test_the_engines_processes_start_without_expandable_segments(monkeypatch) -> None:
+    """Issue 51 item 9: expandable segments in the trainer's PYTORCH_CUDA_ALLOC_CONF would reach the
+    engine's processes, where SGLang's memory saver cannot release what such segments allocate; the
+    engine's environment drops that option (the others pass on, the trainer keeps its own)."""
+    import torch
+
+    from grpo_megatron.rollout.sglang.launch import engine_allocator_settings, engine_environment
+
+    assert engine_allocator_settings({}) == {}
+    assert engine_allocator_settings({"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:128"}) == {}
+    assert engine_allocator_settings({"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}) == {
+        "PYTORCH_CUDA_ALLOC_CONF": None
+    }
+    both = {"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:128, expandable_segments:True,garbage_collection_threshold:0.6",
+            "PYTORCH_ALLOC_CONF": "expandable_segments:True"}  # fmt: skip
+    assert engine_allocator_settings(both) == {
+        "PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:128,garbage_collection_threshold:0.6",
+        "PYTORCH_ALLOC_CONF": None,
+    }
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True,max_split_size_mb:64")
+    env = engine_environment(torch.device("cuda", 0))
+    assert env["PYTORCH_CUDA_ALLOC_CONF"] == "max_split_size_mb:64" and env["TORCHELASTIC_USE_AGENT_STORE"] is None
