@@ -16,6 +16,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from _gpu_check_clock import CLOCK
+
 REPO = Path(__file__).resolve().parents[1]
 PROBE = REPO / "bench" / "sglang_gpu_probe.py"
 DEMO = REPO / "examples" / "demo.yaml"
@@ -108,7 +110,7 @@ def stage_sglang_engine(args: argparse.Namespace, out: Path, stage: Any, env: di
     cmd = [sys.executable, str(PROBE), "--device", args.device, "--json", str(result), *size]
     log = out / "sglang_engine.log"
     with log.open("w") as f:
-        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = CLOCK.popen(cmd, cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT)
         rc = _wait(proc, timeout_s=360)
     data = json.loads(result.read_text()) if result.is_file() else {}
     stage.details = data
@@ -169,9 +171,7 @@ class TrainRun:
             *self.extra, *more,
         ]  # fmt: skip
         with self.log.open("a") as f:
-            return subprocess.Popen(
-                cmd, cwd=REPO, env=self.env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True
-            )
+            return CLOCK.popen(cmd, cwd=REPO, env=self.env, stdout=f, stderr=subprocess.STDOUT)
 
     def metrics(self) -> list[dict[str, Any]]:
         path = self.run_dir / "metrics.jsonl"
@@ -223,6 +223,17 @@ def stage_sglang_train(args: argparse.Namespace, out: Path, stage: Any, env: dic
     )
 
 
+CACHED_KEY = "offload/cached_free_bytes"
+"""What training/offload.py reports of every engine resume (0 on CPU); each iteration of a run whose
+engines swap memory with the trainer (colocated SGLang, train.max_staleness=0) resumes them."""
+
+
+def missing_metric(records: list[dict[str, Any]], key: str = CACHED_KEY) -> list[int]:
+    """Iterations (the training ones: 0 is the evaluation before training) whose row lacks ``key``: a
+    memory phase that dropped its metric fails the stage rather than leaving a NaN to skip."""
+    return [int(r["iteration"]) for r in records if r.get("iteration", 0) >= 1 and key not in r]
+
+
 def train_details(resident: list[dict[str, Any]], replay: list[dict[str, Any]]) -> dict[str, Any]:
     def worst(records: list[dict[str, Any]], key: str) -> float:
         values = [r[key] for r in records if key in r]
@@ -230,13 +241,14 @@ def train_details(resident: list[dict[str, Any]], replay: list[dict[str, Any]]) 
 
     both = resident + replay
     return {
+        "missing_cached": {"resident": missing_metric(resident), "replay": missing_metric(replay)},
         "resident_last": max((r.get("iteration", 0) for r in resident), default=0),
         "replay_iterations": len([r for r in replay if r.get("iteration", 0) >= 1]),  # 0: the eval before training
         "probe_max": worst(both, "mismatch/probe_abs_diff_max"),
         "probe_replay_max": worst(replay, "mismatch/probe_replay_abs_diff_max"),
         "probe_route_disagreement": worst(replay, "routing/probe_disagreement"),
         # what the trainer's allocator kept reserved but unused when an engine resumed (training/offload.py)
-        "cached_at_resume_gib": worst(both, "offload/cached_free_bytes") / 2**30,
+        "cached_at_resume_gib": worst(both, CACHED_KEY) / 2**30,
     }
 
 
@@ -246,8 +258,12 @@ def train_problems(details: dict[str, Any]) -> list[str]:
         problems.append(f"the resumed run ended at iteration {details['resident_last']}, not 3")
     if details["replay_iterations"] < 3:
         problems.append(f"the r3 run logged {details['replay_iterations']} iterations, not 3")
+    for run, iterations in details["missing_cached"].items():
+        if iterations:
+            problems.append(f"{CACHED_KEY} missing from the {run} run's rows of iterations {iterations}: a memory "
+                            "phase did not report its engine resume (training/offload.py)")  # fmt: skip
     cached = details["cached_at_resume_gib"]
-    if cached == cached and cached > CACHED_AT_RESUME_LIMIT_GIB:  # NaN: not measured (CPU)
+    if cached == cached and cached > CACHED_AT_RESUME_LIMIT_GIB:  # NaN: no row has it, named as missing above
         problems.append(
             f"the trainer held {cached:.2f} GiB of cached blocks at an engine resume (> {CACHED_AT_RESUME_LIMIT_GIB})"
         )

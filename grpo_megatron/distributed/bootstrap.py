@@ -173,7 +173,11 @@ def init_distributed(parallel: ParallelConfig, *, seed: int = 1234) -> ParallelS
     else:
         device = torch.device("cpu")
     from grpo_megatron.distributed.megatron_compat import apply_megatron_compat
-    from grpo_megatron.distributed.open_files import agent_serves_store, open_files_needed, raise_open_file_limit
+    from grpo_megatron.distributed.open_files import (
+        agent_serves_store,
+        open_files_needed,
+        raise_open_file_limit,
+    )
 
     # Before any group opens its sockets (the whole world's gloo data group: a socket per rank).
     needed = open_files_needed(world_size, dp=parallel.dp or 1, cp=parallel.cp, expert_dp=parallel.expert_dp,

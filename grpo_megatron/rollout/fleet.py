@@ -206,7 +206,7 @@ class EngineRecovery:
 
     model: torch.nn.Module
     max_restarts: int
-    sync_visit: Callable[[], AbstractContextManager[None]] | None = None
+    sync_visit: Callable[[], AbstractContextManager[Any]] | None = None
     """A context inside which ``model``'s parameters are on the device for the resync (the job's
     ``ColocatedMemory.sync_visit``: a colocated rollout phase has them offloaded); None: they always are."""
     restarts: int = 0

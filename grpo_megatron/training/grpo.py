@@ -222,6 +222,8 @@ def train(job: Job) -> dict[str, float]:
             **result.metrics,
             **eval_metrics,
             **(job.recovery.metrics() if job.recovery is not None else {}),  # engine/restarts, engine/restart_s
+            # the worst engine resume since the last row: a save's or a restart's visit included
+            **job.memory.take_cached_at_resume(),
             **timer.seconds,
             "throughput/tokens_per_s": n_tokens / timer.seconds["time/iteration"],
         }
