@@ -7,10 +7,14 @@ The CLI validates the config at world size N x G before the handler runs (the tw
 from __future__ import annotations
 
 import argparse
-from typing import TYPE_CHECKING
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from rich.console import Console
+
     from grpo_megatron.config import JobConfig
+    from grpo_megatron.planner.memory import MemoryPlan
 
 EXIT_DOES_NOT_FIT = 1
 
@@ -66,6 +70,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--engine-gpus", type=int, default=None, help="asynchronous layout: GPUs of the engines (default: as the trainer)"
+    )
+    parser.add_argument(
+        "--response-tokens",
+        type=int,
+        default=None,
+        help="rollout time: the mean response length to plan for (default: half of rollout.max_new_tokens); "
+        "a rollout beyond parallel.timeout_minutes or parallel.long_phase_timeout_s does not fit",
     )
     parser.set_defaults(nodes=1, gpus_per_node=8, world_size=8)
 
@@ -138,6 +149,7 @@ def run(cfg: JobConfig, args: argparse.Namespace) -> int:
     if args.phase_times or cfg.generation_overlaps_training > 0:
         console.print(async_section(cfg, args, colocated=placement.colocated_sglang), markup=False)
     rc = 0 if plan.fits else EXIT_DOES_NOT_FIT
+    rc = rollout_section(cfg, hf, plan, args, console) or rc
     if args.dry_run:
         from grpo_megatron.planner.dry_run import dry_run
         from grpo_megatron.planner.dry_run import render as render_dry_run
@@ -146,6 +158,34 @@ def run(cfg: JobConfig, args: argparse.Namespace) -> int:
         console.print(render_dry_run(report))
         rc = rc or (0 if report.ok else EXIT_DOES_NOT_FIT)
     return rc
+
+
+def rollout_section(
+    cfg: JobConfig, hf: Mapping[str, Any], plan: MemoryPlan, args: argparse.Namespace, console: Console
+) -> int:
+    """The rollout's time beside the timeouts it runs under (planner/rollout_time.py), at the mean
+    response ``--response-tokens`` (default half of rollout.max_new_tokens); EXIT_DOES_NOT_FIT when it
+    outlasts them, else 0. Nothing for engines without a planned KV pool."""
+    from rich.text import Text
+
+    from grpo_megatron.planner.rollout_time import render, rollout_time
+
+    given = args.response_tokens
+    if given is not None and not 0 < given <= cfg.rollout.max_new_tokens:
+        console.print(Text(f"--response-tokens={given} must be in 1..rollout.max_new_tokens="
+                           f"{cfg.rollout.max_new_tokens}", style="bold red"))  # fmt: skip
+        return EXIT_DOES_NOT_FIT
+    response = given or max(1, cfg.rollout.max_new_tokens // 2)
+    estimate = rollout_time(cfg, hf, plan, response)
+    if estimate is None:
+        return 0
+    planned_by = "--response-tokens" if given else "half of rollout.max_new_tokens; --response-tokens"
+    console.print(render(estimate, cfg, planned_by), markup=False)
+    verdict = ("rollout FITS its timeout" if estimate.fits else "rollout DOES NOT FIT its timeout") + (
+        f": ~{estimate.seconds / 60:.0f} of {estimate.timeout_s / 60:.0f} min"
+    )
+    console.print(Text(verdict, style="bold green" if estimate.fits else "bold red"))
+    return 0 if estimate.fits else EXIT_DOES_NOT_FIT
 
 
 def async_section(cfg: JobConfig, args: argparse.Namespace, *, colocated: bool) -> str:
