@@ -538,8 +538,8 @@ def report(stages: list[Stage], args: argparse.Namespace, device_name: str, tota
         lines += [f"| {k} | {v} |" for k, v in table_rows(table.details, args.device)]
     failures = [s for s in stages if s.status in ("FAILED", "stopped")]
     for s in failures:
-        lines += ["", f"#### {s.name} {'failed' if s.status == 'FAILED' else 'stopped at the budget'}", "```", s.summary,
-                  "```"]  # fmt: skip
+        what = "failed" if s.status == "FAILED" else "stopped at the budget"
+        lines += ["", f"#### {s.name} {what}", "```", s.summary, "```"]
     return "\n".join(lines) + "\n"
 
 
@@ -606,7 +606,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     parser.add_argument(
-        "--out", type=Path, default=None, help="output folder (default $OUT/gpu_check-<time>, else runs/gpu_check/<time>)"
+        "--out", type=Path, default=None, help="output folder (default $OUT/gpu_check-<time>, else runs/gpu_check/...)"
     )
     parser.add_argument("--stages", default=",".join(STAGES), help=f"comma-separated subset of {','.join(STAGES)}")
     parser.add_argument("--pytest-timeout", type=float, default=150.0, help="seconds for the pytest stage")

@@ -101,7 +101,8 @@ def test_the_start_up_offload_leaves_no_pinned_host_memory_behind() -> None:
         def resume_memory(self, tags: object) -> None: ...
 
     pinned: list[int] = []
-    memory = ColocatedMemory(Policy(model=model, optimizer=optimizer, spec=None), None, placement.phases())  # type: ignore[arg-type]
+    policy = Policy(model=model, optimizer=optimizer, spec=None)  # type: ignore[arg-type]
+    memory = ColocatedMemory(policy, None, placement.phases())
     memory.start_engines(lambda: pinned.append(torch.cuda.host_memory_stats().get("allocated_bytes.current", 0))
                          or Engines())  # fmt: skip
     assert pinned[0] >= 3 * 1024 * 1024 * 4  # weights, gradients, two Adam moments were pinned meanwhile

@@ -63,7 +63,8 @@ def test_train_stage_rules() -> None:
     assert "the resumed run ended at iteration 2, not 3" in problems
     assert any("22.80 GiB of cached blocks" in p for p in problems)
     # Issue 51 item 1: a memory phase that drops its metric fails the stage (it was a NaN, skipped)
-    dropped = [{k: v for k, v in r.items() if k != "offload/cached_free_bytes" or r["iteration"] != 2} for r in resident]
+    dropped = [{k: v for k, v in r.items() if k != "offload/cached_free_bytes" or r["iteration"] != 2}
+               for r in resident]  # fmt: skip
     problems = stages.train_problems(stages.train_details(dropped, replay))
     assert problems == ["offload/cached_free_bytes missing from the resident run's rows of iterations [2]: a memory "
                         "phase did not report its engine resume (training/offload.py)"], problems  # fmt: skip

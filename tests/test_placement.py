@@ -226,6 +226,10 @@ def test_the_start_up_offloads_pinned_host_buffers_are_unpinned_unless_an_offloa
     calls: list[tuple[str, bool]] = []
     memory = ColocatedMemory(policy, None, place(placement="per_node", offload=offload).phases(),
                              release_host_cache=lambda: calls.append(("unpin", weight.untyped_storage().nbytes() > 0)))
-    memory.start_engines(lambda: calls.append(("engines start", weight.untyped_storage().nbytes() > 0)) or EngineMemory())
+    def build() -> EngineMemory:
+        calls.append(("engines start", weight.untyped_storage().nbytes() > 0))
+        return EngineMemory()
+
+    memory.start_engines(build)
     expected = [("engines start", False)] + ([] if offload else [("unpin", True)])  # fmt: skip
     assert calls == expected

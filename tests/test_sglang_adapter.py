@@ -1126,8 +1126,8 @@ def test_the_engines_processes_start_without_expandable_segments(monkeypatch) ->
     assert engine_allocator_settings({"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}) == {
         "PYTORCH_CUDA_ALLOC_CONF": None
     }
-    both = {"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:128, expandable_segments:True,garbage_collection_threshold:0.6",
-            "PYTORCH_ALLOC_CONF": "expandable_segments:True"}  # fmt: skip
+    options = "max_split_size_mb:128, expandable_segments:True,garbage_collection_threshold:0.6"
+    both = {"PYTORCH_ALLOC_CONF": "expandable_segments:True", "PYTORCH_CUDA_ALLOC_CONF": options}
     assert engine_allocator_settings(both) == {
         "PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:128,garbage_collection_threshold:0.6",
         "PYTORCH_ALLOC_CONF": None,
