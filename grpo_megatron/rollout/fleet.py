@@ -401,6 +401,15 @@ class RolloutFleet:
         lost engines are restarted (``collect``)."""
         return self.collect(self.submit(prompts, params), payload=payload, recovery=recovery)
 
+    def interrupt(self) -> None:
+        """Cut this rank's engine's generation short, from another thread (a preemption signal: the
+        batch will be dropped); every rank still takes part in the results' exchange, with shorter
+        completions (the embedded engine's and SGLang's ``interrupt``; engine processes have none and
+        finish what they run)."""
+        interrupt = getattr(self.engine, "interrupt", None)
+        if interrupt is not None:
+            interrupt()
+
     def submit(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> PendingRollout:
         """Start generating this rank's share (``RolloutEngine.submit``: an engine process returns at
         once); ``collect`` (collective) gives the completions, or raises on every rank if any rank's

@@ -18,11 +18,14 @@
 #   GRPO_EXIT_FILE   where rank 0 of `train` leaves 75 when it stopped on a signal with a checkpoint
 #                    (default: a temporary file); this script then exits 75 (torchrun exits 1)
 #
-# Preemption (COMMAND=train): the ranks handle SIGTERM and SIGUSR1/SIGUSR2 themselves -- finish the
-# iteration, save, exit 75 (grpo_megatron/distributed/preemption.py). torchrun would die of SIGUSR1 and
-# answer SIGTERM by killing the ranks after 30 s, so it starts with these signals ignored (and told not to
-# handle SIGTERM); this script forwards each one it gets to the ranks (the same signal reaching a rank
-# also straight from Slurm within a second counts once).
+# Preemption (COMMAND=train): the ranks handle SIGTERM and SIGUSR1/SIGUSR2 themselves -- stop at the next
+# safe point (a rollout is cut short and its batch dropped), save, exit 75 (grpo_megatron/distributed/
+# preemption.py). torchrun would die of SIGUSR1 and answer SIGTERM by killing the ranks, so it starts with
+# these signals ignored and told not to handle SIGTERM: torchrun (torch >= 2.8) overwrites
+# TORCHELASTIC_SIGNALS_TO_HANDLE from its own --signals-to-handle (default SIGTERM,SIGINT,SIGHUP,SIGQUIT),
+# whose environment form is PET_SIGNALS_TO_HANDLE, and its handler would replace the ignored disposition;
+# older torchruns read TORCHELASTIC_SIGNALS_TO_HANDLE. This script forwards each signal it gets to the
+# ranks (the same signal reaching a rank also straight from Slurm within a second counts once).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 
@@ -85,7 +88,8 @@ if [ "${COMMAND:-train}" != train ]; then
 fi
 
 export GRPO_EXIT_FILE=${GRPO_EXIT_FILE:-$(mktemp)}
-export TORCHELASTIC_SIGNALS_TO_HANDLE=${TORCHELASTIC_SIGNALS_TO_HANDLE:-SIGINT,SIGHUP,SIGQUIT}
+export PET_SIGNALS_TO_HANDLE=${PET_SIGNALS_TO_HANDLE:-SIGINT,SIGHUP,SIGQUIT}  # torchrun's --signals-to-handle
+export TORCHELASTIC_SIGNALS_TO_HANDLE=${TORCHELASTIC_SIGNALS_TO_HANDLE:-$PET_SIGNALS_TO_HANDLE}  # older torch
 (trap '' TERM USR1 USR2; exec "${TORCHRUN[@]}") &
 torchrun_pid=$!
 forward() { pkill "-$1" -P "$torchrun_pid" || true; }  # torchrun's children: this node's ranks
