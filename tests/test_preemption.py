@@ -281,3 +281,42 @@ def test_train_sbatch_forwards_the_early_warning_and_requeues(tmp_path: Path, br
     if branch == "slurm":
         assert (tmp_path / "slurm.log").read_text() == "requeue 4242\n", out
         assert "requeueing job 4242" in out
+
+
+_WRITER_CHILD = """
+import os, signal, sys
+from megatron.core.dist_checkpointing.strategies import filesystem_async
+from grpo_megatron.checkpoint.dist import start_signal_proof_writer_queue
+assert start_signal_proof_writer_queue([signal.SIGTERM, signal.SIGUSR1])
+assert filesystem_async._get_write_results_queue() is filesystem_async._results_queue  # megatron's own getter
+manager = filesystem_async._results_queue._manager
+print(manager._process.pid, flush=True)
+sys.stdin.readline()  # the test signals the manager, then ends this process
+filesystem_async._results_queue.put("still here")
+print(filesystem_async._results_queue.get(), flush=True)
+sys.stdin.readline()
+os._exit(0)  # as the preemption watcher exits: no finalizer shuts the manager down
+"""
+
+
+def test_megatrons_checkpoint_writer_queue_outlives_the_preemption_signal_and_not_its_rank():
+    """Issue 51 item 5: megatron-core keeps a multiprocessing manager for its checkpoint writer's
+    results (filesystem_async._results_queue) from the first save; Slurm's SIGTERM to every process
+    killed it and the save's put raised BrokenPipeError. Ours starts first: it ignores the signal, still
+    serves the queue, and ends when its rank does (even by os._exit)."""
+    proc = subprocess.Popen([sys.executable, "-c", _WRITER_CHILD], cwd=REPO_ROOT, stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    assert proc.stdin is not None and proc.stdout is not None
+    line = proc.stdout.readline().strip()
+    assert line.isdigit(), line + proc.communicate()[1][-3000:]
+    manager = psutil.Process(int(line))
+    manager.send_signal(signal.SIGTERM)
+    manager.send_signal(signal.SIGUSR1)
+    time.sleep(0.5)
+    proc.stdin.write("\n")
+    proc.stdin.flush()
+    assert proc.stdout.readline().strip() == "still here" and manager.is_running()
+    proc.stdin.write("\n")
+    proc.stdin.flush()
+    proc.wait(timeout=30)
+    manager.wait(timeout=10)  # its watch saw the parent go

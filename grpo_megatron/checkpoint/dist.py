@@ -18,9 +18,6 @@ import multiprocessing
 import os
 import secrets
 import shutil
-import signal
-import threading
-import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -58,23 +55,12 @@ def start_signal_proof_writer_queue(signals: Sequence[int]) -> bool:
         return False
     if getattr(filesystem_async, "_results_queue", False) is not None:  # absent (False) or started
         return False
-    manager = SyncManager(ctx=multiprocessing.get_context("spawn"))
-    manager.start(initializer=_writer_queue_server, initargs=(tuple(int(s) for s in signals), os.getpid()))
+    from grpo_megatron.distributed.signal_proof import ignore_until_orphaned
+
+    manager = SyncManager(ctx=multiprocessing.get_context("spawn"))  # the server imports only that module
+    manager.start(initializer=ignore_until_orphaned, initargs=(tuple(int(s) for s in signals), os.getpid()))
     filesystem_async._results_queue = manager.Queue()  # the proxy keeps the manager alive
     return True
-
-
-def _writer_queue_server(signals: tuple[int, ...], parent: int) -> None:
-    """The manager server's start: ``signals`` ignored; a thread ends the server once ``parent`` is gone."""
-    for signum in signals:
-        signal.signal(signum, signal.SIG_IGN)
-
-    def watch() -> None:
-        while os.getppid() == parent:
-            time.sleep(1.0)
-        os._exit(0)
-
-    threading.Thread(target=watch, name="grpo-writer-queue-watch", daemon=True).start()
 
 
 def load_failures() -> tuple[type[BaseException], ...]:
