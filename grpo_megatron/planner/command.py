@@ -78,6 +78,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="rollout time: the mean response length to plan for (default: half of rollout.max_new_tokens); "
         "a rollout beyond parallel.timeout_minutes or parallel.long_phase_timeout_s does not fit",
     )
+    parser.add_argument(
+        "--ckpt-gbps", type=float, default=2.0, help="stop on a signal: a node's checkpoint write bandwidth, GB/s"
+    )
     parser.set_defaults(nodes=1, gpus_per_node=8, world_size=8)
 
 
@@ -150,6 +153,8 @@ def run(cfg: JobConfig, args: argparse.Namespace) -> int:
         console.print(async_section(cfg, args, colocated=placement.colocated_sglang), markup=False)
     rc = 0 if plan.fits else EXIT_DOES_NOT_FIT
     rc = rollout_section(cfg, hf, plan, args, console) or rc
+    sync_s = min((e.seconds for e in estimates), default=0.0)
+    console.print(preemption_section(cfg, hf, plan, args, sync_s), markup=False)
     if args.dry_run:
         from grpo_megatron.planner.dry_run import dry_run
         from grpo_megatron.planner.dry_run import render as render_dry_run
@@ -175,7 +180,7 @@ def rollout_section(
         console.print(Text(f"--response-tokens={given} must be in 1..rollout.max_new_tokens="
                            f"{cfg.rollout.max_new_tokens}", style="bold red"))  # fmt: skip
         return EXIT_DOES_NOT_FIT
-    response = given or max(1, cfg.rollout.max_new_tokens // 2)
+    response = planned_response(cfg, args)
     estimate = rollout_time(cfg, hf, plan, response)
     if estimate is None:
         return 0
@@ -186,6 +191,22 @@ def rollout_section(
     )
     console.print(Text(verdict, style="bold green" if estimate.fits else "bold red"))
     return 0 if estimate.fits else EXIT_DOES_NOT_FIT
+
+
+def planned_response(cfg: JobConfig, args: argparse.Namespace) -> int:
+    """The mean response the estimates plan for: ``--response-tokens``, else half the limit."""
+    return int(args.response_tokens or max(1, cfg.rollout.max_new_tokens // 2))
+
+
+def preemption_section(
+    cfg: JobConfig, hf: Mapping[str, Any], plan: MemoryPlan, args: argparse.Namespace, sync_s: float
+) -> str:
+    """How long a stop on a signal takes and the Slurm settings that cover it (planner/preemption.py)."""
+    from grpo_megatron.planner.preemption import render, stop_time
+
+    stop = stop_time(cfg, hf, plan, response_tokens=planned_response(cfg, args), sync_s=sync_s,
+                     write_gbps=args.ckpt_gbps)  # fmt: skip
+    return render(stop, cfg)
 
 
 def async_section(cfg: JobConfig, args: argparse.Namespace, *, colocated: bool) -> str:
