@@ -37,6 +37,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import dataclasses
+import functools
 import os
 import random
 import signal
@@ -144,6 +145,11 @@ class ServerGuard:
         # CancelledError: ``watch`` names the loss instead.
         if kind is not None and issubclass(kind, CANCELLED) and self._watch is not None:
             self._watch()
+
+    @property
+    def servers(self) -> list[Any]:
+        """The servers, for a call from another thread that must not wait (``SGLangEngine.interrupt``)."""
+        return list(self._servers)
 
     def cancel(self) -> None:
         """Cancel whatever waits on the servers now (a lost engine's: ``health.on_lost``), from a
@@ -359,6 +365,8 @@ class SGLangEngine(RolloutEngine):
         else:
             self.transport = NcclBroadcastTransport(rollout, flattened_cls, device, launch.group_timeout)
         self.guard = self._guard(servers or [])
+        self.interrupted = False
+        """Set by ``interrupt``: generations ask one token per response (a preemption's dropped batch)."""
         self.context = context_tokens(servers or [])
         """Tokens one sequence may hold (prompt and response): each request's ``max_new_tokens`` stays
         within it (``protocol.request_budgets``); None where the servers do not say (HTTP)."""
@@ -509,12 +517,24 @@ class SGLangEngine(RolloutEngine):
             future = self.guard.start(lambda servers: self._generate(servers, prompts, params))
         return lambda: stamped(self.guard.result(future), version)
 
+    def interrupt(self, cut: bool = True) -> None:
+        """Cut generation short, from any thread (a preemption signal: the batch will be dropped, issue
+        51): the requests in flight are aborted on each server's event loop (``abort_requests``; their
+        outputs so far come back, possibly empty) and later generations ask one token per response,
+        until ``interrupt(False)``."""
+        self.interrupted = cut
+        if cut:
+            abort_requests(self.guard.servers)
+
     def _generate(
         self, servers: list[Any], prompts: Sequence[Sequence[int]], params: SamplingParams
     ) -> list[list[Completion]]:
+        if self.interrupted:  # the batch is dropped: one token each, as soon as it can
+            params = dataclasses.replace(params, max_new_tokens=1, max_new_tokens_each=None)
         request = protocol.generate_request(prompts, params, self._rng, routes_enabled=self._route_layout is not None,
                                             context=self.context)  # fmt: skip
-        return protocol.completions(_scatter(servers, request), request, params.n, self._route_layout)
+        outputs = _scatter(servers, request)
+        return protocol.completions(outputs, request, params.n, self._route_layout, aborted_ok=self.interrupted)
 
     def score(
         self, sequences: Sequence[Sequence[int]], prompt_lens: Sequence[int], temperature: float
@@ -643,9 +663,10 @@ class SGLangEngine(RolloutEngine):
         signal handlers taken back again) on a fresh event loop. It holds the checkpoint's (or dummy)
         weights: the fleet then streams the last synced version into it. It comes back in the memory
         phase of the moment: the tags its predecessor had released are released again right after the
-        start (on a GPU its KV pool needs its room while it starts: the rollout phase, where the fleet
-        finds most losses, has the trainer offloaded). An engine of several GPUs restarts whole, with
-        the same width: inside a node its schedulers are all this process's children; across nodes
+        start (on a GPU SGLang sizes its KV pool from the memory free as it starts; the rollout phase,
+        where the fleet finds most losses, has the trainer resident unless train.offload_trainer, so the
+        pool comes out smaller than the first start's: issue 51 item 2, open). An engine of several GPUs
+        restarts whole, with the same width: inside a node its schedulers are all this process's children; across nodes
         the first rank of each further node restarts that node's part at the same time
         (``SGLangSyncMember.restart``), all parts meeting at ``address``, a fresh ``dist_init_addr``
         (``restart_address``; the old one's port may still be held). Its members' sinks hold nothing
@@ -758,6 +779,17 @@ def cancel_requests(servers: Sequence[Any]) -> None:
         loop = getattr(server, "loop", None)
         if loop is not None and not loop.is_closed():
             loop.call_soon_threadsafe(_cancel_tasks, loop)
+
+
+def abort_requests(servers: Sequence[Any]) -> None:
+    """Abort every request of each in-process server, from any thread: ``TokenizerManager.abort_request(
+    abort_all=True)`` on the server's event loop (0.5.17 and 0.5.23); the aborted requests' outputs so
+    far come back to their callers with ``finish_reason`` abort and no status code (a normal end)."""
+    for server in servers:
+        loop, manager = getattr(server, "loop", None), getattr(server, "tokenizer_manager", None)
+        abort = getattr(manager, "abort_request", None)
+        if isinstance(loop, asyncio.AbstractEventLoop) and not loop.is_closed() and callable(abort):
+            loop.call_soon_threadsafe(functools.partial(abort, abort_all=True))
 
 
 def ask_state(servers: Sequence[Any]) -> list[concurrent.futures.Future[Any]]:
