@@ -207,6 +207,8 @@ def decide_placement(
     if rollout.engine == "embedded":
         ranks = embedded_engines(rollout.placement, world_size, gpus_per_node, tp, pp, cp)
         why["engines"] = f"rollout.placement={rollout.placement}"
+        if rollout.true_on_policy:  # the policy engine: every rank takes part in every decode step
+            ranks, why["engines"] = list(range(world_size)), "rollout.true_on_policy: the policy on every rank"
         return RolloutPlacement("embedded", "colocated", gpus_per_engine=1, engine_ep=1,
                                 engines=tuple((r,) for r in ranks), swaps_engine_memory=offload_trainer,
                                 why=why, **common)  # fmt: skip

@@ -152,7 +152,8 @@ def run_iteration(
                                      release_routes=produced.release_routes)  # fmt: skip
     # Every trainer pass takes these; each pass's MoE routing is algorithm.routing_replay's (off, r2, r3).
     passes = PassSettings(ps, job.pad_id, policy.spec.vocab_size, cfg.rollout.temperature,
-                          RoutingReplay(cfg.algorithm.routing_replay, ps, policy.spec.num_experts))
+                          RoutingReplay(cfg.algorithm.routing_replay, ps, policy.spec.num_experts),
+                          cfg.rollout.truncation)  # fmt: skip
     with timer("ref_logprob"), job.reference_on_device() as reference:
         if reference is not None:
             logprob_pass(reference, batch.samples, plan, "ref", passes).store(batch.samples)
