@@ -72,7 +72,7 @@ def main() -> int:
     parser.add_argument("--iterations", type=int, default=6)
     parser.add_argument("--skip-wide", action="store_true")
     args = parser.parse_args()
-    models = {"demo": []} | ({} if args.skip_wide else {"wide": WIDE})
+    models: dict[str, list[str]] = {"demo": []} | ({} if args.skip_wide else {"wide": WIDE})
     rows = []
     with tempfile.TemporaryDirectory(prefix="bench_true_on_policy_") as tmp:
         for name, extra in models.items():
