@@ -76,7 +76,11 @@ TRAIN_GPU_SERVER_ARGS = {
 
 
 def server_arg_overrides(device: str) -> list[str]:
-    return [f"rollout.sglang_server_args.{k}={v}" for k, v in TRAIN_GPU_SERVER_ARGS.items()] if device == "cuda" else []
+    return (
+        [f"rollout.sglang_server_args.{k}={v}" for k, v in TRAIN_GPU_SERVER_ARGS.items()]
+        if device == "cuda"
+        else []
+    )
 
 
 def free_port() -> int:
@@ -135,7 +139,9 @@ def engine_problems(data: dict[str, Any], rc: int) -> list[str]:
     """Why the engine stage failed, from the probe's JSON and exit status (empty: it passed)."""
     steps = data.get("steps", {})
     problems = [] if rc == 0 else [f"exit {rc}"]
-    missing = [s for s in ("engine_start", "generate", "score", "sync", "release", "resume") if s not in steps]
+    missing = [
+        s for s in ("engine_start", "generate", "score", "sync", "release", "resume") if s not in steps
+    ]
     if missing:
         problems.append(f"steps not reached: {missing}")
     if data.get("routes_expected") and not steps.get("generate", {}).get("routed"):
@@ -165,17 +171,37 @@ class TrainRun:
         backend = "gloo" if self.args.device == "cpu" else "nccl"
         model = GPU_TRAIN_MODEL if self.args.device == "cuda" else ["model.dtype=bfloat16"]
         cmd = [
-            sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1", "--master-addr", "127.0.0.1",
-            "--master-port", str(free_port()), "-m", "grpo_megatron", "train", str(DEMO), *TRAIN, *model,
-            *server_arg_overrides(self.args.device), f"parallel.backend={backend}", f"logging.run_dir={self.run_dir}",
-            *self.extra, *more,
-        ]  # fmt: skip
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            "1",
+            "--master-addr",
+            "127.0.0.1",
+            "--master-port",
+            str(free_port()),
+            "-m",
+            "grpo_megatron",
+            "train",
+            str(DEMO),
+            *TRAIN,
+            *model,
+            *server_arg_overrides(self.args.device),
+            f"parallel.backend={backend}",
+            f"logging.run_dir={self.run_dir}",
+            *self.extra,
+            *more,
+        ]
         with self.log.open("a") as f:
             return CLOCK.popen(cmd, cwd=REPO, env=self.env, stdout=f, stderr=subprocess.STDOUT)
 
     def metrics(self) -> list[dict[str, Any]]:
         path = self.run_dir / "metrics.jsonl"
-        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
+        return (
+            [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+            if path.is_file()
+            else []
+        )
 
     def kill_after_checkpoint(self, proc: subprocess.Popen, iteration: int, timeout_s: float) -> bool:
         latest = self.run_dir / "checkpoints" / "latest"
@@ -209,7 +235,10 @@ def stage_sglang_train(args: argparse.Namespace, out: Path, stage: Any, env: dic
     replay = TrainRun(args, root, "offload_r3" if r3 else "offload", ["train.offload_trainer=true", *r3], env)
     rc = _wait(replay.start(), timeout_s=300)
     if rc != 0:
-        stage.status, stage.summary = "FAILED", f"offloaded{', r3' if r3 else ''}: exit {rc}:\n{_tail(replay.log)}"
+        stage.status, stage.summary = (
+            "FAILED",
+            f"offloaded{', r3' if r3 else ''}: exit {rc}:\n{_tail(replay.log)}",
+        )
         return
     stage.details = train_details(resident.metrics(), replay.metrics())
     problems = train_problems(stage.details)
@@ -243,7 +272,9 @@ def train_details(resident: list[dict[str, Any]], replay: list[dict[str, Any]]) 
     return {
         "missing_cached": {"resident": missing_metric(resident), "replay": missing_metric(replay)},
         "resident_last": max((r.get("iteration", 0) for r in resident), default=0),
-        "replay_iterations": len([r for r in replay if r.get("iteration", 0) >= 1]),  # 0: the eval before training
+        "replay_iterations": len(
+            [r for r in replay if r.get("iteration", 0) >= 1]
+        ),  # 0: the eval before training
         "probe_max": worst(both, "mismatch/probe_abs_diff_max"),
         "probe_replay_max": worst(replay, "mismatch/probe_replay_abs_diff_max"),
         "probe_route_disagreement": worst(replay, "routing/probe_disagreement"),
@@ -260,8 +291,10 @@ def train_problems(details: dict[str, Any]) -> list[str]:
         problems.append(f"the r3 run logged {details['replay_iterations']} iterations, not 3")
     for run, iterations in details["missing_cached"].items():
         if iterations:
-            problems.append(f"{CACHED_KEY} missing from the {run} run's rows of iterations {iterations}: a memory "
-                            "phase did not report its engine resume (training/offload.py)")  # fmt: skip
+            problems.append(
+                f"{CACHED_KEY} missing from the {run} run's rows of iterations {iterations}: a memory "
+                "phase did not report its engine resume (training/offload.py)"
+            )
     cached = details["cached_at_resume_gib"]
     if cached == cached and cached > CACHED_AT_RESUME_LIMIT_GIB:  # NaN: no row has it, named as missing above
         problems.append(

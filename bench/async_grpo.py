@@ -48,24 +48,55 @@ def free_port() -> int:
 def run_arm(run_dir: Path, max_staleness: int, args: argparse.Namespace) -> list[dict[str, float]]:
     """One training run; its metrics.jsonl records of the iterations after the run's first."""
     overrides = [
-        "parallel.ep=1", "parallel.backend=gloo", "logging.wandb_mode=disabled", "logging.progress_bar=false",
-        f"logging.run_dir={run_dir}", *ENGINES[args.engine], f"train.max_staleness={max_staleness}", f"train.iterations={args.iterations}",
-        f"train.prompts_per_iteration={args.prompts}", f"rollout.n_samples_per_prompt={args.samples}",
-        f"rollout.max_new_tokens={args.max_new_tokens}", f"train.micro_batch_size={args.prompts * args.samples}",
-        "data.num_train_prompts=4096", "data.num_eval_prompts=4", "rollout.probe_interval=100000",
+        "parallel.ep=1",
+        "parallel.backend=gloo",
+        "logging.wandb_mode=disabled",
+        "logging.progress_bar=false",
+        f"logging.run_dir={run_dir}",
+        *ENGINES[args.engine],
+        f"train.max_staleness={max_staleness}",
+        f"train.iterations={args.iterations}",
+        f"train.prompts_per_iteration={args.prompts}",
+        f"rollout.n_samples_per_prompt={args.samples}",
+        f"rollout.max_new_tokens={args.max_new_tokens}",
+        f"train.micro_batch_size={args.prompts * args.samples}",
+        "data.num_train_prompts=4096",
+        "data.num_eval_prompts=4",
+        "rollout.probe_interval=100000",
         "checkpoint.save_interval=0",
-    ]  # fmt: skip
-    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", TORCH_COMPILE_DISABLE="1",
-               WANDB_SILENT="true", PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")  # fmt: skip
+    ]
+    env = dict(
+        os.environ,
+        OMP_NUM_THREADS="1",
+        MKL_NUM_THREADS="1",
+        TORCH_COMPILE_DISABLE="1",
+        WANDB_SILENT="true",
+        PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+    )
     command = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1", "--master-addr", "127.0.0.1",
-        "--master-port", str(free_port()), "-m", "grpo_megatron", "train", str(REPO / "examples" / "demo.yaml"),
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "1",
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        str(free_port()),
+        "-m",
+        "grpo_megatron",
+        "train",
+        str(REPO / "examples" / "demo.yaml"),
         *overrides,
-    ]  # fmt: skip
+    ]
     done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=args.timeout_s)
     if done.returncode != 0:
-        raise SystemExit(f"the max_staleness={max_staleness} run failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+        raise SystemExit(
+            f"the max_staleness={max_staleness} run failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+        )
+    records = [
+        json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()
+    ]
     return [r for r in records if r["iteration"] >= 1]
 
 
@@ -86,10 +117,18 @@ def main() -> int:
     parser.add_argument("--warmup", type=int, default=2, help="first iterations left out (default 2)")
     parser.add_argument("--prompts", type=int, default=8, help="prompts per iteration (default 8)")
     parser.add_argument("--samples", type=int, default=16, help="responses per prompt (default 16)")
-    parser.add_argument("--max-new-tokens", type=int, default=64,
-                        help="response length: sets the rollout's share of the iteration (default 64)")
-    parser.add_argument("--engine", choices=sorted(ENGINES), default="embedded",
-                        help="embedded (in a process of its own, default) or sglang (the real engine, colocated)")
+    parser.add_argument(
+        "--max-new-tokens",
+        type=int,
+        default=64,
+        help="response length: sets the rollout's share of the iteration (default 64)",
+    )
+    parser.add_argument(
+        "--engine",
+        choices=sorted(ENGINES),
+        default="embedded",
+        help="embedded (in a process of its own, default) or sglang (the real engine, colocated)",
+    )
     parser.add_argument("--repeats", type=int, default=1, help="sync/async pairs, interleaved (default 1)")
     parser.add_argument("--timeout-s", type=float, default=900.0, help="per run (default 900)")
     parser.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
@@ -106,11 +145,15 @@ def main() -> int:
     print(f"{'seconds':<12}" + "".join(f"{p:>11}" for p in (*PHASES, "iteration")))
     for name, row in result.items():
         print(f"{name:<12}" + "".join(f"{row[p]:>11.3f}" for p in (*PHASES, "iteration")))
-    print(f"iteration time async / sync = {ratio:.3f} (staleness max {result['async']['staleness_max']:.0f}); "
-          f"engine {args.engine}, 1 trainer process, one thread each; a shared machine distorts both arms")  # fmt: skip
+    print(
+        f"iteration time async / sync = {ratio:.3f} (staleness max {result['async']['staleness_max']:.0f}); "
+        f"engine {args.engine}, 1 trainer process, one thread each; a shared machine distorts both arms"
+    )
     if args.out is not None:
-        args.out.write_text(json.dumps({"ratio": ratio, **result, "args": vars(args) | {"out": str(args.out)}},
-                                       indent=1) + "\n")  # fmt: skip
+        args.out.write_text(
+            json.dumps({"ratio": ratio, **result, "args": vars(args) | {"out": str(args.out)}}, indent=1)
+            + "\n"
+        )
     return 0
 
 

@@ -35,7 +35,9 @@ def _stats(a: list[list[float]], b: list[list[float]]) -> tuple[float, float]:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--config", type=Path, default=REPO / "examples" / "demo.yaml")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--rows", type=int, default=8)
@@ -55,7 +57,12 @@ def main() -> int:
     from grpo_megatron.training.policy import build_policy
 
     backend = "gloo" if args.device == "cpu" else "nccl"
-    overrides = ["model.dtype=bfloat16", "parallel.ep=1", f"parallel.backend={backend}", "model.transformer_impl=local"]
+    overrides = [
+        "model.dtype=bfloat16",
+        "parallel.ep=1",
+        f"parallel.backend={backend}",
+        "model.transformer_impl=local",
+    ]
     cfg = load_config(args.config, [*overrides, *args.override])
     validate(cfg, 1)
     ps = init_distributed(cfg.parallel, seed=cfg.train.seed)
@@ -79,7 +86,12 @@ def main() -> int:
     sequences = tokens_bl.tolist()
     prompt_lens = [args.prompt_len] * args.rows
     probe = mismatch_probe(
-        policy.model, fleet, ps, ProbeBatch(sequences, prompt_lens), vocab_size=int(hf["vocab_size"]), temperature=1.0
+        policy.model,
+        fleet,
+        ps,
+        ProbeBatch(sequences, prompt_lens),
+        vocab_size=int(hf["vocab_size"]),
+        temperature=1.0,
     )
 
     engine = fleet.engine

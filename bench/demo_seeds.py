@@ -53,7 +53,11 @@ def machine() -> str:
         pass
     mem = ""
     try:
-        kib = int(next(x for x in Path("/proc/meminfo").read_text().splitlines() if x.startswith("MemTotal")).split()[1])
+        kib = int(
+            next(
+                x for x in Path("/proc/meminfo").read_text().splitlines() if x.startswith("MemTotal")
+            ).split()[1]
+        )
         mem = f", {kib / 2**20:.0f} GiB"
     except (OSError, StopIteration, ValueError):
         pass
@@ -75,12 +79,23 @@ def run_seed(seed: int, run_dir: Path, python: str, overrides: list[str]) -> dic
     cpu_before = children_cpu_s()
     start = time.perf_counter()
     with open(log, "w", encoding="utf-8") as f:
-        proc = subprocess.run(["bash", str(REPO / "examples" / "demo.sh"), *overrides], cwd=REPO, env=env,
-                              stdout=f, stderr=subprocess.STDOUT, check=False)
+        proc = subprocess.run(
+            ["bash", str(REPO / "examples" / "demo.sh"), *overrides],
+            cwd=REPO,
+            env=env,
+            stdout=f,
+            stderr=subprocess.STDOUT,
+            check=False,
+        )
     wall = time.perf_counter() - start
     row: dict[str, object] = {
-        "seed": seed, "returncode": proc.returncode, "wall_s": wall, "cpu_s": children_cpu_s() - cpu_before,
-        "load_before": load_before, "load_after": os.getloadavg()[0], "log": str(log),
+        "seed": seed,
+        "returncode": proc.returncode,
+        "wall_s": wall,
+        "cpu_s": children_cpu_s() - cpu_before,
+        "load_before": load_before,
+        "load_after": os.getloadavg()[0],
+        "log": str(log),
     }
     if proc.returncode != 0:
         print(f"seed {seed}: demo.sh exited {proc.returncode}; see {log}", file=sys.stderr)
@@ -109,8 +124,10 @@ def table(rows: list[dict], band: tuple[float, float], caption: str) -> str:
     done = [r for r in rows if r["returncode"] == 0]
     for r in rows:
         if r["returncode"] != 0:
-            lines.append(f"| {r['seed']} | failed (exit {r['returncode']}) | | | | | {mmss(r['wall_s'])} | "
-                         f"{r['cpu_s']:.0f} s | {r['load_before']:.1f} / {r['load_after']:.1f} |")
+            lines.append(
+                f"| {r['seed']} | failed (exit {r['returncode']}) | | | | | {mmss(r['wall_s'])} | "
+                f"{r['cpu_s']:.0f} s | {r['load_before']:.1f} / {r['load_after']:.1f} |"
+            )
             continue
         s, g = r["sft"], r["grpo"]
         lines.append(
@@ -138,13 +155,22 @@ def table(rows: list[dict], band: tuple[float, float], caption: str) -> str:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seeds", type=int, nargs="+", default=[1234, 7, 3, 11, 42])
-    parser.add_argument("--out", type=Path, default=REPO / "runs" / "demo_seeds", help="one run directory per seed")
+    parser.add_argument(
+        "--out", type=Path, default=REPO / "runs" / "demo_seeds", help="one run directory per seed"
+    )
     parser.add_argument("--python", default=str(REPO / ".venv" / "bin" / "python"))
     parser.add_argument("--markdown", type=Path, default=None, help="default: <out>/table.md")
-    parser.add_argument("--readme", type=Path, default=None, help="replace the table between the markers here")
-    parser.add_argument("--from-results", type=Path, nargs="*", default=None,
-                        help="run nothing: redraw the table from <out>/results.json and these other results.json "
-                             "(an interrupted run and the seeds run after it)")
+    parser.add_argument(
+        "--readme", type=Path, default=None, help="replace the table between the markers here"
+    )
+    parser.add_argument(
+        "--from-results",
+        type=Path,
+        nargs="*",
+        default=None,
+        help="run nothing: redraw the table from <out>/results.json and these other results.json "
+        "(an interrupted run and the seeds run after it)",
+    )
     parser.add_argument("overrides", nargs="*", help="section.key=value, passed to the GRPO job")
     args = parser.parse_args()
 
@@ -156,24 +182,38 @@ def main() -> int:
     commit = git_commit()  # the code the seeds run; taken before, as the tree may change while they run
     load_start = os.getloadavg()
     if args.from_results is not None:
-        saved = [r for path in [args.out / "results.json", *args.from_results] for r in json.loads(path.read_text())]
+        saved = [
+            r
+            for path in [args.out / "results.json", *args.from_results]
+            for r in json.loads(path.read_text())
+        ]
         info = saved[0].get("run", {}) if saved else {}
         started = datetime.datetime.fromisoformat(info.get("started", started.isoformat()))
         args.seeds = [r["seed"] for r in saved]
-        write_table(args, saved, band, started, info.get("commit", "unknown"), tuple(info.get("load_start", ())))
+        write_table(
+            args, saved, band, started, info.get("commit", "unknown"), tuple(info.get("load_start", ()))
+        )
         return 0
     rows = []
     for seed in args.seeds:
         rows.append(run_seed(seed, args.out / f"seed{seed}", args.python, args.overrides))
         rows[-1]["run"] = {"started": started.isoformat(), "commit": commit, "load_start": list(load_start)}
         print(json.dumps(rows[-1]), flush=True)
-        (args.out / "results.json").write_text(json.dumps(rows, indent=1) + "\n")  # kept if a later seed hangs
+        (args.out / "results.json").write_text(
+            json.dumps(rows, indent=1) + "\n"
+        )  # kept if a later seed hangs
         write_table(args, rows, band, started, commit, load_start)
     return 0 if all(r["returncode"] == 0 for r in rows) else 1
 
 
-def write_table(args: argparse.Namespace, rows: list[dict], band: tuple[float, float],
-                started: datetime.datetime, commit: str, load_start: tuple[float, ...]) -> None:
+def write_table(
+    args: argparse.Namespace,
+    rows: list[dict],
+    band: tuple[float, float],
+    started: datetime.datetime,
+    commit: str,
+    load_start: tuple[float, ...],
+) -> None:
     """The table so far, to --markdown and --readme (after every seed: an interrupted run keeps its rows)."""
     # load averages (1/5/15 min) at the start and the end; redrawn from results.json, the 1-minute ones
     load_end = (rows[-1]["load_after"],) if args.from_results is not None else os.getloadavg()
@@ -206,11 +246,16 @@ def write_table(args: argparse.Namespace, rows: list[dict], band: tuple[float, f
 
 def git_commit() -> str:
     """HEAD's short hash, with "+changes" when tracked files differ from it."""
+
     def git(*args: str) -> str:
-        return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True, check=True).stdout.strip()
+        return subprocess.run(
+            ["git", *args], cwd=REPO, capture_output=True, text=True, check=True
+        ).stdout.strip()
 
     try:
-        return git("rev-parse", "--short", "HEAD") + ("+changes" if git("status", "--porcelain", "-uno") else "")
+        return git("rev-parse", "--short", "HEAD") + (
+            "+changes" if git("status", "--porcelain", "-uno") else ""
+        )
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
 

@@ -67,14 +67,22 @@ def timed(fn: Callable[[], object]) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", type=Path, default=DEMO_MODEL, help="folder with config.json and the tokenizer")
-    parser.add_argument("--weights", type=Path, default=None, help="safetensors folder (default: random weights)")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--model", type=Path, default=DEMO_MODEL, help="folder with config.json and the tokenizer"
+    )
+    parser.add_argument(
+        "--weights", type=Path, default=None, help="safetensors folder (default: random weights)"
+    )
     parser.add_argument("--prompts", type=int, default=16)
     parser.add_argument("--n", type=int, default=16, help="samples per prompt")
     parser.add_argument("--max-new-tokens", type=int, default=6)
     parser.add_argument("--temperature", type=float, default=1.0)
-    parser.add_argument("--routes", action="store_true", help="the engine records MoE routes (routing replay on)")
+    parser.add_argument(
+        "--routes", action="store_true", help="the engine records MoE routes (routing replay on)"
+    )
     parser.add_argument("--threads", type=int, default=1, help="torch threads (the demo runs 1 per rank)")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=20)
@@ -99,8 +107,13 @@ def main() -> None:
     eos = int(hf["eos_token_id"])
     pad = int(hf.get("pad_token_id") or 0)
     prompts = demo_prompts(tokenizer, args.prompts, seed=0)
-    params = SamplingParams(n=args.n, temperature=args.temperature, max_new_tokens=args.max_new_tokens,
-                            stop_token_ids=(eos,), seed=1)
+    params = SamplingParams(
+        n=args.n,
+        temperature=args.temperature,
+        max_new_tokens=args.max_new_tokens,
+        stop_token_ids=(eos,),
+        seed=1,
+    )
 
     rows = [p for p in prompts for _ in range(args.n)]
     width = max(len(r) for r in rows)
@@ -115,9 +128,17 @@ def main() -> None:
     def run_generate() -> None:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(int(torch.randint(1 << 30, (1,), generator=gen)))
-            model.generate(input_ids=input_ids, attention_mask=attention_mask, do_sample=True,
-                           temperature=args.temperature, top_k=0, top_p=1.0, max_new_tokens=args.max_new_tokens,
-                           eos_token_id=eos, pad_token_id=pad)
+            model.generate(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                do_sample=True,
+                temperature=args.temperature,
+                top_k=0,
+                top_p=1.0,
+                max_new_tokens=args.max_new_tokens,
+                eos_token_id=eos,
+                pad_token_id=pad,
+            )
 
     for _ in range(args.warmup):
         run_engine()
@@ -128,8 +149,10 @@ def main() -> None:
         generate_s.append(timed(run_generate))
     e, g = statistics.median(engine_s), statistics.median(generate_s)
     weights_note = args.weights or "random weights"
-    print(f"{args.prompts} prompts x {args.n} samples, <= {args.max_new_tokens} new tokens, {weights_note}, "
-          f"{args.threads} thread(s), routes {'on' if args.routes else 'off'}; median of {args.repeats} calls")
+    print(
+        f"{args.prompts} prompts x {args.n} samples, <= {args.max_new_tokens} new tokens, {weights_note}, "
+        f"{args.threads} thread(s), routes {'on' if args.routes else 'off'}; median of {args.repeats} calls"
+    )
     print(f"embedded engine   {e * 1000:8.1f} ms")
     print(f"model.generate    {g * 1000:8.1f} ms")
     print(f"engine / generate = {e / g:.2f}  (<= 1.00: the engine is at least as fast)")

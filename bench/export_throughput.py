@@ -270,7 +270,12 @@ def worker(args: argparse.Namespace) -> None:
 
 # ---- driver --------------------------------------------------------------------------------------
 def launch(
-    world: int, hf_dir: Path, out: Path, args: argparse.Namespace, script: str = __file__, extra: tuple[str, ...] = ()
+    world: int,
+    hf_dir: Path,
+    out: Path,
+    args: argparse.Namespace,
+    script: str = __file__,
+    extra: tuple[str, ...] = (),
 ) -> dict[str, Any]:
     """Run ``script --worker`` on ``world`` processes (torchrun) and read the JSON it writes to ``out``;
     ``extra``: more worker flags (bench/sync_throughput.py runs its own worker through this)."""
@@ -281,10 +286,24 @@ def launch(
         PYTHONPATH=os.pathsep.join([str(REPO_ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep),
     )
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world),
-        script, "--worker", "--hf-dir", str(hf_dir), "--out", str(out),
-        "--repeats", str(args.repeats), "--bucket-mb", str(args.bucket_mb), *extra,
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        str(world),
+        script,
+        "--worker",
+        "--hf-dir",
+        str(hf_dir),
+        "--out",
+        str(out),
+        "--repeats",
+        str(args.repeats),
+        "--bucket-mb",
+        str(args.bucket_mb),
+        *extra,
+    ]
     proc = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=args.timeout_s)
     if proc.returncode != 0 or not out.is_file():
         sys.exit(

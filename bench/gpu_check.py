@@ -171,8 +171,17 @@ def _mean(records: list[dict[str, float]], key: str) -> float:
 
 def stage_smoke(args: argparse.Namespace, out: Path, stage: Stage) -> None:
     result = out / "smoke.json"
-    cmd = [sys.executable, str(SMOKE), "--device", args.device, "--no-sglang", "--iterations", "2",
-           "--json", str(result)]  # fmt: skip
+    cmd = [
+        sys.executable,
+        str(SMOKE),
+        "--device",
+        args.device,
+        "--no-sglang",
+        "--iterations",
+        "2",
+        "--json",
+        str(result),
+    ]
     rc = run(cmd, out / "smoke.log", python_env(args.device), timeout_s=150)
     if rc != 0 or not result.is_file():
         stage.status, stage.summary = "FAILED", f"exit {rc}:\n{tail(out / 'smoke.log')}"
@@ -193,22 +202,42 @@ def memory_metric_problems(records: list[dict[str, Any]]) -> list[str]:
     GPU stay within the limit. A memory phase that drops the metric fails here, not a NaN skipped."""
     key = "trainer_cached_free_bytes_at_resume"
     missing = [int(r.get("iteration", -1)) for r in records if key not in r]
-    problems = [f"offload/cached_free_bytes missing at the engine resumes of iterations {missing}"] if missing else []
+    problems = (
+        [f"offload/cached_free_bytes missing at the engine resumes of iterations {missing}"]
+        if missing
+        else []
+    )
     worst = max((r[key] for r in records if key in r), default=0.0) / 2**30
     if worst > sglang_stages.CACHED_AT_RESUME_LIMIT_GIB:
-        problems.append(f"the trainer held {worst:.2f} GiB of cached blocks at an engine resume "
-                        f"(> {sglang_stages.CACHED_AT_RESUME_LIMIT_GIB})")  # fmt: skip
+        problems.append(
+            f"the trainer held {worst:.2f} GiB of cached blocks at an engine resume "
+            f"(> {sglang_stages.CACHED_AT_RESUME_LIMIT_GIB})"
+        )
     return problems
 
 
 def _train(args: argparse.Namespace, run_dir: Path, extra: list[str]) -> subprocess.Popen:
     backend = "gloo" if args.device == "cpu" else "nccl"
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1",
-        "--master-addr", "127.0.0.1", "--master-port", str(_free_port()),
-        "-m", "grpo_megatron", "train", "--debug", str(DEMO), *RESUME, f"parallel.backend={backend}",
-        f"logging.run_dir={run_dir}", *extra,
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "1",
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        str(_free_port()),
+        "-m",
+        "grpo_megatron",
+        "train",
+        "--debug",
+        str(DEMO),
+        *RESUME,
+        f"parallel.backend={backend}",
+        f"logging.run_dir={run_dir}",
+        *extra,
+    ]
     log = (run_dir.parent / f"{run_dir.name}.log").open("a")
     return CLOCK.popen(cmd, cwd=REPO, env=python_env(args.device), stdout=log, stderr=subprocess.STDOUT)
 
@@ -225,7 +254,11 @@ def _finish(proc: subprocess.Popen, timeout_s: float) -> int:
 def _comparable(path: Path) -> list[dict[str, Any]]:
     records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     return [
-        {k: v for k, v in r.items() if not k.startswith(TIMING_PREFIXES) and not k.endswith(UNCOMPARED_SUFFIXES)}
+        {
+            k: v
+            for k, v in r.items()
+            if not k.startswith(TIMING_PREFIXES) and not k.endswith(UNCOMPARED_SUFFIXES)
+        }
         for r in records
     ]
 
@@ -280,8 +313,19 @@ def stage_table(args: argparse.Namespace, out: Path, stage: Stage) -> None:
     else:  # the same code on the tiny model, in bf16
         size = ["--prompts", "8", "--n", "4", "--max-new-tokens", "16", "--iterations", "2"]
         overrides = ["model.dtype=bfloat16"]
-    cmd = [sys.executable, str(SMOKE), "--device", args.device, "--no-sglang", *size, "--json", str(result),
-           "--routing-replay", "off,r3", *(f"--override={o}" for o in overrides)]  # fmt: skip
+    cmd = [
+        sys.executable,
+        str(SMOKE),
+        "--device",
+        args.device,
+        "--no-sglang",
+        *size,
+        "--json",
+        str(result),
+        "--routing-replay",
+        "off,r3",
+        *(f"--override={o}" for o in overrides),
+    ]
     rc = run(cmd, out / "table.log", python_env(args.device), timeout_s=300)
     if rc != 0 or not result.is_file():
         stage.status, stage.summary = "FAILED", f"exit {rc}:\n{tail(out / 'table.log')}"
@@ -308,12 +352,19 @@ def stage_table(args: argparse.Namespace, out: Path, stage: Stage) -> None:
         "trainer_left_bytes": _mean(records, "trainer_left_bytes"),
         "engine_weights_bytes": _mean(records, "engine_weights_bytes"),
         "peak_bytes": max((r.get("peak_bytes", 0.0) for r in data["embedded"]), default=0.0),
-        "peak_host_rss_bytes": max((r.get("peak_host_rss_bytes", 0.0) for r in data["embedded"]), default=0.0),
+        "peak_host_rss_bytes": max(
+            (r.get("peak_host_rss_bytes", 0.0) for r in data["embedded"]), default=0.0
+        ),
         "probe_abs_diff_mean": _mean(records, "probe_abs_diff_mean"),
         "probe_abs_diff_max": max(r["probe_abs_diff_max"] for r in records),
     }
-    routing_keys = ("route_disagreement", "probe_route_disagreement", "probe_replay_abs_diff_mean",
-                    "load_max_over_mean", "load_cv")  # fmt: skip
+    routing_keys = (
+        "route_disagreement",
+        "probe_route_disagreement",
+        "probe_replay_abs_diff_mean",
+        "load_max_over_mean",
+        "load_cv",
+    )
     if all(k in r for r in records for k in routing_keys):
         stage.details |= {k: _mean(records, k) for k in routing_keys}
         stage.details["probe_replay_abs_diff_max"] = max(r["probe_replay_abs_diff_max"] for r in records)
@@ -331,9 +382,15 @@ def stage_pytest(args: argparse.Namespace, out: Path, stage: Stage) -> None:
     tests = ["tests/test_gpu.py", "tests/test_offload.py"]
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs", "--durations=0", *tests]
     rc = run(cmd, out / "pytest.log", python_env(args.device), timeout_s=args.pytest_timeout)
-    lines = [line for line in out.joinpath("pytest.log").read_text(errors="replace").splitlines() if line.strip()]
+    lines = [
+        line for line in out.joinpath("pytest.log").read_text(errors="replace").splitlines() if line.strip()
+    ]
     result = next(
-        (line.strip("= ") for line in reversed(lines) if " in " in line and ("passed" in line or "failed" in line)),
+        (
+            line.strip("= ")
+            for line in reversed(lines)
+            if " in " in line and ("passed" in line or "failed" in line)
+        ),
         "",
     )
     stage.status = "ok" if rc == 0 else "FAILED"
@@ -347,9 +404,7 @@ def stage_te(args: argparse.Namespace, out: Path, stage: Stage) -> None:
     machine: ../shared/GUIDE.md section 10)."""
     if importlib.util.find_spec("transformer_engine") is None:
         stage.status = "skipped"
-        stage.summary = (
-            "TransformerEngine is not importable here (no wheel fits the lent machine's torch: GUIDE section 10)"
-        )
+        stage.summary = "TransformerEngine is not importable here (no wheel fits the lent machine's torch: GUIDE section 10)"
         return
     cmd = [
         sys.executable,
@@ -415,8 +470,18 @@ def stage_sglang(args: argparse.Namespace, out: Path, stage: Stage) -> None:
         stage.status, stage.summary = "skipped", why
         return
     result = out / "sglang.json"
-    cmd = [sys.executable, str(SMOKE), "--device", args.device, "--sglang-only", "--iterations", "2",
-           "--json", str(result), *(f"--override={o}" for o in sglang_smoke_overrides(args.device))]  # fmt: skip
+    cmd = [
+        sys.executable,
+        str(SMOKE),
+        "--device",
+        args.device,
+        "--sglang-only",
+        "--iterations",
+        "2",
+        "--json",
+        str(result),
+        *(f"--override={o}" for o in sglang_smoke_overrides(args.device)),
+    ]
     rc = run(cmd, out / "sglang.log", sglang_env(args.device), timeout_s=300)
     data = json.loads(result.read_text()) if result.is_file() else {}
     if "sglang_skipped" in data:
@@ -466,7 +531,10 @@ def table_rows(details: dict[str, Any], device: str) -> list[tuple[str, str]]:
     )
     rows = [
         ("model", d["model"]),
-        ("rollout, embedded engine", f"{d['rollout_tokens']:.0f} tokens: {d['rollout_tokens_per_s']:.0f} tokens/s"),
+        (
+            "rollout, embedded engine",
+            f"{d['rollout_tokens']:.0f} tokens: {d['rollout_tokens_per_s']:.0f} tokens/s",
+        ),
         (
             "train step (one micro-batch)",
             f"{d['train_tokens']:.0f} tokens in {d['train_seconds']:.2f} s: {d['train_tokens_per_s']:.0f} tokens/s, "
@@ -477,7 +545,10 @@ def table_rows(details: dict[str, Any], device: str) -> list[tuple[str, str]]:
             f"{d['sync_bytes'] / 2**20:.1f} MiB: {d['sync_gb_per_s']:.2f} GB/s; a device-to-device copy of the same "
             f"bytes in this run: {d['copy_gb_per_s']:.1f} GB/s",
         ),
-        ("offload grads+optimizer+params", f"{d['offload_bytes'] / 1e9:.3f} GB: {d['offload_gb_per_s']:.2f} GB/s"),
+        (
+            "offload grads+optimizer+params",
+            f"{d['offload_bytes'] / 1e9:.3f} GB: {d['offload_gb_per_s']:.2f} GB/s",
+        ),
     ]
     if device == "cuda":
         rows += [
@@ -491,7 +562,10 @@ def table_rows(details: dict[str, Any], device: str) -> list[tuple[str, str]]:
             ("peak host memory (process RSS)", _gib(d["peak_host_rss_bytes"])),
         ]
     rows.append(
-        ("mismatch probe after sync", f"mean {d['probe_abs_diff_mean']:.1e}, max {d['probe_abs_diff_max']:.1e}")
+        (
+            "mismatch probe after sync",
+            f"mean {d['probe_abs_diff_mean']:.1e}, max {d['probe_abs_diff_max']:.1e}",
+        )
     )
     if "probe_replay_abs_diff_mean" in d:
         rows += [
@@ -568,13 +642,17 @@ def default_out() -> Path:
     return Path(out) / f"gpu_check-{stamp}" if out else REPO / "runs" / "gpu_check" / stamp
 
 
-def write_report(out: Path, stages: list[Stage], args: argparse.Namespace, device_name: str, total_s: float) -> str:
+def write_report(
+    out: Path, stages: list[Stage], args: argparse.Namespace, device_name: str, total_s: float
+) -> str:
     """``gpu_check.md`` and ``gpu_check.json`` as they stand (after every stage: a call cut short keeps
     the stages it finished)."""
     text = report(stages, args, device_name, total_s)
     (out / "gpu_check.md").write_text(text)
-    rows = [{"name": s.name, "status": s.status, "seconds": s.seconds, "summary": s.summary, "details": s.details}
-            for s in stages]  # fmt: skip
+    rows = [
+        {"name": s.name, "status": s.status, "seconds": s.seconds, "summary": s.summary, "details": s.details}
+        for s in stages
+    ]
     (out / "gpu_check.json").write_text(json.dumps(rows, indent=1))
     return text
 
@@ -594,21 +672,31 @@ def run_stage(name: str, args: argparse.Namespace, out: Path) -> Stage:
     stage.seconds = time.perf_counter() - t0
     if CLOCK.expired and stage.status != "ok":
         stage.status = "stopped"
-        stage.summary = f"stopped at the {args.budget_s:.0f} s budget (--budget-s), {stage.seconds:.0f} s in\n" + (
-            stage.summary or ""
+        stage.summary = (
+            f"stopped at the {args.budget_s:.0f} s budget (--budget-s), {stage.seconds:.0f} s in\n"
+            + (stage.summary or "")
         )
-    print(f"[{name}] {stage.status} in {stage.seconds:.0f} s: {stage.summary.splitlines()[0] if stage.summary else ''}",
-          flush=True)  # fmt: skip
+    print(
+        f"[{name}] {stage.status} in {stage.seconds:.0f} s: {stage.summary.splitlines()[0] if stage.summary else ''}",
+        flush=True,
+    )
     return stage
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     parser.add_argument(
-        "--out", type=Path, default=None, help="output folder (default $OUT/gpu_check-<time>, else runs/gpu_check/...)"
+        "--out",
+        type=Path,
+        default=None,
+        help="output folder (default $OUT/gpu_check-<time>, else runs/gpu_check/...)",
     )
-    parser.add_argument("--stages", default=",".join(STAGES), help=f"comma-separated subset of {','.join(STAGES)}")
+    parser.add_argument(
+        "--stages", default=",".join(STAGES), help=f"comma-separated subset of {','.join(STAGES)}"
+    )
     parser.add_argument("--pytest-timeout", type=float, default=150.0, help="seconds for the pytest stage")
     parser.add_argument(
         "--budget-s",

@@ -59,7 +59,9 @@ def sglang_unavailable(device: torch.device) -> str | None:
         return "not on a GPU, and SGLang's CPU kernels (sgl_kernel) are not installed"
     try:
         from sglang import Engine  # noqa: F401
-    except Exception as exc:  # a broken install (kernels built for another torch, ...) is a skip with its reason
+    except (
+        Exception
+    ) as exc:  # a broken install (kernels built for another torch, ...) is a skip with its reason
         return f"sglang.Engine does not import: {type(exc).__name__}: {exc}"
     return None
 
@@ -119,7 +121,14 @@ def active_parameters(model: torch.nn.Module, hf: dict[str, Any]) -> float:
 
 
 def grpo_step(
-    policy: Any, ps: Any, hf: dict[str, Any], cfg: Any, prompts: Any, completions: Any, *, replay: bool = False
+    policy: Any,
+    ps: Any,
+    hf: dict[str, Any],
+    cfg: Any,
+    prompts: Any,
+    completions: Any,
+    *,
+    replay: bool = False,
 ) -> dict[str, float]:
     """One GRPO update through the trainer's own phases (``build_samples``, ``plan_update``,
     ``update_policy``) with a toy reward: the share of even token ids in a response. With the engine's
@@ -139,14 +148,26 @@ def grpo_step(
     batch = build_samples(cfg.algorithm, cfg.rollout.max_new_tokens, groups)
     plan = plan_update(cfg.train, cfg.algorithm, ps, batch.samples)
     pad_id = int(hf.get("pad_token_id") or hf["eos_token_id"])
-    passes = PassSettings(ps, pad_id, policy.spec.vocab_size, cfg.rollout.temperature,
-                          RoutingReplay("r3" if replay else "off", ps, policy.spec.num_experts))  # fmt: skip
-    loss = GRPOLoss(cfg.algorithm, 0.0, cfg.algorithm.loss_norm_len or cfg.rollout.max_new_tokens,
-                    old_from_engine=cfg.train.old_logprobs == "engine")  # fmt: skip
+    passes = PassSettings(
+        ps,
+        pad_id,
+        policy.spec.vocab_size,
+        cfg.rollout.temperature,
+        RoutingReplay("r3" if replay else "off", ps, policy.spec.num_experts),
+    )
+    loss = GRPOLoss(
+        cfg.algorithm,
+        0.0,
+        cfg.algorithm.loss_norm_len or cfg.rollout.max_new_tokens,
+        old_from_engine=cfg.train.old_logprobs == "engine",
+    )
     metrics = update_policy(policy, batch.samples, plan, loss, passes, measure_routing=True)
     rewards = [r for g in groups for r in g.rewards]
-    out = {"reward": sum(rewards) / len(rewards), "train_tokens": float(sum(s.length + 1 for s in batch.samples)),
-           "grad_norm": metrics["grad_norm"]}  # fmt: skip
+    out = {
+        "reward": sum(rewards) / len(rewards),
+        "train_tokens": float(sum(s.length + 1 for s in batch.samples)),
+        "grad_norm": metrics["grad_norm"],
+    }
     for key in ("routing/disagreement", "routing/load_max_over_mean", "routing/load_cv"):
         if key in metrics:
             out[key.removeprefix("routing/").replace("disagreement", "route_disagreement")] = metrics[key]
@@ -189,15 +210,18 @@ def run_loop(
     offloading = dataclasses.replace(fleet.placement, offload_trainer=True, swaps_engine_memory=True)
     colocated = ColocatedMemory(policy, fleet, offloading.phases(), discard_grads=True)
     vocab, temperature = int(hf["vocab_size"]), cfg.rollout.temperature
-    first_sync = sync_weights(policy.model, fleet, colocated, ps, 0, ProbeBatch(), vocab_size=vocab,
-                              temperature=temperature)  # fmt: skip
+    first_sync = sync_weights(
+        policy.model, fleet, colocated, ps, 0, ProbeBatch(), vocab_size=vocab, temperature=temperature
+    )
     print(
         f"[{label}] fleet ready in {time.perf_counter() - start:.2f}s; first sync "
         f"{first_sync['sync/seconds']:.3f}s for {first_sync['sync/bytes'] / 2**20:.2f} MiB; memory {memory(device)}"
     )
     engine_model = getattr(fleet.engine, "model", None)  # the embedded engine's, in this process
     engine_bytes = (
-        sum(p.numel() * p.element_size() for p in engine_model.parameters()) if engine_model is not None else 0
+        sum(p.numel() * p.element_size() for p in engine_model.parameters())
+        if engine_model is not None
+        else 0
     )
     active = active_parameters(policy.model, hf)
     gen = torch.Generator().manual_seed(0)
@@ -219,20 +243,24 @@ def run_loop(
         with phase(times, "generate", device):
             completions = fleet.generate(prompts, params)
             # this smoke trains the whole batch on every rank: every route to every rank
-            routes = fleet.deliver_routes({c.route_id: range(ps.world_size) for g in completions for c in g
-                                           if c.route_id is not None})  # fmt: skip
+            routes = fleet.deliver_routes(
+                {c.route_id: range(ps.world_size) for g in completions for c in g if c.route_id is not None}
+            )
             for c in (c for g in completions for c in g):
                 c.routed_experts = routes.get(c.route_id) if c.route_id is not None else None
         if probe is None:
-            probe = probe_batch(prompts, [[c.token_ids for c in g] for g in completions], size=cfg.rollout.probe_batch)
+            probe = probe_batch(
+                prompts, [[c.token_ids for c in g] for g in completions], size=cfg.rollout.probe_batch
+            )
         with phase(times, "onload", device):  # engines release, then the trainer's state returns
             colocated.to_trainer()
         with phase(times, "train", device):
             step = grpo_step(policy, ps, hf, cfg, prompts, completions, replay="r3" in args.routing_replay)
         left_opt = memory(device)
         with phase(times, "sync", device):  # the memory phases, the stream and the probe: one function
-            sync = sync_weights(policy.model, fleet, colocated, ps, it + 1, probe, vocab_size=vocab,
-                                temperature=temperature)  # fmt: skip
+            sync = sync_weights(
+                policy.model, fleet, colocated, ps, it + 1, probe, vocab_size=vocab, temperature=temperature
+            )
         copy_s = copy_seconds(int(sync["sync/bytes"]), device)
         mismatch = sync
         left_all = torch.cuda.memory_allocated() if on_cuda(device) else None
@@ -353,13 +381,13 @@ def main() -> int:
     validate(cfg, 1)
     ps = init_distributed(cfg.parallel, seed=cfg.train.seed)
     hf = cfg.model.load_hf_config()
-    print(
-        f"device {ps.device} ({device_name(ps.device)}); {ps.describe()}"
-    )
+    print(f"device {ps.device} ({device_name(ps.device)}); {ps.describe()}")
     total = time.perf_counter()
     policy = build_policy(hf, cfg.model, cfg.parallel, cfg.train, ps)
     params = sum(p.numel() for p in policy.model.parameters())
-    print(f"policy: {hf['model_type']} {params / 1e6:.2f}M parameters, {cfg.model.dtype}; memory {memory(ps.device)}")
+    print(
+        f"policy: {hf['model_type']} {params / 1e6:.2f}M parameters, {cfg.model.dtype}; memory {memory(ps.device)}"
+    )
     failed = False
     results: dict = {
         "device": device_name(ps.device),

@@ -77,9 +77,17 @@ SIZES: dict[str, dict[str, Any]] = {
 
 # Rows of the table, in loop order; "iteration" is the wall time of the whole timed body.
 PHASES = (
-    "rollout", "reward", "onload", "advantages", "ref_logprob", "old_logprob", "train", "sync", "sync_stream",
+    "rollout",
+    "reward",
+    "onload",
+    "advantages",
+    "ref_logprob",
+    "old_logprob",
+    "train",
+    "sync",
+    "sync_stream",
     "iteration",
-)  # fmt: skip
+)
 
 
 def job_overrides(size: str, args: argparse.Namespace, run_dir: str) -> list[str]:
@@ -226,7 +234,9 @@ def worker(args: argparse.Namespace) -> None:
             dist.barrier()
             samples, plan = one_iteration(job, source, probe, it, timer)
             # The same micro-batches as the train phase, collated outside the clock.
-            microbatches = [[collate(samples, r, job.pad_id, packed=plan.packed) for r in rows] for rows in plan.rows]
+            microbatches = [
+                [collate(samples, r, job.pad_id, packed=plan.packed) for r in rows] for rows in plan.rows
+            ]
             dist.barrier()
             with timer("bare_train"):
                 bare_loss = bare_train_step(job, microbatches)
@@ -266,11 +276,29 @@ def launch(size: str, tmp: Path, args: argparse.Namespace) -> dict[str, Any]:
         PYTHONPATH=os.pathsep.join([str(REPO_ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep),
     )
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(WORLD_SIZE),
-        __file__, "--worker", "--size", size, "--out", str(out), "--run-dir", str(tmp / f"run_{size}"),
-        "--warmup", str(args.warmup), "--iters", str(args.iters), "--updates", str(args.updates),
-        "--kl-beta", str(args.kl_beta),
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        str(WORLD_SIZE),
+        __file__,
+        "--worker",
+        "--size",
+        size,
+        "--out",
+        str(out),
+        "--run-dir",
+        str(tmp / f"run_{size}"),
+        "--warmup",
+        str(args.warmup),
+        "--iters",
+        str(args.iters),
+        "--updates",
+        str(args.updates),
+        "--kl-beta",
+        str(args.kl_beta),
+    ]
     start = time.perf_counter()
     proc = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=args.timeout_s)
     if proc.returncode != 0 or not out.is_file():
@@ -296,9 +324,7 @@ def summarize(result: dict[str, Any]) -> dict[str, Any]:
     wall_ratios = [r["wall_s"]["bare_train"] / r["wall_s"]["train"] for r in measured]
     return {
         "wall_ms": {k: median_of("wall_s", k) * 1e3 for k in names},
-        "cpu_ms": {
-            k: median_of("cpu_s", k) * 1e3 for k in names if k in measured[0]["cpu_s"]
-        },
+        "cpu_ms": {k: median_of("cpu_s", k) * 1e3 for k in names if k in measured[0]["cpu_s"]},
         "tokens": median(lambda r: r["tokens"]),
         "samples": measured[0]["samples"],
         "microbatches": measured[0]["local_microbatches"],

@@ -38,7 +38,13 @@ def ours(logits_bsv: torch.Tensor, labels_bs: torch.Tensor) -> torch.Tensor:
     return vocab_parallel_logprobs(logits_bsv, labels_bs, tp_group=None, vocab_start=0)[0]
 
 
-def timed(fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], logits_bsv: torch.Tensor, labels_bs: torch.Tensor, repeats: int, backward: bool) -> float:
+def timed(
+    fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    logits_bsv: torch.Tensor,
+    labels_bs: torch.Tensor,
+    repeats: int,
+    backward: bool,
+) -> float:
     best = float("inf")
     for _ in range(repeats):
         x = logits_bsv.detach().requires_grad_(backward)
@@ -74,14 +80,21 @@ def memory_case(batch: int, seq: int, vocab: int, dtype: str, entropy: bool) -> 
     assert logits_bsv.grad is not None
     peak = _peak_rss() - before
     fp32_copy = batch * seq * vocab * 4
-    return {"peak_bytes": float(peak), "per_1k_tokens_mib": peak / (batch * seq / 1000) / 2**20,
-            "fp32_copies": peak / fp32_copy}  # fmt: skip
+    return {
+        "peak_bytes": float(peak),
+        "per_1k_tokens_mib": peak / (batch * seq / 1000) / 2**20,
+        "fp32_copies": peak / fp32_copy,
+    }
 
 
 def memory_report(args: argparse.Namespace) -> None:
-    print(f"peak memory of logprobs + entropy, forward + backward, [B={args.batch}, S={args.seq}, V={args.vocab}]")
-    print("(above the logits themselves, their gradient included; 1 fp32 copy = "
-          f"{args.batch * args.seq * args.vocab * 4 / 2**20:.0f} MiB)")  # fmt: skip
+    print(
+        f"peak memory of logprobs + entropy, forward + backward, [B={args.batch}, S={args.seq}, V={args.vocab}]"
+    )
+    print(
+        "(above the logits themselves, their gradient included; 1 fp32 copy = "
+        f"{args.batch * args.seq * args.vocab * 4 / 2**20:.0f} MiB)"
+    )
     for dtype in ("bfloat16", "float32"):
         for entropy in (True, False):
             code = (
@@ -90,8 +103,10 @@ def memory_report(args: argparse.Namespace) -> None:
             )
             out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
             r = json.loads(out.stdout.strip().splitlines()[-1])
-            print(f"  logits {dtype:8s} entropy {'yes' if entropy else 'no ':3s}: peak +{r['peak_bytes'] / 2**20:7.0f} MiB"
-                  f" = {r['per_1k_tokens_mib']:6.0f} MiB per 1k tokens = {r['fp32_copies']:.2f} fp32 copies")  # fmt: skip
+            print(
+                f"  logits {dtype:8s} entropy {'yes' if entropy else 'no ':3s}: peak +{r['peak_bytes'] / 2**20:7.0f} MiB"
+                f" = {r['per_1k_tokens_mib']:6.0f} MiB per 1k tokens = {r['fp32_copies']:.2f} fp32 copies"
+            )
 
 
 def main() -> None:

@@ -32,12 +32,15 @@ DEMO = REPO_ROOT / "examples" / "demo.yaml"
 SIZES = {
     "demo": [],
     "20m": [
-        "model.hf_overrides.hidden_size=256", "model.hf_overrides.num_hidden_layers=4",
-        "model.hf_overrides.num_attention_heads=4", "model.hf_overrides.num_key_value_heads=4",
-        "model.hf_overrides.head_dim=64", "model.hf_overrides.num_experts=8",
+        "model.hf_overrides.hidden_size=256",
+        "model.hf_overrides.num_hidden_layers=4",
+        "model.hf_overrides.num_attention_heads=4",
+        "model.hf_overrides.num_key_value_heads=4",
+        "model.hf_overrides.head_dim=64",
+        "model.hf_overrides.num_experts=8",
         "model.hf_overrides.moe_intermediate_size=768",
     ],
-}  # fmt: skip
+}
 ROWS, SEQ = 16, 64  # global batch: 16 rows of 64 tokens, split over the 2 data-parallel ranks
 
 
@@ -65,7 +68,9 @@ def optimizer_bytes(policy: Any) -> int:
 
 def grad_buffer_bytes(policy: Any) -> int:
     """Bytes of megatron DDP's gradient buffers on this rank (frozen parameters get none)."""
-    return sum(_tensor_bytes(b.grad_data) for b in [*policy.model.buffers, *policy.model.expert_parallel_buffers])
+    return sum(
+        _tensor_bytes(b.grad_data) for b in [*policy.model.buffers, *policy.model.expert_parallel_buffers]
+    )
 
 
 def _step(policy: Any, ps: Any, tokens: Any) -> tuple[float, float]:
@@ -77,7 +82,9 @@ def _step(policy: Any, ps: Any, tokens: Any) -> tuple[float, float]:
     wall, cpu = time.perf_counter(), time.process_time()
     policy.zero_grad()
     mine = tokens[ps.dp_rank :: ps.dp]
-    forward_backward(policy.model, [MicroBatch(mine[:, :-1], mine[:, 1:])], ps, nll, vocab_size=policy.spec.vocab_size)
+    forward_backward(
+        policy.model, [MicroBatch(mine[:, :-1], mine[:, 1:])], ps, nll, vocab_size=policy.spec.vocab_size
+    )
     policy.step()
     return time.perf_counter() - wall, time.process_time() - cpu
 
@@ -113,9 +120,11 @@ def worker(size: str, rank: int, steps: int, warmup: int, out: str) -> None:
         result[name] = {
             "wall_s": statistics.median(w for w, _ in times[name]),
             "cpu_s": statistics.median(c for _, c in times[name]),
-            "trainable": trainable, "params": total,
-            "optimizer_bytes": optimizer_bytes(policy), "grad_buffer_bytes": grad_buffer_bytes(policy),
-        }  # fmt: skip
+            "trainable": trainable,
+            "params": total,
+            "optimizer_bytes": optimizer_bytes(policy),
+            "grad_buffer_bytes": grad_buffer_bytes(policy),
+        }
     if torch.distributed.get_rank() == 0:
         Path(out).write_text(json.dumps(result))
     destroy_distributed()
@@ -135,26 +144,55 @@ def main() -> None:
         return
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "result.json"
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCH_COMPILE_DISABLE": "1",
-               "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")])}  # fmt: skip
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", __file__,
-               "--worker", "--size", args.size, "--rank", str(args.rank), "--steps", str(args.steps),
-               "--warmup", str(args.warmup), "--out", str(out)]  # fmt: skip
+        env = {
+            **os.environ,
+            "OMP_NUM_THREADS": "1",
+            "TORCH_COMPILE_DISABLE": "1",
+            "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")]),
+        }
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            __file__,
+            "--worker",
+            "--size",
+            args.size,
+            "--rank",
+            str(args.rank),
+            "--steps",
+            str(args.steps),
+            "--warmup",
+            str(args.warmup),
+            "--out",
+            str(out),
+        ]
         subprocess.run(cmd, check=True, env=env, cwd=REPO_ROOT)
         result = json.loads(out.read_text())
-    print(f"size {args.size}, LoRA rank {args.rank} (every linear layer), EP2 on 2 ranks, {args.steps} steps of "
-          f"{ROWS} x {SEQ} tokens; per rank (rank 0):")  # fmt: skip
-    print("| variant | trainable / all params | step wall (median) | step CPU | optimizer state | gradient buffers |")
+    print(
+        f"size {args.size}, LoRA rank {args.rank} (every linear layer), EP2 on 2 ranks, {args.steps} steps of "
+        f"{ROWS} x {SEQ} tokens; per rank (rank 0):"
+    )
+    print(
+        "| variant | trainable / all params | step wall (median) | step CPU | optimizer state | gradient buffers |"
+    )
     print("|---|---|---|---|---|---|")
     for name, r in result.items():
-        print(f"| {name} | {r['trainable']:,} / {r['params']:,} | {r['wall_s'] * 1e3:.0f} ms "
-              f"| {r['cpu_s'] * 1e3:.0f} ms "
-              f"| {r['optimizer_bytes'] / 2**20:.2f} MiB | {r['grad_buffer_bytes'] / 2**20:.2f} MiB |")  # fmt: skip
+        print(
+            f"| {name} | {r['trainable']:,} / {r['params']:,} | {r['wall_s'] * 1e3:.0f} ms "
+            f"| {r['cpu_s'] * 1e3:.0f} ms "
+            f"| {r['optimizer_bytes'] / 2**20:.2f} MiB | {r['grad_buffer_bytes'] / 2**20:.2f} MiB |"
+        )
     full, lora = result["full"], result["lora"]
-    print(f"LoRA / full: step wall {lora['wall_s'] / full['wall_s']:.2f}, "
-          f"step CPU {lora['cpu_s'] / full['cpu_s']:.2f}, "
-          f"optimizer bytes {lora['optimizer_bytes'] / full['optimizer_bytes']:.3f}, "
-          f"gradient bytes {lora['grad_buffer_bytes'] / full['grad_buffer_bytes']:.3f}")  # fmt: skip
+    print(
+        f"LoRA / full: step wall {lora['wall_s'] / full['wall_s']:.2f}, "
+        f"step CPU {lora['cpu_s'] / full['cpu_s']:.2f}, "
+        f"optimizer bytes {lora['optimizer_bytes'] / full['optimizer_bytes']:.3f}, "
+        f"gradient bytes {lora['grad_buffer_bytes'] / full['grad_buffer_bytes']:.3f}"
+    )
 
 
 if __name__ == "__main__":

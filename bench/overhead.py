@@ -44,7 +44,17 @@ def torchrun(python: str, *args: str, log: Path) -> float:
     """Run ``grpo_megatron <args>`` on 2 local ranks as examples/demo.sh does; its wall seconds."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCH_COMPILE_DISABLE": "1", "WANDB_SILENT": "true"}
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p)
-    cmd = [python, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "grpo_megatron", *args]
+    cmd = [
+        python,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "-m",
+        "grpo_megatron",
+        *args,
+    ]
     start = time.perf_counter()
     with log.open("w") as out:
         done = subprocess.run(cmd, cwd=REPO_ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, check=False)
@@ -60,8 +70,15 @@ def ensure_cold_start(python: str, cold_start: Path, seed: int) -> None:
     run_dir = cold_start.parent
     run_dir.mkdir(parents=True, exist_ok=True)
     print(f"[overhead] making the demo's cold start in {cold_start} (once)", flush=True)
-    seconds = torchrun(python, "sft", str(DEMO), f"train.seed={seed}", f"logging.run_dir={run_dir}",
-                       f"sft.output_dir={cold_start}", log=run_dir / "sft.log")
+    seconds = torchrun(
+        python,
+        "sft",
+        str(DEMO),
+        f"train.seed={seed}",
+        f"logging.run_dir={run_dir}",
+        f"sft.output_dir={cold_start}",
+        log=run_dir / "sft.log",
+    )
     print(f"[overhead] cold start made in {seconds:.0f} s", flush=True)
 
 
@@ -109,12 +126,18 @@ def print_table(table: list[tuple[str, float, int]]) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--iters", type=int, default=60, help="GRPO iterations to run")
     parser.add_argument("--warmup", type=int, default=3, help="first iterations left out of the means")
     parser.add_argument("--seed", type=int, default=1234, help="train.seed of the cold start and of GRPO")
-    parser.add_argument("--cold-start", type=Path, default=REPO_ROOT / "runs" / "bench_overhead" / "sft" / "hf",
-                        help="the demo's SFT export (made here when it holds no safetensors)")
+    parser.add_argument(
+        "--cold-start",
+        type=Path,
+        default=REPO_ROOT / "runs" / "bench_overhead" / "sft" / "hf",
+        help="the demo's SFT export (made here when it holds no safetensors)",
+    )
     parser.add_argument("--run-dir", type=Path, default=REPO_ROOT / "runs" / "bench_overhead" / "grpo")
     parser.add_argument("--python", default=sys.executable, help="the interpreter that runs the ranks")
     parser.add_argument("overrides", nargs="*", help="extra key=value overrides for the GRPO run")
@@ -125,13 +148,23 @@ def main() -> None:
     run_dir = args.run_dir.resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
     seconds = torchrun(
-        args.python, "train", str(DEMO), f"train.seed={args.seed}", f"train.iterations={args.iters}",
-        "train.eval_interval=0", f"logging.run_dir={run_dir}", f"model.hf_path={args.cold_start.resolve()}",
-        "logging.wandb_mode=disabled", *args.overrides, log=run_dir.parent / "grpo.log",
+        args.python,
+        "train",
+        str(DEMO),
+        f"train.seed={args.seed}",
+        f"train.iterations={args.iters}",
+        "train.eval_interval=0",
+        f"logging.run_dir={run_dir}",
+        f"model.hf_path={args.cold_start.resolve()}",
+        "logging.wandb_mode=disabled",
+        *args.overrides,
+        log=run_dir.parent / "grpo.log",
     )
     rows = read_iterations(run_dir / "metrics.jsonl", args.warmup)
-    print(f"[overhead] {args.iters} iterations in {seconds:.0f} s (launch, build and 2 evaluations included); "
-          f"means over iterations {args.warmup + 1}-{args.iters}")
+    print(
+        f"[overhead] {args.iters} iterations in {seconds:.0f} s (launch, build and 2 evaluations included); "
+        f"means over iterations {args.warmup + 1}-{args.iters}"
+    )
     print_table(breakdown(rows))
 
 

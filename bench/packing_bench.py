@@ -123,8 +123,13 @@ def worker(args: argparse.Namespace) -> None:
     job = build_job(cfg, with_reference=False)
     alg = job.cfg.algorithm
     loss = GRPOLoss(alg, 0.0, alg.loss_norm_len or job.cfg.rollout.max_new_tokens, old_from_engine=False)
-    passes = PassSettings(job.ps, job.pad_id, job.policy.spec.vocab_size, job.cfg.rollout.temperature,
-                          RoutingReplay(alg.routing_replay, job.ps, None))  # fmt: skip
+    passes = PassSettings(
+        job.ps,
+        job.pad_id,
+        job.policy.spec.vocab_size,
+        job.cfg.rollout.temperature,
+        RoutingReplay(alg.routing_replay, job.ps, None),
+    )
     try:
         samples = synthetic_samples(args, job.policy.spec.vocab_size)
         real_tokens = sum(s.length for s in samples)
@@ -154,12 +159,18 @@ def worker(args: argparse.Namespace) -> None:
                         "tokens_per_microbatch": metrics["batch/tokens_per_microbatch"],
                         "peak_saved_bytes": meter.peak,
                         "real_tokens_per_microbatch": real_tokens / microbatches,
-                        "cuda_peak_bytes": torch.cuda.max_memory_allocated() if torch.cuda.is_available() else None,
+                        "cuda_peak_bytes": torch.cuda.max_memory_allocated()
+                        if torch.cuda.is_available()
+                        else None,
                         "loss": metrics["loss/policy"],
                     }
                 )
         lengths = sorted(len(s.tokens_s) - args.prompt + 1 for s in samples)
-        summary = {"records": records, "response_median": lengths[len(lengths) // 2], "response_max": lengths[-1]}
+        summary = {
+            "records": records,
+            "response_median": lengths[len(lengths) // 2],
+            "response_max": lengths[-1],
+        }
         Path(args.out).write_text(json.dumps(summary))
     finally:
         job.close()
@@ -171,14 +182,38 @@ def launch(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), TORCH_COMPILE_DISABLE="1", WANDB_SILENT="true")
     env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1", __file__,
-        "--worker", "--out", str(out), "--run-dir", str(tmp / "run"), "--samples", str(args.samples),
-        "--prompt", str(args.prompt), "--max-response", str(args.max_response), "--sigma", str(args.sigma),
-        "--budget", str(args.budget), "--warmup", str(args.warmup), "--iters", str(args.iters),
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "1",
+        __file__,
+        "--worker",
+        "--out",
+        str(out),
+        "--run-dir",
+        str(tmp / "run"),
+        "--samples",
+        str(args.samples),
+        "--prompt",
+        str(args.prompt),
+        "--max-response",
+        str(args.max_response),
+        "--sigma",
+        str(args.sigma),
+        "--budget",
+        str(args.budget),
+        "--warmup",
+        str(args.warmup),
+        "--iters",
+        str(args.iters),
+    ]
     proc = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=args.timeout_s)
     if proc.returncode != 0 or not out.is_file():
-        sys.exit(f"the bench failed (exit code {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
+        sys.exit(
+            f"the bench failed (exit code {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+        )
     return json.loads(out.read_text())
 
 
@@ -213,8 +248,11 @@ def report(result: dict[str, Any], args: argparse.Namespace) -> None:
     wall_ratios = []
     for p_rec, d_rec in zip(by_mode[True], by_mode[False], strict=True):
         wall_ratios.append(d_rec["wall_s"] / p_rec["wall_s"])
-    print(f"tokens/s packed / padded: {stats[True][0] / stats[False][0]:.2f} (per iteration: "
-          + " ".join(f"{r:.2f}" for r in wall_ratios) + f"); CPU time {stats[True][1] / stats[False][1]:.2f}")
+    print(
+        f"tokens/s packed / padded: {stats[True][0] / stats[False][0]:.2f} (per iteration: "
+        + " ".join(f"{r:.2f}" for r in wall_ratios)
+        + f"); CPU time {stats[True][1] / stats[False][1]:.2f}"
+    )
     print(f"activation memory per 1k real tokens packed / padded: {stats[True][2] / stats[False][2]:.2f}")
 
 

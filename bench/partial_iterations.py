@@ -114,15 +114,23 @@ ENGINES = {
 
 def arms(args: argparse.Namespace) -> dict[str, list[str]]:
     staleness = max(1, -(-args.max_new_tokens // args.segment))  # the overlap's validation
-    continuous = ["train.partial_rollout=true", "rollout.partial_overlap=true",
-                  f"train.max_staleness={staleness}", f"rollout.partial_segment_tokens={args.segment}",
-                  f"rollout.partial_groups_in_flight={args.pool}"]
+    continuous = [
+        "train.partial_rollout=true",
+        "rollout.partial_overlap=true",
+        f"train.max_staleness={staleness}",
+        f"rollout.partial_segment_tokens={args.segment}",
+        f"rollout.partial_groups_in_flight={args.pool}",
+    ]
     one, kv = "rollout.partial_one_request=true", "rollout.partial_keep_kv=true"
-    out = {"sync": ["train.max_staleness=0"], "one-off": ["train.max_staleness=1"], "continuous": continuous,
-           "cont-1req": [*continuous, one]}
+    out = {
+        "sync": ["train.max_staleness=0"],
+        "one-off": ["train.max_staleness=1"],
+        "continuous": continuous,
+        "cont-1req": [*continuous, one],
+    }
     if args.engine == "sglang":  # continued prefixes' KV kept across weight updates
         out |= {"cont-kv": [*continuous, kv], "cont-kv-1req": [*continuous, kv, one]}
-    return out  # fmt: skip
+    return out
 
 
 def drawn_length(text: str, args: argparse.Namespace) -> int:
@@ -148,8 +156,9 @@ def impose_lengths(args: argparse.Namespace) -> None:
             prompt_len[r.prompt] = min(prompt_len.get(r.prompt, len(r.prompt_ids)), len(r.prompt_ids))
             targets.append((drawn_length(r.prompt, args), len(r.prompt_ids) - prompt_len[r.prompt]))
         limits = params.budgets(len(records))
-        budgets = tuple(max(1, min(limit, want - done))
-                        for limit, (want, done) in zip(limits, targets, strict=True))  # fmt: skip
+        budgets = tuple(
+            max(1, min(limit, want - done)) for limit, (want, done) in zip(limits, targets, strict=True)
+        )
         params = dataclasses.replace(params, max_new_tokens=max(budgets), max_new_tokens_each=budgets)
         pending = submit(self, records, params)
         targets_of[id(pending)] = targets
@@ -184,8 +193,14 @@ def trace_rounds(path: Path) -> None:
 
     def traced_submit(self, iteration, round_index):  # type: ignore[no-untyped-def]
         todo, _, _ = self.pool.requests(lambda index: self.job.train_records[index].prompt_ids)
-        log(event="submit", iteration=iteration, round=round_index, rows=len(todo),
-            continued=sum(bool(r.token_ids) for _, r in todo), prefix=sum(len(r.token_ids) for _, r in todo))
+        log(
+            event="submit",
+            iteration=iteration,
+            round=round_index,
+            rows=len(todo),
+            continued=sum(bool(r.token_ids) for _, r in todo),
+            prefix=sum(len(r.token_ids) for _, r in todo),
+        )
         return submit(self, iteration, round_index)
 
     def traced_collect(self, round_):  # type: ignore[no-untyped-def]
@@ -212,9 +227,12 @@ def trace_rounds(path: Path) -> None:
 
     def traced_completions(outputs, request, n, layout=None, *, aborted_ok=False):  # type: ignore[no-untyped-def]
         metas = [o["meta_info"] for o in outputs]
-        log(event="sglang_outputs", rows=len(metas),
+        log(
+            event="sglang_outputs",
+            rows=len(metas),
             prompt_tokens=sum(m.get("prompt_tokens", 0) for m in metas),
-            cached_tokens=sum(m.get("cached_tokens", 0) for m in metas))
+            cached_tokens=sum(m.get("cached_tokens", 0) for m in metas),
+        )
         return completions(outputs, request, n, layout, aborted_ok=aborted_ok)
 
     def traced_generate(self, servers, prompts, params):  # type: ignore[no-untyped-def]
@@ -240,9 +258,13 @@ def decode_step_cost(args: argparse.Namespace) -> dict[int, float]:
 
     torch.set_num_threads(1)
     hf = json.loads((REPO / "examples" / "demo" / "config.json").read_text())
-    hf |= {"hidden_size": args.hidden, "intermediate_size": 2 * args.hidden,
-           "moe_intermediate_size": 2 * args.hidden, "num_hidden_layers": args.layers,
-           "max_position_embeddings": 16 + args.max_new_tokens + 8}  # fmt: skip
+    hf |= {
+        "hidden_size": args.hidden,
+        "intermediate_size": 2 * args.hidden,
+        "moe_intermediate_size": 2 * args.hidden,
+        "num_hidden_layers": args.layers,
+        "max_position_embeddings": 16 + args.max_new_tokens + 8,
+    }
     torch.manual_seed(0)
     engine = EmbeddedEngine(hf, device="cpu", dtype=torch.float32)
     expected = sorted(engine.expected_tensors().items())
@@ -271,31 +293,66 @@ def run_arm(run_dir: Path, name: str, args: argparse.Namespace) -> list[dict[str
     """One training run; its metrics.jsonl records of the iterations after the run's first."""
     context = 16 + args.max_new_tokens + 8
     overrides = [
-        "parallel.ep=1", "parallel.backend=gloo", "logging.wandb_mode=disabled", "logging.progress_bar=false",
-        f"logging.run_dir={run_dir}", *ENGINES[args.engine], *arms(args)[name],
-        f"train.iterations={args.iterations}", f"train.prompts_per_iteration={args.prompts}",
-        f"rollout.n_samples_per_prompt={args.samples}", f"rollout.max_new_tokens={args.max_new_tokens}",
-        f"train.micro_batch_size={args.prompts * args.samples}", "algorithm.off_policy.correction=icepop",
+        "parallel.ep=1",
+        "parallel.backend=gloo",
+        "logging.wandb_mode=disabled",
+        "logging.progress_bar=false",
+        f"logging.run_dir={run_dir}",
+        *ENGINES[args.engine],
+        *arms(args)[name],
+        f"train.iterations={args.iterations}",
+        f"train.prompts_per_iteration={args.prompts}",
+        f"rollout.n_samples_per_prompt={args.samples}",
+        f"rollout.max_new_tokens={args.max_new_tokens}",
+        f"train.micro_batch_size={args.prompts * args.samples}",
+        "algorithm.off_policy.correction=icepop",
         f"model.hf_overrides.hidden_size={args.hidden}",
         f"model.hf_overrides.intermediate_size={2 * args.hidden}",
         f"model.hf_overrides.moe_intermediate_size={2 * args.hidden}",
         f"model.hf_overrides.num_hidden_layers={args.layers}",
-        f"model.hf_overrides.max_position_embeddings={context}", "data.num_train_prompts=4096",
-        "data.num_eval_prompts=4", "rollout.probe_interval=100000", "checkpoint.save_interval=0",
-    ]  # fmt: skip
-    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", TORCH_COMPILE_DISABLE="1",
-               WANDB_SILENT="true",
-               PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")  # fmt: skip
-    lengths = ["--median", str(args.median), "--sigma", str(args.sigma),
-               "--max-new-tokens", str(args.max_new_tokens)]  # fmt: skip
+        f"model.hf_overrides.max_position_embeddings={context}",
+        "data.num_train_prompts=4096",
+        "data.num_eval_prompts=4",
+        "rollout.probe_interval=100000",
+        "checkpoint.save_interval=0",
+    ]
+    env = dict(
+        os.environ,
+        OMP_NUM_THREADS="1",
+        MKL_NUM_THREADS="1",
+        TORCH_COMPILE_DISABLE="1",
+        WANDB_SILENT="true",
+        PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+    )
+    lengths = [
+        "--median",
+        str(args.median),
+        "--sigma",
+        str(args.sigma),
+        "--max-new-tokens",
+        str(args.max_new_tokens),
+    ]
     if args.keep is not None:
         args.keep.mkdir(parents=True, exist_ok=True)
         lengths += ["--trace", str(args.keep / f"{run_dir.name}.trace.jsonl")]
     command = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1", "--master-addr", "127.0.0.1",
-        "--master-port", str(free_port()), str(Path(__file__).resolve()), "--worker", *lengths, "--",
-        "train", str(REPO / "examples" / "demo.yaml"), *overrides,
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "1",
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        str(free_port()),
+        str(Path(__file__).resolve()),
+        "--worker",
+        *lengths,
+        "--",
+        "train",
+        str(REPO / "examples" / "demo.yaml"),
+        *overrides,
+    ]
     done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=args.timeout_s)
     if done.returncode != 0:
         raise SystemExit(f"the {name} run failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
@@ -315,8 +372,9 @@ def summarize(records: list[dict[str, float]], warmup: int) -> dict[str, float]:
     out = {p: mean(r.get(f"time/{p}") or 0.0 for r in steady) for p in PHASES}
     out["iteration"] = mean(r["time/iteration"] - (r.get("time/eval") or 0.0) for r in steady)
     out["response_len"] = mean(r["response_len/mean"] for r in steady)
-    out["staleness_max"] = max(r.get("partial/staleness/max", r.get("async/staleness/max", 0.0))
-                               for r in steady)  # fmt: skip
+    out["staleness_max"] = max(
+        r.get("partial/staleness/max", r.get("async/staleness/max", 0.0)) for r in steady
+    )
     out["segments"] = mean(r.get("partial/segments", 0.0) for r in steady)
     return out
 
@@ -332,16 +390,21 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--sigma", type=float, default=1.1, help="lognormal sigma")
     parser.add_argument("--max-new-tokens", type=int, default=192)
     parser.add_argument("--segment", type=int, default=24, help="rollout.partial_segment_tokens")
-    parser.add_argument("--pool", type=int, default=0,
-                        help="rollout.partial_groups_in_flight (0: 2 x --prompts)")
+    parser.add_argument(
+        "--pool", type=int, default=0, help="rollout.partial_groups_in_flight (0: 2 x --prompts)"
+    )
     parser.add_argument("--hidden", type=int, default=256, help="the model's hidden size (training's share)")
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=1, help="runs of each arm, interleaved (default 1)")
     parser.add_argument("--only", nargs="*", default=None, help="arms to run (default all)")
     parser.add_argument("--timeout-s", type=float, default=900.0)
     parser.add_argument("--out", type=Path, default=None)
-    parser.add_argument("--keep", type=Path, default=None,
-                        help="a folder for each run's metrics.jsonl and trace of its rounds")
+    parser.add_argument(
+        "--keep",
+        type=Path,
+        default=None,
+        help="a folder for each run's metrics.jsonl and trace of its rounds",
+    )
     parser.add_argument("--trace", type=Path, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     return parser.parse_args(argv)
@@ -368,28 +431,42 @@ def main() -> int:
                 runs[name].append(summarize(run_arm(Path(tmp) / f"{name}-{repeat}", name, args), args.warmup))
     result = {name: {k: mean(s[k] for s in rs) for k in rs[0]} for name, rs in runs.items()}
     columns = (*PHASES, "iteration", "response_len", "segments")
-    print(f"lengths per prompt: lognormal median {args.median:g} sigma {args.sigma:g} cap "
-          f"{args.max_new_tokens}: p50 {p50:g}, p99 {p99:g} (p99/p50 {p99 / p50:.1f}); engine "
-          f"{args.engine}; {args.prompts} prompts x {args.samples}; segments of {args.segment}; "
-          f"hidden {args.hidden}, {args.layers} layers")  # fmt: skip
+    print(
+        f"lengths per prompt: lognormal median {args.median:g} sigma {args.sigma:g} cap "
+        f"{args.max_new_tokens}: p50 {p50:g}, p99 {p99:g} (p99/p50 {p99 / p50:.1f}); engine "
+        f"{args.engine}; {args.prompts} prompts x {args.samples}; segments of {args.segment}; "
+        f"hidden {args.hidden}, {args.layers} layers"
+    )
     print(f"{'seconds':<14}" + "".join(f"{c:>13}" for c in columns))
     for name, row in result.items():
         print(f"{name:<14}" + "".join(f"{row[c]:>13.3f}" for c in columns))
-    pairs = [("one-off", "sync"),
-             *((a, b) for a in result if a.startswith("cont") for b in ("sync", "one-off"))]
-    ratios = {f"{a} / {b}": result[a]["iteration"] / result[b]["iteration"]
-              for a, b in pairs if a in result and b in result}  # fmt: skip
+    pairs = [
+        ("one-off", "sync"),
+        *((a, b) for a in result if a.startswith("cont") for b in ("sync", "one-off")),
+    ]
+    ratios = {
+        f"{a} / {b}": result[a]["iteration"] / result[b]["iteration"]
+        for a, b in pairs
+        if a in result and b in result
+    }
     print("iteration time " + "; ".join(f"{k} = {v:.3f}" for k, v in ratios.items()))
     if args.engine == "embedded":
         cost = decode_step_cost(args)
-        print("embedded engine decode step, ms by active rows: " + ", ".join(f"{r}: {1e3 * s:.2f}"
-              for r, s in cost.items()))  # fmt: skip
+        print(
+            "embedded engine decode step, ms by active rows: "
+            + ", ".join(f"{r}: {1e3 * s:.2f}" for r, s in cost.items())
+        )
         steps = {str(r): 1e3 * s for r, s in cost.items()}
     else:
         steps = {}
     if args.out is not None:
-        saved = {"ratios": ratios, **result, "decode_step_ms": steps, "lengths": {"p50": p50, "p99": p99},
-                 "args": {k: str(v) for k, v in vars(args).items()}}
+        saved = {
+            "ratios": ratios,
+            **result,
+            "decode_step_ms": steps,
+            "lengths": {"p50": p50, "p99": p99},
+            "args": {k: str(v) for k, v in vars(args).items()},
+        }
         args.out.write_text(json.dumps(saved, indent=1) + "\n")
     return 0
 

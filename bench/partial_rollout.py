@@ -55,9 +55,20 @@ def make_engine() -> object:
     from grpo_megatron.rollout.embedded import EmbeddedEngine
 
     demo = json.loads((REPO / "examples" / "demo" / "config.json").read_text())
-    dense = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-             "num_key_value_heads", "rms_norm_eps", "rope_theta", "tie_word_embeddings", "bos_token_id",
-             "eos_token_id", "pad_token_id")  # fmt: skip
+    dense = (
+        "vocab_size",
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "rms_norm_eps",
+        "rope_theta",
+        "tie_word_embeddings",
+        "bos_token_id",
+        "eos_token_id",
+        "pad_token_id",
+    )
     hf = {k: demo[k] for k in dense} | {"model_type": "qwen2", "max_position_embeddings": 512}
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**hf))
@@ -97,8 +108,9 @@ def synchronous(engine: object, lengths: Lengths, args: argparse.Namespace) -> l
 
 
 def continuous(engine: object, lengths: Lengths, args: argparse.Namespace) -> tuple[list[float], list[int]]:
-    pool = PartialPool(args.samples, args.segment, args.max_new_tokens, max_staleness=1_000_000,
-                       size=2 * args.prompts)  # fmt: skip
+    pool = PartialPool(
+        args.samples, args.segment, args.max_new_tokens, max_staleness=1_000_000, size=2 * args.prompts
+    )
     seconds, rounds_per_it = [], []
     for it in range(args.iterations):
         start = time.perf_counter()
@@ -106,10 +118,15 @@ def continuous(engine: object, lengths: Lengths, args: argparse.Namespace) -> tu
         rounds = 0
         while pool.unfinished() and (rounds == 0 or pool.complete() < args.prompts):
             todo, inputs, _ = pool.requests(lengths.prompt)
-            want = {id(g.responses[j]): lengths.length(g.serial, j) for g in pool.groups for j in range(args.samples)}
+            want = {
+                id(g.responses[j]): lengths.length(g.serial, j)
+                for g in pool.groups
+                for j in range(args.samples)
+            }
             budgets = tuple(min(args.segment, want[id(r)] - len(r.token_ids)) for _, r in todo)
-            params = SamplingParams(n=1, max_new_tokens=max(budgets), max_new_tokens_each=budgets,
-                                    seed=it * 1000 + rounds)  # fmt: skip
+            params = SamplingParams(
+                n=1, max_new_tokens=max(budgets), max_new_tokens_each=budgets, seed=it * 1000 + rounds
+            )
             segments = engine.generate(inputs, params)  # type: ignore[attr-defined]
             for (_, response), (segment,) in zip(todo, segments, strict=True):
                 pool.extend(response, segment)
@@ -135,7 +152,9 @@ def main() -> int:
     args = parser.parse_args()
     torch.set_num_threads(1)
     lengths = Lengths(args)
-    drawn = sorted(lengths.length(s, j) for s in range(args.iterations * args.prompts) for j in range(args.samples))
+    drawn = sorted(
+        lengths.length(s, j) for s in range(args.iterations * args.prompts) for j in range(args.samples)
+    )
     p50, p99 = median(drawn), drawn[min(len(drawn) - 1, int(0.99 * len(drawn)))]
     engine = make_engine()
     sync = synchronous(engine, lengths, args)

@@ -87,7 +87,9 @@ def seconds(fn: Callable[[], Any]) -> tuple[float, Any]:
     return time.perf_counter() - start, out
 
 
-def sync_version(engine: Any, parts: list[list[tuple[str, torch.Tensor]]], version: int) -> tuple[float, list[float]]:
+def sync_version(
+    engine: Any, parts: list[list[tuple[str, torch.Tensor]]], version: int
+) -> tuple[float, list[float]]:
     """A whole version into ``engine``: its seconds, and each bucket's call's seconds."""
     calls = []
     start = time.perf_counter()
@@ -108,8 +110,10 @@ def direct_calls(adapter: Any, parts: list[list[tuple[str, torch.Tensor]]], stag
 
     def load(part: list[tuple[str, torch.Tensor]], flush: bool) -> None:
         payloads = [rank_payload(part, classes, "cpu", staging)]
-        raise_on_failure(engine.update_weights_from_tensor(payloads, load_format="flattened_bucket", flush_cache=flush),
-                         "update_weights_from_tensor")  # fmt: skip
+        raise_on_failure(
+            engine.update_weights_from_tensor(payloads, load_format="flattened_bucket", flush_cache=flush),
+            "update_weights_from_tensor",
+        )
 
     raise_on_failure(engine.begin_weight_update(), "begin_weight_update")
     calls = [seconds(partial(load, part, False))[0] for part in parts]
@@ -142,14 +146,19 @@ def boundary_floor(parts: list[list[tuple[str, torch.Tensor]]]) -> dict[str, flo
             out["into_shared_s"] += seconds(partial(copy_all, shared, tensors))[0]
             manager, handle, size = flat.untyped_storage()._share_filename_cpu_()
             mapped = torch.empty(0, dtype=torch.uint8).set_(
-                torch.UntypedStorage._new_shared_filename_cpu(manager, handle, size))  # fmt: skip
-            out["out_of_new_mapping_s"] += seconds(partial(copy_all, dests, views_of(mapped, spans, tensors)))[0]
+                torch.UntypedStorage._new_shared_filename_cpu(manager, handle, size)
+            )
+            out["out_of_new_mapping_s"] += seconds(
+                partial(copy_all, dests, views_of(mapped, spans, tensors))
+            )[0]
     return out
 
 
 def views_of(flat: torch.Tensor, spans: list[int], like: list[torch.Tensor]) -> list[torch.Tensor]:
     """``flat``'s bytes ``spans[i]:spans[i + 1]`` as a tensor shaped like ``like[i]``."""
-    return [flat[a:b].view(t.dtype).view(t.shape) for a, b, t in zip(spans[:-1], spans[1:], like, strict=True)]
+    return [
+        flat[a:b].view(t.dtype).view(t.shape) for a, b, t in zip(spans[:-1], spans[1:], like, strict=True)
+    ]
 
 
 def copy_all(dests: list[torch.Tensor], sources: list[torch.Tensor]) -> None:
@@ -167,14 +176,23 @@ def rollout_pair(adapter: Any, prompts: list[list[int]], params: Any) -> dict[st
     engine = adapter.servers[0]
     request = protocol.generate_request(prompts, params, random.Random(0), routes_enabled=False)
     adapter.flush_cache()
-    direct_s, _ = seconds(lambda: engine.generate(input_ids=request.input_ids, sampling_params=request.sampling_params,
-                                                  **request.options))  # fmt: skip
+    direct_s, _ = seconds(
+        lambda: engine.generate(
+            input_ids=request.input_ids, sampling_params=request.sampling_params, **request.options
+        )
+    )
     adapter.flush_cache()
     adapter_s, groups = seconds(lambda: adapter.generate(prompts, params))
-    return {"adapter_s": adapter_s, "direct_s": direct_s, "tokens": sum(len(c.token_ids) for g in groups for c in g)}
+    return {
+        "adapter_s": adapter_s,
+        "direct_s": direct_s,
+        "tokens": sum(len(c.token_ids) for g in groups for c in g),
+    }
 
 
-def measure(name: str, args: argparse.Namespace, size: dict[str, Any], shape: tuple[int, int, int]) -> dict[str, Any]:
+def measure(
+    name: str, args: argparse.Namespace, size: dict[str, Any], shape: tuple[int, int, int]
+) -> dict[str, Any]:
     """Every figure of one model (``size``: config overrides; ``shape``: prompts, samples, new tokens)."""
     from grpo_megatron.rollout.config import RolloutConfig
     from grpo_megatron.rollout.embedded import EmbeddedEngine
@@ -195,8 +213,9 @@ def measure(name: str, args: argparse.Namespace, size: dict[str, Any], shape: tu
     # A KV pool holding every sequence of the rollout at once (the adapter's CPU default, 16384 tokens,
     # would run a wide rollout's 512 sequences ~120 at a time): the embedded engine runs them all.
     kv_tokens = max(16384, n_prompts * n_samples * (9 + new_tokens + 8))
-    rollout = RolloutConfig(engine="sglang", sglang_server_args={"max_total_tokens": kv_tokens},
-                            sglang_cpu_path=args.cpu_path)  # fmt: skip
+    rollout = RolloutConfig(
+        engine="sglang", sglang_server_args={"max_total_tokens": kv_tokens}, sglang_cpu_path=args.cpu_path
+    )
     adapter = SGLangEngine(rollout, str(work / "model"), EngineLaunch(args.dtype, device="cpu"))
     gen = torch.Generator().manual_seed(0)
     prompts = [[1, *torch.randint(4, 24, (8,), generator=gen).tolist()] for _ in range(n_prompts)]
@@ -239,38 +258,64 @@ def measure(name: str, args: argparse.Namespace, size: dict[str, Any], shape: tu
 
 def report(name: str, m: dict[str, Any], shape: tuple[int, int, int]) -> None:
     print(f"\n{name}: {m['mib']:.1f} MiB ({shape[0]} prompts x {shape[1]} samples, {shape[2]} new tokens)")
-    print(f"  per weight-load call: adapter {m['adapter_call_s'] * 1e3:.2f} ms / SGLang direct "
-          f"{m['direct_call_s'] * 1e3:.2f} ms = {m['adapter_call_s'] / m['direct_call_s']:.2f}")  # fmt: skip
-    print(f"  full version: SGLang {m['sglang_sync_s'] * 1e3:.1f} ms / embedded {m['embedded_sync_s'] * 1e3:.1f} ms "
-          f"= {m['sglang_sync_s'] / m['embedded_sync_s']:.2f}")  # fmt: skip
+    print(
+        f"  per weight-load call: adapter {m['adapter_call_s'] * 1e3:.2f} ms / SGLang direct "
+        f"{m['direct_call_s'] * 1e3:.2f} ms = {m['adapter_call_s'] / m['direct_call_s']:.2f}"
+    )
+    print(
+        f"  full version: SGLang {m['sglang_sync_s'] * 1e3:.1f} ms / embedded {m['embedded_sync_s'] * 1e3:.1f} ms "
+        f"= {m['sglang_sync_s'] / m['embedded_sync_s']:.2f}"
+    )
     floor = (m["into_shared_s"] + m["out_of_new_mapping_s"]) / m["one_copy_s"]
-    print(f"  a process boundary's floor on CPU (copies alone, no call): into shared memory "
-          f"{m['into_shared_s'] * 1e3:.1f} ms + out of a new mapping {m['out_of_new_mapping_s'] * 1e3:.1f} ms / "
-          f"one copy {m['one_copy_s'] * 1e3:.1f} ms = {floor:.2f}")  # fmt: skip
-    print(f"  rollout: adapter / SGLang direct (speed) = {m['adapter_over_direct_rollout']:.2f}; "
-          f"SGLang {m['sglang_tps']:.0f} tok/s / embedded {m['embedded_tps']:.0f} tok/s = "
-          f"{m['sglang_tps'] / m['embedded_tps']:.2f}")  # fmt: skip
+    print(
+        f"  a process boundary's floor on CPU (copies alone, no call): into shared memory "
+        f"{m['into_shared_s'] * 1e3:.1f} ms + out of a new mapping {m['out_of_new_mapping_s'] * 1e3:.1f} ms / "
+        f"one copy {m['one_copy_s'] * 1e3:.1f} ms = {floor:.2f}"
+    )
+    print(
+        f"  rollout: adapter / SGLang direct (speed) = {m['adapter_over_direct_rollout']:.2f}; "
+        f"SGLang {m['sglang_tps']:.0f} tok/s / embedded {m['embedded_tps']:.0f} tok/s = "
+        f"{m['sglang_tps'] / m['embedded_tps']:.2f}"
+    )
     print(f"  memory calls: release {m['release_s'] * 1e3:.1f} ms, resume {m['resume_s'] * 1e3:.1f} ms")
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
-                        help="default: bfloat16 on SGLang's intel_amx path (it serves no fp32), else float32")
-    parser.add_argument("--cpu-path", choices=["auto", "torch_native"], default="auto",
-                        help="rollout.sglang_cpu_path: torch_native takes that path on an AMX CPU too")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--dtype",
+        choices=["float32", "bfloat16"],
+        default=None,
+        help="default: bfloat16 on SGLang's intel_amx path (it serves no fp32), else float32",
+    )
+    parser.add_argument(
+        "--cpu-path",
+        choices=["auto", "torch_native"],
+        default="auto",
+        help="rollout.sglang_cpu_path: torch_native takes that path on an AMX CPU too",
+    )
     parser.add_argument("--buckets", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--rollout-repeats", type=int, default=0,
-                        help="rollout rounds per model (default: --repeats for the demo, 1 for the wide model)")
+    parser.add_argument(
+        "--rollout-repeats",
+        type=int,
+        default=0,
+        help="rollout rounds per model (default: --repeats for the demo, 1 for the wide model)",
+    )
     parser.add_argument("--skip-wide", action="store_true")
     parser.add_argument("--wide-hidden", type=int, default=512)
     parser.add_argument("--wide-layers", type=int, default=8)
     parser.add_argument("--wide-experts", type=int, default=8)
     parser.add_argument("--wide-prompts", type=int, default=64)
     parser.add_argument("--wide-samples", type=int, default=8)
-    parser.add_argument("--wide-new-tokens", type=int, default=32,
-                        help="128 is the issue's; 32 keeps the run near 5 minutes on 2 cores")
+    parser.add_argument(
+        "--wide-new-tokens",
+        type=int,
+        default=32,
+        help="128 is the issue's; 32 keeps the run near 5 minutes on 2 cores",
+    )
     args = parser.parse_args()
 
     from grpo_megatron.rollout.sglang.cpu_path import sglang_cpu_path
@@ -283,8 +328,12 @@ def main() -> int:
     results = {"demo": measure("demo", args, {}, demo_shape)}
     wide_shape = (args.wide_prompts, args.wide_samples, args.wide_new_tokens)
     if not args.skip_wide:
-        wide = {"hidden_size": args.wide_hidden, "num_hidden_layers": args.wide_layers,
-                "num_experts": args.wide_experts, "max_position_embeddings": 256}  # fmt: skip
+        wide = {
+            "hidden_size": args.wide_hidden,
+            "num_hidden_layers": args.wide_layers,
+            "num_experts": args.wide_experts,
+            "max_position_embeddings": 256,
+        }
         args.repeats, args.rollout_repeats = min(args.repeats, 3), 1
         results["wide"] = measure("wide", args, wide, wide_shape)
     report("demo", results["demo"], demo_shape)

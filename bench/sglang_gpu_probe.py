@@ -40,9 +40,17 @@ COMMON_SERVER_ARGS = {"skip_tokenizer_init": True, "log_level": "warning", "rand
 def model_config(tiny: bool) -> dict:
     cfg = json.loads((REPO / "examples" / "tiny_moe" / "config.json").read_text())
     if not tiny:
-        cfg |= {"hidden_size": 1024, "num_hidden_layers": 8, "num_attention_heads": 8, "head_dim": 128,
-                "num_key_value_heads": 4, "num_experts": 32, "num_experts_per_tok": 4,
-                "moe_intermediate_size": 512, "intermediate_size": 512}  # fmt: skip
+        cfg |= {
+            "hidden_size": 1024,
+            "num_hidden_layers": 8,
+            "num_attention_heads": 8,
+            "head_dim": 128,
+            "num_key_value_heads": 4,
+            "num_experts": 32,
+            "num_experts_per_tok": 4,
+            "moe_intermediate_size": 512,
+            "intermediate_size": 512,
+        }
     cfg["torch_dtype"] = "bfloat16"
     return cfg
 
@@ -89,7 +97,9 @@ class Probe:
         t0 = time.perf_counter()
         config = transformers.AutoConfig.for_model(**model_config(self.args.tiny))
         torch.manual_seed(0)
-        with torch.device(self.device):  # initialised where it runs: a 0.43B model in seconds, not 20 s on the host
+        with torch.device(
+            self.device
+        ):  # initialised where it runs: a 0.43B model in seconds, not 20 s on the host
             self.hf = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval()
         self.hf.save_pretrained(self.folder)
         self.step("write_model", t0, parameters=sum(p.numel() for p in self.hf.parameters()))
@@ -109,19 +119,38 @@ class Probe:
         """Sampled rollouts, twice (the first pays kernel warm-up); one prompt + response for scoring."""
         g = torch.Generator().manual_seed(1)
         prompts = [torch.randint(3, 64, (16,), generator=g).tolist() for _ in range(self.args.prompts)]
-        params = {"temperature": 1.0, "max_new_tokens": self.args.max_new_tokens, "n": self.args.n, "ignore_eos": True}
+        params = {
+            "temperature": 1.0,
+            "max_new_tokens": self.args.max_new_tokens,
+            "n": self.args.n,
+            "ignore_eos": True,
+        }
         for name in ("generate_first", "generate"):
             t0 = time.perf_counter()
-            res = self.engine.generate(input_ids=prompts, sampling_params=params, return_logprob=True,
-                                       return_routed_experts=self.routes)  # fmt: skip
+            res = self.engine.generate(
+                input_ids=prompts,
+                sampling_params=params,
+                return_logprob=True,
+                return_routed_experts=self.routes,
+            )
             tokens = sum(len(r["output_ids"]) for r in res)
             routed = bool(res[0]["meta_info"].get("routed_experts"))
-            self.step(name, t0, tokens=tokens, tokens_per_s=round(tokens / (time.perf_counter() - t0)), routed=routed)
+            self.step(
+                name,
+                t0,
+                tokens=tokens,
+                tokens_per_s=round(tokens / (time.perf_counter() - t0)),
+                routed=routed,
+            )
         return prompts[0] + res[0]["output_ids"]
 
     def score(self, seq: list[int]) -> torch.Tensor:
-        scored = self.engine.generate(input_ids=[seq], sampling_params={"max_new_tokens": 1, "temperature": 0.0},
-                                      return_logprob=True, logprob_start_len=0)  # fmt: skip
+        scored = self.engine.generate(
+            input_ids=[seq],
+            sampling_params={"max_new_tokens": 1, "temperature": 0.0},
+            return_logprob=True,
+            logprob_start_len=0,
+        )
         return torch.tensor([lp for lp, _, _ in scored[0]["meta_info"]["input_token_logprobs"][1:]])
 
     def score_against_transformers(self, seq: list[int]) -> torch.Tensor:
@@ -151,18 +180,24 @@ class Probe:
                 self.engine.begin_weight_update()
             for lo in range(0, len(named), 64):
                 bucket = FlattenedTensorBucket(named_tensors=named[lo : lo + 64])
-                payload = {"flattened_tensor": bucket.get_flattened_tensor(), "metadata": bucket.get_metadata()}
+                payload = {
+                    "flattened_tensor": bucket.get_flattened_tensor(),
+                    "metadata": bucket.get_metadata(),
+                }
                 self.engine.update_weights_from_tensor(
                     [MultiprocessingSerializer.serialize(payload, output_str=True)],
-                    load_format="flattened_bucket", flush_cache=False,
-                )  # fmt: skip
+                    load_format="flattened_bucket",
+                    flush_cache=False,
+                )
             if sessions:
                 self.engine.end_weight_update()
             self.engine.flush_cache()
             if self.device == "cuda":
                 torch.cuda.synchronize()
             seconds = time.perf_counter() - t0
-            self.step(name, t0, bytes=total, tensors=len(named), gb_per_s=float(f"{total / seconds / 1e9:.4g}"))
+            self.step(
+                name, t0, bytes=total, tensors=len(named), gb_per_s=float(f"{total / seconds / 1e9:.4g}")
+            )
         self.out["resync_max_abs"] = float((self.score(seq) - before).abs().max())
         change = self.out["resync_max_abs"]
         print(f"[probe] score after re-sending the same weights: max |change| {change:.1e}", flush=True)

@@ -120,13 +120,22 @@ def profile_weights(adapter: Any, parts: list, rows: Rows, version: int, idle_s:
         aside += sink.run_timed("write, new file", partial(fresh_write, part, classes))
         call = time.perf_counter()
         payload = sink.run("serialize", partial(rank_payload, part, classes, "cpu", staging))
-        load = partial(engine.update_weights_from_tensor, [payload], load_format="flattened_bucket", flush_cache=False)
+        load = partial(
+            engine.update_weights_from_tensor, [payload], load_format="flattened_bucket", flush_cache=False
+        )
         result = sink.run("load rpc", load)
         ok(result, "update_weights_from_tensor")
         sink.add("direct call", (time.perf_counter() - call) * 1e3)
     empty = rank_payload([], classes, "cpu")
-    ok(sink.run("empty rpc", lambda: engine.update_weights_from_tensor(
-        [empty], load_format="flattened_bucket", flush_cache=False)), "empty")  # fmt: skip
+    ok(
+        sink.run(
+            "empty rpc",
+            lambda: engine.update_weights_from_tensor(
+                [empty], load_format="flattened_bucket", flush_cache=False
+            ),
+        ),
+        "empty",
+    )
     ok(sink.run("end", engine.end_weight_update), "end_weight_update")
     sink.run("flush", engine.flush_cache)
     sink.add("direct version", (time.perf_counter() - start) * 1e3 - aside)
@@ -136,8 +145,15 @@ def profile_weights(adapter: Any, parts: list, rows: Rows, version: int, idle_s:
     ok(engine.begin_weight_update(), "begin")
     time.sleep(idle_s)
     empty = rank_payload([], classes, "cpu")  # a payload opens once (its shared-memory file goes then)
-    ok(sink.run("idle wake", lambda: engine.update_weights_from_tensor(
-        [empty], load_format="flattened_bucket", flush_cache=False)), "idle")  # fmt: skip
+    ok(
+        sink.run(
+            "idle wake",
+            lambda: engine.update_weights_from_tensor(
+                [empty], load_format="flattened_bucket", flush_cache=False
+            ),
+        ),
+        "idle",
+    )
     ok(engine.end_weight_update(), "end")
     sink.run("release (adapter)", adapter.release_memory)
     sink.run("resume (adapter)", adapter.resume_memory)
@@ -150,11 +166,16 @@ def profile_generate(adapter: Any, prompts: list, params: Any, rows: Rows, recor
 
     engine = adapter.servers[0]
     sink = rows if record else Rows()
-    request = sink.run("request", lambda: protocol.generate_request(prompts, params, random.Random(0),
-                                                                     routes_enabled=False))  # fmt: skip
+    request = sink.run(
+        "request", lambda: protocol.generate_request(prompts, params, random.Random(0), routes_enabled=False)
+    )
     engine.flush_cache()  # no prefix cached by the other call (untimed)
-    outputs = sink.run("engine.generate", lambda: engine.generate(
-        input_ids=request.input_ids, sampling_params=request.sampling_params, **request.options))  # fmt: skip
+    outputs = sink.run(
+        "engine.generate",
+        lambda: engine.generate(
+            input_ids=request.input_ids, sampling_params=request.sampling_params, **request.options
+        ),
+    )
     engine.flush_cache()
     out = sink.run("adapter generate", lambda: adapter.generate(prompts, params))
     sink.run("decode", lambda: protocol.completions(outputs, request, params.n))
@@ -162,7 +183,9 @@ def profile_generate(adapter: Any, prompts: list, params: Any, rows: Rows, recor
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--hidden", type=int, default=128)
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--experts", type=int, default=4)
@@ -173,8 +196,13 @@ def main() -> int:
     parser.add_argument("--new-tokens", type=int, default=6)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--idle-s", type=float, default=1.5, help="idle time before the 'idle wake' row")
-    parser.add_argument("--server-arg", action="append", default=[], metavar="KEY=JSON",
-                        help="an extra sglang.Engine argument (rollout.sglang_server_args), e.g. sleep_on_idle=false")
+    parser.add_argument(
+        "--server-arg",
+        action="append",
+        default=[],
+        metavar="KEY=JSON",
+        help="an extra sglang.Engine argument (rollout.sglang_server_args), e.g. sleep_on_idle=false",
+    )
     args = parser.parse_args()
 
     from grpo_megatron.rollout.config import RolloutConfig
@@ -201,12 +229,18 @@ def main() -> int:
         adapter.shutdown()
         shutil.rmtree(work, ignore_errors=True)
     nbytes = sum(t.numel() * t.element_size() for t in weights.values())
-    load.print(f"weight load: {nbytes / 2**20:.1f} MiB in {len(parts)} buckets (server args {extra or 'default'})")
-    print(f"  adapter call / direct call = {load.median('adapter call') / load.median('direct call'):.2f}; "
-          f"adapter version / direct version = {load.median('adapter version') / load.median('direct version'):.2f}")
+    load.print(
+        f"weight load: {nbytes / 2**20:.1f} MiB in {len(parts)} buckets (server args {extra or 'default'})"
+    )
+    print(
+        f"  adapter call / direct call = {load.median('adapter call') / load.median('direct call'):.2f}; "
+        f"adapter version / direct version = {load.median('adapter version') / load.median('direct version'):.2f}"
+    )
     gen_rows.print(f"generate: {args.prompts} prompts x {args.samples} samples, {args.new_tokens} new tokens")
-    print(f"  engine.generate / adapter generate = "
-          f"{gen_rows.median('engine.generate') / gen_rows.median('adapter generate'):.2f}")
+    print(
+        f"  engine.generate / adapter generate = "
+        f"{gen_rows.median('engine.generate') / gen_rows.median('adapter generate'):.2f}"
+    )
     return 0
 
 

@@ -60,8 +60,11 @@ def worker(args: argparse.Namespace) -> None:
     world = world_size_from_env()
     cfg = load_config(
         EXAMPLE,
-        [f"model.hf_path={args.hf_dir}", "parallel.use_distributed_optimizer=false",
-         *(WORLD4[args.world4] if world == 4 else [])],
+        [
+            f"model.hf_path={args.hf_dir}",
+            "parallel.use_distributed_optimizer=false",
+            *(WORLD4[args.world4] if world == 4 else []),
+        ],
     )
     validate(cfg, world)
     ps = init_distributed(cfg.parallel, seed=cfg.train.seed)
@@ -99,11 +102,23 @@ def worker(args: argparse.Namespace) -> None:
         def chunks(n: int) -> list[int]:
             return [min(bucket_bytes, n - off) for off in range(0, n, bucket_bytes)]
 
-        outbox = [(d, torch.ones(m, dtype=torch.uint8)) for (s, d), n in pairs.items() if s == ps.rank for m in chunks(n)]
-        inbox = [(s, torch.empty(m, dtype=torch.uint8)) for (s, d), n in pairs.items() if d == ps.rank for m in chunks(n)]
+        outbox = [
+            (d, torch.ones(m, dtype=torch.uint8))
+            for (s, d), n in pairs.items()
+            if s == ps.rank
+            for m in chunks(n)
+        ]
+        inbox = [
+            (s, torch.empty(m, dtype=torch.uint8))
+            for (s, d), n in pairs.items()
+            if d == ps.rank
+            for m in chunks(n)
+        ]
 
         def floor() -> None:
-            ops = [dist.P2POp(dist.isend, b, d) for d, b in outbox] + [dist.P2POp(dist.irecv, b, s) for s, b in inbox]
+            ops = [dist.P2POp(dist.isend, b, d) for d, b in outbox] + [
+                dist.P2POp(dist.irecv, b, s) for s, b in inbox
+            ]
             for work in dist.batch_isend_irecv(ops) if ops else []:
                 work.wait()
 
@@ -112,7 +127,9 @@ def worker(args: argparse.Namespace) -> None:
         tiny_in = [(s, torch.empty(1, dtype=torch.uint8)) for (s, d) in pairs if d == ps.rank]
 
         def ping() -> None:  # one wait of the same pairs with nothing to move: the latency per wait
-            ops = [dist.P2POp(dist.isend, b, d) for d, b in tiny] + [dist.P2POp(dist.irecv, b, s) for s, b in tiny_in]
+            ops = [dist.P2POp(dist.isend, b, d) for d, b in tiny] + [
+                dist.P2POp(dist.irecv, b, s) for s, b in tiny_in
+            ]
             for work in dist.batch_isend_irecv(ops) if ops else []:
                 work.wait()
 
@@ -143,19 +160,30 @@ def worker(args: argparse.Namespace) -> None:
         times["floor"].append(_timed(floor))
     if ps.rank == 0:
         out = {
-            "world": world, "payload_bytes": payload, "engines": fleet.num_engines, "sent": sent, "received": recv,
-            "median_s": {k: statistics.median(v) for k, v in times.items()}, "all_s": times,
-            "bucket_mb": bucket_bytes / (1 << 20), "waits": [m[0] for m in mine], "packed": [m[1] for m in mine],
-            "messages": [m[2] for m in mine], "latency_s": latency if world > 1 else 0.0,
-            "message_s": message_s if world > 1 else 0.0, "in_place_bytes": last["sync/in_place_bytes"],
-        }  # fmt: skip
+            "world": world,
+            "payload_bytes": payload,
+            "engines": fleet.num_engines,
+            "sent": sent,
+            "received": recv,
+            "median_s": {k: statistics.median(v) for k, v in times.items()},
+            "all_s": times,
+            "bucket_mb": bucket_bytes / (1 << 20),
+            "waits": [m[0] for m in mine],
+            "packed": [m[1] for m in mine],
+            "messages": [m[2] for m in mine],
+            "latency_s": latency if world > 1 else 0.0,
+            "message_s": message_s if world > 1 else 0.0,
+            "in_place_bytes": last["sync/in_place_bytes"],
+        }
         Path(args.out).write_text(json.dumps(out))
     fleet.shutdown()
     destroy_distributed()
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--bucket-mb", type=float, default=0.0, help="0: rollout.sync_bucket_mb's default")
     parser.add_argument("--timeout-s", type=float, default=600.0)
@@ -184,11 +212,15 @@ def main() -> None:
         mb = r["payload_bytes"] / 1e6
         floor = "memcpy" if world == 1 else "raw send/recv over the plan's pairs"
         layout = f" {args.world4}" if world == 4 else ""
-        print(f"world {world}{layout}, {r['engines']} engine(s), {mb:.1f} MB per engine; bytes sent per rank {r['sent']}")
+        print(
+            f"world {world}{layout}, {r['engines']} engine(s), {mb:.1f} MB per engine; bytes sent per rank {r['sent']}"
+        )
         for name, seconds in r["median_s"].items():
             print(f"  {name:6s} {seconds * 1e3:8.1f} ms")
-        print(f"ratio world {world}: sync / {floor} = {r['median_s']['sync'] / r['median_s']['floor']:.2f} "
-              f"({r['in_place_bytes'] / 1e6:.1f} MB received straight into an engine's weights)")
+        print(
+            f"ratio world {world}: sync / {floor} = {r['median_s']['sync'] / r['median_s']['floor']:.2f} "
+            f"({r['in_place_bytes'] / 1e6:.1f} MB received straight into an engine's weights)"
+        )
     # The planner's model fed this machine's speeds: the memcpy rate, and the busiest rank's rate
     # through the raw transfer (its larger direction).
     w1, w4 = results[1], results[4]

@@ -27,11 +27,19 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 COMMON = [
-    "train.prompts_per_iteration=8", "rollout.n_samples_per_prompt=8", "data.num_train_prompts=256",
-    "data.num_eval_prompts=8", "train.micro_batch_size=32", "train.eval_interval=0", "logging.wandb_mode=disabled",
-    "logging.progress_bar=false", "parallel.backend=gloo", "model.dtype=bfloat16", "train.lr=1e-3",
+    "train.prompts_per_iteration=8",
+    "rollout.n_samples_per_prompt=8",
+    "data.num_train_prompts=256",
+    "data.num_eval_prompts=8",
+    "train.micro_batch_size=32",
+    "train.eval_interval=0",
+    "logging.wandb_mode=disabled",
+    "logging.progress_bar=false",
+    "parallel.backend=gloo",
+    "model.dtype=bfloat16",
+    "train.lr=1e-3",
     "reward.components=[{name: len, function: length, kwargs: {target_chars: 6}}]",
-]  # fmt: skip
+]
 WIDE = [
     "model.hf_overrides={hidden_size: 512, intermediate_size: 1024, moe_intermediate_size: 512, num_hidden_layers: 4}"
 ]
@@ -45,10 +53,24 @@ def free_port() -> int:
 
 def run_job(run_dir: Path, overrides: list[str], iterations: int) -> list[dict]:
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-        "--master-port", str(free_port()), "-m", "grpo_megatron", "train", str(REPO / "examples" / "demo.yaml"),
-        *COMMON, f"train.iterations={iterations}", f"logging.run_dir={run_dir}", *overrides,
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "2",
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        str(free_port()),
+        "-m",
+        "grpo_megatron",
+        "train",
+        str(REPO / "examples" / "demo.yaml"),
+        *COMMON,
+        f"train.iterations={iterations}",
+        f"logging.run_dir={run_dir}",
+        *overrides,
+    ]
     env = dict(os.environ, OMP_NUM_THREADS="1", TORCH_COMPILE_DISABLE="1", WANDB_SILENT="true")
     done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=3600)
     if done.returncode != 0:
@@ -78,19 +100,26 @@ def main() -> int:
         for name, extra in models.items():
             got = {}
             for switch in ("false", "true"):
-                records = run_job(Path(tmp) / f"{name}-{switch}", [*extra, f"rollout.true_on_policy={switch}"],
-                                  args.iterations)  # fmt: skip
+                records = run_job(
+                    Path(tmp) / f"{name}-{switch}",
+                    [*extra, f"rollout.true_on_policy={switch}"],
+                    args.iterations,
+                )
                 got[switch] = summary(records)
                 print(json.dumps({"model": name, "true_on_policy": switch, **got[switch]}), flush=True)
             off, on = got["false"], got["true"]
             rows.append((name, off, on))
-    print("\n| model | rollout tokens/s off | on | on/off | train step s off | on | on/off | mismatch max off | on |")
+    print(
+        "\n| model | rollout tokens/s off | on | on/off | train step s off | on | on/off | mismatch max off | on |"
+    )
     print("|---|---|---|---|---|---|---|---|---|")
     for name, off, on in rows:
-        print(f"| {name} | {off['rollout_tokens_per_s']:.0f} | {on['rollout_tokens_per_s']:.0f} | "
-              f"{on['rollout_tokens_per_s'] / off['rollout_tokens_per_s']:.2f} | {off['train_s']:.2f} | "
-              f"{on['train_s']:.2f} | {on['train_s'] / off['train_s']:.2f} | {off['mismatch_max']:.3g} | "
-              f"{on['mismatch_max']:.3g} |")  # fmt: skip
+        print(
+            f"| {name} | {off['rollout_tokens_per_s']:.0f} | {on['rollout_tokens_per_s']:.0f} | "
+            f"{on['rollout_tokens_per_s'] / off['rollout_tokens_per_s']:.2f} | {off['train_s']:.2f} | "
+            f"{on['train_s']:.2f} | {on['train_s'] / off['train_s']:.2f} | {off['mismatch_max']:.3g} | "
+            f"{on['mismatch_max']:.3g} |"
+        )
     return 0
 
 

@@ -91,7 +91,10 @@ def _run_sft(cfg: JobConfig, args: argparse.Namespace) -> int:
 
 def _add_verify_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--tol", type=float, default=1e-4, help="largest allowed logit/logprob difference (default 1e-4, for fp32)"
+        "--tol",
+        type=float,
+        default=1e-4,
+        help="largest allowed logit/logprob difference (default 1e-4, for fp32)",
     )
 
 
@@ -134,8 +137,12 @@ COMMANDS: tuple[Command, ...] = (
         _add_world_size,
     ),
     Command("sanity", "build the policy at the configured layout and run a few training steps", _run_sanity),
-    Command("train", "GRPO: rollout, rewards, advantages, policy updates, weight sync, checkpoints", _run_train),
-    Command("sft", "supervised cold start on prompt/response pairs; writes a Hugging Face checkpoint", _run_sft),
+    Command(
+        "train", "GRPO: rollout, rewards, advantages, policy updates, weight sync, checkpoints", _run_train
+    ),
+    Command(
+        "sft", "supervised cold start on prompt/response pairs; writes a Hugging Face checkpoint", _run_sft
+    ),
     Command(
         "verify",
         "load model.hf_path's safetensors at the configured layout; compare logits with transformers",

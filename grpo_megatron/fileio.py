@@ -61,7 +61,9 @@ def read_weight_map(index: Path) -> dict[str, str]:
     try:
         weight_map = json.loads(index.read_text())["weight_map"]
     except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise ValueError(f"{index} is not a readable safetensors index ({exc!r}); copy or download it again") from None
+        raise ValueError(
+            f"{index} is not a readable safetensors index ({exc!r}); copy or download it again"
+        ) from None
     if not isinstance(weight_map, dict):
         raise ValueError(f"{index}: weight_map is not an object of tensor name -> file name")
     for key, file in weight_map.items():

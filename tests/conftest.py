@@ -18,6 +18,8 @@ def pytest_sessionstart(session: pytest.Session) -> None:
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
-    note = closing_note(terminalreporter.stats, time.monotonic() - config.stash.get(_STARTED, time.monotonic()))
+    note = closing_note(
+        terminalreporter.stats, time.monotonic() - config.stash.get(_STARTED, time.monotonic())
+    )
     if note is not None:
         terminalreporter.write_line(note)

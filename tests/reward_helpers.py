@@ -63,8 +63,13 @@ def dict_components(sample: RewardSample) -> dict[str, float]:
 
 def by_prompt(sample: RewardSample) -> float:
     """Dispatches on the prompt so one batch can mix every failure mode."""
-    behaviour = {"raise": raises, "nan": returns_nan, "hang": sleep_forever, "exit": hard_exit,
-                 "str": returns_string}
+    behaviour = {
+        "raise": raises,
+        "nan": returns_nan,
+        "hang": sleep_forever,
+        "exit": hard_exit,
+        "str": returns_string,
+    }
     return behaviour.get(sample.prompt, lambda s: float(len(s.response)))(sample)
 
 

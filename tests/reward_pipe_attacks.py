@@ -34,8 +34,16 @@ def worker_frame() -> Any:
 def _result(task: int, reward: Any = 1.0, **changes: Any) -> bytes:
     import json
 
-    msg = {"kind": "result", "task": task, "status": "ok", "reward": reward, "components": {"c0": 1.0},
-           "message": None, "component": None, **changes}
+    msg = {
+        "kind": "result",
+        "task": task,
+        "status": "ok",
+        "reward": reward,
+        "components": {"c0": 1.0},
+        "message": None,
+        "component": None,
+        **changes,
+    }
     return json.dumps(msg).encode()
 
 

@@ -84,7 +84,8 @@ def missing_piece(cpuinfo: str | None = None, folder: str | None = None) -> Miss
     for module in ("sglang", "uvloop", "torchvision", "xgrammar"):
         if importlib.util.find_spec(module) is None:
             return Missing(
-                f"SGLang's engine dependency {module} is not installed: run `make setup` (the lock has it)", False
+                f"SGLang's engine dependency {module} is not installed: run `make setup` (the lock has it)",
+                False,
             )
     cpuinfo = kernel_wheel.read_cpuinfo() if cpuinfo is None else cpuinfo
     folder = wheelhouse() if folder is None else folder
@@ -130,7 +131,11 @@ def closing_note(stats: dict[str, list], seconds: float, cpuinfo: str | None = N
             if not nodeid.startswith(REAL_ENGINE_TESTS):
                 continue
             outcomes[nodeid] = outcome
-            if outcome == "skipped" and not skip_reason and isinstance(getattr(report, "longrepr", None), tuple):
+            if (
+                outcome == "skipped"
+                and not skip_reason
+                and isinstance(getattr(report, "longrepr", None), tuple)
+            ):
                 skip_reason = str(report.longrepr[2]).removeprefix("Skipped: ")
     if not outcomes:
         return None
@@ -138,8 +143,14 @@ def closing_note(stats: dict[str, list], seconds: float, cpuinfo: str | None = N
     flags = kernel_wheel.cpu_flags(cpuinfo)
     found = kernel_wheel.installed()
     build = kernel_wheel.build_of(found[1]) if found else None
-    kernel = f"{found[0]} {found[1]} ({build.name if build else 'unknown'} build)" if found else "no kernel installed"
-    counts = {k: sum(1 for v in outcomes.values() if v == k) for k in ("passed", "failed", "error", "skipped")}
+    kernel = (
+        f"{found[0]} {found[1]} ({build.name if build else 'unknown'} build)"
+        if found
+        else "no kernel installed"
+    )
+    counts = {
+        k: sum(1 for v in outcomes.values() if v == k) for k in ("passed", "failed", "error", "skipped")
+    }
     ran = counts["passed"] + counts["failed"] + counts["error"]
     machine = kernel_wheel.sglang_cpu_path(flags) if found else "none"
     paths: dict[str, int] = {}

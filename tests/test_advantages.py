@@ -62,6 +62,10 @@ def test_token_advantages_masked():
 def test_advantages_from_config():
     rewards_b = torch.tensor([2.0, 0.0, 1.0, 1.0])
     dr_grpo = AlgorithmConfig(norm_adv_by_std=False)
-    torch.testing.assert_close(advantages_from_config(rewards_b, 4, dr_grpo), torch.tensor([1.0, -1.0, 0.0, 0.0]))
+    torch.testing.assert_close(
+        advantages_from_config(rewards_b, 4, dr_grpo), torch.tensor([1.0, -1.0, 0.0, 0.0])
+    )
     rloo = AlgorithmConfig(advantage_estimator="rloo", norm_adv_by_std=False)
-    torch.testing.assert_close(advantages_from_config(rewards_b, 4, rloo), torch.tensor([4 / 3, -4 / 3, 0.0, 0.0]))
+    torch.testing.assert_close(
+        advantages_from_config(rewards_b, 4, rloo), torch.tensor([4 / 3, -4 / 3, 0.0, 0.0])
+    )

@@ -23,7 +23,10 @@ def test_defaults_are_deepseekmath_grpo_and_valid():
         (AlgorithmConfig(dual_clip=0.5), "algorithm.dual_clip=0.5"),
         (AlgorithmConfig(kl=KLConfig(beta=-1.0)), "algorithm.kl.beta=-1.0"),
         (AlgorithmConfig(kl=KLConfig(warmup_fraction=1.0)), "algorithm.kl.warmup_fraction=1.0"),
-        (AlgorithmConfig(overlong=OverlongConfig(max_len=100, buffer_len=200)), "algorithm.overlong.max_len=100"),
+        (
+            AlgorithmConfig(overlong=OverlongConfig(max_len=100, buffer_len=200)),
+            "algorithm.overlong.max_len=100",
+        ),
         (RewardConfig(timeout_s=0.0), "reward.timeout_s=0.0"),
         (RewardConfig(components=[]), "reward.components"),
         (RewardConfig(components=[RewardComponentConfig(function="nope")]), "reward.components[0].function"),

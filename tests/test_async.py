@@ -12,7 +12,11 @@ from pathlib import Path
 from grpo_megatron.logging_utils.metrics import read_jsonl
 from tests.helpers.runs import SMALL, comparable, finish, killed_and_resumed, launch
 
-MOVING = [*SMALL, "reward.components=[{name: len, function: length, kwargs: {target_chars: 6}}]", "train.lr=1e-3"]
+MOVING = [
+    *SMALL,
+    "reward.components=[{name: len, function: length, kwargs: {target_chars: 6}}]",
+    "train.lr=1e-3",
+]
 ASYNC = ["rollout.embedded_process=true"]
 
 
@@ -35,7 +39,9 @@ def test_max_staleness_zero_in_engine_processes_equals_the_synchronous_run_bitwi
     restarts = [(r.pop("engine/restarts", 0), r.pop("engine/restart_s", 0)) for r in got]
     assert sum(n for n, _ in restarts) == 2, restarts
     for r in got[1:]:
-        assert r.pop("async/staleness/max") == r.pop("async/staleness/min") == r.pop("async/staleness/mean") == 0
+        assert (
+            r.pop("async/staleness/max") == r.pop("async/staleness/min") == r.pop("async/staleness/mean") == 0
+        )
         assert r.pop("async/drained_batches") == 0
     assert got == want, json.dumps([got[-1], want[-1]], indent=1)
     out = outs["lost"]
@@ -45,8 +51,16 @@ def test_max_staleness_zero_in_engine_processes_equals_the_synchronous_run_bitwi
 
 def test_more_engine_losses_than_the_bound_end_the_run_naming_them(tmp_path, monkeypatch):
     monkeypatch.setenv("GRPO_ENGINE_FAULT", "kill:1")  # both engines, at the first rollout
-    proc = launch("train", [*MOVING, *ASYNC, "rollout.max_engine_restarts=1", "train.iterations=2",
-                            f"logging.run_dir={tmp_path / 'run'}"])  # fmt: skip
+    proc = launch(
+        "train",
+        [
+            *MOVING,
+            *ASYNC,
+            "rollout.max_engine_restarts=1",
+            "train.iterations=2",
+            f"logging.run_dir={tmp_path / 'run'}",
+        ],
+    )
     out, _ = proc.communicate(timeout=300)
     assert proc.returncode != 0
     assert "2 engine(s) lost, past rollout.max_engine_restarts=1 (0 restart(s) so far)" in out, out[-4000:]
@@ -60,9 +74,16 @@ def test_more_engine_losses_than_the_bound_end_the_run_naming_them(tmp_path, mon
 def test_one_step_off_lags_by_at_most_one_version_and_resumes_with_the_same_rules(tmp_path):
     # r3: each batch's routes stay held on the engines' ranks until its iteration's plan, while the next
     # batch's are held too; the checkpoint at iteration 2 copies a submitted batch's held routes.
-    common = [*MOVING, *ASYNC, "train.max_staleness=1", "algorithm.off_policy.correction=icepop",
-              "train.iterations=4", "checkpoint.save_interval=2", "algorithm.routing_replay=r3",
-              "logging.samples_interval=1"]  # fmt: skip
+    common = [
+        *MOVING,
+        *ASYNC,
+        "train.max_staleness=1",
+        "algorithm.off_policy.correction=icepop",
+        "train.iterations=4",
+        "checkpoint.save_interval=2",
+        "algorithm.routing_replay=r3",
+        "logging.samples_interval=1",
+    ]
     full = tmp_path / "full"
     finish(launch("train", [*common, f"logging.run_dir={full}"]))
     records = read_jsonl(full / "metrics.jsonl")[1:]
@@ -83,8 +104,19 @@ def test_one_step_off_lags_by_at_most_one_version_and_resumes_with_the_same_rule
     # The checkpoint of iteration 2 resumed by the synchronous loop: the prompts of its two submitted
     # batches (iterations 3 and 4) go back to the sampler, so iteration 3 trains the same prompts.
     sync = tmp_path / "sync"
-    out = finish(launch("train", [*MOVING, "train.iterations=3", "algorithm.routing_replay=r3", "logging.samples_interval=1",
-                                  f"checkpoint.resume={full / 'checkpoints' / 'iter_0000002'}", f"logging.run_dir={sync}"]))  # fmt: skip
+    out = finish(
+        launch(
+            "train",
+            [
+                *MOVING,
+                "train.iterations=3",
+                "algorithm.routing_replay=r3",
+                "logging.samples_interval=1",
+                f"checkpoint.resume={full / 'checkpoints' / 'iter_0000002'}",
+                f"logging.run_dir={sync}",
+            ],
+        )
+    )
     assert "the prompts of its 2 submitted batches are generated again" in out
 
     def prompts(run: Path, iteration: int) -> list[str]:
@@ -138,8 +170,9 @@ def test_the_fleet_restarts_engines_lost_before_or_during_a_sync_or_a_rollout(tm
     from tests.test_rollout import _write_config
 
     moe = _write_config(tmp_path / "moe", tiny_hf_config("qwen3_moe"))
-    per_rank = run_distributed("tests.workers.rollout_workers:engines_lost_and_restarted", 2, timeout_s=300,
-                               hf_dir=moe)  # fmt: skip
+    per_rank = run_distributed(
+        "tests.workers.rollout_workers:engines_lost_and_restarted", 2, timeout_s=300, hf_dir=moe
+    )
     for res in per_rank:
         assert res["after_sync_restart"] == 1 and res["restarts"] == 3, res
         assert res["same"] and res["versions"] == [2] and res["versions_3"] == [3], res

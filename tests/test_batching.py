@@ -78,7 +78,10 @@ def test_collate_pads_right_and_placeholder_contributes_nothing():
     scatter_logprobs(samples, [[0, 1]], [out_bs], "ref")
     assert samples[0].ref_logprobs_s.tolist() == [0, 1]  # masked to the response position
     assert samples[1].ref_logprobs_s.tolist() == [3, 4, 5]
-    assert LossInputs.of(collate(samples, [0, 1], pad_id=0)).ref_logprobs_bs.tolist() == [[0, 1, 0], [3, 4, 5]]
+    assert LossInputs.of(collate(samples, [0, 1], pad_id=0)).ref_logprobs_bs.tolist() == [
+        [0, 1, 0],
+        [3, 4, 5],
+    ]
 
 
 @pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
@@ -101,11 +104,21 @@ def test_micro_batch_losses_with_the_global_normaliser_sum_to_the_whole_batch_lo
             lp_bs[b, : samples[i].length] = logprobs[i]
         old_bs = lp_bs + 0.1 * LossInputs.of(mb).mask_bs
         loss, _ = grpo_policy_loss(
-            lp_bs, old_bs, LossInputs.of(mb).advantages_b, LossInputs.of(mb).mask_bs, cfg, normalizer=normalizer, norm_len=8
+            lp_bs,
+            old_bs,
+            LossInputs.of(mb).advantages_b,
+            LossInputs.of(mb).mask_bs,
+            cfg,
+            normalizer=normalizer,
+            norm_len=8,
         )
         return loss
 
     whole = batch_loss(list(range(7)))
-    split = sum(batch_loss(rows) for rows in microbatch_rows([s.length for s in samples], range(7),
-                                                                  micro_batch_size=3, max_tokens=None))
+    split = sum(
+        batch_loss(rows)
+        for rows in microbatch_rows(
+            [s.length for s in samples], range(7), micro_batch_size=3, max_tokens=None
+        )
+    )
     torch.testing.assert_close(split, whole, rtol=1e-6, atol=1e-7)

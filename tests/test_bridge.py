@@ -65,9 +65,13 @@ def test_every_architecture_round_trips_exactly_at_world_1(tiny) -> None:
     root, refs = tiny
     cases, case_refs = _cases(root, refs, {"world1": (list(TINY_CONFIGS), [])})
     (results,) = run_distributed(
-        "tests.workers.bridge_workers:roundtrip", 1, timeout_s=240, cases=cases, refs=case_refs,
+        "tests.workers.bridge_workers:roundtrip",
+        1,
+        timeout_s=240,
+        cases=cases,
+        refs=case_refs,
         bucket_bytes=BUCKET_BYTES,
-    )  # fmt: skip
+    )
     _check(results, logits=True)
 
 
@@ -84,11 +88,19 @@ def test_two_rank_layouts_round_trip_exactly(tiny) -> None:
     root, refs = tiny
     cases, case_refs = _cases(root, refs, TWO_RANKS)
     per_rank = run_distributed(
-        "tests.workers.bridge_workers:roundtrip", 2, timeout_s=420, cases=cases, refs=case_refs,
+        "tests.workers.bridge_workers:roundtrip",
+        2,
+        timeout_s=420,
+        cases=cases,
+        refs=case_refs,
         bucket_bytes=BUCKET_BYTES,
-    )  # fmt: skip
+    )
     _check(per_rank[0], logits=False)
-    failures = [f"rank 1 {c}: {r['logprob_diff']:.3g}" for c, r in per_rank[1].items() if not r["logprob_diff"] <= LOGIT_TOL]
+    failures = [
+        f"rank 1 {c}: {r['logprob_diff']:.3g}"
+        for c, r in per_rank[1].items()
+        if not r["logprob_diff"] <= LOGIT_TOL
+    ]
     assert not failures
 
 
@@ -97,16 +109,23 @@ def test_tp2_ep2_round_trips_exactly_and_writes_a_loadable_model(tiny, tmp_path:
     cases, case_refs = _cases(root, refs, {"TP2xEP2": (MOE, ["parallel.tp=2", "parallel.ep=2"])})
     written = tmp_path / "exported"
     per_rank = run_distributed(
-        "tests.workers.bridge_workers:roundtrip", 4, timeout_s=420, cases=cases, refs=case_refs,
-        bucket_bytes=BUCKET_BYTES, write_dirs={"deepseek_v3 TP2xEP2": str(written)},
-    )  # fmt: skip
+        "tests.workers.bridge_workers:roundtrip",
+        4,
+        timeout_s=420,
+        cases=cases,
+        refs=case_refs,
+        bucket_bytes=BUCKET_BYTES,
+        write_dirs={"deepseek_v3 TP2xEP2": str(written)},
+    )
     _check(per_rank[0], logits=False)
     assert all(r["logprob_diff"] <= LOGIT_TOL for rank in per_rank for r in rank.values())
 
     # The writer's output (sharded files, index, config.json) is a model transformers loads as is.
     from transformers import AutoModelForCausalLM
 
-    assert len(list(written.glob("model-*-of-*.safetensors"))) == per_rank[0]["deepseek_v3 TP2xEP2"]["buckets"]
+    assert (
+        len(list(written.glob("model-*-of-*.safetensors"))) == per_rank[0]["deepseek_v3 TP2xEP2"]["buckets"]
+    )
     model = AutoModelForCausalLM.from_pretrained(written, **reference_kwargs("deepseek_v3")).eval()
     with torch.no_grad():
         logits = model(batch_tokens()).logits
@@ -132,15 +151,30 @@ def test_broken_checkpoints_fail_naming_key_and_file(tiny, tmp_path: Path) -> No
     shutil.copytree(src, no_shard)
     keys = list(load_file(src / "model.safetensors"))
     (no_shard / "model.safetensors").rename(no_shard / "model-00001-of-00002.safetensors")
-    weight_map = {k: "model-00002-of-00002.safetensors" if k == key else "model-00001-of-00002.safetensors" for k in keys}
-    (no_shard / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    weight_map = {
+        k: "model-00002-of-00002.safetensors" if k == key else "model-00001-of-00002.safetensors"
+        for k in keys
+    }
+    (no_shard / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {}, "weight_map": weight_map})
+    )
     (errors,) = run_distributed(
-        "tests.workers.bridge_workers:load_errors", 1, timeout_s=180,
-        cases={"missing": (missing, str(src)), "reshaped": (reshaped, str(src)), "no_shard": (str(no_shard), str(src))},
-    )  # fmt: skip
+        "tests.workers.bridge_workers:load_errors",
+        1,
+        timeout_s=180,
+        cases={
+            "missing": (missing, str(src)),
+            "reshaped": (reshaped, str(src)),
+            "no_shard": (str(no_shard), str(src)),
+        },
+    )
     assert errors["missing"].startswith("CheckpointError") and key in errors["missing"], errors["missing"]
     assert "missing" in errors["missing"]
-    assert key in errors["reshaped"] and "model.safetensors" in errors["reshaped"] and "[31, 64]" in errors["reshaped"]
+    assert (
+        key in errors["reshaped"]
+        and "model.safetensors" in errors["reshaped"]
+        and "[31, 64]" in errors["reshaped"]
+    )
     assert "model-00002-of-00002.safetensors" in errors["no_shard"] and "does not exist" in errors["no_shard"]
 
 
@@ -152,7 +186,11 @@ def test_unsupported_model_type_names_it() -> None:
 def test_qkv_transform_groups_heads_per_query_group() -> None:
     # 4 query heads in 2 groups of head width 1: fused rows are [q0 q1 k0 v0 | q2 q3 k1 v1].
     rule = qkv("qkv", "q", "k", "v", QKVGroups(heads=4, groups=2, head_dim=1))
-    hf = {"q": torch.tensor([[0.0], [1.0], [2.0], [3.0]]), "k": torch.tensor([[10.0], [11.0]]), "v": torch.tensor([[20.0], [21.0]])}
+    hf = {
+        "q": torch.tensor([[0.0], [1.0], [2.0], [3.0]]),
+        "k": torch.tensor([[10.0], [11.0]]),
+        "v": torch.tensor([[20.0], [21.0]]),
+    }
     full = read_shard(rule, dict_reader(hf), (8, 1), 0, 1, 0)
     assert full[:, 0].tolist() == [0, 1, 10, 20, 2, 3, 11, 21]
     shard1 = read_shard(rule, dict_reader(hf), (8, 1), 0, 2, 1)  # TP rank 1 of 2: the second group
@@ -170,18 +208,29 @@ def test_writer_leaves_nothing_at_the_output_when_the_export_fails(tmp_path: Pat
         writer([("a", torch.zeros(2))])
         writer([("b", torch.ones(3))])
     index = json.loads((out / "model.safetensors.index.json").read_text())
-    assert index["weight_map"] == {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}
+    assert index["weight_map"] == {
+        "a": "model-00001-of-00002.safetensors",
+        "b": "model-00002-of-00002.safetensors",
+    }
     assert torch.equal(load_file(out / "model-00002-of-00002.safetensors")["b"], torch.ones(3))
     assert json.loads((out / "config.json").read_text()) == {"model_type": "qwen3"}
 
 
 def _cli(args: list[str], world_size: int) -> subprocess.CompletedProcess:
     env = dict(os.environ, OMP_NUM_THREADS="1", TORCH_COMPILE_DISABLE="1", MASTER_PORT=str(free_port()))
-    launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world_size)] if world_size > 1 else []
+    launcher = (
+        ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world_size)]
+        if world_size > 1
+        else []
+    )
     return subprocess.run(
         [sys.executable, *launcher, "-m", "grpo_megatron", *args],
-        cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=240,
-    )  # fmt: skip
+        cwd=REPO_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
 
 
 def test_verify_command_passes_at_tp2_and_fails_over_tolerance(tiny) -> None:

@@ -187,9 +187,15 @@ def test_lora_checkpoint_holds_adapter_optimizer_state_only(runs: dict, case: st
     ckpt = Path(runs["dirs"][case]) / "iter_0000002"
     keys = list(read_dcp_metadata(ckpt).state_dict_metadata)
     optimizer = [k for k in keys if k.startswith("optimizer") and ("decoder." in k or "embedding" in k)]
-    assert optimizer and all("_lora." in k for k in optimizer), [k for k in optimizer if "_lora." not in k][:3]
-    model = [k for k in keys if not k.startswith("optimizer")]  # megatron's keys: decoder.layers.<...> (layers stacked)
-    assert any("_lora." in k for k in model) and any(k.endswith("linear_qkv.weight") for k in model), model[:8]
+    assert optimizer and all("_lora." in k for k in optimizer), [k for k in optimizer if "_lora." not in k][
+        :3
+    ]
+    model = [
+        k for k in keys if not k.startswith("optimizer")
+    ]  # megatron's keys: decoder.layers.<...> (layers stacked)
+    assert any("_lora." in k for k in model) and any(k.endswith("linear_qkv.weight") for k in model), model[
+        :8
+    ]
     assert json.loads((ckpt / MARKER).read_text())["model"]["lora"]["rank"] == 4
 
 

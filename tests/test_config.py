@@ -46,7 +46,12 @@ def test_example_loads_validates_and_resolves():
     assert isinstance(cfg.train.lr, float) and cfg.train.lr == 1e-3
     hf = cfg.model.load_hf_config()
     assert hf["model_type"] == "qwen3_moe" and num_routed_experts(hf) == 4
-    assert (hf["hidden_size"], hf["num_hidden_layers"], hf["num_attention_heads"], hf["head_dim"]) == (128, 2, 4, 32)
+    assert (hf["hidden_size"], hf["num_hidden_layers"], hf["num_attention_heads"], hf["head_dim"]) == (
+        128,
+        2,
+        4,
+        32,
+    )
 
     resolved = cfg.resolve(world_size=1).parallel
     assert (resolved.dp, resolved.etp, resolved.sequence_parallel) == (1, 1, False)
@@ -101,7 +106,10 @@ def test_hf_overrides_merge_nested_mappings(tmp_path):
 
 
 def test_parse_override_forms():
-    assert parse_override("model.hf_overrides.num_experts=8") == (("model", "hf_overrides", "num_experts"), "8")
+    assert parse_override("model.hf_overrides.num_experts=8") == (
+        ("model", "hf_overrides", "num_experts"),
+        "8",
+    )
     assert parse_override("reward.components[1].weight=0.5") == (("reward", "components", 1, "weight"), "0.5")
     assert parse_override("reward.components.1.weight=a=b") == (("reward", "components", 1, "weight"), "a=b")
     for bad in ("train.lr", "lr=1", "=1", "train..lr=1"):
@@ -156,9 +164,14 @@ def test_wrong_types_and_choices(tmp_path):
         load_config(path)
     by_field = {e.split(": ", 1)[1].split("=", 1)[0]: e for e in exc.value.errors}
     assert set(by_field) == {
-        "model.dtype", "parallel.tp", "parallel.sequence_parallel", "train.seed", "train.lr",
-        "data.generator_kwargs", "logging",
-    }  # fmt: skip
+        "model.dtype",
+        "parallel.tp",
+        "parallel.sequence_parallel",
+        "train.seed",
+        "train.lr",
+        "data.generator_kwargs",
+        "logging",
+    }
     assert by_field["model.dtype"].startswith(f"{path}:3:")
     assert "'float32', 'bfloat16', 'float16'" in by_field["model.dtype"]
     assert "did you mean 'float32'?" in by_field["model.dtype"]
@@ -174,11 +187,17 @@ def test_wrong_types_and_choices(tmp_path):
 def test_missing_model_duplicate_keys_and_bad_files(tmp_path):
     with pytest.raises(ConfigError, match=r"model is required: add 'model: \.\.\.' at the top level"):
         load_config(write_yaml(tmp_path, "train:\n  seed: 1\n"))
-    with pytest.raises(ConfigError, match=r"model\.hf_path is required: add 'hf_path: \.\.\.' under 'model:'"):
+    with pytest.raises(
+        ConfigError, match=r"model\.hf_path is required: add 'hf_path: \.\.\.' under 'model:'"
+    ):
         load_config(write_yaml(tmp_path, "model:\n  dtype: float32\n"))
     with pytest.raises(ConfigError, match=r"job\.yaml:3: model\.dtype is given twice \(first at line 2\)"):
-        load_config(write_yaml(tmp_path, f"model:\n  dtype: float32\n  dtype: float16\n  hf_path: {TINY_MODEL}\n"))
-    empty_section = load_config(write_yaml(tmp_path, f"model:\n  hf_path: {TINY_MODEL}\ntrain:\n  # seed: 1\n"))
+        load_config(
+            write_yaml(tmp_path, f"model:\n  dtype: float32\n  dtype: float16\n  hf_path: {TINY_MODEL}\n")
+        )
+    empty_section = load_config(
+        write_yaml(tmp_path, f"model:\n  hf_path: {TINY_MODEL}\ntrain:\n  # seed: 1\n")
+    )
     assert empty_section.train == JobConfig(model=empty_section.model).train
     with pytest.raises(ConfigError, match="top level must be a mapping"):
         load_config(write_yaml(tmp_path, "- 1\n- 2\n"))
@@ -189,7 +208,9 @@ def test_missing_model_duplicate_keys_and_bad_files(tmp_path):
 
 
 def test_yaml_round_trip(tmp_path):
-    cfg = load_config(EXAMPLE, ["parallel.tp=2", "model.hf_overrides.num_hidden_layers=4"]).resolve(world_size=4)
+    cfg = load_config(EXAMPLE, ["parallel.tp=2", "model.hf_overrides.num_hidden_layers=4"]).resolve(
+        world_size=4
+    )
     cfg.save(tmp_path / "resolved.yaml")
     again = load_config(tmp_path / "resolved.yaml")
     assert again == cfg
@@ -220,11 +241,18 @@ def test_ep_must_divide_experts_for_every_family():
     (error,) = config_errors(["parallel.ep=3", "train.prompts_per_iteration=3"], world_size=3)
     assert error.startswith("parallel.ep=3 does not divide the model's num_experts=4")
     assert error.endswith("choose parallel.ep in {1, 2, 4}")
-    deepseek = ["model.hf_overrides.model_type=deepseek_v3", "model.hf_overrides.num_experts=null",
-                "model.hf_overrides.n_routed_experts=6"]  # fmt: skip
+    deepseek = [
+        "model.hf_overrides.model_type=deepseek_v3",
+        "model.hf_overrides.num_experts=null",
+        "model.hf_overrides.n_routed_experts=6",
+    ]
     (error,) = config_errors([*deepseek, "parallel.ep=4"], world_size=4)
-    assert error.startswith("parallel.ep=4 does not divide the model's n_routed_experts=6 (from model.hf_overrides)")
-    assert num_routed_experts({"num_local_experts": 8}) == 8 and num_routed_experts({"model_type": "qwen3"}) == 0
+    assert error.startswith(
+        "parallel.ep=4 does not divide the model's n_routed_experts=6 (from model.hf_overrides)"
+    )
+    assert (
+        num_routed_experts({"num_local_experts": 8}) == 8 and num_routed_experts({"model_type": "qwen3"}) == 0
+    )
     dense = ["model.hf_overrides.model_type=qwen3", "model.hf_overrides.num_experts=0"]
     (error,) = config_errors([*dense, "parallel.ep=2"], world_size=2)
     assert error.startswith("parallel.ep=2 but the model is dense")
@@ -262,7 +290,9 @@ def test_sequence_parallel_required_for_moe_with_tp():
     validate(cfg, world_size=2)
     assert cfg.resolve(world_size=2).parallel.sequence_parallel is True  # auto turns it on
     dense = ["model.hf_overrides.model_type=qwen3", "model.hf_overrides.num_experts=0"]
-    validate(load_config(EXAMPLE, [*dense, "parallel.tp=2", "parallel.sequence_parallel=false"]), world_size=2)
+    validate(
+        load_config(EXAMPLE, [*dense, "parallel.tp=2", "parallel.sequence_parallel=false"]), world_size=2
+    )
 
 
 def test_context_parallelism_needs_packing():
@@ -286,7 +316,9 @@ def test_batch_must_split_over_updates_and_dp():
     (error,) = config_errors(["train.prompts_per_iteration=3", "train.updates_per_iteration=5"], world_size=2)
     assert error.startswith("train.prompts_per_iteration*rollout.n_samples_per_prompt=3*8=24 samples")
     assert error.endswith("make it a multiple of 10")
-    validate(load_config(EXAMPLE, ["train.prompts_per_iteration=3", "train.updates_per_iteration=2"]), world_size=2)
+    validate(
+        load_config(EXAMPLE, ["train.prompts_per_iteration=3", "train.updates_per_iteration=2"]), world_size=2
+    )
 
 
 def test_all_errors_are_reported_together():
@@ -294,7 +326,13 @@ def test_all_errors_are_reported_together():
         ["parallel.tp=3", "parallel.ep=3", "rollout.top_p=0", "train.lr=-1", "algorithm.clip_low=2"],
         world_size=9,
     )
-    fields = ["rollout.top_p", "algorithm.clip_low", "train.lr", "parallel.tp=3 does not", "parallel.ep=3 does not"]
+    fields = [
+        "rollout.top_p",
+        "algorithm.clip_low",
+        "train.lr",
+        "parallel.tp=3 does not",
+        "parallel.ep=3 does not",
+    ]
     assert len(errors) == len(fields)
     for name in fields:
         assert any(e.startswith(name) for e in errors), (name, errors)
@@ -317,7 +355,9 @@ def test_cli_check_prints_resolved_config_and_errors_exit_2(capsys):
     tokenizer = f"data.tokenizer_path={REPO / 'examples' / 'demo'}"  # tiny_moe/ has none; train needs one
     assert main(["check", str(EXAMPLE), tokenizer, "parallel.ep=2", "--world-size", "2"]) == 0
     out = capsys.readouterr().out
-    assert out.startswith("# resolved config for world size 2\n") and "  dp: 2\n" in out and "  ep: 2\n" in out
+    assert (
+        out.startswith("# resolved config for world size 2\n") and "  dp: 2\n" in out and "  ep: 2\n" in out
+    )
     for command in ("check", "sanity"):  # a bad config stops before any handler (no torch, no process group)
         assert main([command, str(EXAMPLE), "parallel.tp=3"]) == 2
         captured = capsys.readouterr()
@@ -328,9 +368,14 @@ def test_cli_check_prints_resolved_config_and_errors_exit_2(capsys):
 def test_cli_help_lists_commands_and_imports_no_torch():
     env = {**os.environ, "PYTHONPATH": str(REPO), "WORLD_SIZE": "1"}
     help_text = subprocess.run(
-        [sys.executable, "-m", "grpo_megatron", "--help"], cwd=REPO, env=env, capture_output=True, text=True,
-        check=True, timeout=60,
-    ).stdout  # fmt: skip
+        [sys.executable, "-m", "grpo_megatron", "--help"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=60,
+    ).stdout
     for command in COMMANDS:
         assert command.name in help_text
     assert {"check", "sanity"} <= {c.name for c in COMMANDS}
@@ -344,7 +389,13 @@ def test_cli_help_lists_commands_and_imports_no_torch():
         "print(json.dumps({'rc': rc, 'heavy': heavy}))\n"
     )
     result = subprocess.run(
-        [sys.executable, "-c", probe], cwd=REPO, env=env, capture_output=True, text=True, check=True, timeout=60
+        [sys.executable, "-c", probe],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=60,
     )
     assert json.loads(result.stdout.splitlines()[-1]) == {"rc": 0, "heavy": []}
 
@@ -356,9 +407,12 @@ def test_job_config_defaults_are_valid_sections():
 
 def test_overlong_buffer_must_fit_inside_max_new_tokens():
     cfg = load_config(
-        EXAMPLE, ["algorithm.overlong.enabled=true", "algorithm.overlong.buffer_len=64", "rollout.max_new_tokens=16"]
+        EXAMPLE,
+        ["algorithm.overlong.enabled=true", "algorithm.overlong.buffer_len=64", "rollout.max_new_tokens=16"],
     )
-    with pytest.raises(ConfigError, match=r"algorithm.overlong.buffer_len=64 must be < rollout.max_new_tokens=16"):
+    with pytest.raises(
+        ConfigError, match=r"algorithm.overlong.buffer_len=64 must be < rollout.max_new_tokens=16"
+    ):
         validate(cfg, 1)
     validate(load_config(EXAMPLE, ["algorithm.overlong.enabled=true", "algorithm.overlong.buffer_len=8"]), 1)
 
@@ -374,7 +428,10 @@ def test_routing_replay_and_truncated_sampling_rules(tmp_path):
     (error,) = config_errors(["algorithm.routing_replay=r2", "train.updates_per_iteration=2"], world_size=1)
     assert "train.packing=true" in error and "use r3" in error
     (error,) = config_errors(r2_unpacked, world_size=1)
-    assert error.startswith("algorithm.routing_replay=r2 replays the old-policy pass") and "use r3 or off" in error
+    assert (
+        error.startswith("algorithm.routing_replay=r2 replays the old-policy pass")
+        and "use r3 or off" in error
+    )
     dense = ["model.hf_overrides.model_type=qwen3", "model.hf_overrides.num_experts=0"]
     (error,) = config_errors([*dense, "algorithm.routing_replay=r3"], world_size=1)
     assert error.startswith("algorithm.routing_replay=r3 but the model is dense")
@@ -392,12 +449,27 @@ def test_sglang_requests_must_fit_the_models_context():
     validate(load_config(EXAMPLE, ["rollout.engine=sglang", "rollout.max_new_tokens=480"]), 1)
     validate(load_config(EXAMPLE, ["rollout.max_new_tokens=481"]), 1)  # the embedded engine takes any length
     (error,) = config_errors(["rollout.engine=sglang", "rollout.max_new_tokens=481"], world_size=1)
-    assert error.startswith("data.max_prompt_tokens=32 + rollout.max_new_tokens=481 = 513 tokens exceeds the "
-                            "model's context of 512 (max_position_embeddings in ") and "lower rollout.max_new_tokens" in error
-    (error,) = config_errors(["rollout.engine=sglang", "rollout.sglang_server_args.context_length=256",
-                              "rollout.max_new_tokens=240"], world_size=1)  # fmt: skip
+    assert (
+        error.startswith(
+            "data.max_prompt_tokens=32 + rollout.max_new_tokens=481 = 513 tokens exceeds the "
+            "model's context of 512 (max_position_embeddings in "
+        )
+        and "lower rollout.max_new_tokens" in error
+    )
+    (error,) = config_errors(
+        [
+            "rollout.engine=sglang",
+            "rollout.sglang_server_args.context_length=256",
+            "rollout.max_new_tokens=240",
+        ],
+        world_size=1,
+    )
     assert "context of 256 (rollout.sglang_server_args.context_length)" in error
-    multiturn = ["rollout.engine=sglang", "rollout.multiturn.enabled=true", "rollout.multiturn.max_total_tokens=500"]
+    multiturn = [
+        "rollout.engine=sglang",
+        "rollout.multiturn.enabled=true",
+        "rollout.multiturn.max_total_tokens=500",
+    ]
     (error,) = config_errors(multiturn, world_size=1)
     assert "rollout.multiturn.max_total_tokens=500 = 532 tokens" in error
 
@@ -406,7 +478,12 @@ def test_the_asynchronous_loop_needs_engines_generating_apart_and_refuses_what_i
     with pytest.raises(ConfigError, match=r"train.max_staleness=1 needs .*rollout.embedded_process=true"):
         validate(load_config(EXAMPLE, ["train.max_staleness=1"]), 1)
     with pytest.raises(ConfigError, match=r"algorithm.dynamic_sampling.enabled=true"):
-        validate(load_config(EXAMPLE, ["rollout.embedded_process=true", "algorithm.dynamic_sampling.enabled=true"]), 1)
+        validate(
+            load_config(
+                EXAMPLE, ["rollout.embedded_process=true", "algorithm.dynamic_sampling.enabled=true"]
+            ),
+            1,
+        )
     with pytest.raises(ConfigError, match=r"rollout.multiturn.enabled=true: the asynchronous producer"):
         validate(load_config(EXAMPLE, ["rollout.embedded_process=true", "rollout.multiturn.enabled=true"]), 1)
     with pytest.raises(ConfigError, match=r"train.max_staleness=-1 must be >= 0"):
@@ -417,18 +494,34 @@ def test_the_asynchronous_loop_needs_engines_generating_apart_and_refuses_what_i
     with pytest.raises(ConfigError, match=r"rollout.max_engine_restarts=2: .*rollout.embedded_process=true"):
         validate(load_config(EXAMPLE, ["rollout.max_engine_restarts=2"]), 1)
     with pytest.raises(ConfigError, match=r"rollout.max_engine_restarts=1: disaggregated SGLang servers"):
-        validate(load_config(EXAMPLE, ["rollout.engine=sglang", "rollout.max_engine_restarts=1",
-                                       "rollout.sglang_mode=disaggregated",
-                                       "rollout.sglang_server_urls=[http://h:1]"]), 1)  # fmt: skip
+        validate(
+            load_config(
+                EXAMPLE,
+                [
+                    "rollout.engine=sglang",
+                    "rollout.max_engine_restarts=1",
+                    "rollout.sglang_mode=disaggregated",
+                    "rollout.sglang_server_urls=[http://h:1]",
+                ],
+            ),
+            1,
+        )
     validate(load_config(EXAMPLE, ["rollout.engine=sglang", "rollout.max_engine_restarts=1"]), 1)
     with pytest.raises(ConfigError, match=r"rollout.engine_health_timeout_s=0.0 must be > 0"):
-        validate(load_config(EXAMPLE, ["rollout.embedded_process=true", "rollout.engine_health_timeout_s=0"]), 1)
+        validate(
+            load_config(EXAMPLE, ["rollout.embedded_process=true", "rollout.engine_health_timeout_s=0"]), 1
+        )
     validate(load_config(EXAMPLE, ["rollout.embedded_process=true", "rollout.max_engine_restarts=2"]), 1)
     sglang = load_config(EXAMPLE, ["rollout.engine=sglang", "train.max_staleness=1"])
     validate(sglang, 1)  # SGLang's schedulers are processes of their own
     assert sglang.producer_loop and not load_config(EXAMPLE, ["rollout.engine=sglang"]).producer_loop
     with pytest.raises(ConfigError, match=r"train.max_staleness=1 with train.offload_trainer=true"):
-        validate(load_config(EXAMPLE, ["rollout.engine=sglang", "train.max_staleness=1", "train.offload_trainer=true"]), 1)
+        validate(
+            load_config(
+                EXAMPLE, ["rollout.engine=sglang", "train.max_staleness=1", "train.offload_trainer=true"]
+            ),
+            1,
+        )
 
 
 def test_engines_across_nodes_with_restarts_pass_validation_plan_and_the_placement(capsys):
@@ -441,10 +534,24 @@ def test_engines_across_nodes_with_restarts_pass_validation_plan_and_the_placeme
     restarts = ["rollout.engine=sglang", "rollout.max_engine_restarts=2", "rollout.sglang_ep=1"]
     across = load_config(EXAMPLE, [*restarts, "rollout.sglang_tp=16"])
     validate(across, 16)
-    placement = decide_placement(across.rollout, offload_trainer=False, max_staleness=0, world_size=16, gpus_per_node=8,
-                                 tp=1, pp=1, cp=1, hf=across.model.load_hf_config())  # fmt: skip
+    placement = decide_placement(
+        across.rollout,
+        offload_trainer=False,
+        max_staleness=0,
+        world_size=16,
+        gpus_per_node=8,
+        tp=1,
+        pp=1,
+        cp=1,
+        hf=across.model.load_hf_config(),
+    )
     assert placement.gpus_per_engine == 16 and placement.engines == (tuple(range(16)),)
-    assert main(["plan", str(EXAMPLE), *restarts, "rollout.sglang_tp=16", "--nodes", "2", "--gpus-per-node", "8"]) == 0
+    assert (
+        main(
+            ["plan", str(EXAMPLE), *restarts, "rollout.sglang_tp=16", "--nodes", "2", "--gpus-per-node", "8"]
+        )
+        == 0
+    )
     assert "max_engine_restarts" not in capsys.readouterr().err
 
 

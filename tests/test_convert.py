@@ -20,8 +20,12 @@ def _cli(args: list[str], world_size: int) -> subprocess.CompletedProcess:
     launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world_size)]
     return subprocess.run(
         [sys.executable, *launcher, "-m", "grpo_megatron", *args, "--backend", "gloo"],  # CPU on any machine
-        cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=240,
-    )  # fmt: skip
+        cwd=REPO_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
 
 
 def _save_tokenizer(directory: Path) -> None:

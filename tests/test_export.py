@@ -85,9 +85,13 @@ def test_stream_to_rank_1_with_a_cast_and_a_reused_plan(tmp_path: Path) -> None:
     # DP2: both ranks hold every expert (expert-data-parallel copies): each is sent once, or not at all.
     layouts = {"TP2": ["parallel.tp=2"], "EP2": ["parallel.ep=2"], "PP2": ["parallel.pp=2"], "DP2": []}
     rank0, rank1 = run_distributed(
-        "tests.workers.export_workers:stream_to_each_rank", 2, timeout_s=300,
-        hf_dir=str(hf_dir), layouts=layouts, bucket_bytes=20_000,
-    )  # fmt: skip
+        "tests.workers.export_workers:stream_to_each_rank",
+        2,
+        timeout_s=300,
+        hf_dir=str(hf_dir),
+        layouts=layouts,
+        bucket_bytes=20_000,
+    )
     for layout in layouts:
         r0, r1 = rank0[layout], rank1[layout]
         assert r0["buckets"] >= 2 and r1["dst1_buckets"] == r0["buckets"], layout
@@ -104,10 +108,13 @@ def test_deepseek_v3_router_bias_reaches_the_engine_in_fp32_from_a_bf16_export(t
     hf_dir = tmp_path / "deepseek_v3"
     hf_dir.mkdir()
     (hf_dir / "config.json").write_text(json.dumps(tiny_hf_config("deepseek_v3")))
-    got, _ = run_distributed("tests.workers.export_workers:router_bias_to_an_engine", 2, timeout_s=300,
-                             hf_dir=str(hf_dir))  # fmt: skip
+    got, _ = run_distributed(
+        "tests.workers.export_workers:router_bias_to_an_engine", 2, timeout_s=300, hf_dir=str(hf_dir)
+    )
     assert got["trainer"] and got["exported"].keys() == got["trainer"].keys() == got["engine"].keys()
     for name, bias in got["trainer"].items():
-        assert bias.dtype == torch.float32 and not torch.equal(bias, bias.to(torch.bfloat16).float())  # bf16 would round it
+        assert bias.dtype == torch.float32 and not torch.equal(
+            bias, bias.to(torch.bfloat16).float()
+        )  # bf16 would round it
         assert got["exported"][name].dtype == torch.float32 and torch.equal(got["exported"][name], bias), name
         assert got["engine"][name].dtype == torch.float32 and torch.equal(got["engine"][name], bias), name

@@ -62,18 +62,41 @@ def ckpts(tmp_path_factory: pytest.TempPathFactory) -> dict:
         _truncate(variants["all_bad"] / it / "__0_0.distcp", 0.1)
     shutil.copytree(good / newest, variants["stale_tmp"] / "iter_0000003.tmp-0badf00d")
     shutil.copytree(good / newest, variants["stale_tmp"] / "iter_0000002.tmp-0badf00d")
-    calls = [("resume", dict(overrides=[], ckpt_dir=str(variants[n]))) for n in
-             ("shard", "trainer_state", "marker", "crafted", "all_bad", "stale_tmp")]
+    calls = [
+        ("resume", dict(overrides=[], ckpt_dir=str(variants[n])))
+        for n in ("shard", "trainer_state", "marker", "crafted", "all_bad", "stale_tmp")
+    ]
     calls += [
-        ("resume", dict(overrides=["model.hf_overrides.hidden_size=64", f"checkpoint.resume={good / newest}"],
-                        ckpt_dir=str(root / "unused"))),
+        (
+            "resume",
+            dict(
+                overrides=["model.hf_overrides.hidden_size=64", f"checkpoint.resume={good / newest}"],
+                ckpt_dir=str(root / "unused"),
+            ),
+        ),
         ("failing_save", dict(ckpt_dir=str(variants["nan"]), fault="nan")),
         ("failing_save", dict(ckpt_dir=str(variants["disk_full"]), fault="disk_full")),
     ]
     results = run_distributed(_WORKERS, 2, timeout_s=400, calls=calls)
-    names = ["shard", "trainer_state", "marker", "crafted", "all_bad", "stale_tmp", "mismatch", "nan", "disk_full"]
-    return {"root": root, "good": good, "pwned": pwned, **dict(zip(names, results[0], strict=True)),
-            "rank1": dict(zip(names, results[1], strict=True)), "dirs": variants}
+    names = [
+        "shard",
+        "trainer_state",
+        "marker",
+        "crafted",
+        "all_bad",
+        "stale_tmp",
+        "mismatch",
+        "nan",
+        "disk_full",
+    ]
+    return {
+        "root": root,
+        "good": good,
+        "pwned": pwned,
+        **dict(zip(names, results[0], strict=True)),
+        "rank1": dict(zip(names, results[1], strict=True)),
+        "dirs": variants,
+    }
 
 
 @pytest.mark.parametrize(
@@ -85,7 +108,9 @@ def ckpts(tmp_path_factory: pytest.TempPathFactory) -> dict:
         ("crafted", "iter_0000002/.metadata asks to build posix.system"),
     ],
 )
-def test_damaged_newest_checkpoint_falls_back_to_the_previous_one_naming_it(ckpts: dict, case: str, named: str):
+def test_damaged_newest_checkpoint_falls_back_to_the_previous_one_naming_it(
+    ckpts: dict, case: str, named: str
+):
     result = ckpts[case]
     assert result["error"] == "" and result["iteration"] == 1, result
     assert named in result["console"] and "skipping" in result["console"], result["console"]
@@ -135,8 +160,12 @@ def test_failed_save_on_a_full_disk_removes_its_temporary(ckpts: dict):
 def _convert(*args: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, OMP_NUM_THREADS="1", TORCH_COMPILE_DISABLE="1", MASTER_PORT=str(free_port()))
     return subprocess.run(
-        [sys.executable, "-m", "grpo_megatron", "convert", *args], cwd=REPO_ROOT, env=env,
-        capture_output=True, text=True, timeout=300,
+        [sys.executable, "-m", "grpo_megatron", "convert", *args],
+        cwd=REPO_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
 
 
@@ -157,8 +186,15 @@ def test_convert_names_the_wrong_hf_config(converted: dict, tmp_path: Path):
     wrong.mkdir()
     hf = json.loads((converted["hf"] / "config.json").read_text())
     (wrong / "config.json").write_text(json.dumps({**hf, "num_hidden_layers": hf["num_hidden_layers"] - 1}))
-    run = _convert("mcore-to-hf", "--ckpt", str(converted["mcore"]), "--hf-config", str(wrong), "--out",
-                   str(tmp_path / "out"))
+    run = _convert(
+        "mcore-to-hf",
+        "--ckpt",
+        str(converted["mcore"]),
+        "--hf-config",
+        str(wrong),
+        "--out",
+        str(tmp_path / "out"),
+    )
     assert run.returncode == 2, run.stderr[-3000:]
     n = hf["num_hidden_layers"]
     assert f"num_layers {n} in the checkpoint vs {n - 1}" in run.stderr, run.stderr[-3000:]
@@ -205,10 +241,13 @@ def test_a_rank_blocked_outside_c10d_is_named_with_its_phase():
     # NCCL-like: rank 1 blocks in one call; rank 0 waits for it in work.wait() of an asynchronous
     # collective (outside distributed_c10d.py, as a GPU rank waits on an NCCL kernel).
     with pytest.raises(AssertionError) as failure:
-        run_distributed("tests.workers.fault_workers:stuck_rank", 2, timeout_s=120, bound_s=3.0, stuck=1,
-                        async_wait=True)  # fmt: skip
+        run_distributed(
+            "tests.workers.fault_workers:stuck_rank", 2, timeout_s=120, bound_s=3.0, stuck=1, async_wait=True
+        )
     log = str(failure.value)
-    assert "[watchdog] rank 0: stuck: rank 0 on" in log or "[watchdog] rank 0: stuck: rank 1 on" in log, log[-3000:]
+    assert "[watchdog] rank 0: stuck: rank 0 on" in log or "[watchdog] rank 0: stuck: rank 1 on" in log, log[
+        -3000:
+    ]
     assert "rank 1 on" in log and "in phase 'step 3': no progress for" in log
 
 
@@ -222,8 +261,9 @@ def test_healthy_long_phases_are_not_stopped():
 def test_a_rollout_longer_than_the_bound_waits_under_the_long_phase():
     # Issue 36: a rollout longer than progress_timeout_s (a 32k-token response) is not a stuck rank.
     # Rank 0's engine process is held for 3 bounds; rank 0 waits on its pipe, rank 1 in the collective.
-    (r0, r1) = run_distributed("tests.workers.fault_workers:long_rollout", 2, timeout_s=180, bound_s=2.0,
-                               long_phase=True)  # fmt: skip
+    (r0, r1) = run_distributed(
+        "tests.workers.fault_workers:long_rollout", 2, timeout_s=180, bound_s=2.0, long_phase=True
+    )
     assert r0["finished"] and r1["finished"] and r0["groups"] == r1["groups"] == 2
     assert r0["seconds"] >= 6.0, r0  # it did wait the three bounds
     # (With long_phase=False, the wait under the short bound as before issue 36, the watchdog ends
@@ -269,7 +309,9 @@ def test_full_output_directories_fail_before_any_training(tmp_path: Path):
     full.mkdir()
     (full / "keep.txt").write_text("earlier work")
     for command, field in (("sft", f"sft.output_dir={full}"), ("train", f"checkpoint.export_hf_dir={full}")):
-        run = _demo(command, [field, f"logging.run_dir={tmp_path / command}", "sft.max_steps=2"], timeout_s=60)
+        run = _demo(
+            command, [field, f"logging.run_dir={tmp_path / command}", "sft.max_steps=2"], timeout_s=60
+        )
         assert run.returncode != 0, run.stdout[-3000:]  # torchrun exits 1 for any failed rank
         assert f"{full} exists and is not empty" in run.stdout and not _our_traceback(run.stdout)
         assert not (tmp_path / command / "metrics.jsonl").exists()  # nothing started
@@ -321,8 +363,13 @@ def test_every_float_field_rejects_inf_and_nan():
 
 
 def _check(*overrides: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "grpo_megatron", "check", str(TINY), *overrides],
-                          cwd=REPO_ROOT, capture_output=True, text=True, timeout=60)
+    return subprocess.run(
+        [sys.executable, "-m", "grpo_megatron", "check", str(TINY), *overrides],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
 
 
 def test_check_finds_missing_data_damaged_weights_and_resume_paths(tmp_path: Path):
@@ -331,8 +378,11 @@ def test_check_finds_missing_data_damaged_weights_and_resume_paths(tmp_path: Pat
     model = tmp_path / "model"
     save_tiny_model("qwen3_moe", model)
     _truncate(model / "model.safetensors", 0.6)
-    run = _check(f"data.train_path={tmp_path / 'missing.jsonl'}", f"model.hf_path={model}",
-                 f"checkpoint.resume={tmp_path / 'nope'}")
+    run = _check(
+        f"data.train_path={tmp_path / 'missing.jsonl'}",
+        f"model.hf_path={model}",
+        f"checkpoint.resume={tmp_path / 'nope'}",
+    )
     assert run.returncode == 2
     assert f"data.train_path={tmp_path / 'missing.jsonl'}: no such file" in run.stderr, run.stderr
     assert f"model.hf_path: {model / 'model.safetensors'} is truncated" in run.stderr
@@ -357,8 +407,14 @@ def test_a_safetensors_index_may_name_only_files_beside_it(tmp_path: Path, shard
     model = tmp_path / "model"
     shutil.copytree(REPO_ROOT / "examples" / "demo", model)
     index = model / "model.safetensors.index.json"
-    index.write_text(json.dumps({"metadata": {}, "weight_map": {"lm_head.weight": "model-1.safetensors",
-                                                                "model.norm.weight": shard}}))
+    index.write_text(
+        json.dumps(
+            {
+                "metadata": {},
+                "weight_map": {"lm_head.weight": "model-1.safetensors", "model.norm.weight": shard},
+            }
+        )
+    )
     named = f"weight_map['model.norm.weight'] = {shard!r} is not a bare file name in the model directory"
     with pytest.raises(CheckpointError) as err:
         HFCheckpoint(model)
@@ -368,14 +424,24 @@ def test_a_safetensors_index_may_name_only_files_beside_it(tmp_path: Path, shard
 
 
 def test_failures_after_start_up_print_one_line_unless_debug():
-    short = subprocess.run([sys.executable, "-m", "grpo_megatron", "verify", str(TINY)], cwd=REPO_ROOT,
-                           capture_output=True, text=True, timeout=300,
-                           env=dict(os.environ, TORCH_COMPILE_DISABLE="1", OMP_NUM_THREADS="1"))
+    short = subprocess.run(
+        [sys.executable, "-m", "grpo_megatron", "verify", str(TINY)],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=dict(os.environ, TORCH_COMPILE_DISABLE="1", OMP_NUM_THREADS="1"),
+    )
     assert short.returncode == 1
     errors = [line for line in short.stderr.splitlines() if line.startswith("grpo-megatron: error")]
     assert len(errors) == 1 and "neither model.safetensors.index.json nor model.safetensors" in errors[0]
     assert "Traceback" not in short.stderr, short.stderr[-3000:]
-    debug = subprocess.run([sys.executable, "-m", "grpo_megatron", "--debug", "verify", str(TINY)],
-                           cwd=REPO_ROOT, capture_output=True, text=True, timeout=300,
-                           env=dict(os.environ, TORCH_COMPILE_DISABLE="1", OMP_NUM_THREADS="1"))
+    debug = subprocess.run(
+        [sys.executable, "-m", "grpo_megatron", "--debug", "verify", str(TINY)],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=dict(os.environ, TORCH_COMPILE_DISABLE="1", OMP_NUM_THREADS="1"),
+    )
     assert debug.returncode == 1 and "Traceback" in debug.stderr

@@ -38,7 +38,12 @@ def _write(directory: Path, tensors: dict[str, torch.Tensor], config: dict) -> P
     return directory
 
 
-FP8_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
+FP8_CONFIG = {
+    "quant_method": "fp8",
+    "fmt": "e4m3",
+    "activation_scheme": "dynamic",
+    "weight_block_size": [128, 128],
+}
 
 
 def test_reads_dequantize_every_slice_exactly_with_ragged_edge_blocks(tmp_path: Path) -> None:
@@ -56,17 +61,30 @@ def test_reads_dequantize_every_slice_exactly_with_ragged_edge_blocks(tmp_path: 
 
 
 def test_unsupported_quantization_and_unscaled_fp8_are_refused_naming_the_fix(tmp_path: Path) -> None:
-    for quant in ({"quant_method": "gptq", "bits": 4}, {"quant_method": "fp8"}, {"quant_method": "fp8", "weight_block_size": [128]}):
+    for quant in (
+        {"quant_method": "gptq", "bits": 4},
+        {"quant_method": "fp8"},
+        {"quant_method": "fp8", "weight_block_size": [128]},
+    ):
         with pytest.raises(CheckpointError, match="Convert the checkpoint to bf16 first"):
             fp8_block_size({"quantization_config": quant})
     q, scale_inv = quantize_blockwise(torch.randn(8, 8), (4, 4))
     _write(tmp_path, {"w.weight": q, "v.weight": q.clone()}, {})
-    with HFCheckpoint(tmp_path) as ckpt, pytest.raises(CheckpointError, match="no blockwise FP8 quantization_config"):
+    with (
+        HFCheckpoint(tmp_path) as ckpt,
+        pytest.raises(CheckpointError, match="no blockwise FP8 quantization_config"),
+    ):
         ckpt.read("w.weight", None, 0, 0)
-    with HFCheckpoint(tmp_path, fp8_block=(4, 4)) as ckpt, pytest.raises(CheckpointError, match="v.weight_scale_inv"):
+    with (
+        HFCheckpoint(tmp_path, fp8_block=(4, 4)) as ckpt,
+        pytest.raises(CheckpointError, match="v.weight_scale_inv"),
+    ):
         ckpt.read("v.weight", 0, 0, 4)
     _write(tmp_path, {"w.weight": q, "w.weight_scale_inv": scale_inv[:1]}, {})
-    with HFCheckpoint(tmp_path, fp8_block=(4, 4)) as ckpt, pytest.raises(CheckpointError, match="weight_block_size"):
+    with (
+        HFCheckpoint(tmp_path, fp8_block=(4, 4)) as ckpt,
+        pytest.raises(CheckpointError, match="weight_block_size"),
+    ):
         ckpt.read("w.weight", None, 0, 0)
 
 
@@ -77,7 +95,13 @@ def _quantized_pair(src: Path, fp8_dir: Path, ref_dir: Path, block: tuple[int, i
     config = json.loads((src / "config.json").read_text())
     fp8, ref = {}, {}
     for name, t in tensors.items():
-        linear = t.dim() == 2 and "norm" not in name and "embed" not in name and "lm_head" not in name and not name.endswith("mlp.gate.weight")
+        linear = (
+            t.dim() == 2
+            and "norm" not in name
+            and "embed" not in name
+            and "lm_head" not in name
+            and not name.endswith("mlp.gate.weight")
+        )
         if linear:
             q, s = quantize_blockwise(t, block)
             fp8 |= {name: q, name + "_scale_inv": s}
@@ -96,13 +120,18 @@ def test_a_tiny_fp8_deepseek_v3_loads_equal_to_its_dequantized_reference_at_tp2(
     quantized = _quantized_pair(tmp_path / "src", tmp_path / "fp8", tmp_path / "ref", (16, 16))
     assert quantized > 10
     per_rank = run_distributed(
-        "tests.workers.bridge_workers:exported_tensors", 2, timeout_s=240,
-        dirs=[str(tmp_path / "fp8"), str(tmp_path / "ref")], overrides=["parallel.tp=2"],
+        "tests.workers.bridge_workers:exported_tensors",
+        2,
+        timeout_s=240,
+        dirs=[str(tmp_path / "fp8"), str(tmp_path / "ref")],
+        overrides=["parallel.tp=2"],
         write_dir=str(tmp_path / "exported"),
-    )  # fmt: skip
+    )
     fp8, ref = per_rank[0]
     assert fp8.keys() == ref.keys() and not any(k.endswith("_scale_inv") for k in fp8)
-    assert all(torch.equal(fp8[k], ref[k]) for k in ref), [k for k in ref if not torch.equal(fp8[k], ref[k])][:4]
+    assert all(torch.equal(fp8[k], ref[k]) for k in ref), [k for k in ref if not torch.equal(fp8[k], ref[k])][
+        :4
+    ]
     # The export writes unquantized tensors, so its config.json no longer claims FP8.
     written = json.loads((tmp_path / "exported" / "config.json").read_text())
     assert "quantization_config" not in written and written["model_type"] == "deepseek_v3"

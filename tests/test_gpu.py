@@ -35,9 +35,13 @@ def moe_dir(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, t
 def _roundtrip(moe_dir, overrides: list[str]) -> dict:
     hf_dir, refs = moe_dir
     (result,) = run_distributed(
-        "tests.workers.bridge_workers:roundtrip", 1, timeout_s=240,
-        cases={"case": (str(hf_dir), overrides)}, refs={"case": refs}, bucket_bytes=1 << 16,
-    )  # fmt: skip
+        "tests.workers.bridge_workers:roundtrip",
+        1,
+        timeout_s=240,
+        cases={"case": (str(hf_dir), overrides)},
+        refs={"case": refs},
+        bucket_bytes=1 << 16,
+    )
     return result["case"]
 
 
@@ -92,8 +96,17 @@ def test_the_start_up_offload_leaves_no_pinned_host_memory_behind() -> None:
     optimizer = torch.optim.Adam(model.parameters())
     model(torch.randn(4, 1024, device="cuda")).sum().backward()
     optimizer.step()
-    placement = decide_placement(RolloutConfig(engine="sglang"), offload_trainer=False, max_staleness=0,
-                                 world_size=1, gpus_per_node=1, tp=1, pp=1, cp=1, hf={})  # fmt: skip
+    placement = decide_placement(
+        RolloutConfig(engine="sglang"),
+        offload_trainer=False,
+        max_staleness=0,
+        world_size=1,
+        gpus_per_node=1,
+        tp=1,
+        pp=1,
+        cp=1,
+        hf={},
+    )
 
     class Engines:
         def release_memory(self, tags: object) -> None: ...
@@ -103,7 +116,8 @@ def test_the_start_up_offload_leaves_no_pinned_host_memory_behind() -> None:
     pinned: list[int] = []
     policy = Policy(model=model, optimizer=optimizer, spec=None)  # type: ignore[arg-type]
     memory = ColocatedMemory(policy, None, placement.phases())
-    memory.start_engines(lambda: pinned.append(torch.cuda.host_memory_stats().get("allocated_bytes.current", 0))
-                         or Engines())  # fmt: skip
+    memory.start_engines(
+        lambda: pinned.append(torch.cuda.host_memory_stats().get("allocated_bytes.current", 0)) or Engines()
+    )
     assert pinned[0] >= 3 * 1024 * 1024 * 4  # weights, gradients, two Adam moments were pinned meanwhile
     assert torch.cuda.host_memory_stats().get("allocated_bytes.current", 0) == 0

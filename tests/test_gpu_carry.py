@@ -26,8 +26,11 @@ def test_the_list_resolves_against_the_lock_and_pins_what_the_gpu_machine_needs(
 
 
 def test_check_passes_on_this_checkout():
-    out = subprocess.run([sys.executable, str(REPO / "tools" / "build_gpu_carry.py"), "--check"],
-                         capture_output=True, text=True)  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, str(REPO / "tools" / "build_gpu_carry.py"), "--check"],
+        capture_output=True,
+        text=True,
+    )
     assert out.returncode == 0, out.stdout + out.stderr
 
 

@@ -19,8 +19,16 @@ import _gpu_check_sglang as stages  # noqa: E402
 
 def test_the_sglang_engine_stage_passes_on_the_cpu_engine(tmp_path: Path) -> None:
     require_sglang_engine()
-    cmd = [sys.executable, str(REPO / "bench" / "gpu_check.py"), "--device", "cpu", "--stages", "sglang_engine",
-           "--out", str(tmp_path)]  # fmt: skip
+    cmd = [
+        sys.executable,
+        str(REPO / "bench" / "gpu_check.py"),
+        "--device",
+        "cpu",
+        "--stages",
+        "sglang_engine",
+        "--out",
+        str(tmp_path),
+    ]
     done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=ENGINE_TIMEOUT_S)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     (stage,) = json.loads((tmp_path / "gpu_check.json").read_text())
@@ -53,25 +61,35 @@ def test_engine_stage_rules() -> None:
 
 def test_train_stage_rules() -> None:
     cached = {"offload/cached_free_bytes": 0.1 * 2**30}
-    resident = [{"iteration": 0}] + [{"iteration": i, "mismatch/probe_abs_diff_max": 0.01} | cached for i in (1, 2, 3)]
+    resident = [{"iteration": 0}] + [
+        {"iteration": i, "mismatch/probe_abs_diff_max": 0.01} | cached for i in (1, 2, 3)
+    ]
     replay = [{"iteration": i, "mismatch/probe_replay_abs_diff_max": 0.0} | cached for i in (1, 2, 3)]
     details = stages.train_details(resident, replay)
     assert details["resident_last"] == 3 and details["replay_iterations"] == 3
     assert stages.train_problems(details) == []
-    held = stages.train_details(resident[:3], [r | {"offload/cached_free_bytes": 22.8 * 2**30} for r in replay])
+    held = stages.train_details(
+        resident[:3], [r | {"offload/cached_free_bytes": 22.8 * 2**30} for r in replay]
+    )
     problems = stages.train_problems(held)
     assert "the resumed run ended at iteration 2, not 3" in problems
     assert any("22.80 GiB of cached blocks" in p for p in problems)
     # Issue 51 item 1: a memory phase that drops its metric fails the stage (it was a NaN, skipped)
-    dropped = [{k: v for k, v in r.items() if k != "offload/cached_free_bytes" or r["iteration"] != 2}
-               for r in resident]  # fmt: skip
+    dropped = [
+        {k: v for k, v in r.items() if k != "offload/cached_free_bytes" or r["iteration"] != 2}
+        for r in resident
+    ]
     problems = stages.train_problems(stages.train_details(dropped, replay))
-    assert problems == ["offload/cached_free_bytes missing from the resident run's rows of iterations [2]: a memory "
-                        "phase did not report its engine resume (training/offload.py)"], problems  # fmt: skip
+    assert problems == [
+        "offload/cached_free_bytes missing from the resident run's rows of iterations [2]: a memory "
+        "phase did not report its engine resume (training/offload.py)"
+    ], problems
     nowhere = [{k: v for k, v in r.items() if k != "offload/cached_free_bytes"} for r in replay]
     assert math.isnan(stages.train_details(dropped[:1], nowhere)["cached_at_resume_gib"])
-    assert any("replay run's rows of iterations [1, 2, 3]" in p for p in stages.train_problems(
-        stages.train_details(resident, nowhere)))  # fmt: skip
+    assert any(
+        "replay run's rows of iterations [1, 2, 3]" in p
+        for p in stages.train_problems(stages.train_details(resident, nowhere))
+    )
 
 
 def test_the_smoke_stages_require_the_cached_bytes_of_every_engine_resume() -> None:
@@ -93,12 +111,22 @@ def test_the_budget_stops_the_running_stage_and_the_table_is_written_into_out(tm
     import os
 
     env = dict(os.environ, OUT=str(tmp_path))
-    cmd = [sys.executable, str(REPO / "bench" / "gpu_check.py"), "--device", "cpu", "--stages", "smoke,resume",
-           "--budget-s", "4"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        str(REPO / "bench" / "gpu_check.py"),
+        "--device",
+        "cpu",
+        "--stages",
+        "smoke,resume",
+        "--budget-s",
+        "4",
+    ]
     start = time.monotonic()
     done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120, env=env)
     assert time.monotonic() - start < 30, done.stdout[-2000:]
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]  # stopped and skipped are no failure
+    assert done.returncode == 0, (
+        done.stdout[-3000:] + done.stderr[-3000:]
+    )  # stopped and skipped are no failure
     (out,) = tmp_path.glob("gpu_check-*")
     smoke, resume = json.loads((out / "gpu_check.json").read_text())
     assert smoke["status"] == "stopped" and smoke["seconds"] < 15, smoke

@@ -167,15 +167,19 @@ def _run_sbatch_under_slurm(
     """train.sbatch as sbatch would run it on a 2-node allocation (the job's environment), with the
     fake srun/scontrol first on PATH."""
     cmd = ["bash", str(REPO_ROOT / "launch/slurm/train.sbatch"), "examples/tiny_moe.yaml", *args]
-    return subprocess.run(cmd, cwd=tmp_path, env=slurm_env(tmp_path, python), capture_output=True, text=True,
-                          timeout=240)
+    return subprocess.run(
+        cmd, cwd=tmp_path, env=slurm_env(tmp_path, python), capture_output=True, text=True, timeout=240
+    )
 
 
 def slurm_env(tmp_path: Path, python: str | None = None) -> dict[str, str]:
     """The environment of a batch script on a 2-node allocation (job 4242, one process per node),
     with the fake srun/scontrol first on PATH; `scontrol requeue` is noted in $FAKE_SLURM_LOG."""
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("SLURM", "GRPO_LOCAL_TEST", "MASTER_", "GRPO_EXIT_FILE"))}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("SLURM", "GRPO_LOCAL_TEST", "MASTER_", "GRPO_EXIT_FILE"))
+    }
     env.update(
         PATH=f"{_shim(tmp_path)}:{os.environ['PATH']}",
         SLURM_JOB_ID="4242",
@@ -197,8 +201,12 @@ def slurm_env(tmp_path: Path, python: str | None = None) -> dict[str, str]:
 
 def test_fake_scontrol_expands_slurm_hostlists(tmp_path: Path) -> None:
     scontrol = _shim(tmp_path) / "scontrol"
-    out = subprocess.run([scontrol, "show", "hostnames", "gpu[001-003,010],login1,rack2-n[8-9]x"],
-                         capture_output=True, text=True, check=True)  # fmt: skip
+    out = subprocess.run(
+        [scontrol, "show", "hostnames", "gpu[001-003,010],login1,rack2-n[8-9]x"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     assert out.stdout.split() == ["gpu001", "gpu002", "gpu003", "gpu010", "login1", "rack2-n8x", "rack2-n9x"]
 
 

@@ -21,8 +21,15 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     # against (the problem generators' names and arguments: pure Python, used by data.generator's check;
     # the SGLang CPU path a CPU job's engines take, and the compatibility module it reads, which imports
     # nothing of the package; the sampler's truncation, pure tensor math the rollout section names)
-    ("grpo_megatron", "fileio", "<section>", "data.generators", "rollout.sglang.cpu_path", "rollout.sglang.compat",
-     "algorithm.truncation"),
+    (
+        "grpo_megatron",
+        "fileio",
+        "<section>",
+        "data.generators",
+        "rollout.sglang.cpu_path",
+        "rollout.sglang.compat",
+        "algorithm.truncation",
+    ),
     ("distributed", "logging_utils", "algorithm", "rewards", "data"),
     ("models",),
     ("bridge",),
@@ -86,7 +93,9 @@ def imported_modules(path: Path) -> list[tuple[int, str]]:
             for alias in node.names:
                 candidate = f"{source}.{alias.name}"
                 found.append((node.lineno, candidate if is_module(candidate) else source))
-    return [(line, name) for line, name in found if name == "grpo_megatron" or name.startswith("grpo_megatron.")]
+    return [
+        (line, name) for line, name in found if name == "grpo_megatron" or name.startswith("grpo_megatron.")
+    ]
 
 
 def layering_violations() -> list[str]:
@@ -102,7 +111,11 @@ def layering_violations() -> list[str]:
                 continue
             problems.append(
                 f"{rel}:{line}: {here} (layer {RANK[here]}) imports {target} from {there} (layer {RANK[there]}): "
-                + ("packages of one layer must not import each other" if RANK[there] == RANK[here] else "upward")
+                + (
+                    "packages of one layer must not import each other"
+                    if RANK[there] == RANK[here]
+                    else "upward"
+                )
             )
     return problems
 
@@ -165,8 +178,16 @@ def test_the_checker_sees_every_kind_of_import(tmp_path, monkeypatch, source, im
 MAX_FUNCTION_LINES = 90
 """The longest function (``def`` to its last line, docstring included) the package may hold."""
 
-JOB_CONFIG_TAKERS = ("config/", "training/job.py", "training/grpo.py", "training/sft.py", "training/sanity.py",
-                     "commands/", "planner/", "cli.py")  # fmt: skip
+JOB_CONFIG_TAKERS = (
+    "config/",
+    "training/job.py",
+    "training/grpo.py",
+    "training/sft.py",
+    "training/sanity.py",
+    "commands/",
+    "planner/",
+    "cli.py",
+)
 """Where a function may take the whole ``JobConfig``: the config package, the training wiring and the
 loops' entry points, and the commands (``planner/`` is the ``plan`` command, layer 7). Everything else
 takes its config sections."""
@@ -198,4 +219,6 @@ def test_components_take_their_config_sections_not_the_job_config():
         if any(a.annotation is not None and "JobConfig" in ast.unparse(a.annotation) for a in args):
             if not rel.startswith(JOB_CONFIG_TAKERS):
                 takers.append(f"grpo_megatron/{rel}:{fn.lineno} {fn.name}")
-    assert not takers, "these take the whole JobConfig; pass them their sections instead:\n" + "\n".join(takers)
+    assert not takers, "these take the whole JobConfig; pass them their sections instead:\n" + "\n".join(
+        takers
+    )

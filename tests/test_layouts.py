@@ -71,11 +71,17 @@ def test_transformer_engine_fused_norm_names_map_to_the_local_spec():
     from grpo_megatron.bridge.layout import local_spec_name
 
     layer = "decoder.layers.3."
-    assert local_spec_name(layer + "self_attention.linear_qkv.layer_norm_weight") == layer + "input_layernorm.weight"
+    assert (
+        local_spec_name(layer + "self_attention.linear_qkv.layer_norm_weight")
+        == layer + "input_layernorm.weight"
+    )
     assert local_spec_name(layer + "mlp.linear_fc1.layer_norm_weight") == layer + "pre_mlp_layernorm.weight"
     assert (
         local_spec_name(layer + "self_attention.linear_kv_up_proj.layer_norm_weight")
         == layer + "self_attention.kv_layernorm.weight"
     )
-    for unchanged in (layer + "self_attention.linear_qkv.weight", layer + "mlp.experts.local_experts.0.linear_fc1.weight"):
+    for unchanged in (
+        layer + "self_attention.linear_qkv.weight",
+        layer + "mlp.experts.local_experts.0.linear_fc1.weight",
+    ):
         assert local_spec_name(unchanged) == unchanged

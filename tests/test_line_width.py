@@ -39,8 +39,11 @@ def test_no_file_has_more_lines_over_120_characters_than_its_baseline_and_the_ba
         if len(lines) > baseline.get(path, 0)
     ]
     assert not grown, "wrap these lines (the baseline never grows):\n  " + "\n  ".join(grown)
-    shrunk = [f"{path}: {baseline[path]} -> {len(found.get(path, []))}" for path in baseline
-              if len(found.get(path, [])) < baseline[path]]  # fmt: skip
+    shrunk = [
+        f"{path}: {baseline[path]} -> {len(found.get(path, []))}"
+        for path in baseline
+        if len(found.get(path, [])) < baseline[path]
+    ]
     assert not shrunk, (
         "fewer over-width lines than tests/line_width_baseline.json says: lower it with "
         "`python -m tests.test_line_width --update`:\n  " + "\n  ".join(shrunk)

@@ -12,10 +12,16 @@ from grpo_megatron.models.local_norm import LocalRMSNorm, use_local_rms_norm
 
 def _config(dtype: torch.dtype, sequence_parallel: bool = False) -> TransformerConfig:
     return TransformerConfig(
-        num_layers=1, hidden_size=64, num_attention_heads=4, normalization="RMSNorm",
-        params_dtype=dtype, bf16=dtype == torch.bfloat16, use_cpu_initialization=True,
-        tensor_model_parallel_size=2 if sequence_parallel else 1, sequence_parallel=sequence_parallel,
-    )  # fmt: skip
+        num_layers=1,
+        hidden_size=64,
+        num_attention_heads=4,
+        normalization="RMSNorm",
+        params_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        use_cpu_initialization=True,
+        tensor_model_parallel_size=2 if sequence_parallel else 1,
+        sequence_parallel=sequence_parallel,
+    )
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -51,7 +57,9 @@ def test_replaces_every_torch_norm_of_the_local_spec() -> None:
 
     apply_megatron_compat("cpu")
     layers = [
-        get_gpt_layer_local_spec(num_experts=4, moe_grouped_gemm=False, qk_layernorm=True, normalization="RMSNorm")
+        get_gpt_layer_local_spec(
+            num_experts=4, moe_grouped_gemm=False, qk_layernorm=True, normalization="RMSNorm"
+        )
         for _ in range(2)
     ]
     block = TransformerBlockSubmodules(layer_specs=layers, layer_norm=WrappedTorchNorm)

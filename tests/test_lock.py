@@ -26,7 +26,10 @@ def test_checker_names_each_difference(tmp_path: Path, capsys: pytest.CaptureFix
     lock.write_text("# comment\npytest==0.0.1\nno-such-package-xyz==1.0\n")
     assert check_lock.main([str(lock)]) == 1
     err = capsys.readouterr().err
-    assert "pytest: locked 0.0.1, installed" in err and "no-such-package-xyz: locked 1.0, installed nothing" in err
+    assert (
+        "pytest: locked 0.0.1, installed" in err
+        and "no-such-package-xyz: locked 1.0, installed nothing" in err
+    )
     assert check_lock.main([str(lock), "--skip", "pytest", "--skip", "no_such_package_xyz"]) == 0
     lock.write_text("pytest>=8\n")
     with pytest.raises(SystemExit, match=r"lock.txt:1: expected 'name==version'"):

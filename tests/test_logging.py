@@ -44,8 +44,13 @@ def iteration_metrics(it: int) -> dict[str, Any]:
 
 def sample_rows(it: int) -> list[dict[str, Any]]:
     return [
-        {"prompt": f"What is {it} + {j}?", "response": f"<answer>{it + j}</answer>", "reward": 1.0,
-         "answer": str(it + j), "advantage": 0.5 - j}
+        {
+            "prompt": f"What is {it} + {j}?",
+            "response": f"<answer>{it + j}</answer>",
+            "reward": 1.0,
+            "answer": str(it + j),
+            "advantage": 0.5 - j,
+        }
         for j in range(2)
     ]
 
@@ -91,7 +96,9 @@ def test_jsonl_one_line_per_iteration_with_stable_keys_in_order(tmp_path: Path) 
     path = tmp_path / "run" / "metrics.jsonl"
     lines = path.read_text().splitlines()
     assert len(lines) == 6
-    records = [json.loads(line, parse_constant=lambda c: pytest.fail(f"non-strict JSON {c}")) for line in lines]
+    records = [
+        json.loads(line, parse_constant=lambda c: pytest.fail(f"non-strict JSON {c}")) for line in lines
+    ]
     extras = ["reward/accuracy", "reward/format"]
     for it, record in enumerate(records):
         assert list(record) == list(REQUIRED_KEYS) + extras
@@ -104,15 +111,24 @@ def test_jsonl_one_line_per_iteration_with_stable_keys_in_order(tmp_path: Path) 
 
 
 def test_record_values_normalised() -> None:
-    record = metrics_record(3, {"kl": torch.tensor(0.25), "entropy": float("nan"), "clip_frac": float("inf"),
-                                "response_len/mean": 7, "reward/format": True})
+    record = metrics_record(
+        3,
+        {
+            "kl": torch.tensor(0.25),
+            "entropy": float("nan"),
+            "clip_frac": float("inf"),
+            "response_len/mean": 7,
+            "reward/format": True,
+        },
+    )
     assert record["iteration"] == 3
     assert record["kl"] == 0.25 and isinstance(record["kl"], float)
     assert record["entropy"] is None and record["clip_frac"] is None  # strict JSON: no NaN/inf
     assert record["response_len/mean"] == 7 and record["reward/format"] == 1
     assert record["time/train"] is None  # a required key the trainer did not give
-    assert missing_required_keys([record]) == [k for k in REQUIRED_KEYS if k not in ("iteration", "kl")
-                                                and k != "response_len/mean"]
+    assert missing_required_keys([record]) == [
+        k for k in REQUIRED_KEYS if k not in ("iteration", "kl") and k != "response_len/mean"
+    ]
     with pytest.raises(TypeError, match="'loss/policy'"):
         metrics_record(0, {"loss/policy": "high"})
     with pytest.raises(TypeError, match="'kl'"):

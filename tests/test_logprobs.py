@@ -45,7 +45,13 @@ def test_logprobs_only_path_has_no_entropy() -> None:
 def test_chunks_cover_every_token_once() -> None:
     from grpo_megatron.models.logprobs import token_chunks
 
-    for b, s, vt, limit in [(3, 5, 16, 1 << 20), (3, 5, 16, 40), (3, 5, 16, 16), (4, 7, 10, 150), (2, 3, 8, 1)]:
+    for b, s, vt, limit in [
+        (3, 5, 16, 1 << 20),
+        (3, 5, 16, 40),
+        (3, 5, 16, 16),
+        (4, 7, 10, 150),
+        (2, 3, 8, 1),
+    ]:
         seen = torch.zeros(b, s, dtype=torch.int64)
         for rows, pos in token_chunks(b, s, vt, limit):
             seen[rows, pos] += 1
@@ -81,9 +87,13 @@ def test_bf16_logits_are_computed_in_fp32() -> None:
     gen = torch.Generator().manual_seed(2)
     z_bsv = (torch.randn(2, 6, 32, generator=gen) * 3).to(torch.bfloat16).requires_grad_(True)
     labels_bs = torch.randint(0, 32, (2, 6), generator=gen)
-    lp, h = vocab_parallel_logprobs(z_bsv, labels_bs, tp_group=None, vocab_start=0, temperature=0.8, with_entropy=True)
+    lp, h = vocab_parallel_logprobs(
+        z_bsv, labels_bs, tp_group=None, vocab_start=0, temperature=0.8, with_entropy=True
+    )
     assert lp.dtype == h.dtype == torch.float32
-    engine_lp = torch.log_softmax(z_bsv.detach().float() / 0.8, dim=-1).gather(-1, labels_bs[..., None])[..., 0]
+    engine_lp = torch.log_softmax(z_bsv.detach().float() / 0.8, dim=-1).gather(-1, labels_bs[..., None])[
+        ..., 0
+    ]
     torch.testing.assert_close(lp, engine_lp, atol=1e-6, rtol=1e-6)
     ref_lp, ref_h = _reference(z_bsv.detach().float(), labels_bs, 0.8, 32)
     torch.testing.assert_close(h, ref_h, atol=1e-5, rtol=1e-5)

@@ -20,8 +20,11 @@ def _round_trip(saved: dict) -> dict:
 def test_loop_state_saves_the_dict_the_loop_always_saved() -> None:
     state = LoopState(7, {"epoch": 1, "position": 3}, {"eval/accuracy": 0.5}, (5, 0.625))
     assert state.to_dict() == {
-        "iteration": 7, "sampler": {"epoch": 1, "position": 3}, "eval": {"eval/accuracy": 0.5}, "best": (5, 0.625),
-    }  # fmt: skip
+        "iteration": 7,
+        "sampler": {"epoch": 1, "position": 3},
+        "eval": {"eval/accuracy": 0.5},
+        "best": (5, 0.625),
+    }
     assert LoopState.from_dict(_round_trip(state.to_dict())) == state
 
 

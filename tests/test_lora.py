@@ -33,8 +33,9 @@ def test_config_names_the_bad_field() -> None:
 
 @pytest.fixture(scope="module")
 def single(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    (ref,) = run_distributed("tests.workers.lora_workers:single", 1, timeout_s=240,
-                             out_dir=str(tmp_path_factory.mktemp("lora1")))  # fmt: skip
+    (ref,) = run_distributed(
+        "tests.workers.lora_workers:single", 1, timeout_s=240, out_dir=str(tmp_path_factory.mktemp("lora1"))
+    )
     return ref
 
 
@@ -46,13 +47,20 @@ def _check(results: dict) -> None:
                 failures.append(f"{name}: {key}={r[key]:.3g} > {TOL}")
         if r["names_differ"]:
             failures.append(f"{name}: canonical adapter names differ {r['names_differ'][:4]}")
-        if r["optimizer_not_lora"] or r["frozen_with_grad"] or r["frozen_with_buffer"] or not r["optimizer_lora"]:
+        if (
+            r["optimizer_not_lora"]
+            or r["frozen_with_grad"]
+            or r["frozen_with_buffer"]
+            or not r["optimizer_lora"]
+        ):
             failures.append(f"{name}: not only adapters train: {r}")
     assert not failures, "\n".join(failures)
 
 
 def test_single_process_trains_only_adapters(single: dict) -> None:
-    assert single["optimizer_not_lora"] == 0 and single["frozen_with_grad"] == 0 == single["frozen_with_buffer"]
+    assert (
+        single["optimizer_not_lora"] == 0 and single["frozen_with_grad"] == 0 == single["frozen_with_buffer"]
+    )
     assert single["optimizer_lora"] == single["lora_params"] > 0
     # attention (qkv, proj) and every expert's fc1/fc2, two layers: A and B each
     names = {k.rsplit(".", 1)[0] for k in single["grads"]}
@@ -70,8 +78,14 @@ TWO_RANKS = {
 
 
 def test_two_rank_layouts_match_single_process(single: dict, tmp_path: Path) -> None:
-    per_rank = run_distributed("tests.workers.lora_workers:layouts", 2, timeout_s=420, layouts=TWO_RANKS,
-                               reference=single, out_dir=str(tmp_path))  # fmt: skip
+    per_rank = run_distributed(
+        "tests.workers.lora_workers:layouts",
+        2,
+        timeout_s=420,
+        layouts=TWO_RANKS,
+        reference=single,
+        out_dir=str(tmp_path),
+    )
     for results in per_rank:
         _check(results)
 
@@ -79,16 +93,23 @@ def test_two_rank_layouts_match_single_process(single: dict, tmp_path: Path) -> 
 def test_tp2_ep2_etp2_matches_single_process(single: dict, tmp_path: Path) -> None:
     """Expert adapters split over ETP: their whole factor's gradient is all-reduced over ETP."""
     layouts = {"TP2xEP2 (ETP2)": ["parallel.tp=2", "parallel.ep=2"]}
-    for results in run_distributed("tests.workers.lora_workers:layouts", 4, timeout_s=420, layouts=layouts,
-                                   reference=single, out_dir=str(tmp_path)):  # fmt: skip
+    for results in run_distributed(
+        "tests.workers.lora_workers:layouts",
+        4,
+        timeout_s=420,
+        layouts=layouts,
+        reference=single,
+        out_dir=str(tmp_path),
+    ):
         _check(results)
 
 
 def test_reference_is_the_policy_with_adapters_off() -> None:
     """At TP2: identical to a separately built frozen reference at init and after updates, while the
     policy itself moves away from it."""
-    for r in run_distributed("tests.workers.lora_workers:reference", 2, timeout_s=300,
-                             overrides=["parallel.tp=2"], steps=3):  # fmt: skip
+    for r in run_distributed(
+        "tests.workers.lora_workers:reference", 2, timeout_s=300, overrides=["parallel.tp=2"], steps=3
+    ):
         assert r["init"]["off_vs_frozen"] == 0.0 and r["init"]["on_vs_frozen"] == 0.0  # B = 0 at init
         assert r["after"]["off_vs_frozen"] == 0.0
         assert r["after"]["on_vs_frozen"] > 1e-3
@@ -113,14 +134,19 @@ def test_peft_adapter_loads_in_peft_and_gives_the_trainers_logits(tiny_moe: Path
         for mt in ("qwen3_moe", "deepseek_v3")
         for name, overrides in (("TP2", ["parallel.tp=2"]), ("EP2", ["parallel.ep=2"]))
     }
-    (results, _) = run_distributed("tests.workers.lora_workers:peft_oracle", 2, timeout_s=480, cases=cases,
-                                   out_dir=str(tmp_path))  # fmt: skip
+    (results, _) = run_distributed(
+        "tests.workers.lora_workers:peft_oracle", 2, timeout_s=480, cases=cases, out_dir=str(tmp_path)
+    )
     failures = []
     for case, r in results.items():
-        print(f"{case}: peft {r['peft_diff']:.2e}, merged {r['merged_diff']:.2e}, adapters move logits by "
-              f"{r['adapter_effect']:.2f}, {r['tensors']} adapter tensors")  # fmt: skip
+        print(
+            f"{case}: peft {r['peft_diff']:.2e}, merged {r['merged_diff']:.2e}, adapters move logits by "
+            f"{r['adapter_effect']:.2f}, {r['tensors']} adapter tensors"
+        )
         if r["keys_differ"] or r["values_differ"]:
-            failures.append(f"{case}: peft loaded other tensors: {r['keys_differ'][:4]} {r['values_differ'][:4]}")
+            failures.append(
+                f"{case}: peft loaded other tensors: {r['keys_differ'][:4]} {r['values_differ'][:4]}"
+            )
         for key in ("peft_diff", "merged_diff"):
             if not r[key] <= LOGIT_TOL:
                 failures.append(
@@ -140,7 +166,9 @@ def test_planner_counts_adapters_only_for_gradients_and_optimizer() -> None:
     recipes = REPO_ROOT / "examples" / "recipes"
     opts = memory.PlanOptions(gpus_per_node=4, gpu=memory.GPUS["h100"])
 
-    def plan(path: Path, world: int, overrides: list[str], options: memory.PlanOptions = opts) -> dict[str, float]:
+    def plan(
+        path: Path, world: int, overrides: list[str], options: memory.PlanOptions = opts
+    ) -> dict[str, float]:
         cfg = load_config(path, overrides)
         validate(cfg, world)
         p = memory.plan_memory(cfg, cfg.model.load_hf_config(), world, options)
@@ -174,9 +202,16 @@ def test_grpo_with_lora_runs_kl_against_the_base_syncs_merged_and_exports(tmp_pa
     from tests.helpers.runs import SMALL, finish, launch
 
     run = tmp_path / "run"
-    extra = ["model.lora.rank=4", "model.lora.alpha=8", "train.lr=5e-3", "algorithm.kl.beta=0.02",
-             "train.updates_per_iteration=2", "checkpoint.export_hf_dir=hf", "train.offload_trainer=true",
-             "checkpoint.save_interval=2"]  # fmt: skip
+    extra = [
+        "model.lora.rank=4",
+        "model.lora.alpha=8",
+        "train.lr=5e-3",
+        "algorithm.kl.beta=0.02",
+        "train.updates_per_iteration=2",
+        "checkpoint.export_hf_dir=hf",
+        "train.offload_trainer=true",
+        "checkpoint.save_interval=2",
+    ]
     finish(launch("train", [*SMALL, *extra, "train.iterations=2", f"logging.run_dir={run}"]))
     last = read_jsonl(run / "metrics.jsonl")[-1]
     assert last["time/ref_logprob"] > 0 and last["kl"] is not None and last["kl"] >= 0
@@ -189,9 +224,23 @@ def test_grpo_with_lora_runs_kl_against_the_base_syncs_merged_and_exports(tmp_pa
 
     base = REPO_ROOT / "examples" / "demo"
     for direction, out in (("mcore-to-hf", tmp_path / "merged"), ("mcore-to-peft", tmp_path / "peft")):
-        proc = _cli(["convert", direction, "--ckpt", str(run / "checkpoints"), "--hf-config", str(base),
-                     "--out", str(out)], 1)  # fmt: skip
+        proc = _cli(
+            [
+                "convert",
+                direction,
+                "--ckpt",
+                str(run / "checkpoints"),
+                "--hf-config",
+                str(base),
+                "--out",
+                str(out),
+            ],
+            1,
+        )
         assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    for converted, exported in ((tmp_path / "merged", run / "hf"), (tmp_path / "peft", run / "hf" / "adapter")):
+    for converted, exported in (
+        (tmp_path / "merged", run / "hf"),
+        (tmp_path / "peft", run / "hf" / "adapter"),
+    ):
         got, want = _tensors(converted), _tensors(exported)
         assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)

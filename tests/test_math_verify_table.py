@@ -73,7 +73,9 @@ TABLE = [
 
 @pytest.mark.parametrize("gold,pred,expected", TABLE, ids=[f"{g}|{p}" for g, p, _ in TABLE])
 def test_boxed_answer_forms(gold, pred, expected):
-    sample = RewardSample(prompt="q", response=f"Some reasoning. The answer is \\boxed{{{pred}}}.", label=gold)
+    sample = RewardSample(
+        prompt="q", response=f"Some reasoning. The answer is \\boxed{{{pred}}}.", label=gold
+    )
     assert math_accuracy(sample) == (1.0 if expected else 0.0)
 
 

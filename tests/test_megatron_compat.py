@@ -94,7 +94,12 @@ def test_causes_are_what_the_issue_saw_on_a_gpu() -> None:
     and distributed-optimizer fixes, and none of the CUDA-absent ones."""
     gpu_no_te = Capabilities(cpu=False, transformer_engine=False, fused_adam=False)
     names = {fix.name for fix in compat.fixes_for(gpu_no_te)}
-    assert {"moe_router_gemm_name", "mla_te_flag", "distopt_fresh_state_dict", "distopt_unshared_step"} <= names
+    assert {
+        "moe_router_gemm_name",
+        "mla_te_flag",
+        "distopt_fresh_state_dict",
+        "distopt_unshared_step",
+    } <= names
     assert not any(fix.cause == "cpu" for fix in compat.fixes_for(gpu_no_te))
     assert compat.fixes_for(Capabilities(cpu=False, transformer_engine=True, fused_adam=True)) == ()
     # What this process detects: the device is the job's, TE and Adam are the installation's.
@@ -596,5 +601,7 @@ def test_distopt_keep_restored_step(distopt_results: list[dict]) -> None:
 
 def test_distopt_dp_reshardable_no_grad(distopt_results: list[dict]) -> None:
     for result in distopt_results:
-        assert "view of a leaf Variable" in result["dp_reshardable_original"], result["dp_reshardable_original"]
+        assert "view of a leaf Variable" in result["dp_reshardable_original"], result[
+            "dp_reshardable_original"
+        ]
         assert result["dp_reshardable_fixed"] == ""

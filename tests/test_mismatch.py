@@ -51,7 +51,11 @@ def test_a_probe_beyond_rollout_probe_max_abs_stops_the_run_naming_the_field():
     from grpo_megatron.rollout.config import RolloutConfig
     from grpo_megatron.training.phases.sync import ProbeMismatchError, check_probe
 
-    honest = {"mismatch/probe_abs_diff_max": 0.15, "mismatch/probe_abs_diff_mean": 0.01, "mismatch/probe_tokens": 40.0}
+    honest = {
+        "mismatch/probe_abs_diff_max": 0.15,
+        "mismatch/probe_abs_diff_mean": 0.01,
+        "mismatch/probe_tokens": 40.0,
+    }
     garbage = {**honest, "mismatch/probe_abs_diff_max": 7.3, "mismatch/probe_abs_diff_mean": 3.1}
     bound = RolloutConfig().probe_max_abs
     assert bound == 5.0  # the stated default

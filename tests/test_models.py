@@ -27,7 +27,9 @@ def test_unknown_model_type_lists_supported_ones() -> None:
 
 def test_qwen3_moe_routing_and_dense_layers() -> None:
     adapter = get_adapter("qwen3_moe")
-    kw = adapter.transformer_config_kwargs(tiny_hf_config("qwen3_moe", num_hidden_layers=4, mlp_only_layers=[1]))
+    kw = adapter.transformer_config_kwargs(
+        tiny_hf_config("qwen3_moe", num_hidden_layers=4, mlp_only_layers=[1])
+    )
     assert kw["moe_layer_freq"] == [1, 0, 1, 1]
     assert kw["moe_router_pre_softmax"] is False  # norm_topk_prob=True: softmax over the top-k
     kw = adapter.transformer_config_kwargs(tiny_hf_config("qwen3_moe", norm_topk_prob=False))
@@ -42,12 +44,19 @@ def test_deepseek_v3_mapping() -> None:
     assert kw["moe_router_topk_scaling_factor"] == 2.5
     assert (kw["moe_router_num_groups"], kw["moe_router_group_topk"]) == (2, 1)
     assert kw["moe_shared_expert_intermediate_size"] == 32
-    assert (kw["q_lora_rank"], kw["kv_lora_rank"], kw["qk_head_dim"], kw["qk_pos_emb_head_dim"]) == (32, 16, 16, 8)
+    assert (kw["q_lora_rank"], kw["kv_lora_rank"], kw["qk_head_dim"], kw["qk_pos_emb_head_dim"]) == (
+        32,
+        16,
+        16,
+        8,
+    )
 
 
 def test_deepseek_v3_group_scoring_mismatch_is_refused() -> None:
     with pytest.raises(HFConfigError, match="num_experts_per_tok = 2 \\* topk_group"):
-        get_adapter("deepseek_v3").transformer_config_kwargs(tiny_hf_config("deepseek_v3", num_experts_per_tok=3))
+        get_adapter("deepseek_v3").transformer_config_kwargs(
+            tiny_hf_config("deepseek_v3", num_experts_per_tok=3)
+        )
 
 
 def test_unsupported_rope_scaling_names_the_fix() -> None:
@@ -64,9 +73,13 @@ def test_vocab_padding() -> None:
 
 def test_every_model_type_builds_and_trains_one_step() -> None:
     configs = {t: tiny_hf_config(t) for t in SUPPORTED_MODEL_TYPES}
-    (results,) = run_distributed("tests.workers.layout_workers:build_all_types", 1, timeout_s=240, configs=configs)
+    (results,) = run_distributed(
+        "tests.workers.layout_workers:build_all_types", 1, timeout_s=240, configs=configs
+    )
     for model_type, r in results.items():
         assert r["params"] > 0, model_type
-        assert r["with_grad"] == r["total"], f"{model_type}: {r['total'] - r['with_grad']} parameters got no gradient"
+        assert r["with_grad"] == r["total"], (
+            f"{model_type}: {r['total'] - r['with_grad']} parameters got no gradient"
+        )
         assert r["grad_norm"] > 0 and r["grad_norm"] == r["grad_norm"], model_type
         assert r["loss"] == r["loss"], f"{model_type}: NaN loss"

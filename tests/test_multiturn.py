@@ -43,8 +43,19 @@ def test_calculator_is_exact_and_evaluates_nothing_else():
     assert calculator("-(3+4)*2-1") == "-15"
     assert calculator("(1+2)/6") == "1/2"
     assert calculator(" 007 + 1 ") == "8"
-    for bad in ("2**10", "__import__('os')", "1/0", "9" * 61, "1+", "(1", "1e5", "", "(" * 40 + "1" + ")" * 40,
-                "99999999999999999999999999999999*99999999999999999999999999999999", "x" * 300):
+    for bad in (
+        "2**10",
+        "__import__('os')",
+        "1/0",
+        "9" * 61,
+        "1+",
+        "(1",
+        "1e5",
+        "",
+        "(" * 40 + "1" + ")" * 40,
+        "99999999999999999999999999999999*99999999999999999999999999999999",
+        "x" * 300,
+    ):
         with pytest.raises(ValueError):
             calculator(bad)
 
@@ -54,16 +65,29 @@ def test_a_tool_that_hangs_raises_floods_or_dies_is_contained_and_counted():
     tools["calc"] = "calculator"
     pool = ToolPool(tools, RewardConfig(), timeout_s=1.0, num_workers=2, max_output_chars=50, log=None)
     try:
-        calls = [("calc", "12*34"), ("hang", ""), ("boom", ""), ("flood", ""), ("not_text", ""), ("die", ""),
-                 ("missing", ""), ("spin", ""), ("echo", "still here")]
+        calls = [
+            ("calc", "12*34"),
+            ("hang", ""),
+            ("boom", ""),
+            ("flood", ""),
+            ("not_text", ""),
+            ("die", ""),
+            ("missing", ""),
+            ("spin", ""),
+            ("echo", "still here"),
+        ]
         results = pool.run(calls)
         status = [r.status for r in results]
         assert status == ["ok", "timeout", "error", "ok", "error", "error", "error", "timeout", "ok"]
         assert results[0].output == "408" and results[-1].output == "still here"
         assert results[3].output == "z" * 50 and results[3].truncated  # cut in the worker
         assert all(r.output == "error" for r in results if r.status != "ok")
-        assert tool_metrics(results) == {"tool/calls": 9.0, "tool/errors": 6.0, "tool/timeouts": 2.0,
-                                         "tool/truncated": 1.0}
+        assert tool_metrics(results) == {
+            "tool/calls": 9.0,
+            "tool/errors": 6.0,
+            "tool/timeouts": 2.0,
+            "tool/truncated": 1.0,
+        }
         assert pool.restarts == 3  # the two timeouts and the death; the pool still answers
         assert [r.output for r in pool.run([("calc", "2+2")] * 3)] == ["4"] * 3
     finally:
@@ -72,14 +96,27 @@ def test_a_tool_that_hangs_raises_floods_or_dies_is_contained_and_counted():
 
 def test_a_tool_that_fails_to_import_stops_the_start_naming_it():
     with pytest.raises(ValueError, match="rollout.multiturn.tools.t"):
-        ToolPool({"t": "tests.no_such_module:f"}, RewardConfig(), timeout_s=1.0, num_workers=1,
-                 max_output_chars=10, log=None)
+        ToolPool(
+            {"t": "tests.no_such_module:f"},
+            RewardConfig(),
+            timeout_s=1.0,
+            num_workers=1,
+            max_output_chars=10,
+            log=None,
+        )
 
 
 def test_the_tool_environment_answers_calls_in_the_documented_format(tokenizer):
     cfg = MultiTurnConfig(enabled=True, error_text="?")
-    pool = ToolPool({TOOL_NAME: "calculator"}, RewardConfig(), timeout_s=2.0, num_workers=1, max_output_chars=20,
-                    error_text="?", log=None)
+    pool = ToolPool(
+        {TOOL_NAME: "calculator"},
+        RewardConfig(),
+        timeout_s=2.0,
+        num_workers=1,
+        max_output_chars=20,
+        error_text="?",
+        log=None,
+    )
     env = ToolEnvironment(cfg, tokenizer, pool)
     try:
         steps = env.step([None] * 4, ["<calc>12*34</calc>", "408", "<calc>1/0</calc>", "<calc>1+1"])
@@ -101,8 +138,15 @@ def test_the_episodes_count_tool_timeouts_and_truncated_outputs(tokenizer):
     cfg = MultiTurnConfig(enabled=True, error_text="?")
     counted = {}
     for tool, chars in (("flood", 5), ("hang", 50)):
-        pool = ToolPool({TOOL_NAME: f"{HELPERS}:{tool}"}, RewardConfig(), timeout_s=1.0, num_workers=1,
-                        max_output_chars=chars, error_text="?", log=None)  # fmt: skip
+        pool = ToolPool(
+            {TOOL_NAME: f"{HELPERS}:{tool}"},
+            RewardConfig(),
+            timeout_s=1.0,
+            num_workers=1,
+            max_output_chars=chars,
+            error_text="?",
+            log=None,
+        )
         env = ToolEnvironment(cfg, tokenizer, pool)
         try:
             (step,) = env.step([None], ["<calc>1</calc>"])
@@ -110,9 +154,16 @@ def test_the_episodes_count_tool_timeouts_and_truncated_outputs(tokenizer):
             env.close()
         counted[tool] = (step.tool_calls, step.tool_errors, step.tool_timeouts, step.tool_truncated)
     assert counted == {"flood": (1, 0, 0, 1), "hang": (1, 1, 1, 0)}
-    t = Trajectory([], [], "stop", None, [], turns=2, tool_calls=3, tool_errors=2, tool_timeouts=1, tool_truncated=1)
-    assert trajectory_metrics([t, t]) == {"turns/mean": 2.0, "tool/calls": 6.0, "tool/errors": 4.0,
-                                          "tool/timeouts": 2.0, "tool/truncated": 2.0}  # fmt: skip
+    t = Trajectory(
+        [], [], "stop", None, [], turns=2, tool_calls=3, tool_errors=2, tool_timeouts=1, tool_truncated=1
+    )
+    assert trajectory_metrics([t, t]) == {
+        "turns/mean": 2.0,
+        "tool/calls": 6.0,
+        "tool/errors": 4.0,
+        "tool/timeouts": 2.0,
+        "tool/truncated": 2.0,
+    }
 
 
 def test_multiturn_config_names_the_field_and_the_fix():
@@ -139,9 +190,13 @@ def test_the_trainer_sees_the_engine_ids_plus_the_observation_ids_bit_for_bit(to
     engine = embedded_engine(tokenizer)
     env = CountingEnvironment(tokenizer, turns=2)
     cfg = MultiTurnConfig(enabled=True, max_turns=3, max_total_tokens=40)
-    records = [PromptRecord(prompt=p, prompt_ids=tuple(tokenizer.encode(p)), answer="0", metadata={})
-               for p in ("12*34=", "5+6=")]
-    params = SamplingParams(n=3, max_new_tokens=7, stop_token_ids=(tokenizer.eos_token_id,), seed=5, routes=True)
+    records = [
+        PromptRecord(prompt=p, prompt_ids=tuple(tokenizer.encode(p)), answer="0", metadata={})
+        for p in ("12*34=", "5+6=")
+    ]
+    params = SamplingParams(
+        n=3, max_new_tokens=7, stop_token_ids=(tokenizer.eos_token_id,), seed=5, routes=True
+    )
     groups = EpisodeRunner(engine, cfg, tokenizer, env).run(records, params)  # type: ignore[arg-type]
 
     assert engine.calls[0][0] == [list(r.prompt_ids) for r in records]
@@ -172,7 +227,9 @@ def test_continuing_from_token_ids_samples_what_one_forward_would_score(tokenize
     # logprob of that token in the whole trajectory (a re-tokenized transcript could differ; ids do not).
     engine = embedded_engine(tokenizer)
     cfg = MultiTurnConfig(enabled=True, max_turns=3, max_total_tokens=40)
-    records = [PromptRecord(prompt="7*8=", prompt_ids=tuple(tokenizer.encode("7*8=")), answer="56", metadata={})]
+    records = [
+        PromptRecord(prompt="7*8=", prompt_ids=tuple(tokenizer.encode("7*8=")), answer="56", metadata={})
+    ]
     params = SamplingParams(n=4, max_new_tokens=6, stop_token_ids=(tokenizer.eos_token_id,), seed=1)
     (group,) = EpisodeRunner(engine, cfg, tokenizer, CountingEnvironment(tokenizer, 3)).run(records, params)  # type: ignore[arg-type]
     p = len(records[0].prompt_ids)
@@ -185,7 +242,9 @@ def test_continuing_from_token_ids_samples_what_one_forward_would_score(tokenize
 
 def test_limits_on_turns_and_tokens_hold(tokenizer):
     engine = embedded_engine(tokenizer)
-    records = [PromptRecord(prompt="1+1=", prompt_ids=tuple(tokenizer.encode("1+1=")), answer="2", metadata={})]
+    records = [
+        PromptRecord(prompt="1+1=", prompt_ids=tuple(tokenizer.encode("1+1=")), answer="2", metadata={})
+    ]
     params = SamplingParams(n=6, max_new_tokens=5, stop_token_ids=(tokenizer.eos_token_id,), seed=3)
     cfg = MultiTurnConfig(enabled=True, max_turns=2, max_total_tokens=12)
     (group,) = EpisodeRunner(engine, cfg, tokenizer, CountingEnvironment(tokenizer, 99)).run(records, params)  # type: ignore[arg-type]
@@ -206,6 +265,7 @@ def test_each_prompt_stops_at_its_own_budget_and_unbound_budgets_change_nothing(
     free = SamplingParams(n=2, max_new_tokens=6, greedy=True)
     unbound = engine.generate(prompts, dataclasses.replace(free, max_new_tokens_each=(6, 6, 6)))
     whole = engine.generate(prompts, free)
+
     def bits(groups: list[list[Any]]) -> list[tuple[list[int], list[float]]]:
         return [(c.token_ids, c.logprobs) for g in groups for c in g]
 
@@ -225,12 +285,22 @@ TOOL_YAML = REPO_ROOT / "examples" / "demo_tool.yaml"
 # (two word tokens out of 32), so the call markers are the characters "(" and ")" here: a turn that
 # ends with ")" after a "(" calls the calculator on what lies between (mostly an error: counted).
 TOOL_SMALL = [
-    "train.prompts_per_iteration=4", "rollout.n_samples_per_prompt=8", "data.num_train_prompts=256",
-    "data.num_eval_prompts=8", "train.micro_batch_size=8", "logging.wandb_mode=disabled",
-    "logging.progress_bar=false", "parallel.backend=gloo", "parallel.timeout_minutes=3",
-    "rollout.multiturn.call_open=(", "rollout.multiturn.call_close=)", "rollout.multiturn.max_turns=4",
-    "rollout.max_new_tokens=20", "rollout.multiturn.max_total_tokens=48",
-    "algorithm.routing_replay=r3", "algorithm.tis.enabled=true",
+    "train.prompts_per_iteration=4",
+    "rollout.n_samples_per_prompt=8",
+    "data.num_train_prompts=256",
+    "data.num_eval_prompts=8",
+    "train.micro_batch_size=8",
+    "logging.wandb_mode=disabled",
+    "logging.progress_bar=false",
+    "parallel.backend=gloo",
+    "parallel.timeout_minutes=3",
+    "rollout.multiturn.call_open=(",
+    "rollout.multiturn.call_close=)",
+    "rollout.multiturn.max_turns=4",
+    "rollout.max_new_tokens=20",
+    "rollout.multiturn.max_total_tokens=48",
+    "algorithm.routing_replay=r3",
+    "algorithm.tis.enabled=true",
 ]
 
 
@@ -263,7 +333,13 @@ def test_multiturn_samples_under_context_parallelism(tmp_path):
 
     run = tmp_path / "run"
     small = [o for o in TOOL_SMALL if not o.startswith("algorithm.routing_replay")]  # r3 refuses cp > 1
-    finish(launch("train", [*small, "parallel.cp=2", "train.iterations=1", f"logging.run_dir={run}"], config=TOOL_YAML))
+    finish(
+        launch(
+            "train",
+            [*small, "parallel.cp=2", "train.iterations=1", f"logging.run_dir={run}"],
+            config=TOOL_YAML,
+        )
+    )
     last = read_jsonl(run / "metrics.jsonl")[-1]
     assert last["turns/mean"] > 1 and last["tool/calls"] > 0
     assert last["mismatch/logprob_abs_diff_max"] < 1e-5 and last["batch/padding_frac"] == 0.0

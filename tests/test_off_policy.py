@@ -155,10 +155,13 @@ def test_engine_old_logprobs_loss_is_the_uncorrected_surrogate_and_tis_would_cou
     tis = AlgorithmConfig(loss_agg_mode="token-mean", tis=TISConfig(enabled=True, cap=2.0))
     mask_bs, rollout_bs = mb.extras["mask_bs"], mb.extras["rollout_logprobs_bs"]
     w_bs = off_policy_weights(tis, logprobs_bs.detach(), rollout_bs, mask_bs)
-    twice, _ = grpo_policy_loss(logprobs_bs, rollout_bs, mb.extras["advantages_b"], mask_bs, tis,
-                                tis_weights_bt=w_bs, normalizer=5.0)  # fmt: skip
-    print(f"token-mean loss, engine old logprobs: uncorrected {want_loss:.4f}, "
-          f"TIS cap 2 on top {float(twice.detach()):.4f}")  # fmt: skip
+    twice, _ = grpo_policy_loss(
+        logprobs_bs, rollout_bs, mb.extras["advantages_b"], mask_bs, tis, tis_weights_bt=w_bs, normalizer=5.0
+    )
+    print(
+        f"token-mean loss, engine old logprobs: uncorrected {want_loss:.4f}, "
+        f"TIS cap 2 on top {float(twice.detach()):.4f}"
+    )
     assert abs(float(twice.detach()) - want_loss) > 0.05
     with pytest.raises(ValueError, match="counts the ratio twice"):
         GRPOLoss(tis, 0.0, 8, old_from_engine=True)
@@ -173,8 +176,9 @@ def test_rejected_tokens_stay_in_the_token_mean_denominator(correction):
     survivors. Here: loss = sum over kept tokens of w * l / (all 5 response tokens)."""
     from grpo_megatron.algorithm.policy_loss import grpo_policy_loss
 
-    alg = AlgorithmConfig(loss_agg_mode="token-mean", off_policy=OffPolicyConfig(correction=correction, low=0.5,
-                                                                                  high=2.0))  # fmt: skip
+    alg = AlgorithmConfig(
+        loss_agg_mode="token-mean", off_policy=OffPolicyConfig(correction=correction, low=0.5, high=2.0)
+    )
     logprobs = torch.tensor([[-1.0, -2.0, -0.5], [-0.7, -1.5, 0.0]], requires_grad=True)
     rollout = logprobs.detach() - LOG_R  # pi_old (= sg pi: one update) / pi_rollout = e^LOG_R
     advantages = torch.tensor([1.0, -2.0])

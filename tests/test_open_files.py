@@ -22,9 +22,13 @@ def _run(code: str, soft: int, hard: int | None = None) -> subprocess.CompletedP
     _, our_hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     limits = (soft, our_hard if hard is None else hard)
     return subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(code)], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120,
+        [sys.executable, "-c", textwrap.dedent(code)],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
         preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, limits),
-    )  # fmt: skip
+    )
 
 
 def test_the_deepseek_recipe_needs_more_than_the_usual_soft_limit():
@@ -32,7 +36,10 @@ def test_the_deepseek_recipe_needs_more_than_the_usual_soft_limit():
     rank0 = open_files_needed(1024, dp=128, cp=1, expert_dp=4, rank=0, nccl=True)
     other = open_files_needed(1024, dp=128, cp=1, expert_dp=4, rank=5, nccl=True)
     assert (rank0.data_group, rank0.megatron_gloo, rank0.store) == (1023, 127 + 127 + 3, 2)
-    assert rank0.total == other.total == 2506 > 1024, (rank0, other)  # under torchrun the agent serves the store
+    assert rank0.total == other.total == 2506 > 1024, (
+        rank0,
+        other,
+    )  # under torchrun the agent serves the store
     # Issue 51 item 6: the store where it lives: node 0's torchrun agent (2 connections per rank, 1 per agent)
     assert store_open_files(1024, 128) == 2 * 1024 + 128 + 1024 == 3200
     # without an agent (srun straight into the ranks) rank 0 serves it
@@ -53,13 +60,24 @@ def _node_sh(tmp_path: Path, soft: int, hard: int, node_rank: int) -> subprocess
     fake = tmp_path / "python"
     fake.write_text(_FAKE_PYTHON.format(python=sys.executable))
     fake.chmod(0o755)
-    env = dict(os.environ, PYTHON=str(fake), NNODES="128", GPUS_PER_NODE="8", NODE_RANK=str(node_rank),
-               MASTER_ADDR="127.0.0.1", COMMAND="sanity")  # fmt: skip
+    env = dict(
+        os.environ,
+        PYTHON=str(fake),
+        NNODES="128",
+        GPUS_PER_NODE="8",
+        NODE_RANK=str(node_rank),
+        MASTER_ADDR="127.0.0.1",
+        COMMAND="sanity",
+    )
     return subprocess.run(
-        ["bash", str(REPO_ROOT / "launch/slurm/node.sh"), "examples/demo.yaml"], cwd=REPO_ROOT, env=env,
-        capture_output=True, text=True, timeout=60,
+        ["bash", str(REPO_ROOT / "launch/slurm/node.sh"), "examples/demo.yaml"],
+        cwd=REPO_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
         preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard)),
-    )  # fmt: skip
+    )
 
 
 def test_node_sh_raises_the_open_file_limit_of_node_0s_torchrun_agent(tmp_path: Path):
@@ -75,8 +93,12 @@ def test_node_sh_raises_the_open_file_limit_of_node_0s_torchrun_agent(tmp_path: 
     assert f"agent nofile {top} {top}" in done.stdout, done.stdout
     low = _node_sh(tmp_path, 256, 2000, node_rank=0)
     assert low.returncode == 1 and "agent nofile" not in low.stdout
-    assert "it needs about 3200 open files, but the hard limit is 2000: raise nofile" in low.stderr, low.stderr
-    other = _node_sh(tmp_path, 256, 2000, node_rank=1)  # other nodes' agents serve no store: raised, not refused
+    assert "it needs about 3200 open files, but the hard limit is 2000: raise nofile" in low.stderr, (
+        low.stderr
+    )
+    other = _node_sh(
+        tmp_path, 256, 2000, node_rank=1
+    )  # other nodes' agents serve no store: raised, not refused
     assert other.returncode == 0 and "agent nofile 2000 2000" in other.stdout, other.stdout + other.stderr
 
 
@@ -114,4 +136,6 @@ def test_a_hard_limit_below_the_need_is_refused_with_the_numbers_and_the_fix():
     assert out.returncode == 1
     error = out.stderr.strip().splitlines()[-1]
     assert "RuntimeError: this rank needs about 2506 = 1023 for the rollout data group" in error, error
-    assert "its hard limit is 2000 (soft 256)" in error and "at least 2506" in error and "limits.conf" in error
+    assert (
+        "its hard limit is 2000 (soft 256)" in error and "at least 2506" in error and "limits.conf" in error
+    )

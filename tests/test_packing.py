@@ -77,7 +77,9 @@ def test_packing_needs_fewer_micro_batches_and_reports_its_padding():
     padded = microbatch_rows(lengths, range(8), micro_batch_size=1, max_tokens=40)
     packed = microbatch_rows(lengths, range(8), micro_batch_size=1, max_tokens=40, packing=True)
     assert len(packed) < len(padded)
-    per_rank = all_rank_microbatches(lengths, range(8), dp_size=2, micro_batch_size=1, max_tokens=40, packing=True)
+    per_rank = all_rank_microbatches(
+        lengths, range(8), dp_size=2, micro_batch_size=1, max_tokens=40, packing=True
+    )
     assert len(per_rank[0]) == len(per_rank[1])  # every rank runs the same number
     loads = [sum(lengths[i] for mb in r for i in mb) for r in per_rank]
     assert abs(loads[0] - loads[1]) <= max(lengths)  # token-balanced shares
@@ -102,7 +104,9 @@ def test_segment_attention_equals_block_diagonal_masked_attention():
     lengths = (5, 1, 3)
     q_thd = torch.randn(9, 4, 8, generator=gen)
     k_thd, v_thd = torch.randn(2, 9, 2, 8, generator=gen)  # grouped-query: 4 heads over 2 groups
-    out_thd = segment_attention(q_thd, k_thd, v_thd, PackedRows(lengths).cu_seqlens(), scale=0.3, dropout_p=0.0)
+    out_thd = segment_attention(
+        q_thd, k_thd, v_thd, PackedRows(lengths).cu_seqlens(), scale=0.3, dropout_p=0.0
+    )
     seg_t = torch.repeat_interleave(torch.arange(3), torch.tensor(lengths))
     allowed_tt = (seg_t[:, None] == seg_t[None, :]) & torch.ones(9, 9, dtype=torch.bool).tril()
     ref_hsd = F.scaled_dot_product_attention(
@@ -127,7 +131,9 @@ def _check(per_rank: list[dict], names) -> None:
 
 
 def test_packed_equals_padded_in_one_process():
-    per_rank = run_distributed("tests.workers.packing_workers:layouts", 1, timeout_s=180, layouts={"world 1": []})
+    per_rank = run_distributed(
+        "tests.workers.packing_workers:layouts", 1, timeout_s=180, layouts={"world 1": []}
+    )
     _check(per_rank, ["world 1"])
 
 
@@ -171,6 +177,10 @@ FOUR_RANKS_CP = {
 
 def test_context_parallel_four_rank_layouts_equal_one_process(cp_reference: dict) -> None:
     per_rank = run_distributed(
-        "tests.workers.packing_workers:cp_layouts", 4, timeout_s=420, layouts=FOUR_RANKS_CP, reference=cp_reference
+        "tests.workers.packing_workers:cp_layouts",
+        4,
+        timeout_s=420,
+        layouts=FOUR_RANKS_CP,
+        reference=cp_reference,
     )
     _check(per_rank, FOUR_RANKS_CP)

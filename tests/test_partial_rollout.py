@@ -121,9 +121,11 @@ def test_pool_and_completions_round_trip_json_exactly():
     back.load_json(json.loads(json.dumps(pool.to_json())))
     assert back == pool
     c = Completion([5, 6], [-1 / 3, -0.25], "stop", weight_version=1, token_versions=[1, 2])
-    (got,), = completions_from_json(json.loads(json.dumps(completions_to_json([[c]]))))
+    ((got,),) = completions_from_json(json.loads(json.dumps(completions_to_json([[c]]))))
     assert got.token_versions == [1, 2] and got.logprobs == c.logprobs
-    (plain,), = completions_from_json(completions_to_json([[Completion([5], [-1.0], "stop", weight_version=3)]]))
+    ((plain,),) = completions_from_json(
+        completions_to_json([[Completion([5], [-1.0], "stop", weight_version=3)]])
+    )
     assert plain.token_versions is None and plain.versions == [3]
 
 
@@ -146,28 +148,57 @@ def test_partial_rollout_dump_keeps_each_tokens_version():
     ("overrides", "message"),
     [
         (["train.max_staleness=1", "rollout.partial_segment_tokens=2"], "set train.max_staleness>=2 or"),
-        (["train.max_staleness=2", "rollout.partial_segment_tokens=2", "algorithm.dynamic_sampling.enabled=true"],
-         "with algorithm.dynamic_sampling.enabled=true"),
-        (["train.max_staleness=2", "rollout.partial_segment_tokens=2", "rollout.partial_groups_in_flight=3"],
-         "is below train.prompts_per_iteration=4"),
+        (
+            [
+                "train.max_staleness=2",
+                "rollout.partial_segment_tokens=2",
+                "algorithm.dynamic_sampling.enabled=true",
+            ],
+            "with algorithm.dynamic_sampling.enabled=true",
+        ),
+        (
+            [
+                "train.max_staleness=2",
+                "rollout.partial_segment_tokens=2",
+                "rollout.partial_groups_in_flight=3",
+            ],
+            "is below train.prompts_per_iteration=4",
+        ),
         (["rollout.partial_segment_tokens=0"], "rollout.partial_segment_tokens=0 must be >= 1"),
-        (["train.max_staleness=2", "rollout.partial_segment_tokens=2", "rollout.partial_overlap=true",
-          "rollout.embedded_process=true"],
-         "set train.max_staleness>=3 or rollout.partial_segment_tokens>=3"),
-        (["train.max_staleness=3", "rollout.partial_segment_tokens=2", "rollout.partial_overlap=true"],
-         "rollout.partial_overlap=true needs engines that generate while the trainer trains"),
+        (
+            [
+                "train.max_staleness=2",
+                "rollout.partial_segment_tokens=2",
+                "rollout.partial_overlap=true",
+                "rollout.embedded_process=true",
+            ],
+            "set train.max_staleness>=3 or rollout.partial_segment_tokens>=3",
+        ),
+        (
+            ["train.max_staleness=3", "rollout.partial_segment_tokens=2", "rollout.partial_overlap=true"],
+            "rollout.partial_overlap=true needs engines that generate while the trainer trains",
+        ),
         (["rollout.partial_overlap=true"], "without train.partial_rollout=true"),
         (["rollout.partial_keep_kv=true"], "rollout.partial_keep_kv=true without train.partial_rollout=true"),
-        (["rollout.partial_one_request=true"], "rollout.partial_one_request=true without train.partial_rollout"),
-        (["train.max_staleness=2", "rollout.partial_segment_tokens=2", "rollout.partial_keep_kv=true"],
-         "only an SGLang engine keeps its prefix cache"),
+        (
+            ["rollout.partial_one_request=true"],
+            "rollout.partial_one_request=true without train.partial_rollout",
+        ),
+        (
+            ["train.max_staleness=2", "rollout.partial_segment_tokens=2", "rollout.partial_keep_kv=true"],
+            "only an SGLang engine keeps its prefix cache",
+        ),
     ],
-)  # fmt: skip
+)
 def test_partial_rollout_config_is_refused_with_the_fix(overrides, message):
     from grpo_megatron.config import ConfigError, load_config, validate
     from tests.helpers.runs import DEMO, SMALL
 
-    flags = ("rollout.partial_overlap=true", "rollout.partial_keep_kv=true", "rollout.partial_one_request=true")
+    flags = (
+        "rollout.partial_overlap=true",
+        "rollout.partial_keep_kv=true",
+        "rollout.partial_one_request=true",
+    )
     alone = overrides[0] in flags
     partial = [] if alone else ["train.partial_rollout=true"]
     cfg = load_config(DEMO, [*SMALL, *partial, *overrides])
@@ -188,11 +219,19 @@ def test_partial_rollouts_train_with_per_token_versions_and_resume_bitwise(tmp_p
     from grpo_megatron.training.rollout_dump import read_iteration
     from tests.helpers.runs import SMALL, comparable, finish, killed_and_resumed, launch
 
-    common = [*SMALL, "reward.components=[{name: len, function: length, kwargs: {target_chars: 6}}]",
-              "train.lr=1e-3", "train.partial_rollout=true", "train.max_staleness=2",
-              "rollout.partial_segment_tokens=3", "rollout.partial_overlap=true", "train.iterations=3",
-              "checkpoint.save_interval=2", "algorithm.off_policy.correction=icepop",
-              "rollout.embedded_process=true"]  # fmt: skip
+    common = [
+        *SMALL,
+        "reward.components=[{name: len, function: length, kwargs: {target_chars: 6}}]",
+        "train.lr=1e-3",
+        "train.partial_rollout=true",
+        "train.max_staleness=2",
+        "rollout.partial_segment_tokens=3",
+        "rollout.partial_overlap=true",
+        "train.iterations=3",
+        "checkpoint.save_interval=2",
+        "algorithm.off_policy.correction=icepop",
+        "rollout.embedded_process=true",
+    ]
     full = tmp_path / "full"
     finish(launch("train", [*common, f"logging.run_dir={full}", f"rollout.dump_dir={tmp_path / 'dump'}"]))
     records = read_jsonl(full / "metrics.jsonl")[1:]

@@ -26,20 +26,38 @@ DENSE = {"model_type": "qwen2"}
 
 
 def place(hf=MOE, world=32, gpus=8, tp=4, pp=1, cp=1, offload=False, staleness=0, **rollout):
-    return decide_placement(RolloutConfig(engine="sglang", **rollout), offload_trainer=offload, world_size=world,
-                            max_staleness=staleness, gpus_per_node=gpus, tp=tp, pp=pp, cp=cp, hf=hf)  # fmt: skip
+    return decide_placement(
+        RolloutConfig(engine="sglang", **rollout),
+        offload_trainer=offload,
+        world_size=world,
+        max_staleness=staleness,
+        gpus_per_node=gpus,
+        tp=tp,
+        pp=pp,
+        cp=cp,
+        hf=hf,
+    )
 
 
 def test_engine_width_comes_from_sglang_tp_else_from_placement() -> None:
     per_node = place(placement="per_node")
-    assert per_node.gpus_per_engine == 8 and per_node.engines == tuple(tuple(range(s, s + 8)) for s in range(0, 32, 8))
+    assert per_node.gpus_per_engine == 8 and per_node.engines == tuple(
+        tuple(range(s, s + 8)) for s in range(0, 32, 8)
+    )
     assert [per_node.nodes(i) for i in range(4)] == [(0,), (1,), (2,), (3,)]
     replica = place(placement="per_dp_rank", tp=2, pp=2)
-    assert replica.gpus_per_engine == 4 and len(replica.engines) == 8 and "tp x pp x cp = 4" in replica.why["width"]
+    assert (
+        replica.gpus_per_engine == 4
+        and len(replica.engines) == 8
+        and "tp x pp x cp = 4" in replica.why["width"]
+    )
     wide = place(sglang_tp=16, placement="per_node")  # set explicitly: wins over the placement
     assert wide.gpus_per_engine == 16 and wide.nodes(1) == (2, 3) and wide.engine_of(17) == 1
     for bad in (3, 12):
-        with pytest.raises(ValueError, match=rf"rollout.sglang_tp={bad}.*set rollout.sglang_tp to one of \[1, 2, 4, 8, 16, 32\]"):
+        with pytest.raises(
+            ValueError,
+            match=rf"rollout.sglang_tp={bad}.*set rollout.sglang_tp to one of \[1, 2, 4, 8, 16, 32\]",
+        ):
             place(sglang_tp=bad)
 
 
@@ -54,7 +72,9 @@ def test_engine_ep_defaults_to_the_width_for_moe_and_1_for_dense() -> None:
         place(hf=DENSE, placement="per_node", sglang_ep=2)
 
 
-@pytest.mark.parametrize(("tp", "pp", "cp", "world"), [(1, 1, 1, 4), (2, 1, 1, 8), (2, 2, 1, 16), (2, 1, 2, 16), (4, 2, 2, 32)])
+@pytest.mark.parametrize(
+    ("tp", "pp", "cp", "world"), [(1, 1, 1, 4), (2, 1, 1, 8), (2, 2, 1, 16), (2, 1, 2, 16), (4, 2, 2, 32)]
+)
 def test_embedded_engines_are_the_ranks_with_tp_cp_pp_rank_0(tp: int, pp: int, cp: int, world: int) -> None:
     """per_dp_rank against megatron's own RankGenerator (the groups the job is built from)."""
     from grpo_megatron.distributed.config import ParallelConfig
@@ -69,15 +89,27 @@ def test_embedded_engines_are_the_ranks_with_tp_cp_pp_rank_0(tp: int, pp: int, c
 def test_each_phase_holds_what_the_placement_says() -> None:
     everything = TRAINER_PARTS, frozenset(ENGINE_TAGS)
     colocated = place(placement="per_node").phases()
-    assert (colocated["start-up"].trainer, colocated["start-up"].engine) == (frozenset(), frozenset(ENGINE_TAGS))
+    assert (colocated["start-up"].trainer, colocated["start-up"].engine) == (
+        frozenset(),
+        frozenset(ENGINE_TAGS),
+    )
     assert colocated["train"].engine == frozenset() and colocated["train"].trainer == TRAINER_PARTS
     assert (colocated["rollout"].trainer, colocated["rollout"].engine) == everything
     assert colocated["sync"].engine == {"weights"} and colocated["save"] == colocated["rollout"]
     offloaded = place(placement="per_node", offload=True).phases()
     assert offloaded["rollout"].trainer == frozenset() and offloaded["sync"].trainer == {"params"}
     assert offloaded["save"].trainer == {"params", "optimizer"} and offloaded["save"].engine == {"weights"}
-    embedded = decide_placement(RolloutConfig(), offload_trainer=False, max_staleness=0, world_size=4,
-                                gpus_per_node=4, tp=1, pp=1, cp=1, hf=MOE).phases()  # fmt: skip
+    embedded = decide_placement(
+        RolloutConfig(),
+        offload_trainer=False,
+        max_staleness=0,
+        world_size=4,
+        gpus_per_node=4,
+        tp=1,
+        pp=1,
+        cp=1,
+        hf=MOE,
+    ).phases()
     assert all((o.trainer, o.engine) == everything for o in embedded.values())  # nothing moves
     overlapped = place(placement="per_node", staleness=1)  # the engines generate while the trainer trains
     assert not overlapped.swaps_engine_memory and "max_staleness=1" in overlapped.why["memory"]
@@ -115,7 +147,9 @@ def test_colocated_memory_moves_by_the_phases_in_the_trainers_order(offload: boo
     seen = {}
 
     def build() -> EngineMemory:
-        seen["trainer bytes while the engines start"] = weight.untyped_storage().nbytes() + grad.untyped_storage().nbytes()
+        seen["trainer bytes while the engines start"] = (
+            weight.untyped_storage().nbytes() + grad.untyped_storage().nbytes()
+        )
         return fleet
 
     assert memory.start_engines(build) is fleet
@@ -126,17 +160,26 @@ def test_colocated_memory_moves_by_the_phases_in_the_trainers_order(offload: boo
     memory.engines_serve()
     memory.after_sync()
     memory.to_trainer()
-    assert fleet.calls == [("resume", ("weights",)), ("resume", ("kv_cache", "cuda_graph")),
-                           ("release", ENGINE_TAGS)]  # fmt: skip
+    assert fleet.calls == [
+        ("resume", ("weights",)),
+        ("resume", ("kv_cache", "cuda_graph")),
+        ("release", ENGINE_TAGS),
+    ]
     assert weight.untyped_storage().nbytes() > 0 and grad.untyped_storage().nbytes() > 0
     memory.before_sync()
     memory.after_sync()
     fleet.calls.clear()
     with memory.trainer_visit():  # a checkpoint save after the sync
-        saved = {"params": weight.untyped_storage().nbytes() > 0, "grads": grad.untyped_storage().nbytes() > 0}
+        saved = {
+            "params": weight.untyped_storage().nbytes() > 0,
+            "grads": grad.untyped_storage().nbytes() > 0,
+        }
     assert saved == {"params": True, "grads": not offload}  # a save reads no gradients
     if offload:
-        assert fleet.calls == [("release", ("kv_cache", "cuda_graph")), ("resume", ("kv_cache", "cuda_graph"))]
+        assert fleet.calls == [
+            ("release", ("kv_cache", "cuda_graph")),
+            ("resume", ("kv_cache", "cuda_graph")),
+        ]
         assert weight.untyped_storage().nbytes() == 0  # gone again with the rollout phase
     else:
         assert fleet.calls == []  # the rollout phase's memory is the save's: nothing moves
@@ -147,9 +190,18 @@ def test_colocated_memory_moves_by_the_phases_in_the_trainers_order(offload: boo
 SWAPPING = {
     "colocated SGLang": place(placement="per_node").phases(),
     "colocated SGLang, trainer offloaded": place(placement="per_node", offload=True).phases(),
-    "embedded, trainer offloaded": decide_placement(RolloutConfig(), offload_trainer=True, max_staleness=0,
-                                                    world_size=4, gpus_per_node=4, tp=1, pp=1, cp=1, hf=MOE).phases(),
-}  # fmt: skip
+    "embedded, trainer offloaded": decide_placement(
+        RolloutConfig(),
+        offload_trainer=True,
+        max_staleness=0,
+        world_size=4,
+        gpus_per_node=4,
+        tp=1,
+        pp=1,
+        cp=1,
+        hf=MOE,
+    ).phases(),
+}
 
 
 @pytest.mark.parametrize("name", list(SWAPPING))
@@ -193,19 +245,27 @@ def test_every_memory_phase_returns_its_metrics_and_no_engine_resume_goes_unrepo
     assert release_device_cache() == {CACHED_KEY: 0.0}
     policy, _ = _policy()
     measured = iter([1.0, 5.0, 2.0, 3.0, 4.0, 9.0])
-    memory = ColocatedMemory(policy, None, place(placement="per_node", offload=True).phases(),
-                             release_cache=lambda: {CACHED_KEY: next(measured)})  # fmt: skip
+    memory = ColocatedMemory(
+        policy,
+        None,
+        place(placement="per_node", offload=True).phases(),
+        release_cache=lambda: {CACHED_KEY: next(measured)},
+    )
     memory.start_engines(EngineMemory)  # measures 1.0 before the engines start (no resume)
     assert memory.take_cached_at_resume() == {}
     sync, probe, rollout = memory.before_sync(), memory.engines_serve(), memory.after_sync()
-    assert sync[CACHED_KEY] == 5.0 and sync["offload/bytes_moved"] > 0  # weights resumed; grads + optimizer out
+    assert (
+        sync[CACHED_KEY] == 5.0 and sync["offload/bytes_moved"] > 0
+    )  # weights resumed; grads + optimizer out
     assert probe[CACHED_KEY] == 2.0 and CACHED_KEY not in rollout  # caches back in the probe: none left after
     assert rollout["offload/bytes_moved"] > 0  # the parameters out
     merged = merge_memory_metrics(sync, probe, rollout)
     assert merged[CACHED_KEY] == 5.0
     assert merged["offload/bytes_moved"] == sync["offload/bytes_moved"] + rollout["offload/bytes_moved"]
     with memory.trainer_visit() as moved:  # a checkpoint save after the row was written
-        assert CACHED_KEY not in moved and moved["offload/onload_seconds"] >= 0  # in: caches released, state back
+        assert (
+            CACHED_KEY not in moved and moved["offload/onload_seconds"] >= 0
+        )  # in: caches released, state back
     assert moved[CACHED_KEY] == 3.0 and moved["offload/bytes_moved"] > 0  # out: state leaves, caches resume
     assert memory.take_cached_at_resume() == {CACHED_KEY: 5.0}  # the worst of sync, probe and the save's
     assert memory.take_cached_at_resume() == {}
@@ -216,7 +276,9 @@ def test_every_memory_phase_returns_its_metrics_and_no_engine_resume_goes_unrepo
 
 
 @pytest.mark.parametrize("offload", [False, True])
-def test_the_start_up_offloads_pinned_host_buffers_are_unpinned_unless_an_offload_reuses_them(offload: bool) -> None:
+def test_the_start_up_offloads_pinned_host_buffers_are_unpinned_unless_an_offload_reuses_them(
+    offload: bool,
+) -> None:
     """Issue 51 item 9: the start-up phase offloads the whole trainer into pinned host buffers (on a
     GPU); back on the device, freed, they stayed pinned in torch's pinned-memory cache for the run. Where
     no later phase offloads (``train.offload_trainer=false``) the cache is emptied once every part is
@@ -224,12 +286,17 @@ def test_the_start_up_offloads_pinned_host_buffers_are_unpinned_unless_an_offloa
     recorded here; tests/test_gpu.py measures the pinned bytes on a GPU.)"""
     policy, (weight, grad) = _policy()
     calls: list[tuple[str, bool]] = []
-    memory = ColocatedMemory(policy, None, place(placement="per_node", offload=offload).phases(),
-                             release_host_cache=lambda: calls.append(("unpin", weight.untyped_storage().nbytes() > 0)))
+    memory = ColocatedMemory(
+        policy,
+        None,
+        place(placement="per_node", offload=offload).phases(),
+        release_host_cache=lambda: calls.append(("unpin", weight.untyped_storage().nbytes() > 0)),
+    )
+
     def build() -> EngineMemory:
         calls.append(("engines start", weight.untyped_storage().nbytes() > 0))
         return EngineMemory()
 
     memory.start_engines(build)
-    expected = [("engines start", False)] + ([] if offload else [("unpin", True)])  # fmt: skip
+    expected = [("engines start", False)] + ([] if offload else [("unpin", True)])
     assert calls == expected

@@ -72,7 +72,9 @@ def test_dry_run_layouts_per_rank(tmp_path: Path, model_type: str) -> None:
     for name, (world, overrides) in LAYOUTS.items():
         if TINY_CONFIGS[model_type].get("num_key_value_heads", 4) < 2 and "tp2" in name:
             continue
-        dense = not any(k in TINY_CONFIGS[model_type] for k in ("num_experts", "n_routed_experts", "num_local_experts"))
+        dense = not any(
+            k in TINY_CONFIGS[model_type] for k in ("num_experts", "n_routed_experts", "num_local_experts")
+        )
         if dense and "ep2" in name:
             continue
         cfg = tiny_job(tmp_path, model_type, overrides)
@@ -89,7 +91,10 @@ def test_dry_run_layouts_per_rank(tmp_path: Path, model_type: str) -> None:
         dims = model_states.ModelDims.from_hf(hf)
         tensors = model_states.canonical_tensors(hf, padded_vocab=vp, pp=layout.pp, te=False)
         whole = sum(
-            t.numel // ((layout.etp * layout.ep) if t.is_expert else (layout.tp if t.partition_dim is not None else 1))
+            t.numel
+            // (
+                (layout.etp * layout.ep) if t.is_expert else (layout.tp if t.partition_dim is not None else 1)
+            )
             for t in tensors
         )
         assert per_stage_total == whole, name
@@ -125,8 +130,14 @@ def test_model_states_match_zero_paper() -> None:
     path = RECIPES / "r1_zero_qwen25_math_7b.yaml"
     hf = json.loads((RECIPES / "r1_zero_qwen25_math_7b" / "config.json").read_text())
     for distributed, published_gb in ((False, 120.0), (True, 31.4)):
-        cfg = load_config(path, ["parallel.tp=1", f"parallel.use_distributed_optimizer={str(distributed).lower()}",
-                                 "rollout.engine=embedded"])
+        cfg = load_config(
+            path,
+            [
+                "parallel.tp=1",
+                f"parallel.use_distributed_optimizer={str(distributed).lower()}",
+                "rollout.engine=embedded",
+            ],
+        )
         validate(cfg, 64)
         plan = memory.plan_memory(cfg, hf, 64, memory.PlanOptions(grad_bytes=2))
         states = sum(x.gib for x in plan.train if x.name in ("parameters", "gradients", "optimizer state"))
@@ -146,7 +157,9 @@ def test_recompute_and_suggestions(tmp_path: Path) -> None:
     acts = {}
     for mode in ("none", "selective", "full"):
         cfg = load_config(path, [f"model.recompute={mode}"])
-        acts[mode] = next(x.gib for x in memory.plan_memory(cfg, hf, 1024, opts).train if x.name == "activations")
+        acts[mode] = next(
+            x.gib for x in memory.plan_memory(cfg, hf, 1024, opts).train if x.name == "activations"
+        )
     assert acts["full"] < acts["selective"] <= acts["none"]
     cfg = load_config(path)
     plan = memory.plan_memory(cfg, hf, 256, opts)  # a quarter of the GPUs: does not fit
@@ -227,22 +240,34 @@ def test_sglang_defaults_are_the_installed_sglang_memory_hooks() -> None:
     if spec is None or spec.origin is None:
         pytest.skip("sglang is not installed (`make setup` installs it: docs/getting-started/cpu.md)")
     source = (Path(spec.origin).parent / "srt" / "arg_groups" / "memory_hook.py").read_text()
-    for line in ("elif gpu_mem < 90 * 1024:", "chunked_prefill_size=8192,", "decode_cuda_graph_config.max_bs = 512",
-                 "reserved_mem += decode_cuda_graph_config.max_bs * 2",
-                 "reserved_mem += len(prefill_cuda_graph_config.bs) * 8",
-                 "reserved_mem += 1.5 * 1024", "reserved_mem += cfg.tp_size * cfg.pp_size / 8 * 1024"):  # fmt: skip
+    for line in (
+        "elif gpu_mem < 90 * 1024:",
+        "chunked_prefill_size=8192,",
+        "decode_cuda_graph_config.max_bs = 512",
+        "reserved_mem += decode_cuda_graph_config.max_bs * 2",
+        "reserved_mem += len(prefill_cuda_graph_config.bs) * 8",
+        "reserved_mem += 1.5 * 1024",
+        "reserved_mem += cfg.tp_size * cfg.pp_size / 8 * 1024",
+    ):
         assert line in source, line
     h100 = memory.GPUS["h100"].memory_gib * 1024
     assert memory.sglang_defaults({}, h100, 8) == (8192, 512)
     assert memory.sglang_defaults({}, h100, 2) == (8192, 256)
-    assert memory.sglang_defaults({"chunked_prefill_size": 4096, "max_running_requests": 64}, h100, 8) == (4096, 64)
+    assert memory.sglang_defaults({"chunked_prefill_size": 4096, "max_running_requests": 64}, h100, 8) == (
+        4096,
+        64,
+    )
 
 
 def test_engine_weights_count_what_every_engine_gpu_holds_whole() -> None:
     """DeepSeek-V3 in an engine of 32 GPUs: MLA's two down-projections (q_a, kv_a), their norms and
     the 58 routers sit whole on every GPU (SGLang's ReplicatedLinear), not a 32nd of them."""
     hf = json.loads((RECIPES / "deepseek_v3_671b" / "config.json").read_text())
-    h, layers, moe = hf["hidden_size"], hf["num_hidden_layers"], hf["num_hidden_layers"] - hf["first_k_dense_replace"]
+    h, layers, moe = (
+        hf["hidden_size"],
+        hf["num_hidden_layers"],
+        hf["num_hidden_layers"] - hf["first_k_dense_replace"],
+    )
     down = layers * (hf["q_lora_rank"] + hf["kv_lora_rank"] + hf["qk_rope_head_dim"]) * h
     norms = layers * (2 * h + hf["q_lora_rank"] + hf["kv_lora_rank"]) + h
     routers = moe * hf["n_routed_experts"] * h
@@ -284,8 +309,12 @@ def test_the_rollout_time_is_planned_beside_the_timeouts_and_the_deepseek_recipe
     collective timeout past a mean response of about 12k tokens (the issue's figure; the model here
     says ~10.5k). The recipe's engines now hold an fp8 pool (3x the tokens) and wait up to 90 minutes:
     it fits at half its limit."""
-    before = ["rollout.gpu_memory_utilization=0.6", "rollout.sglang_server_args={}", "parallel.timeout_minutes=60",
-              "parallel.long_phase_timeout_s=3600"]
+    before = [
+        "rollout.gpu_memory_utilization=0.6",
+        "rollout.sglang_server_args={}",
+        "parallel.timeout_minutes=60",
+        "parallel.long_phase_timeout_s=3600",
+    ]
     plan, old = _dsv3_rollout(before, 16384)
     assert plan.kv_tokens == 104962 and old is not None
     assert old.completions == 256 and old.timeout_s == 3600 and not old.fits
@@ -310,7 +339,21 @@ def test_plan_refuses_a_rollout_beyond_its_timeout(capsys: pytest.CaptureFixture
     args = ["plan", recipe, "--nodes", "128", "--gpus-per-node", "8", "--gpu", "h100"]
     assert cli_main([*args, "--response-tokens", "32768"]) == 1
     out = capsys.readouterr().out
-    assert "rollout DOES NOT FIT its timeout" in out and "BEYOND parallel.long_phase_timeout_s=5400" in out, out
-    assert cli_main(["plan", recipe, "parallel.timeout_minutes=600", "parallel.long_phase_timeout_s=36000",
-                     *args[2:], "--response-tokens", "32768"]) == 0  # fmt: skip
+    assert "rollout DOES NOT FIT its timeout" in out and "BEYOND parallel.long_phase_timeout_s=5400" in out, (
+        out
+    )
+    assert (
+        cli_main(
+            [
+                "plan",
+                recipe,
+                "parallel.timeout_minutes=600",
+                "parallel.long_phase_timeout_s=36000",
+                *args[2:],
+                "--response-tokens",
+                "32768",
+            ]
+        )
+        == 0
+    )
     assert "rollout FITS its timeout" in capsys.readouterr().out

@@ -115,8 +115,16 @@ def test_micro_batches_sum_to_full_batch(mode, level):
     assert norm == loss_normalizer(mode, mask_bt[:2]) + loss_normalizer(mode, mask_bt[2:])
     total = 0.0
     for sl in (slice(0, 2), slice(2, 6)):
-        part, _ = grpo_policy_loss(theta_bt[sl], old_bt[sl], adv_b[sl], mask_bt[sl], cfg,
-                                   ref_logprobs_bt=ref_bt[sl], kl_beta=0.05, normalizer=norm)
+        part, _ = grpo_policy_loss(
+            theta_bt[sl],
+            old_bt[sl],
+            adv_b[sl],
+            mask_bt[sl],
+            cfg,
+            ref_logprobs_bt=ref_bt[sl],
+            kl_beta=0.05,
+            normalizer=norm,
+        )
         total = total + part
     (split_grad,) = torch.autograd.grad(total, theta_bt)
     torch.testing.assert_close(total, full)
@@ -174,8 +182,13 @@ def test_off_policy_clipped_gradient_with_kl(mode):
     theta_ref = theta + 0.4 * torch.randn(V, generator=g)
     theta = theta.requires_grad_(True)
     beta, eps_lo, eps_hi = 0.1, 0.1, 0.15
-    cfg = AlgorithmConfig(clip_low=eps_lo, clip_high=eps_hi, loss_agg_mode=mode, loss_norm_len=6,
-                          kl=KLConfig(beta=beta, estimator="k3"))
+    cfg = AlgorithmConfig(
+        clip_low=eps_lo,
+        clip_high=eps_hi,
+        loss_agg_mode=mode,
+        loss_norm_len=6,
+        kl=KLConfig(beta=beta, estimator="k3"),
+    )
     lp_bt = _logprobs(theta, y_bt)
     old_bt, ref_bt = _logprobs(theta_old, y_bt), _logprobs(theta_ref, y_bt)
     loss, metrics = grpo_policy_loss(lp_bt, old_bt, adv_b, mask_bt, cfg, ref_logprobs_bt=ref_bt, kl_beta=beta)
@@ -203,8 +216,13 @@ def test_gspo_matches_sequence_level_objective():
     theta, y_bt, mask_bt, adv_b, g = _toy(2, B=8, T=6)
     theta_old = theta + 0.2 * torch.randn(V, generator=g)
     eps = 0.03
-    cfg = AlgorithmConfig(clip_low=eps, clip_high=eps, ratio_level="sequence", loss_agg_mode="seq-mean-token-mean",
-                          kl=KLConfig(beta=0.0))
+    cfg = AlgorithmConfig(
+        clip_low=eps,
+        clip_high=eps,
+        ratio_level="sequence",
+        loss_agg_mode="seq-mean-token-mean",
+        kl=KLConfig(beta=0.0),
+    )
     old_bt = _logprobs(theta_old, y_bt)
 
     theta1 = theta.clone().requires_grad_(True)

@@ -54,8 +54,19 @@ while True:  # as rank 0 publishing checkpoints: `latest` replaced over and over
 
 def _child(tmp_path: Path, grace_s: float, written: bool, mode: str) -> subprocess.Popen:
     proc = subprocess.Popen(
-        [sys.executable, "-c", _CHILD, str(grace_s), "written" if written else "no", str(tmp_path / "latest"), mode],
-        cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        [
+            sys.executable,
+            "-c",
+            _CHILD,
+            str(grace_s),
+            "written" if written else "no",
+            str(tmp_path / "latest"),
+            mode,
+        ],
+        cwd=REPO_ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
     )
     assert proc.stdout is not None
     first = proc.stdout.readline().strip()
@@ -104,13 +115,36 @@ def _run(run_dir: Path, point: str, rank: int, extra: list[str] | None = None) -
     """One launch of the trainer whose rank ``rank`` signals itself at ``point``: (torchrun's exit
     code, the code in $GRPO_EXIT_FILE, the output)."""
     exit_file = run_dir.parent / f"exit-{point}"
-    env = dict(os.environ, OMP_NUM_THREADS="1", TORCH_COMPILE_DISABLE="1", WANDB_SILENT="true",
-               GRPO_EXIT_FILE=str(exit_file))
-    args = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-            "--master-port", str(free_port()), "-m", "tests.workers.preempt_workers", point, str(rank), "train",
-            str(DEMO), *COMMON, *(extra or []), f"logging.run_dir={run_dir}"]
-    proc = subprocess.run(args, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                          text=True, timeout=400)
+    env = dict(
+        os.environ,
+        OMP_NUM_THREADS="1",
+        TORCH_COMPILE_DISABLE="1",
+        WANDB_SILENT="true",
+        GRPO_EXIT_FILE=str(exit_file),
+    )
+    args = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "2",
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        str(free_port()),
+        "-m",
+        "tests.workers.preempt_workers",
+        point,
+        str(rank),
+        "train",
+        str(DEMO),
+        *COMMON,
+        *(extra or []),
+        f"logging.run_dir={run_dir}",
+    ]
+    proc = subprocess.run(
+        args, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=400
+    )
     code = exit_file.read_text().strip() if exit_file.exists() else ""
     (run_dir.parent / f"out-{point}.txt").write_text(proc.stdout)  # for a failure's post-mortem
     return proc.returncode, code, proc.stdout
@@ -129,13 +163,31 @@ def _slurm_sigterm_mid_rollout(run_dir: Path, tmp_path: Path) -> tuple[float, st
     and the node's output."""
     marks = tmp_path / "marks"
     marks.mkdir()
-    env = dict(os.environ, NNODES="1", GPUS_PER_NODE="2", NODE_RANK="0", MASTER_ADDR="127.0.0.1",
-               MASTER_PORT=str(free_port()), PYTHON=sys.executable, COMMAND="train", OMP_NUM_THREADS="1",
-               GRPO_EXIT_FILE=str(tmp_path / "exit-slurm"), GRPO_TEST_SLOW_ROLLOUT="0.5", GRPO_TEST_MARKS=str(marks),
-               PYTHONPATH=os.pathsep.join([str(REPO_ROOT / "tests" / "workers" / "slow_rollout"), str(REPO_ROOT)]))
+    env = dict(
+        os.environ,
+        NNODES="1",
+        GPUS_PER_NODE="2",
+        NODE_RANK="0",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(free_port()),
+        PYTHON=sys.executable,
+        COMMAND="train",
+        OMP_NUM_THREADS="1",
+        GRPO_EXIT_FILE=str(tmp_path / "exit-slurm"),
+        GRPO_TEST_SLOW_ROLLOUT="0.5",
+        GRPO_TEST_MARKS=str(marks),
+        PYTHONPATH=os.pathsep.join([str(REPO_ROOT / "tests" / "workers" / "slow_rollout"), str(REPO_ROOT)]),
+    )
     args = [str(DEMO), *COMMON, "checkpoint.resume=auto", f"logging.run_dir={run_dir}"]
-    node = subprocess.Popen(["bash", str(REPO_ROOT / "launch/slurm/node.sh"), *args], cwd=REPO_ROOT, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    node = subprocess.Popen(
+        ["bash", str(REPO_ROOT / "launch/slurm/node.sh"), *args],
+        cwd=REPO_ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     deadline = time.monotonic() + 300
     while not (marks / "generate-0-2").exists():  # rank 0's 2nd generation: iteration 4's rollout
         assert node.poll() is None and time.monotonic() < deadline, node.communicate()[0][-4000:]
@@ -186,8 +238,14 @@ def test_sigkill_then_sigterm_at_each_point_saves_and_the_reruns_resume_bit_exac
     for point, rank, saved in (("train:1", 0, 4), ("sync:1", 1, 5), ("save:1", 0, 6)):
         started = time.monotonic()
         rc, code, out = _run(cut, point, rank)
-        assert code == str(EXIT_PREEMPTED) and f"exitcode  : {EXIT_PREEMPTED}" in out, (point, rc, out[-4000:])
-        assert f"[preempt] SIGTERM: checkpoint {cut / 'checkpoints' / f'iter_{saved:07d}'} written" in out, out[-4000:]
+        assert code == str(EXIT_PREEMPTED) and f"exitcode  : {EXIT_PREEMPTED}" in out, (
+            point,
+            rc,
+            out[-4000:],
+        )
+        assert f"[preempt] SIGTERM: checkpoint {cut / 'checkpoints' / f'iter_{saved:07d}'} written" in out, (
+            out[-4000:]
+        )
         assert _latest(cut) == f"iter_{saved:07d}", point
         assert verify_checkpoint(cut / "checkpoints" / _latest(cut))["iteration"] == saved
         assert f"SIGTERM at the start of {point.split(':')[0]}" in out
@@ -230,7 +288,9 @@ def test_signal_fields_are_validated_naming_them():
     cfg = load_config(DEMO, ["checkpoint.signal=SIGKILL", "checkpoint.signal_grace_s=0"])
     with pytest.raises(ConfigError) as err:
         validate(cfg, 2)
-    assert "checkpoint.signal='SIGKILL' must be one of SIGUSR1, SIGUSR2, SIGHUP, SIGINT, or null" in str(err.value)
+    assert "checkpoint.signal='SIGKILL' must be one of SIGUSR1, SIGUSR2, SIGHUP, SIGINT, or null" in str(
+        err.value
+    )
     assert "checkpoint.signal_grace_s=0.0 must be a number of seconds > 0" in str(err.value)
     validate(load_config(DEMO, ["checkpoint.signal=null", "checkpoint.signal_grace_s=300"]), 2)
 
@@ -239,9 +299,21 @@ def _sbatch_until_preempted(env: dict[str, str], run_dir: Path) -> tuple[int, st
     """train.sbatch training the demo until its first iteration is logged, then SIGUSR1 to the script
     as Slurm's --signal=B:USR1@120 sends it; checks it exits 75 with a checkpoint: its iteration and the
     script's output."""
-    proc = subprocess.Popen(["bash", str(REPO_ROOT / "launch/slurm/train.sbatch"), str(DEMO), *COMMON,
-                             "train.iterations=50", f"logging.run_dir={run_dir}"],
-                            cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        [
+            "bash",
+            str(REPO_ROOT / "launch/slurm/train.sbatch"),
+            str(DEMO),
+            *COMMON,
+            "train.iterations=50",
+            f"logging.run_dir={run_dir}",
+        ],
+        cwd=REPO_ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     metrics = run_dir / "metrics.jsonl"
     deadline = time.monotonic() + 300
     while not (metrics.is_file() and '"iteration": 1' in metrics.read_text()):
@@ -249,7 +321,9 @@ def _sbatch_until_preempted(env: dict[str, str], run_dir: Path) -> tuple[int, st
         time.sleep(0.2)
     proc.send_signal(signal.SIGUSR1)
     out, _ = proc.communicate(timeout=300)
-    node_log = "".join(p.read_text() for p in sorted(Path(env["LOG_DIR"]).glob("node*.log")))  # rank 0's anywhere
+    node_log = "".join(
+        p.read_text() for p in sorted(Path(env["LOG_DIR"]).glob("node*.log"))
+    )  # rank 0's anywhere
     assert proc.returncode == EXIT_PREEMPTED, out + node_log[-3000:]
     assert "[preempt] SIGUSR1: checkpoint" in node_log and "exit 75 (rerun to resume)" in node_log, node_log
     assert "a second signal (" not in node_log  # the copies of the one signal counted once
@@ -270,8 +344,16 @@ def test_train_sbatch_forwards_the_early_warning_and_requeues(tmp_path: Path, br
 
     run_dir = tmp_path / "run"
     if branch == "local":
-        env = dict(os.environ, GRPO_LOCAL_TEST="1", NNODES="1", GPUS_PER_NODE="2", MASTER_PORT=str(free_port()),
-                   LOG_DIR=str(tmp_path / "logs"), OMP_NUM_THREADS="1", PYTHON=sys.executable)
+        env = dict(
+            os.environ,
+            GRPO_LOCAL_TEST="1",
+            NNODES="1",
+            GPUS_PER_NODE="2",
+            MASTER_PORT=str(free_port()),
+            LOG_DIR=str(tmp_path / "logs"),
+            OMP_NUM_THREADS="1",
+            PYTHON=sys.executable,
+        )
         env.pop("GRPO_EXIT_FILE", None)
     else:
         env = slurm_env(tmp_path)
@@ -304,8 +386,14 @@ def test_megatrons_checkpoint_writer_queue_outlives_the_preemption_signal_and_no
     results (filesystem_async._results_queue) from the first save; Slurm's SIGTERM to every process
     killed it and the save's put raised BrokenPipeError. Ours starts first: it ignores the signal, still
     serves the queue, and ends when its rank does (even by os._exit)."""
-    proc = subprocess.Popen([sys.executable, "-c", _WRITER_CHILD], cwd=REPO_ROOT, stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _WRITER_CHILD],
+        cwd=REPO_ROOT,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     assert proc.stdin is not None and proc.stdout is not None
     line = proc.stdout.readline().strip()
     assert line.isdigit(), line + proc.communicate()[1][-3000:]

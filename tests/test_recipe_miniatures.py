@@ -117,7 +117,9 @@ class Miniature:
 
 MINIATURES = [
     Miniature("r1_zero_qwen25_math_7b", prepare_r1_zero, ("parallel.tp=2",)),
-    Miniature("countdown_qwen25_3b", prepare_countdown, ("parallel.tp=2",), resumes=False),  # r1_zero's resume
+    Miniature(
+        "countdown_qwen25_3b", prepare_countdown, ("parallel.tp=2",), resumes=False
+    ),  # r1_zero's resume
     # 16 updates per iteration (DAPO's, R1-Zero's mini-batches): 4 prompts x 4 samples, one per update
     # DAPO's overlong buffer and the 10-iteration warm-up shrink with the lengths and the run.
     Miniature(  # resumed by its LoRA twin below (the same model and layout, adapters added)

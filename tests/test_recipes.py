@@ -42,9 +42,7 @@ def test_every_recipe_is_listed() -> None:
 
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.stem)
-def test_recipe_validates_and_plans(
-    recipe: Path, capsys: pytest.CaptureFixture[str], tmp_path: Path
-) -> None:
+def test_recipe_validates_and_plans(recipe: Path, capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     args = plan_line(recipe)
     assert args[0] == str(recipe.relative_to(REPO_ROOT))
     args[0] = str(recipe)
@@ -81,19 +79,41 @@ def test_prepare_math(tmp_path: Path) -> None:
     src = tmp_path / "MATH" / "train" / "algebra"
     src.mkdir(parents=True)
     for i, (level, solution) in enumerate(
-        [("Level 2", r"so \boxed{4}."), ("Level 3", r"thus $\boxed{\frac{1}{2}}$"), ("Level 5", r"\boxed{x^{2}+1}")]
+        [
+            ("Level 2", r"so \boxed{4}."),
+            ("Level 3", r"thus $\boxed{\frac{1}{2}}$"),
+            ("Level 5", r"\boxed{x^{2}+1}"),
+        ]
     ):
-        (src / f"{i}.json").write_text(json.dumps({"problem": f"p{i}", "level": level, "type": "Algebra", "solution": solution}))
+        (src / f"{i}.json").write_text(
+            json.dumps({"problem": f"p{i}", "level": level, "type": "Algebra", "solution": solution})
+        )
     out = tmp_path / "math.jsonl"
-    result = _tool("tools/prepare_math.py", "--input", str(tmp_path / "MATH"), "--levels", "3", "4", "5", "--out", str(out))
+    result = _tool(
+        "tools/prepare_math.py",
+        "--input",
+        str(tmp_path / "MATH"),
+        "--levels",
+        "3",
+        "4",
+        "5",
+        "--out",
+        str(out),
+    )
     assert result.returncode == 0, result.stderr
     rows = [json.loads(line) for line in out.read_text().splitlines()]
-    assert [(r["prompt"], r["answer"], r["level"]) for r in rows] == [("p1", r"\frac{1}{2}", 3), ("p2", "x^{2}+1", 5)]
+    assert [(r["prompt"], r["answer"], r["level"]) for r in rows] == [
+        ("p1", r"\frac{1}{2}", 3),
+        ("p2", "x^{2}+1", 5),
+    ]
     assert rows[0]["subject"] == "Algebra"
 
     # DAPO-Math-17k style: chat-message prompt and reward_model.ground_truth, as JSONL
     dapo = tmp_path / "dapo.jsonl"
-    dapo.write_text(json.dumps({"prompt": [{"role": "user", "content": "q?"}], "reward_model": {"ground_truth": "34"}}) + "\n")
+    dapo.write_text(
+        json.dumps({"prompt": [{"role": "user", "content": "q?"}], "reward_model": {"ground_truth": "34"}})
+        + "\n"
+    )
     out2 = tmp_path / "dapo_out.jsonl"
     assert _tool("tools/prepare_math.py", "--input", str(dapo), "--out", str(out2)).returncode == 0
     assert json.loads(out2.read_text()) == {"prompt": "q?", "answer": "34", "source": str(dapo)}
@@ -106,8 +126,17 @@ def test_prepare_countdown(tmp_path: Path) -> None:
     src = tmp_path / "countdown.parquet"
     pq.write_table(pa.table({"target": [24, 10, 7], "nums": [[3, 8, 1], [5, 2], [1, 6]]}), src)
     train, test = tmp_path / "train.jsonl", tmp_path / "test.jsonl"
-    result = _tool("tools/prepare_countdown.py", "--input", str(src), "--out", str(train),
-                   "--eval-out", str(test), "--num-eval", "1")  # fmt: skip
+    result = _tool(
+        "tools/prepare_countdown.py",
+        "--input",
+        str(src),
+        "--out",
+        str(train),
+        "--eval-out",
+        str(test),
+        "--num-eval",
+        "1",
+    )
     assert result.returncode == 0, result.stderr
     rows = [json.loads(line) for p in (train, test) for line in p.read_text().splitlines()]
     assert len(rows) == 3 and len(test.read_text().splitlines()) == 1
@@ -119,14 +148,22 @@ def test_prepare_countdown(tmp_path: Path) -> None:
     from grpo_megatron.rewards.base import RewardSample
     from grpo_megatron.rewards.countdown import countdown_reward
 
-    sample = RewardSample(prompt=row["prompt"], response="</think> <answer>3 * 8 * 1</answer>",
-                          label=row["answer"], metadata=row["metadata"])  # fmt: skip
+    sample = RewardSample(
+        prompt=row["prompt"],
+        response="</think> <answer>3 * 8 * 1</answer>",
+        label=row["answer"],
+        metadata=row["metadata"],
+    )
     assert countdown_reward(sample) == 1.0
 
 
 def _cluster(recipe: Path) -> tuple[int, int, str]:
     args = plan_line(recipe)
-    return int(args[args.index("--nodes") + 1]), int(args[args.index("--gpus-per-node") + 1]), args[args.index("--gpu") + 1]
+    return (
+        int(args[args.index("--nodes") + 1]),
+        int(args[args.index("--gpus-per-node") + 1]),
+        args[args.index("--gpu") + 1],
+    )
 
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.stem)
@@ -178,22 +215,38 @@ def test_recipe_runtime_placement_at_scale_is_the_plans(
             runtime = runtime_placement(engine_spec(cfg), ps, hf)
             here, _, _ = layout_of(runtime, ps)
         assert runtime == planned, rank
-        assert here.members == planned.engines[planned.engine_of(rank)] and here.nnodes == len(planned.nodes(planned.engine_of(rank)))
-        launch = EngineLaunch(cfg.model.dtype, base_gpu_id=here.base_gpu_id, tp_size=runtime.gpus_per_engine,
-                              ep_size=runtime.engine_ep, nnodes=here.nnodes,
-                              dist_init_addr="node0:1" if here.multi_node else None)  # fmt: skip
+        assert here.members == planned.engines[planned.engine_of(rank)] and here.nnodes == len(
+            planned.nodes(planned.engine_of(rank))
+        )
+        launch = EngineLaunch(
+            cfg.model.dtype,
+            base_gpu_id=here.base_gpu_id,
+            tp_size=runtime.gpus_per_engine,
+            ep_size=runtime.engine_ep,
+            nnodes=here.nnodes,
+            dist_init_addr="node0:1" if here.multi_node else None,
+        )
         args = colocated_server_args(cfg.rollout, "/m", launch, hf, node_rank=here.node_rank)
         assert (args["tp_size"], args["ep_size"]) == (width, ep)
         needs = rank_needs(hf, width, ep, here.members.index(rank))
         assert (needs.count if needs is not None else routed_experts(hf)) == routed_experts(hf) // ep
         assert ColocatedMemory(None, None, runtime.phases()).phases == planned.phases()  # type: ignore[arg-type]
     nodes_of_last = planned.nodes(len(planned.engines) - 1)
-    assert cli_main(["plan", str(recipe), "--nodes", str(nodes), "--gpus-per-node", str(gpus), "--gpu", gpu]) == 0
+    assert (
+        cli_main(["plan", str(recipe), "--nodes", str(nodes), "--gpus-per-node", str(gpus), "--gpu", gpu])
+        == 0
+    )
     out = capsys.readouterr().out
     assert f"rollout: {len(planned.engines)} SGLang engine(s) x {width} GPU(s)" in out
-    assert f"engine EP {ep} " in out and f"train.offload_trainer={str(cfg.train.offload_trainer).lower()}" in out
+    assert (
+        f"engine EP {ep} " in out and f"train.offload_trainer={str(cfg.train.offload_trainer).lower()}" in out
+    )
     last = planned.engines[-1]
-    where = f"node {nodes_of_last[0]}" if len(nodes_of_last) == 1 else f"nodes {nodes_of_last[0]}-{nodes_of_last[-1]}"
+    where = (
+        f"node {nodes_of_last[0]}"
+        if len(nodes_of_last) == 1
+        else f"nodes {nodes_of_last[0]}-{nodes_of_last[-1]}"
+    )
     assert f"ranks {last[0]}-{last[-1]} on {where}" in out
     for phase in ("start-up", "rollout", "train", "sync", "save"):
         assert phase in out
@@ -212,8 +265,12 @@ def test_recipe_plans_at_most_90_percent_and_its_header_gives_that_peak(recipe: 
 
     nodes, gpus, gpu = _cluster(recipe)
     cfg = load_config(recipe)
-    plan = memory.plan_memory(cfg, cfg.model.load_hf_config(), nodes * gpus,
-                              memory.PlanOptions(gpus_per_node=gpus, gpu=memory.GPUS[gpu]))  # fmt: skip
+    plan = memory.plan_memory(
+        cfg,
+        cfg.model.load_hf_config(),
+        nodes * gpus,
+        memory.PlanOptions(gpus_per_node=gpus, gpu=memory.GPUS[gpu]),
+    )
     assert plan.fits and plan.peak_frac <= 0.90, (plan.peak_gib, plan.peak_frac)
     header = " ".join(line.lstrip("# ") for line in recipe.read_text().split("\n\n", 1)[0].splitlines())
     said = re.search(r"Peak (\d+\.\d) GiB per GPU \((\d+\.\d)%", header)
@@ -221,7 +278,9 @@ def test_recipe_plans_at_most_90_percent_and_its_header_gives_that_peak(recipe: 
     assert (float(said[1]), float(said[2])) == (round(plan.peak_gib, 1), round(100 * plan.peak_frac, 1))
 
 
-def test_asynchronous_colocated_plan_says_the_gpus_are_time_sliced(capsys: pytest.CaptureFixture[str]) -> None:
+def test_asynchronous_colocated_plan_says_the_gpus_are_time_sliced(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
     """train.max_staleness=1 with colocated SGLang (issue 40): the runtime puts the engines on the
     trainer's GPUs, so `plan` says so and plans the step as time-sliced, not as engine GPUs of their own."""
     recipe = REPO_ROOT / "examples" / "recipes" / "countdown_qwen25_3b.yaml"

@@ -34,8 +34,9 @@ def pool():
     # leak through /proc/self/environ would be visible (a forkserver started earlier might not).
     os.environ["GRPO_TEST_API_KEY"] = SECRET
     try:
-        cfg = RewardConfig(components=[C(name="attack", function=ATTACK)], num_workers=2, mp_context="spawn",
-                           timeout_s=10.0)
+        cfg = RewardConfig(
+            components=[C(name="attack", function=ATTACK)], num_workers=2, mp_context="spawn", timeout_s=10.0
+        )
         with RewardPool(cfg, log=None) as p:
             yield p
     finally:
@@ -122,18 +123,26 @@ def test_cannot_signal_the_trainer_or_other_workers(pool):
 
 def test_an_import_that_hangs_fails_at_startup_naming_the_field():
     cfg = RewardConfig(
-        components=[C(name="ok", function="format"), C(name="slow", function="tests.reward_hang_import:reward")],
+        components=[
+            C(name="ok", function="format"),
+            C(name="slow", function="tests.reward_hang_import:reward"),
+        ],
         num_workers=1,
         startup_timeout_s=3.0,
     )
-    with pytest.raises(RewardStartupError, match=r"reward\.components\[1\]\.function='tests\.reward_hang_import"
-                       r":reward': importing it did not finish within reward\.startup_timeout_s=3 s"):
+    with pytest.raises(
+        RewardStartupError,
+        match=r"reward\.components\[1\]\.function='tests\.reward_hang_import"
+        r":reward': importing it did not finish within reward\.startup_timeout_s=3 s",
+    ):
         check_reward_imports(cfg, log=None)
     assert "tests.reward_hang_import" not in sys.modules
 
 
 def test_check_reward_imports_gives_one_line_naming_field_module_and_cause():
-    cfg = RewardConfig(components=[C(name="a", function="format"), C(name="b", function="tests.no_such_mod:f")])
+    cfg = RewardConfig(
+        components=[C(name="a", function="format"), C(name="b", function="tests.no_such_mod:f")]
+    )
     with pytest.raises(RewardStartupError) as err:
         check_reward_imports(cfg, log=None)
     message = str(err.value)
@@ -150,14 +159,19 @@ def test_a_reward_that_always_raises_stops_the_run_with_its_message(capsys):
     with RewardPool(cfg, log=None) as p:
         batch = p.score_detailed([RewardSample("q", "r")] * 4)
     assert batch.metrics["reward/broken/error_frac"] == 1.0
-    with pytest.raises(RewardFailureError, match=r"4/4 samples .* reward code is broken .* reward\.max_error_frac=0\.5"):
+    with pytest.raises(
+        RewardFailureError, match=r"4/4 samples .* reward code is broken .* reward\.max_error_frac=0\.5"
+    ):
         report_failures(batch, cfg)
     assert capsys.readouterr().out.count("reward code is broken") == 1  # printed once
 
 
 def test_occasional_failures_are_printed_and_counted_per_component(capsys):
     cfg = RewardConfig(
-        components=[C(name="len", function="tests.reward_helpers:by_prompt"), C(name="one", function="format")],
+        components=[
+            C(name="len", function="tests.reward_helpers:by_prompt"),
+            C(name="one", function="format"),
+        ],
         num_workers=0,
     )
     with RewardPool(cfg, log=None) as p:
@@ -166,7 +180,9 @@ def test_occasional_failures_are_printed_and_counted_per_component(capsys):
     assert batch.metrics["reward/len/error_frac"] == 0.25 and batch.metrics["reward/one/error_frac"] == 0.0
     report_failures(batch, cfg)  # 25% <= 50%: goes on
     out = capsys.readouterr().out
-    assert out.startswith("[reward] 1/4 samples got the fallback reward 0 (1 error); first: reward component 'len'")
+    assert out.startswith(
+        "[reward] 1/4 samples got the fallback reward 0 (1 error); first: reward component 'len'"
+    )
 
 
 def test_cli_check_imports_the_rewards_in_a_worker(capsys):
@@ -174,12 +190,19 @@ def test_cli_check_imports_the_rewards_in_a_worker(capsys):
     from tests.helpers.dist import REPO_ROOT
 
     example = str(REPO_ROOT / "examples" / "tiny_moe.yaml")
-    tokenizer = f"data.tokenizer_path={REPO_ROOT / 'examples' / 'demo'}"  # tiny_moe/ has none; train needs one
+    tokenizer = (
+        f"data.tokenizer_path={REPO_ROOT / 'examples' / 'demo'}"  # tiny_moe/ has none; train needs one
+    )
     assert main(["check", example, tokenizer, "reward.components[0].function=tests.no_such_mod:f"]) == 2
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and "Traceback" not in err
-    assert "reward.components[0].function='tests.no_such_mod:f': cannot import module 'tests.no_such_mod'" in err
-    assert main(["check", example, tokenizer, "reward.components[0].function=tests.reward_attacks:imported_in"]) == 0
+    assert (
+        "reward.components[0].function='tests.no_such_mod:f': cannot import module 'tests.no_such_mod'" in err
+    )
+    assert (
+        main(["check", example, tokenizer, "reward.components[0].function=tests.reward_attacks:imported_in"])
+        == 0
+    )
     assert "tests.reward_attacks" not in sys.modules
 
 
@@ -188,14 +211,20 @@ def test_train_stops_on_a_reward_that_cannot_import_or_always_raises(tmp_path):
     # on rank 0. Finding 7: a reward raising on every sample finished with exit 0 and reward 0.0000.
     from tests.helpers.runs import SMALL, launch
 
-    proc = launch("train", [*SMALL, f"logging.run_dir={tmp_path / 'bad'}", "reward.components[0].function=no_such:f"])
+    proc = launch(
+        "train", [*SMALL, f"logging.run_dir={tmp_path / 'bad'}", "reward.components[0].function=no_such:f"]
+    )
     out, _ = proc.communicate(timeout=300)
     assert proc.returncode != 0
     assert "reward.components[0].function='no_such:f': cannot import module 'no_such'" in out
     assert "[job]" not in out  # stopped before the model was built
 
-    overrides = [*SMALL, "train.iterations=1", f"logging.run_dir={tmp_path / 'run'}",
-                 "reward.components[0].function=tests.reward_helpers:raises"]
+    overrides = [
+        *SMALL,
+        "train.iterations=1",
+        f"logging.run_dir={tmp_path / 'run'}",
+        "reward.components[0].function=tests.reward_helpers:raises",
+    ]
     proc = launch("train", overrides)
     out, _ = proc.communicate(timeout=300)
     assert proc.returncode != 0

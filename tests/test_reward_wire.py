@@ -21,8 +21,12 @@ TIMEOUT = 1.0
 
 @pytest.fixture(scope="module")
 def pool():
-    cfg = RewardConfig(components=[C(name="c0", function="tests.reward_pipe_attacks:attack")], num_workers=2,
-                       timeout_s=TIMEOUT, fallback=-1.0)
+    cfg = RewardConfig(
+        components=[C(name="c0", function="tests.reward_pipe_attacks:attack")],
+        num_workers=2,
+        timeout_s=TIMEOUT,
+        fallback=-1.0,
+    )
     with RewardPool(cfg, log=None) as p:
         yield p
 
@@ -43,19 +47,22 @@ def test_a_pickle_on_the_pipe_is_never_unpickled(pool, tmp_path: Path):
     assert elapsed < TIMEOUT  # refused on arrival, not left to the sample's timeout
 
 
-@pytest.mark.parametrize("attack,named", [
-    ("huge_header", "a frame of 2147483647 bytes"),
-    ("negative_header", "a frame of -1 bytes"),
-    ("oversized", f"a frame of {wire.MAX_FRAME_BYTES + 1} bytes"),
-    ("malformed:not_json", "not a JSON message"),
-    ("malformed:deep", "not a JSON message (RecursionError)"),
-    ("malformed:string_reward", "reward is not a number"),
-    ("malformed:bool_task", "task is not a small non-negative integer"),
-    ("malformed:extra_key", "needs exactly the keys"),
-    ("malformed:unknown_component", "'nope' names no configured component"),
-    ("malformed:other_task", "a result for task"),
-    ("malformed:importing", "out-of-turn 'importing 0'"),
-])
+@pytest.mark.parametrize(
+    "attack,named",
+    [
+        ("huge_header", "a frame of 2147483647 bytes"),
+        ("negative_header", "a frame of -1 bytes"),
+        ("oversized", f"a frame of {wire.MAX_FRAME_BYTES + 1} bytes"),
+        ("malformed:not_json", "not a JSON message"),
+        ("malformed:deep", "not a JSON message (RecursionError)"),
+        ("malformed:string_reward", "reward is not a number"),
+        ("malformed:bool_task", "task is not a small non-negative integer"),
+        ("malformed:extra_key", "needs exactly the keys"),
+        ("malformed:unknown_component", "'nope' names no configured component"),
+        ("malformed:other_task", "a result for task"),
+        ("malformed:importing", "out-of-turn 'importing 0'"),
+    ],
+)
 def test_bad_frames_kill_the_worker_at_once(pool, attack: str, named: str):
     batch, elapsed = _score(pool, attack, "ok", "ok")
     assert batch.status == ["error", "ok", "ok"] and batch.rewards == [-1.0, 3.0, 3.0]
@@ -83,8 +90,11 @@ def test_a_flood_of_frames_is_cut_off(pool):
 def test_import_time_pickle_stops_the_start_naming_the_component(tmp_path: Path, monkeypatch):
     marker = tmp_path / "pwned"
     monkeypatch.setenv("GRPO_TEST_MARKER", str(marker))
-    cfg = RewardConfig(components=[C(name="evil", function="tests.reward_pipe_import:reward")],
-                       startup_timeout_s=30.0, mp_context="spawn")  # spawn: started with the variable
+    cfg = RewardConfig(
+        components=[C(name="evil", function="tests.reward_pipe_import:reward")],
+        startup_timeout_s=30.0,
+        mp_context="spawn",
+    )  # spawn: started with the variable
     cfg.sandbox.keep_env = ["GRPO_TEST_MARKER"]
     start = time.monotonic()
     with pytest.raises(RewardStartupError) as err:
@@ -100,18 +110,27 @@ def test_the_decoder_accepts_only_the_schema():
     assert wire.decode(wire.encode(ok), names) == ok
     ready = wire.Ready("/tmp/s", ["own session"], ["no network"])
     assert wire.decode(wire.encode(ready), names) == ready
-    for bad in (b"[]", b"null", b'{"kind": "result"}', json.dumps({"kind": "init_error", "message": 1}).encode(),
-                json.dumps({"kind": "init_error", "message": "x" * (wire.MAX_TEXT_CHARS + 1)}).encode(),
-                json.dumps({"kind": "ready", "scratch": "", "active": ["a"] * 1000, "inactive": []}).encode(),
-                b"\xff\xfe"):
+    for bad in (
+        b"[]",
+        b"null",
+        b'{"kind": "result"}',
+        json.dumps({"kind": "init_error", "message": 1}).encode(),
+        json.dumps({"kind": "init_error", "message": "x" * (wire.MAX_TEXT_CHARS + 1)}).encode(),
+        json.dumps({"kind": "ready", "scratch": "", "active": ["a"] * 1000, "inactive": []}).encode(),
+        b"\xff\xfe",
+    ):
         with pytest.raises(wire.ProtocolError):
             wire.decode(bad, names)
 
 
 def test_results_frames_hold_one_to_max_items_results():
     names = frozenset({"acc"})
-    results = wire.Results((wire.Result(0, "ok", 1.0, {"acc": 1.0}, None, None),
-                            wire.Result(1, "error", None, None, "boom", "acc")))
+    results = wire.Results(
+        (
+            wire.Result(0, "ok", 1.0, {"acc": 1.0}, None, None),
+            wire.Result(1, "error", None, None, "boom", "acc"),
+        )
+    )
     assert wire.decode(wire.encode(results), names) == results
     item = {"task": 0, "status": "ok", "reward": 1.0, "components": None, "message": None, "component": None}
     for bad in ([], [item] * (wire.MAX_ITEMS + 1), [{**item, "evil": 1}], [{**item, "reward": "1"}], [1]):

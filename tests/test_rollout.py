@@ -124,8 +124,9 @@ def test_ragged_prefill_samples_what_an_unpadded_forward_scores(moe_engine):
     engine, _ = moe_engine
     prompts = [[3, 5], [7, 7, 20], [9] * 30 + [4], [2, 8] * 12, [11]]
     budgets = (4, 6, 3, 5, 6)
-    params = SamplingParams(n=1, temperature=1.0, max_new_tokens=6, max_new_tokens_each=budgets, seed=3,
-                            ragged_prefill=True)  # fmt: skip
+    params = SamplingParams(
+        n=1, temperature=1.0, max_new_tokens=6, max_new_tokens_each=budgets, seed=3, ragged_prefill=True
+    )
     completions = engine.generate(prompts, params)
     assert [len(c.token_ids) for (c,) in completions] == list(budgets)
     probe = probe_batch(prompts, [[c.token_ids] for (c,) in completions], size=100)
@@ -245,7 +246,9 @@ def test_rejected_updates_keep_the_old_weights(moe_engine):
     _load(engine, saved, version=10)
     # A narrower float is widened exactly (a bf16 export into tensors transformers keeps in fp32).
     _load(engine, {n: t.bfloat16() if n == gate else t for n, t in saved.items()}, version=11)
-    assert torch.equal(engine.model.model.layers[1].mlp.experts.gate_up_proj[2, :32], saved[gate].bfloat16().float())
+    assert torch.equal(
+        engine.model.model.layers[1].mlp.experts.gate_up_proj[2, :32], saved[gate].bfloat16().float()
+    )
     _load(engine, saved, version=12)
 
 
@@ -272,7 +275,9 @@ def test_manifest_check_then_load_in_place(moe_engine):
     place = engine.load_target(gate)  # the transport writes there itself, then hands on the place
     assert place is not None and engine.weight_version == -1
     place.copy_(changed[gate])
-    engine.update_weights([(gate, place), *((n, changed[n]) for n in names[:5] if n != gate)], version=21, last=False)
+    engine.update_weights(
+        [(gate, place), *((n, changed[n]) for n in names[:5] if n != gate)], version=21, last=False
+    )
     assert engine.weight_version == -1
     engine.update_weights([(n, changed[n]) for n in names[5:] if n != gate], version=21, last=True)
     assert engine.weight_version == 21
@@ -419,8 +424,13 @@ def test_rollout_results_reach_each_rank_as_it_needs_them_at_world_4(tmp_path):
     ``payload="owners"`` each replica receives only its responses (``_each_replica_receives_its_share``);
     and every process group of the job, megatron's included, has parallel.timeout_minutes."""
     moe = _write_config(tmp_path / "moe", tiny_hf_config("qwen3_moe"))
-    per_rank = run_distributed("tests.workers.rollout_workers:rollout_results_at_scale", world_size=4, timeout_s=380,
-                               hf_dir=moe, overrides=["parallel.tp=2", "algorithm.routing_replay=r3", "parallel.timeout_minutes=97"])  # fmt: skip
+    per_rank = run_distributed(
+        "tests.workers.rollout_workers:rollout_results_at_scale",
+        world_size=4,
+        timeout_s=380,
+        hf_dir=moe,
+        overrides=["parallel.tp=2", "algorithm.routing_replay=r3", "parallel.timeout_minutes=97"],
+    )
     first = per_rank[0]
     held = {rid: t for r in per_rank for rid, t in r["held"].items()}
     assert [bool(r["held"]) for r in per_rank] == [True, False, True, False]  # only the engines' ranks
@@ -435,15 +445,20 @@ def test_rollout_results_reach_each_rank_as_it_needs_them_at_world_4(tmp_path):
         assert set(res["routes"]) == mine and 0 < len(mine) < len(sample_rids), rank  # its share, no other
         assert all(torch.equal(res["routes"][k], held[sample_rids[k]]) for k in mine), rank
         assert res["left_held"] == 0
-        assert res["failure"].startswith("rollout generate failed on 1 rank(s):\n  rank 2: ValueError: generate:"), rank
+        assert res["failure"].startswith(
+            "rollout generate failed on 1 rank(s):\n  rank 2: ValueError: generate:"
+        ), rank
         assert res["after_failure"] == first["after_failure"] and len(res["after_failure"]) == 2, rank
     assert {r["replica"] for r in per_rank} == {0, 1}
     _each_replica_receives_its_share(per_rank)
     for rank, res in enumerate(per_rank):  # issue 36: every group takes parallel.timeout_minutes (97 here)
         assert {desc: set(minutes) for desc, minutes in res["timeouts"].items()} == {
-            desc: {97.0} for desc in res["timeouts"]}, (rank, res["timeouts"])  # fmt: skip
+            desc: {97.0} for desc in res["timeouts"]
+        }, (rank, res["timeouts"])
         assert {"default_pg", "ROLLOUT_DATA", "EXPERT_DATA_PARALLEL_GROUP_GLOO"} <= set(res["timeouts"]), rank
-        assert ("ROLLOUT_ENGINES" in res["timeouts"]) == (rank in (0, 2)), rank  # NCCL-style: its members only
+        assert ("ROLLOUT_ENGINES" in res["timeouts"]) == (rank in (0, 2)), (
+            rank
+        )  # NCCL-style: its members only
         # megatron-core 0.16.1 alone gives this one torch's 30 minutes (megatron_compat.groups_take_timeout)
         assert res["megatron_missed"] == ["EXPERT_DATA_PARALLEL_GROUP_GLOO"], rank
 
@@ -466,7 +481,11 @@ def _each_replica_receives_its_share(per_rank: list[dict]) -> None:
         assert res["batch_totals"][:2] == res["batch_totals"][2:] and res["left_held"] == 0, rank
         payload = res["payload_bytes"]
         expected = sum(payload[i] for i in res["mine"] if i not in held)
-        assert 0 <= res["bytes_owners_delivery"] - expected <= 512, (rank, res["bytes_owners_delivery"], expected)
+        assert 0 <= res["bytes_owners_delivery"] - expected <= 512, (
+            rank,
+            res["bytes_owners_delivery"],
+            expected,
+        )
         if rank in (1, 3):  # the whole batch everywhere, headers only with owners (gloo's framing aside)
             saved = res["bytes_everywhere"] - res["bytes_owners_rollout"]
             assert abs(saved - (sum(payload) - headers)) <= 512, (rank, saved, sum(payload) - headers)
@@ -499,7 +518,11 @@ def test_rollout_results_layout_round_trips_every_field():
     for a, h in zip(sent, heads, strict=True):
         assert (h.token_ids, h.logprobs, h.loss_mask) == ([], [], None)
         assert (h.num_tokens, h.num_sampled, h.finish_reason, h.weight_version) == (
-            a.num_tokens, a.num_sampled, a.finish_reason, a.weight_version)  # fmt: skip
+            a.num_tokens,
+            a.num_sampled,
+            a.finish_reason,
+            a.weight_version,
+        )
     assert [h.sizes for h in heads] == [(3, 2), (0, 0), (1, 1)]
     rows = ints[: len(sent) * HEADER].view(len(sent), HEADER).tolist()
     assert payload_numel(rows) == (ints.numel(), logprobs.numel())
@@ -513,10 +536,22 @@ def test_transfer_pairs_send_each_item_once_to_each_rank_that_lacks_it():
 
     needs = {0: [1, 2, 3], 1: [0, 1], 2: [2, 3], 3: [2, 2]}
     source = {0: 0, 1: 2, 2: 2, 3: 0}
-    assert transfer_pairs(needs, source) == {(0, 1): [0], (0, 2): [0, 3], (0, 3): [0], (2, 0): [1], (2, 1): [1],
-                                             (2, 3): [2]}  # fmt: skip
+    assert transfer_pairs(needs, source) == {
+        (0, 1): [0],
+        (0, 2): [0, 3],
+        (0, 3): [0],
+        (2, 0): [1],
+        (2, 1): [1],
+        (2, 3): [2],
+    }
     # rank 0 (the collector) holds every item already: nothing is sent to it
-    assert transfer_pairs(needs, source, (0,)) == {(0, 1): [0], (0, 2): [0, 3], (0, 3): [0], (2, 1): [1], (2, 3): [2]}
+    assert transfer_pairs(needs, source, (0,)) == {
+        (0, 1): [0],
+        (0, 2): [0, 3],
+        (0, 3): [0],
+        (2, 1): [1],
+        (2, 3): [2],
+    }
 
 
 def test_an_interrupted_engine_ends_each_row_after_its_current_step(moe_engine):

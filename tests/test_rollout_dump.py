@@ -28,19 +28,41 @@ VOCAB = {"a": 0, "b": 1, "<eos>": 2}
 
 def _groups() -> list[Group]:
     routes = torch.arange(2 * 3 * 2, dtype=torch.int32).reshape(2, 3, 2)  # [layers, positions, top_k]
-    first = [Completion([5, 6], [-0.25, -1 / 3], "stop", routed_experts=routes, weight_version=3),
-             Completion([7], [-2.0], "length", loss_mask=[1], weight_version=2)]  # fmt: skip
-    second = [Completion([8, 9, 10], [-0.5, -0.0, -1e-30], "stop", loss_mask=[1, 0, 1], weight_version=3),
-              Completion([11], [-0.125], "stop", weight_version=3)]  # fmt: skip
+    first = [
+        Completion([5, 6], [-0.25, -1 / 3], "stop", routed_experts=routes, weight_version=3),
+        Completion([7], [-2.0], "length", loss_mask=[1], weight_version=2),
+    ]
+    second = [
+        Completion([8, 9, 10], [-0.5, -0.0, -1e-30], "stop", loss_mask=[1, 0, 1], weight_version=3),
+        Completion([11], [-0.125], "stop", weight_version=3),
+    ]
     record = PromptRecord("1+2=", "3", {"x": [1, 2]}, (1, 2))
-    return [Group(record, first, [1.0, 0.0], ["t0", "t1"]),
-            Group(PromptRecord("p", "", {}, (4,)), second, [0.1, 0.7], ["t2", "t3"])]  # fmt: skip
+    return [
+        Group(record, first, [1.0, 0.0], ["t0", "t1"]),
+        Group(PromptRecord("p", "", {}, (4,)), second, [0.1, 0.7], ["t2", "t3"]),
+    ]
 
 
 def _fields(groups: list[Group]) -> list:
-    return [(g.record, g.rewards, g.texts, [(c.token_ids, c.logprobs, c.finish_reason, c.loss_mask, c.weight_version,
-             None if c.routed_experts is None else c.routed_experts.tolist()) for c in g.completions])
-            for g in groups]  # fmt: skip
+    return [
+        (
+            g.record,
+            g.rewards,
+            g.texts,
+            [
+                (
+                    c.token_ids,
+                    c.logprobs,
+                    c.finish_reason,
+                    c.loss_mask,
+                    c.weight_version,
+                    None if c.routed_experts is None else c.routed_experts.tolist(),
+                )
+                for c in g.completions
+            ],
+        )
+        for g in groups
+    ]
 
 
 def test_an_iteration_reads_back_exactly_and_a_replay_checks_the_dump_first(tmp_path):
@@ -59,8 +81,12 @@ def test_an_iteration_reads_back_exactly_and_a_replay_checks_the_dump_first(tmp_
     ReplaySource(tmp_path, identity, last_iteration=1).start(0)  # a whole dump: no error
 
     # another layout, model and tokenizer: each named, with the fix
-    other = run_identity({**HF, "hidden_size": 16}, {**VOCAB, "c": 3}, SimpleNamespace(**{**vars(PS), "ep": 1}))
-    with pytest.raises(ValueError, match=r"dump\.json: the rollout dump was made by another run: model") as err:
+    other = run_identity(
+        {**HF, "hidden_size": 16}, {**VOCAB, "c": 3}, SimpleNamespace(**{**vars(PS), "ep": 1})
+    )
+    with pytest.raises(
+        ValueError, match=r"dump\.json: the rollout dump was made by another run: model"
+    ) as err:
         ReplaySource(tmp_path, other, last_iteration=1).start(0)
     assert "tokenizer (vocabulary)" in str(err.value) and "layout (parallel sizes)" in str(err.value)
     assert "parallel.* sizes" in str(err.value)
@@ -83,8 +109,11 @@ def test_a_damaged_or_inconsistent_iteration_is_refused_naming_its_file(tmp_path
     import hashlib
 
     meta_file.write_text(json.dumps({**meta, "safetensors_sha256": hashlib.sha256(data).hexdigest()}))
-    with pytest.raises(ValueError, match=r"iteration-000001\.safetensors: logprobs has 6 entries where the dump's "
-                                         r"sizes say 7.*dump that iteration again"):  # fmt: skip
+    with pytest.raises(
+        ValueError,
+        match=r"iteration-000001\.safetensors: logprobs has 6 entries where the dump's "
+        r"sizes say 7.*dump that iteration again",
+    ):
         read_iteration(tmp_path, 1)
 
     with pytest.raises(ValueError, match=r"iteration-000002\.json is missing.*set train\.iterations=1"):
@@ -105,5 +134,8 @@ def test_check_refuses_a_replay_dir_that_holds_no_dump_and_a_dump_dir_over_it(tm
     (tmp_path / IDENTITY).write_text("{}")
     assert main([*base, f"rollout.replay_dir={tmp_path}", "--world-size", "1"]) == 0
     capsys.readouterr()
-    assert main([*base, f"rollout.replay_dir={tmp_path}", f"rollout.dump_dir={tmp_path}", "--world-size", "1"]) == 2
+    assert (
+        main([*base, f"rollout.replay_dir={tmp_path}", f"rollout.dump_dir={tmp_path}", "--world-size", "1"])
+        == 2
+    )
     assert "a replay would write over the dump it reads" in capsys.readouterr().err

@@ -52,7 +52,9 @@ def test_r3_replays_engine_routes_at_ep2_and_pp2(tmp_path):
         for name in ("qwen3_moe", "mixtral", "deepseek_v3")
     }
     cases["qwen3_moe_pp2"] = (cases["qwen3_moe"][0], ["parallel.pp=2"])
-    results = run_distributed("tests.workers.routing_workers:replay_cases", world_size=2, timeout_s=560, cases=cases)
+    results = run_distributed(
+        "tests.workers.routing_workers:replay_cases", world_size=2, timeout_s=560, cases=cases
+    )
     for case in cases:
         for res in (r[case] for r in results):
             assert (res["ep"], res["dp"]) == ((1, 1) if case.endswith("pp2") else (2, 2)), case
@@ -65,7 +67,9 @@ def test_r3_replays_engine_routes_at_ep2_and_pp2(tmp_path):
 def test_r3_replays_engine_routes_at_tp2_ep2(tmp_path):
     hf_dir = _write_config(tmp_path / "qwen3_moe", tiny_hf_config("qwen3_moe"))
     cases = {"qwen3_moe": (hf_dir, ["parallel.tp=2", "parallel.ep=2"])}
-    results = run_distributed("tests.workers.routing_workers:replay_cases", world_size=4, timeout_s=560, cases=cases)
+    results = run_distributed(
+        "tests.workers.routing_workers:replay_cases", world_size=4, timeout_s=560, cases=cases
+    )
     for res in (r["qwen3_moe"] for r in results):
         assert (res["tp"], res["ep"], res["sp"]) == (2, 2, True)
         _check_replay(res)
@@ -96,10 +100,20 @@ def test_full_recompute_routes_as_the_forward_did(tmp_path):
     # routers record each micro-batch once and the recompute routes as the forward did (the replayed
     # experts under replay), so the gradients equal those without recompute.
     hf_dir = _write_config(tmp_path / "qwen3_moe", tiny_hf_config("qwen3_moe"))
-    (plain,) = run_distributed("tests.workers.routing_workers:recompute_gradients", world_size=1, timeout_s=300,
-                               hf_dir=hf_dir, recompute="none")  # fmt: skip
-    (full,) = run_distributed("tests.workers.routing_workers:recompute_gradients", world_size=1, timeout_s=300,
-                              hf_dir=hf_dir, recompute="full")  # fmt: skip
+    (plain,) = run_distributed(
+        "tests.workers.routing_workers:recompute_gradients",
+        world_size=1,
+        timeout_s=300,
+        hf_dir=hf_dir,
+        recompute="none",
+    )
+    (full,) = run_distributed(
+        "tests.workers.routing_workers:recompute_gradients",
+        world_size=1,
+        timeout_s=300,
+        hf_dir=hf_dir,
+        recompute="full",
+    )
     assert full["forwards"] == plain["forwards"] == {r: [2, 2] for r in (False, True)}
     for key in ("grads_replay=False", "grads_replay=True"):
         for name, grad in plain[key].items():

@@ -39,7 +39,9 @@ AVX2_WITH_AMX = EPYC_AVX2 + " amx_tile amx_bf16"  # no such CPU; the AVX2 build 
 
 
 def cpuinfo(flags: str, model: str = "Test CPU") -> str:
-    return f"processor\t: 0\nmodel name\t: {model}\nflags\t\t: {flags}\n\nprocessor\t: 1\nflags\t\t: {flags}\n"
+    return (
+        f"processor\t: 0\nmodel name\t: {model}\nflags\t\t: {flags}\n\nprocessor\t: 1\nflags\t\t: {flags}\n"
+    )
 
 
 def folder(path: Path, *names: str) -> Path:
@@ -98,14 +100,27 @@ def test_the_newest_version_of_the_fitting_build_wins(tmp_path) -> None:
 
 def test_each_cpu_kind_names_the_sglang_cpu_path_it_runs() -> None:
     """SGLang's intel_amx path on AMX Xeons only; torch_native on every other CPU a kernel fits."""
-    path = {name: kw.sglang_cpu_path(kw.cpu_flags(cpuinfo(f))) for name, f in
-            (("sapphire", SAPPHIRE_RAPIDS), ("zen4", ZEN4), ("xeon", XEON_NO_BF16), ("epyc", EPYC_AVX2))}  # fmt: skip
-    assert path == {"sapphire": "intel_amx", "zen4": "torch_native", "xeon": "torch_native", "epyc": "torch_native"}
+    path = {
+        name: kw.sglang_cpu_path(kw.cpu_flags(cpuinfo(f)))
+        for name, f in (
+            ("sapphire", SAPPHIRE_RAPIDS),
+            ("zen4", ZEN4),
+            ("xeon", XEON_NO_BF16),
+            ("epyc", EPYC_AVX2),
+        )
+    }
+    assert path == {
+        "sapphire": "intel_amx",
+        "zen4": "torch_native",
+        "xeon": "torch_native",
+        "epyc": "torch_native",
+    }
 
 
 def test_isa_levels_name_what_the_kernels_care_about() -> None:
     level = {
-        f: kw.isa_level(kw.cpu_flags(cpuinfo(f))) for f in (SAPPHIRE_RAPIDS, ZEN4, XEON_NO_BF16, EPYC_AVX2, V2, "")
+        f: kw.isa_level(kw.cpu_flags(cpuinfo(f)))
+        for f in (SAPPHIRE_RAPIDS, ZEN4, XEON_NO_BF16, EPYC_AVX2, V2, "")
     }
     assert level[SAPPHIRE_RAPIDS] == "x86-64-v4 (avx512_bf16, AMX)"
     assert level[ZEN4] == "x86-64-v4 (avx512_bf16, no AMX)"
@@ -176,7 +191,9 @@ def test_the_skip_line_names_the_cpu_the_wheels_and_how_to_build_one(tmp_path, m
 
 def test_require_sglang_fails_only_where_a_kernel_for_this_cpu_is_at_hand(monkeypatch) -> None:
     monkeypatch.setenv("GRPO_REQUIRE_SGLANG", "1")
-    monkeypatch.setattr(sglang_env, "missing_piece", lambda: sglang_env.Missing("no wheel for this CPU", True))
+    monkeypatch.setattr(
+        sglang_env, "missing_piece", lambda: sglang_env.Missing("no wheel for this CPU", True)
+    )
     with pytest.raises(pytest.skip.Exception, match="no wheel for this CPU"):
         sglang_env.require_sglang_engine()
     monkeypatch.setattr(sglang_env, "missing_piece", lambda: sglang_env.Missing("not installed", False))
@@ -205,7 +222,10 @@ def test_the_closing_note_counts_the_real_engine_tests(monkeypatch) -> None:
     amx_test = "tests/test_sglang_real.py::test_weight_updates_on_sglangs_intel_amx_path_leave_the_layouts"
     stats["passed"].append(report(amx_test))
     note = sglang_env.closing_note(stats, 1.0, cpuinfo(SAPPHIRE_RAPIDS, "Intel Xeon Platinum 8480+"))
-    assert "4 of 5 tests run (3 passed, 1 failed), 1 skipped; SGLang CPU path intel_amx (3 on intel_amx, " in note
+    assert (
+        "4 of 5 tests run (3 passed, 1 failed), 1 skipped; SGLang CPU path intel_amx (3 on intel_amx, "
+        in note
+    )
     assert "1 on torch_native)" in note
     # Elsewhere the AMX layout test runs as far as a CPU without AMX can
     note = sglang_env.closing_note(stats, 1.0, cpuinfo(EPYC_AVX2, "AMD EPYC 7B13"))
@@ -230,7 +250,9 @@ def test_the_makefile_installs_the_wheel_chosen_for_this_cpu(tmp_path) -> None:
     plan = run_make("-n", "setup", f"WHEELHOUSE={both}", venv)
     installs = [line for line in plan.splitlines() if "pip install --no-deps --force-reinstall" in line]
     assert installs == (
-        [f"{tmp_path}/venv/bin/python -m pip install --no-deps --force-reinstall {expected.path}"] if expected else []
+        [f"{tmp_path}/venv/bin/python -m pip install --no-deps --force-reinstall {expected.path}"]
+        if expected
+        else []
     )
     empty = tmp_path / "empty"
     empty.mkdir()
@@ -240,4 +262,6 @@ def test_the_makefile_installs_the_wheel_chosen_for_this_cpu(tmp_path) -> None:
     assert line.startswith(f"machine: {kw.cpu_model(kw.read_cpuinfo())} | ISA ") and line.count("\n") == 1
     assert (expected.path.name in line) if expected else ("none fits" in line)
     if expected:
-        assert line.rstrip().endswith(f"| SGLang CPU path: {kw.sglang_cpu_path(kw.cpu_flags(kw.read_cpuinfo()))}")
+        assert line.rstrip().endswith(
+            f"| SGLang CPU path: {kw.sglang_cpu_path(kw.cpu_flags(kw.read_cpuinfo()))}"
+        )

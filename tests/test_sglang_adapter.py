@@ -94,18 +94,33 @@ def test_sglang_config_fields_are_validated() -> None:
     cfg = load_config(EXAMPLE, ["rollout.engine=sglang", "rollout.sglang_mode=disaggregated"])
     with pytest.raises(ValueError, match="sglang_mode=disaggregated needs rollout.sglang_server_urls"):
         cfg.rollout.validate()
-    bad = RolloutConfig(sglang_tp=-1, sglang_ep=-2, sglang_server_urls=["node1:30000"], sglang_sync_master_port=0,
-                        sglang_server_args={"tp_size": 2, "ep_size": 2})  # fmt: skip
+    bad = RolloutConfig(
+        sglang_tp=-1,
+        sglang_ep=-2,
+        sglang_server_urls=["node1:30000"],
+        sglang_sync_master_port=0,
+        sglang_server_args={"tp_size": 2, "ep_size": 2},
+    )
     with pytest.raises(ValueError) as info:
         bad.validate()
-    for field in ("sglang_tp=-1", "sglang_ep=-2", "sglang_server_urls", "sglang_sync_master_port=0",
-                  "sets tp_size: set rollout.sglang_tp", "sets ep_size: set rollout.sglang_ep"):  # fmt: skip
+    for field in (
+        "sglang_tp=-1",
+        "sglang_ep=-2",
+        "sglang_server_urls",
+        "sglang_sync_master_port=0",
+        "sets tp_size: set rollout.sglang_tp",
+        "sets ep_size: set rollout.sglang_ep",
+    ):
         assert field in str(info.value)
     good = load_config(
         EXAMPLE,
-        ["rollout.engine=sglang", "rollout.sglang_mode=disaggregated",
-         "rollout.sglang_server_urls=[http://a:30000,http://b:30000]", "rollout.sglang_tp=2"],
-    )  # fmt: skip
+        [
+            "rollout.engine=sglang",
+            "rollout.sglang_mode=disaggregated",
+            "rollout.sglang_server_urls=[http://a:30000,http://b:30000]",
+            "rollout.sglang_tp=2",
+        ],
+    )
     good.rollout.validate()
     assert good.rollout.sglang_server_urls == ["http://a:30000", "http://b:30000"]
 
@@ -117,9 +132,19 @@ def test_check_refuses_what_sglang_would_refuse_naming_the_field() -> None:
 
     demo = Path(__file__).resolve().parents[1] / "examples" / "demo.yaml"
     run = subprocess.run(
-        [sys.executable, "-m", "grpo_megatron", "check", str(demo), "rollout.engine=sglang", "rollout.temperature=0.7"],
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "grpo_megatron",
+            "check",
+            str(demo),
+            "rollout.engine=sglang",
+            "rollout.temperature=0.7",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert run.returncode == 2, run.stderr
     assert "rollout.temperature=0.7 with rollout.engine=sglang and rollout.probe_batch=4" in run.stderr
     assert "rollout.probe_batch=0" in run.stderr and "Traceback" not in run.stderr
@@ -142,13 +167,26 @@ def test_samples_of_a_prompt_get_distinct_seeds_and_a_seed_reproduces_them() -> 
 
 
 def test_sampling_params_follow_the_interface() -> None:
-    params = SamplingParams(n=4, temperature=0.7, top_p=0.9, top_k=20, max_new_tokens=16,
-                            stop_token_ids=(2, 7), stop_strings=("</answer>",))  # fmt: skip
+    params = SamplingParams(
+        n=4,
+        temperature=0.7,
+        top_p=0.9,
+        top_k=20,
+        max_new_tokens=16,
+        stop_token_ids=(2, 7),
+        stop_strings=("</answer>",),
+    )
     sp = sampling_params_dict(params, seed=11)
     assert sp == {
-        "max_new_tokens": 16, "temperature": 0.7, "top_p": 0.9, "top_k": 20, "stop_token_ids": [2, 7],
-        "stop": ["</answer>"], "no_stop_trim": True, "sampling_seed": 11,
-    }  # fmt: skip
+        "max_new_tokens": 16,
+        "temperature": 0.7,
+        "top_p": 0.9,
+        "top_k": 20,
+        "stop_token_ids": [2, 7],
+        "stop": ["</answer>"],
+        "no_stop_trim": True,
+        "sampling_seed": 11,
+    }
     assert "n" not in sp  # samples are separate requests (each with its own seed)
     assert sampling_params_dict(SamplingParams(greedy=True), seed=0)["top_k"] == 1
 
@@ -165,7 +203,9 @@ def test_each_request_gets_its_own_budget_within_the_context() -> None:
     assert [sp["max_new_tokens"] for sp in request.sampling_params] == [27, 27, 40, 40, 4, 4, 3, 3]
     uniform = SamplingParams(n=1, max_new_tokens=8)  # no per-prompt limits: every row max_new_tokens
     assert request_budgets(prompts, uniform, context=None) == [8] * 4
-    assert SamplingParams(max_new_tokens=8, max_new_tokens_each=(3, 8)).sliced(1, 2).max_new_tokens_each == (8,)
+    assert SamplingParams(max_new_tokens=8, max_new_tokens_each=(3, 8)).sliced(1, 2).max_new_tokens_each == (
+        8,
+    )
     for bad in ((3,), (0, 8), (9, 1)):
         with pytest.raises(ValueError, match=r"max_new_tokens_each has \d limits for 2 prompts"):
             SamplingParams(max_new_tokens=8, max_new_tokens_each=bad).budgets(2)
@@ -214,7 +254,9 @@ def test_routed_experts_that_do_not_fit_the_tokens_are_refused() -> None:
     with pytest.raises(ValueError, match="routed expert ids"):
         decode_routed_experts(encoded, 5)
     with pytest.raises(ValueError, match="routes of 1 layers"):
-        decode_routed_experts(encoded, 4, RouteLayout(num_layers=3, moe_layers=(1, 2), top_k=3, num_experts=8))
+        decode_routed_experts(
+            encoded, 4, RouteLayout(num_layers=3, moe_layers=(1, 2), top_k=3, num_experts=8)
+        )
 
 
 def test_teacher_forced_logprobs_take_the_response_part() -> None:
@@ -270,8 +312,14 @@ def test_weight_group_layout_and_update_request_body() -> None:
     assert weight_group_layout([2, 4, 1]) == (8, [1, 3, 7])
     bucket = aligned_order([("a", torch.zeros(2, 3, dtype=torch.bfloat16)), ("b", torch.zeros(5))])
     body = distributed_update_body(bucket, group_name="g", flush_cache=False, weight_version=None)
-    assert body == {"names": ["b", "a"], "dtypes": ["float32", "bfloat16"], "shapes": [[5], [2, 3]],
-                    "group_name": "g", "flush_cache": False, "load_format": "flattened_bucket"}  # fmt: skip
+    assert body == {
+        "names": ["b", "a"],
+        "dtypes": ["float32", "bfloat16"],
+        "shapes": [[5], [2, 3]],
+        "group_name": "g",
+        "flush_cache": False,
+        "load_format": "flattened_bucket",
+    }
     assert (
         distributed_update_body(bucket, group_name="g", flush_cache=True, weight_version="4")[
             "weight_version"
@@ -288,7 +336,9 @@ def test_colocated_groups_and_engine_arguments() -> None:
         gpu_memory_utilization=0.4,
         sglang_server_args={"attention_backend": "fa3", "log_level": "info"},
     )
-    args = colocated_server_args(rollout, "/m", EngineLaunch("bfloat16", 5, base_gpu_id=2, ep_size=2), MOE_CONFIG)
+    args = colocated_server_args(
+        rollout, "/m", EngineLaunch("bfloat16", 5, base_gpu_id=2, ep_size=2), MOE_CONFIG
+    )
     assert args["tp_size"] == 2 and args["ep_size"] == 2 and args["base_gpu_id"] == 2  # tp: rollout.sglang_tp
     assert args["mem_fraction_static"] == 0.4 and args["random_seed"] == 5 and args["dtype"] == "bfloat16"
     assert args["enable_memory_saver"] is True and args["enable_return_routed_experts"] is True
@@ -296,8 +346,14 @@ def test_colocated_groups_and_engine_arguments() -> None:
     dense = colocated_server_args(rollout, "/m", EngineLaunch("float32"), {"model_type": "qwen2"})
     assert dense["enable_return_routed_experts"] is False
     assert json.loads(dense["json_model_override_args"]) == {"architectures": ["Qwen2ForCausalLM"]}
-    on_cpu = colocated_server_args(rollout, "/m", EngineLaunch(device="cpu"), MOE_CONFIG, weights_on_disk=False)
-    assert on_cpu["enable_memory_saver"] is False and on_cpu["device"] == "cpu" and on_cpu["load_format"] == "dummy"
+    on_cpu = colocated_server_args(
+        rollout, "/m", EngineLaunch(device="cpu"), MOE_CONFIG, weights_on_disk=False
+    )
+    assert (
+        on_cpu["enable_memory_saver"] is False
+        and on_cpu["device"] == "cpu"
+        and on_cpu["load_format"] == "dummy"
+    )
 
 
 def test_an_engine_inside_a_node_is_led_by_its_first_rank_on_its_own_gpus() -> None:
@@ -324,14 +380,24 @@ def test_an_engine_across_nodes_has_a_starter_per_node_and_one_leader() -> None:
     lay = colocated_layout(40, 1024, 32, 8, 0)
     assert (lay.leader, lay.nnodes, lay.node_rank, lay.starter) == (32, 4, 1, True)
     assert lay.members == tuple(range(32, 64))
-    assert not colocated_layout(63, 1024, 32, 8, 7).starter and colocated_layout(63, 1024, 32, 8, 7).node_rank == 3
+    assert (
+        not colocated_layout(63, 1024, 32, 8, 7).starter
+        and colocated_layout(63, 1024, 32, 8, 7).node_rank == 3
+    )
 
 
 @pytest.mark.parametrize(
     ("tp", "world", "choices"),
-    [(12, 16, "[1, 2, 4, 8, 16]"), (3, 16, "[1, 2, 4, 8, 16]"), (16, 24, "[1, 2, 4, 8, 24]"), (32, 48, "[1, 2, 4, 8, 16, 24, 48]")],
+    [
+        (12, 16, "[1, 2, 4, 8, 16]"),
+        (3, 16, "[1, 2, 4, 8, 16]"),
+        (16, 24, "[1, 2, 4, 8, 24]"),
+        (32, 48, "[1, 2, 4, 8, 16, 24, 48]"),
+    ],
 )
-def test_an_engine_width_that_does_not_tile_the_nodes_is_refused_with_the_choices(tp: int, world: int, choices: str) -> None:
+def test_an_engine_width_that_does_not_tile_the_nodes_is_refused_with_the_choices(
+    tp: int, world: int, choices: str
+) -> None:
     with pytest.raises(ValueError) as info:
         colocated_layout(0, world, tp, 8, 0)
     message = str(info.value)
@@ -363,7 +429,9 @@ def test_server_args_of_each_node_of_a_multi_node_engine() -> None:
     second = colocated_server_args(rollout, "/m", launch, MOE_CONFIG, node_rank=1)
     assert first["tp_size"] == 16 and first["nnodes"] == 2 and first["dist_init_addr"] == "node-a:41234"
     assert first["node_rank"] == 0 and second["node_rank"] == 1 and first["base_gpu_id"] == 0
-    assert {k: v for k, v in first.items() if k != "node_rank"} == {k: v for k, v in second.items() if k != "node_rank"}
+    assert {k: v for k, v in first.items() if k != "node_rank"} == {
+        k: v for k, v in second.items() if k != "node_rank"
+    }
     assert first["enable_memory_saver"] is True and first["random_seed"] == 7 and first["ep_size"] == 16
     # inside a node nothing of SGLang's multi-node launch is passed (the arguments are as before)
     single = colocated_server_args(RolloutConfig(sglang_tp=8), "/m", EngineLaunch("bfloat16", 7), MOE_CONFIG)
@@ -374,12 +442,16 @@ def test_server_args_of_each_node_of_a_multi_node_engine() -> None:
         colocated_server_args(clash, "/m", launch, MOE_CONFIG, node_rank=1)
 
 
-def test_from_config_takes_an_engine_across_nodes_and_refuses_one_that_does_not_tile_them(monkeypatch) -> None:
+def test_from_config_takes_an_engine_across_nodes_and_refuses_one_that_does_not_tile_them(
+    monkeypatch,
+) -> None:
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
     monkeypatch.delenv("LOCAL_RANK", raising=False)
     ps = SimpleNamespace(rank=8, world_size=16, device="cpu", tp=1, pp=1, cp=1)
     cfg = load_config(EXAMPLE, ["rollout.engine=sglang", "rollout.sglang_tp=12"])
-    with pytest.raises(ValueError, match=r"engines of 12 GPUs \(rollout.sglang_tp=12\) do not fit 16 ranks with 8 GPUs"):
+    with pytest.raises(
+        ValueError, match=r"engines of 12 GPUs \(rollout.sglang_tp=12\) do not fit 16 ranks with 8 GPUs"
+    ):
         SGLangEngine.from_config(engine_spec(cfg), ps)
     # 16 over two nodes of 8 is a valid layout: rank 8 is not its leader (rank 0 drives the engine)
     cfg = load_config(EXAMPLE, ["rollout.engine=sglang", "rollout.sglang_tp=16"])
@@ -402,8 +474,13 @@ def test_engines_of_several_gpus_with_restarts_are_led_from_their_first_rank(mon
 def test_the_fault_injection_signals_the_last_tp_ranks_scheduler() -> None:
     from grpo_megatron.rollout.sglang.engine import _tp_rank
 
-    titles = ["sglang::scheduler", "sglang::scheduler_TP0", "sglang::scheduler_TP1", "sglang::scheduler_DP0_TP3_EP1",
-              "sglang::detokenizer"]  # fmt: skip
+    titles = [
+        "sglang::scheduler",
+        "sglang::scheduler_TP0",
+        "sglang::scheduler_TP1",
+        "sglang::scheduler_DP0_TP3_EP1",
+        "sglang::detokenizer",
+    ]
     assert [_tp_rank(t) for t in titles] == [0, 0, 1, 3, 0]
 
 
@@ -428,7 +505,13 @@ def test_a_lost_engine_of_several_gpus_is_resynced_on_every_gpu_and_restarts_rep
     fleet.ps, fleet.engine, fleet.member = SimpleNamespace(rank=1), None, Member()  # type: ignore[assignment]
     fleet.engine_groups = {0: (0, 1), 2: (2, 3), 4: (4,)}
     assert fleet._engine_ranks_of([4, 6]) == [4, 6]
-    assert [fleet._leader_of(rank) for rank in (0, 1, 3, 4, 6)] == [0, 0, 2, 4, 6]  # a loss counts for its engine
+    assert [fleet._leader_of(rank) for rank in (0, 1, 3, 4, 6)] == [
+        0,
+        0,
+        2,
+        4,
+        6,
+    ]  # a loss counts for its engine
     fleet._restart_addresses = lambda leaders: {0: "node-a:41234", 2: None, 4: None}  # type: ignore[method-assign]
     synced: list[tuple[int, list[int]]] = []
 
@@ -500,8 +583,15 @@ def test_a_further_node_starts_its_part_like_the_leader_without_blocking(monkeyp
         time.sleep(0.5)
         proc.kill()
         proc.wait()
-        replayed = load_config(EXAMPLE, ["rollout.engine=sglang", "rollout.sglang_tp=16",
-                                         f"model.hf_path={tmp_path}", "algorithm.routing_replay=r3"])  # fmt: skip
+        replayed = load_config(
+            EXAMPLE,
+            [
+                "rollout.engine=sglang",
+                "rollout.sglang_tp=16",
+                f"model.hf_path={tmp_path}",
+                "algorithm.routing_replay=r3",
+            ],
+        )
         again = dataclasses.replace(engine_spec(replayed), log_dir=tmp_path / "logs")
         start_node_part(again, layout, "node-a:41234", 2, ps, weights_on_disk=True)  # type: ignore[arg-type]
     finally:
@@ -518,9 +608,13 @@ def test_a_further_node_starts_its_part_like_the_leader_without_blocking(monkeyp
     assert args["enable_return_routed_experts"] is False  # an MoE model, but routing replay is off
     assert started[-1]["enable_return_routed_experts"] is True
     # the leader's protections, from the same start (launch.py:start_colocated)
-    assert args["custom_sigquit_handler"] is sigquit_while_starting  # a scheduler failing at start names the engine
+    assert (
+        args["custom_sigquit_handler"] is sigquit_while_starting
+    )  # a scheduler failing at start names the engine
     assert ignored, "the node part's scheduler does not ignore SIGTERM: a preemption would kill it mid-save"
-    assert handlers[0] is trainer_sigterm and handlers[1] is not saved[1]  # SIGTERM back; SIGQUIT names the engine
+    assert (
+        handlers[0] is trainer_sigterm and handlers[1] is not saved[1]
+    )  # SIGTERM back; SIGQUIT names the engine
     assert [p.pid for p in health.procs] == [children[0].pid] and health.rank == 8
     assert health.log_path.parent == tmp_path / "logs" and health.log_path.name.startswith("engine-rank8-")
     assert "scheduler of node 1 up" in health.log_path.read_text()
@@ -559,10 +653,14 @@ def test_sglang_is_asked_for_routed_experts_only_by_the_rollouts_that_replay_the
     save_tiny_model("qwen3_moe", tmp_path, seed=0)
     hf = json.loads((tmp_path / "config.json").read_text())
     off = load_config(EXAMPLE, ["rollout.engine=sglang", f"model.hf_path={tmp_path}"])
-    r3 = load_config(EXAMPLE, ["rollout.engine=sglang", f"model.hf_path={tmp_path}", "algorithm.routing_replay=r3"])
+    r3 = load_config(
+        EXAMPLE, ["rollout.engine=sglang", f"model.hf_path={tmp_path}", "algorithm.routing_replay=r3"]
+    )
     for cfg, replayed in ((off, False), (r3, True)):
         assert engine_spec(cfg).record_routes is replayed
-        args = colocated_server_args(cfg.rollout, "/m", EngineLaunch(routes=engine_spec(cfg).record_routes), hf)
+        args = colocated_server_args(
+            cfg.rollout, "/m", EngineLaunch(routes=engine_spec(cfg).record_routes), hf
+        )
         assert args["enable_return_routed_experts"] is replayed
     layout = RouteLayout.from_hf(hf)
     assert layout is not None
@@ -570,18 +668,26 @@ def test_sglang_is_asked_for_routed_experts_only_by_the_rollouts_that_replay_the
     prompts = [[1, 5, 9], [1, 7]]
     for started_with_routes in (True, False):
         recorder = RequestRecorder(layout)
-        engine = SGLangEngine(r3.rollout, str(tmp_path), EngineLaunch(device="cpu", routes=started_with_routes),
-                              servers=[recorder])  # fmt: skip
+        engine = SGLangEngine(
+            r3.rollout,
+            str(tmp_path),
+            EngineLaunch(device="cpu", routes=started_with_routes),
+            servers=[recorder],
+        )
         train = engine.generate(prompts, rollout.params(n=2, seed=1, routes=True))
         evaluation = engine.generate(prompts, rollout.params(n=1, seed=1, greedy=True))
         sampled_eval = engine.generate(prompts, rollout.params(n=2, seed=2))
         asked, *unasked = recorder.requests
         assert asked.get("return_routed_experts", False) is started_with_routes
         assert "routed_experts_start_len" not in asked  # 0: every input position, prompt included
-        assert all("return_routed_experts" not in r for r in unasked) and all(r["return_logprob"] for r in unasked)
+        assert all("return_routed_experts" not in r for r in unasked) and all(
+            r["return_logprob"] for r in unasked
+        )
         routed = [c.routed_experts for g in train for c in g]
         if started_with_routes:
-            assert all(r is not None and r.shape == (len(layout.moe_layers), 3, layout.top_k) for r in routed[:2])
+            assert all(
+                r is not None and r.shape == (len(layout.moe_layers), 3, layout.top_k) for r in routed[:2]
+            )
         else:
             assert routed == [None] * 4
         assert all(c.routed_experts is None for g in evaluation + sampled_eval for c in g)
@@ -687,10 +793,14 @@ def test_each_engine_gpu_needs_dense_tensors_and_the_experts_of_its_ep_block() -
     assert needs is not None
     assert needs("model.layers.0.self_attn.q_proj.weight") and needs("model.embed_tokens.weight")
     assert needs("model.layers.0.mlp.gate.weight")  # the router is dense
-    assert needs("model.layers.1.mlp.experts.4.gate_proj.weight") and needs("model.layers.1.mlp.experts.7.down_proj.weight")
+    assert needs("model.layers.1.mlp.experts.4.gate_proj.weight") and needs(
+        "model.layers.1.mlp.experts.7.down_proj.weight"
+    )
     assert not needs("model.layers.1.mlp.experts.3.up_proj.weight")
     assert needs("model.layers.1.mlp.shared_experts.gate_proj.weight")  # DeepSeek's shared experts: dense
-    assert not rank_needs({"num_local_experts": 8}, 2, 2, 0)("model.layers.0.block_sparse_moe.experts.5.w1.weight")
+    assert not rank_needs({"num_local_experts": 8}, 2, 2, 0)(
+        "model.layers.0.block_sparse_moe.experts.5.w1.weight"
+    )
     import pickle
 
     assert pickle.loads(pickle.dumps(needs)) == needs  # travels in the plan's metadata exchange
@@ -782,9 +892,11 @@ def test_sigquit_ends_the_rank_unless_it_is_shutting_the_engine_down(tmp_path: P
     (tmp_path / "engine.log").write_text("scheduler line\n")
     proc = subprocess.run(
         [sys.executable, "-c", _SIGQUIT_SCRIPT, str(tmp_path / "engine.log"), mode],
-        capture_output=True, text=True, timeout=60,
+        capture_output=True,
+        text=True,
+        timeout=60,
         env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])},
-    )  # fmt: skip
+    )
     if mode == "running":
         assert proc.returncode == EXIT_ENGINE_DIED and "scheduler line" in proc.stderr, proc.stderr
     else:
@@ -840,7 +952,9 @@ def test_a_generation_waiting_on_a_dead_or_stopped_scheduler_ends_in_engine_lost
 
 
 @pytest.mark.parametrize("answer_s", [0.2, None])
-def test_a_scheduler_that_leaves_a_state_request_unanswered_past_the_deadline_is_lost(answer_s: float | None) -> None:
+def test_a_scheduler_that_leaves_a_state_request_unanswered_past_the_deadline_is_lost(
+    answer_s: float | None,
+) -> None:
     """Issue 41: a scheduler alive but hung. While a generation is awaited, the guard's SchedulerProbe
     sends a state request on the engine's loop (TokenizerManager.get_internal_state) every eighth of the
     deadline; answered (here within 0.2 s), a generation longer than the deadline is no loss; never
@@ -863,15 +977,20 @@ def test_a_scheduler_that_leaves_a_state_request_unanswered_past_the_deadline_is
         return EngineLost(0, "host", why, "  tail", "log", what="SGLang engine")
 
     server = SimpleNamespace(loop=asyncio.new_event_loop(), tokenizer_manager=Manager())
-    guard = ServerGuard([server], watch=lambda: None, cancel=cancel_requests, probe=lambda: SchedulerProbe(1.0, lost))
+    guard = ServerGuard(
+        [server], watch=lambda: None, cancel=cancel_requests, probe=lambda: SchedulerProbe(1.0, lost)
+    )
     try:
         future = guard.start(lambda servers: servers[0].loop.run_until_complete(asyncio.sleep(2.5)) or "done")
         start = time.monotonic()
         if answer_s is not None:
             assert guard.result(future) == "done" and Manager.asked >= 3
         else:
-            with pytest.raises(EngineLost, match=r"left a state request unanswered for 1.\d s, past "
-                                                 r"rollout.engine_health_timeout_s=1 \(hung\)"):  # fmt: skip
+            with pytest.raises(
+                EngineLost,
+                match=r"left a state request unanswered for 1.\d s, past "
+                r"rollout.engine_health_timeout_s=1 \(hung\)",
+            ):
                 guard.result(future)
             assert 1.0 <= time.monotonic() - start < 2.5 and future.done() and Manager.asked == 1
     finally:
@@ -879,7 +998,9 @@ def test_a_scheduler_that_leaves_a_state_request_unanswered_past_the_deadline_is
         close_loop(server)  # a request left pending when the wait ended: cancelled with the loop
 
 
-def test_abandon_stops_the_loop_under_a_generation_its_cancel_did_not_end_and_joins_the_thread(monkeypatch) -> None:
+def test_abandon_stops_the_loop_under_a_generation_its_cancel_did_not_end_and_joins_the_thread(
+    monkeypatch,
+) -> None:
     """ServerGuard.abandon (a lost engine's restart): a generation thread still on the engine's event loop
     after its requests were cancelled has the loop stopped under it; the thread is joined and the loop
     can be closed (close_loop), nothing left behind."""
@@ -891,7 +1012,9 @@ def test_abandon_stops_the_loop_under_a_generation_its_cancel_did_not_end_and_jo
 
     monkeypatch.setattr(engine_module, "ABORT_S", 0.5)
     server = SimpleNamespace(loop=asyncio.new_event_loop())
-    guard = ServerGuard([server], watch=lambda: None, cancel=lambda servers: None)  # a cancel that ends nothing
+    guard = ServerGuard(
+        [server], watch=lambda: None, cancel=lambda servers: None
+    )  # a cancel that ends nothing
     future = guard.start(lambda servers: servers[0].loop.run_until_complete(asyncio.Event().wait()))
     while not server.loop.is_running():
         time.sleep(0.01)
@@ -936,9 +1059,12 @@ def test_an_engine_that_fails_while_it_starts_is_named_on_the_console(tmp_path: 
 
     log = tmp_path / "engine.log"
     proc = subprocess.run(
-        [sys.executable, "-c", _START_SCRIPT, str(log), first], capture_output=True, text=True, timeout=60,
+        [sys.executable, "-c", _START_SCRIPT, str(log), first],
+        capture_output=True,
+        text=True,
+        timeout=60,
         env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])},
-    )  # fmt: skip
+    )
     assert proc.returncode == (EXIT_ENGINE_DIED if first == "sigquit" else 3), proc.stderr
     assert f"SGLang engine of rank 0 on {socket.gethostname()} failed to start" in proc.stderr, proc.stderr
     assert str(log) in proc.stderr and "save kv cache" in proc.stderr, proc.stderr  # the log and its tail
@@ -962,7 +1088,11 @@ def test_a_quantized_deepseek_engine_starts_unquantized_on_dummy_weights_from_a_
     assert not {"moe_layer_freq", "topk_method", "scoring_func"} & set(hf)  # as transformers writes it
     config, changes = engine_config(hf)
     assert "quantization_config" not in config and len(changes) == 5
-    assert (config["moe_layer_freq"], config["topk_method"], config["scoring_func"]) == (1, "noaux_tc", "sigmoid")
+    assert (config["moe_layer_freq"], config["topk_method"], config["scoring_func"]) == (
+        1,
+        "noaux_tc",
+        "sigmoid",
+    )
     rope = config.get("rope_parameters") or config["rope_scaling"]
     assert rope["rope_type"] == "yarn" and rope["factor"] == 1.0  # the plain rotary embedding, as a scaling
     args = colocated_server_args(RolloutConfig(engine="sglang"), str(path), EngineLaunch(device="cpu"), hf)
@@ -993,7 +1123,10 @@ def test_the_manifest_check_refuses_a_wrong_dtype_or_shape_naming_the_tensor_bef
     good = [(n, s, torch.bfloat16) for n, s in sorted(held.shapes.items())]
     assert manifest_errors(good, held, None, "ckpt") == []
     bias = "model.layers.1.mlp.gate.e_score_correction_bias"  # SGLang holds it in float32: any float loads exactly
-    assert manifest_errors([(n, s, torch.float32 if n == bias else d) for n, s, d in good], held, None, "ckpt") == []
+    assert (
+        manifest_errors([(n, s, torch.float32 if n == bias else d) for n, s, d in good], held, None, "ckpt")
+        == []
+    )
     q, o = "model.layers.0.self_attn.q_b_proj.weight", "model.layers.1.self_attn.o_proj.weight"
     bad = [(n, (3, 3) if n == o else s, torch.float8_e4m3fn if n == q else d) for n, s, d in good]
     assert manifest_errors(bad, held, None, "ckpt") == [
@@ -1001,8 +1134,9 @@ def test_the_manifest_check_refuses_a_wrong_dtype_or_shape_naming_the_tensor_bef
         f"{o}: shape (3, 3), ckpt has {held.shapes[o]}",
     ]
     short = [m for m in good if m[0] != q]
-    assert manifest_errors(short, held, None, "ckpt") == [f"1 tensors of ckpt are never sent and the engine "
-                                                         f"started on dummy weights, e.g. {[q]}"]  # fmt: skip
+    assert manifest_errors(short, held, None, "ckpt") == [
+        f"1 tensors of ckpt are never sent and the engine started on dummy weights, e.g. {[q]}"
+    ]
     assert manifest_errors(short, held, lambda n: n != q, "ckpt") == []  # another GPU's share
     engine = SGLangEngine(RolloutConfig(engine="sglang"), str(path), EngineLaunch(device="cpu"), servers=[])
     assert engine.check_manifest(good, 1) == []
@@ -1012,8 +1146,13 @@ def test_the_manifest_check_refuses_a_wrong_dtype_or_shape_naming_the_tensor_bef
     member = SGLangSyncMember(RolloutConfig(engine="sglang"), str(path), (0, 1), 1, "cpu")
     assert member.check_manifest(good, 1) == []
     (refusal,) = member.check_manifest(bad, 2)
-    assert refusal.startswith("weight sync of version 2 refused by SGLang TP rank 1 (2 problems)") and q in refusal
-    disaggregated = RolloutConfig(engine="sglang", sglang_mode="disaggregated", sglang_server_urls=["http://h:1"])
+    assert (
+        refusal.startswith("weight sync of version 2 refused by SGLang TP rank 1 (2 problems)")
+        and q in refusal
+    )
+    disaggregated = RolloutConfig(
+        engine="sglang", sglang_mode="disaggregated", sglang_server_urls=["http://h:1"]
+    )
     engine = SGLangEngine(disaggregated, str(path), EngineLaunch(device="cpu"), servers=[])
     (refusal,) = engine.check_manifest(good, 1)
     assert "quantized" in refusal and "--load-format dummy" in refusal
@@ -1046,13 +1185,17 @@ def test_deepseeks_fused_a_projections_reach_sglang_in_one_load_call_whatever_th
     assert [n for n, _ in second] == [q, kv, "b"] and bool(second[0][1].eq(1).all())
     assert [n for n, _ in pairs.arrange([(q, buffer), (kv, buffer)], version=2, last=False)] == [q, kv]
     pairs.arrange([(q, buffer)], version=3, last=False)
-    with pytest.raises(ValueError, match=r"ended without the partners of \['model\.layers\.3\.self_attn\.q_a_proj"):
+    with pytest.raises(
+        ValueError, match=r"ended without the partners of \['model\.layers\.3\.self_attn\.q_a_proj"
+    ):
         pairs.arrange([], version=3, last=True)
     pairs.arrange([(q, buffer)], version=4, last=False)  # abandoned: the next version starts clean
     assert pairs.arrange([], version=5, last=True) == []
 
 
-def test_kept_prefixes_flush_where_the_oldest_cached_kv_would_lag_more_than_max_staleness(fake_server) -> None:
+def test_kept_prefixes_flush_where_the_oldest_cached_kv_would_lag_more_than_max_staleness(
+    fake_server,
+) -> None:
     """rollout.partial_keep_kv: a load keeps the prefix cache while every KV in it lags the new version
     by at most train.max_staleness (the first load always flushes: the cache's versions are unknown);
     off, every load flushes. The disaggregated stream's closing bucket then skips ``/flush_cache``."""
@@ -1106,8 +1249,13 @@ def test_an_engine_death_names_its_reason_even_before_any_process_exited(tmp_pat
         child.kill()
     error = "NotImplementedError: \"rmsnorm_kernel\" not implemented for 'Float'"
     assert last_error_line(log) == error
-    assert f"died: SGLang sent SIGQUIT (a process of the engine failed); its log's last error: {error}." in alive
-    assert f"died: process of the engine (pid {child.pid}) " in gone and f"; its log's last error: {error}." in gone
+    assert (
+        f"died: SGLang sent SIGQUIT (a process of the engine failed); its log's last error: {error}." in alive
+    )
+    assert (
+        f"died: process of the engine (pid {child.pid}) " in gone
+        and f"; its log's last error: {error}." in gone
+    )
     assert "died: ." not in alive + gone
     log.write_text("[2026-12-05] starting\nall well\n")
     assert health.cause([]) == "SGLang sent SIGQUIT (a process of the engine failed)"
@@ -1134,4 +1282,7 @@ def test_the_engines_processes_start_without_expandable_segments(monkeypatch) ->
     }
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True,max_split_size_mb:64")
     env = engine_environment(torch.device("cuda", 0))
-    assert env["PYTORCH_CUDA_ALLOC_CONF"] == "max_split_size_mb:64" and env["TORCHELASTIC_USE_AGENT_STORE"] is None
+    assert (
+        env["PYTORCH_CUDA_ALLOC_CONF"] == "max_split_size_mb:64"
+        and env["TORCHELASTIC_USE_AGENT_STORE"] is None
+    )

@@ -369,8 +369,14 @@ def test_every_http_request_goes_to_an_sglang_endpoint_with_declared_fields(expo
     client.flush_cache()
     client.release_memory_occupation(["weights"])
     client.resume_memory_occupation(None)
-    client.init_weights_update_group(master_address="h", master_port=1, rank_offset=1, world_size=3,
-                                     group_name=WEIGHT_GROUP_NAME, backend="nccl")  # fmt: skip
+    client.init_weights_update_group(
+        master_address="h",
+        master_port=1,
+        rank_offset=1,
+        world_size=3,
+        group_name=WEIGHT_GROUP_NAME,
+        backend="nccl",
+    )
     client.begin_weight_update()
     client.update_weights_from_distributed(
         **distributed_update_body(ordered, group_name=WEIGHT_GROUP_NAME, flush_cache=True, weight_version="3")
@@ -419,7 +425,11 @@ def test_per_gpu_payloads_and_an_empty_one_survive_sglangs_tensor_path(exported)
     _, buckets = exported
     bucket = buckets["bfloat16"][0]
     classes = (FlattenedTensorBucket, MultiprocessingSerializer)
-    payloads = [rank_payload(bucket[:1], classes), rank_payload([], classes), rank_payload(bucket[1:], classes)]
+    payloads = [
+        rank_payload(bucket[:1], classes),
+        rank_payload([], classes),
+        rank_payload(bucket[1:], classes),
+    ]
     assert not _differences(bucket[:1], _sglang_load(payloads, 0))
     assert _sglang_load(payloads, 1) == []
     assert not _differences(bucket[1:], _sglang_load(payloads, 2))

@@ -37,10 +37,14 @@ def test_the_path_follows_what_sglang_sees_and_the_setting(monkeypatch) -> None:
     monkeypatch.setenv(AMX_ENV, "hide")
     assert sglang_cpu_path() == "torch_native"
     monkeypatch.delenv(AMX_ENV)
-    assert sglang_cpu_path() == ("intel_amx" if KERNEL and torch.cpu._is_amx_tile_supported() else "torch_native")
+    assert sglang_cpu_path() == (
+        "intel_amx" if KERNEL and torch.cpu._is_amx_tile_supported() else "torch_native"
+    )
 
 
-@pytest.mark.skipif(not KERNEL, reason="SGLang takes its AMX path only with sgl_kernel: `make setup WHEELHOUSE=DIR`")
+@pytest.mark.skipif(
+    not KERNEL, reason="SGLang takes its AMX path only with sgl_kernel: `make setup WHEELHOUSE=DIR`"
+)
 def test_check_refuses_an_fp32_model_on_the_amx_path_naming_both_fixes(monkeypatch) -> None:
     """The demo trains in fp32; on an AMX CPU SGLang's engine would die at its first forward."""
     monkeypatch.setenv(AMX_ENV, "pretend")
@@ -54,12 +58,17 @@ def test_check_refuses_an_fp32_model_on_the_amx_path_naming_both_fixes(monkeypat
     validate(load_config(DEMO, []), 2)  # the embedded engine serves fp32 anywhere
     run = subprocess.run(
         [sys.executable, "-m", "grpo_megatron", "check", str(DEMO), "rollout.engine=sglang"],
-        capture_output=True, text=True, timeout=120, env={**_env(), AMX_ENV: "pretend"},
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**_env(), AMX_ENV: "pretend"},
+    )
     assert run.returncode == 2 and error in run.stderr and "Traceback" not in run.stderr, run.stderr[-2000:]
 
 
-@pytest.mark.skipif(not KERNEL, reason="SGLang takes its AMX path only with sgl_kernel: `make setup WHEELHOUSE=DIR`")
+@pytest.mark.skipif(
+    not KERNEL, reason="SGLang takes its AMX path only with sgl_kernel: `make setup WHEELHOUSE=DIR`"
+)
 def test_an_engine_the_amx_path_cannot_serve_is_refused_before_it_starts(monkeypatch) -> None:
     """Started directly (a bench, a test, a caller that skipped check), ``start_colocated`` refuses
     before the engine starts, naming the fix, not a scheduler dying at its first forward with an
@@ -69,7 +78,9 @@ def test_an_engine_the_amx_path_cannot_serve_is_refused_before_it_starts(monkeyp
     from grpo_megatron.rollout.sglang.launch import import_sglang, refuse_cpu_path
 
     sglang = import_sglang(torch.device("cpu"))[0]
-    old = SimpleNamespace(__version__="0.5.17", Engine=type("Engine", (), {"update_weights_from_tensor": None}))
+    old = SimpleNamespace(
+        __version__="0.5.17", Engine=type("Engine", (), {"update_weights_from_tensor": None})
+    )
     monkeypatch.setenv(AMX_ENV, "pretend")
     with pytest.raises(EngineStartError, match=r"rank 3 cannot start: model.dtype=float32 .* intel_amx path"):
         refuse_cpu_path("auto", EngineLaunch("float32", device="cpu", rank=3), sglang)
@@ -83,18 +94,27 @@ def test_an_engine_the_amx_path_cannot_serve_is_refused_before_it_starts(monkeyp
 def test_the_torch_native_setting_hides_amx_from_the_engines_processes() -> None:
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     assert engine_environment(cpu, "torch_native")[AMX_ENV] == "hide"
-    assert AMX_ENV not in engine_environment(cpu, "auto") and AMX_ENV not in engine_environment(cuda, "torch_native")
+    assert AMX_ENV not in engine_environment(cpu, "auto") and AMX_ENV not in engine_environment(
+        cuda, "torch_native"
+    )
 
 
-@pytest.mark.skipif(not KERNEL, reason="SGLang takes its AMX path only with sgl_kernel: `make setup WHEELHOUSE=DIR`")
+@pytest.mark.skipif(
+    not KERNEL, reason="SGLang takes its AMX path only with sgl_kernel: `make setup WHEELHOUSE=DIR`"
+)
 def test_sglangs_own_amx_query_answers_as_the_environment_says() -> None:
     """What the engine's processes decide (``cpu_has_amx_support``, imported afresh as a scheduler
     imports it) under ``hide`` and ``pretend``, on any CPU."""
     code = "from sglang.srt.utils.common import cpu_has_amx_support; print(cpu_has_amx_support())"
     seen = {}
     for choice in ("hide", "pretend"):
-        run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180,
-                             env={**_env(), AMX_ENV: choice, "SGLANG_USE_CPU_ENGINE": "1"})  # fmt: skip
+        run = subprocess.run(
+            [sys.executable, "-c", code],
+            capture_output=True,
+            text=True,
+            timeout=180,
+            env={**_env(), AMX_ENV: choice, "SGLANG_USE_CPU_ENGINE": "1"},
+        )
         assert run.returncode == 0, run.stderr[-2000:]
         seen[choice] = run.stdout.strip().splitlines()[-1]
     assert seen == {"hide": "False", "pretend": "True"}

@@ -31,8 +31,11 @@ def scenarios(tmp_path_factory) -> dict[str, Any]:
     out = work / "results.json"
     proc = subprocess.run(
         [sys.executable, "-m", "tests.workers.sglang_workers", str(out), str(work)],
-        cwd=ROOT, capture_output=True, text=True, timeout=ENGINE_TIMEOUT_S,
-    )  # fmt: skip
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=ENGINE_TIMEOUT_S,
+    )
     results = json.loads(out.read_text()) if out.is_file() else {}
     if proc.returncode != 0 or not results:
         pytest.fail(f"the SGLang worker exited {proc.returncode}; last output:\n{proc.stderr[-4000:]}")
@@ -65,9 +68,13 @@ def test_greedy_generation_equals_the_embedded_engine_within_the_bf16_floor(scen
 
 def test_the_trainers_signal_handlers_survive_the_engine(scenarios) -> None:
     assert scenario(scenarios, "signals_kept") == {
-        "sigterm_is_the_trainers": True, "sigquit_names_the_engine": True, "loop_handlers_removed": [True, True],
-        "sigterm_during_a_request": True, "engine_not_draining": True, "serves_after": True,
-    }  # fmt: skip
+        "sigterm_is_the_trainers": True,
+        "sigquit_names_the_engine": True,
+        "loop_handlers_removed": [True, True],
+        "sigterm_during_a_request": True,
+        "engine_not_draining": True,
+        "serves_after": True,
+    }
 
 
 def test_sampled_logprobs_equal_the_engines_and_the_embedded_scores(scenarios) -> None:
@@ -133,11 +140,20 @@ def test_colocated_memory_moves_the_real_engine_by_the_placements_phases(scenari
     its weights through a save; the trainer's state is off the device while the engines are built;
     generation after every cycle is the engine's own, bit for bit."""
     got = scenario(scenarios, "phases_in_trainer_order")
-    cycle = [("sync", ["cuda_graph", "kv_cache"]), ("probe", []), ("rollout", []), ("train", ["cuda_graph", "kv_cache", "weights"])]
+    cycle = [
+        ("sync", ["cuda_graph", "kv_cache"]),
+        ("probe", []),
+        ("rollout", []),
+        ("train", ["cuda_graph", "kv_cache", "weights"]),
+    ]
     for mode in ("resident", "offload"):
         run = got[mode]
         steps = [tuple(s) for s in run["steps"]]
-        assert steps[:9] == [("start-up, then train", ["cuda_graph", "kv_cache", "weights"]), *cycle, *cycle], mode
+        assert steps[:9] == [
+            ("start-up, then train", ["cuda_graph", "kv_cache", "weights"]),
+            *cycle,
+            *cycle,
+        ], mode
         save = ["cuda_graph", "kv_cache"] if mode == "offload" else []  # the save keeps the engine's weights
         assert steps[9:] == [("save", save), ("rollout", [])], mode
         assert run["trainer_bytes_while_engines_start"] == 0 and run["trainer_bytes_in_train"] > 0, mode
@@ -170,7 +186,10 @@ def test_a_hung_scheduler_is_lost_past_the_health_deadline_and_the_engine_restar
     the loss for the next call (check_alive); the engine restarts in place and generates again, and the
     scenarios after this one run on the restarted engine."""
     got = scenario(scenarios, "hang_restart")
-    assert "left a state request unanswered" in got["lost"] and "rollout.engine_health_timeout_s=2" in got["lost"]
+    assert (
+        "left a state request unanswered" in got["lost"]
+        and "rollout.engine_health_timeout_s=2" in got["lost"]
+    )
     assert all(state in ("sleeping", "running", "disk-sleep") for state in got["states"]), got["states"]
     assert 2.0 <= got["lost_s"] < 2.0 + 3.0 + 1.0, got  # the deadline, a probe interval, a watch tick
     assert 2.0 <= got["memory_s"] < 2.0 + 3.0 + 1.0 and "left a state request unanswered" in got["kept"], got
@@ -184,7 +203,9 @@ def test_a_preemption_interrupts_the_generation_in_flight(scenarios) -> None:
     got = scenario(scenarios, "interrupted")
     # seen on 2 loaded cores: 1485 tokens in 53 s uninterrupted, 556 in 11.5 s interrupted after a fifth
     assert got["cut_tokens"] < got["full_tokens"] and got["cut_s"] < got["full_s"], got
-    assert set(got["cut_finish"]) <= {"length", "stop"} and got["responses"] == 6 * 8, got  # an abort: "length"
+    assert set(got["cut_finish"]) <= {"length", "stop"} and got["responses"] == 6 * 8, (
+        got
+    )  # an abort: "length"
     assert got["after_tokens"] <= 6 * 8 and got["again"] == 8, got  # one token each; then the engine's own
 
 
@@ -210,9 +231,12 @@ def engine_group(tmp_path_factory) -> list[dict[str, Any]]:
     save_model(work / "a", seed=0)
     save_model(work / "b", seed=1)
     return run_distributed(
-        "tests.workers.sglang_workers:engine_group", 2, timeout_s=ENGINE_TIMEOUT_S,
-        model_dir=str(work / "a"), other_dir=str(work / "b"),
-    )  # fmt: skip
+        "tests.workers.sglang_workers:engine_group",
+        2,
+        timeout_s=ENGINE_TIMEOUT_S,
+        model_dir=str(work / "a"),
+        other_dir=str(work / "b"),
+    )
 
 
 def test_every_rounds_payloads_reach_their_engine_gpu(engine_group) -> None:
@@ -234,7 +258,10 @@ def test_a_failure_on_the_leader_before_the_gather_ends_every_rank_with_it(engin
 def test_a_failure_on_a_member_ends_every_rank_with_it(engine_group) -> None:
     for rank in engine_group:
         failed = rank["member_fails"]
-        assert "engine GPU 1" in failed["error"] and "model.embed_tokens.weight: shape (32, 127)" in failed["error"]
+        assert (
+            "engine GPU 1" in failed["error"]
+            and "model.embed_tokens.weight: shape (32, 127)" in failed["error"]
+        )
         assert failed["seconds"] < 10
 
 
@@ -279,8 +306,11 @@ def test_an_engine_that_fails_while_it_starts_is_named_with_its_log(tmp_path) ->
 
     proc = subprocess.run(
         [sys.executable, "-m", "tests.workers.sglang_start_failure", str(tmp_path)],
-        cwd=ROOT, capture_output=True, text=True, timeout=ENGINE_TIMEOUT_S,
-    )  # fmt: skip
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=ENGINE_TIMEOUT_S,
+    )
     assert proc.returncode in (3, EXIT_ENGINE_DIED), (proc.returncode, proc.stderr[-3000:])
     lines = proc.stderr.splitlines()
     first = next((i for i, x in enumerate(lines) if x.startswith("grpo-megatron: error")), None)
@@ -315,8 +345,11 @@ def test_a_quantized_deepseek_v3_written_by_transformers_starts_unquantized_and_
     out = tmp_path / "results.json"
     proc = subprocess.run(
         [sys.executable, "-m", "tests.workers.sglang_workers", "fp8_deepseek", str(out), str(tmp_path)],
-        cwd=ROOT, capture_output=True, text=True, timeout=ENGINE_TIMEOUT_S,
-    )  # fmt: skip
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=ENGINE_TIMEOUT_S,
+    )
     got = json.loads(out.read_text()) if out.is_file() else {}
     assert proc.returncode == 0 and got, f"the worker exited {proc.returncode}:\n{proc.stderr[-4000:]}"
     assert "error" not in got, got["error"]
@@ -326,7 +359,9 @@ def test_a_quantized_deepseek_v3_written_by_transformers_starts_unquantized_and_
     assert not config["quantized"] and (config["moe_layer_freq"], config["topk_method"]) == (1, "noaux_tc")
     assert config["rope"]["rope_type"] == "yarn" and config["rope"]["factor"] == 1.0
     (refusal,) = got["refused"]
-    assert "q_b_proj.weight: dtype torch.float8_e4m3fn" in refusal and "o_proj.weight: shape (3, 3)" in refusal
+    assert (
+        "q_b_proj.weight: dtype torch.float8_e4m3fn" in refusal and "o_proj.weight: shape (3, 3)" in refusal
+    )
     assert got["version_after_refusal"] == -1 and got["accepted"] == [] and got["version"] == 1
     assert got["synced_vs_disk"] == 0.0, got  # the sync lands exactly what SGLang's own loader reads
     assert got["dummy_vs_disk"] > 0.1, got  # and it replaced the dummy weights
@@ -345,11 +380,16 @@ def test_weight_updates_on_sglangs_intel_amx_path_leave_the_layouts_a_fresh_star
     out = tmp_path / "results.json"
     proc = subprocess.run(
         [sys.executable, "-m", "tests.workers.sglang_workers", "amx_layouts", str(out), str(tmp_path)],
-        cwd=ROOT, capture_output=True, text=True, timeout=ENGINE_TIMEOUT_S,
-    )  # fmt: skip
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=ENGINE_TIMEOUT_S,
+    )
     got = json.loads(out.read_text()) if out.is_file() else {}
     assert proc.returncode == 0 and got, f"the worker exited {proc.returncode}:\n{proc.stderr[-4000:]}"
     assert "error" not in got, got["error"]
     assert got["amx"] and "amx_packed_weights_reload" in got["compat_applied"], got
-    assert len(got["b_differs"]) >= got["parameters"] - 1, got  # B reached every parameter (a zero bias twice)
+    assert len(got["b_differs"]) >= got["parameters"] - 1, (
+        got
+    )  # B reached every parameter (a zero bias twice)
     assert got["back_differs"] == [], got

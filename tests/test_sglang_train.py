@@ -66,7 +66,9 @@ def _wait_for_checkpoint(proc, latest: Path, iteration: int, timeout_s: float) -
         if latest.is_file() and latest.read_text().strip() == f"iter_{iteration:07d}":
             return
         if proc.poll() is not None:
-            raise AssertionError(f"the run ended ({proc.returncode}) before checkpoint {iteration}:\n{proc.stdout.read()[-4000:]}")
+            raise AssertionError(
+                f"the run ended ({proc.returncode}) before checkpoint {iteration}:\n{proc.stdout.read()[-4000:]}"
+            )
         time.sleep(0.5)
     kill_tree(proc.pid)
     raise AssertionError(f"no checkpoint {iteration} after {timeout_s} s")
@@ -89,9 +91,14 @@ def test_colocated_sglang_one_step_off_lags_by_one_version_ends_when_its_engine_
 
     run = tmp_path / "run"
     overrides = [
-        *MOVING, *SGLANG, "train.max_staleness=1", "algorithm.off_policy.correction=icepop",
-        "train.iterations=6", "checkpoint.save_interval=3", f"logging.run_dir={run}",
-    ]  # fmt: skip
+        *MOVING,
+        *SGLANG,
+        "train.max_staleness=1",
+        "algorithm.off_policy.correction=icepop",
+        "train.iterations=6",
+        "checkpoint.save_interval=3",
+        f"logging.run_dir={run}",
+    ]
     first = launch("train", overrides)
     _wait_for_checkpoint(first, run / "checkpoints" / "latest", 3, timeout_s=400)
     # An engine dies (as with the OOM killer): its scheduler, killed during iteration 4 or 5.
@@ -106,7 +113,9 @@ def test_colocated_sglang_one_step_off_lags_by_one_version_ends_when_its_engine_
         raise AssertionError("the job outlived its dead engine by 60 s") from None
     assert time.monotonic() - killed_at < 60
     assert first.returncode != 0
-    assert re.search(r"the SGLang engine of rank \d on \S+ died: process sglang::scheduler\S* \(pid \d+\)", out), out[-4000:]
+    assert re.search(
+        r"the SGLang engine of rank \d on \S+ died: process sglang::scheduler\S* \(pid \d+\)", out
+    ), out[-4000:]
     assert "Last lines of its log" in out and "run the same command again to resume" in out
     time.sleep(2)
     left = [p for p in job if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
@@ -117,7 +126,9 @@ def test_colocated_sglang_one_step_off_lags_by_one_version_ends_when_its_engine_
     assert resumed and int(resumed.group(2)) == 3, out[-4000:]  # killed after 3, before 6
     records = read_jsonl(run / "metrics.jsonl")
     assert [r["iteration"] for r in records] == [0, 1, 2, 3, 4, 5, 6]
-    probes = [r["mismatch/probe_abs_diff_max"] for r in records if r.get("mismatch/probe_abs_diff_max") is not None]
+    probes = [
+        r["mismatch/probe_abs_diff_max"] for r in records if r.get("mismatch/probe_abs_diff_max") is not None
+    ]
     assert probes and max(probes) < PROBE_BOUND, probes
     assert (run / "summary.json").is_file()
     records = records[1:]
@@ -139,9 +150,22 @@ def test_sft_with_the_sglang_engine_syncs_and_evaluates_through_the_memory_phase
     take it again (with the trainer offloaded around them too)."""
     require_sglang_engine()
     sft_dir, hf_dir = tmp_path / "sft", tmp_path / "sft" / "hf"
-    finish(launch("sft", [*SMALL, *SGLANG, "train.offload_trainer=true", "sft.max_steps=2",
-                          "sft.eval_interval=1", "sft.batch_size=8", f"logging.run_dir={sft_dir}",
-                          f"sft.output_dir={hf_dir}"]), timeout_s=400)  # fmt: skip
+    finish(
+        launch(
+            "sft",
+            [
+                *SMALL,
+                *SGLANG,
+                "train.offload_trainer=true",
+                "sft.max_steps=2",
+                "sft.eval_interval=1",
+                "sft.batch_size=8",
+                f"logging.run_dir={sft_dir}",
+                f"sft.output_dir={hf_dir}",
+            ],
+        ),
+        timeout_s=400,
+    )
     records = read_jsonl(sft_dir / "metrics.jsonl")
     assert [r["iteration"] for r in records] == [0, 1, 2]
     assert all(r["eval/accuracy"] is not None for r in records)
@@ -180,9 +204,17 @@ def test_a_two_node_engine_restarts_both_parts_in_place_and_saves_on_a_slurm_sig
     run, exit_file = tmp_path / "run", tmp_path / "exit_code"
     monkeypatch.setenv(EXIT_FILE_ENV, str(exit_file))  # what launch/slurm/node.sh reads: rank 0's verdict
     # sglang_ep=1: SGLang's CPU MoE (moe_forward_native) cannot take expert parallelism's -1 expert ids
-    overrides = [*SMALL, *SGLANG, "rollout.sglang_tp=2", "rollout.sglang_ep=1",
-                 "rollout.max_engine_restarts=1", "rollout.engine_health_timeout_s=60",
-                 "train.iterations=40", "checkpoint.save_interval=20", f"logging.run_dir={run}"]  # fmt: skip
+    overrides = [
+        *SMALL,
+        *SGLANG,
+        "rollout.sglang_tp=2",
+        "rollout.sglang_ep=1",
+        "rollout.max_engine_restarts=1",
+        "rollout.engine_health_timeout_s=60",
+        "train.iterations=40",
+        "checkpoint.save_interval=20",
+        f"logging.run_dir={run}",
+    ]
     port = free_port()
     nodes = [launch_node("train", overrides, node_rank=k, nnodes=2, port=port) for k in (0, 1)]
 
@@ -198,10 +230,14 @@ def test_a_two_node_engine_restarts_both_parts_in_place_and_saves_on_a_slurm_sig
             time.sleep(0.5)
 
     records_until(lambda rs: len(rs) >= 3, "no second iteration")
-    assert list((run / "sglang").glob("engine-rank1-*.log")), "node 1's part of the engine logs beside the leader's"
+    assert list((run / "sglang").glob("engine-rank1-*.log")), (
+        "node 1's part of the engine logs beside the leader's"
+    )
     _find_scheduler(nodes[1].pid).kill()  # node 1's only scheduler: SGLang TP rank 1
-    restarted = records_until(lambda rs: any(r.get("engine/restarts", 0) for r in rs[3:]) and len(rs) >= 6,
-                              "no restart and two more iterations after node 1's scheduler was killed")  # fmt: skip
+    restarted = records_until(
+        lambda rs: any(r.get("engine/restarts", 0) for r in rs[3:]) and len(rs) >= 6,
+        "no restart and two more iterations after node 1's scheduler was killed",
+    )
     _sigterm_every_rank_process(nodes)
     outs = []
     for node in nodes:
@@ -218,7 +254,9 @@ def test_a_two_node_engine_restarts_both_parts_in_place_and_saves_on_a_slurm_sig
     assert outs[0].count("[rollout] SGLang engine of rank 0 (node 0 of 2)") == 2, outs[0][-4000:]
     # node 1's loss is named with its own process and log (fleet.recover asks each further node's part),
     # beside the leader's when its TP rank 0 scheduler failed on the broken TP group first (every run seen)
-    assert re.search(r"\[engine\] engine 0 \(rank 1 on \S+\) lost during .*scheduler_TP1 .*restarted", outs[0])
+    assert re.search(
+        r"\[engine\] engine 0 \(rank 1 on \S+\) lost during .*scheduler_TP1 .*restarted", outs[0]
+    )
     for out in outs:
         assert f"exitcode  : {EXIT_PREEMPTED}" in out and "died" not in out, out[-4000:]
     assert exit_file.read_text().strip() == str(EXIT_PREEMPTED)
@@ -250,11 +288,25 @@ def test_a_colocated_sglang_engine_of_two_gpus_killed_or_stopped_in_a_rollout_or
     monkeypatch.setenv("GRPO_ENGINE_FAULT", "kill:2@0,killsync:1@0,stop:4@0")
     run = tmp_path / "run"
     # sglang_ep=1: SGLang's CPU MoE (moe_forward_native) cannot take expert parallelism's -1 expert ids
-    out = finish(launch("train", [
-        *SMALL, *SGLANG, "rollout.sglang_tp=2", "rollout.sglang_ep=1", "train.offload_trainer=true",
-        "train.iterations=2", "rollout.max_engine_restarts=3", "rollout.sync_bucket_mb=1",
-        "rollout.engine_health_timeout_s=3", "logging.samples_interval=1", f"logging.run_dir={run}",
-    ]), timeout_s=500)  # fmt: skip
+    out = finish(
+        launch(
+            "train",
+            [
+                *SMALL,
+                *SGLANG,
+                "rollout.sglang_tp=2",
+                "rollout.sglang_ep=1",
+                "train.offload_trainer=true",
+                "train.iterations=2",
+                "rollout.max_engine_restarts=3",
+                "rollout.sync_bucket_mb=1",
+                "rollout.engine_health_timeout_s=3",
+                "logging.samples_interval=1",
+                f"logging.run_dir={run}",
+            ],
+        ),
+        timeout_s=500,
+    )
     records = read_jsonl(run / "metrics.jsonl")
     assert [r["iteration"] for r in records] == [0, 1, 2]
     # every prompt of each batch trained (4 x 4 samples: collect refuses a batch short of a share)
@@ -267,8 +319,11 @@ def test_a_colocated_sglang_engine_of_two_gpus_killed_or_stopped_in_a_rollout_or
     assert records[1]["sync/buckets"] >= 2
     lost = r"\[engine\] engine 0 \(rank 0 on \S+\) lost during {}: [^\n]*process sglang::scheduler_TP1 \(pid \d+\) "
     assert re.search(lost.format("rollout generate") + "(exited with status -9|is gone)", out), out[-4000:]
-    assert re.search(lost.format("the weight sync of version 1") + r"(exited with status -9|is gone)[^\n]*; "
-                     r"restarted for weights version 1", out), out[-4000:]  # fmt: skip
+    assert re.search(
+        lost.format("the weight sync of version 1") + r"(exited with status -9|is gone)[^\n]*; "
+        r"restarted for weights version 1",
+        out,
+    ), out[-4000:]
     stopped = lost.format("rollout generate").split(": ")[0] + r": [^\n]*(stopped \(state T\)|unanswered)"
     assert re.search(stopped, out), out[-4000:]
     assert "resumed from" not in out

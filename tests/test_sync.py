@@ -41,9 +41,13 @@ def test_parallel_sync_to_2_and_4_engines_at_tp2_ep2_tp2xep2_pp2(tmp_path: Path)
         "needs_tp2ep2_engine_ep4": [moe, "parallel.tp=2", "parallel.ep=2", "engine_ep=4"],
     }
     results = run_distributed(
-        "tests.workers.sync_workers:parallel_sync", world_size=4, timeout_s=580,
-        cases=cases, bad_hf_dir=bad, bucket_bytes=BUCKET_BYTES,
-    )  # fmt: skip
+        "tests.workers.sync_workers:parallel_sync",
+        world_size=4,
+        timeout_s=580,
+        cases=cases,
+        bad_hf_dir=bad,
+        bucket_bytes=BUCKET_BYTES,
+    )
     for case in [c for c in cases if c.startswith("needs")]:
         per_rank = [r[case] for r in results]
         for rank, res in enumerate(per_rank):
@@ -82,7 +86,10 @@ def test_parallel_sync_to_2_and_4_engines_at_tp2_ep2_tp2xep2_pp2(tmp_path: Path)
         assert len(senders) >= 2 and max(senders) <= 1.6 * sum(senders) / len(senders), (case, senders)
         if case.endswith("reject"):
             for rank, res in enumerate(per_rank):
-                assert "rejected by 1 engine(s) before any transfer" in res["reject_error"], (case, res["reject_error"])
+                assert "rejected by 1 engine(s) before any transfer" in res["reject_error"], (
+                    case,
+                    res["reject_error"],
+                )
                 assert "wrong shapes" in res["reject_error"], case
                 if rank in engines[:-1]:
                     assert res["version_after_reject"] == 2 and res["kept_v2"], (case, rank)

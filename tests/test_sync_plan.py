@@ -18,7 +18,13 @@ def _estimate(recipe: str, nodes: int, gpus_per_engine: int, engine_ep: int | No
     layout = Layout.from_config(cfg.parallel, world)
     hf = cfg.model.load_hf_config()
     (out,) = plan_sync(
-        hf, layout, gpus_per_node=8, gpus_per_engine=gpus_per_engine, export_bytes=2, links=Links(), engine_ep=engine_ep
+        hf,
+        layout,
+        gpus_per_node=8,
+        gpus_per_engine=gpus_per_engine,
+        export_bytes=2,
+        links=Links(),
+        engine_ep=engine_ep,
     )
     return out
 

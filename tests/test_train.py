@@ -13,8 +13,22 @@ from grpo_megatron.logging_utils.metrics import read_jsonl
 from tests.helpers.metrics import missing_required_keys
 from tests.helpers.runs import SMALL, finish, launch
 
-REPLAYED = ("loss/", "grad_norm", "lr", "kl", "clip_frac", "entropy", "reward/", "advantage/", "routing/",
-            "response_len/", "batch/", "dynamic_sampling/", "mismatch/logprob", "tis/")
+REPLAYED = (
+    "loss/",
+    "grad_norm",
+    "lr",
+    "kl",
+    "clip_frac",
+    "entropy",
+    "reward/",
+    "advantage/",
+    "routing/",
+    "response_len/",
+    "batch/",
+    "dynamic_sampling/",
+    "mismatch/logprob",
+    "tis/",
+)
 """The metrics of an iteration that a replay of its dump gives again (not the evaluation, sync, probe,
 offload or wall times: the replay has no engines)."""
 
@@ -64,15 +78,33 @@ def test_two_grpo_iterations_at_ep2_write_every_required_metric(tmp_path):
     # Train-only replay of the dump (no engine starts): every loss, gradient norm and training metric
     # equals the original run's bit for bit, on the same layout and config.
     replay = tmp_path / "replay"
-    out = finish(launch("train", [*SMALL, *extra, "train.iterations=2", f"logging.run_dir={replay}",
-                                  f"rollout.replay_dir={tmp_path / 'dump'}",  # no save or export: faster
-                                  "checkpoint.save_interval=0", "checkpoint.export_hf_dir="]))  # fmt: skip
+    out = finish(
+        launch(
+            "train",
+            [
+                *SMALL,
+                *extra,
+                "train.iterations=2",
+                f"logging.run_dir={replay}",
+                f"rollout.replay_dir={tmp_path / 'dump'}",  # no save or export: faster
+                "checkpoint.save_interval=0",
+                "checkpoint.export_hf_dir=",
+            ],
+        )
+    )
     assert "[train] held-out accuracy nan%" in out  # no engines: nothing evaluated
     replayed = read_jsonl(replay / "metrics.jsonl")
     assert [r["iteration"] for r in replayed] == [0, 1, 2] and replayed[1]["time/sync"] < 0.05
     for got, want in zip(replayed[1:], records[1:], strict=True):
         trained = {k for k in want if k.startswith(REPLAYED) and "probe" not in k and want[k] is not None}
-        assert {"loss/policy", "loss/kl", "grad_norm", "entropy", "reward/mean", "routing/disagreement"} <= trained
+        assert {
+            "loss/policy",
+            "loss/kl",
+            "grad_norm",
+            "entropy",
+            "reward/mean",
+            "routing/disagreement",
+        } <= trained
         assert {k: got[k] for k in trained} == {k: want[k] for k in trained}
 
 
@@ -92,12 +124,31 @@ def test_context_parallel_training_matches_the_engine(tmp_path):
 
 def test_sft_writes_a_hugging_face_checkpoint_that_train_starts_from(tmp_path):
     sft_dir, hf_dir = tmp_path / "sft", tmp_path / "sft" / "hf"
-    finish(launch("sft", [*SMALL, "sft.max_steps=4", "sft.eval_interval=2", "sft.batch_size=8",
-                          f"logging.run_dir={sft_dir}", f"sft.output_dir={hf_dir}"]))
+    finish(
+        launch(
+            "sft",
+            [
+                *SMALL,
+                "sft.max_steps=4",
+                "sft.eval_interval=2",
+                "sft.batch_size=8",
+                f"logging.run_dir={sft_dir}",
+                f"sft.output_dir={hf_dir}",
+            ],
+        )
+    )
     assert (hf_dir / "config.json").is_file() and (hf_dir / "tokenizer.json").is_file()
     assert list(Path(hf_dir).glob("*.safetensors"))
     summary = json.loads((sft_dir / "summary.json").read_text())  # which step was exported, and why
-    assert summary["steps"] == summary["last_step"] == 4 and summary["kept_step"] in (0, 2, 4) and summary["reason"]
-    out = finish(launch("train", [*SMALL, "train.iterations=1", f"model.hf_path={hf_dir}",
-                                  f"logging.run_dir={tmp_path / 'grpo'}"]))
+    assert (
+        summary["steps"] == summary["last_step"] == 4
+        and summary["kept_step"] in (0, 2, 4)
+        and summary["reason"]
+    )
+    out = finish(
+        launch(
+            "train",
+            [*SMALL, "train.iterations=1", f"model.hf_path={hf_dir}", f"logging.run_dir={tmp_path / 'grpo'}"],
+        )
+    )
     assert str(hf_dir) in out  # loaded the SFT weights, not a random initialisation

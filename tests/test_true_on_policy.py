@@ -41,8 +41,13 @@ def test_products_under_the_mode_do_not_depend_on_the_batch() -> None:
 def test_the_policy_engine_samples_the_trainers_logprobs_bitwise_in_one_process() -> None:
     """Three architectures at one process, each at random weights and one step away from them; the
     control (the trainer's pass in the plain numerics: SDPA, plain products) differs on most tokens."""
-    runs = {"control": ("qwen3_moe", [], False), **{t: (t, [], True) for t in ("qwen3_moe", "deepseek_v3", "mixtral")}}
-    (got,) = run_distributed("tests.workers.true_on_policy_workers:compare_all", world_size=1, timeout_s=400, runs=runs)
+    runs = {
+        "control": ("qwen3_moe", [], False),
+        **{t: (t, [], True) for t in ("qwen3_moe", "deepseek_v3", "mixtral")},
+    }
+    (got,) = run_distributed(
+        "tests.workers.true_on_policy_workers:compare_all", world_size=1, timeout_s=400, runs=runs
+    )
     for name in ("qwen3_moe", "deepseek_v3", "mixtral"):
         assert got[name]["tokens"] > 100 and got[name]["mismatches"] == [0, 0], (name, got[name])
     assert min(got["control"]["mismatches"]) > 10 and got["control"]["max_abs"] > 1e-3, got["control"]
@@ -54,23 +59,36 @@ def test_the_policy_engine_samples_the_trainers_logprobs_bitwise_at_tp2_and_ep2(
     through the MoE all-to-all); Qwen3-MoE at both in the job tests below; Mixtral at TP2 once more
     with top-k and top-p sampling at temperature 0.8."""
     runs: dict[str, tuple] = {
-        f"{t}/{lay}": (t, [f"parallel.{lay[:2]}=2"], True) for t in ("deepseek_v3", "mixtral") for lay in ("tp2", "ep2")
+        f"{t}/{lay}": (t, [f"parallel.{lay[:2]}=2"], True)
+        for t in ("deepseek_v3", "mixtral")
+        for lay in ("tp2", "ep2")
     }
     # truncated sampling (issue 53 item 4): the trainer's pass takes the same top-k / top-p, across TP
-    runs["mixtral/tp2/truncated"] = ("mixtral", ["parallel.tp=2"], True, {"top_k": 8, "top_p": 0.9, "temperature": 0.8})
-    ranks = run_distributed("tests.workers.true_on_policy_workers:compare_all", world_size=2, timeout_s=500, runs=runs)
+    runs["mixtral/tp2/truncated"] = (
+        "mixtral",
+        ["parallel.tp=2"],
+        True,
+        {"top_k": 8, "top_p": 0.9, "temperature": 0.8},
+    )
+    ranks = run_distributed(
+        "tests.workers.true_on_policy_workers:compare_all", world_size=2, timeout_s=500, runs=runs
+    )
     for got in ranks:
         for name, run in got.items():
             assert run["tokens"] > 100 and run["mismatches"] == [0, 0], (name, run)
 
 
 def _job_metrics(tmp_path, overrides: list[str]) -> list[dict]:
-    finish(launch("train", [*SMALL, *SWITCH, *MOVING, f"logging.run_dir={tmp_path}", *overrides]), timeout_s=500)
+    finish(
+        launch("train", [*SMALL, *SWITCH, *MOVING, f"logging.run_dir={tmp_path}", *overrides]), timeout_s=500
+    )
     return [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()][1:]
 
 
 @pytest.mark.parametrize(
-    ("layout", "iterations"), [(["parallel.ep=2"], 3), (["parallel.ep=1", "parallel.tp=2"], 1)], ids=["ep2", "tp2"]
+    ("layout", "iterations"),
+    [(["parallel.ep=2"], 3), (["parallel.ep=1", "parallel.tp=2"], 1)],
+    ids=["ep2", "tp2"],
 )
 def test_a_job_trains_with_behaviour_logprobs_equal_to_the_trainers(tmp_path, layout, iterations) -> None:
     """The demo's Qwen3-MoE in bf16 on 2 ranks, from random weights with a reward that moves them every
@@ -92,10 +110,12 @@ def test_check_refuses_what_the_policy_engine_cannot_serve() -> None:
         return str(info.value)
 
     assert "set rollout.engine=embedded" in errors("rollout.engine=sglang")
-    assert "set rollout.embedded_process=false" in errors("rollout.embedded_process=true", "train.max_staleness=1",
-                                                          "algorithm.off_policy.correction=icepop")  # fmt: skip
-    assert "set train.max_staleness=0" in errors("rollout.embedded_process=true", "train.max_staleness=1",
-                                                 "algorithm.off_policy.correction=icepop")  # fmt: skip
+    assert "set rollout.embedded_process=false" in errors(
+        "rollout.embedded_process=true", "train.max_staleness=1", "algorithm.off_policy.correction=icepop"
+    )
+    assert "set train.max_staleness=0" in errors(
+        "rollout.embedded_process=true", "train.max_staleness=1", "algorithm.off_policy.correction=icepop"
+    )
     assert "set parallel.tp to 1 or 2" in errors("parallel.tp=4", "parallel.ep=1")
     assert "set model.transformer_impl=local" in errors("model.transformer_impl=transformer_engine")
     validate(load_config(DEMO, ["rollout.true_on_policy=true"]), 2)

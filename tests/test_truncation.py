@@ -52,7 +52,9 @@ def test_the_embedded_engine_samples_the_truncated_distribution_and_reports_its_
     assert share == pytest.approx(P[1] / (P[0] + P[1]), abs=0.01)  # 0.2689
     assert logprobs_r[tokens_r == 1][0].item() == pytest.approx(_hand([0, 1], 1), abs=1e-6)
     _, full = sample_next(logits_rv[:2], SamplingParams(), torch.Generator().manual_seed(0))
-    assert full.tolist()[0] in [pytest.approx(math.log(p), abs=1e-6) for p in P]  # off: the full distribution's
+    assert full.tolist()[0] in [
+        pytest.approx(math.log(p), abs=1e-6) for p in P
+    ]  # off: the full distribution's
 
 
 def test_the_trainers_logprobs_take_the_same_truncation_with_a_floor_for_dropped_tokens() -> None:
@@ -63,8 +65,9 @@ def test_the_trainers_logprobs_take_the_same_truncation_with_a_floor_for_dropped
     logits_bsv = torch.randn(2, 3, 8, generator=gen).requires_grad_()
     labels_bs = torch.tensor([[0, 1, 2], [3, 4, 5]])
     t = Truncation(top_k=3)
-    got, _ = vocab_parallel_logprobs(logits_bsv, labels_bs, tp_group=None, vocab_start=0, temperature=2.0,
-                                     vocab_size=6, truncation=t)  # fmt: skip
+    got, _ = vocab_parallel_logprobs(
+        logits_bsv, labels_bs, tp_group=None, vocab_start=0, temperature=2.0, vocab_size=6, truncation=t
+    )
     z_rv = (logits_bsv.detach() / 2.0)[..., :6].reshape(6, 6)
     expected = truncated_logprobs(z_rv, labels_bs.flatten(), t).clamp(min=TRUNCATED_FLOOR).view(2, 3)
     assert torch.equal(got.detach(), expected)

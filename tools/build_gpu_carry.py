@@ -34,8 +34,13 @@ MANIFEST_NAME = "MANIFEST.txt"
 MAX_BYTES = 60 * 2**20
 """A device call carries 64 MiB with the working tree (about 2.5 MiB) and a JIT cache (about 5 MiB)."""
 PYTHON_VERSION = "3.12"
-PLATFORMS = ("manylinux_2_34_x86_64", "manylinux_2_28_x86_64", "manylinux_2_27_x86_64",
-             "manylinux_2_17_x86_64", "manylinux2014_x86_64")  # fmt: skip
+PLATFORMS = (
+    "manylinux_2_34_x86_64",
+    "manylinux_2_28_x86_64",
+    "manylinux_2_27_x86_64",
+    "manylinux_2_17_x86_64",
+    "manylinux2014_x86_64",
+)
 TRIM = (
     # sglang-kernel: on Hopper only sm90/common_ops loads; FA3, FlashMLA, InfLLM and the sm100 build are
     # never imported with attention_backend=triton (GUIDE section 10). 1.2 GB of the 1.5 GB unpacked.
@@ -78,7 +83,9 @@ def resolve(listed: dict[str, str], lock: dict[str, str]) -> dict[str, str]:
     for name, version in listed.items():
         if version == "lock":
             if name not in lock:
-                raise SystemExit(f"{LIST}: {name}==lock, but {LOCK} pins no {name}: pin a version in the list")
+                raise SystemExit(
+                    f"{LIST}: {name}==lock, but {LOCK} pins no {name}: pin a version in the list"
+                )
             version = lock[name].split("+", 1)[0]
         out[name] = version
     return out
@@ -87,8 +94,21 @@ def resolve(listed: dict[str, str], lock: dict[str, str]) -> dict[str, str]:
 def download(pins: dict[str, str], dest: Path) -> list[Path]:
     """Every pinned wheel for the GPU machine's Python, into ``dest`` (pip skips those present)."""
     dest.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--quiet",
-           "--python-version", PYTHON_VERSION, "--implementation", "cp", "-d", str(dest)]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--no-deps",
+        "--only-binary=:all:",
+        "--quiet",
+        "--python-version",
+        PYTHON_VERSION,
+        "--implementation",
+        "cp",
+        "-d",
+        str(dest),
+    ]
     for platform in PLATFORMS:
         cmd += ["--platform", platform]
     subprocess.run([*cmd, *(f"{n}=={v}" for n, v in sorted(pins.items()))], check=True)
@@ -160,7 +180,9 @@ def check_manifest(manifest: str, pins: dict[str, str], max_bytes: int = MAX_BYT
     if size is None:
         problems.append("the manifest's first line gives no size")
     elif int(size.group(1)) > max_bytes:
-        problems.append(f"the tarball is {int(size.group(1)) / 2**20:.1f} MiB, over {max_bytes / 2**20:.0f} MiB")
+        problems.append(
+            f"the tarball is {int(size.group(1)) / 2**20:.1f} MiB, over {max_bytes / 2**20:.0f} MiB"
+        )
     built = read_pins_text(manifest)
     for name, version in sorted(pins.items()):
         if built.get(name) != version:
@@ -181,8 +203,12 @@ def read_pins_text(text: str) -> dict[str, str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--check", action="store_true", help="check the list and a built carry; download nothing")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--check", action="store_true", help="check the list and a built carry; download nothing"
+    )
     args = parser.parse_args(argv)
     pins = resolve(read_pins(LIST), read_pins(LOCK))
     manifest = OUT / MANIFEST_NAME

@@ -45,7 +45,9 @@ def main(argv: list[str] | None = None) -> int:
     ]
     if wrong:
         print(f"{args.lock}: the environment differs from the lock:", *wrong, sep="\n  ", file=sys.stderr)
-        print("fix: make distclean && make setup (or make lock to refresh the lock on purpose)", file=sys.stderr)
+        print(
+            "fix: make distclean && make setup (or make lock to refresh the lock on purpose)", file=sys.stderr
+        )
         return 1
     return 0
 

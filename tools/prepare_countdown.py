@@ -36,7 +36,9 @@ def convert_row(row: dict[str, Any], where: str) -> dict[str, Any]:
     numbers = row.get("nums", row.get("numbers"))
     target = row.get("target")
     if not isinstance(numbers, list) or not numbers or target is None:
-        raise SystemExit(f"error: {where}: needs a list 'nums' (or 'numbers') and a 'target'; got {sorted(row)}")
+        raise SystemExit(
+            f"error: {where}: needs a list 'nums' (or 'numbers') and a 'target'; got {sorted(row)}"
+        )
     numbers = [int(n) for n in numbers]
     target = int(target)
     return {
@@ -47,18 +49,24 @@ def convert_row(row: dict[str, Any], where: str) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--input", type=Path, required=True, help="downloaded file or directory")
     parser.add_argument("--out", type=Path, required=True, help="training JSONL")
     parser.add_argument("--eval-out", type=Path, default=None, help="held-out JSONL (optional)")
-    parser.add_argument("--num-eval", type=int, default=1024, help="held-out rows (default 1024, as TinyZero)")
+    parser.add_argument(
+        "--num-eval", type=int, default=1024, help="held-out rows (default 1024, as TinyZero)"
+    )
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     rows = [convert_row(row, where) for where, row in iter_rows(args.input)]
     if args.eval_out is not None:
         random.Random(args.seed).shuffle(rows)
         if args.num_eval >= len(rows):
-            print(f"error: --num-eval={args.num_eval} leaves no training rows of {len(rows)}", file=sys.stderr)
+            print(
+                f"error: --num-eval={args.num_eval} leaves no training rows of {len(rows)}", file=sys.stderr
+            )
             return 1
         n_eval = write_jsonl(args.eval_out, rows[: args.num_eval])
         rows = rows[args.num_eval :]

@@ -66,7 +66,9 @@ def level_of(row: dict[str, Any]) -> int | None:
     return None
 
 
-def convert(rows: Any, *, problem_key: str, answer_key: str, levels: set[int] | None) -> tuple[list[dict], dict]:
+def convert(
+    rows: Any, *, problem_key: str, answer_key: str, levels: set[int] | None
+) -> tuple[list[dict], dict]:
     out: list[dict[str, Any]] = []
     skipped = {"no problem": 0, "no answer": 0, "level": 0}
     for where, row in rows:
@@ -93,18 +95,24 @@ def convert(rows: Any, *, problem_key: str, answer_key: str, levels: set[int] | 
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--input", type=Path, required=True, help="downloaded file or directory")
     parser.add_argument("--out", type=Path, required=True, help="output JSONL")
     parser.add_argument("--levels", type=int, nargs="*", default=None, help="keep only these MATH levels")
-    parser.add_argument("--problem-key", default="problem", help="problem column (default: problem, else prompt)")
+    parser.add_argument(
+        "--problem-key", default="problem", help="problem column (default: problem, else prompt)"
+    )
     parser.add_argument("--answer-key", default="answer", help="answer column (default: answer)")
     args = parser.parse_args(argv)
     rows = list(iter_rows(args.input))
     key = args.problem_key
     if rows and key == "problem" and "problem" not in rows[0][1] and "prompt" in rows[0][1]:
         key = "prompt"
-    out, skipped = convert(rows, problem_key=key, answer_key=args.answer_key, levels=set(args.levels) if args.levels else None)
+    out, skipped = convert(
+        rows, problem_key=key, answer_key=args.answer_key, levels=set(args.levels) if args.levels else None
+    )
     if not out:
         print(f"error: no usable rows in {args.input} (skipped: {skipped})", file=sys.stderr)
         return 1

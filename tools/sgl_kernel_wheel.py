@@ -122,7 +122,10 @@ def cpu_model(cpuinfo: str) -> str:
 def isa_level(flags: frozenset[str]) -> str:
     """The x86-64 level and what of it SGLang's CPU kernels care about."""
     if X86_64_V4 <= flags:
-        extras = ["avx512_bf16" if "avx512_bf16" in flags else "no avx512_bf16", "AMX" if flags & AMX else "no AMX"]
+        extras = [
+            "avx512_bf16" if "avx512_bf16" in flags else "no avx512_bf16",
+            "AMX" if flags & AMX else "no AMX",
+        ]
         return f"x86-64-v4 ({', '.join(extras)})"
     if X86_64_V3 <= flags:
         return "x86-64-v3 (AVX2, no AVX-512)"
@@ -151,9 +154,7 @@ class Wheel:
         if not self.platform.endswith("x86_64"):
             return f"built for {self.platform}"
         if self.build is None:
-            return (
-                f"an unknown build '+{self.version.partition('+')[2]}' (known: {', '.join(b.name for b in BUILDS)})"
-            )
+            return f"an unknown build '+{self.version.partition('+')[2]}' (known: {', '.join(b.name for b in BUILDS)})"
         return self.build.problem(flags)
 
 
@@ -179,7 +180,9 @@ def choose(flags: frozenset[str], wheels: Iterable[Wheel], python: str | None = 
     if not fitting:
         return None
     rank = {b.tag: i for i, b in enumerate(BUILDS)}
-    return min(fitting, key=lambda w: (rank[w.version.partition("+")[2]], [-n for n in _version_key(w.version)]))
+    return min(
+        fitting, key=lambda w: (rank[w.version.partition("+")[2]], [-n for n in _version_key(w.version)])
+    )
 
 
 def how_to_build(flags: frozenset[str]) -> str:
@@ -187,7 +190,9 @@ def how_to_build(flags: frozenset[str]) -> str:
     build = next((b for b in BUILDS if b.problem(flags) is None), None)
     if build is None:
         return "no build of SGLang's CPU kernels runs on this CPU (the AVX2 one needs x86-64-v3)"
-    return f"build one with `{build.build_command} wheels` (needs GitHub), then `make setup WHEELHOUSE=wheels`"
+    return (
+        f"build one with `{build.build_command} wheels` (needs GitHub), then `make setup WHEELHOUSE=wheels`"
+    )
 
 
 def wheels_line(folder: str | Path | None, flags: frozenset[str]) -> str:
@@ -215,8 +220,14 @@ def machine_line(cpuinfo: str, folder: str | Path | None) -> str:
     head = f"machine: {cpu_model(cpuinfo)} | ISA {isa_level(flags)} | SGLang CPU kernel: "
     if chosen is not None:
         build = chosen.build.name if chosen.build else "?"
-        return head + f"{chosen.path.name} ({build} build, from {folder}) | SGLang CPU path: {sglang_cpu_path(flags)}"
-    return head + f"none fits ({wheels_line(folder, flags)}; {how_to_build(flags)}): the real-engine tests will skip"
+        return (
+            head
+            + f"{chosen.path.name} ({build} build, from {folder}) | SGLang CPU path: {sglang_cpu_path(flags)}"
+        )
+    return (
+        head
+        + f"none fits ({wheels_line(folder, flags)}; {how_to_build(flags)}): the real-engine tests will skip"
+    )
 
 
 def installed() -> tuple[str, str] | None:

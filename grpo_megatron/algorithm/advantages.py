@@ -61,7 +61,7 @@ def group_advantages(
     if norm_by_std:
         std_p1 = rewards_pg.std(dim=1, keepdim=True)
         adv_pg = adv_pg / (std_p1 + eps)
-    all_equal_p1 = (rewards_pg.amax(dim=1, keepdim=True) == rewards_pg.amin(dim=1, keepdim=True))
+    all_equal_p1 = rewards_pg.amax(dim=1, keepdim=True) == rewards_pg.amin(dim=1, keepdim=True)
     adv_pg = torch.where(all_equal_p1, torch.zeros_like(adv_pg), adv_pg)
     return adv_pg.reshape(-1)
 
@@ -69,7 +69,11 @@ def group_advantages(
 def advantages_from_config(rewards_b: torch.Tensor, group_size: int, cfg: AlgorithmConfig) -> torch.Tensor:
     """`group_advantages` with cfg.advantage_estimator, cfg.norm_adv_by_std and cfg.adv_eps."""
     return group_advantages(
-        rewards_b, group_size, estimator=cfg.advantage_estimator, norm_by_std=cfg.norm_adv_by_std, eps=cfg.adv_eps
+        rewards_b,
+        group_size,
+        estimator=cfg.advantage_estimator,
+        norm_by_std=cfg.norm_adv_by_std,
+        eps=cfg.adv_eps,
     )
 
 

@@ -48,7 +48,9 @@ class KLConfig:
         if self.beta_end < 0:
             raise ValueError(f"{prefix}.beta_end={self.beta_end} must be >= 0")
         if self.clamp <= 0:
-            raise ValueError(f"{prefix}.clamp={self.clamp} must be > 0: 10 is a safe value for fp32/bf16 logprobs")
+            raise ValueError(
+                f"{prefix}.clamp={self.clamp} must be > 0: 10 is a safe value for fp32/bf16 logprobs"
+            )
         if not 0.0 <= self.warmup_fraction < 1.0:
             raise ValueError(
                 f"{prefix}.warmup_fraction={self.warmup_fraction} must be in [0, 1): "
@@ -107,7 +109,9 @@ class OffPolicyConfig:
 
     def validate(self, prefix: str = "algorithm.off_policy") -> None:
         if self.cap < 1.0:
-            raise ValueError(f"{prefix}.cap={self.cap} must be >= 1: a cap below 1 down-weights on-policy responses")
+            raise ValueError(
+                f"{prefix}.cap={self.cap} must be >= 1: a cap below 1 down-weights on-policy responses"
+            )
         if not 0.0 < self.low < 1.0 < self.high:
             raise ValueError(
                 f"{prefix}.low={self.low} and {prefix}.high={self.high} must satisfy 0 < low < 1 < high: "
@@ -215,7 +219,9 @@ class AlgorithmConfig:
     def validate(self) -> None:
         p = "algorithm"
         if self.adv_eps <= 0:
-            raise ValueError(f"{p}.adv_eps={self.adv_eps} must be > 0: it keeps all-equal groups from dividing by 0")
+            raise ValueError(
+                f"{p}.adv_eps={self.adv_eps} must be > 0: it keeps all-equal groups from dividing by 0"
+            )
         if not 0.0 < self.clip_low < 1.0:
             raise ValueError(
                 f"{p}.clip_low={self.clip_low} must be in (0, 1): the ratio is clipped below at 1 - clip_low"

@@ -44,7 +44,9 @@ def sequence_log_ratio(log_ratio_bt: torch.Tensor, mask_bt: torch.Tensor, geomet
     return total_b / mask.sum(dim=1).clamp(min=1.0) if geometric else total_b
 
 
-def seq_tis_weights(log_ratio_bt: torch.Tensor, mask_bt: torch.Tensor, cap: float, geometric: bool) -> torch.Tensor:
+def seq_tis_weights(
+    log_ratio_bt: torch.Tensor, mask_bt: torch.Tensor, cap: float, geometric: bool
+) -> torch.Tensor:
     """Sequence-level truncated importance sampling: every token of response i gets
 
         w_i = min(rho_i, C)
@@ -73,7 +75,9 @@ def mis_weights(
     return (rho_b * keep_b)[:, None] * mask_bt.float()
 
 
-def icepop_weights(log_ratio_bt: torch.Tensor, mask_bt: torch.Tensor, low: float, high: float) -> torch.Tensor:
+def icepop_weights(
+    log_ratio_bt: torch.Tensor, mask_bt: torch.Tensor, low: float, high: float
+) -> torch.Tensor:
     """IcePop (token level): a token whose train/rollout ratio leaves the band contributes no gradient,
     the others keep their importance weight:
 
@@ -99,7 +103,9 @@ class OffPolicyStats:
     masked_frac: torch.Tensor
 
     @classmethod
-    def of(cls, log_ratio_bt: torch.Tensor, weights_bt: torch.Tensor | None, mask_bt: torch.Tensor) -> OffPolicyStats:
+    def of(
+        cls, log_ratio_bt: torch.Tensor, weights_bt: torch.Tensor | None, mask_bt: torch.Tensor
+    ) -> OffPolicyStats:
         valid_bt = mask_bt > 0
         n = mask_bt.float().sum().clamp(min=1.0)
         r_bt = torch.exp(log_ratio_bt.detach().float().clamp(max=_MAX_LOG))

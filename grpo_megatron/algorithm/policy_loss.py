@@ -49,8 +49,10 @@ def loss_normalizer(loss_agg_mode: LossAggMode, response_mask_bt: torch.Tensor) 
         return float(mask_bt.sum())
     if loss_agg_mode in ("seq-mean-token-mean", "seq-mean-token-sum-norm"):
         return float((mask_bt.sum(dim=1) > 0).sum())
-    raise ValueError(f"algorithm.loss_agg_mode={loss_agg_mode!r} is not one of token-mean, "
-                     "seq-mean-token-mean, seq-mean-token-sum-norm")
+    raise ValueError(
+        f"algorithm.loss_agg_mode={loss_agg_mode!r} is not one of token-mean, "
+        "seq-mean-token-mean, seq-mean-token-sum-norm"
+    )
 
 
 def normalizer_of_counts(loss_agg_mode: LossAggMode, valid_tokens: Sequence[int]) -> float:
@@ -61,8 +63,10 @@ def normalizer_of_counts(loss_agg_mode: LossAggMode, valid_tokens: Sequence[int]
         return float(sum(valid_tokens))
     if loss_agg_mode in ("seq-mean-token-mean", "seq-mean-token-sum-norm"):
         return float(sum(1 for n in valid_tokens if n > 0))
-    raise ValueError(f"algorithm.loss_agg_mode={loss_agg_mode!r} is not one of token-mean, "
-                     "seq-mean-token-mean, seq-mean-token-sum-norm")
+    raise ValueError(
+        f"algorithm.loss_agg_mode={loss_agg_mode!r} is not one of token-mean, "
+        "seq-mean-token-mean, seq-mean-token-sum-norm"
+    )
 
 
 def aggregate_loss(
@@ -100,8 +104,10 @@ def aggregate_loss(
                 "or pass the rollout's max_new_tokens"
             )
         return (masked_bt.sum(dim=1) / float(norm_len)).sum() / denom
-    raise ValueError(f"algorithm.loss_agg_mode={loss_agg_mode!r} is not one of token-mean, "
-                     "seq-mean-token-mean, seq-mean-token-sum-norm")
+    raise ValueError(
+        f"algorithm.loss_agg_mode={loss_agg_mode!r} is not one of token-mean, "
+        "seq-mean-token-mean, seq-mean-token-sum-norm"
+    )
 
 
 def importance_ratio(
@@ -233,7 +239,9 @@ def grpo_policy_loss(
             f"{tuple(response_mask_bt.shape)} must both be [B, T]"
         )
     if advantages_b.shape != logprobs_bt.shape[:1]:
-        raise ValueError(f"advantages_b {tuple(advantages_b.shape)} must be [B] = {tuple(logprobs_bt.shape[:1])}")
+        raise ValueError(
+            f"advantages_b {tuple(advantages_b.shape)} must be [B] = {tuple(logprobs_bt.shape[:1])}"
+        )
     if old_logprobs_bt is None:
         old_logprobs_bt = logprobs_bt.detach()
     mask_bt = response_mask_bt.to(torch.float32)
@@ -264,12 +272,14 @@ def grpo_policy_loss(
     else:
         loss = pg_loss
 
-    metrics.update({
-        "loss/total": loss.detach(),
-        "loss/pg": pg_loss.detach(),
-        **_clip_and_ratio_metrics(ratio_bt, clip_masks, mask_bt),
-        "ppo_kl": _masked_mean(old_logprobs_bt.detach().float() - logprobs_bt.detach().float(), mask_bt),
-        "num_tokens": mask_bt.sum(),
-        "num_seqs": (mask_bt.sum(dim=1) > 0).sum().float(),
-    })
+    metrics.update(
+        {
+            "loss/total": loss.detach(),
+            "loss/pg": pg_loss.detach(),
+            **_clip_and_ratio_metrics(ratio_bt, clip_masks, mask_bt),
+            "ppo_kl": _masked_mean(old_logprobs_bt.detach().float() - logprobs_bt.detach().float(), mask_bt),
+            "num_tokens": mask_bt.sum(),
+            "num_seqs": (mask_bt.sum(dim=1) > 0).sum().float(),
+        }
+    )
     return loss, metrics

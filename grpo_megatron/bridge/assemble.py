@@ -106,7 +106,9 @@ def assemble_hf(
     if outs is not None:
         wanted = hf_shapes(rule, shape)
         if len(outs) != len(wanted) or any(tuple(o.shape) != w for o, w in zip(outs, wanted, strict=False)):
-            raise ValueError(f"{rule.hf}: places of shapes {[tuple(o.shape) for o in outs]}, expected {wanted}")
+            raise ValueError(
+                f"{rule.hf}: places of shapes {[tuple(o.shape) for o in outs]}, expected {wanted}"
+            )
         if views_of_one_slice(rule, dim):
             for out, (_, view) in zip(outs, to_hf(rule, shards[0]), strict=True):
                 out.copy_(view)
@@ -172,19 +174,29 @@ class Landing:
         base = first.data_ptr()
         for (_, piece), place in zip(pieces, places, strict=True):
             if (
-                place is None or place.dtype != item.dtype or place.device != self.device
-                or not place.is_contiguous() or tuple(place.shape) != tuple(piece.shape) or not piece.is_contiguous()
+                place is None
+                or place.dtype != item.dtype
+                or place.device != self.device
+                or not place.is_contiguous()
+                or tuple(place.shape) != tuple(piece.shape)
+                or not piece.is_contiguous()
                 or place.untyped_storage().data_ptr() != first.untyped_storage().data_ptr()
                 or place.data_ptr() - base != piece.storage_offset() * item.dtype.itemsize
-            ):  # fmt: skip
+            ):
                 return None
         if sum(p.numel() for _, p in pieces) * item.dtype.itemsize != item.slice_bytes(0):
             return None  # the slice holds more than its HF tensors (vocabulary padding)
         flat_u8 = torch.empty(0, dtype=torch.uint8, device=self.device)
-        return flat_u8.set_(first.untyped_storage(), first.storage_offset() * item.dtype.itemsize,
-                            (item.slice_bytes(0),), (1,))  # fmt: skip
+        return flat_u8.set_(
+            first.untyped_storage(),
+            first.storage_offset() * item.dtype.itemsize,
+            (item.slice_bytes(0),),
+            (1,),
+        )
 
-    def land(self, item: ExportItem, shards: Sequence[torch.Tensor], received_in_place: bool) -> tuple[Bucket, int]:
+    def land(
+        self, item: ExportItem, shards: Sequence[torch.Tensor], received_in_place: bool
+    ) -> tuple[Bucket, int]:
         """``item``'s (HF name, tensor) pairs from its slices (``shards``, in slice order; unused when
         ``received_in_place``), and the bytes of new tensors they hold (way 4; else 0)."""
         if received_in_place:  # way 1: already in the consumer's places
@@ -194,8 +206,12 @@ class Landing:
             return to_hf(item.rule, shards[0]), 0
         places = self._places(item)
         if places is not None:  # way 3
-            return assemble_hf(item.rule, item.shape, item.dim, item.glu, shards, item.dtype, self.device, places), 0
-        pieces = assemble_hf(item.rule, item.shape, item.dim, item.glu, shards, item.dtype, self.device)  # way 4
+            return assemble_hf(
+                item.rule, item.shape, item.dim, item.glu, shards, item.dtype, self.device, places
+            ), 0
+        pieces = assemble_hf(
+            item.rule, item.shape, item.dim, item.glu, shards, item.dtype, self.device
+        )  # way 4
         return pieces, item.hf_bytes
 
     def _places(self, item: ExportItem) -> list[torch.Tensor] | None:
@@ -204,8 +220,11 @@ class Landing:
         if self.into is None:
             return None
         places = [self.into(name) for name in item.rule.hf]
-        kept = [p for p in places if p is not None and p.dtype == item.dtype and p.device == self.device
-                and p.is_contiguous()]  # fmt: skip
+        kept = [
+            p
+            for p in places
+            if p is not None and p.dtype == item.dtype and p.device == self.device and p.is_contiguous()
+        ]
         return kept if len(kept) == len(places) else None
 
 

@@ -90,7 +90,14 @@ def export_hf_stream(
     plan, or to deliver elsewhere than into new CPU tensors, run ``ExportStream`` on the plan.
     ``adapters``: the LoRA adapters instead of the (merged) model (``plan_export``)."""
     plan = plan_export(
-        model, ps, hf, bucket_bytes=bucket_bytes, dst_rank=dst_rank, dst_ranks=dst_ranks, dtype=dtype, adapters=adapters
+        model,
+        ps,
+        hf,
+        bucket_bytes=bucket_bytes,
+        dst_rank=dst_rank,
+        dst_ranks=dst_ranks,
+        dtype=dtype,
+        adapters=adapters,
     )
     yield from ExportStream(plan)
 
@@ -146,7 +153,9 @@ class ExportStream:
         self.every_round = every_round
         self.pool = _BufferPool(self.landing.device, self.stats)
         self.rounds = [rnd for bucket in plan.buckets for rnd in bucket]
-        self.last_of_bucket = {sum(len(b) for b in plan.buckets[: i + 1]) - 1 for i in range(len(plan.buckets))}
+        self.last_of_bucket = {
+            sum(len(b) for b in plan.buckets[: i + 1]) - 1 for i in range(len(plan.buckets))
+        }
         self.bucket: Bucket = []
         self.held = 0  # bytes of new tensors (way 4) in ``bucket``
 
@@ -230,10 +239,14 @@ class ExportStream:
             item = plan.items[index]
             if not plan.sources[index]:  # not among what this destination receives (``needs``)
                 continue
-            shards = [] if index in landed else [
-                read_shard(plan.local[item.rule.mcore]) if src == plan.rank else received[(index, slot)]
-                for slot, src in enumerate(plan.sources[index])
-            ]  # fmt: skip
+            shards = (
+                []
+                if index in landed
+                else [
+                    read_shard(plan.local[item.rule.mcore]) if src == plan.rank else received[(index, slot)]
+                    for slot, src in enumerate(plan.sources[index])
+                ]
+            )
             pieces, held = self.landing.land(item, shards, index in landed)
             self.bucket += pieces
             if held:

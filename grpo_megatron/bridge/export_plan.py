@@ -98,10 +98,17 @@ def _announce(
         _, size, slot = tp_group_of(layout, ps)
         split = layout.partition_dim is not None and size > 1
         mine[layout.canonical_name] = merged.get(id(tensor), tensor.detach())
-        entries.append((
-            layout.canonical_name, tuple(tensor.shape), str(tensor.dtype),
-            layout.partition_dim if split else None, layout.glu, size if split else 1, slot if split else 0,
-        ))  # fmt: skip
+        entries.append(
+            (
+                layout.canonical_name,
+                tuple(tensor.shape),
+                str(tensor.dtype),
+                layout.partition_dim if split else None,
+                layout.glu,
+                size if split else 1,
+                slot if split else 0,
+            )
+        )
     return entries, mine
 
 
@@ -141,10 +148,18 @@ def _items(
         # A rule's own dtype wins (the fp32 router bias); else the export's, else the training dtype.
         out_dtype = dtype_named(rule.dtype) if rule.dtype else dtype or dtype_named(dt)
         hf_bytes = _hf_numel(rule, full_shape) * out_dtype.itemsize
-        items.append(ExportItem(
-            rule, tuple(full_shape), dim, glu, out_dtype, tuple(shapes[r] for r in range(size)),
-            tuple(tuple(by_slot[r]) for r in range(size)), hf_bytes,
-        ))  # fmt: skip
+        items.append(
+            ExportItem(
+                rule,
+                tuple(full_shape),
+                dim,
+                glu,
+                out_dtype,
+                tuple(shapes[r] for r in range(size)),
+                tuple(tuple(by_slot[r]) for r in range(size)),
+                hf_bytes,
+            )
+        )
     return items
 
 
@@ -214,7 +229,9 @@ def _schedule(sizes: Sequence[int], bucket_bytes: int) -> list[list[list[int]]]:
     about a ``ROUNDS_PER_BUCKET``-th of a bucket, or of a ``MIN_ROUNDS``-th of the whole export when
     that is smaller but not below ``MIN_ROUND_BYTES`` (a tensor is never split). ``sizes``: the HF
     bytes of each item."""
-    round_bytes = max(min(bucket_bytes // ROUNDS_PER_BUCKET, max(-(-sum(sizes) // MIN_ROUNDS), MIN_ROUND_BYTES)), 1)
+    round_bytes = max(
+        min(bucket_bytes // ROUNDS_PER_BUCKET, max(-(-sum(sizes) // MIN_ROUNDS), MIN_ROUND_BYTES)), 1
+    )
     buckets: list[list[list[int]]] = []
     rounds: list[list[int]] = []
     rnd: list[int] = []
@@ -268,7 +285,10 @@ def _travels_alone(item: ExportItem, slot: int) -> bool:
 
 
 def _messages(
-    rounds: Sequence[Sequence[int]], items: Sequence[ExportItem], sources: Mapping[int, Sequence[tuple[int, ...]]], me: int
+    rounds: Sequence[Sequence[int]],
+    items: Sequence[ExportItem],
+    sources: Mapping[int, Sequence[tuple[int, ...]]],
+    me: int,
 ) -> tuple[list[list[Message]], list[list[Message]]]:
     """This rank's sends and receives of every round: per pair, one packed message of the small
     and split slices, then one message per slice that travels alone, in item order (both ends
@@ -296,13 +316,14 @@ def _messages(
                     sizes[key] = offset + aligned(items[index].slice_bytes(slot))
         for kind, box, result in (("send", out, sends), ("recv", into, recvs)):
             peers = sorted({p for k, p in [*sizes, *alone] if k == kind})
-            result.append([
-                msg
-                for p in peers
-                for msg in (
-                    [Message(p, tuple(box[p]), sizes[(kind, p)])] if (kind, p) in sizes else []
-                ) + alone.get((kind, p), [])
-            ])  # fmt: skip
+            result.append(
+                [
+                    msg
+                    for p in peers
+                    for msg in ([Message(p, tuple(box[p]), sizes[(kind, p)])] if (kind, p) in sizes else [])
+                    + alone.get((kind, p), [])
+                ]
+            )
     return sends, recvs
 
 
@@ -405,7 +426,9 @@ def plan_export(
     if rounds_in_flight < 1:
         raise ValueError(f"rounds_in_flight={rounds_in_flight} must be >= 1")
     if not dsts or len(set(dsts)) != len(dsts) or not all(0 <= d < ps.world_size for d in dsts):
-        raise ValueError(f"destination ranks {list(dsts)} must be distinct ranks of this world of {ps.world_size}")
+        raise ValueError(
+            f"destination ranks {list(dsts)} must be distinct ranks of this world of {ps.world_size}"
+        )
     rules = rules_by_name(hf)
     entries, mine = _announce(model, ps, rules, adapters=adapters)
     everyone: list[Any] = [None] * ps.world_size
@@ -429,6 +452,18 @@ def plan_export(
                 if src != d:
                     pair_bytes[(src, d)] = pair_bytes.get((src, d), 0) + item.slice_bytes(slot)
     return ExportPlan(
-        items, buckets, bucket_bytes, dsts, dtype, ps.world_size, ps.rank, rounds_in_flight,
-        sources.get(ps.rank), sends, recvs, pair_bytes, mine, wanted,
-    )  # fmt: skip
+        items,
+        buckets,
+        bucket_bytes,
+        dsts,
+        dtype,
+        ps.world_size,
+        ps.rank,
+        rounds_in_flight,
+        sources.get(ps.rank),
+        sends,
+        recvs,
+        pair_bytes,
+        mine,
+        wanted,
+    )

@@ -61,7 +61,12 @@ def fp8_block_size(hf: Mapping[str, Any]) -> tuple[int, int] | None:
     if not quant:
         return None
     method, block = quant.get("quant_method"), quant.get("weight_block_size")
-    if method == "fp8" and isinstance(block, (list, tuple)) and len(block) == 2 and all(int(b) > 0 for b in block):
+    if (
+        method == "fp8"
+        and isinstance(block, (list, tuple))
+        and len(block) == 2
+        and all(int(b) > 0 for b in block)
+    ):
         return int(block[0]), int(block[1])
     what = f"quant_method={method!r}" + (f", weight_block_size={block!r}" if method == "fp8" else "")
     raise CheckpointError(
@@ -148,7 +153,9 @@ class HFCheckpoint:
         if file not in self._open:
             path = self.directory / file
             if not path.is_file():
-                raise CheckpointError(f"{self.directory}: shard file {file!r} (holding {name!r}) does not exist")
+                raise CheckpointError(
+                    f"{self.directory}: shard file {file!r} (holding {name!r}) does not exist"
+                )
             from safetensors import safe_open
 
             check_safetensors(path)
@@ -172,7 +179,9 @@ class HFCheckpoint:
             return raw
         return self._dequantize(name, raw, dim, start, stop)
 
-    def _dequantize(self, name: str, raw: torch.Tensor, dim: int | None, start: int, stop: int) -> torch.Tensor:
+    def _dequantize(
+        self, name: str, raw: torch.Tensor, dim: int | None, start: int, stop: int
+    ) -> torch.Tensor:
         where = f"{self.directory}: tensor {name!r} in {self.file_of(name)} is {raw.dtype}"
         if self.fp8_block is None:
             raise CheckpointError(
@@ -181,7 +190,9 @@ class HFCheckpoint:
             )
         scale_name = name + SCALE_SUFFIX
         if raw.dim() != 2 or scale_name not in self.weight_map:
-            raise CheckpointError(f"{where} with no 2-D block scales {scale_name!r}: it cannot be dequantized")
+            raise CheckpointError(
+                f"{where} with no 2-D block scales {scale_name!r}: it cannot be dequantized"
+            )
         full = self.shape(name)
         block = self.fp8_block
         blocks = tuple(-(-n // b) for n, b in zip(full, block, strict=True))
@@ -200,7 +211,9 @@ class HFCheckpoint:
 
 
 @torch.no_grad()
-def load_hf_weights(model: torch.nn.Module, ps: ParallelState, hf_dir: str | Path, hf: Mapping[str, Any]) -> None:
+def load_hf_weights(
+    model: torch.nn.Module, ps: ParallelState, hf_dir: str | Path, hf: Mapping[str, Any]
+) -> None:
     """Fill this rank's shards of ``model`` (built from ``hf`` at layout ``ps``) from ``hf_dir``.
 
     Every parameter must have a rule and every HF tensor it needs must exist with the expected
@@ -233,5 +246,7 @@ def load_hf_weights(model: torch.nn.Module, ps: ParallelState, hf_dir: str | Pat
             _, size, rank = tp_group_of(layout, ps)
             shard = read_shard(rule, ckpt.read, full_shape, layout.partition_dim, size, rank)
             if tuple(shard.shape) != tuple(target.shape):  # a bug of ours, not of the checkpoint
-                raise RuntimeError(f"{layout.canonical_name}: read {tuple(shard.shape)}, shard is {tuple(target.shape)}")
+                raise RuntimeError(
+                    f"{layout.canonical_name}: read {tuple(shard.shape)}, shard is {tuple(target.shape)}"
+                )
             target.copy_(shard.to(dtype=target.dtype, device=target.device))

@@ -57,6 +57,8 @@ def local_spec_name(name: str) -> str:
         if name.endswith(te_suffix):
             return name[: -len(te_suffix)] + local_suffix
     return name
+
+
 _EXPERT = re.compile(r"(\.local_experts\.)(\d+)(\.)")
 
 
@@ -98,7 +100,9 @@ def shard_layouts(
     num_local_experts = (config.num_moe_experts or 0) // ps.ep
     expert_params = _expert_param_ids(gpt)
     for name, param in gpt.named_parameters():
-        canonical = _LAYER.sub(lambda m: m.group(1) + global_layer[m.group(2)] + m.group(3), local_spec_name(name))
+        canonical = _LAYER.sub(
+            lambda m: m.group(1) + global_layer[m.group(2)] + m.group(3), local_spec_name(name)
+        )
         is_expert = id(param) in expert_params
         if is_expert:
             canonical = _EXPERT.sub(
@@ -113,7 +117,8 @@ def shard_layouts(
                 canonical_name=canonical,
                 partition_dim=getattr(param, "partition_dim", None) if sharded else None,
                 is_expert=is_expert,
-                glu=bool(config.gated_linear_unit) and name.endswith(("linear_fc1.weight", "linear_fc1_lora.lora_B")),
+                glu=bool(config.gated_linear_unit)
+                and name.endswith(("linear_fc1.weight", "linear_fc1_lora.lora_B")),
             ),
         )
 
@@ -177,7 +182,9 @@ def rules_by_name(hf: Mapping[str, Any]) -> dict[str, WeightRule]:
     return {rule.mcore: rule for rule in get_adapter(hf).weight_rules(hf)}
 
 
-def buffer_layouts(model: torch.nn.Module, rules: Mapping[str, WeightRule]) -> Iterator[tuple[str, torch.Tensor, ShardLayout]]:
+def buffer_layouts(
+    model: torch.nn.Module, rules: Mapping[str, WeightRule]
+) -> Iterator[tuple[str, torch.Tensor, ShardLayout]]:
     """(local name, buffer, layout) for every buffer the adapter maps (e.g. the router's
     ``expert_bias``): replicated over TP, never expert-sharded, one per global layer."""
     gpt = unwrap(model)
@@ -198,7 +205,9 @@ def local_tensors(
     yield from buffer_layouts(model, rules)
 
 
-def adapter_tensors(model: torch.nn.Module, ps: ParallelState) -> Iterator[tuple[str, torch.Tensor, ShardLayout]]:
+def adapter_tensors(
+    model: torch.nn.Module, ps: ParallelState
+) -> Iterator[tuple[str, torch.Tensor, ShardLayout]]:
     """This rank's LoRA adapter tensors (``X_lora.lora_A`` / ``lora_B``), each with its canonical layout."""
     yield from ((n, p, sl) for n, p, sl in shard_layouts(model, ps) if is_lora_param(p))
 

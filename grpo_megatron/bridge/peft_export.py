@@ -72,12 +72,16 @@ def write_peft_adapter(
         state, targets = peft_state(hf, tensors)
         out = Path(out_dir)
         if out.exists() and (not out.is_dir() or any(out.iterdir())):
-            raise FileExistsError(f"{out} exists and is not empty: choose a new directory for the PEFT adapter")
+            raise FileExistsError(
+                f"{out} exists and is not empty: choose a new directory for the PEFT adapter"
+            )
         tmp = out.with_name(out.name + TMP_INFIX + "peft")
         tmp.mkdir(parents=True)
         # A fused weight's projections share one A: each key gets a copy of its own (safetensors refuses shared memory).
         save_file(
-            {k: v.clone().contiguous() for k, v in state.items()}, str(tmp / WEIGHTS_NAME), metadata={"format": "pt"}
+            {k: v.clone().contiguous() for k, v in state.items()},
+            str(tmp / WEIGHTS_NAME),
+            metadata={"format": "pt"},
         )
         (tmp / CONFIG_NAME).write_text(json.dumps(adapter_config(lora, targets, base_model), indent=2) + "\n")
         if out.exists():
@@ -156,7 +160,9 @@ def _nesting(prefix: str, fused: list[str]) -> list[tuple[str, str]]:
     return [(param, prefix + ".base_layer" * (len(fused) - 1 - i)) for i, param in enumerate(fused)]
 
 
-def _stack_experts(per_expert: Mapping[int, tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+def _stack_experts(
+    per_expert: Mapping[int, tuple[torch.Tensor, torch.Tensor]],
+) -> tuple[torch.Tensor, torch.Tensor]:
     """PEFT's ParamWrapper layout of E experts' (A_e [r, in], B_e [out, r]): A [E r, in] (row blocks),
     B [out, r E] (column k E + e = B_e[:, k])."""
     experts = [per_expert[e] for e in sorted(per_expert)]

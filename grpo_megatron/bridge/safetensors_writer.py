@@ -34,7 +34,9 @@ def write_hf_checkpoint(
     (safetensors shards, index, ``hf_config`` or ``hf`` as config.json, ``extra_files`` such as the
     tokenizer); nothing is left at ``out_dir`` if the export fails. Used by ``convert mcore-to-hf``,
     the SFT output and the trainer's final export."""
-    writer = SafetensorsWriter(out_dir, hf_config or hf, extra_files=extra_files) if ps.rank == dst_rank else None
+    writer = (
+        SafetensorsWriter(out_dir, hf_config or hf, extra_files=extra_files) if ps.rank == dst_rank else None
+    )
     stream = export_hf_stream(model, ps, hf, bucket_bytes=bucket_bytes, dst_rank=dst_rank)
     if writer is None:
         for _ in stream:  # this rank only sends its slices

@@ -79,7 +79,9 @@ def read_shard(
         n = canonical_shape[partition_dim] // size
         return read(rule.hf[0], partition_dim, rank * n, (rank + 1) * n)
     if split and partition_dim != 0:
-        raise ValueError(f"{rule.mcore}: kind {rule.kind!r} can only be split along dim 0, not {partition_dim}")
+        raise ValueError(
+            f"{rule.mcore}: kind {rule.kind!r} can only be split along dim 0, not {partition_dim}"
+        )
     if not split:
         size, rank = 1, 0
     if rule.kind == "glu":
@@ -103,7 +105,11 @@ def read_shard(
     v = read(rule.hf[2], 0, g0 * g.head_dim, (g0 + groups) * g.head_dim)
     rest = q.shape[1:]
     fused = torch.cat(
-        [q.reshape(groups, q_rows, *rest), k.reshape(groups, g.head_dim, *rest), v.reshape(groups, g.head_dim, *rest)],
+        [
+            q.reshape(groups, q_rows, *rest),
+            k.reshape(groups, g.head_dim, *rest),
+            v.reshape(groups, g.head_dim, *rest),
+        ],
         dim=1,
     )
     return fused.reshape(-1, *rest)

@@ -54,7 +54,9 @@ class CheckpointConfig:
     def validate(self) -> None:
         errors = []
         if self.signal is not None and self.signal not in SAVE_SIGNALS:
-            errors.append(f"checkpoint.signal={self.signal!r} must be one of {', '.join(SAVE_SIGNALS)}, or null")
+            errors.append(
+                f"checkpoint.signal={self.signal!r} must be one of {', '.join(SAVE_SIGNALS)}, or null"
+            )
         if not (math.isfinite(self.signal_grace_s) and self.signal_grace_s > 0):
             errors.append(f"checkpoint.signal_grace_s={self.signal_grace_s} must be a number of seconds > 0")
         if self.save_interval < 0:

@@ -182,7 +182,12 @@ def resolve_checkpoint(path: str | Path) -> Path:
 
 
 def load_model_checkpoint(
-    model: torch.nn.Module, ps: ParallelState, ckpt_dir: str | Path, *, vocab_size: int, model_source: str = ""
+    model: torch.nn.Module,
+    ps: ParallelState,
+    ckpt_dir: str | Path,
+    *,
+    vocab_size: int,
+    model_source: str = "",
 ) -> dict[str, Any]:
     """Collective: load the model weights of checkpoint ``ckpt_dir`` (model-only or training) into
     ``model``, which may be built at another layout. Returns the checkpoint's marker.

@@ -49,7 +49,11 @@ _SAFE_GLOBALS: frozenset[tuple[str, str]] = frozenset(
     }
     | {(f"{_DCP}.planner", name) for name in ("SavePlan", "WriteItem", "WriteItemType", "TensorWriteData")}
     | {(f"{_DCP}.filesystem", "_StorageInfo"), ("torch", "Size"), ("torch.serialization", "_get_layout")}
-    | {("torch", str(dtype).removeprefix("torch.")) for dtype in vars(torch).values() if isinstance(dtype, torch.dtype)}
+    | {
+        ("torch", str(dtype).removeprefix("torch."))
+        for dtype in vars(torch).values()
+        if isinstance(dtype, torch.dtype)
+    }
 )
 """What a torch distributed checkpoint's ``.metadata`` pickles (read from torch 2.13's writer): its
 metadata dataclasses and enums, sizes and dtypes. Nothing here runs code when built."""
@@ -85,7 +89,9 @@ def read_dcp_metadata(ckpt: Path) -> Any:
     except FileNotFoundError as exc:
         raise CheckpointError(f"{path} is missing: {ckpt} is not a complete distributed checkpoint") from exc
     except Exception as exc:  # truncated or garbled: EOFError, UnpicklingError, ...
-        raise CheckpointError(f"{path} is damaged ({type(exc).__name__}: {exc}); the checkpoint cannot load") from exc
+        raise CheckpointError(
+            f"{path} is damaged ({type(exc).__name__}: {exc}); the checkpoint cannot load"
+        ) from exc
 
 
 def _load_plain(path: Path, what: str) -> Any:
@@ -111,7 +117,9 @@ def _check_shards(ckpt: Path, metadata: Any) -> None:
     for index, info in metadata.storage_data.items():
         name = str(info.relative_path)
         if Path(name).name != name or name in ("", ".", ".."):
-            raise CheckpointError(f"{ckpt / DCP_METADATA} points outside the checkpoint ({name!r}): refusing it")
+            raise CheckpointError(
+                f"{ckpt / DCP_METADATA} points outside the checkpoint ({name!r}): refusing it"
+            )
         shard = ckpt / name
         if name not in sizes:
             if not shard.is_file():
@@ -137,7 +145,9 @@ def _check_shards(ckpt: Path, metadata: Any) -> None:
                 ) from exc
 
 
-def verify_checkpoint(ckpt: str | Path, *, shape: dict[str, Any] | None = None, source: str = "") -> dict[str, Any]:
+def verify_checkpoint(
+    ckpt: str | Path, *, shape: dict[str, Any] | None = None, source: str = ""
+) -> dict[str, Any]:
     """Rank 0: check checkpoint ``ckpt`` as the module docstring says; return its marker.
 
     ``shape``: the model about to be loaded (``model_shape``); compared with the one the marker
@@ -148,13 +158,17 @@ def verify_checkpoint(ckpt: str | Path, *, shape: dict[str, Any] | None = None, 
     try:
         marker = read_marker(ckpt)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise CheckpointError(f"{ckpt}/grpo_checkpoint.json is damaged ({exc}); the checkpoint cannot load") from exc
+        raise CheckpointError(
+            f"{ckpt}/grpo_checkpoint.json is damaged ({exc}); the checkpoint cannot load"
+        ) from exc
     if not isinstance(marker, dict):
         raise CheckpointError(f"{ckpt}/grpo_checkpoint.json holds no JSON object; the checkpoint cannot load")
     saved = marker.get("model")
     if shape is not None and isinstance(saved, dict):
         # LoRA adapters (model.lora) are part of the model: with them on either side, they must agree.
-        keys = [k for k in shape if k in saved] + (["lora"] if "lora" in saved and "lora" not in shape else [])
+        keys = [k for k in shape if k in saved] + (
+            ["lora"] if "lora" in saved and "lora" not in shape else []
+        )
         differ = {k: (saved.get(k), shape.get(k)) for k in keys if saved.get(k) != shape.get(k)}
         if differ:
             shown = ", ".join(f"{k} {a} in the checkpoint vs {b}" for k, (a, b) in differ.items())
@@ -172,7 +186,9 @@ def verify_checkpoint(ckpt: str | Path, *, shape: dict[str, Any] | None = None, 
     if marker.get("kind") == "train":
         state = _load_plain(ckpt / TRAINER_STATE, "trainer state")
         if not isinstance(state, dict):
-            raise CheckpointError(f"{ckpt / TRAINER_STATE} holds a {type(state).__name__}, not the trainer state")
+            raise CheckpointError(
+                f"{ckpt / TRAINER_STATE} holds a {type(state).__name__}, not the trainer state"
+            )
         for rank in range(int(marker.get("layout", {}).get("world_size", 0))):
             _load_plain(ckpt / RNG_DIR / f"rank_{rank:05d}.pt", f"rank {rank}'s RNG state")
     return marker

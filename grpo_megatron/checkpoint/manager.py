@@ -83,6 +83,7 @@ class Policy(Protocol):
     @property
     def scheduler(self) -> OptimizerParamScheduler | None: ...
 
+
 _ITER_RE = re.compile(r"^iter_(\d{7,})$")
 
 
@@ -269,7 +270,10 @@ class CheckpointManager:
         that crashed or failed saves left; returns them."""
         stale = self._remove_temporaries()
         if stale:
-            print(f"[checkpoint] removed {len(stale)} unfinished save(s): {', '.join(p.name for p in stale)}", flush=True)
+            print(
+                f"[checkpoint] removed {len(stale)} unfinished save(s): {', '.join(p.name for p in stale)}",
+                flush=True,
+            )
         return stale
 
     # ------------------------------------------------------------------------------------------

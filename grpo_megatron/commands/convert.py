@@ -78,7 +78,12 @@ def _start(
 
     model_cfg = ModelConfig(hf_path=str(hf_dir), dtype=dtype)  # type: ignore[arg-type]
     parallel = ParallelConfig(
-        tp=args.tp, pp=args.pp, ep=args.ep, etp=args.etp, use_distributed_optimizer=False, backend=args.backend
+        tp=args.tp,
+        pp=args.pp,
+        ep=args.ep,
+        etp=args.etp,
+        use_distributed_optimizer=False,
+        backend=args.backend,
     )
     world_size = world_size_from_env()
     errors = parallel.layout_errors(world_size) or model_layout_errors(model_cfg, hf, parallel)
@@ -136,7 +141,9 @@ def lora_config(recorded: dict[str, Any]) -> LoRAConfig:
     """The ``model.lora`` section a checkpoint's marker recorded (rank, alpha, targets)."""
     from grpo_megatron.models.config import LoRAConfig
 
-    return LoRAConfig(rank=int(recorded["rank"]), alpha=float(recorded["alpha"]), targets=list(recorded["targets"]))
+    return LoRAConfig(
+        rank=int(recorded["rank"]), alpha=float(recorded["alpha"]), targets=list(recorded["targets"])
+    )
 
 
 def mcore_to_peft(args: argparse.Namespace) -> Path:
@@ -146,8 +153,10 @@ def mcore_to_peft(args: argparse.Namespace) -> Path:
     ps, model, hf, hf_dir, marker = _load_checkpoint(args)
     lora = marker.get("model", {}).get("lora")
     if not lora:
-        raise ConvertError(f"--ckpt {args.ckpt}: not a LoRA run's checkpoint (its marker records no model.lora): "
-                           "use mcore-to-hf for its weights")  # fmt: skip
+        raise ConvertError(
+            f"--ckpt {args.ckpt}: not a LoRA run's checkpoint (its marker records no model.lora): "
+            "use mcore-to-hf for its weights"
+        )
     write_peft_adapter(model, ps, hf, lora_config(lora), Path(args.out), base_model=str(args.hf_config or ""))
     return Path(args.out)
 
@@ -222,7 +231,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="megatron checkpoint (converted or training iter_XXXXXXX) -> HF safetensors",
         description="megatron checkpoint (converted or training iter_XXXXXXX) -> HF safetensors",
     )
-    to_hf.add_argument("--ckpt", required=True, metavar="DIR", help="checkpoint directory (or one with `latest`)")
+    to_hf.add_argument(
+        "--ckpt", required=True, metavar="DIR", help="checkpoint directory (or one with `latest`)"
+    )
     to_hf.add_argument(
         "--hf-config",
         metavar="DIR",
@@ -230,16 +241,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="directory with config.json and tokenizer files (default: --ckpt, where hf-to-mcore put them)",
     )
     to_hf.add_argument("--out", required=True, metavar="DIR", help="new HF model directory")
-    to_hf.add_argument("--bucket-mb", type=int, default=512, help="safetensors shard size in MiB (default 512)")
+    to_hf.add_argument(
+        "--bucket-mb", type=int, default=512, help="safetensors shard size in MiB (default 512)"
+    )
     to_peft = sub.add_parser(
         "mcore-to-peft",
         help="a LoRA run's checkpoint -> PEFT adapter (adapter_config.json + adapter_model.safetensors)",
         description="a LoRA run's checkpoint -> PEFT adapter (adapter_config.json + adapter_model.safetensors)",
     )
-    to_peft.add_argument("--ckpt", required=True, metavar="DIR", help="checkpoint directory (or one with `latest`)")
-    to_peft.add_argument("--hf-config", metavar="DIR", default=None,
-                         help="the base model's directory (config.json; default: --ckpt); written as the "
-                         "adapter's base_model_name_or_path")  # fmt: skip
+    to_peft.add_argument(
+        "--ckpt", required=True, metavar="DIR", help="checkpoint directory (or one with `latest`)"
+    )
+    to_peft.add_argument(
+        "--hf-config",
+        metavar="DIR",
+        default=None,
+        help="the base model's directory (config.json; default: --ckpt); written as the "
+        "adapter's base_model_name_or_path",
+    )
     to_peft.add_argument("--out", required=True, metavar="DIR", help="new PEFT adapter directory")
     for p in (to_mcore, to_hf, to_peft):
         p.add_argument("--tp", type=int, default=1, help="tensor parallel size of this launch (default 1)")
@@ -267,7 +286,9 @@ def main(args: argparse.Namespace) -> int:
 
     from grpo_megatron.distributed.bootstrap import destroy_distributed
 
-    run = {"hf-to-mcore": hf_to_mcore, "mcore-to-hf": mcore_to_hf, "mcore-to-peft": mcore_to_peft}[args.direction]
+    run = {"hf-to-mcore": hf_to_mcore, "mcore-to-hf": mcore_to_hf, "mcore-to-peft": mcore_to_peft}[
+        args.direction
+    ]
     try:
         out = run(args)
     except ConvertError as exc:

@@ -52,7 +52,9 @@ def verify(cfg: JobConfig, *, rows: int = 2, seq_len: int = 32, seed: int = 0) -
     model, spec = build_gpt_model(hf, cfg.model, ps)
     load_hf_weights(model, ps, cfg.model.hf_path, hf)
     model.eval()
-    tokens_bs = torch.randint(0, spec.vocab_size, (rows, seq_len), generator=torch.Generator().manual_seed(seed))
+    tokens_bs = torch.randint(
+        0, spec.vocab_size, (rows, seq_len), generator=torch.Generator().manual_seed(seed)
+    )
     (out,) = forward_logprobs(
         model, [MicroBatch(tokens_bs[:, :-1], tokens_bs[:, 1:])], ps, vocab_size=spec.vocab_size
     )
@@ -60,13 +62,17 @@ def verify(cfg: JobConfig, *, rows: int = 2, seq_len: int = 32, seed: int = 0) -
     if ps.pp == 1:
         with torch.no_grad():
             position_ids_bs = torch.arange(seq_len)[None].expand(rows, -1)
-            logits_bsv = model(tokens_bs.to(ps.device), position_ids_bs.to(ps.device), None, runtime_gather_output=True)
+            logits_bsv = model(
+                tokens_bs.to(ps.device), position_ids_bs.to(ps.device), None, runtime_gather_output=True
+            )
             logits_bsv = logits_bsv[..., : spec.vocab_size].float().cpu()
     # [max logprob diff, mean logprob diff, max logit diff (-1: none)], computed on rank 0.
     summary = torch.zeros(3, dtype=torch.float64)
     if ps.rank == 0:
         ref_logits_bsv = _hf_reference(cfg.model.hf_path, tokens_bs)
-        ref_logprobs_bs = torch.log_softmax(ref_logits_bsv[:, :-1], -1).gather(-1, tokens_bs[:, 1:, None])[..., 0]
+        ref_logprobs_bs = torch.log_softmax(ref_logits_bsv[:, :-1], -1).gather(-1, tokens_bs[:, 1:, None])[
+            ..., 0
+        ]
         diff_bs = (out.logprobs_bs.float().cpu() - ref_logprobs_bs).abs()
         summary[0], summary[1] = diff_bs.max(), diff_bs.mean()
         summary[2] = -1.0 if logits_bsv is None else (logits_bsv - ref_logits_bsv).abs().max()

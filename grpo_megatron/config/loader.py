@@ -191,7 +191,9 @@ def _apply_override(raw: dict[str, Any], override: str, origins: _Origins, error
             # edits the default list instead of replacing it.
             default = defaults[depth]
             child = container[key] = _to_raw(default) if isinstance(default, list) else {}
-        if not isinstance(child, dict | list) or (isinstance(path[depth + 1], int) and not isinstance(child, list)):
+        if not isinstance(child, dict | list) or (
+            isinstance(path[depth + 1], int) and not isinstance(child, list)
+        ):
             errors.append(
                 f"{where}: {_dotted(path[: depth + 1])} is {child!r}, which has no entry {path[depth + 1]!r}"
             )
@@ -241,7 +243,9 @@ def _parse_override_value(text: str, tp: Any) -> Any:
 # Type checking and conversion of raw YAML values
 
 
-def _convert(value: Any, tp: Any, path: KeyPath, origins: _Origins, errors: list[str], expected: str = "") -> Any:
+def _convert(
+    value: Any, tp: Any, path: KeyPath, origins: _Origins, errors: list[str], expected: str = ""
+) -> Any:
     """`value` converted to `tp`, or _INVALID after appending the reason to `errors`."""
     expected = expected or _describe(tp)
     origin = _origin(tp)
@@ -364,7 +368,9 @@ def _unknown_key_message(path: KeyPath, valid: list[str]) -> str:
     name = str(path[-1])
     close = difflib.get_close_matches(name, valid, n=1, cutoff=0.6)
     where = f"in '{_dotted(path[:-1])}'" if len(path) > 1 else "at the top level"
-    hint = f"did you mean '{_dotted((*path[:-1], close[0]))}'?" if close else f"valid keys: {', '.join(valid)}"
+    hint = (
+        f"did you mean '{_dotted((*path[:-1], close[0]))}'?" if close else f"valid keys: {', '.join(valid)}"
+    )
     return f"unknown key '{_dotted(path)}' {where}: {hint}"
 
 

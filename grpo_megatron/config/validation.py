@@ -192,7 +192,9 @@ def routing_replay_errors(cfg: JobConfig, hf_config: dict[str, Any]) -> list[str
     where = f"algorithm.routing_replay={mode}"
     errors = []
     if num_routed_experts(hf_config) == 0:
-        errors.append(f"{where} but the model is dense (no experts to route): set algorithm.routing_replay=off")
+        errors.append(
+            f"{where} but the model is dense (no experts to route): set algorithm.routing_replay=off"
+        )
     if cfg.parallel.cp > 1:
         errors.append(
             f"{where} with parallel.cp={cfg.parallel.cp}: routes are not split over context-parallel ranks "
@@ -239,7 +241,11 @@ def context_length_errors(cfg: JobConfig, hf_config: dict[str, Any]) -> list[str
     total = cfg.data.max_prompt_tokens + response.tokens
     if total <= int(context):
         return []
-    source = "rollout.sglang_server_args.context_length" if given else f"max_position_embeddings in {cfg.model.hf_path}/config.json"
+    source = (
+        "rollout.sglang_server_args.context_length"
+        if given
+        else f"max_position_embeddings in {cfg.model.hf_path}/config.json"
+    )
     return [
         f"data.max_prompt_tokens={cfg.data.max_prompt_tokens} + {response.field}={response.tokens} = {total} tokens "
         f"exceeds the model's context of {int(context)} ({source}): SGLang refuses such a request; lower "
@@ -259,7 +265,11 @@ def sglang_rotary_errors(cfg: JobConfig, hf_config: dict[str, Any]) -> list[str]
     """SGLang engines on CUDA with a bf16 KV cache need a head size SGLang's rotary kernel has
     (``SGLANG_CUDA_ROTARY_HEAD_SIZES``). MLA models (DeepSeek-V3) rotate ``qk_rope_head_dim`` with
     their own embedding and are not concerned; neither are CPU engines."""
-    if cfg.rollout.engine != "sglang" or job_backend(cfg.parallel.backend) != "nccl" or "kv_lora_rank" in hf_config:
+    if (
+        cfg.rollout.engine != "sglang"
+        or job_backend(cfg.parallel.backend) != "nccl"
+        or "kv_lora_rank" in hf_config
+    ):
         return []
     kv_dtype = cfg.rollout.sglang_server_args.get("kv_cache_dtype", "auto")
     if cfg.model.dtype != "bfloat16" or kv_dtype not in ("auto", "bfloat16", "bf16"):
@@ -299,23 +309,41 @@ def true_on_policy_errors(cfg: JobConfig) -> list[str]:
         return []
     why = "rollout.true_on_policy=true (the trainer's own model generates, bitwise as it trains)"
     rules = [
-        (r.engine == "embedded",
-         "rollout.engine=sglang: SGLang's kernels are not the trainer's; set rollout.engine=embedded"),
-        (not r.embedded_process, "rollout.embedded_process=true: the policy engine is the trainer's model, in its "
-                                 "process; set rollout.embedded_process=false"),
-        (cfg.train.max_staleness == 0 and not cfg.train.partial_rollout,
-         "train.max_staleness > 0 or train.partial_rollout: the policy generates with the weights it trains, "
-         "not one version behind; set train.max_staleness=0 and train.partial_rollout=false"),
-        (p.pp == 1 and p.cp == 1, f"parallel.pp={p.pp}, parallel.cp={p.cp}: decode steps run one stage on "
-                                  "whole sequences; set parallel.pp=1 and parallel.cp=1"),
-        (p.tp <= 2, f"parallel.tp={p.tp}: a sum over more than two tensor-parallel ranks depends on its order; "
-                    "set parallel.tp to 1 or 2"),
-        (cfg.model.transformer_impl != "transformer_engine",
-         "model.transformer_impl=transformer_engine: the batch-invariant attention is the local layer spec's; "
-         "set model.transformer_impl=local"),
-        (not r.multiturn.enabled, "rollout.multiturn.enabled=true: a tool call ends on a stop string, which the "
-                                  "policy engine does not match; set rollout.multiturn.enabled=false"),
-    ]  # fmt: skip
+        (
+            r.engine == "embedded",
+            "rollout.engine=sglang: SGLang's kernels are not the trainer's; set rollout.engine=embedded",
+        ),
+        (
+            not r.embedded_process,
+            "rollout.embedded_process=true: the policy engine is the trainer's model, in its "
+            "process; set rollout.embedded_process=false",
+        ),
+        (
+            cfg.train.max_staleness == 0 and not cfg.train.partial_rollout,
+            "train.max_staleness > 0 or train.partial_rollout: the policy generates with the weights it trains, "
+            "not one version behind; set train.max_staleness=0 and train.partial_rollout=false",
+        ),
+        (
+            p.pp == 1 and p.cp == 1,
+            f"parallel.pp={p.pp}, parallel.cp={p.cp}: decode steps run one stage on "
+            "whole sequences; set parallel.pp=1 and parallel.cp=1",
+        ),
+        (
+            p.tp <= 2,
+            f"parallel.tp={p.tp}: a sum over more than two tensor-parallel ranks depends on its order; "
+            "set parallel.tp to 1 or 2",
+        ),
+        (
+            cfg.model.transformer_impl != "transformer_engine",
+            "model.transformer_impl=transformer_engine: the batch-invariant attention is the local layer spec's; "
+            "set model.transformer_impl=local",
+        ),
+        (
+            not r.multiturn.enabled,
+            "rollout.multiturn.enabled=true: a tool call ends on a stop string, which the "
+            "policy engine does not match; set rollout.multiturn.enabled=false",
+        ),
+    ]
     return [f"{why}: {message}" for ok, message in rules if not ok]
 
 
@@ -324,15 +352,21 @@ def async_errors(cfg: JobConfig) -> list[str]:
     if cfg.train.partial_rollout:
         return partial_rollout_errors(cfg)
     errors = []
-    for name, what in (("partial_keep_kv", "keeps the KV of continued responses across weight updates"),
-                       ("partial_one_request", "sends each segment round as one request")):
+    for name, what in (
+        ("partial_keep_kv", "keeps the KV of continued responses across weight updates"),
+        ("partial_one_request", "sends each segment round as one request"),
+    ):
         if getattr(cfg.rollout, name):
-            errors.append(f"rollout.{name}=true without train.partial_rollout=true: it {what}; set "
-                          f"train.partial_rollout=true or rollout.{name}=false")
+            errors.append(
+                f"rollout.{name}=true without train.partial_rollout=true: it {what}; set "
+                f"train.partial_rollout=true or rollout.{name}=false"
+            )
     if cfg.rollout.partial_overlap:
-        errors.append("rollout.partial_overlap=true without train.partial_rollout=true: it overlaps the "
-                      "segment rounds of partial rollouts; set train.partial_rollout=true or "
-                      "rollout.partial_overlap=false")
+        errors.append(
+            "rollout.partial_overlap=true without train.partial_rollout=true: it overlaps the "
+            "segment rounds of partial rollouts; set train.partial_rollout=true or "
+            "rollout.partial_overlap=false"
+        )
     if cfg.train.max_staleness > 0 and not (cfg.rollout.embedded_process or cfg.rollout.engine == "sglang"):
         errors.append(
             f"train.max_staleness={cfg.train.max_staleness} needs engines that generate while the trainer "
@@ -369,8 +403,10 @@ def partial_rollout_errors(cfg: JobConfig) -> list[str]:
     r, t, errors = cfg.rollout, cfg.train, []
     k = r.partial_segment_tokens
     if k < 1 or r.partial_groups_in_flight < 0:
-        return [f"rollout.partial_segment_tokens={k} must be >= 1 and rollout.partial_groups_in_flight="
-                f"{r.partial_groups_in_flight} >= 0 (0 = 2 x train.prompts_per_iteration)"]  # fmt: skip
+        return [
+            f"rollout.partial_segment_tokens={k} must be >= 1 and rollout.partial_groups_in_flight="
+            f"{r.partial_groups_in_flight} >= 0 (0 = 2 x train.prompts_per_iteration)"
+        ]
     if (t.max_staleness + 1) * k < r.max_new_tokens:
         need = -(-r.max_new_tokens // k) - 1
         errors.append(
@@ -383,26 +419,36 @@ def partial_rollout_errors(cfg: JobConfig) -> list[str]:
     if r.partial_overlap:
         errors += partial_overlap_errors(cfg)
     if r.partial_keep_kv and r.engine != "sglang":
-        errors.append(f"rollout.partial_keep_kv=true with rollout.engine={r.engine}: only an SGLang engine "
-                      "keeps its prefix cache across a weight update (the embedded engine keeps no KV "
-                      "between requests); use rollout.engine=sglang or set rollout.partial_keep_kv=false")
+        errors.append(
+            f"rollout.partial_keep_kv=true with rollout.engine={r.engine}: only an SGLang engine "
+            "keeps its prefix cache across a weight update (the embedded engine keeps no KV "
+            "between requests); use rollout.engine=sglang or set rollout.partial_keep_kv=false"
+        )
     if r.partial_groups_in_flight and r.partial_groups_in_flight < t.prompts_per_iteration:
         errors.append(
             f"rollout.partial_groups_in_flight={r.partial_groups_in_flight} is below train.prompts_per_iteration="
             f"{t.prompts_per_iteration}: an iteration could never take its groups; raise it (0 = twice as many)"
         )
     refused = {  # setting: (whether it is on, why the mode cannot run with it)
-        "algorithm.dynamic_sampling.enabled=true": (cfg.algorithm.dynamic_sampling.enabled,
-                                                    "a DAPO round would draw prompts outside the pool"),
-        "rollout.multiturn.enabled=true": (r.multiturn.enabled,
-                                           "episodes are generated turn by turn, not in segments"),
-        "algorithm.routing_replay=r3": (cfg.algorithm.routing_replay == "r3",
-                                        "a continued response's earlier tokens are re-routed by newer weights"),
-    }  # fmt: skip
+        "algorithm.dynamic_sampling.enabled=true": (
+            cfg.algorithm.dynamic_sampling.enabled,
+            "a DAPO round would draw prompts outside the pool",
+        ),
+        "rollout.multiturn.enabled=true": (
+            r.multiturn.enabled,
+            "episodes are generated turn by turn, not in segments",
+        ),
+        "algorithm.routing_replay=r3": (
+            cfg.algorithm.routing_replay == "r3",
+            "a continued response's earlier tokens are re-routed by newer weights",
+        ),
+    }
     for name, (on, why) in refused.items():
         if on:
-            errors.append(f"train.partial_rollout=true with {name}: {why}; set train.partial_rollout=false "
-                          f"or turn {name.split('=')[0]} off")  # fmt: skip
+            errors.append(
+                f"train.partial_rollout=true with {name}: {why}; set train.partial_rollout=false "
+                f"or turn {name.split('=')[0]} off"
+            )
     return errors
 
 
@@ -410,9 +456,11 @@ def partial_overlap_errors(cfg: JobConfig) -> list[str]:
     """rollout.partial_overlap: a segment round in flight while the trainer trains (training/partial.py)."""
     r, t, errors = cfg.rollout, cfg.train, []
     if not (r.embedded_process or r.engine == "sglang"):
-        errors.append("rollout.partial_overlap=true needs engines that generate while the trainer trains: "
-                      "set rollout.embedded_process=true, or use rollout.engine=sglang (or "
-                      "rollout.partial_overlap=false)")
+        errors.append(
+            "rollout.partial_overlap=true needs engines that generate while the trainer trains: "
+            "set rollout.embedded_process=true, or use rollout.engine=sglang (or "
+            "rollout.partial_overlap=false)"
+        )
     if t.max_staleness * r.partial_segment_tokens < r.max_new_tokens:
         errors.append(
             f"rollout.partial_overlap=true with train.max_staleness={t.max_staleness} and "
@@ -423,8 +471,10 @@ def partial_overlap_errors(cfg: JobConfig) -> list[str]:
             f"rollout.partial_segment_tokens>={-(-r.max_new_tokens // max(t.max_staleness, 1))}"
         )
     if t.offload_trainer:
-        errors.append("rollout.partial_overlap=true with train.offload_trainer=true: the engines generate "
-                      "while the trainer trains, so both stay on the device; set train.offload_trainer=false")
+        errors.append(
+            "rollout.partial_overlap=true with train.offload_trainer=true: the engines generate "
+            "while the trainer trains, so both stay on the device; set train.offload_trainer=false"
+        )
     return errors
 
 

@@ -85,7 +85,9 @@ def _train_items(cfg: DataConfig, problems: list, *, sft: bool) -> tuple[Iterato
     included for SFT), with their counts."""
     if cfg.train_path is not None:
         stats = DataStats(source=str(cfg.train_path))
-        return _file_items(cfg, cfg.train_path, "data.train_path", cfg.num_train_prompts, stats, sft=sft), stats
+        return _file_items(
+            cfg, cfg.train_path, "data.train_path", cfg.num_train_prompts, stats, sft=sft
+        ), stats
     stats = DataStats(source=f"generator {cfg.generator} ({'train, gold solutions' if sft else 'train'})")
     return _problem_items(problems, cfg.generator, "train", stats), stats
 

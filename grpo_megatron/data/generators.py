@@ -91,8 +91,12 @@ def tool_arithmetic(rng: random.Random, digits: int = 3, op: str = "*") -> Probl
     a, b = rng.randrange(10**digits), rng.randrange(10**digits)
     value = a + b if op == "+" else a - b if op == "-" else a * b
     expr = f"{a}{op}{b}"
-    return Problem(prompt=f"{expr}=", answer=str(value), solution=f"<calc>{expr}</calc><result>{value}</result>{value}",
-                   metadata={"a": a, "b": b})
+    return Problem(
+        prompt=f"{expr}=",
+        answer=str(value),
+        solution=f"<calc>{expr}</calc><result>{value}</result>{value}",
+        metadata={"a": a, "b": b},
+    )
 
 
 _COUNTDOWN_OPS = ("+", "-", "*", "/")

@@ -176,9 +176,15 @@ def init_distributed(parallel: ParallelConfig, *, seed: int = 1234) -> ParallelS
     from grpo_megatron.distributed.megatron_compat import apply_megatron_compat
 
     # Before any group opens its sockets (the whole world's gloo data group: a socket per rank).
-    needed = open_files.open_files_needed(world_size, dp=parallel.dp or 1, cp=parallel.cp,
-                                          expert_dp=parallel.expert_dp, rank=rank, nccl=use_cuda,
-                                          agent_store=open_files.agent_serves_store(os.environ))  # fmt: skip
+    needed = open_files.open_files_needed(
+        world_size,
+        dp=parallel.dp or 1,
+        cp=parallel.cp,
+        expert_dp=parallel.expert_dp,
+        rank=rank,
+        nccl=use_cuda,
+        agent_store=open_files.agent_serves_store(os.environ),
+    )
     open_files.raise_open_file_limit(needed)
 
     # By cause, not by device: TE absent and torch's Adam need fixes on a GPU too.
@@ -228,7 +234,12 @@ def init_distributed(parallel: ParallelConfig, *, seed: int = 1234) -> ParallelS
 
 
 def parallel_state_from_megatron(
-    *, world_size: int, rank: int, local_rank: int, device: Any, parallel: Any,
+    *,
+    world_size: int,
+    rank: int,
+    local_rank: int,
+    device: Any,
+    parallel: Any,
     timeout: datetime.timedelta | None = None,
 ) -> ParallelState:
     """Our ``ParallelState``, read from megatron's ``parallel_state`` after ``initialize_model_parallel``

@@ -32,7 +32,9 @@ def local_index(cu_seqlens: torch.Tensor, cp: int, rank: int) -> torch.Tensor:
     parts = []
     for start, end in zip(bounds[:-1], bounds[1:], strict=True):
         if (end - start) % (2 * cp):
-            raise ValueError(f"a segment of {end - start} tokens does not split into 2 x cp = {2 * cp} chunks")
+            raise ValueError(
+                f"a segment of {end - start} tokens does not split into 2 x cp = {2 * cp} chunks"
+            )
         chunk = (end - start) // (2 * cp)
         for k in (rank, 2 * cp - 1 - rank):
             parts.append(torch.arange(start + k * chunk, start + (k + 1) * chunk))

@@ -177,9 +177,11 @@ CAUSES: dict[Cause, str] = {
 """What each cause means: what this process lacks for the fixes of that cause to apply."""
 
 _COLUMNS = (
-    ("name", 30), ("what breaks in megatron-core", 62), ("where (megatron.core.*, or torch.*)", 58),
+    ("name", 30),
+    ("what breaks in megatron-core", 62),
+    ("where (megatron.core.*, or torch.*)", 58),
     ("how we adjust", 52),
-)  # fmt: skip
+)
 
 
 def _wrap_target(target: str, width: int) -> list[str]:
@@ -213,7 +215,11 @@ def fix_tables(fixes: tuple[Fix, ...] | None = None) -> str:
             if fix.cause != cause:
                 continue
             (_, w_name), (_, w_what), (_, w_where), (_, w_fix) = _COLUMNS
-            where = [p for t in fix.where.split(", ") for p in _wrap_target(t.removeprefix("megatron.core."), w_where)]
+            where = [
+                p
+                for t in fix.where.split(", ")
+                for p in _wrap_target(t.removeprefix("megatron.core."), w_where)
+            ]
             cells = [wrap(fix.name, w_name), wrap(fix.what_breaks, w_what), where, wrap(fix.fix, w_fix)]
             for i in range(max(len(c) for c in cells)):
                 out.append(line([c[i] if i < len(c) else "" for c in cells]))
@@ -594,7 +600,9 @@ FIXES: tuple[Fix, ...] = (
         "restores the CPU generator and the (CPU) tracker states, which are the ones in use",
         {
             "megatron.core.tensor_parallel.random:_get_cuda_rng_state": lambda _original: _no_cuda_rng_state,
-            "megatron.core.tensor_parallel.random:_set_cuda_rng_state": lambda _original: _set_no_cuda_rng_state,
+            "megatron.core.tensor_parallel.random:_set_cuda_rng_state": lambda _original: (
+                _set_no_cuda_rng_state
+            ),
         },
     ),
     Fix(

@@ -48,7 +48,14 @@ import torch.distributed as dist
 from grpo_megatron.distributed.collectives import collective_device
 from grpo_megatron.fileio import write_text_atomic
 
-__all__ = ["EXIT_PREEMPTED", "EXIT_INTERRUPTED", "EXIT_FILE_ENV", "Preempted", "Preemption", "report_preempted"]
+__all__ = [
+    "EXIT_PREEMPTED",
+    "EXIT_INTERRUPTED",
+    "EXIT_FILE_ENV",
+    "Preempted",
+    "Preemption",
+    "report_preempted",
+]
 
 EXIT_PREEMPTED = 75
 """Every rank's exit code after a signal once the checkpoint is written: rerun (requeue) to resume.
@@ -160,7 +167,9 @@ class Preemption:
         poller = select.poll()  # not select.select: the fd may number past FD_SETSIZE (1024)
         poller.register(read_fd, select.POLLIN)
         while True:
-            timeout = None if self._deadline is None else max(0, int((self._deadline - time.monotonic()) * 1000))
+            timeout = (
+                None if self._deadline is None else max(0, int((self._deadline - time.monotonic()) * 1000))
+            )
             if not poller.poll(timeout):
                 self._exit(f"the grace of checkpoint.signal_grace_s={self.grace_s:g} s ran out")
             data = os.read(read_fd, 64)
@@ -178,8 +187,10 @@ class Preemption:
                     self._exit(f"a second signal ({name})")
                 self.received, self._first_at = name, now
                 self._deadline = now + self.grace_s
-                self._log(f"[preempt] {name}: saving a checkpoint at the next safe point and stopping (at most "
-                          f"checkpoint.signal_grace_s={self.grace_s:g} s; a second signal stops at once)")
+                self._log(
+                    f"[preempt] {name}: saving a checkpoint at the next safe point and stopping (at most "
+                    f"checkpoint.signal_grace_s={self.grace_s:g} s; a second signal stops at once)"
+                )
                 self._interrupt_now()
 
     def _exit(self, why: str) -> None:
@@ -200,8 +211,11 @@ def report_preempted(stop: Preempted, checkpoint: Path, rank: int, group: dist.P
     """Collective: rank 0 says what happened and writes ``$GRPO_EXIT_FILE``; returns EXIT_PREEMPTED."""
     if rank == 0:
         kept = f"checkpoint {checkpoint} written" if stop.saved else "no checkpoint (nothing trained yet)"
-        print(f"[preempt] {stop.signal_name}: {kept} after iteration {stop.iteration}; "
-              f"exiting with {EXIT_PREEMPTED} (rerun the same command to resume)", flush=True)
+        print(
+            f"[preempt] {stop.signal_name}: {kept} after iteration {stop.iteration}; "
+            f"exiting with {EXIT_PREEMPTED} (rerun the same command to resume)",
+            flush=True,
+        )
         exit_file = os.environ.get(EXIT_FILE_ENV)
         if exit_file:
             write_text_atomic(Path(exit_file), f"{EXIT_PREEMPTED}\n")

@@ -138,7 +138,9 @@ class ProgressWatchdog:
                 self._tick(time.monotonic())
             except Exception as exc:  # the store went away (launcher ending): stop watching quietly
                 if not self._stop.is_set():
-                    print(f"[watchdog] rank {self.rank}: stopped watching ({exc})", file=sys.stderr, flush=True)
+                    print(
+                        f"[watchdog] rank {self.rank}: stopped watching ({exc})", file=sys.stderr, flush=True
+                    )
                 return
 
     def _tick(self, now: float) -> None:
@@ -146,8 +148,15 @@ class ProgressWatchdog:
         if stack != self._stack:  # the main thread moved: alive
             self._stack, self._last = stack, now
         self._ticks += 1
-        state = {"count": self._count, "phase": self._phase, "age": now - self._last, "tick": self._ticks,
-                 "limit": self._limit_s or self.timeout_s, "waiting": in_collective(self._main_id), "host": self.host}  # fmt: skip
+        state = {
+            "count": self._count,
+            "phase": self._phase,
+            "age": now - self._last,
+            "tick": self._ticks,
+            "limit": self._limit_s or self.timeout_s,
+            "waiting": in_collective(self._main_id),
+            "host": self.host,
+        }
         self.store.set(f"rank{self.rank}", json.dumps(state))
         if self.rank == 0 and not self.store.check([_VERDICT]):
             verdict = self._judge(now)
@@ -177,7 +186,13 @@ class ProgressWatchdog:
             silent = now - seen.since
             if silent > s["limit"] + 2 * self.interval_s:
                 over = True
-                stuck.append((s["count"], r, f"its watchdog published nothing for {silent:.0f} s (frozen, or the GIL held)"))
+                stuck.append(
+                    (
+                        s["count"],
+                        r,
+                        f"its watchdog published nothing for {silent:.0f} s (frozen, or the GIL held)",
+                    )
+                )
             elif s["age"] > s["limit"] / 2 and not s["waiting"]:
                 # Half the bound already names a rank (once any passed the bound): one that blocks a
                 # little later than the rank waiting for it outside c10d (NCCL) is named too.
@@ -186,10 +201,13 @@ class ProgressWatchdog:
         if not over:
             return None
         waiting = [str(r) for r, s in enumerate(states) if s["waiting"]]
-        named = "; ".join(f"rank {r} on {states[r]['host']} in phase '{states[r]['phase']}': {why}"
-                          for _, r, why in sorted(stuck))  # fmt: skip
+        named = "; ".join(
+            f"rank {r} on {states[r]['host']} in phase '{states[r]['phase']}': {why}"
+            for _, r, why in sorted(stuck)
+        )
         return (
-            f"stuck: {named}" + (f"; rank(s) {', '.join(waiting)} waited in a collective" if waiting else "")
+            f"stuck: {named}"
+            + (f"; rank(s) {', '.join(waiting)} waited in a collective" if waiting else "")
             + f"; stopping every rank (parallel.progress_timeout_s={self.timeout_s:g})"
         )
 
@@ -204,8 +222,12 @@ def start_watchdog(timeout_s: float, rank: int, world_size: int) -> ProgressWatc
     store = dist.PrefixStore(
         "grpo_progress/",
         dist.TCPStore(
-            os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size, is_master=False,
-            timeout=timedelta(seconds=60), wait_for_workers=False,
+            os.environ["MASTER_ADDR"],
+            int(os.environ["MASTER_PORT"]),
+            world_size,
+            is_master=False,
+            timeout=timedelta(seconds=60),
+            wait_for_workers=False,
         ),
     )
     interval = min(5.0, max(0.2, timeout_s / 10))

@@ -149,9 +149,7 @@ class ConsoleReporter:
             )
         self._ensure_bar()
         if self._progress is not None and self._task is not None:
-            self._progress.update(
-                self._task, completed=self._completed, status=self._status(), refresh=True
-            )
+            self._progress.update(self._task, completed=self._completed, status=self._status(), refresh=True)
 
     def print_samples(self, iteration: int, rows: Sequence[Mapping[str, Any]], max_chars: int) -> None:
         self.console.print(samples_table(iteration, rows, max_chars))

@@ -135,7 +135,9 @@ def iter_jsonl(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
                 return
             raise ValueError(f"{path}:{number}: not a JSON line ({exc}); fix or delete that line") from exc
         if not isinstance(record, dict) or not isinstance(record.get("iteration"), int):
-            raise ValueError(f"{path}:{number}: a record needs an integer 'iteration'; fix or delete that line")
+            raise ValueError(
+                f"{path}:{number}: a record needs an integer 'iteration'; fix or delete that line"
+            )
         yield number, record
 
 

@@ -95,14 +95,23 @@ class ModelAdapter:
             head_dim=int(hf.get("head_dim") or hidden // heads),
         )
         rules = [
-            qkv(m + "linear_qkv.weight", f"{h}q_proj.weight", f"{h}k_proj.weight", f"{h}v_proj.weight", geometry)
+            qkv(
+                m + "linear_qkv.weight",
+                f"{h}q_proj.weight",
+                f"{h}k_proj.weight",
+                f"{h}v_proj.weight",
+                geometry,
+            )
         ]
         if self.transformer_config_kwargs(hf).get("add_qkv_bias"):
             rules.append(
                 qkv(m + "linear_qkv.bias", f"{h}q_proj.bias", f"{h}k_proj.bias", f"{h}v_proj.bias", geometry)
             )
         if self.transformer_config_kwargs(hf).get("qk_layernorm"):
-            rules += [copy(m + "q_layernorm.weight", h + "q_norm.weight"), copy(m + "k_layernorm.weight", h + "k_norm.weight")]
+            rules += [
+                copy(m + "q_layernorm.weight", h + "q_norm.weight"),
+                copy(m + "k_layernorm.weight", h + "k_norm.weight"),
+            ]
         rules.append(copy(m + "linear_proj.weight", h + "o_proj.weight"))
         return rules
 
@@ -121,7 +130,13 @@ class ModelAdapter:
         ]
 
     def expert_rules(
-        self, hf: Mapping[str, Any], m: str, h: str, gate: str = "gate_proj", up: str = "up_proj", down: str = "down_proj"
+        self,
+        hf: Mapping[str, Any],
+        m: str,
+        h: str,
+        gate: str = "gate_proj",
+        up: str = "up_proj",
+        down: str = "down_proj",
     ) -> list[WeightRule]:
         """Routed experts (``h``: the HF experts prefix, e.g. "model.layers.i.mlp.experts."): one HF
         key per expert and projection <-> megatron's per-expert ``local_experts.E`` (global E)."""

@@ -74,7 +74,9 @@ def _matmul(a: torch.Tensor, b: torch.Tensor, **kwargs: Any) -> torch.Tensor | N
     return _rows_matmul(a, b)
 
 
-def _addmm(bias: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, beta: float = 1, alpha: float = 1) -> torch.Tensor:
+def _addmm(
+    bias: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, beta: float = 1, alpha: float = 1
+) -> torch.Tensor:
     out = tiled_rows_mm(a, b)
     out = out if alpha == 1 else out * alpha
     return out + (bias if beta == 1 else bias * beta)
@@ -84,7 +86,9 @@ class BatchInvariantMode(TorchFunctionMode):
     """While active (``with BatchInvariantMode():``, on every rank around every forward of the policy
     and of its engine), products of the module docstring's kinds go through ``tiled_rows_mm``."""
 
-    def __torch_function__(self, func: Callable, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+    def __torch_function__(
+        self, func: Callable, types: Any, args: tuple = (), kwargs: dict | None = None
+    ) -> Any:
         kwargs = kwargs or {}
         if func is F.linear:
             return _linear(*args, **kwargs)

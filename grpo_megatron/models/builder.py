@@ -129,7 +129,11 @@ def build_transformer_config(
 
 
 def build_gpt_model(
-    hf: Mapping[str, Any], model_cfg: ModelConfig, ps: ParallelState, *, vp_stage: int | None = None,
+    hf: Mapping[str, Any],
+    model_cfg: ModelConfig,
+    ps: ParallelState,
+    *,
+    vp_stage: int | None = None,
     key_length: int | None = None,
 ) -> tuple[GPTModel, PolicySpec]:
     """This rank's ``GPTModel`` (its pipeline stage, its TP/EP shards) and the derived spec.
@@ -150,7 +154,9 @@ def build_gpt_model(
         # the HF models the rollout engines run (models/local_norm.py).
         use_local_rms_norm(block_spec)
     if key_length is not None and use_te:
-        raise ValueError("batch-invariant attention (rollout.true_on_policy) needs model.transformer_impl=local")
+        raise ValueError(
+            "batch-invariant attention (rollout.true_on_policy) needs model.transformer_impl=local"
+        )
     if not use_te:
         from megatron.core.transformer.spec_utils import ModuleSpec
 
@@ -158,8 +164,10 @@ def build_gpt_model(
 
         # megatron's local DotProductAttention refuses packed sequences and context parallelism, and
         # cannot take MLA's distinct key/value head widths (models/local_attention.py).
-        core: Any = LocalCoreAttention if key_length is None else ModuleSpec(
-            module=LocalCoreAttention, params={"key_length": key_length}
+        core: Any = (
+            LocalCoreAttention
+            if key_length is None
+            else ModuleSpec(module=LocalCoreAttention, params={"key_length": key_length})
         )
         for layer_spec in block_spec.layer_specs:
             layer_spec.submodules.self_attention.submodules.core_attention = core
@@ -186,4 +194,3 @@ def build_gpt_model(
         use_te=use_te,
     )
     return model, spec
-

@@ -22,14 +22,22 @@ EXPERT_COUNT_KEYS: tuple[str, ...] = ("num_experts", "n_routed_experts", "num_lo
 # LoRA targets (model.lora.targets): where in the model, and which of megatron's linear layers there.
 LORA_GROUPS: dict[str, tuple[str, ...]] = {
     "attention": (
-        "linear_qkv", "linear_proj",  # grouped-query attention (Qwen, Mixtral)
+        "linear_qkv",
+        "linear_proj",  # grouped-query attention (Qwen, Mixtral)
         # multi-latent attention (DeepSeek-V3): linear_q_proj when q_lora_rank is unset
-        "linear_q_proj", "linear_q_down_proj", "linear_q_up_proj", "linear_kv_down_proj", "linear_kv_up_proj",
+        "linear_q_proj",
+        "linear_q_down_proj",
+        "linear_q_up_proj",
+        "linear_kv_down_proj",
+        "linear_kv_up_proj",
     ),
     "experts": ("linear_fc1", "linear_fc2"),  # routed experts: one adapter per expert
     "shared_experts": ("linear_fc1", "linear_fc2"),  # DeepSeek-V3's shared experts
-    "dense_mlp": ("linear_fc1", "linear_fc2"),  # dense layers' MLPs (dense models, DeepSeek-V3's first layers)
-}  # fmt: skip
+    "dense_mlp": (
+        "linear_fc1",
+        "linear_fc2",
+    ),  # dense layers' MLPs (dense models, DeepSeek-V3's first layers)
+}
 
 
 def lora_place(canonical: str) -> tuple[str, str] | None:

@@ -60,7 +60,9 @@ def segment_attention(
         position_l = local_index(cu_seqlens, cp, cp_group.rank()).to(query_lhd.device)
     bounds = cu_seqlens.tolist()
     if cp == 1:
-        return _attention_by_length(query_lhd, key_lhd, value_lhd, bounds, groups, scale=scale, dropout_p=dropout_p)
+        return _attention_by_length(
+            query_lhd, key_lhd, value_lhd, bounds, groups, scale=scale, dropout_p=dropout_p
+        )
     outs, q_start = [], 0
     for start, end in zip(bounds[:-1], bounds[1:], strict=True):
         k_hsd, v_hsd = (t[start:end].transpose(0, 1) for t in (key_lhd, value_lhd))
@@ -69,7 +71,9 @@ def segment_attention(
         q_len = (end - start) // cp
         q_hqd = query_lhd[q_start : q_start + q_len].transpose(0, 1)
         if cp == 1:
-            out = F.scaled_dot_product_attention(q_hqd, k_hsd, v_hsd, is_causal=True, dropout_p=dropout_p, scale=scale)
+            out = F.scaled_dot_product_attention(
+                q_hqd, k_hsd, v_hsd, is_causal=True, dropout_p=dropout_p, scale=scale
+            )
         else:  # this rank's queries sit at two places of the segment: mask by position
             q_pos = position_l[q_start : q_start + q_len] - start
             allowed_qs = torch.arange(end - start, device=q_pos.device)[None, :] <= q_pos[:, None]
@@ -95,7 +99,9 @@ def _attention_by_length(
     batched causal call, one call per distinct length instead of one per segment (a micro-batch of
     hundreds of short responses would otherwise pay hundreds of calls per layer)."""
     if bounds[-1] != query_lhd.shape[0]:
-        raise ValueError(f"cu_seqlens ends at {bounds[-1]}, the packed sequence has {query_lhd.shape[0]} tokens")
+        raise ValueError(
+            f"cu_seqlens ends at {bounds[-1]}, the packed sequence has {query_lhd.shape[0]} tokens"
+        )
     out_lhd = query_lhd.new_empty((*query_lhd.shape[:2], value_lhd.shape[2]))
     by_length: dict[int, list[int]] = {}
     for start, end in zip(bounds[:-1], bounds[1:], strict=True):
@@ -105,7 +111,8 @@ def _attention_by_length(
     for n, starts in by_length.items():
         index_bn = (torch.tensor(starts, device=device)[:, None] + torch.arange(n, device=device)).reshape(-1)
         q_bhnd, k_bhnd, v_bhnd = (
-            t[index_bn].view(len(starts), n, *t.shape[1:]).transpose(1, 2) for t in (query_lhd, key_lhd, value_lhd)
+            t[index_bn].view(len(starts), n, *t.shape[1:]).transpose(1, 2)
+            for t in (query_lhd, key_lhd, value_lhd)
         )
         if groups > 1:
             k_bhnd, v_bhnd = (t.repeat_interleave(groups, dim=1) for t in (k_bhnd, v_bhnd))
@@ -161,7 +168,9 @@ class LocalCoreAttention(MegatronModule):
         dropout_p = self.dropout_p if self.training else 0.0
         if packed_seq_params is not None:
             if packed_seq_params.qkv_format != "thd":
-                raise ValueError(f"LocalCoreAttention: packed sequences must be thd, got {packed_seq_params.qkv_format!r}")
+                raise ValueError(
+                    f"LocalCoreAttention: packed sequences must be thd, got {packed_seq_params.qkv_format!r}"
+                )
             cp_group = packed_seq_params.cp_group or self.cp_group
             # Slots wider than their rows (context parallelism) are in the padded boundaries.
             cu_seqlens = packed_seq_params.cu_seqlens_q_padded
@@ -170,12 +179,19 @@ class LocalCoreAttention(MegatronModule):
             if self.key_length is not None:
                 return self._aligned(query, key, value, cu_seqlens.tolist()).reshape(query.shape[0], -1)
             out_lhd = segment_attention(
-                query, key, value, cu_seqlens, scale=self.softmax_scale, dropout_p=dropout_p,
+                query,
+                key,
+                value,
+                cu_seqlens,
+                scale=self.softmax_scale,
+                dropout_p=dropout_p,
                 cp_group=cp_group if cp_group is not None and cp_group.size() > 1 else None,
             )
             return out_lhd.reshape(out_lhd.shape[0], -1)
         if self.config.context_parallel_size != 1:
-            raise ValueError("LocalCoreAttention: context parallelism needs packed sequences (train.packing=true)")
+            raise ValueError(
+                "LocalCoreAttention: context parallelism needs packed sequences (train.packing=true)"
+            )
         s, b, h, _ = query.shape
         if self.key_length is not None:  # every row a segment of length s: right padding comes after
             rows = [self._aligned(query[:, i], key[:, i], value[:, i], [0, s]) for i in range(b)]
@@ -187,14 +203,19 @@ class LocalCoreAttention(MegatronModule):
         # megatron's masks are True where attention is NOT allowed; SDPA's bool masks the opposite.
         mask = None if attention_mask is None else ~attention_mask
         out_bhsd = F.scaled_dot_product_attention(
-            q_bhsd, k_bhsd, v_bhsd, attn_mask=mask, is_causal=attention_mask is None, dropout_p=dropout_p,
+            q_bhsd,
+            k_bhsd,
+            v_bhsd,
+            attn_mask=mask,
+            is_causal=attention_mask is None,
+            dropout_p=dropout_p,
             scale=self.softmax_scale,
         )
         return out_bhsd.permute(2, 0, 1, 3).reshape(s, b, -1)
 
-
-    def _aligned(self, query_lhd: torch.Tensor, key_lhd: torch.Tensor, value_lhd: torch.Tensor,
-                 bounds: list[int]) -> torch.Tensor:  # fmt: skip
+    def _aligned(
+        self, query_lhd: torch.Tensor, key_lhd: torch.Tensor, value_lhd: torch.Tensor, bounds: list[int]
+    ) -> torch.Tensor:
         """Batch-invariant attention of each segment ``bounds[i] .. bounds[i+1]`` (``key_length`` set)."""
         from grpo_megatron.models.batch_invariant import aligned_attention
 
@@ -203,9 +224,12 @@ class LocalCoreAttention(MegatronModule):
         for start, end in zip(bounds[:-1], bounds[1:], strict=True):
             if end > start:
                 out_lhd[start:end] = aligned_attention(
-                    query_lhd[start:end], key_lhd[start:end], value_lhd[start:end], scale=self.softmax_scale,
+                    query_lhd[start:end],
+                    key_lhd[start:end],
+                    value_lhd[start:end],
+                    scale=self.softmax_scale,
                     key_length=self.key_length,
-                )  # fmt: skip
+                )
         return out_lhd
 
 

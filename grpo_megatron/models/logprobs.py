@@ -192,8 +192,14 @@ def vocab_parallel_logprobs(
         logits_bsvt, labels_bs, vocab_start, vocab_size, temperature, tp_group, with_entropy
     )
     if truncation is not None and truncation.active:
-        logprobs_bs = truncated_logprobs_bs(logits_bsvt, labels_bs, truncation, temperature=temperature,
-                                            vocab_size=vocab_size, tp_group=tp_group)  # fmt: skip
+        logprobs_bs = truncated_logprobs_bs(
+            logits_bsvt,
+            labels_bs,
+            truncation,
+            temperature=temperature,
+            vocab_size=vocab_size,
+            tp_group=tp_group,
+        )
     return logprobs_bs, entropy_bs if with_entropy else None
 
 
@@ -240,8 +246,12 @@ def truncated_logprobs_bs(
             chunk_cvt = _GatherVocab.apply(chunk_cvt, tp_group)
         z_rv = chunk_cvt.float().flatten(0, 1) / temperature
         if vocab_size is not None and vocab_size < z_rv.shape[-1]:
-            z_rv = z_rv.masked_fill(torch.arange(z_rv.shape[-1], device=z_rv.device) >= vocab_size, float("-inf"))
-        logp_r = truncated_logprobs(z_rv, labels_bs[rows, pos].flatten(), truncation).clamp(min=TRUNCATED_FLOOR)
+            z_rv = z_rv.masked_fill(
+                torch.arange(z_rv.shape[-1], device=z_rv.device) >= vocab_size, float("-inf")
+            )
+        logp_r = truncated_logprobs(z_rv, labels_bs[rows, pos].flatten(), truncation).clamp(
+            min=TRUNCATED_FLOOR
+        )
         pieces.append((rows, pos, logp_r.view(chunk_cvt.shape[:2])))
     for rows, pos, logp_cs in pieces:
         out_bs = out_bs.index_put((torch.arange(b)[rows][:, None], torch.arange(s)[pos][None, :]), logp_cs)

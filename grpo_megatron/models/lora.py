@@ -95,7 +95,14 @@ class LoRAAdapter(torch.nn.Module):
     """``scale * B (A x)`` added to one base linear layer's output (a forward hook on it)."""
 
     def __init__(
-        self, base: Any, key: str, cfg: LoRAConfig, seed: int, *, glu: bool = False, expert_parallel: bool | None = None
+        self,
+        base: Any,
+        key: str,
+        cfg: LoRAConfig,
+        seed: int,
+        *,
+        glu: bool = False,
+        expert_parallel: bool | None = None,
     ) -> None:
         """``expert_parallel``: None for a layer that is not a routed expert's, else whether EP > 1."""
         super().__init__()
@@ -104,7 +111,9 @@ class LoRAAdapter(torch.nn.Module):
         out_local, in_local = weight.shape
         self.is_expert = expert_parallel is not None  # bridge/layout.py finds expert parameters by it
         self.sharding = layer_sharding(base, is_expert=self.is_expert, expert_parallel=bool(expert_parallel))
-        self.key = key  # canonical name of the base layer: "decoder.layers.3.mlp.experts.local_experts.5.linear_fc1"
+        self.key = (
+            key  # canonical name of the base layer: "decoder.layers.3.mlp.experts.local_experts.5.linear_fc1"
+        )
         self.scale = cfg.scale
         self.dropout = cfg.dropout
         self.enabled = True
@@ -115,7 +124,9 @@ class LoRAAdapter(torch.nn.Module):
         if split_a and self.group is not None:
             a_full = a_full.chunk(self.sharding.size, dim=1)[self.group.rank()]
         self.lora_A = torch.nn.Parameter(a_full.to(dtype=weight.dtype, device=weight.device).contiguous())
-        self.lora_B = torch.nn.Parameter(torch.zeros(out_local, cfg.rank, dtype=weight.dtype, device=weight.device))
+        self.lora_B = torch.nn.Parameter(
+            torch.zeros(out_local, cfg.rank, dtype=weight.dtype, device=weight.device)
+        )
         self._mark_parameters(base)
         self.handle = base.register_forward_hook(self._hook)
 
@@ -175,7 +186,9 @@ class LoRAAdapter(torch.nn.Module):
     def merged(self, weight: torch.Tensor) -> torch.Tensor:
         """This rank's shard of ``W + scale * B A`` (fp32 sum, rounded once to W's dtype)."""
         delta = self.lora_B.float() @ self.lora_A.float()
-        return torch.add(weight.float(), delta, alpha=self.scale).to(weight.dtype)  # never in place: W is live
+        return torch.add(weight.float(), delta, alpha=self.scale).to(
+            weight.dtype
+        )  # never in place: W is live
 
     def sharded_state_dict(
         self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None
@@ -193,7 +206,9 @@ class LoRAAdapter(torch.nn.Module):
         out = make_sharded_tensors_for_checkpoint(state, prefix, axes, sharded_offsets, **kwargs)
         if self.is_glu and "lora_B" in axes:
             singleton = (metadata or {}).get("singleton_local_shards", False)
-            out[f"{prefix}lora_B"] = apply_swiglu_sharded_factory(out[f"{prefix}lora_B"], sharded_offsets, singleton)
+            out[f"{prefix}lora_B"] = apply_swiglu_sharded_factory(
+                out[f"{prefix}lora_B"], sharded_offsets, singleton
+            )
         return out
 
 
@@ -230,7 +245,12 @@ def _places(layer: Any) -> Iterator[tuple[str, torch.nn.Module, str, bool | None
         )
     first = experts.ep_group.rank() * experts.num_local_experts
     for j, expert in enumerate(local):
-        yield "experts", expert, f"{prefix}mlp.experts.local_experts.{first + j}.", experts.ep_group.size() > 1
+        yield (
+            "experts",
+            expert,
+            f"{prefix}mlp.experts.local_experts.{first + j}.",
+            experts.ep_group.size() > 1,
+        )
     shared = getattr(mlp, "shared_experts", None)
     if shared is not None:
         yield "shared_experts", shared, prefix + "mlp.shared_experts.", None
@@ -249,7 +269,9 @@ def add_lora(gpt: Any, cfg: LoRAConfig, seed: int, *, gated: bool) -> list[LoRAA
                 if not cfg.targeted(group, linear):
                     continue
                 glu = gated and linear == "linear_fc1"
-                adapter = LoRAAdapter(base, prefix + linear, cfg, seed, glu=glu, expert_parallel=expert_parallel)
+                adapter = LoRAAdapter(
+                    base, prefix + linear, cfg, seed, glu=glu, expert_parallel=expert_parallel
+                )
                 parent.add_module(f"{linear}_lora", adapter)
                 adapters.append(adapter)
     for param in gpt.parameters():

@@ -35,4 +35,7 @@ class MixtralAdapter(ModelAdapter):
     def mlp_rules(self, hf: Mapping[str, Any], layer: int, m: str, h: str) -> list[WeightRule]:
         moe = h + "block_sparse_moe."
         # Mixtral's w1 is the gate, w3 the up projection, w2 the down projection.
-        return [copy(m + "router.weight", moe + "gate.weight"), *self.expert_rules(hf, m, moe + "experts.", "w1", "w3", "w2")]
+        return [
+            copy(m + "router.weight", moe + "gate.weight"),
+            *self.expert_rules(hf, m, moe + "experts.", "w1", "w3", "w2"),
+        ]

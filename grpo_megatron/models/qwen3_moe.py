@@ -40,4 +40,7 @@ class Qwen3MoeAdapter(Qwen3Adapter):
     def mlp_rules(self, hf: Mapping[str, Any], layer: int, m: str, h: str) -> list[WeightRule]:
         if layer in self.dense_layers(hf):
             return self.swiglu_rules(m, h + "mlp.")
-        return [copy(m + "router.weight", h + "mlp.gate.weight"), *self.expert_rules(hf, m, h + "mlp.experts.")]
+        return [
+            copy(m + "router.weight", h + "mlp.gate.weight"),
+            *self.expert_rules(hf, m, h + "mlp.experts."),
+        ]

@@ -106,7 +106,9 @@ replayed micro-batch that route themselves)."""
 def moe_layer_numbers(config: Any) -> list[int]:
     """megatron's 1-based global layer numbers of the MoE layers (from ``moe_layer_freq``)."""
     freq = config.moe_layer_freq
-    pattern = freq if isinstance(freq, list) else [1 if i % freq == 0 else 0 for i in range(config.num_layers)]
+    pattern = (
+        freq if isinstance(freq, list) else [1 if i % freq == 0 else 0 for i in range(config.num_layers)]
+    )
     return [i + 1 for i, is_moe in enumerate(pattern) if is_moe]
 
 
@@ -187,7 +189,9 @@ class RoutingPass:
         self.num_moe_layers = len(moe_layer_numbers(config)) if self.num_experts else 0
         self.top_k = int(config.moe_router_topk) if self.num_experts else 0
 
-    def before_microbatch(self, routes_lbsk: torch.Tensor | None, padded: tuple[int, int], real: tuple[int, int]) -> None:
+    def before_microbatch(
+        self, routes_lbsk: torch.Tensor | None, padded: tuple[int, int], real: tuple[int, int]
+    ) -> None:
         """Called by the runner before each micro-batch's forward on this pipeline stage."""
         if not self.taps:
             return
@@ -218,7 +222,9 @@ class RoutingPass:
                     target = torch.where(self_t[:, None], torch.full_like(target, SELF_ROUTED), target)
             tap.target_tk, tap.forward_next = target, True
         given_cpu = {j: g.cpu() for j, g in given.items()}
-        self.microbatches.append(_Microbatch(padded, valid_t.cpu(), given_cpu, None if self_t is None else self_t.cpu()))
+        self.microbatches.append(
+            _Microbatch(padded, valid_t.cpu(), given_cpu, None if self_t is None else self_t.cpu())
+        )
 
     def _own(self, j: int, i: int) -> torch.Tensor:
         tap = self.taps[j]
@@ -281,7 +287,9 @@ def _first_config(model: torch.nn.Module | list[torch.nn.Module]) -> Any:
     return chunk.config
 
 
-def reduce_routing_stats(compare_m2: torch.Tensor, counts_me: torch.Tensor, ps: ParallelState) -> tuple[torch.Tensor, torch.Tensor]:
+def reduce_routing_stats(
+    compare_m2: torch.Tensor, counts_me: torch.Tensor, ps: ParallelState
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Sum every rank's ``RoutingPass.stats`` (layers live on PP stages, tokens on DP / EP ranks and
     SP chunks): collective over all ranks."""
     device = collective_device()

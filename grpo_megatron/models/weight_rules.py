@@ -16,6 +16,7 @@ from typing import Literal
 
 Kind = Literal["copy", "glu", "qkv", "vocab"]
 
+
 @dataclass(frozen=True)
 class QKVGroups:
     """Grouped-query attention geometry of a fused ``linear_qkv``."""

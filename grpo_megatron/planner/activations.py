@@ -12,7 +12,14 @@ from grpo_megatron.planner.model_states import Layout, ModelDims
 
 
 def layer_activation_bytes(
-    d: ModelDims, layer: int, layout: Layout, act_bytes: int, *, seq_len: int, flash: bool, moe_imbalance: float
+    d: ModelDims,
+    layer: int,
+    layout: Layout,
+    act_bytes: int,
+    *,
+    seq_len: int,
+    flash: bool,
+    moe_imbalance: float,
 ) -> float:
     """Bytes one rank stores for backward, per token of the micro-batch, in one layer (no recompute).
 
@@ -50,7 +57,9 @@ def layer_activation_bytes(
     return total
 
 
-def dispatch_buffer_bytes(d: ModelDims, layout: Layout, act_bytes: int, tokens: float, moe_imbalance: float) -> float:
+def dispatch_buffer_bytes(
+    d: ModelDims, layout: Layout, act_bytes: int, tokens: float, moe_imbalance: float
+) -> float:
     """All-to-all send and receive buffers of one MoE layer (transient, one layer at a time)."""
     if not any(d.moe_layers):
         return 0.0

@@ -46,7 +46,9 @@ class PhaseTimes:
         for item in filter(None, (s.strip() for s in text.split(","))):
             name, sep, value = item.partition("=")
             if not sep or name not in (*PHASES, "other"):
-                raise ValueError(f"--phase-times: {item!r} is not <phase>=<seconds> with a phase of {PHASES} or other")
+                raise ValueError(
+                    f"--phase-times: {item!r} is not <phase>=<seconds> with a phase of {PHASES} or other"
+                )
             values[name] = float(value)
         return cls(**{p: values.get(p, 0.0) for p in (*PHASES, "other")})
 
@@ -81,11 +83,12 @@ def estimate(times: PhaseTimes, trainer_gpus: int, engine_gpus: int) -> AsyncEst
     rollout = times.rollout * trainer_gpus / engine_gpus
     trainer = times.reward + times.train + times.other
     return AsyncEstimate(
-        trainer_gpus, engine_gpus,
+        trainer_gpus,
+        engine_gpus,
         step_sync_s=times.rollout + trainer + times.sync,
         step_async_s=max(rollout, trainer) + times.sync,
         bound="rollout" if rollout > trainer else "trainer",
-    )  # fmt: skip
+    )
 
 
 def time_sliced(times: PhaseTimes, gpus: int) -> AsyncEstimate:
@@ -105,15 +108,20 @@ COLOCATED = (
 
 def render(e: AsyncEstimate, max_staleness: int) -> str:
     if e.bound == "time-sliced":
-        return "\n".join([
-            f"Asynchronous layout (train.max_staleness={max_staleness}): " + COLOCATED.format(gpus=e.trainer_gpus),
-            f"  expected step: {e.step_async_s:.2f} s, as the synchronous colocated step (time-sliced)",
-        ])  # fmt: skip
+        return "\n".join(
+            [
+                f"Asynchronous layout (train.max_staleness={max_staleness}): "
+                + COLOCATED.format(gpus=e.trainer_gpus),
+                f"  expected step: {e.step_async_s:.2f} s, as the synchronous colocated step (time-sliced)",
+            ]
+        )
     gpus = e.trainer_gpus + e.engine_gpus
-    return "\n".join([
-        f"Asynchronous layout (train.max_staleness={max_staleness}): trainer GPUs {e.trainer_gpus} "
-        f"(the parallel layout above), engine GPUs {e.engine_gpus} of their own, {gpus} in all",
-        f"  expected step: synchronous colocated on {e.trainer_gpus} GPUs {e.step_sync_s:.2f} s; asynchronous "
-        f"{e.step_async_s:.2f} s ({e.bound}-bound), {e.step_async_s / e.step_sync_s:.2f}x the time on "
-        f"{gpus / e.trainer_gpus:.2f}x the GPUs",
-    ])  # fmt: skip
+    return "\n".join(
+        [
+            f"Asynchronous layout (train.max_staleness={max_staleness}): trainer GPUs {e.trainer_gpus} "
+            f"(the parallel layout above), engine GPUs {e.engine_gpus} of their own, {gpus} in all",
+            f"  expected step: synchronous colocated on {e.trainer_gpus} GPUs {e.step_sync_s:.2f} s; asynchronous "
+            f"{e.step_async_s:.2f} s ({e.bound}-bound), {e.step_async_s / e.step_sync_s:.2f}x the time on "
+            f"{gpus / e.trainer_gpus:.2f}x the GPUs",
+        ]
+    )

@@ -32,7 +32,9 @@ class _WorldSize(argparse.Action):
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--nodes", type=int, action=_WorldSize, help="number of nodes (default 1)")
     parser.add_argument("--gpus-per-node", type=int, action=_WorldSize, help="GPUs per node (default 8)")
-    parser.add_argument("--gpu", choices=("h100", "h200", "custom"), default="h100", help="GPU model (default h100)")
+    parser.add_argument(
+        "--gpu", choices=("h100", "h200", "custom"), default="h100", help="GPU model (default h100)"
+    )
     parser.add_argument("--gpu-memory-gb", type=float, default=None, help="memory of a --gpu custom, in GiB")
     parser.add_argument(
         "--rollout-gpus-per-engine",
@@ -58,10 +60,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "process group of the full world size, and check every shard and rank mapping",
     )
     parser.add_argument("--every-rank", action="store_true", help="dry run: initialise and build every rank")
-    parser.add_argument("--nvlink-gbps", type=float, default=370.0, help="weight-sync estimate: NVLink GB/s per GPU")
-    parser.add_argument("--pcie-gbps", type=float, default=50.0, help="weight-sync estimate: PCIe GB/s per GPU")
-    parser.add_argument("--ib-gbps", type=float, default=45.0, help="weight-sync estimate: InfiniBand GB/s per GPU")
-    parser.add_argument("--copy-gbps", type=float, default=1300.0, help="weight-sync estimate: device copy GB/s")
+    parser.add_argument(
+        "--nvlink-gbps", type=float, default=370.0, help="weight-sync estimate: NVLink GB/s per GPU"
+    )
+    parser.add_argument(
+        "--pcie-gbps", type=float, default=50.0, help="weight-sync estimate: PCIe GB/s per GPU"
+    )
+    parser.add_argument(
+        "--ib-gbps", type=float, default=45.0, help="weight-sync estimate: InfiniBand GB/s per GPU"
+    )
+    parser.add_argument(
+        "--copy-gbps", type=float, default=1300.0, help="weight-sync estimate: device copy GB/s"
+    )
     parser.add_argument(
         "--phase-times",
         default=None,
@@ -69,7 +79,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "(or a synchronous run's metrics.jsonl) -> the expected asynchronous step time",
     )
     parser.add_argument(
-        "--engine-gpus", type=int, default=None, help="asynchronous layout: GPUs of the engines (default: as the trainer)"
+        "--engine-gpus",
+        type=int,
+        default=None,
+        help="asynchronous layout: GPUs of the engines (default: as the trainer)",
     )
     parser.add_argument(
         "--response-tokens",
@@ -79,7 +92,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "a rollout beyond parallel.timeout_minutes or parallel.long_phase_timeout_s does not fit",
     )
     parser.add_argument(
-        "--ckpt-gbps", type=float, default=2.0, help="stop on a signal: a node's checkpoint write bandwidth, GB/s"
+        "--ckpt-gbps",
+        type=float,
+        default=2.0,
+        help="stop on a signal: a node's checkpoint write bandwidth, GB/s",
     )
     parser.set_defaults(nodes=1, gpus_per_node=8, world_size=8)
 
@@ -142,9 +158,14 @@ def run(cfg: JobConfig, args: argparse.Namespace) -> int:
     estimates = []
     if placement.engines:
         estimates = sync.plan_sync(
-            hf, plan.layout, gpus_per_node=args.gpus_per_node, gpus_per_engine=args.world_size // len(placement.engines),
-            export_bytes=memory.engine_weight_bytes(cfg.model.dtype), links=links, engine_ep=placement.engine_ep,
-        )  # fmt: skip
+            hf,
+            plan.layout,
+            gpus_per_node=args.gpus_per_node,
+            gpus_per_engine=args.world_size // len(placement.engines),
+            export_bytes=memory.engine_weight_bytes(cfg.model.dtype),
+            links=links,
+            engine_ep=placement.engine_ep,
+        )
     receives = min((e.engine_gpu.received for e in estimates), default=None)
     console.print(memory.render(plan, cfg, receives / sync.GB if receives is not None else None))
     if estimates:
@@ -177,8 +198,13 @@ def rollout_section(
 
     given = args.response_tokens
     if given is not None and not 0 < given <= cfg.rollout.max_new_tokens:
-        console.print(Text(f"--response-tokens={given} must be in 1..rollout.max_new_tokens="
-                           f"{cfg.rollout.max_new_tokens}", style="bold red"))  # fmt: skip
+        console.print(
+            Text(
+                f"--response-tokens={given} must be in 1..rollout.max_new_tokens="
+                f"{cfg.rollout.max_new_tokens}",
+                style="bold red",
+            )
+        )
         return EXIT_DOES_NOT_FIT
     response = planned_response(cfg, args)
     estimate = rollout_time(cfg, hf, plan, response)
@@ -204,8 +230,9 @@ def preemption_section(
     """How long a stop on a signal takes and the Slurm settings that cover it (planner/preemption.py)."""
     from grpo_megatron.planner.preemption import render, stop_time
 
-    stop = stop_time(cfg, hf, plan, response_tokens=planned_response(cfg, args), sync_s=sync_s,
-                     write_gbps=args.ckpt_gbps)  # fmt: skip
+    stop = stop_time(
+        cfg, hf, plan, response_tokens=planned_response(cfg, args), sync_s=sync_s, write_gbps=args.ckpt_gbps
+    )
     return render(stop, cfg)
 
 
@@ -218,8 +245,9 @@ def async_section(cfg: JobConfig, args: argparse.Namespace, *, colocated: bool) 
 
     staleness = max(cfg.train.max_staleness, 1)
     if colocated and not args.phase_times:
-        return (f"Asynchronous layout (train.max_staleness={staleness}): "
-                + async_layout.COLOCATED.format(gpus=args.world_size))  # fmt: skip
+        return f"Asynchronous layout (train.max_staleness={staleness}): " + async_layout.COLOCATED.format(
+            gpus=args.world_size
+        )
     if not args.phase_times:
         return (
             f"Asynchronous layout (train.max_staleness={cfg.train.max_staleness}): trainer GPUs {args.world_size}, "
@@ -228,7 +256,9 @@ def async_section(cfg: JobConfig, args: argparse.Namespace, *, colocated: bool) 
         )
     path = Path(args.phase_times)
     times = (
-        async_layout.PhaseTimes.from_metrics(path) if path.is_file() else async_layout.PhaseTimes.parse(args.phase_times)
+        async_layout.PhaseTimes.from_metrics(path)
+        if path.is_file()
+        else async_layout.PhaseTimes.parse(args.phase_times)
     )
     if colocated:
         return async_layout.render(async_layout.time_sliced(times, args.world_size), staleness)

@@ -107,9 +107,16 @@ def all_groups(layout: Layout) -> dict[str, list[list[int]]]:
 
 def group_sizes(layout: Layout) -> dict[str, int]:
     return {
-        "tp": layout.tp, "pp": layout.pp, "cp": layout.cp, "dp": layout.dp, "dp_cp": layout.dp * layout.cp,
-        "ep": layout.ep, "etp": layout.etp, "edp": layout.edp, "expert_pp": layout.pp,
-    }  # fmt: skip
+        "tp": layout.tp,
+        "pp": layout.pp,
+        "cp": layout.cp,
+        "dp": layout.dp,
+        "dp_cp": layout.dp * layout.cp,
+        "ep": layout.ep,
+        "etp": layout.etp,
+        "edp": layout.edp,
+        "expert_pp": layout.pp,
+    }
 
 
 def partition_errors(groups: Mapping[str, list[list[int]]], layout: Layout) -> list[str]:
@@ -120,7 +127,9 @@ def partition_errors(groups: Mapping[str, list[list[int]]], layout: Layout) -> l
         seen: list[int] = [r for g in groups[kind] for r in g]
         bad_size = [g for g in groups[kind] if len(g) != size]
         if bad_size:
-            errors.append(f"{kind} groups: {len(bad_size)} group(s) not of size {size}, e.g. {bad_size[0][:8]}")
+            errors.append(
+                f"{kind} groups: {len(bad_size)} group(s) not of size {size}, e.g. {bad_size[0][:8]}"
+            )
         if len(seen) != len(set(seen)) or set(seen) != world:
             errors.append(f"{kind} groups do not partition the {layout.world_size} ranks exactly once")
     if sorted(map(sorted, groups["pp"])) != sorted(map(sorted, groups["expert_pp"])):
@@ -205,9 +214,13 @@ def state_errors(ps: ParallelState, groups: Mapping[str, list[list[int]]]) -> li
         expected, index = index_in(groups[kind], ps.rank)
         actual = dist.get_process_group_ranks(group)
         if sorted(actual) != sorted(expected):
-            errors.append(f"rank {ps.rank}: megatron's {kind} group {actual[:8]} != generator's {expected[:8]}")
+            errors.append(
+                f"rank {ps.rank}: megatron's {kind} group {actual[:8]} != generator's {expected[:8]}"
+            )
         if rank_in is not None and rank_in != index:
-            errors.append(f"rank {ps.rank}: megatron's {kind} rank {rank_in} != its index {index} in the group")
+            errors.append(
+                f"rank {ps.rank}: megatron's {kind} rank {rank_in} != its index {index} in the group"
+            )
     return errors
 
 
@@ -247,7 +260,9 @@ def build_meta_model(hf: Mapping[str, Any], cfg: JobConfig, ps: ParallelState, s
     return model
 
 
-def shape_errors(model: Any, ps: ParallelState, layout: Layout, expected: list[tuple[TensorSpec, tuple[int, ...]]]) -> list[str]:
+def shape_errors(
+    model: Any, ps: ParallelState, layout: Layout, expected: list[tuple[TensorSpec, tuple[int, ...]]]
+) -> list[str]:
     """Every built parameter against the planner's table: name, shard shape, partition dim."""
     from grpo_megatron.bridge.layout import shard_layouts
 
@@ -257,7 +272,9 @@ def shape_errors(model: Any, ps: ParallelState, layout: Layout, expected: list[t
     for local_name, param, sl in shard_layouts(model, ps):
         got.add(sl.canonical_name)
         if sl.canonical_name not in want:
-            errors.append(f"rank {ps.rank}: built {local_name} ({sl.canonical_name}) is not in the planner's table")
+            errors.append(
+                f"rank {ps.rank}: built {local_name} ({sl.canonical_name}) is not in the planner's table"
+            )
             continue
         spec, shape = want[sl.canonical_name]
         if tuple(param.shape) != shape:
@@ -267,9 +284,13 @@ def shape_errors(model: Any, ps: ParallelState, layout: Layout, expected: list[t
             )
         split = layout.etp if spec.is_expert else layout.tp
         if split > 1 and sl.partition_dim != spec.partition_dim:
-            errors.append(f"rank {ps.rank}: {sl.canonical_name} split along {sl.partition_dim}, expected {spec.partition_dim}")
+            errors.append(
+                f"rank {ps.rank}: {sl.canonical_name} split along {sl.partition_dim}, expected {spec.partition_dim}"
+            )
         if sl.is_expert != spec.is_expert:
-            errors.append(f"rank {ps.rank}: {sl.canonical_name} is_expert={sl.is_expert}, expected {spec.is_expert}")
+            errors.append(
+                f"rank {ps.rank}: {sl.canonical_name} is_expert={sl.is_expert}, expected {spec.is_expert}"
+            )
     missing = sorted(set(want) - got)
     if missing:
         errors.append(f"rank {ps.rank}: {len(missing)} expected parameter(s) not built, e.g. {missing[:3]}")
@@ -283,7 +304,9 @@ def rule_name_errors(hf: Mapping[str, Any], tensors: list[TensorSpec]) -> list[s
     ours = {t.name for t in tensors}
     # Buffers are not parameters; a load-only rule (the tied output layer) exists only where a
     # last pipeline stage holds its own copy.
-    rules = {r.mcore for r in get_adapter(hf).weight_rules(hf) if not r.buffer and (r.export or r.mcore in ours)}
+    rules = {
+        r.mcore for r in get_adapter(hf).weight_rules(hf) if not r.buffer and (r.export or r.mcore in ours)
+    }
     if rules == ours:
         return []
     return [
@@ -296,7 +319,9 @@ def rule_name_errors(hf: Mapping[str, Any], tensors: list[TensorSpec]) -> list[s
 # The whole dry run
 
 
-def representative_ranks(groups: Mapping[str, list[list[int]]], layout: Layout, every_rank: bool) -> list[int]:
+def representative_ranks(
+    groups: Mapping[str, list[list[int]]], layout: Layout, every_rank: bool
+) -> list[int]:
     """First and last rank of each pipeline stage (or all ranks)."""
     if every_rank:
         return list(range(layout.world_size))
@@ -319,7 +344,9 @@ def dry_run(
     from grpo_megatron.models.builder import padded_vocab_size
 
     if dist.is_initialized():
-        raise RuntimeError("dry_run needs a process without a process group: run it from `grpo-megatron plan`")
+        raise RuntimeError(
+            "dry_run needs a process without a process group: run it from `grpo-megatron plan`"
+        )
     start = time.perf_counter()
     quiet_expected_warnings()
     from grpo_megatron.distributed.megatron_compat import apply_megatron_compat
@@ -360,7 +387,9 @@ def dry_run(
                 errors += shape_errors(model, ps, layout, expected)
                 n = sum(p.numel() for p in model.parameters())
                 if n != counts[ps.pp_rank].total:
-                    errors.append(f"rank {rank}: built {n} parameters, planner says {counts[ps.pp_rank].total}")
+                    errors.append(
+                        f"rank {rank}: built {n} parameters, planner says {counts[ps.pp_rank].total}"
+                    )
                 built[ps.pp_rank].append(rank)
                 del model
     n_built = sum(len(v) for v in built.values())
@@ -368,7 +397,9 @@ def dry_run(
         f"megatron parallel state on the fake process group matches the generator at {n_built or 'the sampled'} rank(s)"
     )
     if build:
-        checks.append(f"{n_built} meta-device models: every shard shape equals the unsharded shape split by the layout")
+        checks.append(
+            f"{n_built} meta-device models: every shard shape equals the unsharded shape split by the layout"
+        )
 
     classes = [
         RankClass(
@@ -402,10 +433,14 @@ def render(report: DryRunReport) -> Any:
         table.add_column(col, justify="right" if col != "built at ranks" else "left")
     for c in report.classes:
         shown = ", ".join(map(str, c.built_ranks[:4])) + (" ..." if len(c.built_ranks) > 4 else "")
-        table.add_row(str(c.pp_rank), str(c.ranks), human_count(c.params), f"{c.param_bytes / 2**30:.2f}", shown)
+        table.add_row(
+            str(c.pp_rank), str(c.ranks), human_count(c.params), f"{c.param_bytes / 2**30:.2f}", shown
+        )
     parts: list[Any] = [table]
     parts += [Text(f"ok: {c}") for c in report.checks]
     parts += [Text(f"error: {e}", style="red") for e in report.errors[:50]]
     verdict = "dry run passed" if report.ok else f"dry run FAILED ({len(report.errors)} problem(s))"
-    parts.append(Text(f"{verdict} in {report.seconds:.1f} s", style="bold green" if report.ok else "bold red"))
+    parts.append(
+        Text(f"{verdict} in {report.seconds:.1f} s", style="bold green" if report.ok else "bold red")
+    )
     return Group(*parts)

@@ -224,7 +224,9 @@ class _Trainer:
         return sum(x.gib for x in self.state.values()) + sum(x.gib for x in self.training)
 
 
-def _stage_lines(cfg: JobConfig, hf: Mapping[str, Any], layout: Layout, opts: PlanOptions, stage: int) -> _Trainer:
+def _stage_lines(
+    cfg: JobConfig, hf: Mapping[str, Any], layout: Layout, opts: PlanOptions, stage: int
+) -> _Trainer:
     d = ModelDims.from_hf(hf)
     te = cfg.model.transformer_impl != "local"  # GPUs use TransformerEngine unless told otherwise
     vp = padded_vocab_size(d.vocab, cfg.model.make_vocab_size_divisible_by, layout.tp)
@@ -243,7 +245,9 @@ def _stage_lines(cfg: JobConfig, hf: Mapping[str, Any], layout: Layout, opts: Pl
     layers = stage_layers(d.num_layers, layout.pp, stage)
     in_flight = layout.pp - stage  # 1F1B: the first stage holds pp micro-batches, the last one
     per_layer = [
-        layer_activation_bytes(d, i, layout, act_bytes, seq_len=seq_len, flash=te, moe_imbalance=opts.moe_imbalance)
+        layer_activation_bytes(
+            d, i, layout, act_bytes, seq_len=seq_len, flash=te, moe_imbalance=opts.moe_imbalance
+        )
         * tokens
         for i in layers
     ]
@@ -254,16 +258,22 @@ def _stage_lines(cfg: JobConfig, hf: Mapping[str, Any], layout: Layout, opts: Pl
         act_note = "full recompute: layer inputs x micro-batches in flight + one layer"
     else:
         act = sum(per_layer) * in_flight
-        act_note = f"{len(layers)} layers x {in_flight} micro-batch(es) in flight, {cfg.model.recompute} recompute"
+        act_note = (
+            f"{len(layers)} layers x {in_flight} micro-batch(es) in flight, {cfg.model.recompute} recompute"
+        )
     if stage == layout.pp - 1:
         act += output_activation_bytes(vp, layout, act_bytes) * tokens
     lora_note = f" of the LoRA adapters ({human_count(trainable.total)})" if cfg.model.lora.enabled else ""
     state = {
         "params": Line(
-            "parameters", counts.total * pbytes / GIB, f"{human_count(counts.total)} on this rank ({cfg.model.dtype})"
+            "parameters",
+            counts.total * pbytes / GIB,
+            f"{human_count(counts.total)} on this rank ({cfg.model.dtype})",
         ),
         "grads": Line(
-            "gradients", trainable.total * opts.grad_bytes / GIB, f"fp{8 * opts.grad_bytes} main grads" + lora_note
+            "gradients",
+            trainable.total * opts.grad_bytes / GIB,
+            f"fp{8 * opts.grad_bytes} main grads" + lora_note,
         ),
         "optimizer": Line(
             "optimizer state",
@@ -272,14 +282,20 @@ def _stage_lines(cfg: JobConfig, hf: Mapping[str, Any], layout: Layout, opts: Pl
         ),
     }
     if cfg.algorithm.kl.enabled and not cfg.model.lora.enabled:  # LoRA: the reference is the base, no copy
-        where = "on the CPU but in the reference pass" if cfg.train.reference_on_cpu else "resident, never offloaded"
+        where = (
+            "on the CPU but in the reference pass"
+            if cfg.train.reference_on_cpu
+            else "resident, never offloaded"
+        )
         state["reference"] = Line(
             "reference model", counts.total * pbytes / GIB, f"frozen copy, same sharding; {where}"
         )
     training = [Line("activations", act / GIB, act_note)]
     if d.num_experts:
         dispatch = dispatch_buffer_bytes(d, layout, act_bytes, tokens, opts.moe_imbalance)
-        training.append(Line("MoE dispatch buffers", dispatch / GIB, "all-to-all send + receive of one layer"))
+        training.append(
+            Line("MoE dispatch buffers", dispatch / GIB, "all-to-all send + receive of one layer")
+        )
     return _Trainer(stage, counts, state, training, trainable)
 
 
@@ -319,8 +335,13 @@ def sglang_defaults(server_args: Mapping[str, Any], gpu_mib: float, tp: int) -> 
     ``server_args`` (rollout.sglang_server_args, which the runtime passes on), else SGLang's defaults
     by GPU memory (``srt/arg_groups/memory_hook.py``: 8192 tokens and 256 (TP < 4) or 512 on an
     H100 or H200), the graph batch capped by ``max_running_requests``."""
-    table = ((20, 2048, 8, 8), (35, 4096, 48, 160), (60, 4096, 32, 160), (160, 8192, 256, 512),
-             (10**9, 16384, 512, 512))  # fmt: skip
+    table = (
+        (20, 2048, 8, 8),
+        (35, 4096, 48, 160),
+        (60, 4096, 32, 160),
+        (160, 8192, 256, 512),
+        (10**9, 16384, 512, 512),
+    )
     chunk, small, large = next((c, a, b) for below, c, a, b in table if gpu_mib < below * 1024)
     chunk = int(server_args.get("chunked_prefill_size") or chunk)
     bs = server_args.get("cuda_graph_max_bs_decode") or (small if tp < 4 else large)
@@ -339,8 +360,14 @@ def sglang_graph_mib(server_args: Mapping[str, Any], chunk: int, decode_bs: int,
         mib += decode_bs * 2
     if not (off or server_args.get("disable_prefill_cuda_graph")):
         top = int(server_args.get("cuda_graph_max_bs_prefill") or (min(8192, chunk) if mla else chunk))
-        sizes = [*range(4, 33, 4), *range(48, 257, 16), *range(288, 513, 32), *range(576, 1025, 64),
-                 *range(1280, 4097, 256), *range(4608, top + 1, 512)]  # fmt: skip
+        sizes = [
+            *range(4, 33, 4),
+            *range(48, 257, 16),
+            *range(288, 513, 32),
+            *range(576, 1025, 64),
+            *range(1280, 4097, 256),
+            *range(4608, top + 1, 512),
+        ]
         mib += 1536 if mla else 8 * sum(1 for x in sizes if x <= top)
     return mib
 
@@ -368,14 +395,20 @@ def _sglang_runtime_lines(
         for i in range(d.num_layers)
     )
     deepep = args.get("moe_a2a_backend") == "deepep"
-    forward = layer * chunk + (dispatch_buffer_bytes(d, engine, 2, chunk / ep, opts.moe_imbalance) if deepep else 0.0)
+    forward = layer * chunk + (
+        dispatch_buffer_bytes(d, engine, 2, chunk / ep, opts.moe_imbalance) if deepep else 0.0
+    )
     logits = decode_bs * padded_vocab_size(d.vocab, 1, width) / width * 4  # fp32 logits of a decode batch
     constant = (512 + width / 8 * 1024) * 2**20  # SGLang's reserve: metadata, and its large-TP adjustment
     return {
-        "graphs": Line("SGLang CUDA graphs", graphs / GIB,
-                       f"decode batch <= {decode_bs}, prefill <= {chunk} tokens (SGLang's reserve)"),  # fmt: skip
+        "graphs": Line(
+            "SGLang CUDA graphs",
+            graphs / GIB,
+            f"decode batch <= {decode_bs}, prefill <= {chunk} tokens (SGLang's reserve)",
+        ),
         "runtime": Line(
-            "SGLang activations", (forward + logits + constant) / GIB,
+            "SGLang activations",
+            (forward + logits + constant) / GIB,
             f"one layer of a {chunk}-token prefill chunk, decode logits, SGLang's constant buffers",
         ),
     }
@@ -389,7 +422,11 @@ def _engine_lines(
         copy = total_params(hf) * DTYPE_BYTES[cfg.model.dtype] / GIB
         note = "rollout.engine=embedded: its KV cache lives inside a generate call and is not planned"
         return (
-            {"weights": Line("engine weights", copy, f"the embedded engine's copy of the model ({cfg.model.dtype})")},
+            {
+                "weights": Line(
+                    "engine weights", copy, f"the embedded engine's copy of the model ({cfg.model.dtype})"
+                )
+            },
             None,
             [note],
         )
@@ -405,8 +442,12 @@ def _engine_lines(
     kv = pool - weights
     kv_tokens = max(0, int(kv // kv_bytes_per_token(d, width, cfg.rollout.sglang_server_args)))
     lines = {
-        "weights": Line("engine weights", weights / GIB, f"{human_count(all_params)} / {width} GPUs per engine, "
-                        f"{on_gpu.replicated * weight_bytes / GIB:.2f} GiB of it replicated"),  # fmt: skip
+        "weights": Line(
+            "engine weights",
+            weights / GIB,
+            f"{human_count(all_params)} / {width} GPUs per engine, "
+            f"{on_gpu.replicated * weight_bytes / GIB:.2f} GiB of it replicated",
+        ),
         "kv_cache": Line(
             "engine KV cache",
             max(kv, 0) / GIB,
@@ -444,7 +485,9 @@ def _phase(
         buffers = bucket * (2 + cfg.rollout.sync_rounds_in_flight / 4)
         lines.append(
             Line(
-                "weight-sync buffers", buffers, f"2 buckets + {cfg.rollout.sync_rounds_in_flight} rounds of a quarter"
+                "weight-sync buffers",
+                buffers,
+                f"2 buckets + {cfg.rollout.sync_rounds_in_flight} rounds of a quarter",
             )
         )
     lines.append(Line("runtime reserve", opts.reserve_gib, "CUDA contexts, NCCL, fragmentation"))
@@ -456,14 +499,22 @@ def plan_memory(cfg: JobConfig, hf: Mapping[str, Any], world_size: int, opts: Pl
     that size), with the rollout placement the runtime computes from the same config."""
     layout = Layout.from_config(cfg.parallel, world_size)
     placement = decide_placement(
-        cfg.rollout, offload_trainer=cfg.train.offload_trainer, max_staleness=cfg.generation_overlaps_training,
+        cfg.rollout,
+        offload_trainer=cfg.train.offload_trainer,
+        max_staleness=cfg.generation_overlaps_training,
         world_size=world_size,
-        gpus_per_node=opts.gpus_per_node, tp=layout.tp, pp=layout.pp, cp=layout.cp, hf=hf,
-    )  # fmt: skip
+        gpus_per_node=opts.gpus_per_node,
+        tp=layout.tp,
+        pp=layout.pp,
+        cp=layout.cp,
+        hf=hf,
+    )
     trainer = max((_stage_lines(cfg, hf, layout, opts, s) for s in range(layout.pp)), key=lambda t: t.total)
     engine, kv_tokens, notes = _engine_lines(cfg, hf, placement, opts)
     held = placement.phases()
-    names = [p for p in PHASES if p != "probe" or (cfg.rollout.probe_batch > 0 and placement.colocated_sglang)]
+    names = [
+        p for p in PHASES if p != "probe" or (cfg.rollout.probe_batch > 0 and placement.colocated_sglang)
+    ]
     return MemoryPlan(
         world_size=world_size,
         layout=layout,
@@ -516,7 +567,9 @@ def _next_multiple(current: int, limit: int, ok: Any) -> int | None:
     return None
 
 
-def suggest(cfg: JobConfig, hf: Mapping[str, Any], world_size: int, opts: PlanOptions, plan: MemoryPlan) -> list[str]:
+def suggest(
+    cfg: JobConfig, hf: Mapping[str, Any], world_size: int, opts: PlanOptions, plan: MemoryPlan
+) -> list[str]:
     """Single changes that shrink the peak, each with its new peak (and whether it then fits)."""
     from grpo_megatron.config import ConfigError, validate
 
@@ -555,10 +608,17 @@ def _trainer_variants(cfg: JobConfig, plan: MemoryPlan, world_size: int) -> list
     if cfg.model.recompute != "full":
         out.append(("model.recompute=full", _variant(cfg, "model", recompute="full")))
     mb = tokens_per_micro_batch(cfg)
-    if mb >= 2 * plan.seq_len or cfg.train.max_tokens_per_micro_batch is None and cfg.train.micro_batch_size > 1:
+    if (
+        mb >= 2 * plan.seq_len
+        or cfg.train.max_tokens_per_micro_batch is None
+        and cfg.train.micro_batch_size > 1
+    ):
         half = max(mb // 2, plan.seq_len)
         out.append(
-            (f"train.max_tokens_per_micro_batch={half}", _variant(cfg, "train", max_tokens_per_micro_batch=half))
+            (
+                f"train.max_tokens_per_micro_batch={half}",
+                _variant(cfg, "train", max_tokens_per_micro_batch=half),
+            )
         )
     if plan.params_rank.expert:
         ep = _next_multiple(par.ep, world_size, lambda x: True)
@@ -570,7 +630,10 @@ def _trainer_variants(cfg: JobConfig, plan: MemoryPlan, world_size: int) -> list
             out.append((f"parallel.{name}={value}", _variant(cfg, "parallel", **{name: value})))
     if not par.use_distributed_optimizer:
         out.append(
-            ("parallel.use_distributed_optimizer=true", _variant(cfg, "parallel", use_distributed_optimizer=True))
+            (
+                "parallel.use_distributed_optimizer=true",
+                _variant(cfg, "parallel", use_distributed_optimizer=True),
+            )
         )
     return out
 
@@ -578,17 +641,25 @@ def _trainer_variants(cfg: JobConfig, plan: MemoryPlan, world_size: int) -> list
 def _engine_variants(cfg: JobConfig, plan: MemoryPlan, world_size: int) -> list[tuple[str, JobConfig]]:
     out = []
     if not cfg.train.offload_trainer:
-        out.append(("train.offload_trainer=true (trainer state off the GPU while engines generate)",
-                    _variant(cfg, "train", offload_trainer=True)))  # fmt: skip
+        out.append(
+            (
+                "train.offload_trainer=true (trainer state off the GPU while engines generate)",
+                _variant(cfg, "train", offload_trainer=True),
+            )
+        )
     more = 2 * plan.placement.gpus_per_engine
     if more <= world_size:
         out.append((f"rollout.sglang_tp={more}", _variant(cfg, "rollout", sglang_tp=more)))
     engine = ("engine weights", "engine KV cache")
-    resident = max(sum(x.gib for x in plan.phases[p] if x.name not in engine) for p in ("start-up", "rollout"))
+    resident = max(
+        sum(x.gib for x in plan.phases[p] if x.name not in engine) for p in ("start-up", "rollout")
+    )
     room = (plan.limit_gib - resident) / plan.gpu.memory_gib  # the pool's share that keeps the margin
     if 0 < room < cfg.rollout.gpu_memory_utilization:
         frac = round(room - 0.005, 2)
-        out.append((f"rollout.gpu_memory_utilization={frac}", _variant(cfg, "rollout", gpu_memory_utilization=frac)))
+        out.append(
+            (f"rollout.gpu_memory_utilization={frac}", _variant(cfg, "rollout", gpu_memory_utilization=frac))
+        )
     return out
 
 
@@ -618,7 +689,9 @@ def placement_lines(p: RolloutPlacement, receives_gb: float | None = None) -> li
         if i == 2 and len(p.engines) > 4:
             out.append(f"  ... ({len(p.engines) - 4} more)")
     if receives_gb is not None:
-        out.append(f"  each engine GPU receives {receives_gb:.2f} GB per weight sync (dense weights + experts / EP)")
+        out.append(
+            f"  each engine GPU receives {receives_gb:.2f} GB per weight sync (dense weights + experts / EP)"
+        )
     out.append(f"  offload: {p.why['offload']}" + (f"; {p.why['memory']}" if "memory" in p.why else ""))
     return out
 
@@ -639,7 +712,8 @@ def render(plan: MemoryPlan, cfg: JobConfig, receives_gb: float | None = None) -
     )
     parts: list[Any] = [head] + [Text(line) for line in placement_lines(plan.placement, receives_gb)]
     table = Table(
-        title=f"memory per GPU by phase, GiB (busiest rank: pipeline stage {plan.peak_stage})", title_justify="left"
+        title=f"memory per GPU by phase, GiB (busiest rank: pipeline stage {plan.peak_stage})",
+        title_justify="left",
     )
     table.add_column("per GPU")
     names = list(plan.phases)
@@ -655,17 +729,21 @@ def render(plan: MemoryPlan, cfg: JobConfig, receives_gb: float | None = None) -
         table.add_row(row, *(f"{cells[n]:.2f}" if n in cells else "" for n in names), note)
     totals = [plan.phase_gib(n) for n in names]
     colored = [f"[{'red' if t > plan.limit_gib else 'green'}]{t:.2f}[/]" for t in totals]
-    table.add_row("total", *colored, f"of {plan.gpu.memory_gib:.1f} GiB ({plan.limit_gib:.1f} with the margin)")
+    table.add_row(
+        "total", *colored, f"of {plan.gpu.memory_gib:.1f} GiB ({plan.limit_gib:.1f} with the margin)"
+    )
     parts.append(table)
     for note in plan.notes:
         parts.append(Text(f"note: {note}"))
     verdict = "FITS" if plan.fits else "DOES NOT FIT"
     worst = max(plan.phases, key=plan.phase_gib)
-    parts.append(Text(
-        f"{verdict} on {plan.gpu.name}: peak {plan.peak_gib:.1f} GiB ({worst}) = {plan.peak_frac:.1%} of the GPU; "
-        f"a plan fits up to {1 - plan.margin:.0%} ({plan.limit_gib:.1f} GiB): the rest is for what it does not model",
-        style="bold green" if plan.fits else "bold red",
-    ))  # fmt: skip
+    parts.append(
+        Text(
+            f"{verdict} on {plan.gpu.name}: peak {plan.peak_gib:.1f} GiB ({worst}) = {plan.peak_frac:.1%} of the GPU; "
+            f"a plan fits up to {1 - plan.margin:.0%} ({plan.limit_gib:.1f} GiB): the rest is for what it does not model",
+            style="bold green" if plan.fits else "bold red",
+        )
+    )
     if plan.suggestions:
         parts.append(Text("what to change (one change at a time):"))
         parts += [Text(f"  - {s}") for s in plan.suggestions]

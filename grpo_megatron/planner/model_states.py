@@ -125,7 +125,9 @@ def canonical_tensors(
                 out.append(TensorSpec(a + "linear_q_proj.weight", (q_width, h), 0, layer=i))
             out += [
                 TensorSpec(a + "linear_kv_down_proj.weight", (d.kv_lora + d.qk_rope, h), down_dim, layer=i),
-                TensorSpec(a + "linear_kv_up_proj.weight", (d.heads * (d.qk_nope + d.v_head), d.kv_lora), 0, layer=i),
+                TensorSpec(
+                    a + "linear_kv_up_proj.weight", (d.heads * (d.qk_nope + d.v_head), d.kv_lora), 0, layer=i
+                ),
                 TensorSpec(a + "kv_layernorm.weight", (d.kv_lora,), None, layer=i),
                 TensorSpec(a + "linear_proj.weight", (h, d.heads * d.v_head), 1, layer=i),
             ]
@@ -217,7 +219,9 @@ def shard_shape(spec: TensorSpec, layout: Layout) -> tuple[int, ...]:
     size = layout.etp if spec.is_expert else layout.tp
     shape = list(spec.shape)
     if shape[spec.partition_dim] % size:
-        raise ValueError(f"{spec.name}: dim {spec.partition_dim} of {spec.shape} does not split over {size} ranks")
+        raise ValueError(
+            f"{spec.name}: dim {spec.partition_dim} of {spec.shape} does not split over {size} ranks"
+        )
     shape[spec.partition_dim] //= size
     return tuple(shape)
 
@@ -233,7 +237,8 @@ def rank_tensors(
     return [
         (s, shard_shape(s, layout))
         for s in tensors
-        if stage_owns(s, num_layers, layout.pp, pp_rank) and (not s.is_expert or expert_index(s.name) in owned)
+        if stage_owns(s, num_layers, layout.pp, pp_rank)
+        and (not s.is_expert or expert_index(s.name) in owned)
     ]
 
 
@@ -249,7 +254,9 @@ class ParamCounts:
         return self.dense + self.expert
 
 
-def rank_param_counts(tensors: Sequence[TensorSpec], layout: Layout, dims: ModelDims, pp_rank: int) -> ParamCounts:
+def rank_param_counts(
+    tensors: Sequence[TensorSpec], layout: Layout, dims: ModelDims, pp_rank: int
+) -> ParamCounts:
     """Parameters of a rank of stage ``pp_rank`` (every EP rank holds as many experts)."""
     dense = expert = 0
     for spec, shape in rank_tensors(tensors, layout, dims, pp_rank, 0):

@@ -77,12 +77,19 @@ def active_params(hf: Mapping[str, Any]) -> float:
 
 
 def stop_time(
-    cfg: JobConfig, hf: Mapping[str, Any], plan: MemoryPlan, *, response_tokens: int, sync_s: float,
+    cfg: JobConfig,
+    hf: Mapping[str, Any],
+    plan: MemoryPlan,
+    *,
+    response_tokens: int,
+    sync_s: float,
     write_gbps: float = WRITE_GBPS_PER_NODE,
-) -> StopTime:  # fmt: skip
+) -> StopTime:
     """The module's ``stop`` for ``cfg`` on ``plan``'s cluster, and the settings that cover it."""
-    tokens = cfg.train.prompts_per_iteration * cfg.rollout.n_samples_per_prompt * (
-        cfg.data.max_prompt_tokens + response_tokens
+    tokens = (
+        cfg.train.prompts_per_iteration
+        * cfg.rollout.n_samples_per_prompt
+        * (cfg.data.max_prompt_tokens + response_tokens)
     )
     per_token = 8 if cfg.model.recompute == "full" else 6
     flops = per_token * active_params(hf) * tokens
@@ -97,11 +104,13 @@ def stop_time(
 
 
 def render(t: StopTime, cfg: JobConfig) -> str:
-    return "\n".join([
-        f"stop on a signal (planner/preemption.py): at most ~{t.stop_s:.0f} s from a signal to the checkpoint "
-        f"(a mini-batch of the update ~{t.update_s:.0f} s at {MFU:.0%} MFU, sync ~{t.sync_s:.0f} s, save "
-        f"~{t.save_s:.0f} s; a rollout, reward or evaluation is cut short)",
-        f"  Slurm: sbatch --signal=B:USR1@{t.lead_s} (train.sbatch has @120), checkpoint.signal_grace_s={t.grace_s} "
-        f"(now {cfg.checkpoint.signal_grace_s:g}); a SIGTERM without warning needs GraceTime (preemption) or "
-        f"KillWait (time limit) >= {math.ceil(t.stop_s)} s",
-    ])  # fmt: skip
+    return "\n".join(
+        [
+            f"stop on a signal (planner/preemption.py): at most ~{t.stop_s:.0f} s from a signal to the checkpoint "
+            f"(a mini-batch of the update ~{t.update_s:.0f} s at {MFU:.0%} MFU, sync ~{t.sync_s:.0f} s, save "
+            f"~{t.save_s:.0f} s; a rollout, reward or evaluation is cut short)",
+            f"  Slurm: sbatch --signal=B:USR1@{t.lead_s} (train.sbatch has @120), checkpoint.signal_grace_s={t.grace_s} "
+            f"(now {cfg.checkpoint.signal_grace_s:g}); a SIGTERM without warning needs GraceTime (preemption) or "
+            f"KillWait (time limit) >= {math.ceil(t.stop_s)} s",
+        ]
+    )

@@ -105,7 +105,9 @@ class EngineStep:
         return read / self.hbm + self.layers * 2 * self.latency_s
 
 
-def engine_step(hf: Mapping[str, Any], *, width: int, gpus_per_node: int, dtype_bytes: int, hbm: float) -> EngineStep:
+def engine_step(
+    hf: Mapping[str, Any], *, width: int, gpus_per_node: int, dtype_bytes: int, hbm: float
+) -> EngineStep:
     """``EngineStep`` of an engine of ``width`` GPUs."""
     d = ModelDims.from_hf(hf)
     dense, experts = _engine_bytes(hf, width, dtype_bytes)
@@ -113,7 +115,9 @@ def engine_step(hf: Mapping[str, Any], *, width: int, gpus_per_node: int, dtype_
     return EngineStep(dense, experts, d.topk, d.num_experts, d.num_layers, latency, hbm)
 
 
-def rollout_time(cfg: JobConfig, hf: Mapping[str, Any], plan: MemoryPlan, response_tokens: int) -> RolloutTime | None:
+def rollout_time(
+    cfg: JobConfig, hf: Mapping[str, Any], plan: MemoryPlan, response_tokens: int
+) -> RolloutTime | None:
     """The rollout of one engine of ``plan``'s colocated SGLang fleet at a mean response of
     ``response_tokens``; None where the plan has no KV pool (an embedded or disaggregated engine)."""
     from grpo_megatron.planner.memory import DTYPE_BYTES, kv_bytes_per_token
@@ -122,11 +126,20 @@ def rollout_time(cfg: JobConfig, hf: Mapping[str, Any], plan: MemoryPlan, respon
     if kv_tokens is None or not placement.engines:
         return None
     width, prompt = placement.gpus_per_engine, cfg.data.max_prompt_tokens
-    completions = math.ceil(cfg.train.prompts_per_iteration * cfg.rollout.n_samples_per_prompt / len(placement.engines))
+    completions = math.ceil(
+        cfg.train.prompts_per_iteration * cfg.rollout.n_samples_per_prompt / len(placement.engines)
+    )
     kv_per_token = kv_bytes_per_token(ModelDims.from_hf(hf), width, cfg.rollout.sglang_server_args)
-    step = engine_step(hf, width=width, gpus_per_node=placement.gpus_per_node, dtype_bytes=DTYPE_BYTES[cfg.model.dtype],
-                       hbm=HBM_BYTES_PER_S.get(plan.gpu.name, HBM_BYTES_PER_S["H100 80GB"]))  # fmt: skip
-    limits = [(cfg.parallel.timeout_minutes * 60.0, f"parallel.timeout_minutes={cfg.parallel.timeout_minutes}")]
+    step = engine_step(
+        hf,
+        width=width,
+        gpus_per_node=placement.gpus_per_node,
+        dtype_bytes=DTYPE_BYTES[cfg.model.dtype],
+        hbm=HBM_BYTES_PER_S.get(plan.gpu.name, HBM_BYTES_PER_S["H100 80GB"]),
+    )
+    limits = [
+        (cfg.parallel.timeout_minutes * 60.0, f"parallel.timeout_minutes={cfg.parallel.timeout_minutes}")
+    ]
     if cfg.parallel.long_phase_timeout_s > 0:
         long_phase = cfg.parallel.long_phase_timeout_s
         limits.append((long_phase, f"parallel.long_phase_timeout_s={long_phase:g}"))
@@ -141,8 +154,17 @@ def rollout_time(cfg: JobConfig, hf: Mapping[str, Any], plan: MemoryPlan, respon
     concurrent, waves, step_s, seconds = at(response_tokens)
     lengths = sorted({*range(256, cfg.rollout.max_new_tokens, 256), cfg.rollout.max_new_tokens})
     fitting = [r for r in lengths if at(r)[3] <= timeout_s]
-    return RolloutTime(completions, concurrent, waves, step_s, seconds, response_tokens, timeout_s, timeout_name,
-                       max(fitting, default=0))  # fmt: skip
+    return RolloutTime(
+        completions,
+        concurrent,
+        waves,
+        step_s,
+        seconds,
+        response_tokens,
+        timeout_s,
+        timeout_name,
+        max(fitting, default=0),
+    )
 
 
 def render(t: RolloutTime, cfg: JobConfig, planned_by: str) -> str:

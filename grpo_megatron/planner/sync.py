@@ -69,7 +69,11 @@ class RankBytes:
 
 
 def transfer_seconds(
-    ranks: Sequence[RankBytes], link_gbps: float, copy_gbps: float, latency_s: float = 0.0, message_s: float = 0.0
+    ranks: Sequence[RankBytes],
+    link_gbps: float,
+    copy_gbps: float,
+    latency_s: float = 0.0,
+    message_s: float = 0.0,
 ) -> float:
     """The slowest rank's time: its busier link direction, then its copies, ``latency_s`` per wait and
     ``message_s`` per message (phases add up)."""
@@ -94,7 +98,9 @@ class SyncEstimate:
     bottleneck: str
 
 
-def node_fraction(dense: float, expert: float, tp: int, pp: int, ep: int, etp: int, gpus_per_node: int) -> float:
+def node_fraction(
+    dense: float, expert: float, tp: int, pp: int, ep: int, etp: int, gpus_per_node: int
+) -> float:
     """Share of the model's distinct bytes held on one node (consecutive ranks: TP innermost, then
     EP for experts): a node holds a full copy of what its ``gpus_per_node`` ranks hold together."""
     dense_on_node = min(1.0, gpus_per_node / (tp * pp)) * dense
@@ -121,7 +127,9 @@ def estimate_sync(
     the trainer's GPUs (colocated: one engine per ``gpus_per_engine`` ranks) with expert parallelism
     ``engine_ep`` inside each engine."""
     if engine_ep < 1 or gpus_per_engine % engine_ep:
-        raise ValueError(f"engine EP {engine_ep} must be >= 1 and divide the GPUs per engine ({gpus_per_engine})")
+        raise ValueError(
+            f"engine EP {engine_ep} must be >= 1 and divide the GPUs per engine ({gpus_per_engine})"
+        )
     m = (dense_params + expert_params) * export_bytes
     received = (dense_params + expert_params / engine_ep) * export_bytes
     engines = max(1, world_size // gpus_per_engine)
@@ -140,14 +148,21 @@ def estimate_sync(
     seconds = max(receive_s, send_s) + copy_s
     parts = {"receive": receive_s, "send": send_s, "copies": copy_s}
     delivery = (
-        f"per engine GPU (dense in full + experts / engine EP {engine_ep})" if expert_params and engine_ep > 1
+        f"per engine GPU (dense in full + experts / engine EP {engine_ep})"
+        if expert_params and engine_ep > 1
         else "per engine GPU (the whole model)"
-    )  # fmt: skip
+    )
     return [
         SyncEstimate(
-            delivery, m, engines, gpus_per_engine, RankBytes(sent, 0.0, 0.0), RankBytes(sent, received, copied),
-            seconds, max(parts, key=lambda k: parts[k]),
-        )  # fmt: skip
+            delivery,
+            m,
+            engines,
+            gpus_per_engine,
+            RankBytes(sent, 0.0, 0.0),
+            RankBytes(sent, received, copied),
+            seconds,
+            max(parts, key=lambda k: parts[k]),
+        )
     ]
 
 
@@ -171,10 +186,19 @@ def plan_sync(
     if engine_ep is None:  # how SGLang MoE deployments run: experts split over every engine GPU
         engine_ep = gpus_per_engine if expert else 1
     return estimate_sync(
-        dense_params=dense, expert_params=expert, export_bytes=export_bytes, world_size=layout.world_size,
-        gpus_per_node=gpus_per_node, gpus_per_engine=gpus_per_engine, tp=layout.tp, pp=layout.pp,
-        ep=layout.ep, etp=layout.etp, links=links, engine_ep=engine_ep,
-    )  # fmt: skip
+        dense_params=dense,
+        expert_params=expert,
+        export_bytes=export_bytes,
+        world_size=layout.world_size,
+        gpus_per_node=gpus_per_node,
+        gpus_per_engine=gpus_per_engine,
+        tp=layout.tp,
+        pp=layout.pp,
+        ep=layout.ep,
+        etp=layout.etp,
+        links=links,
+        engine_ep=engine_ep,
+    )
 
 
 def render(estimates: Sequence[SyncEstimate], links: Links) -> str:

@@ -81,7 +81,9 @@ class RewardSandboxConfig:
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"{p}.{name}={value!r} must be an integer >= 1 or null (no limit)")
         if self.max_open_files is not None and self.max_open_files < 32:
-            raise ValueError(f"{p}.max_open_files={self.max_open_files} must be >= 32: Python itself needs a few")
+            raise ValueError(
+                f"{p}.max_open_files={self.max_open_files} must be >= 32: Python itself needs a few"
+            )
 
 
 @dataclass
@@ -134,7 +136,9 @@ class RewardConfig:
     def validate(self) -> None:
         p = "reward"
         if not self.components:
-            raise ValueError(f"{p}.components is empty: name at least one reward (e.g. function: math_accuracy)")
+            raise ValueError(
+                f"{p}.components is empty: name at least one reward (e.g. function: math_accuracy)"
+            )
         names = [c.name for c in self.components]
         reserved = {"mean", "std"} & set(names)
         if reserved:
@@ -152,7 +156,9 @@ class RewardConfig:
         if self.timeout_s <= 0:
             raise ValueError(f"{p}.timeout_s={self.timeout_s} must be > 0 seconds")
         if self.batch_timeout_s is not None and self.batch_timeout_s <= 0:
-            raise ValueError(f"{p}.batch_timeout_s={self.batch_timeout_s} must be > 0 seconds or null (no limit)")
+            raise ValueError(
+                f"{p}.batch_timeout_s={self.batch_timeout_s} must be > 0 seconds or null (no limit)"
+            )
         if self.fallback != self.fallback or self.fallback in (float("inf"), float("-inf")):
             raise ValueError(f"{p}.fallback={self.fallback} must be a finite number (e.g. 0.0)")
         if self.worker_memory_mb is not None and self.worker_memory_mb < 256:
@@ -163,7 +169,9 @@ class RewardConfig:
         if self.max_response_chars < 1:
             raise ValueError(f"{p}.max_response_chars={self.max_response_chars} must be >= 1")
         if not 0 < self.startup_timeout_s < float("inf"):  # also refuses NaN
-            raise ValueError(f"{p}.startup_timeout_s={self.startup_timeout_s} must be a finite number of seconds > 0")
+            raise ValueError(
+                f"{p}.startup_timeout_s={self.startup_timeout_s} must be a finite number of seconds > 0"
+            )
         if not 0.0 <= self.max_error_frac <= 1.0:
             raise ValueError(
                 f"{p}.max_error_frac={self.max_error_frac} must be in [0, 1] (1.0 = never stop on reward failures)"

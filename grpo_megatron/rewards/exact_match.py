@@ -26,7 +26,10 @@ DEFAULT_STOP_STRINGS: tuple[str, ...] = (
 
 
 def exact_match(
-    sample: RewardSample, strip: bool = True, stop: Sequence[str] = DEFAULT_STOP_STRINGS, after: str | None = None
+    sample: RewardSample,
+    strip: bool = True,
+    stop: Sequence[str] = DEFAULT_STOP_STRINGS,
+    after: str | None = None,
 ) -> float:
     """1.0 if the response's text before the first of `stop` equals `sample.label` (both stripped of
     surrounding whitespace with `strip`), else 0.0. A sample without a label scores 0.0. With `after`

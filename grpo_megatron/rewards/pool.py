@@ -149,8 +149,9 @@ def _worker_main(
 ) -> None:
     """Worker loop: the sandboxed start (``serve_in_sandbox``: the components imported, saying which),
     then score chunks of samples (``_serve``). Everything it says is a wire.py frame."""
-    composite = serve_in_sandbox(conn, plan, lambda on_import: build_composite(components, on_import=on_import),
-                                 what="reward")  # fmt: skip
+    composite = serve_in_sandbox(
+        conn, plan, lambda on_import: build_composite(components, on_import=on_import), what="reward"
+    )
     if composite is not None:
         _serve(conn, composite, timeout_s, progress, stop_on_error)
 
@@ -167,8 +168,9 @@ def _score_one(composite: CompositeReward, task_id: int, sample: RewardSample) -
         return wire.Result(task_id, "error", None, None, f"{type(err).__name__}: {err}\n{tb}"[:2000], None)
 
 
-def _serve(conn: mp_conn.Connection, composite: CompositeReward, timeout_s: float, progress: Any,
-           stop_on_error: bool) -> None:
+def _serve(
+    conn: mp_conn.Connection, composite: CompositeReward, timeout_s: float, progress: Any, stop_on_error: bool
+) -> None:
     """Score each chunk of (task id, sample) pairs the pool sends, in order, and answer with "results"
     frames: one per chunk, or more where a chunk takes longer than _FLUSH_S or would overflow a frame.
     Before each sample, ``progress`` (shared memory: [task id, start time]) says which sample runs
@@ -214,8 +216,9 @@ def _send(conn: mp_conn.Connection, fields: list[dict[str, Any]]) -> bool:
         return False
 
 
-REWARD_WORKERS = WorkerKind(_worker_main, "reward", "reward", wire.REWARD_KINDS, preload=tuple(_PRELOAD),
-                            progress=True)  # fmt: skip
+REWARD_WORKERS = WorkerKind(
+    _worker_main, "reward", "reward", wire.REWARD_KINDS, preload=tuple(_PRELOAD), progress=True
+)
 """Reward workers: chunks of samples, each sample's start written to their progress record."""
 
 
@@ -244,8 +247,13 @@ class RewardPool:
             self._composite = build_composite(cfg.components)  # in this process, by request
             return
         self.workers = WorkerPool(
-            cfg, REWARD_WORKERS, (self._components, cfg.timeout_s, cfg.replace_worker_on_error),
-            num_workers=cfg.num_workers, imports=len(self._components), component_names=self._names, log=log,
+            cfg,
+            REWARD_WORKERS,
+            (self._components, cfg.timeout_s, cfg.replace_worker_on_error),
+            num_workers=cfg.num_workers,
+            imports=len(self._components),
+            component_names=self._names,
+            log=log,
         )
         try:
             self.workers.wait_ready(time.monotonic() + cfg.startup_timeout_s)
@@ -292,7 +300,9 @@ class RewardPool:
             results = message.results if isinstance(message, wire.Results) else (message,)
             if len(results) > len(w.tasks):
                 raise wire.ProtocolError(f"{len(results)} result(s) from a worker owing {len(w.tasks)}")
-            for result, task in zip(results, w.tasks, strict=False):  # in the order the samples were handed over
+            for result, task in zip(
+                results, w.tasks, strict=False
+            ):  # in the order the samples were handed over
                 if result.task != task:
                     raise wire.ProtocolError(f"a result for task {result.task} from a worker scoring {task}")
         return message
@@ -318,7 +328,9 @@ class RewardPool:
         batch = self.score_detailed(samples, batch_timeout_s)
         return batch.rewards, batch.metrics
 
-    def score_detailed(self, samples: Sequence[RewardSample], batch_timeout_s: float | None = None) -> RewardBatch:
+    def score_detailed(
+        self, samples: Sequence[RewardSample], batch_timeout_s: float | None = None
+    ) -> RewardBatch:
         """Score `samples`; never raises because of reward code, never hangs.
 
         Metrics: reward/mean, reward/std, reward/<component> (mean over samples scored "ok"),
@@ -330,7 +342,9 @@ class RewardPool:
         start = time.monotonic()
         limit = self.cfg.max_response_chars
         truncated = sum(len(s.response) > limit for s in samples)
-        prepared = [replace(s, response=s.response[-limit:]) if len(s.response) > limit else s for s in samples]
+        prepared = [
+            replace(s, response=s.response[-limit:]) if len(s.response) > limit else s for s in samples
+        ]
         n = len(prepared)
         outcomes: list[Outcome | None] = [None] * n
         restarts_before = self._restarts()
@@ -383,7 +397,13 @@ class RewardPool:
                 if w.tasks and now >= w.deadline(timeout_s, now):
                     culprit = w.running(now)[0]
                     culprit = w.tasks[0] if culprit is None else culprit
-                    outcomes[culprit] = ("timeout", None, None, f"sample {culprit} exceeded {timeout_s} s", None)
+                    outcomes[culprit] = (
+                        "timeout",
+                        None,
+                        None,
+                        f"sample {culprit} exceeded {timeout_s} s",
+                        None,
+                    )
                     self._fail(w, pending, culprit)
                 elif not w.ready and now - w.started_at > self.cfg.startup_timeout_s:
                     self._init_failures += 1
@@ -418,7 +438,9 @@ class RewardPool:
         w.tasks.clear()
         self._replace(w)
 
-    def _hand_out(self, samples: list[RewardSample], pending: deque[int], outcomes: list[Outcome | None]) -> None:
+    def _hand_out(
+        self, samples: list[RewardSample], pending: deque[int], outcomes: list[Outcome | None]
+    ) -> None:
         """Give each idle, ready worker a chunk of ``pending``: an even share of it over the pool's
         workers (one sample each while there are no more samples than workers), at most _MAX_CHUNK."""
         for w in list(self._workers):
@@ -456,14 +478,20 @@ class RewardPool:
         progress = float(w.progress[0])
         running = w.running(time.monotonic())[0]
         if not protocol:
-            return w.tasks[0] if running is None else running  # between samples: the next one (as before chunks)
+            return (
+                w.tasks[0] if running is None else running
+            )  # between samples: the next one (as before chunks)
         answered = math.isfinite(progress) and running is None and int(progress) >= 0
         return None if answered else w.tasks[0]
 
     def _handle_message(self, w: Worker, pending: deque[int], outcomes: list[Outcome | None]) -> None:
         try:
             msg = self._receive(w)
-        except (EOFError, OSError, wire.ProtocolError) as err:  # died (os._exit, segfault, OOM kill ...) or lied
+        except (
+            EOFError,
+            OSError,
+            wire.ProtocolError,
+        ) as err:  # died (os._exit, segfault, OOM kill ...) or lied
             if not w.ready:
                 self._init_failures += 1
             culprit = self._culprit(w, protocol=isinstance(err, wire.ProtocolError))
@@ -483,7 +511,9 @@ class RewardPool:
             assert self.workers is not None
             self.workers.note_sandbox(msg)
             return
-        if isinstance(msg, wire.InitError):  # user code imported at start-up but not now: retry, within limits
+        if isinstance(
+            msg, wire.InitError
+        ):  # user code imported at start-up but not now: retry, within limits
             self._init_failures += 1
             self._replace(w)
             return
@@ -497,7 +527,9 @@ class RewardPool:
                 outcomes[result.task] = (result.status, None, None, result.message, result.component)
             errors |= result.status == "error"
         if errors and self.cfg.replace_worker_on_error:
-            self._fail(w, pending, None)  # the worker stopped its chunk at the error: the rest goes on elsewhere
+            self._fail(
+                w, pending, None
+            )  # the worker stopped its chunk at the error: the rest goes on elsewhere
 
     def _collect(self, outcomes: list[Outcome | None], truncated: int, restarts: int) -> RewardBatch:
         fallback = float(self.cfg.fallback)
@@ -539,7 +571,9 @@ class RewardPool:
             metrics[f"reward/{key}"] = sum(values) / len(values)
         for name, failed in failed_by_component.items():  # raised or returned a non-number
             metrics[f"reward/{name}/error_frac"] = failed / n if n else 0.0
-        return RewardBatch(rewards=rewards, components=components, status=status, metrics=metrics, errors=errors)
+        return RewardBatch(
+            rewards=rewards, components=components, status=status, metrics=metrics, errors=errors
+        )
 
 
 def _std(values: list[float]) -> float:
@@ -558,7 +592,9 @@ def report_failures(batch: RewardBatch, cfg: RewardConfig, log: Callable[[str], 
     failed = n - batch.status.count("ok")
     if not failed:
         return
-    counts = ", ".join(f"{batch.status.count(k)} {k}" for k in ("error", "invalid", "timeout") if k in batch.status)
+    counts = ", ".join(
+        f"{batch.status.count(k)} {k}" for k in ("error", "invalid", "timeout") if k in batch.status
+    )
     first = _one_line(batch.errors[0])[:500] if batch.errors else "no message"
     summary = f"{failed}/{n} samples got the fallback reward {cfg.fallback:g} ({counts}); first: {first}"
     log(f"[reward] {summary}")

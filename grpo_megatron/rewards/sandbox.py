@@ -111,7 +111,9 @@ def _check(ret: int, what: str) -> None:
 
 def _scrub_environment(plan: SandboxPlan, scratch: str) -> None:
     kept = {k: os.environ[k] for k in (*_KEPT_ENV, *plan.keep_env) if k in os.environ}
-    kept.update(HOME=scratch, TMPDIR=scratch, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", MKL_NUM_THREADS="1")
+    kept.update(
+        HOME=scratch, TMPDIR=scratch, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", MKL_NUM_THREADS="1"
+    )
     os.environ.clear()  # unsetenv each: the C-level environ no longer points at the original block
     os.environ.update(kept)
     # /proc/self/environ reads the block the process was exec'd with (fields 50-51 of
@@ -200,10 +202,15 @@ def _expose_python_paths(libc: ctypes.CDLL, report: SandboxReport) -> None:
         outer = [p for p in paths if not any(p != q and p.startswith(q + os.sep) for q in paths)]
         fds = {p: os.open(p, os.O_PATH) for p in outer}  # still reachable once the tmpfs covers them
         try:
-            _check(libc.mount(b"tmpfs", closed.encode(), b"tmpfs", _MS_NOSUID | _MS_NODEV, b"mode=755"), "tmpfs")
+            _check(
+                libc.mount(b"tmpfs", closed.encode(), b"tmpfs", _MS_NOSUID | _MS_NODEV, b"mode=755"), "tmpfs"
+            )
             for path, fd in fds.items():
                 os.makedirs(path, 0o755, exist_ok=True)
-                _check(libc.mount(f"/proc/self/fd/{fd}".encode(), path.encode(), None, _MS_BIND | _MS_REC, None), "bind")
+                _check(
+                    libc.mount(f"/proc/self/fd/{fd}".encode(), path.encode(), None, _MS_BIND | _MS_REC, None),
+                    "bind",
+                )
         finally:
             for fd in fds.values():
                 os.close(fd)
@@ -227,7 +234,9 @@ def _read_only_view(libc: ctypes.CDLL, scratch: str, own_uid: bool, report: Sand
     else:
         where = os.path.dirname(scratch)
         not_ro = f" (not: {', '.join(failed)})" if failed else ""
-        report.active.append(f"read-only file system except a scratch directory per worker in {where}{not_ro}")
+        report.active.append(
+            f"read-only file system except a scratch directory per worker in {where}{not_ro}"
+        )
 
 
 def _enter_namespaces(libc: ctypes.CDLL, plan: SandboxPlan, as_root: bool, report: SandboxReport) -> bool:
@@ -264,7 +273,11 @@ def _drop_capabilities(libc: ctypes.CDLL) -> None:
         _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
 
     class Data(ctypes.Structure):
-        _fields_ = [("effective", ctypes.c_uint32), ("permitted", ctypes.c_uint32), ("inheritable", ctypes.c_uint32)]
+        _fields_ = [
+            ("effective", ctypes.c_uint32),
+            ("permitted", ctypes.c_uint32),
+            ("inheritable", ctypes.c_uint32),
+        ]
 
     header = Header(0x20080522, 0)  # _LINUX_CAPABILITY_VERSION_3: two 32-bit words
     data = (Data * 2)()

@@ -114,7 +114,9 @@ def _unary(text: str, i: int, depth: int) -> tuple[Fraction, int]:
     while i < len(text) and text[i] in "0123456789":
         i += 1
     if i == start:
-        raise ValueError(f"a number expected at position {start}" + (f", got {text[start]!r}" if start < len(text) else ""))
+        raise ValueError(
+            f"a number expected at position {start}" + (f", got {text[start]!r}" if start < len(text) else "")
+        )
     if i - start > _MAX_DIGITS:
         raise ValueError(f"a number past {_MAX_DIGITS} digits")
     return Fraction(int(text[start:i])), i
@@ -193,14 +195,31 @@ class ToolPool:
     raises because of tool code and returns within about ``timeout_s`` per wave of ``num_workers``
     calls."""
 
-    def __init__(self, tools: Mapping[str, str], reward: RewardConfig, *, timeout_s: float, num_workers: int,
-                 max_output_chars: int, error_text: str = "error", log: Callable[[str], None] | None = print):
+    def __init__(
+        self,
+        tools: Mapping[str, str],
+        reward: RewardConfig,
+        *,
+        timeout_s: float,
+        num_workers: int,
+        max_output_chars: int,
+        error_text: str = "error",
+        log: Callable[[str], None] | None = print,
+    ):
         if num_workers < 1:
-            raise ValueError(f"tool workers: num_workers={num_workers} must be >= 1 (tools never run in the trainer)")
+            raise ValueError(
+                f"tool workers: num_workers={num_workers} must be >= 1 (tools never run in the trainer)"
+            )
         self.tools, self.reward, self.timeout_s = dict(tools), reward, timeout_s
         self.num_workers, self.max_output_chars, self.error_text = num_workers, max_output_chars, error_text
-        self.workers = WorkerPool(reward, TOOL_WORKERS, (self.tools, timeout_s, max_output_chars),
-                                  num_workers=num_workers, imports=len(self.tools), log=log)  # fmt: skip
+        self.workers = WorkerPool(
+            reward,
+            TOOL_WORKERS,
+            (self.tools, timeout_s, max_output_chars),
+            num_workers=num_workers,
+            imports=len(self.tools),
+            log=log,
+        )
         try:
             self.workers.wait_ready(time.monotonic() + reward.startup_timeout_s)
         except StartFailure as failure:
@@ -208,8 +227,10 @@ class ToolPool:
             if failure.init_error is not None:
                 raise ValueError(failure.init_error) from None
             if failure.cause == "it hangs":
-                raise RuntimeError(f"a tool worker did not start within reward.startup_timeout_s="
-                                   f"{reward.startup_timeout_s:g} s") from None  # fmt: skip
+                raise RuntimeError(
+                    f"a tool worker did not start within reward.startup_timeout_s="
+                    f"{reward.startup_timeout_s:g} s"
+                ) from None
             raise RuntimeError(f"a tool worker failed to start: {failure.cause}") from None
 
     @property
@@ -237,12 +258,16 @@ class ToolPool:
         while pending or any(w.tasks for w in workers):
             if not any(w.ready for w in workers):
                 while pending:
-                    results[pending.popleft()] = ToolResult("error", self.error_text, "tool workers failed to start")
+                    results[pending.popleft()] = ToolResult(
+                        "error", self.error_text, "tool workers failed to start"
+                    )
                 break
             now = time.monotonic()
             for w in list(workers):
                 if w.tasks and now >= w.hard_deadline:
-                    results[w.tasks[0]] = ToolResult("timeout", self.error_text, f"call exceeded {self.timeout_s:g} s")
+                    results[w.tasks[0]] = ToolResult(
+                        "timeout", self.error_text, f"call exceeded {self.timeout_s:g} s"
+                    )
                     self._replace(w)
             for w in list(workers):
                 if pending and w.ready and not w.tasks:

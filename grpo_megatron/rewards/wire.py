@@ -140,8 +140,14 @@ def result_fields(result: Result) -> dict[str, Any]:
     """One result as the JSON object inside a "results" message (also sized by the worker to keep
     its frames under MAX_FRAME_BYTES)."""
     message = None if result.message is None else result.message[:MAX_TEXT_CHARS]
-    return {"task": result.task, "status": result.status, "reward": result.reward,
-            "components": result.components, "component": result.component, "message": message}
+    return {
+        "task": result.task,
+        "status": result.status,
+        "reward": result.reward,
+        "components": result.components,
+        "component": result.component,
+        "message": message,
+    }
 
 
 def encode_results(fields: list[dict[str, Any]]) -> bytes:
@@ -156,13 +162,24 @@ def encode(message: Message) -> bytes:
     elif isinstance(message, InitError):
         obj = {"kind": "init_error", "message": message.message[:MAX_TEXT_CHARS]}
     elif isinstance(message, Ready):
-        obj = {"kind": "ready", "scratch": message.scratch, "active": message.active, "inactive": message.inactive}
+        obj = {
+            "kind": "ready",
+            "scratch": message.scratch,
+            "active": message.active,
+            "inactive": message.inactive,
+        }
     elif isinstance(message, Results):
         return encode_results([result_fields(r) for r in message.results])
     elif isinstance(message, ToolOutput):
         text = None if message.message is None else message.message[:MAX_TEXT_CHARS]
-        obj = {"kind": "tool_output", "task": message.task, "status": message.status,
-               "truncated": message.truncated, "output": message.output, "message": text}
+        obj = {
+            "kind": "tool_output",
+            "task": message.task,
+            "status": message.status,
+            "truncated": message.truncated,
+            "output": message.output,
+            "message": text,
+        }
     else:
         obj = {"kind": "result", **result_fields(message)}
     return json.dumps(obj, ensure_ascii=True).encode("ascii")
@@ -233,8 +250,11 @@ def decode(data: bytes, component_names: frozenset[str], kinds: frozenset[str] =
     if kind == "init_error":
         return InitError(_text(obj["message"], "message"))
     if kind == "ready":
-        return Ready(_text(obj["scratch"], "scratch"), _texts(obj["active"], "active"),
-                     _texts(obj["inactive"], "inactive"))
+        return Ready(
+            _text(obj["scratch"], "scratch"),
+            _texts(obj["active"], "active"),
+            _texts(obj["inactive"], "inactive"),
+        )
     if kind == "tool_output":
         return _tool_output(obj)
     if kind == "results":
@@ -256,9 +276,14 @@ def _result(obj: dict[str, Any], component_names: frozenset[str]) -> Result:
     component = _text(obj["component"], "component", optional=True)
     if component is not None and component not in component_names:
         raise ProtocolError("component names no configured component")
-    return Result(task=_int(obj["task"], "task"), status=status, reward=_float(obj["reward"], "reward"),
-                  components=_scores(obj["components"], component_names),
-                  message=_text(obj["message"], "message", optional=True), component=component)
+    return Result(
+        task=_int(obj["task"], "task"),
+        status=status,
+        reward=_float(obj["reward"], "reward"),
+        components=_scores(obj["components"], component_names),
+        message=_text(obj["message"], "message", optional=True),
+        component=component,
+    )
 
 
 def _tool_output(obj: dict[str, Any]) -> ToolOutput:
@@ -268,8 +293,13 @@ def _tool_output(obj: dict[str, Any]) -> ToolOutput:
     output = _text(obj["output"], "tool_output output", optional=True)
     if status == "ok" and output is None:
         raise ProtocolError("an ok tool_output without output")
-    return ToolOutput(_int(obj["task"], "task"), status, output, obj["truncated"],
-                      _text(obj["message"], "tool_output message", optional=True))
+    return ToolOutput(
+        _int(obj["task"], "task"),
+        status,
+        output,
+        obj["truncated"],
+        _text(obj["message"], "tool_output message", optional=True),
+    )
 
 
 def _readable(fd: int, timeout_s: float) -> bool:

@@ -164,7 +164,9 @@ class WorkerPool:
             mp.get_context("spawn") if cfg.mp_context == "spawn" else mp.get_context("forkserver")
         )
         if kind.preload and cfg.mp_context == "forkserver":
-            self.ctx.set_forkserver_preload(list(kind.preload))  # effective only if the forkserver has not started
+            self.ctx.set_forkserver_preload(
+                list(kind.preload)
+            )  # effective only if the forkserver has not started
         self.scratch_root = tempfile.mkdtemp(prefix=f"grpo-{kind.tag}-", dir=cfg.sandbox.scratch_dir)
         os.chmod(self.scratch_root, 0o711)  # workers with a uid of their own reach their sub-directory
         self.workers: list[Worker] = []
@@ -175,19 +177,29 @@ class WorkerPool:
     def spawn(self, slot: int) -> Worker:
         sb = self.cfg.sandbox
         plan = SandboxPlan(
-            scratch_root=self.scratch_root, slot=self.kind.first_slot + slot, trainer_pid=os.getpid(),
-            isolate=sb.isolate, allow_network=sb.allow_network, memory_mb=self.cfg.worker_memory_mb,
-            file_mb=sb.max_file_mb, max_processes=sb.max_processes, max_open_files=sb.max_open_files,
+            scratch_root=self.scratch_root,
+            slot=self.kind.first_slot + slot,
+            trainer_pid=os.getpid(),
+            isolate=sb.isolate,
+            allow_network=sb.allow_network,
+            memory_mb=self.cfg.worker_memory_mb,
+            file_mb=sb.max_file_mb,
+            max_processes=sb.max_processes,
+            max_open_files=sb.max_open_files,
             keep_env=tuple(sb.keep_env),
-        )  # fmt: skip
+        )
         parent_conn, child_conn = self.ctx.Pipe(duplex=True)
         progress = None
         if self.kind.progress:
             progress = self.ctx.RawArray("d", 2)
             progress[0] = -1.0
         extra = (progress,) if self.kind.progress else ()
-        proc = self.ctx.Process(target=self.kind.target, args=(child_conn, plan, *self.args, *extra), daemon=True,
-                                name=f"grpo-{self.kind.name}-worker")  # fmt: skip
+        proc = self.ctx.Process(
+            target=self.kind.target,
+            args=(child_conn, plan, *self.args, *extra),
+            daemon=True,
+            name=f"grpo-{self.kind.name}-worker",
+        )
         proc.start()
         child_conn.close()
         return Worker(proc, parent_conn, slot, time.monotonic(), progress)
@@ -252,7 +264,9 @@ class WorkerPool:
                     del waiting[conn]
                     self.note_sandbox(msg)
                 else:
-                    raise StartFailure(w, "init error", msg.message if isinstance(msg, wire.InitError) else str(msg))
+                    raise StartFailure(
+                        w, "init error", msg.message if isinstance(msg, wire.InitError) else str(msg)
+                    )
 
     def note_sandbox(self, ready: wire.Ready) -> None:
         if self.sandbox is None:  # log once per pool: every worker applies the same plan
@@ -275,9 +289,13 @@ def ready_connections(conns: list[mp_conn.Connection], timeout: float) -> list[m
 
 
 def serve_in_sandbox(
-    conn: mp_conn.Connection, plan: SandboxPlan, load: Callable[[Callable[[int], None]], T], *, what: str,
+    conn: mp_conn.Connection,
+    plan: SandboxPlan,
+    load: Callable[[Callable[[int], None]], T],
+    *,
+    what: str,
     silence_output: bool = False,
-) -> T | None:  # fmt: skip
+) -> T | None:
     """A worker's start (its side of ``WorkerPool.wait_ready``): ignore the trainer's signals, optionally
     send stdout and stderr to /dev/null (a flood cannot reach the trainer's log), enter the sandbox,
     ``load(on_import)`` the user code (``on_import(i)`` says which item it imports), and say ready.

@@ -54,12 +54,16 @@ class MultiTurnConfig:
         if not 0 < self.tool_timeout_s < float("inf"):
             errors.append(f"{p}.tool_timeout_s={self.tool_timeout_s} must be a finite number of seconds > 0")
         if self.tool_workers < 1:
-            errors.append(f"{p}.tool_workers={self.tool_workers} must be >= 1 (tools never run in the trainer)")
+            errors.append(
+                f"{p}.tool_workers={self.tool_workers} must be >= 1 (tools never run in the trainer)"
+            )
         if not 1 <= self.max_tool_output_chars <= 4096:
             errors.append(f"{p}.max_tool_output_chars={self.max_tool_output_chars} must be in [1, 4096]")
         module, sep, attr = self.tool.partition(":")
         if self.tool != "calculator" and not (sep and module and attr):
-            errors.append(f"{p}.tool={self.tool!r} is neither the built-in calculator nor 'package.module:function'")
+            errors.append(
+                f"{p}.tool={self.tool!r} is neither the built-in calculator nor 'package.module:function'"
+            )
         for name in ("call_open", "call_close", "result_open", "result_close"):
             if not getattr(self, name):
                 errors.append(f"{p}.{name} must be a non-empty string (the documented call format)")
@@ -263,8 +267,10 @@ class RolloutConfig:
                 "own restart hook and a full sync)"
             )
         if not self.engine_health_timeout_s > 0:
-            errors.append(f"rollout.engine_health_timeout_s={self.engine_health_timeout_s} must be > 0 "
-                          "(120 is a good start)")  # fmt: skip
+            errors.append(
+                f"rollout.engine_health_timeout_s={self.engine_health_timeout_s} must be > 0 "
+                "(120 is a good start)"
+            )
         return errors
 
     def sglang_width(self, gpus_per_node: int, replica: int) -> tuple[int, str]:
@@ -334,18 +340,26 @@ class RolloutConfig:
                 "(0 = decode all rows of a generate call at once)"
             )
         if self.probe_interval < 1:
-            errors.append(f"rollout.probe_interval={self.probe_interval} must be >= 1 (1 probes after every sync)")
+            errors.append(
+                f"rollout.probe_interval={self.probe_interval} must be >= 1 (1 probes after every sync)"
+            )
         if not self.probe_max_abs >= 0:
             errors.append(f"rollout.probe_max_abs={self.probe_max_abs} must be >= 0 (0 never stops the run)")
         if self.probe_batch < 0:
-            errors.append(f"rollout.probe_batch={self.probe_batch} must be >= 0 (0 disables the mismatch probe)")
+            errors.append(
+                f"rollout.probe_batch={self.probe_batch} must be >= 0 (0 disables the mismatch probe)"
+            )
         if self.engine == "sglang" and self.probe_batch > 0 and self.temperature != 1.0:
             errors.append(
                 f"rollout.temperature={self.temperature} with rollout.engine=sglang and rollout.probe_batch="
                 f"{self.probe_batch}: SGLang scores sequences (the mismatch probe) from unscaled logits, "
                 "i.e. at temperature 1 only; sample at temperature 1.0, or set rollout.probe_batch=0"
             )
-        if self.dump_dir and self.replay_dir and Path(self.dump_dir).resolve() == Path(self.replay_dir).resolve():
+        if (
+            self.dump_dir
+            and self.replay_dir
+            and Path(self.dump_dir).resolve() == Path(self.replay_dir).resolve()
+        ):
             errors.append(
                 f"rollout.dump_dir and rollout.replay_dir are both {self.dump_dir}: a replay would write over "
                 "the dump it reads; choose another rollout.dump_dir (or leave it empty)"
@@ -360,7 +374,9 @@ class RolloutConfig:
         if self.sglang_tp < 0:
             errors.append(f"rollout.sglang_tp={self.sglang_tp} must be >= 0 (0: by rollout.placement)")
         if self.sglang_ep < 0:
-            errors.append(f"rollout.sglang_ep={self.sglang_ep} must be >= 0 (0: by the engine's GPUs and experts)")
+            errors.append(
+                f"rollout.sglang_ep={self.sglang_ep} must be >= 0 (0: by the engine's GPUs and experts)"
+            )
         for key, own in (("tp_size", "sglang_tp"), ("ep_size", "sglang_ep")):
             if key in self.sglang_server_args:
                 errors.append(
@@ -378,7 +394,9 @@ class RolloutConfig:
                 "SGLang servers (python -m sglang.launch_server ...), e.g. [http://node1:30000]"
             )
         if not 0 < self.sglang_sync_master_port < 65536:
-            errors.append(f"rollout.sglang_sync_master_port={self.sglang_sync_master_port} must be in 1..65535")
+            errors.append(
+                f"rollout.sglang_sync_master_port={self.sglang_sync_master_port} must be in 1..65535"
+            )
         if self.sglang_request_timeout_s <= 0:
             errors.append(f"rollout.sglang_request_timeout_s={self.sglang_request_timeout_s} must be > 0")
         return errors

@@ -236,7 +236,9 @@ class EmbeddedEngine(RolloutEngine):
             model = AutoModelForCausalLM.from_config(config, **self.model_kwargs)
         self.model = model.to(self.device).eval().requires_grad_(False)
         # MoE models report each token's experts (Completion.routed_experts) for routing replay.
-        self.routes = RouteRecorder(self.model, config.model_type) if config.model_type in ROUTER_CLASSES else None
+        self.routes = (
+            RouteRecorder(self.model, config.model_type) if config.model_type in ROUTER_CLASSES else None
+        )
         self.pad_token_id = int(hf.get("pad_token_id") or 0)
         # transformers renamed forward's `past_key_values` to `cache` (the old name warns since 5.2x).
         forward_args = inspect.signature(self.model.forward).parameters
@@ -245,7 +247,9 @@ class EmbeddedEngine(RolloutEngine):
         self._aliases = alias_groups(self.views)
         live = self.model.state_dict()
         self._expected = {name: (view.shape, live[view.live_name].dtype) for name, view in self.views.items()}
-        self._targets: dict[str, torch.Tensor] | None = None  # views into the live weights (see _live_targets)
+        self._targets: dict[str, torch.Tensor] | None = (
+            None  # views into the live weights (see _live_targets)
+        )
         self._staged: dict[str, torch.Tensor] = {}
         self._staged_version: int | None = None
         self._direct_version: int | None = None  # a version whose manifest was accepted: loaded in place
@@ -315,7 +319,10 @@ class EmbeddedEngine(RolloutEngine):
         if repeated:
             problems.insert(0, f"tensors listed twice {repeated[:10]}")
         if problems:
-            return [f"weight update v{version} rejected, the engine keeps v{self.weight_version}: " + "; ".join(problems)]
+            return [
+                f"weight update v{version} rejected, the engine keeps v{self.weight_version}: "
+                + "; ".join(problems)
+            ]
         self._discard_staged()
         self._direct_version, self._direct_names = version, set(meta)
         self._accepted_manifest, self._accepted_names = manifest, frozenset(meta)
@@ -327,7 +334,9 @@ class EmbeddedEngine(RolloutEngine):
         try:
             stray = [name for name, _ in bucket if name not in self._direct_names]
             if stray:
-                raise ValueError(f"weight update v{version}: tensors outside its manifest or sent twice: {stray[:10]}")
+                raise ValueError(
+                    f"weight update v{version}: tensors outside its manifest or sent twice: {stray[:10]}"
+                )
             self._direct_names.difference_update(name for name, _ in bucket)
             self._copy_into_live(bucket)
             if last and self._direct_names:
@@ -429,19 +438,27 @@ class EmbeddedEngine(RolloutEngine):
         limits = [b for b in params.budgets(len(prompts)) for _ in range(n)]  # each row's max_new_tokens
         if self.max_batch_rows and self.max_batch_rows < n:  # one prompt's samples do not fit one batch
             rows = [list(p) for p in prompts for _ in range(n)]
-            units = [(rows[s : s + self.max_batch_rows], 1, limits[s : s + self.max_batch_rows])
-                     for s in range(0, len(rows), self.max_batch_rows)]  # fmt: skip
+            units = [
+                (rows[s : s + self.max_batch_rows], 1, limits[s : s + self.max_batch_rows])
+                for s in range(0, len(rows), self.max_batch_rows)
+            ]
         else:  # whole prompts per batch, each prompt's prefill computed once for its n samples
             per = max(1, self.max_batch_rows // n if self.max_batch_rows else len(prompts))
-            units = [([list(p) for p in prompts[s : s + per]], n, limits[s * n : (s + per) * n])
-                     for s in range(0, len(prompts), per)]  # fmt: skip
+            units = [
+                ([list(p) for p in prompts[s : s + per]], n, limits[s * n : (s + per) * n])
+                for s in range(0, len(prompts), per)
+            ]
         done: list[Completion] = []
         for unique, repeats, unit_limits in units:
             done.extend(self._generate_rows(unique, repeats, params, generator, unit_limits))
         return [done[i * n : (i + 1) * n] for i in range(len(prompts))]
 
     def _generate_rows(
-        self, prompts: list[list[int]], repeats: int, params: SamplingParams, generator: torch.Generator,
+        self,
+        prompts: list[list[int]],
+        repeats: int,
+        params: SamplingParams,
+        generator: torch.Generator,
         limits: list[int],
     ) -> list[Completion]:
         """Each of ``prompts`` sampled ``repeats`` times (rows prompt-major), row ``r`` at most
@@ -464,7 +481,9 @@ class EmbeddedEngine(RolloutEngine):
         cache = DynamicCache(config=self.model.config)
         stop_ids = torch.tensor(sorted(set(params.stop_token_ids)), dtype=torch.long, device=self.device)
         recorder = self.routes if self.record_routes and params.routes else None
-        routes = _StepRoutes(recorder, n_rows, repeats, params.max_new_tokens) if recorder is not None else None
+        routes = (
+            _StepRoutes(recorder, n_rows, repeats, params.max_new_tokens) if recorder is not None else None
+        )
         texts = _StopStrings(self.tokenizer, params.stop_strings, n_rows) if params.stop_strings else None
         steps: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []  # (rows, token, logprob) per step
         stopped_r = torch.zeros(n_rows, dtype=torch.bool, device=self.device)
@@ -494,12 +513,19 @@ class EmbeddedEngine(RolloutEngine):
                 if step == 0 and repeats > 1:  # one prefill per prompt: its rows share it
                     logits = logits.repeat_interleave(repeats, dim=0)
                     cache.batch_repeat_interleave(repeats)
-                    mask_rl, positions_rl = mask_rl.repeat_interleave(repeats, 0), positions_rl.repeat_interleave(repeats, 0)
+                    mask_rl, positions_rl = (
+                        mask_rl.repeat_interleave(repeats, 0),
+                        positions_rl.repeat_interleave(repeats, 0),
+                    )
                 if routes is not None:
                     routes.add(step, active)
                 token_r, logprob_r = sample_next(logits, params, generator)
                 steps.append((active, token_r, logprob_r))
-                stop_r = torch.isin(token_r, stop_ids) if stop_ids.numel() else torch.zeros_like(token_r, dtype=torch.bool)
+                stop_r = (
+                    torch.isin(token_r, stop_ids)
+                    if stop_ids.numel()
+                    else torch.zeros_like(token_r, dtype=torch.bool)
+                )
                 if texts is not None:
                     stop_r |= texts.add(active, token_r)
                 stopped_r[active[stop_r]] = True
@@ -517,7 +543,9 @@ class EmbeddedEngine(RolloutEngine):
         finally:
             if self.routes is not None:
                 self.routes.active = True
-        return _completions(steps, stopped_r, n_rows, routes, [len(r) for r in prompts for _ in range(repeats)])
+        return _completions(
+            steps, stopped_r, n_rows, routes, [len(r) for r in prompts for _ in range(repeats)]
+        )
 
     def _ragged_prefill(
         self, prompts: list[list[int]], cache: Any
@@ -548,9 +576,16 @@ class EmbeddedEngine(RolloutEngine):
             mask_rl = mask[:, length - own :].to(self.device)
             tokens_rl = tokens[:, length - own :].to(self.device)
             part = DynamicCache(config=self.model.config)
-            logits.append(self.model(input_ids=tokens_rl, attention_mask=mask_rl,
-                                     position_ids=(mask_rl.cumsum(-1) - 1).clamp(min=0), use_cache=True,
-                                     **{self._cache_kwarg: part}, logits_to_keep=1).logits[:, -1])  # fmt: skip
+            logits.append(
+                self.model(
+                    input_ids=tokens_rl,
+                    attention_mask=mask_rl,
+                    position_ids=(mask_rl.cumsum(-1) - 1).clamp(min=0),
+                    use_cache=True,
+                    **{self._cache_kwarg: part},
+                    logits_to_keep=1,
+                ).logits[:, -1]
+            )
             masks.append(mask.to(self.device))
             layers: list[Any] = list(part.layers)  # full-attention layers (DynamicLayer): keys, values
             kv.append([(layer.keys, layer.values) for layer in layers])
@@ -643,7 +678,12 @@ class _StepRoutes:
     Python loop cost more than the decoding step itself on a GPU)."""
 
     def __init__(self, recorder: RouteRecorder, n_rows: int, repeats: int, max_new_tokens: int) -> None:
-        self.recorder, self.n_rows, self.repeats, self.max_new_tokens = recorder, n_rows, repeats, max_new_tokens
+        self.recorder, self.n_rows, self.repeats, self.max_new_tokens = (
+            recorder,
+            n_rows,
+            repeats,
+            max_new_tokens,
+        )
         self.prompt_mrlk: torch.Tensor | None = None
         self.response_mrtk: torch.Tensor | None = None
 

@@ -47,8 +47,10 @@ class EngineLost(RuntimeError):
         self, rank: int, host: str, why: str, log_tail: str, log_path: str, what: str = "engine process"
     ) -> None:
         self.rank, self.host, self.why, self.log_tail, self.log_path = rank, host, why, log_tail, log_path
-        super().__init__(f"the {what} of rank {rank} on {host} was lost: {why}; the last lines of its log "
-                         f"({log_path}):\n{log_tail}")  # fmt: skip
+        super().__init__(
+            f"the {what} of rank {rank} on {host} was lost: {why}; the last lines of its log "
+            f"({log_path}):\n{log_tail}"
+        )
 
 
 LOG_TAIL_LINES = 20
@@ -81,7 +83,9 @@ def log_tail(path: Path | None, lines: int = LOG_TAIL_LINES, indent: str = "") -
         text = path.read_text(errors="replace").splitlines()
     except OSError as exc:
         return f"{indent}(unreadable: {exc})"
-    kept = [line for line in text if "UserWarning" not in line and not line.strip().startswith("warnings.warn")]
+    kept = [
+        line for line in text if "UserWarning" not in line and not line.strip().startswith("warnings.warn")
+    ]
     return "\n".join(f"{indent}{line}" for line in kept[-lines:]) or f"{indent}(empty)"
 
 
@@ -341,7 +345,9 @@ class RolloutEngine(abc.ABC):
         return None
 
     @abc.abstractmethod
-    def score(self, sequences: Sequence[Sequence[int]], prompt_lens: Sequence[int], temperature: float) -> list[list[float]]:
+    def score(
+        self, sequences: Sequence[Sequence[int]], prompt_lens: Sequence[int], temperature: float
+    ) -> list[list[float]]:
         """Teacher-forced logprobs of each sequence's tokens after its prompt (the mismatch probe)."""
 
     def score_with_routes(

@@ -109,11 +109,14 @@ def completions_to_json(batch: Sequence[Sequence[Completion]]) -> list[list[dict
             "weight_version": c.weight_version,
             "token_versions": None if c.token_versions is None else list(c.token_versions),
             "loss_mask": None if c.loss_mask is None else list(c.loss_mask),
-            "routes": None if routes is None else {
-                "shape": list(routes.shape), "dtype": str(routes.dtype).removeprefix("torch."),
+            "routes": None
+            if routes is None
+            else {
+                "shape": list(routes.shape),
+                "dtype": str(routes.dtype).removeprefix("torch."),
                 "data": routes.reshape(-1).tolist(),
             },
-        }  # fmt: skip
+        }
 
     return [[one(c) for c in group] for group in batch]
 
@@ -129,8 +132,12 @@ def completions_from_json(data: Sequence[Sequence[Mapping[str, Any]]]) -> list[l
             tensor = torch.tensor(routes["data"], dtype=dtype[routes["dtype"]]).reshape(routes["shape"])
         mask, versions = d.get("loss_mask"), d.get("token_versions")
         return Completion(
-            list(d["token_ids"]), list(d["logprobs"]), d["finish_reason"], tensor,
-            loss_mask=None if mask is None else [int(m) for m in mask], weight_version=int(d["weight_version"]),
+            list(d["token_ids"]),
+            list(d["logprobs"]),
+            d["finish_reason"],
+            tensor,
+            loss_mask=None if mask is None else [int(m) for m in mask],
+            weight_version=int(d["weight_version"]),
             token_versions=None if versions is None else [int(v) for v in versions],
         )
 
@@ -245,9 +252,12 @@ class _Server:
                 scored, routes = self.engine.score_with_routes(
                     request["sequences"], request["prompt_lens"], float(request["temperature"])
                 )
-                out = {"scored": scored, "routes": None if routes is None else [
-                    {"shape": list(r.shape), "data": r.reshape(-1).tolist()} for r in routes
-                ]}  # fmt: skip
+                out = {
+                    "scored": scored,
+                    "routes": None
+                    if routes is None
+                    else [{"shape": list(r.shape), "data": r.reshape(-1).tolist()} for r in routes],
+                }
             path = self.folder / f"result-{request['id']}.json"
             path.write_text(json.dumps(out))
             reply["path"] = str(path)
@@ -270,7 +280,10 @@ def serve(spec_path: str) -> None:
     from grpo_megatron.rollout.embedded import EmbeddedEngine
 
     engine = EmbeddedEngine(
-        spec["hf"], device="cpu", dtype=_DTYPES[spec["dtype"]], max_batch_rows=int(spec["max_batch_rows"]),
+        spec["hf"],
+        device="cpu",
+        dtype=_DTYPES[spec["dtype"]],
+        max_batch_rows=int(spec["max_batch_rows"]),
         record_routes=bool(spec["record_routes"]),
     )
     expected = [[n, list(shape), str(dtype)] for n, (shape, dtype) in engine.expected_tensors().items()]
@@ -330,10 +343,20 @@ class EngineProcess(RolloutEngine):
         name = {v: k for k, v in _DTYPES.items()}[dtype]
         heartbeat_s = min(10.0, health_timeout_s / 8)  # unread beats fill the pipe's 64 KiB in hours only
         self.spec: dict[str, Any] = {
-            "hf": dict(hf), "dtype": name, "max_batch_rows": max_batch_rows, "threads": threads,
-            "record_routes": record_routes, "rank": rank, "heartbeat_s": heartbeat_s, "life": 0,
-        }  # fmt: skip
-        self.threads, self.startup_timeout_s, self.health_timeout_s = threads, startup_timeout_s, health_timeout_s
+            "hf": dict(hf),
+            "dtype": name,
+            "max_batch_rows": max_batch_rows,
+            "threads": threads,
+            "record_routes": record_routes,
+            "rank": rank,
+            "heartbeat_s": heartbeat_s,
+            "life": 0,
+        }
+        self.threads, self.startup_timeout_s, self.health_timeout_s = (
+            threads,
+            startup_timeout_s,
+            health_timeout_s,
+        )
         self.rank, self.host = rank, socket.gethostname()
         self._log_given = log_path
         self.log_path = log_path
@@ -354,9 +377,18 @@ class EngineProcess(RolloutEngine):
             log.write(f"--- engine process of rank {self.rank}, life {self.spec['life']} ---\n".encode())
             log.flush()
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "grpo_megatron.rollout.engine_process", str(self.folder / "spec.json")],
-                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, env=env, text=True,
-            )  # fmt: skip
+                [
+                    sys.executable,
+                    "-m",
+                    "grpo_megatron.rollout.engine_process",
+                    str(self.folder / "spec.json"),
+                ],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=log,
+                env=env,
+                text=True,
+            )
         assert self.proc.stdout is not None
         self._reader = LineReader(self.proc.stdout.fileno())
         self._replies: dict[int, dict[str, Any]] = {}
@@ -394,12 +426,16 @@ class EngineProcess(RolloutEngine):
                 raise self._lost(f"the process exited with code {self.proc.returncode} during {what}")
             now = time.monotonic()
             if timeout_s is not None and now - start > timeout_s:
-                raise TimeoutError(f"the engine process did not {what} within {timeout_s} s; its log "
-                                   f"({self.log_path}) ends:\n{self.log_tail()}")  # fmt: skip
+                raise TimeoutError(
+                    f"the engine process did not {what} within {timeout_s} s; its log "
+                    f"({self.log_path}) ends:\n{self.log_tail()}"
+                )
             if timeout_s is None and now - last > self.health_timeout_s:
                 stopped = " (it is stopped: state T)" if self._state() == "T" else ""
-                raise self._lost(f"no reply or heartbeat for {now - last:.1f} s during {what}{stopped}, "
-                                 f"past rollout.engine_health_timeout_s={self.health_timeout_s:g}")  # fmt: skip
+                raise self._lost(
+                    f"no reply or heartbeat for {now - last:.1f} s during {what}{stopped}, "
+                    f"past rollout.engine_health_timeout_s={self.health_timeout_s:g}"
+                )
             try:
                 message = self._reader.read(min(1.0, self.health_timeout_s / 4))
             except EOFError:  # its end of the pipe closed: it exited (or is about to)
@@ -422,7 +458,9 @@ class EngineProcess(RolloutEngine):
             assert self.proc.stdin is not None
             _send(self.proc.stdin, message)
         except OSError as exc:  # a broken pipe: the process is gone
-            raise self._lost(f"its pipe broke ({type(exc).__name__}: {exc}); exit code {self.proc.poll()}") from exc
+            raise self._lost(
+                f"its pipe broke ({type(exc).__name__}: {exc}); exit code {self.proc.poll()}"
+            ) from exc
 
     def _request(self, message: dict[str, Any]) -> int:
         ticket = self._next_id
@@ -466,8 +504,9 @@ class EngineProcess(RolloutEngine):
         self, prompts: Sequence[Sequence[int]], params: SamplingParams
     ) -> Callable[[], list[list[Completion]]]:
         """Send the request and return at once; calling the result waits for the completions."""
-        ticket = self._request({"op": "generate", "prompts": [list(p) for p in prompts],
-                                "params": params_to_json(params)})  # fmt: skip
+        ticket = self._request(
+            {"op": "generate", "prompts": [list(p) for p in prompts], "params": params_to_json(params)}
+        )
         life = self.spec["life"]
 
         def result() -> list[list[Completion]]:
@@ -480,14 +519,22 @@ class EngineProcess(RolloutEngine):
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[list[Completion]]:
         return self.submit(prompts, params)()
 
-    def score(self, sequences: Sequence[Sequence[int]], prompt_lens: Sequence[int], temperature: float) -> list[list[float]]:
+    def score(
+        self, sequences: Sequence[Sequence[int]], prompt_lens: Sequence[int], temperature: float
+    ) -> list[list[float]]:
         return self.score_with_routes(sequences, prompt_lens, temperature)[0]
 
     def score_with_routes(
         self, sequences: Sequence[Sequence[int]], prompt_lens: Sequence[int], temperature: float
     ) -> tuple[list[list[float]], list[torch.Tensor] | None]:
-        ticket = self._request({"op": "score", "sequences": [list(s) for s in sequences],
-                                "prompt_lens": list(prompt_lens), "temperature": temperature})  # fmt: skip
+        ticket = self._request(
+            {
+                "op": "score",
+                "sequences": [list(s) for s in sequences],
+                "prompt_lens": list(prompt_lens),
+                "temperature": temperature,
+            }
+        )
         data = self._result(ticket)
         routes = data["routes"]
         if routes is not None:
@@ -500,8 +547,10 @@ class EngineProcess(RolloutEngine):
         """Names and shapes against what the engine reported at start (completeness, where tied aliases
         count once, and dtypes it checks on load)."""
         if self.proc.poll() is not None:  # lost since its last request: the fleet may restart it (EngineLost)
-            raise self._lost(f"the process exited with code {self.proc.returncode} before the weight sync of "
-                             f"version {version}")  # fmt: skip
+            raise self._lost(
+                f"the process exited with code {self.proc.returncode} before the weight sync of "
+                f"version {version}"
+            )
         sent = {name: tuple(shape) for name, shape, _ in manifest}
         problems = [f"{n}: unknown to the engine" for n in sent if n not in self._expected][:5]
         problems += [

@@ -117,7 +117,10 @@ def _describe(exc: BaseException) -> str:
 
 
 def make_engine(
-    spec: EngineSpec, hf: Mapping[str, Any], ps: ParallelState, tokenizer: PreTrainedTokenizerBase | None = None,
+    spec: EngineSpec,
+    hf: Mapping[str, Any],
+    ps: ParallelState,
+    tokenizer: PreTrainedTokenizerBase | None = None,
     placement: RolloutPlacement | None = None,
 ) -> RolloutEngine | None:
     """This rank's engine where ``placement`` puts it (rollout/placement.py; None: decided here from
@@ -140,11 +143,15 @@ def make_engine(
         from grpo_megatron.rollout.engine_process import EngineProcess
 
         return EngineProcess(
-            hf, dtype=_DTYPES[spec.model.dtype], max_batch_rows=rollout.embedded_max_batch_rows,
-            threads=rollout.embedded_process_threads, record_routes=spec.record_routes, rank=ps.rank,
+            hf,
+            dtype=_DTYPES[spec.model.dtype],
+            max_batch_rows=rollout.embedded_max_batch_rows,
+            threads=rollout.embedded_process_threads,
+            record_routes=spec.record_routes,
+            rank=ps.rank,
             health_timeout_s=rollout.engine_health_timeout_s,
             log_path=spec.log_dir / f"engine-process-rank{ps.rank}.log" if spec.log_dir else None,
-        )  # fmt: skip
+        )
     from grpo_megatron.rollout.embedded import EmbeddedEngine
 
     device = ps.device if rollout.engine_device == "auto" else torch.device("cpu")
@@ -339,14 +346,18 @@ class RolloutFleet:
         _agree(error, f"building the {spec.rollout.engine} rollout engines")
         sink: WeightSink | None = engine if engine is not None else member
         flags: list[Any] = [None] * ps.world_size
-        dist.all_gather_object(flags, (engine is not None, sink.sync_group_ranks if sink is not None else None))
+        dist.all_gather_object(
+            flags, (engine is not None, sink.sync_group_ranks if sink is not None else None)
+        )
         engine_ranks = [rank for rank, (has, _) in enumerate(flags) if has]
         sync_ranks = [rank for rank, (_, ranks) in enumerate(flags) if ranks is not None]
         # The GPUs of one engine hand their payloads to its leader over a group of their own; every
         # rank creates every such group (new_group is collective), in the same order. gloo: they
         # carry only small objects.
         for ranks in sync_groups([r for _, r in flags if r is not None]):
-            group_of = dist.new_group(list(ranks), backend="gloo", timeout=ps.timeout, group_desc="ENGINE_SYNC")
+            group_of = dist.new_group(
+                list(ranks), backend="gloo", timeout=ps.timeout, group_desc="ENGINE_SYNC"
+            )
             if sink is not None and ps.rank in ranks:
                 sink.bind_sync_group(group_of)
         if not engine_ranks:
@@ -355,7 +366,9 @@ class RolloutFleet:
                 "on any rank"
             )
         if placement.engines and engine_ranks != placement.leaders():
-            raise RuntimeError(f"engines started on ranks {engine_ranks[:8]}, the placement planned {placement.leaders()[:8]}")
+            raise RuntimeError(
+                f"engines started on ranks {engine_ranks[:8]}, the placement planned {placement.leaders()[:8]}"
+            )
         # every rank calls new_group, engine or not
         group = dist.new_group(engine_ranks, timeout=ps.timeout, group_desc="ROLLOUT_ENGINES")
         return cls(
@@ -382,7 +395,11 @@ class RolloutFleet:
     # ------------------------------------------------------------------------------- generation
 
     def generate(
-        self, prompts: Sequence[Sequence[int]], params: SamplingParams, *, payload: Payload = "everywhere",
+        self,
+        prompts: Sequence[Sequence[int]],
+        params: SamplingParams,
+        *,
+        payload: Payload = "everywhere",
         recovery: EngineRecovery | None = None,
     ) -> list[list[Completion]]:
         """Collective: ``params.n`` completions per prompt, in prompt order, on every rank.
@@ -434,13 +451,17 @@ class RolloutFleet:
         prompts, seeded = pending.share
         pending.life, pending.lost, pending.error = self.engine_life, None, None
         try:
-            pending.local = self.engine.submit(prompts, seeded) if prompts or self.engine.collective else lambda: []
+            pending.local = (
+                self.engine.submit(prompts, seeded) if prompts or self.engine.collective else lambda: []
+            )
         except EngineLost as exc:
             pending.lost = exc
         except Exception as exc:
             pending.error = _describe(exc)
 
-    def _local_share(self, pending: PendingRollout) -> tuple[list[list[Completion]], str | None, EngineLost | None]:
+    def _local_share(
+        self, pending: PendingRollout
+    ) -> tuple[list[list[Completion]], str | None, EngineLost | None]:
         """This rank's completions, or why not: (completions, error, lost engine)."""
         if self.engine is None or pending.share is None:
             return [], pending.error, None
@@ -460,7 +481,11 @@ class RolloutFleet:
             return [], _describe(exc), None
 
     def collect(
-        self, pending: PendingRollout, *, payload: Payload = "everywhere", recovery: EngineRecovery | None = None
+        self,
+        pending: PendingRollout,
+        *,
+        payload: Payload = "everywhere",
+        recovery: EngineRecovery | None = None,
     ) -> list[list[Completion]]:
         """Collective: the completions of ``submit``, in prompt order, on every rank (each stamped
         with the weight version that sampled it), as ``generate`` returns them. Engines lost on the
@@ -479,21 +504,34 @@ class RolloutFleet:
         for i, (rank, completions) in enumerate(zip(self.engine_ranks, exchanged, strict=True)):
             start, end = slices[i]
             if len(completions) != (end - start) * pending.n:
-                raise RuntimeError(f"rollout generate: engine {i} returned {len(completions)} completions for "
-                                   f"{end - start} prompts x n={pending.n}")  # fmt: skip
+                raise RuntimeError(
+                    f"rollout generate: engine {i} returned {len(completions)} completions for "
+                    f"{end - start} prompts x n={pending.n}"
+                )
             for c, (shape, mine), header in completions:
                 if pending.routes and shape is not None:
                     c.route_id = self.held_routes.add(rank, shape, mine)
                 if payload == "owners":
-                    c.payload_id = self.held_completions.add(rank, header, c if rank == self.ps.rank else None)
-            out += [[c for c, _, _ in completions[k : k + pending.n]] for k in range(0, len(completions), pending.n)]
+                    c.payload_id = self.held_completions.add(
+                        rank, header, c if rank == self.ps.rank else None
+                    )
+            out += [
+                [c for c, _, _ in completions[k : k + pending.n]]
+                for k in range(0, len(completions), pending.n)
+            ]
         if len(out) != pending.num_prompts:
             raise RuntimeError(f"rollout generate: {len(out)} results for {pending.num_prompts} prompts")
         return out
 
     def recover(
-        self, error: str | None, lost: EngineLost | None, recovery: EngineRecovery | None, what: str,
-        *, version: int | None = None, resync: bool = True,
+        self,
+        error: str | None,
+        lost: EngineLost | None,
+        recovery: EngineRecovery | None,
+        what: str,
+        *,
+        version: int | None = None,
+        resync: bool = True,
     ) -> None:
         """Collective, after a step that failed somewhere: the ranks agree on every rank's ``error``
         and ``lost`` engine. Any error, or a loss without ``recovery`` or past its bound: every rank
@@ -502,12 +540,17 @@ class RolloutFleet:
         ``restart_engines``). The error of another GPU of a lost engine (its weight round failed with
         the engine) is the loss's, not one of its own."""
         lost = lost or self._member_loss()
-        mine = None if lost is None else {"host": lost.host, "why": lost.why, "tail": lost.log_tail,
-                                          "log": lost.log_path}  # fmt: skip
+        mine = (
+            None
+            if lost is None
+            else {"host": lost.host, "why": lost.why, "tail": lost.log_tail, "log": lost.log_path}
+        )
         reports: list[Any] = [None] * self.ps.world_size
         dist.all_gather_object(reports, (error, mine), group=self._data_group())  # every rank is here
         losses = {rank: info for rank, (_, info) in enumerate(reports) if info is not None}
-        lost_engines = sorted({self._leader_of(rank) for rank in losses})  # a further node's part: its engine's
+        lost_engines = sorted(
+            {self._leader_of(rank) for rank in losses}
+        )  # a further node's part: its engine's
         with_lost = set(self._engine_ranks_of(lost_engines))
         errors = [(rank, e) for rank, (e, _) in enumerate(reports) if e is not None and rank not in with_lost]
         named = "\n".join(
@@ -517,7 +560,9 @@ class RolloutFleet:
         )
         if errors or not losses:
             lines = "\n".join(f"  rank {rank}: {e}" for rank, e in errors[:8])
-            raise RuntimeError(f"{what} failed on {len(errors) + len(losses)} rank(s):\n{lines}\n{named}".rstrip())
+            raise RuntimeError(
+                f"{what} failed on {len(errors) + len(losses)} rank(s):\n{lines}\n{named}".rstrip()
+            )
         if recovery is None or recovery.restarts + len(lost_engines) > recovery.max_restarts:
             bound = 0 if recovery is None else recovery.max_restarts
             done = 0 if recovery is None else recovery.restarts
@@ -529,10 +574,13 @@ class RolloutFleet:
         seconds = self.restart_engines(lost_engines, recovery, version, resync=resync)
         if self.ps.rank == 0:
             for rank, info in losses.items():
-                print(f"[engine] engine {self.engine_ranks.index(self._leader_of(rank))} (rank {rank} on "
-                      f"{info['host']}) lost during {what}: {info['why']}; restarted for weights version {version} "
-                      f"in {seconds:.1f} s (restart {recovery.restarts} of at most {recovery.max_restarts}); its "
-                      f"log ended:\n{_indented(info['tail'])}", flush=True)  # fmt: skip
+                print(
+                    f"[engine] engine {self.engine_ranks.index(self._leader_of(rank))} (rank {rank} on "
+                    f"{info['host']}) lost during {what}: {info['why']}; restarted for weights version {version} "
+                    f"in {seconds:.1f} s (restart {recovery.restarts} of at most {recovery.max_restarts}); its "
+                    f"log ended:\n{_indented(info['tail'])}",
+                    flush=True,
+                )
 
     def _member_loss(self) -> EngineLost | None:
         """This rank's part of an engine led from another rank, lost (a further node's part of an
@@ -568,7 +616,9 @@ class RolloutFleet:
         dist.all_gather_object(everyone, mine, group=self._data_group())
         return {leader: everyone[leader] for leader in leaders}
 
-    def restart_engines(self, ranks: Sequence[int], recovery: EngineRecovery, version: int, *, resync: bool) -> float:
+    def restart_engines(
+        self, ranks: Sequence[int], recovery: EngineRecovery, version: int, *, resync: bool
+    ) -> float:
         """Collective: the engines of ``ranks`` (their leaders) restart (each owner kills what is left
         and starts it again, same spec and width) and (``resync``; not when the sync that found them
         lost goes on) every rank streams ``version`` from ``recovery.model`` into them only: into
@@ -629,8 +679,9 @@ class RolloutFleet:
         per_engine = []
         for rank in self.engine_ranks:
             own = mine if rank == self.ps.rank else None
-            completions, shapes, headers = exchange_engine(own, sizes[rank].tolist(), src=rank, rank=self.ps.rank,
-                                                           payload=payload, group=group)  # fmt: skip
+            completions, shapes, headers = exchange_engine(
+                own, sizes[rank].tolist(), src=rank, rank=self.ps.rank, payload=payload, group=group
+            )
             routes = [c.routed_experts for c in flat] if rank == self.ps.rank else [None] * len(completions)
             per_engine.append(list(zip(completions, zip(shapes, routes, strict=True), headers, strict=True)))
         return per_engine
@@ -668,14 +719,21 @@ class RolloutFleet:
 
     def _data_group(self) -> Any:
         if self.data_group is None:  # every rank gets here together: generate is collective
-            self.data_group = dist.new_group(backend="gloo", timeout=self.ps.timeout, group_desc="ROLLOUT_DATA")
+            self.data_group = dist.new_group(
+                backend="gloo", timeout=self.ps.timeout, group_desc="ROLLOUT_DATA"
+            )
         return self.data_group
 
     # ------------------------------------------------------------------------------ weight sync
 
     def sync_weights(
-        self, model: torch.nn.Module, version: int, *, bucket_bytes: int | None = None,
-        targets: Sequence[int] | None = None, recovery: EngineRecovery | None = None,
+        self,
+        model: torch.nn.Module,
+        version: int,
+        *,
+        bucket_bytes: int | None = None,
+        targets: Sequence[int] | None = None,
+        recovery: EngineRecovery | None = None,
     ) -> dict[str, float]:
         """Collective: stream the trainer's weights into every engine as ``version``, all engines fed
         at once, each from the ranks holding its slices (``bridge/export.py``).
@@ -738,14 +796,22 @@ class RolloutFleet:
             needs: list[Any] = [None] * self.ps.world_size
             dist.all_gather_object(needs, sink.weight_needs() if sink is not None else None)
             self.export_plan = plan_export(
-                model, self.ps, self.hf, bucket_bytes=bucket_bytes, dst_ranks=dsts, dtype=self.export_dtype,
-                rounds_in_flight=self.rounds_in_flight, needs={d: needs[d] for d in dsts if needs[d] is not None},
-            )  # fmt: skip
+                model,
+                self.ps,
+                self.hf,
+                bucket_bytes=bucket_bytes,
+                dst_ranks=dsts,
+                dtype=self.export_dtype,
+                rounds_in_flight=self.rounds_in_flight,
+                needs={d: needs[d] for d in dsts if needs[d] is not None},
+            )
             self.planned_for = (id(model), bucket_bytes)
             self.manifest = self.export_plan.manifest(self.ps.rank if sink is not None else None)
         return self.export_plan
 
-    def _check_manifests(self, version: int, sink: WeightSink | None, recovery: EngineRecovery | None) -> None:
+    def _check_manifests(
+        self, version: int, sink: WeightSink | None, recovery: EngineRecovery | None
+    ) -> None:
         """Phase one: every engine (``sink`` on this rank) judges the manifest; the ranks agree (one
         small all-reduce; the messages are gathered only when some engine rejected). A rejection
         anywhere: every engine keeps its previous version and every rank raises. Only lost engines
@@ -759,10 +825,14 @@ class RolloutFleet:
                 lost = exc
             except Exception as exc:
                 problems = [_describe(exc)]
-        flags = torch.tensor([int(bool(problems)), int(lost is not None)], dtype=torch.int64, device=self.ps.device)
+        flags = torch.tensor(
+            [int(bool(problems)), int(lost is not None)], dtype=torch.int64, device=self.ps.device
+        )
         dist.all_reduce(flags, op=dist.ReduceOp.MAX)
         if not flags[0] and flags[1] and recovery is not None:
-            self.recover(None, lost, recovery, f"the weight sync of version {version}", version=version, resync=False)
+            self.recover(
+                None, lost, recovery, f"the weight sync of version {version}", version=version, resync=False
+            )
             return self._check_manifests(version, sink, recovery)
         problems = problems or ([str(lost)] if lost is not None else [])
         if not flags.any():
@@ -815,14 +885,22 @@ class RolloutFleet:
         with ``recovery``, lost engines only: they restart and are sent ``version`` alone."""
         stats = outcome.stats
         totals = torch.tensor(
-            [outcome.error is not None, outcome.received, outcome.buckets, stats.peak_bytes, stats.in_place_bytes],
+            [
+                outcome.error is not None,
+                outcome.received,
+                outcome.buckets,
+                stats.peak_bytes,
+                stats.in_place_bytes,
+            ],
             dtype=torch.int64,
             device=self.ps.device,
         )
         dist.all_reduce(totals, op=dist.ReduceOp.MAX)
         if totals[0] and recovery is not None:
             error = None if outcome.lost is not None else outcome.error
-            self.recover(error, outcome.lost, recovery, f"the weight sync of version {version}", version=version)
+            self.recover(
+                error, outcome.lost, recovery, f"the weight sync of version {version}", version=version
+            )
         elif totals[0]:
             reports: list[Any] = [None] * self.ps.world_size
             dist.all_gather_object(reports, outcome.error)
@@ -837,8 +915,12 @@ class RolloutFleet:
     # -------------------------------------------------------------------------- mismatch probe
 
     def score(
-        self, sequences: Sequence[Sequence[int]], prompt_lens: Sequence[int], temperature: float,
-        *, recovery: EngineRecovery | None = None,
+        self,
+        sequences: Sequence[Sequence[int]],
+        prompt_lens: Sequence[int],
+        temperature: float,
+        *,
+        recovery: EngineRecovery | None = None,
     ) -> tuple[list[list[float]] | None, list[torch.Tensor] | None]:
         """Collective: this rank's engine's teacher-forced logprobs of each sequence's tokens after its
         prompt (the mismatch probe, training/phases/sync.py; None on ranks without an engine), and on
@@ -885,7 +967,9 @@ class RolloutFleet:
         ``EXIT_ENGINE_DIED`` while it closed its loggers, its peer having stopped its part)."""
         if together:
             for part in (self.engine, self.member):
-                health = getattr(part, "health", None)  # the SGLang parts' processes (rollout/sglang/health.py)
+                health = getattr(
+                    part, "health", None
+                )  # the SGLang parts' processes (rollout/sglang/health.py)
                 if health is not None:
                     health.stopping = True
             dist.barrier(group=self._data_group())

@@ -39,7 +39,14 @@ if TYPE_CHECKING:
     from grpo_megatron.rollout.config import MultiTurnConfig
     from grpo_megatron.rollout.fleet import RolloutFleet
 
-__all__ = ["StepResult", "Environment", "ToolEnvironment", "Trajectory", "EpisodeRunner", "trajectory_metrics"]
+__all__ = [
+    "StepResult",
+    "Environment",
+    "ToolEnvironment",
+    "Trajectory",
+    "EpisodeRunner",
+    "trajectory_metrics",
+]
 
 TOOL_NAME = "tool"
 """The name the environment's tool has in its ``ToolPool`` (``rollout.multiturn.tool`` says what it is)."""
@@ -114,9 +121,17 @@ class ToolEnvironment(Environment):
                 out.append(StepResult([], done=True))
                 continue
             r = next(results)
-            out.append(StepResult(self.observation_ids(r.output), False, None, tool_calls=1,
-                                  tool_errors=int(r.status != "ok"), tool_timeouts=int(r.status == "timeout"),
-                                  tool_truncated=int(r.truncated)))  # fmt: skip
+            out.append(
+                StepResult(
+                    self.observation_ids(r.output),
+                    False,
+                    None,
+                    tool_calls=1,
+                    tool_errors=int(r.status != "ok"),
+                    tool_timeouts=int(r.status == "timeout"),
+                    tool_truncated=int(r.truncated),
+                )
+            )
         return out
 
     def close(self) -> None:
@@ -160,8 +175,10 @@ class EpisodeRunner:
         """With ``params.routes`` every turn's routes stay held (``RolloutFleet.generate``); a
         trajectory's ``route_id`` is its last turn's, the earlier turns' are never delivered."""
         limit = self.cfg.max_total_tokens
-        first = self.fleet.generate([list(r.prompt_ids) for r in records],
-                                    dataclasses.replace(params, max_new_tokens=min(params.max_new_tokens, limit)))
+        first = self.fleet.generate(
+            [list(r.prompt_ids) for r in records],
+            dataclasses.replace(params, max_new_tokens=min(params.max_new_tokens, limit)),
+        )
         groups = [[Trajectory([], [], c.finish_reason, None, []) for c in cs] for cs in first]
         for g, cs in zip(groups, first, strict=True):
             for t, c in zip(g, cs, strict=True):
@@ -177,8 +194,9 @@ class EpisodeRunner:
             prompts = [list(flat[i][0].prompt_ids) + flat[i][1].token_ids for i in open_]
             budgets = tuple(min(params.max_new_tokens, limit - len(flat[i][1].token_ids)) for i in open_)
             seed = None if params.seed is None else params.seed + _TURN_SEED_STRIDE * (turn - 1)
-            turn_params = dataclasses.replace(params, n=1, seed=seed, max_new_tokens=max(budgets),
-                                              max_new_tokens_each=budgets)  # fmt: skip
+            turn_params = dataclasses.replace(
+                params, n=1, seed=seed, max_new_tokens=max(budgets), max_new_tokens_each=budgets
+            )
             outs = self.fleet.generate(prompts, turn_params)
             for i, (c,) in zip(open_, outs, strict=True):
                 flat[i][1].add(c, sampled=True)
@@ -196,14 +214,18 @@ class EpisodeRunner:
         ended = bool(t.token_ids) and t.token_ids[-1] in params.stop_token_ids
         return ended or len(t.token_ids) >= self.cfg.max_total_tokens
 
-    def _observe(self, flat: list[tuple[PromptRecord, Trajectory]], states: list[Any], open_: list[int]) -> list[int]:
+    def _observe(
+        self, flat: list[tuple[PromptRecord, Trajectory]], states: list[Any], open_: list[int]
+    ) -> list[int]:
         """Rank 0's environment answers every open episode's last turn; the ones that go on get their
         observation ids appended. Returns them."""
         if not open_:
             return []
 
         def answer() -> list[StepResult]:
-            texts = [self.tokenizer.decode(self._last_turn(flat[i][1]), skip_special_tokens=True) for i in open_]
+            texts = [
+                self.tokenizer.decode(self._last_turn(flat[i][1]), skip_special_tokens=True) for i in open_
+            ]
             return self._env.step([states[i] for i in open_], texts)
 
         steps = on_rank0(answer, "the environment's step")

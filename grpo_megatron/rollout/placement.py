@@ -116,7 +116,9 @@ class RolloutPlacement:
             # A checkpoint reads parameters and optimizer state, not gradients; an offloading job
             # brings back only those, beside the engines' weights. Otherwise the rollout phase's
             # memory (everything resident) is the save's: nothing moves.
-            "save": Occupancy(frozenset({"params", "optimizer"}), weights) if self.offload_trainer else rollout,
+            "save": Occupancy(frozenset({"params", "optimizer"}), weights)
+            if self.offload_trainer
+            else rollout,
         }
 
 
@@ -208,18 +210,36 @@ def decide_placement(
         ranks = embedded_engines(rollout.placement, world_size, gpus_per_node, tp, pp, cp)
         why["engines"] = f"rollout.placement={rollout.placement}"
         if rollout.true_on_policy:  # the policy engine: every rank takes part in every decode step
-            ranks, why["engines"] = list(range(world_size)), "rollout.true_on_policy: the policy on every rank"
-        return RolloutPlacement("embedded", "colocated", gpus_per_engine=1, engine_ep=1,
-                                engines=tuple((r,) for r in ranks), swaps_engine_memory=offload_trainer,
-                                why=why, **common)  # fmt: skip
+            ranks, why["engines"] = (
+                list(range(world_size)),
+                "rollout.true_on_policy: the policy on every rank",
+            )
+        return RolloutPlacement(
+            "embedded",
+            "colocated",
+            gpus_per_engine=1,
+            engine_ep=1,
+            engines=tuple((r,) for r in ranks),
+            swaps_engine_memory=offload_trainer,
+            why=why,
+            **common,
+        )
     if rollout.engine != "sglang":
         raise ValueError(f"rollout.engine={rollout.engine!r}: choose embedded or sglang")
     if rollout.sglang_mode == "disaggregated":
         why["engines"] = (
             f"rollout.sglang_server_urls: {len(rollout.sglang_server_urls)} server(s), driven by rank 0"
         )
-        return RolloutPlacement("sglang", "disaggregated", gpus_per_engine=0, engine_ep=1, engines=(),
-                                swaps_engine_memory=offload_trainer, why=why, **common)  # fmt: skip
+        return RolloutPlacement(
+            "sglang",
+            "disaggregated",
+            gpus_per_engine=0,
+            engine_ep=1,
+            engines=(),
+            swaps_engine_memory=offload_trainer,
+            why=why,
+            **common,
+        )
     width, why["width"] = _sglang_width(rollout, world_size, gpus_per_node, tp * pp * cp)
     ep, why["ep"] = _sglang_ep(rollout, width, hf)
     engines = tuple(tuple(range(start, start + width)) for start in range(0, world_size, width))
@@ -230,8 +250,16 @@ def decide_placement(
         else f"train.max_staleness={max_staleness}: the engines generate while the trainer trains, so the "
         "engines' memory and the trainer's stay on the device in every phase"
     )
-    return RolloutPlacement("sglang", "colocated", gpus_per_engine=width, engine_ep=ep, engines=engines,
-                            swaps_engine_memory=swaps, why=why, **common)  # fmt: skip
+    return RolloutPlacement(
+        "sglang",
+        "colocated",
+        gpus_per_engine=width,
+        engine_ep=ep,
+        engines=engines,
+        swaps_engine_memory=swaps,
+        why=why,
+        **common,
+    )
 
 
 def runtime_placement(spec: EngineSpec, ps: ParallelState, hf: Mapping[str, Any]) -> RolloutPlacement:
@@ -239,7 +267,13 @@ def runtime_placement(spec: EngineSpec, ps: ParallelState, hf: Mapping[str, Any]
     launcher's LOCAL_WORLD_SIZE (torchrun and launch/ set it; absent: one node)."""
     gpus_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", ps.world_size))
     return decide_placement(
-        spec.rollout, offload_trainer=spec.offload_trainer, max_staleness=spec.max_staleness, world_size=ps.world_size,
+        spec.rollout,
+        offload_trainer=spec.offload_trainer,
+        max_staleness=spec.max_staleness,
+        world_size=ps.world_size,
         gpus_per_node=gpus_per_node,
-        tp=ps.tp, pp=ps.pp, cp=ps.cp, hf=hf,
-    )  # fmt: skip
+        tp=ps.tp,
+        pp=ps.pp,
+        cp=ps.cp,
+        hf=hf,
+    )

@@ -77,7 +77,11 @@ def _gather_vocab(logits_rvt: torch.Tensor, ps: ParallelState) -> torch.Tensor:
 
 
 def sample_next(
-    logits_rvt: torch.Tensor, ps: ParallelState, params: SamplingParams, vocab_size: int, generator: torch.Generator
+    logits_rvt: torch.Tensor,
+    ps: ParallelState,
+    params: SamplingParams,
+    vocab_size: int,
+    generator: torch.Generator,
 ) -> tuple[list[int], list[float]]:
     """(next token, its logprob) of each row from its last-token logits: sampled in fp32 from
     ``softmax(logits / T)`` (greedy: the argmax), the logprob by the trainer's function."""
@@ -87,13 +91,19 @@ def sample_next(
         tokens_r = z_rv.argmax(dim=-1)
     else:
         z_rv = z_rv / params.temperature
-        kept_rv = z_rv if truncation is None else z_rv.masked_fill(~keep_mask(z_rv, truncation), float("-inf"))
+        kept_rv = (
+            z_rv if truncation is None else z_rv.masked_fill(~keep_mask(z_rv, truncation), float("-inf"))
+        )
         tokens_r = torch.multinomial(torch.softmax(kept_rv, dim=-1), 1, generator=generator).squeeze(-1)
     logprobs_r, _ = vocab_parallel_logprobs(
-        logits_rvt[:, None], tokens_r[:, None].to(logits_rvt.device), tp_group=ps.tp_group,
-        vocab_start=ps.tp_rank * logits_rvt.shape[-1], temperature=params.temperature, vocab_size=vocab_size,
+        logits_rvt[:, None],
+        tokens_r[:, None].to(logits_rvt.device),
+        tp_group=ps.tp_group,
+        vocab_start=ps.tp_rank * logits_rvt.shape[-1],
+        temperature=params.temperature,
+        vocab_size=vocab_size,
         truncation=truncation,
-    )  # fmt: skip
+    )
     return tokens_r.tolist(), logprobs_r[:, 0].tolist()
 
 
@@ -116,7 +126,9 @@ def policy_generate(
     TP peers pass the same), each step's logits from ``last_logits``. A rank whose rows all ended joins
     the others' steps with one row, whose output it drops."""
     if params.stop_strings:
-        raise ValueError("rollout.true_on_policy: the policy engine ends responses on stop token ids, not strings")
+        raise ValueError(
+            "rollout.true_on_policy: the policy engine ends responses on stop token ids, not strings"
+        )
     generator = torch.Generator().manual_seed(0 if params.seed is None else params.seed)
     budgets = params.budgets(len(prompts))
     rows = [_Row(i, list(p), budgets[i]) for i, p in enumerate(prompts) for _ in range(params.n)]
@@ -125,7 +137,9 @@ def policy_generate(
         while _any_rank(any(r.finish is None for r in rows), ps):
             active = [r for r in rows if r.finish is None]
             step = active or [_Row(0, list(prompts[0]) if prompts else [0], 1)]
-            tokens, logprobs = sample_next(last_logits([r.tokens for r in step]), ps, params, vocab_size, generator)
+            tokens, logprobs = sample_next(
+                last_logits([r.tokens for r in step]), ps, params, vocab_size, generator
+            )
             for row, token, logprob in zip(active, tokens, logprobs, strict=False):
                 row.tokens.append(token)
                 row.response.append(token)
@@ -136,7 +150,9 @@ def policy_generate(
                     row.finish = "length"
     groups: list[list[Completion]] = [[] for _ in prompts]
     for row in rows:
-        groups[row.prompt].append(Completion(row.response, row.logprobs, "stop" if row.finish == "stop" else "length"))
+        groups[row.prompt].append(
+            Completion(row.response, row.logprobs, "stop" if row.finish == "stop" else "length")
+        )
     return groups
 
 
@@ -157,7 +173,9 @@ class PolicyEngine(RolloutEngine):
         """Collective: this rank's share of a fleet request (``RolloutFleet.submit`` gives every rank
         one, empty ones too), generated with its TP peers' shares as one replica's."""
         replica, mine, params = self._replica_share(prompts, params)
-        groups = policy_generate(self.forward.last_logits, self.ps, replica, params, vocab_size=self.vocab_size)
+        groups = policy_generate(
+            self.forward.last_logits, self.ps, replica, params, vocab_size=self.vocab_size
+        )
         return groups[mine[0] : mine[1]]
 
     def _replica_share(
@@ -173,7 +191,11 @@ class PolicyEngine(RolloutEngine):
         start = sum(len(share[0]) for share in shares[: self.ps.tp_rank] if share is not None)
         first = next((share[1] for share in shares if share is not None and share[0]), params)
         budgets = [b for share in shares if share is not None for b in share[1].budgets(len(share[0]))]
-        return replica, (start, start + len(prompts)), dataclasses.replace(first, max_new_tokens_each=tuple(budgets))
+        return (
+            replica,
+            (start, start + len(prompts)),
+            dataclasses.replace(first, max_new_tokens_each=tuple(budgets)),
+        )
 
     def score(
         self, sequences: Sequence[Sequence[int]], prompt_lens: Sequence[int], temperature: float

@@ -49,7 +49,12 @@ def pack(completions: Sequence[Completion]) -> tuple[torch.Tensor, torch.Tensor]
     """One engine's completions -> (ints, logprobs) in the layout above (routes: shape only)."""
     ints: list[int] = []  # Python numbers until one tensor at the end (an element write costs microseconds)
     for c in completions:
-        ints += (len(c.token_ids), int(c.finish_reason == "stop"), int(c.loss_mask is not None), c.weight_version)
+        ints += (
+            len(c.token_ids),
+            int(c.finish_reason == "stop"),
+            int(c.loss_mask is not None),
+            c.weight_version,
+        )
         routes = c.routed_experts
         ints += (*routes.shape, ROUTE_DTYPES.index(routes.dtype) + 1) if routes is not None else (0, 0, 0, 0)
         ints.append(c.num_sampled)
@@ -70,8 +75,15 @@ def unpack(ints: torch.Tensor, logprobs: torch.Tensor, count: int) -> tuple[list
     for n, stop, has_mask, version, m, length, k, code, _ in header:
         mask = rest[mask_at : mask_at + n] if has_mask else None
         mask_at += n if has_mask else 0
-        out.append(Completion(rest[at : at + n], values[at : at + n], "stop" if stop else "length",
-                              loss_mask=mask, weight_version=version))  # fmt: skip
+        out.append(
+            Completion(
+                rest[at : at + n],
+                values[at : at + n],
+                "stop" if stop else "length",
+                loss_mask=mask,
+                weight_version=version,
+            )
+        )
         shapes.append(((m, length, k), ROUTE_DTYPES[code - 1]) if code else None)
         at += n
     return out, shapes
@@ -85,9 +97,14 @@ sends each to the ranks that train it."""
 
 
 def exchange_engine(
-    mine: tuple[torch.Tensor, torch.Tensor] | None, sizes: Sequence[int], *, src: int, rank: int, payload: Payload,
+    mine: tuple[torch.Tensor, torch.Tensor] | None,
+    sizes: Sequence[int],
+    *,
+    src: int,
+    rank: int,
+    payload: Payload,
     group: Any,
-) -> tuple[list[Completion], list[Any], list[list[int]]]:  # fmt: skip
+) -> tuple[list[Completion], list[Any], list[list[int]]]:
     """Collective over ``group``: engine rank ``src``'s completions (``pack``'s tensors, ``mine``, on
     ``src``; ``sizes``: its ``sizes_of``) on this rank, whole where ``payload`` puts them, else their
     headers only (``unpack_headers``); with each one's route shape and its header row. "everywhere":
@@ -95,13 +112,20 @@ def exchange_engine(
     send of each tensor."""
     count, n_ints, n_logprobs = (int(x) for x in sizes[:3])
     if payload == "everywhere":
-        ints, logprobs = mine if mine is not None else (
-            torch.empty(n_ints, dtype=torch.int64), torch.empty(n_logprobs, dtype=torch.float64))  # fmt: skip
+        ints, logprobs = (
+            mine
+            if mine is not None
+            else (torch.empty(n_ints, dtype=torch.int64), torch.empty(n_logprobs, dtype=torch.float64))
+        )
         dist.broadcast(ints, src=src, group=group)
         dist.broadcast(logprobs, src=src, group=group)
         completions, shapes = unpack(ints, logprobs, count)
         return completions, shapes, ints[: count * HEADER].view(count, HEADER).tolist()
-    header = mine[0][: count * HEADER].clone() if mine is not None else torch.empty(count * HEADER, dtype=torch.int64)
+    header = (
+        mine[0][: count * HEADER].clone()
+        if mine is not None
+        else torch.empty(count * HEADER, dtype=torch.int64)
+    )
     dist.broadcast(header, src=src, group=group)
     rows = header.view(count, HEADER).tolist()
     if mine is not None and src != COLLECTOR:
@@ -121,7 +145,9 @@ def unpack_headers(header: torch.Tensor, count: int) -> tuple[list[Completion], 
     logprobs or loss mask; and each one's route shape and dtype, as ``unpack``."""
     out, shapes = [], []
     for n, stop, _, version, m, length, k, code, sampled in header.view(count, HEADER).tolist():
-        out.append(Completion([], [], "stop" if stop else "length", weight_version=version, sizes=(n, sampled)))
+        out.append(
+            Completion([], [], "stop" if stop else "length", weight_version=version, sizes=(n, sampled))
+        )
         shapes.append(((m, length, k), ROUTE_DTYPES[code - 1]) if code else None)
     return out, shapes
 
@@ -151,7 +177,12 @@ def transfer_pairs(
 
 def fill(c: Completion, payload: Completion) -> None:
     """Give ``c`` (header only) the tokens, logprobs and loss mask that ``payload`` carries."""
-    c.token_ids, c.logprobs, c.loss_mask, c.sizes = payload.token_ids, payload.logprobs, payload.loss_mask, None
+    c.token_ids, c.logprobs, c.loss_mask, c.sizes = (
+        payload.token_ids,
+        payload.logprobs,
+        payload.loss_mask,
+        None,
+    )
 
 
 def sizes_of(ints: torch.Tensor, logprobs: torch.Tensor, count: int, *, failed: bool = False) -> torch.Tensor:
@@ -189,11 +220,20 @@ class HeldCompletions:
         for (src, dst), pids in transfer_pairs(owners, self.source, (COLLECTOR,)).items():
             if src == rank:
                 ints, logprobs = pack([self.completions[p] for p in pids])
-                ops += [dist.P2POp(dist.isend, ints, dst, group), dist.P2POp(dist.isend, logprobs, dst, group)]
+                ops += [
+                    dist.P2POp(dist.isend, ints, dst, group),
+                    dist.P2POp(dist.isend, logprobs, dst, group),
+                ]
             elif dst == rank:
                 n_ints, n_logprobs = payload_numel([self.headers[p] for p in pids])
-                ints, logprobs = torch.empty(n_ints, dtype=torch.int64), torch.empty(n_logprobs, dtype=torch.float64)
-                ops += [dist.P2POp(dist.irecv, ints, src, group), dist.P2POp(dist.irecv, logprobs, src, group)]
+                ints, logprobs = (
+                    torch.empty(n_ints, dtype=torch.int64),
+                    torch.empty(n_logprobs, dtype=torch.float64),
+                )
+                ops += [
+                    dist.P2POp(dist.irecv, ints, src, group),
+                    dist.P2POp(dist.irecv, logprobs, src, group),
+                ]
                 receives.append((pids, ints, logprobs))
         for work in dist.batch_isend_irecv(ops) if ops else []:
             work.wait()
@@ -233,8 +273,11 @@ class HeldRoutes:
         tensor of the routes it needs, in route-id order; nothing else moves. Afterwards the routes
         ``release`` names are dropped; None: every held route (those nobody needs, e.g. groups DAPO
         filtered out or earlier turns of a multi-turn episode, included)."""
-        out: dict[int, torch.Tensor] = {rid: self.tensors[rid] for rid in sorted(owners) if rank in owners[rid]
-                                        and self.source[rid] == rank}  # fmt: skip
+        out: dict[int, torch.Tensor] = {
+            rid: self.tensors[rid]
+            for rid in sorted(owners)
+            if rank in owners[rid] and self.source[rid] == rank
+        }
         ops, receives = [], []
         for (src, dst), rids in transfer_pairs(owners, self.source).items():
             if src == rank:

@@ -73,8 +73,9 @@ def make_sample(
     routes, if any, already cover exactly the input positions. ``response_mask`` (a multi-turn
     trajectory's ``Completion.loss_mask``): 0 at response tokens the engine did not sample
     (observations), which then get neither loss nor logprobs; None = all sampled."""
-    return make_samples([prompt_ids], [response_ids], [rollout_logprobs], [advantage], [routed_experts],
-                        [response_mask])[0]  # fmt: skip
+    return make_samples(
+        [prompt_ids], [response_ids], [rollout_logprobs], [advantage], [routed_experts], [response_mask]
+    )[0]
 
 
 def make_samples(
@@ -98,7 +99,9 @@ def make_samples(
     seq_lengths: list[int] = []
     mask_l: list[float] = []
     rollout_l: list[float] = []
-    for prompt_ids, response_ids, logprobs, response_mask in zip(prompts, responses, rollout_logprobs, masks, strict=True):
+    for prompt_ids, response_ids, logprobs, response_mask in zip(
+        prompts, responses, rollout_logprobs, masks, strict=True
+    ):
         if not prompt_ids or not response_ids:
             raise ValueError("a training sample needs a non-empty prompt and response")
         if len(logprobs) != len(response_ids):
@@ -120,7 +123,9 @@ def make_samples(
     masks_s = torch.tensor(mask_l, dtype=torch.float32).split(positions)
     rollouts_s = torch.tensor(rollout_l, dtype=torch.float32).split(positions)
     samples = []
-    for seq_l, mask_s, rollout_s, advantage, routed in zip(seqs, masks_s, rollouts_s, advantages, routes, strict=True):
+    for seq_l, mask_s, rollout_s, advantage, routed in zip(
+        seqs, masks_s, rollouts_s, advantages, routes, strict=True
+    ):
         sample = Sample(seq_l[:-1], seq_l[1:], mask_s, float(advantage), rollout_s)
         if routed is not None:
             set_engine_routes(sample, routed)
@@ -201,7 +206,9 @@ def all_rank_microbatches(
     ``microbatch_rows``, padded with empty micro-batches to the busiest rank's count (expert-parallel
     collectives span DP ranks, so every rank must run the same number)."""
     per_rank = [
-        microbatch_rows(lengths, share, micro_batch_size=micro_batch_size, max_tokens=max_tokens, packing=packing)
+        microbatch_rows(
+            lengths, share, micro_batch_size=micro_batch_size, max_tokens=max_tokens, packing=packing
+        )
         for share in dp_shares(lengths, indices, dp_size)
     ]
     count = max(len(r) for r in per_rank)
@@ -220,7 +227,12 @@ def rank_microbatches(
 ) -> list[list[int]]:
     """This DP rank's micro-batches of ``indices`` (see ``all_rank_microbatches``)."""
     return all_rank_microbatches(
-        lengths, indices, dp_size=dp_size, micro_batch_size=micro_batch_size, max_tokens=max_tokens, packing=packing
+        lengths,
+        indices,
+        dp_size=dp_size,
+        micro_batch_size=micro_batch_size,
+        max_tokens=max_tokens,
+        packing=packing,
     )[dp_rank]
 
 
@@ -283,7 +295,12 @@ def pad_routes(routes_msk: Sequence[torch.Tensor], length: int) -> torch.Tensor:
 
 
 def collate(
-    samples: Sequence[Sample], rows: Sequence[int], pad_id: int, routes: str | None = None, *, packed: bool = False
+    samples: Sequence[Sample],
+    rows: Sequence[int],
+    pad_id: int,
+    routes: str | None = None,
+    *,
+    packed: bool = False,
 ) -> MicroBatch:
     """Micro-batch of ``samples[rows]``: right-padded rows, or with ``packed`` their tokens laid end
     to end in one ``[1, T]`` sequence (``MicroBatch.packed`` says where each row lies). The per-token
@@ -294,9 +311,13 @@ def collate(
     if not rows:
         one_11 = torch.full((1, 1), pad_id, dtype=torch.long)
         zeros_11 = torch.zeros(1, 1)
-        inputs = LossInputs(zeros_11, zeros_11, torch.zeros(1), old_logprobs_bs=zeros_11, ref_logprobs_bs=zeros_11)
+        inputs = LossInputs(
+            zeros_11, zeros_11, torch.zeros(1), old_logprobs_bs=zeros_11, ref_logprobs_bs=zeros_11
+        )
         return MicroBatch(
-            tokens_bs=one_11, labels_bs=one_11.clone(), extras=inputs.to_extras(),
+            tokens_bs=one_11,
+            labels_bs=one_11.clone(),
+            extras=inputs.to_extras(),
             packed=PackedRows((1,)) if packed else None,
         )
     s = max(samples[i].length for i in rows)
@@ -344,7 +365,10 @@ LogprobKind = Literal["ref", "old"]
 
 
 def scatter_logprobs(
-    samples: Sequence[Sample], plan: Sequence[Sequence[int]], outputs_bs: Sequence[torch.Tensor], kind: LogprobKind
+    samples: Sequence[Sample],
+    plan: Sequence[Sequence[int]],
+    outputs_bs: Sequence[torch.Tensor],
+    kind: LogprobKind,
 ) -> None:
     """Store each row of the forward pass's ``[B, S]`` outputs on its sample as ``ref_logprobs_s`` or
     ``old_logprobs_s`` (masked to the response positions; padding rows of placeholder micro-batches

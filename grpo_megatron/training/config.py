@@ -172,7 +172,9 @@ class SFTConfig:
         if self.lr <= 0:
             errors.append(f"sft.lr={self.lr} must be > 0")
         if self.stop_accuracy is not None and not 0 < self.stop_accuracy <= 1:
-            errors.append(f"sft.stop_accuracy={self.stop_accuracy} must be in (0, 1], or null to run max_steps")
+            errors.append(
+                f"sft.stop_accuracy={self.stop_accuracy} must be in (0, 1], or null to run max_steps"
+            )
         band = self.target_accuracy_band
         if band is not None:
             if len(band) != 2 or not 0 <= band[0] < band[1] <= 1:

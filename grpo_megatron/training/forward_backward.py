@@ -124,7 +124,9 @@ def _pad(mb: MicroBatch, rows: int, length: int, ps: ParallelState) -> _Padded:
     b, s = mb.tokens_bs.shape
     if mb.packed is None:
         pad_s, pad_b = length - s, rows - b
-        position_ids_bs = mb.position_ids_bs if mb.position_ids_bs is not None else torch.arange(s).expand(b, s)
+        position_ids_bs = (
+            mb.position_ids_bs if mb.position_ids_bs is not None else torch.arange(s).expand(b, s)
+        )
         routes = mb.routes_lbsk
         padded = MicroBatch(
             tokens_bs=F.pad(mb.tokens_bs, (0, pad_s, 0, pad_b)).to(device),
@@ -135,7 +137,9 @@ def _pad(mb: MicroBatch, rows: int, length: int, ps: ParallelState) -> _Padded:
         )
         return _Padded(padded, mb, b, s)
     if b != 1 or s != mb.packed.total:
-        raise ValueError(f"a packed micro-batch has tokens [1, {mb.packed.total}], got {list(mb.tokens_bs.shape)}")
+        raise ValueError(
+            f"a packed micro-batch has tokens [1, {mb.packed.total}], got {list(mb.tokens_bs.shape)}"
+        )
     packed, layout = mb.packed, _layout(mb, ps)
     assert layout is not None
 
@@ -172,7 +176,10 @@ def _as_packed(mb: MicroBatch) -> MicroBatch:
         return mb
     b, s = mb.tokens_bs.shape
     return MicroBatch(
-        mb.tokens_bs.reshape(1, -1), mb.labels_bs.reshape(1, -1), extras=mb.extras, packed=PackedRows((s,) * b),
+        mb.tokens_bs.reshape(1, -1),
+        mb.labels_bs.reshape(1, -1),
+        extras=mb.extras,
+        packed=PackedRows((s,) * b),
         routes_lbsk=mb.routes_lbsk,
     )
 
@@ -184,7 +191,10 @@ def _padded_shapes(
     under sequence parallelism (of ``_cp_multiple`` when packed); with ``uniform``, the largest
     shape over all ranks (see ``_Runner.run``)."""
     shapes_n2 = torch.tensor(
-        [[1, layout.total] if (layout := _layout(mb, ps)) else list(mb.tokens_bs.shape) for mb in microbatches],
+        [
+            [1, layout.total] if (layout := _layout(mb, ps)) else list(mb.tokens_bs.shape)
+            for mb in microbatches
+        ],
         dtype=torch.long,
     )
     if uniform:
@@ -235,8 +245,12 @@ class _Runner:
             vocab_size=self.vocab_size,
         )
         if p.layout is not None:
-            return self.unpack(logprobs_bs[0], p), None if entropy_bs is None else self.unpack(entropy_bs[0], p)
-        return logprobs_bs[: p.rows, : p.length], None if entropy_bs is None else entropy_bs[: p.rows, : p.length]
+            return self.unpack(logprobs_bs[0], p), None if entropy_bs is None else self.unpack(
+                entropy_bs[0], p
+            )
+        return logprobs_bs[: p.rows, : p.length], None if entropy_bs is None else entropy_bs[
+            : p.rows, : p.length
+        ]
 
     def unpack(self, x_l: torch.Tensor, p: _Padded) -> torch.Tensor:
         """Per-token outputs of the packed sequence (this rank's chunks of it under CP) -> ``[B, S]``."""
@@ -271,7 +285,9 @@ class _Runner:
             if p.packed_seq_params is None:
                 output = model(p.mb.tokens_bs, p.mb.position_ids_bs, None)
             else:
-                output = model(p.mb.tokens_bs, p.mb.position_ids_bs, None, packed_seq_params=p.packed_seq_params)
+                output = model(
+                    p.mb.tokens_bs, p.mb.position_ids_bs, None, packed_seq_params=p.packed_seq_params
+                )
             return output, partial(loss_func_for, p)
 
         results = get_forward_backward_func()(
@@ -322,11 +338,18 @@ def forward_logprobs(
     the MoE routing of the pass (replay, recording), see ``models/routing.py``. ``truncation``: the
     logprobs of the sampler's truncated distribution (``algorithm/truncation.py``)."""
     runner = _Runner(
-        model, ps, vocab_size=vocab_size, temperature=temperature, with_entropy=with_entropy, routing=routing,
+        model,
+        ps,
+        vocab_size=vocab_size,
+        temperature=temperature,
+        with_entropy=with_entropy,
+        routing=routing,
         truncation=truncation,
-    )  # fmt: skip
+    )
 
-    def loss_func(p: _Padded, logits_bsvt: torch.Tensor, non_loss_data: bool = True) -> dict[str, torch.Tensor]:
+    def loss_func(
+        p: _Padded, logits_bsvt: torch.Tensor, non_loss_data: bool = True
+    ) -> dict[str, torch.Tensor]:
         logprobs_bs, entropy_bs = runner.logprobs(logits_bsvt, p)
         out = {"logprobs": logprobs_bs}
         if entropy_bs is not None:
@@ -348,7 +371,9 @@ def forward_last_logits(
     passes: what a decode step of ``training/policy_engine.py`` samples from."""
     runner = _Runner(model, ps, vocab_size=0, temperature=1.0, with_entropy=False)
 
-    def loss_func(p: _Padded, logits_bsvt: torch.Tensor, non_loss_data: bool = True) -> dict[str, torch.Tensor]:
+    def loss_func(
+        p: _Padded, logits_bsvt: torch.Tensor, non_loss_data: bool = True
+    ) -> dict[str, torch.Tensor]:
         if p.layout is None or ps.cp > 1:
             raise ValueError("forward_last_logits takes packed micro-batches without context parallelism")
         sizes = torch.tensor(p.layout.sizes)
@@ -381,7 +406,9 @@ class TrainerForward:
         inputs_t = torch.tensor([t for s in sequences for t in s[:-1]])
         labels_t = torch.tensor([t for s in sequences for t in s[1:]])
         mb = MicroBatch(inputs_t[None], labels_t[None], packed=packed)
-        (out,) = forward_logprobs(self.model, [mb], self.ps, vocab_size=self.vocab_size, temperature=temperature)
+        (out,) = forward_logprobs(
+            self.model, [mb], self.ps, vocab_size=self.vocab_size, temperature=temperature
+        )
         rows = out.logprobs_bs.tolist()
         return [row[n - 1 : len(s) - 1] for row, s, n in zip(rows, sequences, prompt_lens, strict=True)]
 
@@ -403,18 +430,29 @@ def forward_backward(
     ``routing``: the MoE routing of the pass (replay, recording), see ``models/routing.py``.
     ``truncation``: the logprobs of the sampler's truncated distribution (``algorithm/truncation.py``)."""
     runner = _Runner(
-        model, ps, vocab_size=vocab_size, temperature=temperature, with_entropy=with_entropy, routing=routing,
+        model,
+        ps,
+        vocab_size=vocab_size,
+        temperature=temperature,
+        with_entropy=with_entropy,
+        routing=routing,
         truncation=truncation,
-    )  # fmt: skip
+    )
 
-    def loss_func(p: _Padded, logits_bsvt: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
+    def loss_func(
+        p: _Padded, logits_bsvt: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
         logprobs_bs, entropy_bs = runner.logprobs(logits_bsvt, p)
         mb, src = p.mb, p.source
         if src.packed is None:
-            unpadded = MicroBatch(mb.tokens_bs[: p.rows, : p.length], mb.labels_bs[: p.rows, : p.length], extras=mb.extras)
+            unpadded = MicroBatch(
+                mb.tokens_bs[: p.rows, : p.length], mb.labels_bs[: p.rows, : p.length], extras=mb.extras
+            )
         else:  # the loss sees rows, as without packing
             tokens_bs, labels_bs = src.packed.unpack(src.tokens_bs[0]), src.packed.unpack(src.labels_bs[0])
-            unpadded = MicroBatch(tokens_bs.to(mb.tokens_bs.device), labels_bs.to(mb.tokens_bs.device), extras=mb.extras)
+            unpadded = MicroBatch(
+                tokens_bs.to(mb.tokens_bs.device), labels_bs.to(mb.tokens_bs.device), extras=mb.extras
+            )
         loss, metrics = loss_fn(logprobs_bs, entropy_bs, unpadded)
         reported = {k: float(v.detach()) for k, v in metrics.items()} | {"loss": float(loss.detach())}
         # The middle value is megatron's token count; ours is folded into the loss (see module doc).

@@ -111,8 +111,11 @@ class GroupSource(Protocol):
 def training_params(job: Job, iteration: int, round_index: int = 0) -> SamplingParams:
     """The sampling of one training rollout round: rollout.n_samples_per_prompt responses per prompt,
     seeded by ``rollout_seed``, with the engines' MoE routes where the job replays them."""
-    return job.rollout.params(n=job.cfg.rollout.n_samples_per_prompt,
-                              seed=rollout_seed(job.cfg.train.seed, iteration, round_index), routes=job.fleet.routes)
+    return job.rollout.params(
+        n=job.cfg.rollout.n_samples_per_prompt,
+        seed=rollout_seed(job.cfg.train.seed, iteration, round_index),
+        routes=job.fleet.routes,
+    )
 
 
 def fill_groups(
@@ -126,8 +129,13 @@ def fill_groups(
     enough (one round when it is off). Round 0 is ``first`` (records and their completions, already
     generated) when given, else generated now from the sampler's next prompts like every later round."""
     cfg, ds = job.cfg, job.cfg.algorithm.dynamic_sampling
-    dapo = DynamicSampling[Group](cfg.train.prompts_per_iteration, lambda g: g.rewards, enabled=ds.enabled,
-                                  max_tries=ds.max_tries, std_threshold=ds.std_threshold)  # fmt: skip
+    dapo = DynamicSampling[Group](
+        cfg.train.prompts_per_iteration,
+        lambda g: g.rewards,
+        enabled=ds.enabled,
+        max_tries=ds.max_tries,
+        std_threshold=ds.std_threshold,
+    )
     reward_metrics: dict[str, float] = {}
     while n := dapo.needed():
         if first is not None and dapo.rounds == 0:
@@ -277,8 +285,9 @@ class GroupProducer:
         def with_routes(cs: list[list[Completion]]) -> list[list[Completion]]:
             def one(c: Completion) -> Completion:
                 delivered = routes.get(c.route_id) if c.route_id is not None else None
-                return dataclasses.replace(c, routed_experts=c.routed_experts if delivered is None else delivered,
-                                           route_id=None)  # fmt: skip
+                return dataclasses.replace(
+                    c, routed_experts=c.routed_experts if delivered is None else delivered, route_id=None
+                )
 
             return [[one(c) for c in g] for g in cs]
 
@@ -326,16 +335,22 @@ def engine_source(job: Job, sampler: PromptSampler, resumed: Mapping[str, Any] |
             give_back_submitted(sampler, saved)
         return partial
     if saved and "partial_pool" in saved and job.ps.rank == 0:
-        print("[train] resumed a partial-rollout run's checkpoint without train.partial_rollout: its groups in "
-              "flight are dropped and their prompts not drawn again", flush=True)  # fmt: skip
+        print(
+            "[train] resumed a partial-rollout run's checkpoint without train.partial_rollout: its groups in "
+            "flight are dropped and their prompts not drawn again",
+            flush=True,
+        )
     if job.cfg.producer_loop:  # engines that generate while the trainer trains: rollouts submitted ahead
         producer = GroupProducer(job, sampler, job.cfg.train.max_staleness)
         if saved is not None and "batches" in saved:
             producer.load_state_dict(saved)
         return producer
     if saved and (given_back := give_back_submitted(sampler, saved)) and job.ps.rank == 0:
-        print(f"[train] resumed an asynchronous run's checkpoint synchronously: the prompts of its {given_back} "
-              "submitted batches are generated again, with the weights trained here", flush=True)  # fmt: skip
+        print(
+            f"[train] resumed an asynchronous run's checkpoint synchronously: the prompts of its {given_back} "
+            "submitted batches are generated again, with the weights trained here",
+            flush=True,
+        )
     return RolloutNow(job, sampler)
 
 

@@ -147,13 +147,25 @@ def run_iteration(
         onload_metrics = job.memory.to_trainer()
     with timer("advantages"):
         # this replica's samples only; the held payloads and routes of the source's later batches stay held
-        batch, plan = prepare_update(cfg.algorithm, cfg.train, cfg.rollout.response_budget.tokens, ps, job.fleet,
-                                     groups, release_payloads=produced.release_payloads,
-                                     release_routes=produced.release_routes)  # fmt: skip
+        batch, plan = prepare_update(
+            cfg.algorithm,
+            cfg.train,
+            cfg.rollout.response_budget.tokens,
+            ps,
+            job.fleet,
+            groups,
+            release_payloads=produced.release_payloads,
+            release_routes=produced.release_routes,
+        )
     # Every trainer pass takes these; each pass's MoE routing is algorithm.routing_replay's (off, r2, r3).
-    passes = PassSettings(ps, job.pad_id, policy.spec.vocab_size, cfg.rollout.temperature,
-                          RoutingReplay(cfg.algorithm.routing_replay, ps, policy.spec.num_experts),
-                          cfg.rollout.truncation)  # fmt: skip
+    passes = PassSettings(
+        ps,
+        job.pad_id,
+        policy.spec.vocab_size,
+        cfg.rollout.temperature,
+        RoutingReplay(cfg.algorithm.routing_replay, ps, policy.spec.num_experts),
+        cfg.rollout.truncation,
+    )
     with timer("ref_logprob"), job.reference_on_device() as reference:
         if reference is not None:
             logprob_pass(reference, batch.samples, plan, "ref", passes).store(batch.samples)
@@ -165,18 +177,25 @@ def run_iteration(
             routing_metrics = old.routing_metrics
     abandon_if_signalled(job, drops, "the logprob passes")  # the last point before the weights change
     beta = kl_beta(cfg.algorithm.kl, it - 1, cfg.train.iterations)
-    loss = GRPOLoss(cfg.algorithm, beta, cfg.algorithm.loss_norm_len or cfg.rollout.response_budget.tokens,
-                    old_from_engine=cfg.train.old_logprobs == "engine")
+    loss = GRPOLoss(
+        cfg.algorithm,
+        beta,
+        cfg.algorithm.loss_norm_len or cfg.rollout.response_budget.tokens,
+        old_from_engine=cfg.train.old_logprobs == "engine",
+    )
     with timer("train"):  # a signal stops the update at its next mini-batch (a safe point: every rank asks)
         stop = lambda: job.preemption.requested_anywhere(dist.group.WORLD) is not None  # noqa: E731
-        train_metrics = update_policy(policy, batch.samples, plan, loss, passes, measure_routing=not routing_metrics,
-                                      stop=stop)  # fmt: skip
+        train_metrics = update_policy(
+            policy, batch.samples, plan, loss, passes, measure_routing=not routing_metrics, stop=stop
+        )
     with timer("rollout"):  # asynchronous with SGLang: the batches in flight end before the sync stream
         drain_metrics = source.before_sync()
     with timer("sync"):
         due = probe_due(it, cfg.rollout.probe_interval, cfg.train.iterations)
         sync_metrics = job.sync_engines(it, probe if due else None)
-    source.after_sync(it)  # the engines have version `it` (asynchronous: the batch that may lag it by N goes out)
+    source.after_sync(
+        it
+    )  # the engines have version `it` (asynchronous: the batch that may lag it by N goes out)
     metrics = {
         **produced.metrics,
         **drain_metrics,
@@ -214,8 +233,11 @@ def keep_last_iteration(
         save_checkpoint(job.checkpoints, job.memory, job.policy, done, source_state(before.to_dict(), source))
     job.preemption.checkpoint_written = True
     if job.ps.rank == 0:
-        print(f"[preempt] {stop.signal_name} during {stop.where} of iteration {done + 1}: its batch is dropped; "
-              f"the rerun starts from iteration {done}", flush=True)  # fmt: skip
+        print(
+            f"[preempt] {stop.signal_name} during {stop.where} of iteration {done + 1}: its batch is dropped; "
+            f"the rerun starts from iteration {done}",
+            flush=True,
+        )
     return Preempted(done, stop.signal_name, saved=done > 0)
 
 
@@ -223,13 +245,21 @@ def evaluate_job(job: Job, iteration: int) -> dict[str, float]:
     """The eval phase with the job's objects (also SFT's held-out check); none in a replay (no engines)."""
     if not job.has_engines:
         return {}
-    return evaluate(job.rollout, job.scorer, job.eval_records, train_seed=job.cfg.train.seed,
-                    iteration=iteration, samples=job.cfg.train.eval_samples)
+    return evaluate(
+        job.rollout,
+        job.scorer,
+        job.eval_records,
+        train_seed=job.cfg.train.seed,
+        iteration=iteration,
+        samples=job.cfg.train.eval_samples,
+    )
 
 
 def job_probe(job: Job) -> ProbeBatch:
     """The run's fixed mismatch-probe batch (rollout.probe_batch held-out, else training, prompts)."""
-    return answer_probe(job.eval_records or job.train_records, job.tokenizer, job.eos_id, job.cfg.rollout.probe_batch)
+    return answer_probe(
+        job.eval_records or job.train_records, job.tokenizer, job.eos_id, job.cfg.rollout.probe_batch
+    )
 
 
 def train(job: Job) -> dict[str, float]:
@@ -270,12 +300,16 @@ def train(job: Job) -> dict[str, float]:
             with timer("iteration"):
                 result = run_iteration(job, source, probe, it, timer, drops=drops)
                 with timer("eval"):
-                    due = it == cfg.train.iterations or (cfg.train.eval_interval and it % cfg.train.eval_interval == 0)
+                    due = it == cfg.train.iterations or (
+                        cfg.train.eval_interval and it % cfg.train.eval_interval == 0
+                    )
                     evaluated = evaluate_unless_signalled(job, it) if due else None
                     if evaluated is not None:
                         eval_metrics = last_eval = evaluated
                         last_it = it
-                        if not eval_metrics.get("eval/accuracy", float("nan")) <= best[1]:  # NaN best: replace
+                        if (
+                            not eval_metrics.get("eval/accuracy", float("nan")) <= best[1]
+                        ):  # NaN best: replace
                             best = (it, eval_metrics.get("eval/accuracy", float("nan")))
         except Abandoned as stop:
             raise keep_last_iteration(job, source, before, saved_at, stop) from None
@@ -283,7 +317,9 @@ def train(job: Job) -> dict[str, float]:
         metrics = {
             **result.metrics,
             **eval_metrics,
-            **(job.recovery.metrics() if job.recovery is not None else {}),  # engine/restarts, engine/restart_s
+            **(
+                job.recovery.metrics() if job.recovery is not None else {}
+            ),  # engine/restarts, engine/restart_s
             # the worst engine resume since the last row: a save's or a restart's visit included
             **job.memory.take_cached_at_resume(),
             **timer.seconds,
@@ -303,7 +339,9 @@ def train(job: Job) -> dict[str, float]:
         # The safe point: any rank's signal (SIGTERM, checkpoint.signal) stops every rank here, saved.
         if signal_name := job.preemption.requested_anywhere(dist.group.WORLD):
             if not saved:
-                save_checkpoint(job.checkpoints, job.memory, job.policy, it, source_state(trainer_state, source))
+                save_checkpoint(
+                    job.checkpoints, job.memory, job.policy, it, source_state(trainer_state, source)
+                )
             job.preemption.checkpoint_written = True
             raise Preempted(it, signal_name)
     return {

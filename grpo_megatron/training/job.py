@@ -96,8 +96,16 @@ class Runtime:
         """What the rollout and eval phases act on: the engines and rollout.* sampling settings."""
         from grpo_megatron.training.phases.rollout import Rollout
 
-        return Rollout(self.fleet, self.cfg.rollout, self.eos_id, self.tokenizer, self.env, watchdog=self.watchdog,
-                       long_phase_s=self.cfg.parallel.long_phase_timeout_s, recovery=self.recovery)  # fmt: skip
+        return Rollout(
+            self.fleet,
+            self.cfg.rollout,
+            self.eos_id,
+            self.tokenizer,
+            self.env,
+            watchdog=self.watchdog,
+            long_phase_s=self.cfg.parallel.long_phase_timeout_s,
+            recovery=self.recovery,
+        )
 
     @property
     def scorer(self) -> Scorer:
@@ -120,9 +128,18 @@ class Runtime:
 
         if not self.has_engines:
             return {}
-        return sync_weights(self.policy.model, self.fleet, self.memory, self.ps, version, probe or ProbeBatch(),
-                            vocab_size=int(self.hf["vocab_size"]), temperature=self.cfg.rollout.temperature,
-                            max_abs=self.cfg.rollout.probe_max_abs, recovery=self.recovery)  # fmt: skip
+        return sync_weights(
+            self.policy.model,
+            self.fleet,
+            self.memory,
+            self.ps,
+            version,
+            probe or ProbeBatch(),
+            vocab_size=int(self.hf["vocab_size"]),
+            temperature=self.cfg.rollout.temperature,
+            max_abs=self.cfg.rollout.probe_max_abs,
+            recovery=self.recovery,
+        )
 
     def make_sampler(self, num_items: int) -> PromptSampler:
         """The seeded, resumable order in which ``num_items`` training items are drawn."""
@@ -258,8 +275,14 @@ def export_hf_checkpoint(job: Runtime, out_dir: Path) -> None:
     if job.policy.lora:
         from grpo_megatron.bridge.peft_export import write_peft_adapter
 
-        write_peft_adapter(job.policy.model, job.ps, job.hf, job.cfg.model.lora, out_dir / "adapter",
-                           base_model=job.cfg.model.hf_path)  # fmt: skip
+        write_peft_adapter(
+            job.policy.model,
+            job.ps,
+            job.hf,
+            job.cfg.model.lora,
+            out_dir / "adapter",
+            base_model=job.cfg.model.hf_path,
+        )
 
 
 def start_preemption(cfg: CheckpointConfig, install: bool) -> Preemption:
@@ -326,8 +349,14 @@ def build_environment(mt: MultiTurnConfig, reward: RewardConfig, tokenizer: Any)
     from grpo_megatron.rewards.tools import ToolPool
     from grpo_megatron.rollout.multiturn import TOOL_NAME, ToolEnvironment
 
-    pool = ToolPool({TOOL_NAME: mt.tool}, reward, timeout_s=mt.tool_timeout_s, num_workers=mt.tool_workers,
-                    max_output_chars=mt.max_tool_output_chars, error_text=mt.error_text)
+    pool = ToolPool(
+        {TOOL_NAME: mt.tool},
+        reward,
+        timeout_s=mt.tool_timeout_s,
+        num_workers=mt.tool_workers,
+        max_output_chars=mt.max_tool_output_chars,
+        error_text=mt.error_text,
+    )
     return ToolEnvironment(mt, tokenizer, pool)
 
 
@@ -358,10 +387,20 @@ def _start(cfg: JobConfig, *, install_preemption: bool) -> _Startup:
     envs: list[Environment] = []
     # rank 0's tool workers (none in a replay), started (and failing) like the reward pool
     if cfg.rollout.multiturn.enabled and not cfg.rollout.replay_dir:
-        on_rank0(lambda: envs.append(build_environment(cfg.rollout.multiturn, cfg.reward, tokenizer)),
-                 "starting the tool workers")
-    return _Startup(ps, preemption, watchdog, hf, run_dir, pools[0] if pools else None, tokenizer,
-                    envs[0] if envs else None)
+        on_rank0(
+            lambda: envs.append(build_environment(cfg.rollout.multiturn, cfg.reward, tokenizer)),
+            "starting the tool workers",
+        )
+    return _Startup(
+        ps,
+        preemption,
+        watchdog,
+        hf,
+        run_dir,
+        pools[0] if pools else None,
+        tokenizer,
+        envs[0] if envs else None,
+    )
 
 
 def _models(
@@ -402,8 +441,9 @@ def _models(
     if not engines:
         from grpo_megatron.rollout.placement import PHASES, TRAINER_PARTS, Occupancy
 
-        fleet = RolloutFleet(ps=ps, hf=hf, engine=None, engine_ranks=[], group=None,
-                             export_dtype=torch.float32, bucket_bytes=0)  # fmt: skip
+        fleet = RolloutFleet(
+            ps=ps, hf=hf, engine=None, engine_ranks=[], group=None, export_dtype=torch.float32, bucket_bytes=0
+        )
         resident = dict.fromkeys(PHASES, Occupancy(TRAINER_PARTS, frozenset()))  # nothing ever moves
         return policy, reference, fleet, ColocatedMemory(policy, None, resident)
     spec = engine_spec(cfg)
@@ -414,16 +454,24 @@ def _models(
         from grpo_megatron.rollout.policy_engine import PolicyEngine
         from grpo_megatron.training.forward_backward import TrainerForward
 
-        engine = PolicyEngine(TrainerForward(policy.model, ps, policy.spec.vocab_size), ps, policy.spec.vocab_size)
-    with start.long_phase("engines", cfg.parallel.long_phase_timeout_s):  # an engine's start blocks in one call
+        engine = PolicyEngine(
+            TrainerForward(policy.model, ps, policy.spec.vocab_size), ps, policy.spec.vocab_size
+        )
+    with start.long_phase(
+        "engines", cfg.parallel.long_phase_timeout_s
+    ):  # an engine's start blocks in one call
         fleet = memory.start_engines(
-            lambda: RolloutFleet.build(spec, hf, ps, tokenizer=start.tokenizer, placement=placement, engine=engine)
+            lambda: RolloutFleet.build(
+                spec, hf, ps, tokenizer=start.tokenizer, placement=placement, engine=engine
+            )
         )
     start.beat("engines")
     return policy, reference, fleet, memory
 
 
-def _logger(cfg: JobConfig, start: _Startup, total_iterations: int, required_keys: Sequence[str]) -> MetricsLogger:
+def _logger(
+    cfg: JobConfig, start: _Startup, total_iterations: int, required_keys: Sequence[str]
+) -> MetricsLogger:
     from grpo_megatron.logging_utils.metrics import MetricsLogger
 
     return MetricsLogger(
@@ -452,13 +500,26 @@ def build_job(cfg: JobConfig, *, with_reference: bool) -> Job:
     restarts = cfg.rollout.max_engine_restarts
     recovery = EngineRecovery(policy.model, restarts, memory.sync_visit) if engines and restarts > 0 else None
     return Job(
-        cfg=cfg, ps=ps, hf=start.hf, run_dir=run_dir, tokenizer=start.tokenizer, policy=policy, fleet=fleet,
+        cfg=cfg,
+        ps=ps,
+        hf=start.hf,
+        run_dir=run_dir,
+        tokenizer=start.tokenizer,
+        policy=policy,
+        fleet=fleet,
         logger=_logger(cfg, start, cfg.train.iterations, REQUIRED_KEYS),
-        checkpoints=CheckpointManager(cfg.checkpoint, run_dir, ps), eval_records=eval_records,
-        rewards=start.rewards, memory=memory,
-        preemption=start.preemption, watchdog=start.watchdog, train_records=train_records, reference=reference,
-        reference_is_base=with_reference and policy.lora, env=start.env, recovery=recovery,
-    )  # fmt: skip
+        checkpoints=CheckpointManager(cfg.checkpoint, run_dir, ps),
+        eval_records=eval_records,
+        rewards=start.rewards,
+        memory=memory,
+        preemption=start.preemption,
+        watchdog=start.watchdog,
+        train_records=train_records,
+        reference=reference,
+        reference_is_base=with_reference and policy.lora,
+        env=start.env,
+        recovery=recovery,
+    )
 
 
 def build_sft_job(cfg: JobConfig) -> SFTJob:
@@ -471,9 +532,19 @@ def build_sft_job(cfg: JobConfig) -> SFTJob:
     start.beat("data")
     policy, _, fleet, memory = _models(cfg, start, with_reference=False)
     return SFTJob(
-        cfg=cfg, ps=start.ps, hf=start.hf, run_dir=start.run_dir, tokenizer=start.tokenizer, policy=policy,
-        fleet=fleet, logger=_logger(cfg, start, cfg.sft.max_steps, ("iteration", "sft/loss", "eval/accuracy")),
-        eval_records=eval_records[: cfg.sft.dev_prompts], rewards=start.rewards,
-        memory=memory, preemption=start.preemption,
-        watchdog=start.watchdog, sft_records=sft_records, env=start.env,
-    )  # fmt: skip
+        cfg=cfg,
+        ps=start.ps,
+        hf=start.hf,
+        run_dir=start.run_dir,
+        tokenizer=start.tokenizer,
+        policy=policy,
+        fleet=fleet,
+        logger=_logger(cfg, start, cfg.sft.max_steps, ("iteration", "sft/loss", "eval/accuracy")),
+        eval_records=eval_records[: cfg.sft.dev_prompts],
+        rewards=start.rewards,
+        memory=memory,
+        preemption=start.preemption,
+        watchdog=start.watchdog,
+        sft_records=sft_records,
+        env=start.env,
+    )

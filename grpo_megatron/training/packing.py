@@ -44,7 +44,8 @@ class PackedRows:
         if not self.lengths or min(self.lengths) < 1:
             raise ValueError(f"packed rows need lengths >= 1, got {list(self.lengths)}")
         if self.slots is not None and (
-            len(self.slots) != len(self.lengths) or any(s < n for s, n in zip(self.slots, self.lengths, strict=True))
+            len(self.slots) != len(self.lengths)
+            or any(s < n for s, n in zip(self.slots, self.lengths, strict=True))
         ):
             raise ValueError(f"slots {list(self.slots)} must hold the rows' lengths {list(self.lengths)}")
 

@@ -103,8 +103,13 @@ class PartialResponse:
 
     def completion(self) -> Completion:
         assert self.finish_reason is not None
-        return Completion(list(self.token_ids), list(self.logprobs), self.finish_reason,
-                          weight_version=min(self.versions), token_versions=list(self.versions))  # fmt: skip
+        return Completion(
+            list(self.token_ids),
+            list(self.logprobs),
+            self.finish_reason,
+            weight_version=min(self.versions),
+            token_versions=list(self.versions),
+        )
 
 
 @dataclass
@@ -193,18 +198,34 @@ class PartialPool:
         """The pool as plain data (float logprobs round-trip exactly through JSON)."""
         return {
             "next_serial": self.next_serial,
-            "groups": [{"index": g.index, "serial": g.serial,
-                        "responses": [dataclasses.asdict(r) for r in g.responses]} for g in self.groups],
-        }  # fmt: skip
+            "groups": [
+                {
+                    "index": g.index,
+                    "serial": g.serial,
+                    "responses": [dataclasses.asdict(r) for r in g.responses],
+                }
+                for g in self.groups
+            ],
+        }
 
     def load_json(self, data: dict[str, Any]) -> None:
         self.next_serial = int(data["next_serial"])
         self.groups = [
-            PartialGroup(int(g["index"]), int(g["serial"]), [
-                PartialResponse([int(t) for t in r["token_ids"]], [float(x) for x in r["logprobs"]],
-                                [int(v) for v in r["versions"]], r["finish_reason"]) for r in g["responses"]])
+            PartialGroup(
+                int(g["index"]),
+                int(g["serial"]),
+                [
+                    PartialResponse(
+                        [int(t) for t in r["token_ids"]],
+                        [float(x) for x in r["logprobs"]],
+                        [int(v) for v in r["versions"]],
+                        r["finish_reason"],
+                    )
+                    for r in g["responses"]
+                ],
+            )
             for g in data["groups"]
-        ]  # fmt: skip
+        ]
 
 
 def take_metrics(version: int, groups: list[PartialGroup]) -> dict[str, float]:
@@ -242,9 +263,12 @@ class PartialRollouts:
         cfg = job.cfg
         self.job, self.sampler, self.version = job, sampler, 0
         self.pool = PartialPool(
-            cfg.rollout.n_samples_per_prompt, cfg.rollout.partial_segment_tokens, cfg.rollout.max_new_tokens,
-            cfg.train.max_staleness, cfg.rollout.partial_groups_in_flight or 2 * cfg.train.prompts_per_iteration,
-        )  # fmt: skip
+            cfg.rollout.n_samples_per_prompt,
+            cfg.rollout.partial_segment_tokens,
+            cfg.rollout.max_new_tokens,
+            cfg.train.max_staleness,
+            cfg.rollout.partial_groups_in_flight or 2 * cfg.train.prompts_per_iteration,
+        )
         self.overlap = cfg.rollout.partial_overlap
         self.in_flight: _Round | None = None
         self.ahead = 0
@@ -267,16 +291,24 @@ class PartialRollouts:
         one = job.cfg.rollout.partial_one_request  # one request, ragged prompts prefilled apart
         split = not one and max((len(r.token_ids) for _, r in todo), default=0) > self.pool.segment_tokens
         parts = []
-        for offset, part in ((0, [x for x in rows if not (split and x[0][1].token_ids)]),
-                             (CONTINUED_SEED, [x for x in rows if split and x[0][1].token_ids])):  # fmt: skip
+        for offset, part in (
+            (0, [x for x in rows if not (split and x[0][1].token_ids)]),
+            (CONTINUED_SEED, [x for x in rows if split and x[0][1].token_ids]),
+        ):
             if not part:
                 continue
-            records = [dataclasses.replace(job.train_records[index], prompt_ids=tuple(ids))
-                       for (index, _), ids, _ in part]  # fmt: skip
+            records = [
+                dataclasses.replace(job.train_records[index], prompt_ids=tuple(ids))
+                for (index, _), ids, _ in part
+            ]
             seed = rollout_seed(job.cfg.train.seed, iteration, round_index) + offset
             each = tuple(b for _, _, b in part)
-            params = dataclasses.replace(job.rollout.params(n=1, seed=seed), max_new_tokens=max(each),
-                                         max_new_tokens_each=each, ragged_prefill=one)  # fmt: skip
+            params = dataclasses.replace(
+                job.rollout.params(n=1, seed=seed),
+                max_new_tokens=max(each),
+                max_new_tokens_each=each,
+                ragged_prefill=one,
+            )
             parts.append(([t for t, _, _ in part], job.rollout.submit(records, params)))
         return _Round(parts)
 

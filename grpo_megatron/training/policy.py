@@ -46,7 +46,9 @@ class Policy:
         """Inside the block the model computes as the reference: with LoRA, the base (adapters off);
         otherwise it is the policy, and the caller has a reference model of its own."""
         if not self.lora:
-            raise RuntimeError("a full-parameter policy is not its own reference: build one (training/job.py)")
+            raise RuntimeError(
+                "a full-parameter policy is not its own reference: build one (training/job.py)"
+            )
         from grpo_megatron.models.lora import adapters_disabled
 
         return adapters_disabled(self.model)
@@ -75,8 +77,13 @@ class Policy:
 
 
 def build_policy(
-    hf: Mapping[str, Any], model: ModelConfig, parallel: ParallelConfig, train: TrainConfig, ps: ParallelState,
-    *, key_length: int | None = None,
+    hf: Mapping[str, Any],
+    model: ModelConfig,
+    parallel: ParallelConfig,
+    train: TrainConfig,
+    ps: ParallelState,
+    *,
+    key_length: int | None = None,
 ) -> Policy:
     """This rank's shard of the policy, with DDP gradient buffers and a (distributed) Adam
     (``parallel.use_distributed_optimizer``) at ``train``'s optimizer settings and LR schedule.

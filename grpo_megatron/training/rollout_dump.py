@@ -64,8 +64,14 @@ def run_identity(hf: Mapping[str, Any], vocab: Mapping[str, int], ps: ParallelSt
     model = hashlib.sha256(json.dumps(dict(hf), sort_keys=True, default=str).encode()).hexdigest()
     tokens = hashlib.sha256(json.dumps(sorted(vocab.items())).encode()).hexdigest()
     layout = {"world_size": ps.world_size, "tp": ps.tp, "pp": ps.pp, "cp": ps.cp, "ep": ps.ep, "dp": ps.dp}
-    return {"format": FORMAT, "model_type": hf.get("model_type"), "model_config_sha256": model,
-            "tokenizer_vocab_sha256": tokens, "vocab_size": len(vocab), "layout": layout}  # fmt: skip
+    return {
+        "format": FORMAT,
+        "model_type": hf.get("model_type"),
+        "model_config_sha256": model,
+        "tokenizer_vocab_sha256": tokens,
+        "vocab_size": len(vocab),
+        "layout": layout,
+    }
 
 
 def _flat(rows: Sequence[Sequence[float]] | Sequence[Sequence[int]], dtype: torch.dtype) -> torch.Tensor:
@@ -73,7 +79,9 @@ def _flat(rows: Sequence[Sequence[float]] | Sequence[Sequence[int]], dtype: torc
 
 
 def encode_groups(
-    groups: Sequence[Group], metrics: Mapping[str, float], iteration: int,
+    groups: Sequence[Group],
+    metrics: Mapping[str, float],
+    iteration: int,
     routes: Mapping[int, torch.Tensor] | None = None,
 ) -> tuple[dict, dict]:
     """One iteration's scored groups as (tensors, metadata): what ``decode_groups`` reads back. Every
@@ -106,8 +114,10 @@ def encode_groups(
     meta = {
         "format": FORMAT,
         "iteration": iteration,
-        "records": [{"prompt": g.record.prompt, "answer": g.record.answer, "metadata": g.record.metadata}
-                    for g in groups],  # fmt: skip
+        "records": [
+            {"prompt": g.record.prompt, "answer": g.record.answer, "metadata": g.record.metadata}
+            for g in groups
+        ],
         "finish_reasons": [c.finish_reason for c in completions],
         "texts": [t for g in groups for t in g.texts],
         "metrics": dict(metrics),
@@ -142,21 +152,37 @@ def decode_groups(tensors: Mapping[str, torch.Tensor], meta: Mapping[str, Any], 
         if "token_versions" in tensors:
             checks["token_versions"] = (len(tensors["token_versions"]), sum(lengths))
     except KeyError as exc:
-        raise ValueError(f"{where}: no {exc} in the dump; it is damaged or not a rollout dump: dump that "
-                         "iteration again (rollout.dump_dir)") from None  # fmt: skip
+        raise ValueError(
+            f"{where}: no {exc} in the dump; it is damaged or not a rollout dump: dump that "
+            "iteration again (rollout.dump_dir)"
+        ) from None
     for name, (got, want) in checks.items():
         if got != want:
-            raise ValueError(f"{where}: {name} has {got} entries where the dump's sizes say {want}; the file is "
-                             "damaged or was edited: dump that iteration again (rollout.dump_dir)")  # fmt: skip
+            raise ValueError(
+                f"{where}: {name} has {got} entries where the dump's sizes say {want}; the file is "
+                "damaged or was edited: dump that iteration again (rollout.dump_dir)"
+            )
     masked = [k for k, m in enumerate(tensors["has_loss_mask"].tolist()) if m]
     masks = dict(zip(masked, _split(tensors["loss_masks"], [lengths[k] for k in masked]), strict=True))
     completions = [
-        Completion(ids, lps, reason, routed_experts=tensors.get(f"routes.{k}"), loss_mask=masks.get(k),
-                   weight_version=int(version))
-        for k, (ids, lps, reason, version) in enumerate(zip(
-            _split(tensors["response_ids"], lengths), _split(tensors["logprobs"], lengths),
-            meta["finish_reasons"], tensors["weight_versions"].tolist(), strict=True))
-    ]  # fmt: skip
+        Completion(
+            ids,
+            lps,
+            reason,
+            routed_experts=tensors.get(f"routes.{k}"),
+            loss_mask=masks.get(k),
+            weight_version=int(version),
+        )
+        for k, (ids, lps, reason, version) in enumerate(
+            zip(
+                _split(tensors["response_ids"], lengths),
+                _split(tensors["logprobs"], lengths),
+                meta["finish_reasons"],
+                tensors["weight_versions"].tolist(),
+                strict=True,
+            )
+        )
+    ]
     if "token_versions" in tensors:
         for c, versions in zip(completions, _split(tensors["token_versions"], lengths), strict=True):
             c.token_versions = versions
@@ -204,7 +230,10 @@ class RolloutDump:
 
 
 def write_iteration(
-    directory: Path, iteration: int, groups: Sequence[Group], metrics: Mapping[str, float],
+    directory: Path,
+    iteration: int,
+    groups: Sequence[Group],
+    metrics: Mapping[str, float],
     routes: Mapping[int, torch.Tensor] | None = None,
 ) -> None:
     """One iteration's files (``encode_groups``), each atomically: the safetensors first, then the JSON
@@ -223,7 +252,9 @@ def read_json(path: Path) -> dict[str, Any]:
     try:
         value = json.loads(path.read_text())
     except (OSError, ValueError) as exc:
-        raise ValueError(f"{path} is not readable JSON ({exc}); dump that run again (rollout.dump_dir)") from None
+        raise ValueError(
+            f"{path} is not readable JSON ({exc}); dump that run again (rollout.dump_dir)"
+        ) from None
     if not isinstance(value, dict):
         raise ValueError(f"{path} is not a JSON object; dump that run again (rollout.dump_dir)")
     return value
@@ -232,12 +263,21 @@ def read_json(path: Path) -> dict[str, Any]:
 def check_identity(dumped: Mapping[str, Any], here: Mapping[str, Any], path: Path, *, fix: str) -> None:
     """ValueError naming ``path``, each field that differs and ``fix`` when the dump was made by
     another model, tokenizer, layout or format."""
-    names = {"format": "dump format", "model_config_sha256": "model (config.json)",
-             "tokenizer_vocab_sha256": "tokenizer (vocabulary)", "layout": "layout (parallel sizes)"}  # fmt: skip
-    differ = [f"{what}: dump {dumped.get(key)!r}, this run {here[key]!r}"
-              for key, what in names.items() if dumped.get(key) != here[key]]  # fmt: skip
+    names = {
+        "format": "dump format",
+        "model_config_sha256": "model (config.json)",
+        "tokenizer_vocab_sha256": "tokenizer (vocabulary)",
+        "layout": "layout (parallel sizes)",
+    }
+    differ = [
+        f"{what}: dump {dumped.get(key)!r}, this run {here[key]!r}"
+        for key, what in names.items()
+        if dumped.get(key) != here[key]
+    ]
     if differ:
-        raise ValueError(f"{path}: the rollout dump was made by another run: " + "; ".join(differ) + f". {fix}")
+        raise ValueError(
+            f"{path}: the rollout dump was made by another run: " + "; ".join(differ) + f". {fix}"
+        )
 
 
 class ReplaySource:
@@ -257,8 +297,10 @@ class ReplaySource:
         will read (``version`` + 1 .. train.iterations)."""
         path = self.directory / IDENTITY
         if not path.is_file():
-            raise ValueError(f"rollout.replay_dir={self.directory}: no {IDENTITY}; point it at a directory a run "
-                             "with rollout.dump_dir wrote")  # fmt: skip
+            raise ValueError(
+                f"rollout.replay_dir={self.directory}: no {IDENTITY}; point it at a directory a run "
+                "with rollout.dump_dir wrote"
+            )
         fix = "replay with the dumped run's model.hf_path, tokenizer and parallel.* sizes (same world size)"
         check_identity(read_json(path), self.identity, path, fix=fix)
         for it in range(version + 1, self.last_iteration + 1):
@@ -268,7 +310,8 @@ class ReplaySource:
                     raise ValueError(
                         f"rollout.replay_dir: {stem.with_suffix(suffix)} is missing: the dump holds no iteration "
                         f"{it}; set train.iterations={it - 1} (the last iteration dumped whole), or dump a run "
-                        "that reaches it")  # fmt: skip
+                        "that reaches it"
+                    )
 
     def take(self, iteration: int, timer: Timer) -> Produced:
         from grpo_megatron.training.groups import Produced
@@ -297,21 +340,29 @@ def read_iteration(directory: Path, iteration: int) -> tuple[list[Group], dict[s
     meta_path, tensor_path = stem.with_suffix(".json"), stem.with_suffix(".safetensors")
     for path in (meta_path, tensor_path):
         if not path.is_file():
-            raise ValueError(f"rollout.replay_dir: {path} is missing: the dump holds no iteration {iteration}; "
-                             f"set train.iterations={iteration - 1}, or dump a run that reaches it")  # fmt: skip
+            raise ValueError(
+                f"rollout.replay_dir: {path} is missing: the dump holds no iteration {iteration}; "
+                f"set train.iterations={iteration - 1}, or dump a run that reaches it"
+            )
     meta = read_json(meta_path)
     data = tensor_path.read_bytes()
     if hashlib.sha256(data).hexdigest() != meta.get("safetensors_sha256"):
-        raise ValueError(f"{tensor_path} does not match the sha256 that {meta_path.name} records: it is damaged "
-                         "or from another dump; dump that iteration again (rollout.dump_dir)")  # fmt: skip
+        raise ValueError(
+            f"{tensor_path} does not match the sha256 that {meta_path.name} records: it is damaged "
+            "or from another dump; dump that iteration again (rollout.dump_dir)"
+        )
     if meta.get("iteration") != iteration:
-        raise ValueError(f"{meta_path} holds iteration {meta.get('iteration')}, not {iteration}: the dump's files "
-                         "were renamed; dump that run again (rollout.dump_dir)")  # fmt: skip
+        raise ValueError(
+            f"{meta_path} holds iteration {meta.get('iteration')}, not {iteration}: the dump's files "
+            "were renamed; dump that run again (rollout.dump_dir)"
+        )
     try:
         tensors = load(data)
     except SafetensorError as exc:
         raise ValueError(f"{tensor_path} is not a readable safetensors file ({exc}); dump it again") from None
-    return decode_groups(tensors, meta, tensor_path), {k: float(v) for k, v in meta.get("metrics", {}).items()}
+    return decode_groups(tensors, meta, tensor_path), {
+        k: float(v) for k, v in meta.get("metrics", {}).items()
+    }
 
 
 class DumpingSource:

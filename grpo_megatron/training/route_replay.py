@@ -55,7 +55,12 @@ class RoutingReplay:
         return routing_pass(self.mode, self.ps, self.num_experts, model, role, samples)
 
     def end(
-        self, routing: RoutingPass | None, samples: list[Sample], rows: Sequence[Sequence[int]], *, measure: bool
+        self,
+        routing: RoutingPass | None,
+        samples: list[Sample],
+        rows: Sequence[Sequence[int]],
+        *,
+        measure: bool,
     ) -> dict[str, float]:
         """Collective, after the pass (``finish_pass``): r2's old-policy routes stored on the samples,
         and with ``measure`` the iteration's routing metrics."""
@@ -63,7 +68,12 @@ class RoutingReplay:
 
 
 def routing_pass(
-    mode: str, ps: ParallelState, num_experts: int | None, model: torch.nn.Module, role: Role, samples: Sequence[Sample]
+    mode: str,
+    ps: ParallelState,
+    num_experts: int | None,
+    model: torch.nn.Module,
+    role: Role,
+    samples: Sequence[Sample],
 ) -> tuple[RoutingPass | None, str | None]:
     """The routing of pass ``role`` over ``model`` under ``algorithm.routing_replay=mode`` and which
     ``Sample.routes`` its micro-batches carry; ``(None, None)`` for a dense model or where nothing is
@@ -112,7 +122,9 @@ def store_own_routes(routing: RoutingPass, samples: list[Sample], rows: Sequence
         own = routing.own_routes(i)
         for b, k in enumerate(mb_rows):
             sample = samples[k]
-            routes_msk = torch.full((routing.num_moe_layers, sample.length, routing.top_k), -1, dtype=torch.int16)
+            routes_msk = torch.full(
+                (routing.num_moe_layers, sample.length, routing.top_k), -1, dtype=torch.int16
+            )
             for m, routes_bsk in own.items():
                 routes_msk[m] = routes_bsk[b, : sample.length]
             sample.routes["old"] = routes_msk

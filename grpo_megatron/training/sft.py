@@ -33,10 +33,15 @@ if TYPE_CHECKING:
     from grpo_megatron.data.sampler import PromptSampler
     from grpo_megatron.training.config import SFTConfig
 
+
 def sft_job_config(cfg: JobConfig) -> JobConfig:
     """The job config the SFT job is built with: the optimizer runs at sft.lr, constant."""
     train = dataclasses.replace(
-        cfg.train, lr=cfg.sft.lr, min_lr=cfg.sft.lr, lr_decay="constant", lr_warmup_iterations=0,
+        cfg.train,
+        lr=cfg.sft.lr,
+        min_lr=cfg.sft.lr,
+        lr_decay="constant",
+        lr_warmup_iterations=0,
         iterations=cfg.sft.max_steps,
     )
     # The console reports at each dev evaluation (metrics.jsonl still gets every step).
@@ -67,7 +72,10 @@ def sft_step(job: SFTJob, samples: list[Sample]) -> dict[str, float]:
 
     job.policy.zero_grad()
     outs = forward_backward(
-        job.policy.model, [collate(samples, r, job.pad_id, packed=cfg.train.packing) for r in rows], ps, nll,
+        job.policy.model,
+        [collate(samples, r, job.pad_id, packed=cfg.train.packing) for r in rows],
+        ps,
+        nll,
         vocab_size=job.policy.spec.vocab_size,
     )
     loss_t = torch.tensor([sum(o["loss"] for o in outs)], dtype=torch.float64)
@@ -198,7 +206,11 @@ def run_sft(job: SFTJob) -> dict[str, object]:
         accuracy, then the training phase's memory again (the engines release theirs)."""
         job.sync_engines(step)
         accuracy = evaluate(
-            job.rollout, job.scorer, job.eval_records, train_seed=job.cfg.train.seed, iteration=step,
+            job.rollout,
+            job.scorer,
+            job.eval_records,
+            train_seed=job.cfg.train.seed,
+            iteration=step,
             samples=job.cfg.train.eval_samples,
         )["eval/accuracy"]
         job.memory.to_trainer()
@@ -226,8 +238,12 @@ def run_sft(job: SFTJob) -> dict[str, object]:
         steps_run += 1
         start = time.perf_counter()
         batch = [pairs[i] for i in sampler.next_indices(sft.batch_size)]
-        samples = make_samples([p.prompt_ids for p in batch], [p.response_ids for p in batch],
-                               [[0.0] * len(p.response_ids) for p in batch], [0.0] * len(batch))  # fmt: skip
+        samples = make_samples(
+            [p.prompt_ids for p in batch],
+            [p.response_ids for p in batch],
+            [[0.0] * len(p.response_ids) for p in batch],
+            [0.0] * len(batch),
+        )
         metrics = sft_step(job, samples)
         if step % sft.eval_interval == 0 or step == sft.max_steps or step <= dense_until:
             accuracy = metrics["eval/accuracy"] = dev_eval(step)
@@ -258,8 +274,13 @@ def run_sft(job: SFTJob) -> dict[str, object]:
             job.logger.truncate_from(step + 1)
             action = "continue"
     if keeper is None:
-        return {"steps": steps_run, "last_step": step, "kept_step": step, "eval/accuracy": accuracy,
-                "reason": stop_reason}
+        return {
+            "steps": steps_run,
+            "last_step": step,
+            "kept_step": step,
+            "eval/accuracy": accuracy,
+            "reason": stop_reason,
+        }
     assert keeper.kept is not None and kept_weights is not None
     load_weights(job, kept_weights)
     return {

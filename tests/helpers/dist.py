@@ -91,7 +91,9 @@ def group_timeouts_minutes() -> dict[str, list[float]]:
 
     out: dict[str, list[float]] = {}
     for group in c10d._world.pg_map:
-        out.setdefault(group.group_desc, []).extend(sorted(t.total_seconds() / 60 for t in group_timeouts(group)))
+        out.setdefault(group.group_desc, []).extend(
+            sorted(t.total_seconds() / 60 for t in group_timeouts(group))
+        )
     return out
 
 
@@ -146,10 +148,17 @@ def run_distributed(target: str, world_size: int, *, timeout_s: float = 240, **k
             PYTHONUNBUFFERED="1",
         )
         cmd = [
-            sys.executable, "-m", "torch.distributed.run",
-            "--standalone", "--nproc-per-node", str(world_size),
-            "-m", _ENTRY_MODULE, target, str(out_dir),
-        ]  # fmt: skip
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            str(world_size),
+            "-m",
+            _ENTRY_MODULE,
+            target,
+            str(out_dir),
+        ]
         with open(log_path, "wb") as log:
             # torchrun in a session of its own: on a timeout its whole process group can be killed
             # without touching pytest's.

@@ -46,20 +46,29 @@ class CountingEnvironment(Environment):
         out = []
         for s in states:
             s["turn"] += 1
-            out.append(StepResult(self.observation(s["turn"]), done=s["turn"] >= self.turns, reward=0.5, tool_calls=1))
+            out.append(
+                StepResult(
+                    self.observation(s["turn"]), done=s["turn"] >= self.turns, reward=0.5, tool_calls=1
+                )
+            )
         return out
 
 
 def rebuild(
-    records: Sequence[PromptRecord], groups: Sequence[Sequence[Trajectory]], engine: RecordingEngine,
+    records: Sequence[PromptRecord],
+    groups: Sequence[Sequence[Trajectory]],
+    engine: RecordingEngine,
     env: CountingEnvironment,
 ) -> list[tuple[list[int], list[int], list[float]]]:
     """(ids, loss mask, logprobs) of every trajectory from the engine's recorded calls and the
     environment's observations only. Turn 1 is the first call's; the call of turn k + 1 has one row per
     episode still open, in prompt-and-sample order (those with more than k turns), and must have been
     asked to continue exactly the ids before it (asserted)."""
-    flat = [(r, t, c) for r, g, cs in zip(records, groups, engine.calls[0][1], strict=True)
-            for t, c in zip(g, cs, strict=True)]
+    flat = [
+        (r, t, c)
+        for r, g, cs in zip(records, groups, engine.calls[0][1], strict=True)
+        for t, c in zip(g, cs, strict=True)
+    ]
     out = []
     for i, (r, t, c) in enumerate(flat):
         ids, mask, logprobs = list(c.token_ids), [1] * len(c.token_ids), list(c.logprobs)

@@ -16,7 +16,12 @@ from tests.helpers.tiny_configs import TINY_CONFIGS
 from tests.workers.sglang_workers import peaked_weights_
 
 DEMO = Path(__file__).resolve().parents[2] / "examples" / "demo"
-FP8_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
+FP8_CONFIG = {
+    "quant_method": "fp8",
+    "fmt": "e4m3",
+    "activation_scheme": "dynamic",
+    "weight_block_size": [128, 128],
+}
 E4M3_MAX = 448.0
 VOCAB = 32  # the demo tokenizer's
 

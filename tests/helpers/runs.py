@@ -33,15 +33,33 @@ SMALL = [
 TIMING_PREFIXES = ("time/", "throughput/", "sync/")
 
 
-def launch(command: str, overrides: list[str], *, world_size: int = 2, config: Path = DEMO) -> subprocess.Popen:
+def launch(
+    command: str, overrides: list[str], *, world_size: int = 2, config: Path = DEMO
+) -> subprocess.Popen:
     env = dict(os.environ, OMP_NUM_THREADS="1", TORCH_COMPILE_DISABLE="1", WANDB_SILENT="true")
     args = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(world_size),
-        "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
-        "-m", "grpo_megatron", command, str(config), *overrides,
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        str(world_size),
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        str(free_port()),
+        "-m",
+        "grpo_megatron",
+        command,
+        str(config),
+        *overrides,
     ]
     return subprocess.Popen(
-        args, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        args,
+        cwd=REPO_ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
         start_new_session=True,
     )
 
@@ -57,7 +75,14 @@ def can_name_hosts() -> str | None:
 
 
 def launch_node(
-    command: str, overrides: list[str], *, node_rank: int, nnodes: int, port: int, nproc: int = 1, config: Path = DEMO
+    command: str,
+    overrides: list[str],
+    *,
+    node_rank: int,
+    nnodes: int,
+    port: int,
+    nproc: int = 1,
+    config: Path = DEMO,
 ) -> subprocess.Popen:
     """Node ``node_rank`` of an ``nnodes``-node job on this host, as a cluster starts one torchrun per
     node: in a UTS namespace of its own whose host name is the loopback address 127.0.0.<node_rank + 1>,
@@ -65,16 +90,36 @@ def launch_node(
     ``dist_init_addr`` across nodes) sees distinct hosts that still resolve. Node 0's address is the
     rendezvous'."""
     torchrun = [
-        sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nnodes), "--node-rank", str(node_rank),
-        "--nproc-per-node", str(nproc), "--master-addr", "127.0.0.1", "--master-port", str(port),
-        "-m", "grpo_megatron", command, str(config), *overrides,
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes",
+        str(nnodes),
+        "--node-rank",
+        str(node_rank),
+        "--nproc-per-node",
+        str(nproc),
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        str(port),
+        "-m",
+        "grpo_megatron",
+        command,
+        str(config),
+        *overrides,
+    ]
     script = f'hostname 127.0.0.{node_rank + 1} && exec "$@"'
     env = dict(os.environ, OMP_NUM_THREADS="1", TORCH_COMPILE_DISABLE="1", WANDB_SILENT="true")
     return subprocess.Popen(
-        ["unshare", "--uts", "sh", "-c", script, "node", *torchrun], cwd=REPO_ROOT, env=env,
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
-    )  # fmt: skip
+        ["unshare", "--uts", "sh", "-c", script, "node", *torchrun],
+        cwd=REPO_ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
 
 
 def kill_job(proc: subprocess.Popen) -> None:
@@ -109,7 +154,9 @@ def killed_and_resumed(overrides: list[str], run_dir: Path, *, config: Path = DE
     its metrics rows, wall times left out (``comparable``)."""
     proc = launch("train", [*overrides, f"logging.run_dir={run_dir}"], config=config)
     kill_after_checkpoint(proc, run_dir)
-    finish(launch("train", [*overrides, f"logging.run_dir={run_dir}", "checkpoint.resume=auto"], config=config))
+    finish(
+        launch("train", [*overrides, f"logging.run_dir={run_dir}", "checkpoint.resume=auto"], config=config)
+    )
     return [comparable(r) for r in read_jsonl(run_dir / "metrics.jsonl")]
 
 

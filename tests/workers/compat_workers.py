@@ -338,7 +338,9 @@ def distopt_checkpoint_fixes() -> dict[str, Any]:
     # with the fresh optimizer's 0 (dp_reshardable).
     model_param = next(iter(dopt.model_param_group_index_map))
     tensors = {
-        k: v.detach().clone() for k, v in dopt._get_main_param_and_optimizer_states(model_param).items() if k != "step"
+        k: v.detach().clone()
+        for k, v in dopt._get_main_param_and_optimizer_states(model_param).items()
+        if k != "step"
     }
     set_state = original("_set_main_param_and_optimizer_states")
     with torch.no_grad():
@@ -359,6 +361,8 @@ def distopt_checkpoint_fixes() -> dict[str, Any]:
 
     load = original("load_parameter_state_from_dp_reshardable")
     out["dp_reshardable_original"] = _error_of(lambda: load(dopt, own_state()))
-    out["dp_reshardable_fixed"] = _error_of(lambda: dopt.load_parameter_state_from_dp_reshardable(own_state()))
+    out["dp_reshardable_fixed"] = _error_of(
+        lambda: dopt.load_parameter_state_from_dp_reshardable(own_state())
+    )
     _teardown()
     return out

@@ -25,7 +25,8 @@ def stream_to_each_rank(hf_dir: str, layouts: dict[str, list[str]], bucket_bytes
     out: dict = {}
     for name, overrides in layouts.items():
         cfg = load_config(
-            EXAMPLE, [*CPU_JOB, f"model.hf_path={hf_dir}", "parallel.use_distributed_optimizer=false", *overrides]
+            EXAMPLE,
+            [*CPU_JOB, f"model.hf_path={hf_dir}", "parallel.use_distributed_optimizer=false", *overrides],
         )
         validate(cfg, world_size_from_env())
         ps = init_distributed(cfg.parallel, seed=cfg.train.seed)
@@ -70,8 +71,16 @@ def router_bias_to_an_engine(hf_dir: str) -> dict:
     from grpo_megatron.models.builder import build_gpt_model
     from grpo_megatron.rollout.embedded import EmbeddedEngine
 
-    cfg = load_config(EXAMPLE, [*CPU_JOB, f"model.hf_path={hf_dir}", "parallel.use_distributed_optimizer=false",
-                                "parallel.tp=2", "model.dtype=bfloat16"])  # fmt: skip
+    cfg = load_config(
+        EXAMPLE,
+        [
+            *CPU_JOB,
+            f"model.hf_path={hf_dir}",
+            "parallel.use_distributed_optimizer=false",
+            "parallel.tp=2",
+            "model.dtype=bfloat16",
+        ],
+    )
     validate(cfg, world_size_from_env())
     ps = init_distributed(cfg.parallel, seed=cfg.train.seed)
     hf = cfg.model.load_hf_config()

@@ -154,14 +154,26 @@ def long_rollout(bound_s: float, long_phase: bool) -> dict[str, Any]:
     from tests.helpers.dist import CPU_JOB
     from tests.workers.rollout_workers import EXAMPLE
 
-    cfg = load_config(EXAMPLE, [*CPU_JOB, "rollout.embedded_process=true", "rollout.max_new_tokens=4",
-                                f"parallel.long_phase_timeout_s={20 * bound_s}"])  # fmt: skip
+    cfg = load_config(
+        EXAMPLE,
+        [
+            *CPU_JOB,
+            "rollout.embedded_process=true",
+            "rollout.max_new_tokens=4",
+            f"parallel.long_phase_timeout_s={20 * bound_s}",
+        ],
+    )
     ps = init_distributed(cfg.parallel)
     fleet = RolloutFleet.build(engine_spec(cfg), cfg.model.load_hf_config(), ps)
     watchdog = start_watchdog(bound_s, ps.rank, ps.world_size)
     assert watchdog is not None
-    rollout = Rollout(fleet, cfg.rollout, eos_id=0, watchdog=watchdog if long_phase else None,
-                      long_phase_s=cfg.parallel.long_phase_timeout_s)  # fmt: skip
+    rollout = Rollout(
+        fleet,
+        cfg.rollout,
+        eos_id=0,
+        watchdog=watchdog if long_phase else None,
+        long_phase_s=cfg.parallel.long_phase_timeout_s,
+    )
     timer = PhaseTimer(beat=watchdog.beat)
     records = [PromptRecord("", "", {}, (3, 4, 5)), PromptRecord("", "", {}, (6, 7))]
     if ps.rank == 0:

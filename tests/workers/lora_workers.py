@@ -61,8 +61,12 @@ def _trains(policy) -> dict[str, Any]:
     from grpo_megatron.bridge.layout import unwrap
     from grpo_megatron.models.lora import is_lora_param
 
-    held = [p for opt in getattr(policy.optimizer, "chained_optimizers", [policy.optimizer])
-            for g in opt.param_groups for p in g["params"]]  # fmt: skip
+    held = [
+        p
+        for opt in getattr(policy.optimizer, "chained_optimizers", [policy.optimizer])
+        for g in opt.param_groups
+        for p in g["params"]
+    ]
     params = list(unwrap(policy.model).parameters())
     return {
         "optimizer_not_lora": sum(not is_lora_param(p) for p in held),
@@ -83,8 +87,14 @@ def _passes(policy, ps) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:
     mine = my_microbatches(batches, ps.dp, ps.dp_rank)
     logps = forward_logprobs(policy.model, mine, ps, vocab_size=policy.spec.vocab_size)
     policy.zero_grad()
-    forward_backward(policy.model, mine, ps, loss_fn_for(global_tokens), vocab_size=policy.spec.vocab_size,
-                     with_entropy=True)  # fmt: skip
+    forward_backward(
+        policy.model,
+        mine,
+        ps,
+        loss_fn_for(global_tokens),
+        vocab_size=policy.spec.vocab_size,
+        with_entropy=True,
+    )
     return [o.logprobs_bs for o in logps], _lora_only(full_state(policy.model, ps, grads=True))
 
 
@@ -126,8 +136,9 @@ def run_layout(overrides: list[str], reference: dict | None, out_dir: str) -> di
         out |= {"params": full_state(policy.model, ps), "grads": grads, "logprobs": logprobs}
     else:
         rows = my_microbatches(list(range(len(global_batch(policy.spec.vocab_size)))), ps.dp, ps.dp_rank)
-        out["logprob_diff"] = max((a - reference["logprobs"][i]).abs().max().item()
-                                  for a, i in zip(logprobs, rows, strict=True))  # fmt: skip
+        out["logprob_diff"] = max(
+            (a - reference["logprobs"][i]).abs().max().item() for a, i in zip(logprobs, rows, strict=True)
+        )
         out["names_differ"] = sorted(set(reference["grads"]) ^ set(grads))
         out["grad_diff"] = max((grads[k] - reference["grads"][k]).abs().max().item() for k in grads)
         out["grad_scale"] = min(reference["grads"][k].abs().max().item() for k in grads)
@@ -177,7 +188,10 @@ def reference(overrides: list[str], steps: int) -> dict:
         with policy.reference():
             off = logprobs(policy.model)
         on = logprobs(policy.model)
-        return {"off_vs_frozen": (off - ref).abs().max().item(), "on_vs_frozen": (on - ref).abs().max().item()}
+        return {
+            "off_vs_frozen": (off - ref).abs().max().item(),
+            "on_vs_frozen": (on - ref).abs().max().item(),
+        }
 
     out = {"init": compare()}
     for _ in range(steps):
@@ -228,7 +242,9 @@ def _trainer_logits(policy, ps) -> torch.Tensor:
     return logits[..., : policy.spec.vocab_size].float()
 
 
-def _transformers_side(hf_dir: str, adapter_dir: Path, merged_dir: Path, logits: torch.Tensor) -> dict[str, Any]:
+def _transformers_side(
+    hf_dir: str, adapter_dir: Path, merged_dir: Path, logits: torch.Tensor
+) -> dict[str, Any]:
     from peft import PeftModel, get_peft_model_state_dict
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
@@ -255,6 +271,8 @@ def _transformers_side(hf_dir: str, adapter_dir: Path, merged_dir: Path, logits:
         "merged_diff": (merged_logits - logits).abs().max().item(),
         "adapter_effect": (base_logits - logits).abs().max().item(),
         "keys_differ": sorted(set(saved) ^ set(loaded)),
-        "values_differ": sorted(k for k in saved.keys() & loaded.keys() if not torch.equal(saved[k], loaded[k])),
+        "values_differ": sorted(
+            k for k in saved.keys() & loaded.keys() if not torch.equal(saved[k], loaded[k])
+        ),
         "tensors": len(saved),
     }

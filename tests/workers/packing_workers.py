@@ -31,7 +31,11 @@ def samples_for(vocab: int):
     out = []
     for n_prompt, n_response in LENGTHS:
         ids = torch.randint(0, vocab, (n_prompt + n_response,), generator=gen).tolist()
-        out.append(make_sample(ids[:n_prompt], ids[n_prompt:], [-1.0] * n_response, float(torch.randn(1, generator=gen))))
+        out.append(
+            make_sample(
+                ids[:n_prompt], ids[n_prompt:], [-1.0] * n_response, float(torch.randn(1, generator=gen))
+            )
+        )
     return out
 
 
@@ -50,8 +54,13 @@ def row_logprobs(policy, samples, ps, *, packed: bool) -> tuple[list, list, dict
     """This rank's micro-batches of ``samples`` (3 rows each, packed or right-padded), and every row's
     logprobs and entropy over its own length: ``(rows, micro-batches, {row: (logprobs, entropy)})``."""
     rows = rank_microbatches(
-        [s.length for s in samples], range(len(samples)), dp_size=ps.dp, dp_rank=ps.dp_rank, micro_batch_size=3,
-        max_tokens=None, packing=packed,
+        [s.length for s in samples],
+        range(len(samples)),
+        dp_size=ps.dp,
+        dp_rank=ps.dp_rank,
+        micro_batch_size=3,
+        max_tokens=None,
+        packing=packed,
     )
     mbs = [collate(samples, r, 0, packed=packed) for r in rows]
     outs = forward_logprobs(policy.model, mbs, ps, vocab_size=policy.spec.vocab_size, with_entropy=True)
@@ -61,7 +70,6 @@ def row_logprobs(policy, samples, ps, *, packed: bool) -> tuple[list, list, dict
             n = samples[i].length
             per_row[i] = (o.logprobs_bs[b, :n].clone(), o.entropy_bs[b, :n].clone())
     return rows, mbs, per_row
-
 
 
 def run_layout(overrides: list[str]) -> dict:
@@ -76,7 +84,9 @@ def run_layout(overrides: list[str]) -> dict:
     for packed in (False, True):
         rows, mbs, per_row = row_logprobs(policy, samples, ps, packed=packed)
         policy.zero_grad()
-        metrics = forward_backward(policy.model, mbs, ps, loss_fn_for(global_tokens), vocab_size=vocab, with_entropy=True)
+        metrics = forward_backward(
+            policy.model, mbs, ps, loss_fn_for(global_tokens), vocab_size=vocab, with_entropy=True
+        )
         results[packed] = (per_row, full_state(policy.model, ps, grads=True), sum(m["loss"] for m in metrics))
     (pad_rows, pad_grads, pad_loss), (pack_rows, pack_grads, pack_loss) = results[False], results[True]
     assert set(pad_rows) == set(pack_rows) and pad_rows, "both layouts must cover this rank's rows"
@@ -110,8 +120,11 @@ def cp_run(overrides: list[str], reference: dict | None) -> dict:
     rows, mbs, per_row = row_logprobs(policy, samples, ps, packed=True)
     # Right-padded micro-batches (the mismatch probe's kind) run too, as rows of their padded length.
     padded_outs = forward_logprobs(policy.model, [collate(samples, r, 0) for r in rows], ps, vocab_size=vocab)
-    padded_rows = {i: o.logprobs_bs[b, : samples[i].length] for r, o in zip(rows, padded_outs, strict=True)
-                   for b, i in enumerate(r)}
+    padded_rows = {
+        i: o.logprobs_bs[b, : samples[i].length]
+        for r, o in zip(rows, padded_outs, strict=True)
+        for b, i in enumerate(r)
+    }
     policy.zero_grad()
     forward_backward(policy.model, mbs, ps, loss_fn_for(global_tokens), vocab_size=vocab, with_entropy=True)
     grads = full_state(policy.model, ps, grads=True)
@@ -124,7 +137,9 @@ def cp_run(overrides: list[str], reference: dict | None) -> dict:
             "entropy_diff": max((per_row[i][1] - ref_rows[i][1]).abs().max().item() for i in per_row),
             "grad_diff": max((grads[k] - reference["grads"][k]).abs().max().item() for k in grads),
             "grad_scale": max(g.abs().max().item() for g in grads.values()),
-            "padded_rows_logprob_diff": max((padded_rows[i] - ref_rows[i][0]).abs().max().item() for i in padded_rows),
+            "padded_rows_logprob_diff": max(
+                (padded_rows[i] - ref_rows[i][0]).abs().max().item() for i in padded_rows
+            ),
             "rows_seen": len(per_row),
         }
     destroy_distributed(keep_process_group=True)

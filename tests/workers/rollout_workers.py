@@ -120,9 +120,7 @@ def _probe_in_two_passes(model, fleet, ps, probe, vocab_size: int) -> dict[str, 
     return _probe_diffs(by_suffix, ps) | metrics
 
 
-def sync_cases(
-    cases: dict[str, tuple[str, list[str]]], bad_hf_dir: str
-) -> dict:
+def sync_cases(cases: dict[str, tuple[str, list[str]]], bad_hf_dir: str) -> dict:
     """Per case (HF config dir, layout overrides): sync, logprobs vs trainer, probe, reproducibility.
     Case "train" also trains one step and syncs again; case "bad" (if present) syncs into engines
     built from another config and records the error."""
@@ -154,7 +152,10 @@ def sync_cases(
         probe = mismatch_probe(policy.model, fleet, ps, batch, vocab_size=vocab, temperature=1.0)
         res["probe_max"] = probe["mismatch/probe_abs_diff_max"]
         res["probe_tokens"] = probe["mismatch/probe_tokens"]
-        res["probe"], res["probe_two_passes"] = probe, _probe_in_two_passes(policy.model, fleet, ps, batch, vocab)
+        res["probe"], res["probe_two_passes"] = (
+            probe,
+            _probe_in_two_passes(policy.model, fleet, ps, batch, vocab),
+        )
         hot = mismatch_probe(policy.model, fleet, ps, batch, vocab_size=vocab, temperature=0.7)
         res["probe_max_t07"] = hot["mismatch/probe_abs_diff_max"]
 
@@ -228,7 +229,10 @@ def rollout_results_at_scale(hf_dir: str, overrides: list[str]) -> dict:
             [(c.token_ids, c.logprobs) for c in g] for g in groups_c[start:end]
         ]
     records = [PromptRecord("", "", {}, tuple(p)) for p in prompts]
-    groups = [Group(r, cs, [float(i % 2) for i in range(len(cs))], [""] * len(cs)) for r, cs in zip(records, groups_c, strict=True)]
+    groups = [
+        Group(r, cs, [float(i % 2) for i in range(len(cs))], [""] * len(cs))
+        for r, cs in zip(records, groups_c, strict=True)
+    ]
     batch = build_samples(cfg.algorithm, params.max_new_tokens, groups)
     plan = plan_update(cfg.train, cfg.algorithm, ps, batch.samples)
     deliver_engine_routes(fleet, groups, batch.samples, plan)
@@ -264,8 +268,10 @@ def _payload_to_owners(cfg, ps, fleet, records) -> dict:
     max_new = cfg.rollout.response_budget.tokens
 
     def grouped(completions):
-        return [Group(r, cs, [float((i + k) % 3) for i in range(len(cs))], [""] * len(cs))
-                for k, (r, cs) in enumerate(zip(records, completions, strict=True))]  # fmt: skip
+        return [
+            Group(r, cs, [float((i + k) % 3) for i in range(len(cs))], [""] * len(cs))
+            for k, (r, cs) in enumerate(zip(records, completions, strict=True))
+        ]
 
     out: dict = {}
     start = tcp_bytes_received()
@@ -276,26 +282,38 @@ def _payload_to_owners(cfg, ps, fleet, records) -> dict:
     start = tcp_bytes_received()
     shared = grouped(fleet.generate([list(r.prompt_ids) for r in records], params, payload="owners"))
     out["bytes_owners_rollout"] = tcp_bytes_received() - start
-    out["whole_after_rollout"] = [k for k, c in enumerate(c for g in shared for c in g.completions) if c.sizes is None]
+    out["whole_after_rollout"] = [
+        k for k, c in enumerate(c for g in shared for c in g.completions) if c.sizes is None
+    ]
     out["sizes_agree"] = [(c.num_tokens, c.num_sampled) for g in shared for c in g.completions] == [
-        (len(c.token_ids), len(c.token_ids)) for g in whole for c in g.completions]  # fmt: skip
+        (len(c.token_ids), len(c.token_ids)) for g in whole for c in g.completions
+    ]
     start = tcp_bytes_received()
     batch, plan = prepare_update(cfg.algorithm, cfg.train, max_new, ps, fleet, shared)
     out["bytes_owners_delivery"] = tcp_bytes_received() - start
-    out["whole_after_delivery"] = [k for k, c in enumerate(c for g in shared for c in g.completions) if c.sizes is None]
+    out["whole_after_delivery"] = [
+        k for k, c in enumerate(c for g in shared for c in g.completions) if c.sizes is None
+    ]
     out["mine"] = plan.mine
     mine_ref = sorted({i for r in ref_plan.all_rows for i in r})
-    out["plan_same"] = (plan.mine == mine_ref and plan.owners == ref_plan.owners
-                        and plan.normalizers == ref_plan.normalizers
-                        and plan.rows == [[[mine_ref.index(i) for i in r] for r in mb]
-                                          for mb in ref_plan.rows])  # fmt: skip
+    out["plan_same"] = (
+        plan.mine == mine_ref
+        and plan.owners == ref_plan.owners
+        and plan.normalizers == ref_plan.normalizers
+        and plan.rows == [[[mine_ref.index(i) for i in r] for r in mb] for mb in ref_plan.rows]
+    )
     out["samples_same"] = len(batch.samples) == len(mine_ref) and all(
-        torch.equal(a.tokens_s, b.tokens_s) and torch.equal(a.labels_s, b.labels_s) and torch.equal(a.mask_s, b.mask_s)
-        and torch.equal(a.rollout_logprobs_s, b.rollout_logprobs_s) and a.advantage == b.advantage
+        torch.equal(a.tokens_s, b.tokens_s)
+        and torch.equal(a.labels_s, b.labels_s)
+        and torch.equal(a.mask_s, b.mask_s)
+        and torch.equal(a.rollout_logprobs_s, b.rollout_logprobs_s)
+        and a.advantage == b.advantage
         for a, b in zip(batch.samples, [reference.samples[i] for i in mine_ref], strict=True)
-    )  # fmt: skip
+    )
     out["batch_totals"] = (batch.size, batch.tokens, reference.size, reference.tokens)
-    out["payload_bytes"] = [16 * c.num_tokens + 72 for g in whole for c in g.completions]  # pack's bytes per completion
+    out["payload_bytes"] = [
+        16 * c.num_tokens + 72 for g in whole for c in g.completions
+    ]  # pack's bytes per completion
     out["left_held"] = len(fleet.held_completions.completions)
     return out
 
@@ -312,9 +330,11 @@ def _megatron_groups_without_their_timeout(cfg) -> list[str]:
 
     mpu.destroy_model_parallel()
     with groups_take_timeout(timedelta(minutes=cfg.parallel.timeout_minutes)) as missed:
-        mpu.initialize_model_parallel(tensor_model_parallel_size=cfg.parallel.tp,
-                                      expert_model_parallel_size=cfg.parallel.ep,
-                                      distributed_timeout_minutes=cfg.parallel.timeout_minutes)  # fmt: skip
+        mpu.initialize_model_parallel(
+            tensor_model_parallel_size=cfg.parallel.tp,
+            expert_model_parallel_size=cfg.parallel.ep,
+            distributed_timeout_minutes=cfg.parallel.timeout_minutes,
+        )
     mpu.destroy_model_parallel()
     return missed
 

@@ -33,7 +33,9 @@ def replay_cases(cases: dict[str, tuple[str, list[str]]]) -> dict:
         reference = build_reference(cfg.model, hf, ps, policy)
         fleet = RolloutFleet.build(engine_spec(cfg), hf, ps)
         fleet.sync_weights(policy.model, version=1)
-        groups = fleet.generate(PROMPTS, SamplingParams(n=3, temperature=1.0, max_new_tokens=6, seed=7, routes=True))
+        groups = fleet.generate(
+            PROMPTS, SamplingParams(n=3, temperature=1.0, max_new_tokens=6, seed=7, routes=True)
+        )
         # Every rank runs the whole batch here: every route goes to every rank.
         routes = fleet.deliver_routes({c.route_id: range(ps.world_size) for cs in groups for c in cs})
         samples = [
@@ -54,13 +56,18 @@ def replay_cases(cases: dict[str, tuple[str, list[str]]]) -> dict:
             return [o.logprobs_bs.float().cpu() for o in outs]
 
         def max_diff(a: list[torch.Tensor], b: list[torch.Tensor], mbs=mbs) -> float:
-            return max(float(((x - y).abs() * mb.extras["mask_bs"]).max()) for x, y, mb in zip(a, b, mbs, strict=True))
+            return max(
+                float(((x - y).abs() * mb.extras["mask_bs"]).max())
+                for x, y, mb in zip(a, b, mbs, strict=True)
+            )
 
         def counts(routes: list[torch.Tensor], num_experts: int) -> torch.Tensor:
             total = torch.zeros(routes[0].shape[0], num_experts, dtype=torch.float64)
             for r_lbsk in routes:
                 valid_bs = r_lbsk[0, :, :, 0] >= 0
-                total += torch.stack([torch.bincount(r[valid_bs].long().reshape(-1), minlength=num_experts) for r in r_lbsk])
+                total += torch.stack(
+                    [torch.bincount(r[valid_bs].long().reshape(-1), minlength=num_experts) for r in r_lbsk]
+                )
             return total
 
         engine = [mb.extras["rollout_logprobs_bs"] for mb in mbs]
@@ -82,7 +89,9 @@ def replay_cases(cases: dict[str, tuple[str, list[str]]]) -> dict:
         shifted = []
         for r, mb in zip(split, mbs, strict=True):
             batch = collate(samples, r, pad_id=0)
-            batch.routes_lbsk = torch.where(mb.routes_lbsk >= 0, (mb.routes_lbsk + 1) % num_experts, mb.routes_lbsk)
+            batch.routes_lbsk = torch.where(
+                mb.routes_lbsk >= 0, (mb.routes_lbsk + 1) % num_experts, mb.routes_lbsk
+            )
             shifted.append(batch)
         ref_routing = RoutingPass(reference, ps, replay=True)
         ref_out = logprobs(reference, shifted, ref_routing)
@@ -102,12 +111,19 @@ def replay_cases(cases: dict[str, tuple[str, list[str]]]) -> dict:
         local = [m for m in range(old.shape[0]) if bool((old[m] >= 0).all())]
         res["r2_local_layers"] = local  # this pipeline stage's MoE layers: the others stay -1
         res["r2_routes_equal_engine"] = all(
-            torch.equal(s.routes["old"][local].long().sort(-1).values, s.routes["engine"][local].long().sort(-1).values)
+            torch.equal(
+                s.routes["old"][local].long().sort(-1).values,
+                s.routes["engine"][local].long().sort(-1).values,
+            )
             for s in samples
         )
         r2_batches = [collate(samples, r, pad_id=0, routes="old") for r in split]
-        res["r2_vs_own"] = max_diff(logprobs(policy.model, r2_batches, RoutingPass(policy.model, ps, replay=True)), own)
-        res["taps_disjoint"] = not {id(t) for t in model_taps(policy.model)} & {id(t) for t in model_taps(reference)}
+        res["r2_vs_own"] = max_diff(
+            logprobs(policy.model, r2_batches, RoutingPass(policy.model, ps, replay=True)), own
+        )
+        res["taps_disjoint"] = not {id(t) for t in model_taps(policy.model)} & {
+            id(t) for t in model_taps(reference)
+        }
         res |= _part_replay(policy.model, mbs[0], shifted[0], logprobs, ps)
         fleet.shutdown()
         out[case] = res
@@ -161,7 +177,9 @@ def recompute_gradients(hf_dir: str, recompute: str) -> dict:
     for rows, length in ((3, 9), (2, 6)):
         tokens = torch.randint(0, hf["vocab_size"], (rows, length + 1), generator=gen)
         mb = MicroBatch(tokens[:, :-1], tokens[:, 1:])
-        mb.routes_lbsk = torch.rand(hf["num_hidden_layers"], rows, length, num_experts, generator=gen).argsort(-1)[..., :top_k]
+        mb.routes_lbsk = torch.rand(
+            hf["num_hidden_layers"], rows, length, num_experts, generator=gen
+        ).argsort(-1)[..., :top_k]
         mbs.append(mb)
 
     def loss_fn(logprobs_bs, entropy_bs, mb):
@@ -174,7 +192,9 @@ def recompute_gradients(hf_dir: str, recompute: str) -> dict:
         forward_backward(policy.model, mbs, ps, loss_fn, vocab_size=hf["vocab_size"], routing=routing)
         out["forwards"][replay] = [len(t.own) for t in model_taps(policy.model)]
         routing.close()
-        out[f"grads_replay={replay}"] = {n: p.main_grad.detach().clone() for n, p in policy.model.named_parameters()}
+        out[f"grads_replay={replay}"] = {
+            n: p.main_grad.detach().clone() for n, p in policy.model.named_parameters()
+        }
     out["microbatches"] = len(mbs)
     destroy_distributed(keep_process_group=True)
     return out

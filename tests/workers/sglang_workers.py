@@ -108,7 +108,9 @@ class Scenarios:
         names = sorted(weights)
         step = -(-len(names) // pieces)
         for i in range(0, len(names), step):
-            self.engine.update_weights([(n, weights[n]) for n in names[i : i + step]], version=version, last=False)
+            self.engine.update_weights(
+                [(n, weights[n]) for n in names[i : i + step]], version=version, last=False
+            )
         self.engine.update_weights([], version=version, last=True)
 
     def run_greedy(self) -> list[list[Any]]:
@@ -168,7 +170,9 @@ class Scenarios:
         timer.start()
         during: list[list[Any]] = []
         while timer.is_alive() or not during:  # requests back to back: the signal lands inside one
-            during = self.engine.generate(PROMPTS, SamplingParams(n=8, max_new_tokens=MAX_NEW, temperature=1.0, seed=5))
+            during = self.engine.generate(
+                PROMPTS, SamplingParams(n=8, max_new_tokens=MAX_NEW, temperature=1.0, seed=5)
+            )
         time.sleep(0.5)
         return {
             "sigterm_is_the_trainers": signal.getsignal(signal.SIGTERM) is trainer_sigterm,
@@ -186,7 +190,9 @@ class Scenarios:
         score of the same sequences and against the embedded engine's score."""
         from grpo_megatron.rollout.engine import SamplingParams
 
-        groups = self.engine.generate(PROMPTS, SamplingParams(n=4, max_new_tokens=MAX_NEW, temperature=1.0, seed=3))
+        groups = self.engine.generate(
+            PROMPTS, SamplingParams(n=4, max_new_tokens=MAX_NEW, temperature=1.0, seed=3)
+        )
         seqs = [p + c.token_ids for p, g in zip(PROMPTS, groups, strict=True) for c in g]
         lens = [len(p) for p, g in zip(PROMPTS, groups, strict=True) for _ in g]
         scored = self.engine.score(seqs, lens, 1.0)
@@ -200,7 +206,10 @@ class Scenarios:
             "all_logprobs_valid": all(lp <= 0.0 and lp == lp for lp in flat_logprobs(groups)),
             "sampled_vs_own_score": max_diff(flat_logprobs(groups), [x for r in scored for x in r]),
             "sampled_vs_own_top3": sorted(
-                (abs(x - y) for x, y in zip(flat_logprobs(groups), [x for r in scored for x in r], strict=True)),
+                (
+                    abs(x - y)
+                    for x, y in zip(flat_logprobs(groups), [x for r in scored for x in r], strict=True)
+                ),
                 reverse=True,
             )[:3],
             "sampled_vs_embedded_score": max_diff(flat_logprobs(groups), [x for r in emb for x in r]),
@@ -209,7 +218,10 @@ class Scenarios:
                 reverse=True,
             )[:3],
             "sampled_vs_fp32_top3": sorted(
-                (abs(x - y) for x, y in zip(flat_logprobs(groups), [x for r in emb32 for x in r], strict=True)),
+                (
+                    abs(x - y)
+                    for x, y in zip(flat_logprobs(groups), [x for r in emb32 for x in r], strict=True)
+                ),
                 reverse=True,
             )[:3],
         }
@@ -235,7 +247,8 @@ class Scenarios:
             or flat_logprobs(via_adapter) != flat_logprobs(before),
             "adapter_equals_disk_bitwise": tokens(via_adapter) == tokens(via_disk)
             and flat_logprobs(via_adapter) == flat_logprobs(via_disk),
-            "back_to_a_bitwise": tokens(back) == tokens(before) and flat_logprobs(back) == flat_logprobs(before),
+            "back_to_a_bitwise": tokens(back) == tokens(before)
+            and flat_logprobs(back) == flat_logprobs(before),
         }
 
     def named_tensor_head(self) -> dict[str, Any]:
@@ -247,14 +260,17 @@ class Scenarios:
         before = self.run_greedy()
         vocab = self.a["model.embed_tokens.weight"].shape[0]
         server.begin_weight_update()
-        server.update_weights_from_tensor([("lm_head.weight", torch.zeros_like(self.a["model.embed_tokens.weight"]))])
+        server.update_weights_from_tensor(
+            [("lm_head.weight", torch.zeros_like(self.a["model.embed_tokens.weight"]))]
+        )
         server.end_weight_update()
         uniform = self.run_greedy()
         self.bucketed(self.a, version=3)
         restored = self.run_greedy()
         return {
             "zero_head_uniform": max_diff(
-                flat_logprobs(uniform), [-float(torch.log(torch.tensor(float(vocab))))] * len(flat_logprobs(uniform))
+                flat_logprobs(uniform),
+                [-float(torch.log(torch.tensor(float(vocab))))] * len(flat_logprobs(uniform)),
             ),
             "restored_bitwise": flat_logprobs(restored) == flat_logprobs(before)
             and tokens(restored) == tokens(before),
@@ -276,7 +292,8 @@ class Scenarios:
         return {
             "refused_naming_tensor": name in error,
             "version_kept": self.engine.weight_version == version,
-            "outputs_kept_bitwise": tokens(after) == tokens(before) and flat_logprobs(after) == flat_logprobs(before),
+            "outputs_kept_bitwise": tokens(after) == tokens(before)
+            and flat_logprobs(after) == flat_logprobs(before),
         }
 
     def memory_in_trainer_order(self) -> dict[str, Any]:
@@ -304,7 +321,8 @@ class Scenarios:
             "generate_refused_while_released": "released" in refused,
             "first_sync_bitwise": tokens(first_sync) == tokens(before)
             and flat_logprobs(first_sync) == flat_logprobs(before),
-            "after_cycle_bitwise": tokens(after) == tokens(before) and flat_logprobs(after) == flat_logprobs(before),
+            "after_cycle_bitwise": tokens(after) == tokens(before)
+            and flat_logprobs(after) == flat_logprobs(before),
             "nothing_left_released": not self.engine.released,
         }
 
@@ -318,8 +336,15 @@ class Scenarios:
 
         self.engine.resume_memory(None)
         before = self.run_greedy()
-        fleet = RolloutFleet(ps=None, hf={}, engine=self.engine, engine_ranks=[0], group=None,  # type: ignore[arg-type]
-                             export_dtype=torch.bfloat16, bucket_bytes=1 << 20)  # fmt: skip
+        fleet = RolloutFleet(
+            ps=None,
+            hf={},
+            engine=self.engine,
+            engine_ranks=[0],
+            group=None,  # type: ignore[arg-type]
+            export_dtype=torch.bfloat16,
+            bucket_bytes=1 << 20,
+        )
         out: dict[str, Any] = {}
         for offload in (False, True):
             cycle = self._phase_cycle(fleet, offload)
@@ -340,9 +365,20 @@ class Scenarios:
         optimizer = torch.optim.Adam(model.parameters())
         model(torch.randn(2, 8)).sum().backward()
         optimizer.step()
-        placement = decide_placement(RolloutConfig(engine="sglang"), offload_trainer=offload, max_staleness=0, world_size=1,
-                                     gpus_per_node=1, tp=1, pp=1, cp=1, hf=self.engine._hf_config)  # fmt: skip
-        memory = ColocatedMemory(Policy(model=model, optimizer=optimizer, spec=None), None, placement.phases())  # type: ignore[arg-type]
+        placement = decide_placement(
+            RolloutConfig(engine="sglang"),
+            offload_trainer=offload,
+            max_staleness=0,
+            world_size=1,
+            gpus_per_node=1,
+            tp=1,
+            pp=1,
+            cp=1,
+            hf=self.engine._hf_config,
+        )
+        memory = ColocatedMemory(
+            Policy(model=model, optimizer=optimizer, spec=None), None, placement.phases()
+        )  # type: ignore[arg-type]
         steps: list[tuple[str, list[str]]] = []
         seen: dict[str, Any] = {"generated": []}
 
@@ -409,7 +445,9 @@ class Scenarios:
             "cached_after_flush": [c.cached_tokens for (c,) in control],
             "oldest_after_21": flushed_after_21,
             "versions": [[c.weight_version for (c,) in g] for g in (first, second)],
-            "vs_stale_top3": sorted((abs(a - b) for a, b in zip(sampled, stale, strict=True)), reverse=True)[:3],
+            "vs_stale_top3": sorted((abs(a - b) for a, b in zip(sampled, stale, strict=True)), reverse=True)[
+                :3
+            ],
             "vs_stale_mean": sum(abs(a - b) for a, b in zip(sampled, stale, strict=True)) / len(sampled),
             "vs_fresh_mean": sum(abs(a - b) for a, b in zip(sampled, fresh, strict=True)) / len(sampled),
         }
@@ -432,8 +470,10 @@ class Scenarios:
                 past = DynamicCache(config=model_a.config)
                 if hit:
                     model_a(input_ids=sequence[:, :hit], use_cache=True, **{kwarg: past})
-                for out, logits in ((stale, model_b(input_ids=rest, use_cache=True, **{kwarg: past}).logits[0]),
-                                    (fresh, model_b(input_ids=sequence).logits[0, hit:])):  # fmt: skip
+                for out, logits in (
+                    (stale, model_b(input_ids=rest, use_cache=True, **{kwarg: past}).logits[0]),
+                    (fresh, model_b(input_ids=sequence).logits[0, hit:]),
+                ):
                     picked = torch.log_softmax(logits[len(ids) - 1 - hit :].float(), -1)
                     out += [float(picked[i, t]) for i, t in enumerate(c.token_ids)]
         return stale, fresh
@@ -484,7 +524,9 @@ class Scenarios:
             out["tokens"] = tokens(engine.submit(PROMPTS, self.greedy)())
             out["restart_s"] = time.perf_counter() - start - out["lost_s"] - out["memory_s"]
             out["serving_s"] = time.perf_counter() - start
-            out["old_gone"] = not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in schedulers)
+            out["old_gone"] = not any(
+                p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in schedulers
+            )
         finally:
             os.environ[FAULT_ENV] = "hang:0"
             engine.rollout = kept
@@ -499,7 +541,9 @@ class Scenarios:
         one token per response, and ``interrupt(False)`` ends it."""
         from grpo_megatron.rollout.engine import SamplingParams
 
-        long = SamplingParams(n=8, temperature=1.0, max_new_tokens=48, seed=5)  # within the demo's 64-token context
+        long = SamplingParams(
+            n=8, temperature=1.0, max_new_tokens=48, seed=5
+        )  # within the demo's 64-token context
         self.engine.flush_cache()
         start = time.perf_counter()
         full = self.engine.generate(PROMPTS, long)
@@ -513,9 +557,16 @@ class Scenarios:
         self.engine.interrupt(False)
         again = self.engine.generate(PROMPTS[:1], self.greedy)
         count = [sum(len(c.token_ids) for g in run for c in g) for run in (full, cut, after)]
-        return {"full_s": full_s, "cut_s": cut_s, "full_tokens": count[0], "cut_tokens": count[1],
-                "after_tokens": count[2], "responses": sum(len(g) for g in cut),
-                "cut_finish": sorted({c.finish_reason for g in cut for c in g}), "again": len(again[0][0].token_ids)}
+        return {
+            "full_s": full_s,
+            "cut_s": cut_s,
+            "full_tokens": count[0],
+            "cut_tokens": count[1],
+            "after_tokens": count[2],
+            "responses": sum(len(g) for g in cut),
+            "cut_finish": sorted({c.finish_reason for g in cut for c in g}),
+            "again": len(again[0][0].token_ids),
+        }
 
     def sigterm_survived(self) -> dict[str, Any]:
         """Slurm's preemption SIGTERM reaches every process of the job: the engine's must live on (the
@@ -527,8 +578,12 @@ class Scenarios:
         time.sleep(2.0)
         alive = [p.is_running() and p.status() != "zombie" for p in procs]
         after = self.run_greedy()
-        return {"procs": len(procs), "all_alive": all(alive), "generates": len(after) == len(PROMPTS),
-                "trainer_handler_kept": signal.getsignal(signal.SIGTERM) is trainer_sigterm}  # fmt: skip
+        return {
+            "procs": len(procs),
+            "all_alive": all(alive),
+            "generates": len(after) == len(PROMPTS),
+            "trainer_handler_kept": signal.getsignal(signal.SIGTERM) is trainer_sigterm,
+        }
 
     def shutdown(self) -> dict[str, Any]:
         # A child of this process that is not the engine's (as the reward pool's workers and wandb's
@@ -540,8 +595,12 @@ class Scenarios:
         alive = bystander.poll() is None
         bystander.kill()
         bystander.wait()
-        return {"ok": True, "bystander_alive": alive, "engine_procs": len(engine_procs),
-                "engine_left": [p.pid for p in engine_procs if p.is_running() and p.status() != "zombie"]}  # fmt: skip
+        return {
+            "ok": True,
+            "bystander_alive": alive,
+            "engine_procs": len(engine_procs),
+            "engine_left": [p.pid for p in engine_procs if p.is_running() and p.status() != "zombie"],
+        }
 
     def multiturn(self) -> dict[str, Any]:
         """Multi-turn episodes on the real engine (rollout/multiturn.py): each later turn continues from
@@ -597,8 +656,10 @@ class Scenarios:
         tokenizer = load_tokenizer(DEMO)
         engine = RecordingEngine(self.engine)
         env = LopsidedEnvironment({0: 20, 1: 2})
-        records = [PromptRecord(prompt="", prompt_ids=tuple(p), answer="", metadata={"episode": i})
-                   for i, p in enumerate((PROMPTS[2], PROMPTS[3]))]  # fmt: skip
+        records = [
+            PromptRecord(prompt="", prompt_ids=tuple(p), answer="", metadata={"episode": i})
+            for i, p in enumerate((PROMPTS[2], PROMPTS[3]))
+        ]
         params = SamplingParams(n=1, greedy=True, max_new_tokens=24, temperature=1.0)
         cfg = MultiTurnConfig(enabled=True, max_turns=2, max_total_tokens=64 - len(PROMPTS[2]))
         groups = EpisodeRunner(engine, cfg, tokenizer, env).run(records, params)  # type: ignore[arg-type]
@@ -607,8 +668,12 @@ class Scenarios:
             return out
         inputs, outs = engine.calls[1]
         budgets = engine.budgets[1]
-        out.update(inputs=[len(p) for p in inputs], budgets=budgets,
-                   sampled=[len(c.token_ids) for (c,) in outs], finish=[c.finish_reason for (c,) in outs])  # fmt: skip
+        out.update(
+            inputs=[len(p) for p in inputs],
+            budgets=budgets,
+            sampled=[len(c.token_ids) for (c,) in outs],
+            finish=[c.finish_reason for (c,) in outs],
+        )
         longest = max(range(len(inputs)), key=lambda i: len(inputs[i]))
         uniform = SamplingParams(n=1, greedy=True, max_new_tokens=max(budgets), temperature=1.0)
         context, self.engine.context = self.engine.context, None  # SGLang's own check, unbounded here
@@ -710,16 +775,27 @@ def fp8_deepseek(out: Path, workdir: Path) -> None:
         weights = {n: ckpt.read(n, None, 0, 0).to(torch.bfloat16) for n in names}
     try:
         start = time.perf_counter()
-        engine = SGLangEngine(RolloutConfig(engine="sglang"), str(path),
-                              EngineLaunch("bfloat16", device="cpu", log_dir=str(workdir / "logs")))  # fmt: skip
+        engine = SGLangEngine(
+            RolloutConfig(engine="sglang"),
+            str(path),
+            EngineLaunch("bfloat16", device="cpu", log_dir=str(workdir / "logs")),
+        )
         results["start_seconds"] = time.perf_counter() - start
         args = engine.servers[0].server_args
         engine_config = json.loads((Path(args.model_path) / "config.json").read_text())
-        results["server_args"] = {"model_path": args.model_path, "load_format": args.load_format,
-                                  "quantization": args.quantization, "dtype": args.dtype}  # fmt: skip
-        results["engine_config"] = {k: engine_config.get(k) for k in ("moe_layer_freq", "topk_method", "scoring_func")}
+        results["server_args"] = {
+            "model_path": args.model_path,
+            "load_format": args.load_format,
+            "quantization": args.quantization,
+            "dtype": args.dtype,
+        }
+        results["engine_config"] = {
+            k: engine_config.get(k) for k in ("moe_layer_freq", "topk_method", "scoring_func")
+        }
         results["engine_config"]["quantized"] = "quantization_config" in engine_config
-        results["engine_config"]["rope"] = engine_config.get("rope_parameters") or engine_config.get("rope_scaling")
+        results["engine_config"]["rope"] = engine_config.get("rope_parameters") or engine_config.get(
+            "rope_scaling"
+        )
         manifest = [(n, tuple(t.shape), t.dtype) for n, t in sorted(weights.items())]
         q, o = "model.layers.0.self_attn.q_b_proj.weight", "model.layers.1.self_attn.o_proj.weight"
         bad = [(n, (3, 3) if n == o else s, torch.float8_e4m3fn if n == q else d) for n, s, d in manifest]
@@ -728,10 +804,14 @@ def fp8_deepseek(out: Path, workdir: Path) -> None:
         results["accepted"] = engine.check_manifest(manifest, 1)
         seqs = [p + [(7 * i + j) % 29 + 3 for j in range(6)] for i, p in enumerate(PROMPTS)]
         lens = [len(p) for p in PROMPTS]
-        emb16, emb32 = (EmbeddedEngine({k: v for k, v in hf.items() if k != "quantization_config"}, dtype=d)
-                        for d in (torch.bfloat16, torch.float32))  # fmt: skip
+        emb16, emb32 = (
+            EmbeddedEngine({k: v for k, v in hf.items() if k != "quantization_config"}, dtype=d)
+            for d in (torch.bfloat16, torch.float32)
+        )
         for emb in (emb16, emb32):
-            emb.update_weights([(n, t.to(emb.dtype)) for n, t in sorted(weights.items())], version=0, last=True)
+            emb.update_weights(
+                [(n, t.to(emb.dtype)) for n, t in sorted(weights.items())], version=0, last=True
+            )
         s16, s32 = emb16.score(seqs, lens, 1.0), emb32.score(seqs, lens, 1.0)
         flat16, flat32 = [x for r in s16 for x in r], [x for r in s32 for x in r]
         dummy = [x for r in engine.score(seqs, lens, 1.0) for x in r]
@@ -752,7 +832,9 @@ def fp8_deepseek(out: Path, workdir: Path) -> None:
         (workdir / "bf16" / "config.json").write_text(json.dumps(engine_config))  # as the engine reads it
         server = engine.servers[0]
         server.begin_weight_update()
-        raise_on_failure(server.update_weights_from_disk(str(workdir / "bf16"), load_format="auto"), "from disk")
+        raise_on_failure(
+            server.update_weights_from_disk(str(workdir / "bf16"), load_format="auto"), "from disk"
+        )
         server.end_weight_update()
         engine.flush_cache()
         from_disk = [x for r in engine.score(seqs, lens, 1.0) for x in r]
@@ -817,8 +899,11 @@ def amx_layouts(out: Path, workdir: Path) -> None:
     results: dict[str, Any] = {}
     a, b = save_deepseek(workdir / "a", seed=0), save_deepseek(workdir / "b", seed=1)
     try:
-        engine = SGLangEngine(RolloutConfig(engine="sglang"), str(workdir / "a"),
-                              EngineLaunch("bfloat16", device="cpu", log_dir=str(workdir / "logs")))  # fmt: skip
+        engine = SGLangEngine(
+            RolloutConfig(engine="sglang"),
+            str(workdir / "a"),
+            EngineLaunch("bfloat16", device="cpu", log_dir=str(workdir / "logs")),
+        )
         server = engine.servers[0]
         from sglang.srt.utils.common import cpu_has_amx_support
 

@@ -128,11 +128,15 @@ def _per_gpu_needs(overrides: list[str], bucket_bytes: int) -> dict:
     _, ps, hf, policy = _setup(overrides[0], overrides[1:])
     dsts = list(range(ps.world_size))
     needs = {d: rank_needs(hf, ps.world_size, engine_ep, d) for d in dsts}
-    plan = plan_export(policy.model, ps, hf, bucket_bytes=bucket_bytes, dst_ranks=dsts, dtype=torch.float32, needs=needs)
+    plan = plan_export(
+        policy.model, ps, hf, bucket_bytes=bucket_bytes, dst_ranks=dsts, dtype=torch.float32, needs=needs
+    )
     stats = TransferStats()
     got: dict[str, torch.Tensor] = {}
     yields = 0
-    for bucket in ExportStream(plan, Landing(torch.device("cpu"), borrow=True), stats=stats, every_round=True):
+    for bucket in ExportStream(
+        plan, Landing(torch.device("cpu"), borrow=True), stats=stats, every_round=True
+    ):
         yields += 1
         for name, t in bucket:
             assert name not in got, name

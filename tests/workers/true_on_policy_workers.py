@@ -38,7 +38,9 @@ def _randomize_(model: torch.nn.Module, seed: int) -> None:
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            noise = torch.randn(p.shape, generator=gen) * (0.1 if "norm" in name else 2.0 / p.shape[-1] ** 0.5)
+            noise = torch.randn(p.shape, generator=gen) * (
+                0.1 if "norm" in name else 2.0 / p.shape[-1] ** 0.5
+            )
             p.copy_((noise + 1.0 if "norm" in name else noise).to(p.dtype))
 
 
@@ -51,7 +53,12 @@ def _step_(model: torch.nn.Module, seed: int) -> None:
 
 
 def _trainer_logprobs(
-    model: torch.nn.Module, ps, sequences: list[list[int]], vocab: int, *, invariant: bool = True,
+    model: torch.nn.Module,
+    ps,
+    sequences: list[list[int]],
+    vocab: int,
+    *,
+    invariant: bool = True,
     params: SamplingParams | None = None,
 ) -> torch.Tensor:
     """The trainer's logprobs ``[B, S]`` of each sequence's tokens after its first, all sequences
@@ -61,8 +68,14 @@ def _trainer_logprobs(
     labels_t = torch.tensor([t for s in sequences for t in s[1:]])
     mb = MicroBatch(tokens_t[None], labels_t[None], position_ids_bs=rows.position_ids()[None], packed=rows)
     with BatchInvariantMode() if invariant else contextlib.nullcontext():
-        (out,) = forward_logprobs(model, [mb], ps, vocab_size=vocab, temperature=params.temperature if params else 1.0,
-                                  truncation=params.truncation if params else None)  # fmt: skip
+        (out,) = forward_logprobs(
+            model,
+            [mb],
+            ps,
+            vocab_size=vocab,
+            temperature=params.temperature if params else 1.0,
+            truncation=params.truncation if params else None,
+        )
     return out.logprobs_bs
 
 
@@ -77,34 +90,50 @@ def compare(
     ``invariant`` False (the control): the trainer's pass in the model's plain numerics (SDPA, plain
     products), as without the switch. ``sampling``: more ``SamplingParams`` (top-k / top-p / min-p: the
     trainer's pass then takes the same truncation)."""
-    cfg = load_config(EXAMPLE, [*CPU_JOB, "model.dtype=bfloat16", "parallel.use_distributed_optimizer=false",
-                                *overrides])  # fmt: skip
+    cfg = load_config(
+        EXAMPLE, [*CPU_JOB, "model.dtype=bfloat16", "parallel.use_distributed_optimizer=false", *overrides]
+    )
     ps = init_distributed(cfg.parallel, seed=1)
     hf = tiny_hf_config(model_type)
     model, spec = build_gpt_model(hf, cfg.model, ps, key_length=key_width(PROMPT_LEN + NEW_TOKENS))
     plain = build_gpt_model(hf, cfg.model, ps)[0] if not invariant else None
     gen = torch.Generator().manual_seed(100 + ps.dp_rank)
-    prompts = [torch.randint(3, spec.vocab_size, (PROMPT_LEN - i % 3,), generator=gen).tolist() for i in range(3)]
+    prompts = [
+        torch.randint(3, spec.vocab_size, (PROMPT_LEN - i % 3,), generator=gen).tolist() for i in range(3)
+    ]
     out = {"tokens": 0, "mismatches": [], "max_abs": 0.0, "finished": 0}
     _randomize_(model, seed=5)
     for version in range(2):  # random weights, then a step away from them
         if version:
             _step_(model, seed=1000)
-        base = {"n": N, "temperature": temperature, "max_new_tokens": NEW_TOKENS, "seed": 11 + ps.dp_rank,
-                "stop_token_ids": (2,)}  # fmt: skip
+        base = {
+            "n": N,
+            "temperature": temperature,
+            "max_new_tokens": NEW_TOKENS,
+            "seed": 11 + ps.dp_rank,
+            "stop_token_ids": (2,),
+        }
         params = SamplingParams(**(base | (sampling or {})))
         forward = TrainerForward(model, ps, spec.vocab_size)
         groups = policy_generate(forward.last_logits, ps, prompts, params, vocab_size=spec.vocab_size)
         completions = [(p, c) for p, g in zip(prompts, groups, strict=True) for c in g]
         if plain is not None:
             plain.load_state_dict(model.state_dict())
-        trainer_bs = _trainer_logprobs(plain or model, ps, [p + c.token_ids for p, c in completions], spec.vocab_size,
-                                       invariant=invariant, params=params)  # fmt: skip
+        trainer_bs = _trainer_logprobs(
+            plain or model,
+            ps,
+            [p + c.token_ids for p, c in completions],
+            spec.vocab_size,
+            invariant=invariant,
+            params=params,
+        )
         bad = 0
         for b, (p, c) in enumerate(completions):
             mine = trainer_bs[b, len(p) - 1 : len(p) - 1 + len(c.token_ids)].tolist()
             bad += sum(x != y for x, y in zip(mine, c.logprobs, strict=True))
-            out["max_abs"] = max(out["max_abs"], max(abs(x - y) for x, y in zip(mine, c.logprobs, strict=True)))
+            out["max_abs"] = max(
+                out["max_abs"], max(abs(x - y) for x, y in zip(mine, c.logprobs, strict=True))
+            )
             out["tokens"] += len(c.token_ids)
             out["finished"] += c.finish_reason == "stop"
         out["mismatches"].append(bad)
@@ -114,5 +143,7 @@ def compare(
 
 def compare_all(runs: dict[str, tuple]) -> dict:
     """Several (model type, layout, invariant[, sampling]) runs in one launch."""
-    return {name: compare(run[0], run[1], invariant=run[2], sampling=run[3] if len(run) > 3 else None)
-            for name, run in runs.items()}  # fmt: skip
+    return {
+        name: compare(run[0], run[1], invariant=run[2], sampling=run[3] if len(run) > 3 else None)
+        for name, run in runs.items()
+    }

@@ -126,7 +126,9 @@ def _autoconfig_register_refuses_known_types() -> bool:
     from transformers import AutoConfig
 
     register = AutoConfig.register
-    return not getattr(register, "_grpo_megatron_compat", False) and "exist_ok" in register.__code__.co_varnames
+    return (
+        not getattr(register, "_grpo_megatron_compat", False) and "exist_ok" in register.__code__.co_varnames
+    )
 
 
 def _tolerate_reregistered_configs() -> None:
@@ -197,8 +199,9 @@ def _keeping_originals(pack: Callable[..., None]) -> Callable[..., None]:
     """SGLang's ``_amx_process_weight_after_loading`` that keeps what it packs (``AmxKept``) and leaves
     a module packed from its kept parameters as it is (``end_weight_update`` packs every module)."""
 
-    def pack_keeping_originals(module: Any, weight_names: list[str], transpose_dims: Any = None,
-                               qweight_packed_method: Any = None) -> None:  # fmt: skip
+    def pack_keeping_originals(
+        module: Any, weight_names: list[str], transpose_dims: Any = None, qweight_packed_method: Any = None
+    ) -> None:
         if qweight_packed_method is not None:  # AWQ/GPTQ: packed from quantized tensors, not reloaded here
             pack(module, weight_names, transpose_dims, qweight_packed_method)
             return
@@ -278,9 +281,20 @@ FIXES: tuple[Fix, ...] = (
         _tolerate_reregistered_configs,
     ),
     Fix("sglang_amx_choice", "sglang", _amx_choice_set, _answer_amx_query),
-    Fix("amx_packed_weights_reload", "sglang.srt.layers.amx_utils", _sglang_on_amx, _keep_packed_originals, after=True),
-    Fix("amx_packed_weights_reload", "sglang.srt.model_loader.loader", _loader_restores_before_loading,
-        _restore_unpacks_amx, after=True),  # fmt: skip
+    Fix(
+        "amx_packed_weights_reload",
+        "sglang.srt.layers.amx_utils",
+        _sglang_on_amx,
+        _keep_packed_originals,
+        after=True,
+    ),
+    Fix(
+        "amx_packed_weights_reload",
+        "sglang.srt.model_loader.loader",
+        _loader_restores_before_loading,
+        _restore_unpacks_amx,
+        after=True,
+    ),
 )
 
 

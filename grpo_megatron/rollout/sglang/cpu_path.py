@@ -52,7 +52,11 @@ def sglang_cpu_path(setting: str = "auto") -> CpuPath:
     tools/sgl_kernel_wheel.py), else torch_native."""
     if setting == "torch_native":
         return "torch_native"
-    return "intel_amx" if amx_visible() and importlib.util.find_spec("sgl_kernel") is not None else "torch_native"
+    return (
+        "intel_amx"
+        if amx_visible() and importlib.util.find_spec("sgl_kernel") is not None
+        else "torch_native"
+    )
 
 
 def engine_amx_environment(setting: str) -> dict[str, str | None]:

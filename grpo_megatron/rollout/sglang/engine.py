@@ -126,8 +126,12 @@ class ServerGuard:
     wait's ``SchedulerProbe``: the engine alive but not answering (a hung scheduler) is lost too."""
 
     def __init__(
-        self, servers: Sequence[Any], *, watch: Callable[[], None] | None = None,
-        cancel: Callable[[list[Any]], None] | None = None, probe: Callable[[], SchedulerProbe] | None = None,
+        self,
+        servers: Sequence[Any],
+        *,
+        watch: Callable[[], None] | None = None,
+        cancel: Callable[[list[Any]], None] | None = None,
+        probe: Callable[[], SchedulerProbe] | None = None,
     ) -> None:
         self._servers = list(servers)
         self._pool: ThreadPoolExecutor | None = None
@@ -291,8 +295,10 @@ class ReleasedMemory:
     def refusal(self) -> str | None:
         """Why the engine cannot generate now (None: it can)."""
         if self.tags & {"weights", "kv_cache"}:
-            return (f"the SGLang engine has released its {sorted(self.tags)} memory (to the trainer): "
-                    "resume_memory before generating")  # fmt: skip
+            return (
+                f"the SGLang engine has released its {sorted(self.tags)} memory (to the trainer): "
+                "resume_memory before generating"
+            )
         return None
 
 
@@ -354,7 +360,9 @@ class SGLangEngine(RolloutEngine):
             server, args = self._start_colocated()
             servers, routes = [server], bool(args["enable_return_routed_experts"])
         elif started_here:
-            servers = [SGLangHttpClient(u, rollout.sglang_request_timeout_s) for u in rollout.sglang_server_urls]
+            servers = [
+                SGLangHttpClient(u, rollout.sglang_request_timeout_s) for u in rollout.sglang_server_urls
+            ]
             routes = launch.routes and rollout.sglang_routed_experts
         else:
             routes = launch.routes and rollout.sglang_routed_experts
@@ -426,8 +434,14 @@ class SGLangEngine(RolloutEngine):
         if rollout.sglang_mode == "disaggregated":
             if ps.rank != 0:
                 return None
-            launch = EngineLaunch(model.dtype, spec.seed, device, routes=spec.record_routes,
-                                  group_timeout=ps.timeout, max_staleness=spec.max_staleness)  # fmt: skip
+            launch = EngineLaunch(
+                model.dtype,
+                spec.seed,
+                device,
+                routes=spec.record_routes,
+                group_timeout=ps.timeout,
+                max_staleness=spec.max_staleness,
+            )
             return cls(rollout, model.hf_path, launch)
         placement = placement or runtime_placement(spec, ps, read_hf_config(model.hf_path))
         layout, gpus_per_node, local_rank = layout_of(placement, ps)
@@ -435,11 +449,21 @@ class SGLangEngine(RolloutEngine):
             return None  # a multi-node engine's other ranks agree on its address in SGLangSyncMember
         address = agree_engine_address(layout, gpus_per_node, local_rank) if layout.multi_node else None
         launch = EngineLaunch(
-            model.dtype, spec.seed + ps.rank, device, base_gpu_id=layout.base_gpu_id, tp_size=placement.gpus_per_engine,
-            ep_size=placement.engine_ep, nnodes=layout.nnodes, dist_init_addr=address, hf_overrides=model.hf_overrides,
-            rank=ps.rank, log_dir=spec.log_dir, tokenizer_path=spec.tokenizer_path, routes=spec.record_routes,
+            model.dtype,
+            spec.seed + ps.rank,
+            device,
+            base_gpu_id=layout.base_gpu_id,
+            tp_size=placement.gpus_per_engine,
+            ep_size=placement.engine_ep,
+            nnodes=layout.nnodes,
+            dist_init_addr=address,
+            hf_overrides=model.hf_overrides,
+            rank=ps.rank,
+            log_dir=spec.log_dir,
+            tokenizer_path=spec.tokenizer_path,
+            routes=spec.record_routes,
             max_staleness=spec.max_staleness,
-        )  # fmt: skip
+        )
         engine = cls(rollout, model.hf_path, launch)
         engine.sync_group_ranks = layout.members  # every GPU of the engine receives its own share
         return engine
@@ -488,10 +512,14 @@ class SGLangEngine(RolloutEngine):
                 "unquantized tensors cannot replace; start the servers from a copy of the folder whose "
                 "config.json has no quantization_config, with --load-format dummy (the first sync fills them)"
             ]
-        errors = manifest_errors(manifest, self.held, self.weight_needs(), f"the checkpoint at {self.model_path}")
+        errors = manifest_errors(
+            manifest, self.held, self.weight_needs(), f"the checkpoint at {self.model_path}"
+        )
         if errors:
-            return [f"weight sync of version {version} refused by the SGLang engine ({len(errors)} problems): "
-                    + "; ".join(errors[:10])]  # fmt: skip
+            return [
+                f"weight sync of version {version} refused by the SGLang engine ({len(errors)} problems): "
+                + "; ".join(errors[:10])
+            ]
         self._accepted = manifest
         return []
 
@@ -531,10 +559,13 @@ class SGLangEngine(RolloutEngine):
     ) -> list[list[Completion]]:
         if self.interrupted:  # the batch is dropped: one token each, as soon as it can
             params = dataclasses.replace(params, max_new_tokens=1, max_new_tokens_each=None)
-        request = protocol.generate_request(prompts, params, self._rng, routes_enabled=self._route_layout is not None,
-                                            context=self.context)  # fmt: skip
+        request = protocol.generate_request(
+            prompts, params, self._rng, routes_enabled=self._route_layout is not None, context=self.context
+        )
         outputs = _scatter(servers, request)
-        return protocol.completions(outputs, request, params.n, self._route_layout, aborted_ok=self.interrupted)
+        return protocol.completions(
+            outputs, request, params.n, self._route_layout, aborted_ok=self.interrupted
+        )
 
     def score(
         self, sequences: Sequence[Sequence[int]], prompt_lens: Sequence[int], temperature: float
@@ -564,7 +595,9 @@ class SGLangEngine(RolloutEngine):
             self._inject_sync_fault(bucket, version)
             try:
                 self.load.accept(bucket, version)
-                arranged = self._pairs.arrange(bucket, version=version, last=last)  # SGLang loads some in pairs
+                arranged = self._pairs.arrange(
+                    bucket, version=version, last=last
+                )  # SGLang loads some in pairs
                 self.check_alive()
                 self.load.open_sessions(servers)
             except BaseException as exc:  # a call cancelled on a lost engine too (ServerGuard)
@@ -573,8 +606,13 @@ class SGLangEngine(RolloutEngine):
                 raise
             flush = self.prefixes.due(version)
             try:
-                self.transport.send(servers, with_output_head(arranged, self.tied_head), last=last,
-                                    version=version, flush=flush)  # fmt: skip
+                self.transport.send(
+                    servers,
+                    with_output_head(arranged, self.tied_head),
+                    last=last,
+                    version=version,
+                    flush=flush,
+                )
             except Exception:
                 self.check_alive()  # a load that failed because a process of the engine died: EngineLost
                 raise
@@ -675,7 +713,9 @@ class SGLangEngine(RolloutEngine):
             raise RuntimeError("only a colocated SGLang engine started by this adapter restarts in place")
         if self._launch.nnodes > 1:
             if address is None:
-                raise RuntimeError("an SGLang engine across nodes restarts at a fresh address (restart_address)")
+                raise RuntimeError(
+                    "an SGLang engine across nodes restarts at a fresh address (restart_address)"
+                )
             self._launch = dataclasses.replace(self._launch, dist_init_addr=address)
         released = sorted(self.released.tags)
         servers = self.guard.abandon()
@@ -843,8 +883,11 @@ def _scatter(servers: Sequence[Any], request: protocol.Request) -> list[Any]:
 
     def run(chunk: tuple[Any, int, int]) -> list[Any]:
         server, lo, hi = chunk
-        out = server.generate(input_ids=request.input_ids[lo:hi], sampling_params=request.sampling_params[lo:hi],
-                              **request.options)  # fmt: skip
+        out = server.generate(
+            input_ids=request.input_ids[lo:hi],
+            sampling_params=request.sampling_params[lo:hi],
+            **request.options,
+        )
         return out if isinstance(out, list) else [out]
 
     if len(chunks) == 1:

@@ -193,7 +193,9 @@ class EngineProcesses:
     def cause(self, dead: list[tuple[psutil.Process, str]]) -> str:
         """Why the engine is gone, never empty: each dead process and how it ended (none yet: SGLang's
         SIGQUIT, sent by a failing process before it exits), and the last exception line of its log."""
-        what = "; ".join(f"process {self.names.get(p.pid, 'of the engine')} (pid {p.pid}) {how}" for p, how in dead)
+        what = "; ".join(
+            f"process {self.names.get(p.pid, 'of the engine')} (pid {p.pid}) {how}" for p, how in dead
+        )
         what = what or "SGLang sent SIGQUIT (a process of the engine failed)"
         error = last_error_line(self.log_path)
         return f"{what}; its log's last error: {error}" if error else what
@@ -236,9 +238,11 @@ class EngineProcesses:
         if dead:
             raise EngineDiedError(self.report(dead))
         if self.quit_received and self.recoverable:
-            raise self.lost("SGLang sent SIGQUIT with every process of this rank's part alive (a scheduler "
-                            "failed: a peer of its TP group lost, on this node or another, or its watchdog: a "
-                            "forward made no progress past its watchdog_timeout)")  # fmt: skip
+            raise self.lost(
+                "SGLang sent SIGQUIT with every process of this rank's part alive (a scheduler "
+                "failed: a peer of its TP group lost, on this node or another, or its watchdog: a "
+                "forward made no progress past its watchdog_timeout)"
+            )
 
     def check_now(self, stopped_s: float = 0.0) -> None:
         """``check``, and a process stopped (state T) for ``stopped_s`` counts as lost (0: at once, a call
@@ -277,8 +281,10 @@ class EngineProcesses:
                 late.append(f"process {self.names.get(proc.pid, 'of the engine')} (pid {proc.pid})")
         if not late:
             return None
-        return (f"{'; '.join(late)} stopped (state T) for {deadline_s:g} s or more, past "
-                "rollout.engine_health_timeout_s")  # fmt: skip
+        return (
+            f"{'; '.join(late)} stopped (state T) for {deadline_s:g} s or more, past "
+            "rollout.engine_health_timeout_s"
+        )
 
     def kill_all(self) -> None:
         """SIGKILL what is left of the engine's processes and their children (a stopped one too) and

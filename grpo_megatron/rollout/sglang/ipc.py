@@ -88,7 +88,9 @@ def new_shared_bytes(nbytes: int) -> torch.Tensor:
     return flat.set_(torch.UntypedStorage._new_shared(nbytes))
 
 
-def shared_memory_bucket(bucket: Bucket, flattened_cls: type, staging: SharedStaging | None = None) -> dict[str, Any]:
+def shared_memory_bucket(
+    bucket: Bucket, flattened_cls: type, staging: SharedStaging | None = None
+) -> dict[str, Any]:
     """A CPU payload written once, straight into shared memory: ``FlattenedTensorBucket``'s layout and
     metadata (computed by the class itself on meta tensors, so every SGLang release lays it out its
     own way), its bytes copied from each tensor into one shared-memory buffer. Flattening on the
@@ -172,7 +174,10 @@ the round, SGLang takes one payload per TP rank, each opened on that rank's own 
 
 
 def contribution(
-    bucket: Bucket, sglang_classes: tuple[type, Any], device: torch.device | str, staging: SharedStaging | None = None
+    bucket: Bucket,
+    sglang_classes: tuple[type, Any],
+    device: torch.device | str,
+    staging: SharedStaging | None = None,
 ) -> Contribution:
     """One GPU's part of a round: its payload, or the error making it raised (handed to the leader
     like a payload, so the group's round still completes and fails on every GPU together)."""
@@ -249,25 +254,35 @@ class CudaIpcTransport:
         if self.feed is None or self.feed.group is None:
             if not bucket and not last:
                 return
-            payloads = flattened_bucket_payloads(bucket, self.tp_size, self.sglang_classes, self.device, self.staging)
-            result = engine.update_weights_from_tensor(payloads, load_format="flattened_bucket",
-                                                       flush_cache=last and flush)  # fmt: skip
+            payloads = flattened_bucket_payloads(
+                bucket, self.tp_size, self.sglang_classes, self.device, self.staging
+            )
+            result = engine.update_weights_from_tensor(
+                payloads, load_format="flattened_bucket", flush_cache=last and flush
+            )
             raise_on_failure(result, "update_weights_from_tensor")
             return
-        everyone = self.feed.gather(contribution(bucket, self.sglang_classes, self.device, self.staging)) or []
-        error = "; ".join(f"engine GPU {i}: {e}" for i, (_, _, e) in enumerate(everyone) if e is not None) or None
+        everyone = (
+            self.feed.gather(contribution(bucket, self.sglang_classes, self.device, self.staging)) or []
+        )
+        error = (
+            "; ".join(f"engine GPU {i}: {e}" for i, (_, _, e) in enumerate(everyone) if e is not None) or None
+        )
         cancelled: BaseException | None = None
         if error is None:
             try:
                 if last or any(full for _, full, _ in everyone):
                     result = engine.update_weights_from_tensor(
-                        [p for p, _, _ in everyone], load_format="flattened_bucket",
+                        [p for p, _, _ in everyone],
+                        load_format="flattened_bucket",
                         flush_cache=last and flush,
                     )
                     raise_on_failure(result, "update_weights_from_tensor")
             except Exception as exc:
                 error = f"{type(exc).__name__}: {exc}"
-            except BaseException as exc:  # the load cancelled (a lost engine, ServerGuard): the group still hears
+            except (
+                BaseException
+            ) as exc:  # the load cancelled (a lost engine, ServerGuard): the group still hears
                 error, cancelled = f"{type(exc).__name__}: the engine was lost during the load", exc
         self.feed.verdict(error)
         if cancelled is not None:
@@ -285,4 +300,6 @@ class CudaIpcTransport:
         return []  # the engine's processes are watched by rollout/sglang/health.py, not restarted
 
     def reset(self, servers: Sequence[Any]) -> None:
-        self.staging = SharedStaging()  # no connection (every bucket carries its own handles); the buffer goes
+        self.staging = (
+            SharedStaging()
+        )  # no connection (every bucket carries its own handles); the buffer goes

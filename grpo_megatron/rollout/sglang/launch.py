@@ -86,6 +86,8 @@ INSTALL_HINT = (
     "(the set the GPU check ran: docs/getting-started/gpu.md); on CPU `make setup` installs SGLang's "
     "engine from the lock and its CPU kernels from WHEELHOUSE (docs/getting-started/cpu.md)"
 )
+
+
 class SGLangUnavailableError(ImportError):
     """SGLang is not importable here: the message says how to install it."""
 
@@ -109,10 +111,22 @@ def import_sglang(device: torch.device | None = None) -> tuple[ModuleType, type,
 
 
 LAUNCHER_VARIABLES = (
-    "TORCHELASTIC_USE_AGENT_STORE", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT",
-    "TORCHELASTIC_MAX_RESTARTS", "MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK",
-    "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME",
-)  # fmt: skip
+    "TORCHELASTIC_USE_AGENT_STORE",
+    "TORCHELASTIC_RUN_ID",
+    "TORCHELASTIC_RESTART_COUNT",
+    "TORCHELASTIC_MAX_RESTARTS",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "GROUP_WORLD_SIZE",
+    "ROLE_RANK",
+    "ROLE_WORLD_SIZE",
+    "ROLE_NAME",
+)
 """torchrun's variables, kept from an engine's processes: with ``TORCHELASTIC_USE_AGENT_STORE=True``
 torch.distributed in SGLang's scheduler connects to the trainer's launcher store instead of its own
 rendezvous and waits there for good (seen: a colocated engine under torchrun never started)."""
@@ -149,7 +163,9 @@ def engine_environment(device: torch.device, cpu_path: str = "auto") -> dict[str
     env.update(engine_allocator_settings(os.environ))
     if device.type == "cpu":
         if not os.environ.get("SGLANG_CPU_OMP_THREADS_BIND"):
-            env["SGLANG_CPU_OMP_THREADS_BIND"] = cpu_threads_bind(int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+            env["SGLANG_CPU_OMP_THREADS_BIND"] = cpu_threads_bind(
+                int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+            )
         env.update(engine_amx_environment(cpu_path))
     return env
 
@@ -199,7 +215,9 @@ class ColocatedLayout:
         return self.nnodes > 1
 
 
-def colocated_layout(rank: int, world_size: int, tp: int, gpus_per_node: int, local_rank: int) -> ColocatedLayout:
+def colocated_layout(
+    rank: int, world_size: int, tp: int, gpus_per_node: int, local_rank: int
+) -> ColocatedLayout:
     """Trainer ``rank``'s place in its colocated engine of ``tp`` (``rollout.sglang_tp``) GPUs.
 
     Inside a node (``tp <= gpus_per_node``): ``tp`` must divide the GPUs per node and the world
@@ -224,7 +242,9 @@ def colocated_layout(rank: int, world_size: int, tp: int, gpus_per_node: int, lo
     if tp <= gpus_per_node:
         return ColocatedLayout(leader, tuple(members), 1, 0, rank == leader, local_rank - (rank - leader))
     node_rank = (rank - leader) // gpus_per_node
-    return ColocatedLayout(leader, tuple(members), tp // gpus_per_node, node_rank, rank % gpus_per_node == 0, 0)
+    return ColocatedLayout(
+        leader, tuple(members), tp // gpus_per_node, node_rank, rank % gpus_per_node == 0, 0
+    )
 
 
 def engine_address(
@@ -264,7 +284,9 @@ def agree_engine_address(layout: ColocatedLayout, gpus_per_node: int, local_rank
     mine = (socket.gethostname(), local_rank, free_port("") if rank == layout.leader else None)
     everyone: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
-    return engine_address(layout, [(h, lr) for h, lr, _ in everyone], everyone[layout.leader][2], gpus_per_node)
+    return engine_address(
+        layout, [(h, lr) for h, lr, _ in everyone], everyone[layout.leader][2], gpus_per_node
+    )
 
 
 _SET_BY_LAYOUT = ("tp_size", "nnodes", "node_rank", "dist_init_addr", "base_gpu_id")
@@ -462,8 +484,9 @@ def start_colocated(
     if device.type == "cpu":
         refuse_cpu_path(rollout.sglang_cpu_path, launch, sglang)
     launch = dataclasses.replace(launch, device=str(device))
-    server_args = colocated_server_args(rollout, model_path, launch, hf_config, node_rank=node_rank,
-                                        weights_on_disk=weights_on_disk)  # fmt: skip
+    server_args = colocated_server_args(
+        rollout, model_path, launch, hf_config, node_rank=node_rank, weights_on_disk=weights_on_disk
+    )
     server_args["model_path"], changes = engine_model_path(model_path, hf_config, launch)
     if "tokenizer_path" not in server_args and changes:
         server_args["tokenizer_path"] = model_path
@@ -476,12 +499,16 @@ def start_colocated(
         engine = sglang.Engine(**server_args, **start_signal_handler(signals is not None))
     if signals is not None:
         health.take_back_signals(engine, signals)
-    if node_rank == 0:  # a further node's part has no tokenizer manager; the leader's call reaches its schedulers
+    if (
+        node_rank == 0
+    ):  # a further node's part has no tokenizer manager; the leader's call reaches its schedulers
         freeze_engine_gc(engine)
     part = f" (node {node_rank} of {launch.nnodes})" if launch.nnodes > 1 else ""
     print(f"[rollout] SGLang engine of rank {launch.rank}{part}: its processes log to {log_path}", flush=True)
     if changes:
-        print(f"[rollout] SGLang engine of rank {launch.rank} reads {server_args['model_path']}: {'; '.join(changes)}")
+        print(
+            f"[rollout] SGLang engine of rank {launch.rank} reads {server_args['model_path']}: {'; '.join(changes)}"
+        )
     return engine, health, server_args
 
 
@@ -515,7 +542,13 @@ def start_signal_handler(main_thread: bool) -> dict[str, Any]:
 
 
 def start_node_part(
-    spec: EngineSpec, layout: ColocatedLayout, address: str, ep_size: int, ps: ParallelState, *, weights_on_disk: bool
+    spec: EngineSpec,
+    layout: ColocatedLayout,
+    address: str,
+    ep_size: int,
+    ps: ParallelState,
+    *,
+    weights_on_disk: bool,
 ) -> tuple[Any, EngineProcesses]:
     """Node ``layout.node_rank`` >= 1's part of a multi-node colocated engine, started by this rank (the
     node's first of the engine) through ``start_colocated``, as the leader's part is: the same
@@ -525,15 +558,30 @@ def start_node_part(
     ``SGLANG_BLOCK_NONZERO_RANK_CHILDREN=0`` it returns once they are up (see the module docstring)."""
     rollout, model = spec.rollout, spec.model
     launch = EngineLaunch(
-        model.dtype, spec.seed + layout.leader, str(ps.device), base_gpu_id=layout.base_gpu_id,
-        tp_size=len(layout.members), ep_size=ep_size, nnodes=layout.nnodes, dist_init_addr=address,
-        hf_overrides=model.hf_overrides, rank=ps.rank, log_dir=spec.log_dir, tokenizer_path=spec.tokenizer_path,
+        model.dtype,
+        spec.seed + layout.leader,
+        str(ps.device),
+        base_gpu_id=layout.base_gpu_id,
+        tp_size=len(layout.members),
+        ep_size=ep_size,
+        nnodes=layout.nnodes,
+        dist_init_addr=address,
+        hf_overrides=model.hf_overrides,
+        rank=ps.rank,
+        log_dir=spec.log_dir,
+        tokenizer_path=spec.tokenizer_path,
         routes=spec.record_routes,
-    )  # fmt: skip
+    )
     hf_config = {**read_hf_config(model.hf_path), **(model.hf_overrides or {})}
     os.environ["SGLANG_BLOCK_NONZERO_RANK_CHILDREN"] = "0"  # read by SGLang in this process only
-    engine, health, _ = start_colocated(rollout, str(model.hf_path), launch, hf_config,
-                                        weights_on_disk=weights_on_disk, node_rank=layout.node_rank)  # fmt: skip
+    engine, health, _ = start_colocated(
+        rollout,
+        str(model.hf_path),
+        launch,
+        hf_config,
+        weights_on_disk=weights_on_disk,
+        node_rank=layout.node_rank,
+    )
     return engine, health
 
 
@@ -564,8 +612,10 @@ def stop_lost_part(server: Any, health: EngineProcesses, life: int) -> None:
         with health.engine_only_shutdown():
             server.shutdown()
     except Exception as exc:  # a half-dead engine: what is left is killed below
-        print(f"[engine] shutting the lost SGLang engine of rank {health.rank} down: {type(exc).__name__}: {exc}",
-              flush=True)  # fmt: skip
+        print(
+            f"[engine] shutting the lost SGLang engine of rank {health.rank} down: {type(exc).__name__}: {exc}",
+            flush=True,
+        )
     health.kill_all()
     close_loop(server)
     asyncio.set_event_loop(asyncio.new_event_loop())
@@ -597,14 +647,22 @@ that: sigmoid scores, top-k with the ``e_score_correction_bias``, every layer af
 
 DEEPSEEK_MODEL_TYPES = ("deepseek_v3",)
 
+
 def identity_yarn(max_position: int) -> dict[str, Any]:
     """A YaRN rope scaling of factor 1: the plain rotary embedding, as a scaling (factor 1 makes YaRN's
     interpolated and extrapolated frequencies equal and both of its mscales 1). SGLang's CPU MLA
     rotary embedding (``srt/layers/rotary_embedding/factory.py:get_rope_cpu``) asserts a
     ``rope_scaling`` and supports only DeepSeek's YaRN; a DeepSeek-V3 config written by transformers
     without one would not start there."""
-    return {"rope_type": "yarn", "factor": 1.0, "original_max_position_embeddings": max_position,
-            "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}  # fmt: skip
+    return {
+        "rope_type": "yarn",
+        "factor": 1.0,
+        "original_max_position_embeddings": max_position,
+        "beta_fast": 32,
+        "beta_slow": 1,
+        "mscale": 1.0,
+        "mscale_all_dim": 1.0,
+    }
 
 
 def engine_config(hf_config: Mapping[str, Any]) -> tuple[dict[str, Any], list[str]]:
@@ -631,7 +689,9 @@ def engine_config(hf_config: Mapping[str, Any]) -> tuple[dict[str, Any], list[st
                 config["rope_parameters"] = {**rope, **yarn}
             else:
                 config["rope_scaling"] = yarn
-            changes.append("rope scaling: YaRN of factor 1, the plain rotary embedding (SGLang's CPU MLA needs one)")
+            changes.append(
+                "rope scaling: YaRN of factor 1, the plain rotary embedding (SGLang's CPU MLA needs one)"
+            )
     return config, changes
 
 

@@ -67,8 +67,9 @@ class NodePart:
         recoverable with ``rollout.max_engine_restarts`` > 0, as the leader's: a SIGQUIT from a
         scheduler that saw a peer die is noted, and the fleet restarts the engine whole."""
         on_disk = bool(checkpoint_shapes(self.spec.model.hf_path))
-        self.engine, self.health = start_node_part(self.spec, self.layout, address, self.ep_size, self.ps,
-                                                   weights_on_disk=on_disk)  # fmt: skip
+        self.engine, self.health = start_node_part(
+            self.spec, self.layout, address, self.ep_size, self.ps, weights_on_disk=on_disk
+        )
         self.health.recoverable = self.spec.rollout.max_engine_restarts > 0
 
     def restart(self, address: str) -> None:
@@ -151,8 +152,16 @@ class SGLangSyncMember:
             if layout.starter:
                 node = NodePart(spec, layout, placement.engine_ep, ps)
                 node.start(address)
-        return cls(rollout, spec.model.hf_path, layout.members, ps.rank - layout.leader, ps.device, node,
-                   ep_size=placement.engine_ep, dtype=spec.model.dtype)  # fmt: skip
+        return cls(
+            rollout,
+            spec.model.hf_path,
+            layout.members,
+            ps.rank - layout.leader,
+            ps.device,
+            node,
+            ep_size=placement.engine_ep,
+            dtype=spec.model.dtype,
+        )
 
     @property
     def health(self) -> EngineProcesses | None:
@@ -175,7 +184,9 @@ class SGLangSyncMember:
         self._pairs = PairedLoads()
         if self.node is not None:
             if address is None:
-                raise RuntimeError(f"SGLang TP rank {self.tp_rank}'s node part needs its leader's fresh address")
+                raise RuntimeError(
+                    f"SGLang TP rank {self.tp_rank}'s node part needs its leader's fresh address"
+                )
             self.node.restart(address)
 
     def shutdown(self) -> None:
@@ -195,10 +206,14 @@ class SGLangSyncMember:
         (``SGLangEngine.check_manifest``)."""
         if manifest is self._accepted:
             return []
-        errors = manifest_errors(manifest, self.held, self.weight_needs(), f"the checkpoint at {self.model_path}")
+        errors = manifest_errors(
+            manifest, self.held, self.weight_needs(), f"the checkpoint at {self.model_path}"
+        )
         if errors:
-            return [f"weight sync of version {version} refused by SGLang TP rank {self.tp_rank} ({len(errors)} "
-                    "problems): " + "; ".join(errors[:10])]  # fmt: skip
+            return [
+                f"weight sync of version {version} refused by SGLang TP rank {self.tp_rank} ({len(errors)} "
+                "problems): " + "; ".join(errors[:10])
+            ]
         self._accepted = manifest
         return []
 
@@ -219,8 +234,12 @@ class SGLangSyncMember:
             errors = bucket_errors(bucket, self._expected_shapes, f"the checkpoint at {self.model_path}")
             if errors:
                 raise ValueError(f"weight sync of version {version}: {'; '.join(errors[:5])}")
-            arranged = self._pairs.arrange(bucket, version=version, last=last)  # as SGLangEngine.update_weights
-            mine = contribution(with_output_head(arranged, self.tied_head), self._classes, self.device, self.staging)
+            arranged = self._pairs.arrange(
+                bucket, version=version, last=last
+            )  # as SGLangEngine.update_weights
+            mine = contribution(
+                with_output_head(arranged, self.tied_head), self._classes, self.device, self.staging
+            )
         except Exception as exc:  # handed to the leader like a payload: every GPU fails this round together
             self.feed.contribute((None, False, f"{type(exc).__name__}: {exc}"))
             raise

@@ -46,9 +46,11 @@ class SGLangHttpClient:
     def _call(self, path: str, body: Mapping[str, Any] | None = None, timeout_s: float | None = None) -> Any:
         data = None if body is None else json.dumps(body).encode()
         request = urllib.request.Request(
-            self.url + path, data=data, headers={"Content-Type": "application/json"},
+            self.url + path,
+            data=data,
+            headers={"Content-Type": "application/json"},
             method="GET" if body is None else "POST",
-        )  # fmt: skip
+        )
         try:
             with urllib.request.urlopen(request, timeout=timeout_s or self.timeout_s) as response:
                 text = response.read().decode()
@@ -131,9 +133,13 @@ class SGLangHttpClient:
 
 
 def init_trainer_weight_group(
-    master_addr: str, master_port: int, world_size: int, group_name: str, backend: str = "nccl",
+    master_addr: str,
+    master_port: int,
+    world_size: int,
+    group_name: str,
+    backend: str = "nccl",
     timeout_s: float = 600.0,
-) -> torch.distributed.ProcessGroup:  # fmt: skip
+) -> torch.distributed.ProcessGroup:
     """Rank 0 of a process group outside the trainer's world, joined by the servers' TP ranks.
 
     It must meet SGLang's side of ``init_weights_update_group``: a TCP store at
@@ -144,10 +150,18 @@ def init_trainer_weight_group(
     from torch.distributed import distributed_c10d as c10d
 
     timeout = timedelta(seconds=timeout_s)
-    tcp_store = torch.distributed.TCPStore(master_addr, master_port, world_size, is_master=True, timeout=timeout)
+    tcp_store = torch.distributed.TCPStore(
+        master_addr, master_port, world_size, is_master=True, timeout=timeout
+    )
     store = torch.distributed.PrefixStore(group_name, tcp_store)
     group, _ = c10d._new_process_group_helper(
-        world_size, 0, [], c10d.Backend(backend), store, group_name=c10d.GroupName(group_name), timeout=timeout
+        world_size,
+        0,
+        [],
+        c10d.Backend(backend),
+        store,
+        group_name=c10d.GroupName(group_name),
+        timeout=timeout,
     )
     c10d._world.pg_group_ranks[group] = {i: i for i in range(world_size)}
     return group
@@ -245,10 +259,12 @@ class NcclBroadcastTransport:
                     world_size=world_size,
                     group_name=WEIGHT_GROUP_NAME,
                     backend="nccl",
-                )  # fmt: skip
+                )
                 for s, offset in zip(servers, offsets, strict=True)
             ]
-            timeout_s = self.timeout.total_seconds() if self.timeout else self.rollout.sglang_request_timeout_s
+            timeout_s = (
+                self.timeout.total_seconds() if self.timeout else self.rollout.sglang_request_timeout_s
+            )
             group = init_trainer_weight_group(addr, port, world_size, WEIGHT_GROUP_NAME, timeout_s=timeout_s)
             for f in pending:
                 f.result()

@@ -46,7 +46,9 @@ def sample_seeds(seed: int | None, num_prompts: int, n: int, rng: random.Random)
     return [(base * 1_000_003 + i) % _SEED_MODULUS for i in range(num_prompts * n)]
 
 
-def sampling_params_dict(params: SamplingParams, seed: int, max_new_tokens: int | None = None) -> dict[str, Any]:
+def sampling_params_dict(
+    params: SamplingParams, seed: int, max_new_tokens: int | None = None
+) -> dict[str, Any]:
     """SGLang's sampling_params for one sample of ``params`` (``n`` is expanded by the caller), at most
     ``max_new_tokens`` tokens (its request's own: ``request_budgets``; None = ``params.max_new_tokens``).
 
@@ -67,7 +69,9 @@ def sampling_params_dict(params: SamplingParams, seed: int, max_new_tokens: int 
     }
 
 
-def request_budgets(prompts: Sequence[Sequence[int]], params: SamplingParams, context: int | None) -> list[int]:
+def request_budgets(
+    prompts: Sequence[Sequence[int]], params: SamplingParams, context: int | None
+) -> list[int]:
     """Each prompt's ``max_new_tokens``: its own limit (``SamplingParams.budgets``), and at most what
     the engine's context leaves after it (``context - len(prompt)``; None = no bound). SGLang refuses
     a request whose input and ``max_new_tokens`` pass its context (``_validate_one_request`` in its
@@ -81,7 +85,11 @@ def request_budgets(prompts: Sequence[Sequence[int]], params: SamplingParams, co
 
 
 def generate_request(
-    prompts: Sequence[Sequence[int]], params: SamplingParams, rng: random.Random, *, routes_enabled: bool,
+    prompts: Sequence[Sequence[int]],
+    params: SamplingParams,
+    rng: random.Random,
+    *,
+    routes_enabled: bool,
     context: int | None = None,
 ) -> Request:
     """The request for ``params.n`` samples of each prompt, with their logprobs, each prompt's at most
@@ -96,9 +104,11 @@ def generate_request(
     options: dict[str, Any] = {"return_logprob": True}
     if params.routes and routes_enabled:
         options["return_routed_experts"] = True
-    return Request([list(p) for p in prompts for _ in range(params.n)],
-                   [sampling_params_dict(params, s, b) for s, b in zip(seeds, budgets, strict=True)],
-                   options)  # fmt: skip
+    return Request(
+        [list(p) for p in prompts for _ in range(params.n)],
+        [sampling_params_dict(params, s, b) for s, b in zip(seeds, budgets, strict=True)],
+        options,
+    )
 
 
 def score_request(sequences: Sequence[Sequence[int]], temperature: float) -> Request:
@@ -112,8 +122,11 @@ def score_request(sequences: Sequence[Sequence[int]], temperature: float) -> Req
             "mismatch probe at temperature 1.0 with the sglang engine"
         )
     ids = [list(s) for s in sequences]
-    return Request(ids, [{"max_new_tokens": 0, "temperature": 1.0} for _ in ids],
-                   {"return_logprob": True, "logprob_start_len": 0})  # fmt: skip
+    return Request(
+        ids,
+        [{"max_new_tokens": 0, "temperature": 1.0} for _ in ids],
+        {"return_logprob": True, "logprob_start_len": 0},
+    )
 
 
 def decode_routed_experts(
@@ -129,11 +142,14 @@ def decode_routed_experts(
         return None
     ids = torch.frombuffer(bytearray(base64.b64decode(encoded)), dtype=torch.int32)  # little-endian
     if num_rows <= 0 or ids.numel() % num_rows:
-        raise ValueError(f"SGLang returned {ids.numel()} routed expert ids, not a multiple of {num_rows} tokens")
+        raise ValueError(
+            f"SGLang returned {ids.numel()} routed expert ids, not a multiple of {num_rows} tokens"
+        )
     top_k = layout.top_k if layout is not None else ids.numel() // num_rows
     if (ids.numel() // num_rows) % top_k:
-        raise ValueError(f"SGLang returned {ids.numel() // num_rows} expert ids per token, not a multiple of "
-                         f"top_k={top_k}")  # fmt: skip
+        raise ValueError(
+            f"SGLang returned {ids.numel() // num_rows} expert ids per token, not a multiple of top_k={top_k}"
+        )
     routes_mrk = ids.view(num_rows, -1, top_k).transpose(0, 1)
     if layout is not None:
         layers = routes_mrk.shape[0]
@@ -171,17 +187,28 @@ def completion_from_output(
     finish: Literal["stop", "length"] = "stop" if kind == "stop" else "length"
     routed = decode_routed_experts(meta.get("routed_experts"), prompt_len + len(token_ids) - 1, layout)
     cached = meta.get("cached_tokens")
-    return Completion(token_ids, [float(e[0]) for e in entries], finish, routed,
-                      cached_tokens=None if cached is None else int(cached))  # fmt: skip
+    return Completion(
+        token_ids,
+        [float(e[0]) for e in entries],
+        finish,
+        routed,
+        cached_tokens=None if cached is None else int(cached),
+    )
 
 
 def completions(
-    outputs: Sequence[Mapping[str, Any]], request: Request, n: int, layout: RouteLayout | None = None, *,
+    outputs: Sequence[Mapping[str, Any]],
+    request: Request,
+    n: int,
+    layout: RouteLayout | None = None,
+    *,
     aborted_ok: bool = False,
 ) -> list[list[Completion]]:
     """A generate request's outputs (in request order) as ``[prompt][sample]`` completions."""
-    flat = [completion_from_output(o, len(ids), layout, aborted_ok=aborted_ok)
-            for o, ids in zip(outputs, request.input_ids, strict=True)]  # fmt: skip
+    flat = [
+        completion_from_output(o, len(ids), layout, aborted_ok=aborted_ok)
+        for o, ids in zip(outputs, request.input_ids, strict=True)
+    ]
     return [flat[i : i + n] for i in range(0, len(flat), n)]
 
 

@@ -44,9 +44,10 @@ def check_expert_placement(server_args: Mapping[str, Any]) -> None:
     """Refuse ``rollout.sglang_server_args`` that place experts other than in contiguous blocks per EP
     rank (the engine's EP itself is ``rollout/placement.py``'s decision)."""
     placed = [
-        k for k in _PLACEMENT_ARGS
+        k
+        for k in _PLACEMENT_ARGS
         if server_args.get(k) not in (None, False, 0, "trivial") and k in server_args
-    ]  # fmt: skip
+    ]
     if placed:
         raise ValueError(
             f"rollout.sglang_server_args sets {placed}: SGLang then places experts by its expert-location "

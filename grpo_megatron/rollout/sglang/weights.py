@@ -228,7 +228,9 @@ def manifest_errors(
             errors.append(f"{name}: no such tensor in {source}")
         elif held.shapes and tuple(shape) != held.shapes[name]:
             errors.append(f"{name}: shape {tuple(shape)}, {source} has {held.shapes[name]}")
-        elif not dtype.is_floating_point or (dtype != want and not (want == torch.float32 and dtype.itemsize > 1)):
+        elif not dtype.is_floating_point or (
+            dtype != want and not (want == torch.float32 and dtype.itemsize > 1)
+        ):
             errors.append(f"{name}: dtype {dtype}, the engine holds it as {want} (the sync would cast it)")
     if held.dummy and held.shapes:
         sent = {name for name, _, _ in manifest}
@@ -307,7 +309,9 @@ class PairedLoads:
         if last and self.held:
             missing = sorted(self.held)
             self.held = {}
-            raise ValueError(f"the weight sync ended without the partners of {missing[:5]} ({LOADED_TOGETHER})")
+            raise ValueError(
+                f"the weight sync ended without the partners of {missing[:5]} ({LOADED_TOGETHER})"
+            )
         return out
 
 
@@ -431,8 +435,10 @@ class WeightLoad:
         """Why the engine must not generate now (None: it may)."""
         if self.stale_reason is None:
             return None
-        return (f"the SGLang engine's weights are incomplete ({self.stale_reason}): finish a full weight "
-                "sync (update_weights ... last=True) before generating")  # fmt: skip
+        return (
+            f"the SGLang engine's weights are incomplete ({self.stale_reason}): finish a full weight "
+            "sync (update_weights ... last=True) before generating"
+        )
 
     def _stale(self, reason: str) -> None:
         self.stale_reason, self.names = reason, set()

@@ -56,7 +56,9 @@ def batch_advantages(
     metrics: dict[str, float] = {}
     if alg.overlong.enabled:
         max_len = alg.overlong.max_len or max_new_tokens
-        penalty_b, metrics = overlong_penalty(lengths_b, max_len, alg.overlong.buffer_len, alg.overlong.penalty)
+        penalty_b, metrics = overlong_penalty(
+            lengths_b, max_len, alg.overlong.buffer_len, alg.overlong.penalty
+        )
         rewards_b = rewards_b + penalty_b
     group_size = len(groups[0].completions)
     advantages_b = advantages_from_config(rewards_b, group_size, alg)
@@ -65,7 +67,10 @@ def batch_advantages(
 
 
 def build_samples(
-    alg: AlgorithmConfig, max_new_tokens: int, groups: Sequence[Group], only: Sequence[int] | None = None,
+    alg: AlgorithmConfig,
+    max_new_tokens: int,
+    groups: Sequence[Group],
+    only: Sequence[int] | None = None,
     advantages: tuple[list[float], dict[str, float]] | None = None,
 ) -> Batch:
     """Rewards -> advantages (``batch_advantages``, unless given) -> trainer samples: of every response
@@ -75,9 +80,13 @@ def build_samples(
     indices = range(len(pairs)) if only is None else only
     chosen = [pairs[i] for i in indices]
     samples = make_samples(
-        [p for p, _ in chosen], [c.token_ids for _, c in chosen], [c.logprobs for _, c in chosen],
-        [advantages_b[i] for i in indices], [c.routed_experts for _, c in chosen], [c.loss_mask for _, c in chosen],
-    )  # fmt: skip
+        [p for p, _ in chosen],
+        [c.token_ids for _, c in chosen],
+        [c.logprobs for _, c in chosen],
+        [advantages_b[i] for i in indices],
+        [c.routed_experts for _, c in chosen],
+        [c.loss_mask for _, c in chosen],
+    )
     tokens = sum(len(p) + c.num_tokens for p, c in pairs)
     return Batch(samples, metrics, len(pairs), tokens)
 
@@ -111,13 +120,19 @@ class UpdatePlan:
         return dataclasses.replace(self, rows=rows, mine=mine)
 
 
-def plan_update(train: TrainConfig, alg: AlgorithmConfig, ps: ParallelState, samples: Sequence[Sample]) -> UpdatePlan:
+def plan_update(
+    train: TrainConfig, alg: AlgorithmConfig, ps: ParallelState, samples: Sequence[Sample]
+) -> UpdatePlan:
     """Split the batch into mini-batches, DP shares and micro-batches (training/batching.py)."""
     return plan_sizes(train, alg, ps, [s.length for s in samples], [int(s.mask_s.sum()) for s in samples])
 
 
 def plan_sizes(
-    train: TrainConfig, alg: AlgorithmConfig, ps: ParallelState, lengths: Sequence[int], loss_tokens: Sequence[int]
+    train: TrainConfig,
+    alg: AlgorithmConfig,
+    ps: ParallelState,
+    lengths: Sequence[int],
+    loss_tokens: Sequence[int],
 ) -> UpdatePlan:
     """``plan_update`` from each sample's input positions (prompt + response - 1) and loss tokens
     alone: what every rank knows before the samples' tokens reach the replica that trains them."""
@@ -138,7 +153,9 @@ def plan_sizes(
                 owners[i] = dp_rank
         every_rank.extend(per_rank)
         normalizers.append(normalizer_of_counts(alg.loss_agg_mode, [loss_tokens[i] for i in minibatch]))
-    return UpdatePlan(rows, normalizers, train.packing, batch_metrics(lengths, every_rank, train.packing), owners)
+    return UpdatePlan(
+        rows, normalizers, train.packing, batch_metrics(lengths, every_rank, train.packing), owners
+    )
 
 
 def sample_sizes(groups: Sequence[Group]) -> tuple[list[int], list[int]]:
@@ -175,8 +192,14 @@ def deliver_completions(
 
 
 def prepare_update(
-    alg: AlgorithmConfig, train: TrainConfig, max_new_tokens: int, ps: ParallelState, fleet: RolloutFleet,
-    groups: Sequence[Group], *, release_payloads: Sequence[int] | None = None,
+    alg: AlgorithmConfig,
+    train: TrainConfig,
+    max_new_tokens: int,
+    ps: ParallelState,
+    fleet: RolloutFleet,
+    groups: Sequence[Group],
+    *,
+    release_payloads: Sequence[int] | None = None,
     release_routes: Sequence[int] | None = None,
 ) -> tuple[Batch, UpdatePlan]:
     """The advantages phase: advantages and the update's plan from the rewards and the completions'
@@ -196,7 +219,11 @@ def prepare_update(
 
 
 def deliver_engine_routes(
-    fleet: RolloutFleet, groups: Sequence[Group], samples: Sequence[Sample], plan: UpdatePlan, *,
+    fleet: RolloutFleet,
+    groups: Sequence[Group],
+    samples: Sequence[Sample],
+    plan: UpdatePlan,
+    *,
     release: Sequence[int] | None = None,
 ) -> None:
     """Collective (``algorithm.routing_replay=r3``): each sample's engine routes, held on its engine's
@@ -212,7 +239,11 @@ def deliver_engine_routes(
         if c.route_id is not None and plan.owners[k] >= 0
     }
     routes = fleet.deliver_routes(owners, release)
-    at = {i: i for i in range(len(completions))} if plan.mine is None else {i: k for k, i in enumerate(plan.mine)}
+    at = (
+        {i: i for i in range(len(completions))}
+        if plan.mine is None
+        else {i: k for k, i in enumerate(plan.mine)}
+    )
     for k, c in enumerate(completions):
         if c.route_id in routes:
             set_engine_routes(samples[at[k]], routes[c.route_id])

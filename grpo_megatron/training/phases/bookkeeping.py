@@ -54,7 +54,11 @@ def stop_if_not_finite(metrics: dict[str, float], iteration: int, kept: str) -> 
 
 
 def save_checkpoint(
-    checkpoints: CheckpointManager, memory: ColocatedMemory, policy: Policy, iteration: int, trainer_state: dict[str, Any]
+    checkpoints: CheckpointManager,
+    memory: ColocatedMemory,
+    policy: Policy,
+    iteration: int,
+    trainer_state: dict[str, Any],
 ) -> dict[str, float]:
     """Checkpoint the policy; trainer state that is offloaded (train.offload_trainer) visits the device
     for the save and leaves again, so the engines keep their memory. Returns the visit's ``offload/*``

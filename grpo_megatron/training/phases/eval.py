@@ -13,7 +13,13 @@ if TYPE_CHECKING:
 
 
 def evaluate(
-    rollout: Rollout, scorer: Scorer, records: Sequence[PromptRecord], *, train_seed: int, iteration: int, samples: int
+    rollout: Rollout,
+    scorer: Scorer,
+    records: Sequence[PromptRecord],
+    *,
+    train_seed: int,
+    iteration: int,
+    samples: int,
 ) -> dict[str, float]:
     """Held-out accuracy: greedy pass@1 (``eval/accuracy``) and, with ``samples`` = k > 0
     (train.eval_samples), mean@k of sampled responses (``eval/mean@k``). No records: no metrics."""

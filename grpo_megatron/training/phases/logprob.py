@@ -62,9 +62,13 @@ def logprob_pass(
     routing, routes = settings.replay.begin(model, kind, [samples[i] for r in rows for i in r])
     microbatches = [collate(samples, r, settings.pad_id, routes, packed=plan.packed) for r in rows]
     outputs = forward_logprobs(
-        model, microbatches, settings.ps, vocab_size=settings.vocab_size, temperature=settings.temperature,
+        model,
+        microbatches,
+        settings.ps,
+        vocab_size=settings.vocab_size,
+        temperature=settings.temperature,
         truncation=settings.truncation,
         routing=routing,
-    )  # fmt: skip
+    )
     routing_metrics = settings.replay.end(routing, samples, rows, measure=kind == "old")
     return Logprobs(kind, rows, [o.logprobs_bs for o in outputs], routing_metrics)

@@ -50,8 +50,13 @@ class Scorer:
         """Rewards of every completion (rank 0's reward pool, broadcast), grouped per prompt. The
         responses are decoded on rank 0 only (``Group.texts`` is empty elsewhere): the others may hold
         only the completions' headers (``RolloutFleet.generate``'s ``payload``)."""
-        texts = [[self.tokenizer.decode(c.token_ids, skip_special_tokens=True) if self.pool is not None else ""
-                  for c in cs] for cs in completions]  # fmt: skip
+        texts = [
+            [
+                self.tokenizer.decode(c.token_ids, skip_special_tokens=True) if self.pool is not None else ""
+                for c in cs
+            ]
+            for cs in completions
+        ]
 
         def score_all() -> tuple[list[float], dict[str, float]]:
             assert self.pool is not None  # rank 0 holds the pool

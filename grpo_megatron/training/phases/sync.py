@@ -82,7 +82,9 @@ def mismatch_probe(
     sequences, prompt_lens = probe.sequences, probe.prompt_lens
     if not sequences:
         return {}
-    scored, routes = fleet.score(sequences, prompt_lens, temperature, recovery=recovery)  # lost engines: restarted
+    scored, routes = fleet.score(
+        sequences, prompt_lens, temperature, recovery=recovery
+    )  # lost engines: restarted
     if ps.cp > 1:  # routes are not split over context-parallel ranks (the config refuses replay there)
         routes = None
     length = max(len(s) for s in sequences)
@@ -96,7 +98,9 @@ def mismatch_probe(
         batch.routes_lbsk = pad_routes(routes * 2, length - 1)
         replay_rows = torch.arange(2 * len(sequences)) >= len(sequences)
         routing = RoutingPass(model, ps, replay=True, replay_rows=replay_rows)
-    (out,) = forward_logprobs(model, [batch], ps, vocab_size=vocab_size, temperature=temperature, routing=routing)
+    (out,) = forward_logprobs(
+        model, [batch], ps, vocab_size=vocab_size, temperature=temperature, routing=routing
+    )
     logprobs_bl = out.logprobs_bs.float().cpu()
     by_suffix = {"": _local_diffs(logprobs_bl[: len(sequences)], probe, scored)}
     metrics: dict[str, float] = {}
@@ -114,13 +118,16 @@ _Diffs = tuple[float, float, int]
 """One rank's |engine - trainer| over its engine's probe tokens: (max, sum, count)."""
 
 
-def _local_diffs(trainer_bl: torch.Tensor, probe: ProbeBatch, scored: list[list[float]] | None) -> _Diffs | None:
+def _local_diffs(
+    trainer_bl: torch.Tensor, probe: ProbeBatch, scored: list[list[float]] | None
+) -> _Diffs | None:
     """|engine - trainer| logprobs after each prompt on this rank (None: it has no engine)."""
     if scored is None:
         return None
     pairs = zip(probe.sequences, probe.prompt_lens, scored, strict=True)
     diffs = [
-        (torch.tensor(engine_lp) - trainer_bl[i, p - 1 : len(s) - 1]).abs() for i, (s, p, engine_lp) in enumerate(pairs)
+        (torch.tensor(engine_lp) - trainer_bl[i, p - 1 : len(s) - 1]).abs()
+        for i, (s, p, engine_lp) in enumerate(pairs)
     ]
     diff_t = torch.cat(diffs) if diffs else torch.zeros(0)
     return (float(diff_t.max()) if diff_t.numel() else 0.0, float(diff_t.sum()), diff_t.numel())
@@ -165,8 +172,9 @@ def sync_weights(
     metrics = fleet.sync_weights(model, version=version, recovery=recovery)
     if probe.sequences:  # the engines score with their KV cache, the trainer with its parameters
         moved.append(memory.engines_serve())
-        metrics |= mismatch_probe(model, fleet, ps, probe, vocab_size=vocab_size, temperature=temperature,
-                                  recovery=recovery)  # fmt: skip
+        metrics |= mismatch_probe(
+            model, fleet, ps, probe, vocab_size=vocab_size, temperature=temperature, recovery=recovery
+        )
         check_probe(metrics, max_abs, version)
     moved.append(memory.after_sync())
     return metrics | merge_memory_metrics(*moved)

@@ -94,7 +94,9 @@ class GRPOLoss:
             inputs = LossInputs.of(mb)
             mask_bs, rollout_bs = inputs.mask_bs, inputs.rollout_logprobs_bs
             # pi_old before any update of this iteration, on the trainer's side.
-            trainer_old_bs = inputs.old_logprobs_bs if inputs.old_logprobs_bs is not None else logprobs_bs.detach()
+            trainer_old_bs = (
+                inputs.old_logprobs_bs if inputs.old_logprobs_bs is not None else logprobs_bs.detach()
+            )
             old_bs = rollout_bs if self.old_from_engine else inputs.old_logprobs_bs
             tis_bs = off_policy_weights(alg, trainer_old_bs, rollout_bs, mask_bs)
             loss, m = grpo_policy_loss(
@@ -170,7 +172,8 @@ def reduce_metrics(
     sign = {k: -1.0 if kinds[k] is Reduction.MIN else 1.0 for k in maxes}  # min = -max(-x)
     sum_t = torch.tensor([sum(m.get(k, 0.0) for m in per_microbatch) for k in sums], dtype=torch.float64)
     max_t = torch.tensor(
-        [max((sign[k] * m[k] for m in per_microbatch if k in m), default=0.0) for k in maxes], dtype=torch.float64
+        [max((sign[k] * m[k] for m in per_microbatch if k in m), default=0.0) for k in maxes],
+        dtype=torch.float64,
     )
     if ps.dp > 1:
         device = collective_device(ps.dp_group)
@@ -206,7 +209,9 @@ def update_policy(
     the iteration then keeps the mini-batches it took; ``update/minibatches_skipped`` says how many it
     did not)."""
     ps = settings.ps
-    routing, routes = settings.replay.begin(policy.model, "train", [samples[i] for r in plan.all_rows for i in r])
+    routing, routes = settings.replay.begin(
+        policy.model, "train", [samples[i] for r in plan.all_rows for i in r]
+    )
     per_microbatch: list[dict[str, float]] = []
     steps: list[dict[str, float]] = []
     for rows, normalizer in zip(plan.rows, plan.normalizers, strict=True):
