@@ -29,7 +29,7 @@ KERNEL_STAMP := $(VENV)/.sgl-kernel-installed-$(notdir $(KERNEL_WHEEL))
 # Folders git may not have yet (empty ones are not committed) are left out.
 LINT_PATHS := $(wildcard grpo_megatron tests tools bench examples)
 
-.PHONY: setup test demo lint lock clean distclean machine drop-unfit-kernel docs reference
+.PHONY: setup test test-fast demo lint lock clean distclean machine drop-unfit-kernel docs reference
 
 setup: $(STAMP) $(if $(KERNEL_WHEEL),$(KERNEL_STAMP),drop-unfit-kernel)
 
@@ -77,6 +77,7 @@ lock:
 
 lint: setup
 	$(BIN)/ruff check $(LINT_PATHS)
+	$(BIN)/ruff format --check $(LINT_PATHS)  # one width: pyproject.toml's line-length (tests/test_line_width.py)
 	$(BIN)/mypy  # pyproject.toml [tool.mypy] files: grpo_megatron, bench, tools
 	$(BIN)/python tools/docs_reference.py --check  # docs/reference/ as the code generates it
 	$(BIN)/mkdocs build --strict --quiet --site-dir $(DOCS_CHECK_DIR)  # a broken link or unlisted page fails
@@ -101,6 +102,12 @@ test: machine lint
 machine:
 	@$(PYTHON) tools/sgl_kernel_wheel.py machine $(WHEELHOUSE)
 
+# The fast tier (README): every test but those marked `launches` (a training job, an engine, ranks of their
+# own under torchrun, the CLI or SGLang in a process of their own: pyproject.toml's markers), in-process
+# tests on real parts. `make test` runs them all, and so does CI (.ci/run).
+test-fast: setup
+	TORCH_COMPILE_DISABLE=1 GRPO_KERNEL_WHEELHOUSE=$(WHEELHOUSE) $(BIN)/python -m pytest -q -m "not launches" --durations=15
+
 # R1-Zero in miniature (examples/demo.yaml): cold-start SFT then GRPO on 2 processes; SEED=N for another seed;
 # TASK=tool: the multi-turn calculator demo (examples/demo_tool.yaml);
 # ASYNC=1: the asynchronous loop (each engine in a process of its own, one step off, IcePop), in runs/demo-async.
@@ -111,7 +118,7 @@ TASK ?=
 ASYNC ?= 0
 PARTIAL ?= 0
 LORA ?= 0
-PARTIAL_ARGS := train.partial_rollout=true train.max_staleness=1 rollout.partial_segment_tokens=3 \
+PARTIAL_ARGS := rollout.partial.enabled=true train.max_staleness=1 rollout.partial.segment_tokens=3 \
     algorithm.off_policy.correction=icepop
 LORA_ARGS := model.lora.rank=16 model.lora.alpha=32 train.lr=2.0e-3 train.min_lr=1.0e-4
 demo: setup

@@ -77,7 +77,7 @@ TRAIN_GPU_SERVER_ARGS = {
 
 def server_arg_overrides(device: str) -> list[str]:
     return (
-        [f"rollout.sglang_server_args.{k}={v}" for k, v in TRAIN_GPU_SERVER_ARGS.items()]
+        [f"rollout.sglang.server_args.{k}={v}" for k, v in TRAIN_GPU_SERVER_ARGS.items()]
         if device == "cuda"
         else []
     )

@@ -28,11 +28,11 @@
 #    interpreter (default: .venv/bin/python where it exists, else python3).
 #
 # Not shown by this one-GPU run, nor by the CPU suite (issue 36 item 8): a Slurm preemption of a job
-# whose SGLang engine spans two nodes (rollout.sglang_tp = 2 x GPUs per node). Its further node's part
+# whose SGLang engine spans two nodes (rollout.sglang.tp = 2 x GPUs per node). Its further node's part
 # starts through launch.py:start_colocated like the leader's (tests/test_sglang_adapter.py checks the
 # start; a two-node engine was seen to run on CPU with gloo, its node-1 schedulers ignoring SIGTERM),
 # but the job itself needs two hosts (the layout check keys nodes by host name). On a two-node
-# allocation: sbatch launch/slurm/train.sbatch with rollout.sglang_tp spanning both nodes, `scancel --signal=TERM
+# allocation: sbatch launch/slurm/train.sbatch with rollout.sglang.tp spanning both nodes, `scancel --signal=TERM
 # --full` mid-run after a checkpoint interval: every rank must print "[preempt] SIGTERM: checkpoint ...
 # written" and the job exit 75.
 set -euo pipefail

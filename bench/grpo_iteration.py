@@ -172,7 +172,7 @@ def bare_train_step(job: Any, microbatches_per_minibatch: list[list[Any]]) -> fl
 
 
 class WallCpuTimer:
-    """``training/job.py:PhaseTimer``'s interface (``with timer(name):``, accumulating), recording both
+    """``training/timing.py:PhaseTimer``'s interface (``with timer(name):``, accumulating), recording both
     wall seconds and this process's CPU seconds (``time.process_time``: all its threads; the reward
     pool's worker processes are not in it). CPU time is what another job on a shared machine does not
     inflate, so it gives the steadier ratio."""
@@ -210,9 +210,9 @@ def worker(args: argparse.Namespace) -> None:
     from grpo_megatron.distributed.bootstrap import destroy_distributed, world_size_from_env
     from grpo_megatron.planner.model_states import total_params
     from grpo_megatron.training.batching import collate
-    from grpo_megatron.training.groups import group_source
     from grpo_megatron.training.grpo import job_probe
     from grpo_megatron.training.job import build_job
+    from grpo_megatron.training.sources import group_source
 
     cfg = load_config(DEMO, job_overrides(args.size, args, args.run_dir))
     validate(cfg, world_size_from_env())

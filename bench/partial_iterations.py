@@ -10,7 +10,7 @@ differs only in its schedule:
 - sync:        train.max_staleness=0: generate the batch, then train on it;
 - one-off:     train.max_staleness=1: the engine generates iteration k+1's batch while the trainer
                trains iteration k (``GroupProducer``);
-- continuous:  train.partial_rollout with rollout.partial_overlap: a pool of twice the batch's groups
+- continuous:  rollout.partial.enabled with rollout.partial.overlap: a pool of twice the batch's groups
                advanced in segments of ``--segment`` tokens, each iteration's first round submitted
                before it trains, so the engine generates while the trainer trains (training/partial.py).
 
@@ -26,9 +26,9 @@ the last, with its evaluation, left out; evaluation time subtracted), and the ra
 sync, continuous / one-off and one-off / sync. Timings on a shared machine are distorted by whatever
 else runs there: read the ratios of arms measured back to back.
 
-Arms beyond the three: ``cont-1req`` (``rollout.partial_one_request``: a round as one request, the
+Arms beyond the three: ``cont-1req`` (``rollout.partial.one_request``: a round as one request, the
 embedded engine prefilling its ragged prompts apart and decoding them as one batch), and with
-``--engine sglang`` ``cont-kv`` (``rollout.partial_keep_kv``: weight loads keep SGLang's prefix cache,
+``--engine sglang`` ``cont-kv`` (``rollout.partial.keep_kv``: weight loads keep SGLang's prefix cache,
 so continued requests read their prefix's KV) and ``cont-kv-1req`` (both). ``--keep DIR`` keeps each
 run's metrics and a trace of its rounds (rows, continued rows, waits, SGLang's ``cached_tokens``).
 
@@ -45,7 +45,7 @@ overlap's validation asks for K=24; seconds per iteration, ratio to sync of the 
 
 With K=24 a round (one per iteration; measured staleness max 5 on the engine process) fits inside
 the train phase, so the iteration is the trainer's: continuous / sync <= 0.5 on both engines (engine
-process: plain continuous; SGLang: with rollout.partial_keep_kv and rollout.partial_one_request,
+process: plain continuous; SGLang: with rollout.partial.keep_kv and rollout.partial.one_request,
 where kept KV now pays: 0.457 vs 0.604 s of rollout in E, twice the rounds per response re-reading
 their prefixes). The earlier runs below, with segments of 48, were measured beside other work:
 
@@ -115,13 +115,13 @@ ENGINES = {
 def arms(args: argparse.Namespace) -> dict[str, list[str]]:
     staleness = max(1, -(-args.max_new_tokens // args.segment))  # the overlap's validation
     continuous = [
-        "train.partial_rollout=true",
-        "rollout.partial_overlap=true",
+        "rollout.partial.enabled=true",
+        "rollout.partial.overlap=true",
         f"train.max_staleness={staleness}",
-        f"rollout.partial_segment_tokens={args.segment}",
-        f"rollout.partial_groups_in_flight={args.pool}",
+        f"rollout.partial.segment_tokens={args.segment}",
+        f"rollout.partial.groups_in_flight={args.pool}",
     ]
-    one, kv = "rollout.partial_one_request=true", "rollout.partial_keep_kv=true"
+    one, kv = "rollout.partial.one_request=true", "rollout.partial.keep_kv=true"
     out = {
         "sync": ["train.max_staleness=0"],
         "one-off": ["train.max_staleness=1"],
@@ -176,48 +176,18 @@ def impose_lengths(args: argparse.Namespace) -> None:
 
 
 def trace_rounds(path: Path) -> None:
-    """Worker side, ``--trace``: one JSON line per event of the continuous loop (a round submitted:
-    its rows and prefix tokens; a round collected: the seconds waited, and where; ``before_sync``'s
-    drain; on SGLang each generate call's span in its thread and its prompts' ``cached_tokens``)."""
+    """Worker side, ``--trace``: one JSON line per event of the continuous loop (a round submitted: its
+    rows and prefix tokens; a round collected: the seconds waited, and where, ``take`` or
+    ``before_sync``'s drain: the source's own trace, ``GRPO_ROUND_TRACE``; on SGLang each generate
+    call's span in its thread and its prompts' ``cached_tokens``)."""
     import time
 
-    from grpo_megatron.training.partial import PartialRollouts
+    os.environ["GRPO_ROUND_TRACE"] = str(path)  # training/sources.py: PartialRollouts(trace=...)
 
     def log(**fields: object) -> None:
         with open(path, "a") as out:
             out.write(json.dumps({"t": time.perf_counter(), **fields}) + "\n")
 
-    submit, collect = PartialRollouts._submit, PartialRollouts._collect
-    before_sync = PartialRollouts.before_sync
-    where = {"at": "take"}
-
-    def traced_submit(self, iteration, round_index):  # type: ignore[no-untyped-def]
-        todo, _, _ = self.pool.requests(lambda index: self.job.train_records[index].prompt_ids)
-        log(
-            event="submit",
-            iteration=iteration,
-            round=round_index,
-            rows=len(todo),
-            continued=sum(bool(r.token_ids) for _, r in todo),
-            prefix=sum(len(r.token_ids) for _, r in todo),
-        )
-        return submit(self, iteration, round_index)
-
-    def traced_collect(self, round_):  # type: ignore[no-untyped-def]
-        start = time.perf_counter()
-        collect(self, round_)
-        log(event="collect", at=where["at"], wait_s=time.perf_counter() - start)
-
-    def traced_before_sync(self):  # type: ignore[no-untyped-def]
-        where["at"] = "before_sync"
-        try:
-            return before_sync(self)
-        finally:
-            where["at"] = "take"
-
-    PartialRollouts._submit = traced_submit  # type: ignore[method-assign]
-    PartialRollouts._collect = traced_collect  # type: ignore[method-assign]
-    PartialRollouts.before_sync = traced_before_sync  # type: ignore[method-assign]
     try:
         from grpo_megatron.rollout.sglang import engine as sglang_engine
         from grpo_megatron.rollout.sglang import protocol
@@ -389,9 +359,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--median", type=float, default=20.0, help="median response length (tokens)")
     parser.add_argument("--sigma", type=float, default=1.1, help="lognormal sigma")
     parser.add_argument("--max-new-tokens", type=int, default=192)
-    parser.add_argument("--segment", type=int, default=24, help="rollout.partial_segment_tokens")
+    parser.add_argument("--segment", type=int, default=24, help="rollout.partial.segment_tokens")
     parser.add_argument(
-        "--pool", type=int, default=0, help="rollout.partial_groups_in_flight (0: 2 x --prompts)"
+        "--pool", type=int, default=0, help="rollout.partial.groups_in_flight (0: 2 x --prompts)"
     )
     parser.add_argument("--hidden", type=int, default=256, help="the model's hidden size (training's share)")
     parser.add_argument("--layers", type=int, default=2)

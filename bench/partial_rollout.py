@@ -9,7 +9,8 @@ same lengths for the same prompts, in the same order.
 
 - synchronous: each iteration generates its ``--prompts`` x ``--samples`` responses in one call and
   waits for the longest;
-- continuous: ``PartialPool`` (the same pool the trainer's ``PartialRollouts`` runs) of twice as many
+- continuous: ``PartialPool`` (the same pool and round function, ``submit_round``, the trainer's
+  ``PartialRollouts`` runs) of twice as many
   groups, segments of ``--segment`` tokens, rounds until ``--prompts`` groups are complete, the
   oldest taken.
 
@@ -25,7 +26,7 @@ behind the longest response wastes little, while every continuation recomputes i
 partial rollouts promise comes where a decode step costs about the same for few rows as for many
 (GPUs, memory-bound) and the tail leaves slots idle; issue 40's target (continuous / synchronous
 <= 0.5) is not met by this bench. bench/partial_iterations.py times whole iterations with the
-rounds overlapped with training (rollout.partial_overlap), and measures the demo MoE's decode step
+rounds overlapped with training (rollout.partial.overlap), and measures the demo MoE's decode step
 at 5.1 ms for 1 row vs 12.9 ms for 64: not proportional to rows.
 
     python bench/partial_rollout.py            # ~15 s on 2 cores
@@ -34,17 +35,19 @@ at 5.1 ms for 1 row vs 12.9 ms for 64: not proportional to rows.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import random
 import time
+from collections.abc import Callable
 from pathlib import Path
 from statistics import mean, median
 
 import torch
 
-from grpo_megatron.rollout.engine import SamplingParams
-from grpo_megatron.training.partial import PartialPool
+from grpo_megatron.rollout.engine import Completion, SamplingParams
+from grpo_megatron.training.partial import PartialPool, PartialResponse, collect_round, submit_round
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -107,6 +110,29 @@ def synchronous(engine: object, lengths: Lengths, args: argparse.Namespace) -> l
     return seconds
 
 
+def drawn_lengths(
+    engine: object, want: dict[int, int], segment: int
+) -> Callable[
+    [list[tuple[int, PartialResponse]], list[list[int]], SamplingParams], Callable[[], list[list[Completion]]]
+]:
+    """A segment round's ``Submit`` straight to ``engine`` where each response's drawn length (``want``,
+    by its id) stands in for a stop token: each row's budget is min(segment, what is left of it), and
+    its segment ends with "stop" once it is reached."""
+
+    def submit(
+        rows: list[tuple[int, PartialResponse]], inputs: list[list[int]], params: SamplingParams
+    ) -> Callable[[], list[list[Completion]]]:
+        budgets = tuple(min(segment, want[id(r)] - len(r.token_ids)) for _, r in rows)
+        params = dataclasses.replace(params, max_new_tokens=max(budgets), max_new_tokens_each=budgets)
+        segments = engine.generate(inputs, params)  # type: ignore[attr-defined]
+        for (_, r), (one,) in zip(rows, segments, strict=True):
+            if len(r.token_ids) + len(one.token_ids) >= want[id(r)]:
+                one.finish_reason = "stop"
+        return lambda: segments
+
+    return submit
+
+
 def continuous(engine: object, lengths: Lengths, args: argparse.Namespace) -> tuple[list[float], list[int]]:
     pool = PartialPool(
         args.samples, args.segment, args.max_new_tokens, max_staleness=1_000_000, size=2 * args.prompts
@@ -115,23 +141,15 @@ def continuous(engine: object, lengths: Lengths, args: argparse.Namespace) -> tu
     for it in range(args.iterations):
         start = time.perf_counter()
         pool.top_up(list(range(pool.next_serial, pool.next_serial + pool.missing())))  # index = serial
+        want = {
+            id(g.responses[j]): lengths.length(g.serial, j) for g in pool.groups for j in range(args.samples)
+        }
         rounds = 0
         while pool.unfinished() and (rounds == 0 or pool.complete() < args.prompts):
-            todo, inputs, _ = pool.requests(lengths.prompt)
-            want = {
-                id(g.responses[j]): lengths.length(g.serial, j)
-                for g in pool.groups
-                for j in range(args.samples)
-            }
-            budgets = tuple(min(args.segment, want[id(r)] - len(r.token_ids)) for _, r in todo)
-            params = SamplingParams(
-                n=1, max_new_tokens=max(budgets), max_new_tokens_each=budgets, seed=it * 1000 + rounds
+            params = SamplingParams(n=1, seed=it * 1000 + rounds)
+            collect_round(
+                pool, submit_round(pool, lengths.prompt, drawn_lengths(engine, want, args.segment), params)
             )
-            segments = engine.generate(inputs, params)  # type: ignore[attr-defined]
-            for (_, response), (segment,) in zip(todo, segments, strict=True):
-                pool.extend(response, segment)
-                if len(response.token_ids) >= want[id(response)]:
-                    response.finish_reason = "stop"  # its drawn length: the stand-in for a stop token
             rounds += 1
         pool.take(args.prompts)
         seconds.append(time.perf_counter() - start)
@@ -147,7 +165,7 @@ def main() -> int:
     parser.add_argument("--median", type=float, default=16.0, help="median response length (tokens)")
     parser.add_argument("--sigma", type=float, default=1.0, help="lognormal sigma (1.0: p99/p50 about 10)")
     parser.add_argument("--max-new-tokens", type=int, default=256)
-    parser.add_argument("--segment", type=int, default=16, help="rollout.partial_segment_tokens")
+    parser.add_argument("--segment", type=int, default=16, help="rollout.partial.segment_tokens")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     torch.set_num_threads(1)

@@ -194,7 +194,7 @@ def measure(
     name: str, args: argparse.Namespace, size: dict[str, Any], shape: tuple[int, int, int]
 ) -> dict[str, Any]:
     """Every figure of one model (``size``: config overrides; ``shape``: prompts, samples, new tokens)."""
-    from grpo_megatron.rollout.config import RolloutConfig
+    from grpo_megatron.rollout.config import RolloutConfig, SGLangConfig
     from grpo_megatron.rollout.embedded import EmbeddedEngine
     from grpo_megatron.rollout.engine import SamplingParams
     from grpo_megatron.rollout.sglang.engine import SGLangEngine
@@ -213,9 +213,8 @@ def measure(
     # A KV pool holding every sequence of the rollout at once (the adapter's CPU default, 16384 tokens,
     # would run a wide rollout's 512 sequences ~120 at a time): the embedded engine runs them all.
     kv_tokens = max(16384, n_prompts * n_samples * (9 + new_tokens + 8))
-    rollout = RolloutConfig(
-        engine="sglang", sglang_server_args={"max_total_tokens": kv_tokens}, sglang_cpu_path=args.cpu_path
-    )
+    sglang = SGLangConfig(server_args={"max_total_tokens": kv_tokens}, cpu_path=args.cpu_path)
+    rollout = RolloutConfig(engine="sglang", sglang=sglang)
     adapter = SGLangEngine(rollout, str(work / "model"), EngineLaunch(args.dtype, device="cpu"))
     gen = torch.Generator().manual_seed(0)
     prompts = [[1, *torch.randint(4, 24, (8,), generator=gen).tolist()] for _ in range(n_prompts)]
@@ -294,7 +293,7 @@ def main() -> int:
         "--cpu-path",
         choices=["auto", "torch_native"],
         default="auto",
-        help="rollout.sglang_cpu_path: torch_native takes that path on an AMX CPU too",
+        help="rollout.sglang.cpu_path: torch_native takes that path on an AMX CPU too",
     )
     parser.add_argument("--buckets", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=5)

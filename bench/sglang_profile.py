@@ -201,11 +201,11 @@ def main() -> int:
         action="append",
         default=[],
         metavar="KEY=JSON",
-        help="an extra sglang.Engine argument (rollout.sglang_server_args), e.g. sleep_on_idle=false",
+        help="an extra sglang.Engine argument (rollout.sglang.server_args), e.g. sleep_on_idle=false",
     )
     args = parser.parse_args()
 
-    from grpo_megatron.rollout.config import RolloutConfig
+    from grpo_megatron.rollout.config import RolloutConfig, SGLangConfig
     from grpo_megatron.rollout.engine import SamplingParams
     from grpo_megatron.rollout.sglang.engine import SGLangEngine
     from grpo_megatron.rollout.sglang.launch import EngineLaunch
@@ -215,7 +215,7 @@ def main() -> int:
     size = {"num_hidden_layers": args.layers, "num_experts": args.experts, "max_position_embeddings": 256}
     weights = save_model(work / "model", args.hidden, getattr(torch, args.dtype), **size)
     parts = buckets(weights, args.buckets)
-    rollout = RolloutConfig(engine="sglang", sglang_server_args=extra)
+    rollout = RolloutConfig(engine="sglang", sglang=SGLangConfig(server_args=extra))
     adapter = SGLangEngine(rollout, str(work / "model"), EngineLaunch(args.dtype, device="cpu"))
     gen = torch.Generator().manual_seed(0)
     prompts = [[1, *torch.randint(4, 24, (8,), generator=gen).tolist()] for _ in range(args.prompts)]

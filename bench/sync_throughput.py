@@ -81,7 +81,7 @@ def worker(args: argparse.Namespace) -> None:
         last.update(fleet.sync_weights(model, version[0], bucket_bytes=bucket_bytes))
 
     sync()  # warm-up; makes the plan
-    plan = fleet.export_plan
+    plan = fleet.weights.export_plan
     assert plan is not None
     payload = sum(item.hf_bytes for item in plan.items)
     pairs = plan.pair_bytes

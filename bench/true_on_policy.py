@@ -41,7 +41,10 @@ COMMON = [
     "reward.components=[{name: len, function: length, kwargs: {target_chars: 6}}]",
 ]
 WIDE = [
-    "model.hf_overrides={hidden_size: 512, intermediate_size: 1024, moe_intermediate_size: 512, num_hidden_layers: 4}"
+    "model.hf_overrides.hidden_size=512",
+    "model.hf_overrides.intermediate_size=1024",
+    "model.hf_overrides.moe_intermediate_size=512",
+    "model.hf_overrides.num_hidden_layers=4",
 ]
 
 
@@ -110,7 +113,8 @@ def main() -> int:
             off, on = got["false"], got["true"]
             rows.append((name, off, on))
     print(
-        "\n| model | rollout tokens/s off | on | on/off | train step s off | on | on/off | mismatch max off | on |"
+        "\n| model | rollout tokens/s off | on | on/off | train step s off | on | on/off "
+        "| mismatch max off | on |"
     )
     print("|---|---|---|---|---|---|---|---|---|")
     for name, off, on in rows:

@@ -8,9 +8,16 @@ import time
 
 import pytest
 
+from tests.helpers import tier
 from tests.sglang_env import closing_note
 
 _STARTED = pytest.StashKey[float]()
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """Before the test's fixtures: whether it may launch a job, the real engine or ranks of its own
+    (``tests/helpers/tier.py``)."""
+    tier.MARKED[0] = item.get_closest_marker("launches") is not None
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:

@@ -112,6 +112,9 @@ def require_sglang_engine() -> None:
     engine can start."""
     missing = missing_piece()
     if missing is None:
+        from tests.helpers import tier
+
+        tier.require_mark("SGLang's real engine")
         return
     if os.environ.get("GRPO_REQUIRE_SGLANG") == "1" and not missing.cpu_cannot:
         pytest.fail(f"GRPO_REQUIRE_SGLANG=1 but {missing.why}")

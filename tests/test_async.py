@@ -2,31 +2,29 @@
 each with its embedded engine in a process of its own (rollout/engine_process.py), the reward pool,
 checkpoints on disk. A length reward gives every group reward variance, so the policy really moves
 and a stale sample's ratio is not 1. Issue 41: engine processes lost (GRPO_ENGINE_FAULT, or a kill) during
-a rollout or a weight sync are restarted in place, and past rollout.max_engine_restarts the run ends naming them."""
+a rollout or a weight sync are restarted in place, and past rollout.recovery.max_restarts the run ends naming them."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
-from grpo_megatron.logging_utils.metrics import read_jsonl
-from tests.helpers.runs import SMALL, comparable, finish, killed_and_resumed, launch
+import pytest
 
-MOVING = [
-    *SMALL,
-    "reward.components=[{name: len, function: length, kwargs: {target_chars: 6}}]",
-    "train.lr=1e-3",
-]
+from grpo_megatron.logging_utils.metrics import read_jsonl
+from tests.helpers.runs import MOVING, comparable, finish, killed_and_resumed, launch
+
 ASYNC = ["rollout.embedded_process=true"]
 
 
+@pytest.mark.launches
 def test_max_staleness_zero_in_engine_processes_equals_the_synchronous_run_bitwise(tmp_path, monkeypatch):
     # The asynchronous loop with max_staleness=0 in engine processes, which issue 41 also faults: rank 1's
     # engine process is SIGKILLed as it takes its 3rd generate request and rank 0's SIGSTOPped at its 4th
     # (rollouts of iterations 2 and 3); each is restarted in place, given the current weights, its share
     # generated again: the run equals the synchronous one bitwise. (A run of the same loop without the
     # faults, which this one covers with two restarts more, was dropped to keep the suite's time.)
-    faults = ["rollout.max_engine_restarts=2", "rollout.engine_health_timeout_s=5"]
+    faults = ["rollout.recovery.max_restarts=2", "rollout.recovery.health_timeout_s=5"]
     runs = {"sync": [], "lost": [*ASYNC, "train.max_staleness=0", *faults]}
     outs = {}
     for name, extra in runs.items():
@@ -49,6 +47,7 @@ def test_max_staleness_zero_in_engine_processes_equals_the_synchronous_run_bitwi
     assert "[engine] engine 0 (rank 0 on" in out and "(it is stopped: state T)" in out, out[-4000:]
 
 
+@pytest.mark.launches
 def test_more_engine_losses_than_the_bound_end_the_run_naming_them(tmp_path, monkeypatch):
     monkeypatch.setenv("GRPO_ENGINE_FAULT", "kill:1")  # both engines, at the first rollout
     proc = launch(
@@ -56,14 +55,14 @@ def test_more_engine_losses_than_the_bound_end_the_run_naming_them(tmp_path, mon
         [
             *MOVING,
             *ASYNC,
-            "rollout.max_engine_restarts=1",
+            "rollout.recovery.max_restarts=1",
             "train.iterations=2",
             f"logging.run_dir={tmp_path / 'run'}",
         ],
     )
     out, _ = proc.communicate(timeout=300)
     assert proc.returncode != 0
-    assert "2 engine(s) lost, past rollout.max_engine_restarts=1 (0 restart(s) so far)" in out, out[-4000:]
+    assert "2 engine(s) lost, past rollout.recovery.max_restarts=1 (0 restart(s) so far)" in out, out[-4000:]
     for engine in (0, 1):
         assert f"engine {engine} (rank {engine} on" in out
     assert "exited with code -9" in out and "its log (" in out
@@ -71,6 +70,7 @@ def test_more_engine_losses_than_the_bound_end_the_run_naming_them(tmp_path, mon
     assert f"its log ({log})" in out and "--- engine process of rank 1, life 0 ---" in log.read_text()
 
 
+@pytest.mark.launches
 def test_one_step_off_lags_by_at_most_one_version_and_resumes_with_the_same_rules(tmp_path):
     # r3: each batch's routes stay held on the engines' ranks until its iteration's plan, while the next
     # batch's are held too; the checkpoint at iteration 2 copies a submitted batch's held routes.
@@ -126,6 +126,7 @@ def test_one_step_off_lags_by_at_most_one_version_and_resumes_with_the_same_rule
     assert prompts(sync, 3) != prompts(full, 4)
 
 
+@pytest.mark.launches
 def test_engine_process_serves_each_request_with_the_weights_sent_before_it(tmp_path):
     # Two requests in flight around a weight update: the first is served with version 1, the second
     # with version 2, whatever the timing; version 1's completions equal an in-process engine's bitwise.
@@ -133,8 +134,10 @@ def test_engine_process_serves_each_request_with_the_weights_sent_before_it(tmp_
 
     from grpo_megatron.rollout.engine import SamplingParams
     from grpo_megatron.rollout.engine_process import EngineProcess
+    from tests.helpers.engines import load_weights as _load
+    from tests.helpers.engines import saved_model as _saved
+    from tests.helpers.engines import tiny_engine as _engine
     from tests.helpers.tiny_configs import tiny_hf_config
-    from tests.test_rollout import _engine, _load, _saved
 
     saved, _ = _saved("qwen3_moe", tmp_path)
     remote = EngineProcess(tiny_hf_config("qwen3_moe"), dtype=torch.float32, threads=1)
@@ -164,10 +167,11 @@ def test_engine_process_serves_each_request_with_the_weights_sent_before_it(tmp_
     assert [c.logprobs for g in got_2 for c in g] != [c.logprobs for g in got_1 for c in g]
 
 
+@pytest.mark.launches
 def test_the_fleet_restarts_engines_lost_before_or_during_a_sync_or_a_rollout(tmp_path):
     from tests.helpers.dist import run_distributed
+    from tests.helpers.engines import write_config as _write_config
     from tests.helpers.tiny_configs import tiny_hf_config
-    from tests.test_rollout import _write_config
 
     moe = _write_config(tmp_path / "moe", tiny_hf_config("qwen3_moe"))
     per_rank = run_distributed(
@@ -177,5 +181,5 @@ def test_the_fleet_restarts_engines_lost_before_or_during_a_sync_or_a_rollout(tm
         assert res["after_sync_restart"] == 1 and res["restarts"] == 3, res
         assert res["same"] and res["versions"] == [2] and res["versions_3"] == [3], res
         assert res["metrics"]["engine/restarts"] == 3 and res["metrics"]["engine/restart_s"] > 0
-        assert "past rollout.max_engine_restarts=3 (3 restart(s) so far)" in res["past_bound"]
+        assert "past rollout.recovery.max_restarts=3 (3 restart(s) so far)" in res["past_bound"]
         assert "code -9" in res["past_bound"] and "its log (" in res["past_bound"]  # the kill, named

@@ -29,6 +29,7 @@ def exit_report(freeze: str) -> str:
     return proc.stderr
 
 
+@pytest.mark.launches
 def test_a_frozen_process_exits_without_nanobind_leak_reports() -> None:
     # The cause, observed: what is frozen is never collected at shutdown, so nanobind reports it.
     assert "nanobind: leaked" in exit_report(FREEZE["gc.freeze() alone"])

@@ -61,6 +61,7 @@ def _cases(root: Path, refs: dict, layouts: dict[str, tuple[list[str], list[str]
     return cases, case_refs
 
 
+@pytest.mark.launches
 def test_every_architecture_round_trips_exactly_at_world_1(tiny) -> None:
     root, refs = tiny
     cases, case_refs = _cases(root, refs, {"world1": (list(TINY_CONFIGS), [])})
@@ -84,6 +85,7 @@ TWO_RANKS = {
 }
 
 
+@pytest.mark.launches
 def test_two_rank_layouts_round_trip_exactly(tiny) -> None:
     root, refs = tiny
     cases, case_refs = _cases(root, refs, TWO_RANKS)
@@ -104,6 +106,7 @@ def test_two_rank_layouts_round_trip_exactly(tiny) -> None:
     assert not failures
 
 
+@pytest.mark.launches
 def test_tp2_ep2_round_trips_exactly_and_writes_a_loadable_model(tiny, tmp_path: Path) -> None:
     root, refs = tiny
     cases, case_refs = _cases(root, refs, {"TP2xEP2": (MOE, ["parallel.tp=2", "parallel.ep=2"])})
@@ -141,6 +144,7 @@ def _broken_copy(src: Path, dst: Path, edit) -> str:
     return str(dst)
 
 
+@pytest.mark.launches
 def test_broken_checkpoints_fail_naming_key_and_file(tiny, tmp_path: Path) -> None:
     root, _ = tiny
     src = root / "qwen3_moe"
@@ -233,6 +237,7 @@ def _cli(args: list[str], world_size: int) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.mark.launches
 def test_verify_command_passes_at_tp2_and_fails_over_tolerance(tiny) -> None:
     root, _ = tiny
     hf_path = f"model.hf_path={root / 'qwen3_moe'}"

@@ -113,6 +113,7 @@ def _assert_same_weights(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor])
     assert not different, f"{len(different)} tensors differ, e.g. {different[:3]}"
 
 
+@pytest.mark.launches
 @pytest.mark.parametrize("case", list(CASES))
 def test_resumed_run_equals_uninterrupted_bitwise(runs: dict, case: str) -> None:
     full, resumed = runs["uninterrupted"][case], runs["resumed"][case]
@@ -130,12 +131,14 @@ def test_resumed_run_equals_uninterrupted_bitwise(runs: dict, case: str) -> None
         assert set(result["adam_steps"]) == {TOTAL}
 
 
+@pytest.mark.launches
 def test_schedule_warms_up_and_decays(runs: dict) -> None:
     lrs = runs["uninterrupted"]["ep2_distopt"]["lrs"]
     assert lrs[1] == pytest.approx(1e-3)  # warm-up of one iteration: the first step already learns
     assert 1e-4 < lrs[2] < 1e-3 and lrs[3] == pytest.approx(1e-4)
 
 
+@pytest.mark.launches
 def test_resume_auto_skips_temporary_and_unmarked_directories(runs: dict) -> None:
     for case, directory in runs["dirs"].items():
         assert runs["resumed"][case]["resumed_at"] == SAVED_AT
@@ -144,6 +147,7 @@ def test_resume_auto_skips_temporary_and_unmarked_directories(runs: dict) -> Non
         assert find_latest(directory) == Path(directory) / "iter_0000002"
 
 
+@pytest.mark.launches
 def test_interrupted_save_leaves_latest_at_the_previous_checkpoint(runs: dict) -> None:
     assert "simulated crash" in runs["interrupted"]["error"]
     directory = Path(runs["dirs"]["ep2_plain"])
@@ -152,6 +156,7 @@ def test_interrupted_save_leaves_latest_at_the_previous_checkpoint(runs: dict) -
     assert not (directory / "iter_0000003").exists()
 
 
+@pytest.mark.launches
 def test_model_loads_at_another_layout(runs: dict) -> None:
     saved = runs["uninterrupted"]["ep2_distopt"]["weights"][SAVED_AT]
     at_tp2 = runs["ep2_at_tp2"]
@@ -160,11 +165,13 @@ def test_model_loads_at_another_layout(runs: dict) -> None:
     assert at_tp2["lr"] == runs["uninterrupted"]["ep2_distopt"]["lrs"][SAVED_AT]
 
 
+@pytest.mark.launches
 def test_optimizer_layout_change_megatron_cannot_do_names_the_fix(runs: dict) -> None:
     error = runs["ep2_at_tp2_optimizer"]["error"]
     assert "2 chained optimizer(s)" in error and "checkpoint.load_optimizer=false" in error
 
 
+@pytest.mark.launches
 def test_distributed_optimizer_reshards_tp2_to_dp2(runs: dict) -> None:
     full = runs["uninterrupted"]["tp2_distopt"]
     at_dp2 = runs["tp2_at_dp2"]
@@ -178,6 +185,7 @@ def test_distributed_optimizer_reshards_tp2_to_dp2(runs: dict) -> None:
     assert worst < 1e-6, worst
 
 
+@pytest.mark.launches
 @pytest.mark.parametrize("case", ["ep2_distopt_lora", "tp2_plain_lora"])
 def test_lora_checkpoint_holds_adapter_optimizer_state_only(runs: dict, case: str) -> None:
     """The model part holds the frozen base and the adapters; the optimizer part, only the adapters'

@@ -140,6 +140,27 @@ def test_unknown_override_keys_name_the_override():
     assert "reward.components has 1 item(s), so index 5 does not exist" in e4
 
 
+def test_moved_keys_name_their_new_place(tmp_path):
+    """Issue 52 nested partial rollouts, SGLang and engine recovery: a config that still names an old
+    flat key (a file's or an override's) fails naming the key it moved to."""
+    path = write_yaml(
+        tmp_path,
+        f"model:\n  hf_path: {TINY_MODEL}\ntrain:\n  partial_rollout: true\nrollout:\n  sglang_tp: 2\n",
+    )
+    with pytest.raises(ConfigError) as exc:
+        load_config(path, ["rollout.partial_segment_tokens=3", "rollout.max_engine_restarts=1"])
+    errors = sorted(exc.value.errors)
+    assert len(errors) == 4
+    for old, new in (
+        ("train.partial_rollout", "rollout.partial.enabled"),
+        ("rollout.sglang_tp", "rollout.sglang.tp"),
+        ("rollout.partial_segment_tokens", "rollout.partial.segment_tokens"),
+        ("rollout.max_engine_restarts", "rollout.recovery.max_restarts"),
+    ):
+        assert any(f"'{old}' has moved to '{new}'" in e for e in errors), (old, errors)
+    assert f"{path}:4: 'train.partial_rollout' has moved" in "\n".join(errors)
+
+
 def test_wrong_types_and_choices(tmp_path):
     path = write_yaml(
         tmp_path,
@@ -459,12 +480,12 @@ def test_sglang_requests_must_fit_the_models_context():
     (error,) = config_errors(
         [
             "rollout.engine=sglang",
-            "rollout.sglang_server_args.context_length=256",
+            "rollout.sglang.server_args.context_length=256",
             "rollout.max_new_tokens=240",
         ],
         world_size=1,
     )
-    assert "context of 256 (rollout.sglang_server_args.context_length)" in error
+    assert "context of 256 (rollout.sglang.server_args.context_length)" in error
     multiturn = [
         "rollout.engine=sglang",
         "rollout.multiturn.enabled=true",
@@ -491,27 +512,29 @@ def test_the_asynchronous_loop_needs_engines_generating_apart_and_refuses_what_i
     validate(load_config(EXAMPLE, ["rollout.embedded_process=true", "train.max_staleness=2"]), 1)
     # issue 41: engines are restarted in place as engine processes or colocated SGLang engines; the bound and
     # deadline are checked
-    with pytest.raises(ConfigError, match=r"rollout.max_engine_restarts=2: .*rollout.embedded_process=true"):
-        validate(load_config(EXAMPLE, ["rollout.max_engine_restarts=2"]), 1)
-    with pytest.raises(ConfigError, match=r"rollout.max_engine_restarts=1: disaggregated SGLang servers"):
+    with pytest.raises(
+        ConfigError, match=r"rollout.recovery.max_restarts=2: .*rollout.embedded_process=true"
+    ):
+        validate(load_config(EXAMPLE, ["rollout.recovery.max_restarts=2"]), 1)
+    with pytest.raises(ConfigError, match=r"rollout.recovery.max_restarts=1: disaggregated SGLang servers"):
         validate(
             load_config(
                 EXAMPLE,
                 [
                     "rollout.engine=sglang",
-                    "rollout.max_engine_restarts=1",
-                    "rollout.sglang_mode=disaggregated",
-                    "rollout.sglang_server_urls=[http://h:1]",
+                    "rollout.recovery.max_restarts=1",
+                    "rollout.sglang.mode=disaggregated",
+                    "rollout.sglang.server_urls=[http://h:1]",
                 ],
             ),
             1,
         )
-    validate(load_config(EXAMPLE, ["rollout.engine=sglang", "rollout.max_engine_restarts=1"]), 1)
-    with pytest.raises(ConfigError, match=r"rollout.engine_health_timeout_s=0.0 must be > 0"):
+    validate(load_config(EXAMPLE, ["rollout.engine=sglang", "rollout.recovery.max_restarts=1"]), 1)
+    with pytest.raises(ConfigError, match=r"rollout.recovery.health_timeout_s=0.0 must be > 0"):
         validate(
-            load_config(EXAMPLE, ["rollout.embedded_process=true", "rollout.engine_health_timeout_s=0"]), 1
+            load_config(EXAMPLE, ["rollout.embedded_process=true", "rollout.recovery.health_timeout_s=0"]), 1
         )
-    validate(load_config(EXAMPLE, ["rollout.embedded_process=true", "rollout.max_engine_restarts=2"]), 1)
+    validate(load_config(EXAMPLE, ["rollout.embedded_process=true", "rollout.recovery.max_restarts=2"]), 1)
     sglang = load_config(EXAMPLE, ["rollout.engine=sglang", "train.max_staleness=1"])
     validate(sglang, 1)  # SGLang's schedulers are processes of their own
     assert sglang.producer_loop and not load_config(EXAMPLE, ["rollout.engine=sglang"]).producer_loop
@@ -527,12 +550,12 @@ def test_the_asynchronous_loop_needs_engines_generating_apart_and_refuses_what_i
 def test_engines_across_nodes_with_restarts_pass_validation_plan_and_the_placement(capsys):
     """Issue 41: colocated SGLang engines across nodes restart in place too (each further node's part
     restarts with its leader, at the leader's fresh address: SGLangSyncMember.restart), so
-    rollout.max_engine_restarts > 0 with engines of 16 GPUs over nodes of 8 passes validation, the
+    rollout.recovery.max_restarts > 0 with engines of 16 GPUs over nodes of 8 passes validation, the
     placement the runtime computes, and plan (which refused it before)."""
     from grpo_megatron.rollout.placement import decide_placement
 
-    restarts = ["rollout.engine=sglang", "rollout.max_engine_restarts=2", "rollout.sglang_ep=1"]
-    across = load_config(EXAMPLE, [*restarts, "rollout.sglang_tp=16"])
+    restarts = ["rollout.engine=sglang", "rollout.recovery.max_restarts=2", "rollout.sglang.ep=1"]
+    across = load_config(EXAMPLE, [*restarts, "rollout.sglang.tp=16"])
     validate(across, 16)
     placement = decide_placement(
         across.rollout,
@@ -548,11 +571,11 @@ def test_engines_across_nodes_with_restarts_pass_validation_plan_and_the_placeme
     assert placement.gpus_per_engine == 16 and placement.engines == (tuple(range(16)),)
     assert (
         main(
-            ["plan", str(EXAMPLE), *restarts, "rollout.sglang_tp=16", "--nodes", "2", "--gpus-per-node", "8"]
+            ["plan", str(EXAMPLE), *restarts, "rollout.sglang.tp=16", "--nodes", "2", "--gpus-per-node", "8"]
         )
         == 0
     )
-    assert "max_engine_restarts" not in capsys.readouterr().err
+    assert "max_restarts" not in capsys.readouterr().err
 
 
 def test_sglang_on_cuda_needs_a_head_size_its_rotary_kernel_has():

@@ -3,7 +3,6 @@ key, and loads with transformers; bad input fails naming the path."""
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -12,20 +11,9 @@ import pytest
 import torch
 
 from grpo_megatron.commands.convert import ConvertError, hf_to_mcore, mcore_to_hf, parse
-from tests.helpers.dist import REPO_ROOT, free_port
-
-
-def _cli(args: list[str], world_size: int) -> subprocess.CompletedProcess:
-    env = dict(os.environ, OMP_NUM_THREADS="1", TORCH_COMPILE_DISABLE="1", MASTER_PORT=str(free_port()))
-    launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world_size)]
-    return subprocess.run(
-        [sys.executable, *launcher, "-m", "grpo_megatron", *args, "--backend", "gloo"],  # CPU on any machine
-        cwd=REPO_ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
+from tests.helpers.dist import REPO_ROOT
+from tests.helpers.runs import cli
+from tests.helpers.weights import read_tensors
 
 
 def _save_tokenizer(directory: Path) -> None:
@@ -40,15 +28,7 @@ def _save_tokenizer(directory: Path) -> None:
     ).save_pretrained(directory)
 
 
-def _tensors(directory: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
-    out: dict[str, torch.Tensor] = {}
-    for path in sorted(directory.glob("*.safetensors")):
-        out.update(load_file(path))
-    return out
-
-
+@pytest.mark.launches
 def test_hf_to_mcore_at_ep2_then_back_at_tp2_is_exact(tmp_path: Path) -> None:
     from transformers import AutoModelForCausalLM
 
@@ -58,16 +38,16 @@ def test_hf_to_mcore_at_ep2_then_back_at_tp2_is_exact(tmp_path: Path) -> None:
     save_tiny_model("qwen3_moe", src)
     _save_tokenizer(src)
 
-    to_mcore = _cli(["convert", "hf-to-mcore", "--hf", str(src), "--out", str(mcore), "--ep", "2"], 2)
+    to_mcore = cli(["convert", "hf-to-mcore", "--hf", str(src), "--out", str(mcore), "--ep", "2"], 2)
     assert to_mcore.returncode == 0, to_mcore.stdout[-2000:] + to_mcore.stderr[-4000:]
     assert (mcore / "grpo_checkpoint.json").is_file() and (mcore / "config.json").is_file()
     assert (mcore / "tokenizer.json").is_file()
     assert not list(tmp_path.glob("*.tmp-*")), "temporary directories left behind"
 
-    to_hf = _cli(["convert", "mcore-to-hf", "--ckpt", str(mcore), "--out", str(hf_out), "--tp", "2"], 2)
+    to_hf = cli(["convert", "mcore-to-hf", "--ckpt", str(mcore), "--out", str(hf_out), "--tp", "2"], 2)
     assert to_hf.returncode == 0, to_hf.stdout[-2000:] + to_hf.stderr[-4000:]
 
-    expected, got = _tensors(src), _tensors(hf_out)
+    expected, got = read_tensors(src), read_tensors(hf_out)
     assert sorted(got) == sorted(expected)
     different = [
         k for k in expected if got[k].dtype != expected[k].dtype or not torch.equal(got[k], expected[k])

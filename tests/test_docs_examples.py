@@ -243,6 +243,7 @@ def _check_script(c: Command) -> list[str]:
     ]
 
 
+@pytest.mark.launches
 def test_every_command_of_the_docs_checks_statically() -> None:
     problems = []
     for c in COMMANDS:
@@ -259,6 +260,7 @@ def test_every_command_of_the_docs_checks_statically() -> None:
     assert not problems, "\n".join(problems)
 
 
+@pytest.mark.launches
 def test_the_check_commands_of_the_docs_run() -> None:
     runs = []
     for c in COMMANDS:

@@ -78,6 +78,7 @@ def test_rounds_are_a_sixteenth_of_a_large_export_but_hold_min_round_bytes() -> 
     assert len(small_buckets) == 5 and all(len(r) == 5 for bucket in small_buckets for r in bucket)
 
 
+@pytest.mark.launches
 def test_stream_to_rank_1_with_a_cast_and_a_reused_plan(tmp_path: Path) -> None:
     hf_dir = tmp_path / "qwen3_moe"
     hf_dir.mkdir()
@@ -104,6 +105,7 @@ def test_stream_to_rank_1_with_a_cast_and_a_reused_plan(tmp_path: Path) -> None:
             assert list(planned) == list(ref) and all(torch.equal(planned[k], v) for k, v in ref.items())
 
 
+@pytest.mark.launches
 def test_deepseek_v3_router_bias_reaches_the_engine_in_fp32_from_a_bf16_export(tmp_path: Path) -> None:
     hf_dir = tmp_path / "deepseek_v3"
     hf_dir.mkdir()

@@ -99,6 +99,7 @@ def ckpts(tmp_path_factory: pytest.TempPathFactory) -> dict:
     }
 
 
+@pytest.mark.launches
 @pytest.mark.parametrize(
     ("case", "named"),
     [
@@ -117,28 +118,33 @@ def test_damaged_newest_checkpoint_falls_back_to_the_previous_one_naming_it(
     assert ckpts["rank1"][case]["iteration"] == 1
 
 
+@pytest.mark.launches
 def test_crafted_metadata_never_runs_its_command(ckpts: dict):
     assert ckpts["crafted"]["iteration"] == 1
     assert not ckpts["pwned"].exists()
 
 
+@pytest.mark.launches
 def test_every_checkpoint_damaged_stops_naming_them(ckpts: dict):
     error = ckpts["all_bad"]["error"]
     assert "every checkpoint in" in error, error
     assert "iter_0000002" in error and "iter_0000001" in error and "checkpoint.resume=none" in error
 
 
+@pytest.mark.launches
 def test_stale_temporaries_are_pruned_at_start_up(ckpts: dict):
     assert ckpts["stale_tmp"]["iteration"] == 2
     assert not list(ckpts["dirs"]["stale_tmp"].glob("*.tmp-*"))
 
 
+@pytest.mark.launches
 def test_checkpoint_of_another_model_names_both(ckpts: dict):
     error = ckpts["mismatch"]["error"]
     assert "holds another model" in error and "hidden_size 128 in the checkpoint vs 64" in error, error
     assert str(ckpts["good"] / "iter_0000002") in error
 
 
+@pytest.mark.launches
 def test_non_finite_weights_are_never_saved(ckpts: dict):
     result = ckpts["nan"]
     assert "hold inf/NaN" in result["error"] and "not saved" in result["error"], result
@@ -146,6 +152,7 @@ def test_non_finite_weights_are_never_saved(ckpts: dict):
     assert (ckpts["dirs"]["nan"] / "latest").read_text().strip() == "iter_0000002"
 
 
+@pytest.mark.launches
 def test_failed_save_on_a_full_disk_removes_its_temporary(ckpts: dict):
     result = ckpts["disk_full"]
     assert result["error"], result
@@ -181,6 +188,7 @@ def converted(tmp_path_factory: pytest.TempPathFactory) -> dict:
     return {"root": root, "hf": root / "hf", "mcore": root / "mcore"}
 
 
+@pytest.mark.launches
 def test_convert_names_the_wrong_hf_config(converted: dict, tmp_path: Path):
     wrong = tmp_path / "wrong"
     wrong.mkdir()
@@ -201,6 +209,7 @@ def test_convert_names_the_wrong_hf_config(converted: dict, tmp_path: Path):
     assert str(wrong / "config.json") in run.stderr and str(converted["mcore"]) in run.stderr
 
 
+@pytest.mark.launches
 def test_convert_refuses_crafted_metadata_without_running_it(converted: dict, tmp_path: Path):
     crafted = tmp_path / "crafted"
     shutil.copytree(converted["mcore"], crafted)
@@ -211,6 +220,7 @@ def test_convert_refuses_crafted_metadata_without_running_it(converted: dict, tm
     assert not pwned.exists() and not (tmp_path / "out").exists()
 
 
+@pytest.mark.launches
 def test_convert_names_a_truncated_safetensors_file(converted: dict, tmp_path: Path):
     damaged = tmp_path / "hf"
     shutil.copytree(converted["hf"], damaged)
@@ -224,6 +234,7 @@ def test_convert_names_a_truncated_safetensors_file(converted: dict, tmp_path: P
 # A stuck (not dead) rank
 
 
+@pytest.mark.launches
 def test_a_stuck_rank_ends_every_rank_naming_it():
     start = time.monotonic()
     with pytest.raises(AssertionError) as failure:
@@ -237,6 +248,7 @@ def test_a_stuck_rank_ends_every_rank_naming_it():
     assert elapsed < 60, elapsed  # the bound (3 s) plus start-up, not the 120 s hang timeout
 
 
+@pytest.mark.launches
 def test_a_rank_blocked_outside_c10d_is_named_with_its_phase():
     # NCCL-like: rank 1 blocks in one call; rank 0 waits for it in work.wait() of an asynchronous
     # collective (outside distributed_c10d.py, as a GPU rank waits on an NCCL kernel).
@@ -251,6 +263,7 @@ def test_a_rank_blocked_outside_c10d_is_named_with_its_phase():
     assert "rank 1 on" in log and "in phase 'step 3': no progress for" in log
 
 
+@pytest.mark.launches
 def test_healthy_long_phases_are_not_stopped():
     # rank 0 computes (torch steps) for 3 bounds (its stack moves), rank 1 blocks in one call for 3
     # bounds inside long_phase (an engine's start-up), while the other waits in a collective.
@@ -258,6 +271,7 @@ def test_healthy_long_phases_are_not_stopped():
     assert r0 == r1 == {"finished": True}
 
 
+@pytest.mark.launches
 def test_a_rollout_longer_than_the_bound_waits_under_the_long_phase():
     # Issue 36: a rollout longer than progress_timeout_s (a 32k-token response) is not a stuck rank.
     # Rank 0's engine process is held for 3 bounds; rank 0 waits on its pipe, rank 1 in the collective.
@@ -293,6 +307,7 @@ def _our_traceback(out: str) -> list[str]:
     return [line for line in out.splitlines() if line.strip().startswith("File ") and "grpo_megatron" in line]
 
 
+@pytest.mark.launches
 def test_rerun_before_the_first_checkpoint_starts_over(tmp_path: Path):
     from grpo_megatron.logging_utils.metrics import read_jsonl
 
@@ -304,6 +319,7 @@ def test_rerun_before_the_first_checkpoint_starts_over(tmp_path: Path):
     assert [r["iteration"] for r in read_jsonl(tmp_path / "run" / "metrics.jsonl")] == [0, 1]
 
 
+@pytest.mark.launches
 def test_full_output_directories_fail_before_any_training(tmp_path: Path):
     full = tmp_path / "hf"
     full.mkdir()
@@ -372,6 +388,7 @@ def _check(*overrides: str) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.mark.launches
 def test_check_finds_missing_data_damaged_weights_and_resume_paths(tmp_path: Path):
     from tests.workers.bridge_workers import save_tiny_model
 
@@ -389,6 +406,7 @@ def test_check_finds_missing_data_damaged_weights_and_resume_paths(tmp_path: Pat
     assert f"checkpoint.resume={tmp_path / 'nope'}: no such checkpoint" in run.stderr
 
 
+@pytest.mark.launches
 def test_check_refuses_what_train_would_refuse_a_missing_tokenizer():
     # examples/tiny_moe/ holds only config.json: train and sft would stop at load_tokenizer after
     # starting every rank, so check (and their start-up check) says so in a second
@@ -400,6 +418,7 @@ def test_check_refuses_what_train_would_refuse_a_missing_tokenizer():
     assert _check(f"data.tokenizer_path={REPO_ROOT / 'examples' / 'demo'}").returncode == 0
 
 
+@pytest.mark.launches
 @pytest.mark.parametrize("shard", ["../outside.safetensors", "/etc/passwd", "sub/model.safetensors", ".."])
 def test_a_safetensors_index_may_name_only_files_beside_it(tmp_path: Path, shard: str):
     from grpo_megatron.bridge.hf_loader import CheckpointError, HFCheckpoint
@@ -423,6 +442,7 @@ def test_a_safetensors_index_may_name_only_files_beside_it(tmp_path: Path, shard
     assert run.returncode == 2 and f"model.hf_path: {index}: {named}" in run.stderr, run.stderr
 
 
+@pytest.mark.launches
 def test_failures_after_start_up_print_one_line_unless_debug():
     short = subprocess.run(
         [sys.executable, "-m", "grpo_megatron", "verify", str(TINY)],

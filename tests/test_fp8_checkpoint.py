@@ -114,6 +114,7 @@ def _quantized_pair(src: Path, fp8_dir: Path, ref_dir: Path, block: tuple[int, i
     return len(fp8) - len(ref)
 
 
+@pytest.mark.launches
 def test_a_tiny_fp8_deepseek_v3_loads_equal_to_its_dequantized_reference_at_tp2(tmp_path: Path) -> None:
     save_tiny_model("deepseek_v3", tmp_path / "src")
     # 16 x 16 blocks: the tiny model's 32-, 48-, 61- and 96-wide tensors span several, some ragged.

@@ -25,6 +25,7 @@ def test_the_list_resolves_against_the_lock_and_pins_what_the_gpu_machine_needs(
         assert pins[name] == lock[name], name  # the project's own dependencies follow the lock
 
 
+@pytest.mark.launches
 def test_check_passes_on_this_checkout():
     out = subprocess.run(
         [sys.executable, str(REPO / "tools" / "build_gpu_carry.py"), "--check"],

@@ -10,6 +10,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from tests.sglang_env import ENGINE_TIMEOUT_S, require_sglang_engine
 
 REPO = Path(__file__).resolve().parents[1]
@@ -17,6 +19,7 @@ sys.path.insert(0, str(REPO / "bench"))
 import _gpu_check_sglang as stages  # noqa: E402
 
 
+@pytest.mark.launches
 def test_the_sglang_engine_stage_passes_on_the_cpu_engine(tmp_path: Path) -> None:
     require_sglang_engine()
     cmd = [

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers.dist import REPO_ROOT, free_port
+from tests.helpers.slurm import shim, slurm_env
 
 SCRIPTS = sorted([*REPO_ROOT.glob("launch/*.sh"), *REPO_ROOT.glob("launch/slurm/*")])
 
@@ -41,6 +42,7 @@ def _run_sbatch_locally(tmp_path: Path, *args: str) -> tuple[subprocess.Complete
     return result, log_dir
 
 
+@pytest.mark.launches
 def test_sbatch_two_local_nodes(tmp_path: Path) -> None:
     """Two "nodes" rendezvous into one world of 2 ranks, run the command with the overrides passed
     through, and write one log per node; then a failing run's exit code reaches the caller."""
@@ -62,104 +64,6 @@ def test_sbatch_two_local_nodes(tmp_path: Path) -> None:
 # The real Slurm branch under a shim: fake `scontrol` and `srun` executables on PATH that do what Slurm
 # does for this script, so that its own `srun` line runs (not the GRPO_LOCAL_TEST branch).
 
-FAKE_SCONTROL = '''#!{python}
-"""scontrol show hostnames LIST: one host per line, Slurm's hostlist syntax expanded."""
-import re, signal, sys
-
-signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # `| head -n1` closes the pipe early, as with the real one
-
-
-def expand(hostlist):
-    hosts = []
-    for part in re.findall(r"[^,\\[]+(?:\\[[^\\]]*\\])?[^,]*", hostlist):
-        m = re.fullmatch(r"(.*)\\[(.*)\\](.*)", part)
-        if not m:
-            hosts.append(part)
-            continue
-        prefix, ranges, suffix = m.groups()
-        for r in ranges.split(","):
-            lo, _, hi = r.partition("-")
-            for i in range(int(lo), int(hi or lo) + 1):
-                hosts.append(f"{{prefix}}{{i:0{{len(lo)}}d}}{{suffix}}")
-    return hosts
-
-if __name__ == "__main__":
-    if sys.argv[1:2] == ["requeue"]:  # what the script asks of Slurm, noted for the test
-        with open(__import__("os").environ["FAKE_SLURM_LOG"], "a") as log:
-            log.write(" ".join(sys.argv[1:]) + "\\n")
-        sys.exit(0)
-    assert sys.argv[1:3] == ["show", "hostnames"], sys.argv
-    print("\\n".join(expand(sys.argv[3] if len(sys.argv) > 3 else __import__("os").environ["SLURM_JOB_NODELIST"])))
-'''
-
-FAKE_SRUN = '''#!{python}
-"""srun --nodes N --ntasks-per-node 1 [--kill-on-bad-exit=1] [--output PATTERN] CMD...: one task per
-node of the allocation with Slurm's task variables, output to PATTERN (%n node index, %t task, %N
-host, %j job id), the other tasks killed when one fails (with --kill-on-bad-exit), exit code the
-worst task's. SIGUSR1 and SIGTERM are passed on to every task's process group."""
-import os, signal, subprocess, sys, time
-
-sys.path.insert(0, os.path.dirname(__file__))
-from scontrol import expand
-
-args, opts = sys.argv[1:], {{}}
-while args and args[0].startswith("-"):
-    flag = args.pop(0)
-    key, eq, value = flag.partition("=")
-    opts[key] = value if eq else args.pop(0)
-assert opts.get("--ntasks-per-node", "1") == "1", "this shim starts one task per node"
-hosts = expand(os.environ["SLURM_JOB_NODELIST"])
-nodes = int(opts.get("--nodes", os.environ["SLURM_JOB_NUM_NODES"]))
-assert nodes <= len(hosts), f"srun: error: {{nodes}} nodes asked for, the job has {{len(hosts)}}"
-tasks = []
-for i, host in enumerate(hosts[:nodes]):
-    env = dict(os.environ, SLURM_PROCID=str(i), SLURM_NODEID=str(i), SLURM_LOCALID="0",
-               SLURM_NNODES=str(nodes), SLURM_NTASKS=str(nodes), SLURM_STEP_NUM_NODES=str(nodes),
-               SLURM_STEP_NODELIST=",".join(hosts[:nodes]), SLURMD_NODENAME=host, SLURM_STEP_ID="0")
-    out = None
-    if "--output" in opts:
-        path = (opts["--output"].replace("%%", "\\0").replace("%n", str(i)).replace("%t", str(i))
-                .replace("%N", host).replace("%j", os.environ["SLURM_JOB_ID"]).replace("\\0", "%"))
-        out = open(path, "w")
-    tasks.append(subprocess.Popen(args, env=env, stdout=out, stderr=subprocess.STDOUT if out else None,
-                                  start_new_session=True))
-kill = opts.get("--kill-on-bad-exit", "0") == "1"
-codes = {{}}
-
-
-def forward(signum, frame):
-    for task in tasks:
-        if task.poll() is None:
-            os.killpg(task.pid, signum)
-
-
-signal.signal(signal.SIGUSR1, forward)
-signal.signal(signal.SIGTERM, forward)
-while len(codes) < len(tasks):
-    for i, task in enumerate(tasks):
-        if i not in codes and task.poll() is not None:
-            codes[i] = task.returncode
-            if task.returncode != 0:
-                print(f"srun: error: {{hosts[i]}}: task {{i}}: Exited with exit code {{task.returncode}}", file=sys.stderr)
-                if kill:
-                    for other in tasks:
-                        if other.poll() is None:
-                            os.killpg(other.pid, signal.SIGKILL)
-    time.sleep(0.05)
-sys.exit(max((c if c >= 0 else 128 - c for c in codes.values()), default=0))
-'''
-
-
-def _shim(tmp_path: Path) -> Path:
-    """A directory with the fake ``scontrol`` and ``srun``, to put first on PATH."""
-    bin_dir = tmp_path / "slurm-bin"
-    bin_dir.mkdir()
-    for name, text in (("scontrol", FAKE_SCONTROL), ("srun", FAKE_SRUN)):
-        (bin_dir / name).write_text(text.format(python=sys.executable))
-        (bin_dir / name).chmod(0o755)
-    (bin_dir / "scontrol.py").symlink_to(bin_dir / "scontrol")  # srun imports its expansion
-    return bin_dir
-
 
 def _run_sbatch_under_slurm(
     tmp_path: Path, *args: str, python: str | None = None
@@ -172,35 +76,8 @@ def _run_sbatch_under_slurm(
     )
 
 
-def slurm_env(tmp_path: Path, python: str | None = None) -> dict[str, str]:
-    """The environment of a batch script on a 2-node allocation (job 4242, one process per node),
-    with the fake srun/scontrol first on PATH; `scontrol requeue` is noted in $FAKE_SLURM_LOG."""
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if not k.startswith(("SLURM", "GRPO_LOCAL_TEST", "MASTER_", "GRPO_EXIT_FILE"))
-    }
-    env.update(
-        PATH=f"{_shim(tmp_path)}:{os.environ['PATH']}",
-        SLURM_JOB_ID="4242",
-        SLURM_JOB_NAME="grpo-megatron",
-        SLURM_JOB_NUM_NODES="2",
-        SLURM_JOB_NODELIST="127.0.0.[1-2]",  # two loopback addresses: the first is the rendezvous host
-        SLURM_SUBMIT_DIR=str(REPO_ROOT),
-        SLURM_GPUS_ON_NODE="1",  # one process per "node"
-        COMMAND="sanity",
-        MASTER_PORT=str(free_port()),
-        RDZV_TIMEOUT="120",
-        LOG_DIR=str(tmp_path / "logs"),
-        OMP_NUM_THREADS="1",
-        PYTHON=python or sys.executable,
-        FAKE_SLURM_LOG=str(tmp_path / "slurm.log"),
-    )
-    return env
-
-
 def test_fake_scontrol_expands_slurm_hostlists(tmp_path: Path) -> None:
-    scontrol = _shim(tmp_path) / "scontrol"
+    scontrol = shim(tmp_path) / "scontrol"
     out = subprocess.run(
         [scontrol, "show", "hostnames", "gpu[001-003,010],login1,rack2-n[8-9]x"],
         capture_output=True,
@@ -210,6 +87,7 @@ def test_fake_scontrol_expands_slurm_hostlists(tmp_path: Path) -> None:
     assert out.stdout.split() == ["gpu001", "gpu002", "gpu003", "gpu010", "login1", "rack2-n8x", "rack2-n9x"]
 
 
+@pytest.mark.launches
 def test_sbatch_real_branch_runs_its_srun_line(tmp_path: Path) -> None:
     """The script's own srun line starts one task per node of the allocation; the two tasks
     rendezvous on the first host into one world of 2 ranks; logs per node; exit code 0."""
@@ -224,6 +102,7 @@ def test_sbatch_real_branch_runs_its_srun_line(tmp_path: Path) -> None:
     assert "dp 0/2" in everything and "step   2" in everything and "step   3" not in everything
 
 
+@pytest.mark.launches
 def test_sbatch_real_branch_names_the_failing_node(tmp_path: Path) -> None:
     """Node 1 cannot start Python (a broken environment on one host): srun's --kill-on-bad-exit
     stops node 0 (waiting for it at the rendezvous), and the job exits with node 1's code, naming

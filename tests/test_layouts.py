@@ -43,6 +43,7 @@ TWO_RANKS = {
 }
 
 
+@pytest.mark.launches
 def test_two_rank_layouts_match_single_process(reference: dict) -> None:
     per_rank = run_distributed(
         "tests.workers.layout_workers:layouts", 2, timeout_s=420, layouts=TWO_RANKS, reference=reference
@@ -57,6 +58,7 @@ FOUR_RANKS = {
 }
 
 
+@pytest.mark.launches
 def test_four_rank_layouts_match_single_process(reference: dict) -> None:
     per_rank = run_distributed(
         "tests.workers.layout_workers:layouts", 4, timeout_s=420, layouts=FOUR_RANKS, reference=reference

@@ -222,6 +222,7 @@ def test_line_and_cut_helpers() -> None:
 # wandb, TensorBoard, plot
 
 
+@pytest.mark.launches
 @pytest.mark.usefixtures("wandb_env")
 def test_wandb_offline_writes_run_directory_and_resume_continues_it(tmp_path: Path) -> None:
     cfg = LoggingConfig(wandb_mode="offline", wandb_run_name="unit")

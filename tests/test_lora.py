@@ -57,6 +57,7 @@ def _check(results: dict) -> None:
     assert not failures, "\n".join(failures)
 
 
+@pytest.mark.launches
 def test_single_process_trains_only_adapters(single: dict) -> None:
     assert (
         single["optimizer_not_lora"] == 0 and single["frozen_with_grad"] == 0 == single["frozen_with_buffer"]
@@ -77,6 +78,7 @@ TWO_RANKS = {
 }
 
 
+@pytest.mark.launches
 def test_two_rank_layouts_match_single_process(single: dict, tmp_path: Path) -> None:
     per_rank = run_distributed(
         "tests.workers.lora_workers:layouts",
@@ -90,6 +92,7 @@ def test_two_rank_layouts_match_single_process(single: dict, tmp_path: Path) -> 
         _check(results)
 
 
+@pytest.mark.launches
 def test_tp2_ep2_etp2_matches_single_process(single: dict, tmp_path: Path) -> None:
     """Expert adapters split over ETP: their whole factor's gradient is all-reduced over ETP."""
     layouts = {"TP2xEP2 (ETP2)": ["parallel.tp=2", "parallel.ep=2"]}
@@ -104,6 +107,7 @@ def test_tp2_ep2_etp2_matches_single_process(single: dict, tmp_path: Path) -> No
         _check(results)
 
 
+@pytest.mark.launches
 def test_reference_is_the_policy_with_adapters_off() -> None:
     """At TP2: identical to a separately built frozen reference at init and after updates, while the
     policy itself moves away from it."""
@@ -125,6 +129,7 @@ def tiny_moe(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root
 
 
+@pytest.mark.launches
 def test_peft_adapter_loads_in_peft_and_gives_the_trainers_logits(tiny_moe: Path, tmp_path: Path) -> None:
     """The exported PEFT adapter (adapter_config.json + adapter_model.safetensors), loaded by the real
     peft onto transformers' model of the same base, gives the trainer's logits, at TP2 and EP2; so
@@ -190,6 +195,7 @@ def test_planner_counts_adapters_only_for_gradients_and_optimizer() -> None:
     assert full_here["parameters"] < lora["parameters"] < 1.05 * full_here["parameters"]
 
 
+@pytest.mark.launches
 def test_grpo_with_lora_runs_kl_against_the_base_syncs_merged_and_exports(tmp_path: Path) -> None:
     """Two GRPO iterations of the demo job with LoRA at EP2: the reference pass runs on the policy with
     adapters off, the engines get merged weights (the mismatch probe agrees with the trainer) around
@@ -220,7 +226,8 @@ def test_grpo_with_lora_runs_kl_against_the_base_syncs_merged_and_exports(tmp_pa
     assert config["r"] == 4 and config["lora_alpha"] == 8 and any((run / "hf").glob("*.safetensors"))
 
     # The checkpoint converts, at another layout (one process), to the same merged model and adapter.
-    from tests.test_convert import _cli, _tensors
+    from tests.helpers.runs import cli as _cli
+    from tests.helpers.weights import read_tensors as _tensors
 
     base = REPO_ROOT / "examples" / "demo"
     for direction, out in (("mcore-to-hf", tmp_path / "merged"), ("mcore-to-peft", tmp_path / "peft")):

@@ -120,6 +120,7 @@ def _fresh_interpreter(script: str) -> None:
     assert proc.returncode == 0, proc.stderr[-3000:]
 
 
+@pytest.mark.launches
 def test_opt_in_and_applied_by_cause_not_by_device() -> None:
     """In fresh interpreters: importing patches nothing; "TE absent" alone (a CUDA job) applies the
     router fix and no CUDA-absent fix, and the router then runs (on CPU tensors, with torch's own
@@ -163,6 +164,7 @@ def test_opt_in_and_applied_by_cause_not_by_device() -> None:
     )
 
 
+@pytest.mark.launches
 def test_torch_adam_fixes_are_applied_by_that_condition() -> None:
     """megatron's Adam here is torch's (no TE, no apex), on any device: a CUDA job gets the
     distributed-optimizer fixes; with a fused Adam reported, a CPU job gets none of them (the CPU
@@ -338,6 +340,7 @@ def test_moe_router_gemm_name(monkeypatch: pytest.MonkeyPatch) -> None:
     )
 
 
+@pytest.mark.launches
 def test_mla_te_flag() -> None:
     """Without TransformerEngine megatron still believes MLA has TE; the fix clears the flag
     (tests/test_models.py builds and trains DeepSeek-V3's MLA with it)."""
@@ -481,17 +484,20 @@ def test_optimizer_on_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
 # The harness
 
 
+@pytest.mark.launches
 def test_harness_passes_kwargs_and_returns_in_rank_order() -> None:
     results = run_distributed(f"{_WORKERS}:echo", 2, timeout_s=60, value={"x": torch.arange(3)})
     assert [r["rank"] for r in results] == [0, 1]
     assert all(torch.equal(r["value"]["x"], torch.arange(3)) for r in results)
 
 
+@pytest.mark.launches
 def test_harness_names_the_failing_rank() -> None:
     with pytest.raises(AssertionError, match=r"rank\(s\) \[1\][\s\S]*deliberate failure on rank 1"):
         run_distributed(f"{_WORKERS}:fail_on_rank", 2, timeout_s=60, rank_to_fail=1)
 
 
+@pytest.mark.launches
 def test_harness_fails_a_hang() -> None:
     with pytest.raises(AssertionError, match="timed out after 5 s"):
         run_distributed(f"{_WORKERS}:hang", 2, timeout_s=5)
@@ -540,16 +546,19 @@ def _check_layout(results: list[dict], name: str) -> None:
     assert torch.equal(per_rank[0]["rand_dp"], per_rank[1]["rand_dp"]) == (layout.pp == 1)
 
 
+@pytest.mark.launches
 @pytest.mark.parametrize("name", TWO_RANK_LAYOUTS)
 def test_two_rank_layout_trains(two_rank_results: list[dict], name: str) -> None:
     _check_layout(two_rank_results, name)
 
 
+@pytest.mark.launches
 @pytest.mark.parametrize("name", FOUR_RANK_LAYOUTS)
 def test_four_rank_layout_trains(four_rank_results: list[dict], name: str) -> None:
     _check_layout(four_rank_results, name)
 
 
+@pytest.mark.launches
 def test_gloo_uneven_all_gather(two_rank_results: list[dict]) -> None:
     """gloo still rejects megatron's uneven all-gather (else the fix is dead weight), still accepts
     its uneven reduce-scatter (else it needs a fix too), and ours gathers the right rows."""
@@ -572,18 +581,21 @@ def distopt_results() -> list[dict]:
     return run_distributed(f"{_WORKERS}:distopt_checkpoint_fixes", 2, timeout_s=180)
 
 
+@pytest.mark.launches
 def test_distopt_fresh_state_dict(distopt_results: list[dict]) -> None:
     for result in distopt_results:
         assert result["fresh_original"].startswith("AssertionError"), result["fresh_original"]
         assert result["fresh_steps"] and set(result["fresh_steps"]) == {0}
 
 
+@pytest.mark.launches
 def test_distopt_dp_zero_on_cuda(distopt_results: list[dict]) -> None:
     for result in distopt_results:
         assert "not compiled with CUDA" in result["dp_zero_original"], result["dp_zero_original"]
         assert result["dp_zero_fixed"] == ""
 
 
+@pytest.mark.launches
 def test_distopt_unshared_step(distopt_results: list[dict]) -> None:
     for result in distopt_results:
         assert result["states"] > 1
@@ -592,6 +604,7 @@ def test_distopt_unshared_step(distopt_results: list[dict]) -> None:
         assert result["step_values_fixed"] == [2.0]
 
 
+@pytest.mark.launches
 def test_distopt_keep_restored_step(distopt_results: list[dict]) -> None:
     for result in distopt_results:
         assert result["set_original"] == "KeyError: 'step'"
@@ -599,6 +612,7 @@ def test_distopt_keep_restored_step(distopt_results: list[dict]) -> None:
         assert result["step_after_set"] == 2.0  # a fresh optimizer's 0 does not overwrite it
 
 
+@pytest.mark.launches
 def test_distopt_dp_reshardable_no_grad(distopt_results: list[dict]) -> None:
     for result in distopt_results:
         assert "view of a leaf Variable" in result["dp_reshardable_original"], result[

@@ -71,6 +71,7 @@ def test_vocab_padding() -> None:
     assert padded_vocab_size(256, 128, 2) == 256
 
 
+@pytest.mark.launches
 def test_every_model_type_builds_and_trains_one_step() -> None:
     configs = {t: tiny_hf_config(t) for t in SUPPORTED_MODEL_TYPES}
     (results,) = run_distributed(

@@ -304,6 +304,7 @@ TOOL_SMALL = [
 ]
 
 
+@pytest.mark.launches
 def test_multiturn_grpo_on_two_ranks_trains_on_model_tokens_only_and_resumes_exactly(tmp_path):
 
     from grpo_megatron.logging_utils.metrics import read_jsonl
@@ -326,6 +327,7 @@ def test_multiturn_grpo_on_two_ranks_trains_on_model_tokens_only_and_resumes_exa
     assert got == [comparable(r) for r in records]
 
 
+@pytest.mark.launches
 def test_multiturn_samples_under_context_parallelism(tmp_path):
     # CP2 x EP2 on 2 ranks: packed trajectories split over the CP ranks, observation tokens masked.
     from grpo_megatron.logging_utils.metrics import read_jsonl

@@ -97,7 +97,7 @@ ENGINE_CASES = [
 @pytest.mark.parametrize(("override", "named"), ENGINE_CASES)
 def test_validation_refuses_a_correction_on_top_of_engine_old_logprobs_naming_the_fix(override, named):
     from grpo_megatron.config import ConfigError, load_config, validate
-    from tests.test_config import EXAMPLE
+    from tests.helpers.tiny_configs import EXAMPLE
 
     with pytest.raises(ConfigError) as exc:
         validate(load_config(EXAMPLE, ["train.old_logprobs=engine", override]), world_size=1)

@@ -57,6 +57,7 @@ def test_torch_module_and_adam_round_trip():
     assert torch.equal(model[1].weight, before[2])
 
 
+@pytest.mark.launches
 @pytest.mark.timeout(300)
 def test_megatron_policy_round_trip_on_two_ranks(tmp_path: Path):
     """After two optimizer steps: DP2 with the distributed optimizer (grads and optimizer offloaded first,

@@ -102,6 +102,7 @@ def test_node_sh_raises_the_open_file_limit_of_node_0s_torchrun_agent(tmp_path: 
     assert other.returncode == 0 and "agent nofile 2000 2000" in other.stdout, other.stdout + other.stderr
 
 
+@pytest.mark.launches
 def test_the_bootstrap_raises_the_soft_limit_to_the_hard_one():
     _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if hard != resource.RLIM_INFINITY and hard < 2048:
@@ -123,6 +124,7 @@ def test_the_bootstrap_raises_the_soft_limit_to_the_hard_one():
     assert new_hard == hard and soft == (hard if hard != resource.RLIM_INFINITY else 1 << 20), out.stdout
 
 
+@pytest.mark.launches
 def test_a_hard_limit_below_the_need_is_refused_with_the_numbers_and_the_fix():
     out = _run(
         """

@@ -130,6 +130,7 @@ def _check(per_rank: list[dict], names) -> None:
     assert not failures, "\n".join(failures)
 
 
+@pytest.mark.launches
 def test_packed_equals_padded_in_one_process():
     per_rank = run_distributed(
         "tests.workers.packing_workers:layouts", 1, timeout_s=180, layouts={"world 1": []}
@@ -146,6 +147,7 @@ TWO_RANKS = {
 }
 
 
+@pytest.mark.launches
 def test_packed_equals_padded_at_two_rank_layouts():
     per_rank = run_distributed("tests.workers.packing_workers:layouts", 2, timeout_s=300, layouts=TWO_RANKS)
     _check(per_rank, TWO_RANKS)
@@ -159,6 +161,7 @@ def cp_reference() -> dict:
     return ref
 
 
+@pytest.mark.launches
 def test_context_parallel_two_ranks_equals_one_process(cp_reference: dict) -> None:
     layouts = {"CP2": ["parallel.cp=2"]}
     per_rank = run_distributed(
@@ -175,6 +178,7 @@ FOUR_RANKS_CP = {
 }
 
 
+@pytest.mark.launches
 def test_context_parallel_four_rank_layouts_equal_one_process(cp_reference: dict) -> None:
     per_rank = run_distributed(
         "tests.workers.packing_workers:cp_layouts",

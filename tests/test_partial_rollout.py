@@ -14,7 +14,13 @@ import torch
 
 from grpo_megatron.rollout.engine import Completion, SamplingParams
 from grpo_megatron.rollout.engine_process import completions_from_json, completions_to_json
-from grpo_megatron.training.partial import PartialPool, PartialResponse, take_metrics
+from grpo_megatron.training.partial import (
+    PartialPool,
+    PartialResponse,
+    collect_round,
+    submit_round,
+    take_metrics,
+)
 from tests.helpers.tiny_configs import tiny_hf_config
 
 PROMPTS = [[3, 4, 5], [6, 7, 8, 9, 10]]
@@ -42,11 +48,11 @@ def _load(engine, weights: dict[str, torch.Tensor], version: int) -> None:
 
 
 def _round(pool: PartialPool, engine, seed: int) -> None:
-    """One segment round, as ``PartialRollouts._segment`` sends it (each request one response)."""
-    todo, inputs, budgets = pool.requests(lambda index: PROMPTS[index])
-    params = SamplingParams(n=1, max_new_tokens=max(budgets), max_new_tokens_each=budgets, seed=seed)
-    for (_, response), (segment,) in zip(todo, engine.submit(inputs, params)(), strict=True):
-        pool.extend(response, segment)
+    """One segment round, as the source runs it (``submit_round``), straight to the engine."""
+    submit = lambda rows, inputs, params: engine.submit(inputs, params)  # noqa: E731
+    collect_round(
+        pool, submit_round(pool, lambda index: PROMPTS[index], submit, SamplingParams(n=1, seed=seed))
+    )
 
 
 def test_responses_continue_across_versions_with_each_tokens_version_and_logprob(engine_and_weights):
@@ -147,11 +153,11 @@ def test_partial_rollout_dump_keeps_each_tokens_version():
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
-        (["train.max_staleness=1", "rollout.partial_segment_tokens=2"], "set train.max_staleness>=2 or"),
+        (["train.max_staleness=1", "rollout.partial.segment_tokens=2"], "set train.max_staleness>=2 or"),
         (
             [
                 "train.max_staleness=2",
-                "rollout.partial_segment_tokens=2",
+                "rollout.partial.segment_tokens=2",
                 "algorithm.dynamic_sampling.enabled=true",
             ],
             "with algorithm.dynamic_sampling.enabled=true",
@@ -159,33 +165,36 @@ def test_partial_rollout_dump_keeps_each_tokens_version():
         (
             [
                 "train.max_staleness=2",
-                "rollout.partial_segment_tokens=2",
-                "rollout.partial_groups_in_flight=3",
+                "rollout.partial.segment_tokens=2",
+                "rollout.partial.groups_in_flight=3",
             ],
             "is below train.prompts_per_iteration=4",
         ),
-        (["rollout.partial_segment_tokens=0"], "rollout.partial_segment_tokens=0 must be >= 1"),
+        (["rollout.partial.segment_tokens=0"], "rollout.partial.segment_tokens=0 must be >= 1"),
         (
             [
                 "train.max_staleness=2",
-                "rollout.partial_segment_tokens=2",
-                "rollout.partial_overlap=true",
+                "rollout.partial.segment_tokens=2",
+                "rollout.partial.overlap=true",
                 "rollout.embedded_process=true",
             ],
-            "set train.max_staleness>=3 or rollout.partial_segment_tokens>=3",
+            "set train.max_staleness>=3 or rollout.partial.segment_tokens>=3",
         ),
         (
-            ["train.max_staleness=3", "rollout.partial_segment_tokens=2", "rollout.partial_overlap=true"],
-            "rollout.partial_overlap=true needs engines that generate while the trainer trains",
+            ["train.max_staleness=3", "rollout.partial.segment_tokens=2", "rollout.partial.overlap=true"],
+            "rollout.partial.overlap=true needs engines that generate while the trainer trains",
         ),
-        (["rollout.partial_overlap=true"], "without train.partial_rollout=true"),
-        (["rollout.partial_keep_kv=true"], "rollout.partial_keep_kv=true without train.partial_rollout=true"),
+        (["rollout.partial.overlap=true"], "without rollout.partial.enabled=true"),
         (
-            ["rollout.partial_one_request=true"],
-            "rollout.partial_one_request=true without train.partial_rollout",
+            ["rollout.partial.keep_kv=true"],
+            "rollout.partial.keep_kv=true without rollout.partial.enabled=true",
         ),
         (
-            ["train.max_staleness=2", "rollout.partial_segment_tokens=2", "rollout.partial_keep_kv=true"],
+            ["rollout.partial.one_request=true"],
+            "rollout.partial.one_request=true without rollout.partial.enabled",
+        ),
+        (
+            ["train.max_staleness=2", "rollout.partial.segment_tokens=2", "rollout.partial.keep_kv=true"],
             "only an SGLang engine keeps its prefix cache",
         ),
     ],
@@ -195,21 +204,22 @@ def test_partial_rollout_config_is_refused_with_the_fix(overrides, message):
     from tests.helpers.runs import DEMO, SMALL
 
     flags = (
-        "rollout.partial_overlap=true",
-        "rollout.partial_keep_kv=true",
-        "rollout.partial_one_request=true",
+        "rollout.partial.overlap=true",
+        "rollout.partial.keep_kv=true",
+        "rollout.partial.one_request=true",
     )
     alone = overrides[0] in flags
-    partial = [] if alone else ["train.partial_rollout=true"]
+    partial = [] if alone else ["rollout.partial.enabled=true"]
     cfg = load_config(DEMO, [*SMALL, *partial, *overrides])
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace("+", r"\+")):
         validate(cfg, 2)
 
 
+@pytest.mark.launches
 def test_partial_rollouts_train_with_per_token_versions_and_resume_bitwise(tmp_path):
     """2 ranks (EP2, the demo's tiny MoE, each engine a process of its own, as issue 40 asks the
     resume to be bitwise with), 3 iterations of 4 groups, segments of 3 of the 6 new tokens, a pool
-    of 8 groups, rollout.partial_overlap (each iteration's first round submitted before it trains):
+    of 8 groups, rollout.partial.overlap (each iteration's first round submitted before it trains):
     iteration 1 ends by submitting the next 4 groups' first segments under version 0, iteration 2
     takes the 4 groups left complete and submits their second segments under version 1, so
     iteration 3 trains responses begun under version 0 and ended under version 1 (lag 2, the dump
@@ -223,10 +233,10 @@ def test_partial_rollouts_train_with_per_token_versions_and_resume_bitwise(tmp_p
         *SMALL,
         "reward.components=[{name: len, function: length, kwargs: {target_chars: 6}}]",
         "train.lr=1e-3",
-        "train.partial_rollout=true",
+        "rollout.partial.enabled=true",
         "train.max_staleness=2",
-        "rollout.partial_segment_tokens=3",
-        "rollout.partial_overlap=true",
+        "rollout.partial.segment_tokens=3",
+        "rollout.partial.overlap=true",
         "train.iterations=3",
         "checkpoint.save_interval=2",
         "algorithm.off_policy.correction=icepop",

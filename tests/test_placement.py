@@ -10,7 +10,7 @@ import torch
 
 from grpo_megatron.planner.dry_run import all_groups
 from grpo_megatron.planner.model_states import Layout
-from grpo_megatron.rollout.config import RolloutConfig
+from grpo_megatron.rollout.config import RolloutConfig, SGLangConfig
 from grpo_megatron.rollout.placement import (
     ENGINE_TAGS,
     PHASES,
@@ -25,9 +25,23 @@ MOE = {"num_experts": 128, "num_experts_per_tok": 8}
 DENSE = {"model_type": "qwen2"}
 
 
-def place(hf=MOE, world=32, gpus=8, tp=4, pp=1, cp=1, offload=False, staleness=0, **rollout):
+def place(
+    hf=MOE,
+    world=32,
+    gpus=8,
+    tp=4,
+    pp=1,
+    cp=1,
+    offload=False,
+    staleness=0,
+    engine_tp=0,
+    engine_ep=0,
+    **rollout,
+):
+    sglang = SGLangConfig(tp=engine_tp, ep=engine_ep)
+    rollout_cfg = RolloutConfig(engine="sglang", sglang=sglang, **rollout)
     return decide_placement(
-        RolloutConfig(engine="sglang", **rollout),
+        rollout_cfg,
         offload_trainer=offload,
         world_size=world,
         max_staleness=staleness,
@@ -51,25 +65,25 @@ def test_engine_width_comes_from_sglang_tp_else_from_placement() -> None:
         and len(replica.engines) == 8
         and "tp x pp x cp = 4" in replica.why["width"]
     )
-    wide = place(sglang_tp=16, placement="per_node")  # set explicitly: wins over the placement
+    wide = place(engine_tp=16, placement="per_node")  # set explicitly: wins over the placement
     assert wide.gpus_per_engine == 16 and wide.nodes(1) == (2, 3) and wide.engine_of(17) == 1
     for bad in (3, 12):
+        choices = r"\[1, 2, 4, 8, 16, 32\]"
         with pytest.raises(
-            ValueError,
-            match=rf"rollout.sglang_tp={bad}.*set rollout.sglang_tp to one of \[1, 2, 4, 8, 16, 32\]",
+            ValueError, match=rf"rollout.sglang.tp={bad}.*set rollout.sglang.tp to one of {choices}"
         ):
-            place(sglang_tp=bad)
+            place(engine_tp=bad)
 
 
 def test_engine_ep_defaults_to_the_width_for_moe_and_1_for_dense() -> None:
     assert place(placement="per_node").engine_ep == 8  # 8 divides 128 experts
-    assert place(hf={"num_experts": 4}, sglang_tp=16).engine_ep == 4  # the largest common divisor
+    assert place(hf={"num_experts": 4}, engine_tp=16).engine_ep == 4  # the largest common divisor
     assert place(hf=DENSE, placement="per_node").engine_ep == 1
-    assert place(placement="per_node", sglang_ep=2).engine_ep == 2
-    with pytest.raises(ValueError, match="must divide the engine's 8 GPUs; set rollout.sglang_ep"):
-        place(placement="per_node", sglang_ep=3)
-    with pytest.raises(ValueError, match="must divide the model's 0 routed experts; set rollout.sglang_ep"):
-        place(hf=DENSE, placement="per_node", sglang_ep=2)
+    assert place(placement="per_node", engine_ep=2).engine_ep == 2
+    with pytest.raises(ValueError, match="must divide the engine's 8 GPUs; set rollout.sglang.ep"):
+        place(placement="per_node", engine_ep=3)
+    with pytest.raises(ValueError, match="must divide the model's 0 routed experts; set rollout.sglang.ep"):
+        place(hf=DENSE, placement="per_node", engine_ep=2)
 
 
 @pytest.mark.parametrize(

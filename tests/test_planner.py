@@ -153,7 +153,7 @@ def test_model_states_match_zero_paper() -> None:
 def test_recompute_and_suggestions(tmp_path: Path) -> None:
     path = RECIPES / "deepseek_v3_671b.yaml"
     hf = json.loads((RECIPES / "deepseek_v3_671b" / "config.json").read_text())
-    opts = memory.PlanOptions()  # the recipe says sglang_tp 32, sglang_ep 32, offload_trainer
+    opts = memory.PlanOptions()  # the recipe says rollout.sglang tp 32, ep 32, offload_trainer
     acts = {}
     for mode in ("none", "selective", "full"):
         cfg = load_config(path, [f"model.recompute={mode}"])
@@ -227,7 +227,7 @@ def test_sglang_runtime_has_lines_of_its_own_in_the_phases_the_engine_runs() -> 
     # SGLang 0.5.23 on an H100 at TP 8: decode graphs up to batch 512 (2 MiB each), prefill graphs of
     # 58 token counts up to its 8192-token chunk (8 MiB each)
     assert graphs.gib == pytest.approx((512 * 2 + 58 * 8) / 1024)
-    off, _ = _recipe_plan("qwen3_30b_a3b", 32, ["rollout.sglang_server_args={disable_cuda_graph: true}"])
+    off, _ = _recipe_plan("qwen3_30b_a3b", 32, ["rollout.sglang.server_args={disable_cuda_graph: true}"])
     assert next(x for x in off.phases["rollout"] if x.name == "SGLang CUDA graphs").gib == 0
 
 
@@ -311,7 +311,7 @@ def test_the_rollout_time_is_planned_beside_the_timeouts_and_the_deepseek_recipe
     it fits at half its limit."""
     before = [
         "rollout.gpu_memory_utilization=0.6",
-        "rollout.sglang_server_args={}",
+        "rollout.sglang.server_args={}",
         "parallel.timeout_minutes=60",
         "parallel.long_phase_timeout_s=3600",
     ]

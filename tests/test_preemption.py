@@ -81,6 +81,7 @@ def _exit_within(proc: subprocess.Popen, bound_s: float) -> tuple[int, float, st
     return proc.returncode, time.monotonic() - start, out + err
 
 
+@pytest.mark.launches
 def test_grace_bounds_a_rank_that_never_reaches_the_safe_point(tmp_path: Path):
     for written, code in ((False, EXIT_INTERRUPTED), (True, EXIT_PREEMPTED)):
         proc = _child(tmp_path, 1.0, written, "blocked")
@@ -91,6 +92,7 @@ def test_grace_bounds_a_rank_that_never_reaches_the_safe_point(tmp_path: Path):
         assert "the grace of checkpoint.signal_grace_s=1 s ran out: exiting now" in out, out
 
 
+@pytest.mark.launches
 def test_a_second_signal_exits_at_once_and_latest_stays_whole(tmp_path: Path):
     proc = _child(tmp_path, 60.0, False, "publishing")
     time.sleep(0.3)
@@ -204,6 +206,7 @@ def _slurm_sigterm_mid_rollout(run_dir: Path, tmp_path: Path) -> tuple[float, st
 
 
 @pytest.mark.timeout(1200)  # eight launches of the trainer, each 40-60 s on 2 busy cores
+@pytest.mark.launches
 def test_sigkill_then_sigterm_at_each_point_saves_and_the_reruns_resume_bit_exactly(tmp_path: Path):
     """One chain of launches into one run directory, each resuming from the checkpoint the one before
     left: a job SIGKILLed (its whole session, as a scheduler's preemption) once its checkpoint of
@@ -332,6 +335,7 @@ def _sbatch_until_preempted(env: dict[str, str], run_dir: Path) -> tuple[int, st
     return saved, out
 
 
+@pytest.mark.launches
 @pytest.mark.parametrize("branch", ["local", "slurm"])
 def test_train_sbatch_forwards_the_early_warning_and_requeues(tmp_path: Path, branch: str):
     # launch/slurm/train.sbatch gets SIGUSR1; node.sh passes it to the ranks past torchrun, which exits 1
@@ -340,7 +344,7 @@ def test_train_sbatch_forwards_the_early_warning_and_requeues(tmp_path: Path, br
     # fake srun (which passes the signal to each task's process group, as Slurm signals a step) on two
     # "nodes" of one rank, and the job is requeued.
     from grpo_megatron.checkpoint.integrity import verify_checkpoint
-    from tests.test_launch import slurm_env
+    from tests.helpers.slurm import slurm_env
 
     run_dir = tmp_path / "run"
     if branch == "local":

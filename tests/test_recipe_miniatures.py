@@ -207,6 +207,7 @@ def assert_only_overrides_changed(recipe: dict, resolved: dict, overrides: list[
     assert not changed, f"recipe settings not kept (recipe, run): {changed}"
 
 
+@pytest.mark.launches
 @pytest.mark.parametrize("mini", MINIATURES, ids=lambda m: m.recipe)
 def test_recipe_miniature_trains_and_resumes(mini: Miniature, tmp_path: Path) -> None:
     recipe_path = RECIPES / f"{mini.recipe}.yaml"

@@ -74,6 +74,7 @@ def _tool(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, *args], cwd=REPO_ROOT, capture_output=True, text=True, timeout=60)
 
 
+@pytest.mark.launches
 def test_prepare_math(tmp_path: Path) -> None:
     # MATH's layout: one JSON file per problem, level as "Level N", answer inside \boxed{} of the solution
     src = tmp_path / "MATH" / "train" / "algebra"
@@ -119,6 +120,7 @@ def test_prepare_math(tmp_path: Path) -> None:
     assert json.loads(out2.read_text()) == {"prompt": "q?", "answer": "34", "source": str(dapo)}
 
 
+@pytest.mark.launches
 def test_prepare_countdown(tmp_path: Path) -> None:
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -192,7 +194,8 @@ def test_recipe_runtime_placement_at_scale_is_the_plans(
     from grpo_megatron.planner.dry_run import fake_world, parallel_state_here
     from grpo_megatron.planner.model_states import Layout
     from grpo_megatron.rollout.placement import routed_experts, runtime_placement
-    from grpo_megatron.rollout.sglang.launch import EngineLaunch, colocated_server_args, layout_of
+    from grpo_megatron.rollout.sglang.launch import EngineLaunch, colocated_server_args
+    from grpo_megatron.rollout.sglang.layout import layout_of
     from grpo_megatron.rollout.sglang.shards import rank_needs
     from grpo_megatron.training.job import engine_spec
     from grpo_megatron.training.offload import ColocatedMemory

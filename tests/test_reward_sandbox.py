@@ -206,6 +206,7 @@ def test_cli_check_imports_the_rewards_in_a_worker(capsys):
     assert "tests.reward_attacks" not in sys.modules
 
 
+@pytest.mark.launches
 def test_train_stops_on_a_reward_that_cannot_import_or_always_raises(tmp_path):
     # Issue 17 findings 2 and 10: the import ran in the trainer, after the model was built, and only
     # on rank 0. Finding 7: a reward raising on every sample finished with exit 0 and reward 0.0000.

@@ -4,8 +4,6 @@ a real megatron policy on two processes (TP2, EP2, a dense model, a training ste
 from __future__ import annotations
 
 import dataclasses
-import json
-from pathlib import Path
 
 import pytest
 import torch
@@ -14,38 +12,19 @@ from grpo_megatron.rollout.engine import Completion, SamplingParams
 from grpo_megatron.rollout.fleet import prompt_slices
 from grpo_megatron.training.phases.sync import ProbeBatch, probe_batch
 from tests.helpers.dist import run_distributed
+from tests.helpers.engines import load_weights, saved_model, tiny_engine, write_config
 from tests.helpers.tiny_configs import TINY_CONFIGS, tiny_hf_config
-from tests.workers.bridge_workers import batch_tokens, save_tiny_model
+from tests.workers.bridge_workers import batch_tokens
 
 PROMPTS = [[3, 4, 5], [6, 7, 8, 9, 10, 11], [12, 13]]
-
-
-def _saved(model_type: str, tmp_path: Path) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """A random transformers model saved with save_pretrained: (its tensors on disk, its logits)."""
-    from safetensors.torch import load_file
-
-    ref = save_tiny_model(model_type, tmp_path / model_type, seed=0)
-    return load_file(str(tmp_path / model_type / "model.safetensors")), ref
-
-
-def _engine(model_type: str, **kwargs):
-    from grpo_megatron.rollout.embedded import EmbeddedEngine
-
-    return EmbeddedEngine(tiny_hf_config(model_type), **kwargs)
-
-
-def _load(engine, saved: dict[str, torch.Tensor], version: int = 1) -> None:
-    names = sorted(saved)
-    engine.update_weights([(n, saved[n]) for n in names[:7]], version=version, last=False)
-    engine.update_weights([(n, saved[n]) for n in names[7:]], version=version, last=True)
 
 
 @pytest.fixture(scope="module")
 def moe_engine(tmp_path_factory):
     """A qwen3_moe engine holding save_pretrained weights (version 1), and those weights."""
-    saved, _ = _saved("qwen3_moe", tmp_path_factory.mktemp("moe"))
-    engine = _engine("qwen3_moe")
-    _load(engine, saved)
+    saved, _ = saved_model("qwen3_moe", tmp_path_factory.mktemp("moe"))
+    engine = tiny_engine("qwen3_moe")
+    load_weights(engine, saved)
     return engine, saved
 
 
@@ -55,12 +34,12 @@ def test_checkpoint_names_load_into_fused_model(model_type, tmp_path):
     in-memory experts, give the saved model's logits exactly (all five architectures)."""
     from transformers import AutoModelForCausalLM
 
-    saved, ref = _saved(model_type, tmp_path)
-    engine = _engine(model_type)
+    saved, ref = saved_model(model_type, tmp_path)
+    engine = tiny_engine(model_type)
     expected = set(engine.expected_tensors())
     tied = {"lm_head.weight"} if TINY_CONFIGS[model_type]["tie_word_embeddings"] else set()
     assert expected == set(saved) | tied
-    _load(engine, saved)
+    load_weights(engine, saved)
     assert engine.weight_version == 1
     # Like with like: transformers loading the same files with the engine's own kernel choices
     # (eager experts on CPU) must give bit-identical logits, so every tensor landed where it belongs.
@@ -75,7 +54,7 @@ def test_checkpoint_names_load_into_fused_model(model_type, tmp_path):
 def test_engine_leaves_global_rng_alone(moe_engine):
     engine, _ = moe_engine
     state = torch.get_rng_state()
-    _engine("qwen3")
+    tiny_engine("qwen3")
     engine.generate(PROMPTS, SamplingParams(n=2, max_new_tokens=3, seed=None))
     engine.generate(PROMPTS, SamplingParams(n=2, max_new_tokens=3, seed=1))
     assert torch.equal(state, torch.get_rng_state())
@@ -240,16 +219,16 @@ def test_rejected_updates_keep_the_old_weights(moe_engine):
         engine.update_weights([(gate, saved[gate])], version=8, last=True)
     # A new version after a failed one starts clean, and a good update still commits.
     changed = {n: t + 0.5 if n == gate else t for n, t in saved.items()}
-    _load(engine, changed, version=9)
+    load_weights(engine, changed, version=9)
     assert engine.weight_version == 9
     assert torch.equal(engine.model.model.layers[1].mlp.experts.gate_up_proj[2, :32], changed[gate])
-    _load(engine, saved, version=10)
+    load_weights(engine, saved, version=10)
     # A narrower float is widened exactly (a bf16 export into tensors transformers keeps in fp32).
-    _load(engine, {n: t.bfloat16() if n == gate else t for n, t in saved.items()}, version=11)
+    load_weights(engine, {n: t.bfloat16() if n == gate else t for n, t in saved.items()}, version=11)
     assert torch.equal(
         engine.model.model.layers[1].mlp.experts.gate_up_proj[2, :32], saved[gate].bfloat16().float()
     )
-    _load(engine, saved, version=12)
+    load_weights(engine, saved, version=12)
 
 
 def test_manifest_check_then_load_in_place(moe_engine):
@@ -286,14 +265,14 @@ def test_manifest_check_then_load_in_place(moe_engine):
     with pytest.raises(ValueError, match="outside its manifest"):
         engine.update_weights([("model.extra.weight", saved[gate])], version=22, last=False)
     assert engine.weight_version == -1  # partial: nothing to fall back on, the fleet raises everywhere
-    _load(engine, saved, version=12)  # a full staged update brings it back
+    load_weights(engine, saved, version=12)  # a full staged update brings it back
 
 
 def test_tied_lm_head_may_be_absent(tmp_path):
-    saved, ref = _saved("qwen3", tmp_path)
+    saved, ref = saved_model("qwen3", tmp_path)
     assert "lm_head.weight" not in saved
-    engine = _engine("qwen3")
-    _load(engine, saved)
+    engine = tiny_engine("qwen3")
+    load_weights(engine, saved)
     with torch.no_grad():
         # Bit equality holds: qwen3 is dense, so the engine and the reference run the same kernels.
         assert torch.equal(engine.model(batch_tokens()).logits, ref["logits"])
@@ -311,12 +290,7 @@ def test_prompt_slices_and_probe_batch():
     assert probe_batch([[1], [2, 3]], responses, size=1) == ProbeBatch([[1, 5]], [1])
 
 
-def _write_config(path: Path, config: dict) -> str:
-    path.mkdir(parents=True)
-    (path / "config.json").write_text(json.dumps(config))
-    return str(path)
-
-
+@pytest.mark.launches
 @pytest.mark.timeout(400)
 def test_fleet_sync_generate_probe_train_on_two_ranks(tmp_path):
     """At TP2 (MoE, then dense with tied embeddings) and EP2 (two engines: the second gets the
@@ -324,9 +298,9 @@ def test_fleet_sync_generate_probe_train_on_two_ranks(tmp_path):
     within 1e-4; after a training step and another sync they change and still match; engines built
     from another config reject the sync on every rank and keep their weights. (The fleet with SGLang's
     real engine: tests/test_sglang_train.py.)"""
-    moe = _write_config(tmp_path / "moe", tiny_hf_config("qwen3_moe"))
-    dense = _write_config(tmp_path / "dense", tiny_hf_config("qwen3"))
-    bad = _write_config(tmp_path / "bad", tiny_hf_config("qwen3_moe", moe_intermediate_size=16))
+    moe = write_config(tmp_path / "moe", tiny_hf_config("qwen3_moe"))
+    dense = write_config(tmp_path / "dense", tiny_hf_config("qwen3"))
+    bad = write_config(tmp_path / "bad", tiny_hf_config("qwen3_moe", moe_intermediate_size=16))
     cases = {
         "train": (moe, ["parallel.tp=2"]),
         "ep2": (moe, ["parallel.ep=2"]),
@@ -376,9 +350,9 @@ def test_generate_reports_each_fed_token_routes(model_type, tmp_path):
     padding put each token's routes where the trainer's inputs are."""
     from grpo_megatron.rollout.hf_routes import RouteLayout
 
-    saved, _ = _saved(model_type, tmp_path)
-    engine = _engine(model_type)
-    _load(engine, saved)
+    saved, _ = saved_model(model_type, tmp_path)
+    engine = tiny_engine(model_type)
+    load_weights(engine, saved)
     layout = RouteLayout.from_hf(tiny_hf_config(model_type))
     assert layout is not None
     n_moe = len(layout.moe_layers)
@@ -402,8 +376,8 @@ def test_routes_only_when_asked(moe_engine):
     reports them only for requests that ask (SamplingParams.routes: the training rollouts under r3)."""
     engine, saved = moe_engine
     params = SamplingParams(n=3, temperature=1.0, max_new_tokens=6, seed=5, routes=True)
-    quiet = _engine("qwen3_moe", record_routes=False)
-    _load(quiet, saved)
+    quiet = tiny_engine("qwen3_moe", record_routes=False)
+    load_weights(quiet, saved)
     groups = quiet.generate(PROMPTS, params)
     assert all(c.routed_experts is None for g in groups for c in g)
     assert quiet.score_with_routes([list(PROMPTS[0]) + [1]], [len(PROMPTS[0])], 1.0)[1] is not None
@@ -415,6 +389,7 @@ def test_routes_only_when_asked(moe_engine):
     assert [[c.token_ids for c in g] for g in unasked] == [[c.token_ids for c in g] for g in recorded]
 
 
+@pytest.mark.launches
 @pytest.mark.timeout(400)
 def test_rollout_results_reach_each_rank_as_it_needs_them_at_world_4(tmp_path):
     """TP2 x DP2 on 4 ranks, two engines (ranks 0 and 2): every rank gets every completion's tokens
@@ -423,7 +398,7 @@ def test_rollout_results_reach_each_rank_as_it_needs_them_at_world_4(tmp_path):
     one engine's share fails, every rank raises naming it, and the fleet generates afterwards. With
     ``payload="owners"`` each replica receives only its responses (``_each_replica_receives_its_share``);
     and every process group of the job, megatron's included, has parallel.timeout_minutes."""
-    moe = _write_config(tmp_path / "moe", tiny_hf_config("qwen3_moe"))
+    moe = write_config(tmp_path / "moe", tiny_hf_config("qwen3_moe"))
     per_rank = run_distributed(
         "tests.workers.rollout_workers:rollout_results_at_scale",
         world_size=4,

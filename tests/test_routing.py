@@ -45,6 +45,7 @@ def _check_replay(res: dict) -> None:
     assert res["part_compared"] == res["plain_compared"] and sum(m for m, _ in res["part_compared"]) > 0
 
 
+@pytest.mark.launches
 @pytest.mark.timeout(600)
 def test_r3_replays_engine_routes_at_ep2_and_pp2(tmp_path):
     cases = {
@@ -63,6 +64,7 @@ def test_r3_replays_engine_routes_at_ep2_and_pp2(tmp_path):
     assert [r["qwen3_moe_pp2"]["r2_local_layers"] for r in results] == [[0], [1]]
 
 
+@pytest.mark.launches
 @pytest.mark.timeout(600)
 def test_r3_replays_engine_routes_at_tp2_ep2(tmp_path):
     hf_dir = _write_config(tmp_path / "qwen3_moe", tiny_hf_config("qwen3_moe"))
@@ -95,6 +97,7 @@ def test_load_metrics() -> None:
     assert m["routing/load_max_over_mean"] == pytest.approx((2.0 + 1.0) / 2)
 
 
+@pytest.mark.launches
 def test_full_recompute_routes_as_the_forward_did(tmp_path):
     # model.recompute=full re-runs each layer's forward in the backward pass, routers included: the
     # routers record each micro-batch once and the recompute routes as the forward did (the replayed

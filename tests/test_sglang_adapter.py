@@ -23,21 +23,23 @@ import pytest
 import torch
 
 from grpo_megatron.config import load_config
-from grpo_megatron.rollout.config import RolloutConfig
-from grpo_megatron.rollout.engine import SamplingParams
+from grpo_megatron.rollout.config import RolloutConfig, SGLangConfig
+from grpo_megatron.rollout.engine import EngineLost, SamplingParams
 from grpo_megatron.rollout.hf_routes import RouteLayout
 from grpo_megatron.rollout.sglang.engine import SGLangEngine
-from grpo_megatron.rollout.sglang.health import EngineDiedError, sigquit_while_starting
+from grpo_megatron.rollout.sglang.health import sigquit_while_starting
 from grpo_megatron.rollout.sglang.launch import (
     INSTALL_HINT,
-    ColocatedLayout,
     EngineLaunch,
     SGLangUnavailableError,
+    colocated_server_args,
+    start_node_part,
+)
+from grpo_megatron.rollout.sglang.layout import (
+    ColocatedLayout,
     colocated_group,
     colocated_layout,
-    colocated_server_args,
     engine_address,
-    start_node_part,
 )
 from grpo_megatron.rollout.sglang.nccl import (
     SGLangHttpClient,
@@ -70,6 +72,7 @@ MOE_CONFIG = {"num_experts_per_tok": 2, "architectures": ["Qwen3MoeForCausalLM"]
 # Lazy import and the install message
 
 
+@pytest.mark.launches
 def test_importing_the_module_does_not_import_sglang() -> None:
     code = "import sys, grpo_megatron.rollout.sglang.engine; print('sglang' in sys.modules)"
     out = subprocess.run(
@@ -91,40 +94,43 @@ def test_constructing_without_sglang_says_how_to_install_it(monkeypatch, tmp_pat
 
 
 def test_sglang_config_fields_are_validated() -> None:
-    cfg = load_config(EXAMPLE, ["rollout.engine=sglang", "rollout.sglang_mode=disaggregated"])
-    with pytest.raises(ValueError, match="sglang_mode=disaggregated needs rollout.sglang_server_urls"):
+    cfg = load_config(EXAMPLE, ["rollout.engine=sglang", "rollout.sglang.mode=disaggregated"])
+    with pytest.raises(ValueError, match="sglang.mode=disaggregated needs rollout.sglang.server_urls"):
         cfg.rollout.validate()
     bad = RolloutConfig(
-        sglang_tp=-1,
-        sglang_ep=-2,
-        sglang_server_urls=["node1:30000"],
-        sglang_sync_master_port=0,
-        sglang_server_args={"tp_size": 2, "ep_size": 2},
+        sglang=SGLangConfig(
+            tp=-1,
+            ep=-2,
+            server_urls=["node1:30000"],
+            sync_master_port=0,
+            server_args={"tp_size": 2, "ep_size": 2},
+        )
     )
     with pytest.raises(ValueError) as info:
         bad.validate()
     for field in (
-        "sglang_tp=-1",
-        "sglang_ep=-2",
-        "sglang_server_urls",
-        "sglang_sync_master_port=0",
-        "sets tp_size: set rollout.sglang_tp",
-        "sets ep_size: set rollout.sglang_ep",
+        "sglang.tp=-1",
+        "sglang.ep=-2",
+        "sglang.server_urls",
+        "sglang.sync_master_port=0",
+        "sets tp_size: set rollout.sglang.tp",
+        "sets ep_size: set rollout.sglang.ep",
     ):
         assert field in str(info.value)
     good = load_config(
         EXAMPLE,
         [
             "rollout.engine=sglang",
-            "rollout.sglang_mode=disaggregated",
-            "rollout.sglang_server_urls=[http://a:30000,http://b:30000]",
-            "rollout.sglang_tp=2",
+            "rollout.sglang.mode=disaggregated",
+            "rollout.sglang.server_urls=[http://a:30000,http://b:30000]",
+            "rollout.sglang.tp=2",
         ],
     )
     good.rollout.validate()
-    assert good.rollout.sglang_server_urls == ["http://a:30000", "http://b:30000"]
+    assert good.rollout.sglang.server_urls == ["http://a:30000", "http://b:30000"]
 
 
+@pytest.mark.launches
 def test_check_refuses_what_sglang_would_refuse_naming_the_field() -> None:
     """SGLang scores (the mismatch probe) at temperature 1 only: check says so before any rank starts."""
     import subprocess
@@ -332,14 +338,13 @@ def test_weight_group_layout_and_update_request_body() -> None:
 def test_colocated_groups_and_engine_arguments() -> None:
     assert colocated_group(5, 4) == (4, [4, 5, 6, 7]) and colocated_group(0, 1) == (0, [0])
     rollout = RolloutConfig(
-        sglang_tp=2,
+        sglang=SGLangConfig(tp=2, server_args={"attention_backend": "fa3", "log_level": "info"}),
         gpu_memory_utilization=0.4,
-        sglang_server_args={"attention_backend": "fa3", "log_level": "info"},
     )
     args = colocated_server_args(
         rollout, "/m", EngineLaunch("bfloat16", 5, base_gpu_id=2, ep_size=2), MOE_CONFIG
     )
-    assert args["tp_size"] == 2 and args["ep_size"] == 2 and args["base_gpu_id"] == 2  # tp: rollout.sglang_tp
+    assert args["tp_size"] == 2 and args["ep_size"] == 2 and args["base_gpu_id"] == 2  # tp: rollout.sglang.tp
     assert args["mem_fraction_static"] == 0.4 and args["random_seed"] == 5 and args["dtype"] == "bfloat16"
     assert args["enable_memory_saver"] is True and args["enable_return_routed_experts"] is True
     assert args["attention_backend"] == "fa3" and args["log_level"] == "info"  # the user's args win
@@ -401,8 +406,8 @@ def test_an_engine_width_that_does_not_tile_the_nodes_is_refused_with_the_choice
     with pytest.raises(ValueError) as info:
         colocated_layout(0, world, tp, 8, 0)
     message = str(info.value)
-    assert f"rollout.sglang_tp={tp}" in message and "8 GPUs per node (LOCAL_WORLD_SIZE)" in message
-    assert f"set rollout.sglang_tp to one of {choices}" in message
+    assert f"rollout.sglang.tp={tp}" in message and "8 GPUs per node (LOCAL_WORLD_SIZE)" in message
+    assert f"set rollout.sglang.tp to one of {choices}" in message
 
 
 def test_the_engine_address_is_its_first_node_and_the_nodes_must_be_whole_and_node_major() -> None:
@@ -418,12 +423,12 @@ def test_the_engine_address_is_its_first_node_and_the_nodes_must_be_whole_and_no
         with pytest.raises(ValueError) as info:
             engine_address(lay, bad, 41234, 8)
         message = str(info.value)
-        assert "rollout.sglang_tp=16" in message and "ranks 0-7 on" in message, case
+        assert "rollout.sglang.tp=16" in message and "ranks 0-7 on" in message, case
         assert "torchrun --nnodes N --nproc-per-node 8" in message and "at most 8" in message, case
 
 
 def test_server_args_of_each_node_of_a_multi_node_engine() -> None:
-    rollout = RolloutConfig(sglang_tp=16, gpu_memory_utilization=0.5)
+    rollout = RolloutConfig(sglang=SGLangConfig(tp=16), gpu_memory_utilization=0.5)
     launch = EngineLaunch("bfloat16", 7, tp_size=16, ep_size=16, nnodes=2, dist_init_addr="node-a:41234")
     first = colocated_server_args(rollout, "/m", launch, MOE_CONFIG, node_rank=0)
     second = colocated_server_args(rollout, "/m", launch, MOE_CONFIG, node_rank=1)
@@ -434,11 +439,12 @@ def test_server_args_of_each_node_of_a_multi_node_engine() -> None:
     }
     assert first["enable_memory_saver"] is True and first["random_seed"] == 7 and first["ep_size"] == 16
     # inside a node nothing of SGLang's multi-node launch is passed (the arguments are as before)
-    single = colocated_server_args(RolloutConfig(sglang_tp=8), "/m", EngineLaunch("bfloat16", 7), MOE_CONFIG)
+    eight = RolloutConfig(sglang=SGLangConfig(tp=8))
+    single = colocated_server_args(eight, "/m", EngineLaunch("bfloat16", 7), MOE_CONFIG)
     assert not {"nnodes", "node_rank", "dist_init_addr"} & set(single)
     # what the layout decides cannot be overridden across nodes
-    clash = RolloutConfig(sglang_tp=16, sglang_server_args={"nnodes": 4, "base_gpu_id": 2})
-    with pytest.raises(ValueError, match=r"rollout.sglang_server_args sets \['base_gpu_id', 'nnodes'\]"):
+    clash = RolloutConfig(sglang=SGLangConfig(tp=16, server_args={"nnodes": 4, "base_gpu_id": 2}))
+    with pytest.raises(ValueError, match=r"rollout.sglang.server_args sets \['base_gpu_id', 'nnodes'\]"):
         colocated_server_args(clash, "/m", launch, MOE_CONFIG, node_rank=1)
 
 
@@ -448,26 +454,26 @@ def test_from_config_takes_an_engine_across_nodes_and_refuses_one_that_does_not_
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
     monkeypatch.delenv("LOCAL_RANK", raising=False)
     ps = SimpleNamespace(rank=8, world_size=16, device="cpu", tp=1, pp=1, cp=1)
-    cfg = load_config(EXAMPLE, ["rollout.engine=sglang", "rollout.sglang_tp=12"])
+    cfg = load_config(EXAMPLE, ["rollout.engine=sglang", "rollout.sglang.tp=12"])
     with pytest.raises(
-        ValueError, match=r"engines of 12 GPUs \(rollout.sglang_tp=12\) do not fit 16 ranks with 8 GPUs"
+        ValueError, match=r"engines of 12 GPUs \(rollout.sglang.tp=12\) do not fit 16 ranks with 8 GPUs"
     ):
         SGLangEngine.from_config(engine_spec(cfg), ps)
     # 16 over two nodes of 8 is a valid layout: rank 8 is not its leader (rank 0 drives the engine)
-    cfg = load_config(EXAMPLE, ["rollout.engine=sglang", "rollout.sglang_tp=16"])
+    cfg = load_config(EXAMPLE, ["rollout.engine=sglang", "rollout.sglang.tp=16"])
     assert SGLangEngine.from_config(engine_spec(cfg), ps) is None
 
 
 def test_engines_of_several_gpus_with_restarts_are_led_from_their_first_rank(monkeypatch) -> None:
-    """Issue 41: rollout.max_engine_restarts > 0 takes an engine of several GPUs as it takes one without
+    """Issue 41: rollout.recovery.max_restarts > 0 takes an engine of several GPUs as it takes one without
     (its other ranks get None: they hold members, which restart with it); an engine across nodes is no
     longer refused (tests/test_sglang_train.py restarts one over two nodes with the real engine)."""
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
     monkeypatch.delenv("LOCAL_RANK", raising=False)
     ps = SimpleNamespace(rank=1, world_size=16, device="cpu", tp=1, pp=1, cp=1)
-    restarts = ["rollout.engine=sglang", "rollout.max_engine_restarts=2", "rollout.sglang_ep=1"]
+    restarts = ["rollout.engine=sglang", "rollout.recovery.max_restarts=2", "rollout.sglang.ep=1"]
     for tp in (8, 16):
-        spec = engine_spec(load_config(EXAMPLE, [*restarts, f"rollout.sglang_tp={tp}"]))
+        spec = engine_spec(load_config(EXAMPLE, [*restarts, f"rollout.sglang.tp={tp}"]))
         assert SGLangEngine.from_config(spec, ps) is None
 
 
@@ -485,55 +491,83 @@ def test_the_fault_injection_signals_the_last_tp_ranks_scheduler() -> None:
 
 
 def test_a_lost_engine_of_several_gpus_is_resynced_on_every_gpu_and_restarts_report_wall_seconds() -> None:
-    """The fleet's side of issue 41 for an engine of several GPUs: the ranks a restart resyncs (every
-    rank of each lost engine, ``RolloutFleet.engine_groups``), and ``engine/restart_s`` as the wall
-    seconds of each restart event (two engines restarted together once, a restart found inside another
-    one's resync within it), ``engine/restarts`` the engines."""
-    from grpo_megatron.rollout import fleet as fleet_module
-    from grpo_megatron.rollout.fleet import EngineRecovery, RolloutFleet
+    """The engine recovery for an engine of several GPUs (rollout/recovery.py), built over fakes of the
+    engine contract (``WeightSink``) and of the ranks' agreement: the ranks a restart resyncs (every rank
+    of each lost engine), a further node's part restarted at its leader's fresh address, and
+    ``engine/restart_s`` as the wall seconds of each restart event (two engines restarted together
+    once, a restart found inside another one's resync within it), ``engine/restarts`` the engines."""
+    from grpo_megatron.rollout.engine import EngineParts, WeightSink
+    from grpo_megatron.rollout.recovery import EngineRecovery
 
-    class Member:  # SGLangSyncMember's side: restarted with its leader, at the leader's fresh address
-        restarted: list[str | None] = []
+    class Member(
+        WeightSink
+    ):  # SGLangSyncMember's side: restarted with its leader, at the leader's fresh address
+        def __init__(self) -> None:
+            self.restarted: list[str | None] = []
 
-        def restart(self, address: str | None) -> None:
+        def restart(self, address: str | None = None) -> None:
             self.restarted.append(address)
 
-    # Rank 1: a member of the engine led from rank 0 (its further node's part, say); the engines of ranks 0
-    # and 2 are lost together, and rank 2's again inside their resync (a weight-sync death). No collective
-    # runs here (_agree, _restart_addresses).
-    fleet = RolloutFleet.__new__(RolloutFleet)
-    fleet.ps, fleet.engine, fleet.member = SimpleNamespace(rank=1), None, Member()  # type: ignore[assignment]
-    fleet.engine_groups = {0: (0, 1), 2: (2, 3), 4: (4,)}
-    assert fleet._engine_ranks_of([4, 6]) == [4, 6]
-    assert [fleet._leader_of(rank) for rank in (0, 1, 3, 4, 6)] == [
+        def check_manifest(self, manifest, version):  # noqa: ANN001, ANN202
+            return []
+
+        def update_weights(self, bucket, *, version, last):  # noqa: ANN001, ANN202
+            return None
+
+        def shutdown(self) -> None:
+            return None
+
+    # Rank 1 of 5: a member of the engine led from rank 0 (its further node's part, say); the engines of
+    # ranks 0 and 2 are lost together, and rank 2's again inside their resync (a weight-sync death).
+    # The agreement answers for every rank: a restart asks for the leaders' fresh addresses (rank 0's), then
+    # for errors (none).
+    calls: list[object] = []
+
+    def gather(obj):  # noqa: ANN001, ANN202
+        calls.append(obj)
+        return ["node-a:41234", obj, None, None, None] if len(calls) % 2 else [None] * 5
+
+    synced: list[tuple[int, list[int]]] = []
+
+    def resync(version: int, ranks: list[int]) -> None:
+        synced.append((version, list(ranks)))
+        if len(synced) == 1:
+            time.sleep(0.2)
+            recovery.restart_engines([2], version, resync=True)
+
+    member = Member()
+    parts = EngineParts(member=member)
+    recovery = EngineRecovery(5, 1, [0, 2, 4], {0: (0, 1), 2: (2, 3), 4: (4,)}, parts, gather, resync)
+    assert recovery.ranks_of([4, 6]) == [4, 6]
+    assert [recovery.leader_of(rank) for rank in (0, 1, 3, 4, 6)] == [
         0,
         0,
         2,
         4,
         6,
     ]  # a loss counts for its engine
-    fleet._restart_addresses = lambda leaders: {0: "node-a:41234", 2: None, 4: None}  # type: ignore[method-assign]
-    synced: list[tuple[int, list[int]]] = []
-
-    def sync_weights(model, version, *, targets, recovery):  # noqa: ANN001, ANN202
-        synced.append((version, list(targets)))
-        if len(synced) == 1:
-            time.sleep(0.2)
-            fleet.restart_engines([2], recovery, version, resync=True)
-
-    fleet.sync_weights = sync_weights  # type: ignore[method-assign]
-    original = fleet_module._agree
-    fleet_module._agree = lambda error, what: None
-    try:
-        recovery = EngineRecovery(torch.nn.Linear(1, 1), max_restarts=5)
-        assert recovery.metrics() == {}
-        seconds = fleet.restart_engines([0, 2], recovery, 7, resync=True)
-    finally:
-        fleet_module._agree = original
-    assert synced == [(7, [0, 1, 2, 3]), (7, [2, 3])] and Member.restarted == ["node-a:41234"]
+    assert recovery.metrics() == {}
+    seconds = recovery.restart_engines([0, 2], 7, resync=True)
+    assert synced == [(7, [0, 1, 2, 3]), (7, [2, 3])] and member.restarted == ["node-a:41234"]
+    assert member.life == 0  # the fake counts nothing; SGLangSyncMember.restart counts its lives
     assert recovery.restarts == 3 and recovery.seconds == [seconds] and seconds >= 0.2
     assert recovery.metrics() == {"engine/restarts": 3.0, "engine/restart_s": seconds}
     assert recovery.metrics() == {}
+    # past the bound: every rank raises naming the lost engine (rank 1's loss counts for engine 0)
+    lost = EngineLost(1, "node-b", "process sglang::scheduler_TP1 (pid 7) is gone", "its last line", "/log")
+    recovery.max_restarts = 3
+    recovery.gather = lambda report: [(None, None), report, (None, None), (None, None), (None, None)]
+    with pytest.raises(
+        RuntimeError,
+        match=r"rollout generate: 1 engine\(s\) lost, past rollout.recovery.max_restarts=3 "
+        r"\(3 restart\(s\) so far\).*\n  engine 0 \(rank 1 on node-b\) was lost",
+    ):
+        recovery.recover(None, lost, "rollout generate", version=7)
+    zero = EngineRecovery(3, 1, [0, 2, 4], {0: (0, 1)}, parts, recovery.gather)  # no resync: bound 0
+    with pytest.raises(
+        RuntimeError, match=r"engine 0 \(rank 1 on node-b\) was lost: process sglang::scheduler_TP1"
+    ):
+        zero.recover(None, lost, "rollout generate", version=7)
 
 
 def _sigterm_ignored(pid: int) -> bool:
@@ -543,6 +577,7 @@ def _sigterm_ignored(pid: int) -> bool:
     return bool(mask & (1 << (signal.SIGTERM - 1)))
 
 
+@pytest.mark.launches
 def test_a_further_node_starts_its_part_like_the_leader_without_blocking(monkeypatch, tmp_path: Path) -> None:
     """``start_node_part`` against SGLang's real entry point name (``sglang.Engine``), whose multi-node
     constructor cannot run here (see bench/gpu_check.sh): the arguments it is given, the environment
@@ -571,7 +606,7 @@ def test_a_further_node_starts_its_part_like_the_leader_without_blocking(monkeyp
     monkeypatch.setattr(sglang, "Engine", Recorder)
     monkeypatch.delenv("SGLANG_BLOCK_NONZERO_RANK_CHILDREN", raising=False)
     saved = signal.signal(signal.SIGTERM, trainer_sigterm), signal.getsignal(signal.SIGQUIT)
-    cfg = load_config(EXAMPLE, ["rollout.engine=sglang", "rollout.sglang_tp=16", f"model.hf_path={tmp_path}"])
+    cfg = load_config(EXAMPLE, ["rollout.engine=sglang", "rollout.sglang.tp=16", f"model.hf_path={tmp_path}"])
     spec = dataclasses.replace(engine_spec(cfg), log_dir=tmp_path / "logs")
     ps = SimpleNamespace(rank=8, device="cuda:0")  # a GPU node's arguments (nothing here touches CUDA)
     layout = colocated_layout(8, 16, 16, 8, 0)
@@ -587,7 +622,7 @@ def test_a_further_node_starts_its_part_like_the_leader_without_blocking(monkeyp
             EXAMPLE,
             [
                 "rollout.engine=sglang",
-                "rollout.sglang_tp=16",
+                "rollout.sglang.tp=16",
                 f"model.hf_path={tmp_path}",
                 "algorithm.routing_replay=r3",
             ],
@@ -618,7 +653,7 @@ def test_a_further_node_starts_its_part_like_the_leader_without_blocking(monkeyp
     assert [p.pid for p in health.procs] == [children[0].pid] and health.rank == 8
     assert health.log_path.parent == tmp_path / "logs" and health.log_path.name.startswith("engine-rank8-")
     assert "scheduler of node 1 up" in health.log_path.read_text()
-    with pytest.raises(EngineDiedError, match=r"the SGLang engine of rank 8 on .* died: process .* is gone"):
+    with pytest.raises(EngineLost, match=r"the SGLang engine of rank 8 on .* was lost: process .* is gone"):
         health.check()  # the member checks it before each weight load (member.py)
 
 
@@ -814,11 +849,11 @@ def test_each_engine_gpu_needs_dense_tensors_and_the_experts_of_its_ep_block() -
     ):
         with pytest.raises(ValueError, match=match) as err:
             check_expert_placement(args)
-        assert "rollout.sglang_server_args" in str(err.value)
+        assert "rollout.sglang.server_args" in str(err.value)
 
 
 def test_sync_groups_are_the_distinct_multi_gpu_engines_in_one_order() -> None:
-    from grpo_megatron.rollout.fleet import sync_groups
+    from grpo_megatron.rollout.weight_sync import sync_groups
 
     assert sync_groups([(0, 1), (0, 1), (2, 3), (2, 3), ()]) == [(0, 1), (2, 3)]
     assert sync_groups([(), ()]) == []
@@ -830,7 +865,7 @@ from pathlib import Path
 from grpo_megatron.rollout.sglang.health import EngineProcesses
 health = EngineProcesses(0, Path(sys.argv[1]))
 signal.signal(signal.SIGQUIT, health.on_sigquit())
-if sys.argv[2] == "recoverable":  # rollout.max_engine_restarts > 0: what waits is cancelled, the rank lives
+if sys.argv[2] == "recoverable":  # rollout.recovery.max_restarts > 0: what waits is cancelled, the rank lives
     health.recoverable, health.on_lost = True, lambda: print("cancelled", flush=True)
 if sys.argv[2] == "stopping":
     with health.engine_only_shutdown():
@@ -881,12 +916,13 @@ def test_sigterm_ignored_while_engine_processes_start_then_the_handler_is_back(t
     assert (tmp_path / "logs" / "engine.log").read_text() == "from the engine\n"
 
 
+@pytest.mark.launches
 @pytest.mark.parametrize("mode", ["running", "stopping", "recoverable"])
 def test_sigquit_ends_the_rank_unless_it_is_shutting_the_engine_down(tmp_path: Path, mode: str) -> None:
     """A scheduler's SIGQUIT ends the rank with EXIT_ENGINE_DIED while the engine runs; once the rank
     shuts the engine down (a TP2 engine's schedulers are killed one after the other, and the last
     one sends SIGQUIT from its broken collective) it is expected and the rank goes on. With
-    rollout.max_engine_restarts > 0 (issue 41) it only cancels what waits on the engine."""
+    rollout.recovery.max_restarts > 0 (issue 41) it only cancels what waits on the engine."""
     from grpo_megatron.rollout.sglang.health import EXIT_ENGINE_DIED
 
     (tmp_path / "engine.log").write_text("scheduler line\n")
@@ -905,6 +941,7 @@ def test_sigquit_ends_the_rank_unless_it_is_shutting_the_engine_down(tmp_path: P
         assert ("EngineLost" in proc.stdout and "watchdog_timeout" in proc.stdout) == (mode == "recoverable")
 
 
+@pytest.mark.launches
 @pytest.mark.parametrize("fault", ["kill", "stop"])
 def test_a_generation_waiting_on_a_dead_or_stopped_scheduler_ends_in_engine_lost(
     tmp_path: Path, fault: str
@@ -918,8 +955,8 @@ def test_a_generation_waiting_on_a_dead_or_stopped_scheduler_ends_in_engine_lost
     import psutil
 
     from grpo_megatron.rollout.engine import EngineLost
-    from grpo_megatron.rollout.sglang.engine import ServerGuard, cancel_requests
     from grpo_megatron.rollout.sglang.health import EngineProcesses
+    from grpo_megatron.rollout.sglang.watch import ServerGuard, cancel_requests
 
     (tmp_path / "engine.log").write_text("scheduler line\n")
     health = EngineProcesses(0, tmp_path / "engine.log")
@@ -931,7 +968,7 @@ def test_a_generation_waiting_on_a_dead_or_stopped_scheduler_ends_in_engine_lost
         health.check()
         why = health.stopped(0.3)
         if why is not None:
-            raise health.failure(why)
+            raise health.lost(why)
 
     server = SimpleNamespace(loop=asyncio.new_event_loop())
     guard = ServerGuard([server], watch=watch, cancel=cancel_requests)
@@ -962,8 +999,7 @@ def test_a_scheduler_that_leaves_a_state_request_unanswered_past_the_deadline_is
     import asyncio
 
     from grpo_megatron.rollout.engine import EngineLost
-    from grpo_megatron.rollout.sglang.engine import SchedulerProbe, ServerGuard, cancel_requests
-    from grpo_megatron.rollout.sglang.launch import close_loop
+    from grpo_megatron.rollout.sglang.watch import SchedulerProbe, ServerGuard, cancel_requests, close_loop
 
     class Manager:
         asked = 0
@@ -989,7 +1025,7 @@ def test_a_scheduler_that_leaves_a_state_request_unanswered_past_the_deadline_is
             with pytest.raises(
                 EngineLost,
                 match=r"left a state request unanswered for 1.\d s, past "
-                r"rollout.engine_health_timeout_s=1 \(hung\)",
+                r"rollout.recovery.health_timeout_s=1 \(hung\)",
             ):
                 guard.result(future)
             assert 1.0 <= time.monotonic() - start < 2.5 and future.done() and Manager.asked == 1
@@ -1006,11 +1042,10 @@ def test_abandon_stops_the_loop_under_a_generation_its_cancel_did_not_end_and_jo
     can be closed (close_loop), nothing left behind."""
     import asyncio
 
-    from grpo_megatron.rollout.sglang import engine as engine_module
-    from grpo_megatron.rollout.sglang.engine import ServerGuard
-    from grpo_megatron.rollout.sglang.launch import close_loop
+    from grpo_megatron.rollout.sglang import watch
+    from grpo_megatron.rollout.sglang.watch import ServerGuard, close_loop
 
-    monkeypatch.setattr(engine_module, "ABORT_S", 0.5)
+    monkeypatch.setattr(watch, "ABORT_S", 0.5)
     server = SimpleNamespace(loop=asyncio.new_event_loop())
     guard = ServerGuard(
         [server], watch=lambda: None, cancel=lambda servers: None
@@ -1047,6 +1082,7 @@ except EngineStartError as exc:
 """
 
 
+@pytest.mark.launches
 @pytest.mark.parametrize("first", ["sigquit", "exception"])
 def test_an_engine_that_fails_while_it_starts_is_named_on_the_console(tmp_path: Path, first: str) -> None:
     """While an engine starts, the rank's output goes to the engine's log; a failure then must still
@@ -1079,7 +1115,7 @@ def test_an_engine_that_fails_while_it_starts_is_named_on_the_console(tmp_path: 
 def test_a_quantized_deepseek_engine_starts_unquantized_on_dummy_weights_from_a_config_sglang_reads(
     tmp_path: Path,
 ) -> None:
-    from grpo_megatron.rollout.sglang.launch import engine_config, engine_model_path
+    from grpo_megatron.rollout.sglang.model_config import engine_config, engine_model_path
     from tests.helpers.fp8_deepseek import save_fp8_deepseek
     from tests.helpers.tiny_configs import tiny_hf_config
 
@@ -1097,13 +1133,13 @@ def test_a_quantized_deepseek_engine_starts_unquantized_on_dummy_weights_from_a_
     assert rope["rope_type"] == "yarn" and rope["factor"] == 1.0  # the plain rotary embedding, as a scaling
     args = colocated_server_args(RolloutConfig(engine="sglang"), str(path), EngineLaunch(device="cpu"), hf)
     assert args["load_format"] == "dummy"  # the float8 files are never read; the first sync fills the weights
-    folder, _ = engine_model_path(str(path), hf, EngineLaunch(log_dir=tmp_path / "logs", rank=3))
+    folder, _ = engine_model_path(str(path), hf, tmp_path / "logs", 3)
     assert Path(folder).parent == tmp_path / "logs" and Path(folder).name.startswith("engine-model-rank3-")
     assert json.loads((Path(folder) / "config.json").read_text()) == config
     assert (Path(folder) / "tokenizer.json").resolve() == (path / "tokenizer.json").resolve()
     for plain in (tiny_hf_config("qwen3_moe"), {**config}):  # nothing to change: the checkpoint's folder
         assert engine_config(plain)[1] == []
-        assert engine_model_path("/m", plain, EngineLaunch())[0] == "/m"
+        assert engine_model_path("/m", plain, None, 0)[0] == "/m"
 
 
 def test_the_manifest_check_refuses_a_wrong_dtype_or_shape_naming_the_tensor_before_any_byte_moves(
@@ -1150,9 +1186,8 @@ def test_the_manifest_check_refuses_a_wrong_dtype_or_shape_naming_the_tensor_bef
         refusal.startswith("weight sync of version 2 refused by SGLang TP rank 1 (2 problems)")
         and q in refusal
     )
-    disaggregated = RolloutConfig(
-        engine="sglang", sglang_mode="disaggregated", sglang_server_urls=["http://h:1"]
-    )
+    servers = SGLangConfig(mode="disaggregated", server_urls=["http://h:1"])
+    disaggregated = RolloutConfig(engine="sglang", sglang=servers)
     engine = SGLangEngine(disaggregated, str(path), EngineLaunch(device="cpu"), servers=[])
     (refusal,) = engine.check_manifest(good, 1)
     assert "quantized" in refusal and "--load-format dummy" in refusal
@@ -1196,7 +1231,7 @@ def test_deepseeks_fused_a_projections_reach_sglang_in_one_load_call_whatever_th
 def test_kept_prefixes_flush_where_the_oldest_cached_kv_would_lag_more_than_max_staleness(
     fake_server,
 ) -> None:
-    """rollout.partial_keep_kv: a load keeps the prefix cache while every KV in it lags the new version
+    """rollout.partial.keep_kv: a load keeps the prefix cache while every KV in it lags the new version
     by at most train.max_staleness (the first load always flushes: the cache's versions are unknown);
     off, every load flushes. The disaggregated stream's closing bucket then skips ``/flush_cache``."""
     from grpo_megatron.rollout.sglang.nccl import NcclBroadcastTransport
@@ -1227,6 +1262,7 @@ NotImplementedError: "rmsnorm_kernel" not implemented for 'Float'
 """
 
 
+@pytest.mark.launches
 def test_an_engine_death_names_its_reason_even_before_any_process_exited(tmp_path) -> None:
     """Issue 50 item 3: a scheduler that fails sends SGLang's SIGQUIT before it exits, so the report
     made in the SIGQUIT handler found no dead process and read "died: ." with an empty reason. The

@@ -7,6 +7,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 
 def _run(code: str) -> str:
     proc = subprocess.run(
@@ -16,6 +18,7 @@ def _run(code: str) -> str:
     return proc.stdout.strip()
 
 
+@pytest.mark.launches
 def test_torchvision_imports_beside_the_cpu_torch_and_transformers_models_load() -> None:
     """PyPI's torchvision (a CUDA build) cannot load its ops here; the .pth make setup writes arms the
     fix in every process, so torchvision and transformers' models import."""
@@ -30,6 +33,7 @@ def test_torchvision_imports_beside_the_cpu_torch_and_transformers_models_load()
     assert out == "['torchvision_missing_ops'] False"
 
 
+@pytest.mark.launches
 def test_a_config_type_transformers_has_may_be_registered_again() -> None:
     """SGLang 0.5.17 registers configs for types transformers >= 5.13 has (e.g. qwen3_asr): the
     fix lets the second registration through, and only for known types."""
@@ -57,6 +61,7 @@ def test_a_config_type_transformers_has_may_be_registered_again() -> None:
     assert out == "refused"
 
 
+@pytest.mark.launches
 def test_amx_packed_weights_take_an_update_as_a_fresh_load_packs_it() -> None:
     """SGLang's intel_amx path repacks weights after loading and cannot undo it: an update then meets
     the packed layout (a router of 4 experts transposed to fp32: the AssertionError seen on an AMX

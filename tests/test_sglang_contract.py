@@ -32,7 +32,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from grpo_megatron.rollout.config import RolloutConfig
+from grpo_megatron.rollout.config import RolloutConfig, SGLangConfig
 from grpo_megatron.rollout.engine import SamplingParams
 from grpo_megatron.rollout.sglang.engine import SGLangEngine
 from grpo_megatron.rollout.sglang.ipc import (
@@ -50,6 +50,8 @@ from grpo_megatron.rollout.sglang.weights import (
     flattened_bucket,
 )
 from tests.helpers.dist import free_port, run_distributed
+
+pytestmark = pytest.mark.launches  # every test here: a job, the real engine or ranks of their own
 
 try:
     sglang, FlattenedTensorBucket, MultiprocessingSerializer = import_sglang()
@@ -268,7 +270,10 @@ def test_engine_streams_a_version_and_refuses_bad_or_partial_ones(exported) -> N
     stream = buckets["float32"]
     stub = LoadingEngine(tp_size=2)
     engine = SGLangEngine(
-        RolloutConfig(engine="sglang", sglang_tp=2), str(hf_dir), EngineLaunch(device="cpu"), servers=[stub]
+        RolloutConfig(engine="sglang", sglang=SGLangConfig(tp=2)),
+        str(hf_dir),
+        EngineLaunch(device="cpu"),
+        servers=[stub],
     )
     for i, bucket in enumerate(stream):
         engine.update_weights(bucket, version=1, last=i == len(stream) - 1)
@@ -407,7 +412,7 @@ def test_distributed_update_metadata_lays_out_the_senders_bytes_in_sglangs_recei
                 json.dumps(
                     distributed_update_body(ordered, group_name=GROUP, flush_cache=False, weight_version=None)
                 )
-            )  # fmt: skip  (what travels is JSON)
+            )  # what travels is JSON
             assert body["load_format"] == "flattened_bucket" and "weight_version" not in body
             assert [getattr(torch, d) for d in body["dtypes"]] == [t.dtype for _, t in ordered]
             flat = flattened_bucket(ordered, FlattenedTensorBucket, "cpu").get_flattened_tensor()

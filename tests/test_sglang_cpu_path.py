@@ -1,5 +1,5 @@
 """Issue 50: SGLang's two CPU paths (rollout/sglang/cpu_path.py). Which one an engine takes follows the
-CPU and ``rollout.sglang_cpu_path``; ``check`` and the engine's start refuse what the intel_amx path
+CPU and ``rollout.sglang.cpu_path``; ``check`` and the engine's start refuse what the intel_amx path
 cannot serve (fp32), naming both fixes; ``torch_native`` hides AMX from the engine's processes.
 ``GRPO_SGLANG_AMX=pretend`` stands for an AMX CPU here (SGLang's own AMX query answers True: the
 same decision as on a Sapphire Rapids Xeon, whatever this machine is)."""
@@ -42,6 +42,7 @@ def test_the_path_follows_what_sglang_sees_and_the_setting(monkeypatch) -> None:
     )
 
 
+@pytest.mark.launches
 @pytest.mark.skipif(
     not KERNEL, reason="SGLang takes its AMX path only with sgl_kernel: `make setup WHEELHOUSE=DIR`"
 )
@@ -52,8 +53,8 @@ def test_check_refuses_an_fp32_model_on_the_amx_path_naming_both_fixes(monkeypat
         validate(load_config(DEMO, ["rollout.engine=sglang"]), 2)
     (error,) = [e for e in info.value.errors if "intel_amx" in e]
     assert error.startswith("model.dtype=float32 with rollout.engine=sglang on this CPU: it has AMX")
-    assert "set model.dtype=bfloat16, or rollout.sglang_cpu_path=torch_native" in error
-    validate(load_config(DEMO, ["rollout.engine=sglang", "rollout.sglang_cpu_path=torch_native"]), 2)
+    assert "set model.dtype=bfloat16, or rollout.sglang.cpu_path=torch_native" in error
+    validate(load_config(DEMO, ["rollout.engine=sglang", "rollout.sglang.cpu_path=torch_native"]), 2)
     validate(load_config(DEMO, ["rollout.engine=sglang", "model.dtype=bfloat16"]), 2)
     validate(load_config(DEMO, []), 2)  # the embedded engine serves fp32 anywhere
     run = subprocess.run(
@@ -85,7 +86,7 @@ def test_an_engine_the_amx_path_cannot_serve_is_refused_before_it_starts(monkeyp
     with pytest.raises(EngineStartError, match=r"rank 3 cannot start: model.dtype=float32 .* intel_amx path"):
         refuse_cpu_path("auto", EngineLaunch("float32", device="cpu", rank=3), sglang)
     refuse_cpu_path("auto", EngineLaunch("bfloat16", device="cpu"), sglang)
-    sessions = r"SGLang 0.5.17 has no weight-update sessions .*rollout.sglang_cpu_path=torch_native"
+    sessions = r"SGLang 0.5.17 has no weight-update sessions .*rollout.sglang.cpu_path=torch_native"
     with pytest.raises(EngineStartError, match=sessions):
         refuse_cpu_path("auto", EngineLaunch("bfloat16", device="cpu"), old)
     refuse_cpu_path("torch_native", EngineLaunch("float32", device="cpu"), old)  # no packing there
@@ -99,6 +100,7 @@ def test_the_torch_native_setting_hides_amx_from_the_engines_processes() -> None
     )
 
 
+@pytest.mark.launches
 @pytest.mark.skipif(
     not KERNEL, reason="SGLang takes its AMX path only with sgl_kernel: `make setup WHEELHOUSE=DIR`"
 )

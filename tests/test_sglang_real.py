@@ -18,6 +18,8 @@ import pytest
 
 from tests.sglang_env import ENGINE_TIMEOUT_S, require_sglang_engine
 
+pytestmark = pytest.mark.launches  # every test here: a job, the real engine or ranks of their own
+
 ROOT = Path(__file__).resolve().parents[1]
 FLOOR_FACTOR = 2.0
 """Two bf16 implementations of one model differ from the fp32 reference by different roundings: the
@@ -162,7 +164,7 @@ def test_colocated_memory_moves_the_real_engine_by_the_placements_phases(scenari
 
 
 def test_kept_kv_serves_a_continued_response_from_the_prefix_cache_across_a_weight_update(scenarios) -> None:
-    """rollout.partial_keep_kv: after a load that keeps the cache, each continued request finds its
+    """rollout.partial.keep_kv: after a load that keeps the cache, each continued request finds its
     prompt and first segment in SGLang's prefix cache (all but the last token, which was never fed);
     a load past max_staleness flushes it. The continued tokens carry the new version, and their
     logprobs are the new weights' over the kept (old) KV: on average within the bf16 floor of that
@@ -181,14 +183,14 @@ def test_kept_kv_serves_a_continued_response_from_the_prefix_cache_across_a_weig
 
 def test_a_hung_scheduler_is_lost_past_the_health_deadline_and_the_engine_restarts(scenarios) -> None:
     """Issue 41: a scheduler alive but hung (neither dead nor stopped) while a generation is awaited:
-    its state request unanswered past rollout.engine_health_timeout_s (2 s) is the engine lost; a memory
+    its state request unanswered past rollout.recovery.health_timeout_s (2 s) is the engine lost; a memory
     release sent to it then is watched the same way, ends past the deadline without raising and keeps
     the loss for the next call (check_alive); the engine restarts in place and generates again, and the
     scenarios after this one run on the restarted engine."""
     got = scenario(scenarios, "hang_restart")
     assert (
         "left a state request unanswered" in got["lost"]
-        and "rollout.engine_health_timeout_s=2" in got["lost"]
+        and "rollout.recovery.health_timeout_s=2" in got["lost"]
     )
     assert all(state in ("sleeping", "running", "disk-sleep") for state in got["states"]), got["states"]
     assert 2.0 <= got["lost_s"] < 2.0 + 3.0 + 1.0, got  # the deadline, a probe interval, a watch tick

@@ -15,6 +15,8 @@ import pytest
 from tests.helpers.dist import run_distributed
 from tests.helpers.tiny_configs import tiny_hf_config
 
+pytestmark = pytest.mark.launches  # every test here: a job, the real engine or ranks of their own
+
 BUCKET_BYTES = 48 << 10
 
 

@@ -9,9 +9,13 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from grpo_megatron.logging_utils.metrics import read_jsonl
 from tests.helpers.metrics import missing_required_keys
 from tests.helpers.runs import SMALL, finish, launch
+
+pytestmark = pytest.mark.launches  # every test here: a job, the real engine or ranks of their own
 
 REPLAYED = (
     "loss/",

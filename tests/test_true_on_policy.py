@@ -19,7 +19,7 @@ from tests.helpers.dist import run_distributed
 from tests.helpers.runs import DEMO, SMALL, finish, launch
 
 MOVING = ["reward.components=[{name: len, function: length, kwargs: {target_chars: 6}}]", "train.lr=1e-3"]
-"""A reward with variance from the first iteration (a length bonus), so that every update moves the weights."""
+"""A reward with variance from the first iteration (a length bonus): every update moves the weights."""
 SWITCH = ["rollout.true_on_policy=true", "model.dtype=bfloat16"]
 
 

@@ -7,7 +7,7 @@ that name it), ``docs/reference/cli.md`` from the command line's argparse parser
 
 Nothing here names a field: the config page walks ``JobConfig``'s dataclasses (nested sections and
 lists of sections included), reads each field's docstring from its class's source, and collects the
-messages of every function in the modules that define the sections and in ``config/validation.py``
+messages of every function in the modules that define the sections and in ``RULE_MODULES``
 (``validate`` methods, ``*_errors`` rules) that mention a field's dotted path. A field added, moved
 or renamed changes the page; ``tests/test_docs_reference.py`` fails until it is regenerated.
 Standard library + PyYAML (through the config modules) only: no torch.
@@ -38,7 +38,11 @@ CONFIG_PAGE = REPO / "docs" / "reference" / "config.md"
 CLI_PAGE = REPO / "docs" / "reference" / "cli.md"
 REGENERATE = "make reference"
 """The one command that rewrites both pages (``python tools/docs_reference.py`` without make)."""
-RULE_MODULES = ("grpo_megatron.config.validation", "grpo_megatron.rollout.sglang.cpu_path")
+RULE_MODULES = (
+    "grpo_megatron.config.validation",
+    "grpo_megatron.config.loop_rules",
+    "grpo_megatron.rollout.sglang.cpu_path",
+)
 """Modules of cross-section rules, scanned beside the modules that define the sections."""
 LIST_ITEM = "[i]"
 """How a list of sections' item is written in a dotted path: ``reward.components[i].weight``."""

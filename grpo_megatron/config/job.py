@@ -67,19 +67,19 @@ class JobConfig:
         (training/groups.py: GroupProducer): its engines generate while the trainer trains (an embedded engine in
         a process of its own, or SGLang, whose schedulers are processes of their own) and run ahead
         (train.max_staleness > 0), or in order (rollout.embedded_process with max_staleness 0). Not with
-        train.partial_rollout: its pool is advanced in the rollout phase (training/partial.py)."""
+        rollout.partial.enabled: its pool is advanced in the rollout phase (training/partial.py)."""
         ahead = self.rollout.embedded_process or self.train.max_staleness > 0
-        return ahead and not self.train.partial_rollout
+        return ahead and not self.rollout.partial.enabled
 
     @property
     def generation_overlaps_training(self) -> int:
         """How many versions ahead the engines generate while the trainer trains (the placement's
         phase table: above 0 nothing swaps): train.max_staleness in the producer loop; 0 with
-        train.partial_rollout, whose engines generate in the rollout phase only (max_staleness there
-        bounds a token's lag, not how far ahead batches are submitted), 1 with rollout.partial_overlap
+        rollout.partial.enabled, whose engines generate in the rollout phase only (max_staleness there
+        bounds a token's lag, not how far ahead batches are submitted), 1 with rollout.partial.overlap
         (one segment round in flight while the trainer trains)."""
-        if self.train.partial_rollout:
-            return int(self.rollout.partial_overlap)
+        if self.rollout.partial.enabled:
+            return int(self.rollout.partial.overlap)
         return self.train.max_staleness
 
     def resolve(self, world_size: int) -> JobConfig:

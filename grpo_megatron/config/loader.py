@@ -34,6 +34,33 @@ KeyPath = tuple[str | int, ...]
 
 _INVALID = object()  # returned by the converters after they recorded an error
 
+MOVED_KEYS: dict[str, str] = {
+    "train.partial_rollout": "rollout.partial.enabled",
+    **{
+        f"rollout.partial_{k}": f"rollout.partial.{k}"
+        for k in ("segment_tokens", "groups_in_flight", "overlap", "one_request", "keep_kv")
+    },
+    **{
+        f"rollout.sglang_{k}": f"rollout.sglang.{k}"
+        for k in (
+            "mode",
+            "tp",
+            "ep",
+            "server_urls",
+            "sync_master_addr",
+            "sync_master_port",
+            "request_timeout_s",
+            "routed_experts",
+            "cpu_path",
+            "server_args",
+        )
+    },
+    "rollout.max_engine_restarts": "rollout.recovery.max_restarts",
+    "rollout.engine_health_timeout_s": "rollout.recovery.health_timeout_s",
+}
+"""Keys that moved into nested sections (issue 52): a config that still names one fails with its new
+name instead of a guess."""
+
 
 @dataclass
 class _Origins:
@@ -365,6 +392,13 @@ def _type_error(value: Any, expected: str, path: KeyPath, origins: _Origins, err
 
 
 def _unknown_key_message(path: KeyPath, valid: list[str]) -> str:
+    moved = MOVED_KEYS.get(_dotted(path))
+    if moved is not None:
+        *sections, key = moved.split(".")
+        nested = "".join(f"{name}: " for name in sections)
+        return (
+            f"'{_dotted(path)}' has moved to '{moved}' ({nested}{key}: in YAML); rename it, the value stays"
+        )
     name = str(path[-1])
     close = difflib.get_close_matches(name, valid, n=1, cutoff=0.6)
     where = f"in '{_dotted(path[:-1])}'" if len(path) > 1 else "at the top level"

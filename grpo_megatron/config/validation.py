@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from grpo_megatron.config.job import ConfigError, JobConfig
+from grpo_megatron.config.loop_rules import async_errors, off_policy_errors
 from grpo_megatron.distributed.bootstrap import job_backend
 from grpo_megatron.distributed.config import ParallelConfig
 from grpo_megatron.models.config import (
@@ -200,10 +201,10 @@ def routing_replay_errors(cfg: JobConfig, hf_config: dict[str, Any]) -> list[str
             f"{where} with parallel.cp={cfg.parallel.cp}: routes are not split over context-parallel ranks "
             "yet; set parallel.cp=1"
         )
-    if mode == "r3" and cfg.rollout.engine == "sglang" and not cfg.rollout.sglang_routed_experts:
+    if mode == "r3" and cfg.rollout.engine == "sglang" and not cfg.rollout.sglang.routed_experts:
         errors.append(
-            f"{where} replays the engine's experts, but rollout.sglang_routed_experts=false asks SGLang not "
-            "to report them: set rollout.sglang_routed_experts=true"
+            f"{where} replays the engine's experts, but rollout.sglang.routed_experts=false asks SGLang not "
+            "to report them: set rollout.sglang.routed_experts=true"
         )
     if mode == "r3" and cfg.rollout.engine == "sglang" and job_backend(cfg.parallel.backend) != "nccl":
         errors.append(
@@ -228,12 +229,12 @@ def routing_replay_errors(cfg: JobConfig, hf_config: dict[str, Any]) -> list[str
 
 def context_length_errors(cfg: JobConfig, hf_config: dict[str, Any]) -> list[str]:
     """SGLang refuses a request whose prompt and ``max_new_tokens`` together exceed its context
-    length (``context_length`` in rollout.sglang_server_args, else the model's
+    length (``context_length`` in rollout.sglang.server_args, else the model's
     ``max_position_embeddings``; SGLang's tokenizer manager, ``_validate_one_request``): the longest
     prompt and the longest response must fit, or the first rollout fails. The embedded engine and the
     trainer take any length (rotary positions)."""
     rollout = cfg.rollout
-    given = rollout.sglang_server_args.get("context_length")
+    given = rollout.sglang.server_args.get("context_length")
     context = given or hf_config.get("max_position_embeddings")
     if rollout.engine != "sglang" or context is None:
         return []
@@ -242,7 +243,7 @@ def context_length_errors(cfg: JobConfig, hf_config: dict[str, Any]) -> list[str
     if total <= int(context):
         return []
     source = (
-        "rollout.sglang_server_args.context_length"
+        "rollout.sglang.server_args.context_length"
         if given
         else f"max_position_embeddings in {cfg.model.hf_path}/config.json"
     )
@@ -271,7 +272,7 @@ def sglang_rotary_errors(cfg: JobConfig, hf_config: dict[str, Any]) -> list[str]
         or "kv_lora_rank" in hf_config
     ):
         return []
-    kv_dtype = cfg.rollout.sglang_server_args.get("kv_cache_dtype", "auto")
+    kv_dtype = cfg.rollout.sglang.server_args.get("kv_cache_dtype", "auto")
     if cfg.model.dtype != "bfloat16" or kv_dtype not in ("auto", "bfloat16", "bf16"):
         return []
     head_dim = hf_config.get("head_dim") or hf_config["hidden_size"] // hf_config["num_attention_heads"]
@@ -294,11 +295,11 @@ def sglang_cpu_errors(cfg: JobConfig) -> list[str]:
     """Colocated SGLang engines on CPU: the path SGLang takes on this CPU must serve ``model.dtype``
     (``rollout/sglang/cpu_path.py``: intel_amx, where the CPU has AMX, serves no fp32)."""
     r = cfg.rollout
-    if r.engine != "sglang" or r.sglang_mode != "colocated" or job_backend(cfg.parallel.backend) != "gloo":
+    if r.engine != "sglang" or r.sglang.mode != "colocated" or job_backend(cfg.parallel.backend) != "gloo":
         return []
     from grpo_megatron.rollout.sglang.cpu_path import cpu_path_errors, sglang_cpu_path
 
-    return cpu_path_errors(sglang_cpu_path(r.sglang_cpu_path), cfg.model.dtype)
+    return cpu_path_errors(sglang_cpu_path(r.sglang.cpu_path), cfg.model.dtype)
 
 
 def true_on_policy_errors(cfg: JobConfig) -> list[str]:
@@ -319,9 +320,10 @@ def true_on_policy_errors(cfg: JobConfig) -> list[str]:
             "process; set rollout.embedded_process=false",
         ),
         (
-            cfg.train.max_staleness == 0 and not cfg.train.partial_rollout,
-            "train.max_staleness > 0 or train.partial_rollout: the policy generates with the weights it trains, "
-            "not one version behind; set train.max_staleness=0 and train.partial_rollout=false",
+            cfg.train.max_staleness == 0 and not r.partial.enabled,
+            "train.max_staleness > 0 or rollout.partial.enabled: the policy generates with the weights it "
+            "trains, "
+            "not one version behind; set train.max_staleness=0 and rollout.partial.enabled=false",
         ),
         (
             p.pp == 1 and p.cp == 1,
@@ -335,8 +337,8 @@ def true_on_policy_errors(cfg: JobConfig) -> list[str]:
         ),
         (
             cfg.model.transformer_impl != "transformer_engine",
-            "model.transformer_impl=transformer_engine: the batch-invariant attention is the local layer spec's; "
-            "set model.transformer_impl=local",
+            "model.transformer_impl=transformer_engine: the batch-invariant attention is the local layer "
+            "spec's; set model.transformer_impl=local",
         ),
         (
             not r.multiturn.enabled,
@@ -345,160 +347,6 @@ def true_on_policy_errors(cfg: JobConfig) -> list[str]:
         ),
     ]
     return [f"{why}: {message}" for ok, message in rules if not ok]
-
-
-def async_errors(cfg: JobConfig) -> list[str]:
-    """The asynchronous loop (train.max_staleness, rollout.embedded_process) and what it cannot run with."""
-    if cfg.train.partial_rollout:
-        return partial_rollout_errors(cfg)
-    errors = []
-    for name, what in (
-        ("partial_keep_kv", "keeps the KV of continued responses across weight updates"),
-        ("partial_one_request", "sends each segment round as one request"),
-    ):
-        if getattr(cfg.rollout, name):
-            errors.append(
-                f"rollout.{name}=true without train.partial_rollout=true: it {what}; set "
-                f"train.partial_rollout=true or rollout.{name}=false"
-            )
-    if cfg.rollout.partial_overlap:
-        errors.append(
-            "rollout.partial_overlap=true without train.partial_rollout=true: it overlaps the "
-            "segment rounds of partial rollouts; set train.partial_rollout=true or "
-            "rollout.partial_overlap=false"
-        )
-    if cfg.train.max_staleness > 0 and not (cfg.rollout.embedded_process or cfg.rollout.engine == "sglang"):
-        errors.append(
-            f"train.max_staleness={cfg.train.max_staleness} needs engines that generate while the trainer "
-            "trains: set rollout.embedded_process=true, or use rollout.engine=sglang (or train.max_staleness=0)"
-        )
-    if not cfg.producer_loop:
-        return errors
-    why = (
-        "rollout.embedded_process=true"
-        if cfg.rollout.embedded_process
-        else f"train.max_staleness={cfg.train.max_staleness}"
-    )
-    if cfg.algorithm.dynamic_sampling.enabled:
-        errors.append(
-            f"{why} with algorithm.dynamic_sampling.enabled=true: the asynchronous producer submits one "
-            "round per iteration ahead of time; disable dynamic sampling"
-        )
-    if cfg.train.offload_trainer:
-        errors.append(
-            f"{why} with train.offload_trainer=true: the engines generate while the trainer trains, so "
-            "both stay on the device; set train.offload_trainer=false"
-        )
-    if cfg.rollout.multiturn.enabled:
-        errors.append(
-            f"{why} with rollout.multiturn.enabled=true: the asynchronous producer submits single-turn "
-            "batches ahead of time, episodes are not run there yet; set train.max_staleness=0 and "
-            "rollout.embedded_process=false for multi-turn training"
-        )
-    return errors
-
-
-def partial_rollout_errors(cfg: JobConfig) -> list[str]:
-    """train.partial_rollout (training/partial.py) and what it cannot run with."""
-    r, t, errors = cfg.rollout, cfg.train, []
-    k = r.partial_segment_tokens
-    if k < 1 or r.partial_groups_in_flight < 0:
-        return [
-            f"rollout.partial_segment_tokens={k} must be >= 1 and rollout.partial_groups_in_flight="
-            f"{r.partial_groups_in_flight} >= 0 (0 = 2 x train.prompts_per_iteration)"
-        ]
-    if (t.max_staleness + 1) * k < r.max_new_tokens:
-        need = -(-r.max_new_tokens // k) - 1
-        errors.append(
-            f"train.partial_rollout=true with train.max_staleness={t.max_staleness} and "
-            f"rollout.partial_segment_tokens={k}: a response of rollout.max_new_tokens={r.max_new_tokens} tokens "
-            f"needs up to {need + 1} segments and only one is sure to run per iteration, so its first token "
-            f"could lag more than max_staleness before it ends; set train.max_staleness>={need} or "
-            f"rollout.partial_segment_tokens>={-(-r.max_new_tokens // (t.max_staleness + 1))}"
-        )
-    if r.partial_overlap:
-        errors += partial_overlap_errors(cfg)
-    if r.partial_keep_kv and r.engine != "sglang":
-        errors.append(
-            f"rollout.partial_keep_kv=true with rollout.engine={r.engine}: only an SGLang engine "
-            "keeps its prefix cache across a weight update (the embedded engine keeps no KV "
-            "between requests); use rollout.engine=sglang or set rollout.partial_keep_kv=false"
-        )
-    if r.partial_groups_in_flight and r.partial_groups_in_flight < t.prompts_per_iteration:
-        errors.append(
-            f"rollout.partial_groups_in_flight={r.partial_groups_in_flight} is below train.prompts_per_iteration="
-            f"{t.prompts_per_iteration}: an iteration could never take its groups; raise it (0 = twice as many)"
-        )
-    refused = {  # setting: (whether it is on, why the mode cannot run with it)
-        "algorithm.dynamic_sampling.enabled=true": (
-            cfg.algorithm.dynamic_sampling.enabled,
-            "a DAPO round would draw prompts outside the pool",
-        ),
-        "rollout.multiturn.enabled=true": (
-            r.multiturn.enabled,
-            "episodes are generated turn by turn, not in segments",
-        ),
-        "algorithm.routing_replay=r3": (
-            cfg.algorithm.routing_replay == "r3",
-            "a continued response's earlier tokens are re-routed by newer weights",
-        ),
-    }
-    for name, (on, why) in refused.items():
-        if on:
-            errors.append(
-                f"train.partial_rollout=true with {name}: {why}; set train.partial_rollout=false "
-                f"or turn {name.split('=')[0]} off"
-            )
-    return errors
-
-
-def partial_overlap_errors(cfg: JobConfig) -> list[str]:
-    """rollout.partial_overlap: a segment round in flight while the trainer trains (training/partial.py)."""
-    r, t, errors = cfg.rollout, cfg.train, []
-    if not (r.embedded_process or r.engine == "sglang"):
-        errors.append(
-            "rollout.partial_overlap=true needs engines that generate while the trainer trains: "
-            "set rollout.embedded_process=true, or use rollout.engine=sglang (or "
-            "rollout.partial_overlap=false)"
-        )
-    if t.max_staleness * r.partial_segment_tokens < r.max_new_tokens:
-        errors.append(
-            f"rollout.partial_overlap=true with train.max_staleness={t.max_staleness} and "
-            f"rollout.partial_segment_tokens={r.partial_segment_tokens}: the round generated while the "
-            "trainer trains lags one version when taken, so a response of rollout.max_new_tokens="
-            f"{r.max_new_tokens} tokens could lag more than max_staleness before it ends; set "
-            f"train.max_staleness>={max(1, -(-r.max_new_tokens // r.partial_segment_tokens))} or "
-            f"rollout.partial_segment_tokens>={-(-r.max_new_tokens // max(t.max_staleness, 1))}"
-        )
-    if t.offload_trainer:
-        errors.append(
-            "rollout.partial_overlap=true with train.offload_trainer=true: the engines generate "
-            "while the trainer trains, so both stay on the device; set train.offload_trainer=false"
-        )
-    return errors
-
-
-def off_policy_errors(cfg: JobConfig) -> list[str]:
-    """train.old_logprobs=engine makes the surrogate's ratio pi_theta / pi_rollout, which already is
-    the importance ratio of the rollout policy; a correction built from the same ratio on top
-    (algorithm.tis, algorithm.off_policy) would weigh each token's gradient r * w(r) instead of r.
-    By the corrections' own definition (pi_old / pi_rollout) their weight is 1 there, so the
-    combination is refused rather than silently ignored (verl refuses it as double counting)."""
-    if cfg.train.old_logprobs != "engine":
-        return []
-    alg = cfg.algorithm
-    on = "algorithm.tis.enabled=true" if alg.tis.enabled else None
-    if alg.off_policy.correction != "none":
-        on = f"algorithm.off_policy.correction={alg.off_policy.correction}"
-    if on is None:
-        return []
-    return [
-        f"{on} with train.old_logprobs=engine corrects the off-policy ratio twice: with the engine's "
-        "logprobs as pi_old the clipped ratio pi_theta/pi_rollout already is the importance ratio, and "
-        "the correction's weight (pi_old/pi_rollout) is 1 by its definition. Either drop the correction "
-        "(algorithm.tis.enabled=false, algorithm.off_policy.correction=none) or keep it with "
-        "train.old_logprobs=trainer"
-    ]
 
 
 def overlong_errors(cfg: JobConfig) -> list[str]:

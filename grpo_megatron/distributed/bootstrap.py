@@ -146,8 +146,6 @@ def init_distributed(parallel: ParallelConfig, *, seed: int = 1234) -> ParallelS
     and the CUDA-absent ones for a CPU job only).
     """
     quiet_expected_warnings()
-    import torch
-    import torch.distributed as dist
 
     world_size = world_size_from_env()
     rank = int(os.environ.get("RANK", "0"))
@@ -162,16 +160,7 @@ def init_distributed(parallel: ParallelConfig, *, seed: int = 1234) -> ParallelS
 
     backend = job_backend(parallel.backend)
     use_cuda = backend == "nccl"
-    if use_cuda:
-        if not torch.cuda.is_available():
-            raise RuntimeError(
-                "parallel.backend=nccl needs CUDA, which this process does not have: set "
-                "parallel.backend=gloo (CPU) or auto"
-            )
-        torch.cuda.set_device(local_rank)
-        device = torch.device("cuda", local_rank)
-    else:
-        device = torch.device("cpu")
+    device = _job_device(use_cuda, local_rank)
     from grpo_megatron.distributed import open_files
     from grpo_megatron.distributed.megatron_compat import apply_megatron_compat
 
@@ -189,23 +178,7 @@ def init_distributed(parallel: ParallelConfig, *, seed: int = 1234) -> ParallelS
 
     # By cause, not by device: TE absent and torch's Adam need fixes on a GPU too.
     apply_megatron_compat(device)
-
-    if not dist.is_initialized():
-        try:
-            dist.init_process_group(
-                backend=backend,
-                init_method="env://",
-                world_size=world_size,
-                rank=rank,
-                timeout=datetime.timedelta(minutes=parallel.timeout_minutes),
-            )
-        except Exception as exc:  # name the rank and host: the first thing a cluster user needs
-            raise RuntimeError(
-                f"rank {rank}/{world_size} on {socket.gethostname()}: process-group rendezvous at "
-                f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')} failed ({exc}). "
-                "Check MASTER_ADDR/MASTER_PORT, the network interface (GLOO_SOCKET_IFNAME / "
-                "NCCL_SOCKET_IFNAME) and parallel.timeout_minutes"
-            ) from exc
+    _rendezvous(backend, world_size, rank, parallel.timeout_minutes)
 
     from megatron.core import parallel_state as mpu
 
@@ -231,6 +204,44 @@ def init_distributed(parallel: ParallelConfig, *, seed: int = 1234) -> ParallelS
         parallel=parallel,
         timeout=timeout,
     )
+
+
+def _job_device(use_cuda: bool, local_rank: int) -> Any:
+    """This rank's device: ``cuda:<local rank>`` for an nccl job (refused without CUDA), else the CPU."""
+    import torch
+
+    if not use_cuda:
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise RuntimeError(
+            "parallel.backend=nccl needs CUDA, which this process does not have: set "
+            "parallel.backend=gloo (CPU) or auto"
+        )
+    torch.cuda.set_device(local_rank)
+    return torch.device("cuda", local_rank)
+
+
+def _rendezvous(backend: str, world_size: int, rank: int, timeout_minutes: float) -> None:
+    """The world's process group (env://), unless one exists; a failure names the rank and host."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        return
+    try:
+        dist.init_process_group(
+            backend=backend,
+            init_method="env://",
+            world_size=world_size,
+            rank=rank,
+            timeout=datetime.timedelta(minutes=timeout_minutes),
+        )
+    except Exception as exc:  # name the rank and host: the first thing a cluster user needs
+        raise RuntimeError(
+            f"rank {rank}/{world_size} on {socket.gethostname()}: process-group rendezvous at "
+            f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')} failed ({exc}). "
+            "Check MASTER_ADDR/MASTER_PORT, the network interface (GLOO_SOCKET_IFNAME / "
+            "NCCL_SOCKET_IFNAME) and parallel.timeout_minutes"
+        ) from exc
 
 
 def parallel_state_from_megatron(

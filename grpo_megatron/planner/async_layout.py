@@ -10,7 +10,7 @@ rollout * W / E, and the step is the slower of the two sides plus the sync (take
 
     step_async = max(rollout * W / E, reward + train + other) + sync
 
-Asynchronous and colocated (SGLang engines on the trainer's own GPUs, rollout.sglang_mode=colocated),
+Asynchronous and colocated (SGLang engines on the trainer's own GPUs, rollout.sglang.mode=colocated),
 the engines and the trainer are two processes on each GPU: their kernels take turns rather than
 overlap, so generating while training gains little, and the step is planned as the synchronous one:
 
@@ -98,11 +98,11 @@ def time_sliced(times: PhaseTimes, gpus: int) -> AsyncEstimate:
 
 
 COLOCATED = (
-    "the engines share the trainer's {gpus} GPUs (rollout.sglang_mode=colocated): two processes per GPU, "
+    "the engines share the trainer's {gpus} GPUs (rollout.sglang.mode=colocated): two processes per GPU, "
     "time-sliced, so generating while training overlaps little; both keep their memory in every phase (the "
     "phases above add them up; SGLang sizes its KV pool at start-up from the memory the resident trainer "
     "leaves, less than the pool planned above: issue 51 item 3). "
-    "Engine GPUs of their own: rollout.sglang_mode=disaggregated"
+    "Engine GPUs of their own: rollout.sglang.mode=disaggregated"
 )
 
 

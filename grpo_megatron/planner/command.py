@@ -40,13 +40,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--rollout-gpus-per-engine",
         type=int,
         default=None,
-        help="override rollout.sglang_tp (GPUs one SGLang engine spans); printed as an override",
+        help="override rollout.sglang.tp (GPUs one SGLang engine spans); printed as an override",
     )
     parser.add_argument(
         "--rollout-engine-ep",
         type=int,
         default=None,
-        help="override rollout.sglang_ep (expert parallelism inside one SGLang engine); printed as an override",
+        help="override rollout.sglang.ep (expert parallelism inside one SGLang engine); printed as an override",
     )
     parser.add_argument(
         "--offload-trainer",
@@ -101,11 +101,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 OVERRIDES = (
-    ("rollout_gpus_per_engine", "--rollout-gpus-per-engine", "rollout", "sglang_tp"),
-    ("rollout_engine_ep", "--rollout-engine-ep", "rollout", "sglang_ep"),
+    ("rollout_gpus_per_engine", "--rollout-gpus-per-engine", "rollout.sglang", "tp"),
+    ("rollout_engine_ep", "--rollout-engine-ep", "rollout.sglang", "ep"),
     ("offload_trainer", "--offload-trainer", "train", "offload_trainer"),
 )
-"""Flags that change a config value: (argument, flag, section, field). ``plan`` says so when used."""
+"""Flags that change a config value: (argument, flag, section (dotted), field). ``plan`` says so when used."""
 
 
 def apply_overrides(cfg: JobConfig, args: argparse.Namespace) -> tuple[JobConfig, list[str]]:
@@ -117,11 +117,17 @@ def apply_overrides(cfg: JobConfig, args: argparse.Namespace) -> tuple[JobConfig
         value = getattr(args, arg, None)
         if value in (None, False):
             continue
-        part = getattr(cfg, section)
-        old = getattr(part, name)
+        path = section.split(".")
+        parts = [cfg]
+        for key in path:
+            parts.append(getattr(parts[-1], key))
+        old = getattr(parts[-1], name)
         shown = [str(v).lower() if isinstance(v, bool) else str(v) for v in (value, old)]
         said.append(f"override: {section}.{name}={shown[0]} ({flag}; the config says {shown[1]})")
-        cfg = dataclasses.replace(cfg, **{section: dataclasses.replace(part, **{name: value})})
+        changed: Any = dataclasses.replace(parts[-1], **{name: value})
+        for key, parent in zip(reversed(path), reversed(parts[:-1]), strict=True):
+            changed = dataclasses.replace(parent, **{key: changed})
+        cfg = changed
     return cfg, said
 
 

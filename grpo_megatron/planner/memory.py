@@ -332,7 +332,7 @@ def engine_weight_params(hf: Mapping[str, Any], width: int) -> EngineWeights:
 
 def sglang_defaults(server_args: Mapping[str, Any], gpu_mib: float, tp: int) -> tuple[int, int]:
     """(chunked_prefill_size, decode CUDA-graph max batch) an SGLang 0.5.23 engine runs with:
-    ``server_args`` (rollout.sglang_server_args, which the runtime passes on), else SGLang's defaults
+    ``server_args`` (rollout.sglang.server_args, which the runtime passes on), else SGLang's defaults
     by GPU memory (``srt/arg_groups/memory_hook.py``: 8192 tokens and 256 (TP < 4) or 512 on an
     H100 or H200), the graph batch capped by ``max_running_requests``."""
     table = (
@@ -380,7 +380,7 @@ def _sglang_runtime_lines(
     what a forward allocates (a prefill chunk's activations, the decode batch's logits, SGLang's own
     constant buffers)."""
     d = ModelDims.from_hf(hf)
-    width, args = placement.gpus_per_engine, cfg.rollout.sglang_server_args
+    width, args = placement.gpus_per_engine, cfg.rollout.sglang.server_args
     chunk, decode_bs = sglang_defaults(args, opts.gpu.memory_gib * 1024, width)
     graphs = sglang_graph_mib(args, chunk, decode_bs, d.mla) * 2**20
     ep = placement.engine_ep
@@ -440,7 +440,7 @@ def _engine_lines(
     weight_bytes = engine_weight_bytes(cfg.model.dtype)
     weights = on_gpu.per_gpu * weight_bytes
     kv = pool - weights
-    kv_tokens = max(0, int(kv // kv_bytes_per_token(d, width, cfg.rollout.sglang_server_args)))
+    kv_tokens = max(0, int(kv // kv_bytes_per_token(d, width, cfg.rollout.sglang.server_args)))
     lines = {
         "weights": Line(
             "engine weights",
@@ -649,7 +649,8 @@ def _engine_variants(cfg: JobConfig, plan: MemoryPlan, world_size: int) -> list[
         )
     more = 2 * plan.placement.gpus_per_engine
     if more <= world_size:
-        out.append((f"rollout.sglang_tp={more}", _variant(cfg, "rollout", sglang_tp=more)))
+        sglang = dataclasses.replace(cfg.rollout.sglang, tp=more)
+        out.append((f"rollout.sglang.tp={more}", _variant(cfg, "rollout", sglang=sglang)))
     engine = ("engine weights", "engine KV cache")
     resident = max(
         sum(x.gib for x in plan.phases[p] if x.name not in engine) for p in ("start-up", "rollout")

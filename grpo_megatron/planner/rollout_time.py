@@ -129,7 +129,7 @@ def rollout_time(
     completions = math.ceil(
         cfg.train.prompts_per_iteration * cfg.rollout.n_samples_per_prompt / len(placement.engines)
     )
-    kv_per_token = kv_bytes_per_token(ModelDims.from_hf(hf), width, cfg.rollout.sglang_server_args)
+    kv_per_token = kv_bytes_per_token(ModelDims.from_hf(hf), width, cfg.rollout.sglang.server_args)
     step = engine_step(
         hf,
         width=width,
@@ -182,7 +182,7 @@ def render(t: RolloutTime, cfg: JobConfig, planned_by: str) -> str:
     if not t.fits:
         lines.append(
             "  what to change: more KV per engine (rollout.gpu_memory_utilization, "
-            "rollout.sglang_server_args.kv_cache_dtype=fp8_e4m3), fewer completions per engine (more, "
-            "smaller engines: rollout.sglang_tp), or a longer parallel.timeout_minutes / long_phase_timeout_s"
+            "rollout.sglang.server_args.kv_cache_dtype=fp8_e4m3), fewer completions per engine (more, "
+            "smaller engines: rollout.sglang.tp), or a longer parallel.timeout_minutes / long_phase_timeout_s"
         )
     return "\n".join(lines)

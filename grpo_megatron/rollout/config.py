@@ -71,6 +71,165 @@ class MultiTurnConfig:
             raise ValueError("\n".join(errors))
 
 
+@dataclass
+class PartialConfig:
+    """Continuous generation with partial rollouts (training/partial.py): a pool of in-flight groups is
+    advanced in segments; a response left unfinished at an iteration's end continues under the next
+    weight version, each token keeping the version that sampled it and its behaviour logprob.
+    train.max_staleness then bounds each token's lag: a response whose oldest token lags more is
+    regenerated from scratch. Needs (train.max_staleness + 1) * segment_tokens >= rollout.max_new_tokens.
+    Off (the default): each iteration generates its batch whole."""
+
+    enabled: bool = False
+    """Generate continuously: the rollout phase advances the pool instead of generating a batch whole."""
+    segment_tokens: int = 64
+    """The most new tokens a response gets per segment (one engine request); between two segments the
+    weights may change, so its later tokens may be sampled by a newer version."""
+    groups_in_flight: int = 0
+    """Groups in the pool (each iteration tops it up with new prompts); 0 = 2 x
+    train.prompts_per_iteration."""
+    overlap: bool = False
+    """With engines in processes of their own (rollout.embedded_process, or rollout.engine=sglang): each
+    iteration submits the pool's next segment round before it trains, so the engines generate while the
+    trainer trains (training/partial.py); those tokens lag one version more, so it needs
+    train.max_staleness * segment_tokens >= rollout.max_new_tokens."""
+    one_request: bool = False
+    """Each segment round goes to the engines as one request, new and continued responses together (the
+    embedded engine prefills them in batches of similar lengths and decodes them as one batch:
+    ``SamplingParams.ragged_prefill``; SGLang batches them by itself), instead of two requests where a
+    continued response holds more than segment_tokens (the default: the engine pads a request's prompts
+    to its longest, and the second request's steps run after the first's). Its rows share one seed."""
+    keep_kv: bool = False
+    """With rollout.engine=sglang: a weight update keeps the engine's prefix (radix) cache instead of
+    flushing it, so a continued response's next segment reuses the KV of its prompt and tokens so far,
+    computed under the weights of the moment they were fed, instead of recomputing it (what SGLang's
+    in-place pause keeps: NeMo-RL's in-flight weight updates, miles' ``--pause-generation-mode``). Its
+    tokens, and new requests whose prompts share a cached prefix, then attend to keys and values up to
+    train.max_staleness versions older than the weights that sample them: the cache is flushed at the
+    update to version v whenever it may hold KV of a version below v - max_staleness. Each token's
+    version is still the one whose logits sampled it and its behaviour logprob the one it was sampled
+    from, so the off-policy corrections stay right. Scoring (the mismatch probe) flushes an older cache
+    first; evaluation may reuse it like rollouts do."""
+
+    def validate(self, p: str = "rollout.partial") -> None:
+        errors = []
+        if self.segment_tokens < 1 or self.groups_in_flight < 0:
+            errors.append(
+                f"{p}.segment_tokens={self.segment_tokens} must be >= 1 and {p}.groups_in_flight="
+                f"{self.groups_in_flight} >= 0 (0 = 2 x train.prompts_per_iteration)"
+            )
+        if not self.enabled:
+            for name, what in (
+                ("keep_kv", "keeps the KV of continued responses across weight updates"),
+                ("one_request", "sends each segment round as one request"),
+                ("overlap", "overlaps the segment rounds of partial rollouts"),
+            ):
+                if getattr(self, name):
+                    errors.append(
+                        f"{p}.{name}=true without {p}.enabled=true: it {what}; set {p}.enabled=true "
+                        f"or {p}.{name}=false"
+                    )
+        if errors:
+            raise ValueError("\n".join(errors))
+
+
+@dataclass
+class SGLangConfig:
+    """rollout.engine=sglang: colocated engines (an ``sglang.Engine`` on the trainer's GPUs, or on CPU
+    for a CPU job: rollout/sglang/launch.py CPU_SERVER_ARGS) or disaggregated servers."""
+
+    mode: Literal["colocated", "disaggregated"] = "colocated"
+    """colocated = an sglang.Engine on the trainer's GPUs (memory swapped with the trainer, weights by
+    CUDA IPC); disaggregated = running SGLang servers (server_urls) on their own GPUs, weights by NCCL
+    broadcast from the trainer's first rank."""
+    tp: int = 0
+    """GPUs one colocated SGLang engine spans (its tp_size): one engine per this many consecutive
+    trainer ranks, led by the first of them; a divisor of the GPUs per node (inside one node) or a
+    multiple of it (whole nodes, launched with SGLang's nnodes / node_rank: docs/architecture.md).
+    0 = by ``rollout.placement``: per_node a node's GPUs, per_dp_rank one model replica (tp x pp x cp
+    GPUs). ``rollout/placement.py`` decides it, for the job and for ``grpo-megatron plan`` alike."""
+    ep: int = 0
+    """Expert parallelism inside one colocated SGLang engine (its ep_size; must divide tp and the routed
+    experts): each engine GPU loads, and the weight sync sends it, the dense weights and experts / ep.
+    0 = for a MoE model the largest divisor of both the engine's GPUs and the routed experts (the
+    engine's GPUs, usually), 1 for a dense one."""
+    server_urls: list[str] = field(default_factory=list)
+    """disaggregated: base URLs of the SGLang servers (http://host:port); prompts are split over them."""
+    sync_master_addr: str = ""
+    """disaggregated: address the servers use to reach the trainer's first rank for the NCCL weight
+    group; empty = this host's name."""
+    sync_master_port: int = 29650
+    """disaggregated: TCP port of that NCCL weight group's rendezvous on the trainer's first rank."""
+    request_timeout_s: float = 600.0
+    """disaggregated: seconds an HTTP request to a server (and a wait for it to be healthy) may take."""
+    routed_experts: bool = True
+    """Ask SGLang for each token's routed experts (MoE models only), kept for routing replay."""
+    cpu_path: Literal["auto", "torch_native"] = "auto"
+    """SGLang engines on CPU: auto = the path SGLang takes on this CPU (intel_amx where the CPU has AMX:
+    bf16/fp16 models only; torch_native elsewhere); torch_native = its torch-native path on every CPU
+    (an fp32 model on an AMX machine). rollout/sglang/cpu_path.py."""
+    server_args: dict[str, Any] = field(default_factory=dict)
+    """Extra sglang ServerArgs of colocated engines, over ours (e.g. {attention_backend: fa3,
+    enable_deterministic_inference: true} for seeded, reproducible sampling)."""
+
+    def validate(self, p: str = "rollout.sglang") -> None:
+        errors = []
+        if self.tp < 0:
+            errors.append(f"{p}.tp={self.tp} must be >= 0 (0: by rollout.placement)")
+        if self.ep < 0:
+            errors.append(f"{p}.ep={self.ep} must be >= 0 (0: by the engine's GPUs and experts)")
+        for key, own in (("tp_size", "tp"), ("ep_size", "ep")):
+            if key in self.server_args:
+                errors.append(
+                    f"{p}.server_args sets {key}: set {p}.{own} instead (the runtime and grpo-megatron plan "
+                    "both read it there)"
+                )
+        bad_urls = [u for u in self.server_urls if not u.startswith(("http://", "https://"))]
+        if bad_urls:
+            errors.append(
+                f"{p}.server_urls has {bad_urls[:3]}: each must be a base URL like http://host:30000"
+            )
+        if not 0 < self.sync_master_port < 65536:
+            errors.append(f"{p}.sync_master_port={self.sync_master_port} must be in 1..65535")
+        if self.request_timeout_s <= 0:
+            errors.append(f"{p}.request_timeout_s={self.request_timeout_s} must be > 0")
+        if errors:
+            raise ValueError("\n".join(errors))
+
+
+@dataclass
+class RecoveryConfig:
+    """Lost engines (rollout/recovery.py): when an engine counts as lost, and how many are restarted in
+    place per run (per launch of the job)."""
+
+    max_restarts: int = 0
+    """Engines lost during a rollout, a weight sync or the mismatch probe (exited, stopped, or silent
+    past ``health_timeout_s``) that are restarted in place per run: each is started again, given the
+    current weights and its share of the batch generated again (rollout/recovery.py:
+    ``EngineRecovery``); one more loss ends the run naming the engine, rank, host and its log's tail.
+    0: the first loss ends it. Engine processes (rollout.embedded_process=true) and colocated SGLang
+    engines (a lost SGLang engine is shut down and started again, whole, in its leader's process, and
+    every GPU of it resynced; an engine across nodes restarts every node's part at a fresh address)."""
+    health_timeout_s: float = 120.0
+    """An engine process awaited for a result that sends nothing (no reply, no heartbeat: it beats every
+    eighth of this, at most every 10 s, while it generates) for this long is lost (a stopped process
+    counts). A colocated SGLang engine: a process of it stopped (state T) this long while a generation
+    is awaited is lost (a dead one at once: SGLang's watchdog notices within a second), and so is one
+    alive that leaves a state request unanswered this long (a hung scheduler: the wait's
+    ``SchedulerProbe``, rollout/sglang/watch.py)."""
+
+    def validate(self, p: str = "rollout.recovery") -> None:
+        errors = []
+        if self.max_restarts < 0:
+            errors.append(
+                f"{p}.max_restarts={self.max_restarts} must be >= 0 (0: a lost engine ends the run)"
+            )
+        if not self.health_timeout_s > 0:
+            errors.append(f"{p}.health_timeout_s={self.health_timeout_s} must be > 0 (120 is a good start)")
+        if errors:
+            raise ValueError("\n".join(errors))
+
+
 class ResponseBudget(NamedTuple):
     """``RolloutConfig.response_budget``: the field that bounds a response, and its tokens."""
 
@@ -115,35 +274,6 @@ class RolloutConfig:
     overlaps more of the transfer with packing and assembly, at a quarter bucket of memory per round."""
     engine_device: Literal["auto", "cpu"] = "auto"
     """Where an embedded engine runs: auto = this rank's device (its GPU, else CPU); cpu = always CPU."""
-    partial_segment_tokens: int = 64
-    """train.partial_rollout: the most new tokens a response gets per segment (one engine request);
-    between two segments the weights may change, so its later tokens may be sampled by a newer version."""
-    partial_groups_in_flight: int = 0
-    """train.partial_rollout: groups in the pool (each iteration tops it up with new prompts);
-    0 = 2 x train.prompts_per_iteration."""
-    partial_overlap: bool = False
-    """train.partial_rollout with engines in processes of their own (rollout.embedded_process, or
-    rollout.engine=sglang): each iteration submits the pool's next segment round before it trains, so
-    the engines generate while the trainer trains (training/partial.py); those tokens lag one version
-    more, so it needs train.max_staleness * partial_segment_tokens >= max_new_tokens."""
-    partial_one_request: bool = False
-    """train.partial_rollout: each segment round goes to the engines as one request, new and continued
-    responses together (the embedded engine prefills them in batches of similar lengths and decodes
-    them as one batch: ``SamplingParams.ragged_prefill``; SGLang batches them by itself), instead of
-    two requests where a continued response holds more than partial_segment_tokens (the default: the
-    engine pads a request's prompts to its longest, and the second request's steps run after the
-    first's). Its rows share one seed."""
-    partial_keep_kv: bool = False
-    """train.partial_rollout with rollout.engine=sglang: a weight update keeps the engine's prefix
-    (radix) cache instead of flushing it, so a continued response's next segment reuses the KV of its
-    prompt and tokens so far, computed under the weights of the moment they were fed, instead of
-    recomputing it (what SGLang's in-place pause keeps: NeMo-RL's in-flight weight updates, miles'
-    ``--pause-generation-mode``). Its tokens, and new requests whose prompts share a cached prefix,
-    then attend to keys and values up to train.max_staleness versions older than the weights that
-    sample them: the cache is flushed at the update to version v whenever it may hold KV of a version
-    below v - max_staleness. Each token's version is still the one whose logits sampled it and its
-    behaviour logprob the one it was sampled from, so the off-policy corrections stay right. Scoring
-    (the mismatch probe) flushes an older cache first; evaluation may reuse it like rollouts do."""
     true_on_policy: bool = False
     """The trainer's own megatron-core model generates (training/policy_engine.py: every rank together,
     each data-parallel replica its prompts), with batch-invariant numerics in it and in every trainer
@@ -151,28 +281,14 @@ class RolloutConfig:
     logprob of that token at the same weights, so the first mini-batch's importance ratio is exactly 1
     and every ``mismatch/*`` metric exactly 0, MoE routes agreeing without replay. Costs a full forward
     of every prefix per decoded token (no KV cache). Needs rollout.engine=embedded in this process, no
-    asynchronous or partial rollouts, PP 1, CP 1, TP at most 2 (``config/validation.py``)."""
+    asynchronous or partial rollouts (rollout.partial), PP 1, CP 1, TP at most 2
+    (``config/validation.py``)."""
     embedded_process: bool = False
     """Run each embedded engine in a process of its own, on CPU (rollout/engine_process.py), so that it
     generates while the trainer trains: the loop becomes a producer of scored groups and a consumer
     that trains (training/groups.py: GroupProducer), ahead by at most train.max_staleness weight versions."""
     embedded_process_threads: int = 1
     """torch threads of each engine process."""
-    max_engine_restarts: int = 0
-    """Engines lost during a rollout (exited, stopped, or silent past ``engine_health_timeout_s``) that
-    are restarted in place per run (per launch of the job): each is started again, given the current
-    weights and its share of the batch generated again (rollout/fleet.py: ``EngineRecovery``); one
-    more loss ends the run naming the engine, rank, host and its log's tail. 0: the first loss ends
-    it. Engine processes (rollout.embedded_process=true) and colocated SGLang engines inside one node
-    (rollout.sglang_tp up to the GPUs per node; a lost SGLang engine is shut down and started again,
-    whole, in its leader's process, and every GPU of it resynced); an engine across nodes is refused."""
-    engine_health_timeout_s: float = 120.0
-    """An engine process awaited for a result that sends nothing (no reply, no heartbeat: it beats
-    every eighth of this, at most every 10 s, while it generates) for this long is lost (a stopped
-    process counts). A colocated SGLang engine: a process of it stopped (state T) this long while a
-    generation is awaited is lost (a dead one at once: SGLang's watchdog notices within a second), and
-    so is one alive that leaves a state request unanswered this long (a hung scheduler: the wait's
-    ``SchedulerProbe``, rollout/sglang/engine.py)."""
     embedded_max_batch_rows: int = 0
     """Rows (prompts x samples) an embedded engine decodes at once; 0 = all of a generate call together."""
     probe_batch: int = 4
@@ -189,41 +305,14 @@ class RolloutConfig:
     CPU's AVX2 kernels) and MoE routing flips, and below an engine serving wrong weights (e.g. bf16
     tensors cast into float8 parameters beside stale scales), which misjudges most tokens by several
     nats (about ln(vocab) at a token the trainer is sure of)."""
-    sglang_mode: Literal["colocated", "disaggregated"] = "colocated"
-    """engine=sglang only. colocated = an sglang.Engine on the trainer's GPUs (memory swapped with the
-    trainer, weights by CUDA IPC); disaggregated = running SGLang servers (sglang_server_urls) on their
-    own GPUs, weights by NCCL broadcast from the trainer's first rank."""
-    sglang_tp: int = 0
-    """GPUs one colocated SGLang engine spans (its tp_size): one engine per this many consecutive
-    trainer ranks, led by the first of them; a divisor of the GPUs per node (inside one node) or a
-    multiple of it (whole nodes, launched with SGLang's nnodes / node_rank: docs/architecture.md).
-    0 = by ``placement``: per_node a node's GPUs, per_dp_rank one model replica (tp x pp x cp GPUs).
-    ``rollout/placement.py`` decides it, for the job and for ``grpo-megatron plan`` alike."""
-    sglang_ep: int = 0
-    """Expert parallelism inside one colocated SGLang engine (its ep_size; must divide sglang_tp and
-    the routed experts): each engine GPU loads, and the weight sync sends it, the dense weights and
-    experts / sglang_ep. 0 = for a MoE model the largest divisor of both the engine's GPUs and the
-    routed experts (the engine's GPUs, usually), 1 for a dense one."""
-    sglang_server_urls: list[str] = field(default_factory=list)
-    """disaggregated: base URLs of the SGLang servers (http://host:port); prompts are split over them."""
-    sglang_sync_master_addr: str = ""
-    """disaggregated: address the servers use to reach the trainer's first rank for the NCCL weight
-    group; empty = this host's name."""
-    sglang_sync_master_port: int = 29650
-    """disaggregated: TCP port of that NCCL weight group's rendezvous on the trainer's first rank."""
-    sglang_request_timeout_s: float = 600.0
-    """disaggregated: seconds an HTTP request to a server (and a wait for it to be healthy) may take."""
-    sglang_routed_experts: bool = True
-    """Ask SGLang for each token's routed experts (MoE models only), kept for routing replay."""
-    sglang_cpu_path: Literal["auto", "torch_native"] = "auto"
-    """SGLang engines on CPU: auto = the path SGLang takes on this CPU (intel_amx where the CPU has AMX:
-    bf16/fp16 models only; torch_native elsewhere); torch_native = its torch-native path on every CPU
-    (an fp32 model on an AMX machine). rollout/sglang/cpu_path.py."""
     multiturn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
     """Multi-turn, tool-using episodes (off by default)."""
-    sglang_server_args: dict[str, Any] = field(default_factory=dict)
-    """Extra sglang ServerArgs of colocated engines, over ours (e.g. {attention_backend: fa3,
-    enable_deterministic_inference: true} for seeded, reproducible sampling)."""
+    partial: PartialConfig = field(default_factory=PartialConfig)
+    """Continuous generation with partial rollouts (off by default)."""
+    sglang: SGLangConfig = field(default_factory=SGLangConfig)
+    """engine=sglang: how its engines run (colocated width and EP, or disaggregated servers)."""
+    recovery: RecoveryConfig = field(default_factory=RecoveryConfig)
+    """Lost engines: when one counts as lost, and how many are restarted in place."""
     dump_dir: str = ""
     """Write each iteration's rollout batch, as the trainer takes it, into this directory (rank 0;
     safetensors + JSON, nothing pickled; training/rollout_dump.py): prompt and response token ids,
@@ -249,43 +338,40 @@ class RolloutConfig:
         return ResponseBudget("rollout.max_new_tokens", self.max_new_tokens)
 
     def restart_errors(self) -> list[str]:
-        """Engines restarted in place (issue 41): the bound, the health deadline, and which engines can."""
+        """Engines restarted in place (issue 41): which engines can (the section checks its own values)."""
         errors: list[str] = []
-        bound = f"rollout.max_engine_restarts={self.max_engine_restarts}"
-        if self.max_engine_restarts < 0:
-            errors.append(f"{bound} must be >= 0 (0: a lost engine ends the run)")
-        if self.max_engine_restarts > 0 and not (self.embedded_process or self.engine == "sglang"):
+        bound = f"rollout.recovery.max_restarts={self.recovery.max_restarts}"
+        if self.recovery.max_restarts > 0 and not (self.embedded_process or self.engine == "sglang"):
             errors.append(
                 f"{bound}: engines are restarted in place as engine processes "
                 "(rollout.embedded_process=true) or colocated SGLang engines; in-process embedded "
-                "engines cannot be lost alone: set one of those, or rollout.max_engine_restarts=0"
+                "engines cannot be lost alone: set one of those, or rollout.recovery.max_restarts=0"
             )
-        if self.max_engine_restarts > 0 and self.engine == "sglang" and self.sglang_mode != "colocated":
+        if self.recovery.max_restarts > 0 and self.engine == "sglang" and self.sglang.mode != "colocated":
             errors.append(
                 f"{bound}: disaggregated SGLang servers are not started by the job, so it cannot "
-                "restart them; set rollout.max_engine_restarts=0 (a failed server goes through its "
+                "restart them; set rollout.recovery.max_restarts=0 (a failed server goes through its "
                 "own restart hook and a full sync)"
-            )
-        if not self.engine_health_timeout_s > 0:
-            errors.append(
-                f"rollout.engine_health_timeout_s={self.engine_health_timeout_s} must be > 0 "
-                "(120 is a good start)"
             )
         return errors
 
     def sglang_width(self, gpus_per_node: int, replica: int) -> tuple[int, str]:
-        """The GPUs of each colocated SGLang engine, and why: ``sglang_tp`` when set, else by ``placement``
+        """The GPUs of each colocated SGLang engine, and why: ``sglang.tp`` when set, else by ``placement``
         (per_node: a node's GPUs; otherwise one model replica, ``replica`` = tp x pp x cp).
         ``rollout/placement.py:decide_placement`` checks that it tiles the nodes."""
-        if self.sglang_tp > 0:
-            return self.sglang_tp, f"rollout.sglang_tp={self.sglang_tp}"
+        if self.sglang.tp > 0:
+            return self.sglang.tp, f"rollout.sglang.tp={self.sglang.tp}"
         if self.placement == "per_node":
             return gpus_per_node, f"rollout.placement=per_node: the {gpus_per_node} GPUs of a node"
         return replica, f"rollout.placement={self.placement}: one model replica (tp x pp x cp = {replica})"
 
     def validate(self) -> None:
-        self.multiturn.validate()
         errors = []
+        for section in (self.multiturn, self.partial, self.sglang, self.recovery):
+            try:
+                section.validate()
+            except ValueError as e:
+                errors += str(e).splitlines()
         if self.n_samples_per_prompt < 2:
             errors.append(
                 f"rollout.n_samples_per_prompt={self.n_samples_per_prompt} must be >= 2: GRPO's advantage "
@@ -295,15 +381,15 @@ class RolloutConfig:
             errors.append(f"rollout.temperature={self.temperature} must be > 0 (1.0 samples from the policy)")
         if not 0 < self.top_p <= 1 or not 0 <= self.min_p < 1 or self.top_k == 0 or self.top_k < -1:
             errors.append(
-                f"rollout.top_p={self.top_p}, top_k={self.top_k}, min_p={self.min_p}: top_p must be in (0, 1] "
-                "(1: off), top_k -1 (off) or >= 1, min_p in [0, 1) (0: off)"
+                f"rollout.top_p={self.top_p}, top_k={self.top_k}, min_p={self.min_p}: top_p must be in "
+                "(0, 1] (1: off), top_k -1 (off) or >= 1, min_p in [0, 1) (0: off)"
             )
         if self.truncation.active and self.engine == "sglang":
             errors.append(
-                f"rollout.top_p={self.top_p}, top_k={self.top_k}, min_p={self.min_p} with rollout.engine=sglang: "
-                "SGLang reports the logprobs of the full distribution, not of the truncated one it samples "
-                "from, which biases the importance ratio; use rollout.engine=embedded, or turn truncation off "
-                "(rollout.temperature sharpens sampling)"
+                f"rollout.top_p={self.top_p}, top_k={self.top_k}, min_p={self.min_p} with "
+                "rollout.engine=sglang: SGLang reports the logprobs of the full distribution, not of the "
+                "truncated one it samples from, which biases the importance ratio; use "
+                "rollout.engine=embedded, or turn truncation off (rollout.temperature sharpens sampling)"
             )
         if self.max_new_tokens < 1:
             errors.append(f"rollout.max_new_tokens={self.max_new_tokens} must be >= 1")
@@ -324,7 +410,7 @@ class RolloutConfig:
         if self.placement == "per_rank" and self.engine != "embedded":
             errors.append(
                 "rollout.placement=per_rank is for embedded engines only: SGLang engines use per_dp_rank or "
-                "per_node (rollout.sglang_tp GPUs each)"
+                "per_node (rollout.sglang.tp GPUs each)"
             )
         if self.embedded_process and self.engine != "embedded":
             errors.append(
@@ -369,34 +455,10 @@ class RolloutConfig:
             raise ValueError("\n".join(errors))
 
     def _sglang_errors(self) -> list[str]:
-        """The SGLang fields: engine width and EP, server args, servers, the sync's port and timeout."""
-        errors: list[str] = []
-        if self.sglang_tp < 0:
-            errors.append(f"rollout.sglang_tp={self.sglang_tp} must be >= 0 (0: by rollout.placement)")
-        if self.sglang_ep < 0:
-            errors.append(
-                f"rollout.sglang_ep={self.sglang_ep} must be >= 0 (0: by the engine's GPUs and experts)"
-            )
-        for key, own in (("tp_size", "sglang_tp"), ("ep_size", "sglang_ep")):
-            if key in self.sglang_server_args:
-                errors.append(
-                    f"rollout.sglang_server_args sets {key}: set rollout.{own} instead (the runtime and "
-                    "grpo-megatron plan both read it there)"
-                )
-        bad_urls = [u for u in self.sglang_server_urls if not u.startswith(("http://", "https://"))]
-        if bad_urls:
-            errors.append(
-                f"rollout.sglang_server_urls has {bad_urls[:3]}: each must be a base URL like http://host:30000"
-            )
-        if self.engine == "sglang" and self.sglang_mode == "disaggregated" and not self.sglang_server_urls:
-            errors.append(
-                "rollout.sglang_mode=disaggregated needs rollout.sglang_server_urls: the base URLs of running "
+        """The SGLang rules that read the rest of the section (the engine)."""
+        if self.engine == "sglang" and self.sglang.mode == "disaggregated" and not self.sglang.server_urls:
+            return [
+                "rollout.sglang.mode=disaggregated needs rollout.sglang.server_urls: the base URLs of running "
                 "SGLang servers (python -m sglang.launch_server ...), e.g. [http://node1:30000]"
-            )
-        if not 0 < self.sglang_sync_master_port < 65536:
-            errors.append(
-                f"rollout.sglang_sync_master_port={self.sglang_sync_master_port} must be in 1..65535"
-            )
-        if self.sglang_request_timeout_s <= 0:
-            errors.append(f"rollout.sglang_request_timeout_s={self.sglang_request_timeout_s} must be > 0")
-        return errors
+            ]
+        return []

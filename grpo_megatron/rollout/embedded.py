@@ -469,15 +469,7 @@ class EmbeddedEngine(RolloutEngine):
         from transformers import DynamicCache
 
         n_rows = len(prompts) * repeats
-        length = max(len(r) for r in prompts)
-        # Left padding: every row's last prompt token sits in the last column.
-        mask_pl = torch.zeros((len(prompts), length), dtype=torch.long)
-        tokens_pl = torch.full((len(prompts), length), self.pad_token_id, dtype=torch.long)
-        for i, r in enumerate(prompts):
-            tokens_pl[i, length - len(r) :] = torch.tensor(r)
-            mask_pl[i, length - len(r) :] = 1
-        inputs_rl, mask_rl = tokens_pl.to(self.device), mask_pl.to(self.device)
-        positions_rl = (mask_rl.cumsum(-1) - 1).clamp(min=0)
+        inputs_rl, mask_rl, positions_rl = self._left_padded(prompts)
         cache = DynamicCache(config=self.model.config)
         stop_ids = torch.tensor(sorted(set(params.stop_token_ids)), dtype=torch.long, device=self.device)
         recorder = self.routes if self.record_routes and params.routes else None
@@ -546,6 +538,18 @@ class EmbeddedEngine(RolloutEngine):
         return _completions(
             steps, stopped_r, n_rows, routes, [len(r) for r in prompts for _ in range(repeats)]
         )
+
+    def _left_padded(self, prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(tokens, mask, positions) of ``prompts`` left-padded on the device: every row's last prompt
+        token sits in the last column."""
+        length = max(len(r) for r in prompts)
+        mask_pl = torch.zeros((len(prompts), length), dtype=torch.long)
+        tokens_pl = torch.full((len(prompts), length), self.pad_token_id, dtype=torch.long)
+        for i, r in enumerate(prompts):
+            tokens_pl[i, length - len(r) :] = torch.tensor(r)
+            mask_pl[i, length - len(r) :] = 1
+        inputs_rl, mask_rl = tokens_pl.to(self.device), mask_pl.to(self.device)
+        return inputs_rl, mask_rl, (mask_rl.cumsum(-1) - 1).clamp(min=0)
 
     def _ragged_prefill(
         self, prompts: list[list[int]], cache: Any

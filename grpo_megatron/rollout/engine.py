@@ -18,7 +18,7 @@ import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
@@ -40,7 +40,7 @@ ALL_MEMORY_TAGS: tuple[MemoryTag, ...] = ("weights", "kv_cache", "cuda_graph")
 class EngineLost(RuntimeError):
     """An engine lost while the run needs it (issue 41): an engine process that exited, stopped
     answering past its health deadline, or broke its pipe; an SGLang engine whose process died or
-    stopped (``rollout.max_engine_restarts`` > 0). Which (trainer ``rank``, ``host``), ``why``, and
+    stopped (``rollout.recovery.max_restarts`` > 0). Which (trainer ``rank``, ``host``), ``why``, and
     the last lines of its log: the fleet restarts it in place (rollout/fleet.py) or names it."""
 
     def __init__(
@@ -155,7 +155,7 @@ class SamplingParams:
     """The embedded engine (n=1, no routes): prefill prompts of very different lengths in batches of
     similar lengths (a new batch where a prompt is over twice its batch's shortest), then decode every
     row as one batch, instead of left-padding every prompt to the longest for one prefill: a continuous
-    round's new responses beside long continued ones (``rollout.partial_one_request``). Rows are then
+    round's new responses beside long continued ones (``rollout.partial.one_request``). Rows are then
     sampled in length order. SGLang batches ragged prompts by itself and ignores it."""
 
     @property
@@ -210,7 +210,7 @@ class Completion:
     version minus this."""
     token_versions: list[int] | None = None
     """Per response token, the weight version that sampled it (``len == len(token_ids)``): a response
-    continued across weight updates (``train.partial_rollout``, training/partial.py) mixes versions,
+    continued across weight updates (``rollout.partial.enabled``, training/partial.py) mixes versions,
     and each of its ``logprobs`` is its token's under that token's version; ``weight_version`` is then
     its oldest token's. None: every token has ``weight_version`` (``versions`` reads either)."""
     route_id: int | None = None
@@ -259,35 +259,22 @@ def stamped(groups: list[list[Completion]], version: int) -> list[list[Completio
     return groups
 
 
-class WeightSink(Protocol):
-    """What the fleet's weight sync feeds on a rank: every ``RolloutEngine``, and on the other GPUs of
-    an engine that spans several (a colocated SGLang engine) the object that loads that GPU's share
-    (``rollout/sglang/member.py:SGLangSyncMember``). Methods as on ``RolloutEngine``."""
+class WeightSink(abc.ABC):
+    """What the fleet's weight sync feeds on a rank, and what engine loss asks of it
+    (``rollout/recovery.py``): every ``RolloutEngine``, and on the other GPUs of an engine that spans
+    several (a colocated SGLang engine) the object that loads that GPU's share
+    (``rollout/sglang/member.py:SGLangSyncMember``). Defaults for all but the manifest check, the load
+    and shutdown."""
 
-    weight_version: int
-    sync_group_ranks: tuple[int, ...]
-
-    def check_manifest(self, manifest: Manifest, version: int) -> list[str]: ...
-    def update_weights(self, bucket: Bucket, *, version: int, last: bool) -> None: ...
-    def load_target(self, name: str) -> torch.Tensor | None: ...
-    def abort_update(self, version: int) -> None: ...
-    def weight_needs(self) -> Callable[[str], bool] | None: ...
-    def bind_sync_group(self, group: Any) -> None: ...
-    def shutdown(self) -> None: ...
-
-
-class RolloutEngine(abc.ABC):
-    """A generator of responses that takes Hugging Face-named weights from the trainer."""
-
-    collective: bool = False
-    """Every rank's engine takes part in every call (the policy engine of ``rollout.true_on_policy``:
-    its decode steps are collectives), so the fleet calls it with an empty share too."""
     weight_version: int = -1
     """Version of the weights last committed by ``update_weights``; -1 = never updated."""
     sync_group_ranks: tuple[int, ...] = ()
     """Trainer ranks that receive this engine's weights together, one per engine GPU in the engine's
     TP-rank order (this rank first); empty = this rank alone. Each calls ``update_weights`` as often
     as the others (the fleet makes their stream yield every round)."""
+    life: int = 0
+    """How often this part was restarted in place (``restart``): a request submitted in an earlier life
+    went with the lost processes."""
 
     def weight_needs(self) -> Callable[[str], bool] | None:
         """Which HF tensors this rank receives, by name (picklable: every rank plans with it); None =
@@ -298,6 +285,64 @@ class RolloutEngine(abc.ABC):
         """Take the process group of ``sync_group_ranks`` (made collectively by the fleet). Default:
         unused."""
         return None
+
+    @abc.abstractmethod
+    def check_manifest(self, manifest: Manifest, version: int) -> list[str]:
+        """Phase one of the fleet's all-or-nothing weight sync (``RolloutEngine.check_manifest``)."""
+
+    @abc.abstractmethod
+    def update_weights(self, bucket: Bucket, *, version: int, last: bool) -> None:
+        """Take one bucket of the weight stream (``RolloutEngine.update_weights``)."""
+
+    def load_target(self, name: str) -> torch.Tensor | None:
+        """Where the accepted version's tensor ``name`` goes (a view of the live weights), for the
+        transport to receive it straight there (then ``update_weights`` gets that very view and has
+        nothing to copy); None = no such place, the tensor comes through ``update_weights``. Valid
+        only between an accepted ``check_manifest`` and the closing ``update_weights``; the weights
+        are partial from the first call on. Default: None (SGLang loads through its own loader)."""
+        return None
+
+    def abort_update(self, version: int) -> None:
+        """Drop what was staged or accepted for ``version`` (another engine rejected it): the engine
+        keeps its previous weights and version. Nothing staged: nothing to drop."""
+        return None
+
+    # -- engine loss (rollout/recovery.py)
+
+    def check_alive(self) -> None:
+        """Raise ``EngineLost`` naming this part if it is lost (a process of it dead, stopped or hung);
+        cheap (the process table). The recovery asks every part when some engine was lost, so that
+        each loss is named with its own log. Default: always alive (an engine inside this process)."""
+        return None
+
+    def restart(self, address: str | None = None) -> None:
+        """Start this lost part again in place, same spec and width (``life`` + 1): what is left of it
+        is stopped first; it comes back with its checkpoint's (or dummy) weights and the recovery
+        resyncs it. ``address``: where the parts of an engine across nodes meet again (the leader's
+        ``restart_address``); None elsewhere. Default: refused (an engine that cannot be lost alone)."""
+        raise RuntimeError(f"{type(self).__name__} cannot be restarted in place")
+
+    def restart_address(self) -> str | None:
+        """Where the parts of this engine meet when they restart (an engine across nodes: its first
+        node's host with a port free now); None: no address needed. Default: None."""
+        return None
+
+    def stop_watching(self) -> None:
+        """From now on the deaths of this part's processes are expected (a run that ends in order is
+        about to shut every engine down): they no longer end the rank. Default: nothing watched."""
+        return None
+
+    @abc.abstractmethod
+    def shutdown(self) -> None:
+        """Stop the engine (or this part of it) and free everything it holds."""
+
+
+class RolloutEngine(WeightSink):
+    """A generator of responses that takes Hugging Face-named weights from the trainer."""
+
+    collective: bool = False
+    """Every rank's engine takes part in every call (the policy engine of ``rollout.true_on_policy``:
+    its decode steps are collectives), so the fleet calls it with an empty share too."""
 
     @abc.abstractmethod
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[list[Completion]]:
@@ -331,19 +376,6 @@ class RolloutEngine(abc.ABC):
         e.g. SGLang, report problems on the bucket that shows them)."""
         return []
 
-    def load_target(self, name: str) -> torch.Tensor | None:
-        """Where the accepted version's tensor ``name`` goes (a view of the live weights), for the
-        transport to receive it straight there (then ``update_weights`` gets that very view and has
-        nothing to copy); None = no such place, the tensor comes through ``update_weights``. Valid
-        only between an accepted ``check_manifest`` and the closing ``update_weights``; the weights
-        are partial from the first call on. Default: None (SGLang loads through its own loader)."""
-        return None
-
-    def abort_update(self, version: int) -> None:
-        """Drop what was staged or accepted for ``version`` (another engine rejected it): the engine
-        keeps its previous weights and version. Nothing staged: nothing to drop."""
-        return None
-
     @abc.abstractmethod
     def score(
         self, sequences: Sequence[Sequence[int]], prompt_lens: Sequence[int], temperature: float
@@ -372,3 +404,18 @@ class RolloutEngine(abc.ABC):
     def shutdown(self) -> None:
         """Stop the engine and free everything it holds."""
         return None
+
+
+@dataclass
+class EngineParts:
+    """The parts of the fleet's engines this rank holds, shared by the fleet's rooms (its weight sync
+    feeds ``sink``; its engine recovery asks and restarts both): ``engine`` (an engine it drives) or
+    ``member`` (another GPU of an engine led from another rank), or neither."""
+
+    engine: RolloutEngine | None = None
+    member: WeightSink | None = None
+
+    @property
+    def sink(self) -> WeightSink | None:
+        """What this rank's weight sync feeds: its engine, else its member, else None."""
+        return self.engine if self.engine is not None else self.member

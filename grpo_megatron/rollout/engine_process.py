@@ -27,8 +27,8 @@ named), or its pipe broke. ``EngineProcess.restart`` kills
 what is left, cleans its folder and starts it again from the same spec (the fleet then syncs the
 current weights into it and resubmits its share: rollout/fleet.py, ``EngineRecovery``).
 
-Fault injection for tests: ``GRPO_ENGINE_FAULT="kill:N"`` (or ``"stop:N"``; ``"kill:N@R"``: only the
-engine of trainer rank R; several, comma-separated) makes the engine process SIGKILL (SIGSTOP) itself
+Fault injection for tests (``rollout/faults.py``): ``GRPO_ENGINE_FAULT="kill:N"`` (or ``"stop:N"``;
+``"kill:N@R"``: only the engine of trainer rank R) makes the engine process SIGKILL (SIGSTOP) itself
 when it takes its N-th generate request, in its first life only (a restarted engine serves normally).
 """
 
@@ -63,35 +63,11 @@ from grpo_megatron.rollout.engine import (
     SamplingParams,
     log_tail,
 )
+from grpo_megatron.rollout.faults import EngineFaults
 
-__all__ = ["FAULT_ENV", "EngineLost", "EngineProcess", "fault_for", "fault_items", "serve"]
+__all__ = ["EngineLost", "EngineProcess", "serve"]
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-FAULT_ENV = "GRPO_ENGINE_FAULT"
-"""Fault injection for tests (see the module docstring)."""
-
-
-def fault_items() -> list[tuple[str, int, int | None]]:
-    """``GRPO_ENGINE_FAULT`` parsed, the one parser of it: (action, number, trainer rank or None: every
-    engine) per comma-separated ``action:N`` or ``action:N@R``."""
-    items = []
-    for item in filter(None, os.environ.get(FAULT_ENV, "").split(",")):
-        action, _, rest = item.partition(":")
-        number, _, rank = rest.partition("@")
-        items.append((action, int(number), int(rank) if rank else None))
-    return items
-
-
-def fault_for(spec: Mapping[str, Any]) -> tuple[str, int] | None:
-    """(action, generate request number) of ``GRPO_ENGINE_FAULT`` for this engine process, first life
-    only: the first ``kill`` or ``stop`` item for its rank (the SGLang adapter reads ``fault_items``
-    itself, counting generations over its lives)."""
-    if int(spec.get("life", 0)) != 0:
-        return None
-    for action, number, rank in fault_items():
-        if action in ("kill", "stop") and (rank is None or rank == int(spec.get("rank", 0))):
-            return action, number
-    return None
 
 
 # ---------------------------------------------------------------------------------------------- wire
@@ -200,9 +176,8 @@ class _Server:
     folder: Path
     loads: dict[int, str] = dataclasses.field(default_factory=dict)
     requests: deque[dict[str, Any]] = dataclasses.field(default_factory=deque)
-    fault: tuple[str, int] | None = None
-    """``GRPO_ENGINE_FAULT`` for this engine: (kill or stop, at which generate request)."""
-    generated: int = 0
+    faults: EngineFaults = dataclasses.field(default_factory=lambda: EngineFaults(None, armed=False))
+    """``GRPO_ENGINE_FAULT`` for this engine (tests; its first life only): kill or stop at a generate request."""
 
     def take(self, message: dict[str, Any]) -> bool:
         """File one message; False on ``stop``."""
@@ -239,9 +214,8 @@ class _Server:
         try:
             self.use_version(int(request["version"]))
             if request["op"] == "generate":
-                self.generated += 1
-                if self.fault is not None and self.fault[1] == self.generated:
-                    os.kill(os.getpid(), signal.SIGKILL if self.fault[0] == "kill" else signal.SIGSTOP)
+                if (signum := self.faults.at_generation()) is not None:
+                    os.kill(os.getpid(), signum)
                 out: Any = completions_to_json(
                     self.engine.generate(request["prompts"], params_from_json(request["params"]))
                 )
@@ -299,7 +273,8 @@ def serve(spec_path: str) -> None:
 
     threading.Thread(target=heartbeat, name="heartbeat", daemon=True).start()
     _send(out, {"ready": True, "expected": expected})
-    server = _Server(engine, Path(spec["folder"]), fault=fault_for(spec))
+    faults = EngineFaults(int(spec["rank"]), ("kill", "stop"), armed=int(spec["life"]) == 0)
+    server = _Server(engine, Path(spec["folder"]), faults=faults)
     reader = LineReader(sys.stdin.fileno())
     while True:
         message = reader.read(0.0)  # file whatever has arrived, without waiting
@@ -350,7 +325,6 @@ class EngineProcess(RolloutEngine):
             "record_routes": record_routes,
             "rank": rank,
             "heartbeat_s": heartbeat_s,
-            "life": 0,
         }
         self.threads, self.startup_timeout_s, self.health_timeout_s = (
             threads,
@@ -368,13 +342,13 @@ class EngineProcess(RolloutEngine):
         """Start the process of ``self.spec`` in a new folder and wait for its hello."""
         shm = Path("/dev/shm")
         self.folder = Path(tempfile.mkdtemp(prefix="grpo-engine-", dir=shm if shm.is_dir() else None))
-        self.spec["folder"] = str(self.folder)
+        self.spec["folder"], self.spec["life"] = str(self.folder), self.life
         (self.folder / "spec.json").write_text(json.dumps(self.spec))
         env = dict(os.environ, OMP_NUM_THREADS=str(self.threads), MKL_NUM_THREADS=str(self.threads))
         self.log_path = self._log_given or self.folder / "engine.log"
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as log:
-            log.write(f"--- engine process of rank {self.rank}, life {self.spec['life']} ---\n".encode())
+            log.write(f"--- engine process of rank {self.rank}, life {self.life} ---\n".encode())
             log.flush()
             self.proc = subprocess.Popen(
                 [
@@ -434,7 +408,7 @@ class EngineProcess(RolloutEngine):
                 stopped = " (it is stopped: state T)" if self._state() == "T" else ""
                 raise self._lost(
                     f"no reply or heartbeat for {now - last:.1f} s during {what}{stopped}, "
-                    f"past rollout.engine_health_timeout_s={self.health_timeout_s:g}"
+                    f"past rollout.recovery.health_timeout_s={self.health_timeout_s:g}"
                 )
             try:
                 message = self._reader.read(min(1.0, self.health_timeout_s / 4))
@@ -480,10 +454,10 @@ class EngineProcess(RolloutEngine):
     def restart(self, address: str | None = None) -> None:
         """Kill what is left of the process, clean its folder, start it again from the same spec (no
         fault injection: ``life`` counts up); its weights are -1 until the next ``update_weights``.
-        ``address`` (``RolloutFleet.restart_engines``'s, for engines across nodes) is None here: an
+        ``address`` (``EngineRecovery.restart_engines``'s, for engines across nodes) is None here: an
         engine process serves one GPU."""
         self._kill()
-        self.spec["life"] = int(self.spec["life"]) + 1
+        self.life += 1
         self._start()
 
     def _kill(self) -> None:
@@ -507,10 +481,10 @@ class EngineProcess(RolloutEngine):
         ticket = self._request(
             {"op": "generate", "prompts": [list(p) for p in prompts], "params": params_to_json(params)}
         )
-        life = self.spec["life"]
+        life = self.life
 
         def result() -> list[list[Completion]]:
-            if self.spec["life"] != life:  # restarted since: the request went with the lost process
+            if self.life != life:  # restarted since: the request went with the lost process
                 raise self._lost(f"request {ticket} was sent to its process before a restart")
             return completions_from_json(self._result(ticket))
 

@@ -9,10 +9,10 @@ and every phase's memory). What it decides:
 - **engines**: each engine's GPUs as global ranks (its first rank leads it) and so its nodes.
   ``embedded``: by ``rollout.placement`` (per_dp_rank: each rank with TP, CP and PP rank 0; per_node:
   each node's local rank 0; per_rank: every rank), one GPU each. ``sglang`` colocated: blocks of
-  ``gpus_per_engine`` consecutive ranks, the width being ``rollout.sglang_tp`` when set, else by
+  ``gpus_per_engine`` consecutive ranks, the width being ``rollout.sglang.tp`` when set, else by
   ``rollout.placement`` (per_node: a node's GPUs; per_dp_rank: one model replica, tp x pp x cp).
   ``sglang`` disaggregated: servers outside the job (no engine GPU here).
-- **engine EP** (SGLang's ``ep_size``): ``rollout.sglang_ep`` when set, else for a MoE model the
+- **engine EP** (SGLang's ``ep_size``): ``rollout.sglang.ep`` when set, else for a MoE model the
   largest number dividing both the engine's width and the routed experts (the width, for the usual
   power-of-two counts; each engine GPU then loads and receives the dense weights + experts / EP), and
   1 for a dense one.
@@ -142,15 +142,15 @@ def _sglang_width(
         raise ValueError(
             f"SGLang engines of {width} GPUs ({why}) do not fit {world_size} ranks with {gpus_per_node} GPUs "
             f"per node: an engine spans a divisor of the GPUs per node, or whole nodes, and the engines must "
-            f"tile the world size; set rollout.sglang_tp to one of {width_choices(gpus_per_node, world_size)}"
+            f"tile the world size; set rollout.sglang.tp to one of {width_choices(gpus_per_node, world_size)}"
         )
     return width, why
 
 
 def _sglang_ep(rollout: RolloutConfig, width: int, hf: Mapping[str, Any]) -> tuple[int, str]:
     experts = routed_experts(hf)
-    if rollout.sglang_ep > 0:
-        ep, why = rollout.sglang_ep, f"rollout.sglang_ep={rollout.sglang_ep}"
+    if rollout.sglang.ep > 0:
+        ep, why = rollout.sglang.ep, f"rollout.sglang.ep={rollout.sglang.ep}"
     elif experts:
         ep = math.gcd(width, experts)
         why = f"the default for a MoE model: the largest divisor of the engine's {width} GPUs and {experts} experts"
@@ -158,11 +158,11 @@ def _sglang_ep(rollout: RolloutConfig, width: int, hf: Mapping[str, Any]) -> tup
         return 1, "dense model"
     if width % ep:
         raise ValueError(
-            f"engine EP {ep} ({why}) must divide the engine's {width} GPUs; set rollout.sglang_ep"
+            f"engine EP {ep} ({why}) must divide the engine's {width} GPUs; set rollout.sglang.ep"
         )
     if ep > 1 and (not experts or experts % ep):
         raise ValueError(
-            f"engine EP {ep} ({why}) must divide the model's {experts} routed experts; set rollout.sglang_ep "
+            f"engine EP {ep} ({why}) must divide the model's {experts} routed experts; set rollout.sglang.ep "
             f"to a common divisor of {width} and {experts}"
         )
     return ep, why
@@ -226,9 +226,9 @@ def decide_placement(
         )
     if rollout.engine != "sglang":
         raise ValueError(f"rollout.engine={rollout.engine!r}: choose embedded or sglang")
-    if rollout.sglang_mode == "disaggregated":
+    if rollout.sglang.mode == "disaggregated":
         why["engines"] = (
-            f"rollout.sglang_server_urls: {len(rollout.sglang_server_urls)} server(s), driven by rank 0"
+            f"rollout.sglang.server_urls: {len(rollout.sglang.server_urls)} server(s), driven by rank 0"
         )
         return RolloutPlacement(
             "sglang",

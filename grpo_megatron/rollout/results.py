@@ -28,12 +28,15 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 import torch.distributed as dist
 
 from grpo_megatron.rollout.engine import Completion
+
+if TYPE_CHECKING:
+    from grpo_megatron.distributed.bootstrap import ParallelState
 
 HEADER = 9
 """int64 numbers per completion in the header: tokens, finish, has loss mask, weight version, route
@@ -189,6 +192,27 @@ def sizes_of(ints: torch.Tensor, logprobs: torch.Tensor, count: int, *, failed: 
     """This rank's ``[completions, ints, logprobs, failed]`` (every rank learns every engine's sizes,
     and whether any rank's share failed, in one gather)."""
     return torch.tensor([count, ints.numel(), logprobs.numel(), int(failed)], dtype=torch.int64)
+
+
+@dataclass
+class DataGroup:
+    """The host-side (gloo) group of every rank that rollout results travel over (``RolloutFleet.generate``,
+    the held completions' and routes' delivery) and engine loss is agreed over, made at its first use
+    (collective: every rank gets there together)."""
+
+    ps: ParallelState
+    made: Any = None
+
+    def group(self) -> Any:
+        if self.made is None:
+            self.made = dist.new_group(backend="gloo", timeout=self.ps.timeout, group_desc="ROLLOUT_DATA")
+        return self.made
+
+    def gather(self, obj: Any) -> list[Any]:
+        """Collective: every rank's ``obj``, by rank."""
+        everyone: list[Any] = [None] * self.ps.world_size
+        dist.all_gather_object(everyone, obj, group=self.group())
+        return everyone
 
 
 @dataclass

@@ -54,7 +54,7 @@ class TrainConfig:
     logprobs, so no pass is needed). engine = the rollout engine's logprobs (only with one on-policy
     update; the ratio then also corrects the engine/trainer mismatch, as in slime's default). It
     is the importance ratio itself: algorithm.tis / algorithm.off_policy on top are refused (they
-    would weigh each token r * w(r) instead of r; config/validation.py:off_policy_errors)."""
+    would weigh each token r * w(r) instead of r; config/loop_rules.py:off_policy_errors)."""
     max_staleness: int = 0
     """How many weight versions a trained sample's policy may lag the policy being trained (needs
     engines that generate the next batches while the trainer trains: rollout.embedded_process=true,
@@ -63,13 +63,6 @@ class TrainConfig:
     the synchronous loop, bit for bit; 1 = one step off (iteration k trains on responses sampled by the
     weights of iteration k-2's end, i.e. version k-2, while the engines sample iteration k+1's); N: N
     steps off. Correct for the lag with algorithm.off_policy (or algorithm.tis)."""
-    partial_rollout: bool = False
-    """Continuous generation with partial rollouts (training/partial.py): a pool of in-flight groups
-    (rollout.partial_groups_in_flight) is advanced in segments of rollout.partial_segment_tokens
-    tokens; each iteration takes the oldest complete groups, and unfinished responses continue under
-    the next weight version (each token keeps the version that sampled it and its logprob under it).
-    train.max_staleness then bounds each token's lag: a response whose oldest token lags more is
-    regenerated from scratch. Needs (max_staleness + 1) * partial_segment_tokens >= max_new_tokens."""
     offload_trainer: bool = False
     """Colocated rollout on GPUs: while the engines generate, the trainer's parameters, gradients and
     optimizer state live in pinned host memory (training/offload.py), and the engines release their

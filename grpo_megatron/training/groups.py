@@ -14,8 +14,8 @@ The loop (training/grpo.py) calls a ``GroupSource`` the same way whatever the ar
 - ``GroupProducer`` (the asynchronous arrangement, ``JobConfig.producer_loop``: ``rollout.embedded_process``,
   or ``train.max_staleness`` > 0): the rollout of iteration ``it`` was submitted to the engines up to
   ``train.max_staleness`` versions ahead; ``take`` collects and scores it;
-- ``PartialRollouts`` (continuous generation, ``train.partial_rollout``, training/partial.py): ``take``
-  advances a pool of groups in flight by segments of ``rollout.partial_segment_tokens`` tokens until
+- ``PartialRollouts`` (continuous generation, ``rollout.partial.enabled``, training/partial.py): ``take``
+  advances a pool of groups in flight by segments of ``rollout.partial.segment_tokens`` tokens until
   enough are complete and scores the oldest complete ones; responses left unfinished continue under
   the next weight version, each token keeping its version (``Completion.token_versions``) and its
   behaviour logprob, no token lagging more than ``train.max_staleness`` (else regenerated).
@@ -65,7 +65,6 @@ import dataclasses
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from grpo_megatron.algorithm.batch_shaping import DynamicSampling
@@ -74,10 +73,14 @@ from grpo_megatron.training.phases.reward import Group
 from grpo_megatron.training.phases.rollout import rollout_seed
 
 if TYPE_CHECKING:
+    from grpo_megatron.algorithm.config import DynamicSamplingConfig
     from grpo_megatron.data import PromptRecord, PromptSampler
     from grpo_megatron.rollout.engine import Completion, SamplingParams
     from grpo_megatron.rollout.fleet import PendingRollout
-    from grpo_megatron.training.job import Job, Timer
+    from grpo_megatron.training.config import TrainConfig
+    from grpo_megatron.training.phases.reward import Scorer
+    from grpo_megatron.training.phases.rollout import Rollout
+    from grpo_megatron.training.timing import Timer
 
 
 @dataclass
@@ -108,19 +111,36 @@ class GroupSource(Protocol):
     def state_dict(self) -> dict[str, Any] | None: ...
 
 
-def training_params(job: Job, iteration: int, round_index: int = 0) -> SamplingParams:
+@dataclass(frozen=True)
+class SourceParts:
+    """What a group source generates and scores its groups with, given explicitly (the factory,
+    training/sources.py, takes them from the job): the rollout and reward phases' objects, the training
+    prompts and their sampler, and the settings of a round (the train section: seed, prompts per
+    iteration, iterations, max_staleness; DAPO's dynamic sampling)."""
+
+    rollout: Rollout
+    """The engines (``rollout.fleet``) and rollout.* sampling (``rollout.cfg``)."""
+    scorer: Scorer
+    records: Sequence[PromptRecord]
+    """The training prompts, by index."""
+    sampler: PromptSampler
+    train: TrainConfig
+    dynamic_sampling: DynamicSamplingConfig
+
+
+def training_params(parts: SourceParts, iteration: int, round_index: int = 0) -> SamplingParams:
     """The sampling of one training rollout round: rollout.n_samples_per_prompt responses per prompt,
     seeded by ``rollout_seed``, with the engines' MoE routes where the job replays them."""
-    return job.rollout.params(
-        n=job.cfg.rollout.n_samples_per_prompt,
-        seed=rollout_seed(job.cfg.train.seed, iteration, round_index),
-        routes=job.fleet.routes,
+    rollout = parts.rollout
+    return rollout.params(
+        n=rollout.cfg.n_samples_per_prompt,
+        seed=rollout_seed(parts.train.seed, iteration, round_index),
+        routes=rollout.fleet.routes,
     )
 
 
 def fill_groups(
-    job: Job,
-    sampler: PromptSampler,
+    parts: SourceParts,
     iteration: int,
     timer: Timer,
     first: tuple[Sequence[PromptRecord], list[list[Completion]]] | None = None,
@@ -128,9 +148,9 @@ def fill_groups(
     """Iteration ``iteration``'s groups: rollout + reward rounds until DAPO's ``DynamicSampling`` has
     enough (one round when it is off). Round 0 is ``first`` (records and their completions, already
     generated) when given, else generated now from the sampler's next prompts like every later round."""
-    cfg, ds = job.cfg, job.cfg.algorithm.dynamic_sampling
+    ds = parts.dynamic_sampling
     dapo = DynamicSampling[Group](
-        cfg.train.prompts_per_iteration,
+        parts.train.prompts_per_iteration,
         lambda g: g.rewards,
         enabled=ds.enabled,
         max_tries=ds.max_tries,
@@ -141,14 +161,14 @@ def fill_groups(
         if first is not None and dapo.rounds == 0:
             records, completions = first
         else:
-            records = [job.train_records[i] for i in sampler.next_indices(n)]
+            records = [parts.records[i] for i in parts.sampler.next_indices(n)]
             with timer("rollout"):
                 # Rank 0 gets every response (rewards, sample log); the others their sizes, and each
                 # replica its own responses once the update's plan says which (prepare_update).
-                params = training_params(job, iteration, dapo.rounds)
-                completions = job.rollout.generate(records, params, payload="owners")
+                params = training_params(parts, iteration, dapo.rounds)
+                completions = parts.rollout.generate(records, params, payload="owners")
         with timer("reward"):
-            scored = job.scorer.score(records, completions)
+            scored = parts.scorer.score(records, completions)
         reward_metrics = reward_metrics if dapo.rounds else scored.metrics
         dapo.add(scored.groups)
     groups, dapo_metrics = dapo.result()
@@ -162,15 +182,14 @@ class RolloutNow:
     """Nothing of a batch outlives its iteration: a signal before the update may drop it (the sampler's
     state from before it is the loop's to keep; training/grpo.py:Abandoned)."""
 
-    def __init__(self, job: Job, sampler: PromptSampler) -> None:
-        self.job = job
-        self.sampler = sampler
+    def __init__(self, parts: SourceParts) -> None:
+        self.parts = parts
 
     def start(self, version: int) -> None:
         return None
 
     def take(self, iteration: int, timer: Timer) -> Produced:
-        return fill_groups(self.job, self.sampler, iteration, timer)
+        return fill_groups(self.parts, iteration, timer)
 
     def before_sync(self) -> dict[str, float]:
         return {}  # nothing is in flight between two iterations
@@ -218,18 +237,17 @@ class GroupProducer:
     time (at most ``max_staleness`` versions ahead) and hands the trainer scored groups (``take``).
     Every rank holds one and calls it together."""
 
-    def __init__(self, job: Job, sampler: PromptSampler, max_staleness: int) -> None:
-        self.job = job
-        self.sampler = sampler
-        self.max_staleness = max_staleness
+    def __init__(self, parts: SourceParts) -> None:
+        self.parts = parts
+        self.max_staleness = parts.train.max_staleness
         self.batches: dict[int, _Batch] = {}
 
     def _submit(self, iteration: int) -> None:
-        if iteration > self.job.cfg.train.iterations or iteration in self.batches:
+        if iteration > self.parts.train.iterations or iteration in self.batches:
             return
-        indices = self.sampler.next_indices(self.job.cfg.train.prompts_per_iteration)
-        records = [self.job.train_records[i] for i in indices]
-        pending = self.job.rollout.submit(records, training_params(self.job, iteration))
+        indices = self.parts.sampler.next_indices(self.parts.train.prompts_per_iteration)
+        records = [self.parts.records[i] for i in indices]
+        pending = self.parts.rollout.submit(records, training_params(self.parts, iteration))
         self.batches[iteration] = _Batch(indices, pending)
 
     def start(self, version: int) -> None:
@@ -245,7 +263,7 @@ class GroupProducer:
         and no rank waits for a rollout inside it. The batches keep the version they were submitted
         under: this moves the wait, not what is generated. ``async/drained_batches``: how many."""
         in_flight = sorted(it for it, b in self.batches.items() if b.pending is not None)
-        if not self.job.fleet.sync_waits_for_generation:
+        if not self.parts.rollout.fleet.sync_waits_for_generation:
             in_flight = []
         for iteration in in_flight:
             self._completions(iteration)
@@ -260,15 +278,18 @@ class GroupProducer:
         if batch.completions is None:
             assert batch.pending is not None  # under r3 its routes stay held until its plan (grpo.py)
             # the wait runs under the watchdog's long phase (Rollout.collect); the tokens as in fill_groups
-            batch.completions, batch.pending = self.job.rollout.collect(batch.pending, payload="owners"), None
+            batch.completions, batch.pending = (
+                self.parts.rollout.collect(batch.pending, payload="owners"),
+                None,
+            )
         return batch.completions
 
     def take(self, iteration: int, timer: Timer) -> Produced:
         """Iteration ``iteration``'s scored groups and their metrics (reward, staleness)."""
         with timer("rollout"):  # the wait for a batch the engines have not finished
             completions = self._completions(iteration)
-        records = [self.job.train_records[i] for i in self.batches.pop(iteration).indices]
-        produced = fill_groups(self.job, self.sampler, iteration, timer, first=(records, completions))
+        records = [self.parts.records[i] for i in self.batches.pop(iteration).indices]
+        produced = fill_groups(self.parts, iteration, timer, first=(records, completions))
         produced.metrics |= staleness_metrics(iteration - 1, completions)
         produced.release_routes = [c.route_id for g in completions for c in g if c.route_id is not None]
         produced.release_payloads = [c.payload_id for g in completions for c in g if c.payload_id is not None]
@@ -279,8 +300,9 @@ class GroupProducer:
         held on the engines' ranks are copied to every rank for it and stay held)."""
         batches = {it: self._completions(it) for it in sorted(self.batches)}
         held = [c.route_id for cs in batches.values() for g in cs for c in g if c.route_id is not None]
-        everyone = range(self.job.ps.world_size)
-        routes = self.job.fleet.deliver_routes({rid: everyone for rid in held}, release=()) if held else {}
+        fleet = self.parts.rollout.fleet
+        everyone = range(fleet.ps.world_size)
+        routes = fleet.deliver_routes({rid: everyone for rid in held}, release=()) if held else {}
 
         def with_routes(cs: list[list[Completion]]) -> list[list[Completion]]:
             def one(c: Completion) -> Completion:
@@ -301,66 +323,3 @@ class GroupProducer:
         for it, b in state["batches"].items():
             completions = completions_from_json(json.loads(b["completions"]))
             self.batches[int(it)] = _Batch(list(b["indices"]), completions=completions)
-
-
-def group_source(job: Job, sampler: PromptSampler, resumed: Mapping[str, Any] | None) -> GroupSource:
-    """Where a run's scored groups come from, decided once: a dump (rollout.replay_dir: ``ReplaySource``,
-    training/rollout_dump.py), else the engines (``engine_source``), their batches also written to a
-    dump with rollout.dump_dir (``DumpingSource``)."""
-    from grpo_megatron.training.rollout_dump import DumpingSource, ReplaySource, RolloutDump, run_identity
-
-    rollout = job.cfg.rollout
-    if rollout.replay_dir or rollout.dump_dir:
-        identity = run_identity(job.hf, job.tokenizer.get_vocab(), job.ps)
-    if rollout.replay_dir:
-        return ReplaySource(Path(rollout.replay_dir), identity, job.cfg.train.iterations)
-    source = engine_source(job, sampler, resumed)
-    if rollout.dump_dir:
-        return DumpingSource(source, RolloutDump(Path(rollout.dump_dir), identity, job.ps), job.fleet)
-    return source
-
-
-def engine_source(job: Job, sampler: PromptSampler, resumed: Mapping[str, Any] | None) -> GroupSource:
-    """The engines' source, decided once (``JobConfig.producer_loop``), with what a resumed checkpoint
-    kept of its source (``source_state``): an asynchronous run's submitted batches, or, resumed
-    synchronously, their prompts given back to the sampler."""
-    saved = (resumed or {}).get(SOURCE_STATE)
-    if job.cfg.train.partial_rollout:  # continuous generation: a pool of partial rollouts
-        from grpo_megatron.training.partial import PartialRollouts
-
-        partial = PartialRollouts(job, sampler)
-        if saved and "partial_pool" in saved:
-            partial.load_state_dict(saved)
-        elif saved:  # an asynchronous run's checkpoint: its submitted prompts are drawn again
-            give_back_submitted(sampler, saved)
-        return partial
-    if saved and "partial_pool" in saved and job.ps.rank == 0:
-        print(
-            "[train] resumed a partial-rollout run's checkpoint without train.partial_rollout: its groups in "
-            "flight are dropped and their prompts not drawn again",
-            flush=True,
-        )
-    if job.cfg.producer_loop:  # engines that generate while the trainer trains: rollouts submitted ahead
-        producer = GroupProducer(job, sampler, job.cfg.train.max_staleness)
-        if saved is not None and "batches" in saved:
-            producer.load_state_dict(saved)
-        return producer
-    if saved and (given_back := give_back_submitted(sampler, saved)) and job.ps.rank == 0:
-        print(
-            f"[train] resumed an asynchronous run's checkpoint synchronously: the prompts of its {given_back} "
-            "submitted batches are generated again, with the weights trained here",
-            flush=True,
-        )
-    return RolloutNow(job, sampler)
-
-
-SOURCE_STATE = "producer"
-"""The key of the group source's state in a checkpoint's ``trainer_state.pt`` (the name it was saved
-under before this module)."""
-
-
-def source_state(trainer_state: dict[str, Any], source: GroupSource) -> dict[str, Any]:
-    """Collective: the checkpoint's trainer state, with what ``source`` keeps (the asynchronous
-    producer's submitted batches)."""
-    kept = source.state_dict()
-    return trainer_state if kept is None else {**trainer_state, SOURCE_STATE: kept}

@@ -21,7 +21,7 @@ The rollout and reward phases come from a ``GroupSource`` (training/groups.py), 
 in every arrangement: ``RolloutNow`` generates each iteration's rollout when the loop takes it;
 with engines that generate while the trainer trains (``JobConfig.producer_loop``) ``GroupProducer``
 submits each batch up to train.max_staleness weight versions ahead (0: this loop's
-order, bit for bit); with train.partial_rollout ``PartialRollouts`` (training/partial.py) advances a
+order, bit for bit); with rollout.partial.enabled ``PartialRollouts`` (training/partial.py) advances a
 pool of partial responses by segments, across weight updates, and takes the oldest complete groups.
 A replay (``rollout.replay_dir``) takes them from an earlier run's dump instead
 (``ReplaySource``, training/rollout_dump.py): no engine starts, the sync and eval phases do nothing;
@@ -56,8 +56,8 @@ from grpo_megatron.distributed.preemption import Preempted, report_preempted
 from grpo_megatron.fileio import write_text_atomic
 from grpo_megatron.rollout.multiturn import trajectory_metrics
 from grpo_megatron.training.batching import Sample
-from grpo_megatron.training.groups import GroupSource, group_source, source_state
-from grpo_megatron.training.job import Job, PhaseTimer, Timer, build_job, export_hf_checkpoint
+from grpo_megatron.training.groups import GroupSource
+from grpo_megatron.training.job import Job, build_job, export_hf_checkpoint
 from grpo_megatron.training.phases.advantages import UpdatePlan, prepare_update
 from grpo_megatron.training.phases.bookkeeping import (
     freeze_startup_objects,
@@ -71,6 +71,8 @@ from grpo_megatron.training.phases.reward import Group
 from grpo_megatron.training.phases.sync import ProbeBatch, answer_probe, probe_due
 from grpo_megatron.training.phases.train import GRPOLoss, update_policy
 from grpo_megatron.training.route_replay import RoutingReplay
+from grpo_megatron.training.sources import group_source, source_state
+from grpo_megatron.training.timing import PhaseTimer, Timer
 
 if TYPE_CHECKING:
     from grpo_megatron.config import JobConfig
@@ -317,9 +319,7 @@ def train(job: Job) -> dict[str, float]:
         metrics = {
             **result.metrics,
             **eval_metrics,
-            **(
-                job.recovery.metrics() if job.recovery is not None else {}
-            ),  # engine/restarts, engine/restart_s
+            **job.fleet.recovery.metrics(),  # engine/restarts, engine/restart_s (only after a restart)
             # the worst engine resume since the last row: a save's or a restart's visit included
             **job.memory.take_cached_at_resume(),
             **timer.seconds,

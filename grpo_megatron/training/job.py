@@ -9,10 +9,8 @@ the whole `JobConfig`.
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable
 from contextlib import AbstractContextManager, contextmanager, nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -37,7 +35,7 @@ if TYPE_CHECKING:
     from grpo_megatron.rewards.pool import RewardPool
     from grpo_megatron.rollout.config import MultiTurnConfig
     from grpo_megatron.rollout.engine import EngineSpec
-    from grpo_megatron.rollout.fleet import EngineRecovery, RolloutFleet
+    from grpo_megatron.rollout.fleet import RolloutFleet
     from grpo_megatron.rollout.multiturn import Environment
     from grpo_megatron.training.offload import ColocatedMemory
     from grpo_megatron.training.phases.reward import Scorer
@@ -72,9 +70,6 @@ class Runtime:
     """This rank's progress watchdog (parallel.progress_timeout_s); None when off or on one rank."""
     env: Environment | None = None
     """rollout.multiturn: the episodes' environment (its tool workers), on global rank 0 only."""
-    recovery: EngineRecovery | None = None
-    """rollout.max_engine_restarts > 0: what restarting a lost engine in place needs (the policy model,
-    the bound) and the restarts' metrics (``engine/*``); None: a lost engine ends the run."""
 
     def beat(self, phase: str) -> None:
         """A progress point of the main loop (see distributed/watchdog.py)."""
@@ -104,7 +99,6 @@ class Runtime:
             self.env,
             watchdog=self.watchdog,
             long_phase_s=self.cfg.parallel.long_phase_timeout_s,
-            recovery=self.recovery,
         )
 
     @property
@@ -138,7 +132,6 @@ class Runtime:
             vocab_size=int(self.hf["vocab_size"]),
             temperature=self.cfg.rollout.temperature,
             max_abs=self.cfg.rollout.probe_max_abs,
-            recovery=self.recovery,
         )
 
     def make_sampler(self, num_items: int) -> PromptSampler:
@@ -206,32 +199,6 @@ class SFTJob(Runtime):
     """A cold start (``grpo-megatron sft``): the runtime plus its prompt/response pairs."""
 
     sft_records: list[SFTRecord]
-
-
-Timer = Callable[[str], AbstractContextManager[None]]
-"""What times the phases of an iteration: ``with timer(name):`` (``PhaseTimer``; benches bring their own)."""
-
-
-@dataclass
-class PhaseTimer:
-    """Wall time per named phase, accumulated over an iteration (``time/<name>`` metrics)."""
-
-    seconds: dict[str, float] = field(default_factory=dict)
-    beat: Callable[[str], None] | None = None
-    """Called with the phase's name as it starts and ends (Job.beat: the progress watchdog)."""
-
-    @contextmanager
-    def __call__(self, name: str) -> Iterator[None]:
-        if self.beat is not None:
-            self.beat(name)
-        start = time.perf_counter()
-        try:
-            yield
-        finally:
-            key = f"time/{name}"
-            self.seconds[key] = self.seconds.get(key, 0.0) + time.perf_counter() - start
-            if self.beat is not None:
-                self.beat(f"{name} (done)")
 
 
 def has_safetensors(hf_path: str | Path) -> bool:
@@ -404,15 +371,18 @@ def _start(cfg: JobConfig, *, install_preemption: bool) -> _Startup:
 
 
 def _models(
-    cfg: JobConfig, start: _Startup, *, with_reference: bool, engines: bool = True
+    cfg: JobConfig, start: _Startup, *, with_reference: bool, engines: bool = True, restarts: bool = True
 ) -> tuple[Policy, torch.nn.Module | None, RolloutFleet, ColocatedMemory]:
     """The policy (with model.hf_path's weights when it has any), the frozen reference when asked
     for, and the rollout engines, in this order (each draws from the seeded generators); the
     colocated memory choreography, which started the engines as rollout/placement.py says (colocated
     SGLang engines while the trainer's state is in host memory). ``engines`` False (a replay,
-    rollout.replay_dir): a fleet of no engines, and memory that never moves."""
+    rollout.replay_dir): a fleet of no engines, and memory that never moves. ``restarts``: lost engines
+    are restarted in place up to rollout.recovery.max_restarts, resynced from the policy (GRPO; SFT
+    restarts none)."""
     from grpo_megatron.rollout.fleet import RolloutFleet
     from grpo_megatron.rollout.placement import runtime_placement
+    from grpo_megatron.rollout.recovery import Resync
     from grpo_megatron.training.offload import ColocatedMemory
     from grpo_megatron.training.policy import build_policy
 
@@ -441,14 +411,13 @@ def _models(
     if not engines:
         from grpo_megatron.rollout.placement import PHASES, TRAINER_PARTS, Occupancy
 
-        fleet = RolloutFleet(
-            ps=ps, hf=hf, engine=None, engine_ranks=[], group=None, export_dtype=torch.float32, bucket_bytes=0
-        )
+        fleet = RolloutFleet.without_engines(ps, hf)
         resident = dict.fromkeys(PHASES, Occupancy(TRAINER_PARTS, frozenset()))  # nothing ever moves
         return policy, reference, fleet, ColocatedMemory(policy, None, resident)
     spec = engine_spec(cfg)
     placement = runtime_placement(spec, ps, hf)
     memory = ColocatedMemory(policy, None, placement.phases())
+    resync = Resync(policy.model, memory.sync_visit) if restarts else None  # what a restarted engine is given
     engine = None
     if cfg.rollout.true_on_policy:
         from grpo_megatron.rollout.policy_engine import PolicyEngine
@@ -462,7 +431,7 @@ def _models(
     ):  # an engine's start blocks in one call
         fleet = memory.start_engines(
             lambda: RolloutFleet.build(
-                spec, hf, ps, tokenizer=start.tokenizer, placement=placement, engine=engine
+                spec, hf, ps, tokenizer=start.tokenizer, placement=placement, resync=resync, engine=engine
             )
         )
     start.beat("engines")
@@ -489,7 +458,6 @@ def build_job(cfg: JobConfig, *, with_reference: bool) -> Job:
     from grpo_megatron.checkpoint.manager import CheckpointManager
     from grpo_megatron.data import build_prompt_datasets
     from grpo_megatron.logging_utils.metrics import REQUIRED_KEYS
-    from grpo_megatron.rollout.fleet import EngineRecovery
 
     start = _start(cfg, install_preemption=True)
     train_records, eval_records = build_prompt_datasets(cfg.data, start.tokenizer, cfg.train.seed)
@@ -497,8 +465,6 @@ def build_job(cfg: JobConfig, *, with_reference: bool) -> Job:
     engines = not cfg.rollout.replay_dir  # a replay trains from a dump: no engine starts
     policy, reference, fleet, memory = _models(cfg, start, with_reference=with_reference, engines=engines)
     ps, run_dir = start.ps, start.run_dir
-    restarts = cfg.rollout.max_engine_restarts
-    recovery = EngineRecovery(policy.model, restarts, memory.sync_visit) if engines and restarts > 0 else None
     return Job(
         cfg=cfg,
         ps=ps,
@@ -518,7 +484,6 @@ def build_job(cfg: JobConfig, *, with_reference: bool) -> Job:
         reference=reference,
         reference_is_base=with_reference and policy.lora,
         env=start.env,
-        recovery=recovery,
     )
 
 
@@ -530,7 +495,7 @@ def build_sft_job(cfg: JobConfig) -> SFTJob:
     start = _start(cfg, install_preemption=False)
     sft_records, eval_records = build_sft_dataset(cfg.data, start.tokenizer, cfg.train.seed)
     start.beat("data")
-    policy, _, fleet, memory = _models(cfg, start, with_reference=False)
+    policy, _, fleet, memory = _models(cfg, start, with_reference=False, restarts=False)
     return SFTJob(
         cfg=cfg,
         ps=start.ps,

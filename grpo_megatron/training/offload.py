@@ -421,7 +421,7 @@ class ColocatedMemory:
         nothing moves. Yields the visit's ``offload/*`` (the way in at once, the way back added when
         the body ends: ``merge_memory_metrics``). ``visit("save")``: a checkpoint save.
         ``visit("sync")``: an engine restarted in place during a rollout (issue 41,
-        ``RolloutFleet.restart_engines``) is streamed the last synced version, and the export reads the
+        ``EngineRecovery.restart_engines``) is streamed the last synced version, and the export reads the
         parameters the rollout phase offloads."""
         before = self.phase
         moved: dict[str, float] = {}

@@ -1,8 +1,8 @@
-"""Continuous generation with partial rollouts (``train.partial_rollout``): the ``GroupSource``
+"""Continuous generation with partial rollouts (``rollout.partial.enabled``): the ``GroupSource``
 (training/groups.py) whose responses continue across weight updates, so an iteration never waits
 for the longest response of its batch.
 
-A pool of in-flight groups (``rollout.partial_groups_in_flight``, default twice
+A pool of in-flight groups (``rollout.partial.groups_in_flight``, default twice
 ``train.prompts_per_iteration``) is kept between iterations; per response it holds the tokens so far,
 each token's behaviour logprob and the weight version that sampled it, and whether it has finished.
 Iteration ``it``, with the engines at version ``v`` (= ``it - 1``, the policy it trains)::
@@ -11,10 +11,10 @@ Iteration ``it``, with the engines at version ``v`` (= ``it - 1``, the policy it
                    regenerated from scratch (its tokens dropped; it stays in its group and pool slot)
     2. top up:     new prompts from the sampler until the pool holds its size
     3. segments:   every unfinished response gets one row, prompt + its tokens so far with
-                   max_new_tokens = min(K, budget left) (K = rollout.partial_segment_tokens), seeded
+                   max_new_tokens = min(K, budget left) (K = rollout.partial.segment_tokens), seeded
                    by (train.seed, it, round) (new and continued responses: two engine requests
                    where a continued one holds more than K tokens, the second's seed +
-                   CONTINUED_SEED; one with rollout.partial_one_request); its new tokens get
+                   CONTINUED_SEED; one with rollout.partial.one_request); its new tokens get
                    version v; one round at least,
                    repeated until at least train.prompts_per_iteration groups are complete (each
                    round adds a token to every unfinished response: the rounds end)
@@ -27,7 +27,7 @@ In time (K tokens a segment, the long response of group A spans two versions)::
     it k   (v = k-1):  [seg A1 B1 C1][seg A2 C2][reward B C][train k][sync v=k]
     it k+1 (v = k):    [seg A3 D1 ..]...[reward A D][train k+1][sync v=k+1]
 
-Overlapped (``rollout.partial_overlap``; engines in processes of their own: rollout.embedded_process
+Overlapped (``rollout.partial.overlap``; engines in processes of their own: rollout.embedded_process
 or SGLang; validation asks ``max_staleness * K >= rollout.max_new_tokens``). The same steps, one
 round moved: at the end of ``take`` the pool is topped up and the NEXT iteration's first round is
 submitted (``submit`` returns at once, seeded by (train.seed, it + 1, 0)), so the engines generate it
@@ -54,7 +54,7 @@ off-policy corrections (token TIS, IcePop, sequence TIS/MIS) read them per token
 a response is one more request whose prompt ends with the response so far: the engine recomputes the
 KV of those tokens under its current weights (prefix caching may reuse it within one version), which
 works the same for the embedded engine, an engine process and SGLang, with no engine-specific pause.
-``rollout.partial_keep_kv`` (SGLang) keeps that KV instead: weight loads leave SGLang's prefix cache
+``rollout.partial.keep_kv`` (SGLang) keeps that KV instead: weight loads leave SGLang's prefix cache
 as it is while the KV in it lags the new weights by at most max_staleness versions
 (``rollout/sglang/weights.py:KeptPrefixes``), so a continued request reads its prefix's KV as computed
 under the versions that fed it (what an in-place pause keeps); each token's version and behaviour
@@ -72,19 +72,20 @@ the uninterrupted run would have.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
+import os
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
-from grpo_megatron.rollout.engine import Completion
-from grpo_megatron.training.groups import Produced, fill_groups
+from grpo_megatron.rollout.engine import Completion, SamplingParams
+from grpo_megatron.training.groups import Produced, SourceParts, fill_groups
 from grpo_megatron.training.phases.rollout import rollout_seed
 
 if TYPE_CHECKING:
-    from grpo_megatron.data import PromptSampler
-    from grpo_megatron.rollout.fleet import PendingRollout
-    from grpo_megatron.training.job import Job, Timer
+    from grpo_megatron.training.timing import Timer
 
 
 @dataclass
@@ -241,112 +242,175 @@ def take_metrics(version: int, groups: list[PartialGroup]) -> dict[str, float]:
     }
 
 
-@dataclass
-class _Round:
-    """A segment round submitted to the engines: per request, its responses (in request order) and
-    the generation in flight."""
-
-    parts: list[tuple[list[tuple[int, PartialResponse]], PendingRollout]]
-
+Submit = Callable[
+    [list[tuple[int, "PartialResponse"]], list[list[int]], SamplingParams],
+    Callable[[], list[list[Completion]]],
+]
+"""How a segment round's request reaches the engines: (its rows: each one's prompt index and response;
+their inputs: prompt and tokens so far; its sampling) -> what collects its completions, one per row
+(``RolloutEngine.submit``'s shape; the source's goes through the fleet)."""
+Trace = Callable[..., None]
+"""Called with an event name and its fields (``trace("submit", rows=..)``): what a bench records."""
 
 CONTINUED_SEED = 104_729
 """Added to a round's seed for its request of continued responses (its new responses keep the seed)."""
 
 
+@dataclass
+class SegmentRound:
+    """A segment round submitted to the engines: per request, its responses (in request order) and what
+    collects its completions."""
+
+    parts: list[tuple[list[tuple[int, PartialResponse]], Callable[[], list[list[Completion]]]]]
+
+
+def submit_round(
+    pool: PartialPool,
+    prompt_ids: Callable[[int], Sequence[int]],
+    submit: Submit,
+    params: SamplingParams,
+    *,
+    one_request: bool = False,
+    trace: Trace | None = None,
+) -> SegmentRound:
+    """Submit one round of step 3 (the module docstring): every unfinished response's next segment, with
+    ``params`` (n=1, the round's seed) but each row's own max_new_tokens, min(K, budget left). Where a
+    continued response holds more than K tokens, new responses and continued ones go as two requests
+    (the second seeded ``+ CONTINUED_SEED``): an engine pads a request's prompts to its longest, and
+    padding the new ones to the continued prefixes costs more than the K steps they decode
+    (bench/partial_iterations.py measures it); shorter prefixes (the demo's) cost less than a second
+    request. ``one_request`` (rollout.partial.one_request): one request whose ragged prompts the engine
+    prefills apart (``SamplingParams.ragged_prefill``) and decodes together. The one round function of
+    the source, its test and the partial benches."""
+    todo, inputs, budgets = pool.requests(prompt_ids)
+    if trace is not None:
+        trace(
+            "submit",
+            rows=len(todo),
+            continued=sum(bool(r.token_ids) for _, r in todo),
+            prefix=sum(len(r.token_ids) for _, r in todo),
+        )
+    rows = list(zip(todo, inputs, budgets, strict=True))
+    split = not one_request and max((len(r.token_ids) for _, r in todo), default=0) > pool.segment_tokens
+    parts = []
+    for offset, part in (
+        (0, [x for x in rows if not (split and x[0][1].token_ids)]),
+        (CONTINUED_SEED, [x for x in rows if split and x[0][1].token_ids]),
+    ):
+        if not part:
+            continue
+        each = tuple(b for _, _, b in part)
+        seed = None if params.seed is None else params.seed + offset
+        sampling = dataclasses.replace(
+            params, seed=seed, max_new_tokens=max(each), max_new_tokens_each=each, ragged_prefill=one_request
+        )
+        todo_part = [t for t, _, _ in part]
+        parts.append((todo_part, submit(todo_part, [x for _, x, _ in part], sampling)))
+    return SegmentRound(parts)
+
+
+def collect_round(pool: PartialPool, round_: SegmentRound, trace: Trace | None = None, **where: Any) -> None:
+    """Collective where the source's submit is: the round's segments, appended to their responses."""
+    start = time.perf_counter()
+    for todo, collect in round_.parts:
+        for (_, response), (segment,) in zip(todo, collect(), strict=True):
+            pool.extend(response, segment)
+    if trace is not None:
+        trace("collect", wait_s=time.perf_counter() - start, **where)
+
+
+def file_trace(path: str | os.PathLike) -> Trace:
+    """A ``Trace`` that appends one JSON line per event to ``path`` (``GRPO_ROUND_TRACE``: benches)."""
+
+    def trace(event: str, **fields: Any) -> None:
+        with open(path, "a") as out:
+            out.write(json.dumps({"t": time.perf_counter(), "event": event, **fields}) + "\n")
+
+    return trace
+
+
 class PartialRollouts:
     """The continuous ``GroupSource`` (module docstring); every rank holds the same pool (every
-    segment's completions reach every rank) and calls it together. With ``rollout.partial_overlap``
+    segment's completions reach every rank) and calls it together. With ``rollout.partial.overlap``
     the next iteration's first round is submitted at the end of ``take`` and generates while the
-    trainer trains (``in_flight``); ``ahead`` counts the rounds of the next iteration already applied."""
+    trainer trains (``in_flight``); ``ahead`` counts the rounds of the next iteration already applied.
+    ``trace``: what a bench records of each round (``submit_round``, ``collect_round``)."""
 
-    def __init__(self, job: Job, sampler: PromptSampler) -> None:
-        cfg = job.cfg
-        self.job, self.sampler, self.version = job, sampler, 0
+    def __init__(self, parts: SourceParts, trace: Trace | None = None) -> None:
+        rollout, train = parts.rollout.cfg, parts.train
+        self.parts, self.version, self.trace = parts, 0, trace
         self.pool = PartialPool(
-            cfg.rollout.n_samples_per_prompt,
-            cfg.rollout.partial_segment_tokens,
-            cfg.rollout.max_new_tokens,
-            cfg.train.max_staleness,
-            cfg.rollout.partial_groups_in_flight or 2 * cfg.train.prompts_per_iteration,
+            rollout.n_samples_per_prompt,
+            rollout.partial.segment_tokens,
+            rollout.max_new_tokens,
+            train.max_staleness,
+            rollout.partial.groups_in_flight or 2 * train.prompts_per_iteration,
         )
-        self.overlap = cfg.rollout.partial_overlap
-        self.in_flight: _Round | None = None
+        self.overlap = rollout.partial.overlap
+        self.in_flight: SegmentRound | None = None
         self.ahead = 0
 
     def start(self, version: int) -> None:
         self.version = version
 
-    def _submit(self, iteration: int, round_index: int) -> _Round:
-        """Submit one round of step 3: every unfinished response's next segment, under the engines'
-        weights when they generate it (``Completion.weight_version`` stamps each segment). Where a
-        continued response holds more than K tokens, new responses and continued ones go as two
-        requests: an engine pads a request's prompts to its longest, and padding the new ones to
-        the continued prefixes costs more than the K steps they decode (bench/partial_iterations.py
-        measures it); shorter prefixes (the demo's) cost less than a second request. With
-        rollout.partial_one_request they go as one request whose ragged prompts the engine prefills
-        apart (``SamplingParams.ragged_prefill``) and decodes together."""
-        job = self.job
-        todo, inputs, budgets = self.pool.requests(lambda index: job.train_records[index].prompt_ids)
-        rows = list(zip(todo, inputs, budgets, strict=True))
-        one = job.cfg.rollout.partial_one_request  # one request, ragged prompts prefilled apart
-        split = not one and max((len(r.token_ids) for _, r in todo), default=0) > self.pool.segment_tokens
-        parts = []
-        for offset, part in (
-            (0, [x for x in rows if not (split and x[0][1].token_ids)]),
-            (CONTINUED_SEED, [x for x in rows if split and x[0][1].token_ids]),
-        ):
-            if not part:
-                continue
+    def _submit(self, iteration: int, round_index: int) -> SegmentRound:
+        """Submit one round (``submit_round``), seeded by (train.seed, iteration, round), under the
+        engines' weights when they generate it (``Completion.weight_version`` stamps each segment)."""
+        parts = self.parts
+        params = parts.rollout.params(n=1, seed=rollout_seed(parts.train.seed, iteration, round_index))
+
+        def submit(
+            rows: list[tuple[int, PartialResponse]], inputs: list[list[int]], sampling: SamplingParams
+        ) -> Callable[[], Any]:
             records = [
-                dataclasses.replace(job.train_records[index], prompt_ids=tuple(ids))
-                for (index, _), ids, _ in part
+                dataclasses.replace(parts.records[i], prompt_ids=tuple(ids))
+                for (i, _), ids in zip(rows, inputs, strict=True)
             ]
-            seed = rollout_seed(job.cfg.train.seed, iteration, round_index) + offset
-            each = tuple(b for _, _, b in part)
-            params = dataclasses.replace(
-                job.rollout.params(n=1, seed=seed),
-                max_new_tokens=max(each),
-                max_new_tokens_each=each,
-                ragged_prefill=one,
-            )
-            parts.append(([t for t, _, _ in part], job.rollout.submit(records, params)))
-        return _Round(parts)
+            pending = parts.rollout.submit(records, sampling)
+            return lambda: parts.rollout.collect(pending)
 
-    def _collect(self, round_: _Round) -> None:
-        """Collective: the round's segments, appended to their responses."""
-        for todo, pending in round_.parts:
-            for (_, response), (segment,) in zip(todo, self.job.rollout.collect(pending), strict=True):
-                self.pool.extend(response, segment)
+        trace, traced = None, self.trace
+        if traced is not None:  # each event names its round
+            trace = functools.partial(traced, iteration=iteration, round=round_index)
+        return submit_round(
+            self.pool,
+            lambda index: parts.records[index].prompt_ids,
+            submit,
+            params,
+            one_request=parts.rollout.cfg.partial.one_request,
+            trace=trace,
+        )
 
-    def _collect_ahead(self) -> None:
+    def _collect_ahead(self, at: str = "take") -> None:
         """Collective: the round submitted ahead, if one is in flight, applied to the pool."""
         if self.in_flight is not None:
             round_, self.in_flight = self.in_flight, None
-            self._collect(round_)
+            collect_round(self.pool, round_, self.trace, at=at)
             self.ahead += 1
 
     def take(self, iteration: int, timer: Timer) -> Produced:
-        need, pool = self.job.cfg.train.prompts_per_iteration, self.pool
+        parts, pool = self.parts, self.pool
+        need = parts.train.prompts_per_iteration
         with timer("rollout"):
-            self._collect_ahead()  # rollout.partial_overlap: generated while the last iteration trained
+            self._collect_ahead()  # rollout.partial.overlap: generated while the last iteration trained
             regenerated = pool.regenerate_stale(self.version)
             if missing := pool.missing():
-                pool.top_up(self.sampler.next_indices(missing))
+                pool.top_up(parts.sampler.next_indices(missing))
             rounds, self.ahead = self.ahead, 0  # at least one: every response in flight advances each time
             while pool.unfinished() and (rounds == 0 or pool.complete() < need):
-                self._collect(self._submit(iteration, rounds))
+                collect_round(pool, self._submit(iteration, rounds), self.trace, at="take")
                 rounds += 1
             taken = pool.take(need)
-        records = [self.job.train_records[g.index] for g in taken]
+        records = [parts.records[g.index] for g in taken]
         completions = [[r.completion() for r in g.responses] for g in taken]
         carried = float(sum(bool(r.token_ids) for _, r in pool.unfinished()))
-        if self.overlap and iteration < self.job.cfg.train.iterations:
+        if self.overlap and iteration < parts.train.iterations:
             with timer("rollout"):  # the next iteration's first round, generated while this one trains
                 if missing := pool.missing():
-                    pool.top_up(self.sampler.next_indices(missing))
+                    pool.top_up(parts.sampler.next_indices(missing))
                 if pool.unfinished():
                     self.in_flight = self._submit(iteration + 1, 0)
-        produced = fill_groups(self.job, self.sampler, iteration, timer, first=(records, completions))
+        produced = fill_groups(parts, iteration, timer, first=(records, completions))
         produced.metrics |= take_metrics(self.version, taken) | {
             "partial/segments": float(rounds),
             "partial/regenerated": float(regenerated),
@@ -358,16 +422,16 @@ class PartialRollouts:
         return produced
 
     def before_sync(self) -> dict[str, float]:
-        """Collective. Without rollout.partial_overlap nothing is in flight between two iterations (the
+        """Collective. Without rollout.partial.overlap nothing is in flight between two iterations (the
         pool waits on the trainer's side). With it, where a weight load waits for the generation in
         flight (``RolloutFleet.sync_waits_for_generation``: SGLang) the round submitted ahead is
         collected now, so the sync stream starts with idle engines; an engine process loads the new
         weights after it by itself. ``partial/drained``: 1 when a round was collected here."""
         if not self.overlap:
             return {}
-        drained = self.in_flight is not None and self.job.fleet.sync_waits_for_generation
+        drained = self.in_flight is not None and self.parts.rollout.fleet.sync_waits_for_generation
         if drained:
-            self._collect_ahead()
+            self._collect_ahead(at="before_sync")
         return {"partial/drained": float(drained)}
 
     def after_sync(self, version: int) -> None:

@@ -47,7 +47,7 @@ if TYPE_CHECKING:
     from grpo_megatron.distributed.bootstrap import ParallelState
     from grpo_megatron.rollout.fleet import RolloutFleet
     from grpo_megatron.training.groups import GroupSource, Produced
-    from grpo_megatron.training.job import Timer
+    from grpo_megatron.training.timing import Timer
 
 FORMAT = 1
 """The dump format's version (``dump.json``'s ``format``)."""

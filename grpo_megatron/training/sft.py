@@ -29,7 +29,10 @@ from grpo_megatron.training.phases.bookkeeping import freeze_startup_objects, st
 from grpo_megatron.training.phases.eval import evaluate
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+
     from grpo_megatron.config import JobConfig
+    from grpo_megatron.data import SFTRecord
     from grpo_megatron.data.sampler import PromptSampler
     from grpo_megatron.training.config import SFTConfig
 
@@ -193,6 +196,32 @@ def restore(job: SFTJob, state: TrainState, sampler: PromptSampler) -> None:
         job.policy.scheduler.num_steps = state.scheduler_steps
 
 
+def dev_eval(job: SFTJob, step: int) -> float:
+    """The policy's weights into the engines (through the memory phases, as GRPO's sync), the dev
+    accuracy, then the training phase's memory again (the engines release theirs)."""
+    job.sync_engines(step)
+    accuracy = evaluate(
+        job.rollout,
+        job.scorer,
+        job.eval_records,
+        train_seed=job.cfg.train.seed,
+        iteration=step,
+        samples=job.cfg.train.eval_samples,
+    )["eval/accuracy"]
+    job.memory.to_trainer()
+    return accuracy
+
+
+def sft_samples(batch: Sequence[SFTRecord]) -> list[Sample]:
+    """A batch of prompt/response pairs as samples: the loss on every response token, no advantage."""
+    return make_samples(
+        [p.prompt_ids for p in batch],
+        [p.response_ids for p in batch],
+        [[0.0] * len(p.response_ids) for p in batch],
+        [0.0] * len(batch),
+    )
+
+
 def run_sft(job: SFTJob) -> dict[str, object]:
     """The cold start's steps; returns the steps run, the exported step and its dev accuracy, and why."""
     sft = job.cfg.sft
@@ -200,23 +229,7 @@ def run_sft(job: SFTJob) -> dict[str, object]:
     sampler = job.make_sampler(len(pairs))
     job.logger.truncate_from(0)  # SFT writes no checkpoints: a rerun starts over, its log too
     keeper = BandKeeper(*sft.target_accuracy_band) if sft.target_accuracy_band else None
-
-    def dev_eval(step: int) -> float:
-        """The policy's weights into the engines (through the memory phases, as GRPO's sync), the dev
-        accuracy, then the training phase's memory again (the engines release theirs)."""
-        job.sync_engines(step)
-        accuracy = evaluate(
-            job.rollout,
-            job.scorer,
-            job.eval_records,
-            train_seed=job.cfg.train.seed,
-            iteration=step,
-            samples=job.cfg.train.eval_samples,
-        )["eval/accuracy"]
-        job.memory.to_trainer()
-        return accuracy
-
-    accuracy = dev_eval(0)
+    accuracy = dev_eval(job, 0)
     job.logger.log(0, {"eval/accuracy": accuracy})
     kept_weights: list[torch.Tensor] | None = None
     replay_point: TrainState | None = None
@@ -237,16 +250,9 @@ def run_sft(job: SFTJob) -> dict[str, object]:
         job.beat(f"sft step {step}")
         steps_run += 1
         start = time.perf_counter()
-        batch = [pairs[i] for i in sampler.next_indices(sft.batch_size)]
-        samples = make_samples(
-            [p.prompt_ids for p in batch],
-            [p.response_ids for p in batch],
-            [[0.0] * len(p.response_ids) for p in batch],
-            [0.0] * len(batch),
-        )
-        metrics = sft_step(job, samples)
+        metrics = sft_step(job, sft_samples([pairs[i] for i in sampler.next_indices(sft.batch_size)]))
         if step % sft.eval_interval == 0 or step == sft.max_steps or step <= dense_until:
-            accuracy = metrics["eval/accuracy"] = dev_eval(step)
+            accuracy = metrics["eval/accuracy"] = dev_eval(job, step)
             if keeper is not None:
                 action, keep = keeper.observe(DevEval(step, accuracy))
                 if keep:

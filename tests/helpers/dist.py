@@ -32,6 +32,8 @@ from typing import Any
 
 import torch
 
+from tests.helpers import tier
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 # Config overrides of every test job meant for CPU: the device follows parallel.backend, so these
 # run on CPU (gloo) on a GPU machine too, instead of picking cuda:<local rank> there.
@@ -130,6 +132,7 @@ def run_distributed(target: str, world_size: int, *, timeout_s: float = 240, **k
 
     ``kwargs`` are pickled by this process and handed to ``function(**kwargs)`` on every rank.
     """
+    tier.require_mark(f"ranks of their own ({target})")
     if ":" not in target:
         raise ValueError(f"target must look like 'package.module:function', got {target!r}")
     with tempfile.TemporaryDirectory(prefix="grpo_dist_") as tmp:

@@ -15,6 +15,7 @@ import psutil
 import pytest
 
 from grpo_megatron.logging_utils.metrics import read_jsonl
+from tests.helpers import tier
 from tests.helpers.dist import REPO_ROOT, free_port
 
 DEMO = REPO_ROOT / "examples" / "demo.yaml"
@@ -29,6 +30,13 @@ SMALL = [
     "parallel.backend=gloo",  # CPU on any machine
     "parallel.timeout_minutes=3",  # a rank stuck in a collective fails the test instead of hanging it
 ]
+MOVING = [
+    *SMALL,
+    "reward.components=[{name: len, function: length, kwargs: {target_chars: 6}}]",
+    "train.lr=1e-3",
+]
+"""SMALL with a reward the demo model earns from the start, and a learning rate that moves it: runs whose
+weights change every iteration (tests/test_async.py, tests/test_sglang_train.py)."""
 # Keys that measure wall time differ between any two runs; everything else must match bitwise.
 TIMING_PREFIXES = ("time/", "throughput/", "sync/")
 
@@ -36,6 +44,9 @@ TIMING_PREFIXES = ("time/", "throughput/", "sync/")
 def launch(
     command: str, overrides: list[str], *, world_size: int = 2, config: Path = DEMO
 ) -> subprocess.Popen:
+    """``grpo-megatron COMMAND CONFIG OVERRIDES`` on ``world_size`` processes under torchrun, output
+    piped; its own session (``kill_job`` ends it all)."""
+    tier.require_mark(f"a training job (grpo-megatron {command})")
     env = dict(os.environ, OMP_NUM_THREADS="1", TORCH_COMPILE_DISABLE="1", WANDB_SILENT="true")
     args = [
         sys.executable,
@@ -89,6 +100,7 @@ def launch_node(
     so that whatever the job derives from host names (ranks grouped into nodes, an SGLang engine's
     ``dist_init_addr`` across nodes) sees distinct hosts that still resolve. Node 0's address is the
     rendezvous'."""
+    tier.require_mark("a node of a training job")
     torchrun = [
         sys.executable,
         "-m",
@@ -173,3 +185,17 @@ def finish(proc: subprocess.Popen, timeout_s: float = 300) -> str:
 
 def comparable(record: dict) -> dict:
     return {k: v for k, v in record.items() if not k.startswith(TIMING_PREFIXES)}
+
+
+def cli(args: list[str], world_size: int) -> subprocess.CompletedProcess:
+    """``grpo-megatron ARGS`` on ``world_size`` processes (torchrun, gloo: CPU on any machine)."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", TORCH_COMPILE_DISABLE="1", MASTER_PORT=str(free_port()))
+    launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world_size)]
+    return subprocess.run(
+        [sys.executable, *launcher, "-m", "grpo_megatron", *args, "--backend", "gloo"],  # CPU on any machine
+        cwd=REPO_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )

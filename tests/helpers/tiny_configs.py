@@ -6,7 +6,11 @@ real ``config.json`` holds (every default filled in): the adapters are tested ag
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "tiny_moe.yaml"
+"""The tiny MoE job config most config tests start from."""
 
 _COMMON: dict[str, Any] = {
     "vocab_size": 61,  # not a multiple of 8 (or 16 at TP2): padding is exercised

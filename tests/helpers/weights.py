@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
 from grpo_megatron.bridge.layout import ShardLayout, shard_layouts, tp_group_of
@@ -44,3 +46,13 @@ def dict_reader(tensors: dict[str, torch.Tensor]) -> Reader:
         return t if dim is None else t.narrow(dim, start, stop - start)
 
     return read
+
+
+def read_tensors(directory: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of the safetensors files in ``directory``."""
+    from safetensors.torch import load_file
+
+    out: dict[str, torch.Tensor] = {}
+    for path in sorted(directory.glob("*.safetensors")):
+        out.update(load_file(path))
+    return out

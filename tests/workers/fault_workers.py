@@ -88,7 +88,7 @@ def stuck_rank(bound_s: float, stuck: int, steps: int = 50, async_wait: bool = F
     import torch.distributed as dist
 
     from grpo_megatron.distributed.watchdog import start_watchdog
-    from grpo_megatron.training.job import PhaseTimer
+    from grpo_megatron.training.timing import PhaseTimer
     from tests.helpers.dist import init_gloo
 
     rank, world = init_gloo()
@@ -113,7 +113,7 @@ def long_phases(bound_s: float) -> dict[str, Any]:
     import torch.distributed as dist
 
     from grpo_megatron.distributed.watchdog import start_watchdog
-    from grpo_megatron.training.job import PhaseTimer
+    from grpo_megatron.training.timing import PhaseTimer
     from tests.helpers.dist import init_gloo
 
     rank, world = init_gloo()
@@ -149,8 +149,9 @@ def long_rollout(bound_s: float, long_phase: bool) -> dict[str, Any]:
     from grpo_megatron.distributed.bootstrap import init_distributed
     from grpo_megatron.distributed.watchdog import start_watchdog
     from grpo_megatron.rollout.fleet import RolloutFleet
-    from grpo_megatron.training.job import PhaseTimer, engine_spec
+    from grpo_megatron.training.job import engine_spec
     from grpo_megatron.training.phases.rollout import Rollout
+    from grpo_megatron.training.timing import PhaseTimer
     from tests.helpers.dist import CPU_JOB
     from tests.workers.rollout_workers import EXAMPLE
 

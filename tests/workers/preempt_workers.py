@@ -17,7 +17,7 @@ from typing import Any
 
 def _arm(point: str, rank: int) -> None:
     from grpo_megatron.checkpoint.manager import CheckpointManager
-    from grpo_megatron.training.job import PhaseTimer
+    from grpo_megatron.training.timing import PhaseTimer
 
     phase, _, nth = point.partition(":")
     seen: Counter[str] = Counter()

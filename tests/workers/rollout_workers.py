@@ -343,17 +343,18 @@ def engines_lost_and_restarted(hf_dir: str) -> dict:
     """Issue 41 at the fleet: the last engine process SIGKILLed (and reaped) before a weight sync (phase one
     finds it: restarted inside the sync), during a rollout (``collect``: restarted, the version resynced, its
     share redone), in phase two of a sync (its manifest check skipped here, so the dead pipe shows on the
-    closing bucket: restarted and sent the version alone), then once more than rollout.max_engine_restarts."""
+    closing bucket: restarted and sent the version alone), then once more than rollout.recovery.max_restarts."""
     import os
     import signal
 
     from grpo_megatron.rollout.engine import SamplingParams
-    from grpo_megatron.rollout.fleet import EngineRecovery, RolloutFleet
+    from grpo_megatron.rollout.fleet import RolloutFleet
+    from grpo_megatron.rollout.recovery import Resync
     from grpo_megatron.training.job import engine_spec
 
-    cfg, ps, hf, policy = _setup(hf_dir, ["rollout.embedded_process=true", "rollout.max_engine_restarts=3"])
-    fleet = RolloutFleet.build(engine_spec(cfg), hf, ps)
-    recovery = EngineRecovery(policy.model, cfg.rollout.max_engine_restarts)
+    cfg, ps, hf, policy = _setup(hf_dir, ["rollout.embedded_process=true", "rollout.recovery.max_restarts=3"])
+    fleet = RolloutFleet.build(engine_spec(cfg), hf, ps, resync=Resync(policy.model))
+    recovery = fleet.recovery
     fleet.sync_weights(policy.model, version=1)
     params = SamplingParams(n=2, temperature=1.0, max_new_tokens=6, seed=7)
     owner = ps.rank == fleet.engine_ranks[-1]
@@ -372,23 +373,23 @@ def engines_lost_and_restarted(hf_dir: str) -> dict:
 
     res: dict = {}
     kill_last_engine()
-    fleet.sync_weights(policy.model, version=2, recovery=recovery)
-    first = fleet.generate(PROMPTS, params, recovery=recovery)
+    fleet.sync_weights(policy.model, version=2)
+    first = fleet.generate(PROMPTS, params)
     res["after_sync_restart"] = recovery.restarts
     kill_last_engine()
-    again = fleet.generate(PROMPTS, params, recovery=recovery)
+    again = fleet.generate(PROMPTS, params)
     res["same"] = _tokens(first) == _tokens(again) and [[c.logprobs for c in g] for g in first] == [
         [c.logprobs for c in g] for g in again
     ]
     res["versions"] = sorted({c.weight_version for g in [*first, *again] for c in g})
     kill_last_engine(skip_check=True)
-    fleet.sync_weights(policy.model, version=3, recovery=recovery)
+    fleet.sync_weights(policy.model, version=3)
     restore_check()
     res["versions_3"] = sorted({c.weight_version for g in fleet.generate(PROMPTS, params) for c in g})
     res["restarts"], res["metrics"] = recovery.restarts, recovery.metrics()
     kill_last_engine()
     try:
-        fleet.generate(PROMPTS, params, recovery=recovery)
+        fleet.generate(PROMPTS, params)
     except RuntimeError as exc:
         res["past_bound"] = str(exc)
     fleet.shutdown()

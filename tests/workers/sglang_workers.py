@@ -332,22 +332,11 @@ class Scenarios:
         offload: which memory the engine holds after each step, whether the trainer's state was off
         the device while the engines were built (the engine's start itself is this worker's one
         start, shared), and whether generation after each cycle equals the engine's own before."""
-        from grpo_megatron.rollout.fleet import RolloutFleet
-
         self.engine.resume_memory(None)
         before = self.run_greedy()
-        fleet = RolloutFleet(
-            ps=None,
-            hf={},
-            engine=self.engine,
-            engine_ranks=[0],
-            group=None,  # type: ignore[arg-type]
-            export_dtype=torch.bfloat16,
-            bucket_bytes=1 << 20,
-        )
         out: dict[str, Any] = {}
         for offload in (False, True):
-            cycle = self._phase_cycle(fleet, offload)
+            cycle = self._phase_cycle(offload)
             same = [
                 tokens(g) == tokens(before) and flat_logprobs(g) == flat_logprobs(before)
                 for g in cycle.pop("generated")
@@ -355,7 +344,7 @@ class Scenarios:
             out["offload" if offload else "resident"] = {**cycle, "bitwise": all(same)}
         return out
 
-    def _phase_cycle(self, fleet: Any, offload: bool) -> dict[str, Any]:
+    def _phase_cycle(self, offload: bool) -> dict[str, Any]:
         from grpo_megatron.rollout.config import RolloutConfig
         from grpo_megatron.rollout.placement import decide_placement
         from grpo_megatron.training.offload import ColocatedMemory
@@ -382,9 +371,11 @@ class Scenarios:
         steps: list[tuple[str, list[str]]] = []
         seen: dict[str, Any] = {"generated": []}
 
-        def build() -> Any:
+        def build() -> (
+            Any
+        ):  # what ColocatedMemory asks of the fleet (release_memory, resume_memory): its one engine's
             seen["trainer_bytes_while_engines_start"] = model.weight.untyped_storage().nbytes()
-            return fleet
+            return self.engine
 
         memory.start_engines(build)
         steps.append(("start-up, then train", sorted(self.engine.released)))
@@ -412,7 +403,7 @@ class Scenarios:
         return {"steps": steps, **seen}
 
     def kept_prefix_kv(self) -> dict[str, Any]:
-        """``rollout.partial_keep_kv`` (the adapter's ``KeptPrefixes``, max_staleness 1, swapped in on
+        """``rollout.partial.keep_kv`` (the adapter's ``KeptPrefixes``, max_staleness 1, swapped in on
         this engine): a first segment sampled under version 20 (weights a), version 21 (weights b)
         loaded without a flush, each response continued (its prompt and tokens as the next request's
         input, as training/partial.py sends it). Measured: the continued requests' ``cached_tokens``
@@ -481,7 +472,7 @@ class Scenarios:
     def hang_restart(self) -> dict[str, Any]:
         """Issue 41: a scheduler alive but hung (``GRPO_ENGINE_FAULT=hang:N``: it sleeps in a signal
         handler, state S, neither dead nor stopped) while a generation is awaited is found by the
-        wait's state request unanswered past rollout.engine_health_timeout_s (2 s here), the generation
+        wait's state request unanswered past rollout.recovery.health_timeout_s (2 s here), the generation
         cancelled, EngineLost raised; a memory release then meets the same hang and keeps the loss; the
         engine restarts in place (its kv_cache released, as the last phase asked) and serves. The engine,
         restarted, then serves the scenarios after this one."""
@@ -489,17 +480,20 @@ class Scenarios:
 
         import psutil
 
+        from grpo_megatron.rollout.config import RecoveryConfig
         from grpo_megatron.rollout.engine import EngineLost
-        from grpo_megatron.rollout.engine_process import FAULT_ENV
+        from grpo_megatron.rollout.faults import FAULT_ENV
 
         engine = self.engine
         assert engine.health is not None
         kept = engine.rollout
-        engine.rollout = dataclasses.replace(kept, max_engine_restarts=1, engine_health_timeout_s=2.0)
+        engine.rollout = dataclasses.replace(
+            kept, recovery=RecoveryConfig(max_restarts=1, health_timeout_s=2.0)
+        )
         engine.health.recoverable = True
         names = engine.health.names
         schedulers = [p for p in engine.health.procs if "scheduler" in names.get(p.pid, "")]
-        os.environ[FAULT_ENV] = f"hang:{engine._generated + 1}"  # this generation
+        os.environ[FAULT_ENV] = f"hang:{engine.faults.generated + 1}"  # this generation
         out: dict[str, Any] = {"lost": ""}
         start = time.perf_counter()
         try:
@@ -743,7 +737,7 @@ def main(out: Path, workdir: Path) -> None:
             results[name] = {"error": f"{type(exc).__name__}: {exc}"}
         out.write_text(json.dumps(results, indent=1))
 
-    # Arms SGLang's processes for hang_restart (compat.arm_hang_fault); no generation is number 0.
+    # Arms SGLang's processes for hang_restart (faults.arm_hang); no generation is number 0.
     os.environ["GRPO_ENGINE_FAULT"] = "hang:0"
     scenarios = Scenarios(workdir)
     for name in SCENARIOS:
@@ -962,7 +956,7 @@ def engine_group(model_dir: str, other_dir: str) -> dict[str, Any]:
     import torch.distributed as dist
     from safetensors.torch import load_file
 
-    from grpo_megatron.rollout.config import RolloutConfig
+    from grpo_megatron.rollout.config import RolloutConfig, SGLangConfig
     from grpo_megatron.rollout.engine import SamplingParams
     from grpo_megatron.rollout.sglang.engine import SGLangEngine
     from grpo_megatron.rollout.sglang.launch import EngineLaunch
@@ -971,7 +965,7 @@ def engine_group(model_dir: str, other_dir: str) -> dict[str, Any]:
 
     rank, _ = init_gloo(timeout_s=300)
     group = dist.new_group([0, 1], backend="gloo")
-    rollout = RolloutConfig(engine="sglang", sglang_tp=2)
+    rollout = RolloutConfig(engine="sglang", sglang=SGLangConfig(tp=2))
     sink: Any
     if rank == 0:
         sink = SGLangEngine(rollout, model_dir, EngineLaunch("bfloat16", device="cpu", rank=0))

@@ -65,7 +65,7 @@ def parallel_sync(cases: dict[str, list[str]], bad_hf_dir: str, bucket_bytes: in
         fleet = RolloutFleet.build(engine_spec(cfg), hf, ps)
         metrics = fleet.sync_weights(policy.model, version=1, bucket_bytes=bucket_bytes)
         ref = _reference(policy, ps, hf)
-        plan = fleet.export_plan
+        plan = fleet.weights.export_plan
         assert plan is not None
         sent = [0] * ps.world_size
         for (src, _), nbytes in plan.pair_bytes.items():
@@ -97,7 +97,7 @@ def parallel_sync(cases: dict[str, list[str]], bad_hf_dir: str, bucket_bytes: in
                     p.add_(1.0)
             if ps.rank == fleet.engine_ranks[-1]:  # a misconfigured engine: another model's shapes
                 bad_hf = dataclasses.replace(cfg.model, hf_path=bad_hf_dir).load_hf_config()
-                fleet.engine = EmbeddedEngine(bad_hf, dtype=torch.float32)
+                fleet.parts.engine = EmbeddedEngine(bad_hf, dtype=torch.float32)
             try:
                 fleet.sync_weights(policy.model, version=3, bucket_bytes=bucket_bytes)
                 res["reject_error"] = "no error"

@@ -20,7 +20,7 @@ The fixes of SGLang's intel_amx CPU path (``rollout/sglang/cpu_path.py``), in th
 - **sglang_amx_choice** (before ``sglang``). What breaks: SGLang takes its intel_amx path wherever the
   CPU has AMX (``cpu_has_amx_support()``: ``torch.cpu._is_amx_tile_supported()``, read when
   ``sglang.srt.utils.common`` is imported), and that path serves no fp32 model (``"rmsnorm_kernel" not
-  implemented for 'Float'``). How: ``GRPO_SGLANG_AMX=hide`` (``rollout.sglang_cpu_path=torch_native``,
+  implemented for 'Float'``). How: ``GRPO_SGLANG_AMX=hide`` (``rollout.sglang.cpu_path=torch_native``,
   set by the adapter for the engine's processes) makes the AMX query answer False, so SGLang takes its
   torch-native path; ``pretend`` (tests only) makes it answer True on a CPU without AMX, so that the
   AMX weight layouts can be checked anywhere (no forward: the AMX kernels have no other ISA's path).
@@ -47,9 +47,7 @@ import glob
 import importlib.abc
 import importlib.util
 import os
-import signal
 import sys
-import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -147,7 +145,7 @@ def _tolerate_reregistered_configs() -> None:
 # -- sglang_amx_choice
 
 AMX_ENV = "GRPO_SGLANG_AMX"
-"""``hide``: SGLang's processes see no AMX (its torch-native CPU path; ``rollout.sglang_cpu_path``);
+"""``hide``: SGLang's processes see no AMX (its torch-native CPU path; ``rollout.sglang.cpu_path``);
 ``pretend`` (tests only): they see AMX where the CPU has none. Unset: what the CPU has."""
 AMX_CHOICES = {"hide": False, "pretend": True}
 
@@ -367,30 +365,6 @@ def applied() -> list[str]:
     """Names of the fixes applied in this process."""
     hook = next((f for f in sys.meta_path if isinstance(f, _ImportHook)), None)
     return list(hook.applied) if hook is not None else []
-
-
-HANG_SIGNAL = signal.SIGUSR2
-"""What makes an SGLang process armed by ``arm_hang_fault`` hang (tests only)."""
-
-
-def arm_hang_fault() -> bool:
-    """Test-only fault injection (issue 41), by environment variable: when ``GRPO_ENGINE_FAULT`` holds a
-    ``hang`` item (``hang:N`` or ``hang:N@R``: ``rollout/engine_process.py:fault_items`` reads the
-    numbers), this process hangs alive on ``HANG_SIGNAL``: its main thread sleeps in the handler for
-    good (state S, not T: neither dead nor stopped), as a scheduler stuck in a collective or outside
-    its loop would. SGLang's processes call it at their start (``boot/sitecustomize.py``); the
-    trainer's side sends the signal to the scheduler at its N-th generation
-    (``SGLangEngine._inject_fault``). Without the variable (every real run) nothing is armed."""
-    items = os.environ.get("GRPO_ENGINE_FAULT", "").split(",")
-    if not any(item.partition(":")[0] == "hang" for item in items):
-        return False
-    signal.signal(HANG_SIGNAL, _hang)
-    return True
-
-
-def _hang(signum: int, frame: Any) -> None:
-    while True:
-        time.sleep(3600)
 
 
 @contextlib.contextmanager

@@ -15,7 +15,7 @@ Attention runs ``torch_native`` on both (``launch.CPU_SERVER_ARGS``): the kernel
 ``extend_attention_cpu`` (19 arguments, ../shared/wheels) predates SGLang 0.5.23's intel_amx attention
 backend, which passes 22.
 
-``rollout.sglang_cpu_path=torch_native`` takes the torch-native path on an AMX machine too (an fp32
+``rollout.sglang.cpu_path=torch_native`` takes the torch-native path on an AMX machine too (an fp32
 model there, or a comparison of the two paths): the engine's processes start with
 ``GRPO_SGLANG_AMX=hide`` and ``rollout/sglang/compat.py``'s ``sglang_amx_choice`` makes SGLang's AMX
 query answer False. ``GRPO_SGLANG_AMX=pretend`` (tests only) makes it answer True on a CPU without AMX:
@@ -47,7 +47,7 @@ def amx_visible() -> bool:
 
 
 def sglang_cpu_path(setting: str = "auto") -> CpuPath:
-    """The path SGLang's CPU engine takes here under ``rollout.sglang_cpu_path=setting``: intel_amx
+    """The path SGLang's CPU engine takes here under ``rollout.sglang.cpu_path=setting``: intel_amx
     where it sees AMX and the kernel library is installed (only the AVX-512 build may be, beside AMX:
     tools/sgl_kernel_wheel.py), else torch_native."""
     if setting == "torch_native":
@@ -60,7 +60,7 @@ def sglang_cpu_path(setting: str = "auto") -> CpuPath:
 
 
 def engine_amx_environment(setting: str) -> dict[str, str | None]:
-    """What an engine's processes add to their environment for ``rollout.sglang_cpu_path=setting``."""
+    """What an engine's processes add to their environment for ``rollout.sglang.cpu_path=setting``."""
     return {AMX_ENV: "hide"} if setting == "torch_native" else {}
 
 
@@ -72,5 +72,5 @@ def cpu_path_errors(path: CpuPath, dtype: str, dtype_field: str = "model.dtype")
         f"{dtype_field}={dtype} with rollout.engine=sglang on this CPU: it has AMX, where SGLang's CPU engine "
         f"takes its intel_amx path, which serves {' and '.join(AMX_DTYPES)} models only (its RMSNorm kernel "
         f"has no {dtype}: the engine would die at its first forward); set {dtype_field}=bfloat16, or "
-        "rollout.sglang_cpu_path=torch_native for SGLang's torch-native path"
+        "rollout.sglang.cpu_path=torch_native for SGLang's torch-native path"
     ]

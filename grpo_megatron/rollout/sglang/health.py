@@ -11,14 +11,14 @@ engine without that watchdog (0.5.17) leaves the next request waiting forever. H
   does not: spawn clears the mask), so a preemption's SIGTERM, which Slurm sends to every process of
   the job, does not kill them: the trainer's handler saves a checkpoint and then shuts them down
   (SGLang stops its processes with SIGKILL);
-- ``check`` (before each generate, score and weight load) raises ``EngineDiedError`` naming the
-  engine, the rank, the host, the dead process and the log's last lines, which the fleet reports on
-  every rank;
-- ``on_sigquit`` replaces SGLang's handler: it prints the same message and exits the rank with
+- ``check`` (before each generate, score and weight load) raises ``EngineLost`` naming the engine,
+  the rank, the host, the dead process and the log's last lines, which the fleet's engine recovery
+  (``rollout/recovery.py``) answers with a restart in place (``SGLangEngine.restart``) or, past
+  ``rollout.recovery.max_restarts`` (0 included), with a clean exit on every rank naming the engine;
+- ``on_sigquit`` replaces SGLang's handler: it prints the engine's death and exits the rank with
   ``EXIT_ENGINE_DIED``, so torchrun ends the job and the last checkpoint (written atomically) stays
-  the one a rerun resumes from; with ``recoverable`` (``rollout.max_engine_restarts`` > 0) it only
-  notes the loss, and ``check`` raises ``EngineLost`` instead, which the fleet answers with a restart
-  in place (``SGLangEngine.restart``; past the bound, the fleet's own clean exit naming the engine);
+  the one a rerun resumes from; with ``recoverable`` (``rollout.recovery.max_restarts`` > 0) it only
+  notes the loss, which ``check`` then raises;
 - ``stopped`` names processes stopped (state T, e.g. SIGSTOP) past a deadline: they count as lost;
   a scheduler alive but hung (state S or R, answering nothing) is found by the wait for a generation
   (``engine.py:SchedulerProbe``: a state request unanswered past the deadline), or by SGLang's own
@@ -56,11 +56,7 @@ EXIT_ENGINE_DIED = 70
 LOG_LINES = LOG_TAIL_LINES
 
 
-class EngineDiedError(RuntimeError):
-    """A process of this rank's SGLang engine is gone; the message names it and its last log lines."""
-
-
-class EngineStartError(EngineDiedError):
+class EngineStartError(RuntimeError):
     """This rank's SGLang engine failed while it started; the message names the engine, the rank, the
     host, the cause and its log's last lines."""
 
@@ -138,8 +134,8 @@ class EngineProcesses:
         self.console: int | None = None
         """While the engine starts: a descriptor of the rank's own stderr (fd 2 writes to the log then)."""
         self.recoverable = False
-        """A lost engine is restarted in place (``rollout.max_engine_restarts`` > 0): SIGQUIT no longer
-        ends the rank, ``check`` raises ``EngineLost``."""
+        """A lost engine is restarted in place (``rollout.recovery.max_restarts`` > 0): SIGQUIT no longer
+        ends the rank, it is noted for ``check``."""
         self.on_lost: Callable[[], None] | None = None
         """Called by the SIGQUIT handler when ``recoverable``: ends a call blocked on the dead process
         (``ServerGuard.cancel``), which then raises ``EngineLost``."""
@@ -230,14 +226,12 @@ class EngineProcesses:
         os._exit(EXIT_ENGINE_DIED)
 
     def check(self) -> None:
-        """Raise ``EngineDiedError`` if a process of the engine is gone (``recoverable``: ``EngineLost``,
-        also after a SIGQUIT with every process alive)."""
+        """Raise ``EngineLost`` if a process of the engine is gone, or after a SIGQUIT noted with every
+        process alive (``recoverable``)."""
         dead = self.dead()
-        if dead and self.recoverable:
-            raise self.lost(self.cause(dead))
         if dead:
-            raise EngineDiedError(self.report(dead))
-        if self.quit_received and self.recoverable:
+            raise self.lost(self.cause(dead))
+        if self.quit_received:
             raise self.lost(
                 "SGLang sent SIGQUIT with every process of this rank's part alive (a scheduler "
                 "failed: a peer of its TP group lost, on this node or another, or its watchdog: a "
@@ -246,26 +240,20 @@ class EngineProcesses:
 
     def check_now(self, stopped_s: float = 0.0) -> None:
         """``check``, and a process stopped (state T) for ``stopped_s`` counts as lost (0: at once, a call
-        about to go to it; a wait for a generation gives it ``rollout.engine_health_timeout_s``)."""
+        about to go to it; a wait for a generation gives it ``rollout.recovery.health_timeout_s``)."""
         self.check()
         why = self.stopped(stopped_s)
         if why is not None:
-            raise self.failure(why)
-
-    def failure(self, why: str) -> RuntimeError:
-        """The error for an engine lost because ``why``: ``EngineLost`` when ``recoverable``, else
-        ``EngineDiedError`` (the run ends naming it)."""
-        if self.recoverable:
-            return self.lost(why)
-        return EngineDiedError(self.died(why))
+            raise self.lost(why)
 
     def lost(self, why: str) -> EngineLost:
+        """The error for an engine lost because ``why`` (the fleet's recovery restarts it or names it)."""
         log = str(self.log_path)
         return EngineLost(self.rank, self.host, why, tail(self.log_path), log, what="SGLang engine")
 
     def stopped(self, deadline_s: float) -> str | None:
         """Which processes have been stopped (state T: SIGSTOP, a debugger) for ``deadline_s`` or longer
-        (``rollout.engine_health_timeout_s``); None: none. A stopped scheduler answers nothing, and
+        (``rollout.recovery.health_timeout_s``); None: none. A stopped scheduler answers nothing, and
         SGLang's watchdog sees it alive: the wait for its generation would never end."""
         now, late = time.monotonic(), []
         for proc in self.procs:
@@ -283,7 +271,7 @@ class EngineProcesses:
             return None
         return (
             f"{'; '.join(late)} stopped (state T) for {deadline_s:g} s or more, past "
-            "rollout.engine_health_timeout_s"
+            "rollout.recovery.health_timeout_s"
         )
 
     def kill_all(self) -> None:

@@ -1,6 +1,6 @@
 """Colocated SGLang engines and their weight transport: CUDA IPC, one payload per GPU.
 
-One ``sglang.Engine`` per group of ``rollout.sglang_tp`` consecutive trainer ranks, started by the
+One ``sglang.Engine`` per group of ``rollout.sglang.tp`` consecutive trainer ranks, started by the
 group's first rank (the leader) on the group's GPUs with ``enable_memory_saver`` so that it can give
 its memory to the trainer and take it back; SGLang's TP rank ``i`` runs on trainer rank
 ``leader + i``'s GPU. Every GPU of the group is a destination of the weight sync and receives
@@ -303,3 +303,6 @@ class CudaIpcTransport:
         self.staging = (
             SharedStaging()
         )  # no connection (every bucket carries its own handles); the buffer goes
+
+    def manifest_refusal(self, quantized: bool, model_path: str, version: int) -> str | None:
+        return None  # started here from an unquantized config (model_config.py), on dummy weights if need be

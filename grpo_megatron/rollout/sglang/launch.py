@@ -1,60 +1,28 @@
 """How an SGLang engine is started: its server arguments, where its processes run, their environment.
 
-- **Colocated** engines (``rollout.sglang_mode=colocated``): one ``sglang.Engine`` per group of
-  ``rollout.sglang_tp`` consecutive trainer ranks (``colocated_layout``), started by the group's first
+- **Colocated** engines (``rollout.sglang.mode=colocated``): one ``sglang.Engine`` per group of
+  ``rollout.sglang.tp`` consecutive trainer ranks (``colocated_layout``), started by the group's first
   rank (the leader) on the group's GPUs (``colocated_server_args``: ``enable_memory_saver`` on a GPU,
   so that it can give its memory to the trainer and take it back; on CPU the arguments of SGLang's
   CPU engine, ``CPU_SERVER_ARGS``), its processes watched (``rollout/sglang/health.py``) and started
   without the launcher's variables (``engine_environment``). ``start_colocated`` starts one.
-- **Disaggregated** servers (``rollout.sglang_mode=disaggregated``) are not started here: they run
-  already (``rollout.sglang_server_urls``) and are driven over HTTP (``rollout/sglang/nccl.py``).
+- **Disaggregated** servers (``rollout.sglang.mode=disaggregated``) are not started here: they run
+  already (``rollout.sglang.server_urls``) and are driven over HTTP (``rollout/sglang/nccl.py``).
 
 What an engine is started with beside the rollout section and the model is one ``EngineLaunch``
 (``SGLangEngine.from_config`` fills it from the job's placement). SGLang is imported only inside
 functions (``import_sglang``, after ``compat.install``).
 
-An engine wider than a node (``rollout.sglang_tp`` a multiple of the GPUs per node) uses SGLang's
-own multi-node launch (facts from SGLang 0.5.23's source, paths under ``python/sglang/srt/``):
-
-- ``ServerArgs`` fields ``nnodes``, ``node_rank``, ``dist_init_addr`` (``arg_groups/fields/parallel.py``)
-  and ``base_gpu_id`` (``arg_groups/fields/device.py``). ``sglang.Engine`` is started once per node,
-  each with the same ``tp_size`` and its ``node_rank``; node ``k`` runs the schedulers of TP ranks
-  ``[k * tp / nnodes, (k + 1) * tp / nnodes)``, TP rank ``i`` on GPU ``base_gpu_id + i % (tp /
-  nnodes)`` (``entrypoints/engine.py``: ``_calculate_rank_ranges``, ``_launch_scheduler_processes``).
-  With ``base_gpu_id=0`` and ranks laid out node-major, SGLang TP rank ``i`` runs on trainer rank
-  ``leader + i``'s GPU, as on one node.
-- ``dist_init_addr`` (``host:port``) is the TCP init method of SGLang's own torch.distributed group
-  (``distributed/bootstrap.py:_resolve_dist_init_method``): every node must name the same address,
-  on the first node's host. The group's ranks agree on it over torch.distributed
-  (``agree_engine_address``): the leader picks a free port on its host.
-- An Engine with ``node_rank >= 1`` launches only its node's schedulers, no tokenizer manager and
-  no detokenizer (``entrypoints/engine.py:_launch_subprocesses``: "Non-zero-rank nodes do not run
-  tokenizer processes"), and by default blocks in its constructor until the schedulers exit unless
-  the environment has ``SGLANG_BLOCK_NONZERO_RANK_CHILDREN=0`` (then it returns, with
-  ``tokenizer_manager`` None): so the starters on other nodes set it, keep their Engine alive, and
-  call nothing on it but ``shutdown``.
-- Every request goes through the first node: the tokenizer manager sends it to TP rank 0's
-  scheduler, which broadcasts it to every TP rank over the TP group's CPU (gloo) group, across
-  nodes (``managers/scheduler_components/request_receiver.py:_broadcast_reqs_across_ranks``). That
-  holds for ``update_weights_from_tensor``: the leader's list of per-TP-rank payloads reaches every
-  scheduler, and each deserializes only its own entry (``managers/tp_worker.py:deserialize_own_rank``),
-  a CUDA IPC handle made by the trainer rank on its own GPU and node: only the small handle strings
-  cross nodes, the bytes stay on each GPU. It holds as well for ``release_memory_occupation`` /
-  ``resume_memory_occupation`` and ``flush_cache``, scheduler requests handled on every TP rank
-  (``managers/scheduler_components/weight_updater.py``): the leader alone releases and resumes the
-  memory of every node of its engine.
+An engine wider than a node (``rollout.sglang.tp`` a multiple of the GPUs per node) uses SGLang's
+own multi-node launch: which ranks form it and where its parts meet is ``layout.py``'s.
 """
 
 from __future__ import annotations
 
-import asyncio
-import atexit
-import contextlib
 import dataclasses
 import inspect
 import json
 import os
-import socket
 import tempfile
 import threading
 from collections.abc import Mapping, Sequence
@@ -67,7 +35,6 @@ import torch
 
 from grpo_megatron.distributed.bootstrap import free_port
 from grpo_megatron.rollout.config import RolloutConfig
-from grpo_megatron.rollout.placement import RolloutPlacement, width_choices
 from grpo_megatron.rollout.sglang import compat
 from grpo_megatron.rollout.sglang.cpu_path import cpu_path_errors, engine_amx_environment, sglang_cpu_path
 from grpo_megatron.rollout.sglang.health import (
@@ -76,6 +43,11 @@ from grpo_megatron.rollout.sglang.health import (
     SignalState,
     sigquit_while_starting,
 )
+from grpo_megatron.rollout.sglang.ipc import CudaIpcTransport
+from grpo_megatron.rollout.sglang.layout import ColocatedLayout
+from grpo_megatron.rollout.sglang.model_config import engine_model_path, quantized, read_hf_config
+from grpo_megatron.rollout.sglang.nccl import NcclBroadcastTransport, SGLangHttpClient
+from grpo_megatron.rollout.sglang.weights import WeightTransport
 
 if TYPE_CHECKING:
     from grpo_megatron.distributed.bootstrap import ParallelState
@@ -158,7 +130,7 @@ def engine_environment(device: torch.device, cpu_path: str = "auto") -> dict[str
     (``LAUNCHER_VARIABLES``), no ``expandable_segments`` in torch's allocator settings
     (``engine_allocator_settings``); on CPU its schedulers' cores, one group per trainer rank of this
     node (``cpu_threads_bind``; a binding the user set is kept), and SGLang's CPU path where
-    ``rollout.sglang_cpu_path`` (``cpu_path``) chooses one (``cpu_path.engine_amx_environment``)."""
+    ``rollout.sglang.cpu_path`` (``cpu_path``) chooses one (``cpu_path.engine_amx_environment``)."""
     env: dict[str, str | None] = dict.fromkeys(LAUNCHER_VARIABLES)
     env.update(engine_allocator_settings(os.environ))
     if device.type == "cpu":
@@ -184,111 +156,6 @@ def engine_overrides(hf_config: Mapping[str, Any], hf_overrides: Mapping[str, An
     return out
 
 
-def colocated_group(rank: int, tp: int) -> tuple[int, list[int]]:
-    """``(leader, members)`` of the colocated engine group that trainer ``rank`` belongs to."""
-    leader = rank - rank % tp
-    return leader, list(range(leader, leader + tp))
-
-
-@dataclasses.dataclass(frozen=True)
-class ColocatedLayout:
-    """Where trainer ``rank`` stands in its colocated SGLang engine (``colocated_layout``)."""
-
-    leader: int
-    """The engine's first global rank: it starts the engine's first node and drives it (generation,
-    ``update_weights_from_tensor``, memory release/resume)."""
-    members: tuple[int, ...]
-    """The engine's ``rollout.sglang_tp`` consecutive global ranks; SGLang TP rank ``i`` is on
-    ``members[i]``'s GPU. Every one is a weight-sync destination."""
-    nnodes: int
-    """Nodes the engine spans (1: inside one node)."""
-    node_rank: int
-    """This rank's node within the engine (SGLang's ``node_rank``), 0 .. nnodes - 1."""
-    starter: bool
-    """This rank calls ``sglang.Engine``: the leader, and on a multi-node engine also local rank 0
-    of each further node (which only keeps its node's schedulers alive)."""
-    base_gpu_id: int
-    """SGLang's ``base_gpu_id`` on this rank's node: the engine's first GPU there."""
-
-    @property
-    def multi_node(self) -> bool:
-        return self.nnodes > 1
-
-
-def colocated_layout(
-    rank: int, world_size: int, tp: int, gpus_per_node: int, local_rank: int
-) -> ColocatedLayout:
-    """Trainer ``rank``'s place in its colocated engine of ``tp`` (``rollout.sglang_tp``) GPUs.
-
-    Inside a node (``tp <= gpus_per_node``): ``tp`` must divide the GPUs per node and the world
-    size; the leader starts the engine with ``base_gpu_id`` its local rank. Across nodes: ``tp``
-    must be a multiple of the GPUs per node and divide the world size; the engine is ``tp``
-    consecutive global ranks, i.e. ``tp / gpus_per_node`` whole nodes when ranks are laid out
-    node-major (local rank = rank % gpus_per_node, as torchrun and the launchers here assign them;
-    ``engine_address`` checks it with every rank's host and local rank), and local rank 0 of each of
-    its nodes starts that node's part with ``base_gpu_id=0``. Depends only on the configuration and
-    the launch (the same verdict on every rank, so no rank raises alone before the collective
-    ``agree_engine_address``). Raises ``ValueError`` naming ``rollout.sglang_tp`` and the values
-    that would work."""
-    choices = width_choices(gpus_per_node, world_size)
-    if world_size % tp or (gpus_per_node % tp if tp <= gpus_per_node else tp % gpus_per_node):
-        raise ValueError(
-            f"rollout.sglang_tp={tp} does not fit {world_size} ranks with {gpus_per_node} GPUs per node "
-            f"(LOCAL_WORLD_SIZE): an engine spans a divisor of the GPUs per node, or whole nodes (a "
-            f"multiple of the GPUs per node), and the engines must tile the world size; set "
-            f"rollout.sglang_tp to one of {choices}"
-        )
-    leader, members = colocated_group(rank, tp)
-    if tp <= gpus_per_node:
-        return ColocatedLayout(leader, tuple(members), 1, 0, rank == leader, local_rank - (rank - leader))
-    node_rank = (rank - leader) // gpus_per_node
-    return ColocatedLayout(
-        leader, tuple(members), tp // gpus_per_node, node_rank, rank % gpus_per_node == 0, 0
-    )
-
-
-def engine_address(
-    layout: ColocatedLayout, ranks: Sequence[tuple[str, int]], port: int, gpus_per_node: int
-) -> str:
-    """SGLang's ``dist_init_addr`` of ``layout``'s engine, ``host:port`` of its first node, after
-    checking with every rank's ``(host name, LOCAL_RANK)`` (``ranks``, by global rank) that each
-    ``gpus_per_node`` block of the engine's ranks is one host with local ranks ``0 ..
-    gpus_per_node - 1`` in order, and the blocks are different hosts."""
-    tp = len(layout.members)
-    blocks = [layout.members[k : k + gpus_per_node] for k in range(0, tp, gpus_per_node)]
-    hosts = [sorted({ranks[r][0] for r in block}) for block in blocks]
-    node_major = all(ranks[r][1] == r % gpus_per_node for r in layout.members)
-    if not node_major or any(len(h) != 1 for h in hosts) or len({h[0] for h in hosts}) != len(blocks):
-        seen = "; ".join(
-            f"ranks {b[0]}-{b[-1]} on {h} with LOCAL_RANK {[ranks[r][1] for r in b]}"
-            for b, h in zip(blocks, hosts, strict=True)
-        )
-        raise ValueError(
-            f"rollout.sglang_tp={tp} makes ranks {layout.members[0]}-{layout.members[-1]} one SGLang engine "
-            f"over {len(blocks)} whole nodes of {gpus_per_node} GPUs (LOCAL_WORLD_SIZE), but {seen}: every "
-            f"node must run {gpus_per_node} consecutive ranks on local GPUs 0..{gpus_per_node - 1} (torchrun "
-            f"--nnodes N --nproc-per-node {gpus_per_node}, or srun one task per GPU with block distribution), "
-            f"or set rollout.sglang_tp to at most {gpus_per_node}"
-        )
-    return f"{hosts[0][0]}:{port}"
-
-
-def agree_engine_address(layout: ColocatedLayout, gpus_per_node: int, local_rank: int) -> str:
-    """Collective over the world: the ``dist_init_addr`` of this rank's multi-node engine, from every
-    rank's host name and local rank and the port its leader picked (``engine_address``). Every rank
-    calls it once while the fleet is built (the leader from ``SGLangEngine.from_config``, the other
-    ranks from ``SGLangSyncMember.from_config``), before anything that can fail on one rank alone."""
-    import torch.distributed as dist
-
-    rank = dist.get_rank()
-    mine = (socket.gethostname(), local_rank, free_port("") if rank == layout.leader else None)
-    everyone: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, mine)
-    return engine_address(
-        layout, [(h, lr) for h, lr, _ in everyone], everyone[layout.leader][2], gpus_per_node
-    )
-
-
 _SET_BY_LAYOUT = ("tp_size", "nnodes", "node_rank", "dist_init_addr", "base_gpu_id")
 
 CPU_SERVER_ARGS: dict[str, Any] = {
@@ -302,7 +169,7 @@ CPU_SERVER_ARGS: dict[str, Any] = {
 """What SGLang's engine needs on CPU (seen with SGLang 0.5.23, ``SGLANG_USE_CPU_ENGINE=1``;
 ../shared/GUIDE.md section 9), on both of its CPU paths (``rollout/sglang/cpu_path.py``: on the
 intel_amx path linear layers, norms and MoE run SGLang's kernels, attention stays torch_native).
-``rollout.sglang_server_args`` still win over each."""
+``rollout.sglang.server_args`` still win over each."""
 
 
 def cpu_threads_bind(slots: int, cores: Sequence[int] | None = None) -> str:
@@ -330,7 +197,7 @@ def colocated_server_args(
     weights_on_disk: bool = True,
 ) -> dict[str, Any]:
     """``sglang.Engine`` keyword arguments of a colocated engine of the model ``hf_config`` describes
-    (``rollout.sglang_server_args`` win), of ``launch``'s width and expert parallelism
+    (``rollout.sglang.server_args`` win), of ``launch``'s width and expert parallelism
     (``rollout/placement.py``'s decision), on node ``node_rank`` of the ``launch.nnodes`` it spans; a
     multi-node engine also gets SGLang's ``nnodes``, ``node_rank`` and ``dist_init_addr`` (the same on
     every node, seed included).
@@ -351,11 +218,11 @@ def colocated_server_args(
     moe = "num_experts_per_tok" in hf_config
     hf_overrides = engine_overrides(hf_config, launch.hf_overrides)
     if nnodes > 1:
-        fixed = sorted(k for k in _SET_BY_LAYOUT if k in rollout.sglang_server_args)
+        fixed = sorted(k for k in _SET_BY_LAYOUT if k in rollout.sglang.server_args)
         if fixed:
             raise ValueError(
-                f"rollout.sglang_server_args sets {fixed}: an engine across nodes gets them from "
-                f"its width ({tp_size} GPUs, rollout.sglang_tp) and the ranks' layout; remove them"
+                f"rollout.sglang.server_args sets {fixed}: an engine across nodes gets them from "
+                f"its width ({tp_size} GPUs, rollout.sglang.tp) and the ranks' layout; remove them"
             )
         if dist_init_addr is None:
             raise ValueError("an SGLang engine across nodes needs dist_init_addr (agree_engine_address)")
@@ -370,7 +237,7 @@ def colocated_server_args(
         "random_seed": launch.seed,
         # Routed experts only where they are replayed (algorithm.routing_replay=r3): each request that
         # asks gets about 2 KB per token through SGLang's detokenizer (protocol.py:generate_request).
-        "enable_return_routed_experts": moe and launch.routes and rollout.sglang_routed_experts,
+        "enable_return_routed_experts": moe and launch.routes and rollout.sglang.routed_experts,
         "log_level": "error",
         # Idle, SGLang's scheduler polls its sockets without pause: a host core per engine spent while
         # the trainer trains beside it (on CPU, the trainer's own cores: seen 75% of each of 2).
@@ -389,7 +256,7 @@ def colocated_server_args(
         # `random`, which every trainer rank seeds alike: engines starting together on one host
         # drew the same port and their schedulers waited on each other's rendezvous for good.
         args["nccl_port"] = free_port("")
-    return {**args, **rollout.sglang_server_args}
+    return {**args, **rollout.sglang.server_args}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -406,9 +273,9 @@ class EngineLaunch:
     """A torch device ("cuda", "cuda:1", "cpu": SGLang's CPU engine); "" = cuda where available, else cpu."""
     base_gpu_id: int = 0
     tp_size: int = 0
-    """The engine's GPUs (SGLang's ``tp_size``): the placement's width; 0 = ``rollout.sglang_tp`` or 1."""
+    """The engine's GPUs (SGLang's ``tp_size``): the placement's width; 0 = ``rollout.sglang.tp`` or 1."""
     ep_size: int = 0
-    """Expert parallelism inside the engine: the placement's; 0 = ``rollout.sglang_ep`` or 1."""
+    """Expert parallelism inside the engine: the placement's; 0 = ``rollout.sglang.ep`` or 1."""
     nnodes: int = 1
     dist_init_addr: str | None = None
     """A multi-node engine's address (``agree_engine_address``)."""
@@ -425,9 +292,9 @@ class EngineLaunch:
     the job replays them (``EngineSpec.record_routes``: ``algorithm.routing_replay=r3``)."""
     group_timeout: timedelta | None = None
     """Disaggregated servers: the collective timeout of the weight group the trainer joins them in,
-    the job's (``parallel.timeout_minutes``); None: ``rollout.sglang_request_timeout_s``."""
+    the job's (``parallel.timeout_minutes``); None: ``rollout.sglang.request_timeout_s``."""
     max_staleness: int = 0
-    """``train.max_staleness``: with ``rollout.partial_keep_kv``, how many versions the KV in the prefix
+    """``train.max_staleness``: with ``rollout.partial.keep_kv``, how many versions the KV in the prefix
     cache may lag the weights that read it (``weights.py:KeptPrefixes``)."""
 
     def torch_device(self) -> torch.device:
@@ -435,8 +302,8 @@ class EngineLaunch:
 
     def shape(self, rollout: RolloutConfig) -> tuple[int, int]:
         """(tp_size, ep_size): as given (``from_config`` passes the placement's), else for an engine
-        built directly ``rollout.sglang_tp`` / ``rollout.sglang_ep`` (0 = 1)."""
-        return self.tp_size or rollout.sglang_tp or 1, self.ep_size or rollout.sglang_ep or 1
+        built directly ``rollout.sglang.tp`` / ``rollout.sglang.ep`` (0 = 1)."""
+        return self.tp_size or rollout.sglang.tp or 1, self.ep_size or rollout.sglang.ep or 1
 
 
 def freeze_engine_gc(engine: Any) -> bool:
@@ -482,21 +349,22 @@ def start_colocated(
     device = launch.torch_device()
     sglang, _, _ = import_sglang(device)
     if device.type == "cpu":
-        refuse_cpu_path(rollout.sglang_cpu_path, launch, sglang)
+        refuse_cpu_path(rollout.sglang.cpu_path, launch, sglang)
     launch = dataclasses.replace(launch, device=str(device))
     server_args = colocated_server_args(
         rollout, model_path, launch, hf_config, node_rank=node_rank, weights_on_disk=weights_on_disk
     )
-    server_args["model_path"], changes = engine_model_path(model_path, hf_config, launch)
+    server_args["model_path"], changes = engine_model_path(model_path, hf_config, launch.log_dir, launch.rank)
     if "tokenizer_path" not in server_args and changes:
         server_args["tokenizer_path"] = model_path
-    if launch.tokenizer_path and "tokenizer_path" not in rollout.sglang_server_args:
+    if launch.tokenizer_path and "tokenizer_path" not in rollout.sglang.server_args:
         server_args["tokenizer_path"] = str(launch.tokenizer_path)  # data.tokenizer_path, beside the model's
     log_path = Path(launch.log_dir or tempfile.gettempdir()) / f"engine-rank{launch.rank}-{os.getpid()}.log"
     health = EngineProcesses(launch.rank, log_path)
     signals = SignalState() if threading.current_thread() is threading.main_thread() else None
-    with compat.child_environment(engine_environment(device, rollout.sglang_cpu_path)), health.start():
+    with compat.child_environment(engine_environment(device, rollout.sglang.cpu_path)), health.start():
         engine = sglang.Engine(**server_args, **start_signal_handler(signals is not None))
+    health.recoverable = rollout.recovery.max_restarts > 0  # a lost part is restarted, not the rank ended
     if signals is not None:
         health.take_back_signals(engine, signals)
     if (
@@ -512,6 +380,55 @@ def start_colocated(
     return engine, health, server_args
 
 
+@dataclasses.dataclass
+class Launched:
+    """An SGLang engine's servers and its weight transport, as ``launch_servers`` built them."""
+
+    servers: list[Any]
+    transport: WeightTransport
+    routes: bool
+    """The servers report routed experts (asked per request, ``SamplingParams.routes``)."""
+    health: EngineProcesses | None = None
+    """A colocated engine started here: its processes (restartable in place); else None."""
+    dummy: bool = False
+    """It holds dummy weights (no weight files, or a quantized checkpoint): the first sync fills them."""
+    started: bool = True
+    """Launched here (False: servers given, used as they are)."""
+
+
+def launch_servers(
+    rollout: RolloutConfig,
+    model_path: str,
+    launch: EngineLaunch,
+    hf_config: Mapping[str, Any],
+    *,
+    weights_on_disk: bool,
+    given: Sequence[Any] | None = None,
+) -> Launched:
+    """The engine's servers and weight transport by ``rollout.sglang.mode``, decided here once:
+    colocated, this rank's ``sglang.Engine`` (``start_colocated``) fed by CUDA IPC (on CPU: shared
+    memory); disaggregated, HTTP clients of ``rollout.sglang.server_urls`` fed by an NCCL broadcast
+    from rank 0. ``given`` servers (tests, custom launchers) replace starting anything."""
+    device = launch.torch_device()
+    _, flattened_cls, serializer = import_sglang(device)
+    routes = launch.routes and rollout.sglang.routed_experts
+    transport: WeightTransport
+    if rollout.sglang.mode == "colocated":
+        transport = CudaIpcTransport(launch.shape(rollout)[0], (flattened_cls, serializer), device)
+    else:
+        transport = NcclBroadcastTransport(rollout, flattened_cls, device, launch.group_timeout)
+    if given is not None:
+        return Launched(list(given), transport, routes, started=False)
+    if rollout.sglang.mode != "colocated":
+        clients = [SGLangHttpClient(u, rollout.sglang.request_timeout_s) for u in rollout.sglang.server_urls]
+        return Launched(clients, transport, routes)
+    server, health, args = start_colocated(
+        rollout, model_path, launch, hf_config, weights_on_disk=weights_on_disk
+    )
+    dummy = not weights_on_disk or quantized(hf_config)
+    return Launched([server], transport, bool(args["enable_return_routed_experts"]), health, dummy)
+
+
 def refuse_cpu_path(setting: str, launch: EngineLaunch, sglang: ModuleType) -> None:
     """Raise ``EngineStartError`` naming the fix where the path SGLang's CPU engine takes here
     (``rollout/sglang/cpu_path.py``) cannot serve this engine: an fp32 model on the intel_amx path,
@@ -524,7 +441,7 @@ def refuse_cpu_path(setting: str, launch: EngineLaunch, sglang: ModuleType) -> N
             f"SGLang {getattr(sglang, '__version__', '?')} has no weight-update sessions (begin_weight_update, "
             "0.5.21 on), and on this CPU (AMX: SGLang's intel_amx path) the weights it packs after loading "
             "cannot take the trainer's updates without them; install SGLang >= 0.5.21, or set "
-            "rollout.sglang_cpu_path=torch_native"
+            "rollout.sglang.cpu_path=torch_native"
         )
     if refused:
         raise EngineStartError(f"the SGLang engine of rank {launch.rank} cannot start: {'; '.join(refused)}")
@@ -585,120 +502,6 @@ def start_node_part(
     return engine, health
 
 
-def close_loop(server: Any) -> None:
-    """A shut-down in-process server's event loop, closed: its tasks (the tokenizer manager's
-    receivers) cancelled and given a second to end. Skipped while a generation thread left behind
-    still runs it (``ServerGuard.abandon``)."""
-    loop = getattr(server, "loop", None)
-    if not isinstance(loop, asyncio.AbstractEventLoop) or loop.is_running() or loop.is_closed():
-        return
-    tasks = asyncio.all_tasks(loop)
-    for task in tasks:
-        task.cancel()
-    if tasks:
-        with contextlib.suppress(RuntimeError):  # a stop left pending by stop_loops ends this run early
-            loop.run_until_complete(asyncio.wait(tasks, timeout=1.0))
-    loop.close()
-
-
-def stop_lost_part(server: Any, health: EngineProcesses, life: int) -> None:
-    """A lost engine part (a leader's engine, or a further node's part of one across nodes) stopped
-    before it starts again in this process: shut down (its own processes only; ``sglang.Engine``'s
-    at-exit shutdown, which kills every child of the rank, taken back), what is left of its processes
-    SIGKILLed (a stopped one too), its event loop closed and a fresh one made current (SGLang's Engine
-    takes the thread's current loop), and its log given a header for life ``life``."""
-    atexit.unregister(server.shutdown)
-    try:
-        with health.engine_only_shutdown():
-            server.shutdown()
-    except Exception as exc:  # a half-dead engine: what is left is killed below
-        print(
-            f"[engine] shutting the lost SGLang engine of rank {health.rank} down: {type(exc).__name__}: {exc}",
-            flush=True,
-        )
-    health.kill_all()
-    close_loop(server)
-    asyncio.set_event_loop(asyncio.new_event_loop())
-    with open(health.log_path, "a") as log:  # this process's file again: each life under a header
-        log.write(f"--- SGLang engine of rank {health.rank}, life {life} (restarted in place) ---\n")
-
-
-def layout_of(placement: RolloutPlacement, ps: ParallelState) -> tuple[ColocatedLayout, int, int]:
-    """(this rank's ``ColocatedLayout``, GPUs per node, local rank) for the placement's engine width
-    (the launcher's LOCAL_RANK; torchrun and the launch scripts set it)."""
-    gpus_per_node = placement.gpus_per_node
-    local_rank = int(os.environ.get("LOCAL_RANK", ps.rank % gpus_per_node))
-    layout = colocated_layout(ps.rank, ps.world_size, placement.gpus_per_engine, gpus_per_node, local_rank)
-    return layout, gpus_per_node, local_rank
-
-
-# ----------------------------------------------------------------------------------------------------
-# The config.json SGLang reads: the checkpoint's, made something SGLang starts from (pure, then written)
-
-DEEPSEEK_PUBLISHED_DEFAULTS: dict[str, Any] = {
-    "moe_layer_freq": 1,
-    "topk_method": "noaux_tc",
-    "scoring_func": "sigmoid",
-}
-"""Fields of DeepSeek-V3's published config.json (deepseek-ai/DeepSeek-V3) that SGLang's DeepSeek model
-reads as attributes (``srt/models/deepseek_v2.py``: ``config.moe_layer_freq``, ``config.topk_method``,
-``config.scoring_func``) but transformers' ``DeepseekV3Config`` does not write (its routing is always
-that: sigmoid scores, top-k with the ``e_score_correction_bias``, every layer after the dense ones MoE)."""
-
-DEEPSEEK_MODEL_TYPES = ("deepseek_v3",)
-
-
-def identity_yarn(max_position: int) -> dict[str, Any]:
-    """A YaRN rope scaling of factor 1: the plain rotary embedding, as a scaling (factor 1 makes YaRN's
-    interpolated and extrapolated frequencies equal and both of its mscales 1). SGLang's CPU MLA
-    rotary embedding (``srt/layers/rotary_embedding/factory.py:get_rope_cpu``) asserts a
-    ``rope_scaling`` and supports only DeepSeek's YaRN; a DeepSeek-V3 config written by transformers
-    without one would not start there."""
-    return {
-        "rope_type": "yarn",
-        "factor": 1.0,
-        "original_max_position_embeddings": max_position,
-        "beta_fast": 32,
-        "beta_slow": 1,
-        "mscale": 1.0,
-        "mscale_all_dim": 1.0,
-    }
-
-
-def engine_config(hf_config: Mapping[str, Any]) -> tuple[dict[str, Any], list[str]]:
-    """``(the config.json SGLang is started from, what differs from the checkpoint's and why)``:
-
-    - a ``quantization_config`` is removed: SGLang would build float8 layers from it and the weight
-      sync's bf16 tensors would be cast into them beside the checkpoint's stale scales; the engine
-      starts unquantized, with dummy weights that the first sync fills (``colocated_server_args``);
-    - DeepSeek-V3: the published fields transformers does not write (``DEEPSEEK_PUBLISHED_DEFAULTS``)
-      and, without any rope scaling, ``identity_yarn``.
-    Empty list: the checkpoint's config serves as it is."""
-    config, changes = dict(hf_config), []
-    if config.pop("quantization_config", None) is not None:
-        changes.append("quantization_config removed (the engine holds the trainer's dequantized weights)")
-    if config.get("model_type") in DEEPSEEK_MODEL_TYPES:
-        for key, value in DEEPSEEK_PUBLISHED_DEFAULTS.items():
-            if key not in config:
-                config[key] = value
-                changes.append(f"{key}={value!r} (DeepSeek-V3's published value; SGLang reads it)")
-        rope = config.get("rope_parameters") or {}
-        if not config.get("rope_scaling") and rope.get("rope_type", "default") == "default":
-            yarn = identity_yarn(int(config.get("max_position_embeddings", 4096)))
-            if "rope_parameters" in config:
-                config["rope_parameters"] = {**rope, **yarn}
-            else:
-                config["rope_scaling"] = yarn
-            changes.append(
-                "rope scaling: YaRN of factor 1, the plain rotary embedding (SGLang's CPU MLA needs one)"
-            )
-    return config, changes
-
-
-def quantized(hf_config: Mapping[str, Any]) -> bool:
-    return hf_config.get("quantization_config") is not None
-
-
 def torch_dtype(name: str) -> torch.dtype:
     """The torch dtype of SGLang's ``dtype`` argument (``EngineLaunch.dtype``: "bfloat16", "float32",
     "float16")."""
@@ -706,38 +509,3 @@ def torch_dtype(name: str) -> torch.dtype:
     if not isinstance(dtype, torch.dtype):
         raise ValueError(f"SGLang engine dtype {name!r} is not a torch dtype (bfloat16, float16, float32)")
     return dtype
-
-
-def write_engine_model(model_path: str | os.PathLike, config: Mapping[str, Any], directory: Path) -> Path:
-    """``directory`` made the model folder SGLang reads: ``config`` as its config.json, every other file
-    of ``model_path`` linked (tokenizer, weights, code; not ``hf_quant_config.json``). Returns it."""
-    directory.mkdir(parents=True, exist_ok=True)
-    for source in Path(model_path).resolve().iterdir():
-        if source.name in ("config.json", "hf_quant_config.json") or not source.is_file():
-            continue
-        link = directory / source.name
-        if link.is_symlink() or link.exists():
-            link.unlink()
-        link.symlink_to(source)
-    tmp = directory / "config.json.tmp"
-    tmp.write_text(json.dumps(dict(config), indent=1))
-    tmp.replace(directory / "config.json")
-    return directory
-
-
-def engine_model_path(
-    model_path: str, hf_config: Mapping[str, Any], launch: EngineLaunch
-) -> tuple[str, list[str]]:
-    """Where SGLang reads the model from: ``model_path`` itself, or an engine-side folder beside the
-    engine's logs when its config needs ``engine_config``'s changes; and those changes."""
-    config, changes = engine_config(hf_config)
-    if not changes:
-        return model_path, []
-    base = Path(launch.log_dir or tempfile.gettempdir())
-    folder = write_engine_model(model_path, config, base / f"engine-model-rank{launch.rank}-{os.getpid()}")
-    return str(folder), changes
-
-
-def read_hf_config(model_path: str | os.PathLike) -> dict[str, Any]:
-    path = Path(model_path) / "config.json"
-    return json.loads(path.read_text()) if path.is_file() else {}

@@ -1,6 +1,6 @@
 """The other GPUs of a colocated SGLang engine: each is a destination of the weight sync of its own.
 
-An engine of ``rollout.sglang_tp`` GPUs is led from its first trainer rank (``rollout/sglang/engine.py``);
+An engine of ``rollout.sglang.tp`` GPUs is led from its first trainer rank (``rollout/sglang/engine.py``);
 every other rank of the group holds an ``SGLangSyncMember``, which receives exactly what its SGLang TP
 rank loads and hands it to the leader as one payload per round (``rollout/sglang/ipc.py``). On the first
 GPU of each further node of a multi-node engine it also starts, watches, restarts (with its leader, at
@@ -16,22 +16,15 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from grpo_megatron.rollout.config import RolloutConfig
-from grpo_megatron.rollout.engine import Bucket, EngineSpec, Manifest
+from grpo_megatron.rollout.engine import Bucket, EngineSpec, Manifest, WeightSink
 from grpo_megatron.rollout.placement import RolloutPlacement, runtime_placement
 from grpo_megatron.rollout.sglang.health import EngineProcesses
 from grpo_megatron.rollout.sglang.ipc import EngineGroupFeed, SharedStaging, contribution
-from grpo_megatron.rollout.sglang.launch import (
-    ColocatedLayout,
-    agree_engine_address,
-    import_sglang,
-    layout_of,
-    quantized,
-    read_hf_config,
-    start_node_part,
-    stop_lost_part,
-    torch_dtype,
-)
+from grpo_megatron.rollout.sglang.launch import import_sglang, start_node_part, torch_dtype
+from grpo_megatron.rollout.sglang.layout import ColocatedLayout, agree_engine_address, layout_of
+from grpo_megatron.rollout.sglang.model_config import quantized, read_hf_config
 from grpo_megatron.rollout.sglang.shards import rank_needs
+from grpo_megatron.rollout.sglang.watch import stop_lost_part
 from grpo_megatron.rollout.sglang.weights import (
     PairedLoads,
     bucket_errors,
@@ -60,24 +53,22 @@ class NodePart:
     ps: ParallelState
     engine: Any = None
     health: EngineProcesses | None = None
-    life: int = 0
 
     def start(self, address: str) -> None:
         """Start the part, meeting the other parts at ``address`` (SGLang's ``dist_init_addr``);
-        recoverable with ``rollout.max_engine_restarts`` > 0, as the leader's: a SIGQUIT from a
+        recoverable with ``rollout.recovery.max_restarts`` > 0, as the leader's: a SIGQUIT from a
         scheduler that saw a peer die is noted, and the fleet restarts the engine whole."""
         on_disk = bool(checkpoint_shapes(self.spec.model.hf_path))
         self.engine, self.health = start_node_part(
             self.spec, self.layout, address, self.ep_size, self.ps, weights_on_disk=on_disk
         )
-        self.health.recoverable = self.spec.rollout.max_engine_restarts > 0
 
-    def restart(self, address: str) -> None:
-        """Stop what is left of the part (``launch.stop_lost_part``) and start it again at
-        ``address``, the leader's fresh one: called while the leader restarts its own part."""
+    def restart(self, address: str, life: int) -> None:
+        """Stop what is left of the part (``watch.stop_lost_part``; its log's header names ``life``)
+        and start it again at ``address``, the leader's fresh one: called while the leader restarts
+        its own part."""
         assert self.health is not None
-        self.life += 1
-        stop_lost_part(self.engine, self.health, self.life)
+        stop_lost_part(self.engine, self.health, life)
         self.start(address)
 
     def shutdown(self) -> None:
@@ -89,17 +80,16 @@ class NodePart:
         self.engine = None
 
 
-class SGLangSyncMember:
+class SGLangSyncMember(WeightSink):
     """The weight sync on a GPU of a colocated SGLang engine other than its leader's (SGLang TP rank
     ``tp_rank`` runs on it): it receives exactly what that rank loads (``weight_needs``), makes each
     round's bucket one payload on this GPU and hands it to the leader, which loads every GPU's
     payload in one ``update_weights_from_tensor`` call (``rollout/sglang/ipc.py``). It generates
-    nothing (generation goes through the leader). A ``WeightSink`` (``rollout/engine.py``).
+    nothing (generation goes through the leader). A ``WeightSink`` (``rollout/engine.py``), whose loss
+    contract (``check_alive``, ``restart``) concerns the node part it holds, if any.
 
     On the first GPU of a further node of an engine that spans several nodes it also holds ``node``,
     that node's part of the engine (``NodePart``)."""
-
-    weight_version: int = -1
 
     def __init__(
         self,
@@ -169,25 +159,30 @@ class SGLangSyncMember:
         return self.node.health if self.node is not None else None
 
     def check_alive(self) -> None:
-        """Raise ``EngineLost`` (``EngineDiedError`` without restarts) if this node's part of the engine
-        lost a process or has one stopped (``EngineProcesses.check_now``); nothing on other members.
-        The fleet asks when some engine was lost (``RolloutFleet.recover``), so that a further node's
-        loss is named with its own log."""
+        """Raise ``EngineLost`` if this node's part of the engine lost a process or has one stopped
+        (``EngineProcesses.check_now``); nothing on other members. The fleet's recovery asks when some
+        engine was lost (``EngineRecovery.recover``), so that a further node's loss is named with its
+        own log."""
         if self.health is not None:
             self.health.check_now()
 
-    def restart(self, address: str | None) -> None:
-        """The engine this GPU belongs to restarts in place (``RolloutFleet.restart_engines``): on a
+    def restart(self, address: str | None = None) -> None:
+        """The engine this GPU belongs to restarts in place (``EngineRecovery.restart_engines``): on a
         further node's first GPU of an engine across nodes, that node's part restarts at ``address``
         (the leader's ``SGLangEngine.restart_address``) while the leader restarts its own; and, as on
         every member, what was staged of an abandoned version is dropped (``abort_update``)."""
         self._pairs = PairedLoads()
+        self.life += 1
         if self.node is not None:
             if address is None:
                 raise RuntimeError(
                     f"SGLang TP rank {self.tp_rank}'s node part needs its leader's fresh address"
                 )
-            self.node.restart(address)
+            self.node.restart(address, self.life)
+
+    def stop_watching(self) -> None:
+        if self.health is not None:
+            self.health.stopping = True
 
     def shutdown(self) -> None:
         """Stop this node's part of the engine, if this rank started one (``NodePart.shutdown``)."""

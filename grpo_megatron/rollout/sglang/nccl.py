@@ -1,6 +1,6 @@
 """Disaggregated SGLang servers and their weight transport: an NCCL broadcast.
 
-Servers already running on other GPUs or nodes (``rollout.sglang_server_urls``) are driven over
+Servers already running on other GPUs or nodes (``rollout.sglang.server_urls``) are driven over
 HTTP (``SGLangHttpClient``, the endpoints that mirror ``sglang.Engine``'s methods). The trainer's
 first rank joins one process group with every server's TP ranks (``/init_weights_update_group``)
 and broadcasts each bucket as one flat byte tensor (``/update_weights_from_distributed`` with
@@ -212,7 +212,7 @@ class NcclBroadcastTransport:
         self.device = device
         self.timeout = timeout
         """The weight group's collective timeout: the job's (parallel.timeout_minutes); None: the
-        servers' request timeout (rollout.sglang_request_timeout_s), for a transport made alone."""
+        servers' request timeout (rollout.sglang.request_timeout_s), for a transport made alone."""
         self.group: torch.distributed.ProcessGroup | None = None
 
     def bind_group(self, ranks: Sequence[int], group: Any) -> None:
@@ -247,8 +247,8 @@ class NcclBroadcastTransport:
 
     def _init_weight_group(self, servers: Sequence[Any]) -> torch.distributed.ProcessGroup:
         world_size, offsets = weight_group_layout([s.tp_size() for s in servers])
-        addr = self.rollout.sglang_sync_master_addr or socket.gethostname()
-        port = self.rollout.sglang_sync_master_port
+        addr = self.rollout.sglang.sync_master_addr or socket.gethostname()
+        port = self.rollout.sglang.sync_master_port
         with ThreadPoolExecutor(len(servers)) as pool:
             pending = [
                 pool.submit(
@@ -263,7 +263,7 @@ class NcclBroadcastTransport:
                 for s, offset in zip(servers, offsets, strict=True)
             ]
             timeout_s = (
-                self.timeout.total_seconds() if self.timeout else self.rollout.sglang_request_timeout_s
+                self.timeout.total_seconds() if self.timeout else self.rollout.sglang.request_timeout_s
             )
             group = init_trainer_weight_group(addr, port, world_size, WEIGHT_GROUP_NAME, timeout_s=timeout_s)
             for f in pending:
@@ -287,7 +287,7 @@ class NcclBroadcastTransport:
             if restart is None:
                 raise SGLangServerError(
                     f"SGLang server {server.url} is not healthy after {timeout_s:.0f}s "
-                    "(rollout.sglang_request_timeout_s); restart it, or pass restart_server= to SGLangEngine"
+                    "(rollout.sglang.request_timeout_s); restart it, or pass restart_server= to SGLangEngine"
                 )
             restart(server.url)
             if not wait_healthy(server, timeout_s):
@@ -307,6 +307,18 @@ class NcclBroadcastTransport:
                 pass
         torch.distributed.destroy_process_group(self.group)
         self.group = None
+
+    def manifest_refusal(self, quantized: bool, model_path: str, version: int) -> str | None:
+        """Servers started from a quantized checkpoint hold its float8 weights, which the sync's
+        unquantized tensors would be cast into beside stale scales: refused."""
+        if not quantized:
+            return None
+        return (
+            f"weight sync of version {version}: {model_path} is quantized (quantization_config) and the "
+            "disaggregated SGLang servers started from it hold its float8 weights, which the sync's "
+            "unquantized tensors cannot replace; start the servers from a copy of the folder whose "
+            "config.json has no quantization_config, with --load-format dummy (the first sync fills them)"
+        )
 
 
 def wait_healthy(server: SGLangHttpClient, timeout_s: float) -> bool:

@@ -41,7 +41,7 @@ _PLACEMENT_ARGS = ("enable_eplb", "ep_num_redundant_experts", "init_expert_locat
 
 
 def check_expert_placement(server_args: Mapping[str, Any]) -> None:
-    """Refuse ``rollout.sglang_server_args`` that place experts other than in contiguous blocks per EP
+    """Refuse ``rollout.sglang.server_args`` that place experts other than in contiguous blocks per EP
     rank (the engine's EP itself is ``rollout/placement.py``'s decision)."""
     placed = [
         k
@@ -50,14 +50,14 @@ def check_expert_placement(server_args: Mapping[str, Any]) -> None:
     ]
     if placed:
         raise ValueError(
-            f"rollout.sglang_server_args sets {placed}: SGLang then places experts by its expert-location "
+            f"rollout.sglang.server_args sets {placed}: SGLang then places experts by its expert-location "
             "map (EPLB / redundant experts), which the weight sync does not follow (it sends each GPU the "
-            "contiguous block of experts of its EP rank); remove them from rollout.sglang_server_args"
+            "contiguous block of experts of its EP rank); remove them from rollout.sglang.server_args"
         )
     if int(server_args.get("moe_dp_size", 1) or 1) != 1:
         raise ValueError(
-            "rollout.sglang_server_args sets moe_dp_size != 1: the weight sync maps TP ranks to MoE EP ranks "
-            "for MoE data parallelism 1 only; remove moe_dp_size from rollout.sglang_server_args"
+            "rollout.sglang.server_args sets moe_dp_size != 1: the weight sync maps TP ranks to MoE EP ranks "
+            "for MoE data parallelism 1 only; remove moe_dp_size from rollout.sglang.server_args"
         )
 
 

@@ -77,9 +77,14 @@ class WeightTransport(Protocol):
         """Forget any connection to the servers: the next ``send`` opens a new one."""
         ...
 
+    def manifest_refusal(self, quantized: bool, model_path: str, version: int) -> str | None:
+        """Why servers this transport feeds cannot take a version at all (from a ``quantized``
+        checkpoint at ``model_path``), before any byte moves; None: they can."""
+        ...
+
 
 class KeptPrefixes:
-    """``rollout.partial_keep_kv``: which weight loads flush the engine's prefix (radix) cache. The
+    """``rollout.partial.keep_kv``: which weight loads flush the engine's prefix (radix) cache. The
     cache may hold KV computed under any version since the last flush (``oldest``); a load of version
     ``v`` keeps it while ``v - oldest <= max_staleness`` and flushes it otherwise, so no cached KV lags
     the weights that read it by more than ``train.max_staleness`` (the bound a token's own lag has).

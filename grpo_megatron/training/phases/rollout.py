@@ -15,7 +15,7 @@ if TYPE_CHECKING:
     from grpo_megatron.data import PromptRecord
     from grpo_megatron.distributed.watchdog import ProgressWatchdog
     from grpo_megatron.rollout.config import RolloutConfig
-    from grpo_megatron.rollout.fleet import EngineRecovery, PendingRollout, RolloutFleet
+    from grpo_megatron.rollout.fleet import PendingRollout, RolloutFleet
 
 
 def rollout_seed(train_seed: int, iteration: int, round_index: int = 0) -> int:
@@ -40,9 +40,6 @@ class Rollout:
     rank waiting for its engine's rollout blocks in one call for as long as the rollout takes."""
     long_phase_s: float = 3600.0
     """The watchdog's bound for that wait (parallel.long_phase_timeout_s), not progress_timeout_s."""
-    recovery: EngineRecovery | None = None
-    """The job's: engines lost during a rollout are restarted and their share redone
-    (rollout.max_engine_restarts > 0, ``RolloutFleet.collect``); None: a loss ends the run."""
 
     def _waiting(self) -> AbstractContextManager[None]:
         if self.watchdog is None:
@@ -97,4 +94,4 @@ class Rollout:
         batches, submitted ahead, end here) runs under the watchdog's long phase: a rank blocks in
         one call for as long as the rollout takes."""
         with self._waiting():
-            return self.fleet.collect(pending, payload=payload, recovery=self.recovery)
+            return self.fleet.collect(pending, payload=payload)

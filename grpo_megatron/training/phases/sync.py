@@ -19,7 +19,7 @@ from grpo_megatron.training.offload import merge_memory_metrics
 
 if TYPE_CHECKING:
     from grpo_megatron.data import PromptRecord
-    from grpo_megatron.rollout.fleet import EngineRecovery, RolloutFleet
+    from grpo_megatron.rollout.fleet import RolloutFleet
     from grpo_megatron.training.offload import ColocatedMemory
 
 
@@ -70,7 +70,6 @@ def mismatch_probe(
     *,
     vocab_size: int,
     temperature: float,
-    recovery: EngineRecovery | None = None,
 ) -> dict[str, float]:
     """Collective: trainer ``forward_logprobs`` vs every engine's ``score`` on ``probe``, over the tokens
     after each prompt; max and mean absolute difference over all engines (an empty probe, e.g.
@@ -82,9 +81,7 @@ def mismatch_probe(
     sequences, prompt_lens = probe.sequences, probe.prompt_lens
     if not sequences:
         return {}
-    scored, routes = fleet.score(
-        sequences, prompt_lens, temperature, recovery=recovery
-    )  # lost engines: restarted
+    scored, routes = fleet.score(sequences, prompt_lens, temperature)  # lost engines: restarted
     if ps.cp > 1:  # routes are not split over context-parallel ranks (the config refuses replay there)
         routes = None
     length = max(len(s) for s in sequences)
@@ -159,22 +156,19 @@ def sync_weights(
     vocab_size: int,
     temperature: float,
     max_abs: float = 0.0,
-    recovery: EngineRecovery | None = None,
 ) -> dict[str, float]:
     """Weight sync as ``version`` (``sync/*``) and the mismatch probe (``mismatch/probe_*``), between
     the colocated memory's ``before_sync`` and ``after_sync`` (``offload/*`` of every memory phase,
     merged: ``merge_memory_metrics``, when it is on); the probe
     runs once the engines have their caches back (``engines_serve``: a released KV cache cannot
     score) and before the trainer's parameters leave. A probe beyond ``max_abs`` (``rollout.
-    probe_max_abs``; 0: no bound) stops the run on every rank alike (``check_probe``). ``recovery``:
-    engines the sync (or the probe) finds lost are restarted inside it (``RolloutFleet.sync_weights``)."""
+    probe_max_abs``; 0: no bound) stops the run on every rank alike (``check_probe``). Engines the sync
+    (or the probe) finds lost are restarted inside it, as the fleet decides."""
     moved = [memory.before_sync()]  # every memory phase's offload/* is reported (issue 51 item 1)
-    metrics = fleet.sync_weights(model, version=version, recovery=recovery)
+    metrics = fleet.sync_weights(model, version=version)
     if probe.sequences:  # the engines score with their KV cache, the trainer with its parameters
         moved.append(memory.engines_serve())
-        metrics |= mismatch_probe(
-            model, fleet, ps, probe, vocab_size=vocab_size, temperature=temperature, recovery=recovery
-        )
+        metrics |= mismatch_probe(model, fleet, ps, probe, vocab_size=vocab_size, temperature=temperature)
         check_probe(metrics, max_abs, version)
     moved.append(memory.after_sync())
     return metrics | merge_memory_metrics(*moved)

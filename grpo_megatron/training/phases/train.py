@@ -76,7 +76,7 @@ class GRPOLoss:
     """train.old_logprobs == "engine": pi_old is the rollout engine's logprobs."""
 
     def __post_init__(self) -> None:
-        # config/validation.py:off_policy_errors refuses this for a job; here for any other caller.
+        # config/loop_rules.py:off_policy_errors refuses this for a job; here for any other caller.
         if self.old_from_engine and (self.alg.tis.enabled or self.alg.off_policy.correction != "none"):
             raise ValueError(
                 "an off-policy correction (algorithm.tis / algorithm.off_policy) with train.old_logprobs=engine "
