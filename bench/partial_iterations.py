@@ -195,7 +195,9 @@ def trace_rounds(path: Path) -> None:
         return
     completions, generate = protocol.completions, sglang_engine.SGLangEngine._generate
 
-    def traced_completions(outputs, request, n, layout=None, *, aborted_ok=False):  # type: ignore[no-untyped-def]
+    def traced_completions(  # type: ignore[no-untyped-def]
+        outputs, request, n, layout=None, *, aborted_ok=False
+    ):
         metas = [o["meta_info"] for o in outputs]
         log(
             event="sglang_outputs",

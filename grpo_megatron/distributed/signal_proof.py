@@ -17,7 +17,8 @@ __all__ = ["ignore_until_orphaned"]
 
 
 def ignore_until_orphaned(signals: tuple[int, ...], parent: int) -> None:
-    """``signals`` ignored in this process; it exits once ``parent`` (its rank's pid) is no longer its parent."""
+    """``signals`` ignored in this process; it exits once ``parent`` (its rank's pid) is no longer its
+    parent."""
     for signum in signals:
         signal.signal(signum, signal.SIG_IGN)
 

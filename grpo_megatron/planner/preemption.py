@@ -106,11 +106,13 @@ def stop_time(
 def render(t: StopTime, cfg: JobConfig) -> str:
     return "\n".join(
         [
-            f"stop on a signal (planner/preemption.py): at most ~{t.stop_s:.0f} s from a signal to the checkpoint "
-            f"(a mini-batch of the update ~{t.update_s:.0f} s at {MFU:.0%} MFU, sync ~{t.sync_s:.0f} s, save "
+            f"stop on a signal (planner/preemption.py): at most ~{t.stop_s:.0f} s from a signal to the "
+            f"checkpoint (a mini-batch of the update ~{t.update_s:.0f} s at {MFU:.0%} MFU, "
+            f"sync ~{t.sync_s:.0f} s, save "
             f"~{t.save_s:.0f} s; a rollout, reward or evaluation is cut short)",
-            f"  Slurm: sbatch --signal=B:USR1@{t.lead_s} (train.sbatch has @120), checkpoint.signal_grace_s={t.grace_s} "
-            f"(now {cfg.checkpoint.signal_grace_s:g}); a SIGTERM without warning needs GraceTime (preemption) or "
-            f"KillWait (time limit) >= {math.ceil(t.stop_s)} s",
+            f"  Slurm: sbatch --signal=B:USR1@{t.lead_s} (train.sbatch has @120), "
+            f"checkpoint.signal_grace_s={t.grace_s} (now {cfg.checkpoint.signal_grace_s:g}); a SIGTERM "
+            f"without warning needs GraceTime (preemption) or KillWait (time limit) >= "
+            f"{math.ceil(t.stop_s)} s",
         ]
     )

@@ -10,13 +10,13 @@ past a mean response of ~12k tokens its 256 completions per engine outlasted 60 
 The model, one engine of a colocated SGLang fleet (decode dominates; prefill, sampling and the
 scheduler's overheads are left out):
 
-    C      = prompts_per_iteration x n_samples_per_prompt / engines     completions per engine
-    L      = max_prompt_tokens + R                                      tokens a sequence ends with (R: response)
-    S      = min(C, KV // L)                                            sequences the pool decodes at once
+    C      = prompts_per_iteration x n_samples_per_prompt / engines   completions per engine
+    L      = max_prompt_tokens + R                                    tokens of a sequence (R: response)
+    S      = min(C, KV // L)                                          sequences the pool decodes at once
     waves  = ceil(C / S),  steps = waves x R
     t_step = (dense + experts x f + KV read) / HBM bandwidth + layers x 2 x latency
-    f      = 1 - (1 - k / E) ** S                                      the share of a GPU's experts S tokens reach
-    KV read = S x (P + R / 2) x KV bytes per token per GPU              (a wave's mean context)
+    f      = 1 - (1 - k / E) ** S                                    a GPU's experts' share S tokens reach
+    KV read = S x (P + R / 2) x KV bytes per token per GPU            (a wave's mean context)
     time   = steps x t_step
 
 Decode is bound by memory bandwidth (Pope et al. 2022, "Efficiently Scaling Transformer Inference",
@@ -170,9 +170,10 @@ def rollout_time(
 def render(t: RolloutTime, cfg: JobConfig, planned_by: str) -> str:
     verdict = "within" if t.fits else "BEYOND"
     lines = [
-        f"rollout time (one engine, colocated SGLang; model in planner/rollout_time.py): {t.completions} completions "
-        f"per engine, mean response {t.response_tokens:,} tokens ({planned_by}): {t.concurrent} sequences at once "
-        f"(the KV pool), {t.waves} waves, ~{t.step_s * 1e3:.1f} ms per decode step -> ~{t.seconds / 60:.0f} min, "
+        f"rollout time (one engine, colocated SGLang; model in planner/rollout_time.py): "
+        f"{t.completions} completions per engine, mean response {t.response_tokens:,} tokens "
+        f"({planned_by}): {t.concurrent} sequences at once (the KV pool), {t.waves} waves, "
+        f"~{t.step_s * 1e3:.1f} ms per decode step -> ~{t.seconds / 60:.0f} min, "
         f"{verdict} {t.timeout_name} ({t.timeout_s / 60:.0f} min)",
         f"  fits the timeout up to a mean response of {t.longest_fitting:,} tokens "
         f"(rollout.max_new_tokens={cfg.rollout.max_new_tokens:,})"

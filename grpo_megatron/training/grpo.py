@@ -236,8 +236,8 @@ def keep_last_iteration(
     job.preemption.checkpoint_written = True
     if job.ps.rank == 0:
         print(
-            f"[preempt] {stop.signal_name} during {stop.where} of iteration {done + 1}: its batch is dropped; "
-            f"the rerun starts from iteration {done}",
+            f"[preempt] {stop.signal_name} during {stop.where} of iteration {done + 1}: its batch is "
+            f"dropped; the rerun starts from iteration {done}",
             flush=True,
         )
     return Preempted(done, stop.signal_name, saved=done > 0)

@@ -459,8 +459,8 @@ class SGLangEngine(RolloutEngine):
         start (on a GPU SGLang sizes its KV pool from the memory free as it starts; the rollout phase,
         where the fleet finds most losses, has the trainer resident unless train.offload_trainer, so the
         pool comes out smaller than the first start's: issue 51 item 2, open). An engine of several GPUs
-        restarts whole, with the same width: inside a node its schedulers are all this process's children; across nodes
-        the first rank of each further node restarts that node's part at the same time
+        restarts whole, with the same width: inside a node its schedulers are all this process's children;
+        across nodes the first rank of each further node restarts that node's part at the same time
         (``SGLangSyncMember.restart``), all parts meeting at ``address``, a fresh ``dist_init_addr``
         (``restart_address``; the old one's port may still be held). Its members' sinks hold nothing
         a restart invalidates: the fleet resyncs every GPU."""
