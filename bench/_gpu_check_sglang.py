@@ -301,3 +301,90 @@ def train_problems(details: dict[str, Any]) -> list[str]:
             f"the trainer held {cached:.2f} GiB of cached blocks at an engine resume (> {CACHED_AT_RESUME_LIMIT_GIB})"
         )
     return problems
+
+
+# ----------------------------------------------------------------------------------------------
+# sglang_on_policy: SGLang's own on-policy switches against this trainer (issue 53 item 3)
+
+ON_POLICY_SERVER_ARGS = {"enable_deterministic_inference": "true", "rl_on_policy_target": "fsdp"}
+"""SGLang's switches towards a trainer's numerics (0.5.23 ``srt/server_args.py``): deterministic
+inference (batch-invariant kernels, a fixed attention split) and ``rl_on_policy_target=fsdp`` (sampler,
+RMSNorm, rotary and LM head in a Hugging Face trainer's forms). Both need a GPU attention backend
+(triton here: ``DETERMINISTIC_ATTENTION_BACKEND_CHOICES``); SGLang's CPU engine refuses them."""
+ON_POLICY_KEYS = (
+    "mismatch/logprob_abs_diff",
+    "mismatch/logprob_abs_diff_max",
+    "mismatch/probe_abs_diff_mean",
+    "mismatch/probe_abs_diff_max",
+    "off_policy/ratio_min",
+    "off_policy/ratio_max",
+)
+
+
+def missing_switches(env: dict[str, str]) -> list[str]:
+    """The ``ON_POLICY_SERVER_ARGS`` this SGLang's ``ServerArgs`` lacks (0.5.17 may lack one)."""
+    code = (
+        "import dataclasses, json; from sglang.srt.server_args import ServerArgs; "
+        "print(json.dumps([f.name for f in dataclasses.fields(ServerArgs)]))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    known = set(json.loads(done.stdout.splitlines()[-1])) if done.returncode == 0 else set()
+    return [k for k in ON_POLICY_SERVER_ARGS if k not in known]
+
+
+def on_policy_summary(records: list[dict[str, Any]]) -> dict[str, float]:
+    """The worst (largest; for ``ratio_min`` the smallest) of each ``ON_POLICY_KEYS`` over the training
+    iterations (0 is the evaluation before training)."""
+    rows = [r for r in records if r.get("iteration", 0) >= 1]
+    out = {}
+    for key in ON_POLICY_KEYS:
+        values = [float(r[key]) for r in rows if key in r]
+        if values:
+            out[key] = min(values) if key.endswith("_min") else max(values)
+    return out
+
+
+def stage_sglang_on_policy(args: argparse.Namespace, out: Path, stage: Any, env: dict[str, str]) -> None:
+    """One run of 3 iterations with colocated SGLang started with ``ON_POLICY_SERVER_ARGS`` (the
+    trainer offloaded, routes not replayed), its ``mismatch/*`` and ratio beside the sglang_train stage's
+    plain engine where that stage ran. SGLang's CPU engine refuses the switches: the CPU rehearsal runs
+    the same job without them and says so."""
+    switches = dict(ON_POLICY_SERVER_ARGS) if args.device == "cuda" else {}
+    lacking = missing_switches(env) if switches else []
+    if lacking:
+        stage.status = "skipped"
+        stage.summary = f"this SGLang's ServerArgs has no {', '.join(lacking)}"
+        return
+    root = out / "sglang_on_policy"
+    root.mkdir(exist_ok=True)
+    extra = [
+        "train.offload_trainer=true",
+        *(f"rollout.sglang.server_args.{k}={v}" for k, v in switches.items()),
+    ]
+    run = TrainRun(args, root, "switches" if switches else "cpu_without_switches", extra, env)
+    rc = _wait(run.start(), timeout_s=300)
+    got = on_policy_summary(run.metrics())
+    if rc != 0 or "mismatch/logprob_abs_diff_max" not in got:
+        stage.status, stage.summary = "FAILED", f"exit {rc}:\n{_tail(run.log)}"
+        return
+    plain = [
+        r
+        for name in ("offload_r3", "offload")
+        for r in TrainRun(args, out / "sglang_train", name, [], env).metrics()
+    ]
+    stage.details = {"switches": got, "plain": on_policy_summary(plain)}
+    stage.status = "ok"
+    said = (
+        "deterministic inference + rl_on_policy_target=fsdp"
+        if switches
+        else "CPU: SGLang refuses the switches, ran without"
+    )
+    stage.summary = (
+        f"{said}: logprob |diff| mean {got.get('mismatch/logprob_abs_diff', float('nan')):.2e} max "
+        f"{got['mismatch/logprob_abs_diff_max']:.2e}, probe max {got.get('mismatch/probe_abs_diff_max', float('nan')):.2e}"
+        + (
+            f"; plain engine (sglang_train): max {stage.details['plain']['mismatch/logprob_abs_diff_max']:.2e}"
+            if "mismatch/logprob_abs_diff_max" in stage.details["plain"]
+            else ""
+        )
+    )

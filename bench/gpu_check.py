@@ -23,8 +23,12 @@ order of value (``STAGES``; bench/_gpu_check_sglang.py has the first two):
    offload, peak memory; MoE route disagreement (trainer vs engine) and the mismatch probe without
    and with routing replay (``--routing-replay off,r3``) beside the bf16 noise floor. With
    ``--device cpu`` a tiny bf16 version runs the same code.
-7. ``te``: tests/test_gpu.py -k transformer_engine where TransformerEngine imports.
-8. ``pytest``: tests/test_gpu.py and test_offload.py with the pytest of this Python.
+7. ``sglang_on_policy``: the train CLI with colocated SGLang started with its on-policy switches
+   (``enable_deterministic_inference``, ``rl_on_policy_target=fsdp``; issue 53 item 3): the
+   ``mismatch/*`` and off-policy ratio against this trainer, beside the sglang_train stage's plain
+   engine. SGLang's CPU engine refuses both switches: ``--device cpu`` runs the job without them.
+8. ``te``: tests/test_gpu.py -k transformer_engine where TransformerEngine imports.
+9. ``pytest``: tests/test_gpu.py and test_offload.py with the pytest of this Python.
 
 Every memory phase's metric is required where an engine resumes (``offload/cached_free_bytes``, 0 on
 CPU): missing, the stage fails (issue 51 item 1). ``--budget-s`` (480 s: one device call) bounds the
@@ -62,7 +66,17 @@ from _gpu_check_clock import CLOCK
 REPO = Path(__file__).resolve().parents[1]
 SMOKE = REPO / "bench" / "gpu_smoke.py"
 DEMO = REPO / "examples" / "demo.yaml"
-STAGES = ("sglang_engine", "sglang_train", "sglang", "smoke", "resume", "table", "te", "pytest")
+STAGES = (
+    "sglang_engine",
+    "sglang_train",
+    "sglang",
+    "smoke",
+    "resume",
+    "table",
+    "sglang_on_policy",
+    "te",
+    "pytest",
+)
 """In order of value: SGLang never ran on a GPU before this check; the embedded path did (docs/gpu.md)."""
 BUDGET_S = 480.0
 """The whole check on one H200, the first engine start's JIT compilation included (issue 37)."""
@@ -446,6 +460,13 @@ def stage_sglang_train(args: argparse.Namespace, out: Path, stage: Stage) -> Non
     sglang_stages.stage_sglang_train(args, out, stage, sglang_env(args.device))
 
 
+def stage_sglang_on_policy(args: argparse.Namespace, out: Path, stage: Stage) -> None:
+    if (why := sglang_missing(args.device)) is not None:
+        stage.status, stage.summary = "skipped", why
+        return
+    sglang_stages.stage_sglang_on_policy(args, out, stage, sglang_env(args.device))
+
+
 def sglang_missing(device: str) -> str | None:
     """Why SGLang's engine cannot run here (None: it can): not installed, or on CPU no kernel library."""
     if importlib.util.find_spec("sglang") is None:
@@ -509,6 +530,7 @@ RUNNERS: dict[str, Callable[[argparse.Namespace, Path, Stage], None]] = {
     "table": stage_table,
     "pytest": stage_pytest,
     "sglang": stage_sglang,
+    "sglang_on_policy": stage_sglang_on_policy,
 }
 
 

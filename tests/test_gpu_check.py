@@ -136,3 +136,16 @@ def test_the_budget_stops_the_running_stage_and_the_table_is_written_into_out(tm
     assert smoke["summary"].startswith("stopped at the 4 s budget (--budget-s)"), smoke
     assert resume["status"] == "skipped" and "budget" in resume["summary"]
     assert "| smoke | stopped |" in (out / "gpu_check.md").read_text()
+
+
+def test_on_policy_stage_reports_the_worst_of_each_mismatch_and_ratio() -> None:
+    """The sglang_on_policy stage (issue 53 item 3): the largest of each mismatch, the smallest
+    ratio_min, over the training iterations only (0 is the evaluation before training)."""
+    rows = [
+        {"iteration": 0, "mismatch/logprob_abs_diff_max": 9.0},
+        {"iteration": 1, "mismatch/logprob_abs_diff_max": 0.02, "off_policy/ratio_min": 0.97},
+        {"iteration": 2, "mismatch/logprob_abs_diff_max": 0.01, "off_policy/ratio_min": 0.95},
+    ]
+    got = stages.on_policy_summary(rows)
+    assert got == {"mismatch/logprob_abs_diff_max": 0.02, "off_policy/ratio_min": 0.95}
+    assert set(stages.ON_POLICY_SERVER_ARGS) == {"enable_deterministic_inference", "rl_on_policy_target"}
