@@ -127,7 +127,28 @@ def test_each_phase_holds_what_the_placement_says() -> None:
     assert all((o.trainer, o.engine) == everything for o in embedded.values())  # nothing moves
     overlapped = place(placement="per_node", staleness=1)  # the engines generate while the trainer trains
     assert not overlapped.swaps_engine_memory and "max_staleness=1" in overlapped.why["memory"]
-    assert all((o.trainer, o.engine) == everything for o in overlapped.phases().values())
+    held = overlapped.phases()
+    assert all((o.trainer, o.engine) == everything for p, o in held.items() if p != "start-up")
+    # Issue 51 item 3: the engines start beside an offloaded trainer here too, so that SGLang sizes the KV
+    # pool `plan` counts; nothing moves afterwards.
+    assert (held["start-up"].trainer, held["start-up"].engine) == (frozenset(), frozenset(ENGINE_TAGS))
+
+
+def test_engines_that_never_swap_start_beside_an_offloaded_trainer() -> None:
+    """Issue 51 item 3 (train.max_staleness > 0, partial overlap): SGLang sizes its KV pool from the
+    memory free as it starts, so the trainer's state is out while it starts and back before training;
+    then no phase moves anything."""
+    policy, (weight, _) = _policy()
+    before = weight.detach().clone()
+    seen: list[tuple] = []
+    fleet = EngineMemory(seen)
+    memory = ColocatedMemory(policy, None, place(placement="per_node", staleness=1).phases())
+    memory.start_engines(lambda: seen.append(("engines start", weight.untyped_storage().nbytes())) or fleet)
+    assert seen == [("engines start", 0)]  # the trainer's parameters were out as the engines started
+    assert weight.untyped_storage().nbytes() > 0 and torch.equal(weight, before)
+    for phase in ("rollout", "train", "sync", "probe", "save", "train"):
+        memory.enter(phase)
+    assert seen == [("engines start", 0)]  # afterwards nothing moves: both stay resident
 
 
 class EngineMemory:

@@ -100,8 +100,7 @@ def time_sliced(times: PhaseTimes, gpus: int) -> AsyncEstimate:
 COLOCATED = (
     "the engines share the trainer's {gpus} GPUs (rollout.sglang.mode=colocated): two processes per GPU, "
     "time-sliced, so generating while training overlaps little; both keep their memory in every phase (the "
-    "phases above add them up; SGLang sizes its KV pool at start-up from the memory the resident trainer "
-    "leaves, less than the pool planned above: issue 51 item 3). "
+    "phases above add them up; the KV pool is sized at start-up, the trainer's state offloaded meanwhile). "
     "Engine GPUs of their own: rollout.sglang.mode=disaggregated"
 )
 
