@@ -335,3 +335,27 @@ def test_the_start_up_offloads_pinned_host_buffers_are_unpinned_unless_an_offloa
     memory.start_engines(build)
     expected = [("engines start", False)] + ([] if offload else [("unpin", True)])
     assert calls == expected
+
+
+def test_an_engine_restarts_beside_an_offloaded_trainer_whatever_the_phase() -> None:
+    """Issue 51 item 2: ``restart_visit`` (the recovery's ``starting``) takes the trainer's state off the
+    device and gives its cached blocks back before the engine restarts (SGLang sizes its KV pool from
+    the memory free then), whatever the phase of the moment, then brings the state back as it was."""
+    policy, (weight, _) = _policy()
+    before = weight.detach().clone()
+    calls: list[tuple] = []
+    memory = ColocatedMemory(
+        policy,
+        None,
+        place(placement="per_node").phases(),
+        release_cache=lambda: calls.append(("release_cache", weight.untyped_storage().nbytes())) or {},
+    )
+    memory.start_engines(lambda: EngineMemory(calls))
+    for phase in ("rollout", "sync"):
+        memory.enter(phase)
+        calls.clear()
+        with memory.restart_visit() as moved:
+            calls.append(("engine restarts", weight.untyped_storage().nbytes()))
+        assert calls[-2:] == [("release_cache", 0), ("engine restarts", 0)]
+        assert moved["offload/onload_seconds"] >= 0 and torch.equal(weight, before)
+        assert memory.phase == phase and not memory.offloaded

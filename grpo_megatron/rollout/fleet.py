@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from contextlib import nullcontext
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -221,6 +222,7 @@ class RolloutFleet:
             parts,
             data.gather,
             resync=resync_from(resync) if resync is not None else None,
+            starting=resync.starting if resync is not None else nullcontext,
         )
         weights = WeightSync(
             ps,

@@ -417,7 +417,8 @@ def _models(
     spec = engine_spec(cfg)
     placement = runtime_placement(spec, ps, hf)
     memory = ColocatedMemory(policy, None, placement.phases())
-    resync = Resync(policy.model, memory.sync_visit) if restarts else None  # what a restarted engine is given
+    # What a restarted engine is given: the weights, and the memory phases it resyncs and starts in.
+    resync = Resync(policy.model, memory.sync_visit, memory.restart_visit) if restarts else None
     engine = None
     if cfg.rollout.true_on_policy:
         from grpo_megatron.rollout.policy_engine import PolicyEngine

@@ -440,6 +440,24 @@ class ColocatedMemory:
         """The sync phase for the body (an engine's resync during a rollout): ``visit("sync")``."""
         return self.visit("sync")
 
+    @contextmanager
+    def restart_visit(self) -> Iterator[dict[str, float]]:
+        """An engine restarted in place starts as the engines did at start-up (issue 51 item 2): the
+        trainer's state on the device leaves, its cached blocks go back to the driver (SGLang sizes its
+        KV pool from the memory free as it starts: with the trainer resident it would get a fraction of
+        the planned pool, or none), the body restarts the engine (which releases again what its
+        predecessor had released: the phase of the moment), then the state returns. Yields
+        ``offload/*`` of the way out, ``offload/onload_seconds`` added at the end."""
+        on_device = set(TRAINER_PARTS).difference(*(r.parts for r in self.offloaded))
+        reports = [
+            offload(self.policy, parts=(p,), discard_grads=self.discard_grads) for p in sorted(on_device)
+        ]
+        moved = merge_memory_metrics(*(r.metrics() for r in reports)) | self.release_cache()
+        try:
+            yield moved
+        finally:
+            moved["offload/onload_seconds"] = sum(onload(self.policy, r) for r in reversed(reports))
+
     def trainer_back(self) -> None:
         """Bring the trainer's state back for good (the final export reads the parameters; the end of
         a loop); the engines' memory is not touched."""

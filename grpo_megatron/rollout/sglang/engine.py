@@ -456,11 +456,11 @@ class SGLangEngine(RolloutEngine):
         signal handlers taken back again) on a fresh event loop. It holds the checkpoint's (or dummy)
         weights: the fleet then streams the last synced version into it. It comes back in the memory
         phase of the moment: the tags its predecessor had released are released again right after the
-        start (on a GPU SGLang sizes its KV pool from the memory free as it starts; the rollout phase,
-        where the fleet finds most losses, has the trainer resident unless train.offload_trainer, so the
-        pool comes out smaller than the first start's: issue 51 item 2, open). An engine of several GPUs
-        restarts whole, with the same width: inside a node its schedulers are all this process's children;
-        across nodes the first rank of each further node restarts that node's part at the same time
+        start. SGLang sizes its KV pool from the memory free as it starts: the recovery restarts it with
+        the trainer's state off the device (``EngineRecovery.starting``, the job's
+        ``ColocatedMemory.restart_visit``: issue 51 item 2), so the pool is the first start's. An engine
+        of several GPUs restarts whole, with the same width: inside a node its schedulers are all this
+        process's children; across nodes the first rank of each further node restarts that node's part at the same time
         (``SGLangSyncMember.restart``), all parts meeting at ``address``, a fresh ``dist_init_addr``
         (``restart_address``; the old one's port may still be held). Its members' sinks hold nothing
         a restart invalidates: the fleet resyncs every GPU."""
