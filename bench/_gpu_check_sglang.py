@@ -381,9 +381,11 @@ def stage_sglang_on_policy(args: argparse.Namespace, out: Path, stage: Any, env:
     )
     stage.summary = (
         f"{said}: logprob |diff| mean {got.get('mismatch/logprob_abs_diff', float('nan')):.2e} max "
-        f"{got['mismatch/logprob_abs_diff_max']:.2e}, probe max {got.get('mismatch/probe_abs_diff_max', float('nan')):.2e}"
+        f"{got['mismatch/logprob_abs_diff_max']:.2e}, "
+        f"probe max {got.get('mismatch/probe_abs_diff_max', float('nan')):.2e}"
         + (
-            f"; plain engine (sglang_train): max {stage.details['plain']['mismatch/logprob_abs_diff_max']:.2e}"
+            "; plain engine (sglang_train): max "
+            f"{stage.details['plain']['mismatch/logprob_abs_diff_max']:.2e}"
             if "mismatch/logprob_abs_diff_max" in stage.details["plain"]
             else ""
         )
