@@ -462,8 +462,8 @@ class SGLangEngine(RolloutEngine):
         of several GPUs restarts whole, with the same width: inside a node its schedulers are all this
         process's children; across nodes the first rank of each further node restarts that node's part at
         the same time (``SGLangSyncMember.restart``), all parts meeting at ``address``, a fresh
-        ``dist_init_addr`` (``restart_address``; the old one's port may still be held). Its members' sinks hold nothing
-        a restart invalidates: the fleet resyncs every GPU."""
+        ``dist_init_addr`` (``restart_address``; the old one's port may still be held). Its members'
+        sinks hold nothing a restart invalidates: the fleet resyncs every GPU."""
         if self.health is None:
             raise RuntimeError("only a colocated SGLang engine started by this adapter restarts in place")
         if self._launch.nnodes > 1:
