@@ -3,6 +3,7 @@ temperature and padded vocabulary included); tests/test_layouts.py covers TP > 1
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from grpo_megatron.models.logprobs import vocab_parallel_logprobs
@@ -101,6 +102,7 @@ def test_bf16_logits_are_computed_in_fp32() -> None:
     assert z_bsv.grad is not None and z_bsv.grad.dtype == torch.bfloat16
 
 
+@pytest.mark.launches
 def test_a_vocabulary_shard_of_padding_only_gives_finite_logprobs_at_tp2_and_tp4() -> None:
     """Issue 51 item 10: a vocabulary of 32 padded to 128 x TP leaves every TP rank but the first a
     shard of padding only; its log-sum-exp is -inf, and its masked pick of the label was -inf * 0 =

@@ -273,7 +273,8 @@ def test_the_engine_receives_the_lora_delta_rounded_to_bf16_of_w() -> None:
 
     def lost(lr: float, steps: int) -> float:  # |what arrived - delta| / |delta|; Adam's step is ~lr * sign
         b = lr * steps * sign
-        merged = LoRAAdapter.merged(SimpleNamespace(lora_A=a, lora_B=b, scale=2.0), w)  # type: ignore[arg-type]
+        adapter = SimpleNamespace(lora_A=a, lora_B=b, scale=2.0)
+        merged = LoRAAdapter.merged(adapter, w)  # type: ignore[arg-type]
         exact = w.float() + 2.0 * b @ a
         assert ((merged.float() - exact).abs() <= exact.abs() * 2**-8).all()  # half a bf16 ulp at most
         return float((merged.float() - exact).norm() / (2.0 * b @ a).norm())
