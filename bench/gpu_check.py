@@ -16,7 +16,10 @@ Stages, each in a process of its own (a job's device and megatron-core adjustmen
    ``--device cpu`` a tiny bf16 version runs the same code.
 4. ``pytest``: the layout, checkpoint, offload and rollout tests and tests/test_gpu.py (the
    GPU-only ones), with the pytest of this Python.
-5. ``sglang``: the colocated loop with ``rollout.engine=sglang``, when SGLang's Engine can run here
+5. ``sglang_fp8``: FP8 rollout (``rollout.weight_dtype=fp8``): the train CLI with colocated SGLang
+   serving block-FP8 weights that every sync quantizes, beside the same run in bf16: the mismatch
+   probe's gap (max and mean) and the sync's seconds of each (skipped on a CPU without AMX).
+6. ``sglang``: the colocated loop with ``rollout.engine=sglang``, when SGLang's Engine can run here
    (else skipped, with the reason).
 
 Writes ``<out>/gpu_check.md`` (the table) and ``<out>/gpu_check.json`` and prints the table; exits 1
@@ -49,7 +52,7 @@ import _gpu_check_sglang as sglang_stages
 REPO = Path(__file__).resolve().parents[1]
 SMOKE = REPO / "bench" / "gpu_smoke.py"
 DEMO = REPO / "examples" / "demo.yaml"
-STAGES = ("sglang_engine", "sglang_train", "sglang", "smoke", "resume", "table", "te", "pytest")
+STAGES = ("sglang_engine", "sglang_fp8", "sglang_train", "sglang", "smoke", "resume", "table", "te", "pytest")
 """In order of value: SGLang never ran on a GPU before this check; the embedded path did (docs/gpu.md)."""
 BUDGET_S = 480.0
 """The whole check on one H200, the first engine start's JIT compilation included (issue 37)."""
@@ -412,6 +415,13 @@ def stage_sglang_engine(args: argparse.Namespace, out: Path, stage: Stage) -> No
     sglang_stages.stage_sglang_engine(args, out, stage, sglang_env(args.device))
 
 
+def stage_sglang_fp8(args: argparse.Namespace, out: Path, stage: Stage) -> None:
+    if why := sglang_missing(args.device):
+        stage.status, stage.summary = "skipped", why
+        return
+    sglang_stages.stage_sglang_fp8(args, out, stage, sglang_env(args.device))
+
+
 def stage_sglang_train(args: argparse.Namespace, out: Path, stage: Stage) -> None:
     if (why := sglang_missing(args.device)) is not None:
         stage.status, stage.summary = "skipped", why
@@ -459,6 +469,7 @@ def stage_sglang(args: argparse.Namespace, out: Path, stage: Stage) -> None:
 
 RUNNERS: dict[str, Callable[[argparse.Namespace, Path, Stage], None]] = {
     "sglang_engine": stage_sglang_engine,
+    "sglang_fp8": stage_sglang_fp8,
     "sglang_train": stage_sglang_train,
     "te": stage_te,
     "smoke": stage_smoke,

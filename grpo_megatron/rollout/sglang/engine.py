@@ -53,7 +53,7 @@ from grpo_megatron.rollout.sglang.launch import (
     torch_dtype,
 )
 from grpo_megatron.rollout.sglang.layout import agree_engine_address, layout_of
-from grpo_megatron.rollout.sglang.model_config import quantized, read_hf_config
+from grpo_megatron.rollout.sglang.model_config import engine_fp8, quantized, read_hf_config
 from grpo_megatron.rollout.sglang.shards import check_expert_placement, rank_needs
 from grpo_megatron.rollout.sglang.watch import SchedulerProbe, ServerGuard, cancel_requests, stop_lost_part
 from grpo_megatron.rollout.sglang.weights import (
@@ -171,14 +171,17 @@ class SGLangEngine(RolloutEngine):
 
     def _fresh_state(self) -> None:
         """What the adapter knows of a freshly started engine: its weights, memory and load protocol."""
-        self.load = WeightLoad(self._shapes, f"the checkpoint at {self.model_path}")
+        dtype = torch_dtype(self._launch.dtype)
+        fp8 = engine_fp8(self.rollout.weight_dtype == "fp8", self._hf_config)
+        self.held: EngineTensors = engine_tensors(
+            self._shapes, self._hf_config, dtype, dummy=self._dummy, fp8=fp8
+        )
+        """What the engine holds per tensor (``check_manifest`` judges each sync's manifest against it)."""
+        self.load = WeightLoad(self.held.shapes, f"the checkpoint at {self.model_path}")
         """The weight-load protocol's state (version, sessions, staleness)."""
         self.released = ReleasedMemory()
         self.prefixes = KeptPrefixes(self.rollout.partial.keep_kv, self._launch.max_staleness)
         """Which weight loads flush the prefix cache (``rollout.partial.keep_kv``; off: every one)."""
-        dtype = torch_dtype(self._launch.dtype)
-        self.held: EngineTensors = engine_tensors(self._shapes, self._hf_config, dtype, dummy=self._dummy)
-        """What the engine holds per tensor (``check_manifest`` judges each sync's manifest against it)."""
         self._accepted: Manifest | None = None
         self._pairs = PairedLoads()
         self.lost: EngineLost | None = None
