@@ -20,7 +20,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     # package root, file helpers, every <package>/config.py, and the modules a section validates
     # against (the problem generators' names and arguments: pure Python, used by data.generator's check;
     # the SGLang CPU path a CPU job's engines take, and the compatibility module it reads, which imports
-    # nothing of the package)
+    # nothing of the package; the sampler's truncation, pure tensor math the rollout section names)
     (
         "grpo_megatron",
         "fileio",
@@ -28,6 +28,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
         "data.generators",
         "rollout.sglang.cpu_path",
         "rollout.sglang.compat",
+        "algorithm.truncation",
     ),
     ("distributed", "logging_utils", "algorithm", "rewards", "data"),
     ("models",),

@@ -84,9 +84,10 @@ def test_seeded_generation(moe_engine):
 
 @pytest.mark.parametrize("temperature", [1.0, 0.6])
 def test_sampled_logprobs_equal_teacher_forced_scores(moe_engine, temperature):
-    """Left-padded, KV-cached sampling reports the logprobs an unpadded forward computes."""
+    """Left-padded, KV-cached sampling reports the logprobs an unpadded forward computes (without
+    truncation: with it the sampled logprobs are the truncated distribution's, tests/test_truncation.py)."""
     engine, _ = moe_engine
-    params = SamplingParams(n=3, temperature=temperature, top_p=0.9, top_k=20, max_new_tokens=7, seed=3)
+    params = SamplingParams(n=3, temperature=temperature, max_new_tokens=7, seed=3)
     completions = engine.generate(PROMPTS, params)
     probe = probe_batch(PROMPTS, [[c.token_ids for c in g] for g in completions], size=100)
     scored = engine.score(probe.sequences, probe.prompt_lens, temperature)
@@ -183,7 +184,9 @@ def test_sample_next_filters_and_logprob_convention():
     ):
         token_r, lp_r = sample_next(logits_rv, params, torch.Generator().manual_seed(1))
         assert torch.equal(token_r, logits_rv.argmax(-1))
-        assert torch.allclose(lp_r, want_lp.gather(-1, token_r[:, None])[:, 0])
+        # truncated to one token: probability 1 (algorithm/truncation.py); greedy: the full distribution's
+        want = want_lp.gather(-1, token_r[:, None])[:, 0] if params.greedy else torch.zeros(6)
+        assert torch.allclose(lp_r, want)
     # top_k=3: only the three most likely tokens are ever drawn.
     top3 = torch.topk(logits_rv, 3, dim=-1).indices
     gen = torch.Generator().manual_seed(2)

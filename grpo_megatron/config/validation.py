@@ -71,6 +71,8 @@ def validate(cfg: JobConfig, world_size: int) -> None:
         errors.extend(sglang_rotary_errors(cfg, hf_config))
     if not failed & {"rollout", "model", "parallel"}:
         errors.extend(sglang_cpu_errors(cfg))
+    if not failed & {"rollout", "model", "parallel", "train"}:
+        errors.extend(true_on_policy_errors(cfg))
 
     if errors:
         raise ConfigError(errors)
@@ -298,6 +300,53 @@ def sglang_cpu_errors(cfg: JobConfig) -> list[str]:
     from grpo_megatron.rollout.sglang.cpu_path import cpu_path_errors, sglang_cpu_path
 
     return cpu_path_errors(sglang_cpu_path(r.sglang.cpu_path), cfg.model.dtype)
+
+
+def true_on_policy_errors(cfg: JobConfig) -> list[str]:
+    """``rollout.true_on_policy``: what the policy engine (the trainer's model generating,
+    training/policy_engine.py) and its bitwise agreement with the trainer need."""
+    r, p = cfg.rollout, cfg.parallel
+    if not r.true_on_policy:
+        return []
+    why = "rollout.true_on_policy=true (the trainer's own model generates, bitwise as it trains)"
+    rules = [
+        (
+            r.engine == "embedded",
+            "rollout.engine=sglang: SGLang's kernels are not the trainer's; set rollout.engine=embedded",
+        ),
+        (
+            not r.embedded_process,
+            "rollout.embedded_process=true: the policy engine is the trainer's model, in its "
+            "process; set rollout.embedded_process=false",
+        ),
+        (
+            cfg.train.max_staleness == 0 and not r.partial.enabled,
+            "train.max_staleness > 0 or rollout.partial.enabled: the policy generates with the weights it "
+            "trains, "
+            "not one version behind; set train.max_staleness=0 and rollout.partial.enabled=false",
+        ),
+        (
+            p.pp == 1 and p.cp == 1,
+            f"parallel.pp={p.pp}, parallel.cp={p.cp}: decode steps run one stage on "
+            "whole sequences; set parallel.pp=1 and parallel.cp=1",
+        ),
+        (
+            p.tp <= 2,
+            f"parallel.tp={p.tp}: a sum over more than two tensor-parallel ranks depends on its order; "
+            "set parallel.tp to 1 or 2",
+        ),
+        (
+            cfg.model.transformer_impl != "transformer_engine",
+            "model.transformer_impl=transformer_engine: the batch-invariant attention is the local layer "
+            "spec's; set model.transformer_impl=local",
+        ),
+        (
+            not r.multiturn.enabled,
+            "rollout.multiturn.enabled=true: a tool call ends on a stop string, which the "
+            "policy engine does not match; set rollout.multiturn.enabled=false",
+        ),
+    ]
+    return [f"{why}: {message}" for ok, message in rules if not ok]
 
 
 def overlong_errors(cfg: JobConfig) -> list[str]:

@@ -129,9 +129,16 @@ def build_transformer_config(
 
 
 def build_gpt_model(
-    hf: Mapping[str, Any], model_cfg: ModelConfig, ps: ParallelState, *, vp_stage: int | None = None
+    hf: Mapping[str, Any],
+    model_cfg: ModelConfig,
+    ps: ParallelState,
+    *,
+    vp_stage: int | None = None,
+    key_length: int | None = None,
 ) -> tuple[GPTModel, PolicySpec]:
-    """This rank's ``GPTModel`` (its pipeline stage, its TP/EP shards) and the derived spec."""
+    """This rank's ``GPTModel`` (its pipeline stage, its TP/EP shards) and the derived spec.
+    ``key_length``: batch-invariant attention over that many key positions (``rollout.true_on_policy``,
+    models/batch_invariant.py); local layer spec only."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
@@ -146,13 +153,24 @@ def build_gpt_model(
         # megatron's torch norm keeps an fp32 weight in a bf16 model and computes otherwise than
         # the HF models the rollout engines run (models/local_norm.py).
         use_local_rms_norm(block_spec)
+    if key_length is not None and use_te:
+        raise ValueError(
+            "batch-invariant attention (rollout.true_on_policy) needs model.transformer_impl=local"
+        )
     if not use_te:
+        from megatron.core.transformer.spec_utils import ModuleSpec
+
         from grpo_megatron.models.local_attention import LocalCoreAttention
 
         # megatron's local DotProductAttention refuses packed sequences and context parallelism, and
         # cannot take MLA's distinct key/value head widths (models/local_attention.py).
+        core: Any = (
+            LocalCoreAttention
+            if key_length is None
+            else ModuleSpec(module=LocalCoreAttention, params={"key_length": key_length})
+        )
         for layer_spec in block_spec.layer_specs:
-            layer_spec.submodules.self_attention.submodules.core_attention = LocalCoreAttention
+            layer_spec.submodules.self_attention.submodules.core_attention = core
     vocab = adapter.vocab_size(hf)
     padded = padded_vocab_size(vocab, model_cfg.make_vocab_size_divisible_by, ps.tp)
     model = GPTModel(

@@ -15,6 +15,9 @@ patching megatron); on GPUs with TransformerEngine, TE's attention is used inste
 - Context parallelism (packed only): this rank holds two chunks of every segment
   (distributed/context_parallel.py); keys and values are gathered over the CP group and each local
   query attends to the keys at or before its position in its segment.
+- Batch-invariant (``key_length`` set: ``rollout.true_on_policy``): each segment, or right-padded
+  row, through ``models/batch_invariant.py:aligned_attention``, whose result for a query does not
+  depend on the segment's length or on the other segments.
 
 Shape legend: S sequence, B batch, T packed tokens (L of them on this CP rank), H attention heads
 on this TP rank (Hkv key/value heads), Dk query/key head width, Dv value head width.
@@ -136,8 +139,11 @@ class LocalCoreAttention(MegatronModule):
         v_channels: int | None = None,
         cp_comm_type: str | None = None,
         pg_collection: Any = None,
+        key_length: int | None = None,
     ) -> None:
         super().__init__(config=config)
+        self.key_length = key_length
+        """Batch-invariant attention over this many key positions (``rollout.true_on_policy``); None: SDPA."""
         if config.window_size is not None:
             raise ValueError("LocalCoreAttention has no sliding window: use TransformerEngine")
         k_channels = k_channels or config.kv_channels
@@ -170,6 +176,8 @@ class LocalCoreAttention(MegatronModule):
             cu_seqlens = packed_seq_params.cu_seqlens_q_padded
             if cu_seqlens is None:
                 cu_seqlens = packed_seq_params.cu_seqlens_q
+            if self.key_length is not None:
+                return self._aligned(query, key, value, cu_seqlens.tolist()).reshape(query.shape[0], -1)
             out_lhd = segment_attention(
                 query,
                 key,
@@ -185,6 +193,9 @@ class LocalCoreAttention(MegatronModule):
                 "LocalCoreAttention: context parallelism needs packed sequences (train.packing=true)"
             )
         s, b, h, _ = query.shape
+        if self.key_length is not None:  # every row a segment of length s: right padding comes after
+            rows = [self._aligned(query[:, i], key[:, i], value[:, i], [0, s]) for i in range(b)]
+            return torch.stack(rows, dim=1).reshape(s, b, -1)
         groups = h // key.shape[2]
         q_bhsd, k_bhsd, v_bhsd = (t.permute(1, 2, 0, 3) for t in (query, key, value))
         if groups > 1:
@@ -201,6 +212,25 @@ class LocalCoreAttention(MegatronModule):
             scale=self.softmax_scale,
         )
         return out_bhsd.permute(2, 0, 1, 3).reshape(s, b, -1)
+
+    def _aligned(
+        self, query_lhd: torch.Tensor, key_lhd: torch.Tensor, value_lhd: torch.Tensor, bounds: list[int]
+    ) -> torch.Tensor:
+        """Batch-invariant attention of each segment ``bounds[i] .. bounds[i+1]`` (``key_length`` set)."""
+        from grpo_megatron.models.batch_invariant import aligned_attention
+
+        assert self.key_length is not None
+        out_lhd = query_lhd.new_empty((*query_lhd.shape[:2], value_lhd.shape[2]))
+        for start, end in zip(bounds[:-1], bounds[1:], strict=True):
+            if end > start:
+                out_lhd[start:end] = aligned_attention(
+                    query_lhd[start:end],
+                    key_lhd[start:end],
+                    value_lhd[start:end],
+                    scale=self.softmax_scale,
+                    key_length=self.key_length,
+                )
+        return out_lhd
 
 
 # The name of the MLA-only module this one grew from.

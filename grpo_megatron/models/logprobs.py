@@ -36,6 +36,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from grpo_megatron.algorithm.truncation import Truncation, truncated_logprobs
+
 # fp32 logits per chunk: 16M elements = 64 MiB (about 110 tokens of a 152k vocabulary).
 CHUNK_ELEMENTS = 1 << 24
 
@@ -172,6 +174,7 @@ def vocab_parallel_logprobs(
     temperature: float = 1.0,
     with_entropy: bool = False,
     vocab_size: int | None = None,
+    truncation: Truncation | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log p(labels) and optionally the entropy H of softmax(logits / temperature), per token.
 
@@ -179,9 +182,76 @@ def vocab_parallel_logprobs(
     (computed in fp32 chunk by chunk).
     ``vocab_size``: the real (unpadded) vocabulary; padded columns get -inf so they carry no
     probability, as in the HF model and the rollout engine.
+    ``truncation`` (active): the logprobs are those of the truncated, renormalised distribution a
+    top-k / top-p / min-p sampler draws from (``algorithm/truncation.py``), over the whole vocabulary
+    gathered chunk by chunk (``truncated_logprobs_bs``); the entropy stays the full distribution's.
     Returns fp32 ``logprobs_bs`` and ``entropy_bs`` (or None).
     """
     logprobs_bs, entropy_bs = _VocabParallelLogprobEntropy.apply(
         logits_bsvt, labels_bs, vocab_start, vocab_size, temperature, tp_group, with_entropy
     )
+    if truncation is not None and truncation.active:
+        logprobs_bs = truncated_logprobs_bs(
+            logits_bsvt,
+            labels_bs,
+            truncation,
+            temperature=temperature,
+            vocab_size=vocab_size,
+            tp_group=tp_group,
+        )
     return logprobs_bs, entropy_bs if with_entropy else None
+
+
+class _GatherVocab(torch.autograd.Function):
+    """Every TP rank's vocabulary slice, concatenated; backward keeps this rank's slice of the gradient
+    without communication (every TP rank computes the same loss from the gathered logits)."""
+
+    @staticmethod
+    def forward(ctx: Any, logits_xvt: torch.Tensor, tp_group: dist.ProcessGroup) -> torch.Tensor:
+        parts = [torch.empty_like(logits_xvt) for _ in range(dist.get_world_size(tp_group))]
+        dist.all_gather(parts, logits_xvt.contiguous(), group=tp_group)
+        ctx.start, ctx.width = dist.get_rank(tp_group) * logits_xvt.shape[-1], logits_xvt.shape[-1]
+        return torch.cat(parts, dim=-1)
+
+    @staticmethod
+    def backward(ctx: Any, grad_xv: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad_xv[..., ctx.start : ctx.start + ctx.width].contiguous(), None
+
+
+TRUNCATED_FLOOR = -100.0
+"""The trainer's logprob of a token its own truncation drops (an engine with other numerics kept it):
+exp(-100) ~ 0 as a probability, but finite, so that ratios, mismatch metrics and their sums stay so."""
+
+
+def truncated_logprobs_bs(
+    logits_bsvt: torch.Tensor,
+    labels_bs: torch.Tensor,
+    truncation: Truncation,
+    *,
+    temperature: float,
+    vocab_size: int | None,
+    tp_group: dist.ProcessGroup | None,
+) -> torch.Tensor:
+    """``log q(label)`` per token (``algorithm/truncation.py``) from this rank's vocabulary slice: each
+    chunk of tokens' slices gathered over TP (differentiable: ``_GatherVocab``), the padded
+    columns at -inf, floored at ``TRUNCATED_FLOOR``. Every rank computes the same values."""
+    b, s, vt = logits_bsvt.shape
+    tp = 1 if tp_group is None else dist.get_world_size(tp_group)
+    out_bs = torch.empty((b, s), dtype=torch.float32, device=logits_bsvt.device)
+    pieces = []
+    for rows, pos in token_chunks(b, s, vt * tp):
+        chunk_cvt = logits_bsvt[rows, pos]
+        if tp > 1:
+            chunk_cvt = _GatherVocab.apply(chunk_cvt, tp_group)
+        z_rv = chunk_cvt.float().flatten(0, 1) / temperature
+        if vocab_size is not None and vocab_size < z_rv.shape[-1]:
+            z_rv = z_rv.masked_fill(
+                torch.arange(z_rv.shape[-1], device=z_rv.device) >= vocab_size, float("-inf")
+            )
+        logp_r = truncated_logprobs(z_rv, labels_bs[rows, pos].flatten(), truncation).clamp(
+            min=TRUNCATED_FLOOR
+        )
+        pieces.append((rows, pos, logp_r.view(chunk_cvt.shape[:2])))
+    for rows, pos, logp_cs in pieces:
+        out_bs = out_bs.index_put((torch.arange(b)[rows][:, None], torch.arange(s)[pos][None, :]), logp_cs)
+    return out_bs

@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, NamedTuple
 
+from grpo_megatron.algorithm.truncation import Truncation
+
 
 @dataclass
 class MultiTurnConfig:
@@ -84,7 +86,8 @@ class PartialConfig:
     """The most new tokens a response gets per segment (one engine request); between two segments the
     weights may change, so its later tokens may be sampled by a newer version."""
     groups_in_flight: int = 0
-    """Groups in the pool (each iteration tops it up with new prompts); 0 = 2 x train.prompts_per_iteration."""
+    """Groups in the pool (each iteration tops it up with new prompts); 0 = 2 x
+    train.prompts_per_iteration."""
     overlap: bool = False
     """With engines in processes of their own (rollout.embedded_process, or rollout.engine=sglang): each
     iteration submits the pool's next segment round before it trains, so the engines generate while the
@@ -247,13 +250,15 @@ class RolloutConfig:
     temperature: float = 1.0
     """Sampling temperature; 1.0 samples from the policy itself, as the GRPO objective assumes."""
     top_p: float = 1.0
-    """Nucleus sampling mass; must stay 1.0 (disabled) for training. With top_p < 1 or top_k > 0 the
-    engine samples from a truncated, renormalised distribution while the trainer's logprobs (and the
-    engine's own, by the shared convention) are over the full vocabulary, so the importance ratio
-    pi_theta / pi_sampler would be biased; the config refuses the combination rather than apply the
-    truncation in the trainer (which needs each step's kept-token set from the engine)."""
+    """Nucleus sampling mass (1.0: off). With top_p < 1, top_k > 0 or min_p > 0 the engine samples from
+    the truncated, renormalised distribution and reports its logprobs, and every trainer pass computes
+    the logprobs of the same truncation at its own weights, so the importance ratio stays that of the
+    distribution sampled (``algorithm/truncation.py``). The embedded and policy engines only: SGLang
+    reports the full distribution's logprobs."""
     top_k: int = -1
-    """Sample from the k most likely tokens; must stay -1 (disabled), for the reason under top_p."""
+    """Sample from the k most likely tokens (-1: off); see top_p."""
+    min_p: float = 0.0
+    """Keep tokens with at least min_p times the most likely one's probability (0: off); see top_p."""
     max_new_tokens: int = 1024
     """Longest response generated per sample."""
     placement: Literal["per_dp_rank", "per_node", "per_rank"] = "per_dp_rank"
@@ -279,6 +284,15 @@ class RolloutConfig:
     intel_amx path (a CPU with AMX)."""
     engine_device: Literal["auto", "cpu"] = "auto"
     """Where an embedded engine runs: auto = this rank's device (its GPU, else CPU); cpu = always CPU."""
+    true_on_policy: bool = False
+    """The trainer's own megatron-core model generates (training/policy_engine.py: every rank together,
+    each data-parallel replica its prompts), with batch-invariant numerics in it and in every trainer
+    pass (models/batch_invariant.py): each behaviour logprob then equals, bit for bit, the trainer's
+    logprob of that token at the same weights, so the first mini-batch's importance ratio is exactly 1
+    and every ``mismatch/*`` metric exactly 0, MoE routes agreeing without replay. Costs a full forward
+    of every prefix per decoded token (no KV cache). Needs rollout.engine=embedded in this process, no
+    asynchronous or partial rollouts (rollout.partial), PP 1, CP 1, TP at most 2
+    (``config/validation.py``)."""
     embedded_process: bool = False
     """Run each embedded engine in a process of its own, on CPU (rollout/engine_process.py), so that it
     generates while the trainer trains: the loop becomes a producer of scored groups and a consumer
@@ -326,6 +340,11 @@ class RolloutConfig:
     weight sync, no held-out evaluation; each iteration's scored groups are read from the dump. On the
     dumped run's layout and config the losses and gradient norms equal its own bit for bit. slime's
     --load-debug-rollout-data with --debug-train-only. Empty = generate."""
+
+    @property
+    def truncation(self) -> Truncation:
+        """The sampler's top-k / top-p / min-p (``algorithm/truncation.py``)."""
+        return Truncation(self.top_k, self.top_p, self.min_p)
 
     @property
     def response_budget(self) -> ResponseBudget:
@@ -377,17 +396,17 @@ class RolloutConfig:
             )
         if self.temperature <= 0:
             errors.append(f"rollout.temperature={self.temperature} must be > 0 (1.0 samples from the policy)")
-        if self.top_p != 1.0:
+        if not 0 < self.top_p <= 1 or not 0 <= self.min_p < 1 or self.top_k == 0 or self.top_k < -1:
             errors.append(
-                f"rollout.top_p={self.top_p} must be 1.0: the engine would sample from the nucleus while the "
-                "trainer's logprobs cover the full vocabulary, which biases the importance ratio; use "
-                "rollout.temperature to sharpen sampling instead"
+                f"rollout.top_p={self.top_p}, top_k={self.top_k}, min_p={self.min_p}: top_p must be in "
+                "(0, 1] (1: off), top_k -1 (off) or >= 1, min_p in [0, 1) (0: off)"
             )
-        if self.top_k != -1:
+        if self.truncation.active and self.engine == "sglang":
             errors.append(
-                f"rollout.top_k={self.top_k} must be -1 (disabled): the engine would sample from the top k "
-                "tokens while the trainer's logprobs cover the full vocabulary, which biases the importance "
-                "ratio; use rollout.temperature to sharpen sampling instead"
+                f"rollout.top_p={self.top_p}, top_k={self.top_k}, min_p={self.min_p} with "
+                "rollout.engine=sglang: SGLang reports the logprobs of the full distribution, not of the "
+                "truncated one it samples from, which biases the importance ratio; use "
+                "rollout.engine=embedded, or turn truncation off (rollout.temperature sharpens sampling)"
             )
         if self.max_new_tokens < 1:
             errors.append(f"rollout.max_new_tokens={self.max_new_tokens} must be >= 1")

@@ -4,7 +4,8 @@ The default engine on CPU (and usable on one GPU for small runs). It samples eve
 a ``generate`` call together (left-padded, with an attention mask and a KV cache; each prompt's
 prefill runs once and its cache is repeated for its n rows; rows that finish leave the batch), with
 a ``torch.Generator`` of its own so the trainer's global RNG stream is never touched. Logprobs follow the trainer's convention (``rollout/engine.py``): ``log_softmax(logits / T)``
-at the sampled token, before top-k / top-p filtering.
+at the sampled token, over the truncated distribution where top-k / top-p / min-p truncate it
+(``algorithm/truncation.py``, as the trainer's passes compute them).
 
 Weights arrive under Hugging Face *checkpoint* names (``mlp.experts.3.gate_proj.weight``), while
 transformers 5 keeps MoE experts fused in memory (``mlp.experts.gate_up_proj [E, 2I, H]``). Rather
@@ -27,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from grpo_megatron.algorithm.truncation import keep_mask, truncated_logprobs
 from grpo_megatron.rollout.engine import (
     Bucket,
     Completion,
@@ -169,29 +171,23 @@ def sample_next(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sample one token per row; return ``(token_r, logprob_r)``.
 
-    The logprob is ``log_softmax(logits / T)`` at the token (the trainer's convention), whatever
-    filtering chose it; top-k then top-p filter the tempered distribution that is sampled.
+    The logprob is ``log_softmax(logits / T)`` at the token (the trainer's convention); with top-k,
+    top-p or min-p (``SamplingParams.truncation``) the token is sampled from the truncated,
+    renormalised distribution and its logprob is that distribution's (``algorithm/truncation.py``),
+    which the trainer's passes compute too. Greedy: the argmax, with the full distribution's logprob.
     """
     scaled_rv = logits_rv.float() / params.temperature
-    logprobs_rv = torch.log_softmax(scaled_rv, dim=-1)
-    if params.greedy:
-        token_r = logits_rv.argmax(dim=-1)
-    else:
-        filtered_rv = scaled_rv
-        if params.top_k > 0 and params.top_k < filtered_rv.shape[-1]:
-            kth_r1 = torch.topk(filtered_rv, params.top_k, dim=-1).values[:, -1:]
-            filtered_rv = filtered_rv.masked_fill(filtered_rv < kth_r1, float("-inf"))
-        if params.top_p < 1.0:
-            sorted_rv, order_rv = torch.sort(filtered_rv, dim=-1, descending=True)
-            probs_rv = torch.softmax(sorted_rv, dim=-1)
-            # Drop a token once the mass before it already reaches top_p (the first token always stays).
-            drop_rv = (probs_rv.cumsum(dim=-1) - probs_rv) >= params.top_p
-            drop_rv = drop_rv.scatter(-1, order_rv, drop_rv)
-            filtered_rv = filtered_rv.masked_fill(drop_rv, float("-inf"))
-        # Unfiltered (the full vocabulary): the probabilities are the logprobs' exp, no second softmax.
-        probs_rv = logprobs_rv.exp() if filtered_rv is scaled_rv else torch.softmax(filtered_rv, dim=-1)
-        token_r = torch.multinomial(probs_rv, 1, generator=generator)[:, 0]
-    return token_r, logprobs_rv.gather(-1, token_r[:, None])[:, 0]
+    truncation = params.truncation
+    if params.greedy or not truncation.active:
+        logprobs_rv = torch.log_softmax(scaled_rv, dim=-1)
+        if params.greedy:
+            token_r = logits_rv.argmax(dim=-1)
+        else:
+            token_r = torch.multinomial(logprobs_rv.exp(), 1, generator=generator)[:, 0]
+        return token_r, logprobs_rv.gather(-1, token_r[:, None])[:, 0]
+    kept_rv = scaled_rv.masked_fill(~keep_mask(scaled_rv, truncation), float("-inf"))
+    token_r = torch.multinomial(torch.softmax(kept_rv, dim=-1), 1, generator=generator)[:, 0]
+    return token_r, truncated_logprobs(scaled_rv, token_r, truncation)
 
 
 class EmbeddedEngine(RolloutEngine):

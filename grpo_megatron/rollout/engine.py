@@ -22,6 +22,8 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
+from grpo_megatron.algorithm.truncation import Truncation
+
 if TYPE_CHECKING:
     from grpo_megatron.models.config import ModelConfig
     from grpo_megatron.rollout.config import RolloutConfig
@@ -128,6 +130,9 @@ class SamplingParams:
     """Nucleus mass in (0, 1]; 1.0 disables it."""
     top_k: int = -1
     """-1 disables it."""
+    min_p: float = 0.0
+    """0 disables it. With any of the three the engine samples from, and reports the logprobs of, the
+    truncated, renormalised distribution (``algorithm/truncation.py``)."""
     max_new_tokens: int = 128
     max_new_tokens_each: tuple[int, ...] | None = None
     """Each prompt's own limit, in prompt order (at most ``max_new_tokens``, at least 1): the turns of
@@ -152,6 +157,10 @@ class SamplingParams:
     row as one batch, instead of left-padding every prompt to the longest for one prefill: a continuous
     round's new responses beside long continued ones (``rollout.partial.one_request``). Rows are then
     sampled in length order. SGLang batches ragged prompts by itself and ignores it."""
+
+    @property
+    def truncation(self) -> Truncation:
+        return Truncation(self.top_k, self.top_p, self.min_p)
 
     def budgets(self, num_prompts: int) -> list[int]:
         """Each of ``num_prompts`` prompts' ``max_new_tokens`` (``max_new_tokens_each``, else the same)."""
@@ -330,6 +339,10 @@ class WeightSink(abc.ABC):
 
 class RolloutEngine(WeightSink):
     """A generator of responses that takes Hugging Face-named weights from the trainer."""
+
+    collective: bool = False
+    """Every rank's engine takes part in every call (the policy engine of ``rollout.true_on_policy``:
+    its decode steps are collectives), so the fleet calls it with an empty share too."""
 
     @abc.abstractmethod
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[list[Completion]]:

@@ -168,15 +168,18 @@ class RolloutFleet:
         tokenizer: PreTrainedTokenizerBase | None = None,
         placement: RolloutPlacement | None = None,
         resync: Resync | None = None,
+        engine: RolloutEngine | None = None,
     ) -> RolloutFleet:
         """Collective: create this rank's engine (if any) where ``placement`` puts it (None: decided
         here, ``rollout/placement.py``), the engines' process groups, the weight sync and the engine
-        recovery. ``resync``: what a restarted engine is given (None: no engine is restarted)."""
-        engine, member, error = None, None, None
+        recovery. ``resync``: what a restarted engine is given (None: no engine is restarted);
+        ``engine``: this rank's engine, made by the caller (the policy engine of
+        ``rollout.true_on_policy``, which the job builds over its policy: rollout/policy_engine.py)."""
+        member, error = None, None
         # The placement is a pure function of the config and the launch: every rank decides alike.
         placement = placement or runtime_placement(spec, ps, hf)
         try:
-            engine = make_engine(spec, hf, ps, tokenizer, placement)
+            engine = engine or make_engine(spec, hf, ps, tokenizer, placement)
             member = make_sync_member(spec, ps, placement) if engine is None else None
         except Exception as exc:  # reported on every rank by _agree, so no rank hangs
             error = describe(exc)
@@ -321,7 +324,9 @@ class RolloutFleet:
         prompts, seeded = pending.share
         pending.life, pending.lost, pending.error = self.engine.life, None, None
         try:
-            pending.local = self.engine.submit(prompts, seeded) if prompts else lambda: []
+            pending.local = (
+                self.engine.submit(prompts, seeded) if prompts or self.engine.collective else lambda: []
+            )
         except EngineLost as exc:
             pending.lost = exc
         except Exception as exc:

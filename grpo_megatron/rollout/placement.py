@@ -209,6 +209,11 @@ def decide_placement(
     if rollout.engine == "embedded":
         ranks = embedded_engines(rollout.placement, world_size, gpus_per_node, tp, pp, cp)
         why["engines"] = f"rollout.placement={rollout.placement}"
+        if rollout.true_on_policy:  # the policy engine: every rank takes part in every decode step
+            ranks, why["engines"] = (
+                list(range(world_size)),
+                "rollout.true_on_policy: the policy on every rank",
+            )
         return RolloutPlacement(
             "embedded",
             "colocated",

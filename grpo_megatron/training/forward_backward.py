@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from grpo_megatron.algorithm.truncation import Truncation
 from grpo_megatron.distributed.bootstrap import ParallelState
 from grpo_megatron.distributed.collectives import collective_device
 from grpo_megatron.distributed.context_parallel import gather_outputs, local_index
@@ -219,11 +220,13 @@ class _Runner:
         temperature: float,
         with_entropy: bool,
         routing: RoutingPass | None = None,
+        truncation: Truncation | None = None,
     ) -> None:
         self.chunks = model if isinstance(model, list) else [model]
         self.ps = ps
         self.vocab_size = vocab_size
         self.temperature = temperature
+        self.truncation = truncation
         self.with_entropy = with_entropy
         self.routing = routing
 
@@ -237,6 +240,7 @@ class _Runner:
             tp_group=self.ps.tp_group,
             vocab_start=vocab_start,
             temperature=self.temperature,
+            truncation=self.truncation,
             with_entropy=self.with_entropy,
             vocab_size=self.vocab_size,
         )
@@ -328,11 +332,19 @@ def forward_logprobs(
     temperature: float = 1.0,
     with_entropy: bool = False,
     routing: RoutingPass | None = None,
+    truncation: Truncation | None = None,
 ) -> list[LogprobOutput]:
     """Forward-only logprobs (and entropy) of each micro-batch's labels, on every rank. ``routing``:
-    the MoE routing of the pass (replay, recording), see ``models/routing.py``."""
+    the MoE routing of the pass (replay, recording), see ``models/routing.py``. ``truncation``: the
+    logprobs of the sampler's truncated distribution (``algorithm/truncation.py``)."""
     runner = _Runner(
-        model, ps, vocab_size=vocab_size, temperature=temperature, with_entropy=with_entropy, routing=routing
+        model,
+        ps,
+        vocab_size=vocab_size,
+        temperature=temperature,
+        with_entropy=with_entropy,
+        routing=routing,
+        truncation=truncation,
     )
 
     def loss_func(
@@ -350,6 +362,57 @@ def forward_logprobs(
     return [LogprobOutput(r["logprobs"], r.get("entropy")) for r in results]
 
 
+@torch.no_grad()
+def forward_last_logits(
+    model: torch.nn.Module, microbatches: Sequence[MicroBatch], ps: ParallelState
+) -> list[torch.Tensor]:
+    """Forward-only, packed micro-batches: the logits at each row's last token, ``[B, Vt]`` (this TP
+    rank's vocabulary slice), on every rank, through the same padding and model call as the trainer's
+    passes: what a decode step of ``training/policy_engine.py`` samples from."""
+    runner = _Runner(model, ps, vocab_size=0, temperature=1.0, with_entropy=False)
+
+    def loss_func(
+        p: _Padded, logits_bsvt: torch.Tensor, non_loss_data: bool = True
+    ) -> dict[str, torch.Tensor]:
+        if p.layout is None or ps.cp > 1:
+            raise ValueError("forward_last_logits takes packed micro-batches without context parallelism")
+        sizes = torch.tensor(p.layout.sizes)
+        ends_b = sizes.cumsum(0) - sizes + torch.tensor(p.layout.lengths) - 1
+        return {"logits": logits_bsvt[0, ends_b.to(logits_bsvt.device)]}
+
+    model.eval()
+    return [r["logits"] for r in runner.run(microbatches, loss_func, forward_only=True)]
+
+
+@dataclass
+class TrainerForward:
+    """The trainer's model as the policy engine sees it (``rollout/policy_engine.py:PolicyForward``):
+    rows packed into one micro-batch, as a training pass packs them; collective over every rank."""
+
+    model: torch.nn.Module
+    ps: ParallelState
+    vocab_size: int
+
+    def last_logits(self, rows: Sequence[Sequence[int]]) -> torch.Tensor:
+        packed = PackedRows(tuple(len(r) for r in rows))
+        tokens_t = torch.tensor([t for r in rows for t in r])
+        mb = MicroBatch(tokens_t[None], torch.zeros_like(tokens_t)[None], packed=packed)
+        return forward_last_logits(self.model, [mb], self.ps)[0]
+
+    def logprobs(
+        self, sequences: Sequence[Sequence[int]], prompt_lens: Sequence[int], temperature: float
+    ) -> list[list[float]]:
+        packed = PackedRows(tuple(len(s) - 1 for s in sequences))
+        inputs_t = torch.tensor([t for s in sequences for t in s[:-1]])
+        labels_t = torch.tensor([t for s in sequences for t in s[1:]])
+        mb = MicroBatch(inputs_t[None], labels_t[None], packed=packed)
+        (out,) = forward_logprobs(
+            self.model, [mb], self.ps, vocab_size=self.vocab_size, temperature=temperature
+        )
+        rows = out.logprobs_bs.tolist()
+        return [row[n - 1 : len(s) - 1] for row, s, n in zip(rows, sequences, prompt_lens, strict=True)]
+
+
 def forward_backward(
     model: torch.nn.Module | list[torch.nn.Module],
     microbatches: Sequence[MicroBatch],
@@ -360,12 +423,20 @@ def forward_backward(
     temperature: float = 1.0,
     with_entropy: bool = False,
     routing: RoutingPass | None = None,
+    truncation: Truncation | None = None,
 ) -> list[dict[str, float]]:
     """Forward and backward of ``loss_fn`` over all micro-batches; gradients accumulate in the model
     (``param.main_grad`` under megatron's DDP). Returns each micro-batch's metrics on every rank.
-    ``routing``: the MoE routing of the pass (replay, recording), see ``models/routing.py``."""
+    ``routing``: the MoE routing of the pass (replay, recording), see ``models/routing.py``.
+    ``truncation``: the logprobs of the sampler's truncated distribution (``algorithm/truncation.py``)."""
     runner = _Runner(
-        model, ps, vocab_size=vocab_size, temperature=temperature, with_entropy=with_entropy, routing=routing
+        model,
+        ps,
+        vocab_size=vocab_size,
+        temperature=temperature,
+        with_entropy=with_entropy,
+        routing=routing,
+        truncation=truncation,
     )
 
     def loss_func(

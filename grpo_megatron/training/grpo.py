@@ -142,6 +142,7 @@ def run_iteration(job: Job, source: GroupSource, probe: ProbeBatch, it: int, tim
         policy.spec.vocab_size,
         cfg.rollout.temperature,
         RoutingReplay(cfg.algorithm.routing_replay, ps, policy.spec.num_experts),
+        cfg.rollout.truncation,
     )
     with timer("ref_logprob"), job.reference_on_device() as reference:
         if reference is not None:

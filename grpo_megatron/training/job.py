@@ -385,7 +385,15 @@ def _models(
     from grpo_megatron.training.policy import build_policy
 
     ps, hf = start.ps, start.hf
-    policy = build_policy(hf, cfg.model, cfg.parallel, cfg.train, ps)
+    key_length = None
+    if cfg.rollout.true_on_policy:
+        from grpo_megatron.models.batch_invariant import BatchInvariantMode, key_width
+
+        # From here on every product of this process is batch-invariant: the trainer's passes compute
+        # what the policy engine computes (models/batch_invariant.py, rollout/policy_engine.py).
+        BatchInvariantMode().__enter__()
+        key_length = key_width(cfg.data.max_prompt_tokens + cfg.rollout.response_budget.tokens)
+    policy = build_policy(hf, cfg.model, cfg.parallel, cfg.train, ps, key_length=key_length)
     start.beat("policy")
     with start.long_phase("initial weights", cfg.parallel.long_phase_timeout_s):
         loaded = load_initial_weights(policy.model, cfg.model, ps, hf)
@@ -408,12 +416,20 @@ def _models(
     placement = runtime_placement(spec, ps, hf)
     memory = ColocatedMemory(policy, None, placement.phases())
     resync = Resync(policy.model, memory.sync_visit) if restarts else None  # what a restarted engine is given
+    engine = None
+    if cfg.rollout.true_on_policy:
+        from grpo_megatron.rollout.policy_engine import PolicyEngine
+        from grpo_megatron.training.forward_backward import TrainerForward
+
+        engine = PolicyEngine(
+            TrainerForward(policy.model, ps, policy.spec.vocab_size), ps, policy.spec.vocab_size
+        )
     with start.long_phase(
         "engines", cfg.parallel.long_phase_timeout_s
     ):  # an engine's start blocks in one call
         fleet = memory.start_engines(
             lambda: RolloutFleet.build(
-                spec, hf, ps, tokenizer=start.tokenizer, placement=placement, resync=resync
+                spec, hf, ps, tokenizer=start.tokenizer, placement=placement, resync=resync, engine=engine
             )
         )
     start.beat("engines")

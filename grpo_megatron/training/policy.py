@@ -77,14 +77,21 @@ class Policy:
 
 
 def build_policy(
-    hf: Mapping[str, Any], model: ModelConfig, parallel: ParallelConfig, train: TrainConfig, ps: ParallelState
+    hf: Mapping[str, Any],
+    model: ModelConfig,
+    parallel: ParallelConfig,
+    train: TrainConfig,
+    ps: ParallelState,
+    *,
+    key_length: int | None = None,
 ) -> Policy:
     """This rank's shard of the policy, with DDP gradient buffers and a (distributed) Adam
-    (``parallel.use_distributed_optimizer``) at ``train``'s optimizer settings and LR schedule."""
+    (``parallel.use_distributed_optimizer``) at ``train``'s optimizer settings and LR schedule.
+    ``key_length``: batch-invariant attention (``rollout.true_on_policy``, models/batch_invariant.py)."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-    gpt, spec = build_gpt_model(hf, model, ps)
+    gpt, spec = build_gpt_model(hf, model, ps, key_length=key_length)
     tcfg = spec.transformer_config
     if model.lora.enabled:
         from grpo_megatron.models.lora import add_lora

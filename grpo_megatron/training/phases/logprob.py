@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
+from grpo_megatron.algorithm.truncation import Truncation
 from grpo_megatron.distributed.bootstrap import ParallelState
 from grpo_megatron.training.batching import LogprobKind, Sample, collate, scatter_logprobs
 from grpo_megatron.training.forward_backward import forward_logprobs
@@ -29,6 +30,9 @@ class PassSettings:
     """The rollout's sampling temperature: logprobs are of the logits divided by it."""
     replay: RoutingReplay
     """Each pass's MoE routing (training/route_replay.py)."""
+    truncation: Truncation = Truncation()
+    """The rollout's top-k / top-p / min-p: logprobs are of the truncated distribution it samples from
+    (``algorithm/truncation.py``); inactive by default."""
 
 
 @dataclass
@@ -63,6 +67,7 @@ def logprob_pass(
         settings.ps,
         vocab_size=settings.vocab_size,
         temperature=settings.temperature,
+        truncation=settings.truncation,
         routing=routing,
     )
     routing_metrics = settings.replay.end(routing, samples, rows, measure=kind == "old")

@@ -56,6 +56,7 @@ class Rollout:
             temperature=r.temperature,
             top_p=r.top_p,
             top_k=r.top_k,
+            min_p=r.min_p,
             max_new_tokens=r.max_new_tokens,
             stop_token_ids=(self.eos_id,),
             stop_strings=(r.multiturn.call_close,) if r.multiturn.enabled else (),

@@ -225,6 +225,7 @@ def update_policy(
             temperature=settings.temperature,
             with_entropy=True,
             routing=routing,
+            truncation=settings.truncation,
         )
         steps.append(policy.step())
     metrics = reduce_metrics(per_microbatch, LOSS_METRICS, ps, len(plan.rows)) | plan.metrics
