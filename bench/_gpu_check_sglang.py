@@ -303,7 +303,9 @@ def fp8_unsupported(device: str) -> str | None:
 
     if cpu_has_amx_support():
         return None
-    return "SGLang's CPU FP8 path needs AMX (its fp8.py asserts it); this CPU has none: run it on a Hopper GPU"
+    return (
+        "SGLang's CPU FP8 path needs AMX (its fp8.py asserts it); this CPU has none: run it on a Hopper GPU"
+    )
 
 
 def stage_sglang_fp8(args: argparse.Namespace, out: Path, stage: Any, env: dict[str, str]) -> None:
@@ -333,7 +335,10 @@ def stage_sglang_fp8(args: argparse.Namespace, out: Path, stage: Any, env: dict[
         )
         rc = _wait(run.start(), timeout_s=300)
         if rc != 0:
-            stage.status, stage.summary = "FAILED", f"rollout.weight_dtype={dtype}: exit {rc}:\n{_tail(run.log)}"
+            stage.status, stage.summary = (
+                "FAILED",
+                f"rollout.weight_dtype={dtype}: exit {rc}:\n{_tail(run.log)}",
+            )
             return
         runs[dtype] = run.metrics()
     stage.details = fp8_details(runs["model"], runs["fp8"])
@@ -361,12 +366,16 @@ def fp8_details(bf16: list[dict[str, Any]], fp8: list[dict[str, Any]]) -> dict[s
     details: dict[str, Any] = {}
     for name, records in (("bf16", bf16), ("fp8", fp8)):
         details[f"{name}_iterations"] = len(values(records, "iteration"))
-        details[f"{name}_probe_max"] = max(values(records, "mismatch/probe_abs_diff_max"), default=float("nan"))
+        details[f"{name}_probe_max"] = max(
+            values(records, "mismatch/probe_abs_diff_max"), default=float("nan")
+        )
         details[f"{name}_probe_mean"] = mean(values(records, "mismatch/probe_abs_diff_mean"))
         details[f"{name}_sync_s"] = mean(values(records, "sync/seconds", first=2))
         details[f"{name}_sync_bytes"] = mean(values(records, "sync/bytes"))
     details["fp8_masked_frac"] = mean(values(fp8, "off_policy/masked_frac"))
-    details["sync_ratio"] = details["fp8_sync_s"] / details["bf16_sync_s"] if details["bf16_sync_s"] else float("nan")
+    details["sync_ratio"] = (
+        details["fp8_sync_s"] / details["bf16_sync_s"] if details["bf16_sync_s"] else float("nan")
+    )
     return details
 
 
@@ -381,14 +390,18 @@ def fp8_problems(details: dict[str, Any]) -> list[str]:
     problems = []
     for name in ("bf16", "fp8"):
         if details[f"{name}_iterations"] < FP8_ITERATIONS:
-            problems.append(f"the {name} run logged {details[f'{name}_iterations']} iterations, not {FP8_ITERATIONS}")
+            problems.append(
+                f"the {name} run logged {details[f'{name}_iterations']} iterations, not {FP8_ITERATIONS}"
+            )
     gap, floor = details["fp8_probe_mean"], details["bf16_probe_mean"]
     if gap != gap:
         problems.append("the fp8 run logged no mismatch probe")
     elif gap > FP8_PROBE_MEAN_LIMIT:
         problems.append(f"fp8 probe mean {gap:.3f} > {FP8_PROBE_MEAN_LIMIT}")
     elif floor == floor and gap <= floor:
-        problems.append(f"fp8 probe mean {gap:.4f} not above bf16's {floor:.4f}: are the engines serving FP8?")
+        problems.append(
+            f"fp8 probe mean {gap:.4f} not above bf16's {floor:.4f}: are the engines serving FP8?"
+        )
     if details["fp8_masked_frac"] != details["fp8_masked_frac"]:
         problems.append("the fp8 run logged no off_policy/* metrics (IcePop should be on by default)")
     return problems

@@ -112,7 +112,9 @@ def test_stream_to_rank_1_with_a_cast_and_a_reused_plan(tmp_path: Path) -> None:
             torch.equal(a.view(torch.uint8), b.view(torch.uint8))
             for (_, a), (_, b) in zip(fp8, want, strict=True)
         )
-        assert [[n, list(t.shape), str(t.dtype)] for n, t in fp8] == [list(e) for e in r1["fp8_manifest"]], layout
+        assert [[n, list(t.shape), str(t.dtype)] for n, t in fp8] == [list(e) for e in r1["fp8_manifest"]], (
+            layout
+        )
         assert sum(t.dtype == torch.float8_e4m3fn for _, t in fp8) > 10, layout
 
 

@@ -62,13 +62,18 @@ def test_block_quantize_equals_sglangs_own_block_quantization_byte_for_byte(
             w = _weights(shape, i, dtype)
             q, s = block_quantize(w)
             q_sglang, s_sglang = bf16_to_block_fp8_128(w)
-            assert q.dtype == q_sglang.dtype == torch.float8_e4m3fn and s.dtype == s_sglang.dtype == torch.float32
+            assert (
+                q.dtype == q_sglang.dtype == torch.float8_e4m3fn
+                and s.dtype == s_sglang.dtype == torch.float32
+            )
             assert q.shape == q_sglang.shape and s.shape == s_sglang.shape == fp8.scale_shape(shape)
             assert torch.equal(q.view(torch.uint8), q_sglang.view(torch.uint8)), (shape, banded)
             assert torch.equal(s.view(torch.int32), s_sglang.view(torch.int32)), (shape, banded)
             # and it is the format: Q * s stays within half an e4m3 step (1/16) of each block's amax / 448 * 448
             err = (block_dequantize(q, s) - w.float()).abs()
-            bound = s.repeat_interleave(128, 0)[: shape[0]].repeat_interleave(128, 1)[:, : shape[1]] * 448 / 16
+            bound = (
+                s.repeat_interleave(128, 0)[: shape[0]].repeat_interleave(128, 1)[:, : shape[1]] * 448 / 16
+            )
             assert bool((err <= bound + 1e-30).all()), shape
 
 
@@ -101,7 +106,9 @@ def test_the_linear_layers_go_as_fp8_and_the_rest_as_it_is(model_type: str, tmp_
     experts = {n for n in quantized if ".experts." in n}
     assert experts and len(quantized) > len(experts)  # attention (MLA too) and experts
     if model_type == "deepseek_v3":  # exactly the tensors DeepSeek-V3's published files hold in float8
-        assert quantized == {n for n, s in names.items() if published_fp8_name(n, torch.empty(s, device="meta"))}
+        assert quantized == {
+            n for n, s in names.items() if published_fp8_name(n, torch.empty(s, device="meta"))
+        }
     manifest = [e for n, s in names.items() for e in rule.manifest(n, s, torch.bfloat16)]
     scales = {n: s for n, s, d in manifest if d == torch.float32}
     assert set(scales) == {fp8.scale_name(n) for n in quantized}
@@ -139,7 +146,9 @@ def _checkpoint(tmp_path: Path, quantized: bool) -> tuple[dict[str, tuple[int, .
 
 
 @pytest.mark.parametrize("quantized_checkpoint", [False, True])
-def test_an_fp8_engine_judges_the_manifest_with_its_scales(tmp_path: Path, quantized_checkpoint: bool) -> None:
+def test_an_fp8_engine_judges_the_manifest_with_its_scales(
+    tmp_path: Path, quantized_checkpoint: bool
+) -> None:
     """An FP8 engine on dummy weights, from a bf16 checkpoint or a block-FP8 one: the quantized
     manifest passes; a bf16 weight where it holds float8, scales left out, scales of another grid, or
     float8 where it holds bf16 (a norm) are refused before any byte moves, each named."""
@@ -147,7 +156,12 @@ def test_an_fp8_engine_judges_the_manifest_with_its_scales(tmp_path: Path, quant
     rule = engine_fp8(True, hf)
     assert rule is not None
     held = engine_tensors(shapes, hf, torch.bfloat16, dummy=True, fp8=rule)
-    manifest = [e for n, s in shapes.items() if not n.endswith("_scale_inv") for e in rule.manifest(n, s, torch.bfloat16)]
+    manifest = [
+        e
+        for n, s in shapes.items()
+        if not n.endswith("_scale_inv")
+        for e in rule.manifest(n, s, torch.bfloat16)
+    ]
     assert manifest_errors(manifest, held, None, "ckpt") == []
     weight = "model.layers.0.self_attn.o_proj.weight"
     scale = fp8.scale_name(weight)
@@ -166,7 +180,9 @@ def test_an_fp8_engine_judges_the_manifest_with_its_scales(tmp_path: Path, quant
     ]
     # The same checkpoint served unquantized (weight_dtype=model): no scales, every weight bf16.
     plain = engine_tensors(shapes, hf, torch.bfloat16, dummy=True)
-    assert not any(n.endswith("_scale_inv") for n in plain.shapes) and plain.held_dtype(weight) == torch.bfloat16
+    assert (
+        not any(n.endswith("_scale_inv") for n in plain.shapes) and plain.held_dtype(weight) == torch.bfloat16
+    )
 
 
 def test_an_fp8_engine_starts_quantized_on_dummy_weights(tmp_path: Path) -> None:
@@ -176,12 +192,17 @@ def test_an_fp8_engine_starts_quantized_on_dummy_weights(tmp_path: Path) -> None
     bf16 = dict(TINY_CONFIGS["qwen3_moe"])
     config, changes = engine_config(bf16, fp8=True)
     assert config["quantization_config"] == FP8_QUANTIZATION_CONFIG and "FP8" in changes[0]
-    published = {**bf16, "quantization_config": {**FP8_QUANTIZATION_CONFIG, "modules_to_not_convert": ["lm_head"]}}
+    published = {
+        **bf16,
+        "quantization_config": {**FP8_QUANTIZATION_CONFIG, "modules_to_not_convert": ["lm_head"]},
+    }
     assert engine_config(published, fp8=True) == (published, [])
     assert "quantization_config" not in engine_config(published)[0]
     (tmp_path / "model.safetensors").write_bytes(b"")
     launch = EngineLaunch("bfloat16", device="cpu")
-    fp8_args = colocated_server_args(RolloutConfig(engine="sglang", weight_dtype="fp8"), str(tmp_path), launch, bf16)
+    fp8_args = colocated_server_args(
+        RolloutConfig(engine="sglang", weight_dtype="fp8"), str(tmp_path), launch, bf16
+    )
     plain_args = colocated_server_args(RolloutConfig(engine="sglang"), str(tmp_path), launch, bf16)
     assert fp8_args["load_format"] == "dummy" and "load_format" not in plain_args
 
@@ -191,7 +212,14 @@ def _config(*overrides: str):
 
 
 def test_fp8_rollout_is_for_colocated_sglang_engines() -> None:
-    for engine in (["rollout.engine=embedded"], ["rollout.engine=sglang", "rollout.sglang.mode=disaggregated", "rollout.sglang.server_urls=[http://h:1]"]):
+    for engine in (
+        ["rollout.engine=embedded"],
+        [
+            "rollout.engine=sglang",
+            "rollout.sglang.mode=disaggregated",
+            "rollout.sglang.server_urls=[http://h:1]",
+        ],
+    ):
         with pytest.raises(ConfigError, match="rollout.weight_dtype=fp8 with rollout.engine="):
             validate(_config(*engine, "rollout.weight_dtype=fp8"), 1)
 
@@ -254,7 +282,9 @@ def test_the_fp8_gap_stays_within_the_mismatch_probes_bounds_and_lost_scales_do_
         engine.load_state_dict({**state, **quantized})
         return engine
 
-    seqs = torch.tensor([p + [(5 * i + j) % 29 + 3 for j in range(12 - len(p))] for i, p in enumerate(PROMPTS)])
+    seqs = torch.tensor(
+        [p + [(5 * i + j) % 29 + 3 for j in range(12 - len(p))] for i, p in enumerate(PROMPTS)]
+    )
 
     def logprobs(model: torch.nn.Module) -> torch.Tensor:
         with torch.no_grad():

@@ -350,7 +350,7 @@ def engine_weight_params(hf: Mapping[str, Any], width: int) -> EngineWeights:
     per_gpu = replicated = fp8_per_gpu = fp8_replicated = 0.0
     for t in canonical_tensors(hf, padded_vocab=d.vocab, te=True):
         if t.partition_dim is None:
-            share, extra = t.numel, t.numel * (1 - 1 / width)
+            share, extra = float(t.numel), t.numel * (1 - 1 / width)
         elif ".linear_qkv." in t.name and d.kv_groups < width:
             per_head = t.numel // (d.heads + 2 * d.kv_groups)  # one head's rows of Q, K or V
             kv = 2 * per_head  # each GPU holds one K and one V head whole
