@@ -966,13 +966,20 @@ def bitwise_differing(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) ->
     def same(x: torch.Tensor, y: torch.Tensor) -> bool:
         if x.dtype != y.dtype or x.shape != y.shape:
             return False
-        return torch.equal(x.contiguous().view(torch.uint8), y.contiguous().view(torch.uint8))
+        return torch.equal(x.reshape(-1).view(torch.uint8), y.reshape(-1).view(torch.uint8))
 
     return sorted(n for n in a.keys() | b.keys() if n not in a or n not in b or not same(a[n], b[n]))
 
 
+FP8_ENGINE_TYPES = ("qwen3_moe", "mixtral")
+"""The architectures ``fp8_engines`` starts. DeepSeek-V3 is left out: on SGLang's CPU FP8 path its
+weight update fails in SGLang's MLA post-processing (``deepseek_weight_loader.py:post_load_weights``
+reads ``kv_b_proj.weight_scale_inv.format_ue8m0``, an attribute the CPU FP8 method's re-wrapped scale
+lacks); its HF names and quantized tensors are checked without the engine (test_fp8_rollout.py)."""
+
+
 def fp8_engines(out: Path, workdir: Path) -> None:
-    """For Qwen3-MoE, Mixtral and DeepSeek-V3 (``FP8_DIMS``), on SGLang's intel_amx path
+    """For Qwen3-MoE and Mixtral (``FP8_ENGINE_TYPES``), on SGLang's intel_amx path
     (``GRPO_SGLANG_AMX=pretend`` where the CPU has no AMX: loading, FP8 packing and updates run, a
     forward cannot): the adapter starts an FP8 engine (``rollout.weight_dtype=fp8``) from the bf16
     checkpoint A (dummy weights, DeepSeek-V3's quantization config), its manifest checks refuse a bf16
@@ -991,7 +998,7 @@ def fp8_engines(out: Path, workdir: Path) -> None:
 
     results: dict[str, Any] = {}
     quantize = Fp8Weights().quantize
-    for model_type in FP8_DIMS:
+    for model_type in FP8_ENGINE_TYPES:
         got: dict[str, Any] = {}
         results[model_type] = got
         root = workdir / model_type

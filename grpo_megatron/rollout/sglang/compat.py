@@ -244,12 +244,24 @@ def unpack_amx_weights(model: Any) -> int:
         if kept is None or not kept.amx:
             continue
         for name, param in [*kept.originals.items(), *kept.others.items()]:
-            setattr(module, name, param)
+            _restore(module, name, param)
         if kept.bias is not None:
             module.bias = kept.bias
         module.use_intel_amx_backend = False
         count += 1
     return count
+
+
+def _restore(module: Any, name: str, value: Any) -> None:
+    """``module.name = value`` as it was before packing: a plain tensor attribute stays one (DeepSeek's
+    MLA ``w_kc`` / ``w_vc`` of an FP8 engine are float8 tensors, not parameters, until packing makes
+    them parameters; torch refuses a tensor where a parameter is registered)."""
+    import torch
+
+    params = getattr(module, "_parameters", {})
+    if name in params and not isinstance(value, torch.nn.Parameter):
+        del params[name]
+    setattr(module, name, value)
 
 
 def _keep_packed_originals() -> None:
