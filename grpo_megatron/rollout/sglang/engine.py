@@ -169,7 +169,7 @@ class SGLangEngine(RolloutEngine):
         self.guard = self._guard(launched.servers)
         self.interrupted = False
         """Set by ``interrupt``: generations ask one token per response (a preemption's dropped batch)."""
-        self.context = context_tokens(launched.servers)
+        self.context = protocol.context_tokens(launched.servers)
         """Tokens one sequence may hold (prompt and response): each request's ``max_new_tokens`` stays
         within it (``protocol.request_budgets``); None where the servers do not say (HTTP)."""
         if launched.started:
@@ -483,7 +483,7 @@ class SGLangEngine(RolloutEngine):
             self.rollout, self.model_path, self._launch, self._hf_config, weights_on_disk=bool(self._shapes)
         )
         self.guard = self._guard([server])
-        self.context = context_tokens([server])
+        self.context = protocol.context_tokens([server])
         if self.tied_head and self._shapes and not self._dummy:
             self._load_tied_head_from_disk()
         if released:
@@ -566,19 +566,6 @@ def _tp_rank(name: str) -> int:
     when it names none."""
     digits = name.partition("_TP")[2].split("_")[0]
     return int(digits) if digits.isdigit() else 0
-
-
-def context_tokens(servers: Sequence[Any]) -> int | None:
-    """The tokens a sequence may hold on every in-process server (``sglang.Engine``): its tokenizer
-    manager's ``context_len`` less its reserved tokens (SGLang's own request check); None when no
-    server says (HTTP clients)."""
-    known = []
-    for server in servers:
-        manager = getattr(server, "tokenizer_manager", None)
-        context = getattr(manager, "context_len", None)
-        if isinstance(context, int):
-            known.append(context - int(getattr(manager, "num_reserved_tokens", 0) or 0))
-    return min(known) if known else None
 
 
 def _scatter(servers: Sequence[Any], request: protocol.Request) -> list[Any]:
