@@ -380,7 +380,7 @@ def stage_sglang_on_policy(args: argparse.Namespace, out: Path, stage: Any, env:
         else "CPU: SGLang refuses the switches, ran without"
     )
     stage.summary = (
-        f"{said}: logprob |diff| mean {got.get('mismatch/logprob_abs_diff', float('nan')):.2e} max "
+        f"{said}: logprob abs diff mean {got.get('mismatch/logprob_abs_diff', float('nan')):.2e} max "
         f"{got['mismatch/logprob_abs_diff_max']:.2e}, "
         f"probe max {got.get('mismatch/probe_abs_diff_max', float('nan')):.2e}"
         + (
