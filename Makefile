@@ -113,21 +113,25 @@ test-fast: setup
 # ASYNC=1: the asynchronous loop (each engine in a process of its own, one step off, IcePop), in runs/demo-async.
 # PARTIAL=1: continuous generation with partial rollouts (segments of 3 tokens, max_staleness 1, IcePop), in runs/demo-partial.
 # LORA=1: GRPO trains LoRA adapters (rank 16 on every linear layer, lr 2e-3) on the same cold start, in runs/demo-lora.
+# TRUE_ON_POLICY=1: the policy generates itself, bit for bit as it trains (rollout.true_on_policy), in runs/demo-true-on-policy.
 SEED ?= 1234
 TASK ?=
 ASYNC ?= 0
 PARTIAL ?= 0
 LORA ?= 0
+TRUE_ON_POLICY ?= 0
 PARTIAL_ARGS := rollout.partial.enabled=true train.max_staleness=1 rollout.partial.segment_tokens=3 \
     algorithm.off_policy.correction=icepop
 LORA_ARGS := model.lora.rank=16 model.lora.alpha=32 train.lr=2.0e-3 train.min_lr=1.0e-4
 demo: setup
 	PYTHON=$(BIN)/python SEED=$(SEED) TASK=$(TASK) $(if $(filter 1,$(ASYNC)),RUN_DIR=runs/demo-async) \
 	    $(if $(filter 1,$(LORA)),RUN_DIR=runs/demo-lora) $(if $(filter 1,$(PARTIAL)),RUN_DIR=runs/demo-partial) \
+	    $(if $(filter 1,$(TRUE_ON_POLICY)),RUN_DIR=runs/demo-true-on-policy) \
 	    bash examples/demo.sh \
 	    $(if $(filter 1,$(ASYNC)),rollout.embedded_process=true train.max_staleness=1 algorithm.off_policy.correction=icepop) \
 	    $(if $(filter 1,$(PARTIAL)),$(PARTIAL_ARGS)) \
-	    $(if $(filter 1,$(LORA)),$(LORA_ARGS))
+	    $(if $(filter 1,$(LORA)),$(LORA_ARGS)) \
+	    $(if $(filter 1,$(TRUE_ON_POLICY)),rollout.true_on_policy=true)
 
 clean:
 	rm -rf build dist *.egg-info .pytest_cache .ruff_cache $(LOCK_VENV) $(DOCS_SITE)

@@ -16,6 +16,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from _gpu_check_clock import CLOCK
+
 REPO = Path(__file__).resolve().parents[1]
 PROBE = REPO / "bench" / "sglang_gpu_probe.py"
 DEMO = REPO / "examples" / "demo.yaml"
@@ -112,9 +114,7 @@ def stage_sglang_engine(args: argparse.Namespace, out: Path, stage: Any, env: di
     cmd = [sys.executable, str(PROBE), "--device", args.device, "--json", str(result), *size]
     log = out / "sglang_engine.log"
     with log.open("w") as f:
-        proc = subprocess.Popen(
-            cmd, cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True
-        )
+        proc = CLOCK.popen(cmd, cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT)
         rc = _wait(proc, timeout_s=360)
     data = json.loads(result.read_text()) if result.is_file() else {}
     stage.details = data
@@ -193,9 +193,7 @@ class TrainRun:
             *more,
         ]
         with self.log.open("a") as f:
-            return subprocess.Popen(
-                cmd, cwd=REPO, env=self.env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True
-            )
+            return CLOCK.popen(cmd, cwd=REPO, env=self.env, stdout=f, stderr=subprocess.STDOUT)
 
     def metrics(self) -> list[dict[str, Any]]:
         path = self.run_dir / "metrics.jsonl"
@@ -254,6 +252,17 @@ def stage_sglang_train(args: argparse.Namespace, out: Path, stage: Any, env: dic
     )
 
 
+CACHED_KEY = "offload/cached_free_bytes"
+"""What training/offload.py reports of every engine resume (0 on CPU); each iteration of a run whose
+engines swap memory with the trainer (colocated SGLang, train.max_staleness=0) resumes them."""
+
+
+def missing_metric(records: list[dict[str, Any]], key: str = CACHED_KEY) -> list[int]:
+    """Iterations (the training ones: 0 is the evaluation before training) whose row lacks ``key``: a
+    memory phase that dropped its metric fails the stage rather than leaving a NaN to skip."""
+    return [int(r["iteration"]) for r in records if r.get("iteration", 0) >= 1 and key not in r]
+
+
 def train_details(resident: list[dict[str, Any]], replay: list[dict[str, Any]]) -> dict[str, Any]:
     def worst(records: list[dict[str, Any]], key: str) -> float:
         values = [r[key] for r in records if key in r]
@@ -261,6 +270,7 @@ def train_details(resident: list[dict[str, Any]], replay: list[dict[str, Any]]) 
 
     both = resident + replay
     return {
+        "missing_cached": {"resident": missing_metric(resident), "replay": missing_metric(replay)},
         "resident_last": max((r.get("iteration", 0) for r in resident), default=0),
         "replay_iterations": len(
             [r for r in replay if r.get("iteration", 0) >= 1]
@@ -269,7 +279,7 @@ def train_details(resident: list[dict[str, Any]], replay: list[dict[str, Any]]) 
         "probe_replay_max": worst(replay, "mismatch/probe_replay_abs_diff_max"),
         "probe_route_disagreement": worst(replay, "routing/probe_disagreement"),
         # what the trainer's allocator kept reserved but unused when an engine resumed (training/offload.py)
-        "cached_at_resume_gib": worst(both, "offload/cached_free_bytes") / 2**30,
+        "cached_at_resume_gib": worst(both, CACHED_KEY) / 2**30,
     }
 
 
@@ -279,12 +289,107 @@ def train_problems(details: dict[str, Any]) -> list[str]:
         problems.append(f"the resumed run ended at iteration {details['resident_last']}, not 3")
     if details["replay_iterations"] < 3:
         problems.append(f"the r3 run logged {details['replay_iterations']} iterations, not 3")
+    for run, iterations in details["missing_cached"].items():
+        if iterations:
+            problems.append(
+                f"{CACHED_KEY} missing from the {run} run's rows of iterations {iterations}: a memory "
+                "phase did not report its engine resume (training/offload.py)"
+            )
     cached = details["cached_at_resume_gib"]
-    if cached == cached and cached > CACHED_AT_RESUME_LIMIT_GIB:  # NaN: not measured (CPU)
+    if cached == cached and cached > CACHED_AT_RESUME_LIMIT_GIB:  # NaN: no row has it, named as missing above
         problems.append(
             f"the trainer held {cached:.2f} GiB of cached blocks at an engine resume (> {CACHED_AT_RESUME_LIMIT_GIB})"
         )
     return problems
+
+
+# ----------------------------------------------------------------------------------------------
+# sglang_on_policy: SGLang's own on-policy switches against this trainer (issue 53 item 3)
+
+ON_POLICY_SERVER_ARGS = {"enable_deterministic_inference": "true", "rl_on_policy_target": "fsdp"}
+"""SGLang's switches towards a trainer's numerics (0.5.23 ``srt/server_args.py``): deterministic
+inference (batch-invariant kernels, a fixed attention split) and ``rl_on_policy_target=fsdp`` (sampler,
+RMSNorm, rotary and LM head in a Hugging Face trainer's forms). Both need a GPU attention backend
+(triton here: ``DETERMINISTIC_ATTENTION_BACKEND_CHOICES``); SGLang's CPU engine refuses them."""
+ON_POLICY_KEYS = (
+    "mismatch/logprob_abs_diff",
+    "mismatch/logprob_abs_diff_max",
+    "mismatch/probe_abs_diff_mean",
+    "mismatch/probe_abs_diff_max",
+    "off_policy/ratio_min",
+    "off_policy/ratio_max",
+)
+
+
+def missing_switches(env: dict[str, str]) -> list[str]:
+    """The ``ON_POLICY_SERVER_ARGS`` this SGLang's ``ServerArgs`` lacks (0.5.17 may lack one)."""
+    code = (
+        "import dataclasses, json; from sglang.srt.server_args import ServerArgs; "
+        "print(json.dumps([f.name for f in dataclasses.fields(ServerArgs)]))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    known = set(json.loads(done.stdout.splitlines()[-1])) if done.returncode == 0 else set()
+    return [k for k in ON_POLICY_SERVER_ARGS if k not in known]
+
+
+def on_policy_summary(records: list[dict[str, Any]]) -> dict[str, float]:
+    """The worst (largest; for ``ratio_min`` the smallest) of each ``ON_POLICY_KEYS`` over the training
+    iterations (0 is the evaluation before training)."""
+    rows = [r for r in records if r.get("iteration", 0) >= 1]
+    out = {}
+    for key in ON_POLICY_KEYS:
+        values = [float(r[key]) for r in rows if key in r]
+        if values:
+            out[key] = min(values) if key.endswith("_min") else max(values)
+    return out
+
+
+def stage_sglang_on_policy(args: argparse.Namespace, out: Path, stage: Any, env: dict[str, str]) -> None:
+    """One run of 3 iterations with colocated SGLang started with ``ON_POLICY_SERVER_ARGS`` (the
+    trainer offloaded, routes not replayed), its ``mismatch/*`` and ratio beside the sglang_train stage's
+    plain engine where that stage ran. SGLang's CPU engine refuses the switches: the CPU rehearsal runs
+    the same job without them and says so."""
+    switches = dict(ON_POLICY_SERVER_ARGS) if args.device == "cuda" else {}
+    lacking = missing_switches(env) if switches else []
+    if lacking:
+        stage.status = "skipped"
+        stage.summary = f"this SGLang's ServerArgs has no {', '.join(lacking)}"
+        return
+    root = out / "sglang_on_policy"
+    root.mkdir(exist_ok=True)
+    extra = [
+        "train.offload_trainer=true",
+        *(f"rollout.sglang.server_args.{k}={v}" for k, v in switches.items()),
+    ]
+    run = TrainRun(args, root, "switches" if switches else "cpu_without_switches", extra, env)
+    rc = _wait(run.start(), timeout_s=300)
+    got = on_policy_summary(run.metrics())
+    if rc != 0 or "mismatch/logprob_abs_diff_max" not in got:
+        stage.status, stage.summary = "FAILED", f"exit {rc}:\n{_tail(run.log)}"
+        return
+    plain = [
+        r
+        for name in ("offload_r3", "offload")
+        for r in TrainRun(args, out / "sglang_train", name, [], env).metrics()
+    ]
+    stage.details = {"switches": got, "plain": on_policy_summary(plain)}
+    stage.status = "ok"
+    said = (
+        "deterministic inference + rl_on_policy_target=fsdp"
+        if switches
+        else "CPU: SGLang refuses the switches, ran without"
+    )
+    stage.summary = (
+        f"{said}: logprob abs diff mean {got.get('mismatch/logprob_abs_diff', float('nan')):.2e} max "
+        f"{got['mismatch/logprob_abs_diff_max']:.2e}, "
+        f"probe max {got.get('mismatch/probe_abs_diff_max', float('nan')):.2e}"
+        + (
+            "; plain engine (sglang_train): max "
+            f"{stage.details['plain']['mismatch/logprob_abs_diff_max']:.2e}"
+            if "mismatch/logprob_abs_diff_max" in stage.details["plain"]
+            else ""
+        )
+    )
 
 
 # ----------------------------------------------------------------------------------------------

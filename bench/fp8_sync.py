@@ -97,7 +97,8 @@ def main() -> None:
     bf16_s, fp8_s = r["median_s"]["bf16"], r["median_s"]["fp8"]
     sent = r["delivered_bytes"]["bf16"] / 1e6
     print(
-        f"Qwen3-MoE bench model, bf16, world 1, buckets of {args.bucket_mb:g} MiB, median of {args.repeats} runs; "
+        f"Qwen3-MoE bench model, bf16, world 1, buckets of {args.bucket_mb:g} MiB, "
+        f"median of {args.repeats} runs; "
         f"{r['quantized_tensors']} of {r['tensors']} HF tensors quantized"
     )
     print(f"  bf16 stream {bf16_s * 1e3:8.1f} ms, {sent:.1f} MB delivered ({sent / 1e3 / bf16_s:.2f} GB/s)")

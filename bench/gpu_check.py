@@ -1,29 +1,45 @@
 """GPU acceptance run: every stage of the GPU path, one markdown table (bench/gpu_check.sh calls this).
 
-Stages, each in a process of its own (a job's device and megatron-core adjustments are per process):
+Stages, each in a process of its own (a job's device and megatron-core adjustments are per process), in
+order of value (``STAGES``; bench/_gpu_check_sglang.py has the first three):
 
-1. ``smoke``: bench/gpu_smoke.py on the tiny fp32 MoE: rollout, offload, weight sync; the mismatch
+1. ``sglang_engine``: SGLang's own engine (bench/sglang_gpu_probe.py): start, generate, score against
+   transformers, a weight version through CUDA IPC buckets, release, resume.
+2. ``sglang_train``: the train CLI with colocated SGLang engines, trainer resident (killed after its
+   iteration-2 checkpoint and resumed) and offloaded (with routing replay on a GPU); every iteration's
+   row must carry ``offload/cached_free_bytes`` (each engine resume's) within its limit.
+3. ``sglang_fp8``: FP8 rollout (``rollout.weight_dtype=fp8``): the train CLI with colocated SGLang
+   serving block-FP8 weights that every sync quantizes, beside the same run in bf16: the mismatch
+   probe's gap (max and mean) and the sync's seconds of each; skipped on a CPU without AMX.
+4. ``sglang``: bench/gpu_smoke.py's colocated loop with ``rollout.engine=sglang``, bf16, the engine
+   started with the server arguments of the other SGLang stages (on a GPU: head_dim 128, triton
+   attention and MoE); skipped, with the reason, where SGLang's Engine cannot run.
+5. ``smoke``: bench/gpu_smoke.py on the tiny fp32 MoE: rollout, offload, weight sync; the mismatch
    probe (engine vs trainer logprobs after the sync) must stay <= 1e-4.
-2. ``resume``: the real train CLI (examples/demo.yaml, one rank, trainer offload, a checkpoint every
+6. ``resume``: the real train CLI (examples/demo.yaml, one rank, trainer offload, a checkpoint every
    2 iterations), killed after its iteration-2 checkpoint and resumed; its metrics must equal an
-   uninterrupted run's (every key but the timing ones), fp32.
-3. ``table``: bench/gpu_smoke.py on the 0.43B bf16 Qwen3-MoE slice (hidden 1024, 8 layers, 8 heads
+   uninterrupted run's (every key but the timing ones and the allocator's), fp32.
+7. ``table``: bench/gpu_smoke.py on the 0.43B bf16 Qwen3-MoE slice (hidden 1024, 8 layers, 8 heads
    of 128, 4 KV heads, 32 experts top-4 of width 512, vocab 64; 64 prompts x 8 samples x 128 new
    tokens): rollout tokens/s, train tokens/s and MFU, weight-sync GB/s beside a device-to-device
    copy of the same bytes, offload GB/s, trainer-only and engine-only memory left after the
    offload, peak memory; MoE route disagreement (trainer vs engine) and the mismatch probe without
    and with routing replay (``--routing-replay off,r3``) beside the bf16 noise floor. With
    ``--device cpu`` a tiny bf16 version runs the same code.
-4. ``pytest``: the layout, checkpoint, offload and rollout tests and tests/test_gpu.py (the
-   GPU-only ones), with the pytest of this Python.
-5. ``sglang_fp8``: FP8 rollout (``rollout.weight_dtype=fp8``): the train CLI with colocated SGLang
-   serving block-FP8 weights that every sync quantizes, beside the same run in bf16: the mismatch
-   probe's gap (max and mean) and the sync's seconds of each (skipped on a CPU without AMX).
-6. ``sglang``: the colocated loop with ``rollout.engine=sglang``, when SGLang's Engine can run here
-   (else skipped, with the reason).
+8. ``sglang_on_policy``: the train CLI with colocated SGLang started with its on-policy switches
+   (``enable_deterministic_inference``, ``rl_on_policy_target=fsdp``; issue 53 item 3): the
+   ``mismatch/*`` and off-policy ratio against this trainer, beside the sglang_train stage's plain
+   engine. SGLang's CPU engine refuses both switches: ``--device cpu`` runs the job without them.
+9. ``te``: tests/test_gpu.py -k transformer_engine where TransformerEngine imports.
+10. ``pytest``: tests/test_gpu.py and test_offload.py with the pytest of this Python.
 
-Writes ``<out>/gpu_check.md`` (the table) and ``<out>/gpu_check.json`` and prints the table; exits 1
-when a stage failed. On one H100/H200 it should take well under 8 minutes.
+Every memory phase's metric is required where an engine resumes (``offload/cached_free_bytes``, 0 on
+CPU): missing, the stage fails (issue 51 item 1). ``--budget-s`` (480 s: one device call) bounds the
+whole check: the stage running at the deadline is stopped (its processes killed: bench/_gpu_check_clock.py),
+later ones are skipped, and ``<out>/gpu_check.md`` (the table) and ``<out>/gpu_check.json`` are
+rewritten after every stage; ``<out>`` defaults to ``$OUT/gpu_check-<time>`` where ``$OUT`` is set
+(what the device tool brings back). Exits 1 when a stage failed. A cold first call (empty JIT caches)
+does not reach every stage within 480 s: docs/gpu.md says how far it gets.
 
     python bench/gpu_check.py                        # on the first GPU
     python bench/gpu_check.py --device cpu           # every stage on CPU (tiny sizes)
@@ -48,11 +64,23 @@ from pathlib import Path
 from typing import Any
 
 import _gpu_check_sglang as sglang_stages
+from _gpu_check_clock import CLOCK
 
 REPO = Path(__file__).resolve().parents[1]
 SMOKE = REPO / "bench" / "gpu_smoke.py"
 DEMO = REPO / "examples" / "demo.yaml"
-STAGES = ("sglang_engine", "sglang_fp8", "sglang_train", "sglang", "smoke", "resume", "table", "te", "pytest")
+STAGES = (
+    "sglang_engine",
+    "sglang_train",
+    "sglang_fp8",
+    "sglang",
+    "smoke",
+    "resume",
+    "table",
+    "sglang_on_policy",
+    "te",
+    "pytest",
+)
 """In order of value: SGLang never ran on a GPU before this check; the embedded path did (docs/gpu.md)."""
 BUDGET_S = 480.0
 """The whole check on one H200, the first engine start's JIT compilation included (issue 37)."""
@@ -122,9 +150,7 @@ def _pythonpath() -> str:
 def run(cmd: list[str], log: Path, env: dict[str, str], timeout_s: float) -> int:
     """Run ``cmd`` (its own session, so a timeout ends every process it started); output to ``log``."""
     with log.open("w") as out:
-        proc = subprocess.Popen(
-            cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
-        )
+        proc = CLOCK.popen(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
         try:
             return proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
@@ -181,8 +207,31 @@ def stage_smoke(args: argparse.Namespace, out: Path, stage: Stage) -> None:
     records = json.loads(result.read_text())["embedded"]
     worst = max(r["probe_abs_diff_max"] for r in records)
     stage.details = {"probe_abs_diff_max": worst}
-    stage.status = "ok" if worst <= PROBE_LIMIT else "FAILED"
-    stage.summary = f"tiny fp32: mismatch probe max {worst:.1e} (limit {PROBE_LIMIT:.0e})"
+    missing = memory_metric_problems(records)
+    stage.status = "ok" if worst <= PROBE_LIMIT and not missing else "FAILED"
+    stage.summary = f"tiny fp32: mismatch probe max {worst:.1e} (limit {PROBE_LIMIT:.0e})" + "".join(
+        f" - {m}" for m in missing
+    )
+
+
+def memory_metric_problems(records: list[dict[str, Any]]) -> list[str]:
+    """bench/gpu_smoke.py's records: every iteration's sync resumes the engines' memory, so each must
+    carry the trainer's cached bytes at that resume (``offload/cached_free_bytes``; 0 on CPU) and on a
+    GPU stay within the limit. A memory phase that drops the metric fails here, not a NaN skipped."""
+    key = "trainer_cached_free_bytes_at_resume"
+    missing = [int(r.get("iteration", -1)) for r in records if key not in r]
+    problems = (
+        [f"offload/cached_free_bytes missing at the engine resumes of iterations {missing}"]
+        if missing
+        else []
+    )
+    worst = max((r[key] for r in records if key in r), default=0.0) / 2**30
+    if worst > sglang_stages.CACHED_AT_RESUME_LIMIT_GIB:
+        problems.append(
+            f"the trainer held {worst:.2f} GiB of cached blocks at an engine resume "
+            f"(> {sglang_stages.CACHED_AT_RESUME_LIMIT_GIB})"
+        )
+    return problems
 
 
 def _train(args: argparse.Namespace, run_dir: Path, extra: list[str]) -> subprocess.Popen:
@@ -208,14 +257,7 @@ def _train(args: argparse.Namespace, run_dir: Path, extra: list[str]) -> subproc
         *extra,
     ]
     log = (run_dir.parent / f"{run_dir.name}.log").open("a")
-    return subprocess.Popen(
-        cmd,
-        cwd=REPO,
-        env=python_env(args.device),
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
+    return CLOCK.popen(cmd, cwd=REPO, env=python_env(args.device), stdout=log, stderr=subprocess.STDOUT)
 
 
 def _finish(proc: subprocess.Popen, timeout_s: float) -> int:
@@ -429,6 +471,13 @@ def stage_sglang_train(args: argparse.Namespace, out: Path, stage: Stage) -> Non
     sglang_stages.stage_sglang_train(args, out, stage, sglang_env(args.device))
 
 
+def stage_sglang_on_policy(args: argparse.Namespace, out: Path, stage: Stage) -> None:
+    if (why := sglang_missing(args.device)) is not None:
+        stage.status, stage.summary = "skipped", why
+        return
+    sglang_stages.stage_sglang_on_policy(args, out, stage, sglang_env(args.device))
+
+
 def sglang_missing(device: str) -> str | None:
     """Why SGLang's engine cannot run here (None: it can): not installed, or on CPU no kernel library."""
     if importlib.util.find_spec("sglang") is None:
@@ -438,8 +487,17 @@ def sglang_missing(device: str) -> str | None:
     return None
 
 
+def sglang_smoke_overrides(device: str) -> list[str]:
+    """The ``sglang`` stage's model and engine: bf16 (SGLang's GPU kernels, and its AMX CPU path, serve
+    no fp32), on a GPU the sglang_train stage's layer shapes (head_dim 128: SGLang's CUDA rotary) and the
+    server arguments every SGLang stage starts with (triton attention and MoE: the carry has no FA3)."""
+    model = sglang_stages.GPU_TRAIN_MODEL if device == "cuda" else ["model.dtype=bfloat16"]
+    return [*model, *sglang_stages.server_arg_overrides(device)]
+
+
 def stage_sglang(args: argparse.Namespace, out: Path, stage: Stage) -> None:
-    """bench/gpu_smoke.py's colocated loop with ``rollout.engine=sglang`` (on CPU: SGLang's CPU engine)."""
+    """bench/gpu_smoke.py's colocated loop with ``rollout.engine=sglang`` (on CPU: SGLang's CPU engine),
+    bf16, started as the other SGLang stages start it."""
     if (why := sglang_missing(args.device)) is not None:
         stage.status, stage.summary = "skipped", why
         return
@@ -454,8 +512,9 @@ def stage_sglang(args: argparse.Namespace, out: Path, stage: Stage) -> None:
         "2",
         "--json",
         str(result),
+        *(f"--override={o}" for o in sglang_smoke_overrides(args.device)),
     ]
-    rc = run(cmd, out / "sglang.log", sglang_env(args.device), timeout_s=240)
+    rc = run(cmd, out / "sglang.log", sglang_env(args.device), timeout_s=300)
     data = json.loads(result.read_text()) if result.is_file() else {}
     if "sglang_skipped" in data:
         stage.status, stage.summary = "skipped", data["sglang_skipped"]
@@ -463,8 +522,14 @@ def stage_sglang(args: argparse.Namespace, out: Path, stage: Stage) -> None:
         stage.status, stage.summary = "FAILED", f"exit {rc}:\n{tail(out / 'sglang.log')}"
     else:
         worst = max(r["probe_abs_diff_max"] for r in data["sglang"])
-        stage.status = "ok" if worst <= PROBE_LIMIT else "FAILED"
-        stage.summary = f"tiny fp32 via SGLang: mismatch probe max {worst:.1e}"
+        problems = memory_metric_problems(data["sglang"])
+        if worst > sglang_stages.SCORE_LIMIT:
+            problems.insert(0, f"probe max {worst:.3f} > {sglang_stages.SCORE_LIMIT}")
+        stage.details = {"probe_abs_diff_max": worst, "model": data.get("dtype")}
+        stage.status = "FAILED" if problems else "ok"
+        stage.summary = f"{data.get('dtype')} via SGLang: mismatch probe max {worst:.1e}" + "".join(
+            f" - {p}" for p in problems
+        )
 
 
 RUNNERS: dict[str, Callable[[argparse.Namespace, Path, Stage], None]] = {
@@ -477,6 +542,7 @@ RUNNERS: dict[str, Callable[[argparse.Namespace, Path, Stage], None]] = {
     "table": stage_table,
     "pytest": stage_pytest,
     "sglang": stage_sglang,
+    "sglang_on_policy": stage_sglang_on_policy,
 }
 
 
@@ -578,9 +644,10 @@ def report(stages: list[Stage], args: argparse.Namespace, device_name: str, tota
     if table is not None:
         lines += ["", "| what (iterations after the first) | measured |", "|---|---|"]
         lines += [f"| {k} | {v} |" for k, v in table_rows(table.details, args.device)]
-    failures = [s for s in stages if s.status == "FAILED"]
+    failures = [s for s in stages if s.status in ("FAILED", "stopped")]
     for s in failures:
-        lines += ["", f"#### {s.name} failed", "```", s.summary, "```"]
+        what = "failed" if s.status == "FAILED" else "stopped at the budget"
+        lines += ["", f"#### {s.name} {what}", "```", s.summary, "```"]
     return "\n".join(lines) + "\n"
 
 
@@ -601,13 +668,65 @@ def _device_name(device: str) -> str:
     return torch.cuda.get_device_name() if torch.cuda.is_available() else "no CUDA device"
 
 
+def default_out() -> Path:
+    """``$OUT/gpu_check-<time>`` where the caller has an output folder (the device tool brings back only
+    its ``$OUT``), else ``runs/gpu_check/<time>``."""
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    out = os.environ.get("OUT")
+    return Path(out) / f"gpu_check-{stamp}" if out else REPO / "runs" / "gpu_check" / stamp
+
+
+def write_report(
+    out: Path, stages: list[Stage], args: argparse.Namespace, device_name: str, total_s: float
+) -> str:
+    """``gpu_check.md`` and ``gpu_check.json`` as they stand (after every stage: a call cut short keeps
+    the stages it finished)."""
+    text = report(stages, args, device_name, total_s)
+    (out / "gpu_check.md").write_text(text)
+    rows = [
+        {"name": s.name, "status": s.status, "seconds": s.seconds, "summary": s.summary, "details": s.details}
+        for s in stages
+    ]
+    (out / "gpu_check.json").write_text(json.dumps(rows, indent=1))
+    return text
+
+
+def run_stage(name: str, args: argparse.Namespace, out: Path) -> Stage:
+    """One stage, stopped (its processes killed) when the budget runs out while it runs."""
+    stage = Stage(name)
+    if CLOCK.left() <= 0:
+        stage.status, stage.summary = "skipped", f"over the {args.budget_s:.0f} s budget (--budget-s)"
+        return stage
+    print(f"[{name}] ...", flush=True)
+    t0 = time.perf_counter()
+    try:
+        RUNNERS[name](args, out, stage)
+    except Exception as exc:  # one stage's crash is its failure; the others still run
+        stage.status, stage.summary = "FAILED", f"{type(exc).__name__}: {exc}"
+    stage.seconds = time.perf_counter() - t0
+    if CLOCK.expired and stage.status != "ok":
+        stage.status = "stopped"
+        stage.summary = (
+            f"stopped at the {args.budget_s:.0f} s budget (--budget-s), {stage.seconds:.0f} s in\n"
+            + (stage.summary or "")
+        )
+    print(
+        f"[{name}] {stage.status} in {stage.seconds:.0f} s: {stage.summary.splitlines()[0] if stage.summary else ''}",
+        flush=True,
+    )
+    return stage
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     parser.add_argument(
-        "--out", type=Path, default=None, help="output folder (default runs/gpu_check/<time>)"
+        "--out",
+        type=Path,
+        default=None,
+        help="output folder (default $OUT/gpu_check-<time>, else runs/gpu_check/...)",
     )
     parser.add_argument(
         "--stages", default=",".join(STAGES), help=f"comma-separated subset of {','.join(STAGES)}"
@@ -617,56 +736,27 @@ def main() -> int:
         "--budget-s",
         type=float,
         default=BUDGET_S,
-        help="stages that would start after this many seconds are skipped (the device call's limit)",
+        help="the whole check's seconds: the stage running at the end is stopped, later ones skipped "
+        "(the device call's limit)",
     )
     args = parser.parse_args()
     wanted = [s.strip() for s in args.stages.split(",") if s.strip()]
     unknown = sorted(set(wanted) - set(STAGES))
     if unknown:
         parser.error(f"--stages: unknown {unknown}; choose from {','.join(STAGES)}")
-    out = args.out or REPO / "runs" / "gpu_check" / datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    out = args.out or default_out()
     out.mkdir(parents=True, exist_ok=True)
     device_name = _device_name(args.device)
     print(f"gpu_check: device {args.device} ({device_name}); output in {out}", flush=True)
 
     start = time.perf_counter()
-    stages = []
+    CLOCK.start(args.budget_s)
+    stages: list[Stage] = []
+    text = ""
     for name in (s for s in STAGES if s in wanted):
-        stage = Stage(name)
-        if time.perf_counter() - start > args.budget_s:
-            stage.status, stage.summary = "skipped", f"over the {args.budget_s:.0f} s budget (--budget-s)"
-            stages.append(stage)
-            continue
-        print(f"[{name}] ...", flush=True)
-        t0 = time.perf_counter()
-        try:
-            RUNNERS[name](args, out, stage)
-        except Exception as exc:  # one stage's crash is its failure; the others still run
-            stage.status, stage.summary = "FAILED", f"{type(exc).__name__}: {exc}"
-        stage.seconds = time.perf_counter() - t0
-        print(
-            f"[{name}] {stage.status} in {stage.seconds:.0f} s: {stage.summary.splitlines()[0] if stage.summary else ''}",
-            flush=True,
-        )
-        stages.append(stage)
-    total = time.perf_counter() - start
-    text = report(stages, args, device_name, total)
-    (out / "gpu_check.md").write_text(text)
-    (out / "gpu_check.json").write_text(
-        json.dumps(
-            [
-                {
-                    "name": s.name,
-                    "status": s.status,
-                    "seconds": s.seconds,
-                    "summary": s.summary,
-                    "details": s.details,
-                }
-                for s in stages
-            ],
-            indent=1,
-        )
-    )
+        stages.append(run_stage(name, args, out))
+        text = write_report(out, stages, args, device_name, time.perf_counter() - start)
+    CLOCK.stop()
     print("\n" + text)
     return 1 if any(s.status == "FAILED" for s in stages) else 0
 

@@ -15,7 +15,7 @@ in the probe phase, with the engines' KV cache back, as in the trainer), and the
 device memory left after each offload. When ``sglang`` imports (on CPU: with its CPU kernels, SGLang's
 CPU engine) the same loop runs again with ``rollout.engine=sglang`` on a copy of the policy saved to
 disk.
-Not part of the test suite; it must finish in well under 8 minutes on one GPU.
+Not part of the test suite (bench/gpu_check.py runs it: its table stage took 59 s on an H200).
 
 MoE routing (``--routing-replay off,r3``): the train step compares the trainer's own experts with
 the engine's (``route_disagreement``, the share of token-layer routes whose expert sets differ) and,

@@ -195,7 +195,9 @@ def trace_rounds(path: Path) -> None:
         return
     completions, generate = protocol.completions, sglang_engine.SGLangEngine._generate
 
-    def traced_completions(outputs, request, n, layout=None):  # type: ignore[no-untyped-def]
+    def traced_completions(  # type: ignore[no-untyped-def]
+        outputs, request, n, layout=None, *, aborted_ok=False
+    ):
         metas = [o["meta_info"] for o in outputs]
         log(
             event="sglang_outputs",
@@ -203,7 +205,7 @@ def trace_rounds(path: Path) -> None:
             prompt_tokens=sum(m.get("prompt_tokens", 0) for m in metas),
             cached_tokens=sum(m.get("cached_tokens", 0) for m in metas),
         )
-        return completions(outputs, request, n, layout)
+        return completions(outputs, request, n, layout, aborted_ok=aborted_ok)
 
     def traced_generate(self, servers, prompts, params):  # type: ignore[no-untyped-def]
         start = time.perf_counter()

@@ -69,7 +69,7 @@ def test_block_quantize_equals_sglangs_own_block_quantization_byte_for_byte(
             assert q.shape == q_sglang.shape and s.shape == s_sglang.shape == fp8.scale_shape(shape)
             assert torch.equal(q.view(torch.uint8), q_sglang.view(torch.uint8)), (shape, banded)
             assert torch.equal(s.view(torch.int32), s_sglang.view(torch.int32)), (shape, banded)
-            # and it is the format: Q * s stays within half an e4m3 step (1/16) of each block's amax / 448 * 448
+            # and it is the format: Q * s stays within half an e4m3 step (1/16) of each block's scale x 448
             err = (block_dequantize(q, s) - w.float()).abs()
             bound = (
                 s.repeat_interleave(128, 0)[: shape[0]].repeat_interleave(128, 1)[:, : shape[1]] * 448 / 16

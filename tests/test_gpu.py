@@ -81,3 +81,43 @@ def test_transformer_engine_spec_maps_names_exactly(moe_dir) -> None:
     assert "moe_router_gemm_name" not in r["applied_fixes"]
     assert not (r["missing"] or r["extra"] or r["shape_diff"] or r["not_exact"]), r
     assert r["logprob_diff"] <= LOGIT_TOL, r
+
+
+@needs_cuda
+def test_the_start_up_offload_leaves_no_pinned_host_memory_behind() -> None:
+    """Issue 51 item 9: the start-up phase moves the trainer's state into pinned host buffers; once it is
+    back and no later phase offloads (train.offload_trainer=false), no pinned memory stays cached."""
+    from grpo_megatron.rollout.config import RolloutConfig
+    from grpo_megatron.rollout.placement import decide_placement
+    from grpo_megatron.training.offload import ColocatedMemory
+    from grpo_megatron.training.policy import Policy
+
+    model = torch.nn.Linear(1024, 1024, device="cuda")
+    optimizer = torch.optim.Adam(model.parameters())
+    model(torch.randn(4, 1024, device="cuda")).sum().backward()
+    optimizer.step()
+    placement = decide_placement(
+        RolloutConfig(engine="sglang"),
+        offload_trainer=False,
+        max_staleness=0,
+        world_size=1,
+        gpus_per_node=1,
+        tp=1,
+        pp=1,
+        cp=1,
+        hf={},
+    )
+
+    class Engines:
+        def release_memory(self, tags: object) -> None: ...
+
+        def resume_memory(self, tags: object) -> None: ...
+
+    pinned: list[int] = []
+    policy = Policy(model=model, optimizer=optimizer, spec=None)  # type: ignore[arg-type]
+    memory = ColocatedMemory(policy, None, placement.phases())
+    memory.start_engines(
+        lambda: pinned.append(torch.cuda.host_memory_stats().get("allocated_bytes.current", 0)) or Engines()
+    )
+    assert pinned[0] >= 3 * 1024 * 1024 * 4  # weights, gradients, two Adam moments were pinned meanwhile
+    assert torch.cuda.host_memory_stats().get("allocated_bytes.current", 0) == 0

@@ -7,6 +7,7 @@ import json
 import math
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -62,23 +63,92 @@ def test_engine_stage_rules() -> None:
 
 
 def test_train_stage_rules() -> None:
-    resident = [{"iteration": i, "mismatch/probe_abs_diff_max": 0.01} for i in (1, 2, 3)]
-    replay = [
-        {"iteration": i, "mismatch/probe_replay_abs_diff_max": 0.0, "offload/cached_free_bytes": 0.1 * 2**30}
-        for i in (1, 2, 3)
+    cached = {"offload/cached_free_bytes": 0.1 * 2**30}
+    resident = [{"iteration": 0}] + [
+        {"iteration": i, "mismatch/probe_abs_diff_max": 0.01} | cached for i in (1, 2, 3)
     ]
+    replay = [{"iteration": i, "mismatch/probe_replay_abs_diff_max": 0.0} | cached for i in (1, 2, 3)]
     details = stages.train_details(resident, replay)
     assert details["resident_last"] == 3 and details["replay_iterations"] == 3
     assert stages.train_problems(details) == []
-    assert math.isnan(
-        stages.train_details(resident, resident)["cached_at_resume_gib"]
-    )  # not measured: no rule
     held = stages.train_details(
-        resident[:2], [r | {"offload/cached_free_bytes": 22.8 * 2**30} for r in replay]
+        resident[:3], [r | {"offload/cached_free_bytes": 22.8 * 2**30} for r in replay]
     )
     problems = stages.train_problems(held)
     assert "the resumed run ended at iteration 2, not 3" in problems
     assert any("22.80 GiB of cached blocks" in p for p in problems)
+    # Issue 51 item 1: a memory phase that drops its metric fails the stage (it was a NaN, skipped)
+    dropped = [
+        {k: v for k, v in r.items() if k != "offload/cached_free_bytes" or r["iteration"] != 2}
+        for r in resident
+    ]
+    problems = stages.train_problems(stages.train_details(dropped, replay))
+    assert problems == [
+        "offload/cached_free_bytes missing from the resident run's rows of iterations [2]: a memory "
+        "phase did not report its engine resume (training/offload.py)"
+    ], problems
+    nowhere = [{k: v for k, v in r.items() if k != "offload/cached_free_bytes"} for r in replay]
+    assert math.isnan(stages.train_details(dropped[:1], nowhere)["cached_at_resume_gib"])
+    assert any(
+        "replay run's rows of iterations [1, 2, 3]" in p
+        for p in stages.train_problems(stages.train_details(resident, nowhere))
+    )
+
+
+def test_the_smoke_stages_require_the_cached_bytes_of_every_engine_resume() -> None:
+    import gpu_check
+
+    records = [{"iteration": 0.0, "trainer_cached_free_bytes_at_resume": 0.0}, {"iteration": 1.0}]
+    assert gpu_check.memory_metric_problems(records) == [
+        "offload/cached_free_bytes missing at the engine resumes of iterations [1]"
+    ]
+    records[1]["trainer_cached_free_bytes_at_resume"] = 0.7 * 2**30
+    assert gpu_check.memory_metric_problems(records) == [
+        "the trainer held 0.70 GiB of cached blocks at an engine resume (> 0.5)"
+    ]
+
+
+def test_the_budget_stops_the_running_stage_and_the_table_is_written_into_out(tmp_path: Path) -> None:
+    """Issue 51 item 1: the budget holds while a stage runs (its processes killed at the deadline, the
+    stage "stopped"), the table is written after each stage, under $OUT when the caller has one."""
+    import os
+
+    env = dict(os.environ, OUT=str(tmp_path))
+    cmd = [
+        sys.executable,
+        str(REPO / "bench" / "gpu_check.py"),
+        "--device",
+        "cpu",
+        "--stages",
+        "smoke,resume",
+        "--budget-s",
+        "4",
+    ]
+    start = time.monotonic()
+    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120, env=env)
+    assert time.monotonic() - start < 30, done.stdout[-2000:]
+    assert done.returncode == 0, (
+        done.stdout[-3000:] + done.stderr[-3000:]
+    )  # stopped and skipped are no failure
+    (out,) = tmp_path.glob("gpu_check-*")
+    smoke, resume = json.loads((out / "gpu_check.json").read_text())
+    assert smoke["status"] == "stopped" and smoke["seconds"] < 15, smoke
+    assert smoke["summary"].startswith("stopped at the 4 s budget (--budget-s)"), smoke
+    assert resume["status"] == "skipped" and "budget" in resume["summary"]
+    assert "| smoke | stopped |" in (out / "gpu_check.md").read_text()
+
+
+def test_on_policy_stage_reports_the_worst_of_each_mismatch_and_ratio() -> None:
+    """The sglang_on_policy stage (issue 53 item 3): the largest of each mismatch, the smallest
+    ratio_min, over the training iterations only (0 is the evaluation before training)."""
+    rows = [
+        {"iteration": 0, "mismatch/logprob_abs_diff_max": 9.0},
+        {"iteration": 1, "mismatch/logprob_abs_diff_max": 0.02, "off_policy/ratio_min": 0.97},
+        {"iteration": 2, "mismatch/logprob_abs_diff_max": 0.01, "off_policy/ratio_min": 0.95},
+    ]
+    got = stages.on_policy_summary(rows)
+    assert got == {"mismatch/logprob_abs_diff_max": 0.02, "off_policy/ratio_min": 0.95}
+    assert set(stages.ON_POLICY_SERVER_ARGS) == {"enable_deterministic_inference", "rl_on_policy_target"}
 
 
 def test_fp8_stage_rules() -> None:

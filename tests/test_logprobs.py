@@ -3,6 +3,7 @@ temperature and padded vocabulary included); tests/test_layouts.py covers TP > 1
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from grpo_megatron.models.logprobs import vocab_parallel_logprobs
@@ -99,3 +100,21 @@ def test_bf16_logits_are_computed_in_fp32() -> None:
     torch.testing.assert_close(h, ref_h, atol=1e-5, rtol=1e-5)
     (lp.sum() + h.sum()).backward()
     assert z_bsv.grad is not None and z_bsv.grad.dtype == torch.bfloat16
+
+
+@pytest.mark.launches
+def test_a_vocabulary_shard_of_padding_only_gives_finite_logprobs_at_tp2_and_tp4() -> None:
+    """Issue 51 item 10: a vocabulary of 32 padded to 128 x TP leaves every TP rank but the first a
+    shard of padding only; its log-sum-exp is -inf, and its masked pick of the label was -inf * 0 =
+    NaN in the sum over TP (``verify ... parallel.tp=2`` printed a NaN logprob difference). Real gloo
+    TP groups of 2 and 4: logprobs, entropy and gradients finite and equal to log_softmax."""
+    from tests.helpers.dist import run_distributed
+
+    per_rank = run_distributed("tests.workers.logprob_workers:padding_shards", 4, timeout_s=180)
+    for rank, result in enumerate(per_rank):
+        for tp in ("tp2", "tp4"):
+            r = result[tp]
+            assert bool(r["finite"]), (rank, tp, r)
+            assert float(r["lp_diff"]) < 1e-5 and float(r["h_diff"]) < 1e-5, (rank, tp, r)
+    assert [bool(r["tp4"]["padding_only"]) for r in per_rank] == [False, True, True, True]
+    assert [bool(r["tp2"]["padding_only"]) for r in per_rank] == [False, True, False, True]

@@ -165,3 +165,28 @@ def test_engine_old_logprobs_loss_is_the_uncorrected_surrogate_and_tis_would_cou
     assert abs(float(twice.detach()) - want_loss) > 0.05
     with pytest.raises(ValueError, match="counts the ratio twice"):
         GRPOLoss(tis, 0.0, 8, old_from_engine=True)
+
+
+@pytest.mark.parametrize("correction", ["icepop", "mis"])
+def test_rejected_tokens_stay_in_the_token_mean_denominator(correction):
+    """Issue 51 item 9, the choice made: a token (IcePop) or response (MIS) the band rejects contributes
+    no policy gradient but still counts in the token-mean normaliser, as in the papers' estimators
+    (IcePop: 1 / sum_i |y_i| over every token, Ring-1T; Seq-MIS: the mean over every sampled response),
+    not verl's rejection, which takes it out of the response mask and so renormalises over the
+    survivors. Here: loss = sum over kept tokens of w * l / (all 5 response tokens)."""
+    from grpo_megatron.algorithm.policy_loss import grpo_policy_loss
+
+    alg = AlgorithmConfig(
+        loss_agg_mode="token-mean", off_policy=OffPolicyConfig(correction=correction, low=0.5, high=2.0)
+    )
+    logprobs = torch.tensor([[-1.0, -2.0, -0.5], [-0.7, -1.5, 0.0]], requires_grad=True)
+    rollout = logprobs.detach() - LOG_R  # pi_old (= sg pi: one update) / pi_rollout = e^LOG_R
+    advantages = torch.tensor([1.0, -2.0])
+    w = off_policy_weights(alg, logprobs.detach(), rollout, MASK)
+    assert w is not None and bool(((w == 0) & (MASK > 0)).any())  # something is rejected
+    loss, _ = grpo_policy_loss(logprobs, None, advantages, MASK, alg, tis_weights_bt=w)
+    # one update: ratio 1, per-token loss -A_i; the denominator is every response token (5)
+    want = -(w * advantages[:, None] * MASK).sum() / MASK.sum()
+    assert torch.allclose(loss, want), (loss, want)
+    (grad,) = torch.autograd.grad(loss, logprobs)
+    assert torch.allclose(grad, -(w * advantages[:, None]) / MASK.sum())  # rejected: 0; kept: not rescaled

@@ -197,6 +197,15 @@ def test_partial_rollout_dump_keeps_each_tokens_version():
             ["train.max_staleness=2", "rollout.partial.segment_tokens=2", "rollout.partial.keep_kv=true"],
             "only an SGLang engine keeps its prefix cache",
         ),
+        (
+            [
+                "train.max_staleness=2",
+                "rollout.partial.segment_tokens=2",
+                "rollout.engine=sglang",
+                "rollout.partial.keep_kv=true",
+            ],
+            "SGLang flushes its prefix cache on each release, so nothing would be kept",
+        ),
     ],
 )
 def test_partial_rollout_config_is_refused_with_the_fix(overrides, message):

@@ -127,7 +127,28 @@ def test_each_phase_holds_what_the_placement_says() -> None:
     assert all((o.trainer, o.engine) == everything for o in embedded.values())  # nothing moves
     overlapped = place(placement="per_node", staleness=1)  # the engines generate while the trainer trains
     assert not overlapped.swaps_engine_memory and "max_staleness=1" in overlapped.why["memory"]
-    assert all((o.trainer, o.engine) == everything for o in overlapped.phases().values())
+    held = overlapped.phases()
+    assert all((o.trainer, o.engine) == everything for p, o in held.items() if p != "start-up")
+    # Issue 51 item 3: the engines start beside an offloaded trainer here too, so that SGLang sizes the KV
+    # pool `plan` counts; nothing moves afterwards.
+    assert (held["start-up"].trainer, held["start-up"].engine) == (frozenset(), frozenset(ENGINE_TAGS))
+
+
+def test_engines_that_never_swap_start_beside_an_offloaded_trainer() -> None:
+    """Issue 51 item 3 (train.max_staleness > 0, partial overlap): SGLang sizes its KV pool from the
+    memory free as it starts, so the trainer's state is out while it starts and back before training;
+    then no phase moves anything."""
+    policy, (weight, _) = _policy()
+    before = weight.detach().clone()
+    seen: list[tuple] = []
+    fleet = EngineMemory(seen)
+    memory = ColocatedMemory(policy, None, place(placement="per_node", staleness=1).phases())
+    memory.start_engines(lambda: seen.append(("engines start", weight.untyped_storage().nbytes())) or fleet)
+    assert seen == [("engines start", 0)]  # the trainer's parameters were out as the engines started
+    assert weight.untyped_storage().nbytes() > 0 and torch.equal(weight, before)
+    for phase in ("rollout", "train", "sync", "probe", "save", "train"):
+        memory.enter(phase)
+    assert seen == [("engines start", 0)]  # afterwards nothing moves: both stay resident
 
 
 class EngineMemory:
@@ -246,3 +267,95 @@ def test_the_trainers_cache_goes_back_before_the_engines_start_and_before_every_
                 released = ("release_cache", "params" in phases[after].trainer)
                 assert i > 0 and calls[i - 1] == released, (before, after, calls)
     assert resumes > 0
+
+
+def test_every_memory_phase_returns_its_metrics_and_no_engine_resume_goes_unreported() -> None:
+    """Issue 51 item 1: ``offload/cached_free_bytes`` was returned only by ``enter``; the sync and probe
+    phases (``before_sync``, ``engines_serve``) and a save's ``visit`` dropped it, so the GPU check's
+    cached-blocks criterion never saw a value. Every phase returns (a visit yields) its metrics, the
+    sync merges them, and the worst resume since the last metrics row is ``take_cached_at_resume``'s,
+    whoever moved the memory; on CPU the measure is 0 (nothing cached), present all the same."""
+    from grpo_megatron.training.offload import CACHED_KEY, merge_memory_metrics, release_device_cache
+
+    assert release_device_cache() == {CACHED_KEY: 0.0}
+    policy, _ = _policy()
+    measured = iter([1.0, 5.0, 2.0, 3.0, 4.0, 9.0])
+    memory = ColocatedMemory(
+        policy,
+        None,
+        place(placement="per_node", offload=True).phases(),
+        release_cache=lambda: {CACHED_KEY: next(measured)},
+    )
+    memory.start_engines(EngineMemory)  # measures 1.0 before the engines start (no resume)
+    assert memory.take_cached_at_resume() == {}
+    sync, probe, rollout = memory.before_sync(), memory.engines_serve(), memory.after_sync()
+    assert (
+        sync[CACHED_KEY] == 5.0 and sync["offload/bytes_moved"] > 0
+    )  # weights resumed; grads + optimizer out
+    assert probe[CACHED_KEY] == 2.0 and CACHED_KEY not in rollout  # caches back in the probe: none left after
+    assert rollout["offload/bytes_moved"] > 0  # the parameters out
+    merged = merge_memory_metrics(sync, probe, rollout)
+    assert merged[CACHED_KEY] == 5.0
+    assert merged["offload/bytes_moved"] == sync["offload/bytes_moved"] + rollout["offload/bytes_moved"]
+    with memory.trainer_visit() as moved:  # a checkpoint save after the row was written
+        assert (
+            CACHED_KEY not in moved and moved["offload/onload_seconds"] >= 0
+        )  # in: caches released, state back
+    assert moved[CACHED_KEY] == 3.0 and moved["offload/bytes_moved"] > 0  # out: state leaves, caches resume
+    assert memory.take_cached_at_resume() == {CACHED_KEY: 5.0}  # the worst of sync, probe and the save's
+    assert memory.take_cached_at_resume() == {}
+    memory.to_trainer()
+    with memory.visit("train") as moved:
+        pass
+    assert moved == {}  # a visit of the phase it is in moves nothing
+
+
+@pytest.mark.parametrize("offload", [False, True])
+def test_the_start_up_offloads_pinned_host_buffers_are_unpinned_unless_an_offload_reuses_them(
+    offload: bool,
+) -> None:
+    """Issue 51 item 9: the start-up phase offloads the whole trainer into pinned host buffers (on a
+    GPU); back on the device, freed, they stayed pinned in torch's pinned-memory cache for the run. Where
+    no later phase offloads (``train.offload_trainer=false``) the cache is emptied once every part is
+    back; an offloading job keeps it for its next offload. (On CPU nothing is pinned: the call is
+    recorded here; tests/test_gpu.py measures the pinned bytes on a GPU.)"""
+    policy, (weight, grad) = _policy()
+    calls: list[tuple[str, bool]] = []
+    memory = ColocatedMemory(
+        policy,
+        None,
+        place(placement="per_node", offload=offload).phases(),
+        release_host_cache=lambda: calls.append(("unpin", weight.untyped_storage().nbytes() > 0)),
+    )
+
+    def build() -> EngineMemory:
+        calls.append(("engines start", weight.untyped_storage().nbytes() > 0))
+        return EngineMemory()
+
+    memory.start_engines(build)
+    expected = [("engines start", False)] + ([] if offload else [("unpin", True)])
+    assert calls == expected
+
+
+def test_an_engine_restarts_beside_an_offloaded_trainer_whatever_the_phase() -> None:
+    """Issue 51 item 2: ``restart_visit`` (the recovery's ``starting``) takes the trainer's state off the
+    device and gives its cached blocks back before the engine restarts (SGLang sizes its KV pool from
+    the memory free then), whatever the phase of the moment, then brings the state back as it was."""
+    policy, (weight, _) = _policy()
+    before = weight.detach().clone()
+    calls: list[tuple] = []
+    memory = ColocatedMemory(
+        policy,
+        None,
+        place(placement="per_node").phases(),
+        release_cache=lambda: calls.append(("release_cache", weight.untyped_storage().nbytes())) or {},
+    )
+    memory.start_engines(lambda: EngineMemory(calls))
+    for phase in ("rollout", "sync"):
+        memory.enter(phase)
+        calls.clear()
+        with memory.restart_visit() as moved:
+            calls.append(("engine restarts", weight.untyped_storage().nbytes()))
+        assert calls[-2:] == [("release_cache", 0), ("engine restarts", 0)]
+        assert moved["offload/onload_seconds"] >= 0 and torch.equal(weight, before)
+        assert memory.phase == phase and not memory.offloaded

@@ -1,13 +1,16 @@
-"""Save on signal (issue 26): SIGTERM at any point of an iteration -- rollout, train, sync, during a
-save -- on one rank makes every rank finish the iteration, write a checkpoint that verifies, and exit
-75; rerunning resumes bit-exactly (the chained reruns' metrics equal an uninterrupted run's, the chain
-starting with a job SIGKILLed after a checkpoint). A second signal, or the grace running out, exits at
+"""Save on signal (issues 26, 51): SIGTERM at any point of an iteration -- rollout, train, sync, during a
+save -- on one rank or on every process of the job (Slurm) makes every rank stop at the next safe point
+(a rollout is cut short and its batch dropped: the iteration before is kept; after the update the
+iteration ends), write a checkpoint that verifies, and exit 75; rerunning resumes bit-exactly (the
+chained reruns' metrics equal an uninterrupted run's, the chain starting with a job SIGKILLed after a
+checkpoint). A second signal, or the grace running out, exits at
 once without touching ``latest``. Real processes:
 the trainer under torchrun (2 ranks, gloo), signals sent by the ranks to themselves at the named
 points (tests/workers/preempt_workers.py) or by this test."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -16,6 +19,7 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 from grpo_megatron.distributed.preemption import EXIT_INTERRUPTED, EXIT_PREEMPTED
@@ -152,12 +156,64 @@ def _latest(run_dir: Path) -> str:
     return (run_dir / "checkpoints" / "latest").read_text().strip()
 
 
+def _slurm_sigterm_mid_rollout(run_dir: Path, tmp_path: Path) -> tuple[float, str]:
+    """Issue 51 item 5, as Slurm preempts: the trainer under launch/slurm/node.sh (one node of 2 ranks),
+    resuming ``run_dir`` from its iteration-2 checkpoint, with rollouts slowed to ~3 s
+    (tests/workers/slow_rollout/sitecustomize.py); once iteration 4's rollout runs, SIGTERM to every
+    process of the tree: node.sh, torchrun's agent, the ranks and their helpers (megatron's checkpoint
+    writer queue, the reward workers' forkserver). Returns the seconds from the signal to node.sh's exit
+    and the node's output."""
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    env = dict(
+        os.environ,
+        NNODES="1",
+        GPUS_PER_NODE="2",
+        NODE_RANK="0",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(free_port()),
+        PYTHON=sys.executable,
+        COMMAND="train",
+        OMP_NUM_THREADS="1",
+        GRPO_EXIT_FILE=str(tmp_path / "exit-slurm"),
+        GRPO_TEST_SLOW_ROLLOUT="0.5",
+        GRPO_TEST_MARKS=str(marks),
+        PYTHONPATH=os.pathsep.join([str(REPO_ROOT / "tests" / "workers" / "slow_rollout"), str(REPO_ROOT)]),
+    )
+    args = [str(DEMO), *COMMON, "checkpoint.resume=auto", f"logging.run_dir={run_dir}"]
+    node = subprocess.Popen(
+        ["bash", str(REPO_ROOT / "launch/slurm/node.sh"), *args],
+        cwd=REPO_ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    deadline = time.monotonic() + 300
+    while not (marks / "generate-0-2").exists():  # rank 0's 2nd generation: iteration 4's rollout
+        assert node.poll() is None and time.monotonic() < deadline, node.communicate()[0][-4000:]
+        time.sleep(0.05)
+    time.sleep(1.0)  # inside it: six decoding steps of 0.5 s
+    tree = [psutil.Process(node.pid), *psutil.Process(node.pid).children(recursive=True)]
+    assert len(tree) >= 6, [p.cmdline()[:4] for p in tree]  # node.sh, torchrun, 2 ranks, their helpers
+    signalled = time.monotonic()
+    for p in tree:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            p.send_signal(signal.SIGTERM)
+    out, _ = node.communicate(timeout=300)
+    return time.monotonic() - signalled, out
+
+
+@pytest.mark.timeout(1200)  # eight launches of the trainer, each 40-60 s on 2 busy cores
 @pytest.mark.launches
 def test_sigkill_then_sigterm_at_each_point_saves_and_the_reruns_resume_bit_exactly(tmp_path: Path):
     """One chain of launches into one run directory, each resuming from the checkpoint the one before
     left: a job SIGKILLed (its whole session, as a scheduler's preemption) once its checkpoint of
-    iteration 2 is the latest; then a SIGTERM at each point; then a second signal during a save; then a
-    plain rerun to the end. The chain's metrics equal an uninterrupted run's bitwise."""
+    iteration 2 is the latest; then Slurm's SIGTERM to every process of the job under node.sh in the
+    middle of a rollout, after a checkpoint (the rollout is cut short, its batch dropped, the iteration
+    before saved at once); then a SIGTERM at each later point; then a second signal during a save;
+    then a plain rerun to the end. The chain's metrics equal an uninterrupted run's bitwise."""
     from grpo_megatron.checkpoint.integrity import verify_checkpoint
     from grpo_megatron.logging_utils.metrics import read_jsonl
 
@@ -168,13 +224,23 @@ def test_sigkill_then_sigterm_at_each_point_saves_and_the_reruns_resume_bit_exac
     # SIGKILL after the checkpoint of iteration 2 (maybe during iteration 3, whose rows the resume drops)
     kill_after_checkpoint(launch("train", [*COMMON, f"logging.run_dir={cut}"]), cut, iteration=2)
     assert _latest(cut) == "iter_0000002"
-    # (point, signalled rank, the iteration whose checkpoint it leaves): rollout and sync are followed
-    # by a checkpoint of their own iteration; 4 and 6 are periodic saves (train.save_interval=2), which
-    # the safe point does not repeat; the SIGTERM during iteration 6's save lets the save finish.
-    for point, rank, saved in (("rollout:1", 1, 3), ("train:1", 0, 4), ("sync:1", 1, 5), ("save:1", 0, 6)):
+    # iteration 4's rollout cut short: iteration 3 (not a periodic save) is saved, within seconds
+    seconds, out = _slurm_sigterm_mid_rollout(cut, tmp_path)
+    print(f"Slurm's SIGTERM mid-rollout: node.sh exited {seconds:.1f} s after it")
+    assert "[node 0] stopped on a signal with a checkpoint written: exit 75" in out, out[-4000:]
+    assert "SIGTERM during the rollout and reward of iteration 4: its batch is dropped" in out, out[-4000:]
+    assert f"[preempt] SIGTERM: checkpoint {cut / 'checkpoints' / 'iter_0000003'} written" in out, out[-4000:]
+    assert "BrokenPipeError" not in out and "SignalException" not in out, out[-4000:]
+    assert _latest(cut) == "iter_0000003"
+    assert verify_checkpoint(cut / "checkpoints" / "iter_0000003")["iteration"] == 3
+    assert seconds < 30, (seconds, out[-3000:])  # a rollout cut short, one save: not the iteration's end
+    # (point, signalled rank, the iteration whose checkpoint it leaves): sync is followed by a
+    # checkpoint of its own iteration (the update changed the weights: the iteration ends first); 4
+    # and 6 are periodic saves (train.save_interval=2), which the safe point does not repeat; the
+    # SIGTERM during iteration 6's save lets the save finish.
+    for point, rank, saved in (("train:1", 0, 4), ("sync:1", 1, 5), ("save:1", 0, 6)):
         started = time.monotonic()
-        # the first rerun resumes the SIGKILLed job as tests/helpers/runs.py:killed_and_resumed does
-        rc, code, out = _run(cut, point, rank, extra=["checkpoint.resume=auto"] if saved == 3 else [])
+        rc, code, out = _run(cut, point, rank)
         assert code == str(EXIT_PREEMPTED) and f"exitcode  : {EXIT_PREEMPTED}" in out, (
             point,
             rc,
@@ -200,6 +266,23 @@ def test_sigkill_then_sigterm_at_each_point_saves_and_the_reruns_resume_bit_exac
     assert [r["iteration"] for r in got] == [0, 1, 2, 3, 4, 5, 6, 7]
     assert got == want, json.dumps([got[-1], want[-1]], indent=1)
     assert _latest(cut) == "iter_0000007"
+
+
+def test_a_signal_during_the_update_stops_it_at_the_next_mini_batch(tmp_path: Path):
+    """Issue 51 item 5: two mini-batches per update (train.updates_per_iteration=2); SIGTERM on rank 0 as
+    iteration 2's update starts: the first mini-batch's step is taken, the second skipped (every rank
+    asks at the boundary), iteration 2 syncs, is logged with update/minibatches_skipped and saved, and
+    every rank exits 75."""
+    from grpo_megatron.checkpoint.integrity import verify_checkpoint
+    from grpo_megatron.logging_utils.metrics import read_jsonl
+
+    run_dir = tmp_path / "run"
+    rc, code, out = _run(run_dir, "train:2", 0, extra=["train.updates_per_iteration=2", "train.iterations=4"])
+    assert code == str(EXIT_PREEMPTED), out[-4000:]
+    rows = read_jsonl(run_dir / "metrics.jsonl")
+    assert [r["iteration"] for r in rows] == [0, 1, 2], out[-3000:]
+    assert "update/minibatches_skipped" not in rows[1] and rows[2]["update/minibatches_skipped"] == 1.0
+    assert _latest(run_dir) == "iter_0000002" and verify_checkpoint(run_dir / "checkpoints" / "iter_0000002")
 
 
 def test_signal_fields_are_validated_naming_them():
@@ -284,3 +367,48 @@ def test_train_sbatch_forwards_the_early_warning_and_requeues(tmp_path: Path, br
     if branch == "slurm":
         assert (tmp_path / "slurm.log").read_text() == "requeue 4242\n", out
         assert "requeueing job 4242" in out
+
+
+_WRITER_CHILD = """
+import os, signal, sys
+from megatron.core.dist_checkpointing.strategies import filesystem_async
+from grpo_megatron.checkpoint.dist import start_signal_proof_writer_queue
+assert start_signal_proof_writer_queue([signal.SIGTERM, signal.SIGUSR1])
+assert filesystem_async._get_write_results_queue() is filesystem_async._results_queue  # megatron's own getter
+manager = filesystem_async._results_queue._manager
+print(manager._process.pid, flush=True)
+sys.stdin.readline()  # the test signals the manager, then ends this process
+filesystem_async._results_queue.put("still here")
+print(filesystem_async._results_queue.get(), flush=True)
+sys.stdin.readline()
+os._exit(0)  # as the preemption watcher exits: no finalizer shuts the manager down
+"""
+
+
+def test_megatrons_checkpoint_writer_queue_outlives_the_preemption_signal_and_not_its_rank():
+    """Issue 51 item 5: megatron-core keeps a multiprocessing manager for its checkpoint writer's
+    results (filesystem_async._results_queue) from the first save; Slurm's SIGTERM to every process
+    killed it and the save's put raised BrokenPipeError. Ours starts first: it ignores the signal, still
+    serves the queue, and ends when its rank does (even by os._exit)."""
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _WRITER_CHILD],
+        cwd=REPO_ROOT,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stdin is not None and proc.stdout is not None
+    line = proc.stdout.readline().strip()
+    assert line.isdigit(), line + proc.communicate()[1][-3000:]
+    manager = psutil.Process(int(line))
+    manager.send_signal(signal.SIGTERM)
+    manager.send_signal(signal.SIGUSR1)
+    time.sleep(0.5)
+    proc.stdin.write("\n")
+    proc.stdin.flush()
+    assert proc.stdout.readline().strip() == "still here" and manager.is_running()
+    proc.stdin.write("\n")
+    proc.stdin.flush()
+    proc.wait(timeout=30)
+    manager.wait(timeout=10)  # its watch saw the parent go

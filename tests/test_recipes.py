@@ -295,3 +295,28 @@ def test_asynchronous_colocated_plan_says_the_gpus_are_time_sliced(
     assert "the engines share the trainer's" in out and "time-sliced" in out, out[-2000:]
     assert "expected step: 4.25 s, as the synchronous colocated step" in out
     assert "of their own, " not in out
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.stem)
+def test_a_slurm_recipes_signal_lead_and_grace_cover_the_planned_stop(
+    recipe: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Issue 51 item 5: a recipe launched with sbatch passes ``--signal=B:USR1@lead`` and sets
+    checkpoint.signal_grace_s, both at least what its ``plan`` prints (planner/preemption.py: one
+    mini-batch of the update, the sync and the save), the grace below the lead."""
+    import re
+
+    from grpo_megatron.config import load_config
+
+    header = recipe.read_text().split("\n\n", 1)[0]
+    launch = re.search(r"sbatch --nodes \d+( --signal=B:USR1@(\d+))? launch/slurm/train.sbatch", header)
+    if launch is None:
+        pytest.skip(f"{recipe.name} is not launched with sbatch")
+    assert launch[2] is not None, f"{recipe.name}: the sbatch line gives no --signal=B:USR1@<lead>"
+    args = plan_line(recipe)
+    cli_main(["plan", str(recipe), *args[1:]])
+    out = capsys.readouterr().out
+    planned = re.search(r"sbatch --signal=B:USR1@(\d+) .*?checkpoint.signal_grace_s=(\d+)", out, re.S)
+    assert planned is not None, out[-2000:]
+    lead, grace = int(launch[2]), load_config(recipe).checkpoint.signal_grace_s
+    assert lead >= int(planned[1]) and int(planned[2]) <= grace < lead, (lead, grace, planned.groups())

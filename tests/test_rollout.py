@@ -527,3 +527,39 @@ def test_transfer_pairs_send_each_item_once_to_each_rank_that_lacks_it():
         (2, 1): [1],
         (2, 3): [2],
     }
+
+
+def test_an_interrupted_engine_ends_each_row_after_its_current_step(moe_engine):
+    """Issue 51 item 5: ``interrupt`` (a preemption signal's watcher, from another thread) ends the
+    generation after the step each row is at: every row keeps at least one token, none runs on; a
+    generation started while interrupted stops after its first step; ``interrupt(False)`` ends it."""
+    import threading
+
+    moe_engine, _ = moe_engine
+    params = SamplingParams(n=2, temperature=1.0, max_new_tokens=24, seed=1)
+    prompts = [[1, 5, 9, 3], [1, 7, 7]]
+    full = moe_engine.generate(prompts, params)
+    assert all(len(c.token_ids) == 24 for g in full for c in g)
+    moe_engine.interrupt()
+    try:
+        assert [len(c.token_ids) for g in moe_engine.generate(prompts, params) for c in g] == [1, 1, 1, 1]
+    finally:
+        moe_engine.interrupt(False)
+    steps = []
+    original = moe_engine.model.forward
+
+    def forward(*args, **kwargs):  # the interrupt arrives from another thread during the 4th step
+        steps.append(1)
+        if len(steps) == 4:
+            threading.Thread(target=moe_engine.interrupt).start()
+            threading.Event().wait(0.2)
+        return original(*args, **kwargs)
+
+    moe_engine.model.forward = forward
+    try:
+        cut = moe_engine.generate(prompts, params)
+    finally:
+        del moe_engine.model.forward
+        moe_engine.interrupt(False)
+    assert [len(c.token_ids) for g in cut for c in g] == [4] * 4, cut
+    assert [c.token_ids for g in cut for c in g] == [c.token_ids[:4] for g in full for c in g]

@@ -5,6 +5,7 @@ The data path through SGLang's own classes is tests/test_sglang_contract.py."""
 from __future__ import annotations
 
 import base64
+import contextlib
 import dataclasses
 import json
 import os
@@ -531,13 +532,22 @@ def test_a_lost_engine_of_several_gpus_is_resynced_on_every_gpu_and_restarts_rep
 
     def resync(version: int, ranks: list[int]) -> None:
         synced.append((version, list(ranks)))
-        if len(synced) == 1:
+        if sum(isinstance(v, int) for v, _ in synced) == 1:
             time.sleep(0.2)
             recovery.restart_engines([2], version, resync=True)
 
     member = Member()
     parts = EngineParts(member=member)
-    recovery = EngineRecovery(5, 1, [0, 2, 4], {0: (0, 1), 2: (2, 3), 4: (4,)}, parts, gather, resync)
+
+    @contextlib.contextmanager
+    def starting():  # noqa: ANN202 - the job's ColocatedMemory.restart_visit: trainer out, then back
+        synced.append(("trainer out", []))  # type: ignore[arg-type]
+        yield
+        synced.append(("trainer back", []))  # type: ignore[arg-type]
+
+    recovery = EngineRecovery(
+        5, 1, [0, 2, 4], {0: (0, 1), 2: (2, 3), 4: (4,)}, parts, gather, resync, starting=starting
+    )
     assert recovery.ranks_of([4, 6]) == [4, 6]
     assert [recovery.leader_of(rank) for rank in (0, 1, 3, 4, 6)] == [
         0,
@@ -548,7 +558,10 @@ def test_a_lost_engine_of_several_gpus_is_resynced_on_every_gpu_and_restarts_rep
     ]  # a loss counts for its engine
     assert recovery.metrics() == {}
     seconds = recovery.restart_engines([0, 2], 7, resync=True)
-    assert synced == [(7, [0, 1, 2, 3]), (7, [2, 3])] and member.restarted == ["node-a:41234"]
+    # Issue 51 item 2: the part restarts with the trainer's state out (as at the first start), which is
+    # back before the resync; the nested restart (engine 2's, on other ranks) leaves rank 1's trainer be.
+    assert synced == [("trainer out", []), ("trainer back", []), (7, [0, 1, 2, 3]), (7, [2, 3])]
+    assert member.restarted == ["node-a:41234"]
     assert member.life == 0  # the fake counts nothing; SGLangSyncMember.restart counts its lives
     assert recovery.restarts == 3 and recovery.seconds == [seconds] and seconds >= 0.2
     assert recovery.metrics() == {"engine/restarts": 3.0, "engine/restart_s": seconds}
@@ -1295,3 +1308,30 @@ def test_an_engine_death_names_its_reason_even_before_any_process_exited(tmp_pat
     assert "died: ." not in alive + gone
     log.write_text("[2026-12-05] starting\nall well\n")
     assert health.cause([]) == "SGLang sent SIGQUIT (a process of the engine failed)"
+
+
+def test_the_engines_processes_start_without_expandable_segments(monkeypatch) -> None:
+    """Issue 51 item 9: expandable segments in the trainer's PYTORCH_CUDA_ALLOC_CONF would reach the
+    engine's processes, where SGLang's memory saver cannot release what such segments allocate; the
+    engine's environment drops that option (the others pass on, the trainer keeps its own)."""
+    import torch
+
+    from grpo_megatron.rollout.sglang.launch import engine_allocator_settings, engine_environment
+
+    assert engine_allocator_settings({}) == {}
+    assert engine_allocator_settings({"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:128"}) == {}
+    assert engine_allocator_settings({"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}) == {
+        "PYTORCH_CUDA_ALLOC_CONF": None
+    }
+    options = "max_split_size_mb:128, expandable_segments:True,garbage_collection_threshold:0.6"
+    both = {"PYTORCH_ALLOC_CONF": "expandable_segments:True", "PYTORCH_CUDA_ALLOC_CONF": options}
+    assert engine_allocator_settings(both) == {
+        "PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:128,garbage_collection_threshold:0.6",
+        "PYTORCH_ALLOC_CONF": None,
+    }
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True,max_split_size_mb:64")
+    env = engine_environment(torch.device("cuda", 0))
+    assert (
+        env["PYTORCH_CUDA_ALLOC_CONF"] == "max_split_size_mb:64"
+        and env["TORCHELASTIC_USE_AGENT_STORE"] is None
+    )

@@ -38,6 +38,7 @@ def test_products_under_the_mode_do_not_depend_on_the_batch() -> None:
     assert key_width(22) == 32 and key_width(16) == 16 and ROW_TILE == 16
 
 
+@pytest.mark.launches
 def test_the_policy_engine_samples_the_trainers_logprobs_bitwise_in_one_process() -> None:
     """Three architectures at one process, each at random weights and one step away from them; the
     control (the trainer's pass in the plain numerics: SDPA, plain products) differs on most tokens."""
@@ -53,6 +54,7 @@ def test_the_policy_engine_samples_the_trainers_logprobs_bitwise_in_one_process(
     assert min(got["control"]["mismatches"]) > 10 and got["control"]["max_abs"] > 1e-3, got["control"]
 
 
+@pytest.mark.launches
 def test_the_policy_engine_samples_the_trainers_logprobs_bitwise_at_tp2_and_ep2() -> None:
     """DeepSeek-V3 (MLA, group routing, a shared expert) and Mixtral at TP2 (sequence parallel, the
     vocabulary split) and EP2 (two data-parallel replicas generating their own prompts in lockstep
@@ -85,6 +87,7 @@ def _job_metrics(tmp_path, overrides: list[str]) -> list[dict]:
     return [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()][1:]
 
 
+@pytest.mark.launches
 @pytest.mark.parametrize(
     ("layout", "iterations"),
     [(["parallel.ep=2"], 3), (["parallel.ep=1", "parallel.tp=2"], 1)],

@@ -17,6 +17,11 @@ The sequence ratio is either the product of the token ratios, rho_i = exp(sum_t 
 (the importance ratio of the whole response), or their geometric mean,
 rho_i = exp(mean_t log r_{i,t}) (length-normalised: a long response's product drifts far from 1
 even when every token is close to it).
+
+A weight of 0 (MIS, IcePop outside their band) removes the token's policy gradient, not the token:
+it stays in the loss normaliser (token-mean: sum_{i,t} w l / sum_i |y_i| over every sampled token), as
+in IcePop's and Seq-MIS's estimators; verl's rejection renormalises over the survivors instead
+(docs/algorithm.md, "Rejected tokens stay in the normaliser").
 """
 
 from __future__ import annotations

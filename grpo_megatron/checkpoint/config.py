@@ -39,15 +39,17 @@ class CheckpointConfig:
     stream; None = no export. A relative path is relative to logging.run_dir."""
 
     signal: str | None = "SIGUSR1"
-    """A second signal that, like SIGTERM, makes the run save and stop (preemption): every rank
-    finishes the current iteration, a checkpoint is written and every rank exits 75
+    """A second signal that, like SIGTERM, makes the run save and stop (preemption): every rank stops
+    at the next safe point (a rollout cut short and its batch dropped, an update at its next
+    mini-batch: training/grpo.py), a checkpoint is written and every rank exits 75
     (distributed/preemption.py). SIGUSR1 matches launch/slurm/train.sbatch's early warning
     (``#SBATCH --signal=B:USR1@120``); one of SIGUSR1, SIGUSR2, SIGHUP, SIGINT, or null for SIGTERM only."""
     signal_grace_s: float = 90.0
     """Seconds from the first signal within which the run must have saved and stopped; past them
     (or at a second signal) every rank exits at once (exit code 143; with the checkpoint already
-    written, 75). It must exceed one iteration plus a save, and stay below the scheduler's warning
-    (120 s in train.sbatch) so that the save is not cut short by the kill that follows."""
+    written, 75). It must exceed the longest stop (a mini-batch of the update, the sync and a save:
+    ``grpo-megatron plan`` prints it), and stay below the scheduler's warning (the ``--signal`` lead,
+    120 s in train.sbatch) so that the save is not cut short by the kill that follows."""
 
     def validate(self) -> None:
         errors = []

@@ -14,9 +14,11 @@ at any parallel layout (megatron reshards on load).
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
 import secrets
 import shutil
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +37,30 @@ FORMAT_VERSION = 1
 # again on load. chained_optim_avoid_prefix: optimizer tensors are keyed by parameter, not by
 # position in the chain of optimizers, so they load at another expert-parallel layout.
 BASE_CONTENT_METADATA: dict[str, Any] = {"singleton_local_shards": False, "chained_optim_avoid_prefix": True}
+
+
+def start_signal_proof_writer_queue(signals: Sequence[int]) -> bool:
+    """megatron-core's checkpoint writer (``dist_checkpointing/strategies/filesystem_async.py``) collects
+    its write results through the queue of a multiprocessing manager, a server process it spawns at the
+    first save (``_get_write_results_queue``) and keeps. Slurm signals every process of a job step: the
+    server died of SIGTERM and the next save's ``put`` raised BrokenPipeError on a rank, so a preempted
+    job saved nothing (issue 51 item 5). Started here instead, before any save, it ignores ``signals``
+    (the trainer's to handle) and ends when its parent does (a rank's ``os._exit`` skips the manager's
+    finalizer). False where megatron-core keeps no such queue, or it is up already."""
+    from multiprocessing.managers import SyncManager
+
+    try:
+        from megatron.core.dist_checkpointing.strategies import filesystem_async
+    except ImportError:
+        return False
+    if getattr(filesystem_async, "_results_queue", False) is not None:  # absent (False) or started
+        return False
+    from grpo_megatron.distributed.signal_proof import ignore_until_orphaned
+
+    manager = SyncManager(ctx=multiprocessing.get_context("spawn"))  # the server imports only that module
+    manager.start(initializer=ignore_until_orphaned, initargs=(tuple(int(s) for s in signals), os.getpid()))
+    filesystem_async._results_queue = manager.Queue()  # the proxy keeps the manager alive
+    return True
 
 
 def load_failures() -> tuple[type[BaseException], ...]:

@@ -75,6 +75,14 @@ def partial_rollout_errors(cfg: JobConfig) -> list[str]:
             "keeps its prefix cache across a weight update (the embedded engine keeps no KV "
             "between requests); use rollout.engine=sglang or set rollout.partial.keep_kv=false"
         )
+    if partial.keep_kv and r.engine == "sglang" and r.sglang.mode == "colocated" and not partial.overlap:
+        errors.append(
+            "rollout.partial.keep_kv=true with colocated SGLang engines and rollout.partial.overlap=false: "
+            "the engines release their KV cache for every train phase and SGLang flushes its prefix "
+            "cache on each release, so nothing would be kept (issue 51 item 4); set "
+            "rollout.partial.overlap=true (the engines then keep their memory through the train phase) "
+            "or rollout.partial.keep_kv=false"
+        )
     if partial.groups_in_flight and partial.groups_in_flight < t.prompts_per_iteration:
         errors.append(
             f"rollout.partial.groups_in_flight={partial.groups_in_flight} is below train.prompts_per_iteration="

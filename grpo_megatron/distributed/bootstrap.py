@@ -161,19 +161,20 @@ def init_distributed(parallel: ParallelConfig, *, seed: int = 1234) -> ParallelS
     backend = job_backend(parallel.backend)
     use_cuda = backend == "nccl"
     device = _job_device(use_cuda, local_rank)
+    from grpo_megatron.distributed import open_files
     from grpo_megatron.distributed.megatron_compat import apply_megatron_compat
-    from grpo_megatron.distributed.open_files import open_files_needed, raise_open_file_limit
 
     # Before any group opens its sockets (the whole world's gloo data group: a socket per rank).
-    needed = open_files_needed(
+    needed = open_files.open_files_needed(
         world_size,
         dp=parallel.dp or 1,
         cp=parallel.cp,
         expert_dp=parallel.expert_dp,
         rank=rank,
         nccl=use_cuda,
+        agent_store=open_files.agent_serves_store(os.environ),
     )
-    raise_open_file_limit(needed)
+    open_files.raise_open_file_limit(needed)
 
     # By cause, not by device: TE absent and torch's Adam need fixes on a GPU too.
     apply_megatron_compat(device)

@@ -1,11 +1,17 @@
 """Save on signal: SIGTERM (and ``checkpoint.signal``, SIGUSR1 by default) stops the run at a safe point
 with a checkpoint, within ``checkpoint.signal_grace_s``.
 
-A signal reaches one rank or all of them, at any point of an iteration. The handler only notes it
-(``Preemption.received``); the loop asks ``requested_anywhere(group)`` once per iteration, after its
-bookkeeping and any periodic save: an all-reduce (MAX) of the signal number over the group passed in, so
-every rank sees the same answer at the same point even when only one of them got the signal. Then
-every rank writes the checkpoint (if that iteration has none yet) and exits ``EXIT_PREEMPTED``.
+A signal reaches one rank or all of them (Slurm: every process of the job step), at any point of an
+iteration. The handler only notes it (``Preemption.received``); the loop asks ``requested_anywhere(group)``
+at its safe points: an all-reduce (MAX) of the signal number over the group passed in, so every rank
+sees the same answer at the same point even when only one of them got the signal. The safe points
+(training/grpo.py, issue 51): after the rollout and reward and after the logprob passes (the synchronous
+loop: the batch is dropped and the last completed iteration saved, unless it has a checkpoint), before
+each mini-batch of the update but the first (the update stops there), after an evaluation (dropped),
+and at the iteration's end, after its bookkeeping and any periodic save. Then every rank writes the
+checkpoint (if there is none of that iteration yet) and exits ``EXIT_PREEMPTED``. Work whose result a
+signal makes the loop drop is cut short as the signal arrives: inside ``interrupting(hook)`` the watcher
+thread calls the hook (the rollout engines' ``interrupt``).
 
 Bounded time: the signal handler is Python code, which runs only when the main thread returns to
 the interpreter, so a rank blocked in a collective would never run it. The C-level handler writes
@@ -31,7 +37,7 @@ import select
 import signal
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -66,12 +72,14 @@ NOTICE = 0x80
 
 
 class Preempted(Exception):
-    """Raised by the training loop on every rank once the preemption checkpoint is written."""
+    """Raised by the training loop on every rank once the preemption checkpoint is written (``saved``
+    False: nothing was trained yet, so there is none and a rerun starts afresh)."""
 
-    def __init__(self, iteration: int, signal_name: str) -> None:
+    def __init__(self, iteration: int, signal_name: str, *, saved: bool = True) -> None:
         super().__init__(f"{signal_name}: stopped after iteration {iteration} with a checkpoint")
         self.iteration = iteration
         self.signal_name = signal_name
+        self.saved = saved
 
 
 class Preemption:
@@ -91,6 +99,33 @@ class Preemption:
         self._previous_wakeup_fd = -1
         self._pipe: tuple[int, int] | None = None
         self._thread: threading.Thread | None = None
+        self._interrupt: Callable[[], None] | None = None
+        self._lock = threading.Lock()
+
+    @contextlib.contextmanager
+    def interrupting(self, interrupt: Callable[[], None]) -> Iterator[None]:
+        """Inside the body a signal calls ``interrupt()`` at once (from the watcher thread; at entry
+        when one came already): the loop's way to cut work it will drop anyway short, the engines'
+        generation of a batch a signal abandons (``RolloutFleet.interrupt``). Outside, nothing."""
+        with self._lock:
+            self._interrupt = interrupt
+            due = self.received is not None
+        try:
+            if due:
+                interrupt()
+            yield
+        finally:
+            with self._lock:
+                self._interrupt = None
+
+    def _interrupt_now(self) -> None:
+        with self._lock:
+            interrupt = self._interrupt
+        if interrupt is not None:
+            try:
+                interrupt()
+            except Exception as exc:  # the save must still happen: the stop is only later
+                self._log(f"[preempt] cutting the running work short failed ({type(exc).__name__}: {exc})")
 
     def install(self) -> None:
         read_fd, write_fd = os.pipe()
@@ -153,9 +188,10 @@ class Preemption:
                 self.received, self._first_at = name, now
                 self._deadline = now + self.grace_s
                 self._log(
-                    f"[preempt] {name}: saving a checkpoint after this iteration and stopping (at most "
+                    f"[preempt] {name}: saving a checkpoint at the next safe point and stopping (at most "
                     f"checkpoint.signal_grace_s={self.grace_s:g} s; a second signal stops at once)"
                 )
+                self._interrupt_now()
 
     def _exit(self, why: str) -> None:
         code = EXIT_PREEMPTED if self.checkpoint_written else EXIT_INTERRUPTED
@@ -174,8 +210,9 @@ class Preemption:
 def report_preempted(stop: Preempted, checkpoint: Path, rank: int, group: dist.ProcessGroup | None) -> int:
     """Collective: rank 0 says what happened and writes ``$GRPO_EXIT_FILE``; returns EXIT_PREEMPTED."""
     if rank == 0:
+        kept = f"checkpoint {checkpoint} written" if stop.saved else "no checkpoint (nothing trained yet)"
         print(
-            f"[preempt] {stop.signal_name}: checkpoint {checkpoint} written after iteration {stop.iteration}; "
+            f"[preempt] {stop.signal_name}: {kept} after iteration {stop.iteration}; "
             f"exiting with {EXIT_PREEMPTED} (rerun the same command to resume)",
             flush=True,
         )

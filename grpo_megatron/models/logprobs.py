@@ -7,7 +7,7 @@ With tensor parallelism the output layer leaves logits split over the vocabulary
 columns [r*Vt, (r+1)*Vt). Gathering ``[B, S, V]`` would cost TP times the memory; instead each
 quantity needs only scalars per token reduced over the TP group. With z = logits / T:
 
-    l_r    = logsumexp of rank r's slice                   (local)
+    l_r    = logsumexp of rank r's slice                   (local; -inf for a slice of padding only)
     s_r    = sum_{v in r} exp(z_v - l_r) z_v               (local, for the entropy)
     m      = max_r l_r                                    (all-reduce MAX)
     lse    = m + log sum_r exp(l_r - m)                   (all-reduce SUM)
@@ -106,7 +106,8 @@ class _VocabParallelLogprobEntropy(torch.autograd.Function):
             del z_cvt
         max_bs = _tp_max_(local_lse_bs.clone(), tp_group)
         lse_bs = max_bs + _tp_sum_((local_lse_bs - max_bs).exp(), tp_group).log()
-        logprobs_bs = _tp_sum_(picked_bs * owned_bs, tp_group) - lse_bs
+        # where, not a product: a shard of padding only picks -inf, and -inf * 0 is NaN (issue 51 item 10)
+        logprobs_bs = _tp_sum_(torch.where(owned_bs, picked_bs, 0.0), tp_group) - lse_bs
         if weighted_bs is not None:
             mean_z_bs = _tp_sum_((local_lse_bs - lse_bs).exp() * weighted_bs, tp_group)
             entropy_bs = lse_bs - mean_z_bs

@@ -7,10 +7,14 @@ The CLI validates the config at world size N x G before the handler runs (the tw
 from __future__ import annotations
 
 import argparse
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from rich.console import Console
+
     from grpo_megatron.config import JobConfig
+    from grpo_megatron.planner.memory import MemoryPlan
 
 EXIT_DOES_NOT_FIT = 1
 
@@ -79,6 +83,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=None,
         help="asynchronous layout: GPUs of the engines (default: as the trainer)",
+    )
+    parser.add_argument(
+        "--response-tokens",
+        type=int,
+        default=None,
+        help="rollout time: the mean response length to plan for (default: half of rollout.max_new_tokens); "
+        "a rollout beyond parallel.timeout_minutes or parallel.long_phase_timeout_s does not fit",
+    )
+    parser.add_argument(
+        "--ckpt-gbps",
+        type=float,
+        default=2.0,
+        help="stop on a signal: a node's checkpoint write bandwidth, GB/s",
     )
     parser.set_defaults(nodes=1, gpus_per_node=8, world_size=8)
 
@@ -162,6 +179,9 @@ def run(cfg: JobConfig, args: argparse.Namespace) -> int:
     if args.phase_times or cfg.generation_overlaps_training > 0:
         console.print(async_section(cfg, args, colocated=placement.colocated_sglang), markup=False)
     rc = 0 if plan.fits else EXIT_DOES_NOT_FIT
+    rc = rollout_section(cfg, hf, plan, args, console) or rc
+    sync_s = min((e.seconds for e in estimates), default=0.0)
+    console.print(preemption_section(cfg, hf, plan, args, sync_s), markup=False)
     if args.dry_run:
         from grpo_megatron.planner.dry_run import dry_run
         from grpo_megatron.planner.dry_run import render as render_dry_run
@@ -170,6 +190,56 @@ def run(cfg: JobConfig, args: argparse.Namespace) -> int:
         console.print(render_dry_run(report))
         rc = rc or (0 if report.ok else EXIT_DOES_NOT_FIT)
     return rc
+
+
+def rollout_section(
+    cfg: JobConfig, hf: Mapping[str, Any], plan: MemoryPlan, args: argparse.Namespace, console: Console
+) -> int:
+    """The rollout's time beside the timeouts it runs under (planner/rollout_time.py), at the mean
+    response ``--response-tokens`` (default half of rollout.max_new_tokens); EXIT_DOES_NOT_FIT when it
+    outlasts them, else 0. Nothing for engines without a planned KV pool."""
+    from rich.text import Text
+
+    from grpo_megatron.planner.rollout_time import render, rollout_time
+
+    given = args.response_tokens
+    if given is not None and not 0 < given <= cfg.rollout.max_new_tokens:
+        console.print(
+            Text(
+                f"--response-tokens={given} must be in 1..rollout.max_new_tokens="
+                f"{cfg.rollout.max_new_tokens}",
+                style="bold red",
+            )
+        )
+        return EXIT_DOES_NOT_FIT
+    response = planned_response(cfg, args)
+    estimate = rollout_time(cfg, hf, plan, response)
+    if estimate is None:
+        return 0
+    planned_by = "--response-tokens" if given else "half of rollout.max_new_tokens; --response-tokens"
+    console.print(render(estimate, cfg, planned_by), markup=False)
+    verdict = ("rollout FITS its timeout" if estimate.fits else "rollout DOES NOT FIT its timeout") + (
+        f": ~{estimate.seconds / 60:.0f} of {estimate.timeout_s / 60:.0f} min"
+    )
+    console.print(Text(verdict, style="bold green" if estimate.fits else "bold red"))
+    return 0 if estimate.fits else EXIT_DOES_NOT_FIT
+
+
+def planned_response(cfg: JobConfig, args: argparse.Namespace) -> int:
+    """The mean response the estimates plan for: ``--response-tokens``, else half the limit."""
+    return int(args.response_tokens or max(1, cfg.rollout.max_new_tokens // 2))
+
+
+def preemption_section(
+    cfg: JobConfig, hf: Mapping[str, Any], plan: MemoryPlan, args: argparse.Namespace, sync_s: float
+) -> str:
+    """How long a stop on a signal takes and the Slurm settings that cover it (planner/preemption.py)."""
+    from grpo_megatron.planner.preemption import render, stop_time
+
+    stop = stop_time(
+        cfg, hf, plan, response_tokens=planned_response(cfg, args), sync_s=sync_s, write_gbps=args.ckpt_gbps
+    )
+    return render(stop, cfg)
 
 
 def async_section(cfg: JobConfig, args: argparse.Namespace, *, colocated: bool) -> str:

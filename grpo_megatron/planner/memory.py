@@ -211,14 +211,16 @@ def tokens_per_micro_batch(cfg: JobConfig) -> int:
     return cfg.train.micro_batch_size * (cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens)
 
 
-def kv_bytes_per_token(d: ModelDims, engine_gpus: int) -> float:
-    """KV-cache bytes per token on one GPU of an engine (bf16 cache, TP over the engine's GPUs):
-    GQA keeps 2 x layers x kv heads x head_dim (kv heads split, or replicated when fewer than the
-    GPUs); MLA keeps one compressed latent plus the rope key per layer, on every GPU."""
+def kv_bytes_per_token(d: ModelDims, engine_gpus: int, server_args: Mapping[str, Any] | None = None) -> float:
+    """KV-cache bytes per token on one GPU of an engine (TP over the engine's GPUs; a bf16 cache, or
+    one byte per element with ``kv_cache_dtype`` fp8_* in ``server_args``): GQA keeps 2 x layers x kv
+    heads x head_dim (kv heads split, or replicated when fewer than the GPUs); MLA keeps one compressed
+    latent plus the rope key per layer, on every GPU."""
+    element = 1 if str((server_args or {}).get("kv_cache_dtype", "auto")).startswith("fp8") else 2
     if d.mla:
-        return d.num_layers * (d.kv_lora + d.qk_rope) * 2
+        return d.num_layers * (d.kv_lora + d.qk_rope) * element
     heads_per_gpu = max(1, -(-d.kv_groups // engine_gpus))
-    return 2 * d.num_layers * heads_per_gpu * d.head_dim * 2
+    return 2 * d.num_layers * heads_per_gpu * d.head_dim * element
 
 
 @dataclass
@@ -473,7 +475,7 @@ def _engine_lines(
     fp8 = cfg.rollout.weight_dtype == "fp8"
     weights, replicated = on_gpu.nbytes(cfg.model.dtype, fp8)
     kv = pool - weights
-    kv_tokens = max(0, int(kv // kv_bytes_per_token(d, width)))
+    kv_tokens = max(0, int(kv // kv_bytes_per_token(d, width, cfg.rollout.sglang.server_args)))
     lines = {
         "weights": Line(
             "engine weights",

@@ -219,6 +219,8 @@ class EmbeddedEngine(RolloutEngine):
         self.tokenizer = tokenizer
         self.max_batch_rows = max_batch_rows
         self.record_routes = record_routes
+        self.interrupted = False
+        """Set by ``interrupt`` (another thread): generation ends after its current step (issue 51)."""
         config = AutoConfig.for_model(**dict(hf))
         # transformers annotates this lookup as a pair of classes; it returns the model class.
         model_cls = AutoModelForCausalLM._model_mapping[type(config)]
@@ -411,6 +413,12 @@ class EmbeddedEngine(RolloutEngine):
 
     # -------------------------------------------------------------------------------- generation
 
+    def interrupt(self, cut: bool = True) -> None:
+        """Cut the generation short from another thread (a preemption signal's watcher: the batch will
+        be dropped): every row ends after the step it is at, each still with at least one token, and
+        later generations of this engine end after their first step, until ``interrupt(False)``."""
+        self.interrupted = cut
+
     @torch.no_grad()
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[list[Completion]]:
         if params.stop_strings and self.tokenizer is None:
@@ -514,7 +522,7 @@ class EmbeddedEngine(RolloutEngine):
                     stop_r |= texts.add(active, token_r)
                 stopped_r[active[stop_r]] = True
                 leave_r = stop_r | (last_step_r[active] == step)  # stopped, or at its limit ("length")
-                if step == steps_total - 1 or bool(leave_r.all()):
+                if step == steps_total - 1 or bool(leave_r.all()) or self.interrupted:
                     break
                 positions_rl = positions_rl[:, -1:] + 1
                 mask_rl = torch.cat([mask_rl, torch.ones_like(mask_rl[:, :1])], dim=1)

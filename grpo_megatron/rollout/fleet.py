@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from contextlib import nullcontext
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -222,6 +223,7 @@ class RolloutFleet:
             parts,
             data.gather,
             resync=resync_from(resync) if resync is not None else None,
+            starting=resync.starting if resync is not None else nullcontext,
         )
         weights = WeightSync(
             ps,
@@ -302,6 +304,15 @@ class RolloutFleet:
         ``deliver_completions`` sends it to the data-parallel replica that trains it. Lost engines are
         restarted (``collect``)."""
         return self.collect(self.submit(prompts, params), payload=payload)
+
+    def interrupt(self) -> None:
+        """Cut this rank's engine's generation short, from another thread (a preemption signal: the
+        batch will be dropped); every rank still takes part in the results' exchange, with shorter
+        completions (the embedded engine's and SGLang's ``interrupt``; engine processes have none and
+        finish what they run)."""
+        interrupt = getattr(self.engine, "interrupt", None)
+        if interrupt is not None:
+            interrupt()
 
     def submit(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> PendingRollout:
         """Start generating this rank's share (``RolloutEngine.submit``: an engine process returns at

@@ -103,7 +103,13 @@ class RolloutPlacement:
         memory to match, ``planner/memory.py`` adds it up."""
         everything = Occupancy(TRAINER_PARTS, frozenset(ENGINE_TAGS))
         if not self.swaps_engine_memory:
-            return dict.fromkeys(PHASES, everything)
+            held = dict.fromkeys(PHASES, everything)
+            if self.colocated_sglang:
+                # SGLang sizes its KV pool from the memory free as it starts: the trainer's state is out
+                # then, as in a swapping layout, so the pool is the one `plan` counts (issue 51 item 3);
+                # afterwards both stay, and `plan` adds both up in every phase.
+                held["start-up"] = Occupancy(frozenset(), frozenset(ENGINE_TAGS))
+            return held
         resident = frozenset() if self.offload_trainer else TRAINER_PARTS
         weights, tags = frozenset({"weights"}), frozenset(ENGINE_TAGS)
         rollout = Occupancy(resident, tags)
@@ -248,7 +254,8 @@ def decide_placement(
         "colocated SGLang: engines start beside an offloaded trainer and release their memory for training"
         if swaps
         else f"train.max_staleness={max_staleness}: the engines generate while the trainer trains, so the "
-        "engines' memory and the trainer's stay on the device in every phase"
+        "engines' memory and the trainer's stay on the device in every phase (the engines start beside an "
+        "offloaded trainer all the same: their KV pool is sized as planned)"
     )
     return RolloutPlacement(
         "sglang",

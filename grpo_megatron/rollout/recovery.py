@@ -42,12 +42,16 @@ Gather = Callable[[Any], list[Any]]
 
 @dataclasses.dataclass(frozen=True)
 class Resync:
-    """What a restarted engine is given: the policy ``model`` whose weights the fleet synced last, and
+    """What a restarted engine is given: the policy ``model`` whose weights the fleet synced last;
     ``visit``, a context inside which its parameters are on the device (the job's
-    ``ColocatedMemory.sync_visit``: a colocated rollout phase has them offloaded)."""
+    ``ColocatedMemory.sync_visit``: a colocated rollout phase has them offloaded); and ``starting``, a
+    context inside which the engine starts again (the job's ``ColocatedMemory.restart_visit``: the
+    trainer's state off the device, as at the first start, since SGLang sizes its KV pool from the
+    memory free as it starts: issue 51 item 2)."""
 
     model: torch.nn.Module
-    visit: Callable[[], AbstractContextManager[None]] = nullcontext
+    visit: Callable[[], AbstractContextManager[Any]] = nullcontext
+    starting: Callable[[], AbstractContextManager[Any]] = nullcontext
 
 
 def describe(exc: BaseException) -> str:
@@ -67,7 +71,8 @@ class EngineRecovery:
     every rank of each engine of several GPUs, its leader first, by leader (an engine absent is its
     rank alone); ``parts``: this rank's engine or member (``WeightSink``s); ``gather``: the ranks'
     agreement; ``resync(version, ranks)``: streams ``version`` into the sinks of ``ranks`` only (None:
-    no model to resync from, so nothing is restarted: the bound is 0)."""
+    no model to resync from, so nothing is restarted: the bound is 0); ``starting()``: the context each
+    rank of a restarting engine restarts its part in (``Resync.starting``)."""
 
     def __init__(
         self,
@@ -78,8 +83,10 @@ class EngineRecovery:
         parts: EngineParts,
         gather: Gather,
         resync: Callable[[int, list[int]], None] | None = None,
+        starting: Callable[[], AbstractContextManager[Any]] = nullcontext,
     ) -> None:
         self.max_restarts = max_restarts if resync is not None else 0
+        self.starting = starting
         self.rank = rank
         self.engine_ranks = list(engine_ranks)
         self.engine_groups = engine_groups
@@ -203,10 +210,13 @@ class EngineRecovery:
         addresses = self._restart_addresses(leaders)
         engine, member = self.parts.engine, self.parts.member
         try:
-            if self.rank in leaders and engine is not None:
-                engine.restart(addresses[self.rank])
-            elif self.rank in everyone and member is not None:
-                member.restart(addresses[self.leader_of(self.rank)])
+            # On a restarting engine's GPUs the engine starts as at the first start (``starting``: the
+            # trainer's state out, then back once it serves, its memory phase restored by ``restart``).
+            with self.starting() if self.rank in everyone else nullcontext():
+                if self.rank in leaders and engine is not None:
+                    engine.restart(addresses[self.rank])
+                elif self.rank in everyone and member is not None:
+                    member.restart(addresses[self.leader_of(self.rank)])
         except Exception as exc:
             error = describe(exc)
         failed = [(rank, e) for rank, e in enumerate(self.gather(error)) if e is not None]

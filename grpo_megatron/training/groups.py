@@ -178,6 +178,10 @@ def fill_groups(
 class RolloutNow:
     """The synchronous source: each iteration's rollout generated when the loop takes it."""
 
+    drops_batches = True
+    """Nothing of a batch outlives its iteration: a signal before the update may drop it (the sampler's
+    state from before it is the loop's to keep; training/grpo.py:Abandoned)."""
+
     def __init__(self, parts: SourceParts) -> None:
         self.parts = parts
 

@@ -40,6 +40,7 @@ DAPO, TIS) are off by default; with one update per iteration pi_old is the detac
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from collections.abc import Mapping
@@ -115,11 +116,34 @@ class LoopState:
         return cls(saved["iteration"], saved["sampler"], dict(saved["eval"]), tuple(best) if best else None)
 
 
-def run_iteration(job: Job, source: GroupSource, probe: ProbeBatch, it: int, timer: Timer) -> Iteration:
+class Abandoned(Exception):
+    """Raised on every rank at a safe point before the update (``abandon_if_signalled``): a signal came,
+    and iteration's batch is dropped; the state to keep is the iteration before's."""
+
+    def __init__(self, signal_name: str, where: str) -> None:
+        super().__init__(f"{signal_name} during {where}: the batch is dropped")
+        self.signal_name, self.where = signal_name, where
+
+
+def abandon_if_signalled(job: Job, drops: bool, where: str) -> None:
+    """A safe point inside the iteration, before anything of it is kept (issue 51 item 5). Collective
+    where ``drops`` (the source can drop its batch: the same on every rank): any rank's signal raises
+    ``Abandoned`` on every rank."""
+    if drops and (name := job.preemption.requested_anywhere(dist.group.WORLD)):
+        raise Abandoned(name, where)
+
+
+def run_iteration(
+    job: Job, source: GroupSource, probe: ProbeBatch, it: int, timer: Timer, *, drops: bool = False
+) -> Iteration:
     """One GRPO iteration, rollout to weight sync, each phase timed as ``time/<phase>``; the rollout and
-    reward phases are ``source``'s (training/groups.py)."""
+    reward phases are ``source``'s (training/groups.py). ``drops``: a signal before the update drops the
+    batch (``Abandoned``): the engines' generation is cut short at the signal (``RolloutFleet.
+    interrupt``), then safe points after the reward and after the logprob passes."""
     cfg, ps, policy = job.cfg, job.ps, job.policy
-    produced = source.take(it, timer)
+    with job.preemption.interrupting(job.fleet.interrupt) if drops else contextlib.nullcontext():
+        produced = source.take(it, timer)
+    abandon_if_signalled(job, drops, "the rollout and reward")
     groups = produced.groups
     with timer("onload"):
         onload_metrics = job.memory.to_trainer()
@@ -153,6 +177,7 @@ def run_iteration(job: Job, source: GroupSource, probe: ProbeBatch, it: int, tim
             old = logprob_pass(policy.model, batch.samples, plan, "old", passes)
             old.store(batch.samples)
             routing_metrics = old.routing_metrics
+    abandon_if_signalled(job, drops, "the logprob passes")  # the last point before the weights change
     beta = kl_beta(cfg.algorithm.kl, it - 1, cfg.train.iterations)
     loss = GRPOLoss(
         cfg.algorithm_in_effect,  # the off-policy correction resolved by the rollout (FP8: icepop)
@@ -160,9 +185,10 @@ def run_iteration(job: Job, source: GroupSource, probe: ProbeBatch, it: int, tim
         cfg.algorithm.loss_norm_len or cfg.rollout.response_budget.tokens,
         old_from_engine=cfg.train.old_logprobs == "engine",
     )
-    with timer("train"):
+    with timer("train"):  # a signal stops the update at its next mini-batch (a safe point: every rank asks)
+        stop = lambda: job.preemption.requested_anywhere(dist.group.WORLD) is not None  # noqa: E731
         train_metrics = update_policy(
-            policy, batch.samples, plan, loss, passes, measure_routing=not routing_metrics
+            policy, batch.samples, plan, loss, passes, measure_routing=not routing_metrics, stop=stop
         )
     with timer("rollout"):  # asynchronous with SGLang: the batches in flight end before the sync stream
         drain_metrics = source.before_sync()
@@ -186,6 +212,35 @@ def run_iteration(job: Job, source: GroupSource, probe: ProbeBatch, it: int, tim
     }
     metrics.setdefault("kl", 0.0)
     return Iteration(groups, batch.samples, plan, metrics, batch.tokens)
+
+
+def evaluate_unless_signalled(job: Job, iteration: int) -> dict[str, float] | None:
+    """The eval phase of a training iteration; a signal during it cuts the engines' generation short
+    (``RolloutFleet.interrupt``) and then its numbers would be wrong: None on every rank (collective)."""
+    with job.preemption.interrupting(job.fleet.interrupt):
+        metrics = evaluate_job(job, iteration)
+    if job.has_engines and job.preemption.requested_anywhere(dist.group.WORLD):
+        return None
+    return metrics
+
+
+def keep_last_iteration(
+    job: Job, source: GroupSource, before: LoopState, saved_at: int | None, stop: Abandoned
+) -> Preempted:
+    """A batch dropped (``Abandoned``): the state of the last completed iteration (``before``: the
+    weights have not changed since its end) is checkpointed unless a checkpoint of it exists already
+    (or nothing was trained yet: a rerun starts afresh the same way); every rank then stops (75)."""
+    done = before.iteration
+    if done > 0 and saved_at != done:
+        save_checkpoint(job.checkpoints, job.memory, job.policy, done, source_state(before.to_dict(), source))
+    job.preemption.checkpoint_written = True
+    if job.ps.rank == 0:
+        print(
+            f"[preempt] {stop.signal_name} during {stop.where} of iteration {done + 1}: its batch is "
+            f"dropped; the rerun starts from iteration {done}",
+            flush=True,
+        )
+    return Preempted(done, stop.signal_name, saved=done > 0)
 
 
 def evaluate_job(job: Job, iteration: int) -> dict[str, float]:
@@ -237,24 +292,36 @@ def train(job: Job) -> dict[str, float]:
     best = state.best or (start, last_eval.get("eval/accuracy", float("nan")))
     last_it = start
 
+    saved_at = start if resumed is not None else None  # the newest checkpoint's iteration
+    drops = bool(getattr(source, "drops_batches", False))  # a signal may drop the batch being taken
     for it in range(start + 1, cfg.train.iterations + 1):
         timer = PhaseTimer(beat=job.beat)
         eval_metrics: dict[str, float] = {}
-        with timer("iteration"):
-            result = run_iteration(job, source, probe, it, timer)
-            with timer("eval"):
-                if it == cfg.train.iterations or (
-                    cfg.train.eval_interval and it % cfg.train.eval_interval == 0
-                ):
-                    eval_metrics = last_eval = evaluate_job(job, it)
-                    last_it = it
-                    if not eval_metrics.get("eval/accuracy", float("nan")) <= best[1]:  # NaN best: replace
-                        best = (it, eval_metrics.get("eval/accuracy", float("nan")))
+        before = LoopState(it - 1, sampler.state_dict(), dict(last_eval), best)  # kept if `it` is dropped
+        try:
+            with timer("iteration"):
+                result = run_iteration(job, source, probe, it, timer, drops=drops)
+                with timer("eval"):
+                    due = it == cfg.train.iterations or (
+                        cfg.train.eval_interval and it % cfg.train.eval_interval == 0
+                    )
+                    evaluated = evaluate_unless_signalled(job, it) if due else None
+                    if evaluated is not None:
+                        eval_metrics = last_eval = evaluated
+                        last_it = it
+                        if (
+                            not eval_metrics.get("eval/accuracy", float("nan")) <= best[1]
+                        ):  # NaN best: replace
+                            best = (it, eval_metrics.get("eval/accuracy", float("nan")))
+        except Abandoned as stop:
+            raise keep_last_iteration(job, source, before, saved_at, stop) from None
         n_tokens = result.tokens
         metrics = {
             **result.metrics,
             **eval_metrics,
             **job.fleet.recovery.metrics(),  # engine/restarts, engine/restart_s (only after a restart)
+            # the worst engine resume since the last row: a save's or a restart's visit included
+            **job.memory.take_cached_at_resume(),
             **timer.seconds,
             "throughput/tokens_per_s": n_tokens / timer.seconds["time/iteration"],
         }
@@ -268,6 +335,7 @@ def train(job: Job) -> dict[str, float]:
         saved = job.checkpoints.should_save(it, final_iteration=cfg.train.iterations)
         if saved:
             save_checkpoint(job.checkpoints, job.memory, job.policy, it, source_state(trainer_state, source))
+            saved_at = it
         # The safe point: any rank's signal (SIGTERM, checkpoint.signal) stops every rank here, saved.
         if signal_name := job.preemption.requested_anywhere(dist.group.WORLD):
             if not saved:

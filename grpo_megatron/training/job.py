@@ -258,12 +258,15 @@ def start_preemption(cfg: CheckpointConfig, install: bool) -> Preemption:
     (GRPO; SFT keeps no checkpoints, so a signal ends it as before)."""
     import signal
 
+    from grpo_megatron.checkpoint.dist import start_signal_proof_writer_queue
     from grpo_megatron.distributed.preemption import Preemption
 
     signals = [signal.SIGTERM] + ([signal.Signals[cfg.signal]] if cfg.signal else [])
     preemption = Preemption(signals, cfg.signal_grace_s)
     if install:
         preemption.install()
+        # megatron's checkpoint writer keeps a helper process: one a job step's SIGTERM does not end
+        start_signal_proof_writer_queue([*signals, signal.SIGINT])
     return preemption
 
 
@@ -415,7 +418,8 @@ def _models(
     spec = engine_spec(cfg)
     placement = runtime_placement(spec, ps, hf)
     memory = ColocatedMemory(policy, None, placement.phases())
-    resync = Resync(policy.model, memory.sync_visit) if restarts else None  # what a restarted engine is given
+    # What a restarted engine is given: the weights, and the memory phases it resyncs and starts in.
+    resync = Resync(policy.model, memory.sync_visit, memory.restart_visit) if restarts else None
     engine = None
     if cfg.rollout.true_on_policy:
         from grpo_megatron.rollout.policy_engine import PolicyEngine

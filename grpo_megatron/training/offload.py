@@ -230,17 +230,49 @@ def _bytes_of(storage: torch.UntypedStorage) -> torch.Tensor:
     return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
 
 
+CACHED_KEY = "offload/cached_free_bytes"
+"""The trainer's reserved but unused device bytes right before an engine resumed (the worst resume of the
+phases reported), 0 where nothing is cached (CPU); bench/gpu_check.py's cached-blocks criterion reads it."""
+
+
 def release_device_cache() -> dict[str, float]:
     """Return the trainer process's cached, unused device blocks to the driver (CUDA's caching allocator
     keeps what training freed reserved for this process: another process, a colocated engine resuming
     its KV cache, cannot use it). Objects in reference cycles are collected first, so that no tensor
-    only a cycle still holds keeps its block. A no-op where nothing is cached (CPU, or CUDA never used).
-    On CUDA, ``offload/cached_free_bytes``: what stays reserved but unused afterwards."""
+    only a cycle still holds keeps its block. ``offload/cached_free_bytes``: what stays reserved but
+    unused afterwards; 0.0 where nothing is cached (CPU, or CUDA never used: nothing to return)."""
     if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
-        return {}
+        return {CACHED_KEY: 0.0}
     gc.collect()
     torch.cuda.empty_cache()
-    return {"offload/cached_free_bytes": float(torch.cuda.memory_reserved() - torch.cuda.memory_allocated())}
+    return {CACHED_KEY: float(torch.cuda.memory_reserved() - torch.cuda.memory_allocated())}
+
+
+def release_pinned_host_cache() -> None:
+    """Unpin the host memory torch's pinned-memory allocator keeps cached (an offload's host buffers,
+    freed by their onload, stay pinned in that cache for the next offload to reuse): page-locked memory
+    the rest of the node cannot use. A no-op without CUDA (nothing is pinned on CPU)."""
+    if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
+        return
+    accelerator = getattr(torch, "accelerator", None)
+    empty = getattr(accelerator, "empty_host_cache", None) or getattr(torch._C, "_host_emptyCache", None)
+    if empty is not None:  # torch.accelerator.empty_host_cache (2.13); torch._C._host_emptyCache before
+        empty()
+
+
+def merge_memory_metrics(*parts: Mapping[str, float]) -> dict[str, float]:
+    """The ``offload/*`` metrics of several memory phases as one: bytes and seconds add up, the cached
+    bytes at an engine resume are the worst one's, the device memory left is the last phase's."""
+    out: dict[str, float] = {}
+    for part in parts:
+        for key, value in part.items():
+            if key not in out or key.endswith("memory_left"):
+                out[key] = value
+            elif key == CACHED_KEY:
+                out[key] = max(out[key], value)
+            else:
+                out[key] += value
+    return out
 
 
 class ColocatedMemory:
@@ -267,6 +299,11 @@ class ColocatedMemory:
     Before the engines start and before every resume of engine memory, in every phase order, the
     trainer's cached device blocks go back to the driver (``release_cache``): the engines are other
     processes, and memory the trainer's allocator keeps reserved is not free for them.
+
+    Every phase returns its metrics (``visit`` yields them): ``offload/*`` of what moved, and at an
+    engine resume ``offload/cached_free_bytes`` (0 on CPU). The worst of the latter since the last
+    metrics row, whichever caller moved the memory (a save or an engine restart included), is
+    ``take_cached_at_resume``'s: bench/gpu_check.py fails a stage whose rows miss it (issue 51).
     """
 
     def __init__(
@@ -277,6 +314,7 @@ class ColocatedMemory:
         *,
         discard_grads: bool = False,
         release_cache: Callable[[], dict[str, float]] = release_device_cache,
+        release_host_cache: Callable[[], None] = release_pinned_host_cache,
     ) -> None:
         self.policy = policy
         self.fleet = fleet
@@ -295,23 +333,27 @@ class ColocatedMemory:
         """The phase whose memory is on the device now."""
         self.release_cache = release_cache
         """Returns the trainer's cached device blocks to the driver (``release_device_cache``)."""
+        self.release_host_cache = release_host_cache
+        """Unpins the host buffers an offload left cached (``release_pinned_host_cache``)."""
+        self._cached_at_resume: float | None = None
+        """The worst ``offload/cached_free_bytes`` of the engine resumes since ``take_cached_at_resume``."""
 
     def enter(self, phase: str) -> dict[str, float]:
         """Move to ``phase``'s memory; ``offload/*`` of what left and ``offload/onload_seconds`` of
         what returned (when anything did)."""
         want = self.phases[phase]
-        metrics: dict[str, float] = {}
         release = [t for t in ENGINE_TAGS if t in self.engine_held and t not in want.engine]
         if release and self.fleet is not None:
             self.fleet.release_memory(release)
         self.engine_held.difference_update(release)
         on_device = set(TRAINER_PARTS).difference(*(r.parts for r in self.offloaded))
         leaving = on_device - want.trainer
+        reports = []
         for part in sorted(leaving):  # one report per part: each comes back on its own
             report = offload(self.policy, parts=(part,), discard_grads=self.discard_grads)
             self.offloaded.append(report)
-            for key, value in report.metrics().items():  # totals; the memory left after the last
-                metrics[key] = value if key.endswith("memory_left") else metrics.get(key, 0.0) + value
+            reports.append(report.metrics())
+        metrics = merge_memory_metrics(*reports)  # totals; the memory left after the last
         back = [r for r in self.offloaded if r.parts & want.trainer]
         if back:
             self.offloaded = [r for r in self.offloaded if not r.parts & want.trainer]
@@ -319,33 +361,54 @@ class ColocatedMemory:
         resume = [t for t in ENGINE_TAGS if t in want.engine and t not in self.engine_held]
         if resume and self.fleet is not None:
             metrics |= self.release_cache()  # after the trainer's moves: what they freed goes back too
+            self._note_resume(metrics)
             self.fleet.resume_memory(resume)
         self.engine_held.update(resume)
         self.phase = phase
         return metrics
 
+    def _note_resume(self, metrics: Mapping[str, float]) -> None:
+        cached = metrics.get(CACHED_KEY)
+        if cached is None:  # a release_cache that measures nothing: the check must see it missing
+            return
+        self._cached_at_resume = max(cached, self._cached_at_resume or 0.0)
+
+    def take_cached_at_resume(self) -> dict[str, float]:
+        """``offload/cached_free_bytes`` of the worst engine resume since the last call (every phase's,
+        a checkpoint save's or an engine restart's visit included, whichever caller made it), for the
+        iteration's metrics row; empty when no engine resumed."""
+        cached, self._cached_at_resume = self._cached_at_resume, None
+        return {} if cached is None else {CACHED_KEY: cached}
+
     def start_engines(self, build: Callable[[], Any]) -> Any:
         """Start-up: the trainer's state leaves the device as planned, ``build()`` starts the engines
-        (they hold all their memory), then the training phase's memory is restored. Returns the fleet."""
+        (they hold all their memory), then the training phase's memory is restored. Returns the fleet.
+        Where no later phase offloads the trainer (``train.offload_trainer=false``: every recipe), the
+        pinned host buffers of that one offload are unpinned once it is back (issue 51 item 9: they stayed
+        page-locked in torch's pinned-memory cache for the whole run); an offloading job keeps them for
+        its next offload."""
         self.enter("start-up")
         self.release_cache()  # the engines size their memory from what is free
         self.fleet = build()
         self.engine_held = set(ENGINE_TAGS)
         self.enter("train")
+        if all(held.trainer == TRAINER_PARTS for name, held in self.phases.items() if name != "start-up"):
+            self.release_host_cache()
         return self.fleet
 
     def to_trainer(self) -> dict[str, float]:
         """Engines -> trainer (the train phase): ``offload/onload_seconds`` when anything came back."""
         return self.enter("train")
 
-    def before_sync(self) -> None:
-        """The sync phase: the engines take their weights back; what the sync does not read leaves."""
-        self.enter("sync")
+    def before_sync(self) -> dict[str, float]:
+        """The sync phase: the engines take their weights back; what the sync does not read leaves
+        (``offload/*``, ``offload/cached_free_bytes`` of the resume)."""
+        return self.enter("sync")
 
-    def engines_serve(self) -> None:
+    def engines_serve(self) -> dict[str, float]:
         """The probe phase: the engines get their caches back (they can score and generate again);
-        the trainer's parameters stay, for the probe's forward pass."""
-        self.enter("probe")
+        the trainer's parameters stay, for the probe's forward pass (``offload/*`` of the move)."""
+        return self.enter("probe")
 
     def after_sync(self) -> dict[str, float]:
         """The rollout phase: with offload the parameters leave (``offload/*``); the engines get
@@ -353,26 +416,47 @@ class ColocatedMemory:
         return {k: v for k, v in self.enter("rollout").items() if k != "offload/onload_seconds"}
 
     @contextmanager
-    def visit(self, phase: str) -> Iterator[None]:
+    def visit(self, phase: str) -> Iterator[dict[str, float]]:
         """``phase``'s memory for the body, then the phase before it again; inside ``phase`` already,
-        nothing moves. ``visit("save")``: a checkpoint save. ``visit("sync")``: an engine restarted in
-        place during a rollout (issue 41, ``EngineRecovery.restart_engines``) is streamed the last synced
-        version, and the export reads the parameters the rollout phase offloads."""
+        nothing moves. Yields the visit's ``offload/*`` (the way in at once, the way back added when
+        the body ends: ``merge_memory_metrics``). ``visit("save")``: a checkpoint save.
+        ``visit("sync")``: an engine restarted in place during a rollout (issue 41,
+        ``EngineRecovery.restart_engines``) is streamed the last synced version, and the export reads the
+        parameters the rollout phase offloads."""
         before = self.phase
+        moved: dict[str, float] = {}
         if before == phase:
-            yield
+            yield moved
             return
-        self.enter(phase)
-        yield
-        self.enter(before)
+        moved |= self.enter(phase)
+        yield moved
+        moved |= merge_memory_metrics(dict(moved), self.enter(before))
 
-    def trainer_visit(self) -> AbstractContextManager[None]:
+    def trainer_visit(self) -> AbstractContextManager[dict[str, float]]:
         """The save phase for the body (a checkpoint save): ``visit("save")``."""
         return self.visit("save")
 
-    def sync_visit(self) -> AbstractContextManager[None]:
+    def sync_visit(self) -> AbstractContextManager[dict[str, float]]:
         """The sync phase for the body (an engine's resync during a rollout): ``visit("sync")``."""
         return self.visit("sync")
+
+    @contextmanager
+    def restart_visit(self) -> Iterator[dict[str, float]]:
+        """An engine restarted in place starts as the engines did at start-up (issue 51 item 2): the
+        trainer's state on the device leaves, its cached blocks go back to the driver (SGLang sizes its
+        KV pool from the memory free as it starts: with the trainer resident it would get a fraction of
+        the planned pool, or none), the body restarts the engine (which releases again what its
+        predecessor had released: the phase of the moment), then the state returns. Yields
+        ``offload/*`` of the way out, ``offload/onload_seconds`` added at the end."""
+        on_device = set(TRAINER_PARTS).difference(*(r.parts for r in self.offloaded))
+        reports = [
+            offload(self.policy, parts=(p,), discard_grads=self.discard_grads) for p in sorted(on_device)
+        ]
+        moved = merge_memory_metrics(*(r.metrics() for r in reports)) | self.release_cache()
+        try:
+            yield moved
+        finally:
+            moved["offload/onload_seconds"] = sum(onload(self.policy, r) for r in reversed(reports))
 
     def trainer_back(self) -> None:
         """Bring the trainer's state back for good (the final export reads the parameters; the end of

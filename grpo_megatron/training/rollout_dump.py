@@ -284,6 +284,9 @@ class ReplaySource:
     """The replay ``GroupSource`` (rollout.replay_dir): each iteration's scored groups read from a
     dump on every rank; the engines are never asked (there are none)."""
 
+    drops_batches = True
+    """A batch read again on resume is the same: a signal before the update may drop it."""
+
     def __init__(self, directory: Path, identity: dict[str, Any], last_iteration: int) -> None:
         self.directory = directory
         self.identity = identity
@@ -365,6 +368,11 @@ def read_iteration(directory: Path, iteration: int) -> tuple[list[Group], dict[s
 class DumpingSource:
     """A ``GroupSource`` whose every batch is also written to a ``RolloutDump`` as the loop takes it
     (rollout.dump_dir): the synchronous or asynchronous source inside, unchanged."""
+
+    @property
+    def drops_batches(self) -> bool:
+        """As the source inside (a dropped batch's dump is written again when it is redone)."""
+        return bool(getattr(self.inner, "drops_batches", False))
 
     def __init__(self, inner: GroupSource, dump: RolloutDump, fleet: RolloutFleet) -> None:
         self.inner = inner

@@ -18,11 +18,14 @@
 #   GRPO_EXIT_FILE   where rank 0 of `train` leaves 75 when it stopped on a signal with a checkpoint
 #                    (default: a temporary file); this script then exits 75 (torchrun exits 1)
 #
-# Preemption (COMMAND=train): the ranks handle SIGTERM and SIGUSR1/SIGUSR2 themselves -- finish the
-# iteration, save, exit 75 (grpo_megatron/distributed/preemption.py). torchrun would die of SIGUSR1 and
-# answer SIGTERM by killing the ranks after 30 s, so it starts with these signals ignored (and told not to
-# handle SIGTERM); this script forwards each one it gets to the ranks (the same signal reaching a rank
-# also straight from Slurm within a second counts once).
+# Preemption (COMMAND=train): the ranks handle SIGTERM and SIGUSR1/SIGUSR2 themselves -- stop at the next
+# safe point (a rollout is cut short and its batch dropped), save, exit 75 (grpo_megatron/distributed/
+# preemption.py). torchrun would die of SIGUSR1 and answer SIGTERM by killing the ranks, so it starts with
+# these signals ignored and told not to handle SIGTERM: torchrun (torch >= 2.8) overwrites
+# TORCHELASTIC_SIGNALS_TO_HANDLE from its own --signals-to-handle (default SIGTERM,SIGINT,SIGHUP,SIGQUIT),
+# whose environment form is PET_SIGNALS_TO_HANDLE, and its handler would replace the ignored disposition;
+# older torchruns read TORCHELASTIC_SIGNALS_TO_HANDLE. This script forwards each signal it gets to the
+# ranks (the same signal reaching a rank also straight from Slurm within a second counts once).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 
@@ -49,6 +52,27 @@ export TORCH_COMPILE_DISABLE=${TORCH_COMPILE_DISABLE:-1}
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 
 echo "[node $NODE_RANK/$NNODES on $(hostname)] ${COMMAND:-train} $* | $GPUS_PER_NODE procs, rendezvous $MASTER_ADDR:$MASTER_PORT id $RDZV_ID"
+
+# Open files of torchrun's agent: node 0's serves the c10d store to every rank (two connections each:
+# its process group's and its progress watchdog's) and every node's agent, about 2,200 connections at
+# 1024 ranks (grpo_megatron/distributed/open_files.py:store_open_files); the usual soft limit is 1024.
+# The soft limit goes up to the hard one on every node (the ranks inherit it and raise their own), and
+# node 0 stops here, naming the fix, when even the hard limit is below what its agent needs.
+hard_files=$(ulimit -Hn)
+if [ "$hard_files" = unlimited ]; then
+    ulimit -Sn 1048576 2>/dev/null || true
+else
+    ulimit -Sn "$hard_files"
+fi
+if [ "$NODE_RANK" = 0 ]; then
+    store_files=$("$PYTHON" -m grpo_megatron.distributed.open_files store "$((NNODES * GPUS_PER_NODE))" "$NNODES")
+    if [ "$(ulimit -Sn)" != unlimited ] && [ "$(ulimit -Sn)" -lt "$store_files" ]; then
+        echo "[node 0] torchrun's agent here serves the c10d store to $((NNODES * GPUS_PER_NODE)) ranks and $NNODES" \
+             "agents: it needs about $store_files open files, but the hard limit is $hard_files: raise nofile in" \
+             "/etc/security/limits.conf (and Slurm's PropagateResourceLimits) on the first node" >&2
+        exit 1
+    fi
+fi
 TORCHRUN=("$PYTHON" -m torch.distributed.run
     --nnodes "$NNODES"
     --nproc-per-node "$GPUS_PER_NODE"
@@ -64,7 +88,8 @@ if [ "${COMMAND:-train}" != train ]; then
 fi
 
 export GRPO_EXIT_FILE=${GRPO_EXIT_FILE:-$(mktemp)}
-export TORCHELASTIC_SIGNALS_TO_HANDLE=${TORCHELASTIC_SIGNALS_TO_HANDLE:-SIGINT,SIGHUP,SIGQUIT}
+export PET_SIGNALS_TO_HANDLE=${PET_SIGNALS_TO_HANDLE:-SIGINT,SIGHUP,SIGQUIT}  # torchrun's --signals-to-handle
+export TORCHELASTIC_SIGNALS_TO_HANDLE=${TORCHELASTIC_SIGNALS_TO_HANDLE:-$PET_SIGNALS_TO_HANDLE}  # older torch
 (trap '' TERM USR1 USR2; exec "${TORCHRUN[@]}") &
 torchrun_pid=$!
 forward() { pkill "-$1" -P "$torchrun_pid" || true; }  # torchrun's children: this node's ranks

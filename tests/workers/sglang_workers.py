@@ -528,6 +528,40 @@ class Scenarios:
                 engine.health.recoverable = False
         return out
 
+    def interrupted(self) -> dict[str, Any]:
+        """Issue 51 item 5: a preemption signal's watcher interrupts the generation in flight from another
+        thread (``SGLangEngine.interrupt``: its requests aborted on SGLang's loop); what they had comes
+        back as "length" completions, the next generation (a further round of the dropped batch) asks
+        one token per response, and ``interrupt(False)`` ends it."""
+        from grpo_megatron.rollout.engine import SamplingParams
+
+        long = SamplingParams(
+            n=8, temperature=1.0, max_new_tokens=48, seed=5
+        )  # within the demo's 64-token context
+        self.engine.flush_cache()
+        start = time.perf_counter()
+        full = self.engine.generate(PROMPTS, long)
+        full_s = time.perf_counter() - start
+        timer = threading.Timer(full_s / 5, self.engine.interrupt)
+        start = time.perf_counter()
+        timer.start()
+        cut = self.engine.generate(PROMPTS, long)
+        cut_s = time.perf_counter() - start
+        after = self.engine.generate(PROMPTS, long)
+        self.engine.interrupt(False)
+        again = self.engine.generate(PROMPTS[:1], self.greedy)
+        count = [sum(len(c.token_ids) for g in run for c in g) for run in (full, cut, after)]
+        return {
+            "full_s": full_s,
+            "cut_s": cut_s,
+            "full_tokens": count[0],
+            "cut_tokens": count[1],
+            "after_tokens": count[2],
+            "responses": sum(len(g) for g in cut),
+            "cut_finish": sorted({c.finish_reason for g in cut for c in g}),
+            "again": len(again[0][0].token_ids),
+        }
+
     def sigterm_survived(self) -> dict[str, Any]:
         """Slurm's preemption SIGTERM reaches every process of the job: the engine's must live on (the
         trainer saves, then shuts them down); the trainer itself does not block SIGTERM."""
@@ -687,6 +721,7 @@ SCENARIOS: tuple[str, ...] = (
     "phases_in_trainer_order",
     "kept_prefix_kv",
     "hang_restart",
+    "interrupted",
     "sigterm_survived",
     "shutdown",
 )

@@ -55,7 +55,13 @@ from grpo_megatron.rollout.sglang.launch import (
 from grpo_megatron.rollout.sglang.layout import agree_engine_address, layout_of
 from grpo_megatron.rollout.sglang.model_config import engine_fp8, quantized, read_hf_config
 from grpo_megatron.rollout.sglang.shards import check_expert_placement, rank_needs
-from grpo_megatron.rollout.sglang.watch import SchedulerProbe, ServerGuard, cancel_requests, stop_lost_part
+from grpo_megatron.rollout.sglang.watch import (
+    SchedulerProbe,
+    ServerGuard,
+    abort_requests,
+    cancel_requests,
+    stop_lost_part,
+)
 from grpo_megatron.rollout.sglang.weights import (
     EngineTensors,
     KeptPrefixes,
@@ -161,7 +167,9 @@ class SGLangEngine(RolloutEngine):
         """Where the servers report routed experts (asked per request, ``SamplingParams.routes``); None: they do not."""
         self._fresh_state()
         self.guard = self._guard(launched.servers)
-        self.context = context_tokens(launched.servers)
+        self.interrupted = False
+        """Set by ``interrupt``: generations ask one token per response (a preemption's dropped batch)."""
+        self.context = protocol.context_tokens(launched.servers)
         """Tokens one sequence may hold (prompt and response): each request's ``max_new_tokens`` stays
         within it (``protocol.request_budgets``); None where the servers do not say (HTTP)."""
         if launched.started:
@@ -321,13 +329,27 @@ class SGLangEngine(RolloutEngine):
             future = self.guard.start(lambda servers: self._generate(servers, prompts, params))
         return lambda: stamped(self.guard.result(future), version)
 
+    def interrupt(self, cut: bool = True) -> None:
+        """Cut generation short, from any thread (a preemption signal: the batch will be dropped, issue
+        51): the requests in flight are aborted on each server's event loop (``abort_requests``; their
+        outputs so far come back, possibly empty) and later generations ask one token per response,
+        until ``interrupt(False)``."""
+        self.interrupted = cut
+        if cut:
+            abort_requests(self.guard.servers)
+
     def _generate(
         self, servers: list[Any], prompts: Sequence[Sequence[int]], params: SamplingParams
     ) -> list[list[Completion]]:
+        if self.interrupted:  # the batch is dropped: one token each, as soon as it can
+            params = dataclasses.replace(params, max_new_tokens=1, max_new_tokens_each=None)
         request = protocol.generate_request(
             prompts, params, self._rng, routes_enabled=self._route_layout is not None, context=self.context
         )
-        return protocol.completions(_scatter(servers, request), request, params.n, self._route_layout)
+        outputs = _scatter(servers, request)
+        return protocol.completions(
+            outputs, request, params.n, self._route_layout, aborted_ok=self.interrupted
+        )
 
     def score(
         self, sequences: Sequence[Sequence[int]], prompt_lens: Sequence[int], temperature: float
@@ -437,13 +459,14 @@ class SGLangEngine(RolloutEngine):
         signal handlers taken back again) on a fresh event loop. It holds the checkpoint's (or dummy)
         weights: the fleet then streams the last synced version into it. It comes back in the memory
         phase of the moment: the tags its predecessor had released are released again right after the
-        start (on a GPU its KV pool needs its room while it starts: the rollout phase, where the fleet
-        finds most losses, has the trainer offloaded). An engine of several GPUs restarts whole, with
-        the same width: inside a node its schedulers are all this process's children; across nodes
-        the first rank of each further node restarts that node's part at the same time
-        (``SGLangSyncMember.restart``), all parts meeting at ``address``, a fresh ``dist_init_addr``
-        (``restart_address``; the old one's port may still be held). Its members' sinks hold nothing
-        a restart invalidates: the fleet resyncs every GPU."""
+        start. SGLang sizes its KV pool from the memory free as it starts: the recovery restarts it with
+        the trainer's state off the device (``EngineRecovery.starting``, the job's
+        ``ColocatedMemory.restart_visit``: issue 51 item 2), so the pool is the first start's. An engine
+        of several GPUs restarts whole, with the same width: inside a node its schedulers are all this
+        process's children; across nodes the first rank of each further node restarts that node's part at
+        the same time (``SGLangSyncMember.restart``), all parts meeting at ``address``, a fresh
+        ``dist_init_addr`` (``restart_address``; the old one's port may still be held). Its members'
+        sinks hold nothing a restart invalidates: the fleet resyncs every GPU."""
         if self.health is None:
             raise RuntimeError("only a colocated SGLang engine started by this adapter restarts in place")
         if self._launch.nnodes > 1:
@@ -463,7 +486,7 @@ class SGLangEngine(RolloutEngine):
             self.rollout, self.model_path, self._launch, self._hf_config, weights_on_disk=bool(self._shapes)
         )
         self.guard = self._guard([server])
-        self.context = context_tokens([server])
+        self.context = protocol.context_tokens([server])
         if self.tied_head and self._shapes and not self._dummy:
             self._load_tied_head_from_disk()
         if released:
@@ -546,19 +569,6 @@ def _tp_rank(name: str) -> int:
     when it names none."""
     digits = name.partition("_TP")[2].split("_")[0]
     return int(digits) if digits.isdigit() else 0
-
-
-def context_tokens(servers: Sequence[Any]) -> int | None:
-    """The tokens a sequence may hold on every in-process server (``sglang.Engine``): its tokenizer
-    manager's ``context_len`` less its reserved tokens (SGLang's own request check); None when no
-    server says (HTTP clients)."""
-    known = []
-    for server in servers:
-        manager = getattr(server, "tokenizer_manager", None)
-        context = getattr(manager, "context_len", None)
-        if isinstance(context, int):
-            known.append(context - int(getattr(manager, "num_reserved_tokens", 0) or 0))
-    return min(known) if known else None
 
 
 def _scatter(servers: Sequence[Any], request: protocol.Request) -> list[Any]:

@@ -104,12 +104,35 @@ torch.distributed in SGLang's scheduler connects to the trainer's launcher store
 rendezvous and waits there for good (seen: a colocated engine under torchrun never started)."""
 
 
+ALLOCATOR_VARIABLES = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
+"""torch's allocator settings (the second is the newer name of the first)."""
+
+
+def engine_allocator_settings(environ: Mapping[str, str]) -> dict[str, str | None]:
+    """The trainer's allocator settings without ``expandable_segments`` (None: the variable removed),
+    for the engine's processes: SGLang's memory saver (torch_memory_saver) releases and resumes the
+    engine's memory by intercepting the allocations of torch's caching allocator, and expandable
+    segments allocate through CUDA's virtual-memory calls instead, so a release would free nothing the
+    saver can give back (issue 51 item 9). The trainer keeps its own setting; every other option passes
+    on. Empty: nothing to change."""
+    out: dict[str, str | None] = {}
+    for name in ALLOCATOR_VARIABLES:
+        value = environ.get(name)
+        if value is None or "expandable_segments" not in value:
+            continue
+        kept = [o for o in value.split(",") if o.strip() and o.split(":")[0].strip() != "expandable_segments"]
+        out[name] = ",".join(kept) or None
+    return out
+
+
 def engine_environment(device: torch.device, cpu_path: str = "auto") -> dict[str, str | None]:
     """The environment an engine's processes start with, over the trainer's: no launcher variables
-    (``LAUNCHER_VARIABLES``); on CPU its schedulers' cores, one group per trainer rank of this node
-    (``cpu_threads_bind``; a binding the user set is kept), and SGLang's CPU path where
+    (``LAUNCHER_VARIABLES``), no ``expandable_segments`` in torch's allocator settings
+    (``engine_allocator_settings``); on CPU its schedulers' cores, one group per trainer rank of this
+    node (``cpu_threads_bind``; a binding the user set is kept), and SGLang's CPU path where
     ``rollout.sglang.cpu_path`` (``cpu_path``) chooses one (``cpu_path.engine_amx_environment``)."""
     env: dict[str, str | None] = dict.fromkeys(LAUNCHER_VARIABLES)
+    env.update(engine_allocator_settings(os.environ))
     if device.type == "cpu":
         if not os.environ.get("SGLANG_CPU_OMP_THREADS_BIND"):
             env["SGLANG_CPU_OMP_THREADS_BIND"] = cpu_threads_bind(

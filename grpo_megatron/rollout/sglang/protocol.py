@@ -165,9 +165,10 @@ def decode_routed_experts(
 
 
 def completion_from_output(
-    output: Mapping[str, Any], prompt_len: int, layout: RouteLayout | None = None
+    output: Mapping[str, Any], prompt_len: int, layout: RouteLayout | None = None, *, aborted_ok: bool = False
 ) -> Completion:
-    """One SGLang generate output (``output_ids`` and ``meta_info``) as a ``Completion``."""
+    """One SGLang generate output (``output_ids`` and ``meta_info``) as a ``Completion``; ``aborted_ok``:
+    a request the adapter aborted (``SGLangEngine.interrupt``) is a "length" completion of what it had."""
     meta = output["meta_info"]
     token_ids = [int(t) for t in output["output_ids"]]
     entries = meta.get("output_token_logprobs") or []
@@ -179,6 +180,8 @@ def completion_from_output(
         )
     reason = meta.get("finish_reason") or {}
     kind = reason.get("type") if isinstance(reason, dict) else str(reason)
+    if kind == "abort" and aborted_ok:
+        return Completion(token_ids, [float(e[0]) for e in entries], "length", None)
     if kind not in ("stop", "length"):
         raise RuntimeError(f"SGLang ended a request with finish_reason={reason!r} (aborted or failed)")
     finish: Literal["stop", "length"] = "stop" if kind == "stop" else "length"
@@ -194,11 +197,17 @@ def completion_from_output(
 
 
 def completions(
-    outputs: Sequence[Mapping[str, Any]], request: Request, n: int, layout: RouteLayout | None = None
+    outputs: Sequence[Mapping[str, Any]],
+    request: Request,
+    n: int,
+    layout: RouteLayout | None = None,
+    *,
+    aborted_ok: bool = False,
 ) -> list[list[Completion]]:
     """A generate request's outputs (in request order) as ``[prompt][sample]`` completions."""
     flat = [
-        completion_from_output(o, len(ids), layout) for o, ids in zip(outputs, request.input_ids, strict=True)
+        completion_from_output(o, len(ids), layout, aborted_ok=aborted_ok)
+        for o, ids in zip(outputs, request.input_ids, strict=True)
     ]
     return [flat[i : i + n] for i in range(0, len(flat), n)]
 
@@ -226,3 +235,16 @@ def teacher_forced_logprobs(
             "(or other token ids): it must be scored from position 0 (logprob_start_len=0)"
         )
     return [float(e[0]) for e in entries[prompt_len:]]
+
+
+def context_tokens(servers: Sequence[Any]) -> int | None:
+    """The tokens a sequence may hold on every in-process server (``sglang.Engine``): its tokenizer
+    manager's ``context_len`` less its reserved tokens (SGLang's own request check); None when no
+    server says (HTTP clients)."""
+    known = []
+    for server in servers:
+        manager = getattr(server, "tokenizer_manager", None)
+        context = getattr(manager, "context_len", None)
+        if isinstance(context, int):
+            known.append(context - int(getattr(manager, "num_reserved_tokens", 0) or 0))
+    return min(known) if known else None

@@ -19,6 +19,7 @@ import asyncio
 import atexit
 import concurrent.futures
 import contextlib
+import functools
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
@@ -74,6 +75,11 @@ class ServerGuard:
         # CancelledError: ``watch`` names the loss instead.
         if kind is not None and issubclass(kind, CANCELLED) and self._watch is not None:
             self._watch()
+
+    @property
+    def servers(self) -> list[Any]:
+        """The servers, for a call from another thread that must not wait (``SGLangEngine.interrupt``)."""
+        return list(self._servers)
 
     def cancel(self) -> None:
         """Cancel whatever waits on the servers now (a lost engine's: ``health.on_lost``), from a
@@ -200,6 +206,17 @@ def cancel_requests(servers: Sequence[Any]) -> None:
         loop = getattr(server, "loop", None)
         if loop is not None and not loop.is_closed():
             loop.call_soon_threadsafe(_cancel_tasks, loop)
+
+
+def abort_requests(servers: Sequence[Any]) -> None:
+    """Abort every request of each in-process server, from any thread: ``TokenizerManager.abort_request(
+    abort_all=True)`` on the server's event loop (0.5.17 and 0.5.23); the aborted requests' outputs so
+    far come back to their callers with ``finish_reason`` abort and no status code (a normal end)."""
+    for server in servers:
+        loop, manager = getattr(server, "loop", None), getattr(server, "tokenizer_manager", None)
+        abort = getattr(manager, "abort_request", None)
+        if isinstance(loop, asyncio.AbstractEventLoop) and not loop.is_closed() and callable(abort):
+            loop.call_soon_threadsafe(functools.partial(abort, abort_all=True))
 
 
 def ask_state(servers: Sequence[Any]) -> list[concurrent.futures.Future[Any]]:

@@ -59,11 +59,13 @@ def save_checkpoint(
     policy: Policy,
     iteration: int,
     trainer_state: dict[str, Any],
-) -> None:
+) -> dict[str, float]:
     """Checkpoint the policy; trainer state that is offloaded (train.offload_trainer) visits the device
-    for the save and leaves again, so the engines keep their memory."""
-    with memory.trainer_visit():
+    for the save and leaves again, so the engines keep their memory. Returns the visit's ``offload/*``
+    (its engine resume's cached bytes also reach the next metrics row: ``take_cached_at_resume``)."""
+    with memory.trainer_visit() as moved:
         checkpoints.save(iteration, policy, trainer_state)
+    return moved
 
 
 def sample_rows(groups: Sequence[Group], count: int) -> list[dict[str, object]]:

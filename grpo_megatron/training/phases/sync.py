@@ -15,6 +15,7 @@ from grpo_megatron.distributed.bootstrap import ParallelState
 from grpo_megatron.models.routing import RoutingPass, reduce_routing_stats
 from grpo_megatron.training.batching import pad_routes
 from grpo_megatron.training.forward_backward import MicroBatch, forward_logprobs
+from grpo_megatron.training.offload import merge_memory_metrics
 
 if TYPE_CHECKING:
     from grpo_megatron.data import PromptRecord
@@ -158,20 +159,21 @@ def sync_weights(
     max_mean: float = 0.0,
 ) -> dict[str, float]:
     """Weight sync as ``version`` (``sync/*``) and the mismatch probe (``mismatch/probe_*``), between
-    the colocated memory's ``before_sync`` and ``after_sync`` (``offload/*`` when it is on); the probe
+    the colocated memory's ``before_sync`` and ``after_sync`` (``offload/*`` of every memory phase,
+    merged: ``merge_memory_metrics``, when it is on); the probe
     runs once the engines have their caches back (``engines_serve``: a released KV cache cannot
     score) and before the trainer's parameters leave. A probe beyond ``max_abs`` or ``max_mean``
     (``rollout.probe_max_abs`` / ``probe_max_mean``; 0: no bound) stops the run on every rank alike
     (``check_probe``). Engines the sync
     (or the probe) finds lost are restarted inside it, as the fleet decides."""
-    memory.before_sync()
+    moved = [memory.before_sync()]  # every memory phase's offload/* is reported (issue 51 item 1)
     metrics = fleet.sync_weights(model, version=version)
     if probe.sequences:  # the engines score with their KV cache, the trainer with its parameters
-        memory.engines_serve()
+        moved.append(memory.engines_serve())
         metrics |= mismatch_probe(model, fleet, ps, probe, vocab_size=vocab_size, temperature=temperature)
         check_probe(metrics, max_abs, version, max_mean)
-    metrics |= memory.after_sync()
-    return metrics
+    moved.append(memory.after_sync())
+    return metrics | merge_memory_metrics(*moved)
 
 
 class ProbeMismatchError(RuntimeError):

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import Enum
 
@@ -204,10 +204,14 @@ def update_policy(
     settings: PassSettings,
     *,
     measure_routing: bool,
+    stop: Callable[[], bool] | None = None,
 ) -> dict[str, float]:
     """Collective: one optimizer step per mini-batch; returns loss, clip, KL, entropy, mismatch,
     grad_norm and lr, and with ``measure_routing`` (no old-policy pass measured it) the iteration's
-    routing metrics (training/route_replay.py)."""
+    routing metrics (training/route_replay.py). ``stop`` (collective: the same answer on every rank),
+    asked before every mini-batch but the first, ends the update there: a signal's safe point (issue 51:
+    the iteration then keeps the mini-batches it took; ``update/minibatches_skipped`` says how many it
+    did not)."""
     ps = settings.ps
     routing, routes = settings.replay.begin(
         policy.model, "train", [samples[i] for r in plan.all_rows for i in r]
@@ -215,6 +219,8 @@ def update_policy(
     per_microbatch: list[dict[str, float]] = []
     steps: list[dict[str, float]] = []
     for rows, normalizer in zip(plan.rows, plan.normalizers, strict=True):
+        if steps and stop is not None and stop():
+            break
         policy.zero_grad()
         per_microbatch += forward_backward(
             policy.model,
@@ -228,9 +234,12 @@ def update_policy(
             truncation=settings.truncation,
         )
         steps.append(policy.step())
-    metrics = reduce_metrics(per_microbatch, LOSS_METRICS, ps, len(plan.rows)) | plan.metrics
+    metrics = reduce_metrics(per_microbatch, LOSS_METRICS, ps, len(steps)) | plan.metrics
     metrics["loss/policy"] = metrics.pop("loss/pg", 0.0)
     metrics["grad_norm"] = sum(s["grad_norm"] for s in steps) / len(steps)
     if "lr" in steps[-1]:
         metrics["lr"] = steps[-1]["lr"]
-    return metrics | settings.replay.end(routing, samples, plan.all_rows, measure=measure_routing)
+    if len(steps) < len(plan.rows):  # only on a stop: an uninterrupted run's rows never have it
+        metrics["update/minibatches_skipped"] = float(len(plan.rows) - len(steps))
+    done_rows = [r for minibatch in plan.rows[: len(steps)] for r in minibatch]
+    return metrics | settings.replay.end(routing, samples, done_rows, measure=measure_routing)
