@@ -380,7 +380,7 @@ def stage_sglang_on_policy(args: argparse.Namespace, out: Path, stage: Any, env:
         else "CPU: SGLang refuses the switches, ran without"
     )
     stage.summary = (
-        f"{said}: logprob |diff| mean {got.get('mismatch/logprob_abs_diff', float('nan')):.2e} max "
+        f"{said}: logprob abs diff mean {got.get('mismatch/logprob_abs_diff', float('nan')):.2e} max "
         f"{got['mismatch/logprob_abs_diff_max']:.2e}, "
         f"probe max {got.get('mismatch/probe_abs_diff_max', float('nan')):.2e}"
         + (
@@ -390,3 +390,123 @@ def stage_sglang_on_policy(args: argparse.Namespace, out: Path, stage: Any, env:
             else ""
         )
     )
+
+
+# ----------------------------------------------------------------------------------------------
+# sglang_fp8: FP8 rollout (rollout.weight_dtype=fp8) beside bf16, the train CLI with colocated SGLang
+
+FP8_ITERATIONS = 3
+"""Per run; the first sync's seconds (JIT compilation, first allocations) are left out of the means."""
+
+
+def fp8_unsupported(device: str) -> str | None:
+    """Why SGLang cannot serve FP8 weights on this device (None: it can): on CPU only its intel_amx
+    path takes FP8 layers (SGLang's ``fp8.py`` asserts AMX), and an AVX2-only CPU has none."""
+    if device == "cuda":
+        return None
+    from sglang.srt.utils.common import cpu_has_amx_support
+
+    if cpu_has_amx_support():
+        return None
+    return (
+        "SGLang's CPU FP8 path needs AMX (its fp8.py asserts it); this CPU has none: run it on a Hopper GPU"
+    )
+
+
+def stage_sglang_fp8(args: argparse.Namespace, out: Path, stage: Any, env: dict[str, str]) -> None:
+    """Two runs of ``FP8_ITERATIONS`` iterations, trainer resident, the same seed: the engines serving
+    the trainer's bf16 weights (``rollout.weight_dtype=model``) and block-FP8 ones that every sync
+    quantizes on the way (``rollout.weight_dtype=fp8``, IcePop on by default); the mismatch probe's gap
+    and the sync's seconds side by side."""
+    why = fp8_unsupported(args.device)
+    if why is not None:
+        stage.status, stage.summary = "skipped", why
+        return
+    root = out / "sglang_fp8"
+    root.mkdir(exist_ok=True)
+    runs = {}
+    for dtype in ("model", "fp8"):
+        run = TrainRun(
+            args,
+            root,
+            dtype,
+            [
+                "train.offload_trainer=false",
+                f"train.iterations={FP8_ITERATIONS}",
+                "checkpoint.save_interval=0",
+                f"rollout.weight_dtype={dtype}",
+            ],
+            env,
+        )
+        rc = _wait(run.start(), timeout_s=300)
+        if rc != 0:
+            stage.status, stage.summary = (
+                "FAILED",
+                f"rollout.weight_dtype={dtype}: exit {rc}:\n{_tail(run.log)}",
+            )
+            return
+        runs[dtype] = run.metrics()
+    stage.details = fp8_details(runs["model"], runs["fp8"])
+    problems = fp8_problems(stage.details)
+    d = stage.details
+    stage.status = "FAILED" if problems else "ok"
+    stage.summary = (
+        f"probe max/mean bf16 {d['bf16_probe_max']:.3f}/{d['bf16_probe_mean']:.4f}, "
+        f"fp8 {d['fp8_probe_max']:.3f}/{d['fp8_probe_mean']:.4f} nats; sync bf16 {d['bf16_sync_s']:.3f} s, "
+        f"fp8 {d['fp8_sync_s']:.3f} s (x{d['sync_ratio']:.2f}); icepop masked {d['fp8_masked_frac']:.4f}"
+        + ("" if not problems else " - " + "; ".join(problems))
+    )
+
+
+def fp8_details(bf16: list[dict[str, Any]], fp8: list[dict[str, Any]]) -> dict[str, Any]:
+    """What the FP8 stage reports from the two runs' metrics (iterations >= 1; sync seconds from the
+    second on)."""
+
+    def values(records: list[dict[str, Any]], key: str, first: int = 1) -> list[float]:
+        return [r[key] for r in records if r.get("iteration", 0) >= first and key in r]
+
+    def mean(xs: list[float]) -> float:
+        return sum(xs) / len(xs) if xs else float("nan")
+
+    details: dict[str, Any] = {}
+    for name, records in (("bf16", bf16), ("fp8", fp8)):
+        details[f"{name}_iterations"] = len(values(records, "iteration"))
+        details[f"{name}_probe_max"] = max(
+            values(records, "mismatch/probe_abs_diff_max"), default=float("nan")
+        )
+        details[f"{name}_probe_mean"] = mean(values(records, "mismatch/probe_abs_diff_mean"))
+        details[f"{name}_sync_s"] = mean(values(records, "sync/seconds", first=2))
+        details[f"{name}_sync_bytes"] = mean(values(records, "sync/bytes"))
+    details["fp8_masked_frac"] = mean(values(fp8, "off_policy/masked_frac"))
+    details["sync_ratio"] = (
+        details["fp8_sync_s"] / details["bf16_sync_s"] if details["bf16_sync_s"] else float("nan")
+    )
+    return details
+
+
+FP8_PROBE_MEAN_LIMIT = 0.5
+"""The FP8 run's mean probe gap, nats (``rollout.probe_max_mean``'s default: the run stops beyond it)."""
+
+
+def fp8_problems(details: dict[str, Any]) -> list[str]:
+    """Why the FP8 stage failed (empty: it passed): a run short of its iterations, no probe or no
+    IcePop metrics in the FP8 run, an FP8 gap beyond the bound or not above bf16's (the engines would
+    not be serving FP8 weights)."""
+    problems = []
+    for name in ("bf16", "fp8"):
+        if details[f"{name}_iterations"] < FP8_ITERATIONS:
+            problems.append(
+                f"the {name} run logged {details[f'{name}_iterations']} iterations, not {FP8_ITERATIONS}"
+            )
+    gap, floor = details["fp8_probe_mean"], details["bf16_probe_mean"]
+    if gap != gap:
+        problems.append("the fp8 run logged no mismatch probe")
+    elif gap > FP8_PROBE_MEAN_LIMIT:
+        problems.append(f"fp8 probe mean {gap:.3f} > {FP8_PROBE_MEAN_LIMIT}")
+    elif floor == floor and gap <= floor:
+        problems.append(
+            f"fp8 probe mean {gap:.4f} not above bf16's {floor:.4f}: are the engines serving FP8?"
+        )
+    if details["fp8_masked_frac"] != details["fp8_masked_frac"]:
+        problems.append("the fp8 run logged no off_policy/* metrics (IcePop should be on by default)")
+    return problems

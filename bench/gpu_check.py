@@ -1,34 +1,37 @@
 """GPU acceptance run: every stage of the GPU path, one markdown table (bench/gpu_check.sh calls this).
 
 Stages, each in a process of its own (a job's device and megatron-core adjustments are per process), in
-order of value (``STAGES``; bench/_gpu_check_sglang.py has the first two):
+order of value (``STAGES``; bench/_gpu_check_sglang.py has the first three):
 
 1. ``sglang_engine``: SGLang's own engine (bench/sglang_gpu_probe.py): start, generate, score against
    transformers, a weight version through CUDA IPC buckets, release, resume.
 2. ``sglang_train``: the train CLI with colocated SGLang engines, trainer resident (killed after its
    iteration-2 checkpoint and resumed) and offloaded (with routing replay on a GPU); every iteration's
    row must carry ``offload/cached_free_bytes`` (each engine resume's) within its limit.
-3. ``sglang``: bench/gpu_smoke.py's colocated loop with ``rollout.engine=sglang``, bf16, the engine
+3. ``sglang_fp8``: FP8 rollout (``rollout.weight_dtype=fp8``): the train CLI with colocated SGLang
+   serving block-FP8 weights that every sync quantizes, beside the same run in bf16: the mismatch
+   probe's gap (max and mean) and the sync's seconds of each; skipped on a CPU without AMX.
+4. ``sglang``: bench/gpu_smoke.py's colocated loop with ``rollout.engine=sglang``, bf16, the engine
    started with the server arguments of the other SGLang stages (on a GPU: head_dim 128, triton
    attention and MoE); skipped, with the reason, where SGLang's Engine cannot run.
-4. ``smoke``: bench/gpu_smoke.py on the tiny fp32 MoE: rollout, offload, weight sync; the mismatch
+5. ``smoke``: bench/gpu_smoke.py on the tiny fp32 MoE: rollout, offload, weight sync; the mismatch
    probe (engine vs trainer logprobs after the sync) must stay <= 1e-4.
-5. ``resume``: the real train CLI (examples/demo.yaml, one rank, trainer offload, a checkpoint every
+6. ``resume``: the real train CLI (examples/demo.yaml, one rank, trainer offload, a checkpoint every
    2 iterations), killed after its iteration-2 checkpoint and resumed; its metrics must equal an
    uninterrupted run's (every key but the timing ones and the allocator's), fp32.
-6. ``table``: bench/gpu_smoke.py on the 0.43B bf16 Qwen3-MoE slice (hidden 1024, 8 layers, 8 heads
+7. ``table``: bench/gpu_smoke.py on the 0.43B bf16 Qwen3-MoE slice (hidden 1024, 8 layers, 8 heads
    of 128, 4 KV heads, 32 experts top-4 of width 512, vocab 64; 64 prompts x 8 samples x 128 new
    tokens): rollout tokens/s, train tokens/s and MFU, weight-sync GB/s beside a device-to-device
    copy of the same bytes, offload GB/s, trainer-only and engine-only memory left after the
    offload, peak memory; MoE route disagreement (trainer vs engine) and the mismatch probe without
    and with routing replay (``--routing-replay off,r3``) beside the bf16 noise floor. With
    ``--device cpu`` a tiny bf16 version runs the same code.
-7. ``sglang_on_policy``: the train CLI with colocated SGLang started with its on-policy switches
+8. ``sglang_on_policy``: the train CLI with colocated SGLang started with its on-policy switches
    (``enable_deterministic_inference``, ``rl_on_policy_target=fsdp``; issue 53 item 3): the
    ``mismatch/*`` and off-policy ratio against this trainer, beside the sglang_train stage's plain
    engine. SGLang's CPU engine refuses both switches: ``--device cpu`` runs the job without them.
-8. ``te``: tests/test_gpu.py -k transformer_engine where TransformerEngine imports.
-9. ``pytest``: tests/test_gpu.py and test_offload.py with the pytest of this Python.
+9. ``te``: tests/test_gpu.py -k transformer_engine where TransformerEngine imports.
+10. ``pytest``: tests/test_gpu.py and test_offload.py with the pytest of this Python.
 
 Every memory phase's metric is required where an engine resumes (``offload/cached_free_bytes``, 0 on
 CPU): missing, the stage fails (issue 51 item 1). ``--budget-s`` (480 s: one device call) bounds the
@@ -69,6 +72,7 @@ DEMO = REPO / "examples" / "demo.yaml"
 STAGES = (
     "sglang_engine",
     "sglang_train",
+    "sglang_fp8",
     "sglang",
     "smoke",
     "resume",
@@ -453,6 +457,13 @@ def stage_sglang_engine(args: argparse.Namespace, out: Path, stage: Stage) -> No
     sglang_stages.stage_sglang_engine(args, out, stage, sglang_env(args.device))
 
 
+def stage_sglang_fp8(args: argparse.Namespace, out: Path, stage: Stage) -> None:
+    if why := sglang_missing(args.device):
+        stage.status, stage.summary = "skipped", why
+        return
+    sglang_stages.stage_sglang_fp8(args, out, stage, sglang_env(args.device))
+
+
 def stage_sglang_train(args: argparse.Namespace, out: Path, stage: Stage) -> None:
     if (why := sglang_missing(args.device)) is not None:
         stage.status, stage.summary = "skipped", why
@@ -523,6 +534,7 @@ def stage_sglang(args: argparse.Namespace, out: Path, stage: Stage) -> None:
 
 RUNNERS: dict[str, Callable[[argparse.Namespace, Path, Stage], None]] = {
     "sglang_engine": stage_sglang_engine,
+    "sglang_fp8": stage_sglang_fp8,
     "sglang_train": stage_sglang_train,
     "te": stage_te,
     "smoke": stage_smoke,

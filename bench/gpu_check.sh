@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU acceptance run of grpo-megatron on one GPU, on a machine with no package index: the stages of
-# bench/gpu_check.py in order of value (SGLang's engine, the train CLI with colocated SGLang killed and
-# resumed and with routing replay, the adapter's loop, the embedded smoke and resume, the 0.43B bf16
+# bench/gpu_check.py in order of value (SGLang's engine, FP8 rollout beside bf16, the train CLI with colocated
+# SGLang killed and resumed and with routing replay, the adapter's loop, the embedded smoke and resume, the 0.43B bf16
 # table, TransformerEngine where it imports, the GPU tests), bounded by 8 minutes (--budget-s 480: the
 # stage running then is stopped, later ones skipped; a cold first call reaches the first two or three,
 # docs/gpu.md). The table is rewritten after every stage to <out>/gpu_check.md and printed at the end;

@@ -15,6 +15,7 @@ import torch
 
 from grpo_megatron.bridge.assemble import assemble_hf
 from grpo_megatron.bridge.export_plan import MIN_ROUND_BYTES, MIN_ROUNDS, _schedule
+from grpo_megatron.bridge.fp8 import Fp8Weights
 from grpo_megatron.bridge.transforms import to_hf
 from grpo_megatron.models.weight_rules import QKVGroups, copy, glu, qkv, vocab
 from tests.helpers.dist import run_distributed
@@ -103,6 +104,18 @@ def test_stream_to_rank_1_with_a_cast_and_a_reused_plan(tmp_path: Path) -> None:
         assert r1["owns_memory"], layout
         for planned in r1["dst1_planned"]:  # a reused plan streams the same tensors
             assert list(planned) == list(ref) and all(torch.equal(planned[k], v) for k, v in ref.items())
+        # Quantized as it lands (FP8 engines): exactly the bf16 export's tensors through the quantizer,
+        # weight then scales, in the plan's manifest's order, names, shapes and dtypes.
+        fp8, want = r1["dst1_fp8"], Fp8Weights().quantize(r1["dst1_bf16"].items())
+        assert [n for n, _ in fp8] == [n for n, _ in want], layout
+        assert all(
+            torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+            for (_, a), (_, b) in zip(fp8, want, strict=True)
+        )
+        assert [[n, list(t.shape), str(t.dtype)] for n, t in fp8] == [list(e) for e in r1["fp8_manifest"]], (
+            layout
+        )
+        assert sum(t.dtype == torch.float8_e4m3fn for _, t in fp8) > 10, layout
 
 
 @pytest.mark.launches

@@ -149,3 +149,32 @@ def test_on_policy_stage_reports_the_worst_of_each_mismatch_and_ratio() -> None:
     got = stages.on_policy_summary(rows)
     assert got == {"mismatch/logprob_abs_diff_max": 0.02, "off_policy/ratio_min": 0.95}
     assert set(stages.ON_POLICY_SERVER_ARGS) == {"enable_deterministic_inference", "rl_on_policy_target"}
+
+
+def test_fp8_stage_rules() -> None:
+    """The FP8 stage (rollout.weight_dtype=fp8 beside bf16): on this CPU it is skipped with its reason
+    unless SGLang's CPU FP8 path can run (AMX); its pass rules read what a GPU run writes."""
+    pytest.importorskip("sglang")
+    why = stages.fp8_unsupported("cpu")
+    assert stages.fp8_unsupported("cuda") is None and (why is None or "AMX" in why)
+
+    def run(probe_mean: float, masked: bool = False) -> list[dict]:
+        return [
+            {
+                "iteration": i,
+                "mismatch/probe_abs_diff_max": probe_mean * 8,
+                "mismatch/probe_abs_diff_mean": probe_mean,
+                "sync/seconds": 0.2 * i if i > 1 else 5.0,
+                "sync/bytes": 1e9,
+            }
+            | ({"off_policy/masked_frac": 0.01} if masked else {})
+            for i in (1, 2, 3)
+        ]
+
+    details = stages.fp8_details(run(0.002), run(0.02, masked=True))
+    assert details["fp8_sync_s"] == pytest.approx(0.5) and details["sync_ratio"] == pytest.approx(1.0)
+    assert stages.fp8_problems(details) == []
+    problems = stages.fp8_problems(stages.fp8_details(run(0.002)[:2], run(0.001)))
+    assert "the bf16 run logged 2 iterations, not 3" in problems
+    assert any("not above bf16's" in p for p in problems) and any("IcePop" in p for p in problems)
+    assert any("> 0.5" in p for p in stages.fp8_problems(stages.fp8_details(run(0.0), run(0.9, True))))

@@ -281,16 +281,24 @@ def test_engine_weights_count_what_every_engine_gpu_holds_whole() -> None:
     assert memory.engine_weight_params(qwen, 8).replicated > kv_extra
 
 
-def test_the_deepseek_engine_is_planned_in_the_trainers_dtype_not_fp8() -> None:
+def test_the_deepseek_engine_is_planned_as_it_runs_in_the_trainers_dtype_or_fp8() -> None:
     """The published DeepSeek-V3 checkpoint is FP8 (the recipe's copy of its config.json leaves the
-    quantization_config out), but its engine starts unquantized and holds what
-    the sync sends (model.dtype, issue 36 item 2): the plan's engine weights are that dtype's bytes
-    (``plan`` had a ``--rollout-weight-bytes 1`` that described an fp8 engine the runtime never starts)."""
-    plan, hf = _recipe_plan("deepseek_v3_671b", 256)
-    width = plan.placement.gpus_per_engine
-    weights = next(x for x in plan.phases["rollout"] if x.name == "engine weights")
-    per_gpu = memory.engine_weight_params(hf, width).per_gpu
-    assert weights.gib == pytest.approx(per_gpu * memory.engine_weight_bytes("bfloat16") / memory.GIB)
+    quantization_config out); with ``rollout.weight_dtype=model`` its engine starts unquantized and
+    holds what the sync sends (model.dtype, issue 36 item 2): that dtype's bytes. The recipe serves FP8
+    (``rollout.weight_dtype=fp8``, issue 54): the linear layers in one byte plus float32 scales, the
+    rest in model.dtype, and the KV cache gains what the weights free (the recipe's header: 9 full
+    sequences per engine in bf16, 27 in FP8)."""
+    for weight_dtype, sequences in (("model", 9), ("fp8", 27)):
+        plan, hf = _recipe_plan("deepseek_v3_671b", 256, [f"rollout.weight_dtype={weight_dtype}"])
+        width = plan.placement.gpus_per_engine
+        weights = next(x for x in plan.phases["rollout"] if x.name == "engine weights")
+        kv = next(x for x in plan.phases["rollout"] if x.name == "engine KV cache")
+        on_gpu = memory.engine_weight_params(hf, width)
+        want, _ = on_gpu.nbytes("bfloat16", fp8=weight_dtype == "fp8")
+        assert weights.gib == pytest.approx(want / memory.GIB)
+        assert f"({sequences} full sequences)" in kv.note, kv.note
+        if weight_dtype == "model":
+            assert want == on_gpu.per_gpu * memory.engine_weight_bytes("bfloat16")
     assert memory.engine_weight_bytes("bfloat16") == 2 and memory.engine_weight_bytes("float32") == 4
 
 
@@ -310,6 +318,7 @@ def test_the_rollout_time_is_planned_beside_the_timeouts_and_the_deepseek_recipe
     says ~10.5k). The recipe's engines now hold an fp8 pool (3x the tokens) and wait up to 90 minutes:
     it fits at half its limit."""
     before = [
+        "rollout.weight_dtype=model",
         "rollout.gpu_memory_utilization=0.6",
         "rollout.sglang.server_args={}",
         "parallel.timeout_minutes=60",

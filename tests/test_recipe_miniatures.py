@@ -12,8 +12,9 @@ generated Countdown-Tasks-3to4 Parquet rows). Then 2 GRPO iterations with the re
 algorithm and checkpoint settings, and (one recipe per model kind and layout) a resume that continues
 to iteration 3 from the checkpoint.
 
-What cannot run on CPU is swapped, and only that: ``rollout.engine=embedded`` (SGLang needs a GPU)
-and ``logging.wandb_mode=disabled`` (no wandb service process on 2 shared cores).
+What cannot run on CPU is swapped, and only that: ``rollout.engine=embedded`` (SGLang needs a GPU),
+with it ``rollout.weight_dtype=model`` (FP8 engines are SGLang's), and ``logging.wandb_mode=disabled``
+(no wandb service process on 2 shared cores).
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ SIZES = [
     "rollout.max_new_tokens=8",
     "reward.num_workers=1",
     "rollout.engine=embedded",
+    "rollout.weight_dtype=model",
     "logging.wandb_mode=disabled",
     "logging.progress_bar=false",
     "parallel.timeout_minutes=3",

@@ -395,3 +395,42 @@ def test_weight_updates_on_sglangs_intel_amx_path_leave_the_layouts_a_fresh_star
         got
     )  # B reached every parameter (a zero bias twice)
     assert got["back_differs"] == [], got
+
+
+def test_fp8_engines_take_quantized_syncs_equal_to_a_checkpoint_loaded_from_disk(tmp_path) -> None:
+    """Issue 54 (FP8 rollout), one engine start per architecture: for Qwen3-MoE and Mixtral the
+    adapter starts an SGLang engine with ``rollout.weight_dtype=fp8`` from a bf16 checkpoint A:
+    DeepSeek-V3's block-FP8 quantization config, dummy weights. Its manifest check refuses bf16 where
+    it holds float8 and weights without their scales; it takes A through the sync's quantizer in
+    buckets (state S1), then B, then A again (S2); then SGLang itself loads from disk A written through
+    that quantizer as a checkpoint (S3). S1, S2 and S3 hold every parameter (float8 weights, scales,
+    bf16 rest, as the engine packs them) bit for bit alike: the sync lands what SGLang's own loader
+    reads from a block-FP8 checkpoint.
+
+    Which CPU ran it: SGLang's CPU FP8 layers exist only on its intel_amx path, so the worker runs it
+    (``GRPO_SGLANG_AMX=pretend`` where the CPU has no AMX: loading, FP8 packing and updates run, a
+    forward cannot); on an AVX2-only CPU no FP8 forward runs, and the logprob gap is measured without
+    the engine (test_fp8_rollout.py). DeepSeek-V3 is not run here: SGLang's MLA post-processing of a
+    weight update fails on its CPU FP8 path (``FP8_ENGINE_TYPES``)."""
+    require_sglang_engine()
+    out = tmp_path / "results.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "tests.workers.sglang_workers", "fp8_engines", str(out), str(tmp_path)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=2 * ENGINE_TIMEOUT_S,
+    )
+    results = json.loads(out.read_text()) if out.is_file() else {}
+    assert proc.returncode == 0 and results, f"the worker exited {proc.returncode}:\n{proc.stderr[-4000:]}"
+    assert set(results) == {"qwen3_moe", "mixtral"}
+    for model_type, got in results.items():
+        assert "error" not in got, (model_type, got["error"])
+        assert got["server_args"]["load_format"] == "dummy", got
+        assert got["engine_quantization_config"]["weight_block_size"] == [128, 128], got
+        assert "the engine holds it as torch.float8_e4m3fn" in got["refused_bf16"][0], got
+        assert "weight_scale_inv" in got["refused_no_scales"][0] and got["accepted"] == [], got
+        assert got["fp8_parameters"] and len(got["scale_parameters"]) == len(got["fp8_parameters"]), got
+        assert got["b_differs"] > len(got["fp8_parameters"]), got  # B reached the FP8 weights too
+        assert got["s2_differs"] == [], (model_type, got["s2_differs"])  # A again: bit for bit S1
+        assert got["disk_differs"] == [], (model_type, got["disk_differs"])  # SGLang's loader: the same

@@ -16,7 +16,7 @@ LossAggMode = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-n
 KLEstimator = Literal["k1", "k2", "k3"]
 BetaSchedule = Literal["constant", "cosine"]
 RoutingReplay = Literal["off", "r2", "r3"]
-OffPolicyCorrection = Literal["none", "seq_tis", "mis", "icepop"]
+OffPolicyCorrection = Literal["auto", "none", "seq_tis", "mis", "icepop"]
 
 
 @dataclass
@@ -92,11 +92,15 @@ class OffPolicyConfig:
     `off_policy/*` metrics (ratio mean/max/min, weight mean, masked fraction) are logged every
     iteration whatever the choice."""
 
-    correction: OffPolicyCorrection = "none"
-    """`none`. `seq_tis`: every token of a response weighted min(rho, cap), rho its sequence ratio.
-    `mis`: responses whose rho leaves [low, high] dropped, the others weighted rho. `icepop`: tokens
-    whose ratio leaves [low, high] dropped, the others weighted by it. (Token-level TIS is
-    algorithm.tis.)"""
+    correction: OffPolicyCorrection = "auto"
+    """`auto`: `icepop` when the engines serve FP8 weights (rollout.weight_dtype=fp8: a trainer/engine
+    gap by design, which the peers correct) unless algorithm.tis already weighs the loss or
+    train.old_logprobs=engine (whose ratio already is the importance ratio); `none` otherwise
+    (config/loop_rules.py:off_policy_in_effect; `grpo-megatron check` prints the outcome). `none`:
+    no correction (set it explicitly to train FP8 rollouts uncorrected). `seq_tis`: every token of a
+    response weighted min(rho, cap), rho its sequence ratio. `mis`: responses whose rho leaves [low,
+    high] dropped, the others weighted rho. `icepop`: tokens whose ratio leaves [low, high] dropped,
+    the others weighted by it. (Token-level TIS is algorithm.tis.)"""
     cap: float = 2.0
     """C of `seq_tis`."""
     low: float = 0.5
@@ -242,7 +246,7 @@ class AlgorithmConfig:
         self.kl.validate(f"{p}.kl")
         self.tis.validate(f"{p}.tis")
         self.off_policy.validate(f"{p}.off_policy")
-        if self.tis.enabled and self.off_policy.correction != "none":
+        if self.tis.enabled and self.off_policy.correction not in ("none", "auto"):
             raise ValueError(
                 f"{p}.tis.enabled=true and {p}.off_policy.correction={self.off_policy.correction} both weight "
                 f"the loss: choose one (set {p}.tis.enabled=false or {p}.off_policy.correction=none)"

@@ -66,6 +66,7 @@ from grpo_megatron.bridge.export_plan import (
     plan_export,
     read_shard,
 )
+from grpo_megatron.bridge.fp8 import Fp8Weights
 from grpo_megatron.distributed.bootstrap import ParallelState
 
 
@@ -149,6 +150,11 @@ class ExportStream:
     ) -> None:
         self.plan = plan
         self.landing = landing if landing is not None else Landing(torch.device("cpu"))
+        if plan.quantize is not None and self.landing.into is not None:
+            raise ValueError(
+                "a quantized export (ExportPlan.quantize) is made of new FP8 tensors: it lands into no "
+                "consumer's places (Landing.into)"
+            )
         self.stats = stats if stats is not None else TransferStats()
         self.every_round = every_round
         self.pool = _BufferPool(self.landing.device, self.stats)
@@ -248,6 +254,8 @@ class ExportStream:
                 ]
             )
             pieces, held = self.landing.land(item, shards, index in landed)
+            if plan.quantize is not None:
+                pieces, held = _quantized(plan.quantize, pieces, held, self.stats)
             self.bucket += pieces
             if held:
                 self.held += held
@@ -305,6 +313,21 @@ class _BufferPool:
     def close(self) -> None:
         self.stats.drop(sum(b.numel() for b in self.spare))
         self.spare.clear()
+
+
+def _quantized(quantize: Fp8Weights, pieces: Bucket, held: int, stats: TransferStats) -> tuple[Bucket, int]:
+    """``pieces`` as the destination receives them under ``quantize`` (bridge/fp8.py: a selected tensor
+    becomes its FP8 weight and scales, made on its device), and the bytes of new tensors they hold: the
+    quantized ones, and the others when ``held`` says they were new (way 4 of ``Landing``). A new
+    bf16 tensor and its FP8 form live together while it is quantized (counted in the peak)."""
+    out = quantize.quantize(pieces)
+    kept = {id(t) for _, t in pieces}
+    made = sum(t.numel() * t.element_size() for _, t in out if id(t) not in kept)
+    stats.hold(held + made)  # the new bf16 tensors (``held``) and their FP8 forms, momentarily together
+    stats.drop(held + made)
+    if held:
+        return out, sum(t.numel() * t.element_size() for _, t in out)
+    return out, made
 
 
 def _view(flat_u8: torch.Tensor, offset: int, item: ExportItem, slot: int) -> torch.Tensor:

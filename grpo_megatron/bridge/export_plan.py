@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from grpo_megatron.bridge.bucket_io import aligned, dtype_named
+from grpo_megatron.bridge.fp8 import Fp8Weights
 from grpo_megatron.bridge.layout import (
     MergedShard,
     adapter_tensors,
@@ -380,6 +381,9 @@ class ExportPlan:
     LoRA-adapted weight is a ``MergedShard``, merged each time it is read (``read_shard``)."""
     wanted: dict[int, frozenset[int] | None] = field(default_factory=dict)
     """Per destination, the indices of the items it receives (None or absent: every item)."""
+    quantize: Fp8Weights | None = None
+    """Destinations receive the HF tensors this rule selects as block-wise FP8 weight + scales
+    (bridge/fp8.py), quantized on the destination's device once assembled; None: as exported."""
 
     @property
     def dst_rank(self) -> int:
@@ -392,13 +396,18 @@ class ExportPlan:
 
     def manifest(self, dst: int | None = None) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
         """(HF name, shape, dtype) of every tensor destination ``dst`` receives (None: every tensor of
-        the stream), in stream order, known before any byte moves (the weight sync's engines check it)."""
-        return [
-            (name, shape, item.dtype)
-            for index, item in enumerate(self.items)
-            if dst is None or self.receives(dst, index)
-            for name, shape in zip(item.rule.hf, hf_shapes(item.rule, item.shape), strict=True)
-        ]
+        the stream), in stream order, known before any byte moves (the weight sync's engines check it);
+        with ``quantize`` a quantized weight's float8 entry is followed by its scales' float32 one."""
+        out = []
+        for index, item in enumerate(self.items):
+            if dst is not None and not self.receives(dst, index):
+                continue
+            for name, shape in zip(item.rule.hf, hf_shapes(item.rule, item.shape), strict=True):
+                if self.quantize is None:
+                    out.append((name, shape, item.dtype))
+                else:
+                    out += self.quantize.manifest(name, shape, item.dtype)
+        return out
 
 
 def plan_export(
@@ -413,13 +422,15 @@ def plan_export(
     rounds_in_flight: int = ROUNDS_IN_FLIGHT,
     needs: Mapping[int, Needs | None] | None = None,
     adapters: bool = False,
+    quantize: Fp8Weights | None = None,
 ) -> ExportPlan:
     """Collective: exchange shard metadata (names, shapes, dtypes, slices, hosts; no weights) and plan
     the stream to ``dst_ranks`` (default: ``[dst_rank]``). ``needs``: per destination, which HF
     tensors it receives (absent or None: all; the same mapping on every rank); each destination's
     bytes come only for those, its manifest lists only those. ``adapters``: stream the LoRA adapters
     (``X_lora.lora_A`` / ``lora_B``, under ``<HF weight>.lora_A.weight`` / ``lora_B.weight``,
-    ``models/weight_rules.py:lora_rules``) instead of the (merged) model."""
+    ``models/weight_rules.py:lora_rules``) instead of the (merged) model. ``quantize``: the tensors it
+    selects reach the destinations as FP8 weight + scales (``ExportPlan.quantize``)."""
     dsts = tuple(dst_ranks) if dst_ranks is not None else (dst_rank,)
     if bucket_bytes <= 0:
         raise ValueError(f"bucket_bytes={bucket_bytes} must be > 0")
@@ -466,4 +477,5 @@ def plan_export(
         pair_bytes,
         mine,
         wanted,
+        quantize,
     )

@@ -84,9 +84,21 @@ class JobConfig:
             return int(self.rollout.partial.overlap)
         return self.train.max_staleness
 
+    @property
+    def algorithm_in_effect(self) -> AlgorithmConfig:
+        """The algorithm section as the run applies it: ``algorithm.off_policy.correction=auto`` resolved
+        by the rollout it corrects (config/loop_rules.py:off_policy_in_effect; icepop with FP8 rollout)."""
+        from grpo_megatron.config.loop_rules import off_policy_in_effect
+
+        off_policy = dataclasses.replace(self.algorithm.off_policy, correction=off_policy_in_effect(self))
+        return dataclasses.replace(self.algorithm, off_policy=off_policy)
+
     def resolve(self, world_size: int) -> JobConfig:
-        """A copy whose parallel section has its derived degrees filled in (see ParallelConfig.resolve)."""
-        return dataclasses.replace(self, parallel=self.parallel.resolve(world_size))
+        """A copy whose parallel section has its derived degrees filled in (see ParallelConfig.resolve)
+        and whose algorithm section is the one in effect (``algorithm_in_effect``)."""
+        return dataclasses.replace(
+            self, parallel=self.parallel.resolve(world_size), algorithm=self.algorithm_in_effect
+        )
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

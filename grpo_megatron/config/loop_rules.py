@@ -5,7 +5,17 @@ passed its own rules."""
 
 from __future__ import annotations
 
-from grpo_megatron.config.job import JobConfig
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from grpo_megatron.algorithm.config import OffPolicyCorrection
+    from grpo_megatron.config.job import JobConfig
+
+FP8_ROLLOUT_CORRECTION: OffPolicyCorrection = "icepop"
+"""What ``algorithm.off_policy.correction=auto`` takes with FP8 rollout (``rollout.weight_dtype=fp8``):
+IcePop (token level, the section's band [low, high]) drops the tokens whose trainer/engine ratio the
+quantization pushed out of the band and weighs the others by their ratio; the peers that serve FP8
+with bf16 training correct the gap likewise (slime and miles: TIS / IcePop; verl: TIS)."""
 
 
 def async_errors(cfg: JobConfig) -> list[str]:
@@ -138,7 +148,7 @@ def off_policy_errors(cfg: JobConfig) -> list[str]:
         return []
     alg = cfg.algorithm
     on = "algorithm.tis.enabled=true" if alg.tis.enabled else None
-    if alg.off_policy.correction != "none":
+    if alg.off_policy.correction not in ("none", "auto"):  # auto takes none here (off_policy_in_effect)
         on = f"algorithm.off_policy.correction={alg.off_policy.correction}"
     if on is None:
         return []
@@ -149,3 +159,19 @@ def off_policy_errors(cfg: JobConfig) -> list[str]:
         "(algorithm.tis.enabled=false, algorithm.off_policy.correction=none) or keep it with "
         "train.old_logprobs=trainer"
     ]
+
+
+def off_policy_in_effect(cfg: JobConfig) -> OffPolicyCorrection:
+    """``algorithm.off_policy.correction`` as the run applies it: ``auto`` takes ``FP8_ROLLOUT_CORRECTION``
+    when the engines serve FP8 weights, no token-level TIS weighs the loss already, and pi_old is the
+    trainer's (with ``train.old_logprobs=engine`` the ratio already is the importance ratio:
+    ``off_policy_errors``); else ``none``. Any other value is the user's, refusals (``none``) included."""
+    alg = cfg.algorithm
+    if alg.off_policy.correction != "auto":
+        return alg.off_policy.correction
+    fp8 = cfg.rollout.weight_dtype == "fp8"
+    return (
+        FP8_ROLLOUT_CORRECTION
+        if fp8 and not alg.tis.enabled and cfg.train.old_logprobs != "engine"
+        else "none"
+    )

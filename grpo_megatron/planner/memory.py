@@ -92,11 +92,28 @@ def custom_gpu(memory_gib: float) -> GPU:
 
 
 def engine_weight_bytes(dtype: str) -> int:
-    """Bytes per weight in a colocated engine, and per element of the weight sync: the trained model's
-    ``model.dtype``. The engine starts in it and the sync sends it, whatever the checkpoint holds (an
-    FP8 checkpoint's engine starts unquantized and the first sync fills it: rollout/sglang/launch.py
-    ``engine_config``), so no engine of ours holds fp8 weights."""
+    """Bytes per element of the weight sync, and per weight of a colocated engine that holds the trained
+    model's ``model.dtype`` (``rollout.weight_dtype=model``: it starts in it and the sync sends it,
+    whatever the checkpoint holds; an FP8 checkpoint's engine starts unquantized,
+    rollout/sglang/model_config.py ``engine_config``). An FP8 engine's weights: ``EngineWeights.nbytes``."""
     return DTYPE_BYTES[dtype]
+
+
+FP8_SCALE_BYTES_PER_PARAM = 4 / (128 * 128)
+"""An FP8 engine's float32 ``weight_scale_inv``: one per 128 x 128 block of a quantized weight
+(bridge/fp8.py; a partial block at an edge counts as a fraction here, a few blocks per tensor)."""
+
+
+def fp8_in_engine(canonical_name: str) -> bool:
+    """Whether an FP8 engine (``rollout.weight_dtype=fp8``) holds this canonical tensor in FP8: the
+    linear layers of the decoder layers (attention, MLA's projections, dense MLPs, shared and routed
+    experts; bridge/fp8.py ``quantized_name`` for their HF names), not the embedding, output layer,
+    norms or routers."""
+    return (
+        ".linear_" in canonical_name
+        and canonical_name.endswith(".weight")
+        and "layernorm" not in canonical_name
+    )
 
 
 @dataclass(frozen=True)
@@ -328,6 +345,22 @@ class EngineWeights:
     (SGLang's ``ReplicatedLinear`` gate), MLA's down-projections (its ``fused_qkv_a_proj_with_mqa``
     is a ``ReplicatedLinear``), and KV heads when they are fewer than the GPUs (its
     ``QKVParallelLinear`` gives each GPU one whole)."""
+    fp8_per_gpu: float = 0.0
+    """Of ``per_gpu``, those an FP8 engine holds in FP8 (``fp8_in_engine``)."""
+    fp8_replicated: float = 0.0
+    """Of ``replicated``, those an FP8 engine holds in FP8."""
+
+    def nbytes(self, dtype: str, fp8: bool) -> tuple[float, float]:
+        """(bytes per GPU, of which replicated) of an engine holding ``dtype`` weights, or with
+        ``fp8`` (``rollout.weight_dtype=fp8``) its linear layers as FP8 (1 byte) + float32 scales."""
+        element = DTYPE_BYTES[dtype]
+        if not fp8:
+            return self.per_gpu * element, self.replicated * element
+        per_fp8 = 1 + FP8_SCALE_BYTES_PER_PARAM
+        return (
+            (self.per_gpu - self.fp8_per_gpu) * element + self.fp8_per_gpu * per_fp8,
+            (self.replicated - self.fp8_replicated) * element + self.fp8_replicated * per_fp8,
+        )
 
 
 def engine_weight_params(hf: Mapping[str, Any], width: int) -> EngineWeights:
@@ -335,18 +368,20 @@ def engine_weight_params(hf: Mapping[str, Any], width: int) -> EngineWeights:
     row parallel layers (and the experts, over EP x MoE-TP = width) by ``width``, the replicated
     ones whole (the planner's TransformerEngine table duplicates MLA's down-projections, as SGLang does)."""
     d = ModelDims.from_hf(hf)
-    per_gpu = replicated = 0.0
+    per_gpu = replicated = fp8_per_gpu = fp8_replicated = 0.0
     for t in canonical_tensors(hf, padded_vocab=d.vocab, te=True):
         if t.partition_dim is None:
-            per_gpu, replicated = per_gpu + t.numel, replicated + t.numel * (1 - 1 / width)
+            share, extra = float(t.numel), t.numel * (1 - 1 / width)
         elif ".linear_qkv." in t.name and d.kv_groups < width:
             per_head = t.numel // (d.heads + 2 * d.kv_groups)  # one head's rows of Q, K or V
             kv = 2 * per_head  # each GPU holds one K and one V head whole
-            per_gpu += d.heads * per_head / width + kv
-            replicated += kv - 2 * d.kv_groups * per_head / width
+            share, extra = d.heads * per_head / width + kv, kv - 2 * d.kv_groups * per_head / width
         else:
-            per_gpu += t.numel / width
-    return EngineWeights(per_gpu, replicated)
+            share, extra = t.numel / width, 0.0
+        per_gpu, replicated = per_gpu + share, replicated + extra
+        if fp8_in_engine(t.name):
+            fp8_per_gpu, fp8_replicated = fp8_per_gpu + share, fp8_replicated + extra
+    return EngineWeights(per_gpu, replicated, fp8_per_gpu, fp8_replicated)
 
 
 def sglang_defaults(server_args: Mapping[str, Any], gpu_mib: float, tp: int) -> tuple[int, int]:
@@ -456,16 +491,17 @@ def _engine_lines(
     all_params = total_params(hf)
     pool = cfg.rollout.gpu_memory_utilization * opts.gpu.memory_gib * GIB
     on_gpu = engine_weight_params(hf, width)
-    weight_bytes = engine_weight_bytes(cfg.model.dtype)
-    weights = on_gpu.per_gpu * weight_bytes
+    fp8 = cfg.rollout.weight_dtype == "fp8"
+    weights, replicated = on_gpu.nbytes(cfg.model.dtype, fp8)
     kv = pool - weights
     kv_tokens = max(0, int(kv // kv_bytes_per_token(d, width, cfg.rollout.sglang.server_args)))
     lines = {
         "weights": Line(
             "engine weights",
             weights / GIB,
-            f"{human_count(all_params)} / {width} GPUs per engine, "
-            f"{on_gpu.replicated * weight_bytes / GIB:.2f} GiB of it replicated",
+            f"{human_count(all_params)} / {width} GPUs per engine"
+            + (f", FP8 linear layers ({human_count(on_gpu.fp8_per_gpu)}) + scales" if fp8 else "")
+            + f", {replicated / GIB:.2f} GiB of it replicated",
         ),
         "kv_cache": Line(
             "engine KV cache",

@@ -272,6 +272,16 @@ class RolloutConfig:
     sync_rounds_in_flight: int = 2
     """Weight-sync transfer rounds (a quarter bucket each) posted ahead of the one being waited on: more
     overlaps more of the transfer with packing and assembly, at a quarter bucket of memory per round."""
+    weight_dtype: Literal["model", "fp8"] = "model"
+    """What the engines hold their weights in. model = the trained model's model.dtype (the sync sends
+    exactly the trainer's weights; an FP8 checkpoint's engines start unquantized). fp8 = block-wise
+    FP8 (e4m3, 128 x 128 blocks, ``weight_scale_inv`` as DeepSeek-V3's published checkpoints hold them,
+    dynamic activation scales: bridge/fp8.py): SGLang engines (colocated) start quantized on dummy
+    weights and every sync quantizes the trainer's weights on the way, on the device they are on, and
+    sends weight + scales (norms, routers, embeddings and the output head go as they are). About half
+    the engines' weight memory, for a trainer/engine gap the off-policy correction absorbs
+    (algorithm.off_policy.correction=auto takes icepop with it). On CPU SGLang serves FP8 only on its
+    intel_amx path (a CPU with AMX)."""
     engine_device: Literal["auto", "cpu"] = "auto"
     """Where an embedded engine runs: auto = this rank's device (its GPU, else CPU); cpu = always CPU."""
     true_on_policy: bool = False
@@ -305,6 +315,13 @@ class RolloutConfig:
     CPU's AVX2 kernels) and MoE routing flips, and below an engine serving wrong weights (e.g. bf16
     tensors cast into float8 parameters beside stale scales), which misjudges most tokens by several
     nats (about ln(vocab) at a token the trainer is sure of)."""
+    probe_max_mean: float = 0.5
+    """Stop the run likewise when the probe's mean |trainer - engine| logprob difference
+    (``mismatch/probe_abs_diff_mean``) exceeds this many nats; 0 = never. Honest engines sit far below
+    it, FP8 ones included (rollout.weight_dtype=fp8: 0.21 mean, 1.7 max on the tiny test model of
+    hidden size 128, whose blocks' rounding errors barely average out, tests/test_fp8_rollout.py;
+    bf16: 0.0005-0.01), while an engine serving wrong weights is off on most tokens (the same model's
+    float8 weights that lost their scales: 1.6 mean)."""
     multiturn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
     """Multi-turn, tool-using episodes (off by default)."""
     partial: PartialConfig = field(default_factory=PartialConfig)
@@ -429,8 +446,9 @@ class RolloutConfig:
             errors.append(
                 f"rollout.probe_interval={self.probe_interval} must be >= 1 (1 probes after every sync)"
             )
-        if not self.probe_max_abs >= 0:
-            errors.append(f"rollout.probe_max_abs={self.probe_max_abs} must be >= 0 (0 never stops the run)")
+        for name in ("probe_max_abs", "probe_max_mean"):
+            if not getattr(self, name) >= 0:
+                errors.append(f"rollout.{name}={getattr(self, name)} must be >= 0 (0 never stops the run)")
         if self.probe_batch < 0:
             errors.append(
                 f"rollout.probe_batch={self.probe_batch} must be >= 0 (0 disables the mismatch probe)"
@@ -456,9 +474,19 @@ class RolloutConfig:
 
     def _sglang_errors(self) -> list[str]:
         """The SGLang rules that read the rest of the section (the engine)."""
+        errors = []
         if self.engine == "sglang" and self.sglang.mode == "disaggregated" and not self.sglang.server_urls:
-            return [
+            errors.append(
                 "rollout.sglang.mode=disaggregated needs rollout.sglang.server_urls: the base URLs of running "
                 "SGLang servers (python -m sglang.launch_server ...), e.g. [http://node1:30000]"
-            ]
-        return []
+            )
+        if self.weight_dtype == "fp8" and (self.engine != "sglang" or self.sglang.mode != "colocated"):
+            where = f"rollout.engine={self.engine}" + (
+                f" with rollout.sglang.mode={self.sglang.mode}" if self.engine == "sglang" else ""
+            )
+            errors.append(
+                f"rollout.weight_dtype=fp8 with {where}: FP8 weights are served by colocated SGLang engines "
+                "(started quantized by the job, fed weight + scales by the sync); use rollout.engine=sglang "
+                "with rollout.sglang.mode=colocated, or rollout.weight_dtype=model"
+            )
+        return errors

@@ -60,6 +60,7 @@ from grpo_megatron.rollout.results import (
     pack,
     sizes_of,
 )
+from grpo_megatron.rollout.sglang.model_config import engine_fp8
 from grpo_megatron.rollout.weight_sync import WeightSync, bind_sync_groups
 
 if TYPE_CHECKING:
@@ -234,6 +235,7 @@ class RolloutFleet:
             export_dtype=DTYPES[spec.model.dtype],
             bucket_bytes=spec.rollout.sync_bucket_mb << 20,
             rounds_in_flight=spec.rollout.sync_rounds_in_flight,
+            quantize=engine_fp8(spec.rollout.weight_dtype == "fp8", hf),  # what the engines hold in FP8
         )
         return cls(
             ps=ps,

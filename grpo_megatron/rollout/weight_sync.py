@@ -9,7 +9,8 @@ copy), all at once, round by round (``bridge/export.py``). Its steps, each a met
 
 - ``plan``: the export plan (``bridge/export_plan.py``), made at the first sync and reused while the
   model and the bucket size stay the same, and this rank's manifest (every HF name, shape and dtype
-  it receives per sync);
+  it receives per sync; FP8 engines, ``quantize``: each quantized weight as float8 with its float32
+  scales, quantized on this rank's device as the stream lands it);
 - ``check_manifests`` (phase one, before any byte moves): every engine judges the manifest and the
   ranks agree; one rejection anywhere and nobody transfers, every engine keeps its previous version,
   every rank raises with the engines' messages;
@@ -39,6 +40,7 @@ from grpo_megatron.rollout.recovery import EngineRecovery, describe
 
 if TYPE_CHECKING:
     from grpo_megatron.bridge.export_plan import ExportPlan, TransferStats
+    from grpo_megatron.bridge.fp8 import Fp8Weights
     from grpo_megatron.distributed.bootstrap import ParallelState
 
 
@@ -96,6 +98,10 @@ class WeightSync:
     """Default bucket size (``rollout.sync_bucket_mb``)."""
     rounds_in_flight: int = 2
     """Transfer rounds posted ahead (``rollout.sync_rounds_in_flight``)."""
+    quantize: Fp8Weights | None = None
+    """The engines serve FP8 (``rollout.weight_dtype=fp8``): the tensors this rule selects reach them
+    as block-wise FP8 weight + scales, quantized where they land (on the engine's device, after
+    assembly; bridge/fp8.py), and the manifest lists both; None: as exported."""
     export_plan: ExportPlan | None = None
     """The export stream's plan, made at the first sync and reused while the model and bucket size
     stay the same (the metadata exchange it saves grows with the world size)."""
@@ -162,6 +168,7 @@ class WeightSync:
                 dtype=self.export_dtype,
                 rounds_in_flight=self.rounds_in_flight,
                 needs={d: needs[d] for d in dsts if needs[d] is not None},
+                quantize=self.quantize,
             )
             self.planned_for = (id(model), bucket_bytes)
             self.manifest = self.export_plan.manifest(self.ps.rank if sink is not None else None)

@@ -187,7 +187,7 @@ def run_iteration(
     abandon_if_signalled(job, drops, "the logprob passes")  # the last point before the weights change
     beta = kl_beta(cfg.algorithm.kl, it - 1, cfg.train.iterations)
     loss = GRPOLoss(
-        cfg.algorithm,
+        cfg.algorithm_in_effect,  # the off-policy correction resolved by the rollout (FP8: icepop)
         beta,
         cfg.algorithm.loss_norm_len or cfg.rollout.response_budget.tokens,
         old_from_engine=cfg.train.old_logprobs == "engine",

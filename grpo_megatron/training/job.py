@@ -133,6 +133,7 @@ class Runtime:
             vocab_size=int(self.hf["vocab_size"]),
             temperature=self.cfg.rollout.temperature,
             max_abs=self.cfg.rollout.probe_max_abs,
+            max_mean=self.cfg.rollout.probe_max_mean,
         )
 
     def make_sampler(self, num_items: int) -> PromptSampler:

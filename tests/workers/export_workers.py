@@ -13,11 +13,15 @@ EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "tiny_moe.yaml"
 
 
 def stream_to_each_rank(hf_dir: str, layouts: dict[str, list[str]], bucket_bytes: int) -> dict:
-    """For each layout: export to rank 0 (fp32), to rank 1 (fp32) and to rank 1 (bf16), and to rank 1
-    twice more with one plan. Returns, per layout, what each rank received: ``{"dst0": ...,
-    "buckets": n}`` on rank 0, ``{"dst1": ..., "dst1_bf16": ..., "dst1_planned": ...}`` on rank 1."""
+    """For each layout: export to rank 0 (fp32), to rank 1 (fp32) and to rank 1 (bf16), to rank 1
+    twice more with one plan, and to rank 1 in bf16 quantized to block FP8 as it lands (the weight
+    sync's landing). Returns, per layout, what each rank received: ``{"dst0": ..., "buckets": n}`` on
+    rank 0, ``{"dst1": ..., "dst1_bf16": ..., "dst1_planned": ..., "dst1_fp8": [(name, tensor)],
+    "fp8_manifest": ...}`` on rank 1."""
+    from grpo_megatron.bridge.assemble import Landing
     from grpo_megatron.bridge.export import ExportStream, export_hf_stream
     from grpo_megatron.bridge.export_plan import plan_export
+    from grpo_megatron.bridge.fp8 import Fp8Weights
     from grpo_megatron.config import load_config, validate
     from grpo_megatron.distributed.bootstrap import destroy_distributed, init_distributed, world_size_from_env
     from grpo_megatron.models.builder import build_gpt_model
@@ -40,6 +44,15 @@ def stream_to_each_rank(hf_dir: str, layouts: dict[str, list[str]], bucket_bytes
         # A plan made once serves later exports (the weight sync reuses it every iteration).
         plan = plan_export(model, ps, hf, bucket_bytes=bucket_bytes, dst_rank=1)
         replanned = [list(ExportStream(plan)) for _ in range(2)]
+        # FP8 engines (rollout.weight_dtype=fp8): a bf16 export quantized where it lands, as the weight
+        # sync runs it (borrowed views, every round handed on; each tensor copied before the next).
+        fp8_plan = plan_export(
+            model, ps, hf, bucket_bytes=bucket_bytes, dst_rank=1, dtype=torch.bfloat16, quantize=Fp8Weights()
+        )
+        fp8 = [
+            [(n, t.clone()) for n, t in bucket]
+            for bucket in ExportStream(fp8_plan, Landing(torch.device("cpu"), borrow=True))
+        ]
         result: dict = {}
         if ps.rank == 0:
             result |= {"dst0": dict(kv for b in dst0 for kv in b), "buckets": len(dst0)}
@@ -49,6 +62,8 @@ def stream_to_each_rank(hf_dir: str, layouts: dict[str, list[str]], bucket_bytes
                 "dst1_bf16": dict(kv for b in dst1_bf16 for kv in b),
                 "dst1_buckets": len(dst1),
                 "dst1_planned": [dict(kv for b in r for kv in b) for r in replanned],
+                "dst1_fp8": [kv for b in fp8 for kv in b],
+                "fp8_manifest": [(n, list(shape), str(d)) for n, shape, d in fp8_plan.manifest(1)],
                 # A yielded tensor owns its memory (a consumer may keep one alone).
                 "owns_memory": all(
                     t.untyped_storage().nbytes() == t.numel() * t.element_size() for b in dst1 for _, t in b

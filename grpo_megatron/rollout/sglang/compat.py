@@ -35,7 +35,10 @@ The fixes of SGLang's intel_amx CPU path (``rollout/sglang/cpu_path.py``), in th
   as loaded (``AmxKept``: the load target; an AMX engine holds its weights twice);
   ``restore_weights_before_loading`` (``begin_weight_update``) puts them back, unpacked; the update
   loads into them as a fresh start does; ``end_weight_update``'s post-processing packs them again (a
-  module already packed from its kept parameters is left as it is). Needs SGLang's weight-update
+  module already packed from its kept parameters is left as it is). FP8 layers too (SGLang's FP8
+  linear and MoE methods pack through the same function on CPU): their float8 weights as above, and
+  the ``weight_scale_inv`` their post-processing re-wraps without its loader is put back with its
+  loader (``AmxKept.others``). Needs SGLang's weight-update
   sessions (0.5.21 on): without them an AMX engine cannot take updates, and the adapter refuses it.
 """
 
@@ -185,6 +188,11 @@ class AmxKept:
     """Weight name -> what packing made of it (the same parameter where it declined)."""
     amx: bool = False
     """Packing took the module (its ``use_intel_amx_backend``)."""
+    others: dict[str, Any] = dataclasses.field(default_factory=dict)
+    """The module's other parameters as loaded (an FP8 layer's ``weight_scale_inv``): the
+    post-processing that packs a layer may replace them by parameters without their loaders (SGLang's
+    FP8 linear method on CPU re-wraps ``weight_scale_inv`` after packing, ``fp8.py``), which an update
+    could not load into (a fused QKV's scales go through their loader's shard offsets)."""
 
 
 def _sglang_on_amx() -> bool:
@@ -208,7 +216,9 @@ def _keeping_originals(pack: Callable[..., None]) -> Callable[..., None]:
         if kept is not None and all(current[n] is kept.packed.get(n) for n in weight_names):
             return
         if kept is None or any(current[n] is not kept.originals[n] for n in weight_names):
-            kept = AmxKept(current, getattr(module, "bias", None))
+            kept = AmxKept(
+                current, getattr(module, "bias", None), others=_other_parameters(module, weight_names)
+            )
         pack(module, weight_names, transpose_dims)
         kept.packed = {n: getattr(module, n) for n in weight_names}
         kept.amx = bool(getattr(module, "use_intel_amx_backend", False))
@@ -219,6 +229,12 @@ def _keeping_originals(pack: Callable[..., None]) -> Callable[..., None]:
     return pack_keeping_originals
 
 
+def _other_parameters(module: Any, weight_names: list[str]) -> dict[str, Any]:
+    """The module's own parameters beside ``weight_names`` and its bias, by name (``AmxKept.others``)."""
+    skip = {*weight_names, "bias"}
+    return {n: p for n, p in module.named_parameters(recurse=False) if n not in skip}
+
+
 def unpack_amx_weights(model: Any) -> int:
     """Put back every packed module's parameters as loaded (``AmxKept``), served unpacked until they
     are packed again; returns how many modules."""
@@ -227,13 +243,25 @@ def unpack_amx_weights(model: Any) -> int:
         kept: AmxKept | None = getattr(module, _KEPT, None)
         if kept is None or not kept.amx:
             continue
-        for name, param in kept.originals.items():
-            setattr(module, name, param)
+        for name, param in [*kept.originals.items(), *kept.others.items()]:
+            _restore(module, name, param)
         if kept.bias is not None:
             module.bias = kept.bias
         module.use_intel_amx_backend = False
         count += 1
     return count
+
+
+def _restore(module: Any, name: str, value: Any) -> None:
+    """``module.name = value`` as it was before packing: a plain tensor attribute stays one (DeepSeek's
+    MLA ``w_kc`` / ``w_vc`` of an FP8 engine are float8 tensors, not parameters, until packing makes
+    them parameters; torch refuses a tensor where a parameter is registered)."""
+    import torch
+
+    params = getattr(module, "_parameters", {})
+    if name in params and not isinstance(value, torch.nn.Parameter):
+        del params[name]
+    setattr(module, name, value)
 
 
 def _keep_packed_originals() -> None:

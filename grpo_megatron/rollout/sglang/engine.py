@@ -53,7 +53,7 @@ from grpo_megatron.rollout.sglang.launch import (
     torch_dtype,
 )
 from grpo_megatron.rollout.sglang.layout import agree_engine_address, layout_of
-from grpo_megatron.rollout.sglang.model_config import quantized, read_hf_config
+from grpo_megatron.rollout.sglang.model_config import engine_fp8, quantized, read_hf_config
 from grpo_megatron.rollout.sglang.shards import check_expert_placement, rank_needs
 from grpo_megatron.rollout.sglang.watch import (
     SchedulerProbe,
@@ -169,7 +169,7 @@ class SGLangEngine(RolloutEngine):
         self.guard = self._guard(launched.servers)
         self.interrupted = False
         """Set by ``interrupt``: generations ask one token per response (a preemption's dropped batch)."""
-        self.context = context_tokens(launched.servers)
+        self.context = protocol.context_tokens(launched.servers)
         """Tokens one sequence may hold (prompt and response): each request's ``max_new_tokens`` stays
         within it (``protocol.request_budgets``); None where the servers do not say (HTTP)."""
         if launched.started:
@@ -179,14 +179,17 @@ class SGLangEngine(RolloutEngine):
 
     def _fresh_state(self) -> None:
         """What the adapter knows of a freshly started engine: its weights, memory and load protocol."""
-        self.load = WeightLoad(self._shapes, f"the checkpoint at {self.model_path}")
+        dtype = torch_dtype(self._launch.dtype)
+        fp8 = engine_fp8(self.rollout.weight_dtype == "fp8", self._hf_config)
+        self.held: EngineTensors = engine_tensors(
+            self._shapes, self._hf_config, dtype, dummy=self._dummy, fp8=fp8
+        )
+        """What the engine holds per tensor (``check_manifest`` judges each sync's manifest against it)."""
+        self.load = WeightLoad(self.held.shapes, f"the checkpoint at {self.model_path}")
         """The weight-load protocol's state (version, sessions, staleness)."""
         self.released = ReleasedMemory()
         self.prefixes = KeptPrefixes(self.rollout.partial.keep_kv, self._launch.max_staleness)
         """Which weight loads flush the prefix cache (``rollout.partial.keep_kv``; off: every one)."""
-        dtype = torch_dtype(self._launch.dtype)
-        self.held: EngineTensors = engine_tensors(self._shapes, self._hf_config, dtype, dummy=self._dummy)
-        """What the engine holds per tensor (``check_manifest`` judges each sync's manifest against it)."""
         self._accepted: Manifest | None = None
         self._pairs = PairedLoads()
         self.lost: EngineLost | None = None
@@ -483,7 +486,7 @@ class SGLangEngine(RolloutEngine):
             self.rollout, self.model_path, self._launch, self._hf_config, weights_on_disk=bool(self._shapes)
         )
         self.guard = self._guard([server])
-        self.context = context_tokens([server])
+        self.context = protocol.context_tokens([server])
         if self.tied_head and self._shapes and not self._dummy:
             self._load_tied_head_from_disk()
         if released:
@@ -566,19 +569,6 @@ def _tp_rank(name: str) -> int:
     when it names none."""
     digits = name.partition("_TP")[2].split("_")[0]
     return int(digits) if digits.isdigit() else 0
-
-
-def context_tokens(servers: Sequence[Any]) -> int | None:
-    """The tokens a sequence may hold on every in-process server (``sglang.Engine``): its tokenizer
-    manager's ``context_len`` less its reserved tokens (SGLang's own request check); None when no
-    server says (HTTP clients)."""
-    known = []
-    for server in servers:
-        manager = getattr(server, "tokenizer_manager", None)
-        context = getattr(manager, "context_len", None)
-        if isinstance(context, int):
-            known.append(context - int(getattr(manager, "num_reserved_tokens", 0) or 0))
-    return min(known) if known else None
 
 
 def _scatter(servers: Sequence[Any], request: protocol.Request) -> list[Any]:

@@ -45,7 +45,7 @@ from grpo_megatron.rollout.sglang.health import (
 )
 from grpo_megatron.rollout.sglang.ipc import CudaIpcTransport
 from grpo_megatron.rollout.sglang.layout import ColocatedLayout
-from grpo_megatron.rollout.sglang.model_config import engine_model_path, quantized, read_hf_config
+from grpo_megatron.rollout.sglang.model_config import engine_model_path, read_hf_config, starts_on_dummy
 from grpo_megatron.rollout.sglang.nccl import NcclBroadcastTransport, SGLangHttpClient
 from grpo_megatron.rollout.sglang.weights import WeightTransport
 
@@ -205,10 +205,12 @@ def colocated_server_args(
     Follows from the job, so that ``rollout.engine=sglang`` needs no other setting:
     - a CPU ``launch.device``: the arguments SGLang's CPU engine requires (``CPU_SERVER_ARGS``); an
       unset one is a GPU's (a plan's, a further node's);
-    - no weight files at ``model_path`` (a model the trainer initialises, like the demo's), or a
+    - no weight files at ``model_path`` (a model the trainer initialises, like the demo's), a
       quantized checkpoint (``quantization_config``: the engine starts from ``engine_config``'s
-      unquantized config, ``start_colocated``): SGLang starts with random weights
-      (``load_format="dummy"``); the run's first weight sync, before any generation, replaces them;
+      unquantized config, ``start_colocated``), or FP8 serving (``rollout.weight_dtype=fp8``: started
+      from ``engine_config``'s FP8 config): SGLang starts with random weights
+      (``load_format="dummy"``, ``model_config.starts_on_dummy``); the run's first weight sync, before
+      any generation, replaces them;
     - ``model.hf_overrides`` (``launch.hf_overrides``) reach SGLang's copy of the config
       (``json_model_override_args``, ``engine_overrides``);
     - routed experts are reported only by a MoE engine whose routes are replayed (``launch.routes``)."""
@@ -245,7 +247,7 @@ def colocated_server_args(
     }
     if device == "cpu":
         args.update(CPU_SERVER_ARGS)
-    if not weights_on_disk or quantized(hf_config):
+    if starts_on_dummy(hf_config, weights_on_disk, rollout.weight_dtype == "fp8"):
         args["load_format"] = "dummy"  # the run's first sync, before any generation, fills them
     if hf_overrides:
         args["json_model_override_args"] = json.dumps(hf_overrides)
@@ -354,7 +356,9 @@ def start_colocated(
     server_args = colocated_server_args(
         rollout, model_path, launch, hf_config, node_rank=node_rank, weights_on_disk=weights_on_disk
     )
-    server_args["model_path"], changes = engine_model_path(model_path, hf_config, launch.log_dir, launch.rank)
+    server_args["model_path"], changes = engine_model_path(
+        model_path, hf_config, launch.log_dir, launch.rank, rollout.weight_dtype == "fp8"
+    )
     if "tokenizer_path" not in server_args and changes:
         server_args["tokenizer_path"] = model_path
     if launch.tokenizer_path and "tokenizer_path" not in rollout.sglang.server_args:
@@ -391,7 +395,7 @@ class Launched:
     health: EngineProcesses | None = None
     """A colocated engine started here: its processes (restartable in place); else None."""
     dummy: bool = False
-    """It holds dummy weights (no weight files, or a quantized checkpoint): the first sync fills them."""
+    """It holds dummy weights (``model_config.starts_on_dummy``): the first sync fills them."""
     started: bool = True
     """Launched here (False: servers given, used as they are)."""
 
@@ -425,7 +429,7 @@ def launch_servers(
     server, health, args = start_colocated(
         rollout, model_path, launch, hf_config, weights_on_disk=weights_on_disk
     )
-    dummy = not weights_on_disk or quantized(hf_config)
+    dummy = starts_on_dummy(hf_config, weights_on_disk, rollout.weight_dtype == "fp8")
     return Launched([server], transport, bool(args["enable_return_routed_experts"]), health, dummy)
 
 

@@ -22,7 +22,7 @@ from grpo_megatron.rollout.sglang.health import EngineProcesses
 from grpo_megatron.rollout.sglang.ipc import EngineGroupFeed, SharedStaging, contribution
 from grpo_megatron.rollout.sglang.launch import import_sglang, start_node_part, torch_dtype
 from grpo_megatron.rollout.sglang.layout import ColocatedLayout, agree_engine_address, layout_of
-from grpo_megatron.rollout.sglang.model_config import quantized, read_hf_config
+from grpo_megatron.rollout.sglang.model_config import engine_fp8, read_hf_config, starts_on_dummy
 from grpo_megatron.rollout.sglang.shards import rank_needs
 from grpo_megatron.rollout.sglang.watch import stop_lost_part
 from grpo_megatron.rollout.sglang.weights import (
@@ -115,8 +115,15 @@ class SGLangSyncMember(WeightSink):
         self.tp_size = len(self.sync_group_ranks)
         self.ep_size = ep_size  # rollout/placement.py's engine EP
         self._expected_shapes = checkpoint_shapes(model_path)
-        dummy = not self._expected_shapes or quantized(self._hf_config)  # as its leader's (SGLangEngine)
-        self.held = engine_tensors(self._expected_shapes, self._hf_config, torch_dtype(dtype), dummy=dummy)
+        fp8 = rollout.weight_dtype == "fp8"
+        dummy = starts_on_dummy(self._hf_config, bool(self._expected_shapes), fp8)  # as its leader's
+        self.held = engine_tensors(
+            self._expected_shapes,
+            self._hf_config,
+            torch_dtype(dtype),
+            dummy=dummy,
+            fp8=engine_fp8(fp8, self._hf_config),
+        )
         self._accepted: Manifest | None = None
         self._pairs = PairedLoads()
         self.feed = EngineGroupFeed(members)

@@ -235,3 +235,16 @@ def teacher_forced_logprobs(
             "(or other token ids): it must be scored from position 0 (logprob_start_len=0)"
         )
     return [float(e[0]) for e in entries[prompt_len:]]
+
+
+def context_tokens(servers: Sequence[Any]) -> int | None:
+    """The tokens a sequence may hold on every in-process server (``sglang.Engine``): its tokenizer
+    manager's ``context_len`` less its reserved tokens (SGLang's own request check); None when no
+    server says (HTTP clients)."""
+    known = []
+    for server in servers:
+        manager = getattr(server, "tokenizer_manager", None)
+        context = getattr(manager, "context_len", None)
+        if isinstance(context, int):
+            known.append(context - int(getattr(manager, "num_reserved_tokens", 0) or 0))
+    return min(known) if known else None

@@ -42,6 +42,7 @@ from typing import Any, Protocol
 
 import torch
 
+from grpo_megatron.bridge.fp8 import Fp8Weights
 from grpo_megatron.rollout.engine import Bucket, Manifest
 
 
@@ -174,7 +175,8 @@ ENGINE_FLOAT32 = ("mlp.gate.e_score_correction_bias",)
 class EngineTensors:
     """What an SGLang engine holds, per Hugging Face name, as the weight sync addresses it: the full
     (unsharded) shape of every tensor of the checkpoint it starts from, its scales left out when the
-    engine starts unquantized (``launch.py:engine_config``), and the dtype it holds them in."""
+    engine starts unquantized (``model_config.py:engine_config``) and each FP8 weight's scales added
+    when it serves FP8 (``rollout.weight_dtype=fp8``), and the dtype it holds them in."""
 
     shapes: Mapping[str, tuple[int, ...]]
     """Name -> full shape; empty: unknown (no weight files), then only dtypes are judged."""
@@ -186,8 +188,13 @@ class EngineTensors:
     num_layers: int = 0
     """``num_hidden_layers``: tensors of layers past it (DeepSeek-V3's multi-token-prediction layer)
     are in the checkpoint but not in the engine's model; 0: no such cut."""
+    quantized: Mapping[str, torch.dtype] = field(default_factory=dict)
+    """An FP8 engine's tensors held in another dtype than ``dtype``: its float8 weights and their
+    float32 ``weight_scale_inv`` (bridge/fp8.py); empty: none."""
 
     def held_dtype(self, name: str) -> torch.dtype:
+        if name in self.quantized:
+            return self.quantized[name]
         return torch.float32 if name.endswith(ENGINE_FLOAT32) else self.dtype
 
     def expected(self) -> dict[str, tuple[int, ...]]:
@@ -204,13 +211,26 @@ def _layer(name: str) -> int:
 
 
 def engine_tensors(
-    shapes: Mapping[str, tuple[int, ...]], hf_config: Mapping[str, Any], dtype: torch.dtype, *, dummy: bool
+    shapes: Mapping[str, tuple[int, ...]],
+    hf_config: Mapping[str, Any],
+    dtype: torch.dtype,
+    *,
+    dummy: bool,
+    fp8: Fp8Weights | None = None,
 ) -> EngineTensors:
     """``EngineTensors`` of an engine of ``dtype`` started from a checkpoint of ``shapes`` and config
-    ``hf_config`` (a quantized one's scale tensors dropped, as the engine starts without them)."""
-    if hf_config.get("quantization_config") is not None:
+    ``hf_config``: a quantized one's scale tensors dropped, as the engine starts without them; with
+    ``fp8`` (an FP8 engine, ``model_config.engine_fp8``) every weight it selects held as float8 beside
+    its float32 scales, whatever the checkpoint holds."""
+    if hf_config.get("quantization_config") is not None or fp8 is not None:
         shapes = {n: s for n, s in shapes.items() if not n.endswith(SCALE_SUFFIXES)}
-    return EngineTensors(dict(shapes), dtype, dummy, int(hf_config.get("num_hidden_layers") or 0))
+    held, quantized = dict(shapes), {}
+    for name, shape in shapes.items():
+        if fp8 is not None and fp8.quantizes(name, shape):
+            (_, _, weight_dtype), (scales, scales_shape, scales_dtype) = fp8.manifest(name, shape, dtype)
+            held[scales] = scales_shape
+            quantized[name], quantized[scales] = weight_dtype, scales_dtype
+    return EngineTensors(held, dtype, dummy, int(hf_config.get("num_hidden_layers") or 0), quantized)
 
 
 SCALE_SUFFIXES = ("weight_scale_inv", "weight_scale", "input_scale")
@@ -225,17 +245,18 @@ def manifest_errors(
     (empty: it can). Judged before any byte moves (``RolloutEngine.check_manifest``): a name the
     engine does not hold, a full shape other than the checkpoint's, a dtype other than the one it
     holds (a float8 tensor sent into an unquantized engine; ``ENGINE_FLOAT32`` tensors take any
-    floating dtype), and, for an engine on dummy weights, tensors the sync would leave random."""
+    floating dtype), and, for an engine on dummy weights, tensors the sync would leave random. An FP8
+    engine's weights and scales are judged alike: a bf16 weight where it holds float8 (or the reverse),
+    a weight without its scales, scales of another grid."""
     errors: list[str] = []
     for name, shape, dtype in manifest:
         want = held.held_dtype(name)
+        widened = name.endswith(ENGINE_FLOAT32) and want == torch.float32 and dtype.itemsize > 1
         if held.shapes and name not in held.shapes:
             errors.append(f"{name}: no such tensor in {source}")
         elif held.shapes and tuple(shape) != held.shapes[name]:
             errors.append(f"{name}: shape {tuple(shape)}, {source} has {held.shapes[name]}")
-        elif not dtype.is_floating_point or (
-            dtype != want and not (want == torch.float32 and dtype.itemsize > 1)
-        ):
+        elif not dtype.is_floating_point or (dtype != want and not widened):
             errors.append(f"{name}: dtype {dtype}, the engine holds it as {want} (the sync would cast it)")
     if held.dummy and held.shapes:
         sent = {name for name, _, _ in manifest}
@@ -269,12 +290,15 @@ def with_output_head(bucket: Bucket, tied: bool) -> list[tuple[str, torch.Tensor
     return out
 
 
-LOADED_TOGETHER = (("self_attn.q_a_proj.weight", "self_attn.kv_a_proj_with_mqa.weight"),)
+LOADED_TOGETHER = (
+    ("self_attn.q_a_proj.weight", "self_attn.kv_a_proj_with_mqa.weight"),
+    ("self_attn.q_a_proj.weight_scale_inv", "self_attn.kv_a_proj_with_mqa.weight_scale_inv"),
+)
 """Pairs of tensors SGLang loads only when both come in the same load call: its DeepSeek model fuses a
 layer's ``q_a_proj`` and ``kv_a_proj_with_mqa`` into one parameter and caches the first it sees until
 the second arrives, in a cache local to one ``load_weights`` call
 (``srt/models/deepseek_common/deepseek_weight_loader.py``, ``cached_a_proj``): one of them alone in a
-bucket is silently never loaded."""
+bucket is silently never loaded. An FP8 engine's two scales are fused the same way."""
 
 
 class PairedLoads:

@@ -156,42 +156,52 @@ def sync_weights(
     vocab_size: int,
     temperature: float,
     max_abs: float = 0.0,
+    max_mean: float = 0.0,
 ) -> dict[str, float]:
     """Weight sync as ``version`` (``sync/*``) and the mismatch probe (``mismatch/probe_*``), between
     the colocated memory's ``before_sync`` and ``after_sync`` (``offload/*`` of every memory phase,
     merged: ``merge_memory_metrics``, when it is on); the probe
     runs once the engines have their caches back (``engines_serve``: a released KV cache cannot
-    score) and before the trainer's parameters leave. A probe beyond ``max_abs`` (``rollout.
-    probe_max_abs``; 0: no bound) stops the run on every rank alike (``check_probe``). Engines the sync
+    score) and before the trainer's parameters leave. A probe beyond ``max_abs`` or ``max_mean``
+    (``rollout.probe_max_abs`` / ``probe_max_mean``; 0: no bound) stops the run on every rank alike
+    (``check_probe``). Engines the sync
     (or the probe) finds lost are restarted inside it, as the fleet decides."""
     moved = [memory.before_sync()]  # every memory phase's offload/* is reported (issue 51 item 1)
     metrics = fleet.sync_weights(model, version=version)
     if probe.sequences:  # the engines score with their KV cache, the trainer with its parameters
         moved.append(memory.engines_serve())
         metrics |= mismatch_probe(model, fleet, ps, probe, vocab_size=vocab_size, temperature=temperature)
-        check_probe(metrics, max_abs, version)
+        check_probe(metrics, max_abs, version, max_mean)
     moved.append(memory.after_sync())
     return metrics | merge_memory_metrics(*moved)
 
 
 class ProbeMismatchError(RuntimeError):
-    """The engines and the trainer disagree beyond ``rollout.probe_max_abs`` after a weight sync."""
+    """The engines and the trainer disagree beyond ``rollout.probe_max_abs`` or ``probe_max_mean`` after
+    a weight sync."""
 
 
-def check_probe(metrics: dict[str, float], max_abs: float, version: int) -> None:
-    """Raise ``ProbeMismatchError`` when the probe's largest difference (``mismatch/probe_abs_diff_max``;
-    the same on every rank: gathered) exceeds ``max_abs`` > 0. The engines then serve a model other
-    than the trainer's (wrong or stale weights, a quantized engine, a different architecture): every
-    rollout would train on another policy's samples."""
+def check_probe(metrics: dict[str, float], max_abs: float, version: int, max_mean: float = 0.0) -> None:
+    """Raise ``ProbeMismatchError`` when the probe's largest difference (``mismatch/probe_abs_diff_max``)
+    exceeds ``max_abs`` > 0 or its mean (``mismatch/probe_abs_diff_mean``) exceeds ``max_mean`` > 0 (the
+    same on every rank: gathered). The engines then serve a model other than the trainer's (wrong or
+    stale weights, a quantized engine fed without its scales, a different architecture): every rollout
+    would train on another policy's samples. An FP8 engine's own gap (rollout.weight_dtype=fp8) stays
+    below both (tests/test_fp8_rollout.py)."""
     worst = metrics.get("mismatch/probe_abs_diff_max")
-    if max_abs <= 0 or worst is None or worst <= max_abs:
-        return
     mean = metrics.get("mismatch/probe_abs_diff_mean", float("nan"))
+    beyond = []
+    if max_abs > 0 and worst is not None and worst > max_abs:
+        beyond.append(f"rollout.probe_max_abs={max_abs:g}")
+    if max_mean > 0 and mean == mean and mean > max_mean:
+        beyond.append(f"rollout.probe_max_mean={max_mean:g}")
+    if not beyond:
+        return
     raise ProbeMismatchError(
         f"mismatch probe after the weight sync of version {version}: the engines' logprobs differ from the "
         f"trainer's by up to {worst:.3g} nats (mean {mean:.3g}) over {metrics.get('mismatch/probe_tokens', 0):.0f} "
-        f"tokens, above rollout.probe_max_abs={max_abs:g}: the engines do not serve the trainer's model (a "
+        f"tokens, above {' and '.join(beyond)}: the engines do not serve the trainer's model (a "
         "quantized checkpoint started as such, a config SGLang reads otherwise, stale weights). Look at the "
-        "engine's log and the model's config.json; raise rollout.probe_max_abs (0 disables the check) only "
+        "engine's log and the model's config.json; raise the bound (0 disables the check) only "
         "if the difference is known to be noise"
     )

@@ -82,7 +82,9 @@ class GRPOLoss:
 
     def __post_init__(self) -> None:
         # config/loop_rules.py:off_policy_errors refuses this for a job; here for any other caller.
-        if self.old_from_engine and (self.alg.tis.enabled or self.alg.off_policy.correction != "none"):
+        if self.old_from_engine and (
+            self.alg.tis.enabled or self.alg.off_policy.correction not in ("none", "auto")
+        ):
             raise ValueError(
                 "an off-policy correction (algorithm.tis / algorithm.off_policy) with train.old_logprobs=engine "
                 "counts the ratio twice: drop the correction or use train.old_logprobs=trainer"
@@ -167,7 +169,9 @@ def off_policy_weights(
     alg: AlgorithmConfig, trainer_old_bs: torch.Tensor, rollout_bs: torch.Tensor, mask_bs: torch.Tensor
 ) -> torch.Tensor | None:
     """The loss weights of the configured correction (algorithm.tis, algorithm.off_policy), from
-    pi_old_trainer / pi_rollout per token; None = no correction (weights 1)."""
+    pi_old_trainer / pi_rollout per token; None = no correction (weights 1). ``alg`` is the section in
+    effect (``JobConfig.algorithm_in_effect``); an unresolved ``auto`` weighs nothing, as it resolves
+    outside FP8 rollout."""
     if alg.tis.enabled:
         return tis_weights(trainer_old_bs, rollout_bs, mask_bs, alg.tis.cap)[0]
     off = alg.off_policy
