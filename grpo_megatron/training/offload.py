@@ -346,14 +346,9 @@ class ColocatedMemory:
         if release and self.fleet is not None:
             self.fleet.release_memory(release)
         self.engine_held.difference_update(release)
-        on_device = set(TRAINER_PARTS).difference(*(r.parts for r in self.offloaded))
-        leaving = on_device - want.trainer
-        reports = []
-        for part in sorted(leaving):  # one report per part: each comes back on its own
-            report = offload(self.policy, parts=(part,), discard_grads=self.discard_grads)
-            self.offloaded.append(report)
-            reports.append(report.metrics())
-        metrics = merge_memory_metrics(*reports)  # totals; the memory left after the last
+        leaving = self._offload_each(self._on_device() - want.trainer)
+        self.offloaded.extend(leaving)
+        metrics = merge_memory_metrics(*(r.metrics() for r in leaving))  # totals; memory left after the last
         back = [r for r in self.offloaded if r.parts & want.trainer]
         if back:
             self.offloaded = [r for r in self.offloaded if not r.parts & want.trainer]
@@ -366,6 +361,14 @@ class ColocatedMemory:
         self.engine_held.update(resume)
         self.phase = phase
         return metrics
+
+    def _on_device(self) -> set[str]:
+        """The trainer parts on the device now."""
+        return set(TRAINER_PARTS).difference(*(r.parts for r in self.offloaded))
+
+    def _offload_each(self, parts: Collection[str]) -> list[OffloadReport]:
+        """``parts`` off the device, one report per part: each comes back on its own."""
+        return [offload(self.policy, parts=(p,), discard_grads=self.discard_grads) for p in sorted(parts)]
 
     def _note_resume(self, metrics: Mapping[str, float]) -> None:
         cached = metrics.get(CACHED_KEY)
@@ -448,10 +451,7 @@ class ColocatedMemory:
         the planned pool, or none), the body restarts the engine (which releases again what its
         predecessor had released: the phase of the moment), then the state returns. Yields
         ``offload/*`` of the way out, ``offload/onload_seconds`` added at the end."""
-        on_device = set(TRAINER_PARTS).difference(*(r.parts for r in self.offloaded))
-        reports = [
-            offload(self.policy, parts=(p,), discard_grads=self.discard_grads) for p in sorted(on_device)
-        ]
+        reports = self._offload_each(self._on_device())
         moved = merge_memory_metrics(*(r.metrics() for r in reports)) | self.release_cache()
         try:
             yield moved
