@@ -305,8 +305,9 @@ class RolloutFleet:
         whole on global rank 0 only (it scores and logs them), the others get each one's header
         (``Completion.sizes``, finish, version: 72 bytes); "owners": as "collector", and each
         completion gets a ``payload_id`` under which its engine's rank keeps it until
-        ``deliver_completions`` sends it to the data-parallel replica that trains it. Lost engines are
-        restarted (``collect``)."""
+        ``deliver_completions`` sends it to the data-parallel replica that trains it; "engines": whole on
+        its engine's rank only (``prompt_ranks``), headers everywhere else (the partial rollouts'
+        segments). Lost engines are restarted (``collect``)."""
         return self.collect(self.submit(prompts, params), payload=payload)
 
     def prompt_ranks(self, num_prompts: int) -> list[int]:

@@ -16,7 +16,10 @@ versions; 72 bytes per completion) and ``COLLECTOR`` (global rank 0: it scores t
 samples) the whole batch, and with "owners" each engine's rank keeps its completions
 (``HeldCompletions``) until the trainer knows which data-parallel replica trains which sample:
 ``HeldCompletions.deliver`` then sends each its share, nothing else. Without that, each of 1024
-ranks would receive and unpack every response of the batch.
+ranks would receive and unpack every response of the batch. "engines" (the partial rollouts'
+segments) keeps each completion whole on its engine's rank only; ``send_completions`` moves any
+completions from one rank to another, point to point (what ``HeldCompletions.deliver`` and the partial
+rollouts' pool use).
 
 Routes (``Completion.routed_experts``, ``[M, L, K]`` integers per completion, the largest part of a
 rollout by far) never travel with them: the engine's rank keeps them (``HeldRoutes``) until the

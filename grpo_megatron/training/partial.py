@@ -64,9 +64,16 @@ Metrics: ``partial/staleness/{mean,max}`` (token-weighted over the trained respo
 ``partial/carried`` (unfinished responses paused at the weight update), ``partial/regenerated``,
 ``partial/pool_groups``.
 
+Where the pool lives (``PartialRollouts``): every rank holds its layout (each response's versions and
+finish: every step above reads only those), a response's tokens and logprobs only the rank of the
+engine that generated its last segment (``PartialResponse.holder``); a row moves to another engine's
+rank when a round's split gives it there, and a taken group's responses go to rank 0 and to the
+replicas that train them. No rank holds the whole pool, and a segment reaches the ranks without its
+engine as a header.
+
 Resume: the pool (tokens, logprobs, versions, finish, prompt indices, submission order) goes into the
-checkpoint as JSON text (``state_dict``; nothing is unpickled), so a resumed run trains exactly what
-the uninterrupted run would have.
+checkpoint as JSON text (``state_dict``, gathered on rank 0; nothing is unpickled), so a resumed run
+trains exactly what the uninterrupted run would have.
 """
 
 from __future__ import annotations
