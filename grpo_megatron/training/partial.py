@@ -386,7 +386,8 @@ class PartialRollouts:
         self.parts, self.version, self.trace = parts, 0, trace
         self.rank = parts.rollout.fleet.ps.rank
         self.placed_bytes = 0
-        """Bytes of response tokens and logprobs ``_place`` received here since the last collect (its trace)."""
+        """Bytes of response tokens and logprobs ``_place`` received here since the last collect (its
+        trace)."""
         self.pool = PartialPool(
             rollout.n_samples_per_prompt,
             rollout.partial.segment_tokens,
