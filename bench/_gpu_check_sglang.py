@@ -240,7 +240,7 @@ def stage_sglang_train(args: argparse.Namespace, out: Path, stage: Any, env: dic
             f"offloaded{', r3' if r3 else ''}: exit {rc}:\n{_tail(replay.log)}",
         )
         return
-    stage.details = train_details(resident.metrics(), replay.metrics())
+    stage.details = train_details(resident.metrics(), replay.metrics(), replayed=bool(r3))
     problems = train_problems(stage.details)
     stage.status = "FAILED" if problems else "ok"
     stage.summary = (
@@ -263,7 +263,12 @@ def missing_metric(records: list[dict[str, Any]], key: str = CACHED_KEY) -> list
     return [int(r["iteration"]) for r in records if r.get("iteration", 0) >= 1 and key not in r]
 
 
-def train_details(resident: list[dict[str, Any]], replay: list[dict[str, Any]]) -> dict[str, Any]:
+def train_details(
+    resident: list[dict[str, Any]], replay: list[dict[str, Any]], *, replayed: bool = False
+) -> dict[str, Any]:
+    """What the sglang_train stage's runs logged; ``replayed``: the second ran r3 (its probe must
+    replay the engine's routes)."""
+
     def worst(records: list[dict[str, Any]], key: str) -> float:
         values = [r[key] for r in records if key in r]
         return max(values) if values else float("nan")
@@ -276,6 +281,7 @@ def train_details(resident: list[dict[str, Any]], replay: list[dict[str, Any]]) 
             [r for r in replay if r.get("iteration", 0) >= 1]
         ),  # 0: the eval before training
         "probe_max": worst(both, "mismatch/probe_abs_diff_max"),
+        "replayed": replayed,
         "probe_replay_max": worst(replay, "mismatch/probe_replay_abs_diff_max"),
         "probe_route_disagreement": worst(replay, "routing/probe_disagreement"),
         # what the trainer's allocator kept reserved but unused when an engine resumed (training/offload.py)
@@ -289,6 +295,12 @@ def train_problems(details: dict[str, Any]) -> list[str]:
         problems.append(f"the resumed run ended at iteration {details['resident_last']}, not 3")
     if details["replay_iterations"] < 3:
         problems.append(f"the r3 run logged {details['replay_iterations']} iterations, not 3")
+    replay_max = details["probe_replay_max"]
+    if details.get("replayed") and replay_max != replay_max:  # NaN: no row has it
+        problems.append(
+            "the r3 run's mismatch probe replayed no engine routes (mismatch/probe_replay_abs_diff_max "
+            "missing): the engine's score returned none (rollout/sglang/protocol.py:score_routes)"
+        )
     for run, iterations in details["missing_cached"].items():
         if iterations:
             problems.append(

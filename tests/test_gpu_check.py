@@ -68,9 +68,16 @@ def test_train_stage_rules() -> None:
         {"iteration": i, "mismatch/probe_abs_diff_max": 0.01} | cached for i in (1, 2, 3)
     ]
     replay = [{"iteration": i, "mismatch/probe_replay_abs_diff_max": 0.0} | cached for i in (1, 2, 3)]
-    details = stages.train_details(resident, replay)
+    details = stages.train_details(resident, replay, replayed=True)
     assert details["resident_last"] == 3 and details["replay_iterations"] == 3
     assert stages.train_problems(details) == []
+    # An r3 run whose probe replayed nothing (an H100, 2026-12-05: SGLang's score sent no routes) fails.
+    unreplayed = [{k: v for k, v in r.items() if "replay" not in k} for r in replay]
+    assert stages.train_problems(stages.train_details(resident, unreplayed, replayed=True)) == [
+        "the r3 run's mismatch probe replayed no engine routes (mismatch/probe_replay_abs_diff_max "
+        "missing): the engine's score returned none (rollout/sglang/protocol.py:score_routes)"
+    ]
+    assert stages.train_problems(stages.train_details(resident, unreplayed)) == []  # CPU: no r3
     held = stages.train_details(
         resident[:3], [r | {"offload/cached_free_bytes": 22.8 * 2**30} for r in replay]
     )

@@ -225,7 +225,7 @@ def test_partial_rollout_config_is_refused_with_the_fix(overrides, message):
 
 
 @pytest.mark.launches
-def test_partial_rollouts_train_with_per_token_versions_and_resume_bitwise(tmp_path):
+def test_partial_rollouts_train_with_per_token_versions_and_resume_bitwise(tmp_path, monkeypatch):
     """2 ranks (EP2, the demo's tiny MoE, each engine a process of its own, as issue 40 asks the
     resume to be bitwise with), 3 iterations of 4 groups, segments of 3 of the 6 new tokens, a pool
     of 8 groups, rollout.partial.overlap (each iteration's first round submitted before it trains):
@@ -233,7 +233,10 @@ def test_partial_rollouts_train_with_per_token_versions_and_resume_bitwise(tmp_p
     takes the 4 groups left complete and submits their second segments under version 1, so
     iteration 3 trains responses begun under version 0 and ended under version 1 (lag 2, the dump
     and the metrics say so); killed after the checkpoint of iteration 2 (a round in flight, collected
-    into the pool it saves) and resumed, the run's metrics equal the uninterrupted run's bitwise."""
+    into the pool it saves) and resumed, the run's metrics equal the uninterrupted run's bitwise.
+    Each response's tokens are on one rank, its engine's (issue 51 item 9): every round, each rank
+    holds part of the pool's tokens and the two parts make the whole, and receives less than a
+    broadcast of every segment would have given it (``_pool_stays_with_its_engines``)."""
     from grpo_megatron.logging_utils.metrics import read_jsonl
     from grpo_megatron.training.rollout_dump import read_iteration
     from tests.helpers.runs import SMALL, comparable, finish, killed_and_resumed, launch
@@ -252,7 +255,10 @@ def test_partial_rollouts_train_with_per_token_versions_and_resume_bitwise(tmp_p
         "rollout.embedded_process=true",
     ]
     full = tmp_path / "full"
+    monkeypatch.setenv("GRPO_ROUND_TRACE", str(tmp_path / "rounds.jsonl"))  # both ranks append their events
     finish(launch("train", [*common, f"logging.run_dir={full}", f"rollout.dump_dir={tmp_path / 'dump'}"]))
+    monkeypatch.delenv("GRPO_ROUND_TRACE")
+    _pool_stays_with_its_engines(tmp_path / "rounds.jsonl")
     records = read_jsonl(full / "metrics.jsonl")[1:]
     assert all(r["partial/staleness/max"] <= 2 for r in records)
     assert [r["partial/regenerated"] for r in records] == [0, 0, 0]
@@ -266,3 +272,18 @@ def test_partial_rollouts_train_with_per_token_versions_and_resume_bitwise(tmp_p
     want = [comparable(r) for r in read_jsonl(full / "metrics.jsonl")]
     assert [r["iteration"] for r in got] == [0, 1, 2, 3]
     assert got == want, json.dumps([got[-1], want[-1]], indent=1)
+
+
+def _pool_stays_with_its_engines(trace) -> None:
+    """The continuous source's trace at 2 ranks, an engine on each: after every round each rank holds
+    some of the pool's tokens and not all, the two parts add up to the pool, and each rank received
+    (its segments' headers, the rows moved to it) less than the broadcast of every segment the pool kept
+    on every rank before (issue 51 item 9)."""
+    events = [json.loads(line) for line in trace.read_text().splitlines()]
+    by_rank = [[e for e in events if e["event"] == "received" and e["rank"] == rank] for rank in (0, 1)]
+    assert len(by_rank[0]) == len(by_rank[1]) >= 3
+    for first, second in zip(*by_rank, strict=True):  # the same round on both ranks
+        assert first["pool_tokens"] == second["pool_tokens"] == first["held_tokens"] + second["held_tokens"]
+        assert 0 < first["held_tokens"] < first["pool_tokens"] and 0 < second["held_tokens"]
+    for rounds in by_rank:
+        assert sum(e["received_bytes"] for e in rounds) < sum(e["broadcast_bytes"] for e in rounds)

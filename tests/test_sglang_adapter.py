@@ -55,6 +55,7 @@ from grpo_megatron.rollout.sglang.protocol import (
     request_budgets,
     sample_seeds,
     sampling_params_dict,
+    score_routes,
     teacher_forced_logprobs,
 )
 from grpo_megatron.rollout.sglang.weights import (
@@ -264,6 +265,22 @@ def test_routed_experts_that_do_not_fit_the_tokens_are_refused() -> None:
         decode_routed_experts(
             encoded, 4, RouteLayout(num_layers=3, moe_layers=(1, 2), top_k=3, num_experts=8)
         )
+
+
+def test_a_scores_routes_keep_the_rows_a_forward_takes() -> None:
+    """SGLang reports a scored sequence's routes over ``length`` rows or ``length - 1`` (whether its
+    prefill-only request counts the token it samples): the first ``length - 1`` are kept; none, or a
+    count that fits neither, is refused."""
+    layout = RouteLayout(num_layers=2, moe_layers=(0, 1), top_k=2, num_experts=8)
+    for rows in (5, 4):
+        encoded, expected = _routed(rows=rows, layers=2, top_k=2)
+        routes = score_routes({"meta_info": {"routed_experts": encoded}}, 5, layout)
+        assert torch.equal(routes.int(), expected[:, :4])
+    with pytest.raises(RuntimeError, match="no routed experts"):
+        score_routes({"meta_info": {}}, 5, layout)
+    encoded, _ = _routed(rows=7, layers=2, top_k=2)
+    with pytest.raises(RuntimeError, match="28 routed expert ids for a scored 5-token sequence"):
+        score_routes({"meta_info": {"routed_experts": encoded}}, 5, layout)
 
 
 def test_teacher_forced_logprobs_take_the_response_part() -> None:
@@ -683,8 +700,15 @@ class RequestRecorder:
         out = []
         for ids in input_ids:
             meta = {"output_token_logprobs": [(-0.5, 5, None)], "finish_reason": {"type": "length"}}
+            if options.get("logprob_start_len") == 0:  # a score: every input token's logprob
+                meta["input_token_logprobs"] = [
+                    (None if i == 0 else -0.1, t, None) for i, t in enumerate(ids)
+                ]
             if options.get("return_routed_experts"):
-                routes = torch.zeros(len(ids) * self.layout.num_layers * self.layout.top_k, dtype=torch.int32)
+                # row r of layer l: expert (r + l) mod 8, so a test can see which rows were kept
+                rows = torch.arange(len(ids), dtype=torch.int32)[:, None, None]
+                layers = torch.arange(self.layout.num_layers, dtype=torch.int32)[None, :, None]
+                routes = ((rows + layers) % 8).expand(-1, -1, self.layout.top_k).contiguous()
                 meta["routed_experts"] = base64.b64encode(routes.numpy().tobytes()).decode()
             out.append({"output_ids": [5], "meta_info": meta})
         return out
@@ -739,6 +763,24 @@ def test_sglang_is_asked_for_routed_experts_only_by_the_rollouts_that_replay_the
         else:
             assert routed == [None] * 4
         assert all(c.routed_experts is None for g in evaluation + sampled_eval for c in g)
+        # The mismatch probe's score asks too (an H100 run of gpu_check's r3 stage, 2026-12-05, found
+        # its replayed probe empty): rows [0, len - 1) of every MoE layer, the rows a forward takes.
+        recorder.requests.clear()
+        sequences = [[1, 5, 9, 4], [1, 7, 3]]
+        scored, score_routes = engine.score_with_routes(sequences, [2, 1], temperature=1.0)
+        assert scored == [[-0.1, -0.1], [-0.1, -0.1]] and engine.score(sequences, [2, 1], 1.0) == scored
+        (asked_score, plain_score) = recorder.requests
+        assert asked_score.get("return_routed_experts", False) is started_with_routes
+        assert "return_routed_experts" not in plain_score
+        if started_with_routes:
+            assert score_routes is not None
+            for seq, r in zip(sequences, score_routes, strict=True):
+                moe = torch.tensor(layout.moe_layers)[:, None]
+                rows = torch.arange(len(seq) - 1)[None, :]
+                assert r.shape == (len(layout.moe_layers), len(seq) - 1, layout.top_k)
+                assert torch.equal(r[..., 0].long(), (rows + moe) % 8)
+        else:
+            assert score_routes is None
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -176,6 +176,15 @@ class Fp8Weights:
     def quantizes(self, name: str, shape: Sequence[int]) -> bool:
         return quantized_name(name, shape, self.ignored)
 
+    def held_dtype(self, name: str, shape: Sequence[int]) -> torch.dtype | None:
+        """The dtype an FP8 engine holds tensor ``name`` of ``shape`` in, judged by name alone (the
+        manifest's own entries): float8 for a weight it quantizes, float32 for such a weight's scales;
+        None for any other (held in the engine's dtype)."""
+        if name.endswith(SCALE_SUFFIX):
+            weight = name.removesuffix(SCALE_SUFFIX)
+            return torch.float32 if len(shape) == 2 and self.quantizes(weight, shape) else None
+        return torch.float8_e4m3fn if self.quantizes(name, shape) else None
+
     def manifest(
         self, name: str, shape: tuple[int, ...], dtype: torch.dtype
     ) -> list[tuple[str, tuple[int, ...], torch.dtype]]:

@@ -58,6 +58,7 @@ from grpo_megatron.rollout.results import (
     Payload,
     exchange_engine,
     pack,
+    received_numel,
     sizes_of,
 )
 from grpo_megatron.rollout.sglang.model_config import engine_fp8
@@ -150,6 +151,9 @@ class RolloutFleet:
     rank agrees."""
     dp_rank_of: list[int] | None = None
     """Every global rank's data-parallel rank (``replica_ranks``), gathered on first use."""
+    received_bytes: int = 0
+    """Bytes of completions (``pack``'s tensors, whole or headers) this rank has received from other
+    engines' ranks in ``collect``: a running count, read as a difference (the partial rollouts' trace)."""
 
     @property
     def engine(self) -> RolloutEngine | None:
@@ -301,9 +305,21 @@ class RolloutFleet:
         whole on global rank 0 only (it scores and logs them), the others get each one's header
         (``Completion.sizes``, finish, version: 72 bytes); "owners": as "collector", and each
         completion gets a ``payload_id`` under which its engine's rank keeps it until
-        ``deliver_completions`` sends it to the data-parallel replica that trains it. Lost engines are
-        restarted (``collect``)."""
+        ``deliver_completions`` sends it to the data-parallel replica that trains it; "engines": whole on
+        its engine's rank only (``prompt_ranks``), headers everywhere else (the partial rollouts'
+        segments). Lost engines are restarted (``collect``)."""
         return self.collect(self.submit(prompts, params), payload=payload)
+
+    def prompt_ranks(self, num_prompts: int) -> list[int]:
+        """The global rank of the engine that generates each of a request's ``num_prompts`` prompts
+        (``submit``'s split: contiguous slices in engine order) and, after ``collect`` with
+        ``payload="engines"``, holds its completions."""
+        slices = prompt_slices(num_prompts, self.num_engines)
+        return [
+            rank
+            for rank, (start, end) in zip(self.engine_ranks, slices, strict=True)
+            for _ in range(start, end)
+        ]
 
     def interrupt(self) -> None:
         """Cut this rank's engine's generation short, from another thread (a preemption signal: the
@@ -423,6 +439,9 @@ class RolloutFleet:
         per_engine = []
         for rank in self.engine_ranks:
             own = mine if rank == self.ps.rank else None
+            self.received_bytes += (
+                0 if own is not None else received_numel(sizes[rank].tolist(), payload, self.ps.rank) * 8
+            )
             completions, shapes, headers = exchange_engine(
                 own, sizes[rank].tolist(), src=rank, rank=self.ps.rank, payload=payload, group=group
             )

@@ -16,7 +16,10 @@ versions; 72 bytes per completion) and ``COLLECTOR`` (global rank 0: it scores t
 samples) the whole batch, and with "owners" each engine's rank keeps its completions
 (``HeldCompletions``) until the trainer knows which data-parallel replica trains which sample:
 ``HeldCompletions.deliver`` then sends each its share, nothing else. Without that, each of 1024
-ranks would receive and unpack every response of the batch.
+ranks would receive and unpack every response of the batch. "engines" (the partial rollouts'
+segments) keeps each completion whole on its engine's rank only; ``send_completions`` moves any
+completions from one rank to another, point to point (what ``HeldCompletions.deliver`` and the partial
+rollouts' pool use).
 
 Routes (``Completion.routed_experts``, ``[M, L, K]`` integers per completion, the largest part of a
 rollout by far) never travel with them: the engine's rank keeps them (``HeldRoutes``) until the
@@ -92,11 +95,14 @@ def unpack(ints: torch.Tensor, logprobs: torch.Tensor, count: int) -> tuple[list
     return out, shapes
 
 
-Payload = Literal["everywhere", "collector", "owners"]
+Payload = Literal["everywhere", "collector", "owners", "engines"]
 """Where ``RolloutFleet.generate`` puts the completions' tokens, logprobs and loss masks: on every rank;
 on ``COLLECTOR`` only (every other rank gets each completion's header: its sizes, finish and
-version); or as "collector" with each engine's rank keeping its own until ``HeldCompletions.deliver``
-sends each to the ranks that train it."""
+version); as "collector" with each engine's rank keeping its own until ``HeldCompletions.deliver``
+sends each to the ranks that train it; or on their engine's rank only, every other rank (``COLLECTOR``
+too) getting the headers (the partial rollouts' segments, training/partial.py: a response's tokens stay
+with the engine that continues it, and reach ``COLLECTOR`` and the replica that trains it when it is
+taken)."""
 
 
 def exchange_engine(
@@ -111,8 +117,8 @@ def exchange_engine(
     """Collective over ``group``: engine rank ``src``'s completions (``pack``'s tensors, ``mine``, on
     ``src``; ``sizes``: its ``sizes_of``) on this rank, whole where ``payload`` puts them, else their
     headers only (``unpack_headers``); with each one's route shape and its header row. "everywhere":
-    one broadcast of each tensor; else one broadcast of the headers and, to ``COLLECTOR``, one
-    send of each tensor."""
+    one broadcast of each tensor; else one broadcast of the headers and, to ``COLLECTOR`` (not with
+    "engines"), one send of each tensor."""
     count, n_ints, n_logprobs = (int(x) for x in sizes[:3])
     if payload == "everywhere":
         ints, logprobs = (
@@ -131,15 +137,26 @@ def exchange_engine(
     )
     dist.broadcast(header, src=src, group=group)
     rows = header.view(count, HEADER).tolist()
-    if mine is not None and src != COLLECTOR:
+    collector = payload != "engines"
+    if collector and mine is not None and src != COLLECTOR:
         dist.send(mine[0], COLLECTOR, group=group)
         dist.send(mine[1], COLLECTOR, group=group)
-    if mine is None and rank == COLLECTOR:
+    if collector and mine is None and rank == COLLECTOR:
         mine = (torch.empty(n_ints, dtype=torch.int64), torch.empty(n_logprobs, dtype=torch.float64))
         dist.recv(mine[0], src, group=group)
         dist.recv(mine[1], src, group=group)
     completions, shapes = unpack(*mine, count) if mine is not None else unpack_headers(header, count)
     return completions, shapes, rows
+
+
+def received_numel(sizes: Sequence[int], payload: Payload, rank: int) -> int:
+    """The int64 and float64 numbers that ``exchange_engine`` of another rank's completions (``sizes``:
+    its ``sizes_of``) gives ``rank``: both tensors broadcast ("everywhere"), else the headers' broadcast
+    and, on ``COLLECTOR`` (not with "engines"), both tensors again."""
+    count, n_ints, n_logprobs = (int(x) for x in sizes[:3])
+    if payload == "everywhere":
+        return n_ints + n_logprobs
+    return count * HEADER + (n_ints + n_logprobs if rank == COLLECTOR and payload != "engines" else 0)
 
 
 def unpack_headers(header: torch.Tensor, count: int) -> tuple[list[Completion], list[Any]]:
@@ -153,6 +170,13 @@ def unpack_headers(header: torch.Tensor, count: int) -> tuple[list[Completion], 
         )
         shapes.append(((m, length, k), ROUTE_DTYPES[code - 1]) if code else None)
     return out, shapes
+
+
+def header_of(c: Completion) -> list[int]:
+    """``c``'s header row as ``pack`` writes it (whether or not its tokens are on this rank; no routes:
+    they travel apart), the same on every rank: what ``HeldCompletions.add`` keeps of it."""
+    finish, mask = int(c.finish_reason == "stop"), int(c.loss_mask is not None)
+    return [c.num_tokens, finish, mask, c.weight_version, 0, 0, 0, 0, c.num_sampled]
 
 
 def payload_numel(headers: Sequence[Sequence[int]]) -> tuple[int, int]:
@@ -186,6 +210,40 @@ def fill(c: Completion, payload: Completion) -> None:
         payload.loss_mask,
         None,
     )
+
+
+def send_completions(
+    pairs: Mapping[tuple[int, int], Sequence[int]],
+    completions: Mapping[int, Completion],
+    headers: Mapping[int, Sequence[int]],
+    rank: int,
+    group: Any,
+) -> tuple[dict[int, Completion], int]:
+    """Collective over ``group`` (every rank, the same ``pairs``: ``transfer_pairs``' (source rank,
+    receiving rank) -> item ids): each source sends each receiver the completions it names in
+    ``pack``'s layout, two tensors per pair, point to point. ``completions``: this rank's to send, by id;
+    ``headers``: every named id's header row (its sizes, on every rank). Returns the completions this
+    rank received (tokens, logprobs, loss mask) by id and their bytes."""
+    ops, receives = [], []
+    for (src, dst), ids in pairs.items():
+        if src == rank:
+            ints, logprobs = pack([completions[i] for i in ids])
+            ops += [dist.P2POp(dist.isend, ints, dst, group), dist.P2POp(dist.isend, logprobs, dst, group)]
+        elif dst == rank:
+            n_ints, n_logprobs = payload_numel([headers[i] for i in ids])
+            ints, logprobs = (
+                torch.empty(n_ints, dtype=torch.int64),
+                torch.empty(n_logprobs, dtype=torch.float64),
+            )
+            ops += [dist.P2POp(dist.irecv, ints, src, group), dist.P2POp(dist.irecv, logprobs, src, group)]
+            receives.append((ids, ints, logprobs))
+    for work in dist.batch_isend_irecv(ops) if ops else []:
+        work.wait()
+    out: dict[int, Completion] = {}
+    for ids, ints, logprobs in receives:
+        got, _ = unpack(ints, logprobs, len(ids))
+        out |= dict(zip(ids, got, strict=True))
+    return out, sum(8 * (ints.numel() + logprobs.numel()) for _, ints, logprobs in receives)
 
 
 def sizes_of(ints: torch.Tensor, logprobs: torch.Tensor, count: int, *, failed: bool = False) -> torch.Tensor:
@@ -240,31 +298,8 @@ class HeldCompletions:
         engine's own rank hold theirs already and receive none). Each engine rank sends each
         receiving rank the completions it needs in ``pack``'s layout (two tensors per pair). Afterwards
         the ids ``release`` names are dropped; None: every held one."""
-        ops, receives = [], []
-        for (src, dst), pids in transfer_pairs(owners, self.source, (COLLECTOR,)).items():
-            if src == rank:
-                ints, logprobs = pack([self.completions[p] for p in pids])
-                ops += [
-                    dist.P2POp(dist.isend, ints, dst, group),
-                    dist.P2POp(dist.isend, logprobs, dst, group),
-                ]
-            elif dst == rank:
-                n_ints, n_logprobs = payload_numel([self.headers[p] for p in pids])
-                ints, logprobs = (
-                    torch.empty(n_ints, dtype=torch.int64),
-                    torch.empty(n_logprobs, dtype=torch.float64),
-                )
-                ops += [
-                    dist.P2POp(dist.irecv, ints, src, group),
-                    dist.P2POp(dist.irecv, logprobs, src, group),
-                ]
-                receives.append((pids, ints, logprobs))
-        for work in dist.batch_isend_irecv(ops) if ops else []:
-            work.wait()
-        out: dict[int, Completion] = {}
-        for pids, ints, logprobs in receives:
-            completions, _ = unpack(ints, logprobs, len(pids))
-            out |= dict(zip(pids, completions, strict=True))
+        pairs = transfer_pairs(owners, self.source, (COLLECTOR,))
+        out, _ = send_completions(pairs, self.completions, self.headers, rank, group)
         for pid in list(self.source) if release is None else release:
             self.completions.pop(pid, None)
             self.source.pop(pid, None)

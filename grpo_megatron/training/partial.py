@@ -64,9 +64,16 @@ Metrics: ``partial/staleness/{mean,max}`` (token-weighted over the trained respo
 ``partial/carried`` (unfinished responses paused at the weight update), ``partial/regenerated``,
 ``partial/pool_groups``.
 
+Where the pool lives (``PartialRollouts``): every rank holds its layout (each response's versions and
+finish: every step above reads only those), a response's tokens and logprobs only the rank of the
+engine that generated its last segment (``PartialResponse.holder``); a row moves to another engine's
+rank when a round's split gives it there, and a taken group's responses go to rank 0 and to the
+replicas that train them. No rank holds the whole pool, and a segment reaches the ranks without its
+engine as a header.
+
 Resume: the pool (tokens, logprobs, versions, finish, prompt indices, submission order) goes into the
-checkpoint as JSON text (``state_dict``; nothing is unpickled), so a resumed run trains exactly what
-the uninterrupted run would have.
+checkpoint as JSON text (``state_dict``, gathered on rank 0; nothing is unpickled), so a resumed run
+trains exactly what the uninterrupted run would have.
 """
 
 from __future__ import annotations
@@ -81,6 +88,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
 from grpo_megatron.rollout.engine import Completion, SamplingParams
+from grpo_megatron.rollout.results import COLLECTOR, header_of, send_completions, transfer_pairs
 from grpo_megatron.training.groups import Produced, SourceParts, fill_groups
 from grpo_megatron.training.phases.rollout import rollout_seed
 
@@ -90,26 +98,44 @@ if TYPE_CHECKING:
 
 @dataclass
 class PartialResponse:
-    """One response in flight: its tokens so far, each one's logprob and version, and its finish
-    (None: unfinished)."""
+    """One response in flight: its tokens so far, each one's logprob and version, its finish (None:
+    unfinished) and which rank's copy of its tokens and logprobs is whole (``holder``). Its versions and
+    finish are on every rank: every decision about the pool reads them (``length``), never the tokens."""
 
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
     finish_reason: Literal["stop", "length"] | None = None
+    holder: int | None = None
+    """The global rank holding ``token_ids`` and ``logprobs`` (the engine's that generates its next
+    segment, in the training job: every other rank holds them empty); None: every rank (one process,
+    or a response not begun)."""
+
+    @property
+    def length(self) -> int:
+        """Response tokens so far, wherever they are."""
+        return len(self.versions)
+
+    def here(self, rank: int) -> bool:
+        """Whether ``rank`` holds this response's tokens and logprobs."""
+        return self.holder is None or self.holder == rank
 
     def restart(self) -> None:
         """Regenerate from scratch: every token dropped."""
         self.token_ids, self.logprobs, self.versions, self.finish_reason = [], [], [], None
+        self.holder = None
 
-    def completion(self) -> Completion:
+    def completion(self, here: bool = True) -> Completion:
+        """The finished response as a ``Completion``: whole, or (``here`` False: its tokens are on
+        another rank) its header only (``Completion.sizes``), as ``payload="owners"`` leaves one."""
         assert self.finish_reason is not None
         return Completion(
-            list(self.token_ids),
-            list(self.logprobs),
+            list(self.token_ids) if here else [],
+            list(self.logprobs) if here else [],
             self.finish_reason,
             weight_version=min(self.versions),
             token_versions=list(self.versions),
+            sizes=None if here else (self.length, self.length),
         )
 
 
@@ -168,22 +194,24 @@ class PartialPool:
         self, prompt_ids: Callable[[int], Sequence[int]]
     ) -> tuple[list[tuple[int, PartialResponse]], list[list[int]], tuple[int, ...]]:
         """One round of step 3: every unfinished response with its prompt index (``unfinished``), its
-        request's input (its prompt's ids, ``prompt_ids(index)``, then its tokens so far) and its
-        max_new_tokens (min(K, budget left)). ``extend`` each with its segment."""
+        request's input (its prompt's ids, ``prompt_ids(index)``, then its tokens so far: whole where
+        they are here) and its max_new_tokens (min(K, budget left)). ``extend`` each with its segment."""
         todo = self.unfinished()
         inputs = [[*prompt_ids(index), *r.token_ids] for index, r in todo]
-        budgets = tuple(min(self.segment_tokens, self.max_new_tokens - len(r.token_ids)) for _, r in todo)
+        budgets = tuple(min(self.segment_tokens, self.max_new_tokens - r.length) for _, r in todo)
         return todo, inputs, budgets
 
     def extend(self, response: PartialResponse, segment: Completion) -> None:
-        """Append one segment's tokens (each with the segment's version); the response finishes on a
-        stop, or when it has used the whole budget."""
-        response.token_ids += segment.token_ids
-        response.logprobs += segment.logprobs
-        response.versions += [segment.weight_version] * len(segment.token_ids)
+        """Append one segment's tokens (each with the segment's version; a segment whose tokens are on
+        its engine's rank, ``Completion.sizes``, its versions only); the response finishes on a stop,
+        or when it has used the whole budget."""
+        if segment.sizes is None:
+            response.token_ids += segment.token_ids
+            response.logprobs += segment.logprobs
+        response.versions += [segment.weight_version] * segment.num_tokens
         if segment.finish_reason == "stop":
             response.finish_reason = "stop"
-        elif len(response.token_ids) >= self.max_new_tokens:
+        elif response.length >= self.max_new_tokens:
             response.finish_reason = "length"
 
     def complete(self) -> int:
@@ -196,14 +224,17 @@ class PartialPool:
         return taken
 
     def to_json(self) -> dict[str, Any]:
-        """The pool as plain data (float logprobs round-trip exactly through JSON)."""
+        """The pool as plain data (float logprobs round-trip exactly through JSON; ``holder`` is this
+        process's arrangement, not saved)."""
         return {
             "next_serial": self.next_serial,
             "groups": [
                 {
                     "index": g.index,
                     "serial": g.serial,
-                    "responses": [dataclasses.asdict(r) for r in g.responses],
+                    "responses": [
+                        {k: v for k, v in dataclasses.asdict(r).items() if k != "holder"} for r in g.responses
+                    ],
                 }
                 for g in self.groups
             ],
@@ -287,15 +318,15 @@ def submit_round(
         trace(
             "submit",
             rows=len(todo),
-            continued=sum(bool(r.token_ids) for _, r in todo),
-            prefix=sum(len(r.token_ids) for _, r in todo),
+            continued=sum(bool(r.versions) for _, r in todo),
+            prefix=sum(r.length for _, r in todo),
         )
     rows = list(zip(todo, inputs, budgets, strict=True))
-    split = not one_request and max((len(r.token_ids) for _, r in todo), default=0) > pool.segment_tokens
+    split = not one_request and max((r.length for _, r in todo), default=0) > pool.segment_tokens
     parts = []
     for offset, part in (
-        (0, [x for x in rows if not (split and x[0][1].token_ids)]),
-        (CONTINUED_SEED, [x for x in rows if split and x[0][1].token_ids]),
+        (0, [x for x in rows if not (split and x[0][1].versions)]),
+        (CONTINUED_SEED, [x for x in rows if split and x[0][1].versions]),
     ):
         if not part:
             continue
@@ -329,16 +360,34 @@ def file_trace(path: str | os.PathLike) -> Trace:
     return trace
 
 
+def _to_collector(responses: list[PartialResponse]) -> dict[int, tuple[int, int]]:
+    """``PartialRollouts._send``'s moves of every response held off ``COLLECTOR`` to it."""
+    return {
+        k: (r.holder, COLLECTOR)
+        for k, r in enumerate(responses)
+        if r.holder is not None and r.holder != COLLECTOR
+    }
+
+
 class PartialRollouts:
-    """The continuous ``GroupSource`` (module docstring); every rank holds the same pool (every
-    segment's completions reach every rank) and calls it together. With ``rollout.partial.overlap``
-    the next iteration's first round is submitted at the end of ``take`` and generates while the
-    trainer trains (``in_flight``); ``ahead`` counts the rounds of the next iteration already applied.
-    ``trace``: what a bench records of each round (``submit_round``, ``collect_round``)."""
+    """The continuous ``GroupSource`` (module docstring); every rank holds the pool's layout (each
+    response's versions and finish: every decision reads them, alike on every rank) and calls it
+    together, but a response's tokens and logprobs only on the rank of the engine that generated its
+    last segment (``PartialResponse.holder``): a segment reaches the other ranks as its header
+    (``payload="engines"``), a row continued by another engine moves there point to point before its
+    request (``_place``), and a taken group's responses go to ``COLLECTOR`` and, in the update, to the
+    replica that trains them (``_hand_over``). With ``rollout.partial.overlap`` the next iteration's
+    first round is submitted at the end of ``take`` and generates while the trainer trains
+    (``in_flight``); ``ahead`` counts the rounds of the next iteration already applied. ``trace``: what
+    a bench records of each round (``submit_round``, ``collect_round``, ``_collect``)."""
 
     def __init__(self, parts: SourceParts, trace: Trace | None = None) -> None:
         rollout, train = parts.rollout.cfg, parts.train
         self.parts, self.version, self.trace = parts, 0, trace
+        self.rank = parts.rollout.fleet.ps.rank
+        self.placed_bytes = 0
+        """Bytes of response tokens and logprobs ``_place`` received here since the last collect (its
+        trace)."""
         self.pool = PartialPool(
             rollout.n_samples_per_prompt,
             rollout.partial.segment_tokens,
@@ -360,14 +409,16 @@ class PartialRollouts:
         params = parts.rollout.params(n=1, seed=rollout_seed(parts.train.seed, iteration, round_index))
 
         def submit(
-            rows: list[tuple[int, PartialResponse]], inputs: list[list[int]], sampling: SamplingParams
+            rows: list[tuple[int, PartialResponse]], _inputs: list[list[int]], sampling: SamplingParams
         ) -> Callable[[], Any]:
+            # each row's tokens on its engine's rank: its input is whole there
+            self._place([r for _, r in rows])
             records = [
-                dataclasses.replace(parts.records[i], prompt_ids=tuple(ids))
-                for (i, _), ids in zip(rows, inputs, strict=True)
+                dataclasses.replace(parts.records[i], prompt_ids=(*parts.records[i].prompt_ids, *r.token_ids))
+                for i, r in rows
             ]
             pending = parts.rollout.submit(records, sampling)
-            return lambda: parts.rollout.collect(pending)
+            return lambda: parts.rollout.collect(pending, payload="engines")
 
         trace, traced = None, self.trace
         if traced is not None:  # each event names its round
@@ -381,11 +432,98 @@ class PartialRollouts:
             trace=trace,
         )
 
+    def _collect(self, round_: SegmentRound, at: str) -> None:
+        """Collective: ``collect_round``. Its trace names this rank and what it received for the round:
+        ``received_bytes``, the segments' headers (``RolloutFleet.received_bytes``) and the rows moved to
+        it before the request (``_place``); ``broadcast_bytes``, what a broadcast of every segment would
+        have given it (``pack``'s 16 bytes a token and 72 a completion, every other engine's); the pool's
+        tokens it holds and the pool's."""
+        fleet, rows = self.parts.rollout.fleet, [r for todo, _ in round_.parts for _, r in todo]
+        lengths, before = [r.length for r in rows], fleet.received_bytes
+        trace = None if self.trace is None else functools.partial(self.trace, rank=self.rank)
+        collect_round(self.pool, round_, trace, at=at)
+        if trace is None:
+            return
+        responses = [r for g in self.pool.groups for r in g.responses]
+        trace(
+            "received",
+            at=at,
+            received_bytes=fleet.received_bytes - before + self.placed_bytes,
+            broadcast_bytes=sum(
+                72 + 16 * (r.length - n) for r, n in zip(rows, lengths, strict=True) if r.holder != self.rank
+            ),
+            held_tokens=sum(r.length for r in responses if r.holder == self.rank),
+            pool_tokens=sum(r.length for r in responses),
+        )
+        self.placed_bytes = 0
+
+    def _send(
+        self, responses: list[PartialResponse], moves: dict[int, tuple[int, int]]
+    ) -> tuple[dict[int, Completion], int]:
+        """Collective: the tokens and logprobs of ``responses[k]`` from rank ``src`` to rank ``dst`` for
+        each ``k: (src, dst)`` of ``moves`` (the same on every rank), point to point over the fleet's
+        data group (``results.send_completions``); what this rank received, by ``k``, and its bytes."""
+        fleet = self.parts.rollout.fleet
+        pairs = transfer_pairs(
+            {k: [dst] for k, (_, dst) in moves.items()}, {k: src for k, (src, _) in moves.items()}
+        )
+        mine = {
+            k: Completion(responses[k].token_ids, responses[k].logprobs, "length")
+            for k, (src, _) in moves.items()
+            if src == self.rank
+        }
+        headers = {
+            k: header_of(Completion([], [], "length", sizes=(responses[k].length,) * 2)) for k in moves
+        }
+        got, received = send_completions(pairs, mine, headers, self.rank, fleet.data.group())
+        return got, received
+
+    def _place(self, rows: list[PartialResponse]) -> None:
+        """Collective, before a request of ``rows``: each row's tokens and logprobs onto the rank of the
+        engine that generates its next segment (``RolloutFleet.prompt_ranks``), sent by their holder
+        where it is another rank; every other rank drops its copy. A response not begun moves nothing."""
+        ranks = self.parts.rollout.fleet.prompt_ranks(len(rows))
+        moves = {
+            k: (r.holder, dst)
+            for k, (r, dst) in enumerate(zip(rows, ranks, strict=True))
+            if r.holder is not None and r.holder != dst and r.length
+        }
+        got, received = self._send(rows, moves)
+        self.placed_bytes += received
+        for k, (r, dst) in enumerate(zip(rows, ranks, strict=True)):
+            if k in got:
+                r.token_ids, r.logprobs = got[k].token_ids, got[k].logprobs
+            elif self.rank != dst:
+                r.token_ids, r.logprobs = [], []
+            r.holder = dst
+
+    def _hand_over(self, taken: list[PartialGroup]) -> list[list[Completion]]:
+        """Collective: the taken groups' completions, as ``payload="owners"`` leaves a rollout: whole on
+        ``COLLECTOR`` (it scores and logs them: sent there point to point) and on their holder's rank,
+        which keeps each in the fleet's held completions (``payload_id``) until the update's plan sends
+        it to the replica that trains it (``deliver_completions``); headers elsewhere."""
+        responses = [r for g in taken for r in g.responses]
+        got, _ = self._send(responses, _to_collector(responses))
+        held = self.parts.rollout.fleet.held_completions
+        out = []
+        for k, r in enumerate(responses):
+            whole = (
+                dataclasses.replace(r, token_ids=got[k].token_ids, logprobs=got[k].logprobs)
+                if k in got
+                else r
+            )
+            c = whole.completion(here=k in got or r.here(self.rank))
+            if r.holder is not None:
+                c.payload_id = held.add(r.holder, header_of(c), c if r.holder == self.rank else None)
+            out.append(c)
+        n = self.pool.n
+        return [out[i : i + n] for i in range(0, len(out), n)]
+
     def _collect_ahead(self, at: str = "take") -> None:
         """Collective: the round submitted ahead, if one is in flight, applied to the pool."""
         if self.in_flight is not None:
             round_, self.in_flight = self.in_flight, None
-            collect_round(self.pool, round_, self.trace, at=at)
+            self._collect(round_, at)
             self.ahead += 1
 
     def take(self, iteration: int, timer: Timer) -> Produced:
@@ -398,12 +536,12 @@ class PartialRollouts:
                 pool.top_up(parts.sampler.next_indices(missing))
             rounds, self.ahead = self.ahead, 0  # at least one: every response in flight advances each time
             while pool.unfinished() and (rounds == 0 or pool.complete() < need):
-                collect_round(pool, self._submit(iteration, rounds), self.trace, at="take")
+                self._collect(self._submit(iteration, rounds), "take")
                 rounds += 1
             taken = pool.take(need)
+            completions = self._hand_over(taken)
         records = [parts.records[g.index] for g in taken]
-        completions = [[r.completion() for r in g.responses] for g in taken]
-        carried = float(sum(bool(r.token_ids) for _, r in pool.unfinished()))
+        carried = float(sum(bool(r.versions) for _, r in pool.unfinished()))
         if self.overlap and iteration < parts.train.iterations:
             with timer("rollout"):  # the next iteration's first round, generated while this one trains
                 if missing := pool.missing():
@@ -417,8 +555,9 @@ class PartialRollouts:
             "partial/carried": carried,
             "partial/pool_groups": float(len(pool.groups)),
         }
-        # every segment's completions are on every rank: nothing held to release
-        produced.release_routes, produced.release_payloads = [], []
+        # no routes held (r3 is refused); the taken completions, held until the update delivers them
+        produced.release_routes = []
+        produced.release_payloads = [c.payload_id for g in completions for c in g if c.payload_id is not None]
         return produced
 
     def before_sync(self) -> dict[str, float]:
@@ -438,14 +577,31 @@ class PartialRollouts:
         self.version = version
 
     def state_dict(self) -> dict[str, Any]:
-        """Collective: the pool as JSON text (the same on every rank: nothing to gather), a round in
-        flight collected into it first (what the next ``take`` would do: the same tokens, seeds and
-        versions) and counted in ``ahead``."""
+        """Collective: the pool as JSON text, whole on ``COLLECTOR`` (the rank that writes
+        ``trainer_state.pt``): every other holder sends it a copy of its responses' tokens and logprobs,
+        point to point, and keeps its own (the other ranks' text lacks them and is not written). A round
+        in flight is collected into the pool first (what the next ``take`` would do: the same tokens,
+        seeds and versions) and counted in ``ahead``."""
         self._collect_ahead()
+        pool = self.pool
+        responses = [r for g in pool.groups for r in g.responses]
+        got, _ = self._send(responses, _to_collector(responses))
+        whole = iter(
+            dataclasses.replace(r, token_ids=got[k].token_ids, logprobs=got[k].logprobs) if k in got else r
+            for k, r in enumerate(responses)
+        )
+        groups = [dataclasses.replace(g, responses=[next(whole) for _ in g.responses]) for g in pool.groups]
         ahead = {"ahead": self.ahead} if self.ahead else {}
-        return {"partial_pool": json.dumps(self.pool.to_json() | ahead)}
+        return {"partial_pool": json.dumps(dataclasses.replace(pool, groups=groups).to_json() | ahead)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """The saved pool (every rank reads it whole), its begun responses held by ``COLLECTOR``: the
+        other ranks drop their tokens and logprobs (``_place`` moves each to its engine's rank before
+        its next segment)."""
         data = json.loads(state["partial_pool"])
         self.pool.load_json(data)
         self.ahead = int(data.get("ahead", 0))
+        for r in (r for g in self.pool.groups for r in g.responses if r.length):
+            r.holder = COLLECTOR
+            if self.rank != COLLECTOR:
+                r.token_ids, r.logprobs = [], []

@@ -78,6 +78,8 @@ from grpo_megatron.rollout.sglang.weights import (
 )
 
 if TYPE_CHECKING:
+    import torch
+
     from grpo_megatron.distributed.bootstrap import ParallelState
     from grpo_megatron.rollout.sglang.health import EngineProcesses
     from grpo_megatron.rollout.sglang.shards import ExpertBlock
@@ -354,16 +356,40 @@ class SGLangEngine(RolloutEngine):
     def score(
         self, sequences: Sequence[Sequence[int]], prompt_lens: Sequence[int], temperature: float
     ) -> list[list[float]]:
-        request = protocol.score_request(sequences, temperature)
+        return self._score(sequences, prompt_lens, temperature, routes=False)[0]
+
+    def score_with_routes(
+        self, sequences: Sequence[Sequence[int]], prompt_lens: Sequence[int], temperature: float
+    ) -> tuple[list[list[float]], list[torch.Tensor] | None]:
+        """``score``, and SGLang's routed experts of each sequence where the engine was started to
+        report them (``launch.routes``: algorithm.routing_replay=r3), so the mismatch probe replays
+        them (``mismatch/probe_replay_*``) as it does the embedded engine's."""
+        return self._score(sequences, prompt_lens, temperature, routes=self._route_layout is not None)
+
+    def _score(
+        self,
+        sequences: Sequence[Sequence[int]],
+        prompt_lens: Sequence[int],
+        temperature: float,
+        *,
+        routes: bool,
+    ) -> tuple[list[list[float]], list[torch.Tensor] | None]:
+        request = protocol.score_request(sequences, temperature, routes=routes)
         with self.guard as servers:
             self._refuse_if_unable()
             if self.prefixes.older_than(self.weight_version):  # kept KV of older weights: not for a score
                 self._flush(servers)
             outputs = _scatter(servers, request)
         vocab = self._hf_config.get("vocab_size")
-        return [
+        scored = [
             protocol.teacher_forced_logprobs(o, s, n, vocab)
             for o, s, n in zip(outputs, request.input_ids, prompt_lens, strict=True)
+        ]
+        if not routes or self._route_layout is None:
+            return scored, None
+        layout = self._route_layout
+        return scored, [
+            protocol.score_routes(o, len(s), layout) for o, s in zip(outputs, request.input_ids, strict=True)
         ]
 
     def _refuse_if_unable(self) -> None:

@@ -111,8 +111,9 @@ def generate_request(
     )
 
 
-def score_request(sequences: Sequence[Sequence[int]], temperature: float) -> Request:
-    """The request for teacher-forced logprobs of every token of each sequence (no token generated).
+def score_request(sequences: Sequence[Sequence[int]], temperature: float, *, routes: bool = False) -> Request:
+    """The request for teacher-forced logprobs of every token of each sequence (no token generated),
+    and with ``routes`` each sequence's routed experts (``score_routes``).
 
     SGLang 0.5.x computes prompt (input) logprobs from unscaled logits: only temperature 1 matches the
     interface's convention, any other is refused naming the fix."""
@@ -122,10 +123,37 @@ def score_request(sequences: Sequence[Sequence[int]], temperature: float) -> Req
             "mismatch probe at temperature 1.0 with the sglang engine"
         )
     ids = [list(s) for s in sequences]
-    return Request(
-        ids,
-        [{"max_new_tokens": 0, "temperature": 1.0} for _ in ids],
-        {"return_logprob": True, "logprob_start_len": 0},
+    options: dict[str, Any] = {"return_logprob": True, "logprob_start_len": 0}
+    if routes:
+        options["return_routed_experts"] = True
+    return Request(ids, [{"max_new_tokens": 0, "temperature": 1.0} for _ in ids], options)
+
+
+def score_routes(output: Mapping[str, Any], length: int, layout: RouteLayout) -> torch.Tensor:
+    """A scoring request's routed experts of a ``length``-token sequence, for the ``length - 1``
+    positions a forward of it takes as input (``[moe_layers, length - 1, top_k]``, the
+    ``Completion.routed_experts`` layout). SGLang reports rows ``[0, seqlen - 1)`` with ``seqlen`` the
+    prompt plus the tokens its request produced (0.5.17 and 0.5.23,
+    ``batch_result_processor.py:_maybe_collect_routed_experts``); a request of ``max_new_tokens=0``
+    may count the one token its prefill samples, so ``length`` or ``length - 1`` rows: the first
+    ``length - 1`` are kept."""
+    encoded = output["meta_info"].get("routed_experts")
+    if not encoded:
+        raise RuntimeError(
+            "SGLang returned no routed experts for a scoring request that asked for them "
+            "(return_routed_experts): the engine must be started with enable_return_routed_experts"
+        )
+    for rows in (length, length - 1):
+        try:
+            routes = decode_routed_experts(encoded, rows, layout)
+        except ValueError:
+            continue
+        if routes is not None:
+            return routes[:, : length - 1].contiguous()
+    ids = len(base64.b64decode(encoded)) // 4
+    raise RuntimeError(
+        f"SGLang returned {ids} routed expert ids for a scored {length}-token sequence: not {length} or "
+        f"{length - 1} rows of top_k={layout.top_k} over the model's MoE layers"
     )
 
 

@@ -191,10 +191,17 @@ class EngineTensors:
     quantized: Mapping[str, torch.dtype] = field(default_factory=dict)
     """An FP8 engine's tensors held in another dtype than ``dtype``: its float8 weights and their
     float32 ``weight_scale_inv`` (bridge/fp8.py); empty: none."""
+    fp8: Fp8Weights | None = None
+    """An FP8 engine's rule, which judges each tensor by its name and shape where ``shapes`` is empty
+    (no weight files: a model the trainer initialises, as the demo's and the GPU check's)."""
 
-    def held_dtype(self, name: str) -> torch.dtype:
+    def held_dtype(self, name: str, shape: Sequence[int] = ()) -> torch.dtype:
         if name in self.quantized:
             return self.quantized[name]
+        if not self.shapes and self.fp8 is not None:
+            by_name = self.fp8.held_dtype(name, shape)
+            if by_name is not None:
+                return by_name
         return torch.float32 if name.endswith(ENGINE_FLOAT32) else self.dtype
 
     def expected(self) -> dict[str, tuple[int, ...]]:
@@ -230,7 +237,7 @@ def engine_tensors(
             (_, _, weight_dtype), (scales, scales_shape, scales_dtype) = fp8.manifest(name, shape, dtype)
             held[scales] = scales_shape
             quantized[name], quantized[scales] = weight_dtype, scales_dtype
-    return EngineTensors(held, dtype, dummy, int(hf_config.get("num_hidden_layers") or 0), quantized)
+    return EngineTensors(held, dtype, dummy, int(hf_config.get("num_hidden_layers") or 0), quantized, fp8)
 
 
 SCALE_SUFFIXES = ("weight_scale_inv", "weight_scale", "input_scale")
@@ -250,7 +257,7 @@ def manifest_errors(
     a weight without its scales, scales of another grid."""
     errors: list[str] = []
     for name, shape, dtype in manifest:
-        want = held.held_dtype(name)
+        want = held.held_dtype(name, shape)
         widened = name.endswith(ENGINE_FLOAT32) and want == torch.float32 and dtype.itemsize > 1
         if held.shapes and name not in held.shapes:
             errors.append(f"{name}: no such tensor in {source}")
