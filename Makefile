@@ -95,9 +95,14 @@ reference: setup
 # With a kernel wheel for this CPU installed, the real-SGLang tests must run: GRPO_REQUIRE_SGLANG=1
 # makes a missing piece fail them instead of skipping. Where no wheel fits they skip, and the suite's
 # last lines say so (tests/conftest.py: CPU, kernel, real-engine tests run, wall time).
+# TEST_WORKERS pytest-xdist workers (0: one process, as before): most launching tests leave a core idle
+# (ranks waiting on each other, engines starting), so two files at once fill both cores. --dist loadfile
+# keeps each test file whole on one worker (its module fixtures, its engines start once), in the order
+# tests/conftest.py gives the files (longest first: the two workers end together).
+TEST_WORKERS ?= 2
 test: machine lint
 	TORCH_COMPILE_DISABLE=1 GRPO_KERNEL_WHEELHOUSE=$(WHEELHOUSE) $(if $(KERNEL_WHEEL),GRPO_REQUIRE_SGLANG=1) \
-	    $(BIN)/python -m pytest -q --durations=40
+	    $(BIN)/python -m pytest -q --durations=40 -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 machine:
 	@$(PYTHON) tools/sgl_kernel_wheel.py machine $(WHEELHOUSE)

@@ -112,21 +112,11 @@ def test_two_grpo_iterations_at_ep2_write_every_required_metric(tmp_path):
         assert {k: got[k] for k in trained} == {k: want[k] for k in trained}
 
 
-def test_context_parallel_training_matches_the_engine(tmp_path):
-    # CP2 x EP2 on 2 ranks (each expert on one CP rank): packed rows split over the CP ranks, the
-    # weight sync gathers experts from both, and the trainer's probe logprobs equal the engine's.
-    run = tmp_path / "run"
-    finish(launch("train", [*SMALL, "parallel.cp=2", "train.iterations=1", f"logging.run_dir={run}"]))
-    last = read_jsonl(run / "metrics.jsonl")[-1]
-    assert last["mismatch/probe_abs_diff_max"] < 1e-4 and last["mismatch/logprob_abs_diff"] < 1e-4
-    assert last["batch/padding_frac"] == 0.0
-
-
 # A job SIGKILLed after its checkpoint of iteration 2 and resumed equals an uninterrupted one bitwise:
 # the first link of tests/test_preemption.py's chain of launches, which shares its uninterrupted run.
 
 
-def test_sft_writes_a_hugging_face_checkpoint_that_train_starts_from(tmp_path):
+def test_sft_writes_a_hugging_face_checkpoint_that_train_starts_from_at_cp2(tmp_path):
     sft_dir, hf_dir = tmp_path / "sft", tmp_path / "sft" / "hf"
     finish(
         launch(
@@ -149,10 +139,23 @@ def test_sft_writes_a_hugging_face_checkpoint_that_train_starts_from(tmp_path):
         and summary["kept_step"] in (0, 2, 4)
         and summary["reason"]
     )
+    # GRPO from the SFT export, at CP2 x EP2 on 2 ranks (each expert on one CP rank): packed rows split
+    # over the CP ranks, the weight sync gathers experts from both, and the trainer's probe logprobs
+    # equal the engine's (one launch for both properties: the suite's time budget).
+    grpo = tmp_path / "grpo"
     out = finish(
         launch(
             "train",
-            [*SMALL, "train.iterations=1", f"model.hf_path={hf_dir}", f"logging.run_dir={tmp_path / 'grpo'}"],
+            [
+                *SMALL,
+                "parallel.cp=2",
+                "train.iterations=1",
+                f"model.hf_path={hf_dir}",
+                f"logging.run_dir={grpo}",
+            ],
         )
     )
     assert str(hf_dir) in out  # loaded the SFT weights, not a random initialisation
+    last = read_jsonl(grpo / "metrics.jsonl")[-1]
+    assert last["mismatch/probe_abs_diff_max"] < 1e-4 and last["mismatch/logprob_abs_diff"] < 1e-4
+    assert last["batch/padding_frac"] == 0.0
