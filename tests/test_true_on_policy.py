@@ -90,7 +90,7 @@ def _job_metrics(tmp_path, overrides: list[str]) -> list[dict]:
 @pytest.mark.launches
 @pytest.mark.parametrize(
     ("layout", "iterations"),
-    [(["parallel.ep=2"], 3), (["parallel.ep=1", "parallel.tp=2"], 1)],
+    [(["parallel.ep=2"], 3), (["parallel.ep=1", "parallel.tp=2"], 3)],
     ids=["ep2", "tp2"],
 )
 def test_a_job_trains_with_behaviour_logprobs_equal_to_the_trainers(tmp_path, layout, iterations) -> None:
