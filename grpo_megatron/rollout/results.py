@@ -55,15 +55,7 @@ def pack(completions: Sequence[Completion]) -> tuple[torch.Tensor, torch.Tensor]
     """One engine's completions -> (ints, logprobs) in the layout above (routes: shape only)."""
     ints: list[int] = []  # Python numbers until one tensor at the end (an element write costs microseconds)
     for c in completions:
-        ints += (
-            len(c.token_ids),
-            int(c.finish_reason == "stop"),
-            int(c.loss_mask is not None),
-            c.weight_version,
-        )
-        routes = c.routed_experts
-        ints += (*routes.shape, ROUTE_DTYPES.index(routes.dtype) + 1) if routes is not None else (0, 0, 0, 0)
-        ints.append(c.num_sampled)
+        ints += header_of(c, routes=True)
     for c in completions:
         ints += c.token_ids
     for c in completions:
@@ -172,11 +164,14 @@ def unpack_headers(header: torch.Tensor, count: int) -> tuple[list[Completion], 
     return out, shapes
 
 
-def header_of(c: Completion) -> list[int]:
-    """``c``'s header row as ``pack`` writes it (whether or not its tokens are on this rank; no routes:
-    they travel apart), the same on every rank: what ``HeldCompletions.add`` keeps of it."""
+def header_of(c: Completion, *, routes: bool = False) -> list[int]:
+    """``c``'s header row (``HEADER`` numbers, whether or not its tokens are on this rank), as ``pack``
+    writes it; without ``routes`` its route shape as none (they travel apart), the same on every rank:
+    what ``HeldCompletions.add`` keeps of it."""
     finish, mask = int(c.finish_reason == "stop"), int(c.loss_mask is not None)
-    return [c.num_tokens, finish, mask, c.weight_version, 0, 0, 0, 0, c.num_sampled]
+    r = c.routed_experts if routes else None
+    shape = (*r.shape, ROUTE_DTYPES.index(r.dtype) + 1) if r is not None else (0, 0, 0, 0)
+    return [c.num_tokens, finish, mask, c.weight_version, *shape, c.num_sampled]
 
 
 def payload_numel(headers: Sequence[Sequence[int]]) -> tuple[int, int]:

@@ -475,8 +475,7 @@ class PartialRollouts:
         headers = {
             k: header_of(Completion([], [], "length", sizes=(responses[k].length,) * 2)) for k in moves
         }
-        got, received = send_completions(pairs, mine, headers, self.rank, fleet.data.group())
-        return got, received
+        return send_completions(pairs, mine, headers, self.rank, fleet.data.group())
 
     def _place(self, rows: list[PartialResponse]) -> None:
         """Collective, before a request of ``rows``: each row's tokens and logprobs onto the rank of the

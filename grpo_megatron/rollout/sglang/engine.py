@@ -356,7 +356,7 @@ class SGLangEngine(RolloutEngine):
     def score(
         self, sequences: Sequence[Sequence[int]], prompt_lens: Sequence[int], temperature: float
     ) -> list[list[float]]:
-        return self._score(sequences, prompt_lens, temperature, routes=False)[0]
+        return self._score(sequences, prompt_lens, temperature, routes=None)[0]
 
     def score_with_routes(
         self, sequences: Sequence[Sequence[int]], prompt_lens: Sequence[int], temperature: float
@@ -364,7 +364,7 @@ class SGLangEngine(RolloutEngine):
         """``score``, and SGLang's routed experts of each sequence where the engine was started to
         report them (``launch.routes``: algorithm.routing_replay=r3), so the mismatch probe replays
         them (``mismatch/probe_replay_*``) as it does the embedded engine's."""
-        return self._score(sequences, prompt_lens, temperature, routes=self._route_layout is not None)
+        return self._score(sequences, prompt_lens, temperature, routes=self._route_layout)
 
     def _score(
         self,
@@ -372,9 +372,10 @@ class SGLangEngine(RolloutEngine):
         prompt_lens: Sequence[int],
         temperature: float,
         *,
-        routes: bool,
+        routes: RouteLayout | None,
     ) -> tuple[list[list[float]], list[torch.Tensor] | None]:
-        request = protocol.score_request(sequences, temperature, routes=routes)
+        """``score``, with each sequence's routes where ``routes`` (their layout) is given."""
+        request = protocol.score_request(sequences, temperature, routes=routes is not None)
         with self.guard as servers:
             self._refuse_if_unable()
             if self.prefixes.older_than(self.weight_version):  # kept KV of older weights: not for a score
@@ -385,11 +386,10 @@ class SGLangEngine(RolloutEngine):
             protocol.teacher_forced_logprobs(o, s, n, vocab)
             for o, s, n in zip(outputs, request.input_ids, prompt_lens, strict=True)
         ]
-        if not routes or self._route_layout is None:
+        if routes is None:
             return scored, None
-        layout = self._route_layout
         return scored, [
-            protocol.score_routes(o, len(s), layout) for o, s in zip(outputs, request.input_ids, strict=True)
+            protocol.score_routes(o, len(s), routes) for o, s in zip(outputs, request.input_ids, strict=True)
         ]
 
     def _refuse_if_unable(self) -> None:

@@ -188,20 +188,16 @@ class EngineTensors:
     num_layers: int = 0
     """``num_hidden_layers``: tensors of layers past it (DeepSeek-V3's multi-token-prediction layer)
     are in the checkpoint but not in the engine's model; 0: no such cut."""
-    quantized: Mapping[str, torch.dtype] = field(default_factory=dict)
-    """An FP8 engine's tensors held in another dtype than ``dtype``: its float8 weights and their
-    float32 ``weight_scale_inv`` (bridge/fp8.py); empty: none."""
     fp8: Fp8Weights | None = None
-    """An FP8 engine's rule, which judges each tensor by its name and shape where ``shapes`` is empty
-    (no weight files: a model the trainer initialises, as the demo's and the GPU check's)."""
+    """An FP8 engine's rule (bridge/fp8.py): which tensors it holds in another dtype than ``dtype``, its
+    float8 weights and their float32 ``weight_scale_inv``, judged by name and shape, so also where
+    ``shapes`` is empty (no weight files: a model the trainer initialises, as the demo's and the GPU
+    check's); None: it holds none."""
 
     def held_dtype(self, name: str, shape: Sequence[int] = ()) -> torch.dtype:
-        if name in self.quantized:
-            return self.quantized[name]
-        if not self.shapes and self.fp8 is not None:
-            by_name = self.fp8.held_dtype(name, shape)
-            if by_name is not None:
-                return by_name
+        quantized = None if self.fp8 is None else self.fp8.held_dtype(name, shape)
+        if quantized is not None:
+            return quantized
         return torch.float32 if name.endswith(ENGINE_FLOAT32) else self.dtype
 
     def expected(self) -> dict[str, tuple[int, ...]]:
@@ -231,13 +227,12 @@ def engine_tensors(
     its float32 scales, whatever the checkpoint holds."""
     if hf_config.get("quantization_config") is not None or fp8 is not None:
         shapes = {n: s for n, s in shapes.items() if not n.endswith(SCALE_SUFFIXES)}
-    held, quantized = dict(shapes), {}
+    held = dict(shapes)
     for name, shape in shapes.items():
         if fp8 is not None and fp8.quantizes(name, shape):
-            (_, _, weight_dtype), (scales, scales_shape, scales_dtype) = fp8.manifest(name, shape, dtype)
+            _, (scales, scales_shape, _) = fp8.manifest(name, shape, dtype)
             held[scales] = scales_shape
-            quantized[name], quantized[scales] = weight_dtype, scales_dtype
-    return EngineTensors(held, dtype, dummy, int(hf_config.get("num_hidden_layers") or 0), quantized, fp8)
+    return EngineTensors(held, dtype, dummy, int(hf_config.get("num_hidden_layers") or 0), fp8)
 
 
 SCALE_SUFFIXES = ("weight_scale_inv", "weight_scale", "input_scale")
