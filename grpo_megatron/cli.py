@@ -224,6 +224,9 @@ def report_failure(exc: BaseException) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    from grpo_megatron.distributed.megatron_jit import skip_fuser_when_compile_disabled
+
+    skip_fuser_when_compile_disabled()  # before anything imports megatron-core (about 3 s per process)
     args = build_parser().parse_args(argv)
     try:
         return _dispatch(args)

@@ -619,3 +619,38 @@ def test_distopt_dp_reshardable_no_grad(distopt_results: list[dict]) -> None:
             "dp_reshardable_original"
         ]
         assert result["dp_reshardable_fixed"] == ""
+
+
+_FUSER_CHILD = """
+import sys
+import torch
+from grpo_megatron.distributed.megatron_jit import skip_fuser_when_compile_disabled
+armed = skip_fuser_when_compile_disabled()
+import megatron.core.models.gpt
+import megatron.core.jit as jit
+from megatron.core.fusions.fused_bias_gelu import bias_gelu
+print(armed, "torch._inductor.compile_fx" in sys.modules, jit.jit_fuser is torch.compile,
+      hasattr(bias_gelu, "_torchdynamo_orig_callable"))
+"""
+
+
+@pytest.mark.launches
+def test_megatrons_fusers_are_plain_functions_where_compile_is_disabled() -> None:
+    """With TORCH_COMPILE_DISABLE=1 (launch/, the examples, the tests) the CLI's switch makes
+    megatron-core's jit_fuser its own no-op decorator as megatron.core.jit loads: no torch._inductor
+    import (about 3 s of each process's start) and the fused functions plain: what the disabled compile
+    ran anyway (it runs them eagerly). Where compile is on, nothing changes."""
+    runs = {}
+    for flag in ("1", "0"):
+        proc = subprocess.run(
+            [sys.executable, "-W", "ignore", "-c", _FUSER_CHILD],
+            cwd=REPO_ROOT,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env={**os.environ, "TORCH_COMPILE_DISABLE": flag, "OMP_NUM_THREADS": "1"},
+        )
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        runs[flag] = proc.stdout.split()
+    assert runs["1"] == ["True", "False", "False", "False"], runs
+    assert runs["0"] == ["False", "True", "True", "True"], runs

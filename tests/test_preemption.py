@@ -370,45 +370,41 @@ def test_train_sbatch_forwards_the_early_warning_and_requeues(tmp_path: Path, br
 
 
 _WRITER_CHILD = """
-import os, signal, sys
+import os, sys
+import psutil, torch, torch.distributed as dist
+from megatron.core import dist_checkpointing
+from megatron.core.dist_checkpointing import ShardedTensor
 from megatron.core.dist_checkpointing.strategies import filesystem_async
-from grpo_megatron.checkpoint.dist import start_signal_proof_writer_queue
-assert start_signal_proof_writer_queue([signal.SIGTERM, signal.SIGUSR1])
+from grpo_megatron.checkpoint.dist import keep_writer_results_in_process
+from grpo_megatron.distributed.megatron_compat import apply_megatron_compat
+apply_megatron_compat("cpu")
+dist.init_process_group("gloo", rank=0, world_size=1)
+assert keep_writer_results_in_process() and not keep_writer_results_in_process()
 assert filesystem_async._get_write_results_queue() is filesystem_async._results_queue  # megatron's own getter
-manager = filesystem_async._results_queue._manager
-print(manager._process.pid, flush=True)
-sys.stdin.readline()  # the test signals the manager, then ends this process
-filesystem_async._results_queue.put("still here")
-print(filesystem_async._results_queue.get(), flush=True)
-sys.stdin.readline()
-os._exit(0)  # as the preemption watcher exits: no finalizer shuts the manager down
+for k in range(2):  # the second save as a preempted job's: after an earlier one
+    w = torch.arange(6.0) + k
+    os.makedirs(f"{sys.argv[1]}/{k}")
+    dist_checkpointing.save({"w": ShardedTensor.from_rank_offsets("w", w)}, f"{sys.argv[1]}/{k}")
+    assert psutil.Process().children(recursive=True) == [], psutil.Process().children(recursive=True)
+    got = dist_checkpointing.load({"w": ShardedTensor.from_rank_offsets("w", torch.empty(6))}, f"{sys.argv[1]}/{k}")
+    assert torch.equal(got["w"], w), got
+dist.destroy_process_group()
+print("ok", flush=True)
 """
 
 
-def test_megatrons_checkpoint_writer_queue_outlives_the_preemption_signal_and_not_its_rank():
-    """Issue 51 item 5: megatron-core keeps a multiprocessing manager for its checkpoint writer's
+def test_megatrons_checkpoint_writer_keeps_no_helper_process_for_a_signal_to_kill(tmp_path: Path):
+    """Issue 51 item 5: megatron-core's checkpoint writer kept a multiprocessing manager for its
     results (filesystem_async._results_queue) from the first save; Slurm's SIGTERM to every process
-    killed it and the save's put raised BrokenPipeError. Ours starts first: it ignores the signal, still
-    serves the queue, and ends when its rank does (even by os._exit)."""
-    proc = subprocess.Popen(
-        [sys.executable, "-c", _WRITER_CHILD],
+    killed it and the next save's put raised BrokenPipeError. Our saves are synchronous: the results
+    stay in the rank's own queue, so saves after the first leave no process behind (nothing a signal
+    could kill) and still write what loads back."""
+    proc = subprocess.run(
+        [sys.executable, "-c", _WRITER_CHILD, str(tmp_path)],
         cwd=REPO_ROOT,
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
+        env=dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), OMP_NUM_THREADS="1"),
+        capture_output=True,
         text=True,
+        timeout=120,
     )
-    assert proc.stdin is not None and proc.stdout is not None
-    line = proc.stdout.readline().strip()
-    assert line.isdigit(), line + proc.communicate()[1][-3000:]
-    manager = psutil.Process(int(line))
-    manager.send_signal(signal.SIGTERM)
-    manager.send_signal(signal.SIGUSR1)
-    time.sleep(0.5)
-    proc.stdin.write("\n")
-    proc.stdin.flush()
-    assert proc.stdout.readline().strip() == "still here" and manager.is_running()
-    proc.stdin.write("\n")
-    proc.stdin.flush()
-    proc.wait(timeout=30)
-    manager.wait(timeout=10)  # its watch saw the parent go
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-3000:]

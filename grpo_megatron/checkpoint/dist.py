@@ -14,11 +14,10 @@ at any parallel layout (megatron reshards on load).
 from __future__ import annotations
 
 import json
-import multiprocessing
 import os
+import queue
 import secrets
 import shutil
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -39,27 +38,24 @@ FORMAT_VERSION = 1
 BASE_CONTENT_METADATA: dict[str, Any] = {"singleton_local_shards": False, "chained_optim_avoid_prefix": True}
 
 
-def start_signal_proof_writer_queue(signals: Sequence[int]) -> bool:
-    """megatron-core's checkpoint writer (``dist_checkpointing/strategies/filesystem_async.py``) collects
-    its write results through the queue of a multiprocessing manager, a server process it spawns at the
-    first save (``_get_write_results_queue``) and keeps. Slurm signals every process of a job step: the
-    server died of SIGTERM and the next save's ``put`` raised BrokenPipeError on a rank, so a preempted
-    job saved nothing (issue 51 item 5). Started here instead, before any save, it ignores ``signals``
-    (the trainer's to handle) and ends when its parent does (a rank's ``os._exit`` skips the manager's
-    finalizer). False where megatron-core keeps no such queue, or it is up already."""
-    from multiprocessing.managers import SyncManager
-
+def keep_writer_results_in_process() -> bool:
+    """megatron-core's checkpoint writer (``dist_checkpointing/strategies/filesystem_async.py``) hands a
+    save's write results from the code that writes to the code that finalizes through ``_results_queue``,
+    by default the queue of a multiprocessing manager it spawns at the first save
+    (``_get_write_results_queue``): what an asynchronous save needs, a background process putting and the
+    trainer getting. Ours are synchronous (``dist_checkpointing.save`` without ``async_sharded_save``:
+    ``AsyncRequest.execute_sync`` writes in the rank), so both ends are in the rank's own process and an
+    in-process queue serves them. No helper process is left for Slurm's SIGTERM to every process of a
+    step to kill (the manager died of it and the next save's ``put`` raised BrokenPipeError: a preempted
+    job saved nothing, issue 51 item 5), and none starts and imports torch at the first save (3 s of the
+    first checkpoint of every job). False where megatron-core keeps no such queue, or one is in place."""
     try:
         from megatron.core.dist_checkpointing.strategies import filesystem_async
     except ImportError:
         return False
-    if getattr(filesystem_async, "_results_queue", False) is not None:  # absent (False) or started
+    if getattr(filesystem_async, "_results_queue", False) is not None:  # absent (False) or in place
         return False
-    from grpo_megatron.distributed.signal_proof import ignore_until_orphaned
-
-    manager = SyncManager(ctx=multiprocessing.get_context("spawn"))  # the server imports only that module
-    manager.start(initializer=ignore_until_orphaned, initargs=(tuple(int(s) for s in signals), os.getpid()))
-    filesystem_async._results_queue = manager.Queue()  # the proxy keeps the manager alive
+    filesystem_async._results_queue = queue.Queue()
     return True
 
 
@@ -148,6 +144,7 @@ def save_model_checkpoint(
     on_rank0(check_target)
     tmp = new_temporary_dir(out_dir)
     metadata = dict(BASE_CONTENT_METADATA)
+    keep_writer_results_in_process()
     dist_checkpointing.save(
         {"model": model_sharded_state_dict(model, metadata)}, str(tmp), content_metadata=metadata
     )

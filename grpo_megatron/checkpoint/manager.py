@@ -37,6 +37,7 @@ from grpo_megatron.checkpoint.dist import (
     BASE_CONTENT_METADATA,
     FORMAT_VERSION,
     finish,
+    keep_writer_results_in_process,
     layout_of,
     load_failures,
     model_dtype,
@@ -214,6 +215,7 @@ class CheckpointManager:
         }
         if policy.scheduler is not None:
             state["scheduler"] = policy.scheduler.state_dict()
+        keep_writer_results_in_process()
         dist_checkpointing.save(state, str(tmp), content_metadata=metadata)
 
         rng_path = tmp / RNG_DIR / f"rank_{self.ps.rank:05d}.pt"

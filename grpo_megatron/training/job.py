@@ -271,15 +271,12 @@ def start_preemption(cfg: CheckpointConfig, install: bool) -> Preemption:
     (GRPO; SFT keeps no checkpoints, so a signal ends it as before)."""
     import signal
 
-    from grpo_megatron.checkpoint.dist import start_signal_proof_writer_queue
     from grpo_megatron.distributed.preemption import Preemption
 
     signals = [signal.SIGTERM] + ([signal.Signals[cfg.signal]] if cfg.signal else [])
     preemption = Preemption(signals, cfg.signal_grace_s)
     if install:
         preemption.install()
-        # megatron's checkpoint writer keeps a helper process: one a job step's SIGTERM does not end
-        start_signal_proof_writer_queue([*signals, signal.SIGINT])
     return preemption
 
 

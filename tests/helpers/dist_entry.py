@@ -18,6 +18,8 @@ from typing import Any
 
 import torch
 
+from grpo_megatron.distributed.megatron_jit import skip_fuser_when_compile_disabled
+
 _ALLOWED_LEAVES = (torch.Tensor, float, int, bool, str, type(None))
 
 
@@ -39,6 +41,7 @@ def main(argv: list[str]) -> int:
     # As in pytest (pyproject.toml's filterwarnings): a warning attributed to our own code is a bug.
     warnings.filterwarnings("error", module=r"grpo_megatron(\..*)?$")
     target, out_dir = argv[1], Path(argv[2])
+    skip_fuser_when_compile_disabled()  # as the CLI does, before the target imports megatron-core
     rank = int(os.environ["RANK"])
     # For the harness to kill this rank on a timeout (torchrun puts it in a session of its own).
     (out_dir / f"rank{rank}.pid").write_text(str(os.getpid()))
