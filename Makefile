@@ -101,6 +101,7 @@ reference: setup
 # tests/conftest.py gives the files (longest first: the two workers end together).
 TEST_WORKERS ?= 2
 test: machine lint
+	$(BIN)/python -m compileall -q grpo_megatron tests  # every process reads these (PYTHONDONTWRITEBYTECODE may be set)
 	TORCH_COMPILE_DISABLE=1 GRPO_KERNEL_WHEELHOUSE=$(WHEELHOUSE) $(if $(KERNEL_WHEEL),GRPO_REQUIRE_SGLANG=1) \
 	    $(BIN)/python -m pytest -q --durations=40 -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 

@@ -3,6 +3,7 @@ a fresh interpreter, as the fixes change imported modules)."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -10,9 +11,13 @@ import textwrap
 import pytest
 
 
-def _run(code: str) -> str:
+def _run(code: str, env: dict[str, str] | None = None) -> str:
     proc = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=120
+        [sys.executable, "-c", textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=None if env is None else {**os.environ, **env},
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc.stdout.strip()
@@ -125,3 +130,35 @@ def test_amx_packed_weights_take_an_update_as_a_fresh_load_packs_it() -> None:
     assert out == (
         "True True [(4, 'refused', True, True, True, True, True), (32, 'wrong', True, True, True, True, True)]"
     )
+
+
+@pytest.mark.launches
+def test_where_compile_is_disabled_sglangs_compiled_functions_stay_plain() -> None:
+    """compile_disabled_plain_functions: with TORCH_COMPILE_DISABLE=1, torch.compile gives a function
+    back as it is (SGLang decorates some 40 as it loads; each wrapper built imports torch._inductor:
+    about 2 s of every SGLang process's start), in both forms; a module still gets torch's wrapper;
+    with compile on the fix does not apply."""
+    code = """
+        import sys
+        import torch
+        from grpo_megatron.rollout.sglang import compat
+        fix = next(f for f in compat.FIXES if f.name == "compile_disabled_plain_functions")
+        print(fix.needed())
+        if fix.needed():
+            fix.apply()
+            def f(x):
+                return x + 1
+            module = torch.nn.Linear(2, 2)
+            wrapped = torch.compile(module)
+            print(torch.compile(f) is f, torch.compile(dynamic=True)(f) is f, wrapped is not module,
+                  torch.equal(wrapped(torch.ones(2)), module(torch.ones(2))), fix.needed())
+        """
+    assert _run(code, {"TORCH_COMPILE_DISABLE": "1"}).split() == [
+        "True",
+        "True",
+        "True",
+        "True",
+        "True",
+        "False",
+    ]
+    assert _run(code, {"TORCH_COMPILE_DISABLE": "0"}) == "False"

@@ -14,6 +14,7 @@ children never see it.
 |---|---|---|---|
 | torchvision_missing_ops | PyPI's torchvision is a CUDA build; beside a CPU torch its compiled ops (``_C``) do not load, yet ``torchvision/_meta_registrations.py`` registers fake kernels for ``torchvision::nms`` and ``torchvision::qnms`` unconditionally: ``RuntimeError: operator torchvision::nms does not exist`` on ``import torchvision``, which SGLang's model configs import | torchvision (0.28) imported by ``sglang.srt.configs`` | when torchvision's ops library cannot be loaded by this torch and the two ops are missing, define their schemas (no kernels: calling them still fails, as torchvision says it would) so the fake registrations succeed |
 | transformers_config_reregistered | SGLang (0.5.17) registers its own configs for model types that transformers >= 5.13 already has: ``ValueError: 'qwen3_asr' is already used by a Transformers config`` | ``transformers.AutoConfig.register`` called by ``sglang.srt.configs`` | a model type transformers already maps is re-registered with ``exist_ok=True`` (SGLang's class wins, as it did with older transformers) |
+| compile_disabled_plain_functions | nothing breaks; it costs: about 40 of SGLang's functions are decorated ``@torch.compile(...)`` as its modules load, and each call builds an inductor backend wrapper (importing ``torch._inductor``), about 2 s of each SGLang process's start (the rank's engine, its scheduler, its detokenizer) although with ``TORCH_COMPILE_DISABLE=1`` dynamo runs each one eagerly | ``torch.compile`` called by SGLang's modules (``sglang``) | where ``torch.compile`` is disabled (torch's own reading of ``TORCH_COMPILE_DISABLE``), ``torch.compile`` returns a plain function as it is (the decorator form too); modules and anything else still go to torch's ``torch.compile`` |
 
 The fixes of SGLang's intel_amx CPU path (``rollout/sglang/cpu_path.py``), in the same terms:
 
@@ -69,6 +70,34 @@ class Fix:
     needed: Callable[[], bool]
     apply: Callable[[], None]
     after: bool = False
+
+
+# -- compile_disabled_plain_functions
+
+
+def _compile_disabled_and_unwrapped() -> bool:
+    """torch.compile is off here (as ``torch/_dynamo/config.py`` reads it) and not wrapped yet."""
+    if os.environ.get("TORCH_COMPILE_DISABLE", "0") != "1":
+        return False
+    import torch
+
+    return not getattr(torch.compile, "_grpo_plain_functions", False)
+
+
+def _plain_functions_when_disabled() -> None:
+    import inspect
+
+    import torch
+
+    compile_ = torch.compile
+
+    def compile_plain(model: Any = None, **kwargs: Any) -> Any:
+        if model is None:  # the decorator form: @torch.compile(...)
+            return lambda fn: compile_plain(fn, **kwargs)
+        return model if inspect.isfunction(model) else compile_(model, **kwargs)
+
+    compile_plain._grpo_plain_functions = True  # type: ignore[attr-defined]
+    torch.compile = compile_plain
 
 
 # -- torchvision_missing_ops
@@ -299,6 +328,12 @@ def _loader_restores_before_loading() -> bool:
 
 
 FIXES: tuple[Fix, ...] = (
+    Fix(
+        "compile_disabled_plain_functions",
+        "sglang",
+        _compile_disabled_and_unwrapped,
+        _plain_functions_when_disabled,
+    ),
     Fix("torchvision_missing_ops", "torchvision", _torchvision_ops_unloadable, _define_torchvision_schemas),
     Fix(
         "transformers_config_reregistered",
