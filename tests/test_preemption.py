@@ -386,7 +386,8 @@ for k in range(2):  # the second save as a preempted job's: after an earlier one
     os.makedirs(f"{sys.argv[1]}/{k}")
     dist_checkpointing.save({"w": ShardedTensor.from_rank_offsets("w", w)}, f"{sys.argv[1]}/{k}")
     assert psutil.Process().children(recursive=True) == [], psutil.Process().children(recursive=True)
-    got = dist_checkpointing.load({"w": ShardedTensor.from_rank_offsets("w", torch.empty(6))}, f"{sys.argv[1]}/{k}")
+    like = {"w": ShardedTensor.from_rank_offsets("w", torch.empty(6))}
+    got = dist_checkpointing.load(like, f"{sys.argv[1]}/{k}")
     assert torch.equal(got["w"], w), got
 dist.destroy_process_group()
 print("ok", flush=True)

@@ -14,7 +14,16 @@ children never see it.
 |---|---|---|---|
 | torchvision_missing_ops | PyPI's torchvision is a CUDA build; beside a CPU torch its compiled ops (``_C``) do not load, yet ``torchvision/_meta_registrations.py`` registers fake kernels for ``torchvision::nms`` and ``torchvision::qnms`` unconditionally: ``RuntimeError: operator torchvision::nms does not exist`` on ``import torchvision``, which SGLang's model configs import | torchvision (0.28) imported by ``sglang.srt.configs`` | when torchvision's ops library cannot be loaded by this torch and the two ops are missing, define their schemas (no kernels: calling them still fails, as torchvision says it would) so the fake registrations succeed |
 | transformers_config_reregistered | SGLang (0.5.17) registers its own configs for model types that transformers >= 5.13 already has: ``ValueError: 'qwen3_asr' is already used by a Transformers config`` | ``transformers.AutoConfig.register`` called by ``sglang.srt.configs`` | a model type transformers already maps is re-registered with ``exist_ok=True`` (SGLang's class wins, as it did with older transformers) |
-| compile_disabled_plain_functions | nothing breaks; it costs: about 40 of SGLang's functions are decorated ``@torch.compile(...)`` as its modules load, and each call builds an inductor backend wrapper (importing ``torch._inductor``), about 2 s of each SGLang process's start (the rank's engine, its scheduler, its detokenizer) although with ``TORCH_COMPILE_DISABLE=1`` dynamo runs each one eagerly | ``torch.compile`` called by SGLang's modules (``sglang``) | where ``torch.compile`` is disabled (torch's own reading of ``TORCH_COMPILE_DISABLE``), ``torch.compile`` returns a plain function as it is (the decorator form too); modules and anything else still go to torch's ``torch.compile`` |
+
+One fix saves start-up time rather than mending a failure, in the terms of the table:
+
+- **compile_disabled_plain_functions** (before ``sglang``). Nothing breaks; it costs: some 40 of
+  SGLang's functions are decorated ``@torch.compile(...)`` as its modules load, and each call builds an
+  inductor backend wrapper (importing ``torch._inductor``): about 2 s of each SGLang process's start
+  (the rank's engine, its scheduler, its detokenizer), although with ``TORCH_COMPILE_DISABLE=1`` dynamo
+  runs each one eagerly. How: where ``torch.compile`` is disabled (torch's own reading of
+  ``TORCH_COMPILE_DISABLE``), ``torch.compile`` returns a plain function as it is (the decorator form
+  too); modules and anything else still go to torch's.
 
 The fixes of SGLang's intel_amx CPU path (``rollout/sglang/cpu_path.py``), in the same terms:
 
