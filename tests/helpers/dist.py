@@ -21,11 +21,13 @@ from __future__ import annotations
 import contextlib
 import os
 import pickle
+import random
 import signal
 import socket
 import subprocess
 import sys
 import tempfile
+import time
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -42,9 +44,32 @@ LOG_TAIL_LINES = 60
 _ENTRY_MODULE = "tests.helpers.dist_entry"
 
 
+_PORTS = random.Random(os.getpid() ^ time.time_ns())
+_LOWEST_PORT = 20000
+
+
+def _ephemeral_low() -> int:
+    """The first port of the kernel's ephemeral range (``ip_local_port_range``; Linux's default 32768)."""
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    return 32768
+
+
 def free_port() -> int:
-    """A TCP port that was free a moment ago (the OS picks it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+    """A TCP port free a moment ago, for a job to listen on. Below the kernel's ephemeral range, so no
+    outgoing connection (gloo's pairs, an engine's sockets) is given it before the job binds it (seen:
+    torchrun's store failing with EADDRINUSE on a port the OS had picked), and in this pytest-xdist
+    worker's own slice of the ports below it, so two workers never pick the same one."""
+    low = _ephemeral_low()
+    workers = max(1, int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
+    worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw") or 0) % workers
+    span = (low - _LOWEST_PORT) // workers
+    for _ in range(100) if span > 100 else ():
+        port = _LOWEST_PORT + worker * span + _PORTS.randrange(span)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s, contextlib.suppress(OSError):
+            s.bind(("127.0.0.1", port))
+            return port
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:  # no room below: the OS picks one
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
