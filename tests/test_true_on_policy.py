@@ -14,7 +14,15 @@ import torch.nn.functional as F
 from grpo_megatron.config import load_config
 from grpo_megatron.config.job import ConfigError
 from grpo_megatron.config.validation import validate
-from grpo_megatron.models.batch_invariant import ROW_TILE, BatchInvariantMode, key_width, tiled_rows_mm
+from grpo_megatron.models.batch_invariant import (
+    ITEM_TILE,
+    ROW_TILE,
+    BatchInvariantMode,
+    aligned_attention,
+    key_width,
+    tiled_items_bmm,
+    tiled_rows_mm,
+)
 from tests.helpers.dist import run_distributed
 from tests.helpers.runs import DEMO, SMALL, finish, launch
 
@@ -36,6 +44,28 @@ def test_products_under_the_mode_do_not_depend_on_the_batch() -> None:
     assert all(torch.equal(batched[0], b) for b in batched[1:])
     assert torch.equal(tiled_rows_mm(x[:5], w.t()), tiled_rows_mm(x, w.t())[:5])
     assert key_width(22) == 32 and key_width(16) == 16 and ROW_TILE == 16
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_attention_of_a_token_does_not_depend_on_its_segments_length_or_neighbours(dtype) -> None:
+    """``aligned_attention`` of 150 packed segments (grouped-query, 8 heads over 2): each segment's
+    prefixes attended alone equal the packed result at those positions, bitwise (a decode step's
+    prefix against the trainer's whole response beside others); a batched product's item equals it
+    computed in another batch at another place."""
+    gen = torch.Generator().manual_seed(0)
+    lengths = torch.randint(1, 33, (150,), generator=gen).tolist()
+    bounds = [0, *torch.tensor(lengths).cumsum(0).tolist()]
+    q, k, v = (torch.randn(bounds[-1], h, 32, generator=gen).to(dtype) for h in (8, 2, 2))
+    packed = aligned_attention(q, k, v, bounds, scale=0.17, key_length=32)
+    for i in range(0, 150, 7):
+        start, end = bounds[i], bounds[i + 1]
+        for n in {1, (end - start + 1) // 2, end - start}:
+            s = slice(start, start + n)
+            alone = aligned_attention(q[s], k[s], v[s], [0, n], scale=0.17, key_length=32)
+            assert torch.equal(alone, packed[s]), (i, n)
+    a, b = torch.randn(40, 64, 32, generator=gen), torch.randn(40, 32, 32, generator=gen)
+    assert torch.equal(tiled_items_bmm(a, b, ITEM_TILE)[3:4], tiled_items_bmm(a[3:4], b[3:4], ITEM_TILE))
+    assert torch.equal(tiled_items_bmm(a, b, ITEM_TILE)[37], tiled_items_bmm(a[30:], b[30:], ITEM_TILE)[7])
 
 
 @pytest.mark.launches

@@ -194,8 +194,11 @@ class LocalCoreAttention(MegatronModule):
             )
         s, b, h, _ = query.shape
         if self.key_length is not None:  # every row a segment of length s: right padding comes after
-            rows = [self._aligned(query[:, i], key[:, i], value[:, i], [0, s]) for i in range(b)]
-            return torch.stack(rows, dim=1).reshape(s, b, -1)
+            q_lhd, k_lhd, v_lhd = (
+                t.transpose(0, 1).reshape(b * s, *t.shape[2:]) for t in (query, key, value)
+            )
+            out_lhd = self._aligned(q_lhd, k_lhd, v_lhd, list(range(0, b * s + 1, s)))
+            return out_lhd.view(b, s, h, -1).transpose(0, 1).reshape(s, b, -1)
         groups = h // key.shape[2]
         q_bhsd, k_bhsd, v_bhsd = (t.permute(1, 2, 0, 3) for t in (query, key, value))
         if groups > 1:
@@ -220,17 +223,9 @@ class LocalCoreAttention(MegatronModule):
         from grpo_megatron.models.batch_invariant import aligned_attention
 
         assert self.key_length is not None
-        out_lhd = query_lhd.new_empty((*query_lhd.shape[:2], value_lhd.shape[2]))
-        for start, end in zip(bounds[:-1], bounds[1:], strict=True):
-            if end > start:
-                out_lhd[start:end] = aligned_attention(
-                    query_lhd[start:end],
-                    key_lhd[start:end],
-                    value_lhd[start:end],
-                    scale=self.softmax_scale,
-                    key_length=self.key_length,
-                )
-        return out_lhd
+        return aligned_attention(
+            query_lhd, key_lhd, value_lhd, bounds, scale=self.softmax_scale, key_length=self.key_length
+        )
 
 
 # The name of the MLA-only module this one grew from.
