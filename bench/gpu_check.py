@@ -26,12 +26,16 @@ order of value (``STAGES``; bench/_gpu_check_sglang.py has the first three):
    offload, peak memory; MoE route disagreement (trainer vs engine) and the mismatch probe without
    and with routing replay (``--routing-replay off,r3``) beside the bf16 noise floor. With
    ``--device cpu`` a tiny bf16 version runs the same code.
-8. ``sglang_on_policy``: the train CLI with colocated SGLang started with its on-policy switches
+8. ``true_on_policy``: the train CLI with ``rollout.true_on_policy`` (the trainer's own model generates
+   with batch-invariant numerics, issue 53), bf16, one rank, a reward that moves the weights, 3
+   iterations: every iteration's ``mismatch/logprob_abs_diff_max`` must be 0.0 and the off-policy
+   ratio exactly 1 (cuBLAS's products and the batched attention on the GPU, where the CPU's pass).
+9. ``sglang_on_policy``: the train CLI with colocated SGLang started with its on-policy switches
    (``enable_deterministic_inference``, ``rl_on_policy_target=fsdp``; issue 53 item 3): the
    ``mismatch/*`` and off-policy ratio against this trainer, beside the sglang_train stage's plain
    engine. SGLang's CPU engine refuses both switches: ``--device cpu`` runs the job without them.
-9. ``te``: tests/test_gpu.py -k transformer_engine where TransformerEngine imports.
-10. ``pytest``: tests/test_gpu.py and test_offload.py with the pytest of this Python.
+10. ``te``: tests/test_gpu.py -k transformer_engine where TransformerEngine imports.
+11. ``pytest``: tests/test_gpu.py and test_offload.py with the pytest of this Python.
 
 Every memory phase's metric is required where an engine resumes (``offload/cached_free_bytes``, 0 on
 CPU): missing, the stage fails (issue 51 item 1). ``--budget-s`` (480 s: one device call) bounds the
@@ -77,6 +81,7 @@ STAGES = (
     "smoke",
     "resume",
     "table",
+    "true_on_policy",
     "sglang_on_policy",
     "te",
     "pytest",
@@ -116,6 +121,17 @@ RESUME = [
     "logging.wandb_mode=disabled",
     "logging.progress_bar=false",
     "parallel.timeout_minutes=3",
+]
+# Train CLI settings of the true_on_policy stage, over RESUME's: the policy engine in bf16, a length
+# reward (variance from the first iteration, so every update moves the weights), no offload or saves.
+TRUE_ON_POLICY = [
+    "rollout.true_on_policy=true",
+    "model.dtype=bfloat16",
+    "train.iterations=3",
+    "train.offload_trainer=false",
+    "checkpoint.save_interval=0",
+    "train.lr=1e-3",
+    "reward.components=[{name: len, function: length, kwargs: {target_chars: 6}}]",
 ]
 # Keys not compared between the resumed and the uninterrupted run: wall times (as tests/test_train.py),
 # every "*seconds" key (offload/seconds ...), and the allocator's view of device memory left
@@ -321,6 +337,37 @@ def stage_resume(args: argparse.Namespace, out: Path, stage: Stage) -> None:
             else f"DIFFER in {differing[:8]}"
         )
     )
+
+
+def true_on_policy_verdict(records: list[dict[str, Any]]) -> tuple[bool, str]:
+    """(every training iteration exact, a summary): ``mismatch/logprob_abs_diff_max`` 0.0 and
+    ``off_policy/ratio_min`` = ``ratio_max`` = 1.0 in each (iteration 0 is the evaluation)."""
+    trained = [r for r in records if r.get("iteration", 0) > 0]
+    keys = ("mismatch/logprob_abs_diff_max", "off_policy/ratio_min", "off_policy/ratio_max")
+    want = (0.0, 1.0, 1.0)
+    inexact = [r["iteration"] for r in trained if tuple(r.get(k) for k in keys) != want]
+    worst = max((r.get(keys[0]) or 0.0 for r in trained), default=float("nan"))
+    summary = f"{len(trained)} iterations, bf16: behaviour logprobs " + (
+        "equal to the trainer's bitwise in every one (ratio exactly 1)"
+        if trained and not inexact
+        else f"DIFFER in iterations {inexact} (mismatch max {worst:.3g})"
+    )
+    return bool(trained) and not inexact, summary
+
+
+def stage_true_on_policy(args: argparse.Namespace, out: Path, stage: Stage) -> None:
+    run_dir = out / "true_on_policy"
+    rc = _finish(_train(args, run_dir, TRUE_ON_POLICY), timeout_s=300)
+    metrics = run_dir / "metrics.jsonl"
+    if rc != 0 or not metrics.is_file():
+        stage.status, stage.summary = "FAILED", f"exit {rc}:\n{tail(out / 'true_on_policy.log')}"
+        return
+    records = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+    exact, stage.summary = true_on_policy_verdict(records)
+    stage.status = "ok" if exact else "FAILED"
+    stage.details = {
+        "mismatch_max": [r.get("mismatch/logprob_abs_diff_max") for r in records if r.get("iteration", 0) > 0]
+    }
 
 
 def stage_table(args: argparse.Namespace, out: Path, stage: Stage) -> None:
@@ -543,6 +590,7 @@ RUNNERS: dict[str, Callable[[argparse.Namespace, Path, Stage], None]] = {
     "pytest": stage_pytest,
     "sglang": stage_sglang,
     "sglang_on_policy": stage_sglang_on_policy,
+    "true_on_policy": stage_true_on_policy,
 }
 
 

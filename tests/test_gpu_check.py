@@ -17,6 +17,7 @@ from tests.sglang_env import ENGINE_TIMEOUT_S, require_sglang_engine
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "bench"))
 import _gpu_check_sglang as stages  # noqa: E402
+import gpu_check  # noqa: E402
 
 
 @pytest.mark.launches
@@ -156,6 +157,19 @@ def test_on_policy_stage_reports_the_worst_of_each_mismatch_and_ratio() -> None:
     got = stages.on_policy_summary(rows)
     assert got == {"mismatch/logprob_abs_diff_max": 0.02, "off_policy/ratio_min": 0.95}
     assert set(stages.ON_POLICY_SERVER_ARGS) == {"enable_deterministic_inference", "rl_on_policy_target"}
+
+
+def test_true_on_policy_stage_requires_exactness_in_every_training_iteration() -> None:
+    """The true_on_policy stage (issue 53 on a GPU): every iteration after 0 must have mismatch max 0.0
+    and the ratio exactly 1; one that differs fails it, and so does a run without training rows."""
+    exact = {"mismatch/logprob_abs_diff_max": 0.0, "off_policy/ratio_min": 1.0, "off_policy/ratio_max": 1.0}
+    rows = [{"iteration": 0}, *({"iteration": i, **exact} for i in (1, 2, 3))]
+    assert gpu_check.true_on_policy_verdict(rows)[0]
+    rows[2] = {**rows[2], "mismatch/logprob_abs_diff_max": 3e-3, "off_policy/ratio_min": 0.997}
+    ok, summary = gpu_check.true_on_policy_verdict(rows)
+    assert not ok and "iterations [2]" in summary
+    assert not gpu_check.true_on_policy_verdict([{"iteration": 0}])[0]
+    assert "true_on_policy" in gpu_check.STAGES and "true_on_policy" in gpu_check.RUNNERS
 
 
 def test_fp8_stage_rules() -> None:

@@ -129,7 +129,7 @@ def policy_generate(
         raise ValueError(
             "rollout.true_on_policy: the policy engine ends responses on stop token ids, not strings"
         )
-    generator = torch.Generator().manual_seed(0 if params.seed is None else params.seed)
+    generator = torch.Generator(device=ps.device).manual_seed(0 if params.seed is None else params.seed)
     budgets = params.budgets(len(prompts))
     rows = [_Row(i, list(p), budgets[i]) for i, p in enumerate(prompts) for _ in range(params.n)]
     stops = set(params.stop_token_ids)
