@@ -25,7 +25,7 @@ the rest of the batch. Three places do on CPU, and are replaced while the switch
   zero, whatever the segment's length (``LocalCoreAttention(key_length=...)``). Every segment of a
   pass (and every key/value head) is one item of the same shape, and the items go through batched
   products of ``ITEM_TILE`` items each (``tiled_items_bmm``): one call per 16 items, not one per
-  segment and head (a step of 128 rows of the demo: 0.5 s -> 0.03 s per layer).
+  segment and head.
 - **Tensor-parallel sums** need nothing: two ranks' partial sums add commutatively (``a + b = b + a``),
   which is why the switch allows TP and EP of at most 2 ranks (``validation.true_on_policy_errors``).
 
@@ -50,13 +50,15 @@ ROW_TILE = 16
 """Rows are padded to a multiple of this before every product (and a key width to it)."""
 
 
+def _zero_padded(x: torch.Tensor, multiple: int) -> torch.Tensor:
+    """``x`` with zeros appended along its first dimension up to a multiple of ``multiple``."""
+    pad = -x.shape[0] % multiple
+    return torch.cat([x, x.new_zeros((pad, *x.shape[1:]))]) if pad else x
+
+
 def tiled_rows_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """``a @ b`` for ``a [M, K]``, ``b [K, N]``, with ``a``'s rows padded to a multiple of ``ROW_TILE``."""
-    pad = -a.shape[0] % ROW_TILE
-    if pad:
-        a = torch.cat([a, a.new_zeros(pad, a.shape[1])])
-    out = torch.mm(a, b)
-    return out[: out.shape[0] - pad] if pad else out
+    return torch.mm(_zero_padded(a, ROW_TILE), b)[: a.shape[0]]
 
 
 def _rows_matmul(x: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -123,12 +125,8 @@ def tiled_items_bmm(a_bmk: torch.Tensor, b_bkn: torch.Tensor, items: int) -> tor
     padded with zeros): every item goes through a product of one shape, wherever it lies and
     whatever shares it (checked by ``tests/test_true_on_policy.py`` on the machine it runs on)."""
     count = a_bmk.shape[0]
-    pad = -count % items
-    if pad:
-        a_bmk = torch.cat([a_bmk, a_bmk.new_zeros((pad, *a_bmk.shape[1:]))])
-        b_bkn = torch.cat([b_bkn, b_bkn.new_zeros((pad, *b_bkn.shape[1:]))])
-    a_bmk, b_bkn = a_bmk.contiguous(), b_bkn.contiguous()
-    out = [torch.bmm(a_bmk[i : i + items], b_bkn[i : i + items]) for i in range(0, count + pad, items)]
+    a_bmk, b_bkn = (_zero_padded(t, items).contiguous() for t in (a_bmk, b_bkn))
+    out = [torch.bmm(a_bmk[i : i + items], b_bkn[i : i + items]) for i in range(0, a_bmk.shape[0], items)]
     return torch.cat(out)[:count]
 
 
@@ -136,11 +134,11 @@ def segment_index(
     bounds: list[int], key_length: int, device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(``[S, key_length]`` token index of each position of each non-empty segment of a packed
-    sequence, beyond its end the index one past the last token; ``[S, key_length]`` True where a
-    position is inside its segment)."""
+    sequence of ``bounds[-1]`` tokens, beyond its end ``bounds[-1]`` (one past the last token);
+    ``[S, key_length]`` True where a position is inside its segment)."""
     pairs = [(start, end) for start, end in zip(bounds[:-1], bounds[1:], strict=True) if end > start]
     pairs = pairs or [(0, 0)]  # no tokens: one empty segment
-    longest = max((end - start for start, end in pairs), default=0)
+    longest = max(end - start for start, end in pairs)
     if longest > key_length:
         raise ValueError(
             f"a sequence of {longest} tokens is longer than the attention key width {key_length} of "
@@ -172,12 +170,16 @@ def aligned_attention(
     items (``tiled_items_bmm``): query ``t``'s output depends on keys and values ``0..t`` of its
     segment and on ``key_length`` only, not on the segment's length or on the other segments."""
     total, heads, _ = query_lhd.shape
+    if bounds[-1] != total:  # the index past the last token must be laid_out's zero row
+        raise ValueError(f"cu_seqlens ends at {bounds[-1]}, the packed sequence has {total} tokens")
     kv_heads, width = key_lhd.shape[1], key_length
     groups = heads // kv_heads
     index_sk, inside_sk = segment_index(bounds, width, query_lhd.device)
     segments = index_sk.shape[0]
 
-    def laid_out(x_lhd: torch.Tensor) -> torch.Tensor:  # [S, width, h, d], zeros beyond each segment
+    def laid_out(
+        x_lhd: torch.Tensor,
+    ) -> torch.Tensor:  # [S, width, h, d], zeros beyond each segment (row total)
         x_lhd = x_lhd.float()
         return torch.cat([x_lhd, x_lhd.new_zeros((1, *x_lhd.shape[1:]))])[index_sk]
 
