@@ -87,16 +87,17 @@ def init_gloo(timeout_s: float = 120.0) -> tuple[int, int]:
     return dist.get_rank(), dist.get_world_size()
 
 
-def tcp_bytes_received() -> int:
-    """Bytes this process has received over its open TCP sockets, as the kernel counts them
-    (``TCP_INFO``'s ``tcpi_bytes_received``: gloo's pairs, the launcher's store): what a rank
-    received in a window is the difference of two readings (sockets closed in between drop out)."""
+def tcp_bytes_received() -> dict[str, int]:
+    """Bytes received so far on each of this process's open TCP sockets, as the kernel counts them
+    (``TCP_INFO``'s ``tcpi_bytes_received``: gloo's pairs, the launcher's store), by socket
+    (``socket:[inode]``): a reading for ``received_since``."""
     import struct
 
-    total = 0
+    reading = {}
     for fd in os.listdir("/proc/self/fd"):
         try:
-            if not os.readlink(f"/proc/self/fd/{fd}").startswith("socket:"):
+            name = os.readlink(f"/proc/self/fd/{fd}")
+            if not name.startswith("socket:"):
                 continue
             sock = socket.socket(fileno=os.dup(int(fd)))
         except OSError:
@@ -105,8 +106,16 @@ def tcp_bytes_received() -> int:
             if sock.family in (socket.AF_INET, socket.AF_INET6) and sock.type == socket.SOCK_STREAM:
                 info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 256)
                 if len(info) >= 136:  # struct tcp_info: tcpi_bytes_received is the u64 at offset 128
-                    total += struct.unpack_from("Q", info, 128)[0]
-    return total
+                    reading[name] = struct.unpack_from("Q", info, 128)[0]
+    return reading
+
+
+def received_since(start: dict[str, int]) -> int:
+    """Bytes this process received over TCP since the reading ``start``: each socket open now, less
+    what it had then (0 if opened since). A socket closed in between is not read (its bytes since
+    ``start`` are not counted; before, a sum of totals subtracted its whole history: a rank once
+    measured -8 bytes received)."""
+    return sum(now - start.get(name, 0) for name, now in tcp_bytes_received().items())
 
 
 def group_timeouts_minutes() -> dict[str, list[float]]:

@@ -261,7 +261,7 @@ def _payload_to_owners(cfg, ps, fleet, records) -> dict:
     from grpo_megatron.rollout.engine import SamplingParams
     from grpo_megatron.training.phases.advantages import build_samples, plan_update, prepare_update
     from grpo_megatron.training.phases.reward import Group
-    from tests.helpers.dist import tcp_bytes_received
+    from tests.helpers.dist import received_since, tcp_bytes_received
 
     records = records[:4]
     params = SamplingParams(n=4, temperature=1.0, max_new_tokens=24, seed=11)
@@ -276,12 +276,12 @@ def _payload_to_owners(cfg, ps, fleet, records) -> dict:
     out: dict = {}
     start = tcp_bytes_received()
     whole = grouped(fleet.generate([list(r.prompt_ids) for r in records], params))
-    out["bytes_everywhere"] = tcp_bytes_received() - start
+    out["bytes_everywhere"] = received_since(start)
     reference = build_samples(cfg.algorithm, max_new, whole)
     ref_plan = plan_update(cfg.train, cfg.algorithm, ps, reference.samples)
     start = tcp_bytes_received()
     shared = grouped(fleet.generate([list(r.prompt_ids) for r in records], params, payload="owners"))
-    out["bytes_owners_rollout"] = tcp_bytes_received() - start
+    out["bytes_owners_rollout"] = received_since(start)
     out["whole_after_rollout"] = [
         k for k, c in enumerate(c for g in shared for c in g.completions) if c.sizes is None
     ]
@@ -290,7 +290,7 @@ def _payload_to_owners(cfg, ps, fleet, records) -> dict:
     ]
     start = tcp_bytes_received()
     batch, plan = prepare_update(cfg.algorithm, cfg.train, max_new, ps, fleet, shared)
-    out["bytes_owners_delivery"] = tcp_bytes_received() - start
+    out["bytes_owners_delivery"] = received_since(start)
     out["whole_after_delivery"] = [
         k for k, c in enumerate(c for g in shared for c in g.completions) if c.sizes is None
     ]
